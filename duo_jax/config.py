@@ -1,0 +1,155 @@
+"""Model configuration: one frozen dataclass for every Llama / Mistral variant duo-jax runs.
+
+`ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json` (both the published
+`rope_theta` / `rope_scaling` keys and transformers 5's `rope_parameters`). Named configs live in the
+repository's `configs/` folder as JSON files: `{"hf_repo": ..., "config": {<config.json>}, ...}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from duo_jax.errors import ConfigError
+
+CONFIGS_DIR = Path(os.environ.get("DUO_JAX_CONFIGS", Path(__file__).resolve().parent.parent / "configs"))
+
+_SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: `linear` (position interpolation) or `llama3` (Llama 3.1's banded scaling)."""
+
+    kind: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static shape and numerics of a decoder-only Llama-family model (hashable: usable as a jit static arg)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # Mistral v0.1 style local attention; None for v0.2 / v0.3
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"config field {field} must be positive, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
+        """K and V bytes one token occupies across all layers and KV heads."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], name: str = "") -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict (Llama 2/3/3.1, Mistral, SmolLM2)."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in _SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"model_type {model_type!r} is not supported; duo-jax runs {', '.join(_SUPPORTED_ARCHITECTURES)}")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ConfigError("attention_bias / mlp_bias models are not supported (Llama and Mistral have none)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU)")
+        try:
+            num_heads = hf["num_attention_heads"]
+            hidden = hf["hidden_size"]
+            rope = _read_rope(hf)
+            eos = hf.get("eos_token_id")
+            return cls(
+                vocab_size=hf["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=hf["intermediate_size"],
+                num_layers=hf["num_hidden_layers"],
+                num_heads=num_heads,
+                num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+                head_dim=hf.get("head_dim") or hidden // num_heads,
+                rope_theta=float(rope.get("rope_theta", 10000.0)),
+                rope_scaling=_read_rope_scaling(rope),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+                max_position_embeddings=hf.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                sliding_window=hf.get("sliding_window"),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+                name=name,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
+
+
+def _read_rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """Merge transformers 5's `rope_parameters` with the classic `rope_theta` / `rope_scaling` keys."""
+    rope = dict(hf.get("rope_scaling") or {})
+    if "rope_theta" in hf:
+        rope["rope_theta"] = hf["rope_theta"]
+    rope.update(hf.get("rope_parameters") or {})
+    return rope
+
+
+def _read_rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default" or kind is None:
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
+    raise ConfigError(f"rope scaling type {kind!r} is not supported; duo-jax supports linear and llama3")
+
+
+def named_configs() -> list[str]:
+    """Names of the configs shipped in `configs/`."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
+def read_named(name: str) -> dict[str, Any]:
+    """The raw JSON entry of a named config: `hf_repo`, `config`, and optional `gguf` / `pattern`."""
+    path = CONFIGS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ConfigError(f"unknown model name {name!r}; known names: {', '.join(named_configs())} "
+                          "(or pass a path to a Hugging Face directory or a .gguf file)")
+    return json.loads(path.read_text())
+
+
+def get_config(name: str) -> ModelConfig:
+    """The `ModelConfig` of a named model, without loading any weights."""
+    return ModelConfig.from_hf(read_named(name)["config"], name=name)

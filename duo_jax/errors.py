@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+Every problem a user can fix (missing weights, a bad argument, a pattern that does not fit the model)
+raises a subclass of `DuoJaxError` whose message names the problem and the fix. The CLIs catch exactly
+this class, print its message on one line and exit with status 2.
+"""
+
+
+class DuoJaxError(Exception):
+    """A problem the user can fix; the message says how."""
+
+
+class ConfigError(DuoJaxError, ValueError):
+    """A model config that duo-jax cannot build or does not support."""
+
+
+class LoadError(DuoJaxError):
+    """Weights or tokenizer that cannot be found or do not match the config."""
+
+
+class WeightsNotFoundError(LoadError, FileNotFoundError):
+    """No weights at any place that was searched."""

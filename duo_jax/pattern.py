@@ -1,0 +1,236 @@
+"""DuoAttention patterns: one gate value (alpha) per layer and KV head, and their binarisation.
+
+A gate near 1 marks a *retrieval head* (attends to every past token), a gate near 0 a *streaming head*
+(attention sinks plus a recent window). On disk a pattern uses the original DuoAttention format, a folder with
+
+- `full_attention_heads.tsv`: one row per layer, one tab-separated gate per KV head, written by
+  `numpy.savetxt(fmt="%.18e", delimiter="\\t")`;
+- `config.json` (optional): the training arguments of the run that produced the gates.
+
+Deployment binarises the gates with one global quantile over every layer and head together
+(`Pattern.retrieval_mask`). The original keeps the heads with `alpha >= quantile(alpha, sparsity)`; duo-jax keeps
+exactly `floor((1 - sparsity) * N + 1/2)` heads with the largest gates instead. Both choose the same heads
+unless gates tie at the threshold. In that case the original keeps every tied head, while duo-jax breaks ties
+by position (earlier layer, then earlier head, wins), so the cache size depends only on the sparsity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from duo_jax import config as config_lib
+from duo_jax.errors import DuoJaxError
+
+GATES_FILE = "full_attention_heads.tsv"
+META_FILE = "config.json"
+
+
+class PatternError(DuoJaxError, ValueError):
+    """A pattern that cannot be read, does not fit the model, or a bad binarisation argument."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Pattern:
+    """Per-(layer, KV head) DuoAttention gates, float32 `[num_layers, num_kv_heads]`, clipped to [0, 1].
+
+    `gates` accepts any 2-D array-like of finite numbers (numpy, JAX, nested lists). It is copied, clipped to
+    [0, 1] (the range training clamps the gates to) and stored read-only. `meta` holds the training arguments
+    (the original's `config.json`) when known.
+    """
+
+    gates: np.ndarray
+    meta: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        try:
+            gates = np.array(self.gates, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise PatternError(f"pattern gates must be a 2-D array of numbers: {e}") from None
+        if gates.ndim != 2 or 0 in gates.shape:
+            raise PatternError(f"pattern gates must be a non-empty 2-D array [layers, kv_heads], "
+                               f"got shape {gates.shape}")
+        if not np.isfinite(gates).all():
+            layer, head = np.argwhere(~np.isfinite(gates))[0]
+            raise PatternError(f"pattern gate of layer {layer}, KV head {head} is {gates[layer, head]}; "
+                               "gates must be finite")
+        if self.meta is not None and not isinstance(self.meta, dict):
+            raise PatternError(f"pattern meta must be a dict or None, got {type(self.meta).__name__}")
+        np.clip(gates, 0.0, 1.0, out=gates)
+        gates.flags.writeable = False
+        object.__setattr__(self, "gates", gates)
+        object.__setattr__(self, "meta", None if self.meta is None else dict(self.meta))
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers (rows of `gates`)."""
+        return self.gates.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Number of KV heads per layer (columns of `gates`)."""
+        return self.gates.shape[1]
+
+    def __repr__(self) -> str:
+        return (f"Pattern({self.num_layers}x{self.num_kv_heads}, mean gate {self.gates.mean():.3f}, "
+                f"{(self.gates > 0.5).mean():.0%} of gates > 0.5)")
+
+    @classmethod
+    def full(cls, num_layers: int, num_kv_heads: int) -> "Pattern":
+        """Every gate 1.0: every head is a retrieval head (plain full attention)."""
+        return cls(np.ones((num_layers, num_kv_heads), dtype=np.float32))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Pattern":
+        """Read a pattern folder (`full_attention_heads.tsv` plus optional `config.json`) or the TSV file itself.
+
+        Given the TSV file, a `config.json` beside it is read as `meta`. Gates are clipped to [0, 1]: the
+        published files hold values such as -2e-4.
+        """
+        path = Path(path)
+        if path.is_dir():
+            tsv = path / GATES_FILE
+            if not tsv.is_file():
+                raise PatternError(f"pattern folder {path} holds no {GATES_FILE}")
+        elif path.is_file():
+            tsv = path
+        else:
+            raise PatternError(f"pattern path {path} does not exist; pass a folder holding {GATES_FILE} "
+                               "or the TSV file itself")
+        return cls(_read_gates(tsv), _read_meta(tsv.parent / META_FILE))
+
+    @classmethod
+    def for_model(cls, name: str) -> "Pattern | None":
+        """The default pattern of a named model, checked against its config; None when it names none.
+
+        `configs/<name>.json` names its pattern with `"pattern": "patterns/<name>"`, relative to the configs folder.
+        """
+        relative = config_lib.read_named(name).get("pattern")
+        if relative is None:
+            return None
+        pattern = cls.load(config_lib.CONFIGS_DIR / relative)
+        pattern.validate(config_lib.get_config(name))
+        return pattern
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the original format into `directory` (created if needed) and return it.
+
+        Writes `full_attention_heads.tsv` (`%.18e`, tab-separated; float32 gates load back bit-identical) and,
+        when `meta` is set, `config.json`.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        np.savetxt(directory / GATES_FILE, self.gates, fmt="%.18e", delimiter="\t")
+        if self.meta is not None:
+            (directory / META_FILE).write_text(json.dumps(self.meta, indent=2) + "\n")
+        return directory
+
+    def validate(self, config: config_lib.ModelConfig) -> None:
+        """Raise PatternError unless the pattern has one gate per layer and KV head of `config`."""
+        if self.gates.shape != (config.num_layers, config.num_kv_heads):
+            raise PatternError(
+                f"pattern has shape {self.num_layers}x{self.num_kv_heads} (layers x kv_heads) but model "
+                f"{config.name or '(unnamed)'!r} has {config.num_layers}x{config.num_kv_heads}")
+
+    def retrieval_mask(self, sparsity: float) -> np.ndarray:
+        """Binarise: bool `[num_layers, num_kv_heads]`, True for retrieval heads, False for streaming heads.
+
+        `sparsity` is the fraction of streaming heads, in [0, 1]. Exactly
+        `n = floor((1 - sparsity) * N + 1/2)` of the N heads are retrieval heads (halves round up). The count
+        is computed in exact rational arithmetic on the shortest decimal form of `sparsity` (0.55 is read as
+        11/20), so float error cannot flip it. The n heads with the largest gates are chosen; ties go to the
+        earlier layer, then the earlier head (a stable sort on -gate in row-major order).
+        """
+        exact = _exact_sparsity(sparsity)
+        n_retrieval = math.floor((1 - exact) * self.gates.size + Fraction(1, 2))
+        order = np.argsort(-self.gates, axis=None, kind="stable")
+        mask = np.zeros(self.gates.size, dtype=bool)
+        mask[order[:n_retrieval]] = True
+        return mask.reshape(self.gates.shape)
+
+    def heatmap(self, path: str | Path, title: str | None = None) -> Path:
+        """Write a PNG heatmap of the gates (layers on y, KV heads on x, viridis, colorbar) and return its path."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure = Figure(figsize=(min(16.0, 3.0 + 0.35 * self.num_kv_heads), min(16.0, 2.0 + 0.2 * self.num_layers)))
+        FigureCanvasAgg(figure)
+        axes = figure.add_subplot()
+        image = axes.imshow(self.gates, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+        figure.colorbar(image, ax=axes, label="gate (alpha)")
+        axes.set_xlabel("KV head")
+        axes.set_ylabel("layer")
+        axes.set_title(title if title is not None else repr(self))
+        figure.savefig(path, format="png", dpi=100, bbox_inches="tight")
+        return path
+
+
+def _read_gates(tsv: Path) -> np.ndarray:
+    """Parse a `full_attention_heads.tsv`: one row per layer, one float per KV head, every row the same length."""
+    try:
+        lines = tsv.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PatternError(f"cannot read pattern file {tsv}: {e}") from None
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise PatternError(f"pattern file {tsv} is empty; expected one row of tab-separated gates per layer")
+    rows: list[list[float]] = []
+    for line_no, line in enumerate(lines, start=1):
+        fields = line.split()
+        if not fields:
+            raise PatternError(f"pattern file {tsv}, line {line_no}: empty line; expected one row per layer")
+        row = []
+        for column, field in enumerate(fields, start=1):
+            try:
+                value = float(field)
+            except ValueError:
+                raise PatternError(
+                    f"pattern file {tsv}, line {line_no}, column {column}: {field!r} is not a number") from None
+            if not math.isfinite(value):
+                raise PatternError(f"pattern file {tsv}, line {line_no}, column {column}: gate {field} is not finite")
+            row.append(value)
+        if rows and len(row) != len(rows[0]):
+            raise PatternError(
+                f"pattern file {tsv}, line {line_no}: ragged rows, {len(row)} gates but line 1 has {len(rows[0])}; "
+                "every layer needs one gate per KV head")
+        rows.append(row)
+    return np.array(rows, dtype=np.float32)
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    """The training arguments in `config.json` beside the gates, or None when there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PatternError(f"cannot read pattern metadata {path}: {e}") from None
+    if not isinstance(meta, dict):
+        raise PatternError(f"pattern metadata {path} must hold a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def _exact_sparsity(sparsity: Any) -> Fraction:
+    """`sparsity` as an exact fraction of its shortest decimal form; PatternError unless it is a number in [0, 1]."""
+    allowed = "sparsity (the fraction of streaming heads) must be a number in [0, 1]"
+    value = np.asarray(sparsity)
+    if isinstance(sparsity, (bool, np.bool_)) or value.ndim != 0 or value.dtype.kind not in "iuf":
+        raise PatternError(f"{allowed}, got {sparsity!r}")
+    if value.dtype.kind == "f":
+        if not np.isfinite(value):
+            raise PatternError(f"{allowed}, got {sparsity!r}")
+        exact = Fraction(np.format_float_positional(value[()], unique=True, trim="-"))
+    else:
+        exact = Fraction(int(value))
+    if not 0 <= exact <= 1:
+        raise PatternError(f"{allowed}, got {sparsity!r}")
+    return exact

@@ -1,0 +1,87 @@
+"""Tokenizers: a thin wrapper over Hugging Face `tokenizers`, built from `tokenizer.json` or GGUF metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from duo_jax.errors import LoadError
+
+# llama.cpp's pre-tokenizer names (GGUF `tokenizer.ggml.pre`) -> the split regex its vocabulary was
+# trained with. Any other name falls back to GPT-2's byte-level regex.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
+
+
+class Tokenizer:
+    """Text <-> token ids. `encode` adds BOS only when the model's tokenizer is configured to."""
+
+    def __init__(self, backend, *, bos_id: int | None, eos_ids: Sequence[int], add_bos: bool):
+        self.backend = backend  # a `tokenizers.Tokenizer`
+        self.bos_id = bos_id
+        self.eos_ids = tuple(eos_ids)
+        self.add_bos = add_bos
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @classmethod
+    def from_file(cls, path: Path, *, bos_id: int | None, eos_ids: Sequence[int]) -> "Tokenizer":
+        """A `tokenizer.json`; BOS is added when its post-processor adds it (Llama) and not otherwise."""
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_file(str(path))
+        probe = backend.encode("a", add_special_tokens=True).ids
+        add_bos = bos_id is not None and len(probe) > 0 and probe[0] == bos_id
+        return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos)
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict) -> "Tokenizer | None":
+        """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) from GGUF metadata; None for other kinds."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as Backend
+
+        if fields.get("tokenizer.ggml.model") != "gpt2":
+            return None
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        pre = fields.get("tokenizer.ggml.pre", "gpt2")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
+        if pre in _SPLITS:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])
+        elif pre == "smollm":  # SmolLM's tokenizer.json: every digit its own token, then GPT-2 splitting
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens (type 3) are matched whole and skipped on decode, as in the original tokenizer.
+        token_types = fields.get("tokenizer.ggml.token_type", [])
+        specials = [AddedToken(tokens[i], special=True, normalized=False)
+                    for i, kind in enumerate(token_types) if kind == 3]
+        backend.add_special_tokens(specials)
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+                   eos_ids=() if eos is None else (eos,),
+                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
+
+
+def require(tokenizer: Tokenizer | None, what: str) -> Tokenizer:
+    """The tokenizer, or a clear error when the model was loaded without one."""
+    if tokenizer is None:
+        raise LoadError(f"{what} needs a tokenizer, but this model has none (no tokenizer.json next to the "
+                        "weights, or a GGUF tokenizer kind duo-jax cannot build); pass token ids instead")
+    return tokenizer

@@ -1,0 +1,74 @@
+import pytest
+
+from duo_jax.config import ModelConfig, RopeScaling, get_config, named_configs
+from duo_jax.errors import ConfigError
+
+REQUIRED = {"smollm2-135m", "llama3-8b", "llama3.1-8b", "llama3-8b-1048k", "llama2-7b-32k",
+            "mistral-7b-v0.2", "mistral-7b-v0.3"}
+
+LLAMA31 = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+               rms_norm_eps=1e-5, eos_token_id=[128001, 128009])
+LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def test_all_named_configs_build():
+    assert REQUIRED <= set(named_configs())
+    for name in named_configs():
+        config = get_config(name)
+        assert config.name == name
+        assert config.num_heads % config.num_kv_heads == 0
+
+
+def test_named_config_values():
+    smol = get_config("smollm2-135m")
+    assert (smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim) == (30, 9, 3, 64)
+    assert smol.tie_word_embeddings and smol.max_position_embeddings == 8192
+    llama31 = get_config("llama3.1-8b")
+    assert llama31.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert get_config("llama2-7b-32k").num_kv_heads == 32  # MHA
+    assert get_config("llama2-7b-32k").rope_scaling == RopeScaling("linear", 8.0)
+    assert get_config("mistral-7b-v0.2").sliding_window is None
+    assert get_config("mistral-7b-v0.3").vocab_size == 32768
+
+
+@pytest.mark.parametrize("layout", ["classic", "transformers5"])
+def test_rope_keys_in_both_layouts(layout):
+    if layout == "classic":
+        hf = {**LLAMA31, "rope_theta": 500000.0, "rope_scaling": {**LLAMA3_SCALING, "rope_type": "llama3"}}
+    else:
+        hf = {**LLAMA31, "rope_parameters": {**LLAMA3_SCALING, "rope_type": "llama3", "rope_theta": 500000.0}}
+    config = ModelConfig.from_hf(hf)
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert config.head_dim == 128 and config.eos_token_ids == (128001, 128009)
+
+
+def test_default_rope_parameters_mean_no_scaling():
+    config = ModelConfig.from_hf({**LLAMA31, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert config.rope_scaling is None and config.rope_theta == 1e6
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gpt2"}, "not supported"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"num_key_value_heads": 5}, "multiple of num_kv_heads"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "silu"),
+])
+def test_unsupported_configs_raise_clear_errors(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**LLAMA31, **change})
+
+
+def test_missing_key_is_named():
+    hf = dict(LLAMA31)
+    del hf["hidden_size"]
+    with pytest.raises(ConfigError, match="hidden_size"):
+        ModelConfig.from_hf(hf)
+
+
+def test_unknown_name_lists_known_names():
+    with pytest.raises(ConfigError, match="llama3-8b"):
+        get_config("llama-9000")

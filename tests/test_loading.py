@@ -1,0 +1,150 @@
+"""Loader paths and loader errors: every failure names the problem and the fix."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+import duo_jax
+from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
+from duo_jax.loading import find_weights, safetensors_tensors
+from tests.test_model import HF_CASES, write_random_hf_model
+
+CASE = HF_CASES["llama-gqa-llama3-rope-untied"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf")
+    write_random_hf_model(directory, *CASE)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sharded")
+    write_random_hf_model(directory, *CASE, max_shard_size="40KB")
+    return directory
+
+
+def test_missing_directory():
+    with pytest.raises(WeightsNotFoundError, match="no such file or directory"):
+        duo_jax.load("/nonexistent/model-dir")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(WeightsNotFoundError, match="no config.json"):
+        duo_jax.load(tmp_path)
+
+
+def test_directory_without_weights(tmp_path, hf_dir):
+    shutil.copy(hf_dir / "config.json", tmp_path)
+    with pytest.raises(WeightsNotFoundError, match="model.safetensors"):
+        duo_jax.load(tmp_path)
+
+
+def test_missing_shard(tmp_path, sharded_dir):
+    shutil.copytree(sharded_dir, tmp_path / "m")
+    shard = sorted((tmp_path / "m").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(LoadError, match=f"shard {shard.name} .* is missing"):
+        duo_jax.load(tmp_path / "m")
+
+
+def test_config_weights_shape_mismatch(tmp_path, hf_dir):
+    shutil.copytree(hf_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["intermediate_size"] = 96  # the checkpoint was written with 112
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=r"mlp\.(gate|up|down)_proj.*has shape .* but the config expects"):
+        duo_jax.load(tmp_path / "m")
+
+
+def test_config_with_fewer_layers_than_weights(tmp_path, hf_dir):
+    shutil.copytree(hf_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match="beyond the config's 1 layers"):
+        duo_jax.load(tmp_path / "m")
+
+
+def test_missing_tensor_is_named(tmp_path, hf_dir):
+    from safetensors.numpy import save_file
+
+    shutil.copy(hf_dir / "config.json", tmp_path)
+    tensors = {n: np.array(w) for n, w in safetensors_tensors(hf_dir / "model.safetensors")
+               if n != "model.layers.1.mlp.up_proj.weight"}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(LoadError, match=r"missing, e\.g\. model\.layers\.1\.mlp\.up_proj\.weight"):
+        duo_jax.load(tmp_path)
+
+
+def test_unknown_name():
+    with pytest.raises(ConfigError, match="unknown model name 'llama-9000'.*smollm2-135m"):
+        duo_jax.load("llama-9000")
+
+
+def test_named_model_without_weights_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("DUO_JAX_MODELS", str(tmp_path / "models"))
+    with pytest.raises(WeightsNotFoundError) as err:
+        duo_jax.load("llama3-8b")
+    message = str(err.value)
+    assert "meta-llama/Meta-Llama-3-8B-Instruct" in message
+    assert str(tmp_path / "models" / "llama3-8b") in message
+    assert "models--meta-llama--Meta-Llama-3-8B-Instruct" in message
+    assert "DUO_JAX_MODELS" in message
+
+
+def test_named_model_from_env_dir(tmp_path, monkeypatch, hf_dir):
+    shutil.copytree(hf_dir, tmp_path / "models" / "llama3-8b")
+    monkeypatch.setenv("DUO_JAX_MODELS", str(tmp_path / "models"))
+    assert find_weights("llama3-8b") == tmp_path / "models" / "llama3-8b"
+
+
+def test_named_model_from_hf_cache(tmp_path, monkeypatch, hf_dir):
+    repo = tmp_path / "hub" / "models--meta-llama--Meta-Llama-3-8B-Instruct"
+    shutil.copytree(hf_dir, repo / "snapshots" / "abc123")
+    (repo / "snapshots" / "old000").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.delenv("DUO_JAX_MODELS", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = duo_jax.load("llama3-8b", dtype=jnp.float32)
+    assert model.source == str(repo / "snapshots" / "abc123")
+    assert model.config.name == "llama3-8b" and model.config.num_layers == 2
+
+
+def test_explicit_path_for_a_named_model(hf_dir):
+    model = duo_jax.load("llama3.1-8b", dtype=jnp.float32, path=hf_dir)
+    assert model.config.name == "llama3.1-8b" and model.config.hidden_size == 64
+
+
+def test_tokenizer_json_is_loaded_and_missing_tokenizer_is_none(tmp_path, hf_dir):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    assert duo_jax.load(hf_dir, dtype=jnp.float32).tokenizer is None
+    shutil.copytree(hf_dir, tmp_path / "m")
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5, "world": 6}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "m" / "tokenizer.json"))
+    tokenizer = duo_jax.load(tmp_path / "m", dtype=jnp.float32).tokenizer
+    assert tokenizer.encode("hello world") == [5, 6]
+
+
+def test_text_api_without_tokenizer_is_a_clear_error():
+    from duo_jax.tokenizer import require
+
+    with pytest.raises(LoadError, match="needs a tokenizer.*pass token ids"):
+        require(None, "generating from text")
+
+
+def test_non_llama_checkpoint_is_rejected(tmp_path):
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
+        duo_jax.load(tmp_path)

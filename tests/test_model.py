@@ -1,0 +1,134 @@
+"""The dense model against Hugging Face transformers (PyTorch) on random tiny checkpoints, fp32."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import duo_jax
+from duo_jax.model import dense_attention, greedy_reference, rope_inv_freq
+from tests.conftest import tiny_config
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=2, max_position_embeddings=256,
+            rms_norm_eps=1e-5)
+
+HF_CASES = {
+    "llama-gqa-llama3-rope-untied": (transformers.LlamaConfig, dict(
+        TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32})),
+    "llama-mha-tied": (transformers.LlamaConfig, dict(
+        TINY, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0)),
+    "llama-linear-rope": (transformers.LlamaConfig, dict(
+        TINY, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "mistral": (transformers.MistralConfig, dict(
+        TINY, num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=None,
+        tie_word_embeddings=False, rope_theta=1e6)),
+}
+
+
+def write_random_hf_model(directory, config_cls, fields, seed=0, **save_kwargs):
+    """A random transformers model saved with `save_pretrained` (safetensors); returns the torch model."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**fields), dtype=torch.float32)
+    with torch.no_grad():  # default init has unit norm weights and tiny projections: make every weight matter
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_logits_match_transformers(case, tmp_path):
+    config_cls, fields = HF_CASES[case]
+    hf_model = write_random_hf_model(tmp_path, config_cls, fields)
+    model = duo_jax.load(tmp_path, dtype=jnp.float32)
+    tokens = np.random.default_rng(1).integers(0, fields["vocab_size"], (2, 80)).astype(np.int32)
+    ours = np.asarray(duo_jax.forward(model.params, model.config, jnp.asarray(tokens)))
+    ref = hf_logits(hf_model, tokens)
+    assert ours.dtype == np.float32 and ours.shape == ref.shape
+    assert np.abs(ref).max() > 1.0  # the comparison is not between two near-zero tensors
+    np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path):
+    config_cls, fields = HF_CASES["llama-gqa-llama3-rope-untied"]
+    write_random_hf_model(tmp_path / "one", config_cls, fields)
+    write_random_hf_model(tmp_path / "sharded", config_cls, fields, max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    one = duo_jax.load(tmp_path / "one", dtype=jnp.float32).params
+    sharded = duo_jax.load(tmp_path / "sharded", dtype=jnp.float32).params
+    jax.tree.map(np.testing.assert_array_equal, one, sharded)
+
+
+def test_bf16_params_compute_in_bf16_with_fp32_logits(tmp_path):
+    config_cls, fields = HF_CASES["llama-mha-tied"]
+    hf_model = write_random_hf_model(tmp_path, config_cls, fields)
+    model = duo_jax.load(tmp_path)  # default dtype bf16
+    assert model.params.layers.wq.dtype == jnp.bfloat16
+    tokens = np.arange(40, dtype=np.int32)[None] % fields["vocab_size"]
+    logits = duo_jax.forward(model.params, model.config, jnp.asarray(tokens))
+    assert logits.dtype == jnp.float32
+    ref = hf_logits(hf_model, tokens)
+    # bf16 weights and activations (8-bit mantissa): close to the fp32 model, far from random.
+    assert np.abs(np.asarray(logits) - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_llama3_rope_frequencies_match_transformers():
+    config_cls, fields = HF_CASES["llama-gqa-llama3-rope-untied"]
+    hf_config = config_cls(**fields)
+    rope = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"]
+    expected, _ = rope(hf_config, "cpu")
+    config = duo_jax.ModelConfig.from_hf(hf_config.to_dict())
+    np.testing.assert_allclose(rope_inv_freq(config), expected.numpy(), rtol=1e-6)
+
+
+def test_dense_attention_matches_float64_numpy():
+    rng = np.random.default_rng(0)
+    B, T, S, H, K, E = 2, 5, 7, 6, 3, 8
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, H, E), (B, S, K, E), (B, S, K, E)))
+    mask = rng.random((B, K, T, S)) < 0.6
+    mask[0, 1, 2] = False  # a query that sees nothing returns zeros
+    out = np.asarray(dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)))
+    ref = np.zeros((B, T, H, E))
+    for b, h, t in np.ndindex(B, H, T):
+        kv = h // (H // K)
+        seen = mask[b, kv, t]
+        if not seen.any():
+            continue
+        s = k[b, seen, kv].astype(np.float64) @ q[b, t, h].astype(np.float64) / math.sqrt(E)
+        p = np.exp(s - s.max())
+        ref[b, t, h] = (p / p.sum()) @ v[b, seen, kv]
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_greedy_reference_matches_transformers_generate(tmp_path):
+    config_cls, fields = HF_CASES["llama-gqa-llama3-rope-untied"]
+    hf_model = write_random_hf_model(tmp_path, config_cls, fields)
+    model = duo_jax.load(tmp_path, dtype=jnp.float32)
+    prompt = [5, 17, 99, 3, 64, 20, 7]
+    with torch.no_grad():
+        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                               pad_token_id=0)
+    assert greedy_reference(model.params, model.config, prompt, 12) == hf[0, len(prompt):].tolist()
+
+
+def test_init_params_shapes_and_sliding_window():
+    config = tiny_config(sliding_window=4)
+    params = duo_jax.init_params(config, jax.random.key(0))
+    tokens = jnp.asarray(np.arange(12, dtype=np.int32)[None])
+    full = duo_jax.forward(params, tiny_config(), tokens)
+    windowed = duo_jax.forward(params, config, tokens)
+    np.testing.assert_allclose(windowed[:, :4], full[:, :4], atol=1e-6)  # identical inside the window
+    assert np.abs(np.asarray(windowed[:, 8:] - full[:, 8:])).max() > 1e-4  # different beyond it

@@ -1,0 +1,212 @@
+"""Tests of duo_jax.pattern: reading the published DuoAttention patterns, binarisation, save / load, errors."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from duo_jax.config import CONFIGS_DIR, get_config
+from duo_jax.errors import DuoJaxError
+from duo_jax.pattern import Pattern, PatternError
+
+REFERENCE = Path("/work/shared/reference/duo_attention_patterns")
+PUBLISHED = {
+    "Llama-2-7B-32K-Instruct": (32, 32),
+    "Llama-3-8B-Instruct-Gradient-1048k": (32, 8),
+    "Llama-3-8B-Instruct-Gradient-4194k": (32, 8),
+    "Meta-Llama-3.1-8B-Instruct": (32, 8),
+    "Mistral-7B-Instruct-v0.2": (32, 8),
+    "Mistral-7B-Instruct-v0.3": (32, 8),
+}
+SHIPPED = ["llama2-7b-32k", "llama3-8b", "llama3-8b-1048k", "llama3.1-8b", "mistral-7b-v0.2", "mistral-7b-v0.3"]
+
+
+def published_dir(model: str) -> Path:
+    """A published pattern folder: the shared reference copy, else the one shipped in configs/patterns/."""
+    if (REFERENCE / model).is_dir():
+        return REFERENCE / model
+    shipped = {"Llama-2-7B-32K-Instruct": "llama2-7b-32k", "Llama-3-8B-Instruct-Gradient-1048k": "llama3-8b-1048k",
+               "Meta-Llama-3.1-8B-Instruct": "llama3.1-8b", "Mistral-7B-Instruct-v0.2": "mistral-7b-v0.2",
+               "Mistral-7B-Instruct-v0.3": "mistral-7b-v0.3"}
+    if model not in shipped:
+        pytest.skip(f"reference pattern {model} is not available")
+    return CONFIGS_DIR / "patterns" / shipped[model]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    """Write `text` as the pattern TSV in `tmp_path` and return its path."""
+    path = tmp_path / "full_attention_heads.tsv"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED))
+def test_published_patterns_load(model):
+    folder = published_dir(model)
+    pattern = Pattern.load(folder)
+    assert pattern.gates.shape == PUBLISHED[model]
+    assert (pattern.num_layers, pattern.num_kv_heads) == PUBLISHED[model]
+    assert pattern.gates.dtype == np.float32
+    assert pattern.gates.min() >= 0.0 and pattern.gates.max() <= 1.0
+    assert pattern.meta is not None and pattern.meta["reg_weight"] == 0.05
+    raw = np.loadtxt(folder / "full_attention_heads.tsv", delimiter="\t", dtype=np.float32)
+    np.testing.assert_array_equal(pattern.gates, np.clip(raw, 0.0, 1.0))
+    # The TSV path itself loads the same gates.
+    np.testing.assert_array_equal(Pattern.load(folder / "full_attention_heads.tsv").gates, pattern.gates)
+
+
+def test_gates_are_read_only():
+    pattern = Pattern.full(2, 2)
+    with pytest.raises(ValueError):
+        pattern.gates[0, 0] = 0.5
+
+
+def test_constructor_clips_and_validates():
+    pattern = Pattern([[-0.25, 0.5], [1.5, 1.0]])
+    np.testing.assert_array_equal(pattern.gates, np.array([[0.0, 0.5], [1.0, 1.0]], dtype=np.float32))
+    for bad in ([1.0, 0.5], [[[1.0]]], np.zeros((0, 8)), [[1.0, np.nan]], [[np.inf]], [["a", "b"]]):
+        with pytest.raises(PatternError):
+            Pattern(bad)
+    assert issubclass(PatternError, DuoJaxError) and issubclass(PatternError, ValueError)
+
+
+def test_llama3_half_sparsity_keeps_the_128_largest_gates():
+    pattern = Pattern.load(published_dir("Llama-3-8B-Instruct-Gradient-1048k"))
+    mask = pattern.retrieval_mask(0.5)
+    assert mask.shape == (32, 8) and mask.dtype == bool
+    assert mask.sum() == 128
+    # Independent computation: stable argsort of -gate over the flattened (layer, head) order.
+    flat = pattern.gates.ravel()
+    expected = np.zeros(flat.size, dtype=bool)
+    expected[np.argsort(-flat.astype(np.float64), kind="mergesort")[:128]] = True
+    np.testing.assert_array_equal(mask.ravel(), expected)
+    assert flat[mask.ravel()].min() >= flat[~mask.ravel()].max()
+
+
+@pytest.mark.parametrize("shape", [(32, 8), (32, 32), (30, 3), (1, 1), (7, 5), (3, 1)])
+@pytest.mark.parametrize("sparsity", [0, 0.0, 0.25, 0.5, 0.75, 1, 1.0])
+def test_retrieval_count(shape, sparsity):
+    gates = np.random.default_rng(0).uniform(size=shape)
+    mask = Pattern(gates).retrieval_mask(sparsity)
+    total = shape[0] * shape[1]
+    assert mask.sum() == int(np.floor((1 - sparsity) * total + 0.5))
+    if sparsity == 0:
+        assert mask.all()
+    if sparsity == 1:
+        assert not mask.any()
+
+
+def test_retrieval_count_rounding():
+    pattern = Pattern(np.random.default_rng(1).uniform(size=(30, 3)))
+    assert pattern.retrieval_mask(0.25).sum() == 68  # 67.5 rounds half up
+    assert pattern.retrieval_mask(0.75).sum() == 23  # 22.5 rounds half up
+    assert pattern.retrieval_mask(0.5).sum() == 45
+    # (1 - 0.55) * 10 is 4.4999999999999996 in float64; the exact value 4.5 rounds up to 5.
+    assert Pattern(np.ones((2, 5))).retrieval_mask(0.55).sum() == 5
+    assert Pattern(np.ones((2, 5))).retrieval_mask(np.float32(0.55)).sum() == 5
+    assert Pattern(np.ones((16, 16))).retrieval_mask(0.5).sum() == 128
+
+
+def test_ties_are_broken_by_position():
+    pattern = Pattern(np.full((4, 3), 0.5))
+    mask = pattern.retrieval_mask(0.5)
+    np.testing.assert_array_equal(mask, np.array([[1, 1, 1], [1, 1, 1], [0, 0, 0], [0, 0, 0]], dtype=bool))
+    np.testing.assert_array_equal(mask, pattern.retrieval_mask(0.5))
+    gates = np.array([[0.9, 0.2, 0.2], [0.2, 0.9, 0.1]])
+    np.testing.assert_array_equal(Pattern(gates).retrieval_mask(0.5),
+                                  np.array([[1, 1, 0], [0, 1, 0]], dtype=bool))
+
+
+@pytest.mark.parametrize("sparsity", [-0.1, 1.5, float("nan"), float("inf"), "0.5", None, True, [0.5]])
+def test_bad_sparsity(sparsity):
+    with pytest.raises(PatternError, match=r"\[0, 1\]"):
+        Pattern.full(2, 2).retrieval_mask(sparsity)
+
+
+def test_save_load_round_trip_is_bit_identical(tmp_path):
+    gates = np.random.default_rng(2).uniform(size=(30, 3)).astype(np.float32)
+    gates[0, 0], gates[1, 1] = 0.0, 1.0
+    meta = {"lr": 0.02, "sink_size": 128}
+    pattern = Pattern(gates, meta=meta)
+    loaded = Pattern.load(pattern.save(tmp_path / "new" / "pattern"))
+    assert loaded.gates.tobytes() == gates.tobytes()
+    assert loaded.meta == meta
+    assert Pattern.load(Pattern(gates).save(tmp_path / "bare")).meta is None
+
+
+def test_save_matches_the_original_format(tmp_path):
+    folder = published_dir("Meta-Llama-3.1-8B-Instruct")  # its published gates are already in [0, 1]
+    Pattern.load(folder).save(tmp_path)
+    assert (tmp_path / "full_attention_heads.tsv").read_text() == (folder / "full_attention_heads.tsv").read_text()
+
+
+def test_validate_against_model_config():
+    config = get_config("smollm2-135m")
+    Pattern.full(config.num_layers, config.num_kv_heads).validate(config)
+    with pytest.raises(PatternError, match=r"32x8 \(layers x kv_heads\) but model 'smollm2-135m' has 30x3"):
+        Pattern.full(32, 8).validate(config)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("", "is empty"),
+    ("\n\n", "is empty"),
+    ("0.1\t0.2\n0.3\n", "line 2: ragged rows"),
+    ("0.1\t0.2\n0.3\tabc\n", r"line 2, column 2: 'abc' is not a number"),
+    ("0.1\t0.2\n\n0.3\t0.4\n", "line 2: empty line"),
+    ("0.1\tnan\n", "is not finite"),
+])
+def test_malformed_tsv(tmp_path, text, problem):
+    path = write(tmp_path, text)
+    with pytest.raises(PatternError, match=problem) as info:
+        Pattern.load(tmp_path)
+    assert str(path) in str(info.value)
+
+
+def test_trailing_newlines_and_spaces_are_accepted(tmp_path):
+    write(tmp_path, "0.1\t0.2\n0.3\t-0.0002\n\n")
+    np.testing.assert_array_equal(Pattern.load(tmp_path).gates, np.array([[0.1, 0.2], [0.3, 0.0]], dtype=np.float32))
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(PatternError, match="does not exist"):
+        Pattern.load(tmp_path / "nowhere")
+    with pytest.raises(PatternError, match="holds no full_attention_heads.tsv"):
+        Pattern.load(tmp_path)
+
+
+def test_bad_metadata(tmp_path):
+    write(tmp_path, "0.5\n")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(PatternError, match="config.json"):
+        Pattern.load(tmp_path)
+
+
+def test_for_model():
+    pattern = Pattern.for_model("llama3.1-8b")
+    assert pattern is not None
+    pattern.validate(get_config("llama3.1-8b"))
+    assert Pattern.for_model("smollm2-135m") is None
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_patterns_fit_their_models(name):
+    pattern = Pattern.for_model(name)
+    assert pattern is not None
+    config = get_config(name)
+    assert pattern.gates.shape == (config.num_layers, config.num_kv_heads)
+
+
+def test_full():
+    pattern = Pattern.full(3, 2)
+    assert pattern.gates.shape == (3, 2) and (pattern.gates == 1.0).all()
+    assert pattern.retrieval_mask(0.5).sum() == 3
+
+
+def test_repr():
+    assert repr(Pattern(np.array([[1.0, 0.0], [1.0, 1.0]]))) == "Pattern(2x2, mean gate 0.750, 75% of gates > 0.5)"
+
+
+def test_heatmap(tmp_path):
+    path = Pattern.load(published_dir("Llama-2-7B-32K-Instruct")).heatmap(tmp_path / "plots" / "map.png", title="x")
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000

@@ -1,0 +1,63 @@
+"""The embedded real model: SmolLM2-135M-Instruct (Q4_1 GGUF) against transformers loading the same file.
+
+Both sides dequantise the same Q4_1 blocks to fp32, so the remaining difference is fp32 summation order over
+30 layers. Logits here reach ~35 in magnitude; we measured a max abs difference of ~9e-5 (relative ~3e-6),
+and a tolerance of 1e-3 still catches any real bug (a wrong RoPE permutation or norm gives differences > 1).
+"""
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import duo_jax
+from duo_jax.model import greedy_reference
+
+PROMPT = ("Once upon a time, in a small village at the foot of the mountains, there lived an old clockmaker. "
+          "Every morning he opened his shop at 7 o'clock and wound all 112 of the clocks, one after another, "
+          "until the whole room was ticking like a heartbeat. The villagers said")
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return duo_jax.load("smollm2-135m", dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def theirs(ours):
+    path = Path(ours.source)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+def test_config_from_gguf_metadata(ours):
+    named = duo_jax.get_config("smollm2-135m")  # the GGUF stores eps as float32
+    assert ours.config == dataclasses.replace(named, rms_norm_eps=ours.config.rms_norm_eps)
+    assert abs(ours.config.rms_norm_eps - 1e-5) < 1e-9
+    assert ours.params.lm_head is None  # tied embeddings
+
+
+def test_tokenizer_matches_transformers(ours, theirs):
+    _, tokenizer = theirs
+    for text in [PROMPT, "In 2024, 12345 people", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n", "  spaces\ttabs\n\n"]:
+        assert ours.tokenizer.encode(text) == tokenizer(text)["input_ids"], text
+    ids = ours.tokenizer.encode(PROMPT)
+    assert ours.tokenizer.decode(ids) == PROMPT
+
+
+def test_logits_and_greedy_continuation_match_transformers(ours, theirs):
+    model, _ = theirs
+    ids = ours.tokenizer.encode(PROMPT)
+    assert 56 <= len(ids) <= 72
+    logits = np.asarray(duo_jax.forward(ours.params, ours.config, jnp.asarray([ids], jnp.int32)))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits.numpy()
+        ref_tokens = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    assert np.abs(ref).max() > 10
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-3)
+    assert greedy_reference(ours.params, ours.config, ids, 16) == ref_tokens
