@@ -1,0 +1,188 @@
+"""Benchmark the attention kernels: Λ (streaming heads) vs flash (causal) vs XLA.
+
+On GPU: forward and forward+backward times of
+  * lambda   - `pallas_kernels.lambda_attention` (block-sparse, sink + recent),
+  * flash    - `pallas_kernels.flash_attention` (dense causal),
+  * xla      - the dense masked jnp reference (skipped when its scores would not fit),
+  * sdpa     - `jax.nn.dot_product_attention(is_causal=True)` (cuDNN where available),
+at Llama-3-8B head shapes (32 query / 8 KV heads, head_dim 128, bf16), with the
+Λ/causal visited-block ratio and the time ratios side by side.
+
+On CPU there is no kernel compiler: the script records the visited-block ratio
+per T (pure arithmetic), and with --cpu-smoke times one tiny shape in interpret
+mode, only to show that everything runs.
+
+  python benchmarks/kernels.py --out results/kernels.json
+  python benchmarks/kernels.py --cpu-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from pallas_kernels import (causal_visited_blocks, flash_attention, lambda_attention,  # noqa: E402
+                            lambda_visited_blocks, reference)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+",
+                        default=[4096, 8192, 16384, 32768, 65536, 131072], help="sequence lengths T")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--num-heads", type=int, default=32, help="query heads")
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--sink", type=int, default=128)
+    parser.add_argument("--recent", type=int, default=256)
+    parser.add_argument("--block-q", type=int, default=128)
+    parser.add_argument("--block-k", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
+    parser.add_argument("--xla-max-gib", type=float, default=16.0,
+                        help="skip the dense XLA reference when its fp32 scores exceed this")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="on CPU: also time a tiny shape in interpret mode")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="write results as JSON here")
+    return parser.parse_args(argv)
+
+
+def median_ms(fn, *args, reps: int) -> float:
+    """Median wall time of a jitted call, after one compile-and-warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def forward_and_grad(attn):
+    """Jitted forward, and jitted forward+backward of sum(attn(q, k, v) * do)."""
+    fwd = jax.jit(attn)
+
+    @jax.jit
+    def fwd_bwd(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+
+    return fwd, fwd_bwd
+
+
+def implementations(args, interpret: bool | None):
+    window = dict(sink=args.sink, recent=args.recent)
+    blocks = dict(block_q=args.block_q, block_k=args.block_k, interpret=interpret)
+    impls = {
+        "lambda": lambda q, k, v: lambda_attention(q, k, v, **window, **blocks),
+        "flash": lambda q, k, v: flash_attention(q, k, v, **blocks),
+        "xla": lambda q, k, v: reference.flash_attention_reference(q, k, v),
+    }
+    if hasattr(jax.nn, "dot_product_attention") and not interpret:
+        impls["sdpa"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return impls
+
+
+def time_all(args, seq_len: int, interpret: bool | None) -> dict:
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q_shape = (args.batch, seq_len, args.num_heads, args.head_dim)
+    kv_shape = (args.batch, seq_len, args.num_kv_heads, args.head_dim)
+    q, do = (jax.random.normal(key, q_shape, dtype) for key in keys[:2])
+    k, v = (jax.random.normal(key, kv_shape, dtype) for key in keys[2:])
+    xla_gib = 4 * args.batch * args.num_heads * seq_len**2 / 2**30
+
+    row = {}
+    for name, attn in implementations(args, interpret).items():
+        if name == "xla" and xla_gib > args.xla_max_gib:
+            row[name] = {"skipped": f"scores need {xla_gib:.0f} GiB > --xla-max-gib"}
+            continue
+        fwd, fwd_bwd = forward_and_grad(attn)
+        try:
+            row[name] = {"fwd_ms": median_ms(fwd, q, k, v, reps=args.reps),
+                         "fwd_bwd_ms": median_ms(fwd_bwd, q, k, v, do, reps=args.reps)}
+        except Exception as e:  # e.g. out of memory at long T: record it, keep going.
+            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return row
+
+
+def block_ratio(args, seq_len: int) -> dict:
+    lam = lambda_visited_blocks(seq_len, args.sink, args.recent, args.block_q, args.block_k)
+    causal = causal_visited_blocks(seq_len, args.block_q, args.block_k)
+    return {"lambda_blocks": lam, "causal_blocks": causal, "block_ratio": lam / causal}
+
+
+def _fmt(entry: dict, key: str) -> str:
+    return f"{entry[key]:.2f}" if key in entry else "-"
+
+
+def print_table(rows: list[dict]) -> None:
+    names = [n for n in ("lambda", "flash", "xla", "sdpa") if any(n in r for r in rows)]
+    phases = ("fwd_ms", "fwd_bwd_ms") if names else ()
+    header = ["T", "Λ blocks", "causal blocks", "Λ/causal"]
+    for phase in phases:
+        header += [f"{n} {phase}" for n in names] + [f"flash/Λ {phase[:-3]}"]
+    print(" | ".join(header))
+    for r in rows:
+        cells = [str(r["seq_len"]), str(r["lambda_blocks"]), str(r["causal_blocks"]),
+                 f"{r['block_ratio']:.4f}"]
+        for phase in phases:
+            cells += [_fmt(r.get(n, {}), phase) for n in names]
+            lam, flash = r.get("lambda", {}), r.get("flash", {})
+            ratio = flash[phase] / lam[phase] if phase in lam and phase in flash else None
+            cells.append(f"{ratio:.1f}x" if ratio else "-")
+        print(" | ".join(cells))
+    for r in rows:
+        for n in names:
+            note = r.get(n, {}).get("error") or r.get(n, {}).get("skipped")
+            if note:
+                print(f"T={r['seq_len']} {n}: {note}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    backend = jax.default_backend()
+    on_accelerator = backend not in ("cpu",)
+    result = {"backend": backend, "device": str(jax.devices()[0]), "jax": jax.__version__,
+              "python": platform.python_version(), "args": {k: str(v) for k, v in vars(args).items()}}
+
+    rows = []
+    for seq_len in args.seq_lens:
+        row = {"seq_len": seq_len, **block_ratio(args, seq_len)}
+        if on_accelerator:
+            row.update(time_all(args, seq_len, interpret=None))
+        rows.append(row)
+        print(f"T={seq_len}: visited blocks Λ {row['lambda_blocks']} / causal "
+              f"{row['causal_blocks']} = {row['block_ratio']:.4f}", flush=True)
+    result["rows"] = rows
+    print()
+    print_table(rows)
+
+    if not on_accelerator and args.cpu_smoke:
+        smoke = argparse.Namespace(**{**vars(args), "batch": 1, "num_heads": 4, "num_kv_heads": 2,
+                                      "head_dim": 64, "dtype": "float32", "sink": 16,
+                                      "recent": 32, "block_q": 32, "block_k": 32, "reps": 1})
+        row = {"seq_len": 256, **block_ratio(smoke, 256), **time_all(smoke, 256, interpret=True)}
+        result["cpu_smoke"] = row
+        print("\nCPU smoke (interpret mode, B=1 T=256 Hq=4 Hkv=2 D=64 fp32, sink 16 recent 32):")
+        print_table([row])
+
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

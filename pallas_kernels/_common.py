@@ -1,0 +1,135 @@
+"""Pieces shared by the attention kernels: argument checks, masks, block schedules.
+
+The block schedule is written once, with `lax`/`jnp` integer ops that work both
+on traced scalars inside a kernel (program ids, `q_offset`, `kv_len`) and on
+concrete arrays, so `lambda_visited_blocks` counts exactly what the kernel visits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+# Finite "minus infinity" for masked logits: keeps m - m_new and s - m free of
+# inf - inf; masked probabilities are zeroed explicitly with jnp.where anyway.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def cdiv(a, b):
+    """Ceil division of non-negative integers (Python ints or int32 arrays)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return lax.div(a + b - 1, b)
+
+
+def check_block(name: str, value: int) -> None:
+    if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def check_window(sink: int, recent: int) -> None:
+    """Λ window: `sink >= 0` tokens at the start, `recent >= 1` (a query always sees itself)."""
+    if not isinstance(sink, (int, np.integer)) or sink < 0:
+        raise ValueError(f"sink must be an integer >= 0, got {sink!r}.")
+    if not isinstance(recent, (int, np.integer)) or recent < 1:
+        raise ValueError(
+            f"recent must be an integer >= 1 (a query always sees itself), got {recent!r}.")
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, q_ndim: int = 4) -> None:
+    """q [B, T, Hq, D] (or [B, Hq, D] when q_ndim == 3), k and v [B, S, Hkv, D]."""
+    if q.ndim != q_ndim or k.ndim != 4 or v.ndim != 4:
+        q_layout = "[B, T, Hq, D]" if q_ndim == 4 else "[B, Hq, D]"
+        raise ValueError(
+            f"expected q {q_layout} and k, v [B, S, Hkv, D]; "
+            f"got q {q.shape}, k {k.shape}, v {v.shape}.")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}.")
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    if k.shape[0] != batch or k.shape[-1] != head_dim:
+        raise ValueError(
+            f"q and k/v disagree on batch or head_dim: q {q.shape}, k {k.shape}.")
+    num_kv_heads = k.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"the number of query heads ({num_q_heads}) must be a multiple of the "
+            f"number of key/value heads ({num_kv_heads}) for grouped-query attention.")
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def per_batch(x, batch: int, default: int) -> jax.Array:
+    """Broadcasts an int, an int32 scalar or an int32 [B] array to int32 [B]."""
+    x = default if x is None else x
+    return jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch,))
+
+
+def fit_block(block: int, length: int) -> int:
+    """Shrinks a block to the smallest power of two (>= 16) covering `length`."""
+    return min(block, max(16, 1 << max(length - 1, 0).bit_length()))
+
+
+def attention_mask(rows, cols, *, q_offset, kv_len, seq_q: int, causal: bool,
+                   sink: int | None, recent: int | None):
+    """Which (query row, key column) pairs attend; rows [bq, 1], cols [1, bk].
+
+    Query row i sits at absolute position q_offset + i; key column j at j.
+    Rows >= seq_q (padding) see nothing, so their lse is +inf and their
+    probabilities are exactly zero in the backward pass.
+    """
+    pos = q_offset + rows
+    mask = (rows < seq_q) & (cols < kv_len)
+    if causal:
+        mask &= cols <= pos
+    if recent is not None:  # Λ: sinks, or within the recent window.
+        mask &= (cols < sink) | (pos - cols < recent)
+    return mask
+
+
+def kv_block_schedule(q_block, *, q_offset, kv_len, seq_q: int, block_q: int,
+                      block_k: int, causal: bool, sink: int | None,
+                      recent: int | None):
+    """KV blocks that query block `q_block` visits: [0, sink_end) ∪ [band_start, end).
+
+    Returns (sink_end, band_start, end), with sink_end <= band_start <= end, so
+    the number of visited blocks is sink_end + end - band_start.
+    For dense attention sink_end == band_start == 0.
+    """
+    first_row = q_block * block_q
+    last_row = jnp.minimum(first_row + block_q, seq_q) - 1
+    num_keys = kv_len
+    if causal:  # The last row sees keys up to its own position.
+        num_keys = jnp.minimum(num_keys, q_offset + last_row + 1)
+    end = cdiv(jnp.maximum(num_keys, 0), block_k)
+    if recent is None:
+        zero = jnp.zeros_like(end)
+        return zero, zero, end
+    # The first row sees keys from position first_row - recent + 1 on.
+    band_start = lax.div(jnp.maximum(q_offset + first_row - recent + 1, 0), block_k)
+    band_start = jnp.minimum(band_start, end)
+    sink_end = jnp.minimum(cdiv(sink, block_k), band_start)
+    return sink_end, band_start, end
+
+
+def q_block_schedule(kv_block, *, q_offset, kv_len, num_q_blocks: int,
+                     block_q: int, block_k: int, causal: bool, sink: int | None,
+                     recent: int | None):
+    """Query blocks [start, end) that can see some key of block `kv_block`."""
+    first_key = kv_block * block_k
+    start = jnp.zeros_like(first_key)
+    if causal:  # Rows at positions >= first_key.
+        start = lax.div(jnp.maximum(first_key - q_offset, 0), block_q)
+    end = jnp.full_like(first_key, num_q_blocks)
+    if recent is not None:
+        # Outside the sinks, a key is seen up to recent - 1 positions after it.
+        last_row = first_key + block_k - 1 + recent - 1 - q_offset
+        band_end = jnp.where(last_row < 0, 0, lax.div(jnp.maximum(last_row, 0), block_q) + 1)
+        end = jnp.where(first_key < sink, end, jnp.minimum(band_end, end))
+    end = jnp.where(first_key < kv_len, end, start)  # Block entirely past kv_len.
+    return start, end

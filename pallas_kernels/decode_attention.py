@@ -1,0 +1,144 @@
+"""Split-K decode attention (flash-decoding) in Pallas, forward only.
+
+One new token per sequence attends to its cache: q [B, Hq, D], k and v
+[B, S, Hkv, D], `lengths` [B] valid keys per sequence. The grid is
+(batch, KV head, split): each program takes the G = Hq / Hkv query heads that
+share one KV head (so a KV tile is loaded once per group) and one contiguous
+chunk of the cache, and returns a partial (o, m, l) for it. A cheap jnp
+reduction then combines the splits with the usual log-sum-exp rescaling.
+Splitting S keeps the GPU busy when B * Hkv alone is too small a grid.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend
+from pallas_kernels import _common
+
+
+def _split_kernel(lengths_ref, q_ref, k_ref, v_ref,  # inputs
+                  o_ref, m_ref, l_ref,  # outputs
+                  *, scale: float, block_k: int, blocks_per_split: int):
+    b, split = pl.program_id(0), pl.program_id(2)
+    chunk_start = split * blocks_per_split * block_k
+    keys_left = jnp.maximum(lengths_ref[b] - chunk_start, 0)  # valid keys in and past this chunk
+    q = q_ref[...]  # [G, D]
+
+    def body(i, carry):
+        acc, m, l = carry  # [G, D], [G], [G]
+        kv_slice = pl.ds(i * block_k, block_k)
+        k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]  # [bk, D]
+        s = jnp.einsum("gd,kd->gk", q, k, preferred_element_type=jnp.float32) * scale
+        cols = i * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        mask = cols < keys_left
+        s = jnp.where(mask, s, _common.MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = correction * l + p.sum(axis=-1)
+        acc = correction[:, None] * acc + jnp.einsum(
+            "gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc, m_new, l
+
+    num_blocks = jnp.minimum(_common.cdiv(keys_left, block_k), blocks_per_split)
+    init = (jnp.zeros(q.shape, jnp.float32),
+            jnp.full(q.shape[:1], _common.MASK_VALUE, jnp.float32),
+            jnp.zeros(q.shape[:1], jnp.float32))
+    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = acc  # Unnormalised; the reduction divides by the combined l.
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     lengths: jax.Array, *, scale: float | None = None,
+                     block_k: int = 128, num_splits: int = 16,
+                     interpret: bool | None = None) -> jax.Array:
+    """Single-token attention over a KV cache, split along the keys.
+
+    Args:
+      q: [B, Hq, D] one query per sequence.
+      k, v: [B, S, Hkv, D] cache; Hq % Hkv == 0.
+      lengths: int32 [B]; sequence b attends to keys j < lengths[b] (clipped to
+        S). A sequence with length 0 gets a zero output.
+      scale: softmax scale, default 1 / sqrt(D).
+      block_k: keys per loop step.
+      num_splits: maximum number of chunks the keys are split into; each split is
+        a whole number of blocks. S is padded only if it is not a multiple of
+        the resulting chunk size.
+      interpret: None = interpret mode exactly when running on CPU.
+
+    Returns:
+      [B, Hq, D] like q.
+    """
+    _common.check_qkv(q, k, v, q_ndim=3)
+    _common.check_block("block_k", block_k)
+    _common.check_block("num_splits", num_splits)
+    batch, num_heads, head_dim = q.shape
+    seq_k, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    scale = _common.default_scale(head_dim, scale)
+    interpret = _backend.resolve_interpret(interpret)
+    lengths = jnp.minimum(_common.per_batch(lengths, batch, seq_k), seq_k)
+
+    block_k = _common.fit_block(block_k, seq_k)
+    num_blocks = _common.cdiv(seq_k, block_k)
+    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
+    num_splits = _common.cdiv(num_blocks, blocks_per_split)
+    chunk = blocks_per_split * block_k
+    if extra := num_splits * chunk - seq_k:
+        k = jnp.pad(k, ((0, 0), (0, extra), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, extra), (0, 0), (0, 0)))
+
+    # Query heads grouped by KV head: [B, Hkv, G', D]. Triton's dot wants at least
+    # 16 rows, so on GPU the group is zero-padded to a power of two >= 16.
+    q = q.reshape(batch, num_kv_heads, group, head_dim)
+    rows = group if interpret else _common.fit_block(1 << 30, group)
+    if rows != group:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+    kv_spec = pl.BlockSpec((None, chunk, None, head_dim),
+                           lambda b, h, s: (b, s, h, 0))
+    stats_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))
+    o, m, l = pl.pallas_call(
+        functools.partial(_split_kernel, scale=scale, block_k=block_k,
+                          blocks_per_split=blocks_per_split),
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # lengths
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            kv_spec,  # k
+            kv_spec,  # v
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim),
+                         lambda b, h, s: (b, h, s, 0, 0)),
+            stats_spec,
+            stats_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows, head_dim),
+                                 jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32),
+        ],
+        compiler_params=_backend.compiler_params(
+            interpret=interpret, num_warps=4, num_stages=2,
+            dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=interpret,
+        name="decode_attention_split",
+    )(lengths, q, k, v)
+
+    # Combine the splits: weight each by exp(m_split - m_max) (0 if empty).
+    m_max = m.max(axis=2, keepdims=True)  # [B, Hkv, 1, G']
+    weight = jnp.where(l > 0.0, jnp.exp(m - m_max), 0.0)  # [B, Hkv, splits, G']
+    l_total = jnp.einsum("bhsg,bhsg->bhg", weight, l)
+    o = jnp.einsum("bhsg,bhsgd->bhgd", weight, o)
+    o = o / jnp.where(l_total == 0.0, 1.0, l_total)[..., None]
+    return o[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)

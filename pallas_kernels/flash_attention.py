@@ -1,0 +1,363 @@
+"""Block-sparse flash attention in Pallas: forward and backward kernels.
+
+One implementation serves both dense causal attention (`flash_attention`) and
+the streaming heads' Λ-shaped attention (`lambda_attention.py`): a query block
+only loops over the KV blocks its mask touches (see `_common.kv_block_schedule`),
+so Λ attention costs O(T * (sink + recent)) instead of O(T^2).
+
+Layout: q [B, T, Hq, D], k and v [B, S, Hkv, D], Hq = G * Hkv (GQA: query head
+h reads KV head h // G). Softmax statistics are kept in float32.
+
+Kernels follow the Triton style (as in jax.experimental.pallas.ops.gpu.attention):
+the grid is (batch, head, block); each program keeps one tile resident and loops
+over the tiles of the other sequence with `lax.fori_loop`, with loop bounds
+computed from the program ids. Backward: dq in one kernel (grid over query
+blocks), dk and dv in another (grid over key blocks); no atomics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend
+from pallas_kernels import _common
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static description of one attention call (hashable: a custom_vjp nondiff arg)."""
+    seq_q: int            # True number of queries; the arrays may be padded past it.
+    causal: bool
+    sink: int | None      # Λ window; None for dense attention.
+    recent: int | None
+    scale: float
+    block_q: int
+    block_k: int
+    interpret: bool
+
+    @property
+    def window(self) -> dict:
+        return dict(causal=self.causal, sink=self.sink, recent=self.recent)
+
+    def compiler_params(self, head_dim: int):
+        return _backend.compiler_params(
+            interpret=self.interpret, num_warps=4 if head_dim <= 64 else 8,
+            num_stages=2,
+            dimension_semantics=("parallel", "parallel", "parallel"))
+
+
+def _dot(a, b, contract: str):
+    """float32-accumulated matmul; `contract` is an einsum string."""
+    return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
+
+
+def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: _Config):
+    rows = q_block * cfg.block_q + lax.broadcasted_iota(
+        jnp.int32, (cfg.block_q, cfg.block_k), 0)
+    cols = kv_block * cfg.block_k + lax.broadcasted_iota(
+        jnp.int32, (cfg.block_q, cfg.block_k), 1)
+    return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len,
+                                  seq_q=cfg.seq_q, **cfg.window)
+
+
+def _visited_kv_block(step, sink_end, band_start):
+    """Maps loop step t in [0, sink_end + end - band_start) to a KV block index."""
+    return jnp.where(step < sink_end, step, step - sink_end + band_start)
+
+
+# ------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
+                o_ref, lse_ref,  # outputs
+                *, cfg: _Config):
+    b, q_block = pl.program_id(0), pl.program_id(2)
+    q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
+    block_q, block_k = cfg.block_q, cfg.block_k
+    q = q_ref[...]  # [bq, D]
+    sink_end, band_start, end = _common.kv_block_schedule(
+        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
+        block_q=block_q, block_k=block_k, **cfg.window)
+
+    def body(step, carry):
+        acc, m, l = carry  # [bq, D], [bq], [bq]
+        kv_block = _visited_kv_block(step, sink_end, band_start)
+        kv_slice = pl.ds(kv_block * block_k, block_k)
+        k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]  # [bk, D]
+        s = _dot(q, k, "qd,kd->qk") * cfg.scale  # [bq, bk]
+        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
+        s = jnp.where(mask, s, _common.MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)  # Rescales what was summed under the old max.
+        l = correction * l + p.sum(axis=-1)
+        acc = correction[:, None] * acc + _dot(p.astype(v.dtype), v, "qk,kd->qd")
+        return acc, m_new, l
+
+    init = (jnp.zeros(q.shape, jnp.float32),
+            jnp.full((block_q,), _common.MASK_VALUE, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, sink_end + end - band_start, body, init)
+
+    empty = l == 0.0  # Rows that see no key at all: output 0, lse +inf.
+    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def _head_spec(block: int, head_dim: int, head_of, *, tiled: bool):
+    """One head of a [B, L, H, D] array for grid point (b, h, i).
+
+    tiled: the i-th [block, D] tile; otherwise the whole [L, D] axis (block = L).
+    """
+    return pl.BlockSpec((None, block, None, head_dim),
+                        lambda b, h, i: (b, i if tiled else 0, head_of(h), 0))
+
+
+def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
+    batch, seq_q_padded, num_heads, head_dim = q.shape
+    seq_k_padded = k.shape[1]
+    group = num_heads // k.shape[2]
+    num_q_blocks = seq_q_padded // cfg.block_q
+
+    q_head, kv_head = (lambda h: h), (lambda h: h // group)
+    scalar_spec = pl.BlockSpec((batch,), lambda b, h, i: (0,))
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg),
+        grid=(batch, num_heads, num_q_blocks),
+        in_specs=[
+            scalar_spec,  # q_offset [B]
+            scalar_spec,  # kv_len [B]
+            _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # q
+            _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # k
+            _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # v
+        ],
+        out_specs=[
+            _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # o
+            pl.BlockSpec((None, None, cfg.block_q), lambda b, h, i: (b, h, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, num_heads, seq_q_padded), jnp.float32),
+        ],
+        compiler_params=cfg.compiler_params(head_dim),
+        interpret=cfg.interpret,
+        name="block_sparse_attention_fwd",
+    )(q_offset, kv_len, q, k, v)
+    return o, lse
+
+
+# ------------------------------------------------------------------ backward
+# With P = softmax(S), dO the output cotangent and delta = rowsum(dO * O):
+#   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,
+#   dK = scale dS^T Q.
+
+
+def _dq_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               delta_ref,  # inputs
+               dq_ref,  # output
+               *, cfg: _Config):
+    b, q_block = pl.program_id(0), pl.program_id(2)
+    q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
+    block_k = cfg.block_k
+    q, do = q_ref[...], do_ref[...]  # [bq, D]
+    lse, delta = lse_ref[...], delta_ref[...]  # [bq]
+    sink_end, band_start, end = _common.kv_block_schedule(
+        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
+        block_q=cfg.block_q, block_k=block_k, **cfg.window)
+
+    def body(step, dq):
+        kv_block = _visited_kv_block(step, sink_end, band_start)
+        kv_slice = pl.ds(kv_block * block_k, block_k)
+        k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]  # [bk, D]
+        s = _dot(q, k, "qd,kd->qk") * cfg.scale  # [bq, bk]
+        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
+        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, v, "qd,kd->qk")
+        ds = p * (dp - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k, "qk,kd->qd")
+
+    dq = lax.fori_loop(0, sink_end + end - band_start, body,
+                       jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                delta_ref,  # inputs
+                dk_ref, dv_ref,  # outputs
+                *, cfg: _Config, num_q_blocks: int):
+    b, kv_block = pl.program_id(0), pl.program_id(2)
+    q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
+    block_q = cfg.block_q
+    k, v = k_ref[...], v_ref[...]  # [bk, D]
+    start, end = _common.q_block_schedule(
+        kv_block, q_offset=q_offset, kv_len=kv_len, num_q_blocks=num_q_blocks,
+        block_q=block_q, block_k=cfg.block_k, **cfg.window)
+
+    def body(q_block, carry):
+        dk, dv = carry  # [bk, D]
+        q_slice = pl.ds(q_block * block_q, block_q)
+        q, do = q_ref[q_slice, :], do_ref[q_slice, :]  # [bq, D]
+        lse, delta = lse_ref[q_slice], delta_ref[q_slice]  # [bq]
+        s = _dot(q, k, "qd,kd->qk") * cfg.scale  # [bq, bk]
+        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
+        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+        dv = dv + _dot(p.astype(do.dtype), do, "qk,qd->kd")
+        dp = _dot(do, v, "qd,kd->qk")
+        ds = p * (dp - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, "qk,qd->kd")
+        return dk, dv
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(start, jnp.maximum(start, end), body, (zeros, zeros))
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _backward(cfg: _Config, residuals, do):
+    q, k, v, q_offset, kv_len, o, lse = residuals
+    batch, seq_q_padded, num_heads, head_dim = q.shape
+    seq_k_padded, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    num_q_blocks = seq_q_padded // cfg.block_q
+    num_kv_blocks = seq_k_padded // cfg.block_k
+    # delta = rowsum(dO * O) [B, H, T]; a cheap elementwise pass, left to XLA.
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32),
+                       o.astype(jnp.float32))
+
+    q_head, kv_head = (lambda h: h), (lambda h: h // group)
+    scalar_spec = pl.BlockSpec((batch,), lambda b, h, i: (0,))
+    stats_tile = pl.BlockSpec((None, None, cfg.block_q), lambda b, h, i: (b, h, i))
+    stats_whole = pl.BlockSpec((None, None, seq_q_padded), lambda b, h, i: (b, h, 0))
+    params = cfg.compiler_params(head_dim)
+
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg),
+        grid=(batch, num_heads, num_q_blocks),
+        in_specs=[
+            scalar_spec, scalar_spec,
+            _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # q
+            _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # k
+            _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # v
+            _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # do
+            stats_tile,  # lse
+            stats_tile,  # delta
+        ],
+        out_specs=_head_spec(cfg.block_q, head_dim, q_head, tiled=True),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="block_sparse_attention_dq",
+    )(q_offset, kv_len, q, k, v, do, lse, delta)
+
+    # dk, dv per *query* head [B, S, Hq, D], summed over each GQA group below.
+    per_q_head = jax.ShapeDtypeStruct((batch, seq_k_padded, num_heads, head_dim),
+                                      jnp.float32)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
+        grid=(batch, num_heads, num_kv_blocks),
+        in_specs=[
+            scalar_spec, scalar_spec,
+            _head_spec(seq_q_padded, head_dim, q_head, tiled=False),  # q
+            _head_spec(cfg.block_k, head_dim, kv_head, tiled=True),  # k
+            _head_spec(cfg.block_k, head_dim, kv_head, tiled=True),  # v
+            _head_spec(seq_q_padded, head_dim, q_head, tiled=False),  # do
+            stats_whole,  # lse
+            stats_whole,  # delta
+        ],
+        out_specs=[
+            _head_spec(cfg.block_k, head_dim, q_head, tiled=True),  # dk
+            _head_spec(cfg.block_k, head_dim, q_head, tiled=True),  # dv
+        ],
+        out_shape=[per_q_head, per_q_head],
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="block_sparse_attention_dkv",
+    )(q_offset, kv_len, q, k, v, do, lse, delta)
+
+    def sum_groups(x):  # [B, S, Hkv * G, D] -> [B, S, Hkv, D]
+        x = x.reshape(batch, seq_k_padded, num_kv_heads, group, head_dim)
+        return x.sum(axis=3).astype(k.dtype)
+
+    return dq, sum_groups(dk), sum_groups(dv), None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_offset, kv_len, cfg: _Config):
+    return _forward(q, k, v, q_offset, kv_len, cfg)[0]
+
+
+def _attention_fwd(q, k, v, q_offset, kv_len, cfg: _Config):
+    o, lse = _forward(q, k, v, q_offset, kv_len, cfg)
+    return o, (q, k, v, q_offset, kv_len, o, lse)
+
+
+_attention.defvjp(_attention_fwd, _backward)
+
+
+def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
+                           recent: int | None, q_offset, kv_len, scale,
+                           block_q: int, block_k: int, interpret: bool | None):
+    """Shared entry point of `flash_attention` and `lambda_attention`.
+
+    Pads T and S up to the block sizes (padded queries and keys are masked),
+    runs the custom-VJP kernels and slices the padding off again.
+    """
+    _common.check_qkv(q, k, v)
+    _common.check_block("block_q", block_q)
+    _common.check_block("block_k", block_k)
+    if recent is not None:
+        _common.check_window(sink, recent)
+    batch, seq_q, _, head_dim = q.shape
+    seq_k = k.shape[1]
+    block_q = _common.fit_block(block_q, seq_q)
+    block_k = _common.fit_block(block_k, seq_k)
+    cfg = _Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
+                  scale=_common.default_scale(head_dim, scale),
+                  block_q=block_q, block_k=block_k,
+                  interpret=_backend.resolve_interpret(interpret))
+    q_offset = _common.per_batch(q_offset, batch, 0)
+    kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
+
+    def pad(x, block):  # Pads axis 1 up to a multiple of `block`.
+        extra = -x.shape[1] % block
+        return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) if extra else x
+
+    o = _attention(pad(q, block_q), pad(k, block_k), pad(v, block_k),
+                   q_offset, kv_len, cfg)
+    return o[:, :seq_q]
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    causal: bool = True, q_offset=0, kv_len=None,
+                    scale: float | None = None, block_q: int = 128,
+                    block_k: int = 128, interpret: bool | None = None
+                    ) -> jax.Array:
+    """Dense (causal) flash attention with Pallas forward and backward kernels.
+
+    Args:
+      q: [B, T, Hq, D] queries; query i sits at absolute position q_offset + i.
+      k, v: [B, S, Hkv, D] keys and values, key j at position j; Hq % Hkv == 0.
+      causal: query at position p sees keys j <= p.
+      q_offset: int, int32 scalar or int32 [B] (may be traced): position of the
+        first query, e.g. a prefill chunk attending to a cache of S keys.
+      kv_len: None (= S), int, int32 scalar or int32 [B] (may be traced): keys
+        j >= kv_len are masked out, per sequence when given as [B]. Key blocks
+        entirely past kv_len are skipped.
+      scale: softmax scale, default 1 / sqrt(D).
+      block_q, block_k: tile sizes (shrunk for short sequences; T and S need not
+        be multiples, they are padded and masked).
+      interpret: None = interpret mode exactly when running on CPU.
+
+    Returns:
+      [B, T, Hq, D] like q. Queries that see no key get 0.
+    """
+    return block_sparse_attention(
+        q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
+        kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
+        interpret=interpret)
