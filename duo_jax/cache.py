@@ -1,0 +1,132 @@
+"""DuoAttention's split KV cache: a retrieval partition (every token) and a streaming partition (sinks + ring).
+
+Each layer's KV heads are reordered once so its retrieval heads come first (see `duo_jax.engine`); the cache
+then holds, per layer l with n_l retrieval heads out of K,
+
+  retrieval_k[l], retrieval_v[l]: [B, C, n_l, E]            token at position p in slot p (C = capacity)
+  streaming_k[l], streaming_v[l]: [B, sink + recent, K - n_l, E]
+      slots [0, sink): the first `sink` tokens (attention sinks)
+      slots [sink, sink + recent): a ring buffer, token at position p >= sink in slot sink + (p - sink) % recent
+
+Layers keep their own arrays, so memory is exact whatever the per-layer split. Keys are cached after RoPE at
+their absolute positions. The capacity C is the context asked for rounded up to `CAPACITY_BLOCK` tokens
+(the kernels' key block). How many tokens each sequence holds lives outside the cache, in `lengths` [B].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from duo_jax.config import ModelConfig
+from duo_jax.errors import DuoJaxError
+
+CAPACITY_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """The static shape of a split cache (hashable: a jit static argument)."""
+
+    num_retrieval: tuple[int, ...]  # retrieval KV heads per layer (they come first after reordering)
+    num_kv_heads: int
+    head_dim: int
+    sink: int
+    recent: int
+    capacity: int  # retrieval slots per head
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.num_retrieval)
+
+    @property
+    def streaming_slots(self) -> int:
+        return self.sink + self.recent
+
+    def num_streaming(self, layer: int) -> int:
+        return self.num_kv_heads - self.num_retrieval[layer]
+
+
+def round_capacity(tokens: int) -> int:
+    """The retrieval capacity for a context of `tokens`: rounded up to a multiple of `CAPACITY_BLOCK`."""
+    return -(-tokens // CAPACITY_BLOCK) * CAPACITY_BLOCK
+
+
+def make_layout(config: ModelConfig, retrieval_mask: np.ndarray | None, *, sink: int, recent: int,
+                context: int) -> CacheLayout:
+    """Layout for a [layers, kv_heads] retrieval mask (None: every head is a retrieval head)."""
+    if sink < 0 or recent < 0:
+        raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
+    if retrieval_mask is None:
+        num_retrieval = (config.num_kv_heads,) * config.num_layers
+    else:
+        num_retrieval = tuple(int(n) for n in np.asarray(retrieval_mask).sum(axis=1))
+    return CacheLayout(num_retrieval, config.num_kv_heads, config.head_dim, sink, recent, round_capacity(context))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DuoCache:
+    """Per-layer K/V arrays of both partitions (tuples indexed by layer)."""
+
+    retrieval_k: tuple[jax.Array, ...]  # [B, C, n_l, E]
+    retrieval_v: tuple[jax.Array, ...]
+    streaming_k: tuple[jax.Array, ...]  # [B, sink + recent, K - n_l, E]
+    streaming_v: tuple[jax.Array, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+
+def init_cache(layout: CacheLayout, batch: int, dtype) -> DuoCache:
+    """An empty cache (zeros) for `batch` sequences."""
+    E = layout.head_dim
+
+    def zeros(slots, heads):
+        return jnp.zeros((batch, slots, heads, E), dtype)
+
+    retrieval = [(layout.capacity, n) for n in layout.num_retrieval]
+    streaming = [(layout.streaming_slots, layout.num_streaming(l)) for l in range(layout.num_layers)]
+    return DuoCache(*(tuple(zeros(*shape) for shape in shapes)
+                      for shapes in (retrieval, retrieval, streaming, streaming)))
+
+
+def expected_cache_bytes(layout: CacheLayout, batch: int, bytes_per_elem: int) -> int:
+    """batch * 2 * E * bytes * sum_l(n_l * capacity + (K - n_l) * (sink + recent))."""
+    per_layer = sum(n * layout.capacity + (layout.num_kv_heads - n) * layout.streaming_slots
+                    for n in layout.num_retrieval)
+    return batch * 2 * layout.head_dim * bytes_per_elem * per_layer
+
+
+def full_cache_bytes(config: ModelConfig, batch: int, context: int, bytes_per_elem: int) -> int:
+    """What a full-attention cache of the same capacity would take."""
+    return batch * round_capacity(context) * config.kv_bytes_per_token(bytes_per_elem)
+
+
+# --- streaming slots ---------------------------------------------------------------------------------
+
+
+def streaming_slot_positions(lengths: jax.Array, sink: int, recent: int) -> jax.Array:
+    """Absolute position held by each streaming slot after `lengths` [B] tokens; -1 where empty. -> [B, sink+recent]."""
+    n = lengths[:, None]
+    sink_pos = jnp.broadcast_to(jnp.arange(sink), (lengths.shape[0], sink))
+    sink_pos = jnp.where(sink_pos < n, sink_pos, -1)
+    j = jnp.arange(recent)
+    # Ring slot j holds the newest position p < n with p >= sink and (p - sink) % recent == j.
+    newest = n - 1 - sink - j  # >= 0 iff slot j has been written
+    ring_pos = sink + j + recent * jnp.floor_divide(jnp.maximum(newest, 0), max(recent, 1))
+    ring_pos = jnp.where(newest >= 0, ring_pos, -1)
+    return jnp.concatenate([sink_pos, ring_pos], axis=1).astype(jnp.int32)
+
+
+def streaming_write_slots(positions: jax.Array, valid: jax.Array, new_lengths: jax.Array, sink: int,
+                          recent: int) -> jax.Array:
+    """Slot for each new token at `positions` [B, T] in the streaming partition, or an out-of-range slot
+    (dropped on write) for padding and for tokens already pushed out of the ring by later ones in the chunk."""
+    keep = valid & ((positions < sink) | (positions >= new_lengths[:, None] - recent))
+    slot = jnp.where(positions < sink, positions, sink + (positions - sink) % max(recent, 1))
+    return jnp.where(keep, slot, sink + recent)

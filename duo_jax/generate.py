@@ -1,0 +1,191 @@
+"""Batched generation with a DuoAttention split cache: chunked prefill, then one jitted step per token."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from duo_jax.cache import CacheLayout, expected_cache_bytes, full_cache_bytes, init_cache, make_layout
+from duo_jax.config import ModelConfig
+from duo_jax.engine import extend, prepare_params, unstack_layers
+from duo_jax.errors import DuoJaxError
+from duo_jax.loading import Model
+from duo_jax.model import param_shapes
+from duo_jax.pattern import Pattern
+from duo_jax.tokenizer import require
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[list[int]]  # new token ids per prompt (up to and including EOS when it stopped there)
+    text: list[str] | None  # decoded new text per prompt, when the model has a tokenizer
+    stats: dict  # prefill_s, decode_s, decode_tokens_per_s, cache_bytes, full_cache_bytes, ...
+
+
+def resolve_pattern(pattern: Pattern | str | os.PathLike | None, config: ModelConfig) -> Pattern | None:
+    """A Pattern, a path to one, "default" (the model's shipped pattern) or None (full attention)."""
+    if pattern is None or isinstance(pattern, Pattern):
+        resolved = pattern
+    elif str(pattern) == "default":
+        resolved = Pattern.for_model(config.name)
+        if resolved is None:
+            raise DuoJaxError(f"model {config.name!r} ships no default pattern; pass a pattern path")
+    else:
+        resolved = Pattern.load(pattern)
+    if resolved is not None:
+        resolved.validate(config)
+    return resolved
+
+
+def _prompt_ids(model: Model, prompts) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)):
+        prompts = [prompts]
+    if len(prompts) == 0:
+        raise DuoJaxError("no prompts given")
+    ids = []
+    for prompt in prompts:
+        ids.append(require(model.tokenizer, "a text prompt").encode(prompt) if isinstance(prompt, str)
+                   else [int(t) for t in prompt])
+        if not ids[-1]:
+            raise DuoJaxError("a prompt is empty; every prompt needs at least one token")
+        if min(ids[-1]) < 0 or max(ids[-1]) >= model.config.vocab_size:
+            raise DuoJaxError(f"prompt token ids must lie in [0, {model.config.vocab_size}), "
+                              f"got {min(ids[-1])}..{max(ids[-1])}")
+    return ids
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_extend(config: ModelConfig, layout: CacheLayout, batch: int, chunk: int, dtype: str,
+                     all_logits: bool = False):
+    """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows."""
+    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
+                           is_leaf=lambda s: isinstance(s, tuple))
+    params = jax.eval_shape(unstack_layers, stacked)
+    cache = jax.eval_shape(lambda: init_cache(layout, batch, dtype))
+    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
+    return extend.lower(params, cache, ints, tokens, ints, config=config, layout=layout,
+                        all_logits=all_logits).compile()
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))
+def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float, top_k: int) -> jax.Array:
+    """Next token per row of logits [B, V]: greedy when temperature == 0, else top-k / nucleus sampling."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    # Keep the smallest prefix of the sorted tokens whose probability reaches top_p (always the first).
+    drop_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs >= top_p
+    drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+    return jax.random.categorical(key, jnp.where(drop, -jnp.inf, scaled), axis=-1).astype(jnp.int32)
+
+
+def generate(model: Model, prompts, *, pattern: Pattern | str | None = None, sparsity: float = 0.5,
+             sink: int = 64, recent: int = 256, max_new_tokens: int = 128, chunk_size: int = 512,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             stop_at_eos: bool = True, context: int | None = None) -> Generation:
+    """Generate from one or many prompts with DuoAttention.
+
+    prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ).
+    pattern: None (full attention everywhere), a `Pattern`, a path to one, or "default" (the model's own);
+    binarised at `sparsity` (the fraction of streaming heads). sparsity=1 is StreamingLLM.
+    sink / recent: streaming heads keep the first `sink` and the last `recent` tokens.
+    chunk_size: prompt tokens processed per prefill step. context: retrieval capacity in tokens (default:
+    longest prompt + max_new_tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK).
+    """
+    config = model.config
+    ids = _prompt_ids(model, prompts)
+    if chunk_size <= 0:
+        raise DuoJaxError(f"chunk_size must be positive, got {chunk_size}")
+    if max_new_tokens <= 0:
+        raise DuoJaxError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise DuoJaxError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    longest = max(len(p) for p in ids)
+    needed = longest + max_new_tokens
+    if needed > config.max_position_embeddings:
+        raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
+                          f"model's context of {config.max_position_embeddings} tokens; shorten the prompt or "
+                          "lower max_new_tokens")
+    if context is not None and needed > context:
+        raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
+                          f"cache capacity context={context}; raise context or shorten the prompt")
+    resolved = resolve_pattern(pattern, config)
+    mask = None if resolved is None else resolved.retrieval_mask(sparsity)
+    layout = make_layout(config, mask, sink=sink, recent=recent, context=context or needed)
+    params = prepare_params(model.params, config, mask)
+
+    B, dtype = len(ids), model.params.dtype
+    chunk = min(chunk_size, longest)
+    n_chunks = -(-longest // chunk)
+    padded = np.zeros((B, n_chunks * chunk), np.int32)
+    for b, p in enumerate(ids):
+        padded[b, : len(p)] = p
+    prompt_lengths = np.array([len(p) for p in ids], np.int32)
+
+    start = time.perf_counter()
+    prefill_step = _compiled_extend(config, layout, B, chunk, jnp.dtype(dtype).name)
+    decode_step = _compiled_extend(config, layout, B, 1, jnp.dtype(dtype).name)
+    compile_s = time.perf_counter() - start
+
+    cache = init_cache(layout, B, dtype)
+    lengths = jnp.zeros((B,), jnp.int32)
+    start = time.perf_counter()
+    last_logits = jnp.zeros((B, config.vocab_size), jnp.float32)
+    for c in range(n_chunks):
+        n_valid = np.clip(prompt_lengths - c * chunk, 0, chunk).astype(np.int32)
+        logits, cache, lengths = prefill_step(params, cache, lengths, jnp.asarray(padded[:, c * chunk:(c + 1) * chunk]),
+                                              jnp.asarray(n_valid))
+        last_logits = jnp.where(jnp.asarray(n_valid > 0)[:, None], logits, last_logits)
+    key = jax.random.key(seed)
+    sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+    token = sample(last_logits, jax.random.fold_in(key, 0), **sampling)
+    token.block_until_ready()
+    prefill_s = time.perf_counter() - start
+
+    eos = np.array(config.eos_token_ids or [-1])
+    new_tokens = [np.asarray(token)]
+    done = np.isin(new_tokens[-1], eos) & stop_at_eos
+    ones = jnp.ones((B,), jnp.int32)
+    start = time.perf_counter()
+    steps = 0
+    while len(new_tokens) < max_new_tokens and not done.all():
+        logits, cache, lengths = decode_step(params, cache, lengths, token[:, None], ones)
+        token = sample(logits, jax.random.fold_in(key, len(new_tokens)), **sampling)
+        new_tokens.append(np.asarray(token))  # host copy: the per-step sync that EOS checks need
+        done |= np.isin(new_tokens[-1], eos) & stop_at_eos
+        steps += 1
+    decode_s = time.perf_counter() - start
+
+    generated = np.stack(new_tokens, axis=1)  # [B, N]
+    out = []
+    for row in generated.tolist():
+        hits = [i for i, t in enumerate(row) if t in eos] if stop_at_eos else []
+        out.append(row[: hits[0] + 1] if hits else row)
+    text = None
+    if model.tokenizer is not None:
+        text = [model.tokenizer.decode(row) for row in out]
+    bytes_per_elem = jnp.dtype(dtype).itemsize
+    stats = dict(
+        prompt_tokens=[len(p) for p in ids], compile_s=compile_s, prefill_s=prefill_s, decode_s=decode_s,
+        decode_steps=steps, decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
+        cache_bytes=int(sum(x.nbytes for x in jax.tree.leaves(cache))),
+        expected_cache_bytes=expected_cache_bytes(layout, B, bytes_per_elem),
+        full_cache_bytes=full_cache_bytes(config, B, layout.capacity, bytes_per_elem),
+        retrieval_heads=sum(layout.num_retrieval), kv_heads=config.num_layers * config.num_kv_heads,
+        capacity=layout.capacity, sink=sink, recent=recent, chunk_size=chunk)
+    return Generation(out, text, stats)
