@@ -1,43 +1,73 @@
-"""Generate text with a duo-jax model from the command line.
+"""Generate text with DuoAttention from the command line.
 
     python infer.py --model smollm2-135m --prompt "The capital of France is"
+    python infer.py --model llama3-8b --pattern default --sparsity 0.5 --prompt-file book.txt
+
+`generate` here is `duo_jax.generate`: `infer.generate(model, prompts, ...)` from your own code.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
+
+from duo_jax.generation import generate, validate_options
+
+__all__ = ["generate", "main"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
+    parser.add_argument("--pattern", default=None,
+                        help="head pattern: a directory / full_attention_heads.tsv, or 'default' for the model's own; "
+                             "omitted: full attention")
+    parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of streaming heads (1.0: StreamingLLM)")
+    parser.add_argument("--sink", type=int, default=64, help="attention-sink tokens kept by streaming heads")
+    parser.add_argument("--recent", type=int, default=256, help="recent tokens kept by streaming heads")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="file holding the prompt text")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    args = parser.parse_args(argv)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill step")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="weights and cache dtype; auto: float32 on CPU (no fast bf16 matmuls), else bfloat16")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
 
     import duo_jax
-    from duo_jax.model import greedy_reference
-    from duo_jax.tokenizer import require
+
+    if args.dtype == "auto":
+        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
     try:
+        validate_options(sparsity=args.sparsity, sink=args.sink, recent=args.recent,
+                         max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
+                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, attention_impl="auto")
         text = args.prompt if args.prompt is not None else open(args.prompt_file).read()
-        if args.max_new_tokens <= 0:
-            raise duo_jax.DuoJaxError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-        model = duo_jax.load(args.model)
-        tokenizer = require(model.tokenizer, "a text prompt")
-        ids = tokenizer.encode(text)
-        start = time.perf_counter()
-        new = greedy_reference(model.params, model.config, ids, args.max_new_tokens)
-        elapsed = time.perf_counter() - start
+        model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype))
+        out = generate(model, text, pattern=args.pattern, sparsity=args.sparsity, sink=args.sink,
+                       recent=args.recent, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(text + tokenizer.decode(new))
-    print(f"\n[{len(ids)} prompt tokens, {len(new)} new tokens, {elapsed:.1f} s, uncached greedy reference]",
+    print(text + out.text[0])
+    s = out.stats
+    print(f"\nprompt {s['prompt_tokens'][0]} tokens | prefill {s['prefill_s']:.2f} s | decode {s['decode_steps']} steps "
+          f"in {s['decode_s']:.2f} s ({s['decode_tokens_per_s']:.1f} tok/s) | compile {s['compile_s']:.1f} s\n"
+          f"retrieval heads {s['retrieval_heads']}/{s['kv_heads']} | KV cache {s['cache_bytes'] / 2**20:.2f} MiB "
+          f"(full attention: {s['full_cache_bytes'] / 2**20:.2f} MiB, capacity {s['capacity']} tokens)",
           file=sys.stderr)
     return 0
 

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax.cache import CacheLayout, DuoCache, streaming_slot_positions, streaming_write_slots
+from duo_jax import attention
+from duo_jax.cache import CAPACITY_BLOCK, CacheLayout, DuoCache, streaming_slot_positions, streaming_write_slots
 from duo_jax.config import ModelConfig
 from duo_jax.model import (Params, dense_attention, embed, mlp, output_projection, qkv_projection, rms_norm,
                            rope_inv_freq, unembed)
@@ -80,14 +81,27 @@ def _write(cache: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
     return cache.at[batch, slots].set(new.astype(cache.dtype), mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layout", "all_logits"), donate_argnames=("cache",))
+def _retrieval_attention(q, k, v, lengths, new_lengths, impl: str):
+    """Retrieval heads: query t (position lengths + t) sees every cached key up to its own position.
+
+    q [B, T, H_r, E], k / v the full cache [B, C, K_r, E] with this chunk already written."""
+    if q.shape[1] == 1:  # decode: split-K over the cache, skipping blocks past each sequence's length
+        blocks = k.shape[1] // CAPACITY_BLOCK
+        splits = max(d for d in range(1, 17) if blocks % d == 0)  # a divisor: the cache is never padded
+        return attention.decode_attention(q[:, 0], k, v, new_lengths, impl=impl, block_k=CAPACITY_BLOCK,
+                                          num_splits=splits)[:, None]
+    return attention.flash_attention(q, k, v, causal=True, q_offset=lengths, kv_len=new_lengths, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "all_logits", "impl"), donate_argnames=("cache",))
 def extend(params: Params, cache: DuoCache, lengths: jax.Array, tokens: jax.Array, n_valid: jax.Array, *,
-           config: ModelConfig, layout: CacheLayout, all_logits: bool = False):
+           config: ModelConfig, layout: CacheLayout, all_logits: bool = False, impl: str = "auto"):
     """Feed tokens [B, T] at positions lengths[b] + t, of which the first n_valid[b] are real (rest padding).
 
     `params` come from `prepare_params` (heads reordered for the layout's split, layers unstacked). Returns (logits, cache, lengths):
     logits float32 [B, V] at each sequence's last real token ([B, T, V] for every token when all_logits),
-    the updated cache, and lengths + n_valid.
+    the updated cache, and lengths + n_valid. `impl` picks the retrieval heads' attention (see
+    `duo_jax.attention`: Pallas kernels on GPU, the jnp reference elsewhere).
     """
     B, T = tokens.shape
     G, sink, recent = config.group_size, layout.sink, layout.recent
@@ -96,9 +110,7 @@ def extend(params: Params, cache: DuoCache, lengths: jax.Array, tokens: jax.Arra
     new_lengths = lengths + n_valid
     inv_freq = rope_inv_freq(config)
 
-    # Retrieval heads: slot = position; a query sees every slot up to its own position.
-    retrieval_slots = jnp.where(valid, positions, layout.capacity)  # padding is dropped
-    retrieval_mask = jnp.arange(layout.capacity)[None, None, :] <= positions[:, :, None]  # [B, T, C]
+    retrieval_slots = jnp.where(valid, positions, layout.capacity)  # slot = position; padding is dropped
     # Streaming heads: keys are [cache slots, chunk]. The cache holds only sinks and tokens within `recent`
     # of the chunk start, so "j <= i" over valid slots is exactly the Λ-with-chunk rule.
     key_positions = jnp.concatenate([streaming_slot_positions(lengths, sink, recent), positions], axis=1)
@@ -117,7 +129,7 @@ def extend(params: Params, cache: DuoCache, lengths: jax.Array, tokens: jax.Arra
         sk, sv = cache.streaming_k[l], cache.streaming_v[l]
         heads = []
         if n > 0:
-            heads.append(dense_attention(q[:, :, : n * G], rk, rv, retrieval_mask))
+            heads.append(_retrieval_attention(q[:, :, : n * G], rk, rv, lengths, new_lengths, impl))
         if n < layout.num_kv_heads:
             keys = jnp.concatenate([sk, k[:, :, n:].astype(sk.dtype)], axis=1)
             values = jnp.concatenate([sv, v[:, :, n:].astype(sv.dtype)], axis=1)

@@ -147,7 +147,7 @@ class Pattern:
         11/20), so float error cannot flip it. The n heads with the largest gates are chosen; ties go to the
         earlier layer, then the earlier head (a stable sort on -gate in row-major order).
         """
-        exact = _exact_sparsity(sparsity)
+        exact = exact_sparsity(sparsity)
         n_retrieval = math.floor((1 - exact) * self.gates.size + Fraction(1, 2))
         order = np.argsort(-self.gates, axis=None, kind="stable")
         mask = np.zeros(self.gates.size, dtype=bool)
@@ -219,7 +219,7 @@ def _read_meta(path: Path) -> dict[str, Any] | None:
     return meta
 
 
-def _exact_sparsity(sparsity: Any) -> Fraction:
+def exact_sparsity(sparsity: Any) -> Fraction:
     """`sparsity` as an exact fraction of its shortest decimal form; PatternError unless it is a number in [0, 1]."""
     allowed = "sparsity (the fraction of streaming heads) must be a number in [0, 1]"
     value = np.asarray(sparsity)

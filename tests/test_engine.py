@@ -52,7 +52,7 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
     return np.asarray(unembed(params, config, x)[0])
 
 
-def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps):
+def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps, impl="reference"):
     """Chunked prefill then greedy decode through `extend`; returns (all tokens, logits at every position)."""
     layout = make_layout(config, retrieval_mask, sink=sink, recent=recent, context=len(prompt) + decode_steps)
     prepared = prepare_params(params, config, retrieval_mask)
@@ -63,13 +63,13 @@ def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, d
         tokens = np.zeros((1, chunk), np.int32)
         tokens[0, : len(piece)] = piece
         out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
-                                     config=config, layout=layout, all_logits=True)
+                                     config=config, layout=layout, all_logits=True, impl=impl)
         logits.extend(np.asarray(out[0, : len(piece)]))
     sequence = list(prompt)
     for _ in range(decode_steps):
         sequence.append(int(np.argmax(logits[-1])))
         out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
-                                     config=config, layout=layout)
+                                     config=config, layout=layout, impl=impl)
         logits.append(np.asarray(out[0]))
     assert int(lengths[0]) == len(sequence)
     return sequence, np.stack(logits)
@@ -97,6 +97,14 @@ def test_mixed_pattern_matches_reference(params, prompt, chunk):
     # The masks matter: full attention over the same tokens gives clearly different logits.
     full = reference_logits(params, CONFIG, sequence, np.ones_like(MIXED), sink, recent, starts)
     assert np.abs(full - ref).max() > 1e-2
+
+
+def test_pallas_kernels_in_the_engine_match_the_reference(params, prompt):
+    """Retrieval heads through the Pallas flash / split-K decode kernels (interpreted on CPU)."""
+    kwargs = dict(sink=2, recent=5, chunk=7, decode_steps=4)
+    _, kernels = run_engine(params, CONFIG, prompt, MIXED, impl="pallas", **kwargs)
+    _, reference = run_engine(params, CONFIG, prompt, MIXED, impl="reference", **kwargs)
+    np.testing.assert_array_less(np.abs(kernels - reference).max(), 1e-4)
 
 
 def test_sink_zero_and_streaming_only(params, prompt):

@@ -18,7 +18,7 @@ from duo_jax.engine import extend, prepare_params, unstack_layers
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model
 from duo_jax.model import param_shapes
-from duo_jax.pattern import Pattern
+from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.tokenizer import require
 
 
@@ -63,9 +63,25 @@ def _prompt_ids(model: Model, prompts) -> list[list[int]]:
     return ids
 
 
+def validate_options(*, sparsity: float, sink: int, recent: int, max_new_tokens: int, chunk_size: int,
+                     temperature: float, top_p: float, top_k: int, attention_impl: str) -> None:
+    """Clear errors for bad generation options, before any model work (the CLIs call it before loading)."""
+    exact_sparsity(sparsity)
+    if sink < 0 or recent < 0:
+        raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
+    if chunk_size <= 0:
+        raise DuoJaxError(f"chunk_size must be positive, got {chunk_size}")
+    if max_new_tokens <= 0:
+        raise DuoJaxError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise DuoJaxError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    if attention_impl not in ("auto", "pallas", "reference"):
+        raise DuoJaxError(f"attention_impl must be 'auto', 'pallas' or 'reference', got {attention_impl!r}")
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled_extend(config: ModelConfig, layout: CacheLayout, batch: int, chunk: int, dtype: str,
-                     all_logits: bool = False):
+                     impl: str = "auto", all_logits: bool = False):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows."""
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
                            is_leaf=lambda s: isinstance(s, tuple))
@@ -73,8 +89,8 @@ def _compiled_extend(config: ModelConfig, layout: CacheLayout, batch: int, chunk
     cache = jax.eval_shape(lambda: init_cache(layout, batch, dtype))
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
-    return extend.lower(params, cache, ints, tokens, ints, config=config, layout=layout,
-                        all_logits=all_logits).compile()
+    return extend.lower(params, cache, ints, tokens, ints, config=config, layout=layout, all_logits=all_logits,
+                        impl=impl).compile()
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))
@@ -97,7 +113,7 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: floa
 def generate(model: Model, prompts, *, pattern: Pattern | str | None = None, sparsity: float = 0.5,
              sink: int = 64, recent: int = 256, max_new_tokens: int = 128, chunk_size: int = 512,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             stop_at_eos: bool = True, context: int | None = None) -> Generation:
+             stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto") -> Generation:
     """Generate from one or many prompts with DuoAttention.
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ).
@@ -106,15 +122,13 @@ def generate(model: Model, prompts, *, pattern: Pattern | str | None = None, spa
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens.
     chunk_size: prompt tokens processed per prefill step. context: retrieval capacity in tokens (default:
     longest prompt + max_new_tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK).
+    attention_impl: "auto" | "pallas" | "reference" for the retrieval heads (see `duo_jax.attention`).
     """
+    validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
+                     chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,
+                     attention_impl=attention_impl)
     config = model.config
     ids = _prompt_ids(model, prompts)
-    if chunk_size <= 0:
-        raise DuoJaxError(f"chunk_size must be positive, got {chunk_size}")
-    if max_new_tokens <= 0:
-        raise DuoJaxError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise DuoJaxError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0; got {temperature}, {top_p}, {top_k}")
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
     if needed > config.max_position_embeddings:
@@ -138,8 +152,8 @@ def generate(model: Model, prompts, *, pattern: Pattern | str | None = None, spa
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
 
     start = time.perf_counter()
-    prefill_step = _compiled_extend(config, layout, B, chunk, jnp.dtype(dtype).name)
-    decode_step = _compiled_extend(config, layout, B, 1, jnp.dtype(dtype).name)
+    prefill_step = _compiled_extend(config, layout, B, chunk, jnp.dtype(dtype).name, attention_impl)
+    decode_step = _compiled_extend(config, layout, B, 1, jnp.dtype(dtype).name, attention_impl)
     compile_s = time.perf_counter() - start
 
     cache = init_cache(layout, B, dtype)

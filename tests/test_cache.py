@@ -1,0 +1,86 @@
+"""The split cache's layout, byte count and streaming-slot bookkeeping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from duo_jax.cache import (CAPACITY_BLOCK, expected_cache_bytes, full_cache_bytes, init_cache, make_layout,
+                           round_capacity, streaming_slot_positions, streaming_write_slots)
+from duo_jax.config import get_config
+from duo_jax.errors import DuoJaxError
+from duo_jax.pattern import Pattern
+from tests.conftest import tiny_config
+
+
+def simulate_ring(length, sink, recent):
+    """Slot contents after writing positions 0..length-1 one at a time (-1: empty)."""
+    slots = [-1] * (sink + recent)
+    for p in range(length):
+        slots[p if p < sink else sink + (p - sink) % recent] = p
+    return slots
+
+
+@pytest.mark.parametrize("sink, recent", [(0, 3), (2, 5), (4, 1), (3, 8)])
+def test_slot_positions_match_a_simulated_ring(sink, recent):
+    lengths = np.arange(0, 25)
+    got = np.asarray(streaming_slot_positions(jnp.asarray(lengths), sink, recent))
+    np.testing.assert_array_equal(got, [simulate_ring(n, sink, recent) for n in lengths])
+
+
+@pytest.mark.parametrize("start, chunk", [(0, 9), (5, 4), (7, 20), (30, 1)])
+def test_chunk_writes_match_one_at_a_time(start, chunk):
+    sink, recent, n_valid = 2, 5, chunk - 1  # the last token of the chunk is padding
+    positions = jnp.asarray(start + np.arange(chunk))[None]
+    valid = jnp.asarray(np.arange(chunk) < n_valid)[None]
+    slots = np.asarray(streaming_write_slots(positions, valid, jnp.asarray([start + n_valid]), sink, recent))[0]
+    state = simulate_ring(start, sink, recent)
+    for p, slot in zip(range(start, start + chunk), slots):
+        if slot < sink + recent:
+            state[slot] = p
+    assert state == simulate_ring(start + n_valid, sink, recent)
+    kept = slots[slots < sink + recent]
+    assert len(set(kept.tolist())) == len(kept)  # no two tokens race for one slot
+
+
+def test_cache_bytes_equal_the_formula():
+    config = tiny_config(num_layers=3, num_kv_heads=4, num_heads=8)
+    mask = np.array([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0]], bool)
+    layout = make_layout(config, mask, sink=3, recent=7, context=200)
+    assert layout.capacity == round_capacity(200) == 2 * CAPACITY_BLOCK
+    assert layout.num_retrieval == (2, 0, 3)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        cache = init_cache(layout, 2, dtype)
+        size = jnp.dtype(dtype).itemsize
+        assert cache.nbytes == sum(x.nbytes for x in jax.tree.leaves(cache))
+        # batch * 2 * head_dim * bytes * sum_l(n_l * capacity + (K - n_l) * (sink + recent))
+        assert cache.nbytes == 2 * 2 * 16 * size * ((2 + 0 + 3) * 256 + (2 + 4 + 1) * 10)
+        assert cache.nbytes == expected_cache_bytes(layout, 2, size)
+    full = init_cache(make_layout(config, None, sink=3, recent=7, context=200), 2, jnp.float32)
+    assert full.nbytes == full_cache_bytes(config, 2, 200, 4)
+
+
+def test_streaming_partition_does_not_grow_with_the_context():
+    config = tiny_config()
+    mask = np.array([[1, 0], [0, 0]], bool)
+    shapes = [[x.shape for x in init_cache(make_layout(config, mask, sink=4, recent=8, context=n), 1,
+                                           jnp.float32).streaming_k] for n in (10, 1000, 5000)]
+    assert shapes[0] == shapes[1] == shapes[2] == [(1, 12, 1, 16), (1, 12, 2, 16)]
+
+
+def test_llama3_8b_cache_with_the_published_pattern_abstractly():
+    config = get_config("llama3-8b")
+    mask = Pattern.for_model("llama3-8b").retrieval_mask(0.5)
+    assert mask.sum() == 128
+    layout = make_layout(config, mask, sink=64, recent=256, context=131072)
+    cache = jax.eval_shape(lambda: init_cache(layout, 1, jnp.bfloat16))  # shapes only, nothing allocated
+    nbytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert nbytes == expected_cache_bytes(layout, 1, 2)
+    full = full_cache_bytes(config, 1, 131072, 2)
+    assert full == 16 * 2**30  # 128 KiB per token
+    assert 0.50 < nbytes / full < 0.51  # half the heads keep 320 of 131072 tokens
+
+
+def test_bad_windows_are_clear_errors():
+    with pytest.raises(DuoJaxError, match="sink and recent must be >= 0"):
+        make_layout(tiny_config(), None, sink=-1, recent=8, context=10)

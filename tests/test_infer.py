@@ -1,0 +1,52 @@
+"""infer.py: the CLI's output and its one-line errors (exit status 2, no traceback)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import infer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "infer.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+
+
+def test_infer_generate_is_duo_jax_generate():
+    import duo_jax
+
+    assert infer.generate is duo_jax.generate
+
+
+def test_generates_and_prints_stats(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The capital of France is")
+    result = run_cli("--prompt-file", str(prompt), "--max-new-tokens", "4", "--pattern", "default",
+                     "--sparsity", "0.5", "--sink", "4", "--recent", "8")
+    if "ships no default pattern" in result.stderr:  # before the SmolLM2 pattern is trained
+        result = run_cli("--prompt-file", str(prompt), "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is")
+    assert "KV cache" in result.stderr and "tok/s" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3-8b", "--prompt", "hi"], "weights for 'llama3-8b'"),
+    (["--prompt", "hi", "--chunk-size", "0"], "chunk_size must be positive"),
+    (["--prompt", "hi", "--sink", "-1"], "sink and recent must be >= 0"),
+    (["--prompt", "hi", "--pattern", str(ROOT / "configs/patterns/llama3-8b"), "--sparsity", "0.5"],
+     "32x8 .* 30x3"),
+    (["--prompt", "hi", "--sparsity", "1.5"], r"\[0, 1\]"),
+    (["--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context of 8192"),
+    (["--prompt-file", "/nonexistent.txt"], "No such file"),
+])
+def test_errors_are_one_line_with_status_2(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert __import__("re").search(message, lines[0]), lines[0]
