@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -23,3 +23,27 @@ def tiny_config(**overrides) -> ModelConfig:
 @pytest.fixture
 def tiny():
     return tiny_config()
+
+
+class BPETokenizer:
+    """A real byte-level BPE tokenizer (vocab 2000) trained in memory on the start of the essays."""
+
+    def __init__(self):
+        from tokenizers import ByteLevelBPETokenizer
+
+        from duo_jax.data import load_haystack
+
+        self.backend = ByteLevelBPETokenizer()
+        self.backend.train_from_iterator([load_haystack(max_chars=200_000)], vocab_size=2000, show_progress=False)
+
+    def encode(self, text):
+        return self.backend.encode(text).ids
+
+    def decode(self, ids):
+        return self.backend.decode([int(i) for i in ids])
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """Token lengths like a real model's, without loading one."""
+    return BPETokenizer()

@@ -7,29 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import ByteLevelBPETokenizer
 
 from duo_jax.data import DataError, encode, haystack_tokens, load_haystack
 from duo_jax.data import haystack as haystack_module
-
-
-class BPETokenizer:
-    """A real byte-level BPE tokenizer (vocab 2000) trained in memory on the start of the essays."""
-
-    def __init__(self):
-        self.backend = ByteLevelBPETokenizer()
-        self.backend.train_from_iterator([load_haystack(max_chars=200_000)], vocab_size=2000, show_progress=False)
-
-    def encode(self, text):
-        return self.backend.encode(text).ids
-
-    def decode(self, ids):
-        return self.backend.decode([int(i) for i in ids])
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return BPETokenizer()
 
 
 def _essays_dir() -> Path:

@@ -2,33 +2,13 @@
 
 import numpy as np
 import pytest
-from tokenizers import ByteLevelBPETokenizer
 
 from duo_jax.data import (
-    DataError, grid, haystack_tokens, load_haystack, make_needle_prompt, make_passkey_prompt, score_contains,
+    DataError, grid, haystack_tokens, make_needle_prompt, make_passkey_prompt, score_contains,
     score_needle, score_passkey,
 )
 from duo_jax.data.niah import NEEDLE, NEEDLE_SEPARATOR, NEEDLE_TEMPLATE, PASSKEY_SEPARATOR, PASSKEY_TEMPLATE, QUESTION
 from duo_jax.data.niah import SENTENCE_SNAP
-
-
-class BPETokenizer:
-    """A real byte-level BPE tokenizer (vocab 2000) trained in memory on the start of the essays."""
-
-    def __init__(self):
-        self.backend = ByteLevelBPETokenizer()
-        self.backend.train_from_iterator([load_haystack(max_chars=200_000)], vocab_size=2000, show_progress=False)
-
-    def encode(self, text):
-        return self.backend.encode(text).ids
-
-    def decode(self, ids):
-        return self.backend.decode([int(i) for i in ids])
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return BPETokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -2,31 +2,11 @@
 
 import numpy as np
 import pytest
-from tokenizers import ByteLevelBPETokenizer
 
 from duo_jax.data import (
-    DataError, SampleStream, context_lengths, haystack_tokens, load_haystack, make_sample, min_context_len,
+    DataError, SampleStream, context_lengths, haystack_tokens, make_sample, min_context_len,
 )
 from duo_jax.data.passkey import BOOK_PREFIX, BOOK_SUFFIX, NATO_ALPHABET, NEEDLE_TEMPLATE, ORDINALS
-
-
-class BPETokenizer:
-    """A real byte-level BPE tokenizer (vocab 2000) trained in memory on the start of the essays."""
-
-    def __init__(self):
-        self.backend = ByteLevelBPETokenizer()
-        self.backend.train_from_iterator([load_haystack(max_chars=200_000)], vocab_size=2000, show_progress=False)
-
-    def encode(self, text):
-        return self.backend.encode(text).ids
-
-    def decode(self, ids):
-        return self.backend.decode([int(i) for i in ids])
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return BPETokenizer()
 
 
 @pytest.fixture(scope="session")
