@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from duo_jax.generation import generate, validate_options
+from duo_jax.methods import METHODS
 
 __all__ = ["generate", "main"]
 
@@ -19,12 +20,15 @@ __all__ = ["generate", "main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
+    parser.add_argument("--method", choices=METHODS, default=None,
+                        help="KV-cache method (default: duo when --pattern is given, else full)")
     parser.add_argument("--pattern", default=None,
                         help="head pattern: a directory / full_attention_heads.tsv, or 'default' for the model's own; "
                              "omitted: full attention")
     parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of streaming heads (1.0: StreamingLLM)")
-    parser.add_argument("--sink", type=int, default=64, help="attention-sink tokens kept by streaming heads")
-    parser.add_argument("--recent", type=int, default=256, help="recent tokens kept by streaming heads")
+    parser.add_argument("--sink", type=int, default=None,
+                        help="attention-sink tokens kept by streaming heads (duo: 64, streaming_llm: 4)")
+    parser.add_argument("--recent", type=int, default=None, help="recent tokens kept by streaming heads (256)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="file holding the prompt text")
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, attention_impl="auto")
         text = args.prompt if args.prompt is not None else open(args.prompt_file).read()
         model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype))
-        out = generate(model, text, pattern=args.pattern, sparsity=args.sparsity, sink=args.sink,
+        out = generate(model, text, method=args.method, pattern=args.pattern, sparsity=args.sparsity, sink=args.sink,
                        recent=args.recent, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except (duo_jax.DuoJaxError, OSError) as e:
@@ -64,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(text + out.text[0])
     s = out.stats
-    print(f"\nprompt {s['prompt_tokens'][0]} tokens | prefill {s['prefill_s']:.2f} s | decode {s['decode_steps']} steps "
-          f"in {s['decode_s']:.2f} s ({s['decode_tokens_per_s']:.1f} tok/s) | compile {s['compile_s']:.1f} s\n"
-          f"retrieval heads {s['retrieval_heads']}/{s['kv_heads']} | KV cache {s['cache_bytes'] / 2**20:.2f} MiB "
-          f"(full attention: {s['full_cache_bytes'] / 2**20:.2f} MiB, capacity {s['capacity']} tokens)",
-          file=sys.stderr)
+    heads = f"retrieval heads {s['retrieval_heads']}/{s['kv_heads']} | " if "retrieval_heads" in s else ""
+    print(f"\n{s['method']} | prompt {s['prompt_tokens'][0]} tokens | prefill {s['prefill_s']:.2f} s | decode "
+          f"{s['decode_steps']} steps in {s['decode_s']:.2f} s ({s['decode_tokens_per_s']:.1f} tok/s) | "
+          f"compile {s['compile_s']:.1f} s\n{heads}KV cache {s['cache_bytes'] / 2**20:.2f} MiB "
+          f"(full attention: {s['full_cache_bytes'] / 2**20:.2f} MiB)", file=sys.stderr)
     return 0
 
 

@@ -9,7 +9,7 @@ then holds, per layer l with n_l retrieval heads out of K,
       slots [sink, sink + recent): a ring buffer, token at position p >= sink in slot sink + (p - sink) % recent
 
 Layers keep their own arrays, so memory is exact whatever the per-layer split. Keys are cached after RoPE at
-their absolute positions. The capacity C is the context asked for rounded up to `CAPACITY_BLOCK` tokens
+their absolute positions (`duo_jax.methods.duo` reads and writes it). The capacity C is the context asked for rounded up to `CAPACITY_BLOCK` tokens
 (the kernels' key block). How many tokens each sequence holds lives outside the cache, in `lengths` [B].
 """
 
@@ -46,9 +46,6 @@ class CacheLayout:
     def streaming_slots(self) -> int:
         return self.sink + self.recent
 
-    def num_streaming(self, layer: int) -> int:
-        return self.num_kv_heads - self.num_retrieval[layer]
-
 
 def round_capacity(tokens: int) -> int:
     """The retrieval capacity for a context of `tokens`: rounded up to a multiple of `CAPACITY_BLOCK`."""
@@ -69,30 +66,26 @@ def make_layout(config: ModelConfig, retrieval_mask: np.ndarray | None, *, sink:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DuoCache:
-    """Per-layer K/V arrays of both partitions (tuples indexed by layer)."""
+class DuoLayerCache:
+    """One layer's K/V arrays of both partitions."""
 
-    retrieval_k: tuple[jax.Array, ...]  # [B, C, n_l, E]
-    retrieval_v: tuple[jax.Array, ...]
-    streaming_k: tuple[jax.Array, ...]  # [B, sink + recent, K - n_l, E]
-    streaming_v: tuple[jax.Array, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree.leaves(self))
+    retrieval_k: jax.Array  # [B, C, n_l, E]
+    retrieval_v: jax.Array
+    streaming_k: jax.Array  # [B, sink + recent, K - n_l, E]
+    streaming_v: jax.Array
 
 
-def init_cache(layout: CacheLayout, batch: int, dtype) -> DuoCache:
-    """An empty cache (zeros) for `batch` sequences."""
+def init_cache(layout: CacheLayout, batch: int, dtype) -> tuple[DuoLayerCache, ...]:
+    """An empty cache (zeros) for `batch` sequences: one `DuoLayerCache` per layer."""
     E = layout.head_dim
 
     def zeros(slots, heads):
         return jnp.zeros((batch, slots, heads, E), dtype)
 
-    retrieval = [(layout.capacity, n) for n in layout.num_retrieval]
-    streaming = [(layout.streaming_slots, layout.num_streaming(l)) for l in range(layout.num_layers)]
-    return DuoCache(*(tuple(zeros(*shape) for shape in shapes)
-                      for shapes in (retrieval, retrieval, streaming, streaming)))
+    return tuple(DuoLayerCache(zeros(layout.capacity, n), zeros(layout.capacity, n),
+                               zeros(layout.streaming_slots, layout.num_kv_heads - n),
+                               zeros(layout.streaming_slots, layout.num_kv_heads - n))
+                 for n in layout.num_retrieval)
 
 
 def expected_cache_bytes(layout: CacheLayout, batch: int, bytes_per_elem: int) -> int:

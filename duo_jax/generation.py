@@ -1,4 +1,4 @@
-"""Batched generation with a DuoAttention split cache: chunked prefill, then one jitted step per token."""
+"""Batched generation with any KV-cache method: chunked prefill, then one jitted step per token."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax.cache import CacheLayout, expected_cache_bytes, full_cache_bytes, init_cache, make_layout
+from duo_jax.cache import full_cache_bytes
 from duo_jax.config import ModelConfig
-from duo_jax.engine import extend, prepare_params, unstack_layers
+from duo_jax.engine import extend, prepare_params
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model
+from duo_jax.methods import DuoAttention, Method, cache_nbytes, make_method
 from duo_jax.model import param_shapes
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.tokenizer import require
@@ -62,11 +63,11 @@ def _prompt_ids(model: Model, prompts) -> list[list[int]]:
     return ids
 
 
-def validate_options(*, sparsity: float, sink: int, recent: int, max_new_tokens: int, chunk_size: int,
-                     temperature: float, top_p: float, top_k: int, attention_impl: str) -> None:
+def validate_options(*, sparsity: float, sink: int | None, recent: int | None, max_new_tokens: int,
+                     chunk_size: int, temperature: float, top_p: float, top_k: int, attention_impl: str) -> None:
     """Clear errors for bad generation options, before any model work (the CLIs call it before loading)."""
     exact_sparsity(sparsity)
-    if sink < 0 or recent < 0:
+    if (sink or 0) < 0 or (recent or 0) < 0:
         raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
     if chunk_size <= 0:
         raise DuoJaxError(f"chunk_size must be positive, got {chunk_size}")
@@ -79,17 +80,37 @@ def validate_options(*, sparsity: float, sink: int, recent: int, max_new_tokens:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_extend(config: ModelConfig, layout: CacheLayout, batch: int, chunk: int, dtype: str,
-                     impl: str = "auto", all_logits: bool = False):
+def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
+                    impl: str = "auto", all_logits: bool = False):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows."""
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
                            is_leaf=lambda s: isinstance(s, tuple))
-    params = jax.eval_shape(unstack_layers, stacked)
-    cache = jax.eval_shape(lambda: init_cache(layout, batch, dtype))
+    params = jax.eval_shape(lambda p: prepare_params(p, config, method), stacked)
+    cache = jax.eval_shape(lambda: method.init_cache(batch, dtype))
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
-    return extend.lower(params, cache, ints, tokens, ints, config=config, layout=layout, all_logits=all_logits,
+    return extend.lower(params, cache, ints, tokens, ints, config=config, method=method, all_logits=all_logits,
                         impl=impl).compile()
+
+
+def build_method(config: ModelConfig, method: str | Method | None, *, context: int, pattern=None,
+                 sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, **options) -> Method:
+    """The KV-cache method generate() runs: a `Method`, or a name with its options (see `duo_jax.methods`).
+
+    method=None means "duo" when a pattern is given and "full" otherwise. `sink` is StreamingLLM's `start`.
+    """
+    if isinstance(method, Method):
+        return method
+    name = method or ("full" if pattern is None else "duo")
+    windows = {k: v for k, v in dict(sink=sink, recent=recent).items() if v is not None}
+    if name == "duo":
+        options.update(pattern=resolve_pattern(pattern if pattern is not None else "default", config),
+                       sparsity=sparsity, **windows)
+    elif name == "streaming_llm":
+        options.update({"start" if k == "sink" else k: v for k, v in windows.items()})
+    elif pattern is not None:
+        raise DuoJaxError(f"method {name!r} takes no head pattern")
+    return make_method(name, config, context=context, **options)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))
@@ -109,19 +130,22 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: floa
     return jax.random.categorical(key, jnp.where(drop, -jnp.inf, scaled), axis=-1).astype(jnp.int32)
 
 
-def generate(model: Model, prompts, *, pattern: Pattern | str | None = None, sparsity: float = 0.5,
-             sink: int = 64, recent: int = 256, max_new_tokens: int = 128, chunk_size: int = 512,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto") -> Generation:
-    """Generate from one or many prompts with DuoAttention.
+def generate(model: Model, prompts, *, method: str | Method | None = None, pattern: Pattern | str | None = None,
+             sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, max_new_tokens: int = 128,
+             chunk_size: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto",
+             **method_options) -> Generation:
+    """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ).
-    pattern: None (full attention everywhere), a `Pattern`, a path to one, or "default" (the model's own);
-    binarised at `sparsity` (the fraction of streaming heads). sparsity=1 is StreamingLLM.
-    sink / recent: streaming heads keep the first `sink` and the last `recent` tokens.
-    chunk_size: prompt tokens processed per prefill step. context: retrieval capacity in tokens (default:
-    longest prompt + max_new_tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK).
-    attention_impl: "auto" | "pallas" | "reference" for the retrieval heads (see `duo_jax.attention`).
+    method: "full", "duo", "streaming_llm" (see `duo_jax.methods`) or a `Method`; None: "duo" when a
+    pattern is given, else "full".
+    pattern: a `Pattern`, a path to one, or "default" (the model's own); binarised at `sparsity` (the
+    fraction of streaming heads; 1 is StreamingLLM with absolute positions).
+    sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
+    streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
+    tokens (default: longest prompt + max_new_tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK).
+    attention_impl: "auto" | "pallas" | "reference" (see `duo_jax.attention`).
     """
     validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -130,17 +154,16 @@ def generate(model: Model, prompts, *, pattern: Pattern | str | None = None, spa
     ids = _prompt_ids(model, prompts)
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
-    if needed > config.max_position_embeddings:
-        raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
-                          f"model's context of {config.max_position_embeddings} tokens; shorten the prompt or "
-                          "lower max_new_tokens")
     if context is not None and needed > context:
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"cache capacity context={context}; raise context or shorten the prompt")
-    resolved = resolve_pattern(pattern, config)
-    mask = None if resolved is None else resolved.retrieval_mask(sparsity)
-    layout = make_layout(config, mask, sink=sink, recent=recent, context=context or needed)
-    params = prepare_params(model.params, config, mask)
+    kv_method = build_method(config, method, context=context or needed, pattern=pattern, sparsity=sparsity,
+                             sink=sink, recent=recent, **method_options)
+    if kv_method.absolute_positions and needed > config.max_position_embeddings:
+        raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
+                          f"model's context of {config.max_position_embeddings} tokens; shorten the prompt, "
+                          "lower max_new_tokens, or use method='streaming_llm' (re-indexed positions)")
+    params = prepare_params(model.params, config, kv_method)
 
     B, dtype = len(ids), model.params.dtype
     chunk = min(chunk_size, longest)
@@ -151,11 +174,11 @@ def generate(model: Model, prompts, *, pattern: Pattern | str | None = None, spa
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
 
     start = time.perf_counter()
-    prefill_step = _compiled_extend(config, layout, B, chunk, jnp.dtype(dtype).name, attention_impl)
-    decode_step = _compiled_extend(config, layout, B, 1, jnp.dtype(dtype).name, attention_impl)
+    prefill_step = compiled_extend(config, kv_method, B, chunk, jnp.dtype(dtype).name, attention_impl)
+    decode_step = compiled_extend(config, kv_method, B, 1, jnp.dtype(dtype).name, attention_impl)
     compile_s = time.perf_counter() - start
 
-    cache = init_cache(layout, B, dtype)
+    cache = kv_method.init_cache(B, dtype)
     lengths = jnp.zeros((B,), jnp.int32)
     start = time.perf_counter()
     last_logits = jnp.zeros((B, config.vocab_size), jnp.float32)
@@ -194,11 +217,12 @@ def generate(model: Model, prompts, *, pattern: Pattern | str | None = None, spa
         text = [model.tokenizer.decode(row) for row in out]
     bytes_per_elem = jnp.dtype(dtype).itemsize
     stats = dict(
-        prompt_tokens=[len(p) for p in ids], compile_s=compile_s, prefill_s=prefill_s, decode_s=decode_s,
-        decode_steps=steps, decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
-        cache_bytes=int(sum(x.nbytes for x in jax.tree.leaves(cache))),
-        expected_cache_bytes=expected_cache_bytes(layout, B, bytes_per_elem),
-        full_cache_bytes=full_cache_bytes(config, B, layout.capacity, bytes_per_elem),
-        retrieval_heads=sum(layout.num_retrieval), kv_heads=config.num_layers * config.num_kv_heads,
-        capacity=layout.capacity, sink=sink, recent=recent, chunk_size=chunk)
+        method=kv_method.name, prompt_tokens=[len(p) for p in ids], compile_s=compile_s, prefill_s=prefill_s,
+        decode_s=decode_s, decode_steps=steps, decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
+        cache_bytes=cache_nbytes(cache), expected_cache_bytes=kv_method.expected_cache_bytes(B, bytes_per_elem),
+        full_cache_bytes=full_cache_bytes(config, B, context or needed, bytes_per_elem), chunk_size=chunk)
+    if isinstance(kv_method, DuoAttention):
+        layout = kv_method.layout
+        stats.update(retrieval_heads=sum(layout.num_retrieval), kv_heads=config.num_layers * config.num_kv_heads,
+                     capacity=layout.capacity, sink=layout.sink, recent=layout.recent)
     return Generation(out, text, stats)

@@ -149,12 +149,18 @@ def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
     return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
 
 
-def qkv_projection(x: jax.Array, layer: LayerParams, positions: jax.Array, inv_freq: np.ndarray):
-    """Query, key (both rotated at `positions`) and value heads of one layer's normed input x [B, T, D]."""
-    q = apply_rope(jnp.einsum("btd,dhe->bthe", x, layer.wq), positions, inv_freq)  # [B, T, H, E]
-    k = apply_rope(jnp.einsum("btd,dke->btke", x, layer.wk), positions, inv_freq)  # [B, T, K, E]
-    v = jnp.einsum("btd,dke->btke", x, layer.wv)  # [B, T, K, E]
+def project_qkv(x: jax.Array, layer: LayerParams):
+    """Query [B, T, H, E], key and value [B, T, K, E] heads of one layer's normed input x [B, T, D], before RoPE."""
+    q = jnp.einsum("btd,dhe->bthe", x, layer.wq)
+    k = jnp.einsum("btd,dke->btke", x, layer.wk)
+    v = jnp.einsum("btd,dke->btke", x, layer.wv)
     return q, k, v
+
+
+def qkv_projection(x: jax.Array, layer: LayerParams, positions: jax.Array, inv_freq: np.ndarray):
+    """`project_qkv` with queries and keys rotated at absolute `positions` [B, T]."""
+    q, k, v = project_qkv(x, layer)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def output_projection(attn: jax.Array, layer: LayerParams) -> jax.Array:

@@ -1,4 +1,4 @@
-"""The split-cache engine against a dense reference with explicit per-head masks (fp32, random tiny models).
+"""The engine running DuoAttention against a dense reference with explicit per-head masks (fp32, random tiny models).
 
 The reference states DuoAttention's semantics directly: for a query at position i processed in a chunk that
 starts at position c (decode: c = i), a retrieval head sees every key j <= i, a streaming head sees key j
@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 import duo_jax
-from duo_jax.cache import init_cache, make_layout
-from duo_jax.engine import extend, head_order, prepare_params
+from duo_jax.cache import make_layout
+from duo_jax.engine import extend, prepare_params
+from duo_jax.methods import DuoAttention
+from duo_jax.methods.duo import head_order, reorder_heads
 from duo_jax.model import mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq, unembed
 from tests.conftest import tiny_config
 
@@ -55,21 +57,22 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
 def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps, impl="reference"):
     """Chunked prefill then greedy decode through `extend`; returns (all tokens, logits at every position)."""
     layout = make_layout(config, retrieval_mask, sink=sink, recent=recent, context=len(prompt) + decode_steps)
-    prepared = prepare_params(params, config, retrieval_mask)
-    cache, lengths = init_cache(layout, 1, jnp.float32), jnp.zeros((1,), jnp.int32)
+    method = DuoAttention(layout, None if retrieval_mask is None else tuple(map(tuple, retrieval_mask.tolist())))
+    prepared = prepare_params(params, config, method)
+    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
     logits = []
     for start in range(0, len(prompt), chunk):
         piece = prompt[start:start + chunk]
         tokens = np.zeros((1, chunk), np.int32)
         tokens[0, : len(piece)] = piece
         out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
-                                     config=config, layout=layout, all_logits=True, impl=impl)
+                                     config=config, method=method, all_logits=True, impl=impl)
         logits.extend(np.asarray(out[0, : len(piece)]))
     sequence = list(prompt)
     for _ in range(decode_steps):
         sequence.append(int(np.argmax(logits[-1])))
         out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
-                                     config=config, layout=layout, impl=impl)
+                                     config=config, method=method, impl=impl)
         logits.append(np.asarray(out[0]))
     assert int(lengths[0]) == len(sequence)
     return sequence, np.stack(logits)
@@ -131,8 +134,6 @@ def test_head_reordering_preserves_the_model(params):
     mask = np.array([[0, 1], [1, 0], [0, 0], [1, 1]], bool)
     np.testing.assert_array_equal(head_order(mask), [[1, 0], [0, 1], [0, 1], [0, 1]])
     tokens = jnp.asarray(np.arange(10)[None] % CONFIG.vocab_size)
-    from duo_jax.engine import reorder_heads
-
     reordered = reorder_heads(params, CONFIG, mask)
     np.testing.assert_allclose(duo_jax.forward(reordered, CONFIG, tokens), duo_jax.forward(params, CONFIG, tokens),
                                atol=1e-5)

@@ -1,0 +1,82 @@
+"""The interface every KV-cache method implements, and the per-step context the engine hands it.
+
+A method decides three things: how its cache is laid out (`init_cache`), what attention reads from it
+for new tokens (`attend`), and what is kept or evicted as tokens arrive (also `attend`, which returns the
+updated cache). The engine (`duo_jax.engine.extend`) owns everything else: embeddings, projections, norms,
+MLPs, the LM head and the unrolled loop over layers. Methods are frozen dataclasses: hashable, so a method
+is a static argument of the jitted step and its fields (windows, budgets, layouts) are compile-time constants.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from duo_jax.config import ModelConfig
+from duo_jax.model import Params
+
+LayerCache = Any  # a pytree of arrays, one per layer; its shape is the method's business
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What every layer of one `extend` call shares. Built inside the jitted step."""
+
+    positions: jax.Array  # int32 [B, T]: absolute positions of the new tokens (lengths[b] + t)
+    valid: jax.Array  # bool [B, T]: real tokens; False marks padding (ragged batches, the last chunk)
+    lengths: jax.Array  # int32 [B]: tokens cached before this call
+    new_lengths: jax.Array  # int32 [B]: lengths + real new tokens
+    inv_freq: np.ndarray  # RoPE inverse frequencies [E/2] (static)
+    impl: str  # attention implementation for the dispatch: "auto" | "pallas" | "reference"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.positions.shape[1] == 1
+
+
+class Method(abc.ABC):
+    """Base class of KV-cache methods (subclasses are frozen dataclasses)."""
+
+    name = "method"
+    absolute_positions = True  # positions are absolute: a sequence cannot outgrow the model's context
+
+    def prepare_params(self, params: Params, config: ModelConfig) -> Params:
+        """Weights as this method wants them (e.g. heads reordered), still stacked. Default: unchanged."""
+        return params
+
+    @abc.abstractmethod
+    def init_cache(self, batch: int, dtype) -> tuple[LayerCache, ...]:
+        """An empty cache: one pytree per layer."""
+
+    def begin_step(self, step: Step) -> Any:
+        """Values all layers of one step share (masks, write slots). Default: nothing."""
+        return None
+
+    @abc.abstractmethod
+    def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, step: Step,
+               shared: Any) -> tuple[jax.Array, LayerCache]:
+        """Attention of the new tokens for one layer, and that layer's updated cache.
+
+        q [B, T, H, E], k / v [B, T, K, E] before RoPE (a method rotates them where it needs to).
+        Returns the attention output [B, T, H, E] (before the output projection) and the new layer cache.
+        """
+
+    @abc.abstractmethod
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        """The cache's size by formula (tests check it against the arrays)."""
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes held by a cache: the sum of its arrays' sizes."""
+    return int(sum(x.nbytes for x in jax.tree.leaves(cache)))
+
+
+def write_slots(cache: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """cache [B, S, N, E] with new [B, T, N, E] written at slots [B, T]; out-of-range slots are dropped."""
+    batch = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[batch, slots].set(new.astype(cache.dtype), mode="drop")

@@ -1,0 +1,138 @@
+"""DuoAttention: retrieval heads keep every token, streaming heads keep sinks + recent tokens.
+
+Each layer's KV heads are reordered once (`reorder_heads`) so its retrieval heads come first; the split
+cache is `duo_jax.cache`. For T new tokens per sequence:
+
+  retrieval heads: keys written to the full cache, attention over every cached token up to the query;
+  streaming heads: attention over the streaming cache (sinks + the last `recent` tokens before the chunk)
+                   plus the chunk itself (causal), then the chunk is folded into the ring buffer.
+
+So a query at position i in a chunk that starts at position c sees, on a streaming head, key j iff
+j <= i and (j < sink or j >= c - recent). Decode is the chunk of one token (c = i): sinks, the last
+`recent` tokens and itself. Prefill of a streaming head costs O(T * (sink + recent + chunk)), and its cache
+never holds more than sink + recent tokens. Full attention is this method with every head a retrieval head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from duo_jax import attention
+from duo_jax.cache import (CAPACITY_BLOCK, CacheLayout, DuoLayerCache, expected_cache_bytes, init_cache,
+                           streaming_slot_positions, streaming_write_slots)
+from duo_jax.config import ModelConfig
+from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.model import Params, apply_rope, dense_attention
+
+
+def head_order(retrieval_mask: np.ndarray) -> np.ndarray:
+    """Per layer, KV head indices with the retrieval heads first (each group in original order): [L, K]."""
+    mask = np.asarray(retrieval_mask, bool)
+    return np.stack([np.concatenate([np.flatnonzero(m), np.flatnonzero(~m)]) for m in mask])
+
+
+def reorder_heads(params: Params, config: ModelConfig, retrieval_mask: np.ndarray | None) -> Params:
+    """Permute each layer's q/k/v output heads and o_proj input heads so its retrieval heads come first.
+
+    The model computes the same function; only the head order changes, so the two head groups become
+    contiguous slices. A query head moves with its KV head (GQA groups stay together).
+    """
+    if retrieval_mask is None:
+        return params
+    kv_order = head_order(retrieval_mask)  # [L, K]
+    G = config.group_size
+    q_order = (kv_order[:, :, None] * G + np.arange(G)).reshape(config.num_layers, config.num_heads)  # [L, H]
+    take_heads = jax.vmap(lambda w, order: w[:, order])  # per layer, index the head axis of [D, heads, E]
+    layers = dataclasses.replace(
+        params.layers,
+        wq=take_heads(params.layers.wq, q_order),
+        wk=take_heads(params.layers.wk, kv_order),
+        wv=take_heads(params.layers.wv, kv_order),
+        wo=jax.vmap(lambda w, order: w[order])(params.layers.wo, q_order),  # [H, E, D]
+    )
+    return dataclasses.replace(params, layers=layers)
+
+
+def retrieval_attention(q, k, v, step: Step) -> jax.Array:
+    """Query t (position lengths + t) sees every cached key up to its own position.
+
+    q [B, T, H_r, E], k / v the full cache [B, C, K_r, E] with this chunk already written."""
+    if step.is_decode:  # split-K over the cache, skipping blocks past each sequence's length
+        blocks = k.shape[1] // CAPACITY_BLOCK
+        splits = max(d for d in range(1, 17) if blocks % d == 0)  # a divisor: the cache is never padded
+        return attention.decode_attention(q[:, 0], k, v, step.new_lengths, impl=step.impl, block_k=CAPACITY_BLOCK,
+                                          num_splits=splits)[:, None]
+    return attention.flash_attention(q, k, v, causal=True, q_offset=step.lengths, kv_len=step.new_lengths,
+                                     impl=step.impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingWindow:
+    """Per-step bookkeeping of a sink + ring-buffer cache, shared by every layer."""
+
+    key_positions: jax.Array  # int32 [B, S + T]: absolute position of each cache slot, then each new token
+    mask: jax.Array  # bool [B, T, S + T]: which of those keys each new token sees
+    write_slots: jax.Array  # int32 [B, T]: ring slot of each new token (out of range: not kept)
+
+    @classmethod
+    def build(cls, step: Step, sink: int, recent: int) -> "StreamingWindow":
+        slots = sink + recent
+        # Keys are [cache slots, chunk]. The cache holds only sinks and tokens within `recent` of the
+        # chunk start, so "j <= i" over valid slots is exactly the Λ-with-chunk rule.
+        key_positions = jnp.concatenate([streaming_slot_positions(step.lengths, sink, recent), step.positions], 1)
+        key_valid = jnp.concatenate([key_positions[:, :slots] >= 0, step.valid], axis=1)
+        mask = key_valid[:, None, :] & (key_positions[:, None, :] <= step.positions[:, :, None])
+        write = streaming_write_slots(step.positions, step.valid, step.new_lengths, sink, recent)
+        return cls(key_positions, mask, write)
+
+
+@dataclasses.dataclass(frozen=True)
+class DuoShared:
+    retrieval_slots: jax.Array  # int32 [B, T]: slot = position; padding goes out of range (dropped)
+    window: StreamingWindow
+
+
+@dataclasses.dataclass(frozen=True)
+class DuoAttention(Method):
+    """DuoAttention with a fixed retrieval / streaming split (`layout.num_retrieval` heads per layer)."""
+
+    layout: CacheLayout
+    retrieval_mask: tuple[tuple[bool, ...], ...] | None = None  # [L][K]; None: every head retrieval
+
+    name = "duo"
+
+    def prepare_params(self, params: Params, config: ModelConfig) -> Params:
+        mask = None if self.retrieval_mask is None else np.array(self.retrieval_mask, bool)
+        return reorder_heads(params, config, mask)
+
+    def init_cache(self, batch: int, dtype) -> tuple[DuoLayerCache, ...]:
+        return init_cache(self.layout, batch, dtype)
+
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        return expected_cache_bytes(self.layout, batch, bytes_per_elem)
+
+    def begin_step(self, step: Step) -> DuoShared:
+        return DuoShared(jnp.where(step.valid, step.positions, self.layout.capacity),
+                         StreamingWindow.build(step, self.layout.sink, self.layout.recent))
+
+    def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
+        n = self.layout.num_retrieval[layer]
+        G = q.shape[2] // k.shape[2]
+        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        rk = write_slots(cache.retrieval_k, shared.retrieval_slots, k[:, :, :n])
+        rv = write_slots(cache.retrieval_v, shared.retrieval_slots, v[:, :, :n])
+        sk, sv = cache.streaming_k, cache.streaming_v
+        heads = []
+        if n > 0:
+            heads.append(retrieval_attention(q[:, :, : n * G], rk, rv, step))
+        if n < self.layout.num_kv_heads:
+            keys = jnp.concatenate([sk, k[:, :, n:].astype(sk.dtype)], axis=1)
+            values = jnp.concatenate([sv, v[:, :, n:].astype(sv.dtype)], axis=1)
+            heads.append(dense_attention(q[:, :, n * G:], keys, values, shared.window.mask))
+        sk = write_slots(sk, shared.window.write_slots, k[:, :, n:])
+        sv = write_slots(sv, shared.window.write_slots, v[:, :, n:])
+        return jnp.concatenate(heads, axis=2), DuoLayerCache(rk, rv, sk, sv)

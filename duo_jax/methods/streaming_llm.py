@@ -1,0 +1,76 @@
+"""StreamingLLM with its own position handling: attention sinks + a rolling window, positions re-indexed.
+
+Every head keeps the first `start` tokens and the last `recent` ones (the same sink + ring-buffer cache as
+DuoAttention's streaming heads), but keys are cached *before* RoPE and rotated by their place in the cache
+at every step: the cache is numbered 0, 1, ... in chronological order (sinks first, then the ring oldest
+first) and the new tokens continue that numbering. Positions therefore never exceed start + recent + chunk,
+so a stream can run past the model's trained context. (DuoAttention's streaming heads instead keep absolute
+positions: `duo` with sparsity 1.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.duo import StreamingWindow
+from duo_jax.model import apply_rope, dense_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StreamingLayerCache:
+    k: jax.Array  # [B, start + recent, K, E], before RoPE
+    v: jax.Array  # [B, start + recent, K, E]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingShared:
+    window: StreamingWindow
+    key_rope_positions: jax.Array  # int32 [B, S + T]: cache-order position of each slot, then each new token
+    query_rope_positions: jax.Array  # int32 [B, T]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(Method):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    start: int = 4
+    recent: int = 256
+
+    name = "streaming_llm"
+    absolute_positions = False  # re-indexed: generation may run past the trained context
+
+    def init_cache(self, batch: int, dtype) -> tuple[StreamingLayerCache, ...]:
+        shape = (batch, self.start + self.recent, self.num_kv_heads, self.head_dim)
+        return tuple(StreamingLayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                     for _ in range(self.num_layers))
+
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        return batch * 2 * self.num_layers * self.num_kv_heads * (self.start + self.recent) * self.head_dim * bytes_per_elem
+
+    def begin_step(self, step: Step) -> StreamingShared:
+        window = StreamingWindow.build(step, self.start, self.recent)
+        slots = self.start + self.recent
+        slot_pos = window.key_positions[:, :slots]  # absolute positions, -1 where empty
+        # Chronological rank of each cached token: sinks keep their index; the ring's tokens are the
+        # consecutive positions [oldest, lengths), numbered after the sinks.
+        num_sinks = jnp.minimum(step.lengths, self.start)[:, None]
+        oldest = jnp.maximum(self.start, step.lengths - self.recent)[:, None]
+        slot_rank = jnp.where(slot_pos < self.start, slot_pos, num_sinks + slot_pos - oldest)
+        num_cached = jnp.sum(slot_pos >= 0, axis=1, keepdims=True)
+        new_rank = num_cached + jnp.arange(step.positions.shape[1])[None, :]  # [B, T]
+        return StreamingShared(window, jnp.concatenate([jnp.maximum(slot_rank, 0), new_rank], axis=1), new_rank)
+
+    def attend(self, layer, q, k, v, cache: StreamingLayerCache, step: Step, shared: StreamingShared):
+        keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1)  # [B, S + T, K, E], before RoPE
+        values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
+        q = apply_rope(q, shared.query_rope_positions, step.inv_freq)
+        keys = apply_rope(keys, shared.key_rope_positions, step.inv_freq)
+        out = dense_attention(q, keys, values, shared.window.mask)
+        return out, StreamingLayerCache(write_slots(cache.k, shared.window.write_slots, k),
+                                        write_slots(cache.v, shared.window.write_slots, v))

@@ -1,0 +1,109 @@
+"""StreamingLLM (sinks + rolling window, positions re-indexed in the cache) against a float64 numpy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax.engine import extend, prepare_params
+from duo_jax.errors import DuoJaxError
+from duo_jax.generation import generate
+from duo_jax.methods import StreamingLLM, cache_nbytes, make_method
+from duo_jax.model import mlp, output_projection, project_qkv, rms_norm, rope_inv_freq, unembed
+from tests.conftest import tiny_config
+
+CONFIG = tiny_config(max_position_embeddings=64)
+START, RECENT = 2, 4
+
+
+def rope64(x, position, inv_freq):
+    """x [E] rotated at one integer position, float64, half-split layout."""
+    angle = position * inv_freq.astype(np.float64)
+    x1, x2 = np.split(x, 2)
+    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)])
+
+
+def reference_logits(params, tokens, chunk_starts):
+    """Query i in a chunk starting at c sees keys j <= i with j < START or j >= c - RECENT. Positions are
+    re-indexed: the visible keys before the chunk are numbered 0, 1, ... in order, the chunk continues."""
+    T = len(tokens)
+    inv_freq = rope_inv_freq(CONFIG)
+    x = params.embed[jnp.asarray(tokens)][None]
+    for l in range(CONFIG.num_layers):
+        layer = jax.tree.map(lambda w: w[l], params.layers)
+        q, k, v = (np.asarray(a[0], np.float64) for a in project_qkv(rms_norm(x, layer.attn_norm, 1e-5), layer))
+        out = np.zeros_like(q)
+        for i in range(T):
+            c = chunk_starts[i]
+            before = [j for j in range(c) if j < START or j >= c - RECENT]
+            visible = before + list(range(c, i + 1))
+            key_pos = {j: r for r, j in enumerate(before)} | {j: len(before) + j - c for j in range(c, i + 1)}
+            for h in range(CONFIG.num_heads):
+                kv = h // CONFIG.group_size
+                qi = rope64(q[i, h], len(before) + i - c, inv_freq)
+                scores = np.array([qi @ rope64(k[j, kv], key_pos[j], inv_freq) for j in visible])
+                p = np.exp(scores / np.sqrt(CONFIG.head_dim) - (scores / np.sqrt(CONFIG.head_dim)).max())
+                out[i, h] = (p / p.sum()) @ v[visible, kv]
+        x = x + output_projection(jnp.asarray(out[None], jnp.float32), layer)
+        x = x + mlp(rms_norm(x, layer.mlp_norm, 1e-5), layer)
+    return np.asarray(unembed(params, CONFIG, x)[0])
+
+
+@pytest.fixture(scope="module")
+def params():
+    return duo_jax.init_params(CONFIG, jax.random.key(3), scale=0.2)
+
+
+def test_matches_the_reindexed_reference(params):
+    prompt = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 19).tolist()
+    chunk, steps = 5, 8
+    method = make_method("streaming_llm", CONFIG, context=64, start=START, recent=RECENT)
+    prepared = prepare_params(params, CONFIG, method)
+    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
+    logits = []
+    for s in range(0, len(prompt), chunk):
+        piece = prompt[s:s + chunk]
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, : len(piece)] = piece
+        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
+                                     config=CONFIG, method=method, all_logits=True)
+        logits.extend(np.asarray(out[0, : len(piece)]))
+    sequence = list(prompt)
+    for _ in range(steps):
+        sequence.append(int(np.argmax(logits[-1])))
+        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
+                                     config=CONFIG, method=method)
+        logits.append(np.asarray(out[0]))
+    starts = [(i // chunk) * chunk if i < len(prompt) else i for i in range(len(sequence))]
+    ref = reference_logits(params, sequence, starts)
+    np.testing.assert_array_less(np.abs(np.stack(logits) - ref).max(), 1e-4)
+    assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4) == 2 * 2 * 2 * 6 * 16 * 4
+
+
+def test_reindexing_differs_from_absolute_positions_and_outlives_the_context(params):
+    prompt = list(range(1, 41))
+    kwargs = dict(max_new_tokens=40, chunk_size=8, stop_at_eos=False, sink=START, recent=RECENT)
+    streaming = generate(duo_jax.Model(CONFIG, params, None, "random"), prompt, method="streaming_llm", **kwargs)
+    assert len(streaming.tokens[0]) == 40  # 80 tokens on a model trained for 64
+    assert streaming.stats["cache_bytes"] == StreamingLLM(2, 2, 16, START, RECENT).expected_cache_bytes(1, 4)
+    with pytest.raises(DuoJaxError, match="exceeds the model's context of 64.*streaming_llm"):
+        generate(duo_jax.Model(CONFIG, params, None, "random"), prompt, method="full", **{
+            k: v for k, v in kwargs.items() if k not in ("sink", "recent")})
+    short = dict(kwargs, max_new_tokens=10)
+    absolute = generate(duo_jax.Model(CONFIG, params, None, "random"), prompt[:30],
+                        pattern=duo_jax.Pattern.full(2, 2), sparsity=1.0, **short)
+    reindexed = generate(duo_jax.Model(CONFIG, params, None, "random"), prompt[:30], method="streaming_llm", **short)
+    assert absolute.tokens != reindexed.tokens
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("h3o", {}, "unknown method 'h3o'"),
+    ("streaming_llm", {"sparsity": 0.5}, "does not take sparsity"),
+    ("streaming_llm", {"start": -1}, "start and recent must be >= 0"),
+    ("duo", {}, "needs a head pattern"),
+    ("full", {"recent": 3}, "does not take recent"),
+])
+def test_method_errors(name, options, message):
+    with pytest.raises(DuoJaxError, match=message):
+        make_method(name, CONFIG, context=32, **options)
