@@ -175,7 +175,6 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
 
     start = time.perf_counter()
     prefill_step = compiled_extend(config, kv_method, B, chunk, jnp.dtype(dtype).name, attention_impl)
-    decode_step = compiled_extend(config, kv_method, B, 1, jnp.dtype(dtype).name, attention_impl)
     compile_s = time.perf_counter() - start
 
     cache = kv_method.init_cache(B, dtype)
@@ -187,11 +186,16 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
         logits, cache, lengths = prefill_step(params, cache, lengths, jnp.asarray(padded[:, c * chunk:(c + 1) * chunk]),
                                               jnp.asarray(n_valid))
         last_logits = jnp.where(jnp.asarray(n_valid > 0)[:, None], logits, last_logits)
+    kv_method, cache = kv_method.after_prefill(cache, lengths)
     key = jax.random.key(seed)
     sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
     token = sample(last_logits, jax.random.fold_in(key, 0), **sampling)
     token.block_until_ready()
     prefill_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    decode_step = compiled_extend(config, kv_method, B, 1, jnp.dtype(dtype).name, attention_impl)
+    compile_s += time.perf_counter() - start
 
     eos = np.array(config.eos_token_ids or [-1])
     new_tokens = [np.asarray(token)]

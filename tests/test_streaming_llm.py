@@ -107,3 +107,18 @@ def test_reindexing_differs_from_absolute_positions_and_outlives_the_context(par
 def test_method_errors(name, options, message):
     with pytest.raises(DuoJaxError, match=message):
         make_method(name, CONFIG, context=32, **options)
+
+
+def test_kv_budget_sets_comparable_windows():
+    from duo_jax.methods import duo_sparsity_for_budget
+
+    streaming = make_method("streaming_llm", CONFIG, context=64, kv_budget=20)
+    assert (streaming.start, streaming.recent) == (4, 16)
+    # duo at context 1000 with 64 + 256 windows: half the heads full gives (1000 + 320) / 2 = 660 per head.
+    assert duo_sparsity_for_budget(660, context=1000, window=320) == pytest.approx(0.5)
+    assert duo_sparsity_for_budget(100, context=1000, window=320) == 1.0
+    duo = make_method("duo", CONFIG, context=1000, pattern=duo_jax.Pattern(np.arange(4.0).reshape(2, 2)),
+                      kv_budget=660)
+    assert sum(duo.layout.num_retrieval) == 2
+    with pytest.raises(DuoJaxError, match="kv_budget"):
+        make_method("streaming_llm", CONFIG, context=64, kv_budget=0)

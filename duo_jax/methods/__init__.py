@@ -20,17 +20,20 @@ from duo_jax.methods.streaming_llm import StreamingLLM
 from duo_jax.pattern import Pattern
 
 METHODS = ("full", "duo", "streaming_llm")
-_OPTIONS = {"full": set(), "duo": {"pattern", "sparsity", "sink", "recent"},
-            "streaming_llm": {"start", "recent"}}
+_OPTIONS = {"full": set(), "duo": {"pattern", "sparsity", "sink", "recent", "kv_budget"},
+            "streaming_llm": {"start", "recent", "kv_budget"}}
 
-__all__ = ["METHODS", "DuoAttention", "Method", "Step", "StreamingLLM", "cache_nbytes", "make_method"]
+__all__ = ["METHODS", "DuoAttention", "Method", "Step", "StreamingLLM", "cache_nbytes", "duo_sparsity_for_budget",
+           "make_method"]
 
 
 def make_method(name: str, config: ModelConfig, *, context: int, **options) -> Method:
     """The method `name` for `config` with a retrieval capacity of `context` tokens.
 
     Options (each method takes only its own): duo: pattern (a `Pattern` already validated against the
-    model), sparsity, sink, recent; streaming_llm: start, recent.
+    model), sparsity, sink, recent; streaming_llm: start, recent. `kv_budget` (average tokens kept per
+    KV head at `context` tokens) makes budgets comparable across methods: duo then picks the sparsity whose
+    mix r * context + (1 - r) * (sink + recent) meets it, streaming_llm sets recent = kv_budget - start.
     """
     if name not in METHODS:
         raise DuoJaxError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
@@ -40,15 +43,30 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
         raise DuoJaxError(f"method {name!r} does not take {', '.join(sorted(unknown))} (its options: {allowed})")
     if name == "full":
         return DuoAttention(make_layout(config, None, sink=0, recent=0, context=context))
+    budget = options.get("kv_budget")
+    if budget is not None and not 0 < budget:
+        raise DuoJaxError(f"kv_budget (tokens kept per KV head) must be positive, got {budget}")
     if name == "duo":
         pattern: Pattern | None = options.get("pattern")
         if pattern is None:
             raise DuoJaxError("method 'duo' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
-        mask = pattern.retrieval_mask(options.get("sparsity", 0.5))
-        layout = make_layout(config, mask, sink=options.get("sink", 64), recent=options.get("recent", 256),
-                             context=context)
+        sink, recent = options.get("sink", 64), options.get("recent", 256)
+        sparsity = options.get("sparsity", 0.5) if budget is None else duo_sparsity_for_budget(
+            budget, context=context, window=sink + recent)
+        mask = pattern.retrieval_mask(sparsity)
+        layout = make_layout(config, mask, sink=sink, recent=recent, context=context)
         return DuoAttention(layout, tuple(map(tuple, np.asarray(mask, bool).tolist())))
-    start, recent = options.get("start", 4), options.get("recent", 256)
+    start = options.get("start", 4)
+    recent = options.get("recent", 256) if budget is None else budget - start
     if start < 0 or recent < 0:
         raise DuoJaxError(f"start and recent must be >= 0, got start={start}, recent={recent}")
     return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent)
+
+
+def duo_sparsity_for_budget(kv_budget: float, *, context: int, window: int) -> float:
+    """The sparsity at which DuoAttention keeps `kv_budget` tokens per KV head on average at `context` tokens:
+    retrieval fraction r with r * context + (1 - r) * window = kv_budget (clipped to [0, 1])."""
+    if context <= window:
+        return 1.0  # streaming heads already hold the whole context
+    r = (kv_budget - window) / (context - window)
+    return float(1.0 - min(max(r, 0.0), 1.0))

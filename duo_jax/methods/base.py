@@ -66,6 +66,11 @@ class Method(abc.ABC):
         Returns the attention output [B, T, H, E] (before the output projection) and the new layer cache.
         """
 
+    def after_prefill(self, cache: tuple[LayerCache, ...], lengths: jax.Array) -> tuple["Method", tuple]:
+        """Called once between prefill and decode: the method and cache decoding continues with (a method
+        that compresses its cache after prefill, like SnapKV, returns a smaller one). Default: unchanged."""
+        return self, cache
+
     @abc.abstractmethod
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         """The cache's size by formula (tests check it against the arrays)."""
