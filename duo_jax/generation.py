@@ -110,6 +110,8 @@ def build_method(config: ModelConfig, method: str | Method | None, *, context: i
         options.update({"start" if k == "sink" else k: v for k, v in windows.items()})
     elif pattern is not None:
         raise DuoJaxError(f"method {name!r} takes no head pattern")
+    else:
+        options.update(windows)  # make_method rejects a window the method does not have
     return make_method(name, config, context=context, **options)
 
 

@@ -5,6 +5,8 @@
   duo            DuoAttention: a head pattern binarised at `sparsity`; retrieval heads full, streaming
                  heads `sink` + `recent` tokens (absolute positions)
   streaming_llm  StreamingLLM: every head keeps `start` sinks + `recent` tokens, positions re-indexed
+  h2o            heavy hitters by accumulated attention + the `recent` newest tokens, `kv_budget` per head
+  tova           the tokens the newest query attends to most (layer-wide), `kv_budget` per head
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, cache_nbytes
 from duo_jax.methods.duo import DuoAttention
+from duo_jax.methods.eviction import H2O, TOVA
 from duo_jax.methods.streaming_llm import StreamingLLM
 from duo_jax.pattern import Pattern
 
-METHODS = ("full", "duo", "streaming_llm")
+METHODS = ("full", "duo", "streaming_llm", "h2o", "tova")
 _OPTIONS = {"full": set(), "duo": {"pattern", "sparsity", "sink", "recent", "kv_budget"},
-            "streaming_llm": {"start", "recent", "kv_budget"}}
+            "streaming_llm": {"start", "recent", "kv_budget"}, "h2o": {"kv_budget", "recent"},
+            "tova": {"kv_budget"}}
 
-__all__ = ["METHODS", "DuoAttention", "Method", "Step", "StreamingLLM", "cache_nbytes", "duo_sparsity_for_budget",
+__all__ = ["H2O", "METHODS", "TOVA", "DuoAttention", "Method", "Step", "StreamingLLM", "cache_nbytes", "duo_sparsity_for_budget",
            "make_method"]
 
 
@@ -31,7 +35,8 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
     """The method `name` for `config` with a retrieval capacity of `context` tokens.
 
     Options (each method takes only its own): duo: pattern (a `Pattern` already validated against the
-    model), sparsity, sink, recent; streaming_llm: start, recent. `kv_budget` (average tokens kept per
+    model), sparsity, sink, recent; streaming_llm: start, recent; h2o: kv_budget (required), recent
+    (default kv_budget // 2, the paper's equal split); tova: kv_budget (required). `kv_budget` (average tokens kept per
     KV head at `context` tokens) makes budgets comparable across methods: duo then picks the sparsity whose
     mix r * context + (1 - r) * (sink + recent) meets it, streaming_llm sets recent = kv_budget - start.
     """
@@ -56,11 +61,21 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
         mask = pattern.retrieval_mask(sparsity)
         layout = make_layout(config, mask, sink=sink, recent=recent, context=context)
         return DuoAttention(layout, tuple(map(tuple, np.asarray(mask, bool).tolist())))
+    dims = (config.num_layers, config.num_kv_heads, config.head_dim)
+    if name in ("h2o", "tova"):
+        if budget is None:
+            raise DuoJaxError(f"method {name!r} needs kv_budget (tokens kept per KV head)")
+        if name == "tova":
+            return TOVA(*dims, int(budget))
+        recent = options.get("recent", int(budget) // 2)
+        if not 0 <= recent <= budget:
+            raise DuoJaxError(f"h2o's recent window must lie in [0, kv_budget={budget}], got {recent}")
+        return H2O(*dims, int(budget), recent)
     start = options.get("start", 4)
     recent = options.get("recent", 256) if budget is None else budget - start
     if start < 0 or recent < 0:
         raise DuoJaxError(f"start and recent must be >= 0, got start={start}, recent={recent}")
-    return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent)
+    return StreamingLLM(*dims, start, recent)
 
 
 def duo_sparsity_for_budget(kv_budget: float, *, context: int, window: int) -> float:

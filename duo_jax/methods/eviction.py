@@ -1,0 +1,127 @@
+"""Score-based eviction with a fixed-size cache: H2O (heavy hitters) and TOVA.
+
+Both keep `budget` tokens per KV head. For each prefill chunk or decode token, the new tokens attend to
+the kept tokens plus the chunk itself (causal), exactly; then the cache keeps `budget` of those candidates
+and evicts the rest:
+
+  H2O  scores each token by the attention it has received so far (summed over the queries and over the
+       query heads of its KV head); keeps the `recent` newest tokens plus the `budget - recent` highest
+       scores among the others. Per KV head.
+  TOVA scores each token by the attention the newest query pays it, averaged over all query heads of the
+       layer; keeps the `budget` highest. Per layer (every head keeps the same tokens).
+
+A chunk larger than one token evicts once after the whole chunk, so a prefill with chunk_size >= the
+prompt is exact and compresses once at its end (as the DuoAttention paper runs these baselines), while
+smaller chunks bound memory. Keys are cached after RoPE at absolute positions. The cache also holds each
+slot's position (int32) and score (float32), counted in its bytes. Attention probabilities are
+materialised (dense jnp), which is what these methods need and what flash kernels do not give.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from duo_jax.methods.base import Method, Step
+from duo_jax.model import apply_rope
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EvictionLayerCache:
+    k: jax.Array  # [B, K, N, E]: slot s of KV head h holds the token at positions[b, h, s]
+    v: jax.Array  # [B, K, N, E]
+    positions: jax.Array  # int32 [B, K, N], -1 where empty
+    scores: jax.Array  # float32 [B, K, N]: H2O's accumulated attention (unused by TOVA)
+
+
+def attention_probs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
+    """q [B, T, H, E], per-head keys k / v [B, K, S, E], mask [B, K, T, S] -> (out [B, T, H, E],
+    probs float32 [B, K, G, T, S]). Rows with no visible key give zeros."""
+    B, T, H, E = q.shape
+    K = k.shape[1]
+    q = q.reshape(B, T, K, H // K, E)
+    scores = jnp.einsum("btkge,bkse->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(E)
+    scores = jnp.where(mask[:, :, None], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("bkgts,bkse->btkge", probs.astype(v.dtype), v)
+    return out.reshape(B, T, H, E), probs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Eviction(Method):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    budget: int
+
+    def init_cache(self, batch: int, dtype) -> tuple[EvictionLayerCache, ...]:
+        slots = (batch, self.num_kv_heads, self.budget)
+        return tuple(EvictionLayerCache(jnp.zeros(slots + (self.head_dim,), dtype),
+                                        jnp.zeros(slots + (self.head_dim,), dtype),
+                                        jnp.full(slots, -1, jnp.int32), jnp.zeros(slots, jnp.float32))
+                     for _ in range(self.num_layers))
+
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        per_slot = 2 * self.head_dim * bytes_per_elem + 4 + 4  # K, V, position, score
+        return batch * self.num_layers * self.num_kv_heads * self.budget * per_slot
+
+    @abc.abstractmethod
+    def priority(self, positions: jax.Array, scores: jax.Array, probs: jax.Array, step: Step) -> jax.Array:
+        """Keep priority [B, K, N + T] of each candidate (higher is kept first). positions [B, K, N + T]
+        (-1: empty), scores: H2O's accumulated attention, probs [B, K, G, T, N + T] of this step."""
+
+    def attend(self, layer, q, k, v, cache: EvictionLayerCache, step: Step, shared):
+        q = apply_rope(q, step.positions, step.inv_freq)
+        k = apply_rope(k, step.positions, step.inv_freq)
+        B, T = step.positions.shape
+        K = self.num_kv_heads
+        # Candidates: the kept tokens, then this step's tokens. [B, K, N + T, ...]
+        keys = jnp.concatenate([cache.k, jnp.swapaxes(k, 1, 2).astype(cache.k.dtype)], axis=2)
+        values = jnp.concatenate([cache.v, jnp.swapaxes(v, 1, 2).astype(cache.v.dtype)], axis=2)
+        new_positions = jnp.broadcast_to(jnp.where(step.valid, step.positions, -1)[:, None], (B, K, T))
+        positions = jnp.concatenate([cache.positions, new_positions], axis=2)
+        visible = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= step.positions[:, None, :, None])
+        out, probs = attention_probs(q, keys, values, visible)  # probs [B, K, G, T, N + T]
+        received = jnp.einsum("bkgts,bt->bks", probs, step.valid.astype(jnp.float32))
+        scores = jnp.concatenate([cache.scores, jnp.zeros((B, K, T), jnp.float32)], axis=2) + received
+        priority = jnp.where(positions >= 0, self.priority(positions, scores, probs, step), -jnp.inf)
+        kept_priority, kept = jax.lax.top_k(priority, self.budget)  # [B, K, N]
+
+        def take(x):
+            index = kept.reshape(kept.shape + (1,) * (x.ndim - 3))
+            return jnp.take_along_axis(x, index, axis=2)
+
+        return out, EvictionLayerCache(take(keys), take(values),
+                                       jnp.where(kept_priority > -jnp.inf, take(positions), -1), take(scores))
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(_Eviction):
+    """Heavy hitters (highest accumulated attention) + the `recent` newest tokens, per KV head."""
+
+    recent: int = 0
+
+    name = "h2o"
+
+    def priority(self, positions, scores, probs, step):
+        is_recent = positions >= step.new_lengths[:, None, None] - self.recent
+        return jnp.where(is_recent, jnp.inf, scores)
+
+
+@dataclasses.dataclass(frozen=True)
+class TOVA(_Eviction):
+    """The tokens the newest query attends to most, averaged over the layer's heads (same for every head)."""
+
+    name = "tova"
+
+    def priority(self, positions, scores, probs, step):
+        newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)  # [B]: the last real query of this step
+        last = jnp.take_along_axis(probs, newest[:, None, None, None, None], axis=3)[:, :, :, 0]  # [B, K, G, S]
+        return jnp.broadcast_to(jnp.mean(last, axis=(1, 2))[:, None], positions.shape)

@@ -1,0 +1,138 @@
+"""H2O and TOVA against a float64 numpy simulation of their eviction rules on a tiny random model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax.engine import extend, prepare_params
+from duo_jax.errors import DuoJaxError
+from duo_jax.generation import generate
+from duo_jax.methods import cache_nbytes, make_method
+from duo_jax.model import mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq, unembed
+from tests.conftest import tiny_config
+
+CONFIG = tiny_config()
+
+
+def softmax64(scores):
+    p = np.exp(scores - scores.max())
+    return p / p.sum()
+
+
+def reference_logits(params, tokens, chunks, rule, budget, recent=0):
+    """Per layer: for each chunk [s, e), every query sees the kept tokens plus the chunk causally; then
+    H2O keeps (per KV head) the `recent` newest + the highest accumulated attention, TOVA (per layer) the
+    tokens the chunk's last query attends to most, averaged over all heads."""
+    T, G, K = len(tokens), CONFIG.group_size, CONFIG.num_kv_heads
+    positions = jnp.arange(T)[None]
+    x = params.embed[jnp.asarray(tokens)][None]
+    for l in range(CONFIG.num_layers):
+        layer = jax.tree.map(lambda w: w[l], params.layers)
+        q, k, v = (np.asarray(a[0], np.float64) for a in
+                   qkv_projection(rms_norm(x, layer.attn_norm, 1e-5), layer, positions, rope_inv_freq(CONFIG)))
+        out = np.zeros_like(q)
+        kept = [[] for _ in range(K)]
+        score = [dict() for _ in range(K)]
+        for s, e in chunks:
+            last_probs = np.zeros((K, G, T))
+            for h in range(K):
+                candidates = kept[h] + list(range(s, e))
+                for j in range(s, e):
+                    score[h][j] = 0.0
+                for i in range(s, e):
+                    seen = [j for j in candidates if j <= i]
+                    for g in range(G):
+                        p = softmax64(k[seen, h] @ q[i, h * G + g] / np.sqrt(CONFIG.head_dim))
+                        out[i, h * G + g] = p @ v[seen, h]
+                        for j, pj in zip(seen, p):
+                            score[h][j] += pj
+                            if i == e - 1:
+                                last_probs[h, g, j] = pj
+                if len(candidates) > budget and rule == "h2o":
+                    newest = [j for j in candidates if j >= e - recent]
+                    rest = sorted((j for j in candidates if j < e - recent), key=lambda j: -score[h][j])
+                    kept[h] = newest + rest[: budget - len(newest)]
+                else:
+                    kept[h] = candidates
+            if rule == "tova" and len(kept[0]) > budget:
+                mean = last_probs.mean(axis=(0, 1))
+                chosen = sorted(kept[0], key=lambda j: -mean[j])[:budget]
+                kept = [list(chosen) for _ in range(K)]
+        x = x + output_projection(jnp.asarray(out[None], jnp.float32), layer)
+        x = x + mlp(rms_norm(x, layer.mlp_norm, 1e-5), layer)
+    return np.asarray(unembed(params, CONFIG, x)[0])
+
+
+def run_engine(params, method, prompt, chunk, steps):
+    prepared = prepare_params(params, CONFIG, method)
+    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
+    logits = []
+    for s in range(0, len(prompt), chunk):
+        piece = prompt[s:s + chunk]
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, : len(piece)] = piece
+        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
+                                     config=CONFIG, method=method, all_logits=True)
+        logits.extend(np.asarray(out[0, : len(piece)]))
+    sequence = list(prompt)
+    for _ in range(steps):
+        sequence.append(int(np.argmax(logits[-1])))
+        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
+                                     config=CONFIG, method=method)
+        logits.append(np.asarray(out[0]))
+    chunks = [(s, min(s + chunk, len(prompt))) for s in range(0, len(prompt), chunk)]
+    chunks += [(i, i + 1) for i in range(len(prompt), len(sequence))]
+    return sequence, np.stack(logits), chunks, cache
+
+
+@pytest.fixture(scope="module")
+def params():
+    return duo_jax.init_params(CONFIG, jax.random.key(4), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(2).integers(0, CONFIG.vocab_size, 17).tolist()
+
+
+@pytest.mark.parametrize("rule, chunk, budget, recent", [("h2o", 1, 6, 2), ("h2o", 4, 6, 3), ("tova", 3, 5, 0),
+                                                         ("tova", 1, 4, 0)])
+def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, recent):
+    options = dict(kv_budget=budget) | (dict(recent=recent) if rule == "h2o" else {})
+    method = make_method(rule, CONFIG, context=64, **options)
+    sequence, logits, chunks, cache = run_engine(params, method, prompt, chunk, steps=8)
+    ref = reference_logits(params, sequence, chunks, rule, budget, recent)
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
+    full = reference_logits(params, sequence, chunks, rule, budget=10_000)
+    assert np.abs(full - ref).max() > 1e-2  # eviction really changed the result
+    assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
+
+
+@pytest.mark.parametrize("rule", ["h2o", "tova"])
+def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
+    method = make_method(rule, CONFIG, context=64, kv_budget=32)
+    sequence, logits, _, _ = run_engine(params, method, prompt, chunk=5, steps=6)
+    dense = np.asarray(duo_jax.forward(params, CONFIG, jnp.asarray([sequence]))[0])
+    np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
+
+
+def test_generate_with_eviction_methods(params, prompt):
+    model = duo_jax.Model(CONFIG, params, None, "random")
+    for rule in ("h2o", "tova"):
+        out = generate(model, [prompt, prompt[:9]], method=rule, kv_budget=6, max_new_tokens=5, chunk_size=4,
+                       stop_at_eos=False)
+        alone = generate(model, prompt[:9], method=rule, kv_budget=6, max_new_tokens=5, chunk_size=4,
+                         stop_at_eos=False)
+        assert out.tokens[1] == alone.tokens[0] and out.stats["method"] == rule
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("h2o", {}, "needs kv_budget"),
+    ("tova", {"recent": 3, "kv_budget": 4}, "does not take recent"),
+    ("h2o", {"kv_budget": 4, "recent": 5}, r"recent window must lie in \[0, kv_budget=4\]"),
+])
+def test_errors(name, options, message):
+    with pytest.raises(DuoJaxError, match=message):
+        make_method(name, CONFIG, context=32, **options)
