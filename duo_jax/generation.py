@@ -110,7 +110,7 @@ def build_method(config: ModelConfig, method: str | Method | None, *, context: i
         options.update({"start" if k == "sink" else k: v for k, v in windows.items()})
     elif pattern is not None:
         raise DuoJaxError(f"method {name!r} takes no head pattern")
-    else:
+    elif name != "full":  # full attention has no windows: sink / recent do not apply to it
         options.update(windows)  # make_method rejects a window the method does not have
     return make_method(name, config, context=context, **options)
 
