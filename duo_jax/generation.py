@@ -103,7 +103,7 @@ def build_method(config: ModelConfig, method: str | Method | None, *, context: i
         return method
     name = method or ("full" if pattern is None else "duo")
     windows = {k: v for k, v in dict(sink=sink, recent=recent).items() if v is not None}
-    if name == "duo":
+    if name in ("duo", "duo_headkv"):
         options.update(pattern=resolve_pattern(pattern if pattern is not None else "default", config),
                        sparsity=sparsity, **windows)
     elif name == "streaming_llm":

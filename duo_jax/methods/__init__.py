@@ -7,6 +7,12 @@
   streaming_llm  StreamingLLM: every head keeps `start` sinks + `recent` tokens, positions re-indexed
   h2o            heavy hitters by accumulated attention + the `recent` newest tokens, `kv_budget` per head
   tova           the tokens the newest query attends to most (layer-wide), `kv_budget` per head
+  snapkv         exact prefill, then per KV head the kv_budget tokens the last `window` queries vote for
+                 (window included)
+  pyramidkv      snapkv with per-layer budgets shrinking bottom to top (beta 20), kv_budget on average
+  headkv         snapkv with per-head budgets from HeadKV scores (scores=PATH from python -m duo_jax.head_scores)
+  duo_headkv     duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head) instead of every
+                 token
 """
 
 from __future__ import annotations
@@ -19,13 +25,22 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, cache_nbytes
 from duo_jax.methods.duo import DuoAttention
 from duo_jax.methods.eviction import H2O, TOVA
+from duo_jax.methods.headkv import make_duo_headkv, make_headkv
+from duo_jax.methods.snapkv import make_pyramidkv, make_snapkv
 from duo_jax.methods.streaming_llm import StreamingLLM
 from duo_jax.pattern import Pattern
 
-METHODS = ("full", "duo", "streaming_llm", "h2o", "tova")
+METHODS = ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "headkv", "duo_headkv")
 _OPTIONS = {"full": set(), "duo": {"pattern", "sparsity", "sink", "recent", "kv_budget"},
             "streaming_llm": {"start", "recent", "kv_budget"}, "h2o": {"kv_budget", "recent"},
-            "tova": {"kv_budget"}}
+            "tova": {"kv_budget"},
+            "snapkv": {"kv_budget", "window", "kernel", "pooling"},
+            "pyramidkv": {"kv_budget", "window", "kernel", "pooling", "beta"},
+            "headkv": {"kv_budget", "scores", "beta", "window", "kernel", "pooling"},
+            "duo_headkv": {"pattern", "sparsity", "sink", "recent", "scores", "kv_budget", "beta", "window",
+                           "kernel", "pooling"}}
+_COMPRESSION = {"snapkv": make_snapkv, "pyramidkv": make_pyramidkv, "headkv": make_headkv,
+                "duo_headkv": make_duo_headkv}
 
 __all__ = ["H2O", "METHODS", "TOVA", "DuoAttention", "Method", "Step", "StreamingLLM", "cache_nbytes", "duo_sparsity_for_budget",
            "make_method"]
@@ -51,6 +66,18 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
     budget = options.get("kv_budget")
     if budget is not None and not 0 < budget:
         raise DuoJaxError(f"kv_budget (tokens kept per KV head) must be positive, got {budget}")
+    if name in _COMPRESSION:
+        if name in ("headkv", "duo_headkv"):
+            scores = options.get("scores")
+            if scores is None:
+                raise DuoJaxError(f"method {name!r} needs head scores: scores=PATH (written by "
+                                  "python -m duo_jax.head_scores) or a Pattern")
+            scores = scores if isinstance(scores, Pattern) else Pattern.load(scores)
+            scores.validate(config)
+            options = dict(options, scores=scores)
+        if name == "duo_headkv" and options.get("pattern") is None:
+            raise DuoJaxError("method 'duo_headkv' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
+        return _COMPRESSION[name](config, context=context, **options)
     if name == "duo":
         pattern: Pattern | None = options.get("pattern")
         if pattern is None:

@@ -1,0 +1,236 @@
+"""HeadKV / HeadKV-R2: per-head KV budgets from head importance scores, SnapKV selection inside each head.
+
+Budgets (the paper's allocation, on KV heads). With scores S[l, h] >= 0 for L layers and K KV heads
+(`duo_jax.head_scores`: retrieval needles give HeadKV-R, retrieval-reasoning needles HeadKV-R2), normalised to
+sum 1, and a base budget b per head (`kv_budget` minus the observation window):
+
+  pool      B = (b / beta) * L * K
+  head l, h keeps round(S[l, h] * B + b - b / beta) prompt tokens plus the last `window` prompt tokens.
+
+So every head keeps b - b / beta tokens and the pool is shared out in proportion to the scores; the total is
+L * K * b up to the rounding. Which tokens: `duo_jax.methods.snapkv` (votes of the observation window, pooled,
+top budget per head); the decode cache holds exactly each head's tokens, heads of different budgets packed
+one after another (`CompressedKV`).
+
+Defaults follow the paper's setup: window (alpha) 8, max-pooling over 7 tokens. The original computes the
+scores and budgets per query head and repeats K/V per query head; here they are per KV head (a KV head's
+score is the mean over its query heads), which is what a GQA cache can hold. The original also raises the
+normalised scores to a power `temp` (1 in its scripts), left out here.
+
+`DuoHeadKV` composes this with DuoAttention: the head pattern splits the heads into retrieval heads and
+streaming heads (sink + recent tokens, as `duo`), and only the retrieval heads, which DuoAttention would keep
+whole, are compressed after prefill, with HeadKV budgets shared among them (their average is `kv_budget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacity
+from duo_jax.config import ModelConfig
+from duo_jax.errors import DuoJaxError
+from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.duo import DuoAttention, StreamingWindow
+from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
+                                    check_selection, compressed_attention, compressed_nbytes, decode_shape,
+                                    empty_compressed)
+from duo_jax.model import Params, apply_rope, dense_attention
+from duo_jax.pattern import Pattern
+
+
+def headkv_budgets(scores, base: int, beta: float) -> np.ndarray:
+    """Tokens each head keeps besides the window, int, the shape of `scores` ([L, K] or any set of heads):
+    round(S * B + b - b / beta) with S = scores / sum(scores), b = `base`, B = (b / beta) * (number of heads)."""
+    scores = np.asarray(scores, np.float64)
+    if not np.isfinite(scores).all() or (scores < 0).any() or scores.sum() <= 0:
+        raise DuoJaxError("head scores must be finite and non-negative with a positive sum")
+    if beta < 1:
+        raise DuoJaxError(f"HeadKV's beta must be >= 1 (the pool is b / beta per head), got {beta}")
+    share = scores / scores.sum()
+    pool = base / beta * scores.size
+    return np.round(share * pool + base - base / beta).astype(int)
+
+
+def _score_grid(config: ModelConfig, scores: Pattern | np.ndarray) -> np.ndarray:
+    grid = scores.gates if isinstance(scores, Pattern) else np.asarray(scores)
+    if grid.shape != (config.num_layers, config.num_kv_heads):
+        raise DuoJaxError(f"head scores have shape {'x'.join(map(str, grid.shape))} but the model has "
+                          f"{config.num_layers}x{config.num_kv_heads} (layers x kv_heads)")
+    return grid
+
+
+def make_headkv(config: ModelConfig, *, context: int, scores: Pattern | np.ndarray, kv_budget: int,
+                beta: float = 1.2, window: int = 8, kernel: int = 7, pooling: str = "max") -> SnapKV:
+    """HeadKV with `kv_budget` tokens per KV head on average (window included) shared out by `scores`
+    ([layers, kv_heads], e.g. a `Pattern` from `duo_jax.head_scores.score_heads`)."""
+    budgets = headkv_budgets(_score_grid(config, scores), base_budget(kv_budget, window), beta)
+    return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context),
+                  tuple(map(tuple, budgets.tolist())), window, kernel, pooling, name="headkv")
+
+
+# --- DuoAttention with HeadKV inside its retrieval heads ------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DuoPrefillLayerCache:
+    duo: DuoLayerCache  # DuoAttention's split cache: retrieval heads every token, streaming heads sink + recent
+    queries: jax.Array  # [B, window, n_l * G, E]: the retrieval heads' latest queries after RoPE (slot p % window)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DuoCompressedLayerCache:
+    retrieval: CompressedLayerCache  # the retrieval heads' kept prompt tokens and generated tokens
+    streaming_k: jax.Array  # [B, sink + recent, K - n_l, E]
+    streaming_v: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DuoCompressedKV(Method):
+    """Decode of `DuoHeadKV`: retrieval heads over their compressed cache, streaming heads over sink + recent."""
+
+    layout: CacheLayout
+    head_slots: tuple[tuple[int, ...], ...]  # [L][n_l]: kept prompt slots per retrieval head
+    room: int
+
+    name = "duo_headkv"
+
+    def init_cache(self, batch: int, dtype) -> tuple[DuoCompressedLayerCache, ...]:
+        streaming = (batch, self.layout.streaming_slots)
+        return tuple(DuoCompressedLayerCache(
+            empty_compressed(batch, slots, self.room, self.layout.head_dim, dtype),
+            jnp.zeros(streaming + (self.layout.num_kv_heads - n, self.layout.head_dim), dtype),
+            jnp.zeros(streaming + (self.layout.num_kv_heads - n, self.layout.head_dim), dtype))
+            for slots, n in zip(self.head_slots, self.layout.num_retrieval))
+
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        E, K, S = self.layout.head_dim, self.layout.num_kv_heads, self.layout.streaming_slots
+        return sum(compressed_nbytes(batch, slots, self.room, E, bytes_per_elem)
+                   + batch * 2 * (K - n) * S * E * bytes_per_elem
+                   for slots, n in zip(self.head_slots, self.layout.num_retrieval))
+
+    def begin_step(self, step: Step):
+        return CompressedShared.build(step, self.room), StreamingWindow.build(step, self.layout.sink,
+                                                                              self.layout.recent)
+
+    def attend(self, layer, q, k, v, cache: DuoCompressedLayerCache, step: Step, shared):
+        retrieval_shared, window = shared
+        n = self.layout.num_retrieval[layer]
+        G = q.shape[2] // k.shape[2]
+        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        heads, retrieval = [], cache.retrieval
+        if n > 0:
+            out, retrieval = compressed_attention(q[:, :, : n * G], k[:, :, :n], v[:, :, :n], retrieval,
+                                                  self.head_slots[layer], step, retrieval_shared)
+            heads.append(out)
+        sk, sv = cache.streaming_k, cache.streaming_v
+        if n < self.layout.num_kv_heads:  # as DuoAttention's streaming heads
+            keys = jnp.concatenate([sk, k[:, :, n:].astype(sk.dtype)], axis=1)
+            values = jnp.concatenate([sv, v[:, :, n:].astype(sv.dtype)], axis=1)
+            heads.append(dense_attention(q[:, :, n * G:], keys, values, window.mask))
+        sk = write_slots(sk, window.write_slots, k[:, :, n:])
+        sv = write_slots(sv, window.write_slots, v[:, :, n:])
+        return jnp.concatenate(heads, axis=2), DuoCompressedLayerCache(retrieval, sk, sv)
+
+
+@dataclasses.dataclass(frozen=True)
+class DuoHeadKV(Method):
+    """DuoAttention whose retrieval heads keep HeadKV budgets instead of every token.
+
+    Prefill is DuoAttention's (retrieval heads exact, streaming heads sink + recent, chunk by chunk), plus the
+    retrieval heads' observation-window queries. After prefill each retrieval head keeps its budget of prompt
+    tokens by SnapKV selection (`duo_jax.methods.snapkv`); streaming heads go on with sink + recent tokens.
+    `budgets[l]` lists layer l's retrieval heads in their reordered order (retrieval heads first, each
+    group in the original order). Build one with `make_duo_headkv`.
+    """
+
+    layout: CacheLayout
+    retrieval_mask: tuple[tuple[bool, ...], ...]  # [L][K]
+    num_heads: int
+    budgets: tuple[tuple[int, ...], ...]  # [L][n_l]: prompt tokens per retrieval head besides the window
+    window: int = 8
+    kernel: int = 7
+    pooling: str = "max"
+
+    name = "duo_headkv"
+
+    def __post_init__(self):
+        if tuple(map(len, self.budgets)) != self.layout.num_retrieval:
+            raise DuoJaxError("DuoHeadKV needs one budget per retrieval head of every layer")
+        check_selection(self.window, self.kernel, self.pooling)
+
+    @property
+    def duo(self) -> DuoAttention:
+        return DuoAttention(self.layout, self.retrieval_mask)
+
+    def prepare_params(self, params: Params, config: ModelConfig) -> Params:
+        return self.duo.prepare_params(params, config)
+
+    def init_cache(self, batch: int, dtype) -> tuple[DuoPrefillLayerCache, ...]:
+        G, E = self.num_heads // self.layout.num_kv_heads, self.layout.head_dim
+        return tuple(DuoPrefillLayerCache(layer, jnp.zeros((batch, self.window, n * G, E), dtype))
+                     for layer, n in zip(self.duo.init_cache(batch, dtype), self.layout.num_retrieval))
+
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        G = self.num_heads // self.layout.num_kv_heads
+        rings = batch * self.window * G * sum(self.layout.num_retrieval) * self.layout.head_dim * bytes_per_elem
+        return self.duo.expected_cache_bytes(batch, bytes_per_elem) + rings
+
+    def begin_step(self, step: Step):
+        in_window = step.valid & (step.positions >= step.new_lengths[:, None] - self.window)
+        return self.duo.begin_step(step), jnp.where(in_window, step.positions % self.window, self.window)
+
+    def attend(self, layer, q, k, v, cache: DuoPrefillLayerCache, step: Step, shared):
+        duo_shared, query_slots = shared
+        out, duo_cache = self.duo.attend(layer, q, k, v, cache.duo, step, duo_shared)
+        n = self.layout.num_retrieval[layer]
+        retrieval_q = apply_rope(q[:, :, : n * (q.shape[2] // k.shape[2])], step.positions, step.inv_freq)
+        return out, DuoPrefillLayerCache(duo_cache, write_slots(cache.queries, query_slots, retrieval_q))
+
+    def compressed(self, longest: int) -> DuoCompressedKV:
+        """The decode method after a prefill whose longest prompt has `longest` tokens."""
+        slots, room = decode_shape(self.budgets, self.window, self.layout.capacity, longest)
+        return DuoCompressedKV(self.layout, slots, room)
+
+    def after_prefill(self, cache, lengths):
+        decode = self.compressed(int(jnp.max(lengths)))
+        return decode, _compress_retrieval(self, decode, cache, lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _compress_retrieval(method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple[DuoPrefillLayerCache, ...],
+                        lengths: jax.Array):
+    """The retrieval heads' full caches -> their kept tokens; the streaming caches carry over."""
+    empty = decode.init_cache(lengths.shape[0], cache[0].duo.retrieval_k.dtype)
+    out = []
+    for layer, new, slots in zip(cache, empty, decode.head_slots):
+        retrieval = new.retrieval
+        if slots:
+            retrieval = compress_layer(layer.queries, layer.duo.retrieval_k, layer.duo.retrieval_v, lengths,
+                                       retrieval, slots, window=method.window, kernel=method.kernel,
+                                       pooling=method.pooling)
+        out.append(DuoCompressedLayerCache(retrieval, layer.duo.streaming_k, layer.duo.streaming_v))
+    return tuple(out)
+
+
+def make_duo_headkv(config: ModelConfig, *, context: int, pattern: Pattern, sparsity: float = 0.5,
+                    scores: Pattern | np.ndarray, kv_budget: int, beta: float = 1.2, sink: int = 64,
+                    recent: int = 256, window: int = 8, kernel: int = 7, pooling: str = "max") -> DuoHeadKV:
+    """DuoAttention (`pattern` binarised at `sparsity`, streaming heads `sink` + `recent`) whose retrieval heads
+    keep `kv_budget` tokens each on average (window included), shared out among the retrieval heads by their
+    HeadKV `scores` (the formula of `headkv_budgets` over the retrieval heads only)."""
+    grid = _score_grid(config, scores)
+    mask = pattern.retrieval_mask(sparsity)
+    layout = make_layout(config, mask, sink=sink, recent=recent, context=context)
+    base = base_budget(kv_budget, window)
+    # grid[mask] lists the retrieval heads layer by layer in their original order: the reordered order.
+    flat = headkv_budgets(grid[mask], base, beta) if mask.any() else np.zeros(0, int)
+    budgets = tuple(tuple(b.tolist()) for b in np.split(flat, np.cumsum(layout.num_retrieval)[:-1]))
+    return DuoHeadKV(layout, tuple(map(tuple, np.asarray(mask, bool).tolist())), config.num_heads, budgets,
+                     window, kernel, pooling)

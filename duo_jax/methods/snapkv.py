@@ -1,0 +1,410 @@
+"""SnapKV and PyramidKV: an exact prefill, then each KV head keeps the prompt tokens its observation window
+votes for; decoding appends to that compressed cache.
+
+Prefill (`SnapKV`): exact causal attention, chunk by chunk, as full attention. Each layer caches every token's
+key and value after RoPE (slot = position; capacity C = the context rounded up to `CAPACITY_BLOCK`) and, in a
+ring of `window` slots, the queries (after RoPE) of the latest tokens (position p in slot p % window), so after
+the last chunk the ring holds each prompt's observation window: its last `window` queries.
+
+Compression (`after_prefill`, once). For a prompt of P tokens and a layer:
+  1. the window queries (positions P - w .. P - 1) attend causally to the prompt's keys (softmax in fp32);
+  2. votes[h, j] = their probabilities summed over the window and over the query heads of KV head h (GQA),
+     for the prefix keys j < P - w only;
+  3. the votes are pooled along j: max- or average-pooling with an odd kernel, stride 1 and kernel // 2 of
+     padding (torch's max_pool1d / avg_pool1d with count_include_pad: the prefix edges are padded, and the
+     average always divides by the kernel);
+  4. KV head h keeps its `budgets[l][h]` prefix tokens with the highest pooled votes (ties: the earlier token)
+     plus the whole window. A prefix no longer than the budget is kept whole, so a prompt of at most
+     budget + window tokens is not compressed at all.
+This is SnapKV's selection (the original sums the window's attention too; HeadKV and Ada-KV average it, which
+selects the same tokens). Two choices of this implementation: GQA votes are summed over each KV head's
+query heads (the original repeats K/V per query head and keeps a cache per query head), and the votes stay
+in fp32 (the original casts the probabilities to the model dtype before summing).
+
+Decode (`CompressedKV`, the method `after_prefill` returns). Per layer:
+  k, v [B, N, E]           the kept prompt tokens of every KV head, head after head (head h holds
+                           `head_slots[l][h]` = its budget + window slots, fewer for a short prompt)
+  positions int32 [B, N]   each slot's absolute position, -1 where empty (a prompt shorter than the slots)
+  new_k, new_v [B, R, K, E], new_positions int32 [B, R]: the tokens after the prompt, position p in slot p % R
+Keys stay at their absolute positions, after RoPE. New tokens attend to their head's kept tokens, the tokens
+generated so far and themselves (causally within a chunk), all exactly. The room R is the capacity minus the
+longest prompt rounded down to `CAPACITY_BLOCK`, so a batch generating in lock step (as `generate` does)
+fits until the longest sequence reaches the capacity; a sequence that runs further overwrites its oldest
+generated tokens. Sizing the decode cache from the longest prompt needs concrete `lengths` in
+`after_prefill` (it runs eagerly between the jitted steps); rounding to `CAPACITY_BLOCK` bounds how many
+decode steps get compiled over a set of prompt lengths, at the cost of at most that many spare slots.
+
+Memory: prefill holds a full-attention cache plus the query ring ([B, window, H, E] per layer). The decode
+cache holds exactly the kept tokens (no padding between heads with different budgets, which HeadKV needs),
+plus an int32 position per slot (2 * E * bytes per element for the K/V of a slot: under 1% more in bf16 at
+E = 128).
+
+PyramidKV (`pyramid_budgets`) is this selection with per-layer budgets that shrink from the bottom layer to
+the top; HeadKV (`duo_jax.methods.headkv`) with per-head budgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from duo_jax.cache import CAPACITY_BLOCK, round_capacity
+from duo_jax.config import ModelConfig
+from duo_jax.errors import DuoJaxError
+from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.duo import retrieval_attention
+from duo_jax.model import apply_rope
+
+POOLINGS = ("max", "avg")
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis of fp32 `scores` where `mask` (broadcast) is True; rows with no True give 0."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    return probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+
+
+# --- selection --------------------------------------------------------------------------------------
+
+
+def window_positions(lengths: jax.Array, window: int) -> jax.Array:
+    """Position of the query held by each ring slot after `lengths` [B] tokens: slot s holds the newest
+    position p < lengths with p % window == s, one of the last `window` positions; negative where empty.
+    -> int32 [B, window]."""
+    s = jnp.arange(window)[None, :]
+    return (s + window * jnp.floor_divide(lengths[:, None] - 1 - s, window)).astype(jnp.int32)
+
+
+def window_votes(queries: jax.Array, keys: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
+    """Step 2 of the selection: queries [B, w, H, E] (the window ring), keys [B, C, K, E] -> votes
+    float32 [B, K, C], zero outside each prompt's prefix (j >= lengths - window)."""
+    B, w, H, E = queries.shape
+    C, K = keys.shape[1], keys.shape[2]
+    q = queries.reshape(B, w, K, H // K, E)
+    scores = jnp.einsum("bwkge,bcke->bkgwc", q, keys, preferred_element_type=jnp.float32) / math.sqrt(E)
+    visible = jnp.arange(C)[None, None, :] <= window_positions(lengths, w)[:, :, None]  # [B, w, C]; empty: none
+    votes = jnp.sum(masked_softmax(scores, visible[:, None, None]), axis=(2, 3))
+    prefix = jnp.arange(C)[None, :] < (lengths - window)[:, None]  # [B, C]
+    return jnp.where(prefix[:, None, :], votes, 0.0)
+
+
+def pool_votes(votes: jax.Array, kernel: int, pooling: str) -> jax.Array:
+    """Step 3: pool votes [B, K, C] along C (odd kernel, stride 1, kernel // 2 padding each side)."""
+    pad = ((0, 0), (0, 0), (kernel // 2, kernel // 2))
+    if pooling == "max":  # votes are >= 0 and zero past the prefix, so the padding value does not matter
+        return jax.lax.reduce_window(votes, -jnp.inf, jax.lax.max, (1, 1, kernel), (1, 1, 1), pad)
+    return jax.lax.reduce_window(votes, 0.0, jax.lax.add, (1, 1, kernel), (1, 1, 1), pad) / kernel
+
+
+def kept_positions(queries, keys, lengths, *, selected: tuple[int, ...], window: int, window_slots: int,
+                   kernel: int, pooling: str) -> jax.Array:
+    """The positions one layer keeps: for each KV head h, its `selected[h]` best-voted prefix tokens, then the
+    last `window_slots` prompt tokens (the observation window, or fewer slots when every prompt is shorter).
+    queries [B, window, H, E] (the ring), keys [B, C, K, E], lengths [B]
+    -> int32 [B, sum_h (selected[h] + window_slots)], heads one after another, -1 where empty."""
+    last = lengths[:, None] - window_slots + jnp.arange(window_slots)[None, :]
+    last = jnp.where(last >= 0, last, -1)  # [B, window_slots]
+    top = max(selected)
+    if top > 0:
+        pooled = pool_votes(window_votes(queries, keys, lengths, window), kernel, pooling)
+        prefix = jnp.arange(keys.shape[1])[None, :] < (lengths - window)[:, None]
+        best, order = jax.lax.top_k(jnp.where(prefix[:, None, :], pooled, -jnp.inf), top)  # [B, K, top]
+        chosen = jnp.where(best > -jnp.inf, order, -1).astype(jnp.int32)
+    parts = []
+    for h, n in enumerate(selected):
+        if n > 0:
+            parts.append(chosen[:, h, :n])
+        parts.append(last)
+    return jnp.concatenate(parts, axis=1)
+
+
+def check_selection(window: int, kernel: int, pooling: str) -> None:
+    """DuoJaxError unless the observation window, pooling kernel and pooling kind are usable."""
+    if window < 1:
+        raise DuoJaxError(f"the observation window must hold at least 1 token, got {window}")
+    if kernel < 1 or kernel % 2 == 0:
+        raise DuoJaxError(f"the pooling kernel must be a positive odd number, got {kernel}")
+    if pooling not in POOLINGS:
+        raise DuoJaxError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+
+
+# --- the decode method --------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CompressedLayerCache:
+    k: jax.Array  # [B, N, E]: kept prompt tokens, KV head after KV head
+    v: jax.Array  # [B, N, E]
+    positions: jax.Array  # int32 [B, N], -1 where empty
+    new_k: jax.Array  # [B, R, K, E]: tokens after the prompt, position p in slot p % R
+    new_v: jax.Array  # [B, R, K, E]
+    new_positions: jax.Array  # int32 [B, R], -1 where empty
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedShared:
+    write_slots: jax.Array  # int32 [B, T]: ring slot of each new token (out of range: not kept)
+    new_key_positions: jax.Array  # int32 [B, T]: position of each new token, -1 for padding
+
+    @classmethod
+    def build(cls, step: Step, room: int) -> "CompressedShared":
+        keep = step.valid & (step.positions >= step.new_lengths[:, None] - room)
+        return cls(jnp.where(keep, step.positions % room, room), jnp.where(step.valid, step.positions, -1))
+
+
+def empty_compressed(batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, dtype) -> CompressedLayerCache:
+    """One layer's empty decode cache for len(head_slots) KV heads."""
+    n, K, E = sum(head_slots), len(head_slots), head_dim
+    return CompressedLayerCache(jnp.zeros((batch, n, E), dtype), jnp.zeros((batch, n, E), dtype),
+                                jnp.full((batch, n), -1, jnp.int32), jnp.zeros((batch, room, K, E), dtype),
+                                jnp.zeros((batch, room, K, E), dtype), jnp.full((batch, room), -1, jnp.int32))
+
+
+def compressed_nbytes(batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, bytes_per_elem: int) -> int:
+    """Size of one layer's decode cache: batch * [sum(head_slots) * (2 E bytes + 4) + room * (2 K E bytes + 4)]."""
+    kv = 2 * head_dim * bytes_per_elem
+    return batch * (sum(head_slots) * (kv + 4) + room * (len(head_slots) * kv + 4))
+
+
+def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple[int, ...], step: Step,
+                         shared: CompressedShared):
+    """New tokens over one layer's decode cache: q [B, T, H, E] and k [B, T, K, E] after RoPE, v [B, T, K, E].
+
+    Each KV head sees its kept prompt tokens, the tokens generated so far and the chunk up to the query.
+    Returns the output [B, T, H, E] and the cache with the chunk written into the ring."""
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, H // K, E)
+    # The kept prompt tokens. Equal budgets: a [B, K, n, E] view; otherwise every query head scores every
+    # slot and a mask keeps its own head's (K times the score FLOPs, on a cache that stays exact).
+    uniform = len(set(head_slots)) == 1
+    if uniform:
+        n = head_slots[0]
+        prompt_scores = jnp.einsum("btkge,bkne->bkgtn", q, cache.k.reshape(B, K, n, E),
+                                   preferred_element_type=jnp.float32)
+        prompt_mask = (cache.positions.reshape(B, K, n) >= 0)[:, :, None, None, :]
+    else:
+        prompt_scores = jnp.einsum("btkge,bne->bkgtn", q, cache.k, preferred_element_type=jnp.float32)
+        owner = np.repeat(np.arange(K), head_slots)  # [N]: the KV head of each slot
+        own = jnp.asarray(owner[None, :] == np.arange(K)[:, None])  # [K, N]
+        prompt_mask = (own[None] & (cache.positions >= 0)[:, None, :])[:, :, None, None, :]
+    # The generated tokens so far, then this chunk (causal).
+    keys = jnp.concatenate([cache.new_k, k.astype(cache.new_k.dtype)], axis=1)  # [B, R + T, K, E]
+    values = jnp.concatenate([cache.new_v, v.astype(cache.new_v.dtype)], axis=1)
+    key_positions = jnp.concatenate([cache.new_positions, shared.new_key_positions], axis=1)  # [B, R + T]
+    new_mask = (key_positions[:, None, :] >= 0) & (key_positions[:, None, :] <= step.positions[:, :, None])
+    new_scores = jnp.einsum("btkge,bske->bkgts", q, keys, preferred_element_type=jnp.float32)
+
+    n_prompt = prompt_scores.shape[-1]
+    probs = masked_softmax(jnp.concatenate([prompt_scores, new_scores], axis=-1) / math.sqrt(E),
+                           jnp.concatenate([jnp.broadcast_to(prompt_mask, prompt_scores.shape),
+                                            jnp.broadcast_to(new_mask[:, None, None], new_scores.shape)], -1))
+    prompt_probs, new_probs = probs[..., :n_prompt].astype(v.dtype), probs[..., n_prompt:].astype(v.dtype)
+    if uniform:
+        out = jnp.einsum("bkgtn,bkne->btkge", prompt_probs, cache.v.reshape(B, K, head_slots[0], E))
+    else:
+        out = jnp.einsum("bkgtn,bne->btkge", prompt_probs, cache.v)
+    out = out + jnp.einsum("bkgts,bske->btkge", new_probs, values)
+
+    batch = jnp.arange(B)[:, None]
+    new_positions = cache.new_positions.at[batch, shared.write_slots].set(shared.new_key_positions, mode="drop")
+    return out.reshape(B, T, H, E), dataclasses.replace(
+        cache, new_k=write_slots(cache.new_k, shared.write_slots, k),
+        new_v=write_slots(cache.new_v, shared.write_slots, v), new_positions=new_positions)
+
+
+def compress_layer(queries, keys, values, lengths, empty: CompressedLayerCache, head_slots: tuple[int, ...], *,
+                   window: int, kernel: int, pooling: str) -> CompressedLayerCache:
+    """One layer's prefill cache (queries [B, window, H, E], keys / values [B, C, K, E]) -> its decode cache:
+    the kept tokens gathered into `empty` (from `empty_compressed`), the ring left empty."""
+    # Every head ends with the same window slots: the whole window, or all of its slots when the prompts are
+    # shorter than the window (then no head selects anything; see `SnapKV.compressed`).
+    window_slots = min(window, head_slots[0])
+    positions = kept_positions(queries, keys, lengths, selected=tuple(n - window_slots for n in head_slots),
+                               window=window, window_slots=window_slots, kernel=kernel, pooling=pooling)
+    owner = jnp.asarray(np.repeat(np.arange(len(head_slots)), head_slots))[None, :]  # [1, N]
+    batch = jnp.arange(lengths.shape[0])[:, None]
+    filled = (positions >= 0)[..., None]
+
+    def take(x):
+        return jnp.where(filled, x[batch, jnp.maximum(positions, 0), owner], 0).astype(x.dtype)
+
+    return dataclasses.replace(empty, k=take(keys), v=take(values), positions=positions)
+
+
+def decode_shape(budgets: tuple[tuple[int, ...], ...], window: int, capacity: int,
+                 longest: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """(head_slots [L][heads], room) of the decode cache after prompts of at most `longest` tokens: each head's
+    budget + window, capped by the prompts' length rounded up to `CAPACITY_BLOCK`; room for the tokens after
+    the prompts: the capacity minus the longest prompt rounded down to `CAPACITY_BLOCK`."""
+    held = min(round_capacity(max(longest, 1)), capacity)  # every prompt has at most `held` tokens
+    slots = tuple(tuple(min(b, max(held - window, 0)) + min(window, held) for b in row) for row in budgets)
+    return slots, capacity - longest // CAPACITY_BLOCK * CAPACITY_BLOCK
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedKV(Method):
+    """Decoding over a compressed prompt cache (see the module docstring); built by `SnapKV.after_prefill`."""
+
+    num_kv_heads: int
+    head_dim: int
+    head_slots: tuple[tuple[int, ...], ...]  # [L][K]: kept prompt slots per KV head
+    room: int  # ring slots for the tokens after the prompt
+    name: str = "snapkv"
+
+    def init_cache(self, batch: int, dtype) -> tuple[CompressedLayerCache, ...]:
+        return tuple(empty_compressed(batch, slots, self.room, self.head_dim, dtype) for slots in self.head_slots)
+
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        return sum(compressed_nbytes(batch, slots, self.room, self.head_dim, bytes_per_elem)
+                   for slots in self.head_slots)
+
+    def begin_step(self, step: Step) -> CompressedShared:
+        return CompressedShared.build(step, self.room)
+
+    def attend(self, layer, q, k, v, cache: CompressedLayerCache, step: Step, shared: CompressedShared):
+        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        return compressed_attention(q, k, v, cache, self.head_slots[layer], step, shared)
+
+
+# --- the prefill method -------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillLayerCache:
+    k: jax.Array  # [B, C, K, E]: token at position p in slot p, after RoPE
+    v: jax.Array  # [B, C, K, E]
+    queries: jax.Array  # [B, window, H, E]: the latest queries after RoPE, position p in slot p % window
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillShared:
+    kv_slots: jax.Array  # int32 [B, T]: slot = position; padding goes out of range (dropped)
+    query_slots: jax.Array  # int32 [B, T]: ring slot, out of range unless among the last `window` tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(Method):
+    """Exact prefill, then SnapKV selection with per-(layer, KV head) budgets (see the module docstring).
+
+    `budgets[l][h]`: prefix tokens KV head h of layer l keeps besides the window (uniform: SnapKV; per layer:
+    PyramidKV; per head: HeadKV). Build one with `make_snapkv`, `make_pyramidkv` or `make_headkv`.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    capacity: int  # prefill slots per KV head: the context rounded up to CAPACITY_BLOCK
+    budgets: tuple[tuple[int, ...], ...]  # [L][K]
+    window: int = 32
+    kernel: int = 5
+    pooling: str = "avg"
+    name: str = "snapkv"
+
+    def __post_init__(self):
+        check_selection(self.window, self.kernel, self.pooling)
+        if any(len(row) != self.num_kv_heads or min(row) < 0 for row in self.budgets):
+            raise DuoJaxError(f"budgets must be [layers][{self.num_kv_heads}] non-negative token counts")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.budgets)
+
+    def init_cache(self, batch: int, dtype) -> tuple[PrefillLayerCache, ...]:
+        kv = (batch, self.capacity, self.num_kv_heads, self.head_dim)
+        ring = (batch, self.window, self.num_heads, self.head_dim)
+        return tuple(PrefillLayerCache(jnp.zeros(kv, dtype), jnp.zeros(kv, dtype), jnp.zeros(ring, dtype))
+                     for _ in range(self.num_layers))
+
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        """batch * L * E * bytes * (2 C K + window H)."""
+        per_layer = 2 * self.capacity * self.num_kv_heads + self.window * self.num_heads
+        return batch * self.num_layers * self.head_dim * bytes_per_elem * per_layer
+
+    def begin_step(self, step: Step) -> PrefillShared:
+        in_window = step.valid & (step.positions >= step.new_lengths[:, None] - self.window)
+        return PrefillShared(jnp.where(step.valid, step.positions, self.capacity),
+                             jnp.where(in_window, step.positions % self.window, self.window))
+
+    def attend(self, layer, q, k, v, cache: PrefillLayerCache, step: Step, shared: PrefillShared):
+        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        keys = write_slots(cache.k, shared.kv_slots, k)
+        values = write_slots(cache.v, shared.kv_slots, v)
+        out = retrieval_attention(q, keys, values, step)
+        return out, PrefillLayerCache(keys, values, write_slots(cache.queries, shared.query_slots, q))
+
+    def compressed(self, longest: int) -> CompressedKV:
+        """The decode method after a prefill whose longest prompt has `longest` tokens."""
+        slots, room = decode_shape(self.budgets, self.window, self.capacity, longest)
+        return CompressedKV(self.num_kv_heads, self.head_dim, slots, room, self.name)
+
+    def after_prefill(self, cache, lengths):
+        decode = self.compressed(int(jnp.max(lengths)))
+        return decode, _compress(self, decode, cache, lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _compress(method: SnapKV, decode: CompressedKV, cache: tuple[PrefillLayerCache, ...], lengths: jax.Array):
+    """The prefill cache -> the decode cache, layer by layer."""
+    empty = decode.init_cache(lengths.shape[0], cache[0].k.dtype)
+    return tuple(compress_layer(layer.queries, layer.k, layer.v, lengths, new, slots, window=method.window,
+                                kernel=method.kernel, pooling=method.pooling)
+                 for layer, new, slots in zip(cache, empty, decode.head_slots))
+
+
+# --- budgets ------------------------------------------------------------------------------------------
+
+
+def base_budget(kv_budget, window: int) -> int:
+    """Tokens kept per head besides the observation window: `kv_budget` (window included) - `window`."""
+    if kv_budget is None:
+        raise DuoJaxError("this method needs kv_budget (average tokens kept per KV head, window included)")
+    if not window <= kv_budget:
+        raise DuoJaxError(f"kv_budget ({kv_budget}) must be at least the observation window ({window} tokens)")
+    return int(kv_budget) - window
+
+
+def make_snapkv(config: ModelConfig, *, context: int, kv_budget: int, window: int = 32, kernel: int = 5,
+                pooling: str = "avg") -> SnapKV:
+    """SnapKV: every KV head keeps `kv_budget` prompt tokens, the last `window` included (the original's
+    max_capacity_prompt). Defaults are the SnapKV release's: window 32, average pooling over 5 tokens."""
+    budget = base_budget(kv_budget, window)
+    budgets = ((budget,) * config.num_kv_heads,) * config.num_layers
+    return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
+                  window, kernel, pooling)
+
+
+def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0) -> list[int]:
+    """PyramidKV's per-layer budgets (tokens besides the window), bottom layer first: the top layer keeps
+    average / beta, the bottom 2 * average - average / beta, the layers between follow the arithmetic
+    sequence, and the integer budgets are rounded by largest remainders so they sum to num_layers * average."""
+    if beta < 1:
+        raise DuoJaxError(f"PyramidKV's beta must be >= 1 (the top layer keeps average / beta), got {beta}")
+    if num_layers == 1:
+        return [average]
+    top = average / beta
+    bottom = 2 * average - top
+    exact = bottom - (bottom - top) * np.arange(num_layers) / (num_layers - 1)
+    budgets = np.floor(exact).astype(int)
+    short = num_layers * average - int(budgets.sum())
+    budgets[np.argsort(-(exact - budgets), kind="stable")[:short]] += 1
+    return budgets.tolist()
+
+
+def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int, beta: float = 20.0, window: int = 32,
+                   kernel: int = 5, pooling: str = "avg") -> SnapKV:
+    """PyramidKV: SnapKV selection, `kv_budget` tokens per KV head on average (window included), spread over
+    the layers by `pyramid_budgets` (beta 20 as the paper)."""
+    budget = base_budget(kv_budget, window)
+    budgets = tuple((b,) * config.num_kv_heads for b in pyramid_budgets(config.num_layers, budget, beta))
+    return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
+                  window, kernel, pooling, name="pyramidkv")

@@ -1,0 +1,262 @@
+"""SnapKV and PyramidKV in the engine against a float64 numpy model that states the method directly.
+
+The reference runs the whole sequence (prompt, then the tokens after it) with explicit per-head key sets:
+a prompt token sees every earlier token (exact prefill); at the end of the prompt each layer selects, per KV
+head, from its own float64 attention: the last `window` queries' softmax over the prompt, summed over the
+window and the head's query heads, on the prefix keys only; torch-style pooling (padding -inf / zero,
+average divided by the kernel); the `budget` best (earlier token on ties) plus the window; a token after the
+prompt sees its head's kept tokens and every token after the prompt up to itself.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax.engine import extend, prepare_params
+from duo_jax.errors import DuoJaxError
+from duo_jax.generation import generate
+from duo_jax.methods import cache_nbytes, make_method
+from duo_jax.methods.snapkv import SnapKV, make_pyramidkv, make_snapkv, pyramid_budgets
+from duo_jax.model import rope_inv_freq
+from tests.conftest import tiny_config
+
+CONFIG = tiny_config(max_position_embeddings=128)
+WINDOW = 6
+
+
+# --- the float64 reference ----------------------------------------------------------------------------
+
+
+def rope64(x, positions, inv_freq):
+    """x [T, N, E] rotated at positions [T], float64, half-split layout."""
+    angles = positions[:, None, None] * inv_freq.astype(np.float64)[None, None, :]
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles), x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
+
+
+def rms64(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def softmax64(scores):
+    e = np.exp(scores - scores.max())
+    return e / e.sum()
+
+
+def reference_selection(q, k, budgets, window, kernel, pooling):
+    """Kept prompt positions per KV head (sets), from the prompt's rotated q [P, H, E] and k [P, K, E]."""
+    P, H, E = q.shape
+    K = k.shape[1]
+    G = H // K
+    prefix = max(P - window, 0)
+    votes = np.zeros((K, prefix))
+    for i in range(prefix, P):
+        for h in range(H):
+            probs = softmax64(k[: i + 1, h // G] @ q[i, h] / math.sqrt(E))
+            votes[h // G] += probs[:prefix]
+    pad = kernel // 2
+    padded = np.pad(votes, ((0, 0), (pad, pad)), constant_values=-np.inf if pooling == "max" else 0.0)
+    windows = np.stack([padded[:, j: j + kernel] for j in range(prefix)], axis=-1)  # [K, kernel, prefix]
+    pooled = windows.max(axis=1) if pooling == "max" else windows.sum(axis=1) / kernel
+    window_tokens = set(range(prefix, P))
+    return [set(np.argsort(-pooled[h], kind="stable")[: budgets[h]].tolist()) | window_tokens for h in range(K)]
+
+
+def reference_logits(params, config, tokens, prompt_len, budgets, *, window=WINDOW, kernel=5, pooling="avg",
+                     streaming=None, sink=0, recent=0, chunk_starts=None):
+    """Logits [T, V] of one sequence and the kept positions [L][K] (sets), all float64.
+
+    `streaming` ([L][K] bools) marks DuoAttention streaming heads: a query at position i in a chunk that starts
+    at chunk_starts[i] sees the keys j <= i with j < sink or j >= chunk_starts[i] - recent."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    T, E, G = len(tokens), config.head_dim, config.group_size
+    inv_freq, positions = rope_inv_freq(config), np.arange(T)
+    x = p.embed[np.asarray(tokens)]
+    kept_all = []
+    for l in range(config.num_layers):
+        w = jax.tree.map(lambda a: a[l], p.layers)
+        h = rms64(x, w.attn_norm, config.rms_norm_eps)
+        q = rope64(np.einsum("td,dhe->the", h, w.wq), positions, inv_freq)
+        k = rope64(np.einsum("td,dke->tke", h, w.wk), positions, inv_freq)
+        v = np.einsum("td,dke->tke", h, w.wv)
+        kept = reference_selection(q[:prompt_len], k[:prompt_len], budgets[l], window, kernel, pooling)
+        kept_all.append(kept)
+        out = np.zeros_like(q)
+        for i in range(T):
+            for head in range(config.num_heads):
+                kv = head // G
+                if streaming is not None and streaming[l][kv]:
+                    keys = [j for j in range(i + 1) if j < sink or j >= chunk_starts[i] - recent]
+                elif i < prompt_len:
+                    keys = list(range(i + 1))
+                else:
+                    keys = sorted(kept[kv]) + list(range(prompt_len, i + 1))
+                probs = softmax64(k[keys, kv] @ q[i, head] / math.sqrt(E))
+                out[i, head] = probs @ v[keys, kv]
+        x = x + np.einsum("the,hed->td", out, w.wo)
+        m = rms64(x, w.mlp_norm, config.rms_norm_eps)
+        gate = m @ w.w_gate
+        x = x + (gate / (1 + np.exp(-gate)) * (m @ w.w_up)) @ w.w_down
+    head = p.embed if p.lm_head is None else p.lm_head
+    return rms64(x, p.final_norm, config.rms_norm_eps) @ head.T, kept_all
+
+
+# --- driving the engine -------------------------------------------------------------------------------
+
+
+def run_engine(params, config, method, prompts, continuations, *, chunk=8, first=3):
+    """Prefill `prompts` (ragged) in chunks, compress, then feed `continuations` (equal lengths): the first
+    `first` tokens as one chunk, the rest one token per step. Returns per-sequence logits [T, V], the
+    compressed cache, the decode method, and the cache bytes before compression."""
+    prepared = prepare_params(params, config, method)
+    B = len(prompts)
+    lens = np.array([len(p) for p in prompts])
+    cache, lengths = method.init_cache(B, jnp.float32), jnp.zeros((B,), jnp.int32)
+    logits = [[] for _ in prompts]
+
+    def feed(tokens, n_valid, m):
+        nonlocal cache, lengths
+        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens, jnp.int32),
+                                     jnp.asarray(n_valid, jnp.int32), config=config, method=m, all_logits=True)
+        for b in range(B):
+            logits[b].extend(np.asarray(out[b, : n_valid[b]]))
+
+    for start in range(0, lens.max(), chunk):
+        n_valid = np.clip(lens - start, 0, chunk)
+        tokens = np.zeros((B, chunk), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, : n_valid[b]] = p[start:start + n_valid[b]]
+        feed(tokens, n_valid, method)
+    prefill_bytes = cache_nbytes(cache)
+    assert prefill_bytes == method.expected_cache_bytes(B, 4)
+    decode, cache = method.after_prefill(cache, lengths)
+    assert cache_nbytes(cache) == decode.expected_cache_bytes(B, 4)
+    cont = np.asarray(continuations)
+    feed(cont[:, :first], [first] * B, decode)
+    for t in range(first, cont.shape[1]):
+        feed(cont[:, t:t + 1], [1] * B, decode)
+    return [np.stack(l) for l in logits], cache, decode, prefill_bytes
+
+
+def kept_sets(cache, decode, b):
+    """Kept prompt positions [L][K] (sets) of sequence b in a compressed cache."""
+    out = []
+    for layer, slots in zip(cache, decode.head_slots):
+        positions = np.asarray(layer.positions[b])
+        bounds = np.cumsum((0,) + slots)
+        out.append([set(positions[s:e][positions[s:e] >= 0].tolist()) for s, e in zip(bounds[:-1], bounds[1:])])
+    return out
+
+
+@pytest.fixture(scope="module")
+def params():
+    return duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2)
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (45, 38)]
+    return prompts, rng.integers(0, CONFIG.vocab_size, (2, 7)).tolist()
+
+
+def check_against_reference(params, method, prompts, continuations, kernel, pooling):
+    logits, cache, decode, _ = run_engine(params, CONFIG, method, prompts, continuations)
+    for b, (prompt, cont) in enumerate(zip(prompts, continuations)):
+        ref, kept = reference_logits(params, CONFIG, prompt + cont, len(prompt), method.budgets, kernel=kernel,
+                                     pooling=pooling)
+        assert kept_sets(cache, decode, b) == kept
+        for l, row in enumerate(method.budgets):  # the budget binds: each head keeps exactly budget + window
+            assert [len(s) for s in kept[l]] == [n + WINDOW for n in row]
+        np.testing.assert_array_less(np.abs(logits[b] - ref).max(), 1e-4)
+    return logits, cache, decode
+
+
+@pytest.mark.parametrize("make, options", [
+    (make_snapkv, dict(kernel=5, pooling="avg")),
+    (make_pyramidkv, dict(kernel=7, pooling="max", beta=4.0)),
+])
+def test_matches_the_float64_reference(params, sequences, make, options):
+    prompts, continuations = sequences
+    method = make(CONFIG, context=64, kv_budget=16, window=WINDOW, **options)
+    if make is make_pyramidkv:
+        assert method.budgets == ((18, 18), (2, 2))  # k = 10: top 10 / 4 -> 2, bottom 20 - 2
+    logits, _, decode = check_against_reference(params, method, prompts, continuations, options["kernel"],
+                                                options["pooling"])
+    assert decode.name == method.name
+    # The compression matters: full attention gives clearly different logits after the prompt.
+    full, _, _, _ = run_engine(params, CONFIG, make_method("full", CONFIG, context=64), prompts, continuations)
+    assert np.abs(full[0][45:] - logits[0][45:]).max() > 1e-2
+
+
+def test_budget_covering_the_prompt_is_full_attention(params, sequences):
+    prompts, continuations = sequences
+    method = make_snapkv(CONFIG, context=64, kv_budget=45, window=WINDOW)
+    logits, cache, decode, prefill_bytes = run_engine(params, CONFIG, method, prompts, continuations)
+    full, _, full_method, _ = run_engine(params, CONFIG, make_method("full", CONFIG, context=64), prompts,
+                                         continuations)
+    for ours, theirs in zip(logits, full):
+        np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4)
+    assert kept_sets(cache, decode, 1) == [[set(range(38))] * 2] * 2
+    # A full prefill cache plus the query ring: [B, C, K, E] K and V and [B, window, H, E] per layer.
+    assert prefill_bytes == 2 * 2 * (2 * 128 * 2 + WINDOW * 4) * 16 * 4
+    # Decode: the held prompt (45 + the window, capped at the 128-token block) and room for 128 new tokens.
+    assert decode.head_slots == ((45, 45), (45, 45)) and decode.room == 128
+
+
+def test_short_prompts_shrink_the_decode_cache(params):
+    method = make_snapkv(CONFIG, context=300, kv_budget=200, window=WINDOW)
+    decode = method.compressed(longest=100)
+    assert decode.head_slots == ((128, 128), (128, 128))  # every prompt fits in one 128-token block
+    assert decode.room == 384  # capacity 384; the prompts take part of the first block
+    assert method.compressed(longest=300).head_slots == ((200, 200), (200, 200))
+    assert method.compressed(longest=300).room == 384 - 256
+
+
+def test_pyramid_budgets():
+    assert pyramid_budgets(1, 100) == [100]
+    budgets = pyramid_budgets(32, 100)  # top 100 / 20 = 5, bottom 195
+    assert budgets[0] == 195 and budgets[-1] == 5 and sum(budgets) == 3200
+    assert all(a >= b for a, b in zip(budgets, budgets[1:]))
+    assert sum(pyramid_budgets(5, 7, beta=3.0)) == 35
+    assert pyramid_budgets(3, 7, beta=1.0) == [7, 7, 7]
+    with pytest.raises(DuoJaxError, match="beta must be >= 1"):
+        pyramid_budgets(4, 10, beta=0.5)
+
+
+def test_generate_compresses_and_decode_does_not_recompile(params):
+    model = duo_jax.Model(CONFIG, params, None, "random")
+    method = make_snapkv(CONFIG, context=100, kv_budget=12, window=4)
+    prompt = np.random.default_rng(2).integers(0, CONFIG.vocab_size, 30).tolist()
+    kwargs = dict(method=method, chunk_size=8, stop_at_eos=False, context=100)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    short = generate(model, prompt, max_new_tokens=4, **kwargs)
+    before = len(compiles)
+    long = generate(model, prompt, max_new_tokens=40, **kwargs)
+    assert len(compiles) == before
+    assert long.tokens[0][:4] == short.tokens[0]
+    assert long.stats["method"] == "snapkv"
+    assert long.stats["cache_bytes"] == long.stats["expected_cache_bytes"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(kv_budget=4), "at least the observation window"),
+    (dict(kv_budget=None), "needs kv_budget"),
+    (dict(kv_budget=40, kernel=4), "positive odd number"),
+    (dict(kv_budget=40, pooling="mean"), "pooling must be one of"),
+    (dict(kv_budget=40, window=0), "at least 1 token"),
+])
+def test_bad_options_are_clear_errors(options, message):
+    with pytest.raises(DuoJaxError, match=message):
+        make_snapkv(CONFIG, context=64, **dict(dict(window=WINDOW), **options))
+
+
+def test_budgets_must_fit_the_heads():
+    with pytest.raises(DuoJaxError, match="budgets must be"):
+        SnapKV(4, 2, 16, 128, ((3, 3, 3),))
