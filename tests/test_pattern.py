@@ -185,7 +185,20 @@ def test_for_model():
     pattern = Pattern.for_model("llama3.1-8b")
     assert pattern is not None
     pattern.validate(get_config("llama3.1-8b"))
-    assert Pattern.for_model("smollm2-135m") is None
+    smol = Pattern.for_model("smollm2-135m")  # trained here (train_gates.py), shipped in configs/patterns
+    assert smol.gates.shape == (30, 3)
+
+
+def test_for_model_without_a_pattern(tmp_path, monkeypatch):
+    import json
+
+    import duo_jax.config as config_lib
+
+    entry = config_lib.read_named("smollm2-135m")
+    del entry["pattern"]
+    (tmp_path / "nopattern.json").write_text(json.dumps(entry))
+    monkeypatch.setattr(config_lib, "CONFIGS_DIR", tmp_path)
+    assert Pattern.for_model("nopattern") is None
 
 
 @pytest.mark.parametrize("name", SHIPPED)

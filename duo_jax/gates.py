@@ -1,0 +1,179 @@
+"""DuoAttention's gate-training objective: the gated (mixed-attention) model and its distillation loss.
+
+One trainable gate alpha[l, k] in float32 per layer l and KV head k; every model weight is frozen. Each
+layer's per-head attention output, before the output projection, is
+
+    attn = alpha * full_attn + (1 - alpha) * streaming_attn
+
+where `streaming_attn` uses the Λ mask (query t sees key s iff s <= t and (s < sink or t - s < recent)).
+With GQA a gate covers its KV head's whole group of query heads. The loss is
+
+    L = sum_{supervised t} mean_D (teacher_t - student_t)^2 / #supervised  +  reg_weight * mean |alpha|
+
+over the final hidden states after the final RMSNorm of the full-attention model (teacher) and of the gated
+model (student).
+
+The full branch, a choice
+-------------------------
+The student's `full_attn` term *reuses the teacher's full-attention output of the same layer* (as the
+original implementation does), rather than the student's own full attention over its own residual stream
+(the paper's equation). Why:
+
+* it costs one attention per layer less: the teacher's full attention is computed once and shared, the
+  student adds only its (cheap, block-sparse on GPU) Λ attention;
+* gradients flow only through alpha and the streaming branch (the teacher is constant), so the backward
+  pass never differentiates a full attention and the only residual it keeps is the teacher's
+  attention output (saved by name under rematerialisation, see `REMAT_SAVED`);
+* at alpha = 1 everywhere the student is bit-identical to the teacher (distillation loss exactly 0), and
+  each gate's gradient measures exactly how much replacing that head's full output by its streaming one
+  hurts, which is the quantity the gates are meant to rank.
+
+The two readings differ only once some upstream gate is below 1 (the student's residual stream then
+differs from the teacher's, and the paper's reading would feed the student's own full attention with it).
+
+Both models run in one `lax.scan` over the stacked layers with the gates [L, K] scanned alongside; the
+layer body is rematerialised. Attention goes through `duo_jax.attention` (Pallas kernels on GPU, jnp
+references elsewhere). `distill_terms` takes optional wrappers of the two attention functions: the
+sequence-parallel trainer (`duo_jax.training`) wraps them in a Ulysses all-to-all.
+
+Dimension letters as in `duo_jax.model`: B batch, T positions, D model width, H query heads, K KV heads,
+G query heads per KV head, E head_dim, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from duo_jax import attention
+from duo_jax.config import ModelConfig
+from duo_jax.model import (LayerParams, Params, embed, mlp, output_projection, qkv_projection, rms_norm,
+                           rope_inv_freq)
+
+# q [B, T, H, E], k / v [B, T, K, E] -> [B, T, H, E]
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# The name of the only activation the rematerialised layer body keeps for the backward pass.
+REMAT_SAVED = "teacher_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The training objective's hyper-parameters (defaults: the original's training run).
+
+    sink / recent: the streaming branch's Λ window. reg_weight: lambda of the L1 term.
+    impl: attention implementation, see `duo_jax.attention` ("auto": Pallas on GPU, jnp elsewhere).
+    """
+
+    sink: int = 128
+    recent: int = 256
+    reg_weight: float = 0.05
+    impl: attention.Impl = "auto"
+
+    def full_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return attention.flash_attention(q, k, v, causal=True, impl=self.impl)
+
+    def streaming_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return attention.lambda_attention(q, k, v, sink=self.sink, recent=self.recent, impl=self.impl)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LossTerms:
+    """What one evaluation of the objective reports (float32 scalars)."""
+
+    loss: jax.Array  # distill + reg_weight * l1
+    distill: jax.Array  # the distillation term
+    l1: jax.Array  # mean |alpha| (before the reg_weight factor)
+
+
+def init_gates(config: ModelConfig, value: float = 1.0) -> jax.Array:
+    """Every gate `value` (the original starts at 1.0: all heads full): float32 [L, K]."""
+    return jnp.full((config.num_layers, config.num_kv_heads), value, jnp.float32)
+
+
+def clamp(gates: jax.Array) -> jax.Array:
+    """Project the gates back onto [0, 1] (done after every optimiser step; no sigmoid)."""
+    return jnp.clip(gates, 0.0, 1.0)
+
+
+def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, tokens: jax.Array,
+                        positions: jax.Array, objective: Objective, *,
+                        wrap_attention: Callable[[AttentionFn], AttentionFn] = lambda f: f,
+                        ) -> tuple[jax.Array, jax.Array]:
+    """Final normed hidden states of the teacher (full attention) and the gated student.
+
+    tokens int32 [B, T] at absolute `positions` int32 [B, T]; gates float32 [L, K].
+    Returns (teacher, student), each [B, T, D] in the params' dtype. `wrap_attention` transforms both
+    attention functions (identity here; a sequence-parallel all-to-all in `duo_jax.training`).
+    """
+    if gates.shape != (config.num_layers, config.num_kv_heads):
+        raise ValueError(f"gates must have shape [layers, kv_heads] = {(config.num_layers, config.num_kv_heads)}, "
+                         f"got {gates.shape}")
+    inv_freq = rope_inv_freq(config)
+    eps = config.rms_norm_eps
+    full_attention = wrap_attention(objective.full_attention)
+    streaming_attention = wrap_attention(objective.streaming_attention)
+
+    def layer_step(carry, inputs):
+        x_teacher, x_student = carry  # [B, T, D] each
+        layer, gate = inputs  # LayerParams of one layer, gate [K]
+        layer: LayerParams
+
+        # Teacher: the frozen model with full attention everywhere.
+        q, k, v = qkv_projection(rms_norm(x_teacher, layer.attn_norm, eps), layer, positions, inv_freq)
+        full = checkpoint_name(full_attention(q, k, v), REMAT_SAVED)  # [B, T, H, E]
+        x_teacher = x_teacher + output_projection(full, layer)
+        x_teacher = x_teacher + mlp(rms_norm(x_teacher, layer.mlp_norm, eps), layer)
+
+        # Student: per head, mix the teacher's full output with its own streaming output.
+        q, k, v = qkv_projection(rms_norm(x_student, layer.attn_norm, eps), layer, positions, inv_freq)
+        streaming = streaming_attention(q, k, v)  # [B, T, H, E]
+        alpha = jnp.repeat(gate, config.group_size)[None, None, :, None]  # [1, 1, H, 1], float32
+        mixed = alpha * jax.lax.stop_gradient(full).astype(jnp.float32) + (1.0 - alpha) * streaming.astype(jnp.float32)
+        x_student = x_student + output_projection(mixed.astype(x_student.dtype), layer)
+        x_student = x_student + mlp(rms_norm(x_student, layer.mlp_norm, eps), layer)
+        return (x_teacher, x_student), None
+
+    layer_step = jax.checkpoint(layer_step, policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED))
+    x = embed(params, tokens)  # [B, T, D]
+    (x_teacher, x_student), _ = jax.lax.scan(layer_step, (x, x), (params.layers, gates))
+    return rms_norm(x_teacher, params.final_norm, eps), rms_norm(x_student, params.final_norm, eps)
+
+
+def distill_terms(gates: jax.Array, params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                  supervise: jax.Array, objective: Objective, *,
+                  wrap_attention: Callable[[AttentionFn], AttentionFn] = lambda f: f,
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The distillation term's sum and count over the positions in hand (a shard, or everything).
+
+    supervise bool [B, T]: the positions the loss compares (padding is False). Returns float32 scalars
+    (sum over supervised positions of mean_D (teacher - student)^2, number of supervised positions).
+    """
+    teacher, student = gated_hidden_states(params, config, gates, tokens, positions, objective,
+                                           wrap_attention=wrap_attention)
+    diff = teacher.astype(jnp.float32) - student.astype(jnp.float32)  # [B, T, D]
+    per_position = jnp.mean(diff * diff, axis=-1)  # [B, T]
+    weight = supervise.astype(jnp.float32)
+    return jnp.sum(per_position * weight), jnp.sum(weight)
+
+
+def l1_term(gates: jax.Array) -> jax.Array:
+    """mean |alpha| over every gate."""
+    return jnp.mean(jnp.abs(gates))
+
+
+def loss(gates: jax.Array, params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+         supervise: jax.Array, objective: Objective) -> tuple[jax.Array, LossTerms]:
+    """The objective on one device: (loss, LossTerms); differentiate with respect to `gates` (argument 0).
+
+    Sequences with no supervised position contribute nothing (the count is floored at 1).
+    """
+    total, count = distill_terms(gates, params, config, tokens, positions, supervise, objective)
+    distill = total / jnp.maximum(count, 1.0)
+    l1 = l1_term(gates)
+    value = distill + objective.reg_weight * l1
+    return value, LossTerms(loss=value, distill=distill, l1=l1)

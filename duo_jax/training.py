@@ -1,0 +1,463 @@
+"""Training DuoAttention gates: optimiser and schedule, the sharded train step, data, checkpoints, outputs.
+
+The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs it:
+
+* **Optimiser.** AdamW (weight decay 0) on the float32 gates only, clamped to [0, 1] after every update.
+  Learning-rate factor at step s (0-based) of N, as the original's `LambdaLR`:
+  ``min(1, max((s + 1) / W, floor), max((N - s) / Dc, floor))`` with W = N * warmup_ratio and
+  Dc = N * decay_ratio (both 0.2) and floor 0.1: linear warm-up from 0.1 * lr, constant, linear decay
+  floored at 0.1 * lr.
+* **Sharding.** A `jax.sharding.Mesh` with axes ("data", "seq"). The batch is split over "data", the
+  sequence over "seq" (each device holds a contiguous slice of every sequence); weights and gates are
+  replicated. Inside `shard_map`, attention is made sequence-parallel with a DeepSpeed-Ulysses all-to-all:
+  before attention, sequence shards become KV-head shards (each device then holds the whole sequence for
+  K / seq KV heads and their query heads), after attention the inverse all-to-all restores sequence
+  shards. This needs the number of KV heads to be divisible by the "seq" axis size (`check_mesh`). Each
+  device differentiates its share of the loss; the gate gradients are summed with one `psum`. The same
+  code runs on one device (a 1 x 1 mesh), on host CPU devices, on a GPU node or a TPU pod (multi-process
+  with `jax.distributed.initialize()`, see `initialize_distributed`).
+* **Padding.** Sequences of a batch are right-padded to a common length that is a multiple of the "seq"
+  axis. Padded positions come after every real token, so the causal and Λ masks already hide them from
+  every real query; they are excluded from the loss (`supervise` is False there).
+* **Data.** `duo_jax.data.SampleStream`: step s uses samples s * batch_size ... (s + 1) * batch_size - 1,
+  each a function of (seed, index) only, so the sample index is the whole data-loader state.
+* **Checkpoints.** Orbax, every `save_every` steps and at the end, the last two kept: gates, optimiser
+  state, the completed step and next sample index, and the run's arguments (a resumed run must use the
+  same ones). Resuming replays exactly the same computation, so the final gates are bit-identical to those
+  of an uninterrupted run (on the same mesh and backend).
+* **Outputs** in the run folder: `full_attention_heads.tsv` + `config.json` (the original's pattern format,
+  `duo_jax.pattern.Pattern.save`), `loss.json` (per step: loss, distill, l1, lr, tokens, tokens/s),
+  `gates.png`; all rewritten at every checkpoint, so a partial run is readable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from duo_jax import gates as gates_lib
+from duo_jax.config import ModelConfig
+from duo_jax.data import SampleStream, context_lengths, haystack_tokens, min_context_len
+from duo_jax.errors import DuoJaxError
+from duo_jax.model import Params
+from duo_jax.pattern import Pattern
+
+MESH_AXES = ("data", "seq")
+CHECKPOINT_DIR = "checkpoints"
+LOSS_FILE = "loss.json"
+HEATMAP_FILE = "gates.png"
+# Arguments that may differ between a run and its resumption: they change where or how fast, not what.
+_RESUMABLE_CHANGES = ("output_dir", "save_steps", "mesh", "streaming_attn_implementation")
+
+
+class TrainingError(DuoJaxError, ValueError):
+    """Training cannot run as asked (mesh, lengths, resumption); the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every hyper-parameter of a gate-training run (defaults: the original's, see ALGORITHMS.md)."""
+
+    objective: gates_lib.Objective = gates_lib.Objective()
+    steps: int = 2000
+    batch_size: int = 1
+    lr: float = 0.02
+    warmup_ratio: float = 0.2
+    decay_ratio: float = 0.2
+    min_lr_ratio: float = 0.1
+    initial_value: float = 1.0
+    haystack: str = "paul_graham"
+    min_len: int = 1000
+    max_len: int = 32000
+    num_lengths: int = 50
+    num_passkeys: int = 10
+    passkey_words: int = 32
+    min_depth: float = 0.05
+    max_depth: float = 0.95
+    supervise: str = "answers"
+    seed: int = 42
+    save_every: int = 50
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "save_every", "num_lengths", "min_len", "max_len"):
+            if getattr(self, name) < 1:
+                raise TrainingError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.objective.sink < 0 or self.objective.recent < 1:
+            raise TrainingError(f"the streaming window needs sink >= 0 and recent >= 1, got sink="
+                                f"{self.objective.sink}, recent={self.objective.recent}")
+        if not (self.lr > 0 and 0 < self.warmup_ratio <= 1 and 0 < self.decay_ratio <= 1
+                and 0 <= self.min_lr_ratio <= 1 and 0 <= self.initial_value <= 1):
+            raise TrainingError("need lr > 0, warmup and decay ratios in (0, 1], min_lr_ratio and initial_value "
+                                f"in [0, 1]; got lr={self.lr}, warmup_ratio={self.warmup_ratio}, decay_ratio="
+                                f"{self.decay_ratio}, min_lr_ratio={self.min_lr_ratio}, initial_value={self.initial_value}")
+
+    def meta(self, model_name: str, output_dir: str, mesh: Mesh, dtype: str) -> dict[str, Any]:
+        """The run's arguments under the original's `config.json` key names (plus duo-jax's own)."""
+        return {
+            "model_name": model_name, "dataset_name": self.haystack, "dataset_format": "multiple_passkey",
+            "lr": self.lr, "num_steps": self.steps, "batch_size": self.batch_size, "max_length": self.max_len,
+            "context_length_min": self.min_len, "context_length_max": self.max_len,
+            "context_lengths_num_intervals": self.num_lengths, "num_passkeys": self.num_passkeys,
+            "passkey_length": self.passkey_words, "min_needle_depth_ratio": self.min_depth,
+            "max_needle_depth_ratio": self.max_depth, "output_dir": output_dir,
+            "sink_size": self.objective.sink, "recent_size": self.objective.recent,
+            "reg_weight": self.objective.reg_weight, "initial_value": self.initial_value,
+            "save_steps": self.save_every, "seed": self.seed, "supervision": "distill",
+            "streaming_attn_implementation": self.objective.impl, "supervise": self.supervise,
+            "warmup_ratio": self.warmup_ratio, "decay_ratio": self.decay_ratio, "min_lr_ratio": self.min_lr_ratio,
+            "dtype": dtype, "mesh": format_mesh(mesh),
+        }
+
+
+# --- optimiser --------------------------------------------------------------------------------------
+
+
+def lr_schedule(lr: float, steps: int, warmup_ratio: float = 0.2, decay_ratio: float = 0.2,
+                min_ratio: float = 0.1) -> optax.Schedule:
+    """The learning rate at optimiser step `count` (0-based); see the module docstring."""
+    warmup = max(1.0, steps * warmup_ratio)
+    decay = max(1.0, steps * decay_ratio)
+
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        up = jnp.maximum((count + 1.0) / warmup, min_ratio)
+        down = jnp.maximum((steps - count) / decay, min_ratio)
+        return lr * jnp.minimum(1.0, jnp.minimum(up, down))
+
+    return schedule
+
+
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (torch's defaults: betas 0.9 / 0.999, eps 1e-8), weight decay 0, with `lr_schedule`."""
+    schedule = lr_schedule(cfg.lr, cfg.steps, cfg.warmup_ratio, cfg.decay_ratio, cfg.min_lr_ratio)
+    return optax.adamw(schedule, weight_decay=0.0), schedule
+
+
+# --- mesh and sequence parallelism ------------------------------------------------------------------
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """"data=1,seq=8" -> {"data": 1, "seq": 8}; both axes are required."""
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or name in sizes or not value.strip().isdigit() or int(value) < 1:
+            raise TrainingError(f"bad mesh {spec!r}: expected 'data=N,seq=M' with positive integers")
+        sizes[name] = int(value)
+    if set(sizes) != set(MESH_AXES):
+        raise TrainingError(f"bad mesh {spec!r}: name both axes, e.g. 'data=1,seq={jax.device_count()}'")
+    return sizes
+
+
+def make_mesh(data: int, seq: int) -> Mesh:
+    """A ("data", "seq") mesh over every device of every process."""
+    devices = jax.devices()
+    if data * seq != len(devices):
+        raise TrainingError(f"mesh data={data},seq={seq} needs {data * seq} devices but there are "
+                            f"{len(devices)}; choose data * seq = {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(data, seq), MESH_AXES)
+
+
+def format_mesh(mesh: Mesh) -> str:
+    return ",".join(f"{name}={mesh.shape[name]}" for name in MESH_AXES)
+
+
+def check_mesh(config: ModelConfig, mesh: Mesh, batch_size: int) -> None:
+    """TrainingError unless the batch splits over "data" and the KV heads over "seq" (Ulysses)."""
+    seq, data = mesh.shape["seq"], mesh.shape["data"]
+    if config.num_kv_heads % seq:
+        divisors = [n for n in range(1, config.num_kv_heads + 1) if config.num_kv_heads % n == 0]
+        raise TrainingError(f"Ulysses sequence parallelism splits the {config.num_kv_heads} KV heads over the "
+                            f"'seq' mesh axis, so its size must divide {config.num_kv_heads}; got seq={seq} "
+                            f"(use seq in {divisors} and put the other devices on 'data')")
+    if batch_size % data:
+        raise TrainingError(f"the batch of {batch_size} does not split over the 'data' mesh axis of size {data}; "
+                            f"use a batch size that is a multiple of {data}")
+
+
+def ulysses(axis_name: str) -> Callable[[gates_lib.AttentionFn], gates_lib.AttentionFn]:
+    """Make an attention function sequence-parallel over mesh axis `axis_name` (inside shard_map).
+
+    With n devices on the axis, q [B, T/n, H, E], k / v [B, T/n, K, E] (a contiguous sequence slice) are
+    exchanged so that each device holds the whole sequence for H/n query and K/n KV heads (contiguous head
+    blocks, so GQA groups stay whole), attention runs locally, and the output goes back to sequence slices.
+    """
+
+    def wrap(attend: gates_lib.AttentionFn) -> gates_lib.AttentionFn:
+        def attend_sequence_parallel(q, k, v):
+            to_heads = lambda x: jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+            out = attend(to_heads(q), to_heads(k), to_heads(v))  # [B, T, H/n, E]
+            return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)  # [B, T/n, H, E]
+
+        return attend_sequence_parallel
+
+    return wrap
+
+
+def _shard_map(f, mesh: Mesh, in_specs, out_specs):
+    """`jax.shard_map` (JAX >= 0.6), else the experimental one. Gradients are reduced explicitly inside."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+# --- the train step ---------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    """One step's sequences, right-padded: tokens / positions int32 [B, T], supervise bool [B, T]."""
+
+    tokens: Any
+    positions: Any
+    supervise: Any
+
+
+def sharded_loss_and_grad(config: ModelConfig, objective: gates_lib.Objective, mesh: Mesh):
+    """(gates, params, batch) -> (gate gradients [L, K], LossTerms), computed over `mesh`.
+
+    Each device computes the distillation sum of its (batch, sequence) shard, divided by the global
+    number of supervised positions, plus its 1/n share of the L1 term, and differentiates that; the
+    all-to-all's transposes carry cotangents between devices, and one psum of the gradients gives the
+    gradient of the global loss.
+    """
+    n_devices = mesh.size
+    wrap = ulysses("seq") if mesh.shape["seq"] > 1 else (lambda f: f)
+
+    def local(gates, params, batch: Batch):
+        count = jax.lax.psum(jnp.sum(batch.supervise.astype(jnp.float32)), MESH_AXES)
+        count = jnp.maximum(count, 1.0)
+
+        def local_objective(g):
+            total, _ = gates_lib.distill_terms(g, params, config, batch.tokens, batch.positions, batch.supervise,
+                                               objective, wrap_attention=wrap)
+            distill = total / count
+            return distill + objective.reg_weight * gates_lib.l1_term(g) / n_devices, distill
+
+        (_, distill), grads = jax.value_and_grad(local_objective, has_aux=True)(gates)
+        grads, distill = jax.lax.psum((grads, distill), MESH_AXES)
+        l1 = gates_lib.l1_term(gates)
+        return grads, gates_lib.LossTerms(loss=distill + objective.reg_weight * l1, distill=distill, l1=l1)
+
+    data_spec = P("data", "seq")
+    return _shard_map(local, mesh, in_specs=(P(), P(), Batch(data_spec, data_spec, data_spec)),
+                      out_specs=(P(), P()))
+
+
+def make_train_step(config: ModelConfig, objective: gates_lib.Objective, optimizer: optax.GradientTransformation,
+                    mesh: Mesh):
+    """A jitted step (gates, opt_state, params, batch) -> (gates, opt_state, LossTerms); gates and
+    optimiser state are donated. Gates are clamped to [0, 1] after the update."""
+    loss_and_grad = sharded_loss_and_grad(config, objective, mesh)
+
+    def step(gates, opt_state, params: Params, batch: Batch):
+        grads, terms = loss_and_grad(gates, params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, gates)
+        return gates_lib.clamp(optax.apply_updates(gates, updates)), opt_state, terms
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def replicate(tree, mesh: Mesh):
+    """Put every leaf of `tree` on every device of `mesh`."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def shard_batch(batch: Batch, mesh: Mesh) -> Batch:
+    """Host arrays [B, T] -> global arrays split over ("data", "seq"); every process passes the same batch."""
+    sharding = NamedSharding(mesh, P("data", "seq"))
+    put = lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.tree.map(put, batch)
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """The value of a fully replicated array, also in multi-process runs."""
+    return np.asarray(x.addressable_data(0))
+
+
+# --- data -------------------------------------------------------------------------------------------
+
+
+def sample_stream(tokenizer, cfg: TrainConfig) -> tuple[SampleStream, TrainConfig, str | None]:
+    """The run's `SampleStream`, the config with `min_len` raised to what the passkeys need, and a note
+    saying so (None when nothing was raised). TrainingError when even `max_len` is too short."""
+    bos_id = tokenizer.bos_id if getattr(tokenizer, "add_bos", False) else None
+    needed = min_context_len(tokenizer, num_passkeys=cfg.num_passkeys, passkey_words=cfg.passkey_words,
+                             bos_id=bos_id)
+    note = None
+    if needed > cfg.max_len:
+        raise TrainingError(f"{cfg.num_passkeys} passkeys of {cfg.passkey_words} words need contexts of at least "
+                            f"{needed} tokens but the longest allowed is {cfg.max_len}; raise --max-len or "
+                            "lower --num-passkeys / --passkey-words")
+    if cfg.min_len < needed:
+        note = (f"--min-len {cfg.min_len} is too short for {cfg.num_passkeys} passkeys of {cfg.passkey_words} "
+                f"words ({needed} tokens at worst with this tokenizer): the lengths start at {needed}")
+        cfg = dataclasses.replace(cfg, min_len=needed)
+    lengths = context_lengths(cfg.min_len, cfg.max_len, cfg.num_lengths)
+    stream = SampleStream(tokenizer, haystack_tokens(tokenizer, cfg.haystack, cfg.max_len), lengths, cfg.seed,
+                          num_passkeys=cfg.num_passkeys, passkey_words=cfg.passkey_words, min_depth=cfg.min_depth,
+                          max_depth=cfg.max_depth, bos_id=bos_id, supervise=cfg.supervise)
+    return stream, cfg, note
+
+
+def make_batch(stream: SampleStream, first_sample: int, batch_size: int, multiple: int) -> tuple[Batch, int]:
+    """Samples first_sample ... first_sample + batch_size - 1, right-padded to a common length that is a
+    multiple of `multiple`; also returns the number of real (unpadded) tokens."""
+    samples = [stream[first_sample + b] for b in range(batch_size)]
+    longest = max(len(s.tokens) for s in samples)
+    T = -(-longest // multiple) * multiple
+    tokens = np.zeros((batch_size, T), np.int32)
+    supervise = np.zeros((batch_size, T), bool)
+    for b, sample in enumerate(samples):
+        tokens[b, :len(sample.tokens)] = sample.tokens
+        supervise[b, :len(sample.tokens)] = sample.supervise
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (batch_size, T)).copy()
+    return Batch(tokens, positions, supervise), sum(len(s.tokens) for s in samples)
+
+
+# --- checkpoints and outputs ------------------------------------------------------------------------
+
+
+class Checkpoints:
+    """Orbax checkpoints of one run in `directory`: the arrays (gates, optimiser state) plus a JSON item
+    {"step", "next_sample", "meta"}. The last `keep` are kept; saves are asynchronous."""
+
+    def __init__(self, directory: Path, keep: int = 2):
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
+        self.manager = ocp.CheckpointManager(directory.absolute(), options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state, progress: dict[str, Any]) -> None:
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        progress=ocp.args.JsonSave(progress)))
+
+    def restore(self, step: int, like) -> tuple[Any, dict[str, Any]]:
+        """The arrays, restored with the shapes, dtypes and shardings of `like`, and the JSON item."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                      progress=ocp.args.JsonRestore()))
+        return restored["state"], restored["progress"]
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def write_outputs(out: Path, gates: np.ndarray, meta: dict[str, Any], history: list[dict[str, Any]]) -> Pattern:
+    """The pattern (tsv + config.json), loss.json and gates.png in `out`; returns the pattern."""
+    pattern = Pattern(gates, meta)
+    pattern.save(out)
+    tmp = out / (LOSS_FILE + ".tmp")
+    tmp.write_text(json.dumps(history, indent=1) + "\n")
+    os.replace(tmp, out / LOSS_FILE)  # atomic: a killed run never leaves half a loss.json
+    step = history[-1]["step"] + 1 if history else 0
+    pattern.heatmap(out / HEATMAP_FILE, title=f"{meta['model_name']}: gates after {step} steps")
+    return pattern
+
+
+def _mismatches(saved: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    keys = sorted((set(saved) | set(meta)) - set(_RESUMABLE_CHANGES))
+    return [f"{k}: {saved.get(k)!r} -> {meta.get(k)!r}" for k in keys if saved.get(k) != meta.get(k)]
+
+
+# --- the loop ---------------------------------------------------------------------------------------
+
+
+def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out: str | os.PathLike, mesh: Mesh, *,
+          model_name: str, dtype: str, resume: bool = False, log: Callable[[str], None] = print,
+          progress_bar: bool = True) -> Pattern:
+    """Train the gates of a frozen model and write the run folder `out`; returns the final pattern.
+
+    Continues from the latest checkpoint in `out/checkpoints` when there is one (TrainingError when its
+    arguments differ from `cfg`, or when `resume` is set and there is none). `params` may be on any
+    device; they are replicated over `mesh`.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    if config.sliding_window is not None:
+        raise TrainingError("gate training does not support sliding-window attention models")
+    check_mesh(config, mesh, cfg.batch_size)
+    stream, cfg, note = sample_stream(tokenizer, cfg)
+    if note:
+        log(f"note: {note}")
+    meta = cfg.meta(model_name, str(out), mesh, dtype)
+    is_main = jax.process_index() == 0
+
+    optimizer, schedule = make_optimizer(cfg)
+    gates = replicate(gates_lib.init_gates(config, cfg.initial_value), mesh)
+    state = {"gates": gates, "opt_state": replicate(optimizer.init(gates), mesh)}
+    params = replicate(params, mesh)
+    step_fn = make_train_step(config, cfg.objective, optimizer, mesh)
+
+    checkpoints = Checkpoints(out / CHECKPOINT_DIR)
+    start, next_sample, history = 0, 0, []  # next_sample: the data loader's whole state
+    latest = checkpoints.latest_step()
+    if latest is None and resume:
+        raise TrainingError(f"nothing to resume: no checkpoint in {out / CHECKPOINT_DIR}")
+    if latest is not None:
+        state, progress = checkpoints.restore(latest, state)
+        mismatches = _mismatches(progress["meta"], meta)
+        if mismatches:
+            raise TrainingError(f"{out} holds a run with other arguments ({'; '.join(mismatches)}); "
+                                "pass the same arguments to resume it, or use another --out")
+        start, next_sample = progress["step"], progress["next_sample"]
+        if (out / LOSS_FILE).is_file():
+            history = [h for h in json.loads((out / LOSS_FILE).read_text()) if h["step"] < start]
+        log(f"resuming {out} at step {start} of {cfg.steps}")
+
+    def save(step: int) -> None:
+        checkpoints.save(step, state, {"step": step, "next_sample": next_sample, "meta": meta})
+        if is_main:
+            write_outputs(out, fetch(state["gates"]), meta, history)
+
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress_bar and is_main), dynamic_ncols=True)
+    for step in range(start, cfg.steps):
+        tic = time.perf_counter()
+        host_batch, n_tokens = make_batch(stream, next_sample, cfg.batch_size, mesh.shape["seq"])
+        next_sample += cfg.batch_size
+        gates, opt_state, terms = step_fn(state["gates"], state["opt_state"], params, shard_batch(host_batch, mesh))
+        state = {"gates": gates, "opt_state": opt_state}
+        terms = {f.name: float(fetch(getattr(terms, f.name))) for f in dataclasses.fields(terms)}
+        if not all(math.isfinite(v) for v in terms.values()):
+            raise TrainingError(f"step {step}: the loss is not finite ({terms})")
+        seconds = time.perf_counter() - tic
+        history.append({"step": step, **terms, "lr": float(schedule(step)), "seq_len": host_batch.tokens.shape[1],
+                        "tokens": n_tokens, "seconds": round(seconds, 4), "tokens_per_s": n_tokens / seconds})
+        bar.set_postfix(loss=f"{terms['loss']:.4f}", l1=f"{terms['l1']:.3f}", tok_s=f"{n_tokens / seconds:.0f}",
+                        refresh=False)
+        bar.update(1)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save(step + 1)
+    bar.close()
+    if start == cfg.steps and is_main:  # nothing left to train: rewrite the outputs from the checkpoint
+        write_outputs(out, fetch(state["gates"]), meta, history)
+    checkpoints.close()
+    return Pattern(fetch(state["gates"]), meta)
+
+
+def initialize_distributed(requested: bool) -> None:
+    """`jax.distributed.initialize()` when `requested` or when this process was launched as one of several
+    (a JAX coordinator address, SLURM or Open MPI with more than one task). Call before touching devices."""
+    env = os.environ
+    launched = ("JAX_COORDINATOR_ADDRESS" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+                or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
+    if requested or launched:
+        jax.distributed.initialize()

@@ -1,0 +1,116 @@
+"""The gated (mixed-attention) forward and the distillation loss of duo_jax.gates, on tiny random models."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax import gates
+from duo_jax.model import dense_attention, embed, mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq
+from tests.conftest import tiny_config
+
+SINK, RECENT, T = 4, 8, 40
+OBJECTIVE = gates.Objective(sink=SINK, recent=RECENT)
+# Jitted once per test module (config and objective are static): eager scans are slow.
+hidden_states = jax.jit(gates.gated_hidden_states, static_argnums=(1, 5))
+loss = jax.jit(gates.loss, static_argnums=(2, 6))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = tiny_config()
+    params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    return config, params, tokens, positions
+
+
+def lambda_reference(params, config, tokens, positions):
+    """The dense model with every head on the Λ mask, built from an explicit mask: normed [B, T, D]."""
+    i, j = positions[:, :, None], positions[:, None, :]
+    mask = (j <= i) & ((j < SINK) | (i - j < RECENT))  # [B, T, S]
+    x = embed(params, tokens)
+    for l in range(config.num_layers):
+        layer = jax.tree.map(lambda w: w[l], params.layers)
+        q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
+                                 rope_inv_freq(config))
+        x = x + output_projection(dense_attention(q, k, v, mask), layer)
+        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
+    return rms_norm(x, params.final_norm, config.rms_norm_eps)
+
+
+def test_all_gates_one_is_the_full_model(setup):
+    config, params, tokens, positions = setup
+    teacher, student = hidden_states(params, config, gates.init_gates(config), tokens, positions,
+                                                 OBJECTIVE)
+    full = rms_norm(duo_jax.hidden_states(params, config, tokens), params.final_norm, config.rms_norm_eps)
+    np.testing.assert_allclose(teacher, full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(student, teacher)
+    value, terms = loss(gates.init_gates(config), params, config, tokens, positions,
+                              jnp.ones(tokens.shape, bool), OBJECTIVE)
+    assert float(terms.distill) == 0.0 and float(terms.l1) == 1.0
+    assert float(value) == pytest.approx(OBJECTIVE.reg_weight)
+
+
+def test_all_gates_zero_is_the_lambda_masked_model(setup):
+    config, params, tokens, positions = setup
+    teacher, student = hidden_states(params, config, gates.init_gates(config, 0.0), tokens,
+                                                 positions, OBJECTIVE)
+    reference = lambda_reference(params, config, tokens, positions)
+    np.testing.assert_allclose(student, reference, atol=1e-5, rtol=1e-5)
+    assert np.abs(np.asarray(student) - np.asarray(teacher)).max() > 1e-2  # the Λ mask does change the model
+
+
+def test_gate_gradient_matches_finite_differences(setup):
+    config, params, tokens, positions = setup
+    supervise = jnp.asarray(np.random.default_rng(0).random(tokens.shape) < 0.3)
+    alpha = jnp.asarray([[0.7, 0.4], [0.2, 0.9]], jnp.float32)
+    value = jax.jit(lambda g: gates.loss(g, params, config, tokens, positions, supervise, OBJECTIVE)[0])
+    grad = jax.jit(jax.grad(value))(alpha)
+    eps = 1e-3
+    for l, k in [(0, 1), (1, 0)]:
+        step = jnp.zeros_like(alpha).at[l, k].set(eps)
+        numeric = (value(alpha + step) - value(alpha - step)) / (2 * eps)
+        np.testing.assert_allclose(grad[l, k], numeric, rtol=2e-3, atol=1e-6)
+
+
+def test_a_gate_covers_its_group_of_query_heads(setup):
+    """Zeroing KV head 1's gate in layer 1 (the last) changes only the attention of query heads 2 and 3."""
+    config, params, tokens, positions = setup
+    alpha = gates.init_gates(config).at[1, 1].set(0.0)
+    wo = params.layers.wo.at[1, 2:].set(0.0)  # remove query heads 2, 3 (group of KV head 1) from layer 1
+    silenced = dataclasses.replace(params, layers=dataclasses.replace(params.layers, wo=wo))
+    teacher, student = hidden_states(silenced, config, alpha, tokens, positions, OBJECTIVE)
+    np.testing.assert_array_equal(student, teacher)
+    teacher, student = hidden_states(params, config, alpha, tokens, positions, OBJECTIVE)
+    assert np.abs(np.asarray(student) - np.asarray(teacher)).max() > 1e-3
+
+
+def test_unsupervised_positions_do_not_count(setup):
+    config, params, tokens, positions = setup
+    alpha = gates.init_gates(config, 0.5)
+    supervise = jnp.zeros(tokens.shape, bool).at[:, -5:].set(True)
+    _, terms = loss(alpha, params, config, tokens, positions, supervise, OBJECTIVE)
+    teacher, student = hidden_states(params, config, alpha, tokens, positions, OBJECTIVE)
+    expected = np.mean((np.asarray(teacher) - np.asarray(student))[:, -5:] ** 2)
+    np.testing.assert_allclose(terms.distill, expected, rtol=1e-5)
+    _, terms = loss(alpha, params, config, tokens, positions, jnp.zeros(tokens.shape, bool), OBJECTIVE)
+    assert float(terms.distill) == 0.0
+
+
+def test_bf16_weights_keep_fp32_gates_and_gradients(setup):
+    config, params, tokens, positions = setup
+    params16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+    (value, terms), grad = jax.value_and_grad(gates.loss, has_aux=True)(
+        gates.init_gates(config, 0.5), params16, config, tokens, positions, jnp.ones(tokens.shape, bool), OBJECTIVE)
+    assert grad.dtype == jnp.float32 and value.dtype == jnp.float32
+    assert np.isfinite(np.asarray(grad)).all() and float(terms.distill) > 0
+
+
+def test_rejects_gates_of_the_wrong_shape(setup):
+    config, params, tokens, positions = setup
+    with pytest.raises(ValueError, match="gates must have shape"):
+        gates.gated_hidden_states(params, config, jnp.ones((3, 2)), tokens, positions, OBJECTIVE)

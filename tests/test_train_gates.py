@@ -1,0 +1,86 @@
+"""The train_gates.py command line: help, missing weights, and SIGKILL + restart giving bit-identical gates."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import transformers
+
+from duo_jax.pattern import Pattern
+from tests.test_model import write_random_hf_model
+from tests.test_training import REPO, VOCAB, tiny_tokenizer, write_haystack
+
+SCRIPT = str(REPO / "train_gates.py")
+
+
+def run_cli(*args, env=None, **kwargs):
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=300, **kwargs)
+
+
+def test_help_lists_the_flags():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for flag in ("--model", "--out", "--steps", "--max-len", "--mesh", "--resume", "--dtype", "--haystack",
+                 "--num-passkeys", "--passkey-words", "--save-every", "--distributed"):
+        assert flag in result.stdout
+
+
+def test_missing_weights_exit_2_with_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DUO_JAX_MODELS", "HF_HUB_CACHE")}
+    env["HF_HOME"] = str(tmp_path / "hf")
+    result = run_cli("--model", "llama3-8b", "--out", tmp_path / "out", env=env)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: weights for 'llama3-8b'"), result.stderr
+    assert "looked in" in lines[0] and "To provide them" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random tiny Llama saved by transformers, with a BPE tokenizer.json, and a haystack folder."""
+    root = tmp_path_factory.mktemp("tiny")
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    write_random_hf_model(root / "model", transformers.LlamaConfig, fields)
+    tiny_tokenizer().save(str(root / "model" / "tokenizer.json"))
+    return root / "model", write_haystack(root / "hay")
+
+
+def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
+    model, haystack = tiny_checkpoint
+    args = ["--model", model, "--dtype", "fp32", "--steps", 30, "--save-every", 5, "--sink", 8, "--recent", 16,
+            "--min-len", 1, "--max-len", 512, "--num-lengths", 1, "--num-passkeys", 2, "--passkey-words", 4,
+            "--haystack", haystack]
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+
+    command = [sys.executable, SCRIPT, *map(str, args), "--out", str(killed)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (killed / "checkpoints" / "10").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL  # killed mid-run, not finished
+    partial = json.loads((killed / "loss.json").read_text())
+    assert 10 <= len(partial) < 30
+
+    resumed = run_cli(*args, "--out", killed)  # the same command again
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming" in resumed.stderr
+    uninterrupted = run_cli(*args, "--out", straight)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
+
+    assert (killed / "full_attention_heads.tsv").read_bytes() == (straight / "full_attention_heads.tsv").read_bytes()
+    np.testing.assert_array_equal(Pattern.load(killed).gates, Pattern.load(straight).gates)
+    assert Pattern.load(straight).gates.min() < 1.0
+    drop_timing = lambda h: {k: v for k, v in h.items() if k not in ("seconds", "tokens_per_s")}
+    histories = [json.loads((d / "loss.json").read_text()) for d in (killed, straight)]
+    assert [drop_timing(h) for h in histories[0]] == [drop_timing(h) for h in histories[1]]
+    assert len(histories[0]) == 30
+    assert (straight / "gates.png").is_file() and Pattern.load(straight).meta["num_steps"] == 30

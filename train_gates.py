@@ -1,0 +1,106 @@
+"""Train DuoAttention gates (one per layer and KV head) for a frozen model on synthetic passkey retrieval.
+
+    python train_gates.py --model smollm2-135m --out runs/gates/smollm2-135m
+    python train_gates.py --model llama3-8b --mesh data=1,seq=8   # 8 devices, sequence-parallel
+
+Defaults are those of the original DuoAttention training run: AdamW lr 0.02, 2000 steps,
+batch 1, sink 128 / recent 256, L1 weight 0.05, ten 32-word passkeys, 50 context lengths from --min-len
+(1000, raised to what the passkeys need) to --max-len (the model's context). The run folder gets the pattern
+(full_attention_heads.tsv + config.json), loss.json, gates.png and checkpoints/; re-running the same
+command continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--model", required=True, help="config name (see configs/), Hugging Face directory or .gguf file")
+    add("--out", help="run folder (default: runs/gates/<model name>)")
+    add("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the frozen weights (gates are fp32)")
+    add("--resume", action="store_true",
+        help="require a checkpoint to continue from (without it a run continues when there is one)")
+
+    group = parser.add_argument_group("objective")
+    group.add_argument("--sink", type=int, default=128, help="attention-sink tokens of the streaming branch")
+    group.add_argument("--recent", type=int, default=256, help="recent-window tokens of the streaming branch")
+    group.add_argument("--reg-weight", type=float, default=0.05, help="weight of the L1 term mean |alpha|")
+    group.add_argument("--initial-value", type=float, default=1.0, help="initial value of every gate")
+    group.add_argument("--impl", choices=("auto", "pallas", "reference"), default="auto",
+                       help="attention implementation (auto: Pallas kernels on GPU, jnp elsewhere)")
+
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--steps", type=int, default=2000, help="optimiser steps")
+    group.add_argument("--batch-size", type=int, default=1, help="samples per step")
+    group.add_argument("--lr", type=float, default=0.02, help="peak AdamW learning rate (weight decay 0)")
+    group.add_argument("--warmup-ratio", type=float, default=0.2, help="fraction of steps of linear warm-up")
+    group.add_argument("--decay-ratio", type=float, default=0.2, help="fraction of steps of linear decay at the end")
+    group.add_argument("--min-lr-ratio", type=float, default=0.1, help="floor of the schedule, as a fraction of --lr")
+    group.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (the last 2 are kept)")
+
+    group = parser.add_argument_group("data")
+    group.add_argument("--haystack", default="paul_graham",
+                       help="paul_graham, austen, a directory of .txt files, or tfds:<name>")
+    group.add_argument("--min-len", type=int, default=1000,
+                       help="shortest context (raised, with a note, to what the passkeys need)")
+    group.add_argument("--max-len", type=int, help="longest context (default: the model's context length)")
+    group.add_argument("--num-lengths", type=int, default=50, help="evenly spaced context lengths")
+    group.add_argument("--num-passkeys", type=int, default=10, help="passkeys per sample")
+    group.add_argument("--passkey-words", type=int, default=32, help="words per passkey")
+    group.add_argument("--min-depth", type=float, default=0.05, help="shallowest passkey depth")
+    group.add_argument("--max-depth", type=float, default=0.95, help="deepest passkey depth")
+    group.add_argument("--supervise", choices=("answers", "qa"), default="answers",
+                       help="positions the loss compares: the answer tokens, or every question/answer token")
+    group.add_argument("--seed", type=int, default=42, help="sample i depends only on (seed, i)")
+
+    group = parser.add_argument_group("devices")
+    group.add_argument("--mesh", help="device mesh 'data=N,seq=M' (default: data=1, seq=all devices); "
+                                      "the sequence is split over 'seq' (Ulysses: seq must divide the KV heads)")
+    group.add_argument("--distributed", action="store_true",
+                       help="call jax.distributed.initialize() (automatic under SLURM / Open MPI / a JAX coordinator)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    import duo_jax
+    from duo_jax import gates, training
+    from duo_jax.tokenizer import require
+
+    try:
+        training.initialize_distributed(args.distributed)  # before anything touches the devices
+        sizes = training.parse_mesh(args.mesh or f"data=1,seq={jax.device_count()}")
+        mesh = training.make_mesh(sizes["data"], sizes["seq"])
+        model = duo_jax.load(args.model, dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32)
+        tokenizer = require(model.tokenizer, "training on text samples")
+        name = Path(args.model).stem if Path(args.model).exists() else args.model
+        cfg = training.TrainConfig(
+            objective=gates.Objective(sink=args.sink, recent=args.recent, reg_weight=args.reg_weight, impl=args.impl),
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_ratio=args.warmup_ratio,
+            decay_ratio=args.decay_ratio, min_lr_ratio=args.min_lr_ratio, initial_value=args.initial_value,
+            haystack=args.haystack, min_len=args.min_len,
+            max_len=args.max_len or model.config.max_position_embeddings, num_lengths=args.num_lengths,
+            num_passkeys=args.num_passkeys, passkey_words=args.passkey_words, min_depth=args.min_depth,
+            max_depth=args.max_depth, supervise=args.supervise, seed=args.seed, save_every=args.save_every)
+        out = Path(args.out or f"runs/gates/{name}")
+        log = lambda message: print(message, file=sys.stderr)
+        pattern = training.train(model.params, model.config, tokenizer, cfg, out, mesh, model_name=args.model,
+                                 dtype=args.dtype, resume=args.resume, log=log)
+    except (duo_jax.DuoJaxError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{pattern!r} written to {out} (full_attention_heads.tsv, config.json, loss.json, gates.png)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
