@@ -5,6 +5,8 @@ import os
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from duo_jax.config import ModelConfig  # noqa: E402
@@ -23,6 +25,37 @@ def tiny_config(**overrides) -> ModelConfig:
 @pytest.fixture
 def tiny():
     return tiny_config()
+
+
+def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="reference"):
+    """One prompt through `extend` with a KV-cache method: chunked prefill, then greedy decoding.
+
+    Returns (tokens of the whole sequence, logits [len(sequence), V] at every position, the chunks as
+    (start, end) spans (a decode step is a chunk of one), the final cache).
+    """
+    from duo_jax.engine import extend, prepare_params
+
+    prepared = prepare_params(params, config, method)
+    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
+    logits = []
+    for start in range(0, len(prompt), chunk):
+        piece = prompt[start:start + chunk]
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, : len(piece)] = piece
+        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
+                                     config=config, method=method, all_logits=True, impl=impl)
+        logits.extend(np.asarray(out[0, : len(piece)]))
+    method, cache = method.after_prefill(cache, lengths)
+    sequence = list(prompt)
+    for _ in range(decode_steps):
+        sequence.append(int(np.argmax(logits[-1])))
+        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
+                                     config=config, method=method, impl=impl)
+        logits.append(np.asarray(out[0]))
+    assert int(lengths[0]) == len(sequence)
+    chunks = [(s, min(s + chunk, len(prompt))) for s in range(0, len(prompt), chunk)]
+    chunks += [(i, i + 1) for i in range(len(prompt), len(sequence))]
+    return sequence, np.stack(logits), chunks, cache
 
 
 class BPETokenizer:

@@ -15,11 +15,10 @@ import pytest
 
 import duo_jax
 from duo_jax.cache import make_layout
-from duo_jax.engine import extend, prepare_params
 from duo_jax.methods import DuoAttention
 from duo_jax.methods.duo import head_order, reorder_heads
 from duo_jax.model import mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq, unembed
-from tests.conftest import tiny_config
+from tests.conftest import run_method, tiny_config
 
 CONFIG = tiny_config(num_layers=4)
 # Layer 0 all retrieval, layer 1 all streaming, layers 2 and 3 mixed (retrieval head second, then first).
@@ -55,27 +54,12 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
 
 
 def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps, impl="reference"):
-    """Chunked prefill then greedy decode through `extend`; returns (all tokens, logits at every position)."""
+    """DuoAttention with a raw [L, K] retrieval mask through `run_method`: (sequence, logits at every position)."""
     layout = make_layout(config, retrieval_mask, sink=sink, recent=recent, context=len(prompt) + decode_steps)
     method = DuoAttention(layout, None if retrieval_mask is None else tuple(map(tuple, retrieval_mask.tolist())))
-    prepared = prepare_params(params, config, method)
-    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
-    logits = []
-    for start in range(0, len(prompt), chunk):
-        piece = prompt[start:start + chunk]
-        tokens = np.zeros((1, chunk), np.int32)
-        tokens[0, : len(piece)] = piece
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
-                                     config=config, method=method, all_logits=True, impl=impl)
-        logits.extend(np.asarray(out[0, : len(piece)]))
-    sequence = list(prompt)
-    for _ in range(decode_steps):
-        sequence.append(int(np.argmax(logits[-1])))
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
-                                     config=config, method=method, impl=impl)
-        logits.append(np.asarray(out[0]))
-    assert int(lengths[0]) == len(sequence)
-    return sequence, np.stack(logits)
+    sequence, logits, _, _ = run_method(params, config, method, prompt, chunk=chunk, decode_steps=decode_steps,
+                                        impl=impl)
+    return sequence, logits
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 import duo_jax
-from duo_jax.engine import extend, prepare_params
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import cache_nbytes, make_method
 from duo_jax.model import mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq, unembed
-from tests.conftest import tiny_config
+from tests.conftest import run_method, tiny_config
 
 CONFIG = tiny_config()
 
@@ -65,28 +64,6 @@ def reference_logits(params, tokens, chunks, rule, budget, recent=0):
     return np.asarray(unembed(params, CONFIG, x)[0])
 
 
-def run_engine(params, method, prompt, chunk, steps):
-    prepared = prepare_params(params, CONFIG, method)
-    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
-    logits = []
-    for s in range(0, len(prompt), chunk):
-        piece = prompt[s:s + chunk]
-        tokens = np.zeros((1, chunk), np.int32)
-        tokens[0, : len(piece)] = piece
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
-                                     config=CONFIG, method=method, all_logits=True)
-        logits.extend(np.asarray(out[0, : len(piece)]))
-    sequence = list(prompt)
-    for _ in range(steps):
-        sequence.append(int(np.argmax(logits[-1])))
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
-                                     config=CONFIG, method=method)
-        logits.append(np.asarray(out[0]))
-    chunks = [(s, min(s + chunk, len(prompt))) for s in range(0, len(prompt), chunk)]
-    chunks += [(i, i + 1) for i in range(len(prompt), len(sequence))]
-    return sequence, np.stack(logits), chunks, cache
-
-
 @pytest.fixture(scope="module")
 def params():
     return duo_jax.init_params(CONFIG, jax.random.key(4), scale=0.3)
@@ -102,7 +79,7 @@ def prompt():
 def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, recent):
     options = dict(kv_budget=budget) | (dict(recent=recent) if rule == "h2o" else {})
     method = make_method(rule, CONFIG, context=64, **options)
-    sequence, logits, chunks, cache = run_engine(params, method, prompt, chunk, steps=8)
+    sequence, logits, chunks, cache = run_method(params, CONFIG, method, prompt, chunk=chunk, decode_steps=8)
     ref = reference_logits(params, sequence, chunks, rule, budget, recent)
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
     full = reference_logits(params, sequence, chunks, rule, budget=10_000)
@@ -113,7 +90,7 @@ def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, rec
 @pytest.mark.parametrize("rule", ["h2o", "tova"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
     method = make_method(rule, CONFIG, context=64, kv_budget=32)
-    sequence, logits, _, _ = run_engine(params, method, prompt, chunk=5, steps=6)
+    sequence, logits, _, _ = run_method(params, CONFIG, method, prompt, chunk=5, decode_steps=6)
     dense = np.asarray(duo_jax.forward(params, CONFIG, jnp.asarray([sequence]))[0])
     np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
 

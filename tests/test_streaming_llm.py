@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 import duo_jax
-from duo_jax.engine import extend, prepare_params
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import StreamingLLM, cache_nbytes, make_method
 from duo_jax.model import mlp, output_projection, project_qkv, rms_norm, rope_inv_freq, unembed
-from tests.conftest import tiny_config
+from tests.conftest import run_method, tiny_config
 
 CONFIG = tiny_config(max_position_embeddings=64)
 START, RECENT = 2, 4
@@ -59,25 +58,10 @@ def test_matches_the_reindexed_reference(params):
     prompt = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 19).tolist()
     chunk, steps = 5, 8
     method = make_method("streaming_llm", CONFIG, context=64, start=START, recent=RECENT)
-    prepared = prepare_params(params, CONFIG, method)
-    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
-    logits = []
-    for s in range(0, len(prompt), chunk):
-        piece = prompt[s:s + chunk]
-        tokens = np.zeros((1, chunk), np.int32)
-        tokens[0, : len(piece)] = piece
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
-                                     config=CONFIG, method=method, all_logits=True)
-        logits.extend(np.asarray(out[0, : len(piece)]))
-    sequence = list(prompt)
-    for _ in range(steps):
-        sequence.append(int(np.argmax(logits[-1])))
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
-                                     config=CONFIG, method=method)
-        logits.append(np.asarray(out[0]))
+    sequence, logits, _, cache = run_method(params, CONFIG, method, prompt, chunk=chunk, decode_steps=steps)
     starts = [(i // chunk) * chunk if i < len(prompt) else i for i in range(len(sequence))]
     ref = reference_logits(params, sequence, starts)
-    np.testing.assert_array_less(np.abs(np.stack(logits) - ref).max(), 1e-4)
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4) == 2 * 2 * 2 * 6 * 16 * 4
 
 
