@@ -161,6 +161,10 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
                           f"cache capacity context={context}; raise context or shorten the prompt")
     kv_method = build_method(config, method, context=context or needed, pattern=pattern, sparsity=sparsity,
                              sink=sink, recent=recent, **method_options)
+    if kv_method.max_tokens is not None and needed > kv_method.max_tokens:
+        raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
+                          f"{kv_method.name} cache's capacity of {kv_method.max_tokens} tokens; build the method "
+                          "with a larger context or shorten the prompt")
     if kv_method.absolute_positions and needed > config.max_position_embeddings:
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"model's context of {config.max_position_embeddings} tokens; shorten the prompt, "

@@ -13,6 +13,9 @@
   headkv         snapkv with per-head budgets from HeadKV scores (scores=PATH from python -m duo_jax.head_scores)
   duo_headkv     duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head) instead of every
                  token
+InfiniGen needs the model's weights to calibrate, so it is built as an instance and passed as `method=`:
+  InfiniGen.calibrate(params, config, sample_tokens, context=..., kv_budget=..., alpha=4.0, partial_ratio=0.2):
+  SVD-skewed partial keys speculate which tokens each decode step fetches from a host-memory full cache
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from duo_jax.methods.base import Method, Step, cache_nbytes
 from duo_jax.methods.duo import DuoAttention
 from duo_jax.methods.eviction import H2O, TOVA
 from duo_jax.methods.headkv import make_duo_headkv, make_headkv
+from duo_jax.methods.infinigen import InfiniGen
 from duo_jax.methods.snapkv import make_pyramidkv, make_snapkv
 from duo_jax.methods.streaming_llm import StreamingLLM
 from duo_jax.pattern import Pattern
@@ -42,7 +46,7 @@ _OPTIONS = {"full": set(), "duo": {"pattern", "sparsity", "sink", "recent", "kv_
 _COMPRESSION = {"snapkv": make_snapkv, "pyramidkv": make_pyramidkv, "headkv": make_headkv,
                 "duo_headkv": make_duo_headkv}
 
-__all__ = ["H2O", "METHODS", "TOVA", "DuoAttention", "Method", "Step", "StreamingLLM", "cache_nbytes", "duo_sparsity_for_budget",
+__all__ = ["H2O", "InfiniGen", "METHODS", "TOVA", "DuoAttention", "Method", "Step", "StreamingLLM", "cache_nbytes", "duo_sparsity_for_budget",
            "make_method"]
 
 

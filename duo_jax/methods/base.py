@@ -66,6 +66,11 @@ class Method(abc.ABC):
         Returns the attention output [B, T, H, E] (before the output projection) and the new layer cache.
         """
 
+    @property
+    def max_tokens(self) -> int | None:
+        """Tokens per sequence the cache can hold (prompt + generated); None when unbounded (a ring)."""
+        return getattr(self, "capacity", None)
+
     def after_prefill(self, cache: tuple[LayerCache, ...], lengths: jax.Array) -> tuple["Method", tuple]:
         """Called once between prefill and decode: the method and cache decoding continues with (a method
         that compresses its cache after prefill, like SnapKV, returns a smaller one). Default: unchanged."""

@@ -105,6 +105,10 @@ class DuoAttention(Method):
 
     name = "duo"
 
+    @property
+    def max_tokens(self) -> int:
+        return self.layout.capacity
+
     def prepare_params(self, params: Params, config: ModelConfig) -> Params:
         mask = None if self.retrieval_mask is None else np.array(self.retrieval_mask, bool)
         return reorder_heads(params, config, mask)
