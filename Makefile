@@ -23,10 +23,10 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-# The main job on the embedded default model (SmolLM2-135M-Instruct, shipped as a GGUF in a PyPI wheel).
+# The main job on the embedded default model (SmolLM2-135M-Instruct, shipped as a GGUF in a PyPI wheel):
+# needle in a haystack, full attention vs DuoAttention vs StreamingLLM at DuoAttention's KV bytes.
 demo: install
-	$(BIN)/python infer.py --model smollm2-135m --max-new-tokens 32 \
-		--prompt "The three most important ideas in computer science are"
+	$(BIN)/python demo.py --out results/demo
 
 test: install-test
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,210 @@
+"""What the benchmarks share: arguments, the model and its modes, timing of our `generate` and of the Hugging
+Face transformers peer, and writing a result (printed table, JSON, PNG).
+
+Timing conventions (the same on both sides):
+- TTFT (time to first token): the prompt's prefill plus picking the first new token. Ours: `generate`'s
+  ``prefill_s`` (compilation is reported apart, in ``compile_s``). The peer: from `model.generate`'s call to
+  its first new token, read with a streamer that timestamps every token.
+- Decode: time per new token after the first, i.e. (time of the last token - time of the first) / (N - 1),
+  greedy, the full N tokens always generated (ours: ``stop_at_eos=False``; the peer: ``min_new_tokens=N``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+PEER = "hf"  # the Hugging Face transformers (PyTorch) column's name
+
+
+# --- arguments -------------------------------------------------------------------------------------------
+
+
+def parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """A parser whose description is the module docstring, with --out (default results/benchmarks/<name>)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=_Formatter)
+    p.add_argument("--out", type=pathlib.Path, default=REPO / "results" / "benchmarks" / name,
+                   help="folder for <name>.json and <name>.png")
+    return p
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def add_model_args(p: argparse.ArgumentParser, *, peer: bool = True) -> None:
+    """--model / --pattern / --sparsity / --sink / --recent / --chunk-size / --dtype (and --no-peer)."""
+    p.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
+    p.add_argument("--pattern", default="default",
+                   help="head pattern of duo: a folder / full_attention_heads.tsv, or 'default' (the model's own)")
+    p.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
+    p.add_argument("--sink", type=int, default=64, help="duo: attention-sink tokens of a streaming head")
+    p.add_argument("--recent", type=int, default=256, help="duo: recent tokens of a streaming head")
+    p.add_argument("--chunk-size", type=int, default=256,
+                   help="prompt tokens per prefill step (on CPU 256 beat 128 and 512 for SmolLM2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="ours and the peer's weights and cache (fp32: CPU has no fast bf16 matmuls)")
+    if peer:
+        p.add_argument("--no-peer", action="store_true", help="skip the Hugging Face transformers peer")
+    p.add_argument("--single-thread", action="store_true",
+                   help="one CPU thread on both sides (XLA without its Eigen thread pool, torch.set_num_threads(1)): "
+                        "steadier numbers on a machine shared with other jobs; default: each library's own")
+
+
+def setup_threads(args: argparse.Namespace) -> None:
+    """Apply --single-thread. Must run before JAX first initialises (XLA reads its flags once)."""
+    if getattr(args, "single_thread", False):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+
+
+def load(args: argparse.Namespace):
+    """(model, duo's resolved Pattern) from the parsed model arguments."""
+    import jax.numpy as jnp
+
+    import duo_jax
+    from duo_jax.generation import resolve_pattern
+
+    model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype))
+    pattern = resolve_pattern(args.pattern, model.config)
+    return model, pattern
+
+
+def mode(name: str, model, pattern, args: argparse.Namespace, context: int):
+    """`duo_jax.eval.modes.ModeSettings` of mode `name` ("full" or "duo") at `context` tokens."""
+    from duo_jax.eval.modes import mode_settings
+
+    return mode_settings(name, model.config, pattern, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
+                         context=context)
+
+
+def text_prompt(model, length: int) -> list[int]:
+    """`length` tokens of real prose (the Paul Graham essays), BOS first when the tokenizer adds one."""
+    from duo_jax.data.haystack import haystack_tokens
+    from duo_jax.eval.niah import bos_id
+
+    bos = bos_id(model.tokenizer)
+    ids = haystack_tokens(model.tokenizer, "paul_graham", length - (bos is not None))
+    return ([bos] if bos is not None else []) + ids
+
+
+# --- timing ----------------------------------------------------------------------------------------------
+
+
+def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int,
+              context: int | None = None) -> dict:
+    """One greedy `generate` of `new_tokens` tokens with a cache of `context` tokens (default: just enough):
+    ttft_s, decode_ms (per token after the first), tokens_per_s, compile_s, cache_bytes, full_cache_bytes."""
+    from duo_jax import generate
+
+    out = generate(model, [list(ids)], max_new_tokens=new_tokens, chunk_size=chunk_size, stop_at_eos=False,
+                   context=context or len(ids) + new_tokens, **settings.generate_kwargs())
+    s = out.stats
+    decode_ms = 1e3 * s["decode_s"] / s["decode_steps"] if s["decode_steps"] else float("nan")
+    return dict(ttft_s=s["prefill_s"], decode_ms=decode_ms, tokens_per_s=_per_s(decode_ms), compile_s=s["compile_s"],
+                cache_bytes=s["cache_bytes"], full_cache_bytes=s["full_cache_bytes"])
+
+
+class Peer:
+    """The same weights in Hugging Face transformers (PyTorch, SDPA attention, dynamic cache), loaded from the
+    same file as ours: `from_pretrained(dir, gguf_file=name)` for a GGUF, `from_pretrained(dir)` otherwise."""
+
+    def __init__(self, model, dtype: str, *, single_thread: bool = False):
+        import torch
+        import transformers
+
+        source = pathlib.Path(model.source)
+        kwargs = dict(dtype=getattr(torch, dtype))
+        if source.suffix == ".gguf":
+            source, kwargs["gguf_file"] = source.parent, source.name
+        if single_thread:
+            torch.set_num_threads(1)
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(source, **kwargs).eval()
+        self.attention = self.model.config._attn_implementation
+        self.time(list(range(1, 65)), new_tokens=4)  # warm-up: first-call allocations and kernel selection
+
+    def time(self, ids: Sequence[int], *, new_tokens: int) -> dict:
+        """One greedy `model.generate` of `new_tokens` tokens: ttft_s, decode_ms (per token), tokens_per_s."""
+        from transformers.generation.streamers import BaseStreamer
+
+        class Clock(BaseStreamer):  # generate() puts the prompt first, then each new token as it is picked
+            def __init__(self):
+                self.times = []
+
+            def put(self, value):
+                self.times.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        clock = Clock()
+        with self.torch.inference_mode():
+            start = time.perf_counter()
+            self.model.generate(self.torch.tensor([list(ids)]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False, streamer=clock, pad_token_id=0)
+        token_times = clock.times[1:]  # one per new token
+        decode_ms = (1e3 * (token_times[-1] - token_times[0]) / (len(token_times) - 1) if len(token_times) > 1
+                     else float("nan"))
+        return dict(ttft_s=token_times[0] - start, decode_ms=decode_ms, tokens_per_s=_per_s(decode_ms))
+
+
+def _per_s(ms: float) -> float:
+    return 1e3 / ms if np.isfinite(ms) and ms > 0 else float("nan")
+
+
+# --- results ---------------------------------------------------------------------------------------------
+
+
+def ratio(a: float | None, b: float | None) -> float:
+    """a / b, NaN when either is missing."""
+    if a is None or b is None or not np.isfinite(a) or not np.isfinite(b) or b == 0:
+        return float("nan")
+    return a / b
+
+
+def write_result(out_dir: pathlib.Path, name: str, *, title: str, headers: Sequence[str],
+                 rows: Sequence[Sequence[Any]], data: dict, plot: Callable[[pathlib.Path], Any] | None = None,
+                 notes: Sequence[str] = ()) -> dict:
+    """Print `title`, the machine, the table and `notes`; write <name>.json (table, data, machine, command)
+    and, with `plot(path)`, <name>.png. Returns the JSON's content."""
+    from duo_jax.eval import report
+
+    out_dir = pathlib.Path(out_dir)
+    machine = report.machine_info()
+    table = report.markdown_table(headers, rows)
+    print(f"\n{title}\n{report.describe_machine(machine)}\n\n{table}")
+    for note in notes:
+        print(note)
+    files = []
+    if plot is not None:
+        files.append(plot(out_dir / f"{name}.png"))
+    files.append(out_dir / f"{name}.json")
+    result = dict(benchmark=name, title=title, command=" ".join(["python"] + sys.argv), machine=machine,
+                  table=dict(headers=list(headers), rows=[list(r) for r in rows]), notes=list(notes),
+                  files=[str(f) for f in files], **data)
+    report.write_json(files[-1], result)
+    print(f"\nwrote {', '.join(str(f) for f in files)}")
+    return result
+
+
+def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run a benchmark's main: a DuoJaxError or OSError is `error: ...` on one line to stderr, exit 2.
+    (duo_jax is imported only when needed: XLA's thread flags must be set before JAX loads.)"""
+    try:
+        return main(argv)
+    except Exception as e:
+        from duo_jax.errors import DuoJaxError
+
+        if not isinstance(e, (DuoJaxError, OSError)):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,298 @@
+"""Llama-3-8B on one GPU: decode latency and prefill time, DuoAttention vs full attention, from 8k tokens to the
+largest context that fits, against the paper (A100: 1.50x faster decode, 1.63x faster prefill for GQA models at
+50% retrieval heads) and the HBM roofline.
+
+The model has Llama-3-8B's shape with random bf16 weights (timings do not depend on the values; one set of
+unstacked weights serves both modes, since reordering random heads changes nothing). duo uses the published
+pattern (configs/patterns/llama3-8b) at --sparsity, sink 64 / recent 256. Batch 1, prefill chunked by
+--chunk-size, both through `duo_jax.generation.compiled_extend` (the executables `generate` runs).
+
+Per context C and mode:
+- prefill: C - 1 random tokens in chunks, timed end to end (contexts up to --max-prefill only: beyond, a
+  prefill takes longer than a device session allows);
+- decode: --decode-steps single-token steps at lengths just under C, median ms per step. The cache is
+  filled by the prefill when there was one; beyond --max-prefill it holds zeros, which costs the same: a step
+  reads the same bytes whatever they hold;
+- "largest context that fits": the first context whose cache or step runs out of device memory ends the
+  mode's sweep; the one before it is reported.
+
+Roofline (see /work/shared/GPU_NOTES.md): a decode step must read every weight and the KV cache it attends to,
+bytes / HBM bandwidth (measured here with a jnp.sum over a large bf16 buffer, or --bandwidth-tbs). Prefill is
+FLOP-bound: 2 * params * T for the linear layers plus causal attention 2 * T^2 * H * E * L over the retrieval
+heads' share and 4 * T * (sink + recent + chunk) * H * E * L over the streaming heads' (an upper bound).
+
+--dry-run builds everything abstractly on any backend (CPU included): the weights, the caches and one prefill
+chunk and one decode step of both modes with `jax.eval_shape`, and prints the plan (sizes, what fits in
+--hbm-gib, roofline times) without allocating.
+
+    python benchmarks/gpu_llama8b.py --dry-run
+    python benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 524288 --out results/benchmarks/gpu_llama8b
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+import sys
+import time
+
+import common
+
+MODEL = "llama3-8b"
+PAPER = dict(decode=1.50, prefill=1.63)  # DuoAttention, A100, GQA at 50% retrieval heads
+DRY_RUN_BANDWIDTH_TBS = 3.03  # H100 HBM3 read bandwidth measured in /work/shared/GPU_NOTES.md
+
+
+def random_params(config, seed: int = 0):
+    """Random bf16 weights of `config`'s shape, layers unstacked as `extend` takes them (N(0, 0.02), norms 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    from duo_jax.model import LayerParams, Params, param_shapes
+
+    shapes = param_shapes(config)
+    key = iter(jax.random.split(jax.random.key(seed), 16 * (config.num_layers + 2)))
+
+    def normal(shape):
+        return jax.jit(lambda k: 0.02 * jax.random.normal(k, shape, jnp.bfloat16))(next(key))
+
+    def layer(_):
+        stacked = {f.name: getattr(shapes.layers, f.name) for f in dataclasses.fields(shapes.layers)}
+        fields = {name: (jnp.ones(shape[1:], jnp.bfloat16) if "norm" in name else normal(shape[1:]))
+                  for name, shape in stacked.items()}
+        return LayerParams(**fields)
+
+    return Params(embed=normal(shapes.embed), layers=tuple(layer(l) for l in range(config.num_layers)),
+                  final_norm=jnp.ones(shapes.final_norm, jnp.bfloat16),
+                  lm_head=None if shapes.lm_head is None else normal(shapes.lm_head))
+
+
+def tree_bytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def roofline(config, *, weight_bytes: int, share: float, window: int, context: int, chunk: int,
+             bandwidth: float) -> dict:
+    """Best-case decode ms per step (bytes / bandwidth) and prefill FLOPs, full and duo, at `context` tokens."""
+    kv_token = config.kv_bytes_per_token(2)
+    kv = dict(full=context * kv_token, duo=share * context * kv_token + (1 - share) * window * kv_token)
+    params = weight_bytes / 2
+    attention = 2 * context**2 * config.num_heads * config.head_dim * config.num_layers  # causal
+    streaming = 4 * context * (window + chunk) * config.num_heads * config.head_dim * config.num_layers
+    flops = dict(full=2 * params * context + attention,
+                 duo=2 * params * context + share * attention + (1 - share) * streaming)
+    return dict(decode_ms={m: 1e3 * (weight_bytes + kv[m]) / bandwidth for m in kv}, prefill_flops=flops)
+
+
+def measure_bandwidth(gib: float = 4.0) -> float:
+    """HBM read bandwidth in bytes/s: the best of 10 jnp.sum over `gib` GiB of bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(10):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    del x
+    return gib * 2**30 / best
+
+
+def is_oom(error: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
+
+
+def run_mode(config, params, method, context: int, *, chunk: int, steps: int, prefill: bool) -> dict:
+    """Prefill (when asked) and decode timings of one mode at one context on the device."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from duo_jax.generation import compiled_extend
+
+    decode_step = compiled_extend(config, method, 1, 1, "bfloat16")
+    cache = method.init_cache(1, jnp.bfloat16)
+    rng = np.random.default_rng(context)
+    out = dict(cache_bytes=tree_bytes(cache))
+    warmup = 3
+    start_length = context - warmup - steps - 1  # the decode steps end inside the cache
+    lengths = jnp.zeros((1,), jnp.int32)
+    if prefill:
+        prefill_step = compiled_extend(config, method, 1, chunk, "bfloat16")
+        tokens = rng.integers(0, config.vocab_size, (1, start_length)).astype(np.int32)
+        padded = np.zeros((1, -(-start_length // chunk) * chunk), np.int32)
+        padded[:, :start_length] = tokens
+        start = time.perf_counter()
+        for c in range(0, start_length, chunk):
+            n_valid = jnp.asarray([min(chunk, start_length - c)], jnp.int32)
+            logits, cache, lengths = prefill_step(params, cache, lengths, jnp.asarray(padded[:, c:c + chunk]), n_valid)
+        logits.block_until_ready()
+        out["prefill_s"] = time.perf_counter() - start
+    else:
+        lengths = jnp.asarray([start_length], jnp.int32)  # a zero-filled cache: the same bytes move
+    token, ones, times = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        logits, cache, lengths = decode_step(params, cache, lengths, token, ones)
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+        token.block_until_ready()
+        times.append(time.perf_counter() - start)
+    out["decode_ms"] = 1e3 * statistics.median(times[warmup:])
+    del cache
+    gc.collect()
+    return out
+
+
+def dry_run_checks(config, methods: dict, chunk: int) -> None:
+    """One prefill chunk and one decode step of every mode traced with abstract shapes (nothing allocated)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from duo_jax.engine import extend
+
+    params = jax.eval_shape(lambda: random_params(config))
+    for name, method in methods.items():
+        cache = jax.eval_shape(lambda m=method: m.init_cache(1, jnp.bfloat16))
+        ints = jax.ShapeDtypeStruct((1,), jnp.int32)
+        for T in (chunk, 1):
+            tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+            logits, new_cache, _ = jax.eval_shape(functools.partial(extend, config=config, method=method),
+                                                  params, cache, ints, tokens, ints)
+            assert logits.shape == (1, config.vocab_size), logits.shape
+            assert jax.tree.structure(new_cache) == jax.tree.structure(cache)
+        print(f"  traced {name}: prefill chunk of {chunk} and a decode step, cache {tree_bytes(cache) / 2**30:.2f} GiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__, "gpu_llama8b")
+    p.add_argument("--contexts", type=int, nargs="+",
+                   default=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576], help="contexts (tokens)")
+    p.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk (tokens)")
+    p.add_argument("--decode-steps", type=int, default=20, help="timed decode steps per context (median)")
+    p.add_argument("--max-prefill", type=int, default=131072, help="largest context whose prefill is timed")
+    p.add_argument("--bandwidth-tbs", type=float, default=None,
+                   help=f"HBM bandwidth for the roofline, TB/s (default: measured; dry run: {DRY_RUN_BANDWIDTH_TBS})")
+    p.add_argument("--hbm-gib", type=float, default=80.0, help="dry run: device memory assumed for 'fits'")
+    p.add_argument("--dry-run", action="store_true", help="shapes only, on any backend: print the plan")
+    args = p.parse_args(argv)
+
+    import jax
+
+    import duo_jax
+    from duo_jax.eval import report
+    from duo_jax.eval.modes import mode_settings, num_retrieval_heads
+    from duo_jax.pattern import Pattern
+
+    config = duo_jax.get_config(MODEL)
+    pattern = Pattern.for_model(MODEL)
+    share = num_retrieval_heads(config, args.sparsity) / (config.num_layers * config.num_kv_heads)
+    window = args.sink + args.recent
+    contexts = sorted(set(args.contexts))
+
+    def methods_at(context):
+        return {m: mode_settings(m, config, pattern, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
+                                 context=context).build(config, context) for m in ("full", "duo")}
+
+    weight_bytes = tree_bytes(jax.eval_shape(lambda: random_params(config)))
+    if args.dry_run:
+        bandwidth = (args.bandwidth_tbs or DRY_RUN_BANDWIDTH_TBS) * 1e12
+        print(f"dry run on {jax.default_backend()}: {MODEL} shape, bf16 weights {weight_bytes / 2**30:.2f} GiB, "
+              f"duo sparsity {args.sparsity} (r = {share:.3f}), chunk {args.chunk_size}")
+        dry_run_checks(config, methods_at(contexts[0]), args.chunk_size)
+        rows, plan = [], {}
+        for context in contexts:
+            sizes = {m: tree_bytes(jax.eval_shape(lambda m=method: m.init_cache(1, jax.numpy.bfloat16)))
+                     for m, method in methods_at(context).items()}
+            roof = roofline(config, weight_bytes=weight_bytes, share=share, window=window, context=context,
+                            chunk=args.chunk_size, bandwidth=bandwidth)
+            fits = {m: weight_bytes + sizes[m] <= args.hbm_gib * 2**30 for m in sizes}
+            plan[context] = dict(cache_bytes=sizes, fits=fits, **roof)
+            rows.append([context, sizes["full"] / 2**30, sizes["duo"] / 2**30, fits["full"], fits["duo"],
+                         roof["decode_ms"]["full"], roof["decode_ms"]["duo"],
+                         roof["decode_ms"]["full"] / roof["decode_ms"]["duo"],
+                         roof["prefill_flops"]["full"] / roof["prefill_flops"]["duo"]])
+        headers = ["context", "full KV GiB", "duo KV GiB", f"full fits {args.hbm_gib:g} GiB",
+                   f"duo fits {args.hbm_gib:g} GiB", "roofline full ms", "roofline duo ms", "best decode speed-up",
+                   "best prefill speed-up"]
+        common.write_result(args.out, "gpu_llama8b_plan", title="Llama-3-8B plan (dry run, nothing allocated)",
+                            headers=headers, rows=rows,
+                            data=dict(args={k: str(v) for k, v in vars(args).items()}, plan=plan,
+                                      weight_bytes=weight_bytes, bandwidth=bandwidth),
+                            notes=[f"roofline bandwidth {bandwidth / 1e12:.2f} TB/s (not measured: dry run); "
+                                   f"paper (A100): decode {PAPER['decode']}x, prefill {PAPER['prefill']}x"])
+        return 0
+
+    if jax.default_backend() == "cpu":
+        p.error("this benchmark needs a GPU (Llama-3-8B in bf16); on CPU run it with --dry-run")
+    bandwidth = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else measure_bandwidth()
+    params = random_params(config)
+    results = {m: {} for m in ("full", "duo")}
+    largest = {}
+    from tqdm.auto import tqdm
+
+    for context in tqdm(contexts, desc="contexts", unit="context"):
+        for mode, method in methods_at(context).items():
+            if mode in largest:  # already out of memory at a smaller context
+                continue
+            try:
+                results[mode][context] = run_mode(config, params, method, context, chunk=args.chunk_size,
+                                                  steps=args.decode_steps, prefill=context <= args.max_prefill)
+            except Exception as e:  # XLA reports device OOM as a runtime error
+                if not is_oom(e):
+                    raise
+                largest[mode] = max(results[mode], default=None)
+                gc.collect()
+    for mode in results:
+        largest.setdefault(mode, max(results[mode], default=None))
+
+    rows, data = [], {}
+    for context in contexts:
+        full, duo = results["full"].get(context, {}), results["duo"].get(context, {})
+        roof = roofline(config, weight_bytes=weight_bytes, share=share, window=window, context=context,
+                        chunk=args.chunk_size, bandwidth=bandwidth)
+        data[context] = dict(full=full, duo=duo, **roof)
+        rows.append([context, full.get("decode_ms"), duo.get("decode_ms"),
+                     common.ratio(full.get("decode_ms"), duo.get("decode_ms")),
+                     common.ratio(roof["decode_ms"]["full"], full.get("decode_ms")),
+                     common.ratio(roof["decode_ms"]["duo"], duo.get("decode_ms")),
+                     full.get("prefill_s"), duo.get("prefill_s"),
+                     common.ratio(full.get("prefill_s"), duo.get("prefill_s"))])
+    headers = ["context", "full decode ms", "duo decode ms", "decode speed-up", "full % roofline",
+               "duo % roofline", "full prefill s", "duo prefill s", "prefill speed-up"]
+    notes = [f"device {jax.devices()[0].device_kind}, HBM bandwidth {bandwidth / 1e12:.2f} TB/s "
+             f"({'given' if args.bandwidth_tbs else 'measured'}); paper (A100): decode {PAPER['decode']}x, "
+             f"prefill {PAPER['prefill']}x",
+             f"largest context that fits: full {largest['full']}, duo {largest['duo']} (of the contexts tried)",
+             "% roofline = roofline ms / measured ms"]
+
+    def plot(path):
+        series = {f"{m} decode": [results[m].get(c, {}).get("decode_ms") for c in contexts] for m in results}
+        series.update({f"{m} roofline": [roofline(config, weight_bytes=weight_bytes, share=share, window=window,
+                                                  context=c, chunk=args.chunk_size,
+                                                  bandwidth=bandwidth)["decode_ms"][m] for c in contexts]
+                       for m in results})
+        return report.line_plot(path, contexts, series, xlabel="context (tokens)", ylabel="ms per decode step",
+                                 logx=True, title=f"Llama-3-8B shape, bf16, {jax.devices()[0].device_kind}")
+
+    common.write_result(args.out, "gpu_llama8b", title="Llama-3-8B shape on one GPU: duo vs full (batch 1)",
+                        headers=headers, rows=rows,
+                        data=dict(args={k: str(v) for k, v in vars(args).items()}, results=data, largest=largest,
+                                  bandwidth=bandwidth, weight_bytes=weight_bytes),
+                        plot=plot, notes=notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(main))

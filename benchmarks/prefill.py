@@ -1,0 +1,73 @@
+"""Prefill: time to first token at several prompt lengths, chunked DuoAttention vs chunked full attention vs
+the Hugging Face transformers peer (same weights from the same file, same dtype, same prompt).
+
+Ours prefills in chunks of --chunk-size tokens (`duo_jax.generate`, compilation excluded and reported
+apart); the peer runs its whole prompt in one forward. Ratios are speed-ups (> 1: the first is faster).
+
+    python benchmarks/prefill.py                     # SmolLM2-135M, its shipped pattern, 1k / 2k / 4k
+    python benchmarks/prefill.py --pattern PATH --lengths 512 1024 --out /tmp/prefill
+"""
+
+from __future__ import annotations
+
+import sys
+
+import common
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__, "prefill")
+    common.add_model_args(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths (tokens)")
+    args = p.parse_args(argv)
+
+    common.setup_threads(args)
+    from tqdm.auto import tqdm
+
+    from duo_jax.eval import report
+
+    model, pattern = common.load(args)
+    peer = None if args.no_peer else common.Peer(model, args.dtype, single_thread=args.single_thread)
+    systems = ["full", "duo"] + ([common.PEER] if peer else [])
+    results = {}
+    with tqdm(total=len(args.lengths) * len(systems), desc="prefill", unit="run") as bar:
+        for length in args.lengths:
+            ids = common.text_prompt(model, length)
+            results[length] = {}
+            for system in systems:
+                bar.set_postfix_str(f"{system} @ {length}")
+                if system == common.PEER:
+                    results[length][system] = peer.time(ids, new_tokens=1)
+                else:
+                    settings = common.mode(system, model, pattern, args, length + 1)
+                    results[length][system] = common.time_ours(model, ids, settings, new_tokens=1,
+                                                               chunk_size=args.chunk_size)
+                bar.update()
+
+    ttft = {n: {s: r[s]["ttft_s"] for s in systems} for n, r in results.items()}
+    rows = [[n, *[ttft[n][s] for s in systems], *[n / ttft[n][s] for s in systems],
+             common.ratio(ttft[n]["full"], ttft[n]["duo"]),
+             common.ratio(ttft[n].get(common.PEER), ttft[n]["full"]),
+             common.ratio(ttft[n].get(common.PEER), ttft[n]["duo"])] for n in args.lengths]
+    headers = ["prompt", *[f"{s} TTFT s" for s in systems], *[f"{s} tok/s" for s in systems],
+               "duo vs full", f"full vs {common.PEER}", f"duo vs {common.PEER}"]
+
+    def plot(path):
+        return report.line_plot(path, args.lengths, {s: [ttft[n][s] for n in args.lengths] for s in systems},
+                                       xlabel="prompt (tokens)", ylabel="time to first token (s)", logx=True,
+                                       logy=True, title=f"prefill, {model.config.name} ({args.dtype}), batch 1")
+
+    notes = [f"model {model.config.name} ({args.dtype}), duo sparsity {args.sparsity} (sink {args.sink}, "
+             f"recent {args.recent}), ours chunked by {args.chunk_size}"
+             + (", single-threaded" if args.single_thread else "")]
+    if peer:
+        notes.append(f"peer: transformers {__import__('transformers').__version__}, attention {peer.attention}, "
+                     "one forward over the prompt")
+    common.write_result(args.out, "prefill", title="Prefill: time to first token (batch 1)", headers=headers,
+                        rows=rows, data=dict(args={k: str(v) for k, v in vars(args).items()}, results=results),
+                        plot=plot, notes=notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(main))

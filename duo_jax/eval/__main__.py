@@ -1,0 +1,114 @@
+"""Compare full attention, DuoAttention and StreamingLLM (same KV budget as duo) on one model.
+
+    python -m duo_jax.eval niah --model smollm2-135m --lengths 1024 2048 4096 --depths 0 0.5 1
+    python -m duo_jax.eval passkey --lengths 1024 2048 4096 --depths-per-length 5
+    python -m duo_jax.eval perplexity --source austen --length 4096 --samples 2
+
+--pattern "default" is the model's shipped head pattern (configs/patterns/); pass a folder or a
+full_attention_heads.tsv to use another. Results (JSON, PNG) go to --out (default results/<task>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _common(parser: argparse.ArgumentParser, task: str) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
+    parser.add_argument("--pattern", default="default",
+                        help="head pattern for mode duo: a folder / full_attention_heads.tsv, or 'default' "
+                             "for the model's shipped one")
+    parser.add_argument("--modes", nargs="+", default=["full", "duo", "streaming"],
+                        choices=["full", "duo", "streaming"], help="modes to compare")
+    parser.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
+    parser.add_argument("--sink", type=int, default=64, help="attention-sink tokens of a streaming head")
+    parser.add_argument("--recent", type=int, default=256,
+                        help="recent tokens of duo's streaming heads (streaming mode: widened to duo's budget)")
+    parser.add_argument("--chunk-size", type=int, default=256,
+                        help="prompt tokens per prefill step (on CPU 256 beat 128 and 512 for SmolLM2)")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="weights and cache dtype; auto: float32 on CPU, bfloat16 elsewhere")
+    parser.add_argument("--out", default=f"results/{task}", help="folder for the JSON and PNG results")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m duo_jax.eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    tasks = parser.add_subparsers(dest="task", required=True)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+
+    niah = tasks.add_parser("niah", help="needle in a haystack: depth x length heat maps", formatter_class=defaults)
+    _common(niah, "niah")
+    niah.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
+    niah.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                      help="needle depths in [0, 1]")
+    niah.add_argument("--haystack", default="paul_graham", help="'paul_graham', 'austen' or a folder of .txt files")
+    niah.add_argument("--max-new-tokens", type=int, default=32)
+    niah.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: all depths)")
+
+    passkey = tasks.add_parser("passkey", help="numeric passkey retrieval accuracy per length",
+                               formatter_class=defaults)
+    _common(passkey, "passkey")
+    passkey.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
+    passkey.add_argument("--depths-per-length", type=int, default=5, help="passkey depths, evenly spaced in [0, 1]")
+    passkey.add_argument("--digits", type=int, default=5, help="digits of each passkey")
+    passkey.add_argument("--seed", type=int, default=0, help="seed of the passkeys")
+    passkey.add_argument("--max-new-tokens", type=int, default=12)
+    passkey.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: all depths)")
+
+    ppl = tasks.add_parser("perplexity", help="perplexity per position bucket on long text", formatter_class=defaults)
+    _common(ppl, "perplexity")
+    ppl.add_argument("--source", default="paul_graham", help="'paul_graham', 'austen' or a folder of .txt files")
+    ppl.add_argument("--length", type=int, default=4096, help="tokens per window")
+    ppl.add_argument("--samples", type=int, default=2, help="windows (consecutive, one batch)")
+    ppl.add_argument("--bucket-edges", type=int, nargs="+", default=None,
+                     help="position bucket edges from 0 to --length (default: 0 512 1024 2048 ... length)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    import duo_jax
+    from duo_jax.eval import report
+    from duo_jax.eval.niah import accuracy_table, run_niah
+    from duo_jax.eval.passkey import run_passkey
+    from duo_jax.eval.perplexity import perplexity_table, run_perplexity
+    from duo_jax.generation import resolve_pattern
+
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    start = time.perf_counter()
+    try:
+        model = duo_jax.load(args.model, dtype=jnp.dtype(dtype))
+        pattern = resolve_pattern(args.pattern, model.config) if "duo" in args.modes else None
+        common = dict(pattern=pattern, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
+                      chunk_size=args.chunk_size, out_dir=args.out)
+        if args.task == "niah":
+            results = run_niah(model, args.modes, lengths=args.lengths, depths=args.depths, haystack=args.haystack,
+                               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **common)
+            table = accuracy_table(results, results["lengths"])
+        elif args.task == "passkey":
+            results = run_passkey(model, args.modes, lengths=args.lengths, depths_per_length=args.depths_per_length,
+                                  digits=args.digits, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                  batch_size=args.batch_size, **common)
+            table = accuracy_table(results, results["lengths"])
+        else:
+            results = run_perplexity(model, args.modes, source=args.source, length=args.length, samples=args.samples,
+                                     edges=args.bucket_edges, **common)
+            table = perplexity_table(results)
+    except (duo_jax.DuoJaxError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"\n{args.task} on {model.config.name} ({dtype}), {report.describe_machine(results['machine'])}:\n")
+    print(table)
+    print(f"\nwrote {', '.join(results['files'])}  [{time.perf_counter() - start:.0f} s]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

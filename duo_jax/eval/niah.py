@@ -1,0 +1,174 @@
+"""Needle in a haystack, compared across attention modes (full / duo / streaming) in one run.
+
+For every context length, the prompts of all depths are built once (`duo_jax.data.make_needle_prompt`: the
+Paul Graham essays, the San Francisco needle) and generated in one batched `duo_jax.generate` call per mode
+(greedy). A cell is scored on the generated answer: ``score`` = the share of the needle's key words found
+(`score_needle`), ``correct`` = `score_contains` (at least half of them). Each mode gets a depth x length
+heat map of ``score`` (green found, red missed, as DuoAttention's Fig. 5) and all modes one side-by-side
+figure; everything measured goes to ``niah.json``.
+
+`evaluate_grid` is the loop shared with the passkey evaluation (`duo_jax.eval.passkey`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from duo_jax.data.haystack import haystack_tokens
+from duo_jax.data.niah import NeedlePrompt, make_needle_prompt, score_contains, score_needle
+from duo_jax.errors import DuoJaxError
+from duo_jax.eval import report
+from duo_jax.eval.modes import check_modes, mode_settings
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern
+
+DEFAULT_LENGTHS = (1024, 2048, 4096)
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def bos_id(tokenizer: Any) -> int | None:
+    """The BOS id to start prompts with: the tokenizer's own when it adds one to text (Llama), else None."""
+    return getattr(tokenizer, "bos_id", None) if getattr(tokenizer, "add_bos", False) else None
+
+
+def aggregate(cells: Sequence[dict], key: str | None = None) -> float | dict:
+    """Accuracy (mean of ``correct``) over `cells`; with `key`, a dict {cell[key]: accuracy} in first-seen order."""
+    if key is None:
+        return float(np.mean([c["correct"] for c in cells])) if cells else float("nan")
+    groups: dict = {}
+    for cell in cells:
+        groups.setdefault(cell[key], []).append(cell["correct"])
+    return {k: float(np.mean(v)) for k, v in groups.items()}
+
+
+def score_matrix(cells: Sequence[dict], lengths: Sequence[int], depths: Sequence[float],
+                 field: str = "score") -> np.ndarray:
+    """[depths, lengths] of cell[field] (NaN where no cell was run); a depth with several cells is averaged."""
+    total = np.zeros((len(depths), len(lengths)))
+    count = np.zeros_like(total)
+    row = {d: i for i, d in enumerate(depths)}
+    column = {n: j for j, n in enumerate(lengths)}
+    for cell in cells:
+        i, j = row[cell["depth"]], column[cell["length"]]
+        total[i, j] += float(cell[field])
+        count[i, j] += 1
+    with np.errstate(invalid="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
+                  prompts_for: Callable[[int], list[NeedlePrompt]], *, pattern: Pattern | None,
+                  sparsity: float, sink: int, recent: int, max_new_tokens: int, chunk_size: int,
+                  score: Callable[[str, NeedlePrompt], float], batch_size: int | None = None,
+                  progress: bool = True) -> dict:
+    """Generate the answer of every prompt in every mode; returns {"modes": {mode: result}}.
+
+    prompts_for(length) gives the prompts of one context length (all exactly `length` tokens); they are
+    generated in batches of `batch_size` (default: all at once). `score(generated, prompt)` gives a cell's
+    score in [0, 1]; a cell is correct when `score_contains` says so. Each mode's result holds its settings
+    and cache bytes per length, prefill / decode seconds, the cells, and accuracy overall, per length and
+    per depth.
+    """
+    from tqdm.auto import tqdm
+
+    from duo_jax import generate
+
+    modes = check_modes(modes)
+    lengths = list(lengths)
+    prompts = {n: prompts_for(n) for n in lengths}
+    total = len(modes) * sum(len(p) for p in prompts.values())
+    results = {m: dict(settings={}, cache_bytes={}, full_cache_bytes={}, prefill_s=0.0, decode_s=0.0,
+                       compile_s=0.0, cells=[]) for m in modes}
+    with tqdm(total=total, desc="generating", unit="prompt", disable=not progress) as bar:
+        for length in lengths:
+            batch = batch_size or len(prompts[length])
+            context = length + max_new_tokens
+            for mode in modes:
+                settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink,
+                                         recent=recent, context=context)
+                result = results[mode]
+                result["settings"][length] = settings.describe()
+                bar.set_postfix_str(f"{mode} @ {length}")
+                for start in range(0, len(prompts[length]), batch):
+                    group = prompts[length][start:start + batch]
+                    out = generate(model, [p.tokens.tolist() for p in group], max_new_tokens=max_new_tokens,
+                                   chunk_size=chunk_size, context=context, **settings.generate_kwargs())
+                    result["cache_bytes"][length] = out.stats["cache_bytes"] // len(group)  # per sequence
+                    result["full_cache_bytes"][length] = out.stats["full_cache_bytes"] // len(group)
+                    for key in ("prefill_s", "decode_s", "compile_s"):
+                        result[key] += out.stats[key]
+                    texts = out.text if out.text is not None else [" ".join(map(str, t)) for t in out.tokens]
+                    for prompt, text in zip(group, texts):
+                        result["cells"].append(dict(
+                            length=length, depth=prompt.depth, answer=prompt.answer, generated=text,
+                            score=float(score(text, prompt)),
+                            correct=bool(score_contains(text, prompt.answer, question=prompt.question))))
+                    bar.update(len(group))
+    for result in results.values():
+        result["accuracy"] = aggregate(result["cells"])
+        result["accuracy_by_length"] = aggregate(result["cells"], "length")
+        result["accuracy_by_depth"] = aggregate(result["cells"], "depth")
+    return dict(modes=results)
+
+
+def accuracy_table(results: dict, lengths: Sequence[int]) -> str:
+    """Markdown: one row per mode, accuracy per length, overall, and KV cache per sequence at the longest."""
+    longest = lengths[-1]
+    rows = []
+    for mode, r in results["modes"].items():
+        by_length = r["accuracy_by_length"]
+        rows.append([mode, *[by_length.get(n) for n in lengths], r["accuracy"],
+                     report.human_bytes(r["cache_bytes"][longest]),
+                     f"{r['cache_bytes'][longest] / r['full_cache_bytes'][longest]:.1%}"])
+    headers = ["mode", *[f"acc @ {n}" for n in lengths], "accuracy", f"KV cache @ {longest}", "of full"]
+    return report.markdown_table(headers, rows)
+
+
+def write_outputs(results: dict, out_dir: str | Path, task: str, lengths: Sequence[int], depths: Sequence[float],
+                  other_files: Sequence[Path] = ()) -> list[Path]:
+    """Write a heat map <task>_<mode>.png per mode, <task>_modes.png, then <task>.json (listing these and
+    `other_files` under "files"); return the paths."""
+    out_dir = Path(out_dir)
+    paths, matrices, titles = list(other_files), {}, {}
+    for mode, r in results["modes"].items():
+        matrices[mode] = score_matrix(r["cells"], lengths, depths)
+        titles[mode] = f"{mode}: accuracy {r['accuracy']:.0%}"
+        paths.append(report.grid_heatmap(out_dir / f"{task}_{mode}.png", matrices[mode], lengths, depths,
+                                         f"{task.upper()} {titles[mode]}"))
+    paths.append(report.grid_heatmaps(out_dir / f"{task}_modes.png", matrices, lengths, depths, titles))
+    paths.append(out_dir / f"{task}.json")
+    results["files"] = [str(p) for p in paths]
+    report.write_json(paths[-1], results)
+    return paths
+
+
+def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, lengths: Sequence[int] = DEFAULT_LENGTHS,
+             depths: Sequence[float] = DEFAULT_DEPTHS, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
+             max_new_tokens: int = 32, chunk_size: int = 512, haystack: str = "paul_graham",
+             batch_size: int | None = None, out_dir: str | Path | None = None, progress: bool = True) -> dict:
+    """The NIAH grid in every mode; writes niah.json and the heat maps into `out_dir` when given."""
+    if model.tokenizer is None:
+        raise DuoJaxError("NIAH needs the model's tokenizer (none was found with the weights)")
+    lengths, depths = sorted(set(lengths)), sorted(set(float(d) for d in depths))
+    hay = haystack_tokens(model.tokenizer, haystack, max(lengths))
+    bos = bos_id(model.tokenizer)
+
+    def prompts_for(length):
+        return [make_needle_prompt(model.tokenizer, hay, length, depth, bos_id=bos) for depth in depths]
+
+    start = time.perf_counter()
+    results = evaluate_grid(model, modes, lengths, prompts_for, pattern=pattern, sparsity=sparsity, sink=sink,
+                            recent=recent, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
+                            score=lambda text, p: score_needle(text, p.answer, question=p.question),
+                            batch_size=batch_size, progress=progress)
+    results = dict(task="niah", model=model.config.name, source=model.source, haystack=haystack,
+                   lengths=lengths, depths=depths, sparsity=sparsity, sink=sink, recent=recent,
+                   max_new_tokens=max_new_tokens, chunk_size=chunk_size, dtype=str(model.params.dtype),
+                   wall_s=time.perf_counter() - start, machine=report.machine_info(), **results)
+    if out_dir is not None:
+        write_outputs(results, out_dir, "niah", lengths, depths)
+    return results

@@ -1,0 +1,164 @@
+"""Perplexity on long text per position bucket, compared across attention modes in one run.
+
+The text (the Paul Graham essays by default, Jane Austen's novels with ``source="austen"``, or a folder of
+.txt files; see `duo_jax.data.load_haystack`) is tokenized and cut into `samples` consecutive windows of
+`length` tokens (with the tokenizer's BOS first when it adds one). Each window is teacher-forced through
+the engine exactly as generation prefills a prompt: `duo_jax.engine.extend` (compiled as
+`duo_jax.generation.compiled_extend`) over chunks of `chunk_size` tokens with ``all_logits=True``, the
+mode's cache carried from chunk to chunk. So on a streaming
+head a token sees the sinks, the `recent` tokens before its chunk and its chunk up to itself: between
+`recent` and ``recent + chunk_size - 1`` recent tokens (a smaller chunk is closer to token-by-token decoding).
+
+The negative log-likelihood of token p (predicted from tokens < p, p >= 1) is averaged per position bucket
+[edge_i, edge_{i+1}); a bucket's perplexity is exp(mean NLL). Windows share one batch.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from duo_jax.data.haystack import haystack_tokens
+from duo_jax.engine import prepare_params
+from duo_jax.errors import DuoJaxError
+from duo_jax.eval import report
+from duo_jax.eval.modes import ModeSettings, check_modes, mode_settings
+from duo_jax.eval.niah import bos_id
+from duo_jax.generation import compiled_extend
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern
+
+
+def bucket_edges(length: int, first: int = 512) -> list[int]:
+    """[0, first, 2*first, 4*first, ..., length]: doubling buckets, the last one cut at `length`."""
+    edges, edge = [0], first
+    while edge < length:
+        edges.append(edge)
+        edge *= 2
+    return edges + [length]
+
+
+@jax.jit
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """-log softmax(logits)[target]: logits float32 [B, T, V], targets int32 [B, T] -> [B, T]."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+
+
+def engine_nll(model: Model, tokens: np.ndarray, settings: ModeSettings, *, chunk_size: int) -> np.ndarray:
+    """NLL of every token but the first: tokens int [B, T] -> float64 [B, T - 1] (entry t is token t + 1),
+    teacher-forced through the engine in chunks, with the KV-cache method of `settings`."""
+    config = model.config
+    B, T = tokens.shape
+    method = settings.build(config, context=T)
+    params = prepare_params(model.params, config, method)
+    cache, lengths = method.init_cache(B, model.params.dtype), jnp.zeros((B,), jnp.int32)
+    chunk = min(chunk_size, T)
+    step = compiled_extend(config, method, B, chunk, jnp.dtype(model.params.dtype).name, all_logits=True)
+    n_chunks = -(-T // chunk)
+    padded = np.zeros((B, n_chunks * chunk + 1), np.int32)  # one more: the target of the last token
+    padded[:, :T] = tokens
+    nll = []
+    for start in range(0, T, chunk):
+        n_valid = min(chunk, T - start)
+        logits, cache, lengths = step(params, cache, lengths, jnp.asarray(padded[:, start:start + chunk]),
+                                      jnp.full((B,), n_valid, jnp.int32))
+        nll.append(np.asarray(token_nll(logits, jnp.asarray(padded[:, start + 1:start + chunk + 1])))[:, :n_valid])
+    return np.concatenate(nll, axis=1)[:, : T - 1].astype(np.float64)
+
+
+def bucket_stats(nll: np.ndarray, edges: Sequence[int]) -> list[dict]:
+    """Per bucket [a, b) of predicted-token positions: tokens, mean NLL and perplexity. nll [B, T - 1]
+    (entry t is token t + 1, so position 0, which nothing predicts, is never counted)."""
+    positions = np.arange(1, nll.shape[1] + 1)
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        values = nll[:, (positions >= a) & (positions < b)]
+        mean = float(values.mean()) if values.size else float("nan")
+        out.append(dict(start=int(a), end=int(b), tokens=int(values.size), nll=mean, ppl=float(np.exp(mean))))
+    return out
+
+
+def text_windows(model: Model, source: str, length: int, samples: int) -> np.ndarray:
+    """`samples` consecutive windows of `length` tokens of `source` (BOS first when the tokenizer adds one)."""
+    if model.tokenizer is None:
+        raise DuoJaxError("perplexity on text needs the model's tokenizer (none was found with the weights)")
+    bos = bos_id(model.tokenizer)
+    body = length - (bos is not None)
+    ids = np.asarray(haystack_tokens(model.tokenizer, source, body * samples), np.int32).reshape(samples, body)
+    if bos is not None:
+        ids = np.concatenate([np.full((samples, 1), bos, np.int32), ids], axis=1)
+    return ids
+
+
+def evaluate_perplexity(model: Model, tokens: np.ndarray, modes: Sequence[str], *, pattern: Pattern | None,
+                        sparsity: float = 0.5, sink: int = 64, recent: int = 256, chunk_size: int = 512,
+                        edges: Sequence[int] | None = None, progress: bool = True) -> dict:
+    """Per-bucket NLL / perplexity of token windows [B, T] in every mode: {"modes": {mode: {...}}}."""
+    from tqdm.auto import tqdm
+
+    modes = check_modes(modes)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise DuoJaxError(f"need token windows [samples, length >= 2], got shape {tokens.shape}")
+    T = tokens.shape[1]
+    edges = list(edges) if edges is not None else bucket_edges(T)
+    if edges[0] != 0 or edges[-1] != T or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
+        raise DuoJaxError(f"bucket edges must rise strictly from 0 to the window length {T}, got {edges}")
+    results = {}
+    for mode in tqdm(modes, desc="perplexity", unit="mode", disable=not progress):
+        settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink, recent=recent,
+                                 context=T)
+        start = time.perf_counter()
+        nll = engine_nll(model, tokens, settings, chunk_size=chunk_size)
+        mean = float(nll.mean())
+        results[mode] = dict(settings=settings.describe(), nll=mean, ppl=float(np.exp(mean)),
+                             buckets=bucket_stats(nll, edges), seconds=time.perf_counter() - start)
+    return dict(edges=edges, modes=results)
+
+
+def perplexity_table(results: dict) -> str:
+    """Markdown: one row per mode, perplexity per bucket and overall."""
+    edges = results["edges"]
+    headers = ["mode", *[f"[{_k(a)}, {_k(b)})" for a, b in zip(edges[:-1], edges[1:])], "all"]
+    rows = [[mode, *[b["ppl"] for b in r["buckets"]], r["ppl"]] for mode, r in results["modes"].items()]
+    return report.markdown_table(headers, rows)
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
+
+
+def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | None, source: str = "paul_graham",
+                   length: int = 4096, samples: int = 2, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
+                   chunk_size: int = 512, edges: Sequence[int] | None = None, out_dir: str | Path | None = None,
+                   progress: bool = True) -> dict:
+    """Perplexity of `samples` windows of `length` tokens of `source`; writes perplexity.json and
+    perplexity.png (perplexity per bucket, one line per mode) into `out_dir` when given."""
+    if length > model.config.max_position_embeddings:
+        raise DuoJaxError(f"length {length} exceeds the model's context of {model.config.max_position_embeddings}")
+    if samples < 1:
+        raise DuoJaxError(f"samples must be >= 1, got {samples}")
+    start = time.perf_counter()
+    tokens = text_windows(model, source, length, samples)
+    results = evaluate_perplexity(model, tokens, modes, pattern=pattern, sparsity=sparsity, sink=sink,
+                                  recent=recent, chunk_size=chunk_size, edges=edges, progress=progress)
+    results = dict(task="perplexity", model=model.config.name, source_text=source, length=length, samples=samples,
+                   sparsity=sparsity, sink=sink, recent=recent, chunk_size=chunk_size,
+                   dtype=str(model.params.dtype), wall_s=time.perf_counter() - start,
+                   machine=report.machine_info(), **results)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        mids = [(b["start"] + b["end"]) / 2 for b in next(iter(results["modes"].values()))["buckets"]]
+        plot = report.line_plot(out_dir / "perplexity.png", mids,
+                                {m: [b["ppl"] for b in r["buckets"]] for m, r in results["modes"].items()},
+                                xlabel="token position (bucket middle)", ylabel="perplexity", logx=True,
+                                title=f"{model.config.name} on {source}, {samples} x {length} tokens")
+        results["files"] = [str(plot), str(out_dir / "perplexity.json")]
+        report.write_json(out_dir / "perplexity.json", results)
+    return results

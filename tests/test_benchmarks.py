@@ -1,0 +1,105 @@
+"""The benchmark scripts without the real model: result writers, ratios, the memory and roofline arithmetic,
+--help of every script, and gpu_llama8b's CPU dry run (Llama-3-8B shapes traced, nothing allocated)."""
+
+import importlib
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b")
+
+common = importlib.import_module("common")
+
+
+def test_ratio():
+    assert common.ratio(3.0, 1.5) == 2.0
+    assert np.isnan(common.ratio(None, 1.0)) and np.isnan(common.ratio(1.0, 0.0))
+    assert np.isnan(common.ratio(float("nan"), 1.0))
+
+
+def test_write_result(tmp_path, capsys):
+    from duo_jax.eval import report
+
+    rows = [[2048, 10.0, 5.0, 2.0], [4096, 20.0, float("nan"), None]]
+    common.write_result(
+        tmp_path / "out", "demo_bench", title="A title", headers=["context", "full ms", "duo ms", "speed-up"],
+        rows=rows, data=dict(results={2048: {"full": 10.0}}), notes=["a note"],
+        plot=lambda path: report.line_plot(path, [2048, 4096], {"full": [10.0, 20.0], "duo": [5.0, None]},
+                                           xlabel="context", ylabel="ms", title="t", logx=True))
+    printed = capsys.readouterr().out
+    assert "A title" in printed and "| context | full ms | duo ms | speed-up |" in printed and "a note" in printed
+    assert "JAX" in printed  # the machine line
+    saved = json.loads((tmp_path / "out" / "demo_bench.json").read_text())
+    assert saved["table"]["headers"] == ["context", "full ms", "duo ms", "speed-up"]
+    assert saved["table"]["rows"][1] == [4096, 20.0, None, None]  # NaN and None both as null
+    assert saved["results"] == {"2048": {"full": 10.0}} and saved["notes"] == ["a note"]
+    assert saved["machine"]["cpu_count"] >= 1 and "jax" in saved["machine"]
+    assert saved["command"].startswith("python")
+    assert (tmp_path / "out" / "demo_bench.png").stat().st_size > 1000
+    assert saved["files"] == [str(tmp_path / "out" / "demo_bench.png"), str(tmp_path / "out" / "demo_bench.json")]
+
+
+def test_bar_plot_and_heatmaps(tmp_path):
+    from duo_jax.eval import report
+
+    assert report.bar_plot(tmp_path / "bars.png", ["2k", "4k"], {"full": [1.0, 2.0], "duo": [0.5, None]},
+                           ylabel="GiB", title="t").stat().st_size > 1000
+    scores = np.array([[1.0, 0.0], [0.5, np.nan]])
+    assert report.grid_heatmaps(tmp_path / "maps.png", {"full": scores, "duo": scores}, [1024, 2048],
+                                [0.0, 1.0]).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script, capsys):
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--out" in text and module.__doc__.split("\n")[0][:40] in text
+
+
+def test_memory_arithmetic():
+    memory = importlib.import_module("memory")
+    assert memory.theoretical_ratio(0.5, 320, 1024) == pytest.approx(0.5 + 0.5 * 320 / 1024)
+    assert memory.theoretical_ratio(1.0, 320, 4096) == 1.0
+    rows, data = memory.llama_rows([8192, 131072], sparsity=0.5, sink=64, recent=256, hbm_gib=80.0)
+    kv_per_token = 32 * 8 * 128 * 2 * 2  # layers * kv heads * head_dim * (K, V) * bf16 = 128 KiB
+    for context in (8192, 131072):
+        sizes = data["contexts"][context]
+        assert sizes["full"] == context * kv_per_token
+        assert sizes["duo"] / sizes["full"] == pytest.approx(sizes["theoretical_ratio"])
+    assert data["largest_context"]["full"] == (80 * 2**30 - data["weight_bytes"]) // kv_per_token
+    assert 1.99 < data["largest_context"]["duo"] / data["largest_context"]["full"] < 2.0
+
+
+def test_roofline_matches_gpu_notes():
+    """The decode roofline figures of /work/shared/GPU_NOTES.md (3.03 TB/s, bf16 Llama-3-8B)."""
+    import duo_jax
+
+    gpu = importlib.import_module("gpu_llama8b")
+    config = duo_jax.get_config("llama3-8b")
+    weight_bytes = 2 * 8_030_261_248  # Llama-3-8B's parameter count
+    for context, full_ms in ((8192, 5.65), (32768, 6.72), (131072, 10.97)):
+        roof = gpu.roofline(config, weight_bytes=weight_bytes, share=0.5, window=320, context=context, chunk=2048,
+                            bandwidth=3.03e12)
+        assert roof["decode_ms"]["full"] == pytest.approx(full_ms, abs=0.01)
+        assert roof["prefill_flops"]["full"] > roof["prefill_flops"]["duo"]
+    assert roof["decode_ms"]["duo"] == pytest.approx(8.14, abs=0.01)
+
+
+def test_gpu_dry_run(tmp_path, capsys):
+    gpu = importlib.import_module("gpu_llama8b")
+    assert gpu.main(["--dry-run", "--contexts", "8192", "1048576", "--out", str(tmp_path)]) == 0
+    assert "traced duo" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "gpu_llama8b_plan.json").read_text())
+    assert plan["weight_bytes"] == 2 * 8_030_261_248
+    small, large = plan["plan"]["8192"], plan["plan"]["1048576"]
+    assert small["cache_bytes"]["full"] == 2**30 and small["cache_bytes"]["duo"] < 0.53 * 2**30
+    assert large["fits"] == {"full": False, "duo": True}
+    assert small["decode_ms"]["full"] == pytest.approx(5.65, abs=0.01)

@@ -1,0 +1,211 @@
+"""The evaluation harness (duo_jax.eval) on a tiny random model: scoring aggregation, the streaming mode's
+budget matching, the NIAH / passkey loops end to end, and perplexity against an independent computation."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax.cache import round_capacity
+from duo_jax.eval import report
+from duo_jax.eval.__main__ import main as eval_main
+from duo_jax.eval.modes import check_modes, mode_settings, num_retrieval_heads, streaming_budget
+from duo_jax.eval.niah import accuracy_table, aggregate, run_niah, score_matrix
+from duo_jax.eval.passkey import passkey_depths, run_passkey
+from duo_jax.eval.perplexity import bucket_edges, bucket_stats, evaluate_perplexity
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern
+from tests.conftest import tiny_config
+
+VOCAB = 2000  # the shared test tokenizer's (tests/conftest.py)
+CONFIG = tiny_config(vocab_size=VOCAB, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    params = duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2)
+    return Model(CONFIG, params, tokenizer, "tiny")
+
+
+@pytest.fixture(scope="module")
+def pattern():
+    return Pattern(np.random.default_rng(0).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
+
+
+def _layout_bytes(settings, config, context):
+    return settings.build(config, context).expected_cache_bytes(1, 4)
+
+
+# --- scoring aggregation ---------------------------------------------------------------------------------
+
+
+def test_aggregate_and_score_matrix():
+    cells = [dict(length=100, depth=0.0, correct=True, score=1.0),
+             dict(length=100, depth=1.0, correct=False, score=0.25),
+             dict(length=200, depth=0.0, correct=True, score=0.75),
+             dict(length=200, depth=0.0, correct=False, score=0.25)]  # the same cell twice: averaged
+    assert aggregate(cells) == 0.5
+    assert aggregate(cells, "length") == {100: 0.5, 200: 0.5}
+    assert aggregate(cells, "depth") == {0.0: 2 / 3, 1.0: 0.0}
+    assert np.isnan(aggregate([]))
+    matrix = score_matrix(cells, [100, 200], [0.0, 1.0])  # [depths, lengths]
+    np.testing.assert_allclose(matrix, [[1.0, 0.5], [0.25, np.nan]])
+    np.testing.assert_allclose(score_matrix(cells, [100, 200], [0.0, 1.0], "correct"), [[1.0, 0.5], [0.0, np.nan]])
+
+
+def test_passkey_depths():
+    assert passkey_depths(1) == [0.5]
+    assert passkey_depths(3) == [0.0, 0.5, 1.0]
+    with pytest.raises(duo_jax.DuoJaxError):
+        passkey_depths(0)
+
+
+# --- the modes and the streaming budget -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [CONFIG, tiny_config(num_layers=5, num_kv_heads=3, num_heads=6),
+                                    duo_jax.get_config("smollm2-135m"), duo_jax.get_config("llama3-8b")],
+                         ids=["tiny", "odd", "smollm2", "llama3"])
+@pytest.mark.parametrize("sparsity", [0.25, 0.5, 0.75])
+@pytest.mark.parametrize("context", [300, 1000, 4096])
+def test_streaming_budget_matches_duo_bytes(config, sparsity, context):
+    sink, recent = 4, 60
+    gates = Pattern(np.random.default_rng(1).random((config.num_layers, config.num_kv_heads)))
+    duo = mode_settings("duo", config, gates, sparsity=sparsity, sink=sink, recent=recent, context=context)
+    streaming = mode_settings("streaming", config, gates, sparsity=sparsity, sink=sink, recent=recent,
+                              context=context)
+    assert streaming.sink == sink and streaming.retrieval_mask().sum() == 0
+    heads = config.num_layers * config.num_kv_heads
+    r = num_retrieval_heads(config, sparsity) / heads
+    capacity = round_capacity(context)
+    # The documented formula: per head, r * C + (1 - r) * (sink + recent), rounded down to a token.
+    budget = r * capacity + (1 - r) * (sink + recent)
+    assert streaming.sink + streaming.recent == streaming_budget(config, sparsity, context, sink=sink, recent=recent)
+    assert budget - 1 < streaming.sink + streaming.recent <= budget + 1e-9
+    duo_bytes = _layout_bytes(duo, config, context)
+    streaming_bytes = _layout_bytes(streaming, config, context)
+    slot_bytes = 2 * config.head_dim * 4  # one token of one head, K and V, fp32
+    assert 0 <= duo_bytes - streaming_bytes < heads * slot_bytes
+    retrieval = num_retrieval_heads(config, sparsity)
+    if (retrieval * capacity + (heads - retrieval) * (sink + recent)) % heads == 0:
+        assert duo_bytes == streaming_bytes
+
+
+def test_smollm2_budget_is_exact():
+    config = duo_jax.get_config("smollm2-135m")
+    for context in (1024 + 32, 2048 + 32, 4096 + 32):
+        duo = mode_settings("duo", config, Pattern.full(30, 3), sparsity=0.5, sink=64, recent=256, context=context)
+        streaming = mode_settings("streaming", config, None, sparsity=0.5, sink=64, recent=256, context=context)
+        assert _layout_bytes(duo, config, context) == _layout_bytes(streaming, config, context)
+        assert streaming.sink + streaming.recent == (round_capacity(context) + 320) // 2
+
+
+def test_mode_errors(pattern):
+    with pytest.raises(duo_jax.DuoJaxError, match="needs a head pattern"):
+        mode_settings("duo", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100)
+    with pytest.raises(duo_jax.DuoJaxError, match="unknown mode"):
+        check_modes(["full", "h2o"])
+    with pytest.raises(duo_jax.PatternError):
+        mode_settings("duo", CONFIG, Pattern.full(3, 2), sparsity=0.5, sink=4, recent=8, context=100)
+    assert check_modes(["duo", "full", "duo"]) == ["duo", "full"]
+    full = mode_settings("full", CONFIG, pattern, sparsity=0.5, sink=4, recent=8, context=100)
+    assert full.retrieval_mask() is None and full.generate_kwargs() == {"method": "full"}
+
+
+# --- the evaluation loops ----------------------------------------------------------------------------------
+
+
+def test_niah_end_to_end(model, pattern, tmp_path):
+    results = run_niah(model, ["full", "duo", "streaming"], pattern=pattern, lengths=[256, 200], depths=[1.0, 0.0],
+                       sink=4, recent=16, max_new_tokens=6, chunk_size=64, out_dir=tmp_path, progress=False)
+    assert results["lengths"] == [200, 256] and results["depths"] == [0.0, 1.0]
+    for mode, r in results["modes"].items():
+        assert len(r["cells"]) == 4
+        assert 0.0 <= r["accuracy"] <= 1.0
+        assert all(0.0 <= c["score"] <= 1.0 and isinstance(c["generated"], str) for c in r["cells"])
+        assert set(r["accuracy_by_length"]) == {200, 256}
+        assert (tmp_path / f"niah_{mode}.png").stat().st_size > 1000
+    assert (tmp_path / "niah_modes.png").stat().st_size > 1000
+    saved = json.loads((tmp_path / "niah.json").read_text())
+    assert saved["task"] == "niah" and set(saved["modes"]) == {"full", "duo", "streaming"}
+    # The caches generate allocated: streaming holds exactly duo's bytes (the budget matching), full more.
+    assert saved["modes"]["duo"]["cache_bytes"]["256"] == saved["modes"]["streaming"]["cache_bytes"]["256"]
+    assert saved["modes"]["duo"]["cache_bytes"]["256"] < saved["modes"]["full"]["cache_bytes"]["256"]
+    assert str(tmp_path / "niah.json") in saved["files"]
+    assert "acc @ 200" in accuracy_table(results, [200, 256])
+
+
+def test_passkey_end_to_end(model, tmp_path):
+    results = run_passkey(model, ["full", "streaming"], pattern=None, lengths=[200], depths_per_length=2,
+                          sink=4, recent=16, max_new_tokens=4, chunk_size=64, batch_size=1, out_dir=tmp_path,
+                          progress=False)
+    cells = results["modes"]["full"]["cells"]
+    assert [c["depth"] for c in cells] == [0.0, 1.0] and all(c["answer"].isdigit() for c in cells)
+    assert [c["answer"] for c in cells] == [c["answer"] for c in results["modes"]["streaming"]["cells"]]
+    assert 0.0 <= results["modes"]["streaming"]["accuracy"] <= 1.0
+    for name in ("passkey.json", "passkey_accuracy.png", "passkey_full.png", "passkey_modes.png"):
+        assert (tmp_path / name).is_file()
+
+
+# --- perplexity -------------------------------------------------------------------------------------------------
+
+
+def test_bucket_edges_and_stats():
+    assert bucket_edges(4096) == [0, 512, 1024, 2048, 4096]
+    assert bucket_edges(3000) == [0, 512, 1024, 2048, 3000]
+    assert bucket_edges(100, first=32) == [0, 32, 64, 100]
+    nll = np.arange(2 * 9, dtype=float).reshape(2, 9)  # positions 1..9
+    stats = bucket_stats(nll, [0, 4, 10])
+    assert [s["tokens"] for s in stats] == [6, 12]
+    assert stats[0]["nll"] == pytest.approx(np.mean([0, 1, 2, 9, 10, 11]))
+    assert stats[1]["ppl"] == pytest.approx(np.exp(np.mean(nll[:, 3:])))
+
+
+def test_perplexity_full_matches_forward(model, pattern):
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 100)).astype(np.int32)
+    edges = [0, 32, 64, 100]
+    results = evaluate_perplexity(model, tokens, ["full", "duo", "streaming"], pattern=pattern, sink=4, recent=8,
+                                  chunk_size=24, edges=edges, progress=False)
+    # Independently: the dense model's logits, log-softmax in numpy (float64), NLL of each next token.
+    logits = np.asarray(duo_jax.forward(model.params, CONFIG, jnp.asarray(tokens)), np.float64)[:, :-1]
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, tokens[:, 1:, None].astype(int), axis=-1)[..., 0]  # token p at p - 1
+    full = results["modes"]["full"]
+    for bucket, (a, b) in zip(full["buckets"], zip(edges[:-1], edges[1:])):
+        expected = nll[:, max(a, 1) - 1:b - 1]
+        assert bucket["tokens"] == expected.size
+        assert abs(bucket["nll"] - expected.mean()) < 1e-4
+    assert abs(full["nll"] - nll.mean()) < 1e-4
+    # The other modes drop tokens from streaming heads: different, finite numbers.
+    last = {m: r["buckets"][-1]["nll"] for m, r in results["modes"].items()}
+    assert abs(last["full"] - last["streaming"]) > 1e-3 and abs(last["full"] - last["duo"]) > 1e-4
+    assert all(np.isfinite(list(last.values())))
+
+
+def test_perplexity_rejects_bad_edges(model):
+    tokens = np.zeros((1, 50), np.int32)
+    with pytest.raises(duo_jax.DuoJaxError, match="bucket edges"):
+        evaluate_perplexity(model, tokens, ["full"], pattern=None, edges=[0, 60], progress=False)
+
+
+# --- reports and the command line -------------------------------------------------------------------------------
+
+
+def test_markdown_table_and_json(tmp_path):
+    table = report.markdown_table(["mode", "acc"], [["full", 1.0], ["duo", float("nan")], ["x", None]])
+    lines = table.splitlines()
+    assert lines[0].startswith("| mode") and set(lines[1]) <= {"|", "-"} and "| -" in lines[3]
+    assert len({len(line) for line in lines}) == 1
+    path = report.write_json(tmp_path / "a" / "r.json", {"x": np.float32(0.5), 3: np.arange(2), "nan": float("nan")})
+    assert json.loads(path.read_text()) == {"x": 0.5, "3": [0, 1], "nan": None}
+    assert report.human_bytes(1536) == "1.5 KiB" and report.human_bytes(10) == "10 B"
+
+
+def test_cli_errors_exit_2(tmp_path, capsys):
+    assert eval_main(["niah", "--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
