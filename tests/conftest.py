@@ -27,6 +27,20 @@ def tiny():
     return tiny_config()
 
 
+def rel_err(x, ref) -> float:
+    """max |x - ref| / max |ref|."""
+    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
+
+
+def random_attention_inputs(batch, seq_q, seq_k, num_heads, num_kv_heads, head_dim, seed=0):
+    """Random fp32 q [B, T, Hq, D], k / v [B, S, Hkv, D] and an output cotangent like q."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (batch, seq_q, num_heads, head_dim), jnp.float32)
+    k = jax.random.normal(kk, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(kv, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
+    return q, k, v, jax.random.normal(kc, q.shape, jnp.float32)
+
+
 def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="reference"):
     """One prompt through `extend` with a KV-cache method: chunked prefill, then greedy decoding.
 

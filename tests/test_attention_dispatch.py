@@ -5,10 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from duo_jax import attention
-
-
-def _rel_err(x, ref):
-    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
+from tests.conftest import rel_err
 
 
 def _qkv(seq_q=40, seq_k=40, num_heads=4, num_kv_heads=2, head_dim=64, batch=1):
@@ -32,7 +29,7 @@ def test_lambda_pallas_matches_reference():
     outs = [attention.lambda_attention(q, k, v, sink=4, recent=8, impl=impl, block_q=16,
                                        block_k=16)
             for impl in ("pallas", "reference")]
-    assert _rel_err(*outs) <= 1e-5
+    assert rel_err(*outs) <= 1e-5
 
 
 def test_flash_pallas_matches_reference():
@@ -40,7 +37,7 @@ def test_flash_pallas_matches_reference():
     outs = [attention.flash_attention(q, k, v, q_offset=24, kv_len=40, impl=impl, block_q=16,
                                       block_k=16)
             for impl in ("pallas", "reference")]
-    assert _rel_err(*outs) <= 1e-5
+    assert rel_err(*outs) <= 1e-5
 
 
 def test_decode_pallas_matches_reference():
@@ -49,7 +46,7 @@ def test_decode_pallas_matches_reference():
     outs = [attention.decode_attention(q[:, 0], k, v, lengths, impl=impl, block_k=32,
                                        num_splits=2)
             for impl in ("pallas", "reference")]
-    assert _rel_err(*outs) <= 1e-5
+    assert rel_err(*outs) <= 1e-5
 
 
 @pytest.mark.parametrize("impl", ["pallas", "reference"])

@@ -5,10 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import decode_attention, reference
-
-
-def _rel_err(x, ref):
-    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
+from tests.conftest import rel_err
 
 
 def _inputs(batch, seq_k, num_heads, num_kv_heads, head_dim, seed=0):
@@ -37,7 +34,7 @@ def test_matches_reference(case):
     out = kernel(q, k, v, lengths)
     out_ref = reference.decode_attention_reference(q, k, v, lengths)
     assert out.shape == q.shape
-    assert _rel_err(out, out_ref) <= 1e-5
+    assert rel_err(out, out_ref) <= 1e-5
     empty = lengths == 0
     assert bool(jnp.all(jnp.where(empty[:, None, None], out == 0.0, True)))
 

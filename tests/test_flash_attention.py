@@ -5,19 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import flash_attention, reference
-
-
-def _rel_err(x, ref):
-    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
-
-
-def _inputs(batch, seq_q, seq_k, num_heads, num_kv_heads, head_dim, seed=0):
-    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (batch, seq_q, num_heads, head_dim), jnp.float32)
-    k = jax.random.normal(kk, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
-    v = jax.random.normal(kv, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
-    cotangent = jax.random.normal(kc, q.shape, jnp.float32)
-    return q, k, v, cotangent
+from tests.conftest import random_attention_inputs, rel_err
 
 
 CASES = {
@@ -33,7 +21,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_reference_forward_and_grad(case):
     batch, seq_q, seq_k, hq, hkv, head_dim, causal, q_offset, kv_len, block_q, block_k = case
-    q, k, v, cotangent = _inputs(batch, seq_q, seq_k, hq, hkv, head_dim)
+    q, k, v, cotangent = random_attention_inputs(batch, seq_q, seq_k, hq, hkv, head_dim)
     q_offset = jnp.asarray(q_offset, jnp.int32)
     kv_len = None if kv_len is None else jnp.asarray(kv_len, jnp.int32)
 
@@ -47,7 +35,7 @@ def test_matches_reference_forward_and_grad(case):
                                                    kv_len=kv_len)
 
     out, out_ref = kernel(q, k, v, q_offset, kv_len), ref(q, k, v, q_offset, kv_len)
-    assert _rel_err(out, out_ref) <= 1e-5
+    assert rel_err(out, out_ref) <= 1e-5
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v, q_offset, kv_len) * cotangent)
@@ -57,29 +45,29 @@ def test_matches_reference_forward_and_grad(case):
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert g.shape == g_ref.shape
         assert bool(jnp.all(jnp.isfinite(g))), name
-        assert _rel_err(g, g_ref) <= 1e-4, name
+        assert rel_err(g, g_ref) <= 1e-4, name
 
 
 def test_empty_rows_are_zero():
-    q, k, v, _ = _inputs(1, 16, 16, 2, 2, 64)
+    q, k, v, _ = random_attention_inputs(1, 16, 16, 2, 2, 64)
     out = flash_attention(q, k, v, kv_len=0, block_q=16, block_k=16, interpret=True)
     assert bool(jnp.all(out == 0.0))
 
 
 def test_bfloat16_forward():
-    q, k, v, _ = _inputs(1, 64, 64, 4, 2, 64)
+    q, k, v, _ = random_attention_inputs(1, 64, 64, 4, 2, 64)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     out = flash_attention(q, k, v, block_q=32, block_k=32, interpret=True)
     assert out.dtype == jnp.bfloat16
-    assert _rel_err(out.astype(jnp.float32), reference.flash_attention_reference(q, k, v)
+    assert rel_err(out.astype(jnp.float32), reference.flash_attention_reference(q, k, v)
                     .astype(jnp.float32)) <= 2e-2
 
 
 def test_rejects_bad_arguments():
-    q, k, v, _ = _inputs(1, 16, 16, 3, 2, 64)
+    q, k, v, _ = random_attention_inputs(1, 16, 16, 3, 2, 64)
     with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
         flash_attention(q, k, v)
-    q, k, v, _ = _inputs(1, 16, 16, 2, 2, 64)
+    q, k, v, _ = random_attention_inputs(1, 16, 16, 2, 2, 64)
     with pytest.raises(ValueError, match="block_k"):
         flash_attention(q, k, v, block_k=0)
     with pytest.raises(ValueError, match="head_dim"):

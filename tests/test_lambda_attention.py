@@ -7,19 +7,7 @@ import pytest
 
 from pallas_kernels import causal_visited_blocks, lambda_attention, lambda_visited_blocks
 from pallas_kernels import reference
-
-
-def _rel_err(x, ref):
-    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
-
-
-def _inputs(batch, seq_q, seq_k, num_heads, num_kv_heads, head_dim, seed=0):
-    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (batch, seq_q, num_heads, head_dim), jnp.float32)
-    k = jax.random.normal(kk, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
-    v = jax.random.normal(kv, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
-    cotangent = jax.random.normal(kc, q.shape, jnp.float32)
-    return q, k, v, cotangent
+from tests.conftest import random_attention_inputs, rel_err
 
 
 CASES = {
@@ -35,7 +23,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_reference_forward_and_grad(case):
     batch, seq_q, seq_k, hq, hkv, head_dim, sink, recent, q_offset, block_q, block_k = case
-    q, k, v, cotangent = _inputs(batch, seq_q, seq_k, hq, hkv, head_dim)
+    q, k, v, cotangent = random_attention_inputs(batch, seq_q, seq_k, hq, hkv, head_dim)
 
     def kernel(q, k, v):
         return lambda_attention(q, k, v, sink=sink, recent=recent, q_offset=q_offset,
@@ -45,7 +33,7 @@ def test_matches_reference_forward_and_grad(case):
         return reference.lambda_attention_reference(q, k, v, sink=sink, recent=recent,
                                                     q_offset=q_offset)
 
-    assert _rel_err(kernel(q, k, v), ref(q, k, v)) <= 1e-5
+    assert rel_err(kernel(q, k, v), ref(q, k, v)) <= 1e-5
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
@@ -54,13 +42,13 @@ def test_matches_reference_forward_and_grad(case):
     ref_grads = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert g.shape == g_ref.shape
-        assert _rel_err(g, g_ref) <= 1e-4, name
+        assert rel_err(g, g_ref) <= 1e-4, name
 
 
 def test_recent_ge_T_is_causal():
-    q, k, v, _ = _inputs(1, 40, 40, 2, 2, 64)
+    q, k, v, _ = random_attention_inputs(1, 40, 40, 2, 2, 64)
     out = lambda_attention(q, k, v, sink=0, recent=40, block_q=16, block_k=16, interpret=True)
-    assert _rel_err(out, reference.flash_attention_reference(q, k, v)) <= 1e-5
+    assert rel_err(out, reference.flash_attention_reference(q, k, v)) <= 1e-5
 
 
 def _blocks_touched(seq_len, sink, recent, block_q, block_k):
@@ -96,7 +84,7 @@ def test_visited_blocks_grow_linearly():
 
 
 def test_rejects_bad_arguments():
-    q, k, v, _ = _inputs(1, 16, 16, 2, 2, 64)
+    q, k, v, _ = random_attention_inputs(1, 16, 16, 2, 2, 64)
     with pytest.raises(ValueError, match="sink"):
         lambda_attention(q, k, v, sink=-1, recent=4)
     with pytest.raises(ValueError, match="recent"):
@@ -109,7 +97,7 @@ def test_skipped_blocks_are_never_read():
     # Queries at positions 80..95 with sink 8, recent 16: keys 8..64 are outside every window, so
     # 16-key blocks 1..3 (keys 16..63) must be skipped. NaN values there would poison any visit
     # (p * v = 0 * NaN), in the forward pass and in the dq / dk / dv kernels.
-    q, k, v, cotangent = _inputs(1, 16, 96, 2, 2, 64)
+    q, k, v, cotangent = random_attention_inputs(1, 16, 96, 2, 2, 64)
     v = v.at[:, 16:64].set(jnp.nan)
 
     def loss(q, k, v):
