@@ -2,11 +2,12 @@
 Face transformers peer, and writing a result (printed table, JSON, PNG).
 
 Timing conventions (the same on both sides):
-- TTFT (time to first token): the prompt's prefill plus picking the first new token. Ours: `generate`'s
-  ``prefill_s`` (compilation is reported apart, in ``compile_s``). The peer: from `model.generate`'s call to
+- TTFT (time to first token): the prompt's prefill plus picking the first new token. Ours: `generate`'s loop
+  (`time_ours`; compilation is reported apart, in ``compile_s``). The peer: from `model.generate`'s call to
   its first new token, read with a streamer that timestamps every token.
-- Decode: time per new token after the first, i.e. (time of the last token - time of the first) / (N - 1),
-  greedy, the full N tokens always generated (ours: ``stop_at_eos=False``; the peer: ``min_new_tokens=N``).
+- Decode: the median time per new token after the first (each step timed on its own; the median shrugs off
+  bursts from other jobs on a shared machine; the mean is kept in the JSON), greedy, all N tokens always
+  generated (ours: no EOS check; the peer: ``min_new_tokens=N``).
 """
 
 from __future__ import annotations
@@ -99,18 +100,55 @@ def text_prompt(model, length: int) -> list[int]:
 # --- timing ----------------------------------------------------------------------------------------------
 
 
-def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int,
-              context: int | None = None) -> dict:
-    """One greedy `generate` of `new_tokens` tokens with a cache of `context` tokens (default: just enough):
-    ttft_s, decode_ms (per token after the first), tokens_per_s, compile_s, cache_bytes, full_cache_bytes."""
+def run_generate(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int,
+                 context: int | None = None):
+    """One greedy `duo_jax.generate` of `new_tokens` tokens with a cache of `context` tokens (default: just
+    enough); its `Generation` (stats: cache_bytes, the sum of the cache arrays' nbytes, prefill_s, ...)."""
     from duo_jax import generate
 
-    out = generate(model, [list(ids)], max_new_tokens=new_tokens, chunk_size=chunk_size, stop_at_eos=False,
-                   context=context or len(ids) + new_tokens, **settings.generate_kwargs())
-    s = out.stats
-    decode_ms = 1e3 * s["decode_s"] / s["decode_steps"] if s["decode_steps"] else float("nan")
-    return dict(ttft_s=s["prefill_s"], decode_ms=decode_ms, tokens_per_s=_per_s(decode_ms), compile_s=s["compile_s"],
-                cache_bytes=s["cache_bytes"], full_cache_bytes=s["full_cache_bytes"])
+    return generate(model, [list(ids)], max_new_tokens=new_tokens, chunk_size=chunk_size, stop_at_eos=False,
+                    context=context or len(ids) + new_tokens, **settings.generate_kwargs())
+
+
+def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int) -> dict:
+    """`duo_jax.generate`'s loop for one prompt, written out so that every step is timed on its own: the same
+    compiled executables (`compiled_extend`), chunked prefill, then greedy single-token steps, each ending with
+    the token on the host as generate's EOS check does. Returns ttft_s, decode_ms (median per new token after
+    the first; robust to bursts from other jobs), decode_ms_mean, tokens_per_s, compile_s, cache_bytes and the
+    generated tokens."""
+    import jax.numpy as jnp
+
+    from duo_jax.engine import prepare_params
+    from duo_jax.generation import compiled_extend
+    from duo_jax.methods import cache_nbytes
+
+    config, dtype = model.config, jnp.dtype(model.params.dtype).name
+    method = settings.build(config, len(ids) + new_tokens)
+    params = prepare_params(model.params, config, method)
+    chunk = min(chunk_size, len(ids))
+    start = time.perf_counter()
+    prefill, decode = (compiled_extend(config, method, 1, n, dtype, "auto") for n in (chunk, 1))  # as generate
+    compile_s = time.perf_counter() - start
+
+    padded = np.zeros((1, -(-len(ids) // chunk) * chunk), np.int32)
+    padded[0, :len(ids)] = ids
+    cache, lengths = method.init_cache(1, model.params.dtype), jnp.zeros((1,), jnp.int32)
+    start = time.perf_counter()
+    for c in range(0, len(ids), chunk):
+        n_valid = jnp.asarray([min(chunk, len(ids) - c)], jnp.int32)
+        logits, cache, lengths = prefill(params, cache, lengths, jnp.asarray(padded[:, c:c + chunk]), n_valid)
+    token = np.asarray(jnp.argmax(logits, axis=-1))
+    ttft_s = time.perf_counter() - start
+    ones, steps, tokens = jnp.ones((1,), jnp.int32), [], [int(token[0])]
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        logits, cache, lengths = decode(params, cache, lengths, jnp.asarray(token[:, None], jnp.int32), ones)
+        token = np.asarray(jnp.argmax(logits, axis=-1))
+        steps.append(time.perf_counter() - start)
+        tokens.append(int(token[0]))
+    decode_ms = 1e3 * float(np.median(steps)) if steps else float("nan")
+    return dict(ttft_s=ttft_s, decode_ms=decode_ms, decode_ms_mean=1e3 * float(np.mean(steps)) if steps else float("nan"),
+                tokens_per_s=_per_s(decode_ms), compile_s=compile_s, cache_bytes=cache_nbytes(cache), tokens=tokens)
 
 
 class Peer:
@@ -133,7 +171,8 @@ class Peer:
         self.time(list(range(1, 65)), new_tokens=4)  # warm-up: first-call allocations and kernel selection
 
     def time(self, ids: Sequence[int], *, new_tokens: int) -> dict:
-        """One greedy `model.generate` of `new_tokens` tokens: ttft_s, decode_ms (per token), tokens_per_s."""
+        """One greedy `model.generate` of `new_tokens` tokens: ttft_s, decode_ms (median per new token after the
+        first), decode_ms_mean, tokens_per_s."""
         from transformers.generation.streamers import BaseStreamer
 
         class Clock(BaseStreamer):  # generate() puts the prompt first, then each new token as it is picked
@@ -151,10 +190,12 @@ class Peer:
             start = time.perf_counter()
             self.model.generate(self.torch.tensor([list(ids)]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                 do_sample=False, streamer=clock, pad_token_id=0)
-        token_times = clock.times[1:]  # one per new token
-        decode_ms = (1e3 * (token_times[-1] - token_times[0]) / (len(token_times) - 1) if len(token_times) > 1
-                     else float("nan"))
-        return dict(ttft_s=token_times[0] - start, decode_ms=decode_ms, tokens_per_s=_per_s(decode_ms))
+        token_times = np.asarray(clock.times[1:])  # one per new token
+        steps = np.diff(token_times)
+        decode_ms = 1e3 * float(np.median(steps)) if len(steps) else float("nan")
+        return dict(ttft_s=token_times[0] - start, decode_ms=decode_ms,
+                    decode_ms_mean=1e3 * float(np.mean(steps)) if len(steps) else float("nan"),
+                    tokens_per_s=_per_s(decode_ms))
 
 
 def _per_s(ms: float) -> float:

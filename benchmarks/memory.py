@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {}
         for name in ("full", "duo"):
             settings = common.mode(name, model, pattern, args, context)
-            sizes[name] = common.time_ours(model, prompt, settings, new_tokens=1, chunk_size=args.chunk_size,
-                                           context=context)["cache_bytes"]
+            sizes[name] = common.run_generate(model, prompt, settings, new_tokens=1, chunk_size=args.chunk_size,
+                                              context=context).stats["cache_bytes"]
         theory = theoretical_ratio(share, args.sink + args.recent, round_capacity(context))
         measured[context] = dict(sizes, theoretical_ratio=theory)
         rows.append([context, report.human_bytes(sizes["full"]), report.human_bytes(sizes["duo"]),

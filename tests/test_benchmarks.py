@@ -44,6 +44,29 @@ def test_write_result(tmp_path, capsys):
     assert saved["files"] == [str(tmp_path / "out" / "demo_bench.png"), str(tmp_path / "out" / "demo_bench.json")]
 
 
+def test_time_ours_is_generates_loop():
+    """The step-by-step timing loop generates exactly what `duo_jax.generate` does, in every mode."""
+    import jax
+
+    import duo_jax
+    from duo_jax.eval.modes import mode_settings
+    from duo_jax.loading import Model
+    from duo_jax.pattern import Pattern
+    from tests.conftest import tiny_config
+
+    config = tiny_config()
+    model = Model(config, duo_jax.init_params(config, jax.random.key(0), scale=0.2), None, "tiny")
+    pattern = Pattern(np.random.default_rng(0).random((config.num_layers, config.num_kv_heads)))
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, 40).tolist()
+    for name in ("full", "duo", "streaming"):
+        settings = mode_settings(name, config, pattern, sparsity=0.5, sink=4, recent=8, context=48)
+        timed = common.time_ours(model, ids, settings, new_tokens=8, chunk_size=16)
+        out = common.run_generate(model, ids, settings, new_tokens=8, chunk_size=16)
+        assert timed["tokens"] == out.tokens[0]
+        assert timed["cache_bytes"] == out.stats["cache_bytes"]
+        assert timed["ttft_s"] > 0 and timed["decode_ms"] > 0 and timed["tokens_per_s"] > 0
+
+
 def test_bar_plot_and_heatmaps(tmp_path):
     from duo_jax.eval import report
 

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ppl.add_argument("--length", type=int, default=4096, help="tokens per window")
     ppl.add_argument("--samples", type=int, default=2, help="windows (consecutive, one batch)")
     ppl.add_argument("--bucket-edges", type=int, nargs="+", default=None,
-                     help="position bucket edges from 0 to --length (default: 0 512 1024 2048 ... length)")
+                     help="position bucket edges from 0 to --length; None: doubling buckets 0 512 1024 ... length")
     return parser.parse_args(argv)
 
 
