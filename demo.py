@@ -7,7 +7,7 @@ needle in the Paul Graham essays at a few depths of a few context lengths, and a
 `generate` call per mode. Prints the accuracy table and the KV cache per mode, and writes the heat maps
 (depth x length, green found / red missed) and niah.json to --out.
 
-    python demo.py                       # the default grid: about 15 minutes on 2 CPU cores
+    python demo.py                       # the default grid: about 8 minutes on 2 CPU cores
     python demo.py --pattern PATH        # another head pattern (a folder or full_attention_heads.tsv)
 """
 
@@ -17,8 +17,8 @@ import argparse
 import sys
 import time
 
-# Sized to run in about 11 minutes on 2 CPU cores (measured; see benchmarks/EVAL.md). StreamingLLM at duo's
-# budget keeps the sinks and roughly the last half of the context, so the 10% depth is the one it cannot see.
+# Sized to run well inside 15 minutes on 2 CPU cores (7 min 44 s measured, BENCHMARKS.md). StreamingLLM
+# at duo's budget keeps the sinks and about the last half of the context: the 10% depth is the one it cannot see.
 LENGTHS = [1024, 2048, 4096]
 DEPTHS = [0.1, 0.5, 0.9]
 CHUNK_SIZE = 256  # prefill chunk: on CPU, 256 beat 128 and 512 (measured at 4k tokens, batch 3)

@@ -19,9 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__, "prefill")
     common.add_model_args(p)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths (tokens)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per system and length, interleaved across systems; the median TTFT is reported")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
 
     common.setup_threads(args)
+    import numpy as np
     from tqdm.auto import tqdm
 
     from duo_jax.eval import report
@@ -29,22 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     model, pattern = common.load(args)
     peer = None if args.no_peer else common.Peer(model, args.dtype, single_thread=args.single_thread)
     systems = ["full", "duo"] + ([common.PEER] if peer else [])
-    results = {}
-    with tqdm(total=len(args.lengths) * len(systems), desc="prefill", unit="run") as bar:
+    runs = {n: {s: [] for s in systems} for n in args.lengths}
+    with tqdm(total=len(args.lengths) * len(systems) * args.repeats, desc="prefill", unit="run") as bar:
         for length in args.lengths:
             ids = common.text_prompt(model, length)
-            results[length] = {}
-            for system in systems:
-                bar.set_postfix_str(f"{system} @ {length}")
-                if system == common.PEER:
-                    results[length][system] = peer.time(ids, new_tokens=1)
-                else:
-                    settings = common.mode(system, model, pattern, args, length + 1)
-                    results[length][system] = common.time_ours(model, ids, settings, new_tokens=1,
-                                                               chunk_size=args.chunk_size)
-                bar.update()
+            for _ in range(args.repeats):
+                for system in systems:
+                    bar.set_postfix_str(f"{system} @ {length}")
+                    if system == common.PEER:
+                        runs[length][system].append(peer.time(ids, new_tokens=1)["ttft_s"])
+                    else:
+                        settings = common.mode(system, model, pattern, args, length + 1)
+                        runs[length][system].append(common.time_ours(model, ids, settings, new_tokens=1,
+                                                                     chunk_size=args.chunk_size)["ttft_s"])
+                    bar.update()
 
-    ttft = {n: {s: r[s]["ttft_s"] for s in systems} for n, r in results.items()}
+    ttft = {n: {s: float(np.median(r[s])) for s in systems} for n, r in runs.items()}
     rows = [[n, *[ttft[n][s] for s in systems], *[n / ttft[n][s] for s in systems],
              common.ratio(ttft[n]["full"], ttft[n]["duo"]),
              common.ratio(ttft[n].get(common.PEER), ttft[n]["full"]),
@@ -58,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
                                        logy=True, title=f"prefill, {model.config.name} ({args.dtype}), batch 1")
 
     notes = [f"model {model.config.name} ({args.dtype}), duo sparsity {args.sparsity} (sink {args.sink}, "
-             f"recent {args.recent}), ours chunked by {args.chunk_size}"
+             f"recent {args.recent}), ours chunked by {args.chunk_size}, median of {args.repeats} run(s)"
              + (", single-threaded" if args.single_thread else "")]
     if peer:
         notes.append(f"peer: transformers {__import__('transformers').__version__}, attention {peer.attention}, "
                      "one forward over the prompt")
     common.write_result(args.out, "prefill", title="Prefill: time to first token (batch 1)", headers=headers,
-                        rows=rows, data=dict(args={k: str(v) for k, v in vars(args).items()}, results=results),
+                        rows=rows, data=dict(args={k: str(v) for k, v in vars(args).items()}, ttft_s=ttft, runs_s=runs),
                         plot=plot, notes=notes)
     return 0
 
