@@ -86,7 +86,7 @@ def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int,
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
                            is_leaf=lambda s: isinstance(s, tuple))
     params = jax.eval_shape(lambda p: prepare_params(p, config, method), stacked)
-    cache = jax.eval_shape(lambda: method.init_cache(batch, dtype))
+    cache = method.cache_spec(batch, dtype)
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
     return extend.lower(params, cache, ints, tokens, ints, config=config, method=method, all_logits=all_logits,

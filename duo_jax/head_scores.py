@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from duo_jax import attention
 from duo_jax.config import ModelConfig
@@ -151,7 +152,7 @@ def default_lengths(config: ModelConfig, longest: int = 32000, count: int = 5) -
 def score_heads(params: Params, config: ModelConfig, tokenizer: Any, *, needle: ScoringNeedle = REASONING,
                 haystack: str = "paul_graham", lengths: Sequence[int] | None = None,
                 depths: Sequence[float] = DEFAULT_DEPTHS, min_accuracy: float = 0.5, bos_id: int | None = None,
-                impl: str = "auto") -> Pattern:
+                impl: str = "auto", progress: bool = True) -> Pattern:
     """Head scores [layers, kv_heads] averaged over the prompts of `lengths` x `depths` (see the module
     docstring), as a `Pattern` whose meta records the settings. Raises DataError when no prompt passes
     `min_accuracy`."""
@@ -165,16 +166,16 @@ def score_heads(params: Params, config: ModelConfig, tokenizer: Any, *, needle: 
                         f"{config.max_position_embeddings} tokens")
     hay = haystack_tokens(tokenizer, haystack, max(lengths))
     total, used = np.zeros((config.num_layers, config.num_heads)), 0
-    for length in lengths:
-        for depth in depths:
-            prompt = make_needle_prompt(tokenizer, hay, length, depth, needle=needle.needle,
-                                        question=needle.question, template=needle.template, bos_id=bos_id)
-            tokens = np.concatenate([prompt.tokens, answer])[None]
-            scores, predicted = prompt_scores(params, jnp.asarray(tokens), prompt.needle_start + start,
-                                              prompt.needle_start + end, config=config, n=n, impl=impl)
-            if np.mean(np.asarray(predicted) == answer) >= min_accuracy:
-                total += np.asarray(scores, np.float64)
-                used += 1
+    cells = [(length, depth) for length in lengths for depth in depths]
+    for length, depth in tqdm(cells, desc="scoring heads", unit="prompt", disable=not progress):
+        prompt = make_needle_prompt(tokenizer, hay, length, depth, needle=needle.needle, question=needle.question,
+                                    template=needle.template, bos_id=bos_id)
+        tokens = np.concatenate([prompt.tokens, answer])[None]
+        scores, predicted = prompt_scores(params, jnp.asarray(tokens), prompt.needle_start + start,
+                                          prompt.needle_start + end, config=config, n=n, impl=impl)
+        if np.mean(np.asarray(predicted) == answer) >= min_accuracy:
+            total += np.asarray(scores, np.float64)
+            used += 1
     if used == 0:
         raise DataError(f"no prompt reached min_accuracy={min_accuracy} (the share of answer tokens the model "
                         "predicts under teacher forcing); lower it, or score a model that can answer")

@@ -106,12 +106,13 @@ class Pattern:
         return cls(_read_gates(tsv), _read_meta(tsv.parent / META_FILE))
 
     @classmethod
-    def for_model(cls, name: str) -> "Pattern | None":
+    def for_model(cls, name: str, key: str = "pattern") -> "Pattern | None":
         """The default pattern of a named model, checked against its config; None when it names none.
 
-        `configs/<name>.json` names its pattern with `"pattern": "patterns/<name>"`, relative to the configs folder.
+        `configs/<name>.json` names its pattern with `"pattern": "patterns/<name>"`, relative to the configs folder
+        (key="scores": its HeadKV head scores, `"scores": "scores/<name>"`, saved in the same format).
         """
-        relative = config_lib.read_named(name).get("pattern")
+        relative = config_lib.read_named(name).get(key)
         if relative is None:
             return None
         pattern = cls.load(config_lib.CONFIGS_DIR / relative)

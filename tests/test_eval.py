@@ -12,7 +12,8 @@ import duo_jax
 from duo_jax.cache import round_capacity
 from duo_jax.eval import report
 from duo_jax.eval.__main__ import main as eval_main
-from duo_jax.eval.modes import check_modes, mode_settings, num_retrieval_heads, streaming_budget
+from duo_jax.eval.modes import (MODES, budget_tokens, check_modes, fit_window, mode_settings, num_retrieval_heads,
+                                streaming_budget)
 from duo_jax.eval.niah import accuracy_table, aggregate, run_niah, score_matrix
 from duo_jax.eval.passkey import passkey_depths, run_passkey
 from duo_jax.eval.perplexity import bucket_edges, bucket_stats, evaluate_perplexity
@@ -107,12 +108,54 @@ def test_mode_errors(pattern):
     with pytest.raises(duo_jax.DuoJaxError, match="needs a head pattern"):
         mode_settings("duo", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100)
     with pytest.raises(duo_jax.DuoJaxError, match="unknown mode"):
-        check_modes(["full", "h2o"])
+        check_modes(["full", "h2o2"])
     with pytest.raises(duo_jax.PatternError):
         mode_settings("duo", CONFIG, Pattern.full(3, 2), sparsity=0.5, sink=4, recent=8, context=100)
     assert check_modes(["duo", "full", "duo"]) == ["duo", "full"]
     full = mode_settings("full", CONFIG, pattern, sparsity=0.5, sink=4, recent=8, context=100)
     assert full.retrieval_mask() is None and full.generate_kwargs() == {"method": "full"}
+
+
+def test_kv_budget_fraction_and_duo_window():
+    assert budget_tokens(None, 1000) is None and budget_tokens(0.25, 1000) == 250
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(duo_jax.DuoJaxError, match="fraction"):
+            budget_tokens(bad, 1000)
+    assert fit_window(1024, 64, 256) == (64, 256)  # fits in half the budget: unchanged
+    assert fit_window(256, 64, 256) == (25, 102)  # scaled to half of 256
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_duo_and_duo_headkv_meet_the_budget(fraction):
+    """With --kv-budget, duo's and duo_headkv's caches hold the budget: N * budget token slots, up to one
+    retrieval head's worth (duo rounds to whole heads) and the rounding of the retrieval heads' budgets."""
+    config = duo_jax.get_config("smollm2-135m")
+    gates = Pattern(np.random.default_rng(1).random((config.num_layers, config.num_kv_heads)))
+    length = 4096
+    budget = budget_tokens(fraction, length)
+    context = length + 32
+    heads, capacity = config.num_layers * config.num_kv_heads, round_capacity(context)
+    slot_bytes = 2 * config.head_dim * 4  # one token of one head, K and V, fp32
+    duo = mode_settings("duo", config, gates, sparsity=0.5, sink=64, recent=256, context=context, kv_budget=budget)
+    assert duo.kv_budget == budget and duo.sink + duo.recent <= budget // 2
+    duo_slots = _layout_bytes(duo, config, context) / slot_bytes
+    assert abs(duo_slots - heads * budget) <= capacity - (duo.sink + duo.recent)
+    scores = Pattern(np.random.default_rng(2).random((config.num_layers, config.num_kv_heads)))
+    composed = mode_settings("duo_headkv", config, gates, sparsity=0.5, sink=64, recent=256, context=context,
+                             kv_budget=budget, scores=scores)
+    retrieval = num_retrieval_heads(config, 0.5)
+    per_head = dict(composed.options)["kv_budget"]
+    assert heads * budget - retrieval < retrieval * per_head + (heads - retrieval) * 320 <= heads * budget
+
+
+def test_every_mode_needs_what_it_uses():
+    with pytest.raises(duo_jax.DuoJaxError, match="head scores"):
+        mode_settings("headkv", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100, kv_budget=20)
+    with pytest.raises(duo_jax.DuoJaxError, match="skewing"):
+        mode_settings("infinigen", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100, kv_budget=20)
+    with pytest.raises(duo_jax.DuoJaxError, match="cannot meet"):
+        mode_settings("duo_headkv", CONFIG, Pattern.full(2, 2), sparsity=0.5, sink=4, recent=8, context=100,
+                      kv_budget=4, scores=Pattern.full(2, 2))
 
 
 # --- the evaluation loops ----------------------------------------------------------------------------------
@@ -136,6 +179,37 @@ def test_niah_end_to_end(model, pattern, tmp_path):
     assert saved["modes"]["duo"]["cache_bytes"]["256"] < saved["modes"]["full"]["cache_bytes"]["256"]
     assert str(tmp_path / "niah.json") in saved["files"]
     assert "acc @ 200" in accuracy_table(results, [200, 256])
+
+
+def test_niah_every_mode_at_a_budget(model, pattern, tmp_path):
+    scores = Pattern(np.random.default_rng(3).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
+    results = run_niah(model, MODES, pattern=pattern, scores=scores, kv_budget=0.5, lengths=[128], depths=[0.5],
+                       sink=4, recent=16, max_new_tokens=3, chunk_size=32, out_dir=tmp_path, progress=False)
+    assert list(results["modes"]) == list(MODES) and results["kv_budget"] == 0.5
+    full_bytes = results["modes"]["full"]["cache_bytes"][128]
+    for mode, r in results["modes"].items():
+        assert len(r["cells"]) == 1 and (tmp_path / f"niah_{mode}.png").is_file()
+        assert r["settings"][128]["kv_budget"] == (None if mode == "full" else 64)
+        if mode not in ("full", "infinigen"):  # InfiniGen keeps the full cache (in host memory where it can)
+            assert r["cache_bytes"][128] < full_bytes, mode
+
+
+@pytest.mark.parametrize("mode", ["streaming_llm", "h2o", "tova", "snapkv"])
+def test_perplexity_with_prefix_equals_full_when_the_budget_covers_all(model, mode):
+    """Prefill a prefix, decode the rest token by token: full attention matches the dense forward pass
+    (independent), and a method whose budget covers the whole window matches full; at a quarter it differs."""
+    tokens = np.random.default_rng(4).integers(0, VOCAB, (1, 144)).astype(np.int32)  # 1/4: snapkv's window 32
+    kwargs = dict(pattern=None, sink=4, recent=8, chunk_size=32, edges=[0, 112, 144], prefix=112, progress=False)
+    covered = evaluate_perplexity(model, tokens, ["full", mode], kv_budget=1.0, **kwargs)["modes"]
+    logits = np.asarray(duo_jax.forward(model.params, CONFIG, jnp.asarray(tokens)), np.float64)[:, :-1]
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, tokens[:, 1:, None].astype(int), axis=-1)[..., 0]
+    assert abs(covered["full"]["decoded_nll"] - nll[:, 111:].mean()) < 1e-4
+    assert abs(covered["full"]["nll"] - nll.mean()) < 1e-4
+    assert abs(covered[mode]["decoded_nll"] - covered["full"]["decoded_nll"]) < 1e-4
+    quarter = evaluate_perplexity(model, tokens, [mode], kv_budget=0.25, **kwargs)["modes"][mode]
+    assert abs(quarter["decoded_nll"] - covered["full"]["decoded_nll"]) > 1e-3
 
 
 def test_passkey_end_to_end(model, tmp_path):
@@ -209,3 +283,14 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     assert eval_main(["niah", "--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["niah", "--kv-budget", "1.5"], "--kv-budget is a fraction"),
+    (["niah", "--modes", "full", "h2o2"], "invalid choice"),
+    (["perplexity", "--length", "512", "--prefix", "512"], "--prefix must lie"),
+])
+def test_cli_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

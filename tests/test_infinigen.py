@@ -1,6 +1,7 @@
 """InfiniGen against numpy: the skewing, full attention with a budget covering everything, and a float64
 reference of its decode-time speculation (partial scores, alpha threshold, averaged count, budget cap)."""
 
+import dataclasses
 import math
 
 import jax
@@ -142,6 +143,10 @@ def test_generate_with_a_calibrated_instance():
     alone = generate(model, prompts[1], method=method, max_new_tokens=6, chunk_size=8, stop_at_eos=False)
     assert batch.tokens[1] == alone.tokens[0]
     assert batch.stats["cache_bytes"] == method.expected_cache_bytes(2, 4)
+    if host_offload_supported():  # the compiled steps generate runs keep the full cache in host memory
+        offloaded = dataclasses.replace(method, offload="host")
+        hosted = generate(model, prompts, method=offloaded, max_new_tokens=6, chunk_size=8, stop_at_eos=False)
+        assert hosted.tokens == batch.tokens
 
 
 def test_generate_checks_the_instance_capacity():

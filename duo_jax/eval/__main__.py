@@ -1,11 +1,17 @@
-"""Compare full attention, DuoAttention and StreamingLLM (same KV budget as duo) on one model.
+"""Compare KV-cache methods on one model at the same KV budget: full attention, DuoAttention, StreamingLLM,
+H2O, TOVA, SnapKV, PyramidKV, HeadKV, DuoAttention + HeadKV, InfiniGen.
 
     python -m duo_jax.eval niah --model smollm2-135m --lengths 1024 2048 4096 --depths 0 0.5 1
+    python -m duo_jax.eval niah --modes full duo h2o snapkv --kv-budget 0.25
     python -m duo_jax.eval passkey --lengths 1024 2048 4096 --depths-per-length 5
     python -m duo_jax.eval perplexity --source austen --length 4096 --samples 2
+    python -m duo_jax.eval perplexity --length 4096 --prefix 3584 --modes full h2o tova --kv-budget 0.25
 
---pattern "default" is the model's shipped head pattern (configs/patterns/); pass a folder or a
-full_attention_heads.tsv to use another. Results (JSON, PNG) go to --out (default results/<task>).
+The budget (tokens kept per KV head on average) is duo's by default; --kv-budget F gives every mode but full
+F x the evaluated length (duo_jax/eval/modes.py says how each mode meets it). --pattern "default" is the
+model's shipped head pattern (configs/patterns/), --scores "default" its HeadKV head scores
+(configs/scores/); pass a folder or a full_attention_heads.tsv to use others. Results (JSON, PNG) go to
+--out (default results/<task>).
 """
 
 from __future__ import annotations
@@ -14,14 +20,22 @@ import argparse
 import sys
 import time
 
+from duo_jax.eval.modes import MODES
+
 
 def _common(parser: argparse.ArgumentParser, task: str) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
     parser.add_argument("--pattern", default="default",
                         help="head pattern for mode duo: a folder / full_attention_heads.tsv, or 'default' "
                              "for the model's shipped one")
-    parser.add_argument("--modes", nargs="+", default=["full", "duo", "streaming"],
-                        choices=["full", "duo", "streaming"], help="modes to compare")
+    parser.add_argument("--modes", nargs="+", default=["full", "duo", "streaming"], choices=MODES, metavar="MODE",
+                        help=f"modes to compare, from: {', '.join(MODES)}")
+    parser.add_argument("--kv-budget", type=float, default=None, metavar="F",
+                        help="tokens kept per KV head as a fraction F in (0, 1] of the evaluated length, for every "
+                             "mode but full (default: duo's budget at --sparsity)")
+    parser.add_argument("--scores", default="default",
+                        help="HeadKV head scores for headkv / duo_headkv: a folder / .tsv from python -m "
+                             "duo_jax.head_scores, or 'default' for the model's shipped ones")
     parser.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
     parser.add_argument("--sink", type=int, default=64, help="attention-sink tokens of a streaming head")
     parser.add_argument("--recent", type=int, default=256,
@@ -65,7 +79,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ppl.add_argument("--samples", type=int, default=2, help="windows (consecutive, one batch)")
     ppl.add_argument("--bucket-edges", type=int, nargs="+", default=None,
                      help="position bucket edges from 0 to --length; None: doubling buckets 0 512 1024 ... length")
-    return parser.parse_args(argv)
+    ppl.add_argument("--prefix", type=int, default=None,
+                     help="prompt tokens per window; the rest is decoded one token per step after the method "
+                          "compresses the prompt (default: the whole window is prompt)")
+    args = parser.parse_args(argv)
+    if args.kv_budget is not None and not 0 < args.kv_budget <= 1:
+        parser.error(f"--kv-budget is a fraction in (0, 1] of the evaluated length, got {args.kv_budget}")
+    if args.task == "perplexity" and args.prefix is not None and not 1 <= args.prefix < args.length:
+        parser.error(f"--prefix must lie in [1, --length) = [1, {args.length}), got {args.prefix}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import duo_jax
     from duo_jax.eval import report
+    from duo_jax.eval.modes import resolve_scores
     from duo_jax.eval.niah import accuracy_table, run_niah
     from duo_jax.eval.passkey import run_passkey
     from duo_jax.eval.perplexity import perplexity_table, run_perplexity
@@ -85,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         model = duo_jax.load(args.model, dtype=jnp.dtype(dtype))
-        pattern = resolve_pattern(args.pattern, model.config) if "duo" in args.modes else None
-        common = dict(pattern=pattern, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
-                      chunk_size=args.chunk_size, out_dir=args.out)
+        needs_pattern = {"duo", "duo_headkv"} & set(args.modes)
+        pattern = resolve_pattern(args.pattern, model.config) if needs_pattern else None
+        scores = resolve_scores(args.scores, model.config) if {"headkv", "duo_headkv"} & set(args.modes) else None
+        common = dict(pattern=pattern, scores=scores, kv_budget=args.kv_budget, sparsity=args.sparsity,
+                      sink=args.sink, recent=args.recent, chunk_size=args.chunk_size, out_dir=args.out)
         if args.task == "niah":
             results = run_niah(model, args.modes, lengths=args.lengths, depths=args.depths, haystack=args.haystack,
                                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **common)
@@ -99,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             table = accuracy_table(results, results["lengths"])
         else:
             results = run_perplexity(model, args.modes, source=args.source, length=args.length, samples=args.samples,
-                                     edges=args.bucket_edges, **common)
+                                     edges=args.bucket_edges, prefix=args.prefix, **common)
             table = perplexity_table(results)
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Needle in a haystack, compared across attention modes (full / duo / streaming) in one run.
+"""Needle in a haystack, compared across attention modes (full / duo / streaming / the other KV methods) in one run.
 
 For every context length, the prompts of all depths are built once (`duo_jax.data.make_needle_prompt`: the
 Paul Graham essays, the San Francisco needle) and generated in one batched `duo_jax.generate` call per mode
@@ -22,7 +22,7 @@ from duo_jax.data.haystack import haystack_tokens
 from duo_jax.data.niah import NeedlePrompt, make_needle_prompt, score_contains, score_needle
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import check_modes, mode_settings
+from duo_jax.eval.modes import budget_tokens, check_modes, infinigen_skew, mode_settings
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -64,11 +64,13 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
                   prompts_for: Callable[[int], list[NeedlePrompt]], *, pattern: Pattern | None,
                   sparsity: float, sink: int, recent: int, max_new_tokens: int, chunk_size: int,
                   score: Callable[[str, NeedlePrompt], float], batch_size: int | None = None,
-                  progress: bool = True) -> dict:
+                  kv_budget: float | None = None, scores: Pattern | None = None, progress: bool = True) -> dict:
     """Generate the answer of every prompt in every mode; returns {"modes": {mode: result}}.
 
     prompts_for(length) gives the prompts of one context length (all exactly `length` tokens); they are
-    generated in batches of `batch_size` (default: all at once). `score(generated, prompt)` gives a cell's
+    generated in batches of `batch_size` (default: all at once). Every mode but full keeps `kv_budget` x
+    `length` tokens per KV head (None: duo's budget; see `duo_jax.eval.modes`); `scores` are the HeadKV
+    head scores for headkv / duo_headkv. `score(generated, prompt)` gives a cell's
     score in [0, 1]; a cell is correct when `score_contains` says so. Each mode's result holds its settings
     and cache bytes per length, prefill / decode seconds, the cells, and accuracy overall, per length and
     per depth.
@@ -79,6 +81,7 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
 
     modes = check_modes(modes)
     lengths = list(lengths)
+    skew = infinigen_skew(model) if "infinigen" in modes else None
     prompts = {n: prompts_for(n) for n in lengths}
     total = len(modes) * sum(len(p) for p in prompts.values())
     results = {m: dict(settings={}, cache_bytes={}, full_cache_bytes={}, prefill_s=0.0, decode_s=0.0,
@@ -89,14 +92,16 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
             context = length + max_new_tokens
             for mode in modes:
                 settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink,
-                                         recent=recent, context=context)
+                                         recent=recent, context=context, kv_budget=budget_tokens(kv_budget, length),
+                                         scores=scores, skew=skew)
                 result = results[mode]
                 result["settings"][length] = settings.describe()
                 bar.set_postfix_str(f"{mode} @ {length}")
                 for start in range(0, len(prompts[length]), batch):
                     group = prompts[length][start:start + batch]
                     out = generate(model, [p.tokens.tolist() for p in group], max_new_tokens=max_new_tokens,
-                                   chunk_size=chunk_size, context=context, **settings.generate_kwargs())
+                                   chunk_size=length if settings.one_chunk_prefill else chunk_size,
+                                   context=context, **settings.generate_kwargs())
                     result["cache_bytes"][length] = out.stats["cache_bytes"] // len(group)  # per sequence
                     result["full_cache_bytes"][length] = out.stats["full_cache_bytes"] // len(group)
                     for key in ("prefill_s", "decode_s", "compile_s"):
@@ -149,8 +154,10 @@ def write_outputs(results: dict, out_dir: str | Path, task: str, lengths: Sequen
 def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, lengths: Sequence[int] = DEFAULT_LENGTHS,
              depths: Sequence[float] = DEFAULT_DEPTHS, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
              max_new_tokens: int = 32, chunk_size: int = 512, haystack: str = "paul_graham",
-             batch_size: int | None = None, out_dir: str | Path | None = None, progress: bool = True) -> dict:
-    """The NIAH grid in every mode; writes niah.json and the heat maps into `out_dir` when given."""
+             batch_size: int | None = None, kv_budget: float | None = None, scores: Pattern | None = None,
+             out_dir: str | Path | None = None, progress: bool = True) -> dict:
+    """The NIAH grid in every mode; writes niah.json and the heat maps into `out_dir` when given.
+    kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's)."""
     if model.tokenizer is None:
         raise DuoJaxError("NIAH needs the model's tokenizer (none was found with the weights)")
     lengths, depths = sorted(set(lengths)), sorted(set(float(d) for d in depths))
@@ -164,9 +171,9 @@ def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, len
     results = evaluate_grid(model, modes, lengths, prompts_for, pattern=pattern, sparsity=sparsity, sink=sink,
                             recent=recent, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                             score=lambda text, p: score_needle(text, p.answer, question=p.question),
-                            batch_size=batch_size, progress=progress)
+                            batch_size=batch_size, kv_budget=kv_budget, scores=scores, progress=progress)
     results = dict(task="niah", model=model.config.name, source=model.source, haystack=haystack,
-                   lengths=lengths, depths=depths, sparsity=sparsity, sink=sink, recent=recent,
+                   lengths=lengths, depths=depths, sparsity=sparsity, sink=sink, recent=recent, kv_budget=kv_budget,
                    max_new_tokens=max_new_tokens, chunk_size=chunk_size, dtype=str(model.params.dtype),
                    wall_s=time.perf_counter() - start, machine=report.machine_info(), **results)
     if out_dir is not None:

@@ -9,6 +9,12 @@ mode's cache carried from chunk to chunk. So on a streaming
 head a token sees the sinks, the `recent` tokens before its chunk and its chunk up to itself: between
 `recent` and ``recent + chunk_size - 1`` recent tokens (a smaller chunk is closer to token-by-token decoding).
 
+With `prefix` P, the first P tokens are the prompt and the rest is decoded: the method compresses after the
+prompt (`Method.after_prefill`: SnapKV, PyramidKV, HeadKV select what they keep there) and every later
+token goes through a one-token decode step, as in generation. That is what compares methods that act after
+prefill or per decode step (H2O and TOVA evict one token per step); h2o and tova prefill the prompt in one
+chunk (see `duo_jax.eval.modes`).
+
 The negative log-likelihood of token p (predicted from tokens < p, p >= 1) is averaged per position bucket
 [edge_i, edge_{i+1}); a bucket's perplexity is exp(mean NLL). Windows share one batch.
 """
@@ -27,7 +33,7 @@ from duo_jax.data.haystack import haystack_tokens
 from duo_jax.engine import prepare_params
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import ModeSettings, check_modes, mode_settings
+from duo_jax.eval.modes import ModeSettings, budget_tokens, check_modes, infinigen_skew, mode_settings
 from duo_jax.eval.niah import bos_id
 from duo_jax.generation import compiled_extend
 from duo_jax.loading import Model
@@ -50,25 +56,38 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
 
 
-def engine_nll(model: Model, tokens: np.ndarray, settings: ModeSettings, *, chunk_size: int) -> np.ndarray:
+def engine_nll(model: Model, tokens: np.ndarray, settings: ModeSettings, *, chunk_size: int,
+               prefix: int | None = None) -> np.ndarray:
     """NLL of every token but the first: tokens int [B, T] -> float64 [B, T - 1] (entry t is token t + 1),
-    teacher-forced through the engine in chunks, with the KV-cache method of `settings`."""
+    teacher-forced through the engine with the KV-cache method of `settings`: the first `prefix` tokens
+    (default: all) in prefill chunks, the rest one decode step per token (module docstring)."""
     config = model.config
     B, T = tokens.shape
+    P = T if prefix is None else prefix
+    if not 1 <= P <= T:
+        raise DuoJaxError(f"prefix must lie in [1, {T}] (the window length), got {P}")
     method = settings.build(config, context=T)
     params = prepare_params(model.params, config, method)
     cache, lengths = method.init_cache(B, model.params.dtype), jnp.zeros((B,), jnp.int32)
-    chunk = min(chunk_size, T)
-    step = compiled_extend(config, method, B, chunk, jnp.dtype(model.params.dtype).name, all_logits=True)
-    n_chunks = -(-T // chunk)
-    padded = np.zeros((B, n_chunks * chunk + 1), np.int32)  # one more: the target of the last token
+    dtype = jnp.dtype(model.params.dtype).name
+    chunk = P if settings.one_chunk_prefill else min(chunk_size, P)
+    step = compiled_extend(config, method, B, chunk, dtype, all_logits=True)
+    padded = np.zeros((B, max(-(-P // chunk) * chunk, T) + 1), np.int32)  # one more: the last token's target
     padded[:, :T] = tokens
     nll = []
-    for start in range(0, T, chunk):
-        n_valid = min(chunk, T - start)
+    for start in range(0, P, chunk):
+        n_valid = min(chunk, P - start)
         logits, cache, lengths = step(params, cache, lengths, jnp.asarray(padded[:, start:start + chunk]),
                                       jnp.full((B,), n_valid, jnp.int32))
         nll.append(np.asarray(token_nll(logits, jnp.asarray(padded[:, start + 1:start + chunk + 1])))[:, :n_valid])
+    if P < T:
+        method, cache = method.after_prefill(cache, lengths)
+        decode = compiled_extend(config, method, B, 1, dtype)
+        ones = jnp.ones((B,), jnp.int32)
+        for position in range(P, T):
+            logits, cache, lengths = decode(params, cache, lengths, jnp.asarray(padded[:, position:position + 1]),
+                                            ones)
+            nll.append(np.asarray(token_nll(logits[:, None], jnp.asarray(padded[:, position + 1:position + 2]))))
     return np.concatenate(nll, axis=1)[:, : T - 1].astype(np.float64)
 
 
@@ -98,8 +117,11 @@ def text_windows(model: Model, source: str, length: int, samples: int) -> np.nda
 
 def evaluate_perplexity(model: Model, tokens: np.ndarray, modes: Sequence[str], *, pattern: Pattern | None,
                         sparsity: float = 0.5, sink: int = 64, recent: int = 256, chunk_size: int = 512,
-                        edges: Sequence[int] | None = None, progress: bool = True) -> dict:
-    """Per-bucket NLL / perplexity of token windows [B, T] in every mode: {"modes": {mode: {...}}}."""
+                        edges: Sequence[int] | None = None, prefix: int | None = None,
+                        kv_budget: float | None = None, scores: Pattern | None = None, progress: bool = True) -> dict:
+    """Per-bucket NLL / perplexity of token windows [B, T] in every mode: {"modes": {mode: {...}}}.
+    prefix: prompt tokens (the rest is decoded; None: all prompt); kv_budget: a fraction of T kept per KV
+    head by every mode but full (None: duo's budget); `scores`: HeadKV scores for headkv / duo_headkv."""
     from tqdm.auto import tqdm
 
     modes = check_modes(modes)
@@ -111,22 +133,31 @@ def evaluate_perplexity(model: Model, tokens: np.ndarray, modes: Sequence[str], 
     if edges[0] != 0 or edges[-1] != T or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
         raise DuoJaxError(f"bucket edges must rise strictly from 0 to the window length {T}, got {edges}")
     results = {}
+    skew = infinigen_skew(model) if "infinigen" in modes else None
     for mode in tqdm(modes, desc="perplexity", unit="mode", disable=not progress):
         settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink, recent=recent,
-                                 context=T)
+                                 context=T, kv_budget=budget_tokens(kv_budget, T), scores=scores, skew=skew)
         start = time.perf_counter()
-        nll = engine_nll(model, tokens, settings, chunk_size=chunk_size)
+        nll = engine_nll(model, tokens, settings, chunk_size=chunk_size, prefix=prefix)
+        if prefix is not None and prefix < T:
+            decoded = float(nll[:, prefix - 1:].mean())  # entry t is token t + 1: tokens prefix .. T - 1
+            extra = dict(decoded_nll=decoded, decoded_ppl=float(np.exp(decoded)))
+        else:
+            extra = {}
         mean = float(nll.mean())
         results[mode] = dict(settings=settings.describe(), nll=mean, ppl=float(np.exp(mean)),
-                             buckets=bucket_stats(nll, edges), seconds=time.perf_counter() - start)
+                             buckets=bucket_stats(nll, edges), seconds=time.perf_counter() - start, **extra)
     return dict(edges=edges, modes=results)
 
 
 def perplexity_table(results: dict) -> str:
-    """Markdown: one row per mode, perplexity per bucket and overall."""
+    """Markdown: one row per mode, perplexity per bucket, overall, and over the decoded tokens (with a prefix)."""
     edges = results["edges"]
+    decoded = all("decoded_ppl" in r for r in results["modes"].values())
     headers = ["mode", *[f"[{_k(a)}, {_k(b)})" for a, b in zip(edges[:-1], edges[1:])], "all"]
-    rows = [[mode, *[b["ppl"] for b in r["buckets"]], r["ppl"]] for mode, r in results["modes"].items()]
+    headers += ["decoded tokens"] if decoded else []
+    rows = [[mode, *[b["ppl"] for b in r["buckets"]], r["ppl"], *([r["decoded_ppl"]] if decoded else [])]
+            for mode, r in results["modes"].items()]
     return report.markdown_table(headers, rows)
 
 
@@ -136,8 +167,9 @@ def _k(n: int) -> str:
 
 def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | None, source: str = "paul_graham",
                    length: int = 4096, samples: int = 2, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
-                   chunk_size: int = 512, edges: Sequence[int] | None = None, out_dir: str | Path | None = None,
-                   progress: bool = True) -> dict:
+                   chunk_size: int = 512, edges: Sequence[int] | None = None, prefix: int | None = None,
+                   kv_budget: float | None = None, scores: Pattern | None = None,
+                   out_dir: str | Path | None = None, progress: bool = True) -> dict:
     """Perplexity of `samples` windows of `length` tokens of `source`; writes perplexity.json and
     perplexity.png (perplexity per bucket, one line per mode) into `out_dir` when given."""
     if length > model.config.max_position_embeddings:
@@ -147,9 +179,11 @@ def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | Non
     start = time.perf_counter()
     tokens = text_windows(model, source, length, samples)
     results = evaluate_perplexity(model, tokens, modes, pattern=pattern, sparsity=sparsity, sink=sink,
-                                  recent=recent, chunk_size=chunk_size, edges=edges, progress=progress)
+                                  recent=recent, chunk_size=chunk_size, edges=edges, prefix=prefix,
+                                  kv_budget=kv_budget, scores=scores, progress=progress)
     results = dict(task="perplexity", model=model.config.name, source_text=source, length=length, samples=samples,
-                   sparsity=sparsity, sink=sink, recent=recent, chunk_size=chunk_size,
+                   sparsity=sparsity, sink=sink, recent=recent, chunk_size=chunk_size, prefix=prefix,
+                   kv_budget=kv_budget,
                    dtype=str(model.params.dtype), wall_s=time.perf_counter() - start,
                    machine=report.machine_info(), **results)
     if out_dir is not None:

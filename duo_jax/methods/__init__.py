@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from duo_jax.cache import make_layout
+from duo_jax.cache import make_layout, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, cache_nbytes
@@ -57,7 +57,8 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
     model), sparsity, sink, recent; streaming_llm: start, recent; h2o: kv_budget (required), recent
     (default kv_budget // 2, the paper's equal split); tova: kv_budget (required). `kv_budget` (average tokens kept per
     KV head at `context` tokens) makes budgets comparable across methods: duo then picks the sparsity whose
-    mix r * context + (1 - r) * (sink + recent) meets it, streaming_llm sets recent = kv_budget - start.
+    mix r * C + (1 - r) * (sink + recent) meets it (C: `context` rounded up to the cache capacity block),
+    streaming_llm sets recent = kv_budget - start.
     """
     if name not in METHODS:
         raise DuoJaxError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
@@ -88,7 +89,7 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
             raise DuoJaxError("method 'duo' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
         sink, recent = options.get("sink", 64), options.get("recent", 256)
         sparsity = options.get("sparsity", 0.5) if budget is None else duo_sparsity_for_budget(
-            budget, context=context, window=sink + recent)
+            budget, context=round_capacity(context), window=sink + recent)  # the slots a retrieval head has
         mask = pattern.retrieval_mask(sparsity)
         layout = make_layout(config, mask, sink=sink, recent=recent, context=context)
         return DuoAttention(layout, tuple(map(tuple, np.asarray(mask, bool).tolist())))

@@ -53,6 +53,11 @@ class Method(abc.ABC):
     def init_cache(self, batch: int, dtype) -> tuple[LayerCache, ...]:
         """An empty cache: one pytree per layer."""
 
+    def cache_spec(self, batch: int, dtype) -> tuple:
+        """`init_cache`'s arrays as `jax.ShapeDtypeStruct`s, without allocating them: what a step is compiled
+        for. A method that places arrays in another memory kind (host offload) adds their shardings."""
+        return jax.eval_shape(lambda: self.init_cache(batch, dtype))
+
     def begin_step(self, step: Step) -> Any:
         """Values all layers of one step share (masks, write slots). Default: nothing."""
         return None

@@ -185,6 +185,13 @@ class InfiniGen(Method):
                                          jnp.zeros(partial, dtype))
                      for _ in range(self.num_layers))
 
+    def cache_spec(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
+        if not self.host_offload:
+            return super().cache_spec(batch, dtype)
+        # A ShapeDtypeStruct with a pinned_host sharding still traces as device memory (JAX 0.10), so the
+        # step is lowered with real host arrays: a transient host allocation, per compilation.
+        return self.init_cache(batch, dtype)
+
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         """B * L * C * K * (2E + c) * bytes: full K and V plus the partial keys."""
         return (batch * self.num_layers * self.capacity * self.num_kv_heads
@@ -202,7 +209,7 @@ class InfiniGen(Method):
                                                                               jax.memory.Space.Host)
         with compute_on("device_host"):
             out = full.reshape(B * C * K, E).at[rows].set(new, mode="drop").reshape(full.shape)
-        return out
+        return jax.device_put(out, jax.memory.Space.Host)  # pins the step's output there (AOT-compiled steps)
 
     def _host_gather(self, full: jax.Array, rows: jax.Array) -> jax.Array:
         """Rows [N] (in range) of full [B, C, K, E] as a device array [N, E]: only these rows move."""
