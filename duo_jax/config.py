@@ -142,7 +142,7 @@ def named_configs() -> list[str]:
 
 
 def read_named(name: str) -> dict[str, Any]:
-    """The raw JSON entry of a named config: `hf_repo`, `config`, and optional `gguf` / `pattern`."""
+    """The raw JSON entry of a named config: `hf_repo`, `config`, and optional `gguf` / `pattern` / `scores`."""
     path = CONFIGS_DIR / f"{name}.json"
     if not path.is_file():
         raise ConfigError(f"unknown model name {name!r}; known names: {', '.join(named_configs())} "

@@ -11,7 +11,7 @@ import pytest
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b")
+SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b", "methods")
 
 common = importlib.import_module("common")
 
@@ -75,6 +75,12 @@ def test_bar_plot_and_heatmaps(tmp_path):
     scores = np.array([[1.0, 0.0], [0.5, np.nan]])
     assert report.grid_heatmaps(tmp_path / "maps.png", {"full": scores, "duo": scores}, [1024, 2048],
                                 [0.0, 1.0]).stat().st_size > 1000
+    wrapped = report.grid_heatmaps(tmp_path / "rows.png", {m: scores for m in "abcde"}, [1024, 2048], [0.0, 1.0],
+                                   columns=2)  # 3 rows of 2, the last panel blank
+    one_row = report.grid_heatmaps(tmp_path / "row.png", {m: scores for m in "abcde"}, [1024, 2048], [0.0, 1.0])
+    import matplotlib.image
+
+    assert matplotlib.image.imread(wrapped).shape[0] > 2 * matplotlib.image.imread(one_row).shape[0]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -145,7 +145,9 @@ def test_duo_and_duo_headkv_meet_the_budget(fraction):
                              kv_budget=budget, scores=scores)
     retrieval = num_retrieval_heads(config, 0.5)
     per_head = dict(composed.options)["kv_budget"]
-    assert heads * budget - retrieval < retrieval * per_head + (heads - retrieval) * 320 <= heads * budget
+    window = composed.sink + composed.recent
+    assert window == duo.sink + duo.recent  # the same fitted window
+    assert heads * budget - retrieval < retrieval * per_head + (heads - retrieval) * window <= heads * budget
 
 
 def test_every_mode_needs_what_it_uses():
@@ -154,8 +156,8 @@ def test_every_mode_needs_what_it_uses():
     with pytest.raises(duo_jax.DuoJaxError, match="skewing"):
         mode_settings("infinigen", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100, kv_budget=20)
     with pytest.raises(duo_jax.DuoJaxError, match="cannot meet"):
-        mode_settings("duo_headkv", CONFIG, Pattern.full(2, 2), sparsity=0.5, sink=4, recent=8, context=100,
-                      kv_budget=4, scores=Pattern.full(2, 2))
+        mode_settings("duo_headkv", CONFIG, Pattern.full(2, 2), sparsity=1.0, sink=4, recent=8, context=100,
+                      kv_budget=40, scores=Pattern.full(2, 2))  # no retrieval head to hold the rest
 
 
 # --- the evaluation loops ----------------------------------------------------------------------------------
@@ -294,3 +296,16 @@ def test_cli_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         eval_main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_head_scores_resolution():
+    from duo_jax.eval.modes import resolve_scores
+
+    with pytest.raises(duo_jax.DuoJaxError, match="ships no HeadKV head scores"):
+        resolve_scores("default", duo_jax.get_config("llama3-8b"))
+    config = duo_jax.get_config("smollm2-135m")
+    shipped = resolve_scores("default", config)  # configs/scores/smollm2-135m, from python -m duo_jax.head_scores
+    assert shipped.gates.shape == (30, 3) and shipped.meta["kind"] == "headkv_head_scores"
+    assert resolve_scores(None, config) is None and resolve_scores(shipped, config) is shipped
+    with pytest.raises(duo_jax.PatternError):
+        resolve_scores(Pattern.full(2, 2), config)

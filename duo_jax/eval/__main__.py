@@ -28,8 +28,9 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
     parser.add_argument("--pattern", default="default",
                         help="head pattern for mode duo: a folder / full_attention_heads.tsv, or 'default' "
                              "for the model's shipped one")
-    parser.add_argument("--modes", nargs="+", default=["full", "duo", "streaming"], choices=MODES, metavar="MODE",
-                        help=f"modes to compare, from: {', '.join(MODES)}")
+    parser.add_argument("--modes", "--methods", "--method", dest="modes", nargs="+", choices=MODES, metavar="MODE",
+                        default=["full", "duo", "streaming"],
+                        help=f"modes (KV-cache methods) to compare, from: {', '.join(MODES)}")
     parser.add_argument("--kv-budget", type=float, default=None, metavar="F",
                         help="tokens kept per KV head as a fraction F in (0, 1] of the evaluated length, for every "
                              "mode but full (default: duo's budget at --sparsity)")

@@ -26,7 +26,7 @@ The budget is a number of cached tokens per KV head on average (the methods' `kv
   (`fit_window`), so that some heads can still be retrieval heads.
 
 duo_headkv (DuoAttention whose retrieval heads keep HeadKV budgets) keeps the pattern at `sparsity`, duo's
-window on its streaming heads, and gives its retrieval heads (N*budget - (N - R)*S) / R tokens each on
+window on its streaming heads (fitted the same way), and gives its retrieval heads (N*budget - (N - R)*S) / R tokens each on
 average, so its total matches the budget too. h2o and tova prefill the whole prompt in one chunk (exact
 attention, one eviction at its end, as the DuoAttention paper runs them); the others use the evaluation's chunk.
 What each mode really stores is measured (``cache_bytes`` in the results), not assumed.
@@ -171,6 +171,8 @@ def mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sp
         raise DuoJaxError(f"mode {name!r} needs HeadKV head scores: pass --scores PATH (written by "
                           "python -m duo_jax.head_scores), or 'default' for the model's shipped ones")
     if name == "duo_headkv":
+        if kv_budget is not None:
+            sink, recent = fit_window(budget, sink, recent)
         heads = config.num_layers * config.num_kv_heads
         retrieval = num_retrieval_heads(config, sparsity)
         per_retrieval = (heads * budget - (heads - retrieval) * (sink + recent)) // max(retrieval, 1)

@@ -164,14 +164,19 @@ def grid_heatmap(path: str | os.PathLike, scores: np.ndarray, lengths: Sequence[
 
 
 def grid_heatmaps(path: str | os.PathLike, scores: Mapping[str, np.ndarray], lengths: Sequence[int],
-                  depths: Sequence[float], titles: Mapping[str, str] | None = None) -> Path:
-    """The heat maps of several modes side by side (one panel each, one shared colour bar)."""
+                  depths: Sequence[float], titles: Mapping[str, str] | None = None, columns: int | None = None) -> Path:
+    """The heat maps of several modes side by side (one panel each, one shared colour bar), wrapped into
+    rows of `columns` panels (default: one row)."""
     titles = titles or {}
-    figure = _figure(1.0 + (1.2 + 0.9 * len(lengths)) * len(scores), 1.5 + 0.45 * len(depths))
-    axes = figure.subplots(1, len(scores), squeeze=False)[0]
+    columns = min(columns or len(scores), len(scores))
+    rows = -(-len(scores) // columns)
+    figure = _figure(1.0 + (1.2 + 0.9 * len(lengths)) * columns, (1.5 + 0.45 * len(depths)) * rows)
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
     image = None
     for i, (ax, (name, matrix)) in enumerate(zip(axes, scores.items())):
-        image = _draw_grid(ax, matrix, lengths, depths, titles.get(name, name), ylabel=i == 0)
+        image = _draw_grid(ax, matrix, lengths, depths, titles.get(name, name), ylabel=i % columns == 0)
+    for ax in axes[len(scores):]:
+        ax.set_axis_off()
     figure.colorbar(image, ax=list(axes), label="score")
     return _save(figure, path)
 
