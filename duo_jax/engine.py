@@ -53,9 +53,17 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
 
     x = embed(params, tokens)  # [B, T, D]
     new_cache = []
+    previous_input = None  # the attention input of the layer before (for methods that look ahead)
     for l, layer in enumerate(params.layers):
-        q, k, v = project_qkv(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer)
-        out, layer_cache = method.attend(l, q, k, v, cache[l], step, shared)
+        attention_input = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
+        q, k, v = project_qkv(attention_input, layer)
+        extra = {}
+        if method.lookahead and step.is_decode:
+            # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own input).
+            source = attention_input if previous_input is None else previous_input
+            extra["lookahead_q"] = project_qkv(source, layer)[0]
+        previous_input = attention_input
+        out, layer_cache = method.attend(l, q, k, v, cache[l], step, shared, **extra)
         new_cache.append(layer_cache)
         x = x + output_projection(out, layer)
         x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)

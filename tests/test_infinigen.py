@@ -79,17 +79,23 @@ def test_budget_covering_the_sequence_is_full_attention(params, prompt, skewed, 
 
 def reference_logits(params, tokens, prompt_len, A, channels, budget, alpha):
     """float64: positions < prompt_len attend causally to everything; each decode position i speculates with
-    its skewed partial query against the skewed partial keys of tokens < i, keeps per KV head the tokens
-    within alpha of the max (max over the group), ceil(mean count over heads) capped at budget, by rank,
-    then attends exactly to those plus itself."""
+    the skewed partial query that layer l's weights make of layer l-1's attention input (layer 0: its own)
+    against the skewed partial keys of tokens < i, keeps per KV head the tokens within alpha of the max (max
+    over the group), ceil(mean count over heads) capped at budget, by rank, then attends exactly to those
+    plus itself."""
     T, G, K, E = len(tokens), CONFIG.group_size, CONFIG.num_kv_heads, CONFIG.head_dim
     positions = jnp.arange(T)[None]
     x = params.embed[jnp.asarray(tokens)][None]
     kept_counts = []
+    previous_input = None
     for l in range(CONFIG.num_layers):
         layer = jax.tree.map(lambda w: w[l], params.layers)
+        attention_input = rms_norm(x, layer.attn_norm, 1e-5)
         q, k, v = (np.asarray(a[0], np.float64) for a in
-                   qkv_projection(rms_norm(x, layer.attn_norm, 1e-5), layer, positions, rope_inv_freq(CONFIG)))
+                   qkv_projection(attention_input, layer, positions, rope_inv_freq(CONFIG)))
+        source = attention_input if previous_input is None else previous_input
+        q_spec = np.asarray(qkv_projection(source, layer, positions, rope_inv_freq(CONFIG))[0][0], np.float64)
+        previous_input = attention_input
         out = np.zeros_like(q)
         for i in range(T):
             if i < prompt_len:
@@ -99,7 +105,7 @@ def reference_logits(params, tokens, prompt_len, A, channels, budget, alpha):
                 for h in range(K):
                     a, ch = A[l, h].astype(np.float64), channels[l, h]
                     kp = (k[:i, h] @ a)[:, ch]
-                    qp = (q[i, h * G:(h + 1) * G] @ a)[:, ch]
+                    qp = (q_spec[i, h * G:(h + 1) * G] @ a)[:, ch]
                     head_scores.append((qp @ kp.T / math.sqrt(E)).max(axis=0))  # [i]
                 counts = [int(np.sum(s >= s.max() - alpha)) for s in head_scores]
                 n = int(min(math.ceil(np.mean(counts)), budget))

@@ -44,6 +44,9 @@ class Method(abc.ABC):
 
     name = "method"
     absolute_positions = True  # positions are absolute: a sequence cannot outgrow the model's context
+    # Decode steps also pass attend() `lookahead_q` [B, 1, H, E]: this layer's query projection applied to the
+    # previous layer's attention input (InfiniGen's speculation), before RoPE.
+    lookahead = False
 
     def prepare_params(self, params: Params, config: ModelConfig) -> Params:
         """Weights as this method wants them (e.g. heads reordered), still stacked. Default: unchanged."""

@@ -17,16 +17,20 @@ selected skewed channels, on the device, as the paper keeps it on the GPU).
 
 Steps:
   prefill chunks (T > 1) attend exactly to every cached token plus the chunk causally (full attention);
-  decode (T == 1): the partial query (the c channels of the skewed query) times the partial keys gives
+  decode (T == 1): the partial speculative query (the c channels of the skewed query that layer i's weights
+      make of layer i-1's attention input, see below) times the partial keys gives
       approximate scores (scaled by 1/sqrt(E), i.e. softmax logits); per KV head the max over its query
       group; a head keeps the tokens scoring >= its max - alpha; the count is averaged over the layer's KV
       heads (ceil), capped by the static `kv_budget`; each head takes its top_k(kv_budget) tokens and masks
       ranks >= count; exact attention over those rows (gathered from the full cache) plus the current token.
 
-Deviation from the paper: InfiniGen speculates layer i from layer i-1's attention input so that the fetch of
-layer i's rows overlaps layer i-1's compute. The engine hands `attend` only its own layer's q / k / v, so the
-speculation here uses the current layer's exact partial query (a better guess, but no prefetch overlap).
-The partial channels are fixed offline on the sample prompt rather than regenerated per prompt at prefill,
+As the paper, layer i speculates from layer i-1's attention input: the engine (`Method.lookahead`) hands each
+decode step's `attend` that input projected by layer i's query weights (`lookahead_q`; layer 0 uses its own
+input), which is rotated, skewed and cut to the partial channels here. The selection and the gather of the
+selected rows thus depend only on layer i-1's input, so XLA may overlap them with layer i-1's compute (the
+schedule is XLA's; the overlap is not measured). Deviations: the full query projection is computed (one
+token per step) rather than only the partial columns of a skewed weight (RoPE sits between the projection and
+the skew, so the skew cannot be folded into the weights). The partial channels are fixed offline on the sample prompt rather than regenerated per prompt at prefill,
 and there is no counter-based eviction of the host pool (the host cache has a fixed capacity).
 
 Memory placement: where the backend exposes the `pinned_host` memory kind (`host_offload_supported()`), the
@@ -131,6 +135,7 @@ class InfiniGen(Method):
     offload: str = "auto"  # "auto" | "host" | "device"
 
     name = "infinigen"
+    lookahead = True  # decode steps speculate from the previous layer's attention input
 
     def __post_init__(self):
         L, K, E, c = self.num_layers, self.num_kv_heads, self.head_dim, self.num_channels
@@ -227,7 +232,7 @@ class InfiniGen(Method):
 
     # --- attention --------------------------------------------------------------------------------------
 
-    def attend(self, layer, q, k, v, cache: InfiniGenLayerCache, step: Step, shared):
+    def attend(self, layer, q, k, v, cache: InfiniGenLayerCache, step: Step, shared, lookahead_q=None):
         B, T, H, E = q.shape
         K, C = self.num_kv_heads, self.capacity
         G = H // K
@@ -235,7 +240,9 @@ class InfiniGen(Method):
         channels = self.channels[layer]  # [K, c] (static)
         q = apply_rope(q, step.positions, step.inv_freq)
         k = apply_rope(k, step.positions, step.inv_freq)
-        qs = jnp.einsum("btkge,kef->btkgf", q.reshape(B, T, K, G, E), A.astype(q.dtype)).reshape(B, T, H, E)
+        skew_q = lambda x: jnp.einsum("btkge,kef->btkgf", x.reshape(B, -1, K, G, E),  # noqa: E731
+                                      A.astype(x.dtype)).reshape(B, -1, H, E)
+        qs = skew_q(q)
         ks = jnp.einsum("btke,kef->btkf", k, A.astype(k.dtype))
         kp = jnp.stack([ks[:, :, h, channels[h]] for h in range(K)], axis=2)  # [B, T, K, c]
 
@@ -253,8 +260,11 @@ class InfiniGen(Method):
             mask = causal_mask(step.positions, jnp.broadcast_to(jnp.arange(C), (B, C)))
             return dense_attention(qs, keys.astype(q.dtype), values.astype(v.dtype), mask), new_cache
 
-        # Decode: speculate with the partial query against the partial keys of the cached tokens.
-        qp = jnp.stack([qs[:, 0, h * G:(h + 1) * G][..., channels[h]] for h in range(K)], axis=1)  # [B, K, G, c]
+        # Decode: speculate with the partial query against the partial keys of the cached tokens. The query is
+        # this layer's projection of the previous layer's attention input (the engine's lookahead_q), so the
+        # selection, and the fetch of its rows, depend only on what the previous layer had.
+        spec = qs if lookahead_q is None else skew_q(apply_rope(lookahead_q, step.positions, step.inv_freq))
+        qp = jnp.stack([spec[:, 0, h * G:(h + 1) * G][..., channels[h]] for h in range(K)], axis=1)  # [B, K, G, c]
         approx = jnp.einsum("bkgc,bskc->bkgs", qp, cache.partial_k.astype(qp.dtype),
                             preferred_element_type=jnp.float32) / math.sqrt(E)
         cached = jnp.arange(C)[None, :] < step.lengths[:, None]  # [B, C]
