@@ -20,8 +20,13 @@ __all__ = ["generate", "main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
-    parser.add_argument("--method", choices=METHODS, default=None,
+    parser.add_argument("--method", choices=(*METHODS, "infinigen"), default=None,
                         help="KV-cache method (default: duo when --pattern is given, else full)")
+    parser.add_argument("--kv-budget", type=int, default=None,
+                        help="tokens kept (infinigen: fetched) per KV head on average; required by h2o, tova, "
+                             "snapkv, pyramidkv, headkv, duo_headkv, infinigen; duo picks its sparsity from it")
+    parser.add_argument("--scores", default=None,
+                        help="HeadKV head scores for headkv / duo_headkv: a folder / .tsv, or 'default' (the model's)")
     parser.add_argument("--pattern", default=None,
                         help="head pattern: a directory / full_attention_heads.tsv, or 'default' for the model's own; "
                              "omitted: full attention")
@@ -60,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, attention_impl="auto")
         text = args.prompt if args.prompt is not None else open(args.prompt_file).read()
         model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype))
+        options = {k: v for k, v in dict(kv_budget=args.kv_budget, scores=args.scores).items() if v is not None}
         out = generate(model, text, method=args.method, pattern=args.pattern, sparsity=args.sparsity, sink=args.sink,
                        recent=args.recent, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, **options)
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from duo_jax.eval import report
-    from duo_jax.eval.modes import resolve_scores
+    from duo_jax.methods.headkv import resolve_scores
     from duo_jax.eval.niah import run_niah, score_matrix
     from duo_jax.eval.perplexity import run_perplexity
 

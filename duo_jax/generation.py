@@ -16,7 +16,8 @@ from duo_jax.config import ModelConfig
 from duo_jax.engine import extend, prepare_params
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model
-from duo_jax.methods import DuoAttention, Method, cache_nbytes, make_method
+from duo_jax.methods import DuoAttention, InfiniGen, Method, cache_nbytes, make_method
+from duo_jax.methods.infinigen import skew_on_text
 from duo_jax.model import param_shapes
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.tokenizer import require
@@ -115,6 +116,18 @@ def build_method(config: ModelConfig, method: str | Method | None, *, context: i
     return make_method(name, config, context=context, **options)
 
 
+def calibrate_infinigen(model: Model, *, context: int, kv_budget: int | None = None, alpha: float = 4.0,
+                        partial_ratio: float = 0.2, offload: str = "auto", **unknown) -> InfiniGen:
+    """InfiniGen for `model`, skewed on a sample of the essays (`duo_jax.methods.infinigen.skew_on_text`)."""
+    if unknown:
+        raise DuoJaxError(f"method 'infinigen' does not take {', '.join(sorted(unknown))} (its options: alpha, "
+                          "kv_budget, offload, partial_ratio)")
+    if kv_budget is None or not kv_budget > 0:
+        raise DuoJaxError(f"method 'infinigen' needs a positive kv_budget (tokens fetched per KV head), got {kv_budget}")
+    A, channels = skew_on_text(model.params, model.config, model.tokenizer, partial_ratio=partial_ratio)
+    return InfiniGen.from_skew(A, channels, context=context, kv_budget=int(kv_budget), alpha=alpha, offload=offload)
+
+
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))
 def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float, top_k: int) -> jax.Array:
     """Next token per row of logits [B, V]: greedy when temperature == 0, else top-k / nucleus sampling."""
@@ -140,8 +153,10 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ).
-    method: "full", "duo", "streaming_llm" (see `duo_jax.methods`) or a `Method`; None: "duo" when a
-    pattern is given, else "full".
+    method: a name of `duo_jax.methods.METHODS` ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv",
+    "pyramidkv", "headkv", "duo_headkv"), "infinigen" (calibrated here on a sample of the essays), or a
+    built `Method`; None: "duo" when a pattern is given, else "full". method_options: that method's options
+    (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
     pattern: a `Pattern`, a path to one, or "default" (the model's own); binarised at `sparsity` (the
     fraction of streaming heads; 1 is StreamingLLM with absolute positions).
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
@@ -159,8 +174,11 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     if context is not None and needed > context:
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"cache capacity context={context}; raise context or shorten the prompt")
-    kv_method = build_method(config, method, context=context or needed, pattern=pattern, sparsity=sparsity,
-                             sink=sink, recent=recent, **method_options)
+    if method == "infinigen":  # calibrates on the model's weights (pass a built InfiniGen to reuse one)
+        kv_method = calibrate_infinigen(model, context=context or needed, **method_options)
+    else:
+        kv_method = build_method(config, method, context=context or needed, pattern=pattern, sparsity=sparsity,
+                                 sink=sink, recent=recent, **method_options)
     if kv_method.max_tokens is not None and needed > kv_method.max_tokens:
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"{kv_method.name} cache's capacity of {kv_method.max_tokens} tokens; build the method "

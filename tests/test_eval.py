@@ -297,15 +297,3 @@ def test_cli_rejects_bad_options(argv, message, capsys):
         eval_main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
-
-def test_head_scores_resolution():
-    from duo_jax.eval.modes import resolve_scores
-
-    with pytest.raises(duo_jax.DuoJaxError, match="ships no HeadKV head scores"):
-        resolve_scores("default", duo_jax.get_config("llama3-8b"))
-    config = duo_jax.get_config("smollm2-135m")
-    shipped = resolve_scores("default", config)  # configs/scores/smollm2-135m, from python -m duo_jax.head_scores
-    assert shipped.gates.shape == (30, 3) and shipped.meta["kind"] == "headkv_head_scores"
-    assert resolve_scores(None, config) is None and resolve_scores(shipped, config) is shipped
-    with pytest.raises(duo_jax.PatternError):
-        resolve_scores(Pattern.full(2, 2), config)

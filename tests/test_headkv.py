@@ -6,7 +6,7 @@ import pytest
 
 import duo_jax
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.headkv import headkv_budgets, make_duo_headkv, make_headkv
+from duo_jax.methods.headkv import headkv_budgets, make_duo_headkv, make_headkv, resolve_scores
 from tests.conftest import tiny_config
 from tests.test_snapkv import CONFIG, WINDOW, check_against_reference, reference_logits, run_engine
 
@@ -86,3 +86,14 @@ def test_duo_with_headkv_retrieval_heads_matches_the_float64_reference():
             for head, s, e in zip(np.flatnonzero(mask[l]), bounds[:-1], bounds[1:]):  # reordered: retrieval first
                 assert set(positions[s:e].tolist()) == kept[l][head]
         np.testing.assert_array_less(np.abs(logits[b] - ref).max(), 1e-4)
+
+
+def test_head_scores_resolution():
+    with pytest.raises(duo_jax.DuoJaxError, match="ships no HeadKV head scores"):
+        resolve_scores("default", duo_jax.get_config("llama3-8b"))
+    config = duo_jax.get_config("smollm2-135m")
+    shipped = resolve_scores("default", config)  # configs/scores/smollm2-135m, from python -m duo_jax.head_scores
+    assert shipped.gates.shape == (30, 3) and shipped.meta["kind"] == "headkv_head_scores"
+    assert resolve_scores(None, config) is None and resolve_scores(shipped, config) is shipped
+    with pytest.raises(duo_jax.PatternError):
+        resolve_scores(duo_jax.Pattern.full(2, 2), config)

@@ -34,6 +34,13 @@ def test_generates_and_prints_stats(tmp_path):
     assert "KV cache" in result.stderr and "tok/s" in result.stderr
 
 
+def test_other_methods_from_the_command_line():
+    result = run_cli("--prompt", "The capital of France is", "--max-new-tokens", "3", "--method", "headkv",
+                     "--kv-budget", "40", "--scores", "default")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is") and "headkv |" in result.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "llama3-8b", "--prompt", "hi"], "weights for 'llama3-8b'"),
     (["--prompt", "hi", "--chunk-size", "0"], "chunk_size must be positive"),
@@ -43,6 +50,9 @@ def test_generates_and_prints_stats(tmp_path):
     (["--prompt", "hi", "--sparsity", "1.5"], r"\[0, 1\]"),
     (["--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context of 8192"),
     (["--prompt-file", "/nonexistent.txt"], "No such file"),
+    (["--prompt", "hi", "--method", "h2o"], "needs kv_budget"),
+    (["--prompt", "hi", "--method", "infinigen"], "needs a positive kv_budget"),
+    (["--prompt", "hi", "--method", "headkv", "--kv-budget", "64", "--scores", "/nonexistent"], "nonexistent"),
 ])
 def test_errors_are_one_line_with_status_2(args, message):
     result = run_cli(*args)

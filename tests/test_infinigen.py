@@ -166,3 +166,21 @@ def test_generate_checks_the_instance_capacity():
     with pytest.raises(DuoJaxError, match="capacity of 128 tokens"):
         generate(duo_jax.Model(config, params, None, "random"), list(range(1, 120)), method=method,
                  max_new_tokens=20)
+
+
+def test_generate_calibrates_by_name(tokenizer):
+    """generate(method="infinigen") skews on the essays: the same tokens as the instance built by hand."""
+    from duo_jax.generation import generate
+    from duo_jax.methods.infinigen import skew_on_text
+
+    config = tiny_config(vocab_size=2000)
+    params = duo_jax.init_params(config, jax.random.key(3), scale=0.2)
+    model = duo_jax.Model(config, params, tokenizer, "tiny")
+    prompt = np.arange(1, 40).tolist()
+    by_name = generate(model, prompt, method="infinigen", kv_budget=6, max_new_tokens=5, stop_at_eos=False)
+    A, channels = skew_on_text(params, config, tokenizer)
+    built = InfiniGen.from_skew(A, channels, context=44, kv_budget=6)
+    assert by_name.tokens == generate(model, prompt, method=built, max_new_tokens=5, stop_at_eos=False).tokens
+    assert by_name.stats["method"] == "infinigen"
+    with pytest.raises(duo_jax.DuoJaxError, match="does not take window"):
+        generate(model, prompt, method="infinigen", kv_budget=6, window=4)

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import duo_jax
     from duo_jax.eval import report
-    from duo_jax.eval.modes import resolve_scores
+    from duo_jax.methods.headkv import resolve_scores
     from duo_jax.eval.niah import accuracy_table, run_niah
     from duo_jax.eval.passkey import run_passkey
     from duo_jax.eval.perplexity import perplexity_table, run_perplexity

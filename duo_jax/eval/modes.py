@@ -44,6 +44,7 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import build_method
 from duo_jax.methods import InfiniGen, Method, duo_sparsity_for_budget
+from duo_jax.methods.infinigen import skew_on_text
 from duo_jax.pattern import Pattern
 
 MODES = ("full", "duo", "streaming", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "headkv",
@@ -200,30 +201,6 @@ def budget_tokens(kv_budget: float | None, length: int) -> int | None:
     return max(2, int(kv_budget * length))
 
 
-def infinigen_skew(model, sample_length: int = 512) -> tuple[np.ndarray, np.ndarray]:
-    """InfiniGen's offline skewing of `model` (`duo_jax.methods.infinigen.skew`) on the first `sample_length`
-    tokens of the Paul Graham essays (the NIAH haystack, without a needle: the skew captures the query
-    projections' dominant channels, not the content)."""
-    from duo_jax.data.haystack import haystack_tokens
-    from duo_jax.methods.infinigen import skew
-
-    if model.tokenizer is None:
-        raise DuoJaxError("mode 'infinigen' calibrates on text and needs the model's tokenizer")
-    tokens = np.asarray(haystack_tokens(model.tokenizer, "paul_graham", sample_length), np.int32)
-    return skew(model.params, model.config, tokens)
-
-
-def resolve_scores(scores, config: ModelConfig) -> Pattern | None:
-    """HeadKV head scores: a `Pattern`, a path, "default" (the model's shipped scores) or None."""
-    if scores is None or isinstance(scores, Pattern):
-        resolved = scores
-    elif str(scores) == "default":
-        resolved = Pattern.for_model(config.name, key="scores")
-        if resolved is None:
-            raise DuoJaxError(f"model {config.name!r} ships no HeadKV head scores; write them with "
-                              "python -m duo_jax.head_scores and pass --scores PATH")
-    else:
-        resolved = Pattern.load(scores)
-    if resolved is not None:
-        resolved.validate(config)
-    return resolved
+def infinigen_skew(model) -> tuple[np.ndarray, np.ndarray]:
+    """InfiniGen's offline skewing of `model`, on a sample of the essays (`skew_on_text`)."""
+    return skew_on_text(model.params, model.config, model.tokenizer)

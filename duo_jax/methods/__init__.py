@@ -28,7 +28,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, cache_nbytes
 from duo_jax.methods.duo import DuoAttention
 from duo_jax.methods.eviction import H2O, TOVA
-from duo_jax.methods.headkv import make_duo_headkv, make_headkv
+from duo_jax.methods.headkv import make_duo_headkv, make_headkv, resolve_scores
 from duo_jax.methods.infinigen import InfiniGen
 from duo_jax.methods.snapkv import make_pyramidkv, make_snapkv
 from duo_jax.methods.streaming_llm import StreamingLLM
@@ -73,12 +73,10 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
         raise DuoJaxError(f"kv_budget (tokens kept per KV head) must be positive, got {budget}")
     if name in _COMPRESSION:
         if name in ("headkv", "duo_headkv"):
-            scores = options.get("scores")
+            scores = resolve_scores(options.get("scores"), config)
             if scores is None:
                 raise DuoJaxError(f"method {name!r} needs head scores: scores=PATH (written by "
-                                  "python -m duo_jax.head_scores) or a Pattern")
-            scores = scores if isinstance(scores, Pattern) else Pattern.load(scores)
-            scores.validate(config)
+                                  "python -m duo_jax.head_scores), 'default' (the model's shipped ones) or a Pattern")
             options = dict(options, scores=scores)
         if name == "duo_headkv" and options.get("pattern") is None:
             raise DuoJaxError("method 'duo_headkv' needs a head pattern (pattern=PATH, a Pattern, or 'default')")

@@ -234,3 +234,19 @@ def make_duo_headkv(config: ModelConfig, *, context: int, pattern: Pattern, spar
     budgets = tuple(tuple(b.tolist()) for b in np.split(flat, np.cumsum(layout.num_retrieval)[:-1]))
     return DuoHeadKV(layout, tuple(map(tuple, np.asarray(mask, bool).tolist())), config.num_heads, budgets,
                      window, kernel, pooling)
+
+
+def resolve_scores(scores, config: ModelConfig) -> Pattern | None:
+    """HeadKV head scores: a `Pattern`, a path, "default" (the model's shipped scores) or None."""
+    if scores is None or isinstance(scores, Pattern):
+        resolved = scores
+    elif str(scores) == "default":
+        resolved = Pattern.for_model(config.name, key="scores")
+        if resolved is None:
+            raise DuoJaxError(f"model {config.name!r} ships no HeadKV head scores; write them with "
+                              "python -m duo_jax.head_scores and pass --scores PATH")
+    else:
+        resolved = Pattern.load(scores)
+    if resolved is not None:
+        resolved.validate(config)
+    return resolved

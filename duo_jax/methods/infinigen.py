@@ -114,6 +114,19 @@ def skew(params: Params, config: ModelConfig, sample_tokens, *, partial_ratio: f
     return A, channels
 
 
+def skew_on_text(params: Params, config: ModelConfig, tokenizer, *, sample_length: int = 512,
+                 partial_ratio: float = 0.2):
+    """`skew` on the first `sample_length` tokens of the Paul Graham essays (the NIAH haystack, without a needle:
+    the skew captures the query projections' dominant channels, not the content)."""
+    from duo_jax.data.haystack import haystack_tokens
+
+    if tokenizer is None:
+        raise DuoJaxError("InfiniGen calibrates on text and needs the model's tokenizer; without one, build it "
+                          "with InfiniGen.calibrate(params, config, sample_tokens, ...)")
+    tokens = np.asarray(haystack_tokens(tokenizer, "paul_graham", sample_length), np.int32)
+    return skew(params, config, tokens, partial_ratio=partial_ratio)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class InfiniGenLayerCache:
