@@ -13,15 +13,36 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import jax
 
+_target: str | None = None  # set by `lowering_for`
+
 
 def backend() -> str:
-    """The platform of the default device: "cpu", "gpu" or "tpu"."""
+    """The platform the kernels are lowered for: "cpu", "gpu" or "tpu" (the default device's, unless
+    `lowering_for` says otherwise)."""
+    if _target is not None:
+        return _target
     platform = jax.default_backend()
     return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str) -> Iterator[None]:
+    """Trace the kernels for `platform` ("gpu" or "tpu") whatever the local device: with
+    ``jax.export.export(..., platforms=["cuda"])`` a CPU-only host lowers them through Triton exactly as a
+    GPU host would (used by the tests to check the GPU path, and to export for a GPU from a CPU machine)."""
+    global _target
+    if platform not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"platform must be 'cpu', 'gpu' or 'tpu', got {platform!r}")
+    previous, _target = _target, platform
+    try:
+        yield
+    finally:
+        _target = previous
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

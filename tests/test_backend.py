@@ -1,0 +1,89 @@
+"""pallas_kernels._backend, and the GPU path checked without a GPU: every kernel (forward and backward),
+lowered for CUDA from this CPU host with `jax.export`, goes through Triton (`__gpu$xla.gpu.triton` custom
+calls carrying the kernel's Triton IR) with the compiler params we pass, never through Mosaic GPU.
+(Lowering is the part of compilation JAX does; PTX generation happens in XLA on a GPU host.)"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels
+from pallas_kernels import _backend
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def cuda_module(fn, *args) -> str:
+    """The StableHLO module of jit(fn) exported for CUDA, traced with the kernels set up for a GPU."""
+    with _backend.lowering_for("gpu"):
+        exported = jax.export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    return exported.mlir_module()
+
+
+def triton_kernels(module: str) -> list[dict]:
+    """Each Triton custom call's kernel name, grid and compiler params."""
+    calls = []
+    for line in module.splitlines():
+        if f"custom_call @{TRITON}" not in line:
+            continue
+        field = lambda name: re.search(rf"\b{name} = (\"?[\w.]+\"?)", line).group(1).strip('"')  # noqa: E731
+        calls.append(dict(name=field("name"), num_warps=int(field("num_warps")), num_stages=int(field("num_stages")),
+                          grid=tuple(int(field(f"grid_{a}")) for a in "xyz")))
+    return calls
+
+
+def qkv(T, S, Hq, Hkv, D, dtype=jnp.bfloat16):
+    return (jax.ShapeDtypeStruct((1, T, Hq, D), dtype), jax.ShapeDtypeStruct((1, S, Hkv, D), dtype),
+            jax.ShapeDtypeStruct((1, S, Hkv, D), dtype))
+
+
+def loss_grads(attention):
+    """q, k, v -> their gradients of sum(attention(q, k, v)^2): the forward and backward kernels."""
+    return jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("head_dim, warps", [(64, 4), (128, 8)])
+def test_flash_attention_lowers_to_triton(head_dim, warps):
+    shapes = qkv(200, 200, 8, 2, head_dim)  # GQA 4:1, a length that is not a multiple of the blocks
+    forward = triton_kernels(cuda_module(lambda q, k, v: pallas_kernels.flash_attention(q, k, v), *shapes))
+    assert len(forward) == 1 and forward[0]["num_warps"] == warps and forward[0]["num_stages"] == 2
+    assert forward[0]["grid"] == (1, 8, 2)  # batch, query heads, query tiles of 128
+    both = triton_kernels(cuda_module(loss_grads(pallas_kernels.flash_attention), *shapes))
+    assert [c["name"] for c in both] == [f"block_sparse_attention_{k}" for k in ("fwd", "dq", "dkv")]
+    assert all(call["num_warps"] == warps for call in both)
+
+
+@pytest.mark.parametrize("sink", [0, 64])
+def test_lambda_attention_lowers_to_triton(sink):
+    shapes = qkv(1000, 1000, 8, 2, 128)
+    lam = lambda q, k, v: pallas_kernels.lambda_attention(q, k, v, sink=sink, recent=256)  # noqa: E731
+    forward = triton_kernels(cuda_module(lam, *shapes))
+    assert len(forward) == 1 and forward[0]["grid"] == (1, 8, 8)  # batch, query heads, 8 query tiles of 128
+    both = triton_kernels(cuda_module(loss_grads(lam), *shapes))
+    assert [c["name"] for c in both] == [f"block_sparse_attention_{k}" for k in ("fwd", "dq", "dkv")]
+
+
+def test_decode_attention_lowers_to_triton():
+    q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
+    k = v = jax.ShapeDtypeStruct((2, 3000, 2, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    calls = triton_kernels(cuda_module(lambda *a: pallas_kernels.decode_attention(*a, num_splits=16), q, k, v, lengths))
+    assert len(calls) == 1 and calls[0]["name"] == "decode_attention_split"
+    assert calls[0]["grid"][:2] == (2, 2)  # one program per sequence, KV head and split of the cache
+
+
+def test_the_gpu_path_is_chosen_by_the_platform():
+    """Traced for the local CPU the kernels run in interpret mode: plain HLO, no Triton call, no Mosaic."""
+    shapes = qkv(128, 128, 4, 2, 64, jnp.float32)
+    local = jax.jit(lambda q, k, v: pallas_kernels.flash_attention(q, k, v)).lower(*shapes).as_text()
+    assert TRITON not in local and "mosaic" not in local.lower()
+    gpu = cuda_module(lambda q, k, v: pallas_kernels.flash_attention(q, k, v), *shapes)
+    assert TRITON in gpu and "mosaic" not in gpu.lower()
+    assert _backend.backend() == "cpu"  # restored after the context
+    with pytest.raises(ValueError, match="platform"):
+        with _backend.lowering_for("cuda"):
+            pass
