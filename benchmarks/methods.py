@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="NIAH context lengths")
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="NIAH needle depths")
     p.add_argument("--max-new-tokens", type=int, default=16, help="NIAH answer tokens")
-    p.add_argument("--ppl-length", type=int, default=4096, help="perplexity window (tokens)")
-    p.add_argument("--ppl-prefix", type=int, default=3584, help="perplexity prompt tokens; the rest is decoded")
+    p.add_argument("--ppl-length", type=int, default=2048, help="perplexity window (tokens)")
+    p.add_argument("--ppl-prefix", type=int, default=1536, help="perplexity prompt tokens; the rest is decoded")
     p.add_argument("--skip", nargs="*", default=[], choices=["niah", "perplexity"], help="tasks not to run")
     args = p.parse_args(argv)
     if any(not 0 < b <= 1 for b in args.budgets):

@@ -1,0 +1,77 @@
+"""InfiniGen's two approximations, one at a time: the alpha threshold and speculating from the previous layer.
+
+Perplexity of --length tokens of the Paul Graham essays, the first --prefix as the prompt and the rest decoded
+one token per step (`duo_jax.eval.perplexity.engine_nll`), with InfiniGen fetching at most --budget x --length
+tokens per KV head per step, for each combination of
+- alpha: the paper's threshold (keep tokens whose speculated logit is within alpha of the max; the count is
+  averaged over the layer's heads, then capped by the budget), or inf (always the budget's top-k), and
+- speculation from the previous layer's attention input (the paper, `InfiniGen.lookahead`) or from this
+  layer's own partial query,
+next to full attention on the same tokens.
+
+    python benchmarks/infinigen_alpha.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import common
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__, "infinigen_alpha")
+    p.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
+    p.add_argument("--length", type=int, default=2048, help="window (tokens)")
+    p.add_argument("--prefix", type=int, default=1536, help="prompt tokens; the rest is decoded")
+    p.add_argument("--budget", type=float, default=0.5, help="most tokens fetched per KV head, share of --length")
+    p.add_argument("--alphas", type=float, nargs="+", default=[4.0, 5.0, float("inf")], help="thresholds")
+    args = p.parse_args(argv)
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import duo_jax
+    from duo_jax.eval.modes import ModeSettings, mode_settings
+    from duo_jax.eval.perplexity import engine_nll, text_windows
+    from duo_jax.methods.infinigen import InfiniGen, skew_on_text
+
+    model = duo_jax.load(args.model, dtype=jnp.float32)
+    tokens = text_windows(model, "paul_graham", args.length, 1)
+    skew = skew_on_text(model.params, model.config, model.tokenizer)
+    budget = int(args.budget * args.length)
+
+    def decoded_ppl(settings) -> float:
+        nll = engine_nll(model, tokens, settings, chunk_size=256, prefix=args.prefix)
+        return float(np.exp(nll[:, args.prefix - 1:].mean()))
+
+    full = decoded_ppl(mode_settings("full", model.config, None, sparsity=0.5, sink=64, recent=256,
+                                     context=args.length))
+    rows, results = [["full attention", "-", "-", full, 1.0]], []
+    for lookahead in (True, False):
+        for alpha in args.alphas:
+            method = InfiniGen.from_skew(*skew, context=args.length, kv_budget=budget, alpha=alpha)
+            method = _with_lookahead(method, lookahead)
+            ppl = decoded_ppl(ModeSettings("infinigen", None, 0.0, 0, 1, budget, method="infinigen", instance=method))
+            speculation = "previous layer (paper)" if lookahead else "this layer"
+            rows.append(["infinigen", alpha, speculation, ppl, ppl / full])
+            results.append(dict(alpha=alpha, lookahead=lookahead, decoded_ppl=ppl))
+    common.write_result(args.out, "infinigen_alpha", title=f"InfiniGen on {model.config.name}: decoded perplexity",
+                        headers=["method", "alpha", "speculation from", "ppl (decoded)", "ppl / full"], rows=rows,
+                        data=dict(args={k: str(v) for k, v in vars(args).items()}, full_ppl=full, results=results),
+                        notes=[f"{args.length} tokens, prefix {args.prefix}, at most {budget} tokens fetched per "
+                               "KV head per step, fp32"])
+    return 0
+
+
+def _with_lookahead(method, lookahead: bool):
+    """The method with the paper's previous-layer speculation switched on or off (a subclass: static in jit)."""
+    if lookahead == method.lookahead:
+        return method
+    cls = type(method)
+    own_layer = type(f"{cls.__name__}OwnLayer", (cls,), {"lookahead": False})
+    return own_layer(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method)})
+
+
+if __name__ == "__main__":
+    raise SystemExit(common.run(main))
