@@ -5,7 +5,7 @@ one token per step (`duo_jax.eval.perplexity.engine_nll`), with InfiniGen fetchi
 tokens per KV head per step, for each combination of
 - alpha: the paper's threshold (keep tokens whose speculated logit is within alpha of the max; the count is
   averaged over the layer's heads, then capped by the budget), or inf (always the budget's top-k), and
-- speculation from the previous layer's attention input (the paper, `InfiniGen.lookahead`) or from this
+- speculation from the previous layer's attention input (the paper, `InfiniGen(lookahead=True)`) or from this
   layer's own partial query,
 next to full attention on the same tokens.
 
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [["full attention", "-", "-", full, 1.0]], []
     for lookahead in (True, False):
         for alpha in args.alphas:
-            method = InfiniGen.from_skew(*skew, context=args.length, kv_budget=budget, alpha=alpha)
-            method = _with_lookahead(method, lookahead)
+            method = dataclasses.replace(InfiniGen.from_skew(*skew, context=args.length, kv_budget=budget, alpha=alpha),
+                                         lookahead=lookahead)
             ppl = decoded_ppl(ModeSettings("infinigen", None, 0.0, 0, 1, budget, method="infinigen", instance=method))
             speculation = "previous layer (paper)" if lookahead else "this layer"
             rows.append(["infinigen", alpha, speculation, ppl, ppl / full])
@@ -62,15 +62,6 @@ def main(argv: list[str] | None = None) -> int:
                         notes=[f"{args.length} tokens, prefix {args.prefix}, at most {budget} tokens fetched per "
                                "KV head per step, fp32"])
     return 0
-
-
-def _with_lookahead(method, lookahead: bool):
-    """The method with the paper's previous-layer speculation switched on or off (a subclass: static in jit)."""
-    if lookahead == method.lookahead:
-        return method
-    cls = type(method)
-    own_layer = type(f"{cls.__name__}OwnLayer", (cls,), {"lookahead": False})
-    return own_layer(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method)})
 
 
 if __name__ == "__main__":

@@ -59,9 +59,8 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
         q, k, v = project_qkv(attention_input, layer)
         extra = {}
         if method.lookahead and step.is_decode:
-            # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own input).
-            source = attention_input if previous_input is None else previous_input
-            extra["lookahead_q"] = project_qkv(source, layer)[0]
+            # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own query).
+            extra["lookahead_q"] = q if previous_input is None else project_qkv(previous_input, layer)[0]
         previous_input = attention_input
         out, layer_cache = method.attend(l, q, k, v, cache[l], step, shared, **extra)
         new_cache.append(layer_cache)

@@ -28,10 +28,11 @@ As the paper, layer i speculates from layer i-1's attention input: the engine (`
 decode step's `attend` that input projected by layer i's query weights (`lookahead_q`; layer 0 uses its own
 input), which is rotated, skewed and cut to the partial channels here. The selection and the gather of the
 selected rows thus depend only on layer i-1's input, so XLA may overlap them with layer i-1's compute (the
-schedule is XLA's; the overlap is not measured). Deviations: the full query projection is computed (one
-token per step) rather than only the partial columns of a skewed weight (RoPE sits between the projection and
-the skew, so the skew cannot be folded into the weights). The partial channels are fixed offline on the sample prompt rather than regenerated per prompt at prefill,
-and there is no counter-based eviction of the host pool (the host cache has a fixed capacity).
+schedule is XLA's; the overlap is not measured). `lookahead=False` speculates from the layer's own query.
+Deviations: the full query projection is computed (one token per step) rather than only the partial columns
+of a skewed weight (RoPE sits between the projection and the skew, so the skew cannot be folded into the
+weights). The partial channels are fixed offline on the sample prompt rather than regenerated per prompt at
+prefill, and there is no counter-based eviction of the host pool (the host cache has a fixed capacity).
 
 Memory placement: where the backend exposes the `pinned_host` memory kind (`host_offload_supported()`), the
 full K / V live there between steps (offload="auto" or "host"); writes and the gather of selected rows run on
@@ -146,9 +147,9 @@ class InfiniGen(Method):
     skew_bytes: bytes = dataclasses.field(repr=False)  # A float32 [L, K, E, E] then channels int32 [L, K, c]
     alpha: float = 4.0
     offload: str = "auto"  # "auto" | "host" | "device"
+    lookahead: bool = True  # decode steps speculate from the previous layer's attention input (False: own layer)
 
     name = "infinigen"
-    lookahead = True  # decode steps speculate from the previous layer's attention input
 
     def __post_init__(self):
         L, K, E, c = self.num_layers, self.num_kv_heads, self.head_dim, self.num_channels
@@ -227,7 +228,7 @@ class InfiniGen(Method):
                                                                               jax.memory.Space.Host)
         with compute_on("device_host"):
             out = full.reshape(B * C * K, E).at[rows].set(new, mode="drop").reshape(full.shape)
-        return jax.device_put(out, jax.memory.Space.Host)  # pins the step's output there (AOT-compiled steps)
+        return out
 
     def _host_gather(self, full: jax.Array, rows: jax.Array) -> jax.Array:
         """Rows [N] (in range) of full [B, C, K, E] as a device array [N, E]: only these rows move."""
