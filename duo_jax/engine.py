@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from duo_jax.config import ModelConfig
 from duo_jax.methods.base import Method, Step
-from duo_jax.model import Params, embed, mlp, output_projection, project_qkv, rms_norm, rope_inv_freq, unembed
+from duo_jax.errors import DuoJaxError
+from duo_jax.model import Params, decoder_layer, embed, project_qkv, rope_inv_freq, unembed
 
 
 def unstack_layers(params: Params) -> Params:
@@ -43,29 +44,32 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     `params` come from `prepare_params(params, config, method)`; `cache` from `method.init_cache`.
     Returns (logits, cache, lengths): logits float32 [B, V] at each sequence's last real token ([B, T, V] for
     every token when all_logits), the updated cache, and lengths + n_valid. `impl` picks the attention
-    kernels where a method uses the dispatch (`duo_jax.attention`: Pallas on GPU, jnp reference elsewhere).
+    kernels (`duo_jax.attention`: Pallas on GPU, the blocked XLA path elsewhere).
     """
     B, T = tokens.shape
+    if config.sliding_window is not None and not method.supports_sliding_window:
+        raise DuoJaxError(f"method {method.name!r} does not implement the model's sliding window "
+                          f"(sliding_window={config.sliding_window}); use full, duo or streaming_llm")
     step = Step(positions=lengths[:, None] + jnp.arange(T, dtype=jnp.int32),
                 valid=jnp.arange(T)[None, :] < n_valid[:, None],
-                lengths=lengths, new_lengths=lengths + n_valid, inv_freq=rope_inv_freq(config), impl=impl)
+                lengths=lengths, new_lengths=lengths + n_valid, inv_freq=rope_inv_freq(config), impl=impl,
+                sliding_window=config.sliding_window)
     shared = method.begin_step(step)
 
     x = embed(params, tokens)  # [B, T, D]
     new_cache = []
-    previous_input = None  # the attention input of the layer before (for methods that look ahead)
+    inputs = [None]  # the attention input of the layer before (for methods that look ahead)
     for l, layer in enumerate(params.layers):
-        attention_input = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
-        q, k, v = project_qkv(attention_input, layer)
-        extra = {}
-        if method.lookahead and step.is_decode:
-            # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own query).
-            extra["lookahead_q"] = q if previous_input is None else project_qkv(previous_input, layer)[0]
-        previous_input = attention_input
-        out, layer_cache = method.attend(l, q, k, v, cache[l], step, shared, **extra)
+        def attend(q, k, v, h, l=l, layer=layer):
+            extra = {}
+            if method.lookahead and step.is_decode:
+                # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own query).
+                extra["lookahead_q"] = q if inputs[-1] is None else project_qkv(inputs[-1], layer)[0]
+            inputs.append(h)
+            return method.attend(l, q, k, v, cache[l], step, shared, **extra)
+
+        x, layer_cache = decoder_layer(x, layer, config, attend)
         new_cache.append(layer_cache)
-        x = x + output_projection(out, layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
 
     if not all_logits:
         last = jnp.maximum(n_valid - 1, 0)

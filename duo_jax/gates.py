@@ -31,9 +31,9 @@ original implementation does), rather than the student's own full attention over
 The two readings differ only once some upstream gate is below 1 (the student's residual stream then
 differs from the teacher's, and the paper's reading would feed the student's own full attention with it).
 
-Both models run in one `lax.scan` over the stacked layers with the gates [L, K] scanned alongside; the
-layer body is rematerialised. Attention goes through `duo_jax.attention` (Pallas kernels on GPU, jnp
-references elsewhere). `distill_terms` takes optional wrappers of the two attention functions: the
+Both models run in one `lax.scan` over the stacked layers with the gates [L, K] scanned alongside, each
+through `duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
+`duo_jax.attention` (Pallas kernels on GPU, the blocked XLA path elsewhere). `distill_terms` takes optional wrappers of the two attention functions: the
 sequence-parallel trainer (`duo_jax.training`) wraps them in a Ulysses all-to-all.
 
 Dimension letters as in `duo_jax.model`: B batch, T positions, D model width, H query heads, K KV heads,
@@ -51,8 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from duo_jax import attention
 from duo_jax.config import ModelConfig
-from duo_jax.model import (LayerParams, Params, embed, mlp, output_projection, qkv_projection, rms_norm,
-                           rope_inv_freq)
+from duo_jax.model import Params, apply_rope, decoder_layer, embed, rms_norm, rope_inv_freq
 
 # q [B, T, H, E], k / v [B, T, K, E] -> [B, T, H, E]
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -65,7 +64,7 @@ class Objective:
     """The training objective's hyper-parameters (defaults: the original's training run).
 
     sink / recent: the streaming branch's Λ window. reg_weight: lambda of the L1 term.
-    impl: attention implementation, see `duo_jax.attention` ("auto": Pallas on GPU, jnp elsewhere).
+    impl: attention implementation, see `duo_jax.attention` ("auto": Pallas on GPU, the blocked XLA path elsewhere).
     """
 
     sink: int = 128
@@ -118,24 +117,26 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
     full_attention = wrap_attention(objective.full_attention)
     streaming_attention = wrap_attention(objective.streaming_attention)
 
+    def rotate(q, k):
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
+    def teacher_attend(q, k, v, h):  # the frozen model with full attention everywhere
+        full = checkpoint_name(full_attention(*rotate(q, k), v), REMAT_SAVED)  # [B, T, H, E]
+        return full, full
+
     def layer_step(carry, inputs):
         x_teacher, x_student = carry  # [B, T, D] each
         layer, gate = inputs  # LayerParams of one layer, gate [K]
-        layer: LayerParams
+        x_teacher, full = decoder_layer(x_teacher, layer, config, teacher_attend)
 
-        # Teacher: the frozen model with full attention everywhere.
-        q, k, v = qkv_projection(rms_norm(x_teacher, layer.attn_norm, eps), layer, positions, inv_freq)
-        full = checkpoint_name(full_attention(q, k, v), REMAT_SAVED)  # [B, T, H, E]
-        x_teacher = x_teacher + output_projection(full, layer)
-        x_teacher = x_teacher + mlp(rms_norm(x_teacher, layer.mlp_norm, eps), layer)
+        def student_attend(q, k, v, h):  # per head, the teacher's full output mixed with its own streaming one
+            streaming = streaming_attention(*rotate(q, k), v)  # [B, T, H, E]
+            alpha = jnp.repeat(gate, config.group_size)[None, None, :, None]  # [1, 1, H, 1], float32
+            mixed = (alpha * jax.lax.stop_gradient(full).astype(jnp.float32)
+                     + (1.0 - alpha) * streaming.astype(jnp.float32))
+            return mixed.astype(x_student.dtype), None
 
-        # Student: per head, mix the teacher's full output with its own streaming output.
-        q, k, v = qkv_projection(rms_norm(x_student, layer.attn_norm, eps), layer, positions, inv_freq)
-        streaming = streaming_attention(q, k, v)  # [B, T, H, E]
-        alpha = jnp.repeat(gate, config.group_size)[None, None, :, None]  # [1, 1, H, 1], float32
-        mixed = alpha * jax.lax.stop_gradient(full).astype(jnp.float32) + (1.0 - alpha) * streaming.astype(jnp.float32)
-        x_student = x_student + output_projection(mixed.astype(x_student.dtype), layer)
-        x_student = x_student + mlp(rms_norm(x_student, layer.mlp_norm, eps), layer)
+        x_student, _ = decoder_layer(x_student, layer, config, student_attend)
         return (x_teacher, x_student), None
 
     layer_step = jax.checkpoint(layer_step, policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED))

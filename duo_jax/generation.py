@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from duo_jax import attention
 from duo_jax.cache import full_cache_bytes
 from duo_jax.config import ModelConfig
 from duo_jax.engine import extend, prepare_params
@@ -76,8 +77,8 @@ def validate_options(*, sparsity: float, sink: int | None, recent: int | None, m
         raise DuoJaxError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise DuoJaxError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0; got {temperature}, {top_p}, {top_k}")
-    if attention_impl not in ("auto", "pallas", "reference"):
-        raise DuoJaxError(f"attention_impl must be 'auto', 'pallas' or 'reference', got {attention_impl!r}")
+    if attention_impl not in attention.IMPLS:
+        raise DuoJaxError(f"attention_impl must be one of {', '.join(attention.IMPLS)}, got {attention_impl!r}")
 
 
 @functools.lru_cache(maxsize=32)
@@ -162,7 +163,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
     tokens (default: longest prompt + max_new_tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK).
-    attention_impl: "auto" | "pallas" | "reference" (see `duo_jax.attention`).
+    attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
     """
     validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -50,8 +50,8 @@ from duo_jax.config import ModelConfig
 from duo_jax.data import DataError, encode, haystack_tokens, make_needle_prompt
 from duo_jax.data.niah import NEEDLE, NEEDLE_TEMPLATE, QUESTION
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.snapkv import masked_softmax
-from duo_jax.model import Params, embed, mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq, unembed
+from duo_jax.attention import masked_softmax
+from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq, unembed
 from duo_jax.pattern import Pattern
 
 SCORES_KIND = "headkv_head_scores"  # config.json "kind" of a saved score grid
@@ -128,16 +128,16 @@ def prompt_scores(params: Params, tokens: jax.Array, start, end, *, config: Mode
     visible = jnp.arange(T)[None, :] <= steps[:, None]  # [n, T]
     inv_freq = rope_inv_freq(config)
 
-    def layer_step(x, layer):
-        q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, inv_freq)
-        x = x + output_projection(attention.flash_attention(q, k, v, causal=True, impl=impl), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
+    def attend(q, k, v, h):  # causal attention, plus the needle score of the answer-step queries
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         K, E = k.shape[2], k.shape[3]
         answer_q = q[0, T - 1 - n: T - 1].reshape(n, K, -1, E)  # [n, K, G, E]
         scores = jnp.einsum("nkge,ske->kgns", answer_q, k[0], preferred_element_type=jnp.float32) / math.sqrt(E)
-        return x, needle_attention_score(masked_softmax(scores, visible), start, end).reshape(-1)  # [H]
+        needle = needle_attention_score(masked_softmax(scores, visible), start, end).reshape(-1)  # [H]
+        return attention.flash_attention(q, k, v, causal=True, impl=impl), needle
 
-    x, scores = jax.lax.scan(layer_step, embed(params, tokens), params.layers)
+    x, scores = jax.lax.scan(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
+                             params.layers)
     logits = unembed(params, config, x[:, T - 1 - n: T - 1])  # [1, n, V]
     return scores, jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
 

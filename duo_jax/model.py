@@ -2,7 +2,9 @@
 
 One model covers Llama 2 / 3 / 3.1, Mistral and SmolLM2: the differences are config switches (GQA vs MHA,
 RoPE scaling, tied embeddings, sliding window). Layers are stacked on a leading axis and run under
-`lax.scan`. `forward` is the dense full-attention path: the reference every faster path is tested against.
+`lax.scan`. `decoder_layer` is the one layer body every path runs (with its own attention passed in);
+`forward` is full causal attention, tested against Hugging Face transformers, and the reference every
+cached path is tested against.
 
 Dimension letters used in einsum strings and shape comments:
   B batch, T query positions, S key positions, D model width (hidden_size), F MLP width,
@@ -14,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from duo_jax import attention
 from duo_jax.config import ModelConfig
 
 
@@ -113,35 +117,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def causal_mask(q_positions: jax.Array, k_positions: jax.Array, sliding_window: int | None = None) -> jax.Array:
-    """Bool [B, T, S]: query at position i sees key at position j iff j <= i (and i - j < window)."""
-    i = q_positions[:, :, None]
-    j = k_positions[:, None, :]
-    mask = j <= i
-    if sliding_window is not None:
-        mask &= i - j < sliding_window
-    return mask
-
-
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention with an explicit boolean mask, GQA by grouping query heads.
-
-    q [B, T, H, E], k / v [B, S, K, E], mask [B, T, S] or [B, K, T, S] (per KV head) -> [B, T, H, E].
-    Scores and softmax in fp32. A query row with no visible key returns zeros.
-    """
-    B, T, H, E = q.shape
-    K = k.shape[2]
-    q = q.reshape(B, T, K, H // K, E)
-    scores = jnp.einsum("btkge,bske->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(E)
-    mask = mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]  # -> [B, K|1, 1, T, S]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bkgts,bske->btkge", probs.astype(v.dtype), v)
-    return out.reshape(B, T, H, E)
-
-
 def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
     gate = jnp.einsum("btd,df->btf", x, layer.w_gate)
@@ -179,26 +154,44 @@ def unembed(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
     return jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
 
 
-# --- the dense full-attention model ----------------------------------------------------------------
+# --- one decoder layer, and the dense full-attention model ------------------------------------------
+
+
+def decoder_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, attend: Callable) -> tuple[jax.Array, Any]:
+    """One pre-norm decoder layer over the residual stream x [B, T, D] -> (x, aux).
+
+    `attend(q, k, v, h)` is the layer's attention: it gets the query [B, T, H, E] and key / value [B, T, K, E]
+    heads before RoPE (each caller rotates them at the positions it means) and the normed layer input
+    h [B, T, D], and returns (output [B, T, H, E], aux), aux being whatever the caller wants back (an updated
+    cache, a teacher's attention output). Every path of duo-jax runs its layers through this function.
+    """
+    h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
+    q, k, v = project_qkv(h, layer)
+    out, aux = attend(q, k, v, h)
+    x = x + output_projection(out, layer)
+    x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
+    return x, aux
 
 
 def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
-                  positions: jax.Array | None = None) -> jax.Array:
-    """Residual stream after the last layer, before the final norm: tokens int32 [B, T] -> [B, T, D]."""
+                  positions: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+    """Residual stream after the last layer, before the final norm: tokens int32 [B, T] -> [B, T, D].
+
+    Query t sees keys s <= t (within `config.sliding_window` when set), by position order in the sequence."""
     B, T = tokens.shape
-    if positions is None:
+    if positions is None:  # contiguous: the attention skips the key blocks past each query block
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        spec = attention.prefix_spec(B, T, num_keys=T, window=config.sliding_window)
+    else:
+        spec = attention.MaskSpec(positions, jnp.full((B,), T, jnp.int32), positions, window=config.sliding_window)
     inv_freq = rope_inv_freq(config)
-    mask = causal_mask(positions, positions, config.sliding_window)
 
-    def layer_step(x, layer: LayerParams):
-        h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
-        q, k, v = qkv_projection(h, layer, positions, inv_freq)
-        x = x + output_projection(dense_attention(q, k, v, mask), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
-        return x, None
+    def attend(q, k, v, h):
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return attention.attend(q, k, v, spec, impl=impl), None
 
-    x, _ = jax.lax.scan(layer_step, embed(params, tokens), params.layers)
+    x, _ = jax.lax.scan(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
+                        params.layers)
     return x
 
 

@@ -41,7 +41,7 @@ def random_attention_inputs(batch, seq_q, seq_k, num_heads, num_kv_heads, head_d
     return q, k, v, jax.random.normal(kc, q.shape, jnp.float32)
 
 
-def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="reference"):
+def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="auto"):
     """One prompt through `extend` with a KV-cache method: chunked prefill, then greedy decoding.
 
     Returns (tokens of the whole sequence, logits [len(sequence), V] at every position, the chunks as

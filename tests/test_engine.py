@@ -53,7 +53,7 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
     return np.asarray(unembed(params, config, x)[0])
 
 
-def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps, impl="reference"):
+def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps, impl="auto"):
     """DuoAttention with a raw [L, K] retrieval mask through `run_method`: (sequence, logits at every position)."""
     layout = make_layout(config, retrieval_mask, sink=sink, recent=recent, context=len(prompt) + decode_steps)
     method = DuoAttention(layout, None if retrieval_mask is None else tuple(map(tuple, retrieval_mask.tolist())))

@@ -9,7 +9,8 @@ import pytest
 
 import duo_jax
 from duo_jax import gates
-from duo_jax.model import dense_attention, embed, mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq
+from duo_jax.model import embed, mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq
+from pallas_kernels.reference import attention_reference
 from tests.conftest import tiny_config
 
 SINK, RECENT, T = 4, 8, 40
@@ -37,7 +38,7 @@ def lambda_reference(params, config, tokens, positions):
         layer = jax.tree.map(lambda w: w[l], params.layers)
         q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
                                  rope_inv_freq(config))
-        x = x + output_projection(dense_attention(q, k, v, mask), layer)
+        x = x + output_projection(attention_reference(q, k, v, mask), layer)
         x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
     return rms_norm(x, params.final_norm, config.rms_norm_eps)
 

@@ -10,7 +10,8 @@ import torch
 import transformers
 
 import duo_jax
-from duo_jax.model import dense_attention, greedy_reference, rope_inv_freq
+from duo_jax.attention import attention_probs
+from duo_jax.model import greedy_reference, rope_inv_freq
 from tests.conftest import tiny_config
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=2, max_position_embeddings=256,
@@ -94,13 +95,15 @@ def test_llama3_rope_frequencies_match_transformers():
     np.testing.assert_allclose(rope_inv_freq(config), expected.numpy(), rtol=1e-6)
 
 
-def test_dense_attention_matches_float64_numpy():
+def test_attention_probs_matches_float64_numpy():
+    """The per-head masked softmax the scoring methods use (duo_jax.attention.probs)."""
     rng = np.random.default_rng(0)
     B, T, S, H, K, E = 2, 5, 7, 6, 3, 8
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, H, E), (B, S, K, E), (B, S, K, E)))
     mask = rng.random((B, K, T, S)) < 0.6
     mask[0, 1, 2] = False  # a query that sees nothing returns zeros
-    out = np.asarray(dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)))
+    heads_first = lambda x: jnp.swapaxes(jnp.asarray(x), 1, 2)  # noqa: E731  [B, K, S, E]
+    out = np.asarray(attention_probs(jnp.asarray(q), heads_first(k), heads_first(v), jnp.asarray(mask))[0])
     ref = np.zeros((B, T, H, E))
     for b, h, t in np.ndindex(B, H, T):
         kv = h // (H // K)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from duo_jax.attention import MaskSpec
 from duo_jax.config import ModelConfig
 from duo_jax.model import Params
 
@@ -32,11 +33,23 @@ class Step:
     lengths: jax.Array  # int32 [B]: tokens cached before this call
     new_lengths: jax.Array  # int32 [B]: lengths + real new tokens
     inv_freq: np.ndarray  # RoPE inverse frequencies [E/2] (static)
-    impl: str  # attention implementation for the dispatch: "auto" | "pallas" | "reference"
+    impl: str  # attention implementation for the dispatch (`duo_jax.attention.IMPLS`)
+    sliding_window: int | None = None  # the model's local-attention window (static)
 
     @property
     def is_decode(self) -> bool:
         return self.positions.shape[1] == 1
+
+    def prefix_spec(self) -> MaskSpec:
+        """The new tokens over a contiguous cache (slot = position) that already holds them: causal, within
+        the model's sliding window."""
+        return MaskSpec(self.positions, self.new_lengths, window=self.sliding_window)
+
+    def positions_spec(self, key_positions: jax.Array) -> MaskSpec:
+        """The new tokens over keys at explicit positions [B, S] (-1: empty), e.g. a ring of cached tokens
+        followed by the chunk: causal, within the sliding window."""
+        num_keys = jnp.full(key_positions.shape[:1], key_positions.shape[1], jnp.int32)
+        return MaskSpec(self.positions, num_keys, key_positions, window=self.sliding_window)
 
 
 class Method(abc.ABC):
@@ -47,6 +60,9 @@ class Method(abc.ABC):
     # Decode steps also pass attend() `lookahead_q` [B, 1, H, E]: this layer's query projection applied to the
     # previous layer's attention input (InfiniGen's speculation), before RoPE.
     lookahead = False
+    # Whether the method honours a model's sliding window (`Step.sliding_window`); the engine rejects
+    # sliding-window models for methods that do not, rather than attend past the window silently.
+    supports_sliding_window = False
 
     def prepare_params(self, params: Params, config: ModelConfig) -> Params:
         """Weights as this method wants them (e.g. heads reordered), still stacked. Default: unchanged."""
@@ -95,6 +111,14 @@ def cache_nbytes(cache) -> int:
 
 
 def write_slots(cache: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
-    """cache [B, S, N, E] with new [B, T, N, E] written at slots [B, T]; out-of-range slots are dropped."""
+    """cache [B, S, N, E] with new [B, T, N, E] written at slots [B, T]; out-of-range slots are dropped.
+
+    16-bit floats are scattered as their bits: XLA:CPU computes a bf16 scatter in f32, converting the whole
+    cache there and back on every write (measured: temp memory growing with the capacity)."""
     batch = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[batch, slots].set(new.astype(cache.dtype), mode="drop")
+    new = new.astype(cache.dtype)
+    if cache.dtype.itemsize != 2 or not jnp.issubdtype(cache.dtype, jnp.floating):
+        return cache.at[batch, slots].set(new, mode="drop")
+    bits = jax.lax.bitcast_convert_type
+    written = bits(cache, jnp.uint16).at[batch, slots].set(bits(new, jnp.uint16), mode="drop")
+    return bits(written, cache.dtype)

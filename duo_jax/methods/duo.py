@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax import attention
-from duo_jax.cache import (CAPACITY_BLOCK, CacheLayout, DuoLayerCache, expected_cache_bytes, init_cache,
+from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, init_cache,
                            streaming_slot_positions, streaming_write_slots)
 from duo_jax.config import ModelConfig
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.model import Params, apply_rope, dense_attention
+from duo_jax.model import Params, apply_rope
 
 
 def head_order(retrieval_mask: np.ndarray) -> np.ndarray:
@@ -58,36 +58,30 @@ def reorder_heads(params: Params, config: ModelConfig, retrieval_mask: np.ndarra
 
 
 def retrieval_attention(q, k, v, step: Step) -> jax.Array:
-    """Query t (position lengths + t) sees every cached key up to its own position.
-
-    q [B, T, H_r, E], k / v the full cache [B, C, K_r, E] with this chunk already written."""
-    if step.is_decode:  # split-K over the cache, skipping blocks past each sequence's length
-        blocks = k.shape[1] // CAPACITY_BLOCK
-        splits = max(d for d in range(1, 17) if blocks % d == 0)  # a divisor: the cache is never padded
-        return attention.decode_attention(q[:, 0], k, v, step.new_lengths, impl=step.impl, block_k=CAPACITY_BLOCK,
-                                          num_splits=splits)[:, None]
-    return attention.flash_attention(q, k, v, causal=True, q_offset=step.lengths, kv_len=step.new_lengths,
-                                     impl=step.impl)
+    """Query t (position lengths + t) sees every cached key up to its own position (within the model's
+    sliding window). q [B, T, H_r, E], k / v the full cache [B, C, K_r, E] with this chunk already written."""
+    return attention.attend(q, k, v, step.prefix_spec(), impl=step.impl)
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamingWindow:
     """Per-step bookkeeping of a sink + ring-buffer cache, shared by every layer."""
 
-    key_positions: jax.Array  # int32 [B, S + T]: absolute position of each cache slot, then each new token
-    mask: jax.Array  # bool [B, T, S + T]: which of those keys each new token sees
+    key_positions: jax.Array  # int32 [B, S + T]: absolute position of each cache slot, then each new token; -1: empty
     write_slots: jax.Array  # int32 [B, T]: ring slot of each new token (out of range: not kept)
 
     @classmethod
     def build(cls, step: Step, sink: int, recent: int) -> "StreamingWindow":
-        slots = sink + recent
         # Keys are [cache slots, chunk]. The cache holds only sinks and tokens within `recent` of the
-        # chunk start, so "j <= i" over valid slots is exactly the Λ-with-chunk rule.
-        key_positions = jnp.concatenate([streaming_slot_positions(step.lengths, sink, recent), step.positions], 1)
-        key_valid = jnp.concatenate([key_positions[:, :slots] >= 0, step.valid], axis=1)
-        mask = key_valid[:, None, :] & (key_positions[:, None, :] <= step.positions[:, :, None])
+        # chunk start, so "j <= i" over filled slots is exactly the Λ-with-chunk rule.
+        key_positions = jnp.concatenate([streaming_slot_positions(step.lengths, sink, recent),
+                                         jnp.where(step.valid, step.positions, -1)], axis=1)
         write = streaming_write_slots(step.positions, step.valid, step.new_lengths, sink, recent)
-        return cls(key_positions, mask, write)
+        return cls(key_positions, write)
+
+    def attend(self, q, keys, values, step: Step) -> jax.Array:
+        """q [B, T, H, E] over the ring + chunk keys / values [B, S + T, K, E]."""
+        return attention.attend(q, keys, values, step.positions_spec(self.key_positions), impl=step.impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +98,7 @@ class DuoAttention(Method):
     retrieval_mask: tuple[tuple[bool, ...], ...] | None = None  # [L][K]; None: every head retrieval
 
     name = "duo"
+    supports_sliding_window = True
 
     @property
     def max_tokens(self) -> int:
@@ -136,7 +131,7 @@ class DuoAttention(Method):
         if n < self.layout.num_kv_heads:
             keys = jnp.concatenate([sk, k[:, :, n:].astype(sk.dtype)], axis=1)
             values = jnp.concatenate([sv, v[:, :, n:].astype(sv.dtype)], axis=1)
-            heads.append(dense_attention(q[:, :, n * G:], keys, values, shared.window.mask))
+            heads.append(shared.window.attend(q[:, :, n * G:], keys, values, step))
         sk = write_slots(sk, shared.window.write_slots, k[:, :, n:])
         sv = write_slots(sv, shared.window.write_slots, v[:, :, n:])
         return jnp.concatenate(heads, axis=2), DuoLayerCache(rk, rv, sk, sv)

@@ -14,18 +14,18 @@ A chunk larger than one token evicts once after the whole chunk, so a prefill wi
 prompt is exact and compresses once at its end (as the DuoAttention paper runs these baselines), while
 smaller chunks bound memory. Keys are cached after RoPE at absolute positions. The cache also holds each
 slot's position (int32) and score (float32), counted in its bytes. Attention probabilities are
-materialised (dense jnp), which is what these methods need and what flash kernels do not give.
+materialised (`duo_jax.attention.probs`), which is what these methods need and what flash kernels do not give.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
+from duo_jax.attention import attention_probs
 from duo_jax.methods.base import Method, Step
 from duo_jax.model import apply_rope
 
@@ -37,21 +37,6 @@ class EvictionLayerCache:
     v: jax.Array  # [B, K, N, E]
     positions: jax.Array  # int32 [B, K, N], -1 where empty
     scores: jax.Array  # float32 [B, K, N]: H2O's accumulated attention (unused by TOVA)
-
-
-def attention_probs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
-    """q [B, T, H, E], per-head keys k / v [B, K, S, E], mask [B, K, T, S] -> (out [B, T, H, E],
-    probs float32 [B, K, G, T, S]). Rows with no visible key give zeros."""
-    B, T, H, E = q.shape
-    K = k.shape[1]
-    q = q.reshape(B, T, K, H // K, E)
-    scores = jnp.einsum("btkge,bkse->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(E)
-    scores = jnp.where(mask[:, :, None], scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bkgts,bkse->btkge", probs.astype(v.dtype), v)
-    return out.reshape(B, T, H, E), probs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ from duo_jax.methods.duo import DuoAttention, StreamingWindow
 from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
                                     check_selection, compressed_attention, compressed_nbytes, decode_shape,
                                     empty_compressed)
-from duo_jax.model import Params, apply_rope, dense_attention
+from duo_jax.model import Params, apply_rope
 from duo_jax.pattern import Pattern
 
 
@@ -133,7 +133,7 @@ class DuoCompressedKV(Method):
         if n < self.layout.num_kv_heads:  # as DuoAttention's streaming heads
             keys = jnp.concatenate([sk, k[:, :, n:].astype(sk.dtype)], axis=1)
             values = jnp.concatenate([sv, v[:, :, n:].astype(sv.dtype)], axis=1)
-            heads.append(dense_attention(q[:, :, n * G:], keys, values, window.mask))
+            heads.append(window.attend(q[:, :, n * G:], keys, values, step))
         sk = write_slots(sk, window.write_slots, k[:, :, n:])
         sv = write_slots(sv, window.write_slots, v[:, :, n:])
         return jnp.concatenate(heads, axis=2), DuoCompressedLayerCache(retrieval, sk, sv)

@@ -51,13 +51,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from duo_jax import attention
+from duo_jax.attention import attention_probs
 from duo_jax.cache import round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.eviction import attention_probs
-from duo_jax.model import (Params, apply_rope, causal_mask, dense_attention, embed, mlp, output_projection,
-                           qkv_projection, rms_norm, rope_inv_freq)
+from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,15 +83,17 @@ def _layer_qk(params: Params, config: ModelConfig, tokens) -> list[tuple[np.ndar
     T = tokens.shape[1]
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     inv_freq = rope_inv_freq(config)
-    mask = causal_mask(positions, positions, config.sliding_window)
+    spec = attention.prefix_spec(1, T, num_keys=T, window=config.sliding_window)
+
+    def attend(q, k, v, h):
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return attention.attend(q, k, v, spec), (q[0], k[0])
+
     x = embed(params, tokens)
     out = []
     for l in range(config.num_layers):
-        layer = jax.tree.map(lambda w, l=l: w[l], params.layers)
-        q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, inv_freq)
-        out.append((np.asarray(q[0], np.float32), np.asarray(k[0], np.float32)))
-        x = x + output_projection(dense_attention(q, k, v, mask), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
+        x, (q, k) = decoder_layer(x, jax.tree.map(lambda w, l=l: w[l], params.layers), config, attend)
+        out.append((np.asarray(q, np.float32), np.asarray(k, np.float32)))
     return out
 
 
@@ -271,8 +273,8 @@ class InfiniGen(Method):
 
         if not step.is_decode:  # prefill chunk: exact attention to every cached token and the chunk
             keys, values = self._to_device(new_k), self._to_device(new_v)
-            mask = causal_mask(step.positions, jnp.broadcast_to(jnp.arange(C), (B, C)))
-            return dense_attention(qs, keys.astype(q.dtype), values.astype(v.dtype), mask), new_cache
+            out = attention.attend(qs, keys.astype(q.dtype), values.astype(v.dtype), step.prefix_spec(), impl=step.impl)
+            return out, new_cache
 
         # Decode: speculate with the partial query against the partial keys of the cached tokens. The query is
         # this layer's projection of the previous layer's attention input (the engine's lookahead_q), so the

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from duo_jax.attention import masked_softmax
 from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
@@ -61,14 +62,6 @@ from duo_jax.methods.duo import retrieval_attention
 from duo_jax.model import apply_rope
 
 POOLINGS = ("max", "avg")
-
-
-def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax over the last axis of fp32 `scores` where `mask` (broadcast) is True; rows with no True give 0."""
-    scores = jnp.where(mask, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    return probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
 
 
 # --- selection --------------------------------------------------------------------------------------

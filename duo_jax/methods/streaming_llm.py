@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.duo import StreamingWindow
-from duo_jax.model import apply_rope, dense_attention
+from duo_jax.model import apply_rope
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +43,7 @@ class StreamingLLM(Method):
     recent: int = 256
 
     name = "streaming_llm"
+    supports_sliding_window = True  # the window applies to absolute positions, as the model was trained
     absolute_positions = False  # re-indexed: generation may run past the trained context
 
     def init_cache(self, batch: int, dtype) -> tuple[StreamingLayerCache, ...]:
@@ -71,6 +72,6 @@ class StreamingLLM(Method):
         values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
         q = apply_rope(q, shared.query_rope_positions, step.inv_freq)
         keys = apply_rope(keys, shared.key_rope_positions, step.inv_freq)
-        out = dense_attention(q, keys, values, shared.window.mask)
+        out = shared.window.attend(q, keys, values, step)
         return out, StreamingLayerCache(write_slots(cache.k, shared.window.write_slots, k),
                                         write_slots(cache.v, shared.window.write_slots, v))

@@ -1,0 +1,11 @@
+"""Every attention call goes through here: a mask spec (`masks`), one dispatch (`dispatch`) to the Pallas
+kernels, the blocked XLA path (`xla`) or a dense reference, and attention with probabilities (`probs`) for the
+methods that score tokens."""
+
+from duo_jax.attention.dispatch import (IMPLS, Impl, attend, decode_attention, flash_attention, lambda_attention,
+                                        resolve_impl)
+from duo_jax.attention.masks import MaskSpec, prefix_spec
+from duo_jax.attention.probs import attention_probs, masked_softmax
+
+__all__ = ["IMPLS", "Impl", "MaskSpec", "attend", "attention_probs", "decode_attention", "flash_attention",
+           "lambda_attention", "masked_softmax", "prefix_spec", "resolve_impl"]

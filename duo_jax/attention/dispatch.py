@@ -1,0 +1,111 @@
+"""The one place that picks an attention implementation.
+
+`attend(q, k, v, spec, impl=...)` is every attention call of the model, the engine's methods and gate
+training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query sees. `impl`:
+
+* "xla": the blocked online softmax of `duo_jax.attention.xla`, whose work follows the filled slots.
+* "pallas": the Pallas kernels of `pallas_kernels` (Triton on GPU, interpret mode on CPU: correct but slow,
+  meant for tests) for the specs they implement: a contiguous cache under a causal mask (flash attention;
+  split-K decode for one query), or Λ over a whole sequence. Other specs (explicit key positions, sliding
+  windows) take the XLA path.
+* "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
+* "auto": "pallas" on GPU, "xla" elsewhere.
+
+The Pallas kernels take a query offset rather than per-query positions, so that mapping assumes what every
+caller builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
+
+`flash_attention`, `lambda_attention` and `decode_attention` are the kernels' own signatures over the
+same dispatch, for callers that attend over a whole sequence (gate training, head scoring) and for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from duo_jax.attention import xla
+from duo_jax.attention.masks import MaskSpec, prefix_spec
+from pallas_kernels import reference
+
+Impl = Literal["auto", "pallas", "xla", "reference"]
+IMPLS = ("auto", "pallas", "xla", "reference")
+DECODE_BLOCK = 128  # split-K decode's key block (the cache capacity is a multiple of it)
+MAX_SPLITS = 16
+
+
+def resolve_impl(impl: str) -> str:
+    """Maps "auto" to "pallas" on GPU and to "xla" elsewhere."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
+    if impl != "auto":
+        return impl
+    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto",
+           scale: float | None = None) -> jax.Array:
+    """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
+    pallas_kernels.check_qkv(q, k, v)
+    impl = resolve_impl(impl)
+    if impl == "pallas" and _pallas_serves(spec, k.shape[1]):
+        return _pallas(q, k, v, spec, scale)
+    if impl == "reference":
+        return reference.attention_reference(q, k, v, spec.dense(k.shape[1]), scale=scale)
+    return xla.attention(q, k, v, spec, scale=scale)
+
+
+def _pallas_serves(spec: MaskSpec, num_keys: int) -> bool:
+    if spec.k_positions is not None or spec.window is not None:
+        return False
+    if spec.is_lambda:
+        return spec.causal
+    return spec.causal and (spec.q_positions.shape[1] > 1 or num_keys % DECODE_BLOCK == 0)
+
+
+def _pallas(q, k, v, spec: MaskSpec, scale):
+    q_offset = spec.q_positions[:, 0]
+    if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
+        return pallas_kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
+                                               scale=scale)
+    if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
+        blocks = k.shape[1] // DECODE_BLOCK
+        splits = max(d for d in range(1, MAX_SPLITS + 1) if blocks % d == 0)  # a divisor: no padded split
+        lengths = jnp.minimum(spec.kv_len, q_offset + 1)
+        return pallas_kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
+                                               num_splits=splits)[:, None]
+    return pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=spec.kv_len, scale=scale)
+
+
+# --- the kernels' signatures over the dispatch ---------------------------------------------------------
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset=0, kv_len=None,
+                    scale: float | None = None, impl: Impl = "auto") -> jax.Array:
+    """Dense (causal) attention. q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D].
+
+    Query i sits at position q_offset + i (int, int32 scalar or [B]); keys j >= kv_len (None = S, int, int32
+    scalar or [B]) are masked.
+    """
+    spec = prefix_spec(q.shape[0], q.shape[1], q_offset=q_offset, kv_len=kv_len, num_keys=k.shape[1],
+                       causal=causal)
+    return attend(q, k, v, spec, impl=impl, scale=scale)
+
+
+def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int, recent: int, q_offset=0,
+                     scale: float | None = None, impl: Impl = "auto") -> jax.Array:
+    """Streaming heads' attention: position p sees key j iff j <= p and (j < sink or p - j < recent)."""
+    pallas_kernels.check_window(sink, recent)
+    spec = prefix_spec(q.shape[0], q.shape[1], q_offset=q_offset, num_keys=k.shape[1], sink=sink, recent=recent)
+    return attend(q, k, v, spec, impl=impl, scale=scale)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+                     scale: float | None = None, impl: Impl = "auto") -> jax.Array:
+    """One query per sequence over a cache: q [B, Hq, D], k/v [B, S, Hkv, D]; sequence b sees keys j < lengths[b]."""
+    pallas_kernels.check_qkv(q, k, v, q_ndim=3)
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), (q.shape[0],))
+    spec = prefix_spec(q.shape[0], 1, q_offset=lengths - 1, kv_len=lengths, num_keys=k.shape[1])
+    return attend(q[:, None], k, v, spec, impl=impl, scale=scale)[:, 0]

@@ -1,0 +1,212 @@
+"""Attention compiled by XLA whose work and memory follow the tokens held, not the cache's capacity.
+
+A blocked online softmax (flash attention written in `lax`): queries in blocks of `block_q`, and for each
+query block a loop over only the key blocks its `MaskSpec` can see, with a trip count computed at run
+time from the positions and key lengths. A 512-token chunk against a 128k-slot cache that holds 4k tokens
+visits 4k keys; Λ (sink + recent) and sliding windows visit their sink blocks and their band only. Scores
+exist one [T_block, block_k] tile at a time, in fp32 (`preferred_element_type`), and the cache is read in
+its own dtype block by block: nothing upcasts or scores the empty part of a cache.
+
+The backward pass (a `custom_vjp`) walks the same blocks again from the saved log-sum-exp, as flash
+attention's does, so gate training differentiates Λ attention without a [T, S] matrix either.
+
+Why our own rather than a library: JAX's `dot_product_attention(implementation="xla")` materialises the
+whole [T, S] score matrix and has no notion of a dynamic number of filled slots; the Pallas kernels serve
+GPU (and TPU), and this is the path for everything else (CPU, and any backend without a kernel).
+
+Letters: B batch, T queries, S key slots, K KV heads, G query heads per KV head, E head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from duo_jax.attention.masks import MaskSpec
+
+# Finite "minus infinity": keeps m - m_new free of inf - inf; masked probabilities are zeroed explicitly.
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _key_blocks(spec: MaskSpec, q_pos: jax.Array, kv_len: jax.Array, k_positions, num_keys: int, block_k: int):
+    """The key blocks a query block must visit, as two ranges [a1, b1) and [a2, b2) of block indices
+    (int32 scalars, traced): the sink blocks and the band up to the last filled, causally visible key."""
+    hi_key = jnp.max(kv_len)
+    if spec.causal and k_positions is None:
+        hi_key = jnp.minimum(hi_key, jnp.max(q_pos) + 1)
+    hi = _cdiv(jnp.maximum(hi_key, 0), block_k)
+    zero = jnp.zeros((), jnp.int32)
+    if k_positions is not None:  # slots hold arbitrary positions (a ring, an eviction cache): no skipping
+        return zero, zero, zero, hi
+    q_min = jnp.min(q_pos)
+    lo = zero
+    if spec.window is not None:
+        lo = jnp.maximum(q_min - spec.window + 1, 0) // block_k
+    if not spec.is_lambda:
+        return zero, zero, lo, hi
+    num_sink_blocks = _cdiv(spec.sink, block_k)
+    band_lo = jnp.maximum(q_min - spec.recent + 1, 0) // block_k
+    return lo, jnp.minimum(num_sink_blocks, hi), jnp.maximum(jnp.maximum(num_sink_blocks, lo), band_lo), hi
+
+
+def _slice_keys(x: jax.Array, first, size: int) -> jax.Array:
+    """x[:, first:first + size]. The barrier keeps the slice inside the loop: XLA:CPU computes bf16 ops in
+    f32 and would otherwise hoist the convert of the whole loop-invariant cache out of the loop (measured:
+    temp memory growing with the capacity)."""
+    x, first = lax.optimization_barrier((x, first))
+    return lax.dynamic_slice_in_dim(x, first, size, axis=1)
+
+
+def _tile(spec: MaskSpec, q_pos, kv_len, k_positions, k, v, i, ranges, block_k: int):
+    """Key tile i of the schedule: (first slot, keys [B, bk, K, E], values, visibility [B, T, bk])."""
+    a1, b1, a2, _ = ranges
+    n1 = jnp.maximum(b1 - a1, 0)
+    block = jnp.where(i < n1, a1 + i, a2 + i - n1)
+    start = block * block_k
+    first = jnp.minimum(start, k.shape[1] - block_k)  # the last block is shifted back to stay in bounds ...
+    slots = first + jnp.arange(block_k, dtype=jnp.int32)
+    fresh = slots >= start  # ... and its slots already seen are masked out
+    k_tile, v_tile = _slice_keys(k, first, block_k), _slice_keys(v, first, block_k)
+    if k_positions is None:
+        k_pos = jnp.broadcast_to(slots, (q_pos.shape[0], block_k))
+    else:
+        k_pos = lax.dynamic_slice_in_dim(k_positions, first, block_k, axis=1)
+    filled = fresh[None, :] & (slots[None, :] < kv_len[:, None]) & (k_pos >= 0)
+    visible = spec.visible(q_pos[:, :, None], k_pos[:, None, :], filled[:, None, :])
+    return first, k_tile, v_tile, visible
+
+
+def _trip_count(ranges):
+    a1, b1, a2, b2 = ranges
+    return jnp.maximum(b1 - a1, 0) + jnp.maximum(b2 - a2, 0)
+
+
+def _forward_block(spec, q, q_pos, kv_len, k_positions, k, v, scale, block_k):
+    """One query block: q [B, T, K, G, E] -> (out [B, T, K, G, E] in q's dtype, lse float32 [B, K, G, T])."""
+    B, T, K, G, E = q.shape
+    ranges = _key_blocks(spec, q_pos, kv_len, k_positions, k.shape[1], block_k)
+
+    def body(i, carry):
+        m, l, acc = carry
+        _, k_tile, v_tile, visible = _tile(spec, q_pos, kv_len, k_positions, k, v, i, ranges, block_k)
+        s = jnp.einsum("btkge,bske->bkgts", q, k_tile, preferred_element_type=jnp.float32) * scale
+        visible = visible[:, None, None]  # [B, 1, 1, T, bk]
+        s = jnp.where(visible, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgts,bske->bkgte", p.astype(v_tile.dtype), v_tile, preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[..., None] + pv
+
+    init = (jnp.full((B, K, G, T), _MASKED, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, E), jnp.float32))
+    m, l, acc = lax.fori_loop(0, _trip_count(ranges), body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a row with no visible key gives zeros
+    lse = m + jnp.log(jnp.maximum(l, 1e-30))
+    return jnp.einsum("bkgte->btkge", out).astype(q.dtype), lse
+
+
+def _backward_block(spec, q, q_pos, kv_len, k_positions, k, v, scale, block_k, out, lse, d_out, dk, dv):
+    """Gradients of one query block; dk / dv float32 [B, S, K, E] accumulate over query blocks."""
+    ranges = _key_blocks(spec, q_pos, kv_len, k_positions, k.shape[1], block_k)
+    delta = jnp.einsum("btkge,btkge->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    d_out = d_out.astype(jnp.float32)
+
+    def body(i, carry):
+        dq, dk, dv = carry
+        first, k_tile, v_tile, visible = _tile(spec, q_pos, kv_len, k_positions, k, v, i, ranges, block_k)
+        s = jnp.einsum("btkge,bske->bkgts", q, k_tile, preferred_element_type=jnp.float32) * scale
+        p = jnp.where(visible[:, None, None], jnp.exp(s - lse[..., None]), 0.0)
+        dv_tile = jnp.einsum("bkgts,btkge->bske", p, d_out)
+        dp = jnp.einsum("btkge,bske->bkgts", d_out, v_tile.astype(jnp.float32))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bkgts,bske->btkge", ds, k_tile.astype(jnp.float32))
+        dk_tile = jnp.einsum("bkgts,btkge->bske", ds, q.astype(jnp.float32))
+        # Masked (already seen) slots of a shifted last tile got p = 0, so adding the whole tile is exact.
+        dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, first, block_k, 1) + dk_tile, first, 1)
+        dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, first, block_k, 1) + dv_tile, first, 1)
+        return dq, dk, dv
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    return lax.fori_loop(0, _trip_count(ranges), body, (dq, dk, dv))
+
+
+def _query_blocks(x, block_q: int, fill):
+    """[B, T, ...] -> [nq, B, block_q, ...], padding T with `fill` (positions: the last one)."""
+    B, T = x.shape[:2]
+    nq = _cdiv(T, block_q)
+    pad = nq * block_q - T
+    if pad:
+        tail = jnp.broadcast_to(x[:, -1:], (B, pad) + x.shape[2:]) if fill is None else jnp.full(
+            (B, pad) + x.shape[2:], fill, x.dtype)
+        x = jnp.concatenate([x, tail], axis=1)
+    return jnp.moveaxis(x.reshape((B, nq, block_q) + x.shape[2:]), 1, 0)
+
+
+def _merge_blocks(x, T: int):
+    """[nq, B, block_q, ...] -> [B, T, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape((x.shape[0], -1) + x.shape[3:])[:, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, spec, scale, block_q, block_k):
+    return _attention_fwd(q, k, v, spec, scale, block_q, block_k)[0]
+
+
+def _attention_fwd(q, k, v, spec, scale, block_q, block_k):
+    B, T, K, G, E = q.shape
+    q_blocks = _query_blocks(q, block_q, 0)
+    pos_blocks = _query_blocks(spec.q_positions, block_q, None)
+
+    def one(args):
+        return _forward_block(spec, args[0], args[1], spec.kv_len, spec.k_positions, k, v, scale, block_k)
+
+    out, lse = lax.map(one, (q_blocks, pos_blocks))
+    out = _merge_blocks(out, T)
+    return out, (q, k, v, spec, out, lse)
+
+
+def _attention_bwd(scale, block_q, block_k, residuals, d_out):
+    q, k, v, spec, out, lse = residuals
+    T = q.shape[1]
+    blocks = (_query_blocks(q, block_q, 0), _query_blocks(spec.q_positions, block_q, None),
+              _query_blocks(out, block_q, 0), _query_blocks(d_out, block_q, 0), lse)
+
+    def one(carry, args):
+        q_b, pos_b, out_b, d_out_b, lse_b = args
+        dq, dk, dv = _backward_block(spec, q_b, pos_b, spec.kv_len, spec.k_positions, k, v, scale, block_k,
+                                     out_b, lse_b, d_out_b, *carry)
+        return (dk, dv), dq
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    (dk, dv), dq = lax.scan(one, (zeros, zeros), blocks)
+    return _merge_blocks(dq, T).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, scale: float | None = None,
+              block_q: int = 512, block_k: int = 512) -> jax.Array:
+    """q [B, T, H, E], k / v [B, S, K, E] (H = K * G, query head h uses KV head h // G) -> [B, T, H, E].
+
+    Visits only the key blocks `spec` can see among the first max(kv_len) slots; rows with no visible
+    key give zeros. Differentiable in q, k and v.
+    """
+    B, T, H, E = q.shape
+    S, K = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    block_k = min(block_k, S)
+    block_q = min(block_q, T)
+    out = _attention(q.reshape(B, T, K, H // K, E), k, v, spec, scale, block_q, block_k)
+    return out.reshape(B, T, H, E)
