@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from duo_jax.config import ModelConfig
-from duo_jax.methods.base import Method, Step
 from duo_jax.errors import DuoJaxError
+from duo_jax.methods.base import Method, Step
 from duo_jax.model import Params, decoder_layer, embed, project_qkv, rope_inv_freq, unembed
+from duo_jax.sampling import Sampling, sample
 
 
 def unstack_layers(params: Params) -> Params:
@@ -76,3 +77,40 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     logits = unembed(params, config, x)
     return (logits if all_logits else logits[:, 0]), tuple(new_cache), step.new_lengths
+
+
+@functools.partial(jax.jit, static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl"),
+                   donate_argnames=("cache",))
+def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax.Array, limit: jax.Array, *,
+           config: ModelConfig, method: Method, sampling: Sampling, max_tokens: int, eos_ids: tuple[int, ...] = (),
+           impl: str = "auto"):
+    """Decode on the device: one `lax.while_loop` of `extend` steps with sampling inside, no host round trip.
+
+    `token` int32 [B] is each sequence's first new token (sampled from the prefill's logits); the loop runs
+    up to `limit` (int32 scalar, at most max_tokens - 1) more steps and stops early once every sequence has
+    produced one of `eos_ids` (() never stops early). Step i samples with `fold_in(key, i)`. A pure function
+    of its arguments: put it under your own `jax.jit` as it is.
+
+    Returns (tokens int32 [B, max_tokens]: column 0 is `token`, columns 1..steps the new ones, zeros after;
+    steps int32 scalar; the cache; lengths).
+    """
+    B = token.shape[0]
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    ones = jnp.ones((B,), jnp.int32)
+
+    def running(carry):
+        step, _, _, _, done, _ = carry
+        return (step < limit) & ~jnp.all(done)
+
+    def step_once(carry):
+        step, cache, lengths, token, done, tokens = carry
+        logits, cache, lengths = extend(params, cache, lengths, token[:, None], ones, config=config, method=method,
+                                        impl=impl)
+        token = sample(logits, jax.random.fold_in(key, step + 1), sampling)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step + 1, axis=1)
+        return step + 1, cache, lengths, token, done | jnp.isin(token, eos), tokens
+
+    tokens = jnp.zeros((B, max_tokens), jnp.int32).at[:, 0].set(token)
+    carry = (jnp.zeros((), jnp.int32), cache, lengths, token, jnp.isin(token, eos), tokens)
+    steps, cache, lengths, _, _, tokens = jax.lax.while_loop(running, step_once, carry)
+    return tokens, steps, cache, lengths

@@ -14,13 +14,14 @@ import numpy as np
 from duo_jax import attention
 from duo_jax.cache import full_cache_bytes
 from duo_jax.config import ModelConfig
-from duo_jax.engine import extend, prepare_params
+from duo_jax.engine import decode, extend, prepare_params
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model
 from duo_jax.methods import DuoAttention, InfiniGen, Method, cache_nbytes, make_method
 from duo_jax.methods.infinigen import skew_on_text
 from duo_jax.model import param_shapes
 from duo_jax.pattern import Pattern, exact_sparsity
+from duo_jax.sampling import Sampling, sample
 from duo_jax.tokenizer import require
 
 
@@ -81,18 +82,38 @@ def validate_options(*, sparsity: float, sink: int | None, recent: int | None, m
         raise DuoJaxError(f"attention_impl must be one of {', '.join(attention.IMPLS)}, got {attention_impl!r}")
 
 
+def bucket(n: int, smallest: int = 16) -> int:
+    """The compiled size for n: the next power of two >= max(n, smallest). Prefill chunks and the decode loop's
+    token buffer come in these sizes, so varied prompt lengths and max_new_tokens reuse executables."""
+    return max(smallest, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _abstract_params(config: ModelConfig, method: Method, dtype: str):
+    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
+                           is_leaf=lambda s: isinstance(s, tuple))
+    return jax.eval_shape(lambda p: prepare_params(p, config, method), stacked)
+
+
+@functools.lru_cache(maxsize=32)
+def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,
+                    max_tokens: int, eos_ids: tuple[int, ...]):
+    """`engine.decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
+    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return decode.lower(_abstract_params(config, method, dtype), method.cache_spec(batch, dtype), ints, ints, key,
+                        jax.ShapeDtypeStruct((), jnp.int32), config=config, method=method, sampling=sampling,
+                        max_tokens=max_tokens, eos_ids=eos_ids, impl=impl).compile()
+
+
 @functools.lru_cache(maxsize=32)
 def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
                     impl: str = "auto", all_logits: bool = False):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows."""
-    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
-                           is_leaf=lambda s: isinstance(s, tuple))
-    params = jax.eval_shape(lambda p: prepare_params(p, config, method), stacked)
     cache = method.cache_spec(batch, dtype)
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
-    return extend.lower(params, cache, ints, tokens, ints, config=config, method=method, all_logits=all_logits,
-                        impl=impl).compile()
+    return extend.lower(_abstract_params(config, method, dtype), cache, ints, tokens, ints, config=config,
+                        method=method, all_logits=all_logits, impl=impl).compile()
 
 
 def build_method(config: ModelConfig, method: str | Method | None, *, context: int, pattern=None,
@@ -129,21 +150,7 @@ def calibrate_infinigen(model: Model, *, context: int, kv_budget: int | None = N
     return InfiniGen.from_skew(A, channels, context=context, kv_budget=int(kv_budget), alpha=alpha, offload=offload)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p", "top_k"))
-def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float, top_k: int) -> jax.Array:
-    """Next token per row of logits [B, V]: greedy when temperature == 0, else top-k / nucleus sampling."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / temperature
-    if top_k > 0:
-        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
-    # Keep the smallest prefix of the sorted tokens whose probability reaches top_p (always the first).
-    drop_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs >= top_p
-    drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-    return jax.random.categorical(key, jnp.where(drop, -jnp.inf, scaled), axis=-1).astype(jnp.int32)
+_first_token = jax.jit(sample, static_argnums=2)  # from the prefill's logits; the rest are sampled on the device
 
 
 def generate(model: Model, prompts, *, method: str | Method | None = None, pattern: Pattern | str | None = None,
@@ -191,7 +198,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     params = prepare_params(model.params, config, kv_method)
 
     B, dtype = len(ids), model.params.dtype
-    chunk = min(chunk_size, longest)
+    chunk = min(chunk_size, bucket(longest))
     n_chunks = -(-longest // chunk)
     padded = np.zeros((B, n_chunks * chunk), np.int32)
     for b, p in enumerate(ids):
@@ -213,33 +220,27 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
         last_logits = jnp.where(jnp.asarray(n_valid > 0)[:, None], logits, last_logits)
     kv_method, cache = kv_method.after_prefill(cache, lengths)
     key = jax.random.key(seed)
-    sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
-    token = sample(last_logits, jax.random.fold_in(key, 0), **sampling)
+    sampling = Sampling(float(temperature), float(top_p), int(top_k))
+    token = _first_token(last_logits, jax.random.fold_in(key, 0), sampling)
     token.block_until_ready()
     prefill_s = time.perf_counter() - start
 
+    eos_ids = tuple(config.eos_token_ids) if stop_at_eos else ()
     start = time.perf_counter()
-    decode_step = compiled_extend(config, kv_method, B, 1, jnp.dtype(dtype).name, attention_impl)
+    decode_loop = compiled_decode(config, kv_method, B, jnp.dtype(dtype).name, attention_impl, sampling,
+                                  bucket(max_new_tokens), eos_ids)
     compile_s += time.perf_counter() - start
 
-    eos = np.array(config.eos_token_ids or [-1])
-    new_tokens = [np.asarray(token)]
-    done = np.isin(new_tokens[-1], eos) & stop_at_eos
-    ones = jnp.ones((B,), jnp.int32)
     start = time.perf_counter()
-    steps = 0
-    while len(new_tokens) < max_new_tokens and not done.all():
-        logits, cache, lengths = decode_step(params, cache, lengths, token[:, None], ones)
-        token = sample(logits, jax.random.fold_in(key, len(new_tokens)), **sampling)
-        new_tokens.append(np.asarray(token))  # host copy: the per-step sync that EOS checks need
-        done |= np.isin(new_tokens[-1], eos) & stop_at_eos
-        steps += 1
+    tokens, steps, cache, lengths = decode_loop(params, cache, lengths, token, key,
+                                                jnp.asarray(max_new_tokens - 1, jnp.int32))
+    steps = int(steps)  # the one host sync of the decode
+    generated = np.asarray(tokens)[:, : steps + 1]  # [B, N]
     decode_s = time.perf_counter() - start
 
-    generated = np.stack(new_tokens, axis=1)  # [B, N]
     out = []
     for row in generated.tolist():
-        hits = [i for i, t in enumerate(row) if t in eos] if stop_at_eos else []
+        hits = [i for i, t in enumerate(row) if t in eos_ids]
         out.append(row[: hits[0] + 1] if hits else row)
     text = None
     if model.tokenizer is not None:

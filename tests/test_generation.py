@@ -1,5 +1,7 @@
 """generate(): batching, patterns, sampling, compilation and argument errors on a tiny random model."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -80,16 +82,91 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(model, prompts):
     assert nucleus == greedy  # the smallest nucleus is the argmax token
 
 
-def test_decode_does_not_recompile_as_the_sequence_grows(model, prompts):
+def test_calls_inside_one_bucket_compile_nothing(model):
+    """Prompt lengths 33..64 (one prefill chunk bucket), max_new_tokens 17..32 (one token-buffer bucket), one
+    128-slot capacity: after a warm-up, 20 calls of random sizes compile nothing."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
-    generate(model, prompts[0], max_new_tokens=4, chunk_size=8, stop_at_eos=False)  # compiles
+    rng = np.random.default_rng(5)
+    generate(model, [1] * 40, max_new_tokens=20, chunk_size=256, stop_at_eos=False)  # warm-up: compiles
     before = len(compiles)
-    generate(model, prompts[0], max_new_tokens=40, chunk_size=8, stop_at_eos=False)  # 36 more steps
+    for _ in range(20):
+        prompt = rng.integers(0, CONFIG.vocab_size, int(rng.integers(33, 65))).tolist()
+        out = generate(model, prompt, max_new_tokens=int(rng.integers(17, 33)), chunk_size=256, stop_at_eos=False)
+        assert out.stats["chunk_size"] == 64
     assert len(compiles) == before
-    generate(model, prompts[0], max_new_tokens=4, chunk_size=8, stop_at_eos=False, context=300)
+    generate(model, [1] * 40, max_new_tokens=4, stop_at_eos=False, context=300)
     assert len(compiles) > before  # the counter works: a new capacity is a new executable
+
+
+def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
+    """Reference decoding: one `extend` step and one `sample` per token, driven from Python."""
+    import jax.numpy as jnp
+
+    from duo_jax.engine import extend, prepare_params
+    from duo_jax.methods import make_method
+    from duo_jax.sampling import sample
+
+    method = make_method("full", CONFIG, context=max(map(len, prompts)) + max_new_tokens)
+    params = prepare_params(model.params, CONFIG, method)
+    B, T = len(prompts), max(map(len, prompts))
+    padded = np.zeros((B, T), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, :len(p)] = p
+    cache = method.init_cache(B, jnp.float32)
+    logits, cache, lengths = extend(params, cache, jnp.zeros((B,), jnp.int32), jnp.asarray(padded),
+                                    jnp.asarray([len(p) for p in prompts]), config=CONFIG, method=method)
+    key = jax.random.key(seed)
+    rows = [np.asarray(sample(logits, jax.random.fold_in(key, 0), sampling))]
+    while len(rows) < max_new_tokens and not np.isin(np.stack(rows, 1), eos_ids).any(axis=1).all():
+        logits, cache, lengths = extend(params, cache, lengths, jnp.asarray(rows[-1])[:, None],
+                                        jnp.ones((B,), jnp.int32), config=CONFIG, method=method)
+        rows.append(np.asarray(sample(logits, jax.random.fold_in(key, len(rows)), sampling)))
+    out = []
+    for row in np.stack(rows, 1).tolist():
+        hits = [i for i, t in enumerate(row) if t in eos_ids]
+        out.append(row[: hits[0] + 1] if hits else row)
+    return out
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_k=20, top_p=0.8)], ids=["greedy", "top-k-p"])
+def test_device_loop_matches_a_python_loop_with_eos_mid_batch(model, prompts, sampling):
+    from duo_jax.sampling import Sampling
+
+    batch = [prompts[0], prompts[1]]
+    free = _python_loop(model, batch, max_new_tokens=12, sampling=Sampling(**sampling), eos_ids=())
+    eos = free[1][4]  # the second sequence stops at its 5th token; the first runs on unless it meets it too
+    eos_model = duo_jax.Model(dataclasses.replace(CONFIG, eos_token_ids=(eos,)), model.params, None, "random")
+    ref = _python_loop(eos_model, batch, max_new_tokens=12, sampling=Sampling(**sampling), eos_ids=(eos,))
+    out = generate(eos_model, batch, max_new_tokens=12, chunk_size=64, **sampling)
+    assert out.tokens == ref
+    assert len(out.tokens[1]) <= 5 and out.tokens[1][-1] == eos
+
+
+def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
+    """engine.decode under the caller's own jax.jit gives generate's tokens."""
+    import jax.numpy as jnp
+
+    from duo_jax.engine import decode, extend, prepare_params
+    from duo_jax.methods import make_method
+    from duo_jax.sampling import Sampling
+
+    method = make_method("full", CONFIG, context=64)
+    params = prepare_params(model.params, CONFIG, method)
+
+    @jax.jit
+    def my_generate(params, prompt):
+        logits, cache, lengths = extend(params, method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32), prompt,
+                                        jnp.full((1,), prompt.shape[1], jnp.int32), config=CONFIG, method=method)
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens, steps, _, _ = decode(params, cache, lengths, first, jax.random.key(0), jnp.int32(9), config=CONFIG,
+                                     method=method, sampling=Sampling(), max_tokens=16)
+        return tokens[:, :10], steps
+
+    tokens, steps = my_generate(params, jnp.asarray([prompts[0]]))
+    assert int(steps) == 9
+    assert np.asarray(tokens)[0].tolist() == generate(model, prompts[0], max_new_tokens=10, stop_at_eos=False).tokens[0]
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
