@@ -17,7 +17,7 @@ from duo_jax.errors import ConfigError
 
 CONFIGS_DIR = Path(os.environ.get("DUO_JAX_CONFIGS", Path(__file__).resolve().parent.parent / "configs"))
 
-_SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+_SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # Mistral v0.1 style local attention; None for v0.2 / v0.3
+    qkv_bias: bool = False  # biases on the q / k / v projections (Qwen2, Qwen2.5; Qwen3 with attention_bias)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -74,13 +76,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict (Llama 2/3/3.1, Mistral, SmolLM2)."""
+        """Build from a Hugging Face `config.json` dict (Llama 2/3/3.1/3.2, Mistral, SmolLM2, Qwen2/2.5, Qwen3)."""
         model_type = hf.get("model_type", "llama")
         if model_type not in _SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"model_type {model_type!r} is not supported; duo-jax runs {', '.join(_SUPPORTED_ARCHITECTURES)}")
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ConfigError("attention_bias / mlp_bias models are not supported (Llama and Mistral have none)")
+        if hf.get("mlp_bias") or (hf.get("attention_bias") and model_type in ("llama", "mistral")):
+            raise ConfigError("mlp_bias and Llama's attention_bias (a bias on o_proj too) are not supported; "
+                              "q/k/v biases are (Qwen2, Qwen3)")
+        if model_type in ("qwen2", "qwen3"):
+            hf = dict(hf, sliding_window=_qwen_window(hf))
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU)")
         try:
@@ -102,12 +107,28 @@ class ModelConfig:
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 sliding_window=hf.get("sliding_window"),
+                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
+                qk_norm=model_type == "qwen3",
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
                 name=name,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
+
+
+def _qwen_window(hf: dict[str, Any]) -> int | None:
+    """Qwen's window: `sliding_window` applies to the layers `layer_types` marks (transformers 5) or, in older
+    configs, to layers >= max_window_layers when use_sliding_window. One window for every layer or none."""
+    layers = hf.get("num_hidden_layers", 0)
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        first = hf.get("max_window_layers", 0) if hf.get("use_sliding_window") else layers
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if len(set(kinds)) > 1:
+        raise ConfigError("a sliding window on some layers only (use_sliding_window with max_window_layers, or "
+                          "mixed layer_types) is not supported; set use_sliding_window to false")
+    return hf.get("sliding_window") if kinds and kinds[0] == "sliding_attention" else None
 
 
 def _read_rope(hf: dict[str, Any]) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
             extra = {}
             if method.lookahead and step.is_decode:
                 # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own query).
-                extra["lookahead_q"] = q if inputs[-1] is None else project_qkv(inputs[-1], layer)[0]
+                extra["lookahead_q"] = q if inputs[-1] is None else project_qkv(inputs[-1], layer, config.rms_norm_eps)[0]
             inputs.append(h)
             return method.attend(l, q, k, v, cache[l], step, shared, **extra)
 

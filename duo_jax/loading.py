@@ -122,6 +122,8 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
     "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",  # qkv_bias
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",  # qk_norm
 }
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
 _LAYER_FIELD_BY_NAME = {v: k for k, v in _LAYER_NAMES.items()}
@@ -144,6 +146,8 @@ def _hf_shape(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[2], shape[0] * shape[1])
     if field in ("w_gate", "w_up", "w_down"):
         return (shape[1], shape[0])
+    if field in ("bq", "bk", "bv"):
+        return (shape[0] * shape[1],)
     return shape
 
 
@@ -154,12 +158,14 @@ class _ParamsBuilder:
         self.config, self.source = config, source
         self.dtype = np.dtype(dtype)
         shapes = param_shapes(config)
-        self.shapes = {f.name: getattr(shapes.layers, f.name) for f in dataclasses.fields(LayerParams)}
+        self.shapes = {f.name: getattr(shapes.layers, f.name) for f in dataclasses.fields(LayerParams)
+                       if getattr(shapes.layers, f.name) is not None}  # the fields this model has
         self.shapes.update(embed=shapes.embed, final_norm=shapes.final_norm)
         if shapes.lm_head is not None:
             self.shapes["lm_head"] = shapes.lm_head
         self.arrays = {k: np.empty(s, self.dtype) for k, s in self.shapes.items()}
-        self.missing = {f"model.layers.{i}.{n}" for i in range(config.num_layers) for n in _LAYER_NAMES.values()}
+        self.missing = {f"model.layers.{i}.{n}" for i in range(config.num_layers) for f, n in _LAYER_NAMES.items()
+                        if f in self.shapes}
         self.missing |= {n for n, f in _GLOBAL_NAMES.items() if f in self.shapes}
 
     def put(self, name: str, w: np.ndarray) -> None:
@@ -172,8 +178,11 @@ class _ParamsBuilder:
             if m is None or m.group(2) not in _LAYER_FIELD_BY_NAME:
                 if _IGNORED.fullmatch(name):
                     return
-                raise LoadError(f"{self.source}: unexpected tensor {name!r} (not a Llama/Mistral weight)")
+                raise LoadError(f"{self.source}: unexpected tensor {name!r} (not a weight of a Llama / Mistral / Qwen model)")
             field, layer = _LAYER_FIELD_BY_NAME[m.group(2)], int(m.group(1))
+            if field not in self.shapes:
+                raise LoadError(f"{self.source}: tensor {name!r} is not in a model whose config says "
+                                f"qkv_bias={self.config.qkv_bias}, qk_norm={self.config.qk_norm}")
             if layer >= self.config.num_layers:
                 raise LoadError(f"{self.source}: tensor {name!r} is beyond the config's "
                                 f"{self.config.num_layers} layers")
@@ -193,7 +202,7 @@ class _ParamsBuilder:
         leaves = {}
         for field in list(self.arrays):  # hand over leaf by leaf, dropping each host copy
             leaves[field] = jnp.asarray(self.arrays.pop(field))
-        layers = LayerParams(**{f.name: leaves.pop(f.name) for f in dataclasses.fields(LayerParams)})
+        layers = LayerParams(**{f.name: leaves.pop(f.name, None) for f in dataclasses.fields(LayerParams)})
         return Params(embed=leaves["embed"], layers=layers, final_norm=leaves["final_norm"],
                       lm_head=leaves.get("lm_head"))
 

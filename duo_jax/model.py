@@ -40,6 +40,11 @@ class LayerParams:
     w_gate: jax.Array  # [L, D, F]
     w_up: jax.Array  # [L, D, F]
     w_down: jax.Array  # [L, F, D]
+    bq: jax.Array | None = None  # [L, H, E] q/k/v biases (config.qkv_bias)
+    bk: jax.Array | None = None  # [L, K, E]
+    bv: jax.Array | None = None  # [L, K, E]
+    q_norm: jax.Array | None = None  # [L, E] per-head RMSNorm weights of queries and keys (config.qk_norm)
+    k_norm: jax.Array | None = None  # [L, E]
 
 
 @jax.tree_util.register_dataclass
@@ -59,9 +64,12 @@ def param_shapes(config: ModelConfig) -> Params:
     """The shape of every weight, as a `Params` of shape tuples (used by loaders to check what they read)."""
     L, D, F = config.num_layers, config.hidden_size, config.intermediate_size
     H, K, E, V = config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size
+    bias, norm = config.qkv_bias, config.qk_norm
     layers = LayerParams(
         attn_norm=(L, D), wq=(L, D, H, E), wk=(L, D, K, E), wv=(L, D, K, E), wo=(L, H, E, D),
-        mlp_norm=(L, D), w_gate=(L, D, F), w_up=(L, D, F), w_down=(L, F, D))
+        mlp_norm=(L, D), w_gate=(L, D, F), w_up=(L, D, F), w_down=(L, F, D),
+        bq=(L, H, E) if bias else None, bk=(L, K, E) if bias else None, bv=(L, K, E) if bias else None,
+        q_norm=(L, E) if norm else None, k_norm=(L, E) if norm else None)
     return Params(embed=(V, D), layers=layers, final_norm=(D,),
                   lm_head=None if config.tie_word_embeddings else (V, D))
 
@@ -124,18 +132,17 @@ def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
     return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
 
 
-def project_qkv(x: jax.Array, layer: LayerParams):
-    """Query [B, T, H, E], key and value [B, T, K, E] heads of one layer's normed input x [B, T, D], before RoPE."""
+def project_qkv(x: jax.Array, layer: LayerParams, eps: float):
+    """Query [B, T, H, E], key and value [B, T, K, E] heads of one layer's normed input x [B, T, D], before RoPE
+    (with the layer's q/k/v biases and per-head q/k RMSNorm, eps `eps`, where the model has them)."""
     q = jnp.einsum("btd,dhe->bthe", x, layer.wq)
     k = jnp.einsum("btd,dke->btke", x, layer.wk)
     v = jnp.einsum("btd,dke->btke", x, layer.wv)
+    if layer.bq is not None:
+        q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+    if layer.q_norm is not None:
+        q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
     return q, k, v
-
-
-def qkv_projection(x: jax.Array, layer: LayerParams, positions: jax.Array, inv_freq: np.ndarray):
-    """`project_qkv` with queries and keys rotated at absolute `positions` [B, T]."""
-    q, k, v = project_qkv(x, layer)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def output_projection(attn: jax.Array, layer: LayerParams) -> jax.Array:
@@ -166,7 +173,7 @@ def decoder_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, attend:
     cache, a teacher's attention output). Every path of duo-jax runs its layers through this function.
     """
     h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
-    q, k, v = project_qkv(h, layer)
+    q, k, v = project_qkv(h, layer, config.rms_norm_eps)
     out, aux = attend(q, k, v, h)
     x = x + output_projection(out, layer)
     x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)

@@ -17,8 +17,8 @@ import duo_jax
 from duo_jax.cache import make_layout
 from duo_jax.methods import DuoAttention
 from duo_jax.methods.duo import head_order, reorder_heads
-from duo_jax.model import mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq, unembed
-from tests.conftest import run_method, tiny_config
+from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
+from tests.conftest import qkv_projection, run_method, tiny_config
 
 CONFIG = tiny_config(num_layers=4)
 # Layer 0 all retrieval, layer 1 all streaming, layers 2 and 3 mixed (retrieval head second, then first).

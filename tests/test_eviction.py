@@ -9,8 +9,8 @@ import duo_jax
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import cache_nbytes, make_method
-from duo_jax.model import mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq, unembed
-from tests.conftest import run_method, tiny_config
+from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
+from tests.conftest import qkv_projection, run_method, tiny_config
 
 CONFIG = tiny_config()
 

@@ -9,9 +9,9 @@ import pytest
 
 import duo_jax
 from duo_jax import gates
-from duo_jax.model import embed, mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq
+from duo_jax.model import embed, mlp, output_projection, rms_norm, rope_inv_freq
 from pallas_kernels.reference import attention_reference
-from tests.conftest import tiny_config
+from tests.conftest import qkv_projection, tiny_config
 
 SINK, RECENT, T = 4, 8, 40
 OBJECTIVE = gates.Objective(sink=SINK, recent=RECENT)

@@ -12,8 +12,8 @@ import pytest
 import duo_jax
 from duo_jax.methods import cache_nbytes
 from duo_jax.methods.infinigen import InfiniGen, _layer_qk, host_offload_supported, skew
-from duo_jax.model import mlp, output_projection, qkv_projection, rms_norm, rope_inv_freq, unembed
-from tests.conftest import run_method, tiny_config
+from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
+from tests.conftest import qkv_projection, run_method, tiny_config
 
 CONFIG = tiny_config()
 PROMPT_LEN = 21

@@ -31,7 +31,7 @@ def reference_logits(params, tokens, chunk_starts):
     x = params.embed[jnp.asarray(tokens)][None]
     for l in range(CONFIG.num_layers):
         layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = (np.asarray(a[0], np.float64) for a in project_qkv(rms_norm(x, layer.attn_norm, 1e-5), layer))
+        q, k, v = (np.asarray(a[0], np.float64) for a in project_qkv(rms_norm(x, layer.attn_norm, 1e-5), layer, 1e-5))
         out = np.zeros_like(q)
         for i in range(T):
             c = chunk_starts[i]

@@ -47,12 +47,17 @@ def reorder_heads(params: Params, config: ModelConfig, retrieval_mask: np.ndarra
     G = config.group_size
     q_order = (kv_order[:, :, None] * G + np.arange(G)).reshape(config.num_layers, config.num_heads)  # [L, H]
     take_heads = jax.vmap(lambda w, order: w[:, order])  # per layer, index the head axis of [D, heads, E]
+    take_rows = jax.vmap(lambda w, order: w[order])  # per layer, index the leading head axis
+    layers = params.layers
+    biases = {} if layers.bq is None else dict(bq=take_rows(layers.bq, q_order), bk=take_rows(layers.bk, kv_order),
+                                               bv=take_rows(layers.bv, kv_order))
     layers = dataclasses.replace(
-        params.layers,
-        wq=take_heads(params.layers.wq, q_order),
-        wk=take_heads(params.layers.wk, kv_order),
-        wv=take_heads(params.layers.wv, kv_order),
-        wo=jax.vmap(lambda w, order: w[order])(params.layers.wo, q_order),  # [H, E, D]
+        layers,
+        wq=take_heads(layers.wq, q_order),
+        wk=take_heads(layers.wk, kv_order),
+        wv=take_heads(layers.wv, kv_order),
+        wo=take_rows(layers.wo, q_order),  # [H, E, D]
+        **biases,  # [heads, E]; the per-head q/k norms are shared by every head: nothing to permute
     )
     return dataclasses.replace(params, layers=layers)
 

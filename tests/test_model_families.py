@@ -1,0 +1,74 @@
+"""Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Llama 3.2 (tied embeddings + llama3 RoPE) against
+Hugging Face transformers on random tiny checkpoints: logits through `forward` and greedy tokens through
+`generate` (chunked prefill + decode), full and DuoAttention."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import duo_jax
+from duo_jax.config import ModelConfig
+from duo_jax.errors import ConfigError
+from duo_jax.generation import generate
+from duo_jax.pattern import Pattern
+from tests.test_model import TINY, hf_logits, write_random_hf_model
+
+FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, dict(TINY, num_attention_heads=4, num_key_value_heads=2,
+                                             tie_word_embeddings=False, rope_theta=1e6)),
+    "qwen3": (transformers.Qwen3Config, dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                             tie_word_embeddings=False, rope_theta=1e6)),
+    "llama3.2": (transformers.LlamaConfig, dict(
+        TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32})),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    config_cls, fields = FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    hf_model = write_random_hf_model(directory, config_cls, fields)
+    return request.param, hf_model, duo_jax.load(directory, dtype=jnp.float32)
+
+
+def test_config_switches(family):
+    name, _, model = family
+    assert model.config.qkv_bias == (name == "qwen2")
+    assert model.config.qk_norm == (name == "qwen3")
+    assert model.config.sliding_window is None  # Qwen configs carry a window they do not use
+
+
+def test_logits_match_transformers(family):
+    _, hf_model, model = family
+    tokens = np.random.default_rng(1).integers(0, TINY["vocab_size"], (2, 50)).astype(np.int32)
+    ours = np.asarray(duo_jax.forward(model.params, model.config, jnp.asarray(tokens)))
+    ref = hf_logits(hf_model, tokens)
+    assert np.abs(ref).max() > 1.0
+    np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
+
+
+def test_generate_matches_transformers_greedy(family):
+    _, hf_model, model = family
+    prompt = np.random.default_rng(2).integers(0, TINY["vocab_size"], 23).tolist()
+    with torch.no_grad():
+        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                               pad_token_id=0)
+    expected = hf[0, len(prompt):].tolist()
+    assert generate(model, prompt, max_new_tokens=10, chunk_size=8, stop_at_eos=False).tokens[0] == expected
+    # DuoAttention with reordered heads (biases move with their heads) and windows covering the sequence
+    gates = np.random.default_rng(3).random((model.config.num_layers, model.config.num_kv_heads))
+    duo = generate(model, prompt, pattern=Pattern(gates), sparsity=0.5, sink=4, recent=64, max_new_tokens=10,
+                   chunk_size=8, stop_at_eos=False)
+    assert duo.tokens[0] == expected
+
+
+def test_qwen_per_layer_windows_are_refused():
+    hf = dict(model_type="qwen2", vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=4,
+              num_attention_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    with pytest.raises(ConfigError, match="some layers only"):
+        ModelConfig.from_hf(hf)
+    assert ModelConfig.from_hf(dict(hf, max_window_layers=0)).sliding_window == 4  # every layer windowed
