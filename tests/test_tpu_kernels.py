@@ -95,6 +95,8 @@ LAMBDA_CASES = {
     "splash_gqa4_ragged": (1, 300, 300, 4, 1, 64, 8, 40, 0, False),
     "splash_sink0_recent_ge_T_d128": (2, 200, 200, 2, 2, 128, 0, 256, 0, False),
     "splash_q_offset": (1, 100, 300, 4, 2, 64, 16, 64, 200, False),
+    # Padded query rows 249..255 (T = 200 -> 256) see no key: they must not poison the gradients.
+    "splash_sink0_empty_padded_rows": (1, 200, 200, 2, 1, 64, 0, 50, 0, False),
     "own_per_sequence_q_offset_gqa4": (2, 100, 300, 4, 1, 64, 8, 40, (200, 130), True),
     "own_sink0_mha_d128": (1, 200, 200, 2, 2, 128, 0, 50, 0, True),
 }
