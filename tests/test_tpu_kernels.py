@@ -170,6 +170,38 @@ def test_decode_attention(case):
     assert bool(jnp.all(jnp.where((lengths == 0)[:, None, None], out == 0.0, True)))
 
 
+def test_interpret_argument():
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels.tpu import _mosaic
+
+    assert isinstance(_mosaic.interpret_mode(None), pltpu.InterpretParams)  # CPU: TPU interpret mode
+    assert _mosaic.interpret_mode(True) is True and _mosaic.interpret_mode(False) is False
+    with _backend.lowering_for("tpu"):
+        assert _mosaic.interpret_mode(None) is False  # compiled with Mosaic
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["splash", "own"])
+def test_generic_interpreter_under_remat(traced):
+    """interpret=True (JAX's generic interpreter) runs under jax.checkpoint, as gate training needs;
+    TPU interpret mode's callbacks cannot be rematerialised."""
+    q, k, v, cotangent = random_attention_inputs(1, 200, 200, 4, 2, 64)
+    q_offset = as_arg(0, traced)
+
+    def loss(attn):
+        return lambda q, k, v: jnp.sum(jax.checkpoint(attn)(q, k, v) * cotangent)
+
+    def kernel(q, k, v):
+        return tpu.lambda_attention(q, k, v, sink=4, recent=64, q_offset=q_offset, interpret=True)
+
+    def ref(q, k, v):
+        return reference.lambda_attention_reference(q, k, v, sink=4, recent=64)
+
+    grads = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v)
+    for g, g_ref in zip(grads, jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)):
+        assert rel_err(g, g_ref) <= 1e-4
+
+
 def test_dispatch():
     """Static masks run splash; traced offsets, per-sequence lengths and empty rows the own kernel."""
     q, k, v, _ = random_attention_inputs(2, 64, 64, 2, 1, 64)
@@ -270,3 +302,25 @@ def test_export_decode_lowers_to_mosaic():
     (launch,) = launches
     assert launch["grid"] == [4, 2, 3]  # batch, splits, blocks per split (640 keys / 128)
     assert launch["blocks"][1] == [None, 128, HKV * D]  # one [block_k, Hkv * D] cache tile
+
+
+def test_benchmark_records_tpu_export(tmp_path, capsys):
+    import importlib
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    kernels = importlib.import_module("kernels")
+    out = tmp_path / "tpu_export.json"
+    kernels.main(["--tpu-export", "--seq-lens", "512", "--num-heads", "4", "--num-kv-heads", "2",
+                  "--head-dim", "128", "--sink", "16", "--recent", "64", "--chunk", "128",
+                  "--out", str(out)])
+    rows = json.loads(out.read_text())["tpu_export"]
+    calls = {row["kernel"]: row["tpu_custom_calls"] for row in rows}
+    assert calls == {"lambda splash fwd+bwd": 3, "causal splash fwd+bwd": 3,
+                     "lambda own (traced q_offset) fwd+bwd": 3,
+                     "causal own chunk of 128 vs cache fwd": 1, "decode own fwd": 1}
+    decode = next(row for row in rows if row["kernel"] == "decode own fwd")["launches"][0]
+    assert decode["grid"] == [1, 4, 1]  # 512 keys: 4 splits of one 128-key block
+    assert "tpu_decode_attention_split" in capsys.readouterr().out

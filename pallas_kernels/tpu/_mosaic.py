@@ -1,12 +1,16 @@
 """What every TPU kernel here shares: interpret mode, Mosaic compiler params, layouts.
 
-* Interpret mode: ``interpret=None`` runs the kernels in *TPU* interpret mode
-  (``pltpu.InterpretParams``: TPU memory spaces, DMAs and semaphores simulated
-  on CPU, uninitialised VMEM filled with NaN so a read before a write shows)
-  whenever the default backend is not a TPU, and compiles them with Mosaic on a
-  TPU (or when lowering for one, see `pallas_kernels._backend.lowering_for`).
-  JAX versions without ``InterpretParams`` fall back to the generic
-  ``interpret=True`` (HLO interpreter, no TPU memory model).
+* Interpret mode, the ``interpret`` argument of every kernel here:
+  None runs TPU interpret mode (``pltpu.InterpretParams``: TPU memory spaces,
+  DMAs and semaphores simulated on CPU, uninitialised VMEM filled with NaN so a
+  read before a write shows) whenever the kernels are not lowered for a TPU,
+  and compiles them with Mosaic on a TPU (or inside
+  `pallas_kernels._backend.lowering_for("tpu")`). False compiles; a
+  ``pltpu.InterpretParams`` is TPU interpret mode with those settings; True is
+  JAX's generic Pallas interpreter, as for any ``pallas_call``: no TPU memory
+  model, but it works under ``jax.checkpoint`` (gate training's remat), where
+  TPU interpret mode fails (its callbacks are effects remat cannot
+  partial-evaluate). JAX versions without ``InterpretParams`` use True.
 * Layout: TPU blocks tile their last two dims by (8, 128) or take them whole,
   so a [B, T, H, D] array cannot be cut into one head's [block, D] tiles. The
   prefill kernels transpose to [B, H, T, D] (`heads_major`), which costs one
@@ -34,12 +38,12 @@ LANES = 128  # TPU vector lanes: the last dim of a block is a multiple of this o
 SUBLANES = 8  # The second-to-last dim: a multiple of this or whole.
 
 
-def interpret_mode(interpret: bool | None) -> Any:
-    """The ``interpret=`` value for a TPU ``pallas_call``: False (compile with Mosaic) or TPU
-    interpret params. None means "interpret unless the kernels are lowered for a TPU"."""
-    if interpret is None:
-        interpret = _backend.backend() != "tpu"
-    if not interpret:
+def interpret_mode(interpret: Any) -> Any:
+    """The ``interpret=`` value for a TPU ``pallas_call`` (see the module docstring): None becomes
+    False on (or when lowering for) a TPU and TPU interpret params elsewhere; anything else is kept."""
+    if interpret is not None:
+        return interpret
+    if _backend.backend() == "tpu":
         return False
     return _InterpretParams() if _InterpretParams is not None else True
 

@@ -78,7 +78,7 @@ def _split_kernel(lengths_ref,  # scalar prefetch
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      scale: float | None = None, block_k: int = 128, num_splits: int = 16,
-                     interpret: bool | None = None) -> jax.Array:
+                     interpret=None) -> jax.Array:
     """Single-token attention over a KV cache on TPU, split along the keys.
 
     Args:
@@ -89,7 +89,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       scale: softmax scale, default 1 / sqrt(D).
       block_k: keys per grid step, a multiple of 128 (shrunk for short caches).
       num_splits: the most chunks the keys are split into, each a whole number of blocks.
-      interpret: None = TPU interpret mode unless running on (or lowering for) a TPU.
+      interpret: None = TPU interpret mode unless running on (or lowering for) a TPU, where the
+        kernels compile; True = JAX's generic interpreter (works under jax.checkpoint); a
+        pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
 
     Returns:
       [B, Hq, D] like q.

@@ -38,7 +38,7 @@ def _every_query_sees_a_key(*, seq_q: int, q_offset: int, kv_len: int, sink: int
 
 def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None, q_offset,
                      kv_len, scale: float | None, block_q: int, block_k: int,
-                     interpret: bool | None) -> jax.Array:
+                     interpret) -> jax.Array:
     """Checks the arguments and runs splash attention or the own kernel (see the module docstring)."""
     _common.check_qkv(q, k, v)
     _mosaic.check_tpu_block("block_q", block_q)
@@ -64,7 +64,7 @@ def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | N
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                     q_offset=0, kv_len=None, scale: float | None = None, block_q: int = 128,
-                    block_k: int = 128, interpret: bool | None = None) -> jax.Array:
+                    block_k: int = 128, interpret=None) -> jax.Array:
     """Dense (causal) flash attention on TPU, differentiable (custom VJP).
 
     Args:
@@ -77,7 +77,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       scale: softmax scale, default 1 / sqrt(D).
       block_q, block_k: tile sizes, multiples of 128 (TPU tiling; shrunk for short sequences;
         T and S need not be multiples, they are padded and masked).
-      interpret: None = TPU interpret mode unless running on (or lowering for) a TPU.
+      interpret: None = TPU interpret mode unless running on (or lowering for) a TPU, where the
+        kernels compile; True = JAX's generic interpreter (works under jax.checkpoint); a
+        pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
 
     Returns:
       [B, T, Hq, D] like q. Queries that see no key get 0.

@@ -16,7 +16,7 @@ from pallas_kernels.tpu.flash_attention import masked_attention
 
 def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int, recent: int,
                      q_offset=0, scale: float | None = None, block_q: int = 128,
-                     block_k: int = 128, interpret: bool | None = None) -> jax.Array:
+                     block_k: int = 128, interpret=None) -> jax.Array:
     """Streaming-head attention with the Λ mask on TPU, differentiable (custom VJP).
 
     Args:
@@ -27,7 +27,9 @@ def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int, rec
       q_offset: int, int32 scalar or int32 [B] (may be traced).
       scale: softmax scale, default 1 / sqrt(D).
       block_q, block_k: tile sizes, multiples of 128; T and S need not be multiples of them.
-      interpret: None = TPU interpret mode unless running on (or lowering for) a TPU.
+      interpret: None = TPU interpret mode unless running on (or lowering for) a TPU, where the
+        kernels compile; True = JAX's generic interpreter (works under jax.checkpoint); a
+        pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
 
     Returns:
       [B, T, Hq, D] like q.

@@ -11,8 +11,10 @@ key length. Traced or per-sequence offsets and lengths (chunked prefill) go to
   ``_ComputableMask``, as MaxText defines its own): the kernel evaluates
   ``mask_function`` on its tile's indices; no [T, S] array is stored. Splash
   still classifies every (query block, key block) pair on the host once per
-  shape (evaluating the function tile by tile, cached), which takes seconds at
-  128k tokens.
+  shape (evaluating the function tile by tile, cached per process): O(T^2)
+  host time, about 46 s for a 64k-token Λ mask with 512 x 512 blocks on a
+  2-core CPU host (BENCHMARKS.md). A caller that cannot afford it passes
+  q_offset as an int32 array: the own kernel has no host pass.
 * GQA and batch: the multi-head kernel (``make_splash_mha_single_device``)
   takes K and V with fewer heads than Q and reads KV head h // G for query
   head h, so the batch is folded into the heads ([B * Hq, T, D] queries against
@@ -26,8 +28,6 @@ key length. Traced or per-sequence offsets and lengths (chunked prefill) go to
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +73,11 @@ class DuoMask(_ComputableMask if _ComputableMask is not None else object):
         return hash((DuoMask, self.shape, self.params))
 
 
-@functools.lru_cache(maxsize=32)
 def _kernel(mask: DuoMask, num_heads: int, block_q: int, block_k: int, interpret):
-    """A splash kernel for `num_heads` query heads [H, T, D] sharing one mask."""
+    """A splash kernel for `num_heads` query heads [H, T, D] sharing one mask.
+
+    Built per call, not cached: it holds the mask's block tables as arrays of the trace it is built
+    in. Splash caches the host pass that computes them (keyed by the mask's hash)."""
     sizes = _splash.BlockSizes(
         block_q=block_q, block_kv=block_k, block_kv_compute=block_k,
         block_q_dkv=block_q, block_kv_dkv=block_k, block_kv_dkv_compute=block_k,
