@@ -170,6 +170,23 @@ def test_decode_attention(case):
     assert bool(jnp.all(jnp.where((lengths == 0)[:, None, None], out == 0.0, True)))
 
 
+def test_bfloat16_forward():
+    q, k, v, _ = random_attention_inputs(2, 200, 200, 4, 2, 64)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    lengths = jnp.array([200, 77], jnp.int32)
+    outs = {
+        "splash": (tpu.lambda_attention(q, k, v, sink=4, recent=64),
+                   reference.lambda_attention_reference(q, k, v, sink=4, recent=64)),
+        "own": (jax.jit(tpu.flash_attention)(q, k, v, q_offset=jnp.zeros((2,), jnp.int32)),
+                reference.flash_attention_reference(q, k, v)),
+        "decode": (tpu.decode_attention(q[:, -1], k, v, lengths),
+                   reference.decode_attention_reference(q[:, -1], k, v, lengths)),
+    }
+    for name, (out, ref) in outs.items():
+        assert out.dtype == jnp.bfloat16, name
+        assert rel_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= 2e-2, name
+
+
 def test_interpret_argument():
     from jax.experimental.pallas import tpu as pltpu
 
@@ -289,6 +306,13 @@ def test_export_prefill_lowers_to_mosaic(kind):
         module, launches = _export(step, q, kv, kv, offsets)
     _assert_mosaic_only(module, launches, count=3)  # forward, dq, dk/dv
     assert all(launch["scalar_prefetch"] >= 1 for launch in launches)
+    grids = [launch["grid"] for launch in launches]
+    if kind == "own_lambda":  # (B, Hq, query blocks, KV steps): 1 sink block + a 3-block band at most
+        assert grids == [[1, HQ, 3, 4], [1, HQ, 3, 4], [1, HQ, 5, 3]]
+    elif kind == "own_causal":  # every one of the 5 KV blocks may be visited
+        assert grids == [[1, HQ, 3, 5], [1, HQ, 3, 5], [1, HQ, 5, 3]]
+    else:  # (B * Hq, query blocks, KV steps): splash shrinks the KV axis to the widest row of tiles
+        assert grids[0][:2] == [HQ, 3] and grids[0][2] == (3 if kind == "splash_lambda" else 5)
 
 
 def test_export_decode_lowers_to_mosaic():
