@@ -25,8 +25,10 @@ K and V heads are interleaved in one page array, not our contiguous
   is as long as the number of query blocks; steps outside a block's schedule
   cost only the grid overhead.
 * Layout [B, H, T, D] (the wrapper transposes; see `_mosaic`). Statistics
-  (lse, delta) are [B, H, T, 1], so a block is [block_q, 1]: a legal TPU block
-  (the last dim whole).
+  (lse, delta) are [B, H, T, 1] columns, blocks [block_q, 1] (a legal TPU block:
+  the last dim whole); dk/dv read them as [B, H, 1, T] rows (a free reshape)
+  because that kernel works keys-major, on P^T [block_k, block_q], as splash's
+  does: every matmul is then A B or A B^T, never A^T B.
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def _dot(a, b, contract: str):
     return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: _Config):
-    shape = (cfg.block_q, cfg.block_k)
-    rows = q_block * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
-    cols = kv_block * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
+def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: _Config, *, keys_major: bool = False):
+    """[bq, bk] mask of one tile ([bk, bq] when keys_major: the dk/dv kernel's orientation)."""
+    shape, q_axis = ((cfg.block_k, cfg.block_q), 1) if keys_major else ((cfg.block_q, cfg.block_k), 0)
+    rows = q_block * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    cols = kv_block * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len,
                                   seq_q=cfg.seq_q, **cfg.window)
 
@@ -115,10 +118,12 @@ def _q_visit(kv_block, step, q_offset, kv_len, cfg: _Config, num_q_blocks: int):
     return jnp.clip(block, 0, num_q_blocks - 1), step < end - start
 
 
-def _probabilities(q, k, lse, q_block, kv_block, q_offset, kv_len, cfg: _Config):
-    """P = exp(scale q k^T - lse), zero where masked: [bq, bk]."""
-    s = _dot(q, k, "qd,kd->qk") * cfg.scale
-    mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
+def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, cfg: _Config, *,
+                   keys_major: bool = False):
+    """P = exp(scale q k^T - lse), zero where masked: a = q, b = k gives [bq, bk] (lse a column);
+    keys_major, a = k, b = q gives P^T [bk, bq] (lse a row), so every matmul here is A B or A B^T."""
+    s = _dot(a, b, "ad,bd->ab") * cfg.scale
+    mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg, keys_major=keys_major)
     return jnp.where(mask, jnp.exp(s - lse), 0.0)
 
 
@@ -244,13 +249,14 @@ def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
     @pl.when(real)
-    def _accumulate():
-        q, do = q_ref[...], do_ref[...]
-        p = _probabilities(q, k_ref[...], lse_ref[...], q_block, kv_block, q_offset, kv_len, cfg)
-        dv_scr[...] += _dot(p.astype(do.dtype), do, "qk,qd->kd")
-        dp = _dot(do, v_ref[...], "qd,kd->qk")
-        ds = p * (dp - delta_ref[...])
-        dk_scr[...] += _dot(ds.astype(q.dtype), q, "qk,qd->kd")
+    def _accumulate():  # Keys-major: P^T and dS^T [bk, bq], lse and delta rows [1, bq].
+        q, k, do = q_ref[...], k_ref[...], do_ref[...]
+        p_t = _probabilities(k, q, lse_ref[...], q_block, kv_block, q_offset, kv_len, cfg,
+                             keys_major=True)
+        dv_scr[...] += _dot(p_t.astype(do.dtype), do, "kq,qd->kd")
+        dp_t = _dot(v_ref[...], do, "kd,qd->kq")
+        ds_t = p_t * (dp_t - delta_ref[...])
+        dk_scr[...] += _dot(ds_t.astype(q.dtype), q, "kq,qd->kd")
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _finish():
@@ -265,7 +271,8 @@ def _backward(cfg: _Config, residuals, do):
     num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, seq_k_padded // cfg.block_k
     # delta = rowsum(dO * O) [B, H, T, 1]: a cheap elementwise pass, left to XLA.
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
-    scratch = lambda rows: pltpu.VMEM((rows, head_dim), jnp.float32)  # noqa: E731
+    scratch = lambda length: pltpu.VMEM((length, head_dim), jnp.float32)  # noqa: E731
+    rows = lambda x: x.reshape(batch, num_heads, 1, seq_q_padded)  # noqa: E731  [B, H, T, 1] -> rows
 
     q_tile, stats, kv_tile = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
     dq = pl.pallas_call(
@@ -287,8 +294,12 @@ def _backward(cfg: _Config, residuals, do):
         block, _ = _q_visit(j, t, q_offset_ref[b], kv_len_ref[b], cfg, num_q_blocks)
         return b, h, block, 0
 
+    def row_map(*args):  # [B, H, 1, T] rows of the statistics
+        b, h, block, _ = q_map(*args)
+        return b, h, 0, block
+
     q_visited = pl.BlockSpec((None, None, cfg.block_q, head_dim), q_map)
-    stats_visited = pl.BlockSpec((None, None, cfg.block_q, 1), q_map)
+    stats_visited = pl.BlockSpec((None, None, 1, cfg.block_q), row_map)
     kv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim),
                           lambda b, h, j, t, *_: (b, lax.div(h, cfg.group), j, 0))
     dkv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim), lambda b, h, j, t, *_: (b, h, j, 0))
@@ -305,7 +316,7 @@ def _backward(cfg: _Config, residuals, do):
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_dkv",
-    )(q_offset, kv_len, q, k, v, do, lse, delta)
+    )(q_offset, kv_len, q, k, v, do, rows(lse), rows(delta))
 
     def sum_groups(x):  # [B, Hkv * G, S, D] -> [B, Hkv, S, D]
         x = x.reshape(batch, num_kv_heads, cfg.group, seq_k_padded, head_dim)

@@ -11,8 +11,10 @@ cache at every decode step, more memory traffic than the attention itself.
 
 So this kernel reads the cache in place, viewed as [B, S, Hkv * D] (a free
 reshape): a [block_k, Hkv * D] tile is legal on TPU (its last dim is whole),
-and the kernel slices each KV head's [block_k, D] columns and its G query rows
-itself. `lengths` is scalar-prefetched; the block index map clamps every block
+and the kernel slices each KV head's [block_k, D] columns itself (whole lane
+tiles at head_dim 128, half tiles at 64). Queries come as [Hkv, G, D] and the
+softmax state as [Hkv, G, *], so a KV head's G query rows are a leading-dim
+index, never an unaligned sublane slice. `lengths` is scalar-prefetched; the block index map clamps every block
 at or past a sequence's length to its last valid block, so those grid steps
 issue no DMA, and `pl.when` skips their math. The grid is
 (batch, split, block): splits are independent ("parallel", so a megacore TPU
@@ -38,11 +40,10 @@ def _split_kernel(lengths_ref,  # scalar prefetch
                   q_ref, k_ref, v_ref,  # inputs
                   o_ref, m_ref, l_ref,  # outputs (partial, per split)
                   m_scr, l_scr, acc_scr,  # scratch
-                  *, scale: float, block_k: int, blocks_per_split: int, num_kv_heads: int):
+                  *, scale: float, block_k: int, blocks_per_split: int):
     b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first_key = (split * blocks_per_split + step) * block_k
-    group = q_ref.shape[0] // num_kv_heads
-    head_dim = q_ref.shape[1]
+    num_kv_heads, group, head_dim = q_ref.shape  # [Hkv, G, D]
 
     @pl.when(step == 0)
     def _init():
@@ -55,19 +56,18 @@ def _split_kernel(lengths_ref,  # scalar prefetch
         cols = first_key + lax.broadcasted_iota(jnp.int32, (group, block_k), 1)
         mask = cols < lengths_ref[b]
         for h in range(num_kv_heads):  # static: KV head h and its G query heads
-            rows, lanes = pl.ds(h * group, group), pl.ds(h * head_dim, head_dim)
+            lanes = pl.ds(h * head_dim, head_dim)
             k, v = k_ref[:, lanes], v_ref[:, lanes]  # [bk, D]
-            s = jnp.einsum("gd,kd->gk", q_ref[rows, :], k,
-                           preferred_element_type=jnp.float32) * scale
+            s = jnp.einsum("gd,kd->gk", q_ref[h], k, preferred_element_type=jnp.float32) * scale
             s = jnp.where(mask, s, _common.MASK_VALUE)
-            m = m_scr[rows, :]
+            m = m_scr[h]  # [G, 1]
             m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
             correction = jnp.exp(m - m_new)
-            l_scr[rows, :] = correction * l_scr[rows, :] + p.sum(axis=-1, keepdims=True)
-            acc_scr[rows, :] = correction * acc_scr[rows, :] + jnp.einsum(
+            l_scr[h] = correction * l_scr[h] + p.sum(axis=-1, keepdims=True)
+            acc_scr[h] = correction * acc_scr[h] + jnp.einsum(
                 "gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            m_scr[rows, :] = m_new
+            m_scr[h] = m_new
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _finish():  # Unnormalised; the reduction divides by the combined l.
@@ -117,23 +117,27 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         last_valid = jnp.maximum(_common.cdiv(lengths_ref[b], block_k) - 1, 0)
         return b, jnp.minimum(split * blocks_per_split + step, last_valid), 0
 
+    # Query heads grouped by KV head, [B, Hkv, G, D]: the kernel indexes KV head h on the leading dim.
+    group = num_heads // num_kv_heads
+    q = q.reshape(batch, num_kv_heads, group, head_dim)
     kv_tile = pl.BlockSpec((None, block_k, num_kv_heads * head_dim), kv_map)
     per_split = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, None, num_heads, width), lambda b, split, step, _: (b, split, 0, 0))
+        (None, None, num_kv_heads, group, width), lambda b, split, step, _: (b, split, 0, 0, 0))
     partial_out = lambda width: jax.ShapeDtypeStruct(  # noqa: E731
-        (batch, num_splits, num_heads, width), jnp.float32)
+        (batch, num_splits, num_kv_heads, group, width), jnp.float32)
     o, m, l = pl.pallas_call(
         functools.partial(_split_kernel, scale=scale, block_k=block_k,
-                          blocks_per_split=blocks_per_split, num_kv_heads=num_kv_heads),
+                          blocks_per_split=blocks_per_split),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(batch, num_splits, blocks_per_split),
-            in_specs=[pl.BlockSpec((None, num_heads, head_dim), lambda b, split, step, _: (b, 0, 0)),
+            in_specs=[pl.BlockSpec((None, num_kv_heads, group, head_dim),
+                                   lambda b, split, step, _: (b, 0, 0, 0)),
                       kv_tile, kv_tile],
             out_specs=[per_split(head_dim), per_split(1), per_split(1)],
-            scratch_shapes=[pltpu.VMEM((num_heads, 1), jnp.float32),
-                            pltpu.VMEM((num_heads, 1), jnp.float32),
-                            pltpu.VMEM((num_heads, head_dim), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
+                            pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
+                            pltpu.VMEM((num_kv_heads, group, head_dim), jnp.float32)]),
         out_shape=[partial_out(head_dim), partial_out(1), partial_out(1)],
         compiler_params=_mosaic.compiler_params(("parallel", "parallel", "arbitrary"), interpret),
         interpret=interpret,
@@ -141,7 +145,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     )(lengths, q, k, v)
 
     # Combine the splits: weight each by exp(m_split - m_max) (0 if it saw no key).
-    weight = jnp.where(l > 0.0, jnp.exp(m - m.max(axis=1, keepdims=True)), 0.0)  # [B, splits, Hq, 1]
-    l_total = jnp.sum(weight * l, axis=1)  # [B, Hq, 1]
+    weight = jnp.where(l > 0.0, jnp.exp(m - m.max(axis=1, keepdims=True)), 0.0)  # [B, splits, Hkv, G, 1]
+    l_total = jnp.sum(weight * l, axis=1)  # [B, Hkv, G, 1]
     o = jnp.sum(weight * o, axis=1) / jnp.where(l_total == 0.0, 1.0, l_total)
-    return o.astype(q.dtype)
+    return o.reshape(batch, num_heads, head_dim).astype(q.dtype)
