@@ -189,6 +189,37 @@ def test_bfloat16_forward():
         assert rel_err(out.astype(jnp.float32), ref.astype(jnp.float32)) <= 2e-2, name
 
 
+def test_static_steps_cover_every_schedule():
+    """The own kernel's inner grid axes are static bounds; no block schedule may be longer."""
+    from pallas_kernels import _common
+    from pallas_kernels.tpu.block_sparse import _Config
+
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # 40 shapes and windows, each with 64 (q_offset, kv_len) pairs at once
+        block_q, block_k = (int(b) for b in rng.choice([128, 256, 512], 2))
+        seq_q, seq_k = (int(n) for n in rng.integers(1, 2000, 2))
+        sink = int(rng.choice([0, int(rng.integers(1, 600))]))
+        recent = int(rng.integers(1, 1500))
+        window = dict(causal=True, sink=sink, recent=recent) if rng.random() < 0.7 else \
+            dict(causal=bool(rng.random() < 0.5), sink=None, recent=None)
+        cfg = _Config(seq_q=seq_q, scale=1.0, block_q=block_q, block_k=block_k, group=1,
+                      interpret=True, **window)
+        num_q, num_k = -(-seq_q // block_q), -(-seq_k // block_k)
+        q_offset = jnp.asarray(rng.integers(-50, 2000, (64, 1)), jnp.int32)
+        kv_len = jnp.asarray(rng.integers(0, seq_k + 1, (64, 1)), jnp.int32)
+        blocks = jnp.arange(16)[None]  # a fixed shape (eager ops compile once); T, S < 2048
+        sink_end, band_start, end = _common.kv_block_schedule(
+            blocks, q_offset=q_offset, kv_len=kv_len, seq_q=seq_q, block_q=block_q,
+            block_k=block_k, **window)
+        count = jnp.where(blocks < num_q, sink_end + end - band_start, 0)
+        assert int(jnp.max(count)) <= cfg.kv_steps(num_k), cfg
+        start, stop = _common.q_block_schedule(
+            blocks, q_offset=q_offset, kv_len=kv_len, num_q_blocks=num_q,
+            block_q=block_q, block_k=block_k, **window)
+        count = jnp.where(blocks < num_k, stop - start, 0)
+        assert int(jnp.max(count)) <= cfg.q_steps(num_q), cfg
+
+
 def test_interpret_argument():
     from jax.experimental.pallas import tpu as pltpu
 

@@ -57,7 +57,7 @@ class _Config:
     block_q: int
     block_k: int
     group: int            # Query heads per KV head.
-    interpret: object     # False or TPU interpret params.
+    interpret: object     # See `_mosaic.interpret_mode`.
 
     @property
     def window(self) -> dict:
