@@ -12,8 +12,8 @@ key length. Traced or per-sequence offsets and lengths (chunked prefill) go to
   ``mask_function`` on its tile's indices; no [T, S] array is stored. Splash
   still classifies every (query block, key block) pair on the host once per
   shape (evaluating the function tile by tile, cached per process): O(T^2)
-  host time, about 46 s for a 64k-token Λ mask with 512 x 512 blocks on a
-  2-core CPU host (BENCHMARKS.md). A caller that cannot afford it passes
+  host time, 46 s to 168 s for a 64k-token Λ mask with 512 x 512 blocks on a
+  shared 2-core CPU host (BENCHMARKS.md). A caller that cannot afford it passes
   q_offset as an int32 array: the own kernel has no host pass.
 * GQA and batch: the multi-head kernel (``make_splash_mha_single_device``)
   takes K and V with fewer heads than Q and reads KV head h // G for query
