@@ -220,6 +220,24 @@ def test_static_steps_cover_every_schedule():
         assert int(jnp.max(count)) <= cfg.q_steps(num_q), cfg
 
 
+def test_splash_mask_tiles_equal_the_mask_function():
+    """DuoMask answers all-visible and all-hidden tiles from their corners; every tile must still
+    equal the mask function evaluated on it (1 x 1 tiles test the corner rules at every point)."""
+    from pallas_kernels.tpu.splash import DuoMask
+
+    for causal, sink, recent in ((True, None, None), (False, None, None), (True, 0, 9), (True, 5, 17)):
+        for q_offset, kv_len in ((0, 96), (13, 70), (40, 0)):
+            mask = DuoMask((64, 96), q_offset=q_offset, kv_len=kv_len, causal=causal, sink=sink,
+                           recent=recent)
+            for block_q, block_k in ((1, 1), (2, 2), (2, 3), (3, 5), (16, 32)):
+                for q0 in range(0, 64, block_q):
+                    for k0 in range(0, 96, block_k):
+                        rows, cols = slice(q0, min(q0 + block_q, 64)), slice(k0, min(k0 + block_k, 96))
+                        expected = mask.mask_function(np.arange(rows.start, rows.stop)[:, None],
+                                                      np.arange(cols.start, cols.stop)[None, :])
+                        assert np.array_equal(mask[rows, cols], expected), (mask.params, rows, cols)
+
+
 def test_interpret_argument():
     from jax.experimental.pallas import tpu as pltpu
 
