@@ -10,11 +10,13 @@ key length. Traced or per-sequence offsets and lengths (chunked prefill) go to
 * The mask is `DuoMask`, a computable mask (a subclass of splash's
   ``_ComputableMask``, as MaxText defines its own): the kernel evaluates
   ``mask_function`` on its tile's indices; no [T, S] array is stored. Splash
-  still classifies every (query block, key block) pair on the host once per
-  shape (evaluating the function tile by tile, cached per process): O(T^2)
-  host time, 46 s to 168 s for a 64k-token Λ mask with 512 x 512 blocks on a
-  shared 2-core CPU host (BENCHMARKS.md). A caller that cannot afford it passes
-  q_offset as an int32 array: the own kernel has no host pass.
+  still classifies every (query block, key block) tile on the host once per
+  shape (cached per process) by asking the mask for it; `DuoMask` answers the
+  tiles that are all visible or all hidden from their corners, so only the
+  diagonal tiles are evaluated (6.9 s for a 128k-token Λ mask with 512 x 512
+  blocks on a shared 2-core CPU, BENCHMARKS.md, instead of minutes). A caller
+  that cannot afford even that passes q_offset as an int32 array: the own
+  kernel has no host pass.
 * GQA and batch: the multi-head kernel (``make_splash_mha_single_device``)
   takes K and V with fewer heads than Q and reads KV head h // G for query
   head h, so the batch is folded into the heads ([B * Hq, T, D] queries against
