@@ -8,12 +8,21 @@ On GPU: forward and forward+backward times of
 at Llama-3-8B head shapes (32 query / 8 KV heads, head_dim 128, bf16), with the
 Λ/causal visited-block ratio and the time ratios side by side.
 
+On TPU the same table times the TPU kernels (`pallas_kernels.tpu`: splash
+attention for these static masks) instead of the Triton ones; use
+--block-q 512 --block-k 512 there (TPU blocks are multiples of 128).
+
 On CPU there is no kernel compiler: the script records the visited-block ratio
-per T (pure arithmetic), and with --cpu-smoke times one tiny shape in interpret
-mode, only to show that everything runs.
+per T (pure arithmetic), with --cpu-smoke times one tiny shape in interpret
+mode, only to show that everything runs, and with --tpu-export exports every TPU
+kernel for TPU from this host (``jax.export(..., platforms=["tpu"])``) and
+records each launch's grid and block sizes: splash Λ / causal (fwd + bwd), the
+own kernel with a traced offset (Λ fwd + bwd, a causal prefill chunk against a
+cache) and decode.
 
   python benchmarks/kernels.py --out results/kernels.json
   python benchmarks/kernels.py --cpu-smoke
+  python benchmarks/kernels.py --tpu-export --seq-lens 4096 16384 --out results/tpu_export.json
 """
 
 from __future__ import annotations
@@ -31,8 +40,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import (causal_visited_blocks, flash_attention, lambda_attention,  # noqa: E402
-                            lambda_visited_blocks, reference)
+import pallas_kernels  # noqa: E402
+from pallas_kernels import _backend, causal_visited_blocks, lambda_visited_blocks, reference  # noqa: E402
+from pallas_kernels.tpu.launches import pallas_launches  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip the dense XLA reference when its fp32 scores exceed this")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="on CPU: also time a tiny shape in interpret mode")
+    parser.add_argument("--tpu-export", action="store_true",
+                        help="on CPU: export the TPU kernels for TPU, record grids and blocks")
+    parser.add_argument("--chunk", type=int, default=512,
+                        help="--tpu-export: queries per chunked-prefill step")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write results as JSON here")
     return parser.parse_args(argv)
 
@@ -84,9 +98,10 @@ def forward_and_grad(attn):
 def implementations(args, interpret: bool | None):
     window = dict(sink=args.sink, recent=args.recent)
     blocks = dict(block_q=args.block_q, block_k=args.block_k, interpret=interpret)
+    kernels = pallas_kernels.tpu if _backend.backend() == "tpu" else pallas_kernels
     impls = {
-        "lambda": lambda q, k, v: lambda_attention(q, k, v, **window, **blocks),
-        "flash": lambda q, k, v: flash_attention(q, k, v, **blocks),
+        "lambda": lambda q, k, v: kernels.lambda_attention(q, k, v, **window, **blocks),
+        "flash": lambda q, k, v: kernels.flash_attention(q, k, v, **blocks),
         "xla": lambda q, k, v: reference.flash_attention_reference(q, k, v),
     }
     if hasattr(jax.nn, "dot_product_attention") and not interpret:
@@ -150,6 +165,62 @@ def print_table(rows: list[dict]) -> None:
                 print(f"T={r['seq_len']} {n}: {note}")
 
 
+def _with_vjp(attn):
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(out)
+    return fwd_bwd
+
+
+def tpu_export_rows(args, seq_len: int) -> list[dict]:
+    """Exports each TPU kernel for TPU at this T (no TPU needed) and records its launches."""
+    dtype = jnp.dtype(args.dtype)
+    tpu = pallas_kernels.tpu
+    q = jax.ShapeDtypeStruct((args.batch, seq_len, args.num_heads, args.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((args.batch, seq_len, args.num_kv_heads, args.head_dim), dtype)
+    chunk = jax.ShapeDtypeStruct((args.batch, min(args.chunk, seq_len), args.num_heads,
+                                  args.head_dim), dtype)
+    one = jax.ShapeDtypeStruct((args.batch, args.num_heads, args.head_dim), dtype)
+    per_seq = jax.ShapeDtypeStruct((args.batch,), jnp.int32)
+    window = dict(sink=args.sink, recent=args.recent, block_q=args.block_q, block_k=args.block_k)
+    blocks = dict(block_q=args.block_q, block_k=args.block_k)
+    cases = {
+        "lambda splash fwd+bwd": (_with_vjp(lambda q, k, v: tpu.lambda_attention(q, k, v, **window)),
+                                  (q, kv, kv)),
+        "causal splash fwd+bwd": (_with_vjp(lambda q, k, v: tpu.flash_attention(q, k, v, **blocks)),
+                                  (q, kv, kv)),
+        "lambda own (traced q_offset) fwd+bwd": (
+            lambda q, k, v, off: _with_vjp(lambda q, k, v: tpu.lambda_attention(
+                q, k, v, q_offset=off, **window))(q, k, v), (q, kv, kv, per_seq)),
+        f"causal own chunk of {chunk.shape[1]} vs cache fwd": (
+            lambda q, k, v, off: tpu.flash_attention(q, k, v, q_offset=off,
+                                                     kv_len=off + q.shape[1], **blocks),
+            (chunk, kv, kv, per_seq)),
+        "decode own fwd": (lambda q, k, v, lengths: tpu.decode_attention(
+            q, k, v, lengths, block_k=args.block_k), (one, kv, kv, per_seq)),
+    }
+    rows = []
+    for name, (fn, shapes) in cases.items():
+        with _backend.lowering_for("tpu"):
+            start = time.perf_counter()
+            module = jax.export.export(jax.jit(fn), platforms=["tpu"])(*shapes).mlir_module()
+            seconds = time.perf_counter() - start
+            launches = pallas_launches(fn, *shapes)
+        rows.append({"seq_len": seq_len, "kernel": name, "export_s": round(seconds, 2),
+                     "tpu_custom_calls": module.count("stablehlo.custom_call @tpu_custom_call"),
+                     "launches": launches})
+    return rows
+
+
+def print_export_rows(rows: list[dict]) -> None:
+    print("T | kernel | Mosaic calls | export s | launch: grid, blocks (None = squeezed)")
+    for r in rows:
+        for i, launch in enumerate(r["launches"]):
+            head = (f"{r['seq_len']} | {r['kernel']} | {r['tpu_custom_calls']} | {r['export_s']}"
+                    if i == 0 else " | | |")
+            print(f"{head} | {launch['name']}: grid {launch['grid']}, blocks {launch['blocks']}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     backend = jax.default_backend()
@@ -177,6 +248,13 @@ def main(argv=None) -> None:
         result["cpu_smoke"] = row
         print("\nCPU smoke (interpret mode, B=1 T=256 Hq=4 Hkv=2 D=64 fp32, sink 16 recent 32):")
         print_table([row])
+
+    if not on_accelerator and args.tpu_export:
+        export_rows = [row for seq_len in args.seq_lens for row in tpu_export_rows(args, seq_len)]
+        result["tpu_export"] = export_rows
+        print(f"\nTPU export from {backend} (B={args.batch} Hq={args.num_heads} Hkv={args.num_kv_heads} "
+              f"D={args.head_dim} {args.dtype}, sink {args.sink} recent {args.recent}):")
+        print_export_rows(export_rows)
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

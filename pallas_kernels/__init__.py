@@ -7,9 +7,11 @@
 * `decode_attention`: split-K single-token attention over a cache, forward only.
 
 `reference` holds dense pure-jnp versions of all three with explicit masks.
+`tpu` holds the same three functions for TPU (splash attention and Mosaic
+kernels), tested in TPU interpret mode on CPU.
 """
 
-from pallas_kernels import reference
+from pallas_kernels import reference, tpu
 from pallas_kernels._common import check_block, check_qkv, check_window
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_attention import flash_attention
@@ -18,5 +20,5 @@ from pallas_kernels.lambda_attention import (causal_visited_blocks, lambda_atten
 
 __all__ = [
     "causal_visited_blocks", "check_block", "check_qkv", "check_window", "decode_attention",
-    "flash_attention", "lambda_attention", "lambda_visited_blocks", "reference",
+    "flash_attention", "lambda_attention", "lambda_visited_blocks", "reference", "tpu",
 ]

@@ -50,6 +50,15 @@ def random_attention_inputs(batch, seq_q, seq_k, num_heads, num_kv_heads, head_d
     return q, k, v, jax.random.normal(kc, q.shape, jnp.float32)
 
 
+def random_decode_inputs(batch, seq_k, num_heads, num_kv_heads, head_dim, seed=0):
+    """Random fp32 decode inputs: one query per sequence q [B, Hq, D], a cache k / v [B, S, Hkv, D]."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (batch, num_heads, head_dim), jnp.float32)
+    k = jax.random.normal(kk, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(kv, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
+    return q, k, v
+
+
 def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="auto"):
     """One prompt through `extend` with a KV-cache method: chunked prefill, then greedy decoding.
 

@@ -5,15 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import decode_attention, reference
+from tests.conftest import random_decode_inputs as _inputs
 from tests.conftest import rel_err
-
-
-def _inputs(batch, seq_k, num_heads, num_kv_heads, head_dim, seed=0):
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (batch, num_heads, head_dim), jnp.float32)
-    k = jax.random.normal(kk, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
-    v = jax.random.normal(kv, (batch, seq_k, num_kv_heads, head_dim), jnp.float32)
-    return q, k, v
 
 
 CASES = {

@@ -8,11 +8,13 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   meant for tests) for the specs they implement: a contiguous cache under a causal mask (flash attention;
   split-K decode for one query), or Λ over a whole sequence. Other specs (explicit key positions, sliding
   windows) take the XLA path.
+* "mosaic": the TPU kernels of `pallas_kernels.tpu` (splash attention and our own Mosaic kernels) for the
+  same specs; off TPU they run in Pallas's interpreter (tests).
 * "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
-* "auto": "pallas" on GPU, "xla" elsewhere.
+* "auto": "pallas" on GPU, "mosaic" on TPU, "xla" elsewhere.
 
-The Pallas kernels take a query offset rather than per-query positions, so that mapping assumes what every
-caller builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
+The kernels take a query offset rather than per-query positions, so that mapping assumes what every caller
+builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
 
 `flash_attention`, `lambda_attention` and `decode_attention` are the kernels' own signatures over the
 same dispatch, for callers that attend over a whole sequence (gate training, head scoring) and for tests.
@@ -26,23 +28,25 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+import pallas_kernels.tpu
 from duo_jax.attention import xla
 from duo_jax.attention.masks import MaskSpec, prefix_spec
 from pallas_kernels import reference
 
-Impl = Literal["auto", "pallas", "xla", "reference"]
-IMPLS = ("auto", "pallas", "xla", "reference")
+Impl = Literal["auto", "pallas", "mosaic", "xla", "reference"]
+IMPLS = ("auto", "pallas", "mosaic", "xla", "reference")
 DECODE_BLOCK = 128  # split-K decode's key block (the cache capacity is a multiple of it)
 MAX_SPLITS = 16
 
 
 def resolve_impl(impl: str) -> str:
-    """Maps "auto" to "pallas" on GPU and to "xla" elsewhere."""
+    """Maps "auto" to "pallas" on GPU, "mosaic" on TPU and "xla" elsewhere."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     if impl != "auto":
         return impl
-    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+    backend = jax.default_backend()
+    return "pallas" if backend in ("gpu", "cuda", "rocm") else "mosaic" if backend == "tpu" else "xla"
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto",
@@ -50,14 +54,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
-    if impl == "pallas" and _pallas_serves(spec, k.shape[1]):
-        return _pallas(q, k, v, spec, scale)
+    if impl in ("pallas", "mosaic") and _kernels_serve(spec, k.shape[1]):
+        return _kernels(q, k, v, spec, scale, impl)
     if impl == "reference":
         return reference.attention_reference(q, k, v, spec.dense(k.shape[1]), scale=scale)
     return xla.attention(q, k, v, spec, scale=scale)
 
 
-def _pallas_serves(spec: MaskSpec, num_keys: int) -> bool:
+def _kernels_serve(spec: MaskSpec, num_keys: int) -> bool:
     if spec.k_positions is not None or spec.window is not None:
         return False
     if spec.is_lambda:
@@ -65,18 +69,23 @@ def _pallas_serves(spec: MaskSpec, num_keys: int) -> bool:
     return spec.causal and (spec.q_positions.shape[1] > 1 or num_keys % DECODE_BLOCK == 0)
 
 
-def _pallas(q, k, v, spec: MaskSpec, scale):
+def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
+    if impl == "pallas":
+        kernels, options = pallas_kernels, {}
+    else:  # off TPU, the generic interpreter: TPU interpret mode cannot run under jax.checkpoint (gate training)
+        kernels, options = pallas_kernels.tpu, {"interpret": None if jax.default_backend() == "tpu" else True}
     q_offset = spec.q_positions[:, 0]
     if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
-        return pallas_kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
-                                               scale=scale)
+        return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
+                                        scale=scale, **options)
     if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
         blocks = k.shape[1] // DECODE_BLOCK
         splits = max(d for d in range(1, MAX_SPLITS + 1) if blocks % d == 0)  # a divisor: no padded split
         lengths = jnp.minimum(spec.kv_len, q_offset + 1)
-        return pallas_kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
-                                               num_splits=splits)[:, None]
-    return pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=spec.kv_len, scale=scale)
+        return kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
+                                        num_splits=splits, **options)[:, None]
+    return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=spec.kv_len, scale=scale,
+                                   **options)
 
 
 # --- the kernels' signatures over the dispatch ---------------------------------------------------------

@@ -1,0 +1,358 @@
+"""Block-sparse causal / Λ attention as our own Mosaic TPU kernels (forward and backward).
+
+Why not splash attention here: splash's mask is a static function of (query
+index, key index), fixed when the kernel is built on the host. Chunked prefill
+needs a *traced*, per-sequence query offset and key length (`q_offset`,
+`kv_len` as int32 [B], one value per sequence of the batch), and splash's
+segment ids cannot express a per-sequence causal shift. JAX's TPU ragged paged
+attention serves ragged prefill, but forward only and over a paged cache whose
+K and V heads are interleaved in one page array, not our contiguous
+[B, S, Hkv, D] K and V. So this module writes the TPU flash pattern itself:
+
+* q_offset and kv_len are *scalar-prefetched* into SMEM; the block index maps
+  read them to fetch, for query block i, only the KV blocks its mask touches
+  (`_common.kv_block_schedule`: the sink blocks and the diagonal band for Λ,
+  blocks up to the last position / kv_len for causal). The KV grid axis has a
+  static length (the widest schedule); steps past a block's schedule repeat the
+  last block index, so Pallas issues no new DMA, and `pl.when` skips the math.
+* The KV axis is the innermost, "arbitrary" grid axis; the online-softmax state
+  (m, l, acc) lives in VMEM scratch across it (the pattern of JAX's own TPU
+  flash attention). Softmax statistics are float32.
+* Backward: dq over the same grid; dk and dv with the roles swapped (grid over
+  KV blocks, inner axis over the query blocks that see them,
+  `_common.q_block_schedule`), per query head, summed over each GQA group.
+  With sink > 0 every query block sees the sink blocks, so the dk/dv inner axis
+  is as long as the number of query blocks; steps outside a block's schedule
+  cost only the grid overhead.
+* Layout [B, H, T, D] (the wrapper transposes; see `_mosaic`). Statistics
+  (lse, delta) are [B, H, T, 1] columns, blocks [block_q, 1] (a legal TPU block:
+  the last dim whole); dk/dv read them as [B, H, 1, T] rows (a free reshape)
+  because that kernel works keys-major, on P^T [block_k, block_q], as splash's
+  does: every matmul is then A B or A B^T, never A^T B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _common
+from pallas_kernels.tpu import _mosaic
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static description of one call (hashable: a custom_vjp nondiff arg)."""
+    seq_q: int            # True number of queries; the arrays are padded past it.
+    causal: bool
+    sink: int | None      # Λ window; None for dense attention.
+    recent: int | None
+    scale: float
+    block_q: int
+    block_k: int
+    group: int            # Query heads per KV head.
+    interpret: object     # See `_mosaic.interpret_mode`.
+
+    @property
+    def window(self) -> dict:
+        return dict(causal=self.causal, sink=self.sink, recent=self.recent)
+
+    def kv_steps(self, num_kv_blocks: int) -> int:
+        """Static length of the inner KV axis: the most KV blocks one query block visits."""
+        if self.recent is None:
+            return num_kv_blocks
+        band = _common.cdiv(self.block_q + self.recent - 1, self.block_k) + 1
+        return min(num_kv_blocks, _common.cdiv(self.sink, self.block_k) + band)
+
+    def q_steps(self, num_q_blocks: int) -> int:
+        """Static length of the inner query axis of dk/dv: the most query blocks one KV block meets."""
+        if self.recent is None or self.sink > 0:
+            return num_q_blocks
+        return min(num_q_blocks, _common.cdiv(self.block_k + self.recent - 1, self.block_q) + 1)
+
+    def params(self):
+        return _mosaic.compiler_params(("parallel", "parallel", "parallel", "arbitrary"),
+                                       self.interpret)
+
+
+def _dot(a, b, contract: str):
+    """float32-accumulated matmul; `contract` is an einsum string."""
+    return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
+
+
+def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: _Config, *, keys_major: bool = False):
+    """[bq, bk] mask of one tile ([bk, bq] when keys_major: the dk/dv kernel's orientation)."""
+    shape, q_axis = ((cfg.block_k, cfg.block_q), 1) if keys_major else ((cfg.block_q, cfg.block_k), 0)
+    rows = q_block * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    cols = kv_block * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len,
+                                  seq_q=cfg.seq_q, **cfg.window)
+
+
+def _kv_visit(q_block, step, q_offset, kv_len, cfg: _Config, num_kv_blocks: int):
+    """(KV block that query block `q_block` visits at inner step `step`, whether that step is real).
+
+    Steps past the schedule repeat its last block (no new DMA); an empty schedule points at block 0.
+    """
+    sink_end, band_start, end = _common.kv_block_schedule(
+        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q, block_q=cfg.block_q,
+        block_k=cfg.block_k, **cfg.window)
+    count = sink_end + end - band_start
+    clamped = jnp.clip(step, 0, jnp.maximum(count - 1, 0))
+    block = jnp.where(clamped < sink_end, clamped, clamped - sink_end + band_start)
+    return jnp.clip(block, 0, num_kv_blocks - 1), step < count
+
+
+def _q_visit(kv_block, step, q_offset, kv_len, cfg: _Config, num_q_blocks: int):
+    """(Query block that KV block `kv_block` meets at inner step `step`, whether the step is real)."""
+    start, end = _common.q_block_schedule(
+        kv_block, q_offset=q_offset, kv_len=kv_len, num_q_blocks=num_q_blocks,
+        block_q=cfg.block_q, block_k=cfg.block_k, **cfg.window)
+    block = start + jnp.clip(step, 0, jnp.maximum(end - start - 1, 0))
+    return jnp.clip(block, 0, num_q_blocks - 1), step < end - start
+
+
+def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, cfg: _Config, *,
+                   keys_major: bool = False):
+    """P = exp(scale q k^T - lse), zero where masked: a = q, b = k gives [bq, bk] (lse a column);
+    keys_major, a = k, b = q gives P^T [bk, bq] (lse a row), so every matmul here is A B or A B^T."""
+    s = _dot(a, b, "ad,bd->ab") * cfg.scale
+    mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg, keys_major=keys_major)
+    return jnp.where(mask, jnp.exp(s - lse), 0.0)
+
+
+# ------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
+                q_ref, k_ref, v_ref,  # inputs
+                o_ref, lse_ref,  # outputs
+                m_scr, l_scr, acc_scr,  # scratch
+                *, cfg: _Config, num_kv_blocks: int):
+    b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
+    kv_block, real = _kv_visit(q_block, step, q_offset, kv_len, cfg, num_kv_blocks)
+
+    @pl.when(step == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, _common.MASK_VALUE, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    @pl.when(real)
+    def _accumulate():
+        v = v_ref[...]
+        s = _dot(q_ref[...], k_ref[...], "qd,kd->qk") * cfg.scale  # [bq, bk]
+        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
+        s = jnp.where(mask, s, _common.MASK_VALUE)
+        m = m_scr[...]
+        m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+        correction = jnp.exp(m - m_new)  # Rescales what was summed under the old max.
+        l_scr[...] = correction * l_scr[...] + p.sum(axis=-1, keepdims=True)
+        acc_scr[...] = correction * acc_scr[...] + _dot(p.astype(v.dtype), v, "qk,kd->qd")
+        m_scr[...] = m_new
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def _finish():
+        l = l_scr[...]
+        empty = l == 0.0  # Rows that see no key: output 0, lse +inf.
+        o_ref[...] = (acc_scr[...] / jnp.where(empty, 1.0, l)).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(empty, jnp.inf, m_scr[...] + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def _specs(cfg: _Config, head_dim: int, num_q_blocks: int, num_kv_blocks: int):
+    """BlockSpecs for grid (b, h, i, t): query tiles at block i, KV tiles at the visited block."""
+    def kv_map(b, h, i, t, q_offset_ref, kv_len_ref):
+        block, _ = _kv_visit(i, t, q_offset_ref[b], kv_len_ref[b], cfg, num_kv_blocks)
+        return b, lax.div(h, cfg.group), block, 0  # lax.div: `//` lowers through sign
+
+    q_tile = pl.BlockSpec((None, None, cfg.block_q, head_dim), lambda b, h, i, t, *_: (b, h, i, 0))
+    stats = pl.BlockSpec((None, None, cfg.block_q, 1), lambda b, h, i, t, *_: (b, h, i, 0))
+    kv_tile = pl.BlockSpec((None, None, cfg.block_k, head_dim), kv_map)
+    return q_tile, stats, kv_tile
+
+
+def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
+    batch, num_heads, seq_q_padded, head_dim = q.shape
+    num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, k.shape[2] // cfg.block_k
+    q_tile, stats, kv_tile = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(batch, num_heads, num_q_blocks, cfg.kv_steps(num_kv_blocks)),
+        in_specs=[q_tile, kv_tile, kv_tile],
+        out_specs=[q_tile, stats],
+        scratch_shapes=[pltpu.VMEM((cfg.block_q, 1), jnp.float32),
+                        pltpu.VMEM((cfg.block_q, 1), jnp.float32),
+                        pltpu.VMEM((cfg.block_q, head_dim), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, num_kv_blocks=num_kv_blocks),
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((batch, num_heads, seq_q_padded, 1), jnp.float32)],
+        compiler_params=cfg.params(),
+        interpret=cfg.interpret,
+        name="tpu_block_sparse_attention_fwd",
+    )(q_offset, kv_len, q, k, v)
+
+
+# ------------------------------------------------------------------ backward
+# With P = softmax(S), dO the output cotangent and delta = rowsum(dO * O):
+#   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,  dK = scale dS^T Q.
+
+
+def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
+               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs
+               dq_ref,  # output
+               dq_scr,  # scratch
+               *, cfg: _Config, num_kv_blocks: int):
+    b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
+    kv_block, real = _kv_visit(q_block, step, q_offset, kv_len, cfg, num_kv_blocks)
+
+    @pl.when(step == 0)
+    def _init():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+    @pl.when(real)
+    def _accumulate():
+        k = k_ref[...]
+        p = _probabilities(q_ref[...], k, lse_ref[...], q_block, kv_block, q_offset, kv_len, cfg)
+        dp = _dot(do_ref[...], v_ref[...], "qd,kd->qk")
+        ds = p * (dp - delta_ref[...])
+        dq_scr[...] += _dot(ds.astype(k.dtype), k, "qk,kd->qd")
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = (dq_scr[...] * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs
+                dk_ref, dv_ref,  # outputs
+                dk_scr, dv_scr,  # scratch
+                *, cfg: _Config, num_q_blocks: int):
+    b, kv_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
+    q_block, real = _q_visit(kv_block, step, q_offset, kv_len, cfg, num_q_blocks)
+
+    @pl.when(step == 0)
+    def _init():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    @pl.when(real)
+    def _accumulate():  # Keys-major: P^T and dS^T [bk, bq], lse and delta rows [1, bq].
+        q, k, do = q_ref[...], k_ref[...], do_ref[...]
+        p_t = _probabilities(k, q, lse_ref[...], q_block, kv_block, q_offset, kv_len, cfg,
+                             keys_major=True)
+        dv_scr[...] += _dot(p_t.astype(do.dtype), do, "kq,qd->kd")
+        dp_t = _dot(v_ref[...], do, "kd,qd->kq")
+        ds_t = p_t * (dp_t - delta_ref[...])
+        dk_scr[...] += _dot(ds_t.astype(q.dtype), q, "kq,qd->kd")
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def _finish():
+        dk_ref[...] = dk_scr[...] * cfg.scale
+        dv_ref[...] = dv_scr[...]
+
+
+def _backward(cfg: _Config, residuals, do):
+    q, k, v, q_offset, kv_len, o, lse = residuals
+    batch, num_heads, seq_q_padded, head_dim = q.shape
+    num_kv_heads, seq_k_padded = k.shape[1], k.shape[2]
+    num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, seq_k_padded // cfg.block_k
+    # delta = rowsum(dO * O) [B, H, T, 1]: a cheap elementwise pass, left to XLA.
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+    scratch = lambda length: pltpu.VMEM((length, head_dim), jnp.float32)  # noqa: E731
+    rows = lambda x: x.reshape(batch, num_heads, 1, seq_q_padded)  # noqa: E731  [B, H, T, 1] -> rows
+
+    q_tile, stats, kv_tile = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, num_kv_blocks=num_kv_blocks),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, num_heads, num_q_blocks, cfg.kv_steps(num_kv_blocks)),
+            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stats, stats],
+            out_specs=q_tile,
+            scratch_shapes=[scratch(cfg.block_q)]),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=cfg.params(),
+        interpret=cfg.interpret,
+        name="tpu_block_sparse_attention_dq",
+    )(q_offset, kv_len, q, k, v, do, lse, delta)
+
+    # Grid (b, h, j, t): KV tiles at block j, query tiles at the visited query block.
+    def q_map(b, h, j, t, q_offset_ref, kv_len_ref):
+        block, _ = _q_visit(j, t, q_offset_ref[b], kv_len_ref[b], cfg, num_q_blocks)
+        return b, h, block, 0
+
+    def row_map(*args):  # [B, H, 1, T] rows of the statistics
+        b, h, block, _ = q_map(*args)
+        return b, h, 0, block
+
+    q_visited = pl.BlockSpec((None, None, cfg.block_q, head_dim), q_map)
+    stats_visited = pl.BlockSpec((None, None, 1, cfg.block_q), row_map)
+    kv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim),
+                          lambda b, h, j, t, *_: (b, lax.div(h, cfg.group), j, 0))
+    dkv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim), lambda b, h, j, t, *_: (b, h, j, 0))
+    per_q_head = jax.ShapeDtypeStruct((batch, num_heads, seq_k_padded, head_dim), jnp.float32)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, num_heads, num_kv_blocks, cfg.q_steps(num_q_blocks)),
+            in_specs=[q_visited, kv_own, kv_own, q_visited, stats_visited, stats_visited],
+            out_specs=[dkv_own, dkv_own],
+            scratch_shapes=[scratch(cfg.block_k), scratch(cfg.block_k)]),
+        out_shape=[per_q_head, per_q_head],
+        compiler_params=cfg.params(),
+        interpret=cfg.interpret,
+        name="tpu_block_sparse_attention_dkv",
+    )(q_offset, kv_len, q, k, v, do, rows(lse), rows(delta))
+
+    def sum_groups(x):  # [B, Hkv * G, S, D] -> [B, Hkv, S, D]
+        x = x.reshape(batch, num_kv_heads, cfg.group, seq_k_padded, head_dim)
+        return x.sum(axis=2).astype(k.dtype)
+
+    return dq, sum_groups(dk), sum_groups(dv), None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_offset, kv_len, cfg: _Config):
+    return _forward(q, k, v, q_offset, kv_len, cfg)[0]
+
+
+def _attention_fwd(q, k, v, q_offset, kv_len, cfg: _Config):
+    o, lse = _forward(q, k, v, q_offset, kv_len, cfg)
+    return o, (q, k, v, q_offset, kv_len, o, lse)
+
+
+_attention.defvjp(_attention_fwd, _backward)
+
+
+def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None,
+                           q_offset, kv_len, scale: float, block_q: int, block_k: int, interpret):
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; q_offset and kv_len int32 [B].
+
+    Transposes to [B, H, L, D], pads T and S to the blocks (padded rows and keys are masked),
+    runs the custom-VJP kernels and undoes both.
+    """
+    batch, seq_q, num_heads, head_dim = q.shape
+    seq_k = k.shape[1]
+    cfg = _Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent, scale=scale,
+                  block_q=_mosaic.tpu_block(block_q, seq_q),
+                  block_k=_mosaic.tpu_block(block_k, seq_k),
+                  group=num_heads // k.shape[2], interpret=interpret)
+    kv_len = jnp.minimum(kv_len, seq_k)
+    q = _mosaic.pad_axis(_mosaic.heads_major(q), 2, cfg.block_q)
+    k, v = (_mosaic.pad_axis(_mosaic.heads_major(x), 2, cfg.block_k) for x in (k, v))
+    o = _attention(q, k, v, q_offset, kv_len, cfg)
+    return _mosaic.heads_major(o[:, :, :seq_q])

@@ -1,0 +1,151 @@
+"""Split-K decode attention as our own Mosaic TPU kernel, forward only.
+
+One new token per sequence attends to its cache: q [B, Hq, D], k and v
+[B, S, Hkv, D], `lengths` [B] valid keys per sequence.
+
+Why not JAX's TPU paged attention: ``paged_attention`` wants K and V as
+[Hkv, pages, page_size, D] and ``ragged_paged_attention`` one page array with
+K and V heads interleaved, [pages, page_size, 2 * Hkv, D]. Our cache is two
+contiguous [B, S, Hkv, D] arrays; either layout would cost a copy of the whole
+cache at every decode step, more memory traffic than the attention itself.
+
+So this kernel reads the cache in place, viewed as [B, S, Hkv * D] (a free
+reshape): a [block_k, Hkv * D] tile is legal on TPU (its last dim is whole),
+and the kernel slices each KV head's [block_k, D] columns itself (whole lane
+tiles at head_dim 128, half tiles at 64). Queries come as [Hkv, G, D] and the
+softmax state as [Hkv, G, *], so a KV head's G query rows are a leading-dim
+index, never an unaligned sublane slice. `lengths` is scalar-prefetched; the block index map clamps every block
+at or past a sequence's length to its last valid block, so those grid steps
+issue no DMA, and `pl.when` skips their math. The grid is
+(batch, split, block): splits are independent ("parallel", so a megacore TPU
+shares them between its cores) and each returns a partial (o, m, l); a cheap
+jnp reduction combines them with log-sum-exp rescaling.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _common
+from pallas_kernels.tpu import _mosaic
+
+
+def _split_kernel(lengths_ref,  # scalar prefetch
+                  q_ref, k_ref, v_ref,  # inputs
+                  o_ref, m_ref, l_ref,  # outputs (partial, per split)
+                  m_scr, l_scr, acc_scr,  # scratch
+                  *, scale: float, block_k: int, blocks_per_split: int):
+    b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first_key = (split * blocks_per_split + step) * block_k
+    num_kv_heads, group, head_dim = q_ref.shape  # [Hkv, G, D]
+
+    @pl.when(step == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, _common.MASK_VALUE, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    @pl.when(first_key < lengths_ref[b])
+    def _accumulate():
+        cols = first_key + lax.broadcasted_iota(jnp.int32, (group, block_k), 1)
+        mask = cols < lengths_ref[b]
+        for h in range(num_kv_heads):  # static: KV head h and its G query heads
+            lanes = pl.ds(h * head_dim, head_dim)
+            k, v = k_ref[:, lanes], v_ref[:, lanes]  # [bk, D]
+            s = jnp.einsum("gd,kd->gk", q_ref[h], k, preferred_element_type=jnp.float32) * scale
+            s = jnp.where(mask, s, _common.MASK_VALUE)
+            m = m_scr[h]  # [G, 1]
+            m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+            correction = jnp.exp(m - m_new)
+            l_scr[h] = correction * l_scr[h] + p.sum(axis=-1, keepdims=True)
+            acc_scr[h] = correction * acc_scr[h] + jnp.einsum(
+                "gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            m_scr[h] = m_new
+
+    @pl.when(step == pl.num_programs(2) - 1)
+    def _finish():  # Unnormalised; the reduction divides by the combined l.
+        o_ref[...] = acc_scr[...]
+        m_ref[...] = m_scr[...]
+        l_ref[...] = l_scr[...]
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+                     scale: float | None = None, block_k: int = 128, num_splits: int = 16,
+                     interpret=None) -> jax.Array:
+    """Single-token attention over a KV cache on TPU, split along the keys.
+
+    Args:
+      q: [B, Hq, D] one query per sequence.
+      k, v: [B, S, Hkv, D] cache; Hq % Hkv == 0.
+      lengths: int32 [B] (may be traced); sequence b attends to keys j < lengths[b] (clipped to
+        S). A sequence with length 0 gets a zero output.
+      scale: softmax scale, default 1 / sqrt(D).
+      block_k: keys per grid step, a multiple of 128 (shrunk for short caches).
+      num_splits: the most chunks the keys are split into, each a whole number of blocks.
+      interpret: None = TPU interpret mode unless running on (or lowering for) a TPU, where the
+        kernels compile; True = JAX's generic interpreter (works under jax.checkpoint); a
+        pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
+
+    Returns:
+      [B, Hq, D] like q.
+    """
+    _common.check_qkv(q, k, v, q_ndim=3)
+    _mosaic.check_tpu_block("block_k", block_k)
+    _common.check_block("num_splits", num_splits)
+    batch, num_heads, head_dim = q.shape
+    seq_k, num_kv_heads = k.shape[1], k.shape[2]
+    scale = _common.default_scale(head_dim, scale)
+    interpret = _mosaic.interpret_mode(interpret)
+    lengths = jnp.minimum(_common.per_batch(lengths, batch, seq_k), seq_k)
+
+    block_k = _mosaic.tpu_block(block_k, seq_k)
+    num_blocks = _common.cdiv(seq_k, block_k)
+    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
+    num_splits = _common.cdiv(num_blocks, blocks_per_split)
+    # [B, S, Hkv, D] -> [B, S', Hkv * D]: free reshape; S' pads S to whole splits.
+    k, v = (_mosaic.pad_axis(x, 1, blocks_per_split * block_k).reshape(
+        batch, -1, num_kv_heads * head_dim) for x in (k, v))
+
+    def kv_map(b, split, step, lengths_ref):  # Blocks past the length repeat the last valid one.
+        last_valid = jnp.maximum(_common.cdiv(lengths_ref[b], block_k) - 1, 0)
+        return b, jnp.minimum(split * blocks_per_split + step, last_valid), 0
+
+    # Query heads grouped by KV head, [B, Hkv, G, D]: the kernel indexes KV head h on the leading dim.
+    group = num_heads // num_kv_heads
+    q = q.reshape(batch, num_kv_heads, group, head_dim)
+    kv_tile = pl.BlockSpec((None, block_k, num_kv_heads * head_dim), kv_map)
+    per_split = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, None, num_kv_heads, group, width), lambda b, split, step, _: (b, split, 0, 0, 0))
+    partial_out = lambda width: jax.ShapeDtypeStruct(  # noqa: E731
+        (batch, num_splits, num_kv_heads, group, width), jnp.float32)
+    o, m, l = pl.pallas_call(
+        functools.partial(_split_kernel, scale=scale, block_k=block_k,
+                          blocks_per_split=blocks_per_split),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(batch, num_splits, blocks_per_split),
+            in_specs=[pl.BlockSpec((None, num_kv_heads, group, head_dim),
+                                   lambda b, split, step, _: (b, 0, 0, 0)),
+                      kv_tile, kv_tile],
+            out_specs=[per_split(head_dim), per_split(1), per_split(1)],
+            scratch_shapes=[pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
+                            pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
+                            pltpu.VMEM((num_kv_heads, group, head_dim), jnp.float32)]),
+        out_shape=[partial_out(head_dim), partial_out(1), partial_out(1)],
+        compiler_params=_mosaic.compiler_params(("parallel", "parallel", "arbitrary"), interpret),
+        interpret=interpret,
+        name="tpu_decode_attention_split",
+    )(lengths, q, k, v)
+
+    # Combine the splits: weight each by exp(m_split - m_max) (0 if it saw no key).
+    weight = jnp.where(l > 0.0, jnp.exp(m - m.max(axis=1, keepdims=True)), 0.0)  # [B, splits, Hkv, G, 1]
+    l_total = jnp.sum(weight * l, axis=1)  # [B, Hkv, G, 1]
+    o = jnp.sum(weight * o, axis=1) / jnp.where(l_total == 0.0, 1.0, l_total)
+    return o.reshape(batch, num_heads, head_dim).astype(q.dtype)

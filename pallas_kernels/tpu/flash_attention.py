@@ -1,0 +1,89 @@
+"""Dense (causal) flash attention on TPU: splash attention, or our own Mosaic kernel.
+
+`flash_attention` has the signature and semantics of the GPU kernel
+(`pallas_kernels.flash_attention`), and `masked_attention` is the one place that
+chooses between the two TPU implementations, for it and for
+`lambda_attention`:
+
+* splash attention (`splash.py`) when the mask is static: ``q_offset`` and
+  ``kv_len`` are Python ints, and every query sees at least one key (splash
+  leaves a row with no key undefined);
+* otherwise the own scalar-prefetch kernel (`block_sparse.py`): traced or
+  per-sequence [B] offsets and lengths, as in chunked prefill.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pallas_kernels import _common
+from pallas_kernels.tpu import _mosaic, splash
+from pallas_kernels.tpu.block_sparse import block_sparse_attention
+
+
+def _static_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _every_query_sees_a_key(*, seq_q: int, q_offset: int, kv_len: int, sink: int | None,
+                            recent: int | None) -> bool:
+    if kv_len < 1 or q_offset < 0:
+        return False
+    if recent is None or sink > 0:  # Key 0 is visible to every query.
+        return True
+    # Λ without sinks: the last query (position q_offset + T - 1) must reach key kv_len - 1.
+    return q_offset + seq_q - kv_len < recent
+
+
+def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None, q_offset,
+                     kv_len, scale: float | None, block_q: int, block_k: int,
+                     interpret) -> jax.Array:
+    """Checks the arguments and runs splash attention or the own kernel (see the module docstring)."""
+    _common.check_qkv(q, k, v)
+    _mosaic.check_tpu_block("block_q", block_q)
+    _mosaic.check_tpu_block("block_k", block_k)
+    if recent is not None:
+        _common.check_window(sink, recent)
+    batch, seq_q, _, head_dim = q.shape
+    seq_k = k.shape[1]
+    scale = _common.default_scale(head_dim, scale)
+    interpret = _mosaic.interpret_mode(interpret)
+    window = dict(causal=causal, sink=sink, recent=recent, scale=scale, block_q=block_q,
+                  block_k=block_k, interpret=interpret)
+    static_len = seq_k if kv_len is None else kv_len
+    if (splash.available() and _static_int(q_offset) and _static_int(static_len)
+            and _every_query_sees_a_key(seq_q=seq_q, q_offset=int(q_offset),
+                                        kv_len=min(int(static_len), seq_k), sink=sink,
+                                        recent=recent)):
+        return splash.splash_attention(q, k, v, q_offset=int(q_offset),
+                                       kv_len=min(int(static_len), seq_k), **window)
+    return block_sparse_attention(q, k, v, q_offset=_common.per_batch(q_offset, batch, 0),
+                                  kv_len=_common.per_batch(kv_len, batch, seq_k), **window)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                    q_offset=0, kv_len=None, scale: float | None = None, block_q: int = 128,
+                    block_k: int = 128, interpret=None) -> jax.Array:
+    """Dense (causal) flash attention on TPU, differentiable (custom VJP).
+
+    Args:
+      q: [B, T, Hq, D] queries; query i sits at absolute position q_offset + i.
+      k, v: [B, S, Hkv, D] keys and values, key j at position j; Hq % Hkv == 0.
+      causal: query at position p sees keys j <= p.
+      q_offset: int, int32 scalar or int32 [B] (may be traced).
+      kv_len: None (= S), int, int32 scalar or int32 [B] (may be traced): keys j >= kv_len are
+        masked out; key blocks entirely past it are skipped.
+      scale: softmax scale, default 1 / sqrt(D).
+      block_q, block_k: tile sizes, multiples of 128 (TPU tiling; shrunk for short sequences;
+        T and S need not be multiples, they are padded and masked).
+      interpret: None = TPU interpret mode unless running on (or lowering for) a TPU, where the
+        kernels compile; True = JAX's generic interpreter (works under jax.checkpoint); a
+        pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
+
+    Returns:
+      [B, T, Hq, D] like q. Queries that see no key get 0.
+    """
+    return masked_attention(q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
+                            kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
+                            interpret=interpret)
