@@ -202,18 +202,76 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 
 
 def safetensors_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every tensor of one .safetensors file, memory-mapped (read on access)."""
+    """(name, array) for every tensor of one .safetensors file, memory-mapped (read on access).
+
+    The header is checked against the file before any tensor is read, so a truncated or corrupt file is a
+    `LoadError` naming the file and the problem, not a reshape error from deep inside loading.
+    """
+    header, data_start = _safetensors_header(path)
+    empty = data_start == path.stat().st_size  # only zero-size tensors; np.memmap cannot map 0 bytes
+    data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
+    for name, (dtype, shape, begin, end) in header.items():
+        yield name, data[begin:end].view(dtype).reshape(shape)
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int]:
+    """{name: (dtype, shape, begin, end)} of a .safetensors file and where its data starts, validated.
+
+    The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length N, N bytes of
+    JSON {name: {dtype, shape, data_offsets: [begin, end]}}, then the tensors' bytes, which the offsets
+    (relative to the end of the header) cover exactly, without gaps.
+    """
+    size = path.stat().st_size
+    redownload = "re-download the file (a partial download or a damaged copy)"
     with open(path, "rb") as f:
+        if size < 8:
+            raise LoadError(f"{path}: {size} bytes is too short for a safetensors file; {redownload}")
         (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+        if header_len > size - 8:
+            raise LoadError(f"{path}: the header length field says {header_len} bytes but the file has only "
+                            f"{size - 8} after it (truncated, or not a safetensors file); {redownload}")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{path}: the {header_len}-byte header is not valid JSON ({e}): a wrong header length "
+                        f"or a corrupt file; {redownload}") from None
+    if not isinstance(header, dict):
+        raise LoadError(f"{path}: the header is not a JSON object; {redownload}")
+    tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise LoadError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which duo-jax does not load")
-        begin, end = info["data_offsets"]
-        yield name, data[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end))
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise LoadError(f"{path}: tensor {name!r} has a malformed header entry {info!r} (expected dtype, "
+                            f"shape and data_offsets [begin, end]); {redownload}")
+        if dtype_name not in _SAFETENSORS_DTYPES:
+            raise LoadError(f"{path}: tensor {name!r} has dtype {dtype_name!r}, which duo-jax does not load "
+                            f"(it loads {', '.join(_SAFETENSORS_DTYPES)})")
+        dtype = np.dtype(_SAFETENSORS_DTYPES[dtype_name])
+        if end - begin != dtype.itemsize * int(np.prod(shape)):
+            raise LoadError(f"{path}: tensor {name!r} ({dtype_name}, shape {list(shape)}) needs "
+                            f"{dtype.itemsize * int(np.prod(shape))} bytes but its data_offsets span {end - begin}; "
+                            f"the header is corrupt; {redownload}")
+        tensors[name] = (dtype, shape, begin, end)
+    data_len, covered = size - 8 - header_len, 0
+    for name, (_, _, begin, end) in sorted(tensors.items(), key=lambda item: item[1][2]):
+        if begin != covered:
+            raise LoadError(f"{path}: tensor {name!r} starts at data byte {begin}, expected {covered} (tensors "
+                            f"overlap or leave a gap); the header is corrupt; {redownload}")
+        covered = end
+    if covered > data_len:
+        raise LoadError(f"{path}: the file is truncated: its tensors need {covered} data bytes but it has "
+                        f"{max(data_len, 0)}; {redownload}")
+    if covered < data_len:
+        raise LoadError(f"{path}: {data_len - covered} bytes follow the last tensor (a wrong header length "
+                        f"or a corrupt file); {redownload}")
+    return tensors, 8 + header_len
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -235,16 +293,37 @@ def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise WeightsNotFoundError(f"{directory} has no config.json; is it a Hugging Face model directory?")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()), name=name or directory.name)
-    builder = _ParamsBuilder(config, dtype, str(directory))
-    for file in _safetensors_files(directory):
-        for tensor_name, w in safetensors_tensors(file):
-            builder.put(tensor_name, w)
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_path} is not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise ConfigError(f"{config_path} is not a JSON object")
+    try:
+        config = ModelConfig.from_hf(hf_config, name=name or directory.name)
+    except ConfigError as e:
+        raise ConfigError(f"{config_path}: {e}") from None
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(directory / "tokenizer.json", bos_id=config.bos_token_id,
                                         eos_ids=config.eos_token_ids)
+        _check_vocab(tokenizer, config, directory / "tokenizer.json")
+    builder = _ParamsBuilder(config, dtype, str(directory))
+    for file in _safetensors_files(directory):
+        for tensor_name, w in safetensors_tensors(file):
+            builder.put(tensor_name, w)
     return Model(config, builder.finish(), tokenizer, str(directory))
+
+
+def _check_vocab(tokenizer: Tokenizer, config: ModelConfig, source: Path) -> None:
+    """A tokenizer that can emit ids past the embedding's rows belongs to another model.
+
+    (Fewer tokens than rows is normal: embeddings are often padded to a round size.)
+    """
+    if tokenizer.vocab_size > config.vocab_size:
+        raise LoadError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the weights' vocabulary "
+                        f"(vocab_size) has {config.vocab_size}; the tokenizer belongs to another model: use the "
+                        "tokenizer that ships with these weights")
 
 
 # --- GGUF --------------------------------------------------------------------------------------------
@@ -308,10 +387,21 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise LoadError(f"{path} is not a readable GGUF file: {e}") from None
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        # The reader maps the whole file and views the header and every tensor in it; a file cut short ends
+        # in a failed view or reshape at the first item that runs past the end.
+        raise LoadError(f"{path} ({path.stat().st_size} bytes) is not a readable GGUF file: it is truncated "
+                        f"(a partial download) or corrupt ({e}); re-download it") from None
     fields = {k: f.contents() for k, f in reader.fields.items()}
-    config = _gguf_config(fields, {t.name for t in reader.tensors}, name or path.stem)
+    try:
+        config = _gguf_config(fields, {t.name for t in reader.tensors}, name or path.stem)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except KeyError as e:
+        raise ConfigError(f"{path}: the GGUF metadata lacks the required key {e.args[0]!r}") from None
+    tokenizer = Tokenizer.from_gguf_fields(fields)
+    if tokenizer is not None:
+        _check_vocab(tokenizer, config, path)
     builder = _ParamsBuilder(config, dtype, str(path))
     for tensor in reader.tensors:
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -321,5 +411,5 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
         elif ".attn_k." in tensor.name:
             w = _unpermute_rows(w, config.num_kv_heads)
         builder.put(_gguf_to_hf_name(tensor.name), w)
-    return Model(config, builder.finish(), Tokenizer.from_gguf_fields(fields), str(path))
+    return Model(config, builder.finish(), tokenizer, str(path))
 
