@@ -40,6 +40,9 @@ class Model:
     params: Params
     tokenizer: Tokenizer | None
     source: str  # where the weights were read from
+    # What the model calls itself (Hugging Face repo, GGUF general.name, file / directory name): whether
+    # one says "instruct" or "chat" decides if generate applies the chat template by default (duo_jax.chat).
+    names: tuple[str, ...] = ()
 
 
 def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None) -> Model:
@@ -54,10 +57,13 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.
             read_named(name)  # raises the unknown-name error listing the known names
         path = find_weights(name)
     path = Path(path)
+    repo = (read_named(name)["hf_repo"],) if name in named_configs() else ()
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype, name=name)
+        model = load_gguf(path, dtype, name=name)
+        return dataclasses.replace(model, names=repo + model.names)
     if path.is_dir():
-        return load_hf_dir(path, dtype, name=name)
+        model = load_hf_dir(path, dtype, name=name)
+        return dataclasses.replace(model, names=repo + model.names)
     raise WeightsNotFoundError(
         f"{path} is neither a Hugging Face model directory nor a .gguf file" if path.exists()
         else f"no such file or directory: {path}")
@@ -312,7 +318,8 @@ def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model
     for file in _safetensors_files(directory):
         for tensor_name, w in safetensors_tensors(file):
             builder.put(tensor_name, w)
-    return Model(config, builder.finish(), tokenizer, str(directory))
+    names = tuple(n for n in (hf_config.get("_name_or_path"), directory.name) if isinstance(n, str) and n)
+    return Model(config, builder.finish(), tokenizer, str(directory), names)
 
 
 def _check_vocab(tokenizer: Tokenizer, config: ModelConfig, source: Path) -> None:
@@ -411,5 +418,7 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
         elif ".attn_k." in tensor.name:
             w = _unpermute_rows(w, config.num_kv_heads)
         builder.put(_gguf_to_hf_name(tensor.name), w)
-    return Model(config, builder.finish(), tokenizer, str(path))
+    names = tuple(n for n in (fields.get("general.name"), fields.get("general.finetune"), path.stem)
+                  if isinstance(n, str) and n)
+    return Model(config, builder.finish(), tokenizer, str(path), names)
 
