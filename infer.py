@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     print(out.text[0] if chat else text + out.text[0])  # chat: the reply; raw: the prompt and its continuation
     s = out.stats
     heads = f"retrieval heads {s['retrieval_heads']}/{s['kv_heads']} | " if "retrieval_heads" in s else ""
-    print(f"\n{s['method']}{' | chat' if chat else ''} | prompt {s['prompt_tokens'][0]} tokens | prefill {s['prefill_s']:.2f} s | decode "
+    print(f"\n{s['method']}{' | chat' if chat else ''} | prompt {s['prompt_tokens'][0]} tokens | "
+          f"prefill {s['prefill_s']:.2f} s | decode "
           f"{s['decode_steps']} steps in {s['decode_s']:.2f} s ({s['decode_tokens_per_s']:.1f} tok/s) | "
           f"compile {s['compile_s']:.1f} s\n{heads}KV cache {s['cache_bytes'] / 2**20:.2f} MiB "
           f"(full attention: {s['full_cache_bytes'] / 2**20:.2f} MiB)", file=sys.stderr)

@@ -34,7 +34,7 @@ def is_chat_model(model) -> bool:
     """Whether `generate` applies the chat template by default: the model has a template and one of its names
     (named config's Hugging Face repo, GGUF general.name / finetune / file name, config.json's _name_or_path,
     directory name) says "instruct" or "chat"."""
-    return (model.tokenizer is not None and model.tokenizer.chat_template is not None
+    return (getattr(model.tokenizer, "chat_template", None) is not None  # None too for duck-typed tokenizers
             and any(_CHAT_NAME.search(name) for name in model.names))
 
 
@@ -97,22 +97,23 @@ def chat_prompts(model, prompts, chat: bool | None):
     """`prompts` for `generate` with chat applied: each text or conversation becomes the token ids of its
     rendered template; token-id prompts pass unchanged. chat=None: on when `is_chat_model(model)` (a
     conversation always needs it); False: texts pass unchanged."""
-    batch = prompts if isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (int, dict)) \
-        and not hasattr(prompts[0], "dtype") else [prompts]
+    # A batch is a list of texts, conversations or token-id lists; anything else is one prompt.
+    is_batch = isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (str, list, tuple))
+    batch = list(prompts) if is_batch else [prompts]
     conversations = [_conversation(p) for p in batch]
     has_messages = any(c is not None and not isinstance(p, str) for c, p in zip(conversations, batch))
+    if all(c is None for c in conversations):
+        if chat:
+            raise DuoJaxError("chat=True needs text prompts or messages; token-id prompts are never wrapped")
+        return prompts
     if chat is False:
         if has_messages:
             raise DuoJaxError("chat messages need the chat template; pass chat=True (or leave chat unset)")
         return prompts
     if chat is None and not (has_messages or is_chat_model(model)):
         return prompts
-    if all(c is None for c in conversations):
-        if chat:
-            raise DuoJaxError("chat=True needs text prompts or messages; token-id prompts are never wrapped")
-        return prompts
     tokenizer = require(model.tokenizer, "chat")
-    if tokenizer.chat_template is None:
+    if getattr(tokenizer, "chat_template", None) is None:
         raise DuoJaxError("this model ships no chat template (GGUF tokenizer.chat_template, chat_template.jinja or "
                           "tokenizer_config.json); pass chat=False (--no-chat) to send the raw text")
     return [p if c is None else tokenizer.encode(render(tokenizer.chat_template, c, **tokenizer.special_tokens),
