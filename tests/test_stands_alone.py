@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Written in pieces so that this file does not match itself.
+# This file names the paths it looks for, so it does not scan itself.
 MACHINE_PATH = re.compile("|".join([r"/" + "work/", r"/" + "tmp/", r"\b" + "shared/", r"/" + "home/", r"/" + "root/",
                                     r"/" + "Users/", r"/" + "opt/", r"/" + "mnt/", r"[A-Z]:\\" + r"\\Users"]))
 
@@ -27,6 +27,8 @@ def _tracked_files() -> list[Path]:
 def test_no_tracked_file_names_a_machine_path():
     offenders = []
     for path in _tracked_files():
+        if path == Path(__file__).resolve():
+            continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
