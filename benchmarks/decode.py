@@ -5,7 +5,7 @@ A context of C tokens is a prompt of C - N tokens of real prose plus N generated
 excludes the prefill (see benchmarks/common.py). Ratios are speed-ups (> 1: the first is faster).
 
     python benchmarks/decode.py                      # SmolLM2-135M, its shipped pattern, 2k / 4k / 8k
-    python benchmarks/decode.py --pattern PATH --contexts 1024 2048 --new-tokens 16 --out /tmp/decode
+    python benchmarks/decode.py --pattern PATH --contexts 1024 2048 --new-tokens 16 --out results/benchmarks/decode
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
    reports none).
 
     python benchmarks/memory.py                        # SmolLM2 at 2k / 4k / 8k, Llama-3-8B at 8k .. 1M
-    python benchmarks/memory.py --pattern PATH --contexts 1024 4096 --out /tmp/memory
+    python benchmarks/memory.py --pattern PATH --contexts 1024 4096 --out results/benchmarks/memory
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Ours prefills in chunks of --chunk-size tokens (`duo_jax.generate`, compilation 
 apart); the peer runs its whole prompt in one forward. Ratios are speed-ups (> 1: the first is faster).
 
     python benchmarks/prefill.py                     # SmolLM2-135M, its shipped pattern, 1k / 2k / 4k
-    python benchmarks/prefill.py --pattern PATH --lengths 512 1024 --out /tmp/prefill
+    python benchmarks/prefill.py --pattern PATH --lengths 512 1024 --out results/benchmarks/prefill
 """
 
 from __future__ import annotations

