@@ -158,9 +158,9 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ).
     method: a name of `duo_jax.methods.METHODS` ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv",
-    "pyramidkv", "headkv", "duo_headkv"), "infinigen" (calibrated here on the calibration essays, `calibrate_infinigen`), or a
-    built `Method`; None: "duo" when a pattern is given, else "full". method_options: that method's options
-    (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
+    "pyramidkv", "headkv", "duo_headkv"), "infinigen" (calibrated here on the calibration essays,
+    `calibrate_infinigen`), or a built `Method`; None: "duo" when a pattern is given, else "full".
+    method_options: that method's options (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
     pattern: a `Pattern`, a path to one, or "default" (the model's own); binarised at `sparsity` (the
     fraction of streaming heads; 1 is StreamingLLM with absolute positions).
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;

@@ -11,6 +11,7 @@ from duo_jax.data.passkey import Sample, SampleStream, context_lengths, make_sam
 
 __all__ = [
     "CALIBRATION_HAYSTACK", "EVALUATION_HAYSTACK", "CalibrationOverlapWarning", "DataError", "NeedlePrompt",
-    "Sample", "SampleStream", "context_lengths", "encode", "grid", "haystack_tokens", "load_haystack", "make_needle_prompt", "make_passkey_prompt", "make_sample", "min_context_len",
-    "overlaps", "score_contains", "score_needle", "score_passkey",
+    "Sample", "SampleStream", "context_lengths", "encode", "grid", "haystack_tokens", "load_haystack",
+    "make_needle_prompt", "make_passkey_prompt", "make_sample", "min_context_len", "overlaps", "score_contains",
+    "score_needle", "score_passkey",
 ]

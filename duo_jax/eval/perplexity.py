@@ -1,8 +1,8 @@
 """Perplexity on long text per position bucket, compared across attention modes in one run.
 
-The text (the evaluation half of the Paul Graham essays by default, Jane Austen's novels with ``source="austen"``, or a folder of
-.txt files; see `duo_jax.data.load_haystack`) is tokenized and cut into `samples` consecutive windows of
-`length` tokens (with the tokenizer's BOS first when it adds one). Each window is teacher-forced through
+The text (the evaluation half of the Paul Graham essays by default, Jane Austen's novels with
+``source="austen"``, or a folder of .txt files; see `duo_jax.data.load_haystack`) is tokenized and cut
+into `samples` consecutive windows of `length` tokens (with the tokenizer's BOS first when it adds one). Each window is teacher-forced through
 the engine exactly as generation prefills a prompt: `duo_jax.engine.extend` (compiled as
 `duo_jax.generation.compiled_extend`) over chunks of `chunk_size` tokens with ``all_logits=True``, the
 mode's cache carried from chunk to chunk. So on a streaming
