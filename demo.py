@@ -2,12 +2,12 @@
 StreamingLLM holding exactly as many KV-cache bytes as DuoAttention.
 
 Loads the embedded SmolLM2-135M-Instruct (fp32 on CPU) and its shipped head pattern, hides the San Francisco
-needle in the Paul Graham essays at a few depths of a few context lengths, and asks for it in the three modes
-(`python -m duo_jax.eval niah` runs bigger grids). The prompts of one length go through one batched
-`generate` call per mode. The prompts are token ids in the DuoAttention paper's completion format ("...
-Answer: The best thing to do in San Francisco is"), so the model's chat template is not applied (generate
-wraps only text prompts and conversations). Prints the accuracy table and the KV cache per mode, and writes
-the heat maps (depth x length, green found / red missed) and niah.json to --out.
+needle in the evaluation half of the Paul Graham essays at a few depths of a few context lengths, and asks
+for it in the three modes (`python -m duo_jax.eval niah` runs bigger grids). The prompts of one length go
+through one batched `generate` call per mode. The prompts are token ids in the DuoAttention paper's completion
+format ("... Answer: The best thing to do in San Francisco is"), so the model's chat template is not applied
+(generate wraps only text prompts and conversations). Prints the accuracy table and the KV cache per mode, and
+writes the heat maps (depth x length, green found / red missed) and niah.json to --out.
 
     python demo.py                       # the default grid: about 8 minutes on 2 CPU cores
     python demo.py --pattern PATH        # another head pattern (a folder or full_attention_heads.tsv)

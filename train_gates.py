@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (the last 2 are kept)")
 
     group = parser.add_argument_group("data")
-    group.add_argument("--haystack", default="paul_graham",
-                       help="paul_graham, austen, a directory of .txt files, or tfds:<name>")
+    group.add_argument("--haystack", default="paul_graham:calibration",
+                       help="paul_graham:calibration (the essays' half that evaluations do not use), paul_graham, "
+                            "austen, a directory of .txt files, or tfds:<name>")
     group.add_argument("--min-len", type=int, default=1000,
                        help="shortest context (raised, with a note, to what the passkeys need)")
     group.add_argument("--max-len", type=int, help="longest context (default: the model's context length)")
@@ -54,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--passkey-words", type=int, default=32, help="words per passkey")
     group.add_argument("--min-depth", type=float, default=0.05, help="shallowest passkey depth")
     group.add_argument("--max-depth", type=float, default=0.95, help="deepest passkey depth")
-    group.add_argument("--supervise", choices=("answers", "qa"), default="answers",
-                       help="positions the loss compares: the answer tokens, or every question/answer token")
+    group.add_argument("--supervise", choices=("qa", "answers"), default="qa",
+                       help="positions the loss compares: every question/answer token (the original's labels), "
+                            "or the answer tokens only")
     group.add_argument("--seed", type=int, default=42, help="sample i depends only on (seed, i)")
 
     group = parser.add_argument_group("devices")

@@ -88,12 +88,13 @@ def mode(name: str, model, pattern, args: argparse.Namespace, context: int):
 
 
 def text_prompt(model, length: int) -> list[int]:
-    """`length` tokens of real prose (the Paul Graham essays), BOS first when the tokenizer adds one."""
-    from duo_jax.data.haystack import haystack_tokens
+    """`length` tokens of real prose (the evaluation half of the Paul Graham essays), BOS first when the
+    tokenizer adds one."""
+    from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
     from duo_jax.eval.niah import bos_id
 
     bos = bos_id(model.tokenizer)
-    ids = haystack_tokens(model.tokenizer, "paul_graham", length - (bos is not None))
+    ids = haystack_tokens(model.tokenizer, EVALUATION_HAYSTACK, length - (bos is not None))
     return ([bos] if bos is not None else []) + ids
 
 

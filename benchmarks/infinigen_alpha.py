@@ -1,12 +1,14 @@
 """InfiniGen's two approximations, one at a time: the alpha threshold and speculating from the previous layer.
 
-Perplexity of --length tokens of the Paul Graham essays, the first --prefix as the prompt and the rest decoded
-one token per step (`duo_jax.eval.perplexity.engine_nll`), with InfiniGen fetching at most --budget x --length
-tokens per KV head per step, for each combination of
-- alpha: the paper's threshold (keep tokens whose speculated logit is within alpha of the max; the count is
-  averaged over the layer's heads, then capped by the budget), or inf (always the budget's top-k), and
-- speculation from the previous layer's attention input (the paper, `InfiniGen(lookahead=True)`) or from this
-  layer's own partial query,
+Perplexity of --length tokens of the evaluation half of the Paul Graham essays, the first --prefix as the
+prompt and the rest decoded one token per step (`duo_jax.eval.perplexity.engine_nll`), with InfiniGen (the
+authors' Llama rules otherwise: layers 0-1 dense, Q-and-K partial channels) fetching at most --budget x
+--length tokens per KV head per step, for each combination of
+- alpha: the threshold (keep tokens whose speculated logit is within alpha of the max; the count is averaged
+  over the layer's heads, then capped by the budget): 5 (the authors' Llama setting), 4 (their OPT setting),
+  or inf (always the budget's top-k), and
+- speculation from the previous layer's attention input (the original, `InfiniGen(lookahead=True)`) or from
+  this layer's own partial query,
 next to full attention on the same tokens.
 
     python benchmarks/infinigen_alpha.py
@@ -25,19 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=2048, help="window (tokens)")
     p.add_argument("--prefix", type=int, default=1536, help="prompt tokens; the rest is decoded")
     p.add_argument("--budget", type=float, default=0.5, help="most tokens fetched per KV head, share of --length")
-    p.add_argument("--alphas", type=float, nargs="+", default=[4.0, 5.0, float("inf")], help="thresholds")
+    p.add_argument("--alphas", type=float, nargs="+", default=[5.0, 4.0, float("inf")], help="thresholds")
     args = p.parse_args(argv)
 
     import jax.numpy as jnp
     import numpy as np
 
     import duo_jax
+    from duo_jax.data.haystack import EVALUATION_HAYSTACK
     from duo_jax.eval.modes import ModeSettings, mode_settings
     from duo_jax.eval.perplexity import engine_nll, text_windows
     from duo_jax.methods.infinigen import InfiniGen, skew_on_text
 
     model = duo_jax.load(args.model, dtype=jnp.float32)
-    tokens = text_windows(model, "paul_graham", args.length, 1)
+    tokens = text_windows(model, EVALUATION_HAYSTACK, args.length, 1)
     skew = skew_on_text(model.params, model.config, model.tokenizer)
     budget = int(args.budget * args.length)
 
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             method = dataclasses.replace(InfiniGen.from_skew(*skew, context=args.length, kv_budget=budget, alpha=alpha),
                                          lookahead=lookahead)
             ppl = decoded_ppl(ModeSettings("infinigen", None, 0.0, 0, 1, budget, method="infinigen", instance=method))
-            speculation = "previous layer (paper)" if lookahead else "this layer"
+            speculation = "previous layer (original)" if lookahead else "this layer"
             rows.append(["infinigen", alpha, speculation, ppl, ppl / full])
             results.append(dict(alpha=alpha, lookahead=lookahead, decoded_ppl=ppl))
     common.write_result(args.out, "infinigen_alpha", title=f"InfiniGen on {model.config.name}: decoded perplexity",

@@ -2,14 +2,15 @@
 
 For each budget F (tokens kept per KV head as a fraction of the evaluated length; see duo_jax/eval/modes.py
 for how each method meets it), every mode runs
-- the NIAH grid (`duo_jax.eval.niah.run_niah`: the San Francisco needle in the Paul Graham essays at
-  --depths of --lengths tokens, greedy, scored on the answer), and
-- perplexity on --ppl-length tokens of the essays whose first --ppl-prefix are the prompt and the rest is
+- the NIAH grid (`duo_jax.eval.niah.run_niah`: the San Francisco needle in the evaluation half
+  of the Paul Graham essays at --depths of --lengths tokens, greedy, scored on the answer), and
+- perplexity on --ppl-length tokens of that half of the essays whose first --ppl-prefix are the prompt and the rest is
   decoded one token per step after the method compressed the prompt (`duo_jax.eval.perplexity`).
 Full attention runs once (it has no budget). Each (task, budget, mode) result is written to
 <out>/<task>/<budget>/<mode>/ when it is done and a rerun skips those already there, so an interrupted
-run resumes where it stopped. Prints one table (a row per mode and budget) and writes methods.json and
-methods.png (the NIAH heat maps, a row per budget, a column per mode).
+run resumes where it stopped (use a fresh --out after changing a method or the data). Prints one table (a
+row per mode and budget) and writes methods.json and methods.png (the NIAH heat maps, a row per budget, a
+column per mode).
 
     python benchmarks/methods.py                                  # SmolLM2, budgets 0.25 and 0.5, all modes
     python benchmarks/methods.py --modes full duo h2o --budgets 0.5 --lengths 1024 --ppl-length 1024 --ppl-prefix 768

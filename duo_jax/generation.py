@@ -19,7 +19,7 @@ from duo_jax.engine import decode, extend, prepare_params
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model
 from duo_jax.methods import DuoAttention, InfiniGen, Method, cache_nbytes, make_method
-from duo_jax.methods.infinigen import skew_on_text
+from duo_jax.methods.infinigen import DENSE_LAYERS, LLAMA_ALPHA, skew_on_text
 from duo_jax.model import param_shapes
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.sampling import Sampling, sample
@@ -139,16 +139,20 @@ def build_method(config: ModelConfig, method: str | Method | None, *, context: i
     return make_method(name, config, context=context, **options)
 
 
-def calibrate_infinigen(model: Model, *, context: int, kv_budget: int | None = None, alpha: float = 4.0,
-                        partial_ratio: float = 0.2, offload: str = "auto", **unknown) -> InfiniGen:
-    """InfiniGen for `model`, skewed on a sample of the essays (`duo_jax.methods.infinigen.skew_on_text`)."""
+def calibrate_infinigen(model: Model, *, context: int, kv_budget: int | None = None, alpha: float = LLAMA_ALPHA,
+                        partial_ratio: float = 0.2, channel_rule: str = "qk", dense_layers: int = DENSE_LAYERS,
+                        offload: str = "auto", **unknown) -> InfiniGen:
+    """InfiniGen for `model` with the authors' Llama rules by default, skewed on a sample of the calibration
+    essays (`duo_jax.methods.infinigen.skew_on_text`)."""
     if unknown:
         raise DuoJaxError(f"method 'infinigen' does not take {', '.join(sorted(unknown))} (its options: alpha, "
-                          "kv_budget, offload, partial_ratio)")
+                          "channel_rule, dense_layers, kv_budget, offload, partial_ratio)")
     if kv_budget is None or not kv_budget > 0:
         raise DuoJaxError(f"method 'infinigen' needs a positive kv_budget (tokens fetched per KV head), got {kv_budget}")
-    A, channels = skew_on_text(model.params, model.config, model.tokenizer, partial_ratio=partial_ratio)
-    return InfiniGen.from_skew(A, channels, context=context, kv_budget=int(kv_budget), alpha=alpha, offload=offload)
+    A, mask = skew_on_text(model.params, model.config, model.tokenizer, partial_ratio=partial_ratio,
+                           channel_rule=channel_rule)
+    return InfiniGen.from_skew(A, mask, context=context, kv_budget=int(kv_budget), alpha=alpha,
+                               dense_layers=dense_layers, offload=offload)
 
 
 _first_token = jax.jit(sample, static_argnums=2)  # from the prefill's logits; the rest are sampled on the device
@@ -167,9 +171,9 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     (`duo_jax.chat`); None: on for models with a template whose name says instruct / chat. Token ids are
     never wrapped.
     method: a name of `duo_jax.methods.METHODS` ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv",
-    "pyramidkv", "headkv", "duo_headkv"), "infinigen" (calibrated here on a sample of the essays), or a
-    built `Method`; None: "duo" when a pattern is given, else "full". method_options: that method's options
-    (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
+    "pyramidkv", "headkv", "duo_headkv"), "infinigen" (calibrated here on the calibration essays,
+    `calibrate_infinigen`), or a built `Method`; None: "duo" when a pattern is given, else "full".
+    method_options: that method's options (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
     pattern: a `Pattern`, a path to one, or "default" (the model's own); binarised at `sparsity` (the
     fraction of streaming heads; 1 is StreamingLLM with absolute positions).
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;

@@ -8,7 +8,9 @@ last prompt token, then answer tokens 0 .. N-2) each query head takes its N most
 attention / N for each of them that lies inside the needle's answer span (`needle_attention_score`). Summed
 over the N steps, a head's score for one prompt lies in [0, 1]. A KV head scores the mean of its query
 heads (HeadKV's budgets are per KV head here, see `duo_jax.methods.headkv`), and the scores are averaged over
-the prompts (default: 5 context lengths x 10 depths) that the model answers well enough: `min_accuracy` is the
+the prompts (default: 5 context lengths x 10 depths, in the calibration half of the essays,
+`duo_jax.data.CALIBRATION_HAYSTACK`, so that evaluations on the other half are held out) that the model
+answers well enough: `min_accuracy` is the
 share of the answer's tokens the model predicts itself under teacher forcing (the original keeps the prompts
 whose greedy answer reaches F1 > 50).
 
@@ -47,7 +49,7 @@ from tqdm.auto import tqdm
 
 from duo_jax import attention
 from duo_jax.config import ModelConfig
-from duo_jax.data import DataError, encode, haystack_tokens, make_needle_prompt
+from duo_jax.data import CALIBRATION_HAYSTACK, DataError, encode, haystack_tokens, make_needle_prompt
 from duo_jax.data.niah import NEEDLE, NEEDLE_TEMPLATE, QUESTION
 from duo_jax.errors import DuoJaxError
 from duo_jax.attention import masked_softmax
@@ -150,7 +152,7 @@ def default_lengths(config: ModelConfig, longest: int = 32000, count: int = 5) -
 
 
 def score_heads(params: Params, config: ModelConfig, tokenizer: Any, *, needle: ScoringNeedle = REASONING,
-                haystack: str = "paul_graham", lengths: Sequence[int] | None = None,
+                haystack: str = CALIBRATION_HAYSTACK, lengths: Sequence[int] | None = None,
                 depths: Sequence[float] = DEFAULT_DEPTHS, min_accuracy: float = 0.5, bos_id: int | None = None,
                 impl: str = "auto", progress: bool = True) -> Pattern:
     """Head scores [layers, kv_heads] averaged over the prompts of `lengths` x `depths` (see the module
@@ -205,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="reasoning: HeadKV-R2 (default); retrieval: HeadKV-R")
     parser.add_argument("--lengths", type=int, nargs="+", help="context lengths (default: 5 from 1000 to 32000)")
     parser.add_argument("--depths", type=int, default=len(DEFAULT_DEPTHS), help="needle depths from 0 to 1")
-    parser.add_argument("--haystack", default="paul_graham")
+    parser.add_argument("--haystack", default=CALIBRATION_HAYSTACK,
+                        help="text the needles hide in (default: the essays' calibration half, which "
+                             "evaluations do not use)")
     parser.add_argument("--min-accuracy", type=float, default=0.5)
     args = parser.parse_args(argv)
     try:

@@ -20,7 +20,9 @@ The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs 
   axis. Padded positions come after every real token, so the causal and Λ masks already hide them from
   every real query; they are excluded from the loss (`supervise` is False there).
 * **Data.** `duo_jax.data.SampleStream`: step s uses samples s * batch_size ... (s + 1) * batch_size - 1,
-  each a function of (seed, index) only, so the sample index is the whole data-loader state.
+  each a function of (seed, index) only, so the sample index is the whole data-loader state. The haystack
+  defaults to the calibration half of the essays (`duo_jax.data.CALIBRATION_HAYSTACK`; evaluations run on
+  the other half) and the loss to every question / answer token (``supervise="qa"``, as the original).
 * **Checkpoints.** Orbax, every `save_every` steps and at the end, the last two kept: gates, optimiser
   state, the completed step and next sample index, and the run's arguments (a resumed run must use the
   same ones). Resuming replays exactly the same computation, so the final gates are bit-identical to those
@@ -49,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from duo_jax import gates as gates_lib
 from duo_jax.config import ModelConfig
-from duo_jax.data import SampleStream, context_lengths, haystack_tokens, min_context_len
+from duo_jax.data import CALIBRATION_HAYSTACK, SampleStream, context_lengths, haystack_tokens, min_context_len
 from duo_jax.errors import DuoJaxError
 from duo_jax.model import Params
 from duo_jax.pattern import Pattern
@@ -78,7 +80,7 @@ class TrainConfig:
     decay_ratio: float = 0.2
     min_lr_ratio: float = 0.1
     initial_value: float = 1.0
-    haystack: str = "paul_graham"
+    haystack: str = CALIBRATION_HAYSTACK  # the essays' calibration half: evaluations run on the other half
     min_len: int = 1000
     max_len: int = 32000
     num_lengths: int = 50
@@ -86,7 +88,7 @@ class TrainConfig:
     passkey_words: int = 32
     min_depth: float = 0.05
     max_depth: float = 0.95
-    supervise: str = "answers"
+    supervise: str = "qa"  # as the original: every question / answer token ("answers": the answers only)
     seed: int = 42
     save_every: int = 50
 

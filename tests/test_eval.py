@@ -2,6 +2,7 @@
 budget matching, the NIAH / passkey loops end to end, and perplexity against an independent computation."""
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,9 @@ import duo_jax
 from duo_jax.cache import round_capacity
 from duo_jax.eval import report
 from duo_jax.eval.__main__ import main as eval_main
+from duo_jax.data import CalibrationOverlapWarning
 from duo_jax.eval.modes import (MODES, budget_tokens, check_modes, fit_window, mode_settings, num_retrieval_heads,
-                                streaming_budget)
+                                streaming_budget, warn_if_calibrated_on)
 from duo_jax.eval.niah import accuracy_table, aggregate, run_niah, score_matrix
 from duo_jax.eval.passkey import passkey_depths, run_passkey
 from duo_jax.eval.perplexity import bucket_edges, bucket_stats, evaluate_perplexity
@@ -163,9 +165,27 @@ def test_every_mode_needs_what_it_uses():
 # --- the evaluation loops ----------------------------------------------------------------------------------
 
 
+def test_calibration_overlap_warnings():
+    grid = np.full((CONFIG.num_layers, CONFIG.num_kv_heads), 0.5)
+    trained = Pattern(grid, {"dataset_name": "paul_graham"})  # the shipped SmolLM2 pattern's text: all essays
+    scores = Pattern(grid, {"haystack": "paul_graham:calibration"})
+    with pytest.warns(CalibrationOverlapWarning, match="DuoAttention pattern was calibrated on 'paul_graham'"):
+        found = warn_if_calibrated_on("paul_graham:evaluation", ["full", "duo", "headkv"], trained, scores)
+    assert len(found) == 1  # the scores are held out, the pattern is not
+    with pytest.warns(CalibrationOverlapWarning) as caught:
+        found = warn_if_calibrated_on("paul_graham:calibration", ["duo_headkv", "infinigen"], trained, scores)
+    assert len(found) == len(caught) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: held-out text, or inputs the modes do not use
+        assert warn_if_calibrated_on("paul_graham:evaluation", ["headkv", "infinigen"], trained, scores) == []
+        assert warn_if_calibrated_on("paul_graham", ["full", "h2o"], trained, scores) == []
+        assert warn_if_calibrated_on("austen", ["duo"], Pattern(grid), None) == []  # no recorded text
+
+
 def test_niah_end_to_end(model, pattern, tmp_path):
     results = run_niah(model, ["full", "duo", "streaming"], pattern=pattern, lengths=[256, 200], depths=[1.0, 0.0],
                        sink=4, recent=16, max_new_tokens=6, chunk_size=64, out_dir=tmp_path, progress=False)
+    assert results["haystack"] == "paul_graham:evaluation" and results["calibration_overlap"] == []
     assert results["lengths"] == [200, 256] and results["depths"] == [0.0, 1.0]
     for mode, r in results["modes"].items():
         assert len(r["cells"]) == 4

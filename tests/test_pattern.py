@@ -100,14 +100,31 @@ def test_retrieval_count_rounding():
     assert Pattern(np.ones((16, 16))).retrieval_mask(0.5).sum() == 128
 
 
-def test_ties_are_broken_by_position():
+def test_ties_are_broken_by_gate_then_a_fixed_pseudo_random_order():
     pattern = Pattern(np.full((4, 3), 0.5))
     mask = pattern.retrieval_mask(0.5)
-    np.testing.assert_array_equal(mask, np.array([[1, 1, 1], [1, 1, 1], [0, 0, 0], [0, 0, 0]], dtype=bool))
-    np.testing.assert_array_equal(mask, pattern.retrieval_mask(0.5))
+    rank = np.random.default_rng(0).permutation(12)  # the documented tie order
+    np.testing.assert_array_equal(mask.ravel(), rank < 6)
+    np.testing.assert_array_equal(mask, pattern.retrieval_mask(0.5))  # deterministic
+    # A larger gate always wins, whatever the tie order.
     gates = np.array([[0.9, 0.2, 0.2], [0.2, 0.9, 0.1]])
     np.testing.assert_array_equal(Pattern(gates).retrieval_mask(0.5),
-                                  np.array([[1, 1, 0], [0, 1, 0]], dtype=bool))
+                                  np.array([[1, 1, 0], [0, 1, 0]], dtype=bool))  # 0.9, 0.9, then one 0.2 of three
+    for sparsity in (0.3, 0.5, 0.7):
+        mask = Pattern(gates).retrieval_mask(sparsity)
+        assert gates[mask].min() >= gates[~mask].max()
+
+
+def test_zero_gate_ties_are_not_given_to_the_first_layers():
+    """SmolLM2's shipped gates: 57 of 90 are exactly 0, so at sparsity 0.5 twelve zero-gate heads must be
+    retrieval heads. They follow the tie order, not the layer order (which gave layers 0-3 all twelve)."""
+    pattern = Pattern.for_model("smollm2-135m")
+    gates, mask = pattern.gates.ravel(), pattern.retrieval_mask(0.5).ravel()
+    assert mask.sum() == 45 and (gates > 0).sum() == 33 and mask[gates > 0].all()
+    tied = np.flatnonzero(gates == 0)
+    chosen = tied[np.argsort(pattern.tie_order()[tied])[:12]]
+    np.testing.assert_array_equal(np.flatnonzero(mask & (gates == 0)), np.sort(chosen))
+    assert len(set(chosen // 3)) > 4  # spread over more than the first four layers
 
 
 @pytest.mark.parametrize("sparsity", [-0.1, 1.5, float("nan"), float("inf"), "0.5", None, True, [0.5]])

@@ -217,6 +217,21 @@ def test_short_prompts_shrink_the_decode_cache(params):
     assert method.compressed(longest=300).room == 384 - 256
 
 
+def test_pyramid_moves_the_bottom_surplus_up_for_a_short_prompt(params, sequences):
+    """A bottom budget larger than the prompt's prefix: the bottom keeps the prefix and the top the rest, as the
+    original PyramidKV (not truncated); the engine then matches the float64 reference with those budgets."""
+    prompt, cont = sequences[0][0], sequences[1][0]  # 45 tokens: a prefix of 39 before the 6-token window
+    method = make_pyramidkv(CONFIG, context=64, kv_budget=30, window=WINDOW, beta=4.0, kernel=5, pooling="avg")
+    assert method.budgets == ((42, 42), (6, 6))  # k = 24: top 24 / 4 = 6, bottom 48 - 6 = 42 > 39
+    logits, cache, decode, _ = run_engine(params, CONFIG, method, [prompt], [cont])
+    spread = ((39, 39), (9, 9))  # bottom = the prefix, top = 48 - 39: the 48 tokens are all kept
+    assert method.prompt_budgets(45) == spread and method.prompt_budgets(100) == method.budgets
+    assert decode.head_slots == ((45, 45), (15, 15))
+    ref, kept = reference_logits(params, CONFIG, prompt + cont, len(prompt), spread, kernel=5, pooling="avg")
+    assert kept_sets(cache, decode, 0) == kept and [len(s) for s in kept[1]] == [15, 15]
+    np.testing.assert_array_less(np.abs(logits[0] - ref).max(), 1e-4)
+
+
 def test_pyramid_budgets():
     assert pyramid_budgets(1, 100) == [100]
     budgets = pyramid_budgets(32, 100)  # top 100 / 20 = 5, bottom 195
@@ -224,6 +239,8 @@ def test_pyramid_budgets():
     assert all(a >= b for a, b in zip(budgets, budgets[1:]))
     assert sum(pyramid_budgets(5, 7, beta=3.0)) == 35
     assert pyramid_budgets(3, 7, beta=1.0) == [7, 7, 7]
+    assert pyramid_budgets(4, 10, beta=4.0, prefix=12) == [12, 11, 9, 8]  # bottom 17.5 > 12: 12 .. 8, sum 40
+    assert pyramid_budgets(4, 10, beta=4.0, prefix=18) == pyramid_budgets(4, 10, beta=4.0)  # the prefix holds it
     with pytest.raises(DuoJaxError, match="beta must be >= 1"):
         pyramid_budgets(4, 10, beta=0.5)
 

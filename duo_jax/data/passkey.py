@@ -21,14 +21,15 @@ Length: the haystack is cut so that the sample has exactly `context_len` tokens.
 Supervision (``Sample.supervise``) marks token *positions* whose hidden states the distillation loss
 compares (no shift: position t is marked when token t is marked):
 
-- ``"answers"`` (default): the answer tokens themselves, i.e. the tokens of ``" {passkey}"`` after each
+- ``"qa"`` (default): every token after the context (questions, answers and separators), which is what the
+  original implementation's labels mark. It includes the last token of each ``"Passkey:"``, whose hidden
+  state retrieves the passkey's first word.
+- ``"answers"``: the answer tokens themselves, i.e. the tokens of ``" {passkey}"`` after each
   ``"Passkey:"``; the question and the trailing ``"\\n\\n"`` are not supervised. The hidden state at an answer
   token predicts the next answer word (and, at the last one, the ``"\\n\\n"``), so this supervises
   retrieving every passkey word but the first. The answer span is found by tokenizing the question alone
   and question + answer together: it starts at the first token where the two differ, so it is exactly the
   answer's tokens whenever the tokenizer does not merge across the ``": "`` boundary.
-- ``"qa"``: every token after the context (questions, answers and separators), which is what the original
-  implementation's labels mark.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class Sample:
 
 def make_sample(tokenizer: Any, haystack_ids: Sequence[int], context_len: int, rng: np.random.Generator, *,
                 num_passkeys: int = 10, passkey_words: int = 32, min_depth: float = 0.05,
-                max_depth: float = 0.95, bos_id: int | None = None, supervise: str = "answers") -> Sample:
+                max_depth: float = 0.95, bos_id: int | None = None, supervise: str = "qa") -> Sample:
     """A multi-passkey sample of exactly `context_len` tokens built from the start of `haystack_ids`.
 
     Draws the passkeys, then the depths, from `rng`. Raises DataError when `context_len` cannot hold the
@@ -144,7 +145,7 @@ class SampleStream:
 
     def __init__(self, tokenizer: Any, haystack_ids: Sequence[int], lengths: Sequence[int], seed: int, *,
                  num_passkeys: int = 10, passkey_words: int = 32, min_depth: float = 0.05,
-                 max_depth: float = 0.95, bos_id: int | None = None, supervise: str = "answers"):
+                 max_depth: float = 0.95, bos_id: int | None = None, supervise: str = "qa"):
         self.lengths = [int(n) for n in lengths]
         if not self.lengths:
             raise DataError("SampleStream needs at least one context length")

@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     niah.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
     niah.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                       help="needle depths in [0, 1]")
-    niah.add_argument("--haystack", default="paul_graham", help="'paul_graham', 'austen' or a folder of .txt files")
+    niah.add_argument("--haystack", default="paul_graham:evaluation",
+                      help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a "
+                           "folder of .txt files")
     niah.add_argument("--max-new-tokens", type=int, default=32)
     niah.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: all depths)")
 
@@ -75,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     ppl = tasks.add_parser("perplexity", help="perplexity per position bucket on long text", formatter_class=defaults)
     _common(ppl, "perplexity")
-    ppl.add_argument("--source", default="paul_graham", help="'paul_graham', 'austen' or a folder of .txt files")
+    ppl.add_argument("--source", default="paul_graham:evaluation",
+                     help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a "
+                          "folder of .txt files")
     ppl.add_argument("--length", type=int, default=4096, help="tokens per window")
     ppl.add_argument("--samples", type=int, default=2, help="windows (consecutive, one batch)")
     ppl.add_argument("--bucket-edges", type=int, nargs="+", default=None,

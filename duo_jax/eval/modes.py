@@ -30,17 +30,23 @@ window on its streaming heads (fitted the same way), and gives its retrieval hea
 average, so its total matches the budget too. h2o and tova prefill the whole prompt in one chunk (exact
 attention, one eviction at its end, as the DuoAttention paper runs them); the others use the evaluation's chunk.
 What each mode really stores is measured (``cache_bytes`` in the results), not assumed.
+
+Evaluations run on the evaluation half of the essays by default (`duo_jax.data.EVALUATION_HAYSTACK`), and
+`warn_if_calibrated_on` warns when a mode's calibration (the DuoAttention pattern's training text, the HeadKV
+scores' haystack, InfiniGen's skew sample) shares text with what is evaluated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
 
 from duo_jax.cache import round_capacity
 from duo_jax.config import ModelConfig
+from duo_jax.data.haystack import CALIBRATION_HAYSTACK, CalibrationOverlapWarning, overlaps
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import build_method
 from duo_jax.methods import InfiniGen, Method, duo_sparsity_for_budget
@@ -190,6 +196,32 @@ def mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sp
         return ModeSettings(name, None, 0.0, sink, recent, budget, method=name, instance=instance)
     options = (("kv_budget", budget),) + ((("scores", scores),) if name == "headkv" else ())
     return ModeSettings(name, None, 0.0, sink, recent, budget, method=name, options=options)
+
+
+def calibration_sources(modes: Sequence[str], pattern: Pattern | None, scores: Pattern | None) -> dict[str, str]:
+    """{what was calibrated: the haystack it was calibrated on} for the calibrated inputs `modes` use; an input
+    whose metadata does not name its text (e.g. the original repository's patterns) is left out."""
+    sources = {}
+    if pattern is not None and {"duo", "duo_headkv"} & set(modes) and (pattern.meta or {}).get("dataset_name"):
+        sources["the DuoAttention pattern"] = pattern.meta["dataset_name"]
+    if scores is not None and {"headkv", "duo_headkv"} & set(modes) and (scores.meta or {}).get("haystack"):
+        sources["the HeadKV head scores"] = scores.meta["haystack"]
+    if "infinigen" in modes:
+        sources["InfiniGen's skew"] = CALIBRATION_HAYSTACK  # `skew_on_text`
+    return sources
+
+
+def warn_if_calibrated_on(evaluated: str, modes: Sequence[str], pattern: Pattern | None,
+                          scores: Pattern | None) -> list[str]:
+    """Warn (`CalibrationOverlapWarning`) for each calibrated input of `modes` fitted on text that `evaluated`
+    (a haystack source) shares; returns the warnings (results record them)."""
+    found = [f"{what} was calibrated on {source!r}, which shares text with the evaluated {evaluated!r}: the "
+             f"result is not held out (evaluate on 'paul_graham:evaluation' with inputs calibrated on "
+             f"'paul_graham:calibration')"
+             for what, source in calibration_sources(modes, pattern, scores).items() if overlaps(source, evaluated)]
+    for message in found:
+        warnings.warn(message, CalibrationOverlapWarning, stacklevel=3)
+    return found
 
 
 def budget_tokens(kv_budget: float | None, length: int) -> int | None:

@@ -1,10 +1,10 @@
 """Needle in a haystack, compared across attention modes (full / duo / streaming / the other KV methods) in one run.
 
 For every context length, the prompts of all depths are built once (`duo_jax.data.make_needle_prompt`: the
-Paul Graham essays, the San Francisco needle) and generated in one batched `duo_jax.generate` call per mode
-(greedy). A cell is scored on the generated answer: ``score`` = the share of the needle's key words found
-(`score_needle`), ``correct`` = `score_contains` (at least half of them). Each mode gets a depth x length
-heat map of ``score`` (green found, red missed, as DuoAttention's Fig. 5) and all modes one side-by-side
+evaluation half of the Paul Graham essays by default, the San Francisco needle) and generated in one
+batched `duo_jax.generate` call per mode (greedy). A cell is scored on the generated answer: ``score`` = the
+share of the needle's key words found (`score_needle`), ``correct`` = `score_contains` (at least half of
+them). Each mode gets a depth x length heat map of ``score`` (green found, red missed, as DuoAttention's Fig. 5) and all modes one side-by-side
 figure; everything measured goes to ``niah.json``.
 
 `evaluate_grid` is the loop shared with the passkey evaluation (`duo_jax.eval.passkey`).
@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from duo_jax.data.haystack import haystack_tokens
+from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.data.niah import NeedlePrompt, make_needle_prompt, score_contains, score_needle
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import budget_tokens, check_modes, infinigen_skew, mode_settings
+from duo_jax.eval.modes import budget_tokens, check_modes, infinigen_skew, mode_settings, warn_if_calibrated_on
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -153,7 +153,7 @@ def write_outputs(results: dict, out_dir: str | Path, task: str, lengths: Sequen
 
 def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, lengths: Sequence[int] = DEFAULT_LENGTHS,
              depths: Sequence[float] = DEFAULT_DEPTHS, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
-             max_new_tokens: int = 32, chunk_size: int = 512, haystack: str = "paul_graham",
+             max_new_tokens: int = 32, chunk_size: int = 512, haystack: str = EVALUATION_HAYSTACK,
              batch_size: int | None = None, kv_budget: float | None = None, scores: Pattern | None = None,
              out_dir: str | Path | None = None, progress: bool = True) -> dict:
     """The NIAH grid in every mode; writes niah.json and the heat maps into `out_dir` when given.
@@ -161,6 +161,7 @@ def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, len
     if model.tokenizer is None:
         raise DuoJaxError("NIAH needs the model's tokenizer (none was found with the weights)")
     lengths, depths = sorted(set(lengths)), sorted(set(float(d) for d in depths))
+    overlap = warn_if_calibrated_on(haystack, check_modes(modes), pattern, scores)
     hay = haystack_tokens(model.tokenizer, haystack, max(lengths))
     bos = bos_id(model.tokenizer)
 
@@ -173,6 +174,7 @@ def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, len
                             score=lambda text, p: score_needle(text, p.answer, question=p.question),
                             batch_size=batch_size, kv_budget=kv_budget, scores=scores, progress=progress)
     results = dict(task="niah", model=model.config.name, source=model.source, haystack=haystack,
+                   calibration_overlap=overlap,
                    lengths=lengths, depths=depths, sparsity=sparsity, sink=sink, recent=recent, kv_budget=kv_budget,
                    max_new_tokens=max_new_tokens, chunk_size=chunk_size, dtype=str(model.params.dtype),
                    wall_s=time.perf_counter() - start, machine=report.machine_info(), **results)

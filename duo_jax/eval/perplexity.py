@@ -1,8 +1,8 @@
 """Perplexity on long text per position bucket, compared across attention modes in one run.
 
-The text (the Paul Graham essays by default, Jane Austen's novels with ``source="austen"``, or a folder of
-.txt files; see `duo_jax.data.load_haystack`) is tokenized and cut into `samples` consecutive windows of
-`length` tokens (with the tokenizer's BOS first when it adds one). Each window is teacher-forced through
+The text (the evaluation half of the Paul Graham essays by default, Jane Austen's novels with
+``source="austen"``, or a folder of .txt files; see `duo_jax.data.load_haystack`) is tokenized and cut
+into `samples` consecutive windows of `length` tokens (with the tokenizer's BOS first when it adds one). Each window is teacher-forced through
 the engine exactly as generation prefills a prompt: `duo_jax.engine.extend` (compiled as
 `duo_jax.generation.compiled_extend`) over chunks of `chunk_size` tokens with ``all_logits=True``, the
 mode's cache carried from chunk to chunk. So on a streaming
@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax.data.haystack import haystack_tokens
+from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.engine import prepare_params
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import ModeSettings, budget_tokens, check_modes, infinigen_skew, mode_settings
+from duo_jax.eval.modes import (ModeSettings, budget_tokens, check_modes, infinigen_skew, mode_settings,
+                                warn_if_calibrated_on)
 from duo_jax.eval.niah import bos_id
 from duo_jax.generation import compiled_extend
 from duo_jax.loading import Model
@@ -165,7 +166,7 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
 
 
-def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | None, source: str = "paul_graham",
+def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | None, source: str = EVALUATION_HAYSTACK,
                    length: int = 4096, samples: int = 2, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
                    chunk_size: int = 512, edges: Sequence[int] | None = None, prefix: int | None = None,
                    kv_budget: float | None = None, scores: Pattern | None = None,
@@ -177,11 +178,13 @@ def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | Non
     if samples < 1:
         raise DuoJaxError(f"samples must be >= 1, got {samples}")
     start = time.perf_counter()
+    overlap = warn_if_calibrated_on(source, check_modes(modes), pattern, scores)
     tokens = text_windows(model, source, length, samples)
     results = evaluate_perplexity(model, tokens, modes, pattern=pattern, sparsity=sparsity, sink=sink,
                                   recent=recent, chunk_size=chunk_size, edges=edges, prefix=prefix,
                                   kv_budget=kv_budget, scores=scores, progress=progress)
-    results = dict(task="perplexity", model=model.config.name, source_text=source, length=length, samples=samples,
+    results = dict(task="perplexity", model=model.config.name, source_text=source, calibration_overlap=overlap,
+                   length=length, samples=samples,
                    sparsity=sparsity, sink=sink, recent=recent, chunk_size=chunk_size, prefix=prefix,
                    kv_budget=kv_budget,
                    dtype=str(model.params.dtype), wall_s=time.perf_counter() - start,

@@ -14,8 +14,9 @@
   duo_headkv     duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head) instead of every
                  token
 InfiniGen needs the model's weights to calibrate, so it is built as an instance and passed as `method=`:
-  InfiniGen.calibrate(params, config, sample_tokens, context=..., kv_budget=..., alpha=4.0, partial_ratio=0.2):
-  SVD-skewed partial keys speculate which tokens each decode step fetches from a host-memory full cache
+  InfiniGen.calibrate(params, config, sample_tokens, context=..., kv_budget=..., partial_ratio=0.2): SVD-skewed
+  partial keys speculate which tokens each decode step fetches from a host-memory full cache (the authors' Llama
+  rules by default: alpha 5, layers 0-1 dense, partial channels from the top |QA| and |KA| columns)
 """
 
 from __future__ import annotations

@@ -1,44 +1,64 @@
 """InfiniGen: the full KV cache in host memory, and per decode step only the tokens a cheap speculation
 predicts to matter are fetched and attended to exactly.
 
-Offline skewing (`skew`): the dense model runs on a sample prompt; per layer and KV head the rotated (post-RoPE)
-queries of the head's query group are stacked into Q [T*G, E] and A = V from the SVD Q = U S V^T (the right
-singular vectors, as InfiniGen). A is orthogonal, so (QA)(KA)^T = QK^T: attention is unchanged, but QA = US
-concentrates the query's energy in few columns. The partial channels are the c = ceil(partial_ratio * E)
-columns of A-space with the largest sum over the sample's tokens (and the group's query heads) of |QA|:
-the paper's partial weight index generation ranks columns by their absolute sum over the skewed query
-("计算所有列的绝对和 ... 选择最重要的列索引", seed 004), which is what a partial dot product over those
-columns loses least by. The sample's keys are not needed for this rule.
+The default settings are the authors' Llama rules (snu-comparch/InfiniGen, `accuracy/`):
+  - skewing (`accuracy/setup/gen_llama_skewing_matrix.py`, `main`): per layer and head, A = V of the SVD of
+    the head's rotated (post-RoPE) queries on a sample prompt. A is orthogonal, so (QA)(KA)^T = QK^T:
+    attention is unchanged, but QA = US concentrates the query's energy in few columns. (The authors also
+    permute A's columns by the product of the query and key singular values; a column permutation changes
+    neither the scores nor which columns are picked below, so it is left out.)
+  - partial channels (`accuracy/src/modeling_llama_ours_setup.py`, `LlamaAttention.forward`): the union of
+    the int(partial_ratio * E) columns with the largest sum over the sample's tokens of |QA| and the
+    int(partial_ratio * E) columns with the largest sum of |KA| (`channel_rule="qk"`; between c and 2c
+    columns per head). `channel_rule="q"` keeps the |QA| columns only (the rule of the paper's text and
+    of the authors' OPT code, `speedup/infinigen/infinigen/partial_weight_generation_controller.py`).
+  - dense layers (`accuracy/src/modeling_llama_ours.py`, `LlamaModel.forward`): layer i+1 receives layer
+    i's attention input for i >= 1 only, so layers 0 and 1 never speculate and attend densely
+    (`dense_layers=2`); layer i >= 2 speculates from layer i-1's attention input.
+  - alpha 5 for Llama (`accuracy/perplexity/table2.sh`; 4 is their OPT setting): `LLAMA_ALPHA`. Every
+    model duo-jax runs is Llama-family (Llama, Mistral, SmolLM2), so it is the default.
+  - the count (`LlamaAttention.kv_cache_mask` and `kv_selection_controller.speculate_attention`): per head
+    the tokens whose speculated logit is >= its max - alpha, averaged over the heads, truncated to an
+    integer, capped by the budget; each head then fetches its top-count tokens.
+
+With a GQA model a KV head's fetch serves its query group, so a token's speculated score for a KV head is
+the max over the group's query heads (with one query per KV head, as Llama-2, it is the head's own score).
+The authors' Llama accuracy code takes the threshold from head 0's max for every head (`max(...)[0][0]`);
+duo-jax uses each head's own max, as their speedup code and the paper do.
 
 Because RoPE rotates q and k before skewing could be folded into the weights, A is applied at runtime to the
 rotated q and k. Per layer the cache holds every token's skewed K and V ([B, C, K, E], C = the context rounded
-to `duo_jax.cache.CAPACITY_BLOCK`, slot = absolute position) and a partial key cache [B, C, K, c] (the c
-selected skewed channels, on the device, as the paper keeps it on the GPU).
+to `duo_jax.cache.CAPACITY_BLOCK`, slot = absolute position) and, on a speculating layer, a partial key cache
+[B, C, K, W] (the layer's partial channels of the skewed keys, on the device as the paper keeps it on the
+GPU; W = the most channels a head of the layer has, a head with fewer pads with a zero-weight channel).
 
 Steps:
-  prefill chunks (T > 1) attend exactly to every cached token plus the chunk causally (full attention);
-  decode (T == 1): the partial speculative query (the c channels of the skewed query that layer i's weights
-      make of layer i-1's attention input, see below) times the partial keys gives
+  prefill chunks (T > 1), and decode steps of the dense layers, attend exactly to every cached token plus the
+      new tokens causally (full attention);
+  decode (T == 1) of a speculating layer: the partial speculative query (the channels of the skewed query
+      that layer i's weights make of layer i-1's attention input, see below) times the partial keys gives
       approximate scores (scaled by 1/sqrt(E), i.e. softmax logits); per KV head the max over its query
       group; a head keeps the tokens scoring >= its max - alpha; the count is averaged over the layer's KV
-      heads (ceil), capped by the static `kv_budget`; each head takes its top_k(kv_budget) tokens and masks
+      heads (floor), capped by the static `kv_budget`; each head takes its top_k(kv_budget) tokens and masks
       ranks >= count; exact attention over those rows (gathered from the full cache) plus the current token.
 
-As the paper, layer i speculates from layer i-1's attention input: the engine (`Method.lookahead`) hands each
-decode step's `attend` that input projected by layer i's query weights (`lookahead_q`; layer 0 uses its own
-input), which is rotated, skewed and cut to the partial channels here. The selection and the gather of the
-selected rows thus depend only on layer i-1's input, so XLA may overlap them with layer i-1's compute (the
-schedule is XLA's; the overlap is not measured). `lookahead=False` speculates from the layer's own query.
+Layer i speculates from layer i-1's attention input: the engine (`Method.lookahead`) hands each decode step's
+`attend` that input projected by layer i's query weights (`lookahead_q`; layer 0 gets its own input, which
+matters only with `dense_layers=0`), which is rotated, skewed and cut to the partial channels here. The
+selection and the gather of the selected rows thus depend only on layer i-1's input, so XLA may overlap them
+with layer i-1's compute (the schedule is XLA's; the overlap is not measured). `lookahead=False` speculates
+from the layer's own query.
 Deviations: the full query projection is computed (one token per step) rather than only the partial columns
 of a skewed weight (RoPE sits between the projection and the skew, so the skew cannot be folded into the
-weights). The partial channels are fixed offline on the sample prompt rather than regenerated per prompt at
-prefill, and there is no counter-based eviction of the host pool (the host cache has a fixed capacity).
+weights). The partial channels are fixed offline on a sample text, as the authors' Llama setup does, and there
+is no counter-based eviction of the host pool (the host cache has a fixed capacity). The budget is a fixed
+number of tokens per step (the authors' is 20% of the current length).
 
 Memory placement: where the backend exposes the `pinned_host` memory kind (`host_offload_supported()`), the
 full K / V live there between steps (offload="auto" or "host"); writes and the gather of selected rows run on
 the host (`compute_on("device_host")`) and only the gathered rows move to the device (the whole cache moves
-only for prefill chunks, which attend to all of it). Elsewhere (offload="device", or "auto" without support)
-the same code runs with the full cache in device memory.
+only for prefill chunks and the dense layers, which attend to all of it). Elsewhere (offload="device", or
+"auto" without support) the same code runs with the full cache in device memory.
 """
 
 from __future__ import annotations
@@ -71,10 +91,16 @@ def host_offload_supported() -> bool:
     return "pinned_host" in kinds and hasattr(jax, "memory")
 
 
+LLAMA_ALPHA = 5.0  # the authors' alpha for Llama models (their OPT runs use 4)
+DENSE_LAYERS = 2  # layers that never speculate in the authors' Llama code (0 and 1)
+CHANNEL_RULES = ("qk", "q")  # union of the top |QA| and top |KA| columns (the authors' Llama setup) | |QA| only
+
+
 def num_partial_channels(head_dim: int, partial_ratio: float) -> int:
+    """Columns each ranking keeps: int(partial_ratio * head_dim) as the authors (at least 1)."""
     if not 0 < partial_ratio <= 1:
         raise DuoJaxError(f"partial_ratio must lie in (0, 1], got {partial_ratio}")
-    return max(1, math.ceil(partial_ratio * head_dim - 1e-9))
+    return max(1, int(partial_ratio * head_dim + 1e-9))
 
 
 def _layer_qk(params: Params, config: ModelConfig, tokens) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -97,37 +123,44 @@ def _layer_qk(params: Params, config: ModelConfig, tokens) -> list[tuple[np.ndar
     return out
 
 
-def skew(params: Params, config: ModelConfig, sample_tokens, *, partial_ratio: float = 0.2):
-    """(A float32 [L, K, E, E], channels int32 [L, K, c]) from the dense model on `sample_tokens`.
+def skew(params: Params, config: ModelConfig, sample_tokens, *, partial_ratio: float = 0.2,
+         channel_rule: str = "qk"):
+    """(A float32 [L, K, E, E], channel mask bool [L, K, E]) from the dense model on `sample_tokens`.
 
-    A[l, k] = V of the SVD of the group's stacked rotated queries Q [T*G, E] (float64); channels[l, k] are
-    the c = ceil(partial_ratio * E) columns with the largest sum_{tokens, group heads} |Q A| (ascending order).
+    A[l, k] = V of the SVD of the group's stacked rotated queries Q [T*G, E] (float64). With c =
+    `num_partial_channels(E, partial_ratio)`, the mask marks the c columns with the largest
+    sum_{tokens, group heads} |Q A|, and (channel_rule "qk") also the c columns with the largest
+    sum_tokens |K A| of the head's rotated keys K.
     """
+    if channel_rule not in CHANNEL_RULES:
+        raise DuoJaxError(f"channel_rule must be one of {CHANNEL_RULES}, got {channel_rule!r}")
     L, K, G, E = config.num_layers, config.num_kv_heads, config.group_size, config.head_dim
     c = num_partial_channels(E, partial_ratio)
+    top = lambda x: np.argsort(-np.abs(x).sum(axis=0), kind="stable")[:c]  # noqa: E731
     A = np.zeros((L, K, E, E), np.float32)
-    channels = np.zeros((L, K, c), np.int32)
-    for l, (q, _) in enumerate(_layer_qk(params, config, sample_tokens)):
+    mask = np.zeros((L, K, E), bool)
+    for l, (q, k) in enumerate(_layer_qk(params, config, sample_tokens)):
         for h in range(K):
             Q = q[:, h * G:(h + 1) * G].reshape(-1, E).astype(np.float64)
             _, _, vt = np.linalg.svd(Q, full_matrices=Q.shape[0] < E)
             A[l, h] = vt.T
-            magnitude = np.abs(Q @ vt.T).sum(axis=0)
-            channels[l, h] = np.sort(np.argsort(-magnitude, kind="stable")[:c])
-    return A, channels
+            mask[l, h, top(Q @ vt.T)] = True
+            if channel_rule == "qk":
+                mask[l, h, top(k[:, h].astype(np.float64) @ vt.T)] = True
+    return A, mask
 
 
 def skew_on_text(params: Params, config: ModelConfig, tokenizer, *, sample_length: int = 512,
-                 partial_ratio: float = 0.2):
-    """`skew` on the first `sample_length` tokens of the Paul Graham essays (the NIAH haystack, without a needle:
-    the skew captures the query projections' dominant channels, not the content)."""
-    from duo_jax.data.haystack import haystack_tokens
+                 partial_ratio: float = 0.2, channel_rule: str = "qk"):
+    """`skew` on the first `sample_length` tokens of the calibration half of the Paul Graham essays
+    (`duo_jax.data.haystack.CALIBRATION_HAYSTACK`, disjoint from the text evaluations run on)."""
+    from duo_jax.data.haystack import CALIBRATION_HAYSTACK, haystack_tokens
 
     if tokenizer is None:
         raise DuoJaxError("InfiniGen calibrates on text and needs the model's tokenizer; without one, build it "
                           "with InfiniGen.calibrate(params, config, sample_tokens, ...)")
-    tokens = np.asarray(haystack_tokens(tokenizer, "paul_graham", sample_length), np.int32)
-    return skew(params, config, tokens, partial_ratio=partial_ratio)
+    tokens = np.asarray(haystack_tokens(tokenizer, CALIBRATION_HAYSTACK, sample_length), np.int32)
+    return skew(params, config, tokens, partial_ratio=partial_ratio, channel_rule=channel_rule)
 
 
 @jax.tree_util.register_dataclass
@@ -135,7 +168,7 @@ def skew_on_text(params: Params, config: ModelConfig, tokenizer, *, sample_lengt
 class InfiniGenLayerCache:
     k: jax.Array  # [B, C, K, E] skewed rotated keys, slot = absolute position (pinned_host when offloaded)
     v: jax.Array  # [B, C, K, E] values (pinned_host when offloaded)
-    partial_k: jax.Array  # [B, C, K, c] the selected channels of the skewed keys (device)
+    partial_k: jax.Array  # [B, C, K, W] the partial channels of the skewed keys (device; W = 0 on a dense layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,20 +176,24 @@ class InfiniGen(Method):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_channels: int  # c
     capacity: int  # C: slots per head (context rounded up)
     kv_budget: int  # the most tokens a decode step fetches per KV head
-    skew_bytes: bytes = dataclasses.field(repr=False)  # A float32 [L, K, E, E] then channels int32 [L, K, c]
-    alpha: float = 4.0
+    skew_bytes: bytes = dataclasses.field(repr=False)  # A float32 [L, K, E, E] then the channel mask uint8 [L, K, E]
+    alpha: float = LLAMA_ALPHA
     offload: str = "auto"  # "auto" | "host" | "device"
     lookahead: bool = True  # decode steps speculate from the previous layer's attention input (False: own layer)
+    dense_layers: int = DENSE_LAYERS  # layers 0 .. dense_layers-1 attend densely and never speculate
 
     name = "infinigen"
 
     def __post_init__(self):
-        L, K, E, c = self.num_layers, self.num_kv_heads, self.head_dim, self.num_channels
-        if len(self.skew_bytes) != 4 * L * K * (E * E + c):
+        L, K, E = self.num_layers, self.num_kv_heads, self.head_dim
+        if len(self.skew_bytes) != L * K * E * (4 * E + 1):
             raise DuoJaxError("InfiniGen skew data does not match its shapes")
+        if not 0 <= self.dense_layers <= L:
+            raise DuoJaxError(f"dense_layers must lie in [0, {L}] (the model's layers), got {self.dense_layers}")
+        if not self.channel_mask[self.dense_layers:].any(axis=-1).all():
+            raise DuoJaxError("every head of a speculating layer needs at least one partial channel")
         if self.offload not in ("auto", "host", "device"):
             raise DuoJaxError(f"offload must be 'auto', 'host' or 'device', got {self.offload!r}")
         if self.offload == "host" and not host_offload_supported():
@@ -167,20 +204,23 @@ class InfiniGen(Method):
     # --- construction -------------------------------------------------------------------------------
 
     @classmethod
-    def from_skew(cls, A: np.ndarray, channels: np.ndarray, *, context: int, kv_budget: int, alpha: float = 4.0,
-                  offload: str = "auto") -> "InfiniGen":
+    def from_skew(cls, A: np.ndarray, channel_mask: np.ndarray, *, context: int, kv_budget: int,
+                  **options) -> "InfiniGen":
+        """From `skew`'s output; `options`: alpha, offload, lookahead, dense_layers."""
         A = np.ascontiguousarray(A, np.float32)
-        channels = np.ascontiguousarray(channels, np.int32)
+        channel_mask = np.ascontiguousarray(channel_mask, np.uint8)
+        if channel_mask.shape != A.shape[:-1]:
+            raise DuoJaxError(f"channel mask {channel_mask.shape} does not match skew matrices {A.shape}")
         L, K, E, _ = A.shape
-        return cls(L, K, E, channels.shape[-1], round_capacity(context), int(kv_budget),
-                   A.tobytes() + channels.tobytes(), float(alpha), offload)
+        return cls(L, K, E, round_capacity(context), int(kv_budget), A.tobytes() + channel_mask.tobytes(),
+                   **options)
 
     @classmethod
     def calibrate(cls, params: Params, config: ModelConfig, sample_tokens, *, context: int, kv_budget: int,
-                  alpha: float = 4.0, partial_ratio: float = 0.2, offload: str = "auto") -> "InfiniGen":
+                  partial_ratio: float = 0.2, channel_rule: str = "qk", **options) -> "InfiniGen":
         """Skew on `sample_tokens` (stacked `params`, as `init_params` / loading give) and build the method."""
-        A, channels = skew(params, config, sample_tokens, partial_ratio=partial_ratio)
-        return cls.from_skew(A, channels, context=context, kv_budget=kv_budget, alpha=alpha, offload=offload)
+        A, mask = skew(params, config, sample_tokens, partial_ratio=partial_ratio, channel_rule=channel_rule)
+        return cls.from_skew(A, mask, context=context, kv_budget=kv_budget, **options)
 
     @property
     def skew_matrices(self) -> np.ndarray:
@@ -188,9 +228,23 @@ class InfiniGen(Method):
         return np.frombuffer(self.skew_bytes, np.float32, L * K * E * E).reshape(L, K, E, E)
 
     @property
-    def channels(self) -> np.ndarray:
-        L, K, E, c = self.num_layers, self.num_kv_heads, self.head_dim, self.num_channels
-        return np.frombuffer(self.skew_bytes, np.int32, L * K * c, offset=4 * L * K * E * E).reshape(L, K, c)
+    def channel_mask(self) -> np.ndarray:
+        """bool [L, K, E]: each head's partial channels (columns of A-space)."""
+        L, K, E = self.num_layers, self.num_kv_heads, self.head_dim
+        return np.frombuffer(self.skew_bytes, np.uint8, L * K * E, offset=4 * L * K * E * E).reshape(L, K, E) > 0
+
+    def partial_channels(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(index int32 [K, W], weight float32 [K, W]) of `layer`'s partial channels: each head's channels in
+        ascending order, padded to the layer's widest head W with channel 0 at weight 0 (W = 0: dense layer)."""
+        mask = self.channel_mask[layer]
+        width = 0 if layer < self.dense_layers else int(mask.sum(axis=-1).max())
+        index = np.zeros((self.num_kv_heads, width), np.int32)
+        weight = np.zeros((self.num_kv_heads, width), np.float32)
+        if width:
+            for h in range(self.num_kv_heads):
+                chosen = np.flatnonzero(mask[h])
+                index[h, :len(chosen)], weight[h, :len(chosen)] = chosen, 1.0
+        return index, weight
 
     @property
     def host_offload(self) -> bool:
@@ -200,11 +254,10 @@ class InfiniGen(Method):
 
     def init_cache(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
         full = (batch, self.capacity, self.num_kv_heads, self.head_dim)
-        partial = (batch, self.capacity, self.num_kv_heads, self.num_channels)
         place = ((lambda x: jax.device_put(x, jax.memory.Space.Host)) if self.host_offload else (lambda x: x))
         return tuple(InfiniGenLayerCache(place(jnp.zeros(full, dtype)), place(jnp.zeros(full, dtype)),
-                                         jnp.zeros(partial, dtype))
-                     for _ in range(self.num_layers))
+                                         jnp.zeros(full[:3] + self.partial_channels(l)[0].shape[1:], dtype))
+                     for l in range(self.num_layers))
 
     def cache_spec(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
         if not self.host_offload:
@@ -214,9 +267,10 @@ class InfiniGen(Method):
         return self.init_cache(batch, dtype)
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        """B * L * C * K * (2E + c) * bytes: full K and V plus the partial keys."""
-        return (batch * self.num_layers * self.capacity * self.num_kv_heads
-                * (2 * self.head_dim + self.num_channels) * bytes_per_elem)
+        """B * C * K * sum_l (2E + W_l) * bytes: full K and V plus the partial keys (W_l channels, 0 if dense)."""
+        widths = sum(self.partial_channels(l)[0].shape[1] for l in range(self.num_layers))
+        return (batch * self.capacity * self.num_kv_heads
+                * (2 * self.head_dim * self.num_layers + widths) * bytes_per_elem)
 
     # --- host / device helpers ----------------------------------------------------------------------
 
@@ -253,14 +307,14 @@ class InfiniGen(Method):
         K, C = self.num_kv_heads, self.capacity
         G = H // K
         A = jnp.asarray(self.skew_matrices[layer])  # [K, E, E]
-        channels = self.channels[layer]  # [K, c] (static)
+        index, weight = self.partial_channels(layer)  # [K, W] (static)
         q = apply_rope(q, step.positions, step.inv_freq)
         k = apply_rope(k, step.positions, step.inv_freq)
         skew_q = lambda x: jnp.einsum("btkge,kef->btkgf", x.reshape(B, -1, K, G, E),  # noqa: E731
                                       A.astype(x.dtype)).reshape(B, -1, H, E)
         qs = skew_q(q)
         ks = jnp.einsum("btke,kef->btkf", k, A.astype(k.dtype))
-        kp = jnp.stack([ks[:, :, h, channels[h]] for h in range(K)], axis=2)  # [B, T, K, c]
+        kp = jnp.take_along_axis(ks, jnp.asarray(index)[None, None], axis=-1)  # [B, T, K, W]
 
         # Write this step's tokens (slot = absolute position; padding and overflow dropped).
         slots = jnp.where(step.valid & (step.positions < C), step.positions, C)  # [B, T]
@@ -271,7 +325,7 @@ class InfiniGen(Method):
         new_partial = write_slots(cache.partial_k, slots, kp)
         new_cache = InfiniGenLayerCache(new_k, new_v, new_partial)
 
-        if not step.is_decode:  # prefill chunk: exact attention to every cached token and the chunk
+        if not step.is_decode or layer < self.dense_layers:  # exact attention to every cached token and the new
             keys, values = self._to_device(new_k), self._to_device(new_v)
             out = attention.attend(qs, keys.astype(q.dtype), values.astype(v.dtype), step.prefix_spec(), impl=step.impl)
             return out, new_cache
@@ -280,14 +334,15 @@ class InfiniGen(Method):
         # this layer's projection of the previous layer's attention input (the engine's lookahead_q), so the
         # selection, and the fetch of its rows, depend only on what the previous layer had.
         spec = qs if lookahead_q is None else skew_q(apply_rope(lookahead_q, step.positions, step.inv_freq))
-        qp = jnp.stack([spec[:, 0, h * G:(h + 1) * G][..., channels[h]] for h in range(K)], axis=1)  # [B, K, G, c]
+        qp = jnp.take_along_axis(spec[:, 0].reshape(B, K, G, E), jnp.asarray(index)[None, :, None], axis=-1)
+        qp = qp * jnp.asarray(weight, qp.dtype)[None, :, None]  # [B, K, G, W], padding channels zeroed
         approx = jnp.einsum("bkgc,bskc->bkgs", qp, cache.partial_k.astype(qp.dtype),
                             preferred_element_type=jnp.float32) / math.sqrt(E)
         cached = jnp.arange(C)[None, :] < step.lengths[:, None]  # [B, C]
         head_score = jnp.where(cached[:, None], jnp.max(approx, axis=2), -jnp.inf)  # [B, K, C]
         top = jnp.max(head_score, axis=-1, keepdims=True)
         per_head = jnp.sum(cached[:, None] & (head_score >= top - self.alpha), axis=-1)  # [B, K]
-        count = jnp.minimum(jnp.ceil(jnp.mean(per_head.astype(jnp.float32), axis=1)), self.kv_budget)  # [B]
+        count = jnp.minimum(jnp.floor(jnp.mean(per_head.astype(jnp.float32), axis=1)), self.kv_budget)  # [B]
         budget = min(self.kv_budget, C)
         ranked, chosen = jax.lax.top_k(head_score, budget)  # [B, K, N]
         keep = (jnp.arange(budget)[None, None] < count[:, None, None]) & (ranked > -jnp.inf)

@@ -302,6 +302,7 @@ class SnapKV(Method):
     kernel: int = 5
     pooling: str = "avg"
     name: str = "snapkv"
+    pyramid_beta: float | None = None  # PyramidKV: re-spread the budgets over the layers for short prompts
 
     def __post_init__(self):
         check_selection(self.window, self.kernel, self.pooling)
@@ -335,9 +336,18 @@ class SnapKV(Method):
         out = retrieval_attention(q, keys, values, step)
         return out, PrefillLayerCache(keys, values, write_slots(cache.queries, shared.query_slots, q))
 
+    def prompt_budgets(self, longest: int) -> tuple[tuple[int, ...], ...]:
+        """The budgets [L][K] after prompts of at most `longest` tokens: `budgets`, or for PyramidKV the
+        pyramid re-spread so that no layer's budget exceeds the longest prompt's prefix (`pyramid_budgets`)."""
+        if self.pyramid_beta is None:
+            return self.budgets
+        average = sum(row[0] for row in self.budgets) // self.num_layers
+        spread = pyramid_budgets(self.num_layers, average, self.pyramid_beta, prefix=max(longest - self.window, 0))
+        return tuple((b,) * self.num_kv_heads for b in spread)
+
     def compressed(self, longest: int) -> CompressedKV:
         """The decode method after a prefill whose longest prompt has `longest` tokens."""
-        slots, room = decode_shape(self.budgets, self.window, self.capacity, longest)
+        slots, room = decode_shape(self.prompt_budgets(longest), self.window, self.capacity, longest)
         return CompressedKV(self.num_kv_heads, self.head_dim, slots, room, self.name)
 
     def after_prefill(self, cache, lengths):
@@ -376,16 +386,22 @@ def make_snapkv(config: ModelConfig, *, context: int, kv_budget: int, window: in
                   window, kernel, pooling)
 
 
-def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0) -> list[int]:
+def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: int | None = None) -> list[int]:
     """PyramidKV's per-layer budgets (tokens besides the window), bottom layer first: the top layer keeps
     average / beta, the bottom 2 * average - average / beta, the layers between follow the arithmetic
-    sequence, and the integer budgets are rounded by largest remainders so they sum to num_layers * average."""
+    sequence, and the integer budgets are rounded by largest remainders so they sum to num_layers * average.
+
+    When the bottom budget exceeds `prefix` (the prompt's tokens before the window), the bottom keeps
+    `prefix` and the surplus moves up the pyramid: the top keeps 2 * average - prefix (the original's
+    `PyramidKVCluster.update_kv`: max_num capped at q_len - window_size, min_num = 2 * base - max_num)."""
     if beta < 1:
         raise DuoJaxError(f"PyramidKV's beta must be >= 1 (the top layer keeps average / beta), got {beta}")
     if num_layers == 1:
         return [average]
     top = average / beta
     bottom = 2 * average - top
+    if prefix is not None and bottom >= prefix:
+        bottom, top = prefix, 2 * average - prefix
     exact = bottom - (bottom - top) * np.arange(num_layers) / (num_layers - 1)
     budgets = np.floor(exact).astype(int)
     short = num_layers * average - int(budgets.sum())
@@ -396,8 +412,10 @@ def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0) -> list[i
 def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int, beta: float = 20.0, window: int = 32,
                    kernel: int = 5, pooling: str = "avg") -> SnapKV:
     """PyramidKV: SnapKV selection, `kv_budget` tokens per KV head on average (window included), spread over
-    the layers by `pyramid_budgets` (beta 20 as the paper)."""
+    the layers by `pyramid_budgets` (beta 20 as the paper); after a prompt whose prefix is shorter than the
+    bottom layer's budget, the surplus moves to the upper layers (`SnapKV.prompt_budgets`; with a batch of
+    prompts, the longest one's prefix)."""
     budget = base_budget(kv_budget, window)
     budgets = tuple((b,) * config.num_kv_heads for b in pyramid_budgets(config.num_layers, budget, beta))
     return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
-                  window, kernel, pooling, name="pyramidkv")
+                  window, kernel, pooling, name="pyramidkv", pyramid_beta=float(beta))
