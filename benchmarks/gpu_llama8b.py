@@ -62,7 +62,7 @@ def random_params(config, seed: int = 0):
     def layer(_):
         stacked = {f.name: getattr(shapes.layers, f.name) for f in dataclasses.fields(shapes.layers)}
         fields = {name: (jnp.ones(shape[1:], jnp.bfloat16) if "norm" in name else normal(shape[1:]))
-                  for name, shape in stacked.items()}
+                  for name, shape in stacked.items() if shape is not None}  # fields this family has
         return LayerParams(**fields)
 
     return Params(embed=normal(shapes.embed), layers=tuple(layer(l) for l in range(config.num_layers)),
