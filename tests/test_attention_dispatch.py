@@ -78,3 +78,30 @@ def test_engine_with_mosaic_kernels_matches_xla():
         ref, ref_logits, _, _ = run_method(params, config, method, prompt, chunk=8, decode_steps=4, impl="xla")
         assert ours == ref
         assert rel_err(jnp.asarray(logits), jnp.asarray(ref_logits)) <= 1e-5
+
+
+@pytest.mark.parametrize("chunk", [128, 1], ids=["prefill-chunk", "decode-step"])
+def test_extend_exported_for_tpu_attends_through_mosaic(chunk):
+    """`extend` lowered for TPU from this CPU host with impl="auto": every layer's attention is a Mosaic
+    kernel (one tpu_custom_call per layer) and no XLA attention loop is left in the module."""
+    import functools
+
+    from jax import export
+
+    from duo_jax.engine import extend, prepare_params
+    from duo_jax.methods import make_method
+    from duo_jax.model import init_params
+    from pallas_kernels._backend import lowering_for
+    from tests.conftest import tiny_config
+
+    config = tiny_config(num_layers=2, head_dim=128)
+    method = make_method("full", config, context=256)
+    params = jax.eval_shape(lambda: prepare_params(init_params(config, jax.random.key(0)), config, method))
+    ints = jax.ShapeDtypeStruct((1,), jnp.int32)
+    step = jax.jit(functools.partial(extend, config=config, method=method))
+    with lowering_for("tpu"):
+        exported = export.export(step, platforms=["tpu"])(params, method.cache_spec(1, jnp.float32), ints,
+                                                          jax.ShapeDtypeStruct((1, chunk), jnp.int32), ints)
+    module = exported.mlir_module()
+    assert module.count("tpu_custom_call") == config.num_layers
+    assert "stablehlo.while" not in module

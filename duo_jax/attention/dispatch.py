@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 import pallas_kernels.tpu
+from pallas_kernels._backend import backend as pallas_backend
 from duo_jax.attention import xla
 from duo_jax.attention.masks import MaskSpec, prefix_spec
 from pallas_kernels import reference
@@ -45,7 +46,7 @@ def resolve_impl(impl: str) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     if impl != "auto":
         return impl
-    backend = jax.default_backend()
+    backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
     return "pallas" if backend in ("gpu", "cuda", "rocm") else "mosaic" if backend == "tpu" else "xla"
 
 
@@ -73,7 +74,7 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
     if impl == "pallas":
         kernels, options = pallas_kernels, {}
     else:  # off TPU, the generic interpreter: TPU interpret mode cannot run under jax.checkpoint (gate training)
-        kernels, options = pallas_kernels.tpu, {"interpret": None if jax.default_backend() == "tpu" else True}
+        kernels, options = pallas_kernels.tpu, {"interpret": None if pallas_backend() == "tpu" else True}
     q_offset = spec.q_positions[:, 0]
     if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
         return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
