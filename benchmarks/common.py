@@ -112,23 +112,24 @@ def run_generate(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_
 
 
 def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int) -> dict:
-    """`duo_jax.generate`'s loop for one prompt, written out so that every step is timed on its own: the same
-    compiled executables (`compiled_extend`), chunked prefill, then greedy single-token steps, each ending with
-    the token on the host as generate's EOS check does. Returns ttft_s, decode_ms (median per new token after
+    """`duo_jax.generate`'s work for one prompt, written out so that every step is timed on its own: the same
+    compiled prefill executable and chunk bucket (`compiled_extend`, `bucket`), then greedy single-token steps
+    timed one by one, each ending with the token on the host (generate runs these steps in one device loop,
+    `engine.decode`; a per-step median needs them apart). Returns ttft_s, decode_ms (median per new token after
     the first; robust to bursts from other jobs), decode_ms_mean, tokens_per_s, compile_s, cache_bytes and the
     generated tokens."""
     import jax.numpy as jnp
 
     from duo_jax.engine import prepare_params
-    from duo_jax.generation import compiled_extend
+    from duo_jax.generation import bucket, compiled_extend
     from duo_jax.methods import cache_nbytes
 
     config, dtype = model.config, jnp.dtype(model.params.dtype).name
     method = settings.build(config, len(ids) + new_tokens)
     params = prepare_params(model.params, config, method)
-    chunk = min(chunk_size, len(ids))
+    chunk = min(chunk_size, bucket(len(ids)))
     start = time.perf_counter()
-    prefill, decode = (compiled_extend(config, method, 1, n, dtype, "auto") for n in (chunk, 1))  # as generate
+    prefill, decode = (compiled_extend(config, method, 1, n, dtype, "auto") for n in (chunk, 1))  # generate's prefill; decode steps apart
     compile_s = time.perf_counter() - start
 
     padded = np.zeros((1, -(-len(ids) // chunk) * chunk), np.int32)

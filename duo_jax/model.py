@@ -181,7 +181,7 @@ def decoder_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, attend:
 
 
 def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
-                  positions: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+                  positions: jax.Array | None = None) -> jax.Array:
     """Residual stream after the last layer, before the final norm: tokens int32 [B, T] -> [B, T, D].
 
     Query t sees keys s <= t (within `config.sliding_window` when set), by position order in the sequence."""
@@ -195,7 +195,7 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
 
     def attend(q, k, v, h):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        return attention.attend(q, k, v, spec, impl=impl), None
+        return attention.attend(q, k, v, spec), None
 
     x, _ = jax.lax.scan(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
                         params.layers)

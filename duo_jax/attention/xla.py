@@ -36,15 +36,15 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _key_blocks(spec: MaskSpec, q_pos: jax.Array, kv_len: jax.Array, k_positions, num_keys: int, block_k: int):
+def _key_blocks(spec: MaskSpec, q_pos: jax.Array, block_k: int):
     """The key blocks a query block must visit, as two ranges [a1, b1) and [a2, b2) of block indices
     (int32 scalars, traced): the sink blocks and the band up to the last filled, causally visible key."""
-    hi_key = jnp.max(kv_len)
-    if spec.causal and k_positions is None:
+    hi_key = jnp.max(spec.kv_len)
+    if spec.causal and spec.k_positions is None:
         hi_key = jnp.minimum(hi_key, jnp.max(q_pos) + 1)
     hi = _cdiv(jnp.maximum(hi_key, 0), block_k)
     zero = jnp.zeros((), jnp.int32)
-    if k_positions is not None:  # slots hold arbitrary positions (a ring, an eviction cache): no skipping
+    if spec.k_positions is not None:  # slots hold arbitrary positions (a ring, an eviction cache): no skipping
         return zero, zero, zero, hi
     q_min = jnp.min(q_pos)
     lo = zero
@@ -65,7 +65,7 @@ def _slice_keys(x: jax.Array, first, size: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, first, size, axis=1)
 
 
-def _tile(spec: MaskSpec, q_pos, kv_len, k_positions, k, v, i, ranges, block_k: int):
+def _tile(spec: MaskSpec, q_pos, k, v, i, ranges, block_k: int):
     """Key tile i of the schedule: (first slot, keys [B, bk, K, E], values, visibility [B, T, bk])."""
     a1, b1, a2, _ = ranges
     n1 = jnp.maximum(b1 - a1, 0)
@@ -75,11 +75,11 @@ def _tile(spec: MaskSpec, q_pos, kv_len, k_positions, k, v, i, ranges, block_k: 
     slots = first + jnp.arange(block_k, dtype=jnp.int32)
     fresh = slots >= start  # ... and its slots already seen are masked out
     k_tile, v_tile = _slice_keys(k, first, block_k), _slice_keys(v, first, block_k)
-    if k_positions is None:
+    if spec.k_positions is None:
         k_pos = jnp.broadcast_to(slots, (q_pos.shape[0], block_k))
     else:
-        k_pos = lax.dynamic_slice_in_dim(k_positions, first, block_k, axis=1)
-    filled = fresh[None, :] & (slots[None, :] < kv_len[:, None]) & (k_pos >= 0)
+        k_pos = lax.dynamic_slice_in_dim(spec.k_positions, first, block_k, axis=1)
+    filled = fresh[None, :] & (slots[None, :] < spec.kv_len[:, None]) & (k_pos >= 0)
     visible = spec.visible(q_pos[:, :, None], k_pos[:, None, :], filled[:, None, :])
     return first, k_tile, v_tile, visible
 
@@ -89,14 +89,14 @@ def _trip_count(ranges):
     return jnp.maximum(b1 - a1, 0) + jnp.maximum(b2 - a2, 0)
 
 
-def _forward_block(spec, q, q_pos, kv_len, k_positions, k, v, scale, block_k):
+def _forward_block(spec, q, q_pos, k, v, scale, block_k):
     """One query block: q [B, T, K, G, E] -> (out [B, T, K, G, E] in q's dtype, lse float32 [B, K, G, T])."""
     B, T, K, G, E = q.shape
-    ranges = _key_blocks(spec, q_pos, kv_len, k_positions, k.shape[1], block_k)
+    ranges = _key_blocks(spec, q_pos, block_k)
 
     def body(i, carry):
         m, l, acc = carry
-        _, k_tile, v_tile, visible = _tile(spec, q_pos, kv_len, k_positions, k, v, i, ranges, block_k)
+        _, k_tile, v_tile, visible = _tile(spec, q_pos, k, v, i, ranges, block_k)
         s = jnp.einsum("btkge,bske->bkgts", q, k_tile, preferred_element_type=jnp.float32) * scale
         visible = visible[:, None, None]  # [B, 1, 1, T, bk]
         s = jnp.where(visible, s, _MASKED)
@@ -115,15 +115,15 @@ def _forward_block(spec, q, q_pos, kv_len, k_positions, k, v, scale, block_k):
     return jnp.einsum("bkgte->btkge", out).astype(q.dtype), lse
 
 
-def _backward_block(spec, q, q_pos, kv_len, k_positions, k, v, scale, block_k, out, lse, d_out, dk, dv):
+def _backward_block(spec, q, q_pos, k, v, scale, block_k, out, lse, d_out, dk, dv):
     """Gradients of one query block; dk / dv float32 [B, S, K, E] accumulate over query blocks."""
-    ranges = _key_blocks(spec, q_pos, kv_len, k_positions, k.shape[1], block_k)
+    ranges = _key_blocks(spec, q_pos, block_k)
     delta = jnp.einsum("btkge,btkge->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     d_out = d_out.astype(jnp.float32)
 
     def body(i, carry):
         dq, dk, dv = carry
-        first, k_tile, v_tile, visible = _tile(spec, q_pos, kv_len, k_positions, k, v, i, ranges, block_k)
+        first, k_tile, v_tile, visible = _tile(spec, q_pos, k, v, i, ranges, block_k)
         s = jnp.einsum("btkge,bske->bkgts", q, k_tile, preferred_element_type=jnp.float32) * scale
         p = jnp.where(visible[:, None, None], jnp.exp(s - lse[..., None]), 0.0)
         dv_tile = jnp.einsum("bkgts,btkge->bske", p, d_out)
@@ -169,7 +169,7 @@ def _attention_fwd(q, k, v, spec, scale, block_q, block_k):
     pos_blocks = _query_blocks(spec.q_positions, block_q, None)
 
     def one(args):
-        return _forward_block(spec, args[0], args[1], spec.kv_len, spec.k_positions, k, v, scale, block_k)
+        return _forward_block(spec, args[0], args[1], k, v, scale, block_k)
 
     out, lse = lax.map(one, (q_blocks, pos_blocks))
     out = _merge_blocks(out, T)
@@ -184,7 +184,7 @@ def _attention_bwd(scale, block_q, block_k, residuals, d_out):
 
     def one(carry, args):
         q_b, pos_b, out_b, d_out_b, lse_b = args
-        dq, dk, dv = _backward_block(spec, q_b, pos_b, spec.kv_len, spec.k_positions, k, v, scale, block_k,
+        dq, dk, dv = _backward_block(spec, q_b, pos_b, k, v, scale, block_k,
                                      out_b, lse_b, d_out_b, *carry)
         return (dk, dv), dq
 
