@@ -69,9 +69,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         S). A sequence with length 0 gets a zero output.
       scale: softmax scale, default 1 / sqrt(D).
       block_k: keys per loop step.
-      num_splits: maximum number of chunks the keys are split into; each split is
-        a whole number of blocks. S is padded only if it is not a multiple of
-        the resulting chunk size.
+      num_splits: how many chunks the keys are split into (at most); each is a
+        whole number of blocks, the last one possibly fewer. S is padded only if
+        it is not a multiple of block_k.
       interpret: None = interpret mode exactly when running on CPU.
 
     Returns:
@@ -89,10 +89,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
     block_k = _common.fit_block(block_k, seq_k)
     num_blocks = _common.cdiv(seq_k, block_k)
+    # num_splits chunks of whole blocks; the last chunk may be shorter (its program stops at the cache's end,
+    # since lengths <= S), so any cache size gets about num_splits programs and the cache is never padded.
     blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
     num_splits = _common.cdiv(num_blocks, blocks_per_split)
     chunk = blocks_per_split * block_k
-    if extra := num_splits * chunk - seq_k:
+    if seq_k % block_k:  # a partial last block would be read past the end: pad (only caches not a multiple of block_k)
+        extra = num_blocks * block_k - seq_k
         k = jnp.pad(k, ((0, 0), (0, extra), (0, 0), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, extra), (0, 0), (0, 0)))
 

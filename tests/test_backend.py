@@ -76,6 +76,21 @@ def test_decode_attention_lowers_to_triton():
     assert calls[0]["grid"][:2] == (2, 2)  # one program per sequence, KV head and split of the cache
 
 
+@pytest.mark.parametrize("capacity", [2176, 4224])  # 17 and 33 blocks of 128: prime-ish, no divisor up to 16
+def test_decode_gets_many_splits_at_any_capacity(capacity):
+    """The engine's decode (through the dispatch) gives one sequence at least 8 programs per KV head, and
+    does not pad the cache to whole splits (no copy of the cache per step)."""
+    from duo_jax import attention
+
+    q = jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16)
+    k = v = jax.ShapeDtypeStruct((1, capacity, 8, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    module = cuda_module(lambda *a: attention.decode_attention(*a, impl="pallas"), q, k, v, lengths)
+    calls = triton_kernels(module)
+    assert len(calls) == 1 and calls[0]["grid"][:2] == (1, 8) and calls[0]["grid"][2] >= 8
+    assert not [line for line in module.splitlines() if "stablehlo.pad" in line and f"x{capacity}x" in line]
+
+
 def test_the_gpu_path_is_chosen_by_the_platform():
     """Traced for the local CPU the kernels run in interpret mode: plain HLO, no Triton call, no Mosaic."""
     shapes = qkv(128, 128, 4, 2, 64, jnp.float32)

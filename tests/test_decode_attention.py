@@ -14,6 +14,8 @@ CASES = {
     "ragged_gqa_splits": (300, 4, 2, 64, (300, 1, 0, 157), 32, 4),
     "mha_d128_more_splits_than_blocks": (256, 2, 2, 128, (256, 200), 64, 16),
     "single_split": (96, 4, 1, 64, (50, 96), 32, 1),
+    # 17 blocks in 4 splits of 5: the last split has 2 blocks (no padding, no divisor needed)
+    "ragged_last_split": (17 * 16, 4, 2, 32, (17 * 16, 250, 81, 1), 16, 4),
 }
 
 

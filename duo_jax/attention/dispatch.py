@@ -37,7 +37,7 @@ from pallas_kernels import reference
 Impl = Literal["auto", "pallas", "mosaic", "xla", "reference"]
 IMPLS = ("auto", "pallas", "mosaic", "xla", "reference")
 DECODE_BLOCK = 128  # split-K decode's key block (the cache capacity is a multiple of it)
-MAX_SPLITS = 16
+MAX_SPLITS = 16  # split-K decode's chunks of the cache (the last may be ragged: any capacity gets ~16)
 
 
 def resolve_impl(impl: str) -> str:
@@ -80,11 +80,9 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
         return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
                                         scale=scale, **options)
     if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
-        blocks = k.shape[1] // DECODE_BLOCK
-        splits = max(d for d in range(1, MAX_SPLITS + 1) if blocks % d == 0)  # a divisor: no padded split
         lengths = jnp.minimum(spec.kv_len, q_offset + 1)
         return kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
-                                        num_splits=splits, **options)[:, None]
+                                        num_splits=MAX_SPLITS, **options)[:, None]
     return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=spec.kv_len, scale=scale,
                                    **options)
 

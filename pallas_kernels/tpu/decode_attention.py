@@ -88,7 +88,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         S). A sequence with length 0 gets a zero output.
       scale: softmax scale, default 1 / sqrt(D).
       block_k: keys per grid step, a multiple of 128 (shrunk for short caches).
-      num_splits: the most chunks the keys are split into, each a whole number of blocks.
+      num_splits: the most chunks the keys are split into, each a whole number of blocks (the last may
+        have fewer).
       interpret: None = TPU interpret mode unless running on (or lowering for) a TPU, where the
         kernels compile; True = JAX's generic interpreter (works under jax.checkpoint); a
         pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
@@ -109,8 +110,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     num_blocks = _common.cdiv(seq_k, block_k)
     blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
     num_splits = _common.cdiv(num_blocks, blocks_per_split)
-    # [B, S, Hkv, D] -> [B, S', Hkv * D]: free reshape; S' pads S to whole splits.
-    k, v = (_mosaic.pad_axis(x, 1, blocks_per_split * block_k).reshape(
+    # [B, S, Hkv, D] -> [B, S', Hkv * D]: free reshape; S' pads S to whole blocks (a no-op for a cache of
+    # whole blocks). The last split may be shorter: its steps past the cache map to the last valid block and
+    # are skipped, so any cache size gets about num_splits splits.
+    k, v = (_mosaic.pad_axis(x, 1, block_k).reshape(
         batch, -1, num_kv_heads * head_dim) for x in (k, v))
 
     def kv_map(b, split, step, lengths_ref):  # Blocks past the length repeat the last valid one.
