@@ -21,7 +21,7 @@ __all__ = ["generate", "main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
-    parser.add_argument("--method", choices=(*METHODS, "infinigen"), default=None,
+    parser.add_argument("--method", choices=METHODS, default=None,
                         help="KV-cache method (default: duo when --pattern is given, else full)")
     parser.add_argument("--kv-budget", type=int, default=None,
                         help="tokens kept (infinigen: fetched) per KV head on average; required by h2o, tova, "

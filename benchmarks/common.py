@@ -112,39 +112,33 @@ def run_generate(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_
 
 
 def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int) -> dict:
-    """`duo_jax.generate`'s work for one prompt, written out so that every step is timed on its own: the same
-    compiled prefill executable and chunk bucket (`compiled_extend`, `bucket`), then greedy single-token steps
-    timed one by one, each ending with the token on the host (generate runs these steps in one device loop,
-    `engine.decode`; a per-step median needs them apart). Returns ttft_s, decode_ms (median per new token after
-    the first; robust to bursts from other jobs), decode_ms_mean, tokens_per_s, compile_s, cache_bytes and the
-    generated tokens."""
+    """`duo_jax.generate`'s work for one prompt with every step timed on its own: the model's engine runs the
+    prefill (`Engine.prefill`, generate's chunk bucket), then greedy single-token steps (`Engine.step`) timed
+    one by one, each ending with the token on the host (generate runs these steps in one device loop,
+    `Engine.decode_loop`; a per-step median needs them apart). Returns ttft_s, decode_ms (median per new token
+    after the first; robust to bursts from other jobs), decode_ms_mean, tokens_per_s, compile_s, cache_bytes
+    and the generated tokens."""
     import jax.numpy as jnp
 
-    from duo_jax.engine import prepare_params
-    from duo_jax.generation import bucket, compiled_extend
+    from duo_jax.engine import Engine, bucket, compiled_extend
     from duo_jax.methods import cache_nbytes
 
-    config, dtype = model.config, jnp.dtype(model.params.dtype).name
-    method = settings.build(config, len(ids) + new_tokens)
-    params = prepare_params(model.params, config, method)
+    engine = Engine.of(model)
+    method = settings.build(model.config, len(ids) + new_tokens)
     chunk = min(chunk_size, bucket(len(ids)))
     start = time.perf_counter()
-    prefill, decode = (compiled_extend(config, method, 1, n, dtype, "auto") for n in (chunk, 1))  # generate's prefill; decode steps apart
+    for n in (chunk, 1):  # compile generate's prefill and the single-token step outside the timings
+        compiled_extend(model.config, method, 1, n, engine.dtype)
     compile_s = time.perf_counter() - start
 
-    padded = np.zeros((1, -(-len(ids) // chunk) * chunk), np.int32)
-    padded[0, :len(ids)] = ids
-    cache, lengths = method.init_cache(1, model.params.dtype), jnp.zeros((1,), jnp.int32)
     start = time.perf_counter()
-    for c in range(0, len(ids), chunk):
-        n_valid = jnp.asarray([min(chunk, len(ids) - c)], jnp.int32)
-        logits, cache, lengths = prefill(params, cache, lengths, jnp.asarray(padded[:, c:c + chunk]), n_valid)
+    logits, cache, lengths = engine.prefill(method, np.asarray([ids], np.int32), np.asarray([len(ids)]), chunk=chunk)
     token = np.asarray(jnp.argmax(logits, axis=-1))
     ttft_s = time.perf_counter() - start
-    ones, steps, tokens = jnp.ones((1,), jnp.int32), [], [int(token[0])]
+    steps, tokens = [], [int(token[0])]
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
-        logits, cache, lengths = decode(params, cache, lengths, jnp.asarray(token[:, None], jnp.int32), ones)
+        logits, cache, lengths = engine.step(method, cache, lengths, jnp.asarray(token, jnp.int32))
         token = np.asarray(jnp.argmax(logits, axis=-1))
         steps.append(time.perf_counter() - start)
         tokens.append(int(token[0]))

@@ -23,14 +23,13 @@ def llama_temp_bytes(capacity: int, chunk: int) -> int:
     import jax.numpy as jnp
 
     from duo_jax.config import get_config
-    from duo_jax.engine import extend, prepare_params
+    from duo_jax.engine import extend, unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.model import init_params
 
     config = get_config("llama3-8b")
     method = make_method("full", config, context=capacity)
-    params = jax.eval_shape(lambda: prepare_params(init_params(config, jax.random.key(0), jnp.bfloat16), config,
-                                                   method))
+    params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0), jnp.bfloat16)))
     cache = method.cache_spec(1, jnp.bfloat16)
     i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
     lowered = extend.lower(params, cache, i32, jax.ShapeDtypeStruct((1, chunk), jnp.int32), i32, config=config,

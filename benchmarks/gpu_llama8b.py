@@ -5,7 +5,7 @@ largest context that fits, against the paper (A100: 1.50x faster decode, 1.63x f
 The model has Llama-3-8B's shape with random bf16 weights (timings do not depend on the values; one set of
 unstacked weights serves both modes, since reordering random heads changes nothing). duo uses the published
 pattern (configs/patterns/llama3-8b) at --sparsity, sink 64 / recent 256. Batch 1, prefill chunked by
---chunk-size, both through `duo_jax.generation.compiled_extend` (the executables `generate` runs).
+--chunk-size, both through the engine (`duo_jax.engine.Engine.prefill` and `.step`: the executables `generate` runs).
 
 Per context C and mode:
 - prefill: C - 1 random tokens in chunks, timed end to end (contexts up to --max-prefill only: beyond, a
@@ -111,38 +111,33 @@ def is_oom(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
 
 
-def run_mode(config, params, method, context: int, *, chunk: int, steps: int, prefill: bool) -> dict:
-    """Prefill (when asked) and decode timings of one mode at one context on the device."""
+def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: bool) -> dict:
+    """Prefill (when asked) and decode timings of one mode at one context on the device, through the engine's
+    prefill driver and its compiled single-token step (the executables `generate` runs)."""
     import jax.numpy as jnp
     import numpy as np
 
-    from duo_jax.generation import compiled_extend
-
-    decode_step = compiled_extend(config, method, 1, 1, "bfloat16")
-    cache = method.init_cache(1, jnp.bfloat16)
     rng = np.random.default_rng(context)
-    out = dict(cache_bytes=tree_bytes(cache))
     warmup = 3
     start_length = context - warmup - steps - 1  # the decode steps end inside the cache
-    lengths = jnp.zeros((1,), jnp.int32)
     if prefill:
-        prefill_step = compiled_extend(config, method, 1, chunk, "bfloat16")
-        tokens = rng.integers(0, config.vocab_size, (1, start_length)).astype(np.int32)
-        padded = np.zeros((1, -(-start_length // chunk) * chunk), np.int32)
-        padded[:, :start_length] = tokens
+        tokens = rng.integers(0, engine.config.vocab_size, (1, start_length)).astype(np.int32)
+        engine.prefill(method, tokens[:, :chunk], np.asarray([chunk]), chunk=chunk)  # compile outside the timing
         start = time.perf_counter()
-        for c in range(0, start_length, chunk):
-            n_valid = jnp.asarray([min(chunk, start_length - c)], jnp.int32)
-            logits, cache, lengths = prefill_step(params, cache, lengths, jnp.asarray(padded[:, c:c + chunk]), n_valid)
+        logits, cache, lengths = engine.prefill(method, tokens, np.asarray([start_length]), chunk=chunk)
         logits.block_until_ready()
-        out["prefill_s"] = time.perf_counter() - start
+        prefill_s = time.perf_counter() - start
     else:
+        cache = method.init_cache(1, jnp.bfloat16)
         lengths = jnp.asarray([start_length], jnp.int32)  # a zero-filled cache: the same bytes move
-    token, ones, times = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), []
+    out = dict(cache_bytes=tree_bytes(cache))
+    if prefill:
+        out["prefill_s"] = prefill_s
+    token, times = jnp.zeros((1,), jnp.int32), []
     for _ in range(warmup + steps):
         start = time.perf_counter()
-        logits, cache, lengths = decode_step(params, cache, lengths, token, ones)
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+        logits, cache, lengths = engine.step(method, cache, lengths, token)
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         token.block_until_ready()
         times.append(time.perf_counter() - start)
     out["decode_ms"] = 1e3 * statistics.median(times[warmup:])
@@ -238,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     if jax.default_backend() == "cpu":
         p.error("this benchmark needs a GPU (Llama-3-8B in bf16); on CPU run it with --dry-run")
     bandwidth = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else measure_bandwidth()
-    params = random_params(config)
+    from duo_jax.engine import Engine
+
+    engine = Engine(random_params(config), config)
     results = {m: {} for m in ("full", "duo")}
     largest = {}
     from tqdm.auto import tqdm
@@ -248,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode in largest:  # already out of memory at a smaller context
                 continue
             try:
-                results[mode][context] = run_mode(config, params, method, context, chunk=args.chunk_size,
+                results[mode][context] = run_mode(engine, method, context, chunk=args.chunk_size,
                                                   steps=args.decode_steps, prefill=context <= args.max_prefill)
             except Exception as e:  # XLA reports device OOM as a runtime error
                 if not is_oom(e):

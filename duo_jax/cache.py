@@ -1,7 +1,7 @@
 """DuoAttention's split KV cache: a retrieval partition (every token) and a streaming partition (sinks + ring).
 
-Each layer's KV heads are reordered once so its retrieval heads come first (see `duo_jax.engine`); the cache
-then holds, per layer l with n_l retrieval heads out of K,
+Per layer l with n_l retrieval heads out of K (`CacheLayout.kv_order[l]` lists them first, then the
+streaming heads, each group in the model's order), the cache holds
 
   retrieval_k[l], retrieval_v[l]: [B, C, n_l, E]            token at position p in slot p (C = capacity)
   streaming_k[l], streaming_v[l]: [B, sink + recent, K - n_l, E]
@@ -37,6 +37,9 @@ class CacheLayout:
     sink: int
     recent: int
     capacity: int  # retrieval slots per head
+    # Per layer, the KV heads in cache order: the layer's retrieval heads, then its streaming heads (each in the
+    # model's order). None: the model's order (every head retrieval, or a pattern that needs no reordering).
+    kv_order: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -45,6 +48,14 @@ class CacheLayout:
     @property
     def streaming_slots(self) -> int:
         return self.sink + self.recent
+
+    @property
+    def retrieval_mask(self) -> np.ndarray:
+        """bool [L, K]: which KV heads of each layer are retrieval heads."""
+        mask = np.zeros((self.num_layers, self.num_kv_heads), bool)
+        for l, n in enumerate(self.num_retrieval):
+            mask[l, list(self.kv_order[l][:n]) if self.kv_order is not None else slice(0, n)] = True
+        return mask
 
 
 def round_capacity(tokens: int) -> int:
@@ -58,10 +69,14 @@ def make_layout(config: ModelConfig, retrieval_mask: np.ndarray | None, *, sink:
     if sink < 0 or recent < 0:
         raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
     if retrieval_mask is None:
-        num_retrieval = (config.num_kv_heads,) * config.num_layers
+        num_retrieval, kv_order = (config.num_kv_heads,) * config.num_layers, None
     else:
-        num_retrieval = tuple(int(n) for n in np.asarray(retrieval_mask).sum(axis=1))
-    return CacheLayout(num_retrieval, config.num_kv_heads, config.head_dim, sink, recent, round_capacity(context))
+        mask = np.asarray(retrieval_mask, bool)
+        num_retrieval = tuple(int(n) for n in mask.sum(axis=1))
+        order = np.stack([np.concatenate([np.flatnonzero(m), np.flatnonzero(~m)]) for m in mask])
+        kv_order = None if (order == np.arange(mask.shape[1])).all() else tuple(map(tuple, order.tolist()))
+    return CacheLayout(num_retrieval, config.num_kv_heads, config.head_dim, sink, recent, round_capacity(context),
+                       kv_order)
 
 
 @jax.tree_util.register_dataclass

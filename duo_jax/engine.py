@@ -1,48 +1,69 @@
-"""The forward pass over a KV-cache method's cache: one jitted function for prefill chunks and decode steps.
+"""The engine: a model's weights prepared once, and the compiled steps every KV-cache method runs on them.
 
 `extend` runs T new tokens per sequence through the model. Everything but attention is the model's own
 (`duo_jax.model`); per layer, the method (`duo_jax.methods`) attends the new tokens to its cache and returns
 the updated cache. The layers are unrolled (not scanned) because a method's per-layer caches may differ in
-shape (DuoAttention's layers each have their own number of retrieval heads).
+shape (DuoAttention's layers each have their own number of retrieval heads). `decode` is a `lax.while_loop` of
+`extend` steps with sampling and EOS inside: one compiled call per generation.
+
+`Engine` holds what those steps need that is not a shape: the weights in the layout the steps take (layers
+unstacked, prepared once per model and shared by every method: no method reorders weights, DuoAttention splits
+heads on the activations), and `prefill`, the one chunked-prefill driver that `generate`, the evaluations, the
+benchmarks and the tests run. Executables are compiled per shape bucket (`compiled_extend`, `compiled_decode`,
+keyed by config, method spec, batch, chunk and dtype; weights and method state are arguments, never constants).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
-from duo_jax.model import Params, decoder_layer, embed, project_qkv, rope_inv_freq, unembed
+from duo_jax.model import Params, decoder_layer, embed, param_shapes, project_qkv, rope_inv_freq, unembed
 from duo_jax.sampling import Sampling, sample
 
 
 def unstack_layers(params: Params) -> Params:
     """`Params` whose `.layers` is a tuple of per-layer `LayerParams` (what `extend` takes).
 
-    The engine unrolls its layers; slicing a stacked weight inside the jitted step copies it on every call
-    on CPU (measured: 14x slower matmuls), so the layers are split once, outside the step.
+    The engine unrolls its layers; slicing a stacked weight inside the jitted step costs a copy of it on every
+    call on CPU (measured: 10-14x slower matmuls), so the layers are split once, outside the step.
     """
     num_layers = params.layers.wq.shape[0]
     layers = tuple(jax.tree.map(lambda w, l=l: w[l], params.layers) for l in range(num_layers))
     return dataclasses.replace(params, layers=layers)
 
 
-def prepare_params(params: Params, config: ModelConfig, method: Method) -> Params:
-    """The model's weights as `extend` takes them for `method`: as the method wants them, layers unstacked."""
-    return unstack_layers(method.prepare_params(params, config))
+def bucket(n: int, smallest: int = 16) -> int:
+    """The compiled size for n: the next power of two >= max(n, smallest). Prefill chunks and the decode loop's
+    token buffer come in these sizes, so varied prompt lengths and max_new_tokens reuse executables."""
+    return max(smallest, 1 << (max(n, 1) - 1).bit_length())
+
+
+def capacity_bucket(tokens: int, block: int = 128) -> int:
+    """The default cache capacity for `tokens`: the smallest of block * {1, 2, 3, 4, 6, 8, 12, 16, 24, ...}
+    (powers of two and 1.5x powers of two) that holds them, so varied requests share a few cache shapes while
+    reserving at most 50% more than they need (pass `context=` to reserve exactly what you ask for)."""
+    blocks = -(-max(tokens, 1) // block)
+    power = 1 << (blocks - 1).bit_length()  # the next power of two >= blocks
+    return (3 * power // 4 if power >= 4 and 3 * power // 4 >= blocks else power) * block
 
 
 @functools.partial(jax.jit, static_argnames=("config", "method", "all_logits", "impl"), donate_argnames=("cache",))
-def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid: jax.Array, *,
+def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid: jax.Array, state=None, *,
            config: ModelConfig, method: Method, all_logits: bool = False, impl: str = "auto"):
     """Feed tokens [B, T] at positions lengths[b] + t, of which the first n_valid[b] are real (rest padding).
 
-    `params` come from `prepare_params(params, config, method)`; `cache` from `method.init_cache`.
+    `params` come from `unstack_layers` (an `Engine`'s `.params`); `cache` from `method.init_cache`; `state`
+    is the method's arrays (`method.state()`, e.g. InfiniGen's skew matrices; None for most methods).
     Returns (logits, cache, lengths): logits float32 [B, V] at each sequence's last real token ([B, T, V] for
     every token when all_logits), the updated cache, and lengths + n_valid. `impl` picks the attention
     kernels (`duo_jax.attention`: Pallas on GPU, the blocked XLA path elsewhere).
@@ -54,7 +75,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     step = Step(positions=lengths[:, None] + jnp.arange(T, dtype=jnp.int32),
                 valid=jnp.arange(T)[None, :] < n_valid[:, None],
                 lengths=lengths, new_lengths=lengths + n_valid, inv_freq=rope_inv_freq(config), impl=impl,
-                sliding_window=config.sliding_window)
+                sliding_window=config.sliding_window, state=state)
     shared = method.begin_step(step)
 
     x = embed(params, tokens)  # [B, T, D]
@@ -81,15 +102,15 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
 
 @functools.partial(jax.jit, static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl"),
                    donate_argnames=("cache",))
-def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax.Array, limit: jax.Array, *,
-           config: ModelConfig, method: Method, sampling: Sampling, max_tokens: int, eos_ids: tuple[int, ...] = (),
+def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax.Array, limit: jax.Array,
+           state=None, *, config: ModelConfig, method: Method, sampling: Sampling, max_tokens: int, eos_ids: tuple[int, ...] = (),
            impl: str = "auto"):
     """Decode on the device: one `lax.while_loop` of `extend` steps with sampling inside, no host round trip.
 
     `token` int32 [B] is each sequence's first new token (sampled from the prefill's logits); the loop runs
     up to `limit` (int32 scalar, at most max_tokens - 1) more steps and stops early once every sequence has
     produced one of `eos_ids` (() never stops early). Step i samples with `fold_in(key, i)`. A pure function
-    of its arguments: put it under your own `jax.jit` as it is.
+    of its arguments (`state`: the method's arrays, `method.state()`): put it under your own `jax.jit` as it is.
 
     Returns (tokens int32 [B, max_tokens]: column 0 is `token`, columns 1..steps the new ones, zeros after;
     steps int32 scalar; the cache; lengths).
@@ -104,8 +125,8 @@ def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax
 
     def step_once(carry):
         step, cache, lengths, token, done, tokens = carry
-        logits, cache, lengths = extend(params, cache, lengths, token[:, None], ones, config=config, method=method,
-                                        impl=impl)
+        logits, cache, lengths = extend(params, cache, lengths, token[:, None], ones, state, config=config,
+                                        method=method, impl=impl)
         token = sample(logits, jax.random.fold_in(key, step + 1), sampling)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step + 1, axis=1)
         return step + 1, cache, lengths, token, done | jnp.isin(token, eos), tokens
@@ -114,3 +135,129 @@ def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax
     carry = (jnp.zeros((), jnp.int32), cache, lengths, token, jnp.isin(token, eos), tokens)
     steps, cache, lengths, _, _, tokens = jax.lax.while_loop(running, step_once, carry)
     return tokens, steps, cache, lengths
+
+
+def _abstract_params(config: ModelConfig, dtype: str) -> Params:
+    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
+                           is_leaf=lambda s: isinstance(s, tuple))
+    return jax.eval_shape(unstack_layers, stacked)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
+                    impl: str = "auto", all_logits: bool = False):
+    """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows. `method`
+    is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it."""
+    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
+    return extend.lower(_abstract_params(config, dtype), method.cache_spec(batch, dtype), ints, tokens, ints,
+                        _abstract(method.state()), config=config, method=method, all_logits=all_logits,
+                        impl=impl).compile()
+
+
+@functools.lru_cache(maxsize=32)
+def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,
+                    max_tokens: int, eos_ids: tuple[int, ...]):
+    """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
+    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return decode.lower(_abstract_params(config, dtype), method.cache_spec(batch, dtype), ints, ints, key,
+                        jax.ShapeDtypeStruct((), jnp.int32), _abstract(method.state()), config=config,
+                        method=method, sampling=sampling, max_tokens=max_tokens, eos_ids=eos_ids,
+                        impl=impl).compile()
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+ChunkCallback = Callable[[jax.Array, int, np.ndarray], None]
+
+
+# id of a model's stacked query weights (an array no engine holds) -> the engine of its weights; an entry goes
+# when those weights are garbage-collected.
+_ENGINES: dict[int, "Engine"] = {}
+
+
+class Engine:
+    """One model ready to run every KV-cache method: its weights prepared once, the one prefill driver, and the
+    device decode loop. `Engine.of(model)` is the engine of the model's weights (built on their first use and
+    reused while those arrays live: another `Model` over the same arrays, e.g. the Flax front's, shares it),
+    which is what `duo_jax.generate` runs.
+
+    `params` holds the weights with layers unstacked: a second copy of the model's stacked weights, one per
+    set of weights (not per call or per method).
+    """
+
+    def __init__(self, params: Params, config: ModelConfig):
+        """`params` stacked (as loaded; unstacked here) or with layers already a tuple (used as they are)."""
+        self.config = config
+        self.params = params if isinstance(params.layers, tuple) else unstack_layers(params)
+        self.dtype = jnp.dtype(params.dtype).name
+        # Weak references: the engine must not keep the weights it was prepared from alive.
+        self._source = [weakref.ref(x) for x in jax.tree.leaves(params)]
+
+    def prepared_from(self, params: Params, config: ModelConfig) -> bool:
+        leaves = jax.tree.leaves(params)
+        return config == self.config and len(leaves) == len(self._source) and all(
+            ref() is x for ref, x in zip(self._source, leaves))
+
+    @classmethod
+    def of(cls, model) -> "Engine":
+        """The engine of `model`'s weights: prepared on their first use, then reused."""
+        anchor = model.params.layers.wq  # stacked [L, D, H, E]: the engine holds per-layer copies, never this
+        engine = _ENGINES.get(id(anchor))
+        if engine is None or not engine.prepared_from(model.params, model.config):
+            engine = _ENGINES[id(anchor)] = cls(model.params, model.config)
+            weakref.finalize(anchor, _ENGINES.pop, id(anchor), None)
+        return engine
+
+    def prefill(self, method: Method, tokens: np.ndarray, prompt_lengths: np.ndarray, *, chunk: int,
+                impl: str = "auto", on_chunk: ChunkCallback | None = None, cache=None, lengths=None):
+        """Run prompts through `method`'s cache in chunks of `chunk` tokens: the one prefill driver.
+
+        tokens int [B, >= max(prompt_lengths)] (padding after each prompt), prompt_lengths int [B]. Starts
+        from an empty cache (or `cache` / `lengths`). With `on_chunk`, every chunk's logits [B, chunk, V] are
+        computed and handed to `on_chunk(logits, start, n_valid)` (n_valid int [B]: the chunk's real tokens
+        per sequence); otherwise only the last token's. Returns (logits float32 [B, V] at each sequence's last
+        prompt token, the cache, lengths); the method's `after_prefill` is not applied.
+        """
+        B = tokens.shape[0]
+        prompt_lengths = np.asarray(prompt_lengths, np.int32)
+        longest = int(prompt_lengths.max())
+        padded = np.zeros((B, -(-longest // chunk) * chunk), np.int32)
+        padded[:, : min(tokens.shape[1], padded.shape[1])] = tokens[:, : padded.shape[1]]
+        step = compiled_extend(self.config, method, B, chunk, self.dtype, impl, on_chunk is not None)
+        if cache is None:
+            cache, lengths = method.init_cache(B, self.dtype), jnp.zeros((B,), jnp.int32)
+        state = method.state()
+        last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
+        for start in range(0, longest, chunk):
+            n_valid = np.clip(prompt_lengths - start, 0, chunk).astype(np.int32)
+            logits, cache, lengths = step(self.params, cache, lengths, jnp.asarray(padded[:, start:start + chunk]),
+                                          jnp.asarray(n_valid), state)
+            if on_chunk is not None:
+                on_chunk(logits, start, n_valid)
+                logits = jnp.take_along_axis(logits, jnp.asarray(np.maximum(n_valid - 1, 0))[:, None, None],
+                                             axis=1)[:, 0]
+            last = jnp.where(jnp.asarray(n_valid > 0)[:, None], logits, last)
+        return last, cache, lengths
+
+    def step(self, method: Method, cache, lengths, tokens: jax.Array, *, impl: str = "auto",
+             all_logits: bool = False):
+        """One token per sequence (tokens int [B]) through `method`'s cache, compiled once per batch size:
+        (logits float32 [B, V] (or [B, 1, V] with all_logits), cache, lengths). For callers that need every
+        step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`)."""
+        B = tokens.shape[0]
+        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits)
+        return run(self.params, cache, lengths, jnp.asarray(tokens, jnp.int32)[:, None], jnp.ones((B,), jnp.int32),
+                   method.state())
+
+    def decode_loop(self, method: Method, cache, lengths, token: jax.Array, key: jax.Array, *, max_new_tokens: int,
+                    sampling: Sampling, eos_ids: tuple[int, ...] = (), impl: str = "auto"):
+        """`decode` on this engine's weights, compiled per (batch, bucket(max_new_tokens), sampling, EOS ids):
+        (tokens int32 [B, bucket], steps, cache, lengths); `token` is each sequence's first new token."""
+        run = compiled_decode(self.config, method, token.shape[0], self.dtype, impl, sampling,
+                              bucket(max_new_tokens), tuple(eos_ids))
+        return run(self.params, cache, lengths, token, key, jnp.asarray(max_new_tokens - 1, jnp.int32),
+                   method.state())

@@ -1,9 +1,9 @@
-"""Batched generation with any KV-cache method: chunked prefill, then one jitted step per token."""
+"""Batched generation with any KV-cache method: the model's `Engine` (weights prepared once) runs a chunked
+prefill, then one compiled device loop decodes every new token."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 
@@ -15,12 +15,11 @@ from duo_jax import attention
 from duo_jax.cache import full_cache_bytes
 from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
-from duo_jax.engine import decode, extend, prepare_params
+from duo_jax.engine import Engine, bucket, capacity_bucket, compiled_decode, compiled_extend
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model
-from duo_jax.methods import DuoAttention, InfiniGen, Method, cache_nbytes, make_method
-from duo_jax.methods.infinigen import DENSE_LAYERS, LLAMA_ALPHA, skew_on_text
-from duo_jax.model import param_shapes
+from duo_jax import methods
+from duo_jax.methods import Method, cache_nbytes
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.sampling import Sampling, sample
 from duo_jax.tokenizer import require
@@ -83,76 +82,25 @@ def validate_options(*, sparsity: float, sink: int | None, recent: int | None, m
         raise DuoJaxError(f"attention_impl must be one of {', '.join(attention.IMPLS)}, got {attention_impl!r}")
 
 
-def bucket(n: int, smallest: int = 16) -> int:
-    """The compiled size for n: the next power of two >= max(n, smallest). Prefill chunks and the decode loop's
-    token buffer come in these sizes, so varied prompt lengths and max_new_tokens reuse executables."""
-    return max(smallest, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _abstract_params(config: ModelConfig, method: Method, dtype: str):
-    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
-                           is_leaf=lambda s: isinstance(s, tuple))
-    return jax.eval_shape(lambda p: prepare_params(p, config, method), stacked)
-
-
-@functools.lru_cache(maxsize=32)
-def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,
-                    max_tokens: int, eos_ids: tuple[int, ...]):
-    """`engine.decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    return decode.lower(_abstract_params(config, method, dtype), method.cache_spec(batch, dtype), ints, ints, key,
-                        jax.ShapeDtypeStruct((), jnp.int32), config=config, method=method, sampling=sampling,
-                        max_tokens=max_tokens, eos_ids=eos_ids, impl=impl).compile()
-
-
-@functools.lru_cache(maxsize=32)
-def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
-                    impl: str = "auto", all_logits: bool = False):
-    """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows."""
-    cache = method.cache_spec(batch, dtype)
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
-    return extend.lower(_abstract_params(config, method, dtype), cache, ints, tokens, ints, config=config,
-                        method=method, all_logits=all_logits, impl=impl).compile()
-
-
 def build_method(config: ModelConfig, method: str | Method | None, *, context: int, pattern=None,
-                 sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, **options) -> Method:
-    """The KV-cache method generate() runs: a `Method`, or a name with its options (see `duo_jax.methods`).
-
-    method=None means "duo" when a pattern is given and "full" otherwise. `sink` is StreamingLLM's `start`.
-    """
+                 sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, model=None,
+                 **options) -> Method:
+    """The KV-cache method generate() runs: a `Method`, or a registered name (`duo_jax.methods.METHODS`) with
+    its options. method=None means "duo" when a pattern is given and "full" otherwise. `sink` / `recent` go
+    to the method's own window options (StreamingLLM's `start` is `sink`); a method without windows (full)
+    ignores them, another rejects the one it lacks. `model`: for methods that calibrate on it (InfiniGen)."""
     if isinstance(method, Method):
         return method
-    name = method or ("full" if pattern is None else "duo")
-    windows = {k: v for k, v in dict(sink=sink, recent=recent).items() if v is not None}
-    if name in ("duo", "duo_headkv"):
+    spec = methods.entry(method or ("full" if pattern is None else "duo"))
+    if spec.takes_pattern:
         options.update(pattern=resolve_pattern(pattern if pattern is not None else "default", config),
-                       sparsity=sparsity, **windows)
-    elif name == "streaming_llm":
-        options.update({"start" if k == "sink" else k: v for k, v in windows.items()})
+                       sparsity=sparsity)
     elif pattern is not None:
-        raise DuoJaxError(f"method {name!r} takes no head pattern")
-    elif name != "full":  # full attention has no windows: sink / recent do not apply to it
-        options.update(windows)  # make_method rejects a window the method does not have
-    return make_method(name, config, context=context, **options)
-
-
-def calibrate_infinigen(model: Model, *, context: int, kv_budget: int | None = None, alpha: float = LLAMA_ALPHA,
-                        partial_ratio: float = 0.2, channel_rule: str = "qk", dense_layers: int = DENSE_LAYERS,
-                        offload: str = "auto", **unknown) -> InfiniGen:
-    """InfiniGen for `model` with the authors' Llama rules by default, skewed on a sample of the calibration
-    essays (`duo_jax.methods.infinigen.skew_on_text`)."""
-    if unknown:
-        raise DuoJaxError(f"method 'infinigen' does not take {', '.join(sorted(unknown))} (its options: alpha, "
-                          "channel_rule, dense_layers, kv_budget, offload, partial_ratio)")
-    if kv_budget is None or not kv_budget > 0:
-        raise DuoJaxError(f"method 'infinigen' needs a positive kv_budget (tokens fetched per KV head), got {kv_budget}")
-    A, mask = skew_on_text(model.params, model.config, model.tokenizer, partial_ratio=partial_ratio,
-                           channel_rule=channel_rule)
-    return InfiniGen.from_skew(A, mask, context=context, kv_budget=int(kv_budget), alpha=alpha,
-                               dense_layers=dense_layers, offload=offload)
+        raise DuoJaxError(f"method {spec.name!r} takes no head pattern")
+    for name, value in dict(sink=sink, recent=recent).items():
+        if value is not None and spec.options:  # full attention has no windows: sink / recent do not apply
+            options[spec.windows.get(name, name)] = value  # make_method rejects a window the method lacks
+    return methods.make_method(spec.name, config, context=context, model=model, **options)
 
 
 _first_token = jax.jit(sample, static_argnums=2)  # from the prefill's logits; the rest are sampled on the device
@@ -171,14 +119,15 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     (`duo_jax.chat`); None: on for models with a template whose name says instruct / chat. Token ids are
     never wrapped.
     method: a name of `duo_jax.methods.METHODS` ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv",
-    "pyramidkv", "headkv", "duo_headkv"), "infinigen" (calibrated here on the calibration essays,
-    `calibrate_infinigen`), or a built `Method`; None: "duo" when a pattern is given, else "full".
+    "pyramidkv", "headkv", "duo_headkv", "infinigen": calibrated here on the calibration essays; pass a built
+    `InfiniGen` to reuse one), or a built `Method`; None: "duo" when a pattern is given, else "full".
     method_options: that method's options (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
     pattern: a `Pattern`, a path to one, or "default" (the model's own); binarised at `sparsity` (the
     fraction of streaming heads; 1 is StreamingLLM with absolute positions).
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
-    tokens (default: longest prompt + max_new_tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK).
+    tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
+    to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
     attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
     """
     validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
@@ -191,11 +140,11 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     if context is not None and needed > context:
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"cache capacity context={context}; raise context or shorten the prompt")
-    if method == "infinigen":  # calibrates on the model's weights (pass a built InfiniGen to reuse one)
-        kv_method = calibrate_infinigen(model, context=context or needed, **method_options)
-    else:
-        kv_method = build_method(config, method, context=context or needed, pattern=pattern, sparsity=sparsity,
-                                 sink=sink, recent=recent, **method_options)
+    # Default capacity: a bucket (`capacity_bucket`) so that varied requests share compiled shapes, never
+    # beyond the model's context.
+    capacity = context or max(needed, min(capacity_bucket(needed), config.max_position_embeddings))
+    kv_method = build_method(config, method, context=capacity, pattern=pattern, sparsity=sparsity, sink=sink,
+                             recent=recent, model=model, **method_options)
     if kv_method.max_tokens is not None and needed > kv_method.max_tokens:
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"{kv_method.name} cache's capacity of {kv_method.max_tokens} tokens; build the method "
@@ -204,45 +153,39 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"model's context of {config.max_position_embeddings} tokens; shorten the prompt, "
                           "lower max_new_tokens, or use method='streaming_llm' (re-indexed positions)")
-    params = prepare_params(model.params, config, kv_method)
+    start = time.perf_counter()
+    engine = Engine.of(model)  # weights prepared on the model's first call only
+    prepare_s = time.perf_counter() - start
 
     B, dtype = len(ids), model.params.dtype
     chunk = min(chunk_size, bucket(longest))
-    n_chunks = -(-longest // chunk)
-    padded = np.zeros((B, n_chunks * chunk), np.int32)
+    padded = np.zeros((B, longest), np.int32)
     for b, p in enumerate(ids):
         padded[b, : len(p)] = p
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
-
-    start = time.perf_counter()
-    prefill_step = compiled_extend(config, kv_method, B, chunk, jnp.dtype(dtype).name, attention_impl)
-    compile_s = time.perf_counter() - start
-
-    cache = kv_method.init_cache(B, dtype)
-    lengths = jnp.zeros((B,), jnp.int32)
-    start = time.perf_counter()
-    last_logits = jnp.zeros((B, config.vocab_size), jnp.float32)
-    for c in range(n_chunks):
-        n_valid = np.clip(prompt_lengths - c * chunk, 0, chunk).astype(np.int32)
-        logits, cache, lengths = prefill_step(params, cache, lengths, jnp.asarray(padded[:, c * chunk:(c + 1) * chunk]),
-                                              jnp.asarray(n_valid))
-        last_logits = jnp.where(jnp.asarray(n_valid > 0)[:, None], logits, last_logits)
-    kv_method, cache = kv_method.after_prefill(cache, lengths)
     key = jax.random.key(seed)
     sampling = Sampling(float(temperature), float(top_p), int(top_k))
+    eos_ids = tuple(config.eos_token_ids) if stop_at_eos else ()
+
+    start = time.perf_counter()
+    compiled_extend(config, kv_method, B, chunk, engine.dtype, attention_impl)  # compile outside the timings
+    compile_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    last_logits, cache, lengths = engine.prefill(kv_method, padded, prompt_lengths, chunk=chunk, impl=attention_impl)
+    kv_method, cache = kv_method.after_prefill(cache, lengths)
     token = _first_token(last_logits, jax.random.fold_in(key, 0), sampling)
     token.block_until_ready()
     prefill_s = time.perf_counter() - start
 
-    eos_ids = tuple(config.eos_token_ids) if stop_at_eos else ()
     start = time.perf_counter()
-    decode_loop = compiled_decode(config, kv_method, B, jnp.dtype(dtype).name, attention_impl, sampling,
-                                  bucket(max_new_tokens), eos_ids)
+    compiled_decode(config, kv_method, B, engine.dtype, attention_impl, sampling, bucket(max_new_tokens), eos_ids)
     compile_s += time.perf_counter() - start
 
     start = time.perf_counter()
-    tokens, steps, cache, lengths = decode_loop(params, cache, lengths, token, key,
-                                                jnp.asarray(max_new_tokens - 1, jnp.int32))
+    tokens, steps, cache, lengths = engine.decode_loop(kv_method, cache, lengths, token, key,
+                                                       max_new_tokens=max_new_tokens, sampling=sampling,
+                                                       eos_ids=eos_ids, impl=attention_impl)
     steps = int(steps)  # the one host sync of the decode
     generated = np.asarray(tokens)[:, : steps + 1]  # [B, N]
     decode_s = time.perf_counter() - start
@@ -256,12 +199,9 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
         text = [model.tokenizer.decode(row) for row in out]
     bytes_per_elem = jnp.dtype(dtype).itemsize
     stats = dict(
-        method=kv_method.name, prompt_tokens=[len(p) for p in ids], compile_s=compile_s, prefill_s=prefill_s,
-        decode_s=decode_s, decode_steps=steps, decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
+        method=kv_method.name, prompt_tokens=[len(p) for p in ids], prepare_s=prepare_s, compile_s=compile_s,
+        prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps, decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
         cache_bytes=cache_nbytes(cache), expected_cache_bytes=kv_method.expected_cache_bytes(B, bytes_per_elem),
-        full_cache_bytes=full_cache_bytes(config, B, context or needed, bytes_per_elem), chunk_size=chunk)
-    if isinstance(kv_method, DuoAttention):
-        layout = kv_method.layout
-        stats.update(retrieval_heads=sum(layout.num_retrieval), kv_heads=config.num_layers * config.num_kv_heads,
-                     capacity=layout.capacity, sink=layout.sink, recent=layout.recent)
+        full_cache_bytes=full_cache_bytes(config, B, capacity, bytes_per_elem), chunk_size=chunk)
+    stats.update(kv_method.stats())
     return Generation(out, text, stats)

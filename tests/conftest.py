@@ -60,29 +60,24 @@ def random_decode_inputs(batch, seq_k, num_heads, num_kv_heads, head_dim, seed=0
 
 
 def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="auto"):
-    """One prompt through `extend` with a KV-cache method: chunked prefill, then greedy decoding.
+    """One prompt through the engine with a KV-cache method: chunked prefill (`Engine.prefill`, every chunk's
+    logits), then greedy decoding one `Engine.step` at a time.
 
     Returns (tokens of the whole sequence, logits [len(sequence), V] at every position, the chunks as
     (start, end) spans (a decode step is a chunk of one), the final cache).
     """
-    from duo_jax.engine import extend, prepare_params
+    from duo_jax.engine import Engine
 
-    prepared = prepare_params(params, config, method)
-    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
+    engine = Engine(params, config)
     logits = []
-    for start in range(0, len(prompt), chunk):
-        piece = prompt[start:start + chunk]
-        tokens = np.zeros((1, chunk), np.int32)
-        tokens[0, : len(piece)] = piece
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens), jnp.asarray([len(piece)]),
-                                     config=config, method=method, all_logits=True, impl=impl)
-        logits.extend(np.asarray(out[0, : len(piece)]))
+    keep = lambda out, start, n_valid: logits.extend(np.asarray(out[0, : n_valid[0]]))  # noqa: E731
+    _, cache, lengths = engine.prefill(method, np.asarray([prompt], np.int32), np.asarray([len(prompt)]),
+                                       chunk=chunk, impl=impl, on_chunk=keep)
     method, cache = method.after_prefill(cache, lengths)
     sequence = list(prompt)
     for _ in range(decode_steps):
         sequence.append(int(np.argmax(logits[-1])))
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
-                                     config=config, method=method, impl=impl)
+        out, cache, lengths = engine.step(method, cache, lengths, jnp.asarray([sequence[-1]]), impl=impl)
         logits.append(np.asarray(out[0]))
     assert int(lengths[0]) == len(sequence)
     chunks = [(s, min(s + chunk, len(prompt))) for s in range(0, len(prompt), chunk)]

@@ -88,7 +88,7 @@ def test_extend_exported_for_tpu_attends_through_mosaic(chunk):
 
     from jax import export
 
-    from duo_jax.engine import extend, prepare_params
+    from duo_jax.engine import extend, unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.model import init_params
     from pallas_kernels._backend import lowering_for
@@ -96,7 +96,7 @@ def test_extend_exported_for_tpu_attends_through_mosaic(chunk):
 
     config = tiny_config(num_layers=2, head_dim=128)
     method = make_method("full", config, context=256)
-    params = jax.eval_shape(lambda: prepare_params(init_params(config, jax.random.key(0)), config, method))
+    params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0))))
     ints = jax.ShapeDtypeStruct((1,), jnp.int32)
     step = jax.jit(functools.partial(extend, config=config, method=method))
     with lowering_for("tpu"):

@@ -16,7 +16,7 @@ import pytest
 import duo_jax
 from duo_jax.cache import make_layout
 from duo_jax.methods import DuoAttention
-from duo_jax.methods.duo import head_order, reorder_heads
+from duo_jax.methods.duo import merge_heads, split_heads
 from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
 from tests.conftest import qkv_projection, run_method, tiny_config
 
@@ -56,7 +56,7 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
 def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps, impl="auto"):
     """DuoAttention with a raw [L, K] retrieval mask through `run_method`: (sequence, logits at every position)."""
     layout = make_layout(config, retrieval_mask, sink=sink, recent=recent, context=len(prompt) + decode_steps)
-    method = DuoAttention(layout, None if retrieval_mask is None else tuple(map(tuple, retrieval_mask.tolist())))
+    method = DuoAttention(layout)
     sequence, logits, _, _ = run_method(params, config, method, prompt, chunk=chunk, decode_steps=decode_steps,
                                         impl=impl)
     return sequence, logits
@@ -114,10 +114,54 @@ def test_window_covering_the_sequence_is_full_attention(params, prompt):
     np.testing.assert_array_less(np.abs(logits - full).max(), 1e-4)
 
 
-def test_head_reordering_preserves_the_model(params):
-    mask = np.array([[0, 1], [1, 0], [0, 0], [1, 1]], bool)
-    np.testing.assert_array_equal(head_order(mask), [[1, 0], [0, 1], [0, 1], [0, 1]])
-    tokens = jnp.asarray(np.arange(10)[None] % CONFIG.vocab_size)
-    reordered = reorder_heads(params, CONFIG, mask)
-    np.testing.assert_allclose(duo_jax.forward(reordered, CONFIG, tokens), duo_jax.forward(params, CONFIG, tokens),
-                               atol=1e-5)
+def test_heads_split_by_the_pattern_and_merge_back():
+    """Each layer's retrieval heads (with their query groups) and streaming heads, in the model's order; the
+    merge is the inverse. The weights are never reordered."""
+    mask = np.array([[0, 1, 1], [1, 0, 1], [0, 0, 0], [1, 1, 1]], bool)
+    layout = make_layout(tiny_config(num_layers=4, num_heads=6, num_kv_heads=3), mask, sink=1, recent=2, context=8)
+    np.testing.assert_array_equal(layout.retrieval_mask, mask)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 6, 4)), jnp.float32)  # query heads, groups of 2
+    for l, m in enumerate(mask):
+        heads = np.repeat(m, 2)
+        retrieval, streaming = split_heads(layout, l, x)
+        np.testing.assert_array_equal(retrieval, x[:, :, heads])
+        np.testing.assert_array_equal(streaming, x[:, :, ~heads])
+        np.testing.assert_array_equal(merge_heads(layout, l, retrieval, streaming), x)
+
+
+def test_weights_are_prepared_once_per_model(params, prompt):
+    """generate() runs the model's one engine: the second call, and a call with another method, prepare no
+    weights and leave no more arrays alive than the first (no per-call or per-method copy of the weights)."""
+    from duo_jax.engine import Engine
+
+    model = duo_jax.Model(CONFIG, params, None, "random")
+    kwargs = dict(max_new_tokens=4, chunk_size=8, stop_at_eos=False)
+    first = duo_jax.generate(model, prompt, **kwargs)
+    engine = Engine.of(model)
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    live = lambda: sum(x.nbytes for x in jax.live_arrays())  # noqa: E731
+    before = live()
+    again = duo_jax.generate(model, prompt, **kwargs)
+    duo = duo_jax.generate(model, prompt, pattern=duo_jax.Pattern(MIXED.astype(float)), sparsity=0.5, sink=2,
+                           recent=5, **kwargs)
+    assert Engine.of(model) is engine and again.tokens == first.tokens
+    assert again.stats["prepare_s"] < 0.01 and duo.stats["prepare_s"] < 0.01
+    assert live() - before < weights / 4
+    assert engine.params.layers[0].wq is not params.layers.wq  # unstacked once: layers are the step's arguments
+    replaced = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(5)), None, "random")
+    assert Engine.of(replaced) is not engine  # another model's weights get their own engine
+
+
+def test_an_engine_does_not_keep_its_weights_alive():
+    import gc
+    import weakref
+
+    from duo_jax.engine import _ENGINES, Engine
+
+    model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(6)), None, "random")
+    engine = Engine.of(model)
+    assert Engine.of(duo_jax.Model(CONFIG, model.params, None, "another front")) is engine  # same arrays
+    anchor, count = weakref.ref(model.params.layers.wq), len(_ENGINES)
+    del model, engine
+    gc.collect()
+    assert anchor() is None and len(_ENGINES) == count - 1

@@ -104,12 +104,12 @@ def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
     """Reference decoding: one `extend` step and one `sample` per token, driven from Python."""
     import jax.numpy as jnp
 
-    from duo_jax.engine import extend, prepare_params
+    from duo_jax.engine import extend, unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.sampling import sample
 
     method = make_method("full", CONFIG, context=max(map(len, prompts)) + max_new_tokens)
-    params = prepare_params(model.params, CONFIG, method)
+    params = unstack_layers(model.params)
     B, T = len(prompts), max(map(len, prompts))
     padded = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
@@ -148,12 +148,12 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
     """engine.decode under the caller's own jax.jit gives generate's tokens."""
     import jax.numpy as jnp
 
-    from duo_jax.engine import decode, extend, prepare_params
+    from duo_jax.engine import decode, extend, unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.sampling import Sampling
 
     method = make_method("full", CONFIG, context=64)
-    params = prepare_params(model.params, CONFIG, method)
+    params = unstack_layers(model.params)
 
     @jax.jit
     def my_generate(params, prompt):

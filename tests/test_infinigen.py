@@ -88,6 +88,28 @@ def test_method_is_hashable_and_round_trips_its_skew(skewed):
     np.testing.assert_array_equal(m1.channel_mask, mask)
 
 
+def test_recalibration_of_the_same_shape_compiles_nothing(params, prompt, skewed):
+    """The skew is the method's state (an argument of the compiled steps), not a constant baked into them: a
+    recalibrated InfiniGen with the same channel widths reuses the executables and still gives its own answer."""
+    from duo_jax.engine import compiled_extend
+
+    A, mask = skewed
+    rotation = np.linalg.qr(np.random.default_rng(9).normal(size=A.shape[-2:]))[0].astype(np.float32)
+    other = InfiniGen.from_skew(A @ rotation, mask, context=64, kv_budget=4, alpha=1.0, offload="device")
+    first = InfiniGen.from_skew(A, mask, context=64, kv_budget=4, alpha=1.0, offload="device")
+    assert first == other and first.widths == other.widths
+    compiled_extend.cache_clear()
+    _, alone, _, _ = run_method(params, CONFIG, other, prompt, chunk=8, decode_steps=6)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    _, logits, _, _ = run_method(params, CONFIG, first, prompt, chunk=8, decode_steps=6)
+    _, again, _, _ = run_method(params, CONFIG, other, prompt, chunk=8, decode_steps=6)
+    assert not compiles
+    np.testing.assert_array_equal(again, alone)  # other's own skew, not first's
+    assert np.abs(logits - again)[PROMPT_LEN:].max() > 1e-4  # the two calibrations really select differently
+
+
 @pytest.mark.parametrize("offload", ["device", "host"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, skewed, offload):
     if offload == "host" and not host_offload_supported():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import duo_jax
-from duo_jax.engine import extend, prepare_params
+from duo_jax.engine import extend, unstack_layers
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import cache_nbytes, make_method
@@ -112,7 +112,7 @@ def run_engine(params, config, method, prompts, continuations, *, chunk=8, first
     """Prefill `prompts` (ragged) in chunks, compress, then feed `continuations` (equal lengths): the first
     `first` tokens as one chunk, the rest one token per step. Returns per-sequence logits [T, V], the
     compressed cache, the decode method, and the cache bytes before compression."""
-    prepared = prepare_params(params, config, method)
+    prepared = unstack_layers(params)
     B = len(prompts)
     lens = np.array([len(p) for p in prompts])
     cache, lengths = method.init_cache(B, jnp.float32), jnp.zeros((B,), jnp.int32)

@@ -2,10 +2,10 @@
 
 The text (the evaluation half of the Paul Graham essays by default, Jane Austen's novels with
 ``source="austen"``, or a folder of .txt files; see `duo_jax.data.load_haystack`) is tokenized and cut
-into `samples` consecutive windows of `length` tokens (with the tokenizer's BOS first when it adds one). Each window is teacher-forced through
-the engine exactly as generation prefills a prompt: `duo_jax.engine.extend` (compiled as
-`duo_jax.generation.compiled_extend`) over chunks of `chunk_size` tokens with ``all_logits=True``, the
-mode's cache carried from chunk to chunk. So on a streaming
+into `samples` consecutive windows of `length` tokens (with the tokenizer's BOS first when it adds one). Each
+window is teacher-forced through the engine exactly as generation prefills a prompt (`Engine.prefill`, the one
+prefill driver, over chunks of `chunk_size` tokens, every chunk's logits kept), the mode's cache carried from
+chunk to chunk. So on a streaming
 head a token sees the sinks, the `recent` tokens before its chunk and its chunk up to itself: between
 `recent` and ``recent + chunk_size - 1`` recent tokens (a smaller chunk is closer to token-by-token decoding).
 
@@ -30,13 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
-from duo_jax.engine import prepare_params
+from duo_jax.engine import Engine
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.modes import (ModeSettings, budget_tokens, check_modes, infinigen_skew, mode_settings,
                                 warn_if_calibrated_on)
 from duo_jax.eval.niah import bos_id
-from duo_jax.generation import compiled_extend
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -61,34 +60,29 @@ def engine_nll(model: Model, tokens: np.ndarray, settings: ModeSettings, *, chun
                prefix: int | None = None) -> np.ndarray:
     """NLL of every token but the first: tokens int [B, T] -> float64 [B, T - 1] (entry t is token t + 1),
     teacher-forced through the engine with the KV-cache method of `settings`: the first `prefix` tokens
-    (default: all) in prefill chunks, the rest one decode step per token (module docstring)."""
-    config = model.config
+    (default: all) in prefill chunks (`Engine.prefill`, every chunk's logits), the rest one decode step per
+    token (module docstring)."""
     B, T = tokens.shape
     P = T if prefix is None else prefix
     if not 1 <= P <= T:
         raise DuoJaxError(f"prefix must lie in [1, {T}] (the window length), got {P}")
-    method = settings.build(config, context=T)
-    params = prepare_params(model.params, config, method)
-    cache, lengths = method.init_cache(B, model.params.dtype), jnp.zeros((B,), jnp.int32)
-    dtype = jnp.dtype(model.params.dtype).name
+    engine = Engine.of(model)
+    method = settings.build(model.config, context=T)
     chunk = P if settings.one_chunk_prefill else min(chunk_size, P)
-    step = compiled_extend(config, method, B, chunk, dtype, all_logits=True)
-    padded = np.zeros((B, max(-(-P // chunk) * chunk, T) + 1), np.int32)  # one more: the last token's target
-    padded[:, :T] = tokens
+    targets = np.zeros((B, max(-(-P // chunk) * chunk, T) + 1), np.int32)  # targets[:, p]: token p + 1
+    targets[:, :T - 1] = tokens[:, 1:]
     nll = []
-    for start in range(0, P, chunk):
-        n_valid = min(chunk, P - start)
-        logits, cache, lengths = step(params, cache, lengths, jnp.asarray(padded[:, start:start + chunk]),
-                                      jnp.full((B,), n_valid, jnp.int32))
-        nll.append(np.asarray(token_nll(logits, jnp.asarray(padded[:, start + 1:start + chunk + 1])))[:, :n_valid])
+
+    def score(logits, start, n_valid):
+        piece = np.asarray(token_nll(logits, jnp.asarray(targets[:, start:start + logits.shape[1]])))
+        nll.append(piece[:, : int(n_valid[0])])
+
+    _, cache, lengths = engine.prefill(method, tokens[:, :P], np.full((B,), P), chunk=chunk, on_chunk=score)
     if P < T:
         method, cache = method.after_prefill(cache, lengths)
-        decode = compiled_extend(config, method, B, 1, dtype)
-        ones = jnp.ones((B,), jnp.int32)
         for position in range(P, T):
-            logits, cache, lengths = decode(params, cache, lengths, jnp.asarray(padded[:, position:position + 1]),
-                                            ones)
-            nll.append(np.asarray(token_nll(logits[:, None], jnp.asarray(padded[:, position + 1:position + 2]))))
+            logits, cache, lengths = engine.step(method, cache, lengths, jnp.asarray(tokens[:, position]))
+            nll.append(np.asarray(token_nll(logits[:, None], jnp.asarray(targets[:, position:position + 1]))))
     return np.concatenate(nll, axis=1)[:, : T - 1].astype(np.float64)
 
 

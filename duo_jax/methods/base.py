@@ -1,10 +1,12 @@
 """The interface every KV-cache method implements, and the per-step context the engine hands it.
 
-A method decides three things: how its cache is laid out (`init_cache`), what attention reads from it
+A method is a static, hashable spec (shapes, windows, budgets, rules) plus an optional `state` of arrays. It
+decides three things: how its cache is laid out (`init_cache`), what attention reads from it
 for new tokens (`attend`), and what is kept or evicted as tokens arrive (also `attend`, which returns the
 updated cache). The engine (`duo_jax.engine.extend`) owns everything else: embeddings, projections, norms,
 MLPs, the LM head and the unrolled loop over layers. Methods are frozen dataclasses: hashable, so a method
-is a static argument of the jitted step and its fields (windows, budgets, layouts) are compile-time constants.
+is a static argument of the jitted step and its fields (windows, budgets, layouts) are compile-time constants;
+arrays go in `state()`, an argument of the step.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax.attention import MaskSpec
-from duo_jax.config import ModelConfig
-from duo_jax.model import Params
 
 LayerCache = Any  # a pytree of arrays, one per layer; its shape is the method's business
 
@@ -35,6 +35,7 @@ class Step:
     inv_freq: np.ndarray  # RoPE inverse frequencies [E/2] (static)
     impl: str  # attention implementation for the dispatch (`duo_jax.attention.IMPLS`)
     sliding_window: int | None = None  # the model's local-attention window (static)
+    state: Any = None  # the method's arrays (`Method.state()`), traced: read them here, never from the method
 
     @property
     def is_decode(self) -> bool:
@@ -64,9 +65,11 @@ class Method(abc.ABC):
     # sliding-window models for methods that do not, rather than attend past the window silently.
     supports_sliding_window = False
 
-    def prepare_params(self, params: Params, config: ModelConfig) -> Params:
-        """Weights as this method wants them (e.g. heads reordered), still stacked. Default: unchanged."""
-        return params
+    def state(self) -> Any:
+        """The method's arrays (e.g. InfiniGen's skew matrices): a pytree the engine passes into the compiled
+        step as an argument (`Step.state`), so methods that differ only in these arrays share executables.
+        The method object itself is the static spec (its hash and equality ignore the state). Default: None."""
+        return None
 
     @abc.abstractmethod
     def init_cache(self, batch: int, dtype) -> tuple[LayerCache, ...]:
@@ -99,6 +102,10 @@ class Method(abc.ABC):
         """Called once between prefill and decode: the method and cache decoding continues with (a method
         that compresses its cache after prefill, like SnapKV, returns a smaller one). Default: unchanged."""
         return self, cache
+
+    def stats(self) -> dict:
+        """What `generate` reports of this method besides the common figures (e.g. DuoAttention's head split)."""
+        return {}
 
     @abc.abstractmethod
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:

@@ -1,7 +1,7 @@
 """DuoAttention: retrieval heads keep every token, streaming heads keep sinks + recent tokens.
 
-Each layer's KV heads are reordered once (`reorder_heads`) so its retrieval heads come first; the split
-cache is `duo_jax.cache`. For T new tokens per sequence:
+The split cache is `duo_jax.cache`; each layer's heads are split into its retrieval and streaming groups on
+the activations (`split_heads`), so the weights are used as loaded. For T new tokens per sequence:
 
   retrieval heads: keys written to the full cache, attention over every cached token up to the query;
   streaming heads: attention over the streaming cache (sinks + the last `recent` tokens before the chunk)
@@ -22,44 +22,37 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax import attention
-from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, init_cache,
-                           streaming_slot_positions, streaming_write_slots)
+from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, init_cache, make_layout,
+                           round_capacity, streaming_slot_positions, streaming_write_slots)
 from duo_jax.config import ModelConfig
+from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.model import Params, apply_rope
+from duo_jax.methods.registry import register
+from duo_jax.model import apply_rope
 
 
-def head_order(retrieval_mask: np.ndarray) -> np.ndarray:
-    """Per layer, KV head indices with the retrieval heads first (each group in original order): [L, K]."""
-    mask = np.asarray(retrieval_mask, bool)
-    return np.stack([np.concatenate([np.flatnonzero(m), np.flatnonzero(~m)]) for m in mask])
+def split_heads(layout: CacheLayout, layer: int, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, N, E] over heads (KV heads, or query heads in groups of N / K) -> (the layer's retrieval heads,
+    its streaming heads), each in the model's order. The weights stay as loaded: heads are picked from the
+    activations (a few KB per token), so every method shares one copy of the weights."""
+    n, G = layout.num_retrieval[layer], x.shape[2] // layout.num_kv_heads
+    if layout.kv_order is not None:
+        x = jnp.take(x, _head_index(layout.kv_order[layer], G), axis=2)
+    return x[:, :, : n * G], x[:, :, n * G:]
 
 
-def reorder_heads(params: Params, config: ModelConfig, retrieval_mask: np.ndarray | None) -> Params:
-    """Permute each layer's q/k/v output heads and o_proj input heads so its retrieval heads come first.
+def merge_heads(layout: CacheLayout, layer: int, retrieval: jax.Array, streaming: jax.Array) -> jax.Array:
+    """`split_heads`' inverse: the two groups' outputs [B, T, *, E] back in the model's head order."""
+    x = jnp.concatenate([retrieval, streaming], axis=2)
+    if layout.kv_order is None:
+        return x
+    index = _head_index(layout.kv_order[layer], x.shape[2] // layout.num_kv_heads)
+    return jnp.take(x, np.argsort(index), axis=2)
 
-    The model computes the same function; only the head order changes, so the two head groups become
-    contiguous slices. A query head moves with its KV head (GQA groups stay together).
-    """
-    if retrieval_mask is None:
-        return params
-    kv_order = head_order(retrieval_mask)  # [L, K]
-    G = config.group_size
-    q_order = (kv_order[:, :, None] * G + np.arange(G)).reshape(config.num_layers, config.num_heads)  # [L, H]
-    take_heads = jax.vmap(lambda w, order: w[:, order])  # per layer, index the head axis of [D, heads, E]
-    take_rows = jax.vmap(lambda w, order: w[order])  # per layer, index the leading head axis
-    layers = params.layers
-    biases = {} if layers.bq is None else dict(bq=take_rows(layers.bq, q_order), bk=take_rows(layers.bk, kv_order),
-                                               bv=take_rows(layers.bv, kv_order))
-    layers = dataclasses.replace(
-        layers,
-        wq=take_heads(layers.wq, q_order),
-        wk=take_heads(layers.wk, kv_order),
-        wv=take_heads(layers.wv, kv_order),
-        wo=take_rows(layers.wo, q_order),  # [H, E, D]
-        **biases,  # [heads, E]; the per-head q/k norms are shared by every head: nothing to permute
-    )
-    return dataclasses.replace(params, layers=layers)
+
+def _head_index(kv_order: tuple[int, ...], group: int) -> np.ndarray:
+    """Head indices (static) of the KV heads in `kv_order`, each with its `group` query heads."""
+    return (np.asarray(kv_order)[:, None] * group + np.arange(group)).reshape(-1)
 
 
 def retrieval_attention(q, k, v, step: Step) -> jax.Array:
@@ -88,6 +81,16 @@ class StreamingWindow:
         """q [B, T, H, E] over the ring + chunk keys / values [B, S + T, K, E]."""
         return attention.attend(q, keys, values, step.positions_spec(self.key_positions), impl=step.impl)
 
+    def attend_and_write(self, q, k, v, cache_k, cache_v, step: Step):
+        """Streaming heads: q [B, T, H_s, E] over their ring cache_k / cache_v [B, sink + recent, K_s, E] and
+        the chunk's k / v [B, T, K_s, E]; returns (output, the ring with the chunk folded in)."""
+        out = q
+        if k.shape[2]:
+            keys = jnp.concatenate([cache_k, k.astype(cache_k.dtype)], axis=1)
+            values = jnp.concatenate([cache_v, v.astype(cache_v.dtype)], axis=1)
+            out = self.attend(q, keys, values, step)
+        return out, write_slots(cache_k, self.write_slots, k), write_slots(cache_v, self.write_slots, v)
+
 
 @dataclasses.dataclass(frozen=True)
 class DuoShared:
@@ -99,8 +102,7 @@ class DuoShared:
 class DuoAttention(Method):
     """DuoAttention with a fixed retrieval / streaming split (`layout.num_retrieval` heads per layer)."""
 
-    layout: CacheLayout
-    retrieval_mask: tuple[tuple[bool, ...], ...] | None = None  # [L][K]; None: every head retrieval
+    layout: CacheLayout  # its kv_order says which heads are retrieval heads
 
     name = "duo"
     supports_sliding_window = True
@@ -109,34 +111,55 @@ class DuoAttention(Method):
     def max_tokens(self) -> int:
         return self.layout.capacity
 
-    def prepare_params(self, params: Params, config: ModelConfig) -> Params:
-        mask = None if self.retrieval_mask is None else np.array(self.retrieval_mask, bool)
-        return reorder_heads(params, config, mask)
-
     def init_cache(self, batch: int, dtype) -> tuple[DuoLayerCache, ...]:
         return init_cache(self.layout, batch, dtype)
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         return expected_cache_bytes(self.layout, batch, bytes_per_elem)
 
+    def stats(self) -> dict:
+        layout = self.layout
+        return dict(retrieval_heads=sum(layout.num_retrieval), kv_heads=layout.num_layers * layout.num_kv_heads,
+                    capacity=layout.capacity, sink=layout.sink, recent=layout.recent)
+
     def begin_step(self, step: Step) -> DuoShared:
         return DuoShared(jnp.where(step.valid, step.positions, self.layout.capacity),
                          StreamingWindow.build(step, self.layout.sink, self.layout.recent))
 
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
-        n = self.layout.num_retrieval[layer]
-        G = q.shape[2] // k.shape[2]
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
-        rk = write_slots(cache.retrieval_k, shared.retrieval_slots, k[:, :, :n])
-        rv = write_slots(cache.retrieval_v, shared.retrieval_slots, v[:, :, :n])
-        sk, sv = cache.streaming_k, cache.streaming_v
-        heads = []
-        if n > 0:
-            heads.append(retrieval_attention(q[:, :, : n * G], rk, rv, step))
-        if n < self.layout.num_kv_heads:
-            keys = jnp.concatenate([sk, k[:, :, n:].astype(sk.dtype)], axis=1)
-            values = jnp.concatenate([sv, v[:, :, n:].astype(sv.dtype)], axis=1)
-            heads.append(shared.window.attend(q[:, :, n * G:], keys, values, step))
-        sk = write_slots(sk, shared.window.write_slots, k[:, :, n:])
-        sv = write_slots(sv, shared.window.write_slots, v[:, :, n:])
-        return jnp.concatenate(heads, axis=2), DuoLayerCache(rk, rv, sk, sv)
+        (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
+        rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
+        rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
+        out_r = retrieval_attention(qr, rk, rv, step) if kr.shape[2] else qr
+        out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
+        return merge_heads(self.layout, layer, out_r, out_s), DuoLayerCache(rk, rv, sk, sv)
+
+
+@register("full", options=(), summary="every head keeps every token")
+def make_full(config: ModelConfig, *, context: int) -> DuoAttention:
+    return DuoAttention(make_layout(config, None, sink=0, recent=0, context=context))
+
+
+@register("duo", options=("pattern", "sparsity", "sink", "recent", "kv_budget"), takes_pattern=True,
+          summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent")
+def make_duo(config: ModelConfig, *, context: int, pattern=None, sparsity: float = 0.5, sink: int = 64,
+             recent: int = 256, kv_budget: int | None = None) -> DuoAttention:
+    """`pattern` (a `Pattern` validated against the model) binarised at `sparsity`; with `kv_budget` (average
+    tokens per KV head at `context`), the sparsity whose mix r * C + (1 - r) * (sink + recent) meets it (C:
+    `context` rounded up to the capacity block) instead."""
+    if pattern is None:
+        raise DuoJaxError("method 'duo' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
+    if kv_budget is not None:
+        sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
+    return DuoAttention(make_layout(config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent,
+                                    context=context))
+
+
+def duo_sparsity_for_budget(kv_budget: float, *, context: int, window: int) -> float:
+    """The sparsity at which DuoAttention keeps `kv_budget` tokens per KV head on average at `context` tokens:
+    retrieval fraction r with r * context + (1 - r) * window = kv_budget (clipped to [0, 1])."""
+    if context <= window:
+        return 1.0  # streaming heads already hold the whole context
+    r = (kv_budget - window) / (context - window)
+    return float(1.0 - min(max(r, 0.0), 1.0))

@@ -26,7 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from duo_jax.attention import attention_probs
+from duo_jax.config import ModelConfig
+from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
+from duo_jax.methods.registry import register
 from duo_jax.model import apply_rope
 
 
@@ -110,3 +113,23 @@ class TOVA(_Eviction):
         newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)  # [B]: the last real query of this step
         last = jnp.take_along_axis(probs, newest[:, None, None, None, None], axis=3)[:, :, :, 0]  # [B, K, G, S]
         return jnp.broadcast_to(jnp.mean(last, axis=(1, 2))[:, None], positions.shape)
+
+
+@register("h2o", options=("kv_budget", "recent"),
+          summary="H2O: heavy hitters by accumulated attention + the recent newest tokens, kv_budget per head")
+def make_h2o(config: ModelConfig, *, context: int, kv_budget: int | None = None, recent: int | None = None) -> H2O:
+    """`recent` defaults to kv_budget // 2 (the paper's equal split)."""
+    if kv_budget is None:
+        raise DuoJaxError("method 'h2o' needs kv_budget (tokens kept per KV head)")
+    recent = int(kv_budget) // 2 if recent is None else recent
+    if not 0 <= recent <= kv_budget:
+        raise DuoJaxError(f"h2o's recent window must lie in [0, kv_budget={kv_budget}], got {recent}")
+    return H2O(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), recent)
+
+
+@register("tova", options=("kv_budget",),
+          summary="TOVA: the tokens the newest query attends to most (layer-wide), kv_budget per head")
+def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None) -> TOVA:
+    if kv_budget is None:
+        raise DuoJaxError("method 'tova' needs kv_budget (tokens kept per KV head)")
+    return TOVA(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget))

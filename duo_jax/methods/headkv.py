@@ -35,11 +35,12 @@ from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacit
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.duo import DuoAttention, StreamingWindow
+from duo_jax.methods.duo import DuoAttention, StreamingWindow, merge_heads, split_heads
+from duo_jax.methods.registry import register
 from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
                                     check_selection, compressed_attention, compressed_nbytes, decode_shape,
                                     empty_compressed)
-from duo_jax.model import Params, apply_rope
+from duo_jax.model import apply_rope
 from duo_jax.pattern import Pattern
 
 
@@ -64,10 +65,13 @@ def _score_grid(config: ModelConfig, scores: Pattern | np.ndarray) -> np.ndarray
     return grid
 
 
-def make_headkv(config: ModelConfig, *, context: int, scores: Pattern | np.ndarray, kv_budget: int,
+@register("headkv", options=("kv_budget", "scores", "beta", "window", "kernel", "pooling"),
+          summary="HeadKV: SnapKV with per-head budgets from head scores (scores=PATH, 'default' or a Pattern)")
+def make_headkv(config: ModelConfig, *, context: int, scores=None, kv_budget: int | None = None,
                 beta: float = 1.2, window: int = 8, kernel: int = 7, pooling: str = "max") -> SnapKV:
     """HeadKV with `kv_budget` tokens per KV head on average (window included) shared out by `scores`
-    ([layers, kv_heads], e.g. a `Pattern` from `duo_jax.head_scores.score_heads`)."""
+    ([layers, kv_heads]: a `Pattern` from `duo_jax.head_scores.score_heads`, a path to one, or 'default')."""
+    scores = _required_scores(scores, config, "headkv")
     budgets = headkv_budgets(_score_grid(config, scores), base_budget(kv_budget, window), beta)
     return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context),
                   tuple(map(tuple, budgets.tolist())), window, kernel, pooling, name="headkv")
@@ -121,22 +125,14 @@ class DuoCompressedKV(Method):
 
     def attend(self, layer, q, k, v, cache: DuoCompressedLayerCache, step: Step, shared):
         retrieval_shared, window = shared
-        n = self.layout.num_retrieval[layer]
-        G = q.shape[2] // k.shape[2]
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
-        heads, retrieval = [], cache.retrieval
-        if n > 0:
-            out, retrieval = compressed_attention(q[:, :, : n * G], k[:, :, :n], v[:, :, :n], retrieval,
-                                                  self.head_slots[layer], step, retrieval_shared)
-            heads.append(out)
-        sk, sv = cache.streaming_k, cache.streaming_v
-        if n < self.layout.num_kv_heads:  # as DuoAttention's streaming heads
-            keys = jnp.concatenate([sk, k[:, :, n:].astype(sk.dtype)], axis=1)
-            values = jnp.concatenate([sv, v[:, :, n:].astype(sv.dtype)], axis=1)
-            heads.append(window.attend(q[:, :, n * G:], keys, values, step))
-        sk = write_slots(sk, window.write_slots, k[:, :, n:])
-        sv = write_slots(sv, window.write_slots, v[:, :, n:])
-        return jnp.concatenate(heads, axis=2), DuoCompressedLayerCache(retrieval, sk, sv)
+        (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
+        out_r, retrieval = qr, cache.retrieval
+        if kr.shape[2]:
+            out_r, retrieval = compressed_attention(qr, kr, vr, retrieval, self.head_slots[layer], step,
+                                                    retrieval_shared)
+        out_s, sk, sv = window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
+        return merge_heads(self.layout, layer, out_r, out_s), DuoCompressedLayerCache(retrieval, sk, sv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +142,10 @@ class DuoHeadKV(Method):
     Prefill is DuoAttention's (retrieval heads exact, streaming heads sink + recent, chunk by chunk), plus the
     retrieval heads' observation-window queries. After prefill each retrieval head keeps its budget of prompt
     tokens by SnapKV selection (`duo_jax.methods.snapkv`); streaming heads go on with sink + recent tokens.
-    `budgets[l]` lists layer l's retrieval heads in their reordered order (retrieval heads first, each
-    group in the original order). Build one with `make_duo_headkv`.
+    `budgets[l]` lists layer l's retrieval heads in the model's order. Build one with `make_duo_headkv`.
     """
 
     layout: CacheLayout
-    retrieval_mask: tuple[tuple[bool, ...], ...]  # [L][K]
     num_heads: int
     budgets: tuple[tuple[int, ...], ...]  # [L][n_l]: prompt tokens per retrieval head besides the window
     window: int = 8
@@ -167,10 +161,11 @@ class DuoHeadKV(Method):
 
     @property
     def duo(self) -> DuoAttention:
-        return DuoAttention(self.layout, self.retrieval_mask)
+        return DuoAttention(self.layout)
 
-    def prepare_params(self, params: Params, config: ModelConfig) -> Params:
-        return self.duo.prepare_params(params, config)
+    @property
+    def retrieval_mask(self) -> np.ndarray:
+        return self.layout.retrieval_mask
 
     def init_cache(self, batch: int, dtype) -> tuple[DuoPrefillLayerCache, ...]:
         G, E = self.num_heads // self.layout.num_kv_heads, self.layout.head_dim
@@ -189,8 +184,7 @@ class DuoHeadKV(Method):
     def attend(self, layer, q, k, v, cache: DuoPrefillLayerCache, step: Step, shared):
         duo_shared, query_slots = shared
         out, duo_cache = self.duo.attend(layer, q, k, v, cache.duo, step, duo_shared)
-        n = self.layout.num_retrieval[layer]
-        retrieval_q = apply_rope(q[:, :, : n * (q.shape[2] // k.shape[2])], step.positions, step.inv_freq)
+        retrieval_q = split_heads(self.layout, layer, apply_rope(q, step.positions, step.inv_freq))[0]
         return out, DuoPrefillLayerCache(duo_cache, write_slots(cache.queries, query_slots, retrieval_q))
 
     def compressed(self, longest: int) -> DuoCompressedKV:
@@ -219,21 +213,26 @@ def _compress_retrieval(method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple
     return tuple(out)
 
 
-def make_duo_headkv(config: ModelConfig, *, context: int, pattern: Pattern, sparsity: float = 0.5,
-                    scores: Pattern | np.ndarray, kv_budget: int, beta: float = 1.2, sink: int = 64,
+@register("duo_headkv", options=("pattern", "sparsity", "sink", "recent", "scores", "kv_budget", "beta", "window",
+                               "kernel", "pooling"), takes_pattern=True,
+          summary="duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head)")
+def make_duo_headkv(config: ModelConfig, *, context: int, pattern: Pattern | None = None, sparsity: float = 0.5,
+                    scores=None, kv_budget: int | None = None, beta: float = 1.2, sink: int = 64,
                     recent: int = 256, window: int = 8, kernel: int = 7, pooling: str = "max") -> DuoHeadKV:
     """DuoAttention (`pattern` binarised at `sparsity`, streaming heads `sink` + `recent`) whose retrieval heads
     keep `kv_budget` tokens each on average (window included), shared out among the retrieval heads by their
     HeadKV `scores` (the formula of `headkv_budgets` over the retrieval heads only)."""
+    scores = _required_scores(scores, config, "duo_headkv")
+    if pattern is None:
+        raise DuoJaxError("method 'duo_headkv' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
     grid = _score_grid(config, scores)
     mask = pattern.retrieval_mask(sparsity)
     layout = make_layout(config, mask, sink=sink, recent=recent, context=context)
     base = base_budget(kv_budget, window)
-    # grid[mask] lists the retrieval heads layer by layer in their original order: the reordered order.
+    # grid[mask] lists the retrieval heads layer by layer in the model's order, as `split_heads` does.
     flat = headkv_budgets(grid[mask], base, beta) if mask.any() else np.zeros(0, int)
     budgets = tuple(tuple(b.tolist()) for b in np.split(flat, np.cumsum(layout.num_retrieval)[:-1]))
-    return DuoHeadKV(layout, tuple(map(tuple, np.asarray(mask, bool).tolist())), config.num_heads, budgets,
-                     window, kernel, pooling)
+    return DuoHeadKV(layout, config.num_heads, budgets, window, kernel, pooling)
 
 
 def resolve_scores(scores, config: ModelConfig) -> Pattern | None:
@@ -249,4 +248,14 @@ def resolve_scores(scores, config: ModelConfig) -> Pattern | None:
         resolved = Pattern.load(scores)
     if resolved is not None:
         resolved.validate(config)
+    return resolved
+
+
+def _required_scores(scores, config: ModelConfig, name: str):
+    if isinstance(scores, np.ndarray):
+        return scores
+    resolved = resolve_scores(scores, config)
+    if resolved is None:
+        raise DuoJaxError(f"method {name!r} needs head scores: scores=PATH (written by python -m "
+                          "duo_jax.head_scores), 'default' (the model's shipped ones) or a Pattern")
     return resolved

@@ -77,6 +77,7 @@ from duo_jax.cache import round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.registry import register
 from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq
 
 
@@ -171,29 +172,45 @@ class InfiniGenLayerCache:
     partial_k: jax.Array  # [B, C, K, W] the partial channels of the skewed keys (device; W = 0 on a dense layer)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class InfiniGenState:
+    """What calibration fits: the arrays the compiled steps take as an argument (`Step.state`)."""
+
+    skew: jax.Array  # float32 [L, K, E, E]: A per layer and KV head
+    channel_mask: jax.Array  # bool [L, K, E]: each head's partial channels (columns of A-space)
+
+
 @dataclasses.dataclass(frozen=True)
 class InfiniGen(Method):
+    """The spec (shapes and rules: hashable, static) plus its calibration (`state()`, excluded from equality and
+    hashing), so a recalibrated InfiniGen of the same shapes runs the same executables."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     capacity: int  # C: slots per head (context rounded up)
     kv_budget: int  # the most tokens a decode step fetches per KV head
-    skew_bytes: bytes = dataclasses.field(repr=False)  # A float32 [L, K, E, E] then the channel mask uint8 [L, K, E]
+    calibration: InfiniGenState = dataclasses.field(compare=False, repr=False)
     alpha: float = LLAMA_ALPHA
     offload: str = "auto"  # "auto" | "host" | "device"
     lookahead: bool = True  # decode steps speculate from the previous layer's attention input (False: own layer)
     dense_layers: int = DENSE_LAYERS  # layers 0 .. dense_layers-1 attend densely and never speculate
+    # W_l: partial channels of layer l's widest head (0: a dense layer), from the calibration: part of the spec
+    # (the partial cache's shapes), so a recalibration that changes them compiles anew.
+    widths: tuple[int, ...] = dataclasses.field(init=False)
 
     name = "infinigen"
 
     def __post_init__(self):
         L, K, E = self.num_layers, self.num_kv_heads, self.head_dim
-        if len(self.skew_bytes) != L * K * E * (4 * E + 1):
+        if self.calibration.skew.shape != (L, K, E, E) or self.calibration.channel_mask.shape != (L, K, E):
             raise DuoJaxError("InfiniGen skew data does not match its shapes")
         if not 0 <= self.dense_layers <= L:
             raise DuoJaxError(f"dense_layers must lie in [0, {L}] (the model's layers), got {self.dense_layers}")
         if not self.channel_mask[self.dense_layers:].any(axis=-1).all():
             raise DuoJaxError("every head of a speculating layer needs at least one partial channel")
+        object.__setattr__(self, "widths", _widths(self.channel_mask, self.dense_layers))
         if self.offload not in ("auto", "host", "device"):
             raise DuoJaxError(f"offload must be 'auto', 'host' or 'device', got {self.offload!r}")
         if self.offload == "host" and not host_offload_supported():
@@ -207,13 +224,12 @@ class InfiniGen(Method):
     def from_skew(cls, A: np.ndarray, channel_mask: np.ndarray, *, context: int, kv_budget: int,
                   **options) -> "InfiniGen":
         """From `skew`'s output; `options`: alpha, offload, lookahead, dense_layers."""
-        A = np.ascontiguousarray(A, np.float32)
-        channel_mask = np.ascontiguousarray(channel_mask, np.uint8)
+        A, channel_mask = np.asarray(A, np.float32), np.asarray(channel_mask, bool)
         if channel_mask.shape != A.shape[:-1]:
             raise DuoJaxError(f"channel mask {channel_mask.shape} does not match skew matrices {A.shape}")
         L, K, E, _ = A.shape
-        return cls(L, K, E, round_capacity(context), int(kv_budget), A.tobytes() + channel_mask.tobytes(),
-                   **options)
+        return cls(L, K, E, round_capacity(context), int(kv_budget),
+                   InfiniGenState(jnp.asarray(A), jnp.asarray(channel_mask)), **options)
 
     @classmethod
     def calibrate(cls, params: Params, config: ModelConfig, sample_tokens, *, context: int, kv_budget: int,
@@ -222,29 +238,17 @@ class InfiniGen(Method):
         A, mask = skew(params, config, sample_tokens, partial_ratio=partial_ratio, channel_rule=channel_rule)
         return cls.from_skew(A, mask, context=context, kv_budget=kv_budget, **options)
 
+    def state(self) -> InfiniGenState:
+        return self.calibration
+
     @property
     def skew_matrices(self) -> np.ndarray:
-        L, K, E = self.num_layers, self.num_kv_heads, self.head_dim
-        return np.frombuffer(self.skew_bytes, np.float32, L * K * E * E).reshape(L, K, E, E)
+        return np.asarray(self.calibration.skew)
 
     @property
     def channel_mask(self) -> np.ndarray:
         """bool [L, K, E]: each head's partial channels (columns of A-space)."""
-        L, K, E = self.num_layers, self.num_kv_heads, self.head_dim
-        return np.frombuffer(self.skew_bytes, np.uint8, L * K * E, offset=4 * L * K * E * E).reshape(L, K, E) > 0
-
-    def partial_channels(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """(index int32 [K, W], weight float32 [K, W]) of `layer`'s partial channels: each head's channels in
-        ascending order, padded to the layer's widest head W with channel 0 at weight 0 (W = 0: dense layer)."""
-        mask = self.channel_mask[layer]
-        width = 0 if layer < self.dense_layers else int(mask.sum(axis=-1).max())
-        index = np.zeros((self.num_kv_heads, width), np.int32)
-        weight = np.zeros((self.num_kv_heads, width), np.float32)
-        if width:
-            for h in range(self.num_kv_heads):
-                chosen = np.flatnonzero(mask[h])
-                index[h, :len(chosen)], weight[h, :len(chosen)] = chosen, 1.0
-        return index, weight
+        return np.asarray(self.calibration.channel_mask)
 
     @property
     def host_offload(self) -> bool:
@@ -256,7 +260,7 @@ class InfiniGen(Method):
         full = (batch, self.capacity, self.num_kv_heads, self.head_dim)
         place = ((lambda x: jax.device_put(x, jax.memory.Space.Host)) if self.host_offload else (lambda x: x))
         return tuple(InfiniGenLayerCache(place(jnp.zeros(full, dtype)), place(jnp.zeros(full, dtype)),
-                                         jnp.zeros(full[:3] + self.partial_channels(l)[0].shape[1:], dtype))
+                                         jnp.zeros(full[:3] + (self.widths[l],), dtype))
                      for l in range(self.num_layers))
 
     def cache_spec(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
@@ -268,9 +272,8 @@ class InfiniGen(Method):
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         """B * C * K * sum_l (2E + W_l) * bytes: full K and V plus the partial keys (W_l channels, 0 if dense)."""
-        widths = sum(self.partial_channels(l)[0].shape[1] for l in range(self.num_layers))
         return (batch * self.capacity * self.num_kv_heads
-                * (2 * self.head_dim * self.num_layers + widths) * bytes_per_elem)
+                * (2 * self.head_dim * self.num_layers + sum(self.widths)) * bytes_per_elem)
 
     # --- host / device helpers ----------------------------------------------------------------------
 
@@ -306,15 +309,15 @@ class InfiniGen(Method):
         B, T, H, E = q.shape
         K, C = self.num_kv_heads, self.capacity
         G = H // K
-        A = jnp.asarray(self.skew_matrices[layer])  # [K, E, E]
-        index, weight = self.partial_channels(layer)  # [K, W] (static)
+        A = step.state.skew[layer]  # [K, E, E]
+        index, weight = partial_channels(step.state.channel_mask[layer], self.widths[layer])  # [K, W]
         q = apply_rope(q, step.positions, step.inv_freq)
         k = apply_rope(k, step.positions, step.inv_freq)
         skew_q = lambda x: jnp.einsum("btkge,kef->btkgf", x.reshape(B, -1, K, G, E),  # noqa: E731
                                       A.astype(x.dtype)).reshape(B, -1, H, E)
         qs = skew_q(q)
         ks = jnp.einsum("btke,kef->btkf", k, A.astype(k.dtype))
-        kp = jnp.take_along_axis(ks, jnp.asarray(index)[None, None], axis=-1)  # [B, T, K, W]
+        kp = jnp.take_along_axis(ks, index[None, None], axis=-1)  # [B, T, K, W]
 
         # Write this step's tokens (slot = absolute position; padding and overflow dropped).
         slots = jnp.where(step.valid & (step.positions < C), step.positions, C)  # [B, T]
@@ -334,8 +337,8 @@ class InfiniGen(Method):
         # this layer's projection of the previous layer's attention input (the engine's lookahead_q), so the
         # selection, and the fetch of its rows, depend only on what the previous layer had.
         spec = qs if lookahead_q is None else skew_q(apply_rope(lookahead_q, step.positions, step.inv_freq))
-        qp = jnp.take_along_axis(spec[:, 0].reshape(B, K, G, E), jnp.asarray(index)[None, :, None], axis=-1)
-        qp = qp * jnp.asarray(weight, qp.dtype)[None, :, None]  # [B, K, G, W], padding channels zeroed
+        qp = jnp.take_along_axis(spec[:, 0].reshape(B, K, G, E), index[None, :, None], axis=-1)
+        qp = qp * weight.astype(qp.dtype)[None, :, None]  # [B, K, G, W], padding channels zeroed
         approx = jnp.einsum("bkgc,bskc->bkgs", qp, cache.partial_k.astype(qp.dtype),
                             preferred_element_type=jnp.float32) / math.sqrt(E)
         cached = jnp.arange(C)[None, :] < step.lengths[:, None]  # [B, C]
@@ -355,3 +358,32 @@ class InfiniGen(Method):
         mask = jnp.concatenate([keep, jnp.ones((B, K, 1), bool)], axis=2)[:, :, None]  # [B, K, 1, N + 1]
         out, _ = attention_probs(qs, keys, values, mask)
         return out, new_cache
+
+
+def _widths(channel_mask: np.ndarray, dense_layers: int) -> tuple[int, ...]:
+    """W_l: the most partial channels a head of layer l has (0 for the dense layers): the partial cache's width."""
+    return tuple(0 if l < dense_layers else int(m.sum(axis=-1).max()) for l, m in enumerate(channel_mask))
+
+
+def partial_channels(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """(index int32 [K, W], weight [K, W]) of one layer's partial channels (mask bool [K, E]): each head's
+    channels in ascending order, padded to W with a channel at weight 0 (W = 0: dense layer). Traced, so a
+    recalibrated mask of the same widths reuses the compiled step."""
+    index = jnp.argsort(~mask, axis=-1, stable=True)[:, :width].astype(jnp.int32)  # chosen channels first
+    return index, jnp.take_along_axis(mask, index, axis=-1).astype(jnp.float32)
+
+
+@register("infinigen", options=("kv_budget", "alpha", "partial_ratio", "channel_rule", "dense_layers", "offload"),
+          needs_model=True, summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
+                                    "(calibrated on the calibration essays)")
+def make_infinigen(config: ModelConfig, *, context: int, model, kv_budget: int | None = None,
+                   alpha: float = LLAMA_ALPHA, partial_ratio: float = 0.2, channel_rule: str = "qk",
+                   dense_layers: int = DENSE_LAYERS, offload: str = "auto") -> InfiniGen:
+    """InfiniGen for `model` with the authors' Llama rules by default, skewed on a sample of the calibration
+    essays (`skew_on_text`); `kv_budget`: tokens fetched per KV head and step."""
+    if kv_budget is None:
+        raise DuoJaxError("method 'infinigen' needs a positive kv_budget (tokens fetched per KV head)")
+    A, mask = skew_on_text(model.params, config, model.tokenizer, partial_ratio=partial_ratio,
+                           channel_rule=channel_rule)
+    return InfiniGen.from_skew(A, mask, context=context, kv_budget=int(kv_budget), alpha=alpha,
+                               dense_layers=dense_layers, offload=offload)

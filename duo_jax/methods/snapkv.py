@@ -59,6 +59,7 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.duo import retrieval_attention
+from duo_jax.methods.registry import register
 from duo_jax.model import apply_rope
 
 POOLINGS = ("max", "avg")
@@ -376,8 +377,10 @@ def base_budget(kv_budget, window: int) -> int:
     return int(kv_budget) - window
 
 
-def make_snapkv(config: ModelConfig, *, context: int, kv_budget: int, window: int = 32, kernel: int = 5,
-                pooling: str = "avg") -> SnapKV:
+@register("snapkv", options=("kv_budget", "window", "kernel", "pooling"),
+          summary="SnapKV: exact prefill, then per KV head the kv_budget tokens the last window queries vote for")
+def make_snapkv(config: ModelConfig, *, context: int, kv_budget: int | None = None, window: int = 32,
+                kernel: int = 5, pooling: str = "avg") -> SnapKV:
     """SnapKV: every KV head keeps `kv_budget` prompt tokens, the last `window` included (the original's
     max_capacity_prompt). Defaults are the SnapKV release's: window 32, average pooling over 5 tokens."""
     budget = base_budget(kv_budget, window)
@@ -409,8 +412,10 @@ def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: i
     return budgets.tolist()
 
 
-def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int, beta: float = 20.0, window: int = 32,
-                   kernel: int = 5, pooling: str = "avg") -> SnapKV:
+@register("pyramidkv", options=("kv_budget", "window", "kernel", "pooling", "beta"),
+          summary="PyramidKV: SnapKV with per-layer budgets shrinking bottom to top (beta 20), kv_budget on average")
+def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int | None = None, beta: float = 20.0,
+                   window: int = 32, kernel: int = 5, pooling: str = "avg") -> SnapKV:
     """PyramidKV: SnapKV selection, `kv_budget` tokens per KV head on average (window included), spread over
     the layers by `pyramid_budgets` (beta 20 as the paper); after a prompt whose prefix is shorter than the
     bottom layer's budget, the surplus moves to the upper layers (`SnapKV.prompt_budgets`; with a batch of

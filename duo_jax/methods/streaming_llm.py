@@ -15,8 +15,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from duo_jax.config import ModelConfig
+from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.duo import StreamingWindow
+from duo_jax.methods.registry import register
 from duo_jax.model import apply_rope
 
 
@@ -75,3 +78,15 @@ class StreamingLLM(Method):
         out = shared.window.attend(q, keys, values, step)
         return out, StreamingLayerCache(write_slots(cache.k, shared.window.write_slots, k),
                                         write_slots(cache.v, shared.window.write_slots, v))
+
+
+@register("streaming_llm", options=("start", "recent", "kv_budget"), windows={"sink": "start", "recent": "recent"},
+          summary="StreamingLLM: every head keeps start sinks + recent tokens, positions re-indexed")
+def make_streaming_llm(config: ModelConfig, *, context: int, start: int = 4, recent: int = 256,
+                       kv_budget: int | None = None) -> StreamingLLM:
+    """`start` attention sinks + `recent` tokens per head (recent = kv_budget - start when a budget is given)."""
+    if kv_budget is not None:
+        recent = kv_budget - start
+    if start < 0 or recent < 0:
+        raise DuoJaxError(f"start and recent must be >= 0, got start={start}, recent={recent}")
+    return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent)

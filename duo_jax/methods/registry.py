@@ -1,0 +1,74 @@
+"""KV-cache methods by name: each method's module registers its builder here, and nothing else matches names.
+
+`register(name, options=..., summary=...)` decorates a builder `build(config, *, context, **options) ->
+Method` (with `needs_model=True`, it also gets `model=`: InfiniGen calibrates on the model's weights and
+text). `make_method(name, config, context=..., **options)` checks the options and builds; `entry(name)` says
+what a method takes (its options, whether it takes a head pattern, how `generate`'s `sink` / `recent` map to
+its own window options), which is all a front door (`generate`, the CLIs, evaluation) needs to know of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from duo_jax.config import ModelConfig
+from duo_jax.errors import DuoJaxError
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodEntry:
+    name: str
+    build: Callable
+    options: tuple[str, ...]  # the keyword options `build` takes (besides config and context)
+    summary: str  # one line for help texts
+    windows: dict[str, str]  # generate's window arguments ("sink", "recent") -> this method's option names
+    takes_pattern: bool  # builds on a DuoAttention head pattern (generate resolves and passes `pattern`)
+    needs_model: bool  # calibrates on the model itself (build gets model=)
+
+
+_ENTRIES: dict[str, MethodEntry] = {}
+
+
+def register(name: str, *, options: tuple[str, ...], summary: str, windows: dict[str, str] | None = None,
+             takes_pattern: bool = False, needs_model: bool = False) -> Callable:
+    """Decorator: register `build` as method `name`. `windows` defaults to the window options the method
+    has among its options (sink / recent under their own names)."""
+
+    def decorate(build: Callable) -> Callable:
+        if name in _ENTRIES:
+            raise DuoJaxError(f"KV-cache method {name!r} is registered twice")
+        own = {w: w for w in ("sink", "recent") if w in options} if windows is None else dict(windows)
+        _ENTRIES[name] = MethodEntry(name, build, tuple(options), summary, own, takes_pattern, needs_model)
+        return build
+
+    return decorate
+
+
+def names() -> tuple[str, ...]:
+    """Every registered method, in registration order."""
+    return tuple(_ENTRIES)
+
+
+def entry(name: str) -> MethodEntry:
+    if name not in _ENTRIES:
+        raise DuoJaxError(f"unknown method {name!r}; choose one of {', '.join(_ENTRIES)}")
+    return _ENTRIES[name]
+
+
+def make_method(name: str, config: ModelConfig, *, context: int, model=None, **options):
+    """The method `name` for `config` with a retrieval capacity of `context` tokens; `options` are its own
+    (`entry(name).options`); `model` for the methods that calibrate on it."""
+    e = entry(name)
+    unknown = set(options) - set(e.options)
+    if unknown:
+        allowed = ", ".join(e.options) or "none"
+        raise DuoJaxError(f"method {name!r} does not take {', '.join(sorted(unknown))} (its options: {allowed})")
+    budget = options.get("kv_budget")
+    if budget is not None and not 0 < budget:
+        raise DuoJaxError(f"kv_budget (tokens kept per KV head) must be positive, got {budget}")
+    if e.needs_model:
+        if model is None:
+            raise DuoJaxError(f"method {name!r} calibrates on the model: pass model= (generate does)")
+        return e.build(config, context=context, model=model, **options)
+    return e.build(config, context=context, **options)

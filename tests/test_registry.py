@@ -1,0 +1,45 @@
+"""The method registry: names resolve to each method's own builder; a new method is one registration."""
+
+import jax
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax.errors import DuoJaxError
+from duo_jax.methods import METHODS, entry, make_method, registry
+from duo_jax.methods.streaming_llm import StreamingLLM
+from tests.conftest import tiny_config
+
+CONFIG = tiny_config()
+
+
+def test_every_method_is_registered_by_its_module():
+    assert METHODS == ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "headkv", "duo_headkv",
+                       "infinigen")
+    assert entry("duo").takes_pattern and entry("duo_headkv").takes_pattern and not entry("h2o").takes_pattern
+    assert entry("streaming_llm").windows == {"sink": "start", "recent": "recent"}
+    assert entry("infinigen").needs_model
+    with pytest.raises(DuoJaxError, match="calibrates on the model"):
+        make_method("infinigen", CONFIG, context=32, kv_budget=4)
+    with pytest.raises(DuoJaxError, match="registered twice"):
+        registry.register("duo", options=(), summary="")(lambda config, *, context: None)
+
+
+def test_a_new_method_is_one_registration():
+    """A method registered from outside the package runs through generate by name, windows mapped by its entry."""
+
+    @registry.register("sinks_only", options=("sinks",), windows={"sink": "sinks"}, summary="only the sinks")
+    def build(config, *, context, sinks=4):
+        return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, sinks, 1)
+
+    try:
+        model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), None, "random")
+        prompt = np.arange(1, 20).tolist()
+        out = duo_jax.generate(model, prompt, method="sinks_only", sink=3, max_new_tokens=4, stop_at_eos=False)
+        same = duo_jax.generate(model, prompt, method="streaming_llm", sink=3, recent=1, max_new_tokens=4,
+                                stop_at_eos=False)
+        assert out.tokens == same.tokens and out.stats["method"] == "streaming_llm"
+        with pytest.raises(DuoJaxError, match="does not take recent"):
+            duo_jax.generate(model, prompt, method="sinks_only", recent=3, max_new_tokens=4)
+    finally:
+        del registry._ENTRIES["sinks_only"]
