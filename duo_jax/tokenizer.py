@@ -10,10 +10,16 @@ from typing import Sequence
 from duo_jax.errors import LoadError
 
 # llama.cpp's pre-tokenizer names (GGUF `tokenizer.ggml.pre`) -> the split regex its vocabulary was
-# trained with. Any other name falls back to GPT-2's byte-level regex.
+# trained with, as the model's own tokenizer.json writes it. Qwen's differs from Llama 3's in one place:
+# every digit is its own piece (\p{N}, not \p{N}{1,3}); its tokenizer.json also NFC-normalises first.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+_NFC = {"qwen2"}
+# Pre-tokenizers without a split regex of their own: GPT-2's byte-level regex, SmolLM's digit splitting.
+_OTHER_PRE = ("gpt-2", "smollm")
 
 
 class Tokenizer:
@@ -85,31 +91,43 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: dict) -> "Tokenizer | None":
-        """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) from GGUF metadata; None for other kinds."""
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) from GGUF metadata; None for other kinds.
+
+        The pre-tokenizer is the one `tokenizer.ggml.pre` names; a name duo-jax does not know is an error,
+        since splitting text differently from training gives other tokens.
+        """
+        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
         from tokenizers import Tokenizer as Backend
 
         if fields.get("tokenizer.ggml.model") != "gpt2":
             return None
+        pre = fields.get("tokenizer.ggml.pre")
+        if pre not in _SPLITS and pre not in _OTHER_PRE:
+            raise LoadError(f"the GGUF's BPE pre-tokenizer (tokenizer.ggml.pre) is {pre!r}, which duo-jax does "
+                            f"not know (it knows {', '.join([*_SPLITS, *_OTHER_PRE])}); load the model's Hugging "
+                            "Face directory, whose tokenizer.json states its pre-tokenizer, instead")
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
         vocab = {tok: i for i, tok in enumerate(tokens)}
         backend = Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        pre = fields.get("tokenizer.ggml.pre", "gpt2")
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
         if pre in _SPLITS:
             backend.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])
         elif pre == "smollm":  # SmolLM's tokenizer.json: every digit its own token, then GPT-2 splitting
             backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
+        else:  # gpt-2
             backend.pre_tokenizer = byte_level
+        if pre in _NFC:
+            backend.normalizer = normalizers.NFC()
         backend.decoder = decoders.ByteLevel()
-        # Control tokens (type 3) are matched whole and skipped on decode, as in the original tokenizer.
+        # Control tokens (type 3) are matched whole and skipped on decode, as in the original tokenizer;
+        # user-defined ones (type 4, e.g. Qwen3's <think>) are matched whole and kept on decode.
         token_types = fields.get("tokenizer.ggml.token_type", [])
-        specials = [AddedToken(tokens[i], special=True, normalized=False)
-                    for i, kind in enumerate(token_types) if kind == 3]
-        backend.add_special_tokens(specials)
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i, kind in enumerate(token_types) if kind == 3])
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                            for i, kind in enumerate(token_types) if kind == 4])
         eos = fields.get("tokenizer.ggml.eos_token_id")
         return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
                    eos_ids=() if eos is None else (eos,),
