@@ -19,6 +19,7 @@ Filters. `Gate` subclasses `nnx.Param`, so `nnx.Param` selects weights and gates
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ class DecoderLayers(nnx.Module):
         return LayerParams(**arrays)
 
 
-def initial_gates(config: ModelConfig, gates: Pattern | float | Any | None) -> jax.Array:
+def _initial_gates(config: ModelConfig, gates: Pattern | float | Any | None) -> jax.Array:
     """Gates float32 [L, K] from None (all 1, the original's start), a number, a `Pattern` or an array."""
     if gates is None:
         return gates_lib.init_gates(config)
@@ -120,7 +121,7 @@ class CausalLM(nnx.Module):
                  tokenizer=None, source: str = "", names: tuple[str, ...] = ()):
         self.config = config
         self.embed = nnx.Param(params.embed)
-        self.layers = DecoderLayers(params.layers, initial_gates(config, gates))
+        self.layers = DecoderLayers(params.layers, _initial_gates(config, gates))
         self.final_norm = nnx.Param(params.final_norm)
         self.lm_head = _param(params.lm_head)
         self.tokenizer, self.source, self.names = tokenizer, source, tuple(names)
@@ -181,20 +182,33 @@ class CausalLM(nnx.Module):
         return generation.generate(self.to_model(), prompts, pattern=pattern, method=method, **options)
 
 
-@nnx.jit(static_argnames="objective")
 def train_step(model: CausalLM, optimizer: nnx.Optimizer, tokens: jax.Array, positions: jax.Array,
                supervise: jax.Array, objective: gates_lib.Objective = gates_lib.Objective()) -> gates_lib.LossTerms:
     """One gate-training step in place: the gradient of `CausalLM.gate_loss` with respect to the gates,
     `optimizer.update` (an `nnx.Optimizer(model, tx, wrt=Gate)`), then the gates clamped to [0, 1].
 
     tokens / positions int32 [B, T], supervise bool [B, T] (as `duo_jax.training.Batch`). Returns LossTerms.
+    The weights enter the compiled step as inputs only, so the module keeps its arrays (`nnx.jit` would
+    hand back a copy of every weight each step).
     """
+    if optimizer.wrt is not Gate:
+        raise DuoJaxError(f"train_step trains the gates only; build the optimizer with nnx.Optimizer(model, tx, "
+                          f"wrt=Gate), not wrt={optimizer.wrt!r}")
+    graphdef, weights, trained = nnx.split((model, optimizer), WEIGHTS, ...)
+    trained, terms = _gate_step(graphdef, weights, trained, tokens, positions, supervise, objective)
+    nnx.update((model, optimizer), trained)
+    return terms
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "objective"))
+def _gate_step(graphdef, weights, trained, tokens, positions, supervise, objective):
+    model, optimizer = nnx.merge(graphdef, weights, trained)
     grad_fn = nnx.value_and_grad(lambda m: m.gate_loss(tokens, positions, supervise, objective),
                                  argnums=nnx.DiffState(0, Gate), has_aux=True)
     (_, terms), grads = grad_fn(model)
     optimizer.update(model, grads)
     model.clamp_gates()
-    return terms
+    return nnx.state((model, optimizer), nnx.Not(WEIGHTS)), terms
 
 
 def save_gates(model: CausalLM, directory: str | os.PathLike) -> Path:
