@@ -1,0 +1,148 @@
+"""duo_jax.flax: the NNX module holds the functional core's arrays, trains gates as the functional trainer does,
+generates through the engine and saves its gates with orbax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import duo_jax
+from duo_jax import gates as gates_lib, training
+from duo_jax.errors import DuoJaxError
+from duo_jax.flax import WEIGHTS, CausalLM, Gate, restore_gates, save_gates, train_step
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern, PatternError
+from tests.conftest import tiny_config
+
+OBJECTIVE = gates_lib.Objective(sink=2, recent=4, reg_weight=0.05)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Model:
+    config = tiny_config(**overrides)
+    return Model(config, duo_jax.init_params(config, jax.random.key(seed), scale=0.1), None, "random")
+
+
+def random_gates(config, seed: int) -> np.ndarray:
+    """Gates in [0, 1] with one exact 0 and one exact 1, float32 [L, K]."""
+    values = np.random.default_rng(seed).uniform(0.1, 0.9, (config.num_layers, config.num_kv_heads))
+    values[0, 0], values[-1, -1] = 0.0, 1.0
+    return values.astype(np.float32)
+
+
+def same_arrays(a, b) -> bool:
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(x is y for x, y in zip(leaves_a, leaves_b))
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(tie_word_embeddings=True, qkv_bias=True, qk_norm=True)],
+                         ids=["llama", "tied-bias-qknorm"])
+def test_logits_equal_forward_on_the_same_arrays(overrides):
+    model = tiny_model(**overrides)
+    lm = CausalLM.from_model(model)
+    assert same_arrays(lm.to_params(), model.params)  # no copies, either way
+    assert (lm.lm_head is None) == overrides.get("tie_word_embeddings", False)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, model.config.vocab_size)
+    expected = duo_jax.forward(model.params, model.config, tokens)
+    np.testing.assert_array_equal(lm(tokens), expected)
+
+    graphdef, state = nnx.split(lm)
+    merged = nnx.merge(graphdef, state)
+    assert isinstance(merged, CausalLM) and merged.config == model.config
+    assert same_arrays(merged.to_params(), model.params)
+    np.testing.assert_array_equal(merged(tokens), expected)
+    np.testing.assert_array_equal(merged.gates, np.ones((2, 2), np.float32))
+
+
+def test_gates_are_their_own_variable_type():
+    model = tiny_model()
+    gates = random_gates(model.config, 0)
+    lm = CausalLM.from_model(model, gates=gates)
+    (gate,) = jax.tree.leaves(nnx.state(lm, Gate))
+    assert gate.dtype == jnp.float32 and gate.shape == (2, 2)
+    np.testing.assert_array_equal(gate, gates)
+    assert same_arrays(nnx.state(lm, WEIGHTS), nnx.state(lm, nnx.All(nnx.Param, nnx.Not(Gate))))
+    assert len(jax.tree.leaves(nnx.state(lm, WEIGHTS))) == len(jax.tree.leaves(model.params))
+    assert len(jax.tree.leaves(nnx.state(lm, nnx.Param))) == len(jax.tree.leaves(model.params)) + 1
+    np.testing.assert_array_equal(CausalLM.from_model(model, gates=Pattern(gates)).gates, gates)
+    np.testing.assert_array_equal(CausalLM.from_model(model, gates=0.25).gates, np.full((2, 2), 0.25, np.float32))
+    with pytest.raises(PatternError, match=r"shape \[layers, kv_heads\] = \(2, 2\)"):
+        CausalLM.from_model(model, gates=np.ones((2, 3)))
+    with pytest.raises(PatternError, match="model 'tiny' has 2x2"):
+        CausalLM.from_model(model, gates=Pattern(np.ones((3, 2))))
+    with pytest.raises(DuoJaxError, match=r"\[0, 1\]"):
+        CausalLM.from_model(model, gates=1.5)
+
+
+def test_one_optimizer_step_on_the_gates_equals_the_functional_trainer(tmp_path):
+    model = tiny_model()
+    config, params = model.config, model.params
+    gates0 = random_gates(config, 1)
+    B, T = 2, 16
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (B, T), 0, config.vocab_size), np.int32)
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
+    supervise = np.random.default_rng(3).uniform(size=(B, T)) < 0.6
+    cfg = training.TrainConfig(objective=OBJECTIVE, steps=4, lr=0.2)
+    tx, _ = training.make_optimizer(cfg)
+
+    # The functional trainer, sharded over a 1 x 1 mesh; and the NNX way: an nnx.Optimizer over the gates only.
+    mesh = training.make_mesh(1, 1)
+    batch = training.shard_batch(training.Batch(tokens, positions, supervise), mesh)
+    step = training.make_train_step(config, OBJECTIVE, tx, mesh)
+    alpha = training.replicate(jnp.asarray(gates0), mesh)
+    opt_state = tx.init(alpha)
+    lm = CausalLM.from_model(model, gates=gates0)
+    optimizer = nnx.Optimizer(lm, tx, wrt=Gate)
+    for i in range(2):  # the second step checks that the optimiser's state (moments, count) was kept
+        alpha, opt_state, terms = step(alpha, opt_state, params, batch)
+        nnx_terms = train_step(lm, optimizer, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(supervise),
+                               OBJECTIVE)
+        np.testing.assert_allclose(lm.gates, alpha, atol=1e-6, rtol=0, err_msg=f"step {i}")
+        if i == 0:
+            assert np.abs(np.asarray(alpha) - gates0).max() > 0.01  # the step moved the gates ...
+            assert np.isin(np.asarray(alpha), [0.0, 1.0]).sum() >= 1  # ... and the clamp mattered for some
+    # Adam's moments hold the gradient itself: the two gradients agree, not only their signs.
+    nnx_moments = [x for x in jax.tree.leaves(nnx.state(optimizer.opt_state)) if np.shape(x) == gates0.shape]
+    moments = [x for x in jax.tree.leaves(opt_state) if np.shape(x) == gates0.shape]
+    assert len(moments) == len(nnx_moments) == 2
+    for ours, theirs in zip(nnx_moments, moments):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-12)
+    for name in ("loss", "distill", "l1"):
+        np.testing.assert_allclose(getattr(nnx_terms, name), getattr(terms, name), rtol=1e-6)
+    assert same_arrays(lm.to_params(), params)  # the frozen weights are untouched, not even copied
+    with pytest.raises(DuoJaxError, match="wrt=Gate"):
+        train_step(lm, nnx.Optimizer(lm, tx, wrt=nnx.Param), tokens, positions, supervise, OBJECTIVE)
+
+    # The trained gates as a pattern in the original format.
+    written = Pattern.load(lm.pattern({"model_name": "tiny"}).save(tmp_path / "pattern"))
+    np.testing.assert_array_equal(written.gates, np.asarray(lm.gates))
+    assert written.meta == {"model_name": "tiny"}
+
+
+def test_gates_saved_and_restored_with_orbax(tmp_path):
+    model = tiny_model()
+    trained = CausalLM.from_model(model, gates=random_gates(model.config, 4))
+    path = save_gates(trained, tmp_path / "gates")
+    with pytest.raises(DuoJaxError, match="already exists"):
+        save_gates(trained, path)
+    fresh = CausalLM.from_model(model)
+    restore_gates(fresh, path)
+    assert fresh.gates.dtype == jnp.float32
+    np.testing.assert_array_equal(fresh.gates, trained.gates)
+    assert same_arrays(fresh.to_params(), model.params)  # only the gates were restored
+    with pytest.raises(DuoJaxError, match="no gate checkpoint"):
+        restore_gates(fresh, tmp_path / "missing")
+
+
+def test_generate_runs_the_engine_with_the_modules_gates():
+    model = tiny_model(max_position_embeddings=64)
+    gates = random_gates(model.config, 5)
+    lm = CausalLM.from_model(model, gates=gates)
+    prompt = list(np.random.default_rng(6).integers(0, model.config.vocab_size, 20))
+    options = dict(sparsity=0.5, sink=2, recent=4, max_new_tokens=4, chunk_size=16)
+    out = lm.generate([prompt], **options)
+    expected = duo_jax.generate(model, [prompt], pattern=Pattern(gates), **options)
+    assert out.stats["method"] == "duo" and out.stats["retrieval_heads"] == 2
+    assert out.tokens == expected.tokens and len(out.tokens[0]) == 4
+    full = lm.generate([prompt], method="full", max_new_tokens=4)  # takes no pattern: the gates are not passed
+    assert full.stats["retrieval_heads"] == full.stats["kv_heads"] == 4
