@@ -315,7 +315,7 @@ def memory_report(config: ModelConfig, cfg: TrainConfig, mesh: Mesh, params: Par
     params = jax.tree.map(abstract, params, sharding.weight_shardings(params, mesh))
     optimizer, _ = make_optimizer(cfg)
     replicated = NamedSharding(mesh, P())
-    gates = abstract(jax.eval_shape(gates_lib.init_gates, config), replicated)
+    gates = abstract(jax.eval_shape(lambda: gates_lib.init_gates(config)), replicated)
     opt_state = jax.tree.map(lambda x: abstract(x, replicated), jax.eval_shape(optimizer.init, gates))
     T = -(-seq_len // mesh.shape["seq"]) * mesh.shape["seq"]
     shape = (cfg.batch_size, T)

@@ -282,3 +282,63 @@ def test_train_writes_the_run_folder_and_continues_it(tmp_path):
     with pytest.raises(training.TrainingError, match="nothing to resume"):
         training.train(params, config, tokenizer, cfg, tmp_path / "empty", mesh, model_name="tiny", dtype="fp32",
                        resume=True, progress_bar=False)
+
+
+_RESUME_SCRIPT = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+import jax, numpy as np
+import duo_jax
+from duo_jax import gates, sharding, training
+from duo_jax.tokenizer import Tokenizer
+from tests.conftest import tiny_config
+from tests.test_training import VOCAB, tiny_tokenizer, write_haystack
+
+root, phase = Path(sys.argv[1]), sys.argv[2]
+config = tiny_config(vocab_size=VOCAB)
+params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
+tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=(), add_bos=False)
+cfg = training.TrainConfig(objective=gates.Objective(sink=8, recent=16), steps=6, save_every=2, batch_size=4,
+                           haystack=str(write_haystack(root / "hay")), min_len=1, max_len=300, num_lengths=2,
+                           num_passkeys=2, passkey_words=4)
+mesh = sharding.make_mesh(data=2, fsdp=2, seq=2)
+messages = []
+run = lambda out: training.train(params, config, tokenizer, cfg, root / out, mesh, model_name="tiny", dtype="fp32",
+                                 log=messages.append, progress_bar=False)
+if phase == "kill":  # SIGKILL this process when step 4 asks for its batch, once checkpoint 4 is on disk
+    make_batch = training.make_batch
+
+    def make_batch_or_die(stream, first_sample, *args):
+        if first_sample == 4 * cfg.batch_size:
+            while not (root / "killed" / "checkpoints" / "4").is_dir():
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return make_batch(stream, first_sample, *args)
+
+    training.make_batch = make_batch_or_die
+    run("killed")
+else:
+    resumed, straight = run("killed"), run("straight")
+    print(json.dumps({"messages": messages, "resumed": resumed.gates.tolist(), "straight": straight.gates.tolist(),
+                      "losses": [[h["loss"] for h in json.loads((root / out / "loss.json").read_text())]
+                                 for out in ("killed", "straight")]}))
+"""
+
+
+def test_killed_sharded_run_resumes_bit_identically(tmp_path):
+    """A run on data=2, fsdp=2, seq=2 killed after its step-4 checkpoint, then resumed, ends with the gates
+    and losses of an uninterrupted run, bit for bit."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    run = lambda phase: subprocess.run([sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path), phase], env=env, cwd=REPO,
+                                       capture_output=True, text=True, timeout=300)
+    killed = run("kill")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert len(json.loads((tmp_path / "killed" / "loss.json").read_text())) == 4
+    finished = run("resume")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert any(m.startswith(f"resuming {tmp_path / 'killed'} at step 4") for m in result["messages"])
+    assert any("sequence parallelism: ulysses" in m for m in result["messages"])
+    assert result["resumed"] == result["straight"] and np.min(result["straight"]) < 1
+    assert result["losses"][0] == result["losses"][1] and len(result["losses"][0]) == 6
