@@ -7,15 +7,23 @@ The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs 
   ``min(1, max((s + 1) / W, floor), max((N - s) / Dc, floor))`` with W = N * warmup_ratio and
   Dc = N * decay_ratio (both 0.2) and floor 0.1: linear warm-up from 0.1 * lr, constant, linear decay
   floored at 0.1 * lr.
-* **Sharding.** A `jax.sharding.Mesh` with axes ("data", "seq"). The batch is split over "data", the
-  sequence over "seq" (each device holds a contiguous slice of every sequence); weights and gates are
-  replicated. Inside `shard_map`, attention is made sequence-parallel with a DeepSpeed-Ulysses all-to-all:
-  before attention, sequence shards become KV-head shards (each device then holds the whole sequence for
-  K / seq KV heads and their query heads), after attention the inverse all-to-all restores sequence
-  shards. This needs the number of KV heads to be divisible by the "seq" axis size (`check_mesh`). Each
-  device differentiates its share of the loss; the gate gradients are summed with one `psum`. The same
-  code runs on one device (a 1 x 1 mesh), on host CPU devices, on a GPU node or a TPU pod (multi-process
-  with `jax.distributed.initialize()`, see `initialize_distributed`).
+* **Sharding.** One `shard_map` over a ("data", "fsdp", "seq") mesh (`duo_jax.sharding`: the batch is
+  split over data x fsdp, each sequence over "seq" in contiguous slices, the frozen weights over fsdp x seq
+  and gathered one layer at a time inside the scanned layer; gates and optimiser state replicated).
+  Attention over "seq" (`sequence_parallelism`, chosen automatically and printed):
+  - *Ulysses* (DeepSpeed) when the "seq" size n divides the KV heads: an all-to-all turns sequence shards
+    into head shards (the whole sequence for K/n KV heads and their query heads), attention runs locally,
+    the inverse all-to-all restores sequence shards. Per device and layer: q, k, v and output of T x H/n
+    heads, the same bytes as its own sequence shard.
+  - *all-gather K/V* otherwise (SmolLM2's 3 KV heads, or n above Llama-3-8B's 8): each device keeps its
+    T/n queries, all-gathers K and V, and attends at its offset in the sequence. Per device and layer it
+    holds 2 x T x K x E elements of K/V (the whole sequence's; 128 MiB for Llama-3-8B at 32k tokens in
+    bf16), recomputed rather than kept for the backward pass. A ring (ppermute of K/V blocks with an
+    online-softmax merge) would hold 2 x 2 x T/n x K x E instead; not built yet.
+  Each device differentiates its share of the loss; the gate gradients are summed with one `psum`. The
+  same code runs on one device (a 1 x 1 x 1 mesh), on host CPU devices, on a GPU node or a TPU pod
+  (multi-process with `jax.distributed.initialize()`, see `initialize_distributed`). `memory_report`
+  compiles the step from shapes and reads the per-device bytes (the CLI prints it before it starts).
 * **Padding.** Sequences of a batch are right-padded to a common length that is a multiple of the "seq"
   axis. Padded positions come after every real token, so the causal and Λ masks already hide them from
   every real query; they are excluded from the loss (`supervise` is False there).

@@ -295,13 +295,18 @@ from tests.conftest import tiny_config
 from tests.test_training import VOCAB, tiny_tokenizer, write_haystack
 
 root, phase = Path(sys.argv[1]), sys.argv[2]
-config = tiny_config(vocab_size=VOCAB)
-params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
+mesh = sharding.make_mesh(data=2, fsdp=2, seq=2)
+model = duo_jax.load(root / "model", dtype=np.float32, shardings=lambda shapes: sharding.weight_shardings(shapes, mesh))
+config, params = model.config, model.params
+plain = duo_jax.load(root / "model", dtype=np.float32).params
+for x, y, spec in zip(jax.tree.leaves(params), jax.tree.leaves(plain), jax.tree.leaves(sharding.weight_specs(plain, mesh))):
+    assert x.sharding.spec == spec and np.array_equal(np.asarray(x), np.asarray(y))
+    if spec != jax.sharding.PartitionSpec():  # loaded straight into 1/4 slices (fsdp x seq)
+        assert all(s.data.size * 4 == x.size for s in x.addressable_shards)
 tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=(), add_bos=False)
 cfg = training.TrainConfig(objective=gates.Objective(sink=8, recent=16), steps=6, save_every=2, batch_size=4,
                            haystack=str(write_haystack(root / "hay")), min_len=1, max_len=300, num_lengths=2,
                            num_passkeys=2, passkey_words=4)
-mesh = sharding.make_mesh(data=2, fsdp=2, seq=2)
 messages = []
 run = lambda out: training.train(params, config, tokenizer, cfg, root / out, mesh, model_name="tiny", dtype="fp32",
                                  log=messages.append, progress_bar=False)
@@ -326,8 +331,15 @@ else:
 
 
 def test_killed_sharded_run_resumes_bit_identically(tmp_path):
-    """A run on data=2, fsdp=2, seq=2 killed after its step-4 checkpoint, then resumed, ends with the gates
-    and losses of an uninterrupted run, bit for bit."""
+    """A run on data=2, fsdp=2, seq=2 whose weights are loaded straight into their shards, killed after its
+    step-4 checkpoint, then resumed, ends with the gates and losses of an uninterrupted run, bit for bit."""
+    import transformers
+
+    from tests.test_model import write_random_hf_model
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    write_random_hf_model(tmp_path / "model", transformers.LlamaConfig, fields)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
     run = lambda phase: subprocess.run([sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path), phase], env=env, cwd=REPO,
