@@ -1,13 +1,15 @@
 """Train DuoAttention gates (one per layer and KV head) for a frozen model on synthetic passkey retrieval.
 
     python train_gates.py --model smollm2-135m --out runs/gates/smollm2-135m
-    python train_gates.py --model llama3-8b --mesh data=1,seq=8   # 8 devices, sequence-parallel
+    python train_gates.py --model llama3-8b --mesh seq=8             # 8 devices, sequence-parallel
+    python train_gates.py --model llama3-8b --mesh fsdp=2,seq=8 --batch-size 2   # 16 devices
 
 Defaults are those of the original DuoAttention training run: AdamW lr 0.02, 2000 steps,
 batch 1, sink 128 / recent 256, L1 weight 0.05, ten 32-word passkeys, 50 context lengths from --min-len
 (1000, raised to what the passkeys need) to --max-len (the model's context). The run folder gets the pattern
 (full_attention_heads.tsv + config.json), loss.json, gates.png and checkpoints/; re-running the same
-command continues from the last checkpoint.
+command continues from the last checkpoint. Before the first step it prints the per-device memory of a
+--max-len step (weights, gates, optimiser state, batch, and the compiled step's temporaries).
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--seed", type=int, default=42, help="sample i depends only on (seed, i)")
 
     group = parser.add_argument_group("devices")
-    group.add_argument("--mesh", help="device mesh 'data=N,seq=M' (default: data=1, seq=all devices); "
-                                      "the sequence is split over 'seq' (Ulysses: seq must divide the KV heads)")
+    group.add_argument("--mesh", help="device mesh 'data=A,fsdp=B,seq=C', sizes of 1 may be left out (default: "
+                                      "seq=all devices). The batch is split over data x fsdp, the sequence over "
+                                      "seq, the frozen weights over fsdp x seq; attention over seq uses Ulysses "
+                                      "when seq divides the KV heads, else an all-gather of K/V")
     group.add_argument("--distributed", action="store_true",
                        help="call jax.distributed.initialize() (automatic under SLURM / Open MPI / a JAX coordinator)")
     return parser
@@ -75,14 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import duo_jax
-    from duo_jax import gates, training
+    from duo_jax import gates, sharding, training
     from duo_jax.tokenizer import require
 
     try:
         training.initialize_distributed(args.distributed)  # before anything touches the devices
-        sizes = training.parse_mesh(args.mesh or f"data=1,seq={jax.device_count()}")
-        mesh = training.make_mesh(sizes["data"], sizes["seq"])
-        model = duo_jax.load(args.model, dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32)
+        mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
+        model = duo_jax.load(args.model, dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,
+                             shardings=lambda shapes: sharding.weight_shardings(shapes, mesh))  # this host's slices
         tokenizer = require(model.tokenizer, "training on text samples")
         name = Path(args.model).stem if Path(args.model).exists() else args.model
         cfg = training.TrainConfig(
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             max_depth=args.max_depth, supervise=args.supervise, seed=args.seed, save_every=args.save_every)
         out = Path(args.out or f"runs/gates/{name}")
         log = lambda message: print(message, file=sys.stderr)
+        training.check_mesh(model.config, mesh, cfg.batch_size)
+        log(str(training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)))
         pattern = training.train(model.params, model.config, tokenizer, cfg, out, mesh, model_name=args.model,
                                  dtype=args.dtype, resume=args.resume, log=log)
     except (duo_jax.DuoJaxError, OSError) as e:

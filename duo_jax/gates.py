@@ -33,8 +33,9 @@ differs from the teacher's, and the paper's reading would feed the student's own
 
 Both models run in one `lax.scan` over the stacked layers with the gates [L, K] scanned alongside, each
 through `duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
-`duo_jax.attention` (Pallas kernels on GPU, the blocked XLA path elsewhere). `distill_terms` takes optional wrappers of the two attention functions: the
-sequence-parallel trainer (`duo_jax.training`) wraps them in a Ulysses all-to-all.
+`duo_jax.attention` (Pallas kernels on GPU, the blocked XLA path elsewhere). `distill_terms` takes optional
+hooks: the sharded trainer (`duo_jax.training`) wraps the two attention functions for sequence parallelism
+and gathers each layer's FSDP-sharded weights inside the scanned body.
 
 Dimension letters as in `duo_jax.model`: B batch, T positions, D model width, H query heads, K KV heads,
 G query heads per KV head, E head_dim, L layers.
@@ -51,7 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from duo_jax import attention
 from duo_jax.config import ModelConfig
-from duo_jax.model import Params, apply_rope, decoder_layer, embed, rms_norm, rope_inv_freq
+from duo_jax.model import LayerParams, Params, apply_rope, decoder_layer, embed, rms_norm, rope_inv_freq
 
 # q [B, T, H, E], k / v [B, T, K, E] -> [B, T, H, E]
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -72,11 +73,14 @@ class Objective:
     reg_weight: float = 0.05
     impl: attention.Impl = "auto"
 
-    def full_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return attention.flash_attention(q, k, v, causal=True, impl=self.impl)
+    def full_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0) -> jax.Array:
+        """Causal attention; query i sits at position q_offset + i of the keys (a sequence shard's offset)."""
+        return attention.flash_attention(q, k, v, causal=True, q_offset=q_offset, impl=self.impl)
 
-    def streaming_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return attention.lambda_attention(q, k, v, sink=self.sink, recent=self.recent, impl=self.impl)
+    def streaming_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0) -> jax.Array:
+        """Λ attention; query i sits at position q_offset + i of the keys."""
+        return attention.lambda_attention(q, k, v, sink=self.sink, recent=self.recent, q_offset=q_offset,
+                                          impl=self.impl)
 
 
 @jax.tree_util.register_dataclass
@@ -102,12 +106,16 @@ def clamp(gates: jax.Array) -> jax.Array:
 def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, tokens: jax.Array,
                         positions: jax.Array, objective: Objective, *,
                         wrap_attention: Callable[[AttentionFn], AttentionFn] = lambda f: f,
+                        layer_weights: Callable[[LayerParams], LayerParams] = lambda layer: layer,
+                        embed_tokens: Callable[[Params, jax.Array], jax.Array] = embed,
                         ) -> tuple[jax.Array, jax.Array]:
     """Final normed hidden states of the teacher (full attention) and the gated student.
 
     tokens int32 [B, T] at absolute `positions` int32 [B, T]; gates float32 [L, K].
-    Returns (teacher, student), each [B, T, D] in the params' dtype. `wrap_attention` transforms both
-    attention functions (identity here; a sequence-parallel all-to-all in `duo_jax.training`).
+    Returns (teacher, student), each [B, T, D] in the params' dtype. The hooks are identities here; the
+    sharded trainer (`duo_jax.training`) passes its own: `wrap_attention` transforms both attention
+    functions (sequence parallelism), `layer_weights` turns one layer's stored weights into the whole
+    layer inside the scanned body (an all-gather of FSDP shards), `embed_tokens(params, tokens)` embeds.
     """
     if gates.shape != (config.num_layers, config.num_kv_heads):
         raise ValueError(f"gates must have shape [layers, kv_heads] = {(config.num_layers, config.num_kv_heads)}, "
@@ -127,6 +135,7 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
     def layer_step(carry, inputs):
         x_teacher, x_student = carry  # [B, T, D] each
         layer, gate = inputs  # LayerParams of one layer, gate [K]
+        layer = layer_weights(layer)  # inside the rematerialised body: gathered again, never saved
         x_teacher, full = decoder_layer(x_teacher, layer, config, teacher_attend)
 
         def student_attend(q, k, v, h):  # per head, the teacher's full output mixed with its own streaming one
@@ -140,22 +149,20 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
         return (x_teacher, x_student), None
 
     layer_step = jax.checkpoint(layer_step, policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED))
-    x = embed(params, tokens)  # [B, T, D]
+    x = embed_tokens(params, tokens)  # [B, T, D]
     (x_teacher, x_student), _ = jax.lax.scan(layer_step, (x, x), (params.layers, gates))
     return rms_norm(x_teacher, params.final_norm, eps), rms_norm(x_student, params.final_norm, eps)
 
 
 def distill_terms(gates: jax.Array, params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                  supervise: jax.Array, objective: Objective, *,
-                  wrap_attention: Callable[[AttentionFn], AttentionFn] = lambda f: f,
-                  ) -> tuple[jax.Array, jax.Array]:
+                  supervise: jax.Array, objective: Objective, **hooks) -> tuple[jax.Array, jax.Array]:
     """The distillation term's sum and count over the positions in hand (a shard, or everything).
 
     supervise bool [B, T]: the positions the loss compares (padding is False). Returns float32 scalars
     (sum over supervised positions of mean_D (teacher - student)^2, number of supervised positions).
+    `hooks`: `gated_hidden_states`' keyword arguments (wrap_attention, layer_weights, embed_tokens).
     """
-    teacher, student = gated_hidden_states(params, config, gates, tokens, positions, objective,
-                                           wrap_attention=wrap_attention)
+    teacher, student = gated_hidden_states(params, config, gates, tokens, positions, objective, **hooks)
     diff = teacher.astype(jnp.float32) - student.astype(jnp.float32)  # [B, T, D]
     per_position = jnp.mean(diff * diff, axis=-1)  # [B, T]
     weight = supervise.astype(jnp.float32)

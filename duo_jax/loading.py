@@ -20,8 +20,9 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -31,6 +32,9 @@ from duo_jax.config import ModelConfig, named_configs, read_named
 from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
 from duo_jax.model import LayerParams, Params, param_shapes
 from duo_jax.tokenizer import Tokenizer
+
+# Params of ShapeDtypeStructs -> Params of jax.sharding.Sharding (see `load`)
+Shardings = Callable[[Params], Params]
 
 
 @dataclasses.dataclass
@@ -46,8 +50,14 @@ class Model:
     names: tuple[str, ...] = ()
 
 
-def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None) -> Model:
-    """Load a model by config name or path; see the module docstring for the search order."""
+def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None,
+         shardings: Shardings | None = None) -> Model:
+    """Load a model by config name or path; see the module docstring for the search order.
+
+    `shardings(shapes)`, given the weights as a `Params` of `jax.ShapeDtypeStruct`s, returns a `Params` of
+    `jax.sharding.Sharding`s (e.g. `duo_jax.sharding.weight_shardings` for a mesh): each leaf is then put
+    straight into its sharded layout, this process sending only the slices its own devices hold (the
+    default puts every weight on the default device)."""
     name = str(name_or_path)
     if path is None and Path(name).exists():
         path, name = Path(name), ""
@@ -60,10 +70,10 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.
     path = Path(path)
     repo = (read_named(name)["hf_repo"],) if name in named_configs() else ()
     if path.is_file() and path.suffix == ".gguf":
-        model = load_gguf(path, dtype, name=name)
+        model = load_gguf(path, dtype, name=name, shardings=shardings)
         return dataclasses.replace(model, names=repo + model.names)
     if path.is_dir():
-        model = load_hf_dir(path, dtype, name=name)
+        model = load_hf_dir(path, dtype, name=name, shardings=shardings)
         return dataclasses.replace(model, names=repo + model.names)
     raise WeightsNotFoundError(
         f"{path} is neither a Hugging Face model directory nor a .gguf file" if path.exists()
@@ -200,16 +210,27 @@ class _ParamsBuilder:
         target[...] = _to_our_layout(field, w, shape).astype(self.dtype)
         self.missing.discard(name)
 
-    def finish(self) -> Params:
+    def finish(self, shardings: Shardings | None = None) -> Params:
         if self.missing:
             names = sorted(self.missing)
             raise LoadError(f"{self.source}: {len(names)} weight tensors missing, e.g. {', '.join(names[:3])}")
+        layouts = {}
+        if shardings is not None:
+            placed = shardings(_params({k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in self.arrays.items()}))
+            layouts = {k: getattr(placed if k in _GLOBAL_NAMES.values() else placed.layers, k) for k in self.arrays}
         leaves = {}
         for field in list(self.arrays):  # hand over leaf by leaf, dropping each host copy
-            leaves[field] = jnp.asarray(self.arrays.pop(field))
-        layers = LayerParams(**{f.name: leaves.pop(f.name, None) for f in dataclasses.fields(LayerParams)})
-        return Params(embed=leaves["embed"], layers=layers, final_norm=leaves["final_norm"],
-                      lm_head=leaves.get("lm_head"))
+            host = self.arrays.pop(field)
+            layout = layouts.get(field)
+            leaves[field] = (jnp.asarray(host) if layout is None else
+                             jax.make_array_from_callback(host.shape, layout, lambda index: host[index]))
+        return _params(leaves)
+
+
+def _params(leaves: dict) -> Params:
+    """`Params` from its leaves by field name (layer fields and embed / final_norm / lm_head)."""
+    layers = LayerParams(**{f.name: leaves.get(f.name) for f in dataclasses.fields(LayerParams)})
+    return Params(embed=leaves["embed"], layers=layers, final_norm=leaves["final_norm"], lm_head=leaves.get("lm_head"))
 
 
 # --- Hugging Face safetensors ----------------------------------------------------------------------
@@ -304,7 +325,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
                                "(only safetensors weights are supported; convert .bin files with transformers)")
 
 
-def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
+def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None) -> Model:
     """A Hugging Face model directory (config.json + safetensors weights, tokenizer.json optional)."""
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -329,7 +350,7 @@ def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model
         for tensor_name, w in safetensors_tensors(file):
             builder.put(tensor_name, w)
     names = tuple(n for n in (hf_config.get("_name_or_path"), directory.name) if isinstance(n, str) and n)
-    return Model(config, builder.finish(), tokenizer, str(directory), names)
+    return Model(config, builder.finish(shardings), tokenizer, str(directory), names)
 
 
 def _check_vocab(tokenizer: Tokenizer, config: ModelConfig, source: Path) -> None:
@@ -406,7 +427,7 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
     return ModelConfig.from_hf(hf, name=name)
 
 
-def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
+def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None) -> Model:
     """A llama / qwen2 / qwen3 GGUF file, dequantised to `dtype`; tokenizer from its metadata.
 
     llama.cpp's converter interleaves the Q/K rows of llama-architecture models only (its LlamaModel
@@ -447,5 +468,5 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "") -> Model:
         builder.put(_gguf_to_hf_name(tensor.name), w)
     names = tuple(n for n in (fields.get("general.name"), fields.get("general.finetune"), path.stem)
                   if isinstance(n, str) and n)
-    return Model(config, builder.finish(), tokenizer, str(path), names)
+    return Model(config, builder.finish(shardings), tokenizer, str(path), names)
 

@@ -7,15 +7,23 @@ The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs 
   ``min(1, max((s + 1) / W, floor), max((N - s) / Dc, floor))`` with W = N * warmup_ratio and
   Dc = N * decay_ratio (both 0.2) and floor 0.1: linear warm-up from 0.1 * lr, constant, linear decay
   floored at 0.1 * lr.
-* **Sharding.** A `jax.sharding.Mesh` with axes ("data", "seq"). The batch is split over "data", the
-  sequence over "seq" (each device holds a contiguous slice of every sequence); weights and gates are
-  replicated. Inside `shard_map`, attention is made sequence-parallel with a DeepSpeed-Ulysses all-to-all:
-  before attention, sequence shards become KV-head shards (each device then holds the whole sequence for
-  K / seq KV heads and their query heads), after attention the inverse all-to-all restores sequence
-  shards. This needs the number of KV heads to be divisible by the "seq" axis size (`check_mesh`). Each
-  device differentiates its share of the loss; the gate gradients are summed with one `psum`. The same
-  code runs on one device (a 1 x 1 mesh), on host CPU devices, on a GPU node or a TPU pod (multi-process
-  with `jax.distributed.initialize()`, see `initialize_distributed`).
+* **Sharding.** One `shard_map` over a ("data", "fsdp", "seq") mesh (`duo_jax.sharding`: the batch is
+  split over data x fsdp, each sequence over "seq" in contiguous slices, the frozen weights over fsdp x seq
+  and gathered one layer at a time inside the scanned layer; gates and optimiser state replicated).
+  Attention over "seq" (`sequence_parallelism`, chosen automatically and printed):
+  - *Ulysses* (DeepSpeed) when the "seq" size n divides the KV heads: an all-to-all turns sequence shards
+    into head shards (the whole sequence for K/n KV heads and their query heads), attention runs locally,
+    the inverse all-to-all restores sequence shards. Per device and layer: q, k, v and output of T x H/n
+    heads, the same bytes as its own sequence shard.
+  - *all-gather K/V* otherwise (SmolLM2's 3 KV heads, or n above Llama-3-8B's 8): each device keeps its
+    T/n queries, all-gathers K and V, and attends at its offset in the sequence. Per device and layer it
+    holds 2 x T x K x E elements of K/V (the whole sequence's; 128 MiB for Llama-3-8B at 32k tokens in
+    bf16), recomputed rather than kept for the backward pass. A ring (ppermute of K/V blocks with an
+    online-softmax merge) would hold 2 x 2 x T/n x K x E instead; not built yet.
+  Each device differentiates its share of the loss; the gate gradients are summed with one `psum`. The
+  same code runs on one device (a 1 x 1 x 1 mesh), on host CPU devices, on a GPU node or a TPU pod
+  (multi-process with `jax.distributed.initialize()`, see `initialize_distributed`). `memory_report`
+  compiles the step from shapes and reads the per-device bytes (the CLI prints it before it starts).
 * **Padding.** Sequences of a batch are right-padded to a common length that is a multiple of the "seq"
   axis. Padded positions come after every real token, so the causal and Λ masks already hide them from
   every real query; they are excluded from the loss (`supervise` is False there).
@@ -50,13 +58,14 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from duo_jax import gates as gates_lib
+from duo_jax import sharding
 from duo_jax.config import ModelConfig
 from duo_jax.data import CALIBRATION_HAYSTACK, SampleStream, context_lengths, haystack_tokens, min_context_len
 from duo_jax.errors import DuoJaxError
 from duo_jax.model import Params
 from duo_jax.pattern import Pattern
+from duo_jax.sharding import MESH_AXES, format_mesh
 
-MESH_AXES = ("data", "seq")
 CHECKPOINT_DIR = "checkpoints"
 LOSS_FILE = "loss.json"
 HEATMAP_FILE = "gates.png"
@@ -150,44 +159,19 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
 # --- mesh and sequence parallelism ------------------------------------------------------------------
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-    """"data=1,seq=8" -> {"data": 1, "seq": 8}; both axes are required."""
-    sizes: dict[str, int] = {}
-    for part in spec.split(","):
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in MESH_AXES or name in sizes or not value.strip().isdigit() or int(value) < 1:
-            raise TrainingError(f"bad mesh {spec!r}: expected 'data=N,seq=M' with positive integers")
-        sizes[name] = int(value)
-    if set(sizes) != set(MESH_AXES):
-        raise TrainingError(f"bad mesh {spec!r}: name both axes, e.g. 'data=1,seq={jax.device_count()}'")
-    return sizes
-
-
-def make_mesh(data: int, seq: int) -> Mesh:
-    """A ("data", "seq") mesh over every device of every process."""
-    devices = jax.devices()
-    if data * seq != len(devices):
-        raise TrainingError(f"mesh data={data},seq={seq} needs {data * seq} devices but there are "
-                            f"{len(devices)}; choose data * seq = {len(devices)}")
-    return Mesh(np.asarray(devices).reshape(data, seq), MESH_AXES)
-
-
-def format_mesh(mesh: Mesh) -> str:
-    return ",".join(f"{name}={mesh.shape[name]}" for name in MESH_AXES)
-
-
 def check_mesh(config: ModelConfig, mesh: Mesh, batch_size: int) -> None:
-    """TrainingError unless the batch splits over "data" and the KV heads over "seq" (Ulysses)."""
-    seq, data = mesh.shape["seq"], mesh.shape["data"]
-    if config.num_kv_heads % seq:
-        divisors = [n for n in range(1, config.num_kv_heads + 1) if config.num_kv_heads % n == 0]
-        raise TrainingError(f"Ulysses sequence parallelism splits the {config.num_kv_heads} KV heads over the "
-                            f"'seq' mesh axis, so its size must divide {config.num_kv_heads}; got seq={seq} "
-                            f"(use seq in {divisors} and put the other devices on 'data')")
-    if batch_size % data:
-        raise TrainingError(f"the batch of {batch_size} does not split over the 'data' mesh axis of size {data}; "
-                            f"use a batch size that is a multiple of {data}")
+    """TrainingError unless the batch splits over the "data" x "fsdp" devices."""
+    n = sharding.axis_size(mesh, sharding.BATCH_AXES)
+    if batch_size % n:
+        raise TrainingError(f"the batch of {batch_size} does not split over the 'data' x 'fsdp' mesh axes "
+                            f"({format_mesh(mesh)}: {n} ways); use a batch size that is a multiple of {n}")
+
+
+def sequence_parallelism(config: ModelConfig, mesh: Mesh) -> str:
+    """How attention runs over the "seq" axis: "none" (size 1), "ulysses" (its size divides the KV heads),
+    else "all-gather"."""
+    seq = mesh.shape["seq"]
+    return "none" if seq == 1 else "ulysses" if config.num_kv_heads % seq == 0 else "all-gather"
 
 
 def ulysses(axis_name: str) -> Callable[[gates_lib.AttentionFn], gates_lib.AttentionFn]:
@@ -196,6 +180,8 @@ def ulysses(axis_name: str) -> Callable[[gates_lib.AttentionFn], gates_lib.Atten
     With n devices on the axis, q [B, T/n, H, E], k / v [B, T/n, K, E] (a contiguous sequence slice) are
     exchanged so that each device holds the whole sequence for H/n query and K/n KV heads (contiguous head
     blocks, so GQA groups stay whole), attention runs locally, and the output goes back to sequence slices.
+    Needs n to divide K. Per device and layer it holds q, k, v and the output for the whole sequence and
+    1/n of the heads: as much as its own shard of them.
     """
 
     def wrap(attend: gates_lib.AttentionFn) -> gates_lib.AttentionFn:
@@ -207,6 +193,28 @@ def ulysses(axis_name: str) -> Callable[[gates_lib.AttentionFn], gates_lib.Atten
         return attend_sequence_parallel
 
     return wrap
+
+
+def all_gather_kv(axis_name: str) -> Callable[[gates_lib.AttentionFn], gates_lib.AttentionFn]:
+    """Make an attention function sequence-parallel over mesh axis `axis_name` (inside shard_map) by
+    all-gathering keys and values: each device keeps its queries q [B, T/n, H, E], receives every device's
+    k / v slice ([B, T, K, E] in all) and attends with its queries at offset index * T/n, so the causal and
+    Λ masks are those of the whole sequence. Works for any n (no head split), at the price of the whole
+    sequence's K and V per device and layer (2 * T * K * E elements; recomputed, not kept, for the backward
+    pass, whose transpose of the gather is a reduce-scatter of their gradients)."""
+
+    def wrap(attend: gates_lib.AttentionFn) -> gates_lib.AttentionFn:
+        def attend_sequence_parallel(q, k, v):
+            gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+            offset = jax.lax.axis_index(axis_name) * q.shape[1]
+            return attend(q, gather(k), gather(v), q_offset=offset)
+
+        return attend_sequence_parallel
+
+    return wrap
+
+
+_SEQUENCE_WRAPPERS = {"none": lambda axis: (lambda f: f), "ulysses": ulysses, "all-gather": all_gather_kv}
 
 
 def _shard_map(f, mesh: Mesh, in_specs, out_specs):
@@ -230,16 +238,21 @@ class Batch:
     supervise: Any
 
 
-def sharded_loss_and_grad(config: ModelConfig, objective: gates_lib.Objective, mesh: Mesh):
+def sharded_loss_and_grad(config: ModelConfig, objective: gates_lib.Objective, mesh: Mesh, param_specs: Params):
     """(gates, params, batch) -> (gate gradients [L, K], LossTerms), computed over `mesh`.
 
-    Each device computes the distillation sum of its (batch, sequence) shard, divided by the global
-    number of supervised positions, plus its 1/n share of the L1 term, and differentiates that; the
-    all-to-all's transposes carry cotangents between devices, and one psum of the gradients gives the
-    gradient of the global loss.
+    `params` are laid out as `param_specs` says (`duo_jax.sharding.weight_specs`, or all `P()` for
+    replicated weights); each layer's weights are gathered inside the scanned layer. Each device computes
+    the distillation sum of its (batch, sequence) shard, divided by the global number of supervised
+    positions, plus its 1/n share of the L1 term, and differentiates that; the transposes of the sequence
+    collectives carry cotangents between devices, and one psum of the gradients gives the gradient of the
+    global loss.
     """
     n_devices = mesh.size
-    wrap = ulysses("seq") if mesh.shape["seq"] > 1 else (lambda f: f)
+    wrap = _SEQUENCE_WRAPPERS[sequence_parallelism(config, mesh)]("seq")
+    hooks = dict(wrap_attention=wrap,
+                 layer_weights=lambda layer: sharding.gather_layer(layer, param_specs.layers),
+                 embed_tokens=lambda params, tokens: sharding.embed_tokens(params.embed, param_specs.embed, tokens))
 
     def local(gates, params, batch: Batch):
         count = jax.lax.psum(jnp.sum(batch.supervise.astype(jnp.float32)), MESH_AXES)
@@ -247,7 +260,7 @@ def sharded_loss_and_grad(config: ModelConfig, objective: gates_lib.Objective, m
 
         def local_objective(g):
             total, _ = gates_lib.distill_terms(g, params, config, batch.tokens, batch.positions, batch.supervise,
-                                               objective, wrap_attention=wrap)
+                                               objective, **hooks)
             distill = total / count
             return distill + objective.reg_weight * gates_lib.l1_term(g) / n_devices, distill
 
@@ -256,16 +269,17 @@ def sharded_loss_and_grad(config: ModelConfig, objective: gates_lib.Objective, m
         l1 = gates_lib.l1_term(gates)
         return grads, gates_lib.LossTerms(loss=distill + objective.reg_weight * l1, distill=distill, l1=l1)
 
-    data_spec = P("data", "seq")
-    return _shard_map(local, mesh, in_specs=(P(), P(), Batch(data_spec, data_spec, data_spec)),
+    data_spec = P(sharding.BATCH_AXES, "seq")
+    return _shard_map(local, mesh, in_specs=(P(), param_specs, Batch(data_spec, data_spec, data_spec)),
                       out_specs=(P(), P()))
 
 
 def make_train_step(config: ModelConfig, objective: gates_lib.Objective, optimizer: optax.GradientTransformation,
-                    mesh: Mesh):
+                    mesh: Mesh, param_specs: Params):
     """A jitted step (gates, opt_state, params, batch) -> (gates, opt_state, LossTerms); gates and
-    optimiser state are donated. Gates are clamped to [0, 1] after the update."""
-    loss_and_grad = sharded_loss_and_grad(config, objective, mesh)
+    optimiser state are donated. Gates are clamped to [0, 1] after the update. `params` are laid out as
+    `param_specs` says (see `sharded_loss_and_grad`)."""
+    loss_and_grad = sharded_loss_and_grad(config, objective, mesh, param_specs)
 
     def step(gates, opt_state, params: Params, batch: Batch):
         grads, terms = loss_and_grad(gates, params, batch)
@@ -275,16 +289,76 @@ def make_train_step(config: ModelConfig, objective: gates_lib.Objective, optimiz
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes one device holds for a train step: its arguments, read from their shardings, and the compiled
+    step's temporaries (XLA's memory analysis of the executable; gate training keeps no KV cache)."""
+
+    weights: int
+    gates: int
+    optimizer: int
+    batch: int
+    temp: int | None  # None where the backend gives no memory analysis
+    seq_len: int
+
+    @property
+    def total(self) -> int | None:
+        held = self.weights + self.gates + self.optimizer + self.batch
+        return None if self.temp is None else held + self.temp
+
+    def __str__(self) -> str:
+        gib = lambda n: "unknown" if n is None else f"{n / 2**30:.3f} GiB"
+        return (f"per-device memory of a {self.seq_len}-token step: weights {gib(self.weights)}, gates "
+                f"{gib(self.gates)}, optimiser state {gib(self.optimizer)}, batch {gib(self.batch)}, step "
+                f"temporaries {gib(self.temp)}; total {gib(self.total)}")
+
+
+def memory_report(config: ModelConfig, cfg: TrainConfig, mesh: Mesh, params: Params, seq_len: int) -> MemoryReport:
+    """Lower and compile the train step for batches of `cfg.batch_size` x `seq_len` tokens (rounded up to
+    the "seq" axis) on `mesh`, from shapes only: `params` may be arrays or `jax.ShapeDtypeStruct`s
+    (`jax.eval_shape`), nothing is allocated."""
+    abstract = lambda x, layout: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout)
+    params = dataclasses.replace(params, lm_head=None)
+    specs = sharding.weight_specs(params, mesh)
+    params = jax.tree.map(abstract, params, sharding.weight_shardings(params, mesh))
+    optimizer, _ = make_optimizer(cfg)
+    replicated = NamedSharding(mesh, P())
+    gates = abstract(jax.eval_shape(lambda: gates_lib.init_gates(config)), replicated)
+    opt_state = jax.tree.map(lambda x: abstract(x, replicated), jax.eval_shape(optimizer.init, gates))
+    T = -(-seq_len // mesh.shape["seq"]) * mesh.shape["seq"]
+    shape = (cfg.batch_size, T)
+    batch = Batch(*(abstract(jax.ShapeDtypeStruct(shape, dtype), batch_sharding(mesh))
+                    for dtype in (jnp.int32, jnp.int32, jnp.bool_)))
+    step = make_train_step(config, cfg.objective, optimizer, mesh, specs)
+    analysis = step.lower(gates, opt_state, params, batch).compile().memory_analysis()
+    temp = analysis.temp_size_in_bytes if analysis is not None else None
+    return MemoryReport(weights=sharding.device_bytes(params), gates=sharding.device_bytes(gates),
+                        optimizer=sharding.device_bytes(opt_state), batch=sharding.device_bytes(batch), temp=temp,
+                        seq_len=T)
+
+
 def replicate(tree, mesh: Mesh):
     """Put every leaf of `tree` on every device of `mesh`."""
     return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch arrays [B, T]: B split over ("data", "fsdp"), T over "seq"."""
+    return NamedSharding(mesh, P(sharding.BATCH_AXES, "seq"))
+
+
 def shard_batch(batch: Batch, mesh: Mesh) -> Batch:
-    """Host arrays [B, T] -> global arrays split over ("data", "seq"); every process passes the same batch."""
-    sharding = NamedSharding(mesh, P("data", "seq"))
-    put = lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    """Host arrays [B, T] -> global arrays split as `batch_sharding`; every process passes the same batch."""
+    layout = batch_sharding(mesh)
+    put = lambda x: jax.make_array_from_callback(x.shape, layout, lambda index: x[index])
     return jax.tree.map(put, batch)
+
+
+def frozen_weights(params: Params, mesh: Mesh) -> tuple[Params, Params]:
+    """The weights gate training reads (the LM head is not: the loss compares hidden states), laid out on
+    `mesh` (`duo_jax.sharding.weight_specs`), and their specs."""
+    params = dataclasses.replace(params, lm_head=None)
+    return sharding.shard_params(params, mesh), sharding.weight_specs(params, mesh)
 
 
 def fetch(x: jax.Array) -> np.ndarray:
@@ -388,8 +462,8 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     """Train the gates of a frozen model and write the run folder `out`; returns the final pattern.
 
     Continues from the latest checkpoint in `out/checkpoints` when there is one (TrainingError when its
-    arguments differ from `cfg`, or when `resume` is set and there is none). `params` may be on any
-    device; they are replicated over `mesh`.
+    arguments differ from `cfg`, or when `resume` is set and there is none). `params` may be anywhere;
+    they are laid out over `mesh` by `frozen_weights`.
     """
     from tqdm.auto import tqdm
 
@@ -406,8 +480,10 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     optimizer, schedule = make_optimizer(cfg)
     gates = replicate(gates_lib.init_gates(config, cfg.initial_value), mesh)
     state = {"gates": gates, "opt_state": replicate(optimizer.init(gates), mesh)}
-    params = replicate(params, mesh)
-    step_fn = make_train_step(config, cfg.objective, optimizer, mesh)
+    params, specs = frozen_weights(params, mesh)
+    step_fn = make_train_step(config, cfg.objective, optimizer, mesh, specs)
+    log(f"mesh {format_mesh(mesh)}: weights sharded {sharding.axis_size(mesh, sharding.WEIGHT_AXES)} ways, "
+        f"sequence parallelism: {sequence_parallelism(config, mesh)}")
 
     checkpoints = Checkpoints(out / CHECKPOINT_DIR)
     start, next_sample, history = 0, 0, []  # next_sample: the data loader's whole state

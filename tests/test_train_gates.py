@@ -73,6 +73,7 @@ def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
     resumed = run_cli(*args, "--out", killed)  # the same command again
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming" in resumed.stderr
+    assert "per-device memory of a 512-token step: weights" in resumed.stderr  # printed before the first step
     uninterrupted = run_cli(*args, "--out", straight)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
 

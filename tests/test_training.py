@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
 import duo_jax
-from duo_jax import gates, training
+from duo_jax import gates, sharding, training
 from duo_jax.data.passkey import NATO_ALPHABET
 from duo_jax.pattern import Pattern
 from duo_jax.tokenizer import Tokenizer
@@ -61,12 +61,14 @@ def test_lr_schedule_is_the_originals():
 
 
 def test_parse_mesh():
-    assert training.parse_mesh("data=2,seq=4") == {"data": 2, "seq": 4}
-    for bad in ("seq=8", "data=1,seq=0", "data=1,seq=x", "data=1,model=2", "data=1,data=2"):
-        with pytest.raises(training.TrainingError, match="bad mesh"):
-            training.parse_mesh(bad)
-    with pytest.raises(training.TrainingError, match="needs 8 devices"):
-        training.make_mesh(2, 4)
+    assert sharding.parse_mesh("data=2,seq=4") == {"data": 2, "fsdp": 1, "seq": 4}
+    assert sharding.parse_mesh("fsdp=8") == {"data": 1, "fsdp": 8, "seq": 1}
+    assert sharding.parse_mesh("data=2,fsdp=2,seq=2") == {"data": 2, "fsdp": 2, "seq": 2}
+    for bad in ("seq=8,", "data=1,seq=0", "data=1,seq=x", "data=1,model=2", "data=1,data=2"):
+        with pytest.raises(sharding.MeshError, match="bad mesh"):
+            sharding.parse_mesh(bad)
+    with pytest.raises(sharding.MeshError, match="needs 8 devices"):
+        sharding.make_mesh(data=2, fsdp=2, seq=2)
 
 
 def test_defaults_calibrate_on_held_out_text_as_the_original():
@@ -96,67 +98,94 @@ def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
         training.sample_stream(tokenizer, dataclasses.replace(cfg, min_len=10, max_len=20))
 
 
-# --- sequence parallelism on 8 host CPU devices -------------------------------------------------------
+# --- sharded weights and sequences on 8 host CPU devices ----------------------------------------------
 
 _SHARDED_SCRIPT = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import duo_jax
-from duo_jax import gates, training
+from duo_jax import gates, sharding, training
 from tests.conftest import tiny_config
 
 assert jax.device_count() == 8
-config = tiny_config(num_heads=16, num_kv_heads=8, head_dim=8)  # GQA, 2 query heads per KV head
-params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
 objective = gates.Objective(sink=4, recent=8)
-B, T = 2, 61  # 61 is padded to 64 for the sharded runs
+B, T = 8, 61  # 61 is padded to 64 for the sharded runs
 rng = np.random.default_rng(0)
-tokens = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+tokens = rng.integers(0, 128, (B, T)).astype(np.int32)
 supervise = rng.random((B, T)) < 0.4
-alpha = jnp.asarray(rng.uniform(0.1, 0.9, (config.num_layers, config.num_kv_heads)), jnp.float32)
 positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-
+padded = training.Batch(np.pad(tokens, ((0, 0), (0, 3))), np.broadcast_to(np.arange(64, dtype=np.int32), (B, 64)).copy(),
+                        np.pad(supervise, ((0, 0), (0, 3))))
 single = jax.jit(jax.value_and_grad(gates.loss, has_aux=True), static_argnums=(2, 6))
-(_, terms), grad = single(alpha, params, config, tokens, positions, supervise, objective)
-result = {"single": {"loss": float(terms.loss), "distill": float(terms.distill), "grad": np.asarray(grad).tolist()}}
+result = {}
+# (config, meshes): 8 KV heads (Ulysses divides them), 2 KV heads (seq=8 needs the all-gather variant)
+cases = {"kv8": (tiny_config(num_heads=16, num_kv_heads=8, head_dim=8), [dict(fsdp=8), dict(data=2, fsdp=2, seq=2)]),
+         "kv2": (tiny_config(), [dict(seq=8)])}
+for name, (config, meshes) in cases.items():
+    params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
+    alpha = jnp.asarray(rng.uniform(0.1, 0.9, (config.num_layers, config.num_kv_heads)), jnp.float32)
+    (_, terms), grad = single(alpha, params, config, tokens, positions, supervise, objective)
+    result[name] = {"single": {"loss": float(terms.loss), "distill": float(terms.distill),
+                               "grad": np.asarray(grad).tolist()}}
+    for sizes in meshes:
+        mesh = sharding.make_mesh(**sizes)
+        weights, specs = training.frozen_weights(params, mesh)
+        fn = jax.jit(training.sharded_loss_and_grad(config, objective, mesh, specs))
+        grad, terms = fn(training.replicate(alpha, mesh), weights, training.shard_batch(padded, mesh))
+        result[name][sharding.format_mesh(mesh)] = {
+            "loss": float(training.fetch(terms.loss)), "distill": float(training.fetch(terms.distill)),
+            "grad": training.fetch(grad).tolist(), "attention": training.sequence_parallelism(config, mesh)}
 
-pad = 64 - T
-padded = training.Batch(np.pad(tokens, ((0, 0), (0, pad))),
-                        np.broadcast_to(np.arange(64, dtype=np.int32), (B, 64)).copy(),
-                        np.pad(supervise, ((0, 0), (0, pad))))
-for data, seq in ((1, 8), (2, 4)):
-    mesh = training.make_mesh(data, seq)
-    fn = jax.jit(training.sharded_loss_and_grad(config, objective, mesh))
-    grad, terms = fn(training.replicate(alpha, mesh), training.replicate(params, mesh),
-                     training.shard_batch(padded, mesh))
-    result[f"data={data},seq={seq}"] = {"loss": float(training.fetch(terms.loss)),
-                                        "distill": float(training.fetch(terms.distill)),
-                                        "grad": training.fetch(grad).tolist()}
+# per-device weight bytes on fsdp=8, read from the arrays' own shards
+config = tiny_config()
+params = duo_jax.init_params(config, jax.random.key(0))
+mesh = sharding.make_mesh(fsdp=8)
+weights, _ = training.frozen_weights(params, mesh)
+per_device = {str(d): 0 for d in jax.devices()}
+for x in jax.tree.leaves(weights):
+    for shard in x.addressable_shards:
+        per_device[str(shard.device)] += shard.data.nbytes
+result["bytes"] = {"per_device": list(per_device.values()), "helper": sharding.device_bytes(weights),
+                   "total": sum(x.nbytes for x in jax.tree.leaves(weights)),
+                   "final_norm": weights.final_norm.nbytes, "lm_head": weights.lm_head is None}
 try:
-    training.check_mesh(tiny_config(), training.make_mesh(1, 8), 1)  # 2 KV heads over seq=8
+    training.check_mesh(config, sharding.make_mesh(data=2, fsdp=4), 4)
 except training.TrainingError as e:
     result["error"] = str(e)
 print(json.dumps(result))
 """
 
 
-def test_sequence_sharded_loss_and_grads_equal_single_device():
+def test_sharded_loss_and_grads_equal_single_device():
+    """FSDP weights (gathered per layer), data and sequence shards (Ulysses, all-gather KV): the loss and gate
+    gradients of one device, to float32 rounding; per-device weight bytes 1/8 on fsdp=8."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
     run = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    single = result.pop("single")
-    assert "must divide 2" in result.pop("error")
-    grad = np.asarray(single["grad"])
-    assert np.abs(grad).max() > 1e-4  # the comparison is not between two near-zero gradients
-    for mesh, sharded in result.items():
-        np.testing.assert_allclose(sharded["loss"], single["loss"], rtol=1e-5, err_msg=mesh)
-        np.testing.assert_allclose(sharded["distill"], single["distill"], rtol=1e-5, err_msg=mesh)
-        np.testing.assert_allclose(np.asarray(sharded["grad"]), grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(),
-                                   err_msg=mesh)
+    assert "multiple of 8" in result.pop("error")
+
+    size = result.pop("bytes")
+    replicated = size["final_norm"]  # the only replicated weight of the tiny model; the LM head is not kept
+    assert size["lm_head"] and size["helper"] == size["per_device"][0]
+    assert size["per_device"] == [(size["total"] - replicated) // 8 + replicated] * 8
+
+    expected_attention = {"kv8": {"data=1,fsdp=8,seq=1": "none", "data=2,fsdp=2,seq=2": "ulysses"},
+                          "kv2": {"data=1,fsdp=1,seq=8": "all-gather"}}
+    for name, runs in result.items():
+        single = runs.pop("single")
+        grad = np.asarray(single["grad"])
+        assert np.abs(grad).max() > 1e-4  # the comparison is not between two near-zero gradients
+        assert {mesh: r["attention"] for mesh, r in runs.items()} == expected_attention[name]
+        for mesh, sharded in runs.items():
+            where = f"{name} {mesh}"
+            np.testing.assert_allclose(sharded["loss"], single["loss"], rtol=1e-5, err_msg=where)
+            np.testing.assert_allclose(sharded["distill"], single["distill"], rtol=1e-5, err_msg=where)
+            np.testing.assert_allclose(np.asarray(sharded["grad"]), grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(),
+                                       err_msg=where)
 
 
 # --- learning ---------------------------------------------------------------------------------------
@@ -164,9 +193,9 @@ def test_sequence_sharded_loss_and_grads_equal_single_device():
 
 def _train_steps(params, config, objective, cfg, tokens, n):
     """n train steps on one device and one fixed batch (every position supervised)."""
-    mesh = training.make_mesh(1, 1)
+    mesh = sharding.make_mesh()
     optimizer, _ = training.make_optimizer(cfg)
-    step = training.make_train_step(config, objective, optimizer, mesh)
+    step = training.make_train_step(config, objective, optimizer, mesh, sharding.weight_specs(params, mesh))
     alpha = training.replicate(gates.init_gates(config), mesh)
     opt_state = optimizer.init(alpha)
     T = tokens.shape[1]
@@ -228,7 +257,7 @@ def test_train_writes_the_run_folder_and_continues_it(tmp_path):
                                haystack=str(write_haystack(tmp_path / "hay")), min_len=1, max_len=300,
                                num_lengths=2, num_passkeys=2, passkey_words=4)
     out = tmp_path / "run"
-    mesh = training.make_mesh(1, 1)
+    mesh = sharding.make_mesh()
     messages = []
     run = lambda cfg, **kw: training.train(params, config, tokenizer, cfg, out, mesh, model_name="tiny",
                                            dtype="fp32", log=messages.append, progress_bar=False, **kw)
@@ -253,3 +282,75 @@ def test_train_writes_the_run_folder_and_continues_it(tmp_path):
     with pytest.raises(training.TrainingError, match="nothing to resume"):
         training.train(params, config, tokenizer, cfg, tmp_path / "empty", mesh, model_name="tiny", dtype="fp32",
                        resume=True, progress_bar=False)
+
+
+_RESUME_SCRIPT = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+import jax, numpy as np
+import duo_jax
+from duo_jax import gates, sharding, training
+from duo_jax.tokenizer import Tokenizer
+from tests.conftest import tiny_config
+from tests.test_training import VOCAB, tiny_tokenizer, write_haystack
+
+root, phase = Path(sys.argv[1]), sys.argv[2]
+mesh = sharding.make_mesh(data=2, fsdp=2, seq=2)
+model = duo_jax.load(root / "model", dtype=np.float32, shardings=lambda shapes: sharding.weight_shardings(shapes, mesh))
+config, params = model.config, model.params
+plain = duo_jax.load(root / "model", dtype=np.float32).params
+for x, y, spec in zip(jax.tree.leaves(params), jax.tree.leaves(plain), jax.tree.leaves(sharding.weight_specs(plain, mesh))):
+    assert x.sharding.spec == spec and np.array_equal(np.asarray(x), np.asarray(y))
+    if spec != jax.sharding.PartitionSpec():  # loaded straight into 1/4 slices (fsdp x seq)
+        assert all(s.data.size * 4 == x.size for s in x.addressable_shards)
+tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=(), add_bos=False)
+cfg = training.TrainConfig(objective=gates.Objective(sink=8, recent=16), steps=6, save_every=2, batch_size=4,
+                           haystack=str(write_haystack(root / "hay")), min_len=1, max_len=300, num_lengths=2,
+                           num_passkeys=2, passkey_words=4)
+messages = []
+run = lambda out: training.train(params, config, tokenizer, cfg, root / out, mesh, model_name="tiny", dtype="fp32",
+                                 log=messages.append, progress_bar=False)
+if phase == "kill":  # SIGKILL this process when step 4 asks for its batch, once checkpoint 4 is on disk
+    make_batch = training.make_batch
+
+    def make_batch_or_die(stream, first_sample, *args):
+        if first_sample == 4 * cfg.batch_size:
+            while not (root / "killed" / "checkpoints" / "4").is_dir():
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return make_batch(stream, first_sample, *args)
+
+    training.make_batch = make_batch_or_die
+    run("killed")
+else:
+    resumed, straight = run("killed"), run("straight")
+    print(json.dumps({"messages": messages, "resumed": resumed.gates.tolist(), "straight": straight.gates.tolist(),
+                      "losses": [[h["loss"] for h in json.loads((root / out / "loss.json").read_text())]
+                                 for out in ("killed", "straight")]}))
+"""
+
+
+def test_killed_sharded_run_resumes_bit_identically(tmp_path):
+    """A run on data=2, fsdp=2, seq=2 whose weights are loaded straight into their shards, killed after its
+    step-4 checkpoint, then resumed, ends with the gates and losses of an uninterrupted run, bit for bit."""
+    import transformers
+
+    from tests.test_model import write_random_hf_model
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    write_random_hf_model(tmp_path / "model", transformers.LlamaConfig, fields)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    run = lambda phase: subprocess.run([sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path), phase], env=env, cwd=REPO,
+                                       capture_output=True, text=True, timeout=300)
+    killed = run("kill")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert len(json.loads((tmp_path / "killed" / "loss.json").read_text())) == 4
+    finished = run("resume")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert any(m.startswith(f"resuming {tmp_path / 'killed'} at step 4") for m in result["messages"])
+    assert any("sequence parallelism: ulysses" in m for m in result["messages"])
+    assert result["resumed"] == result["straight"] and np.min(result["straight"]) < 1
+    assert result["losses"][0] == result["losses"][1] and len(result["losses"][0]) == 6
