@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import duo_jax
-from duo_jax import gates as gates_lib, training
+from duo_jax import gates as gates_lib, sharding, training
 from duo_jax.errors import DuoJaxError
 from duo_jax.flax import WEIGHTS, CausalLM, Gate, restore_gates, save_gates, train_step
 from duo_jax.loading import Model
@@ -86,15 +86,16 @@ def test_one_optimizer_step_on_the_gates_equals_the_functional_trainer(tmp_path)
     tx, _ = training.make_optimizer(cfg)
 
     # The functional trainer, sharded over a 1 x 1 mesh; and the NNX way: an nnx.Optimizer over the gates only.
-    mesh = training.make_mesh(1, 1)
+    mesh = sharding.make_mesh()
     batch = training.shard_batch(training.Batch(tokens, positions, supervise), mesh)
-    step = training.make_train_step(config, OBJECTIVE, tx, mesh)
+    frozen, specs = training.frozen_weights(params, mesh)
+    step = training.make_train_step(config, OBJECTIVE, tx, mesh, specs)
     alpha = training.replicate(jnp.asarray(gates0), mesh)
     opt_state = tx.init(alpha)
     lm = CausalLM.from_model(model, gates=gates0)
     optimizer = nnx.Optimizer(lm, tx, wrt=Gate)
     for i in range(2):  # the second step checks that the optimiser's state (moments, count) was kept
-        alpha, opt_state, terms = step(alpha, opt_state, params, batch)
+        alpha, opt_state, terms = step(alpha, opt_state, frozen, batch)
         nnx_terms = train_step(lm, optimizer, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(supervise),
                                OBJECTIVE)
         np.testing.assert_allclose(lm.gates, alpha, atol=1e-6, rtol=0, err_msg=f"step {i}")
