@@ -24,6 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from duo_jax import sharding
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
@@ -57,16 +60,18 @@ def capacity_bucket(tokens: int, block: int = 128) -> int:
     return (3 * power // 4 if power >= 4 and 3 * power // 4 >= blocks else power) * block
 
 
-@functools.partial(jax.jit, static_argnames=("config", "method", "all_logits", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "method", "all_logits", "impl", "mesh"),
+                   donate_argnames=("cache",))
 def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid: jax.Array, state=None, *,
-           config: ModelConfig, method: Method, all_logits: bool = False, impl: str = "auto"):
+           config: ModelConfig, method: Method, all_logits: bool = False, impl: str = "auto", mesh: Mesh | None = None):
     """Feed tokens [B, T] at positions lengths[b] + t, of which the first n_valid[b] are real (rest padding).
 
     `params` come from `unstack_layers` (an `Engine`'s `.params`); `cache` from `method.init_cache`; `state`
     is the method's arrays (`method.state()`, e.g. InfiniGen's skew matrices; None for most methods).
     Returns (logits, cache, lengths): logits float32 [B, V] at each sequence's last real token ([B, T, V] for
     every token when all_logits), the updated cache, and lengths + n_valid. `impl` picks the attention
-    kernels (`duo_jax.attention`: Pallas on GPU, the blocked XLA path elsewhere).
+    kernels (`duo_jax.attention`: Pallas on GPU, the blocked XLA path elsewhere). `mesh`: a generation mesh
+    (`duo_jax.sharding`) that params and cache are laid out on (`Engine` places them), or None.
     """
     B, T = tokens.shape
     if config.sliding_window is not None and not method.supports_sliding_window:
@@ -75,7 +80,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     step = Step(positions=lengths[:, None] + jnp.arange(T, dtype=jnp.int32),
                 valid=jnp.arange(T)[None, :] < n_valid[:, None],
                 lengths=lengths, new_lengths=lengths + n_valid, inv_freq=rope_inv_freq(config), impl=impl,
-                sliding_window=config.sliding_window, state=state)
+                sliding_window=config.sliding_window, state=state, mesh=mesh)
     shared = method.begin_step(step)
 
     x = embed(params, tokens)  # [B, T, D]
@@ -97,14 +102,18 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
         last = jnp.maximum(n_valid - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     logits = unembed(params, config, x)
-    return (logits if all_logits else logits[:, 0]), tuple(new_cache), step.new_lengths
+    new_cache, new_lengths = tuple(new_cache), step.new_lengths
+    if mesh is not None:  # the layout the next step is compiled for
+        new_cache = jax.lax.with_sharding_constraint(new_cache, sharding.named(sharding.cache_specs(method, new_cache, mesh), mesh))
+        new_lengths = jax.lax.with_sharding_constraint(new_lengths, NamedSharding(mesh, P(sharding.DATA)))
+    return (logits if all_logits else logits[:, 0]), new_cache, new_lengths
 
 
-@functools.partial(jax.jit, static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl"),
+@functools.partial(jax.jit, static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl", "mesh"),
                    donate_argnames=("cache",))
 def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax.Array, limit: jax.Array,
            state=None, *, config: ModelConfig, method: Method, sampling: Sampling, max_tokens: int, eos_ids: tuple[int, ...] = (),
-           impl: str = "auto"):
+           impl: str = "auto", mesh: Mesh | None = None):
     """Decode on the device: one `lax.while_loop` of `extend` steps with sampling inside, no host round trip.
 
     `token` int32 [B] is each sequence's first new token (sampled from the prefill's logits); the loop runs
@@ -126,7 +135,7 @@ def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax
     def step_once(carry):
         step, cache, lengths, token, done, tokens = carry
         logits, cache, lengths = extend(params, cache, lengths, token[:, None], ones, state, config=config,
-                                        method=method, impl=impl)
+                                        method=method, impl=impl, mesh=mesh)
         token = sample(logits, jax.random.fold_in(key, step + 1), sampling)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step + 1, axis=1)
         return step + 1, cache, lengths, token, done | jnp.isin(token, eos), tokens
@@ -137,34 +146,52 @@ def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax
     return tokens, steps, cache, lengths
 
 
-def _abstract_params(config: ModelConfig, dtype: str) -> Params:
+def _abstract_params(config: ModelConfig, dtype: str, mesh: Mesh | None = None) -> Params:
+    """The engine's weights as `ShapeDtypeStruct`s (with their tensor-parallel shardings on `mesh`)."""
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
                            is_leaf=lambda s: isinstance(s, tuple))
-    return jax.eval_shape(unstack_layers, stacked)
+    params = jax.eval_shape(unstack_layers, stacked)
+    return params if mesh is None else _with_shardings(params, sharding.tensor_parallel_specs(params, mesh), mesh)
+
+
+def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, *shapes):
+    """What a step is compiled for besides the weights: the cache, then an int32 array per shape in `shapes`
+    (leading dimension: the batch, split over `data` on a mesh), then the method's state."""
+    cache = method.cache_spec(batch, dtype)
+    ints = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes]
+    if mesh is not None:
+        cache = _with_shardings(cache, sharding.cache_specs(method, cache, mesh), mesh)
+        ints = [_with_shardings(x, P(sharding.DATA), mesh) for x in ints]
+    return cache, *ints, _abstract(method.state())
+
+
+def _with_shardings(tree, specs, mesh: Mesh):
+    return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+                        tree, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 @functools.lru_cache(maxsize=64)
 def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
-                    impl: str = "auto", all_logits: bool = False):
+                    impl: str = "auto", all_logits: bool = False, mesh: Mesh | None = None):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows. `method`
     is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it."""
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
-    return extend.lower(_abstract_params(config, dtype), method.cache_spec(batch, dtype), ints, tokens, ints,
-                        _abstract(method.state()), config=config, method=method, all_logits=all_logits,
-                        impl=impl).compile()
+    cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch, chunk),
+                                                              (batch,))
+    return extend.lower(_abstract_params(config, dtype, mesh), cache, lengths, tokens, n_valid, state,
+                        config=config, method=method, all_logits=all_logits, impl=impl, mesh=mesh).compile()
 
 
 @functools.lru_cache(maxsize=32)
 def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,
-                    max_tokens: int, eos_ids: tuple[int, ...]):
+                    max_tokens: int, eos_ids: tuple[int, ...], mesh: Mesh | None = None):
     """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    return decode.lower(_abstract_params(config, dtype), method.cache_spec(batch, dtype), ints, ints, key,
-                        jax.ShapeDtypeStruct((), jnp.int32), _abstract(method.state()), config=config,
-                        method=method, sampling=sampling, max_tokens=max_tokens, eos_ids=eos_ids,
-                        impl=impl).compile()
+    cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
+    key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
+    if mesh is not None:
+        key, limit = (_with_shardings(x, P(), mesh) for x in (key, limit))
+    return decode.lower(_abstract_params(config, dtype, mesh), cache, lengths, token, key, limit, state,
+                        config=config, method=method, sampling=sampling, max_tokens=max_tokens, eos_ids=eos_ids,
+                        impl=impl, mesh=mesh).compile()
 
 
 def _abstract(tree):
@@ -186,13 +213,21 @@ class Engine:
     which is what `duo_jax.generate` runs.
 
     `params` holds the weights with layers unstacked: a second copy of the model's stacked weights, one per
-    set of weights (not per call or per method).
+    set of weights (not per call or per method). On a generation `mesh` (`duo_jax.sharding`: batch over
+    `data`, tensor parallelism over `model`) that copy is placed sharded, each device receiving only its
+    slices, and every step runs on the mesh; only methods with a `cache_partition` (full, duo) run there.
     """
 
-    def __init__(self, params: Params, config: ModelConfig):
+    def __init__(self, params: Params, config: ModelConfig, mesh: Mesh | None = None):
         """`params` stacked (as loaded; unstacked here) or with layers already a tuple (used as they are)."""
-        self.config = config
-        self.params = params if isinstance(params.layers, tuple) else unstack_layers(params)
+        self.config, self.mesh = config, mesh
+        unstack = (lambda p: p) if isinstance(params.layers, tuple) else unstack_layers
+        if mesh is None:
+            self.params = unstack(params)
+        else:
+            sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)
+            specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack, params), mesh)
+            self.params = jax.jit(unstack, out_shardings=sharding.named(specs, mesh))(params)
         self.dtype = jnp.dtype(params.dtype).name
         # Weak references: the engine must not keep the weights it was prepared from alive.
         self._source = [weakref.ref(x) for x in jax.tree.leaves(params)]
@@ -203,14 +238,29 @@ class Engine:
             ref() is x for ref, x in zip(self._source, leaves))
 
     @classmethod
-    def of(cls, model) -> "Engine":
-        """The engine of `model`'s weights: prepared on their first use, then reused."""
+    def of(cls, model, mesh: Mesh | None = None) -> "Engine":
+        """The engine of `model`'s weights (on `mesh`): prepared on their first use, then reused."""
         anchor = model.params.layers.wq  # stacked [L, D, H, E]: the engine holds per-layer copies, never this
-        engine = _ENGINES.get(id(anchor))
+        key = (id(anchor), mesh)
+        engine = _ENGINES.get(key)
         if engine is None or not engine.prepared_from(model.params, model.config):
-            engine = _ENGINES[id(anchor)] = cls(model.params, model.config)
-            weakref.finalize(anchor, _ENGINES.pop, id(anchor), None)
+            engine = _ENGINES[key] = cls(model.params, model.config, mesh)
+            weakref.finalize(anchor, _ENGINES.pop, key, None)
         return engine
+
+    def put_batch(self, x) -> jax.Array:
+        """Host values [B, ...] onto the device(s): split by batch over `data` on a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, NamedSharding(self.mesh, P(sharding.DATA)))
+
+    def init_cache(self, method: Method, batch: int):
+        """`method`'s empty cache for `batch` sequences, created in place on the mesh (never whole on one device)."""
+        if self.mesh is None:
+            return method.init_cache(batch, self.dtype)
+        sharding.check_batch(self.mesh, batch)
+        specs = sharding.cache_specs(method, method.cache_spec(batch, self.dtype), self.mesh)
+        return jax.jit(lambda: method.init_cache(batch, self.dtype), out_shardings=sharding.named(specs, self.mesh))()
 
     def prefill(self, method: Method, tokens: np.ndarray, prompt_lengths: np.ndarray, *, chunk: int,
                 impl: str = "auto", on_chunk: ChunkCallback | None = None, cache=None, lengths=None):
@@ -227,15 +277,15 @@ class Engine:
         longest = int(prompt_lengths.max())
         padded = np.zeros((B, -(-longest // chunk) * chunk), np.int32)
         padded[:, : min(tokens.shape[1], padded.shape[1])] = tokens[:, : padded.shape[1]]
-        step = compiled_extend(self.config, method, B, chunk, self.dtype, impl, on_chunk is not None)
         if cache is None:
-            cache, lengths = method.init_cache(B, self.dtype), jnp.zeros((B,), jnp.int32)
+            cache, lengths = self.init_cache(method, B), self.put_batch(np.zeros((B,), np.int32))
+        step = compiled_extend(self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh)
         state = method.state()
         last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
         for start in range(0, longest, chunk):
             n_valid = np.clip(prompt_lengths - start, 0, chunk).astype(np.int32)
-            logits, cache, lengths = step(self.params, cache, lengths, jnp.asarray(padded[:, start:start + chunk]),
-                                          jnp.asarray(n_valid), state)
+            logits, cache, lengths = step(self.params, cache, lengths, self.put_batch(padded[:, start:start + chunk]),
+                                          self.put_batch(n_valid), state)
             if on_chunk is not None:
                 on_chunk(logits, start, n_valid)
                 logits = jnp.take_along_axis(logits, jnp.asarray(np.maximum(n_valid - 1, 0))[:, None, None],
@@ -249,15 +299,18 @@ class Engine:
         (logits float32 [B, V] (or [B, 1, V] with all_logits), cache, lengths). For callers that need every
         step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`)."""
         B = tokens.shape[0]
-        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits)
-        return run(self.params, cache, lengths, jnp.asarray(tokens, jnp.int32)[:, None], jnp.ones((B,), jnp.int32),
-                   method.state())
+        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh)
+        return run(self.params, cache, lengths, self.put_batch(np.asarray(tokens, np.int32)[:, None]),
+                   self.put_batch(np.ones((B,), np.int32)), method.state())
 
     def decode_loop(self, method: Method, cache, lengths, token: jax.Array, key: jax.Array, *, max_new_tokens: int,
                     sampling: Sampling, eos_ids: tuple[int, ...] = (), impl: str = "auto"):
         """`decode` on this engine's weights, compiled per (batch, bucket(max_new_tokens), sampling, EOS ids):
         (tokens int32 [B, bucket], steps, cache, lengths); `token` is each sequence's first new token."""
         run = compiled_decode(self.config, method, token.shape[0], self.dtype, impl, sampling,
-                              bucket(max_new_tokens), tuple(eos_ids))
-        return run(self.params, cache, lengths, token, key, jnp.asarray(max_new_tokens - 1, jnp.int32),
-                   method.state())
+                              bucket(max_new_tokens), tuple(eos_ids), self.mesh)
+        limit = jnp.asarray(max_new_tokens - 1, jnp.int32)
+        if self.mesh is not None:
+            token = self.put_batch(token)
+            key, limit = jax.device_put((key, limit), NamedSharding(self.mesh, P()))
+        return run(self.params, cache, lengths, token, key, limit, method.state())

@@ -10,8 +10,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from duo_jax import attention
+from duo_jax import attention, sharding
 from duo_jax.cache import full_cache_bytes
 from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
@@ -110,7 +111,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
              sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, max_new_tokens: int = 128,
              chunk_size: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto",
-             chat: bool | None = None, **method_options) -> Generation:
+             chat: bool | None = None, mesh: Mesh | None = None, **method_options) -> Generation:
     """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
@@ -129,6 +130,10 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
     to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
     attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
+    mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
+    number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
+    split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention
+    then takes the XLA path (its partials are merged across devices), whatever `attention_impl`.
     """
     validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -154,7 +159,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
                           f"model's context of {config.max_position_embeddings} tokens; shorten the prompt, "
                           "lower max_new_tokens, or use method='streaming_llm' (re-indexed positions)")
     start = time.perf_counter()
-    engine = Engine.of(model)  # weights prepared on the model's first call only
+    engine = Engine.of(model, mesh)  # weights prepared (and placed on the mesh) on the model's first call only
     prepare_s = time.perf_counter() - start
 
     B, dtype = len(ids), model.params.dtype
@@ -167,8 +172,10 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     sampling = Sampling(float(temperature), float(top_p), int(top_k))
     eos_ids = tuple(config.eos_token_ids) if stop_at_eos else ()
 
+    if mesh is not None:
+        sharding.check_batch(mesh, B)
     start = time.perf_counter()
-    compiled_extend(config, kv_method, B, chunk, engine.dtype, attention_impl)  # compile outside the timings
+    compiled_extend(config, kv_method, B, chunk, engine.dtype, attention_impl, False, mesh)  # compile outside the timings
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -179,7 +186,8 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     prefill_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    compiled_decode(config, kv_method, B, engine.dtype, attention_impl, sampling, bucket(max_new_tokens), eos_ids)
+    compiled_decode(config, kv_method, B, engine.dtype, attention_impl, sampling, bucket(max_new_tokens), eos_ids,
+                    mesh)
     compile_s += time.perf_counter() - start
 
     start = time.perf_counter()
@@ -203,5 +211,8 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
         prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps, decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
         cache_bytes=cache_nbytes(cache), expected_cache_bytes=kv_method.expected_cache_bytes(B, bytes_per_elem),
         full_cache_bytes=full_cache_bytes(config, B, capacity, bytes_per_elem), chunk_size=chunk)
+    if mesh is not None:  # what one device holds, from the arrays' shardings
+        stats.update(mesh=sharding.format_mesh(mesh), device_weight_bytes=sharding.device_bytes(engine.params),
+                     device_cache_bytes=sharding.device_bytes(cache))
     stats.update(kv_method.stats())
     return Generation(out, text, stats)

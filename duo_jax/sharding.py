@@ -23,14 +23,41 @@ an explicit collective has the memory it says, and the compiled step's memory an
 (`benchmarks/train_memory.py`) confirms it. The embedding is looked up in the local D-slice of the table
 for every peer's tokens and the rows exchanged with one all-to-all (`embed_tokens`), never gathering the
 [V, D] table.
+
+Generation (`duo_jax.engine`, `generate(mesh=...)`) runs on a second mesh, ("data", "model")
+(`make_generation_mesh`):
+
+* ``data``: the batch (and every cache array's batch axis) is split over it; weights are replicated.
+* ``model``: tensor parallelism (Megatron's split) on the engine's prepared per-layer weights,
+  `tensor_parallel_specs`: query heads of wq / wo, KV heads of wk / wv (replicated when `model` does not
+  divide them), the MLP's intermediate dimension (w_gate / w_up by column, w_down by row) and the
+  vocabulary of the embedding and LM head (replicated when `model` does not divide it). Norms are
+  replicated. These are plain `NamedSharding`s on the `Engine`'s arrays, placed once; GSPMD partitions the
+  matmuls and inserts the all-reduces after wo and w_down, so a device holds 1/model of those weights and
+  never gathers them.
+* The KV cache under DuoAttention (and full attention, its every-head-retrieval case): the retrieval
+  partition [B, C, n_l, E] is split along its capacity C over ``model`` (device i holds positions
+  [i C / m, (i + 1) C / m)), the streaming partition [B, sink + recent, K - n_l, E] is replicated over
+  ``model``; both are split over ``data`` by batch. Why the capacity and not the heads: each layer keeps its
+  own number of retrieval heads n_l (from 0 to K, set by the pattern), which no fixed mesh size divides in
+  general; splitting heads would leave devices idle or force counts per layer to multiples of the mesh.
+  Every layer has the same capacity, so splitting it works for any pattern. Each device writes the chunk's
+  tokens that fall into its slots and attends its queries (all of the layer's retrieval heads) to its slice
+  of keys inside `shard_map`, giving a partial (out, log-sum-exp); `merge_partials` combines them across
+  ``model`` (an all-reduce of [B, T, heads, E] activations, never of the cache). The price: the streaming
+  partition (sink + recent tokens per head, small) is held and attended on every ``model`` device, and
+  short sequences fill device 0's slots first, so a decode step's retrieval work is balanced only once the
+  context fills the capacity (memory is balanced from the start: slots are reserved per device).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -38,6 +65,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.model import LayerParams, Params
 
 MESH_AXES = ("data", "fsdp", "seq")
+GENERATION_AXES = DATA, MODEL = ("data", "model")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 WEIGHT_AXES = ("fsdp", "seq")  # frozen weights are split over both
 
@@ -46,18 +74,20 @@ class MeshError(DuoJaxError, ValueError):
     """A mesh that cannot be built or used as asked; the message says why and what to choose."""
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-    """"data=2,fsdp=2,seq=2" -> {"data": 2, "fsdp": 2, "seq": 2}; axes left out have size 1."""
+def parse_mesh(spec: str, axes: tuple[str, ...] = MESH_AXES) -> dict[str, int]:
+    """"data=2,fsdp=2,seq=2" -> {"data": 2, "fsdp": 2, "seq": 2}; axes left out have size 1. `axes`: the
+    training mesh's (default) or the generation mesh's (`GENERATION_AXES`)."""
     sizes: dict[str, int] = {}
     for part in spec.split(","):
         name, _, value = part.partition("=")
         name = name.strip()
-        if name not in MESH_AXES or name in sizes or not value.strip().isdigit() or int(value) < 1:
-            raise MeshError(f"bad mesh {spec!r}: expected comma-separated 'axis=N' with axes {MESH_AXES} "
+        if name not in axes or name in sizes or not value.strip().isdigit() or int(value) < 1:
+            example = ",".join(f"{a}=2" for a in axes)
+            raise MeshError(f"bad mesh {spec!r}: expected comma-separated 'axis=N' with axes {axes} "
                             "(each at most once, sizes of 1 may be left out) and positive integers, "
-                            "e.g. 'data=2,fsdp=2,seq=2'")
+                            f"e.g. {example!r}")
         sizes[name] = int(value)
-    return {name: sizes.get(name, 1) for name in MESH_AXES}
+    return {name: sizes.get(name, 1) for name in axes}
 
 
 def make_mesh(*, data: int = 1, fsdp: int = 1, seq: int = 1, devices=None) -> Mesh:
@@ -70,7 +100,7 @@ def make_mesh(*, data: int = 1, fsdp: int = 1, seq: int = 1, devices=None) -> Me
 
 
 def format_mesh(mesh: Mesh) -> str:
-    return ",".join(f"{name}={mesh.shape[name]}" for name in MESH_AXES)
+    return ",".join(f"{name}={mesh.shape[name]}" for name in mesh.axis_names)
 
 
 def axis_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
@@ -136,6 +166,93 @@ def embed_tokens(embed: jax.Array, spec: P, tokens: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(rows, WEIGHT_AXES, split_axis=0, concat_axis=3, tiled=True)[0]  # [B, T, D]
 
 
+# --- generation: ("data", "model") -----------------------------------------------------------------------
+
+
+def make_generation_mesh(*, data: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh for generation over `devices` (default: every device)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if data * model != len(devices):
+        raise MeshError(f"mesh data={data},model={model} needs {data * model} devices but there are "
+                        f"{len(devices)}; choose sizes whose product is {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(data, model), GENERATION_AXES)
+
+
+def check_generation_mesh(mesh: Mesh, num_heads: int, intermediate_size: int) -> None:
+    """The tensor-parallel split needs `model` to divide the query heads and the MLP width."""
+    if tuple(mesh.axis_names) != GENERATION_AXES:
+        raise MeshError(f"generation needs a mesh with axes {GENERATION_AXES} (`make_generation_mesh`), "
+                        f"got {tuple(mesh.axis_names)}")
+    m = mesh.shape[MODEL]
+    if num_heads % m or intermediate_size % m:
+        raise MeshError(f"model={m} must divide the query heads ({num_heads}) and the MLP width "
+                        f"({intermediate_size}); choose a model axis that divides both")
+
+
+def check_batch(mesh: Mesh, batch: int) -> None:
+    """The batch is split over `data`: it must be a multiple of it."""
+    if batch % mesh.shape[DATA]:
+        raise MeshError(f"a batch of {batch} sequences does not split over data={mesh.shape[DATA]}; pass a "
+                        f"multiple of {mesh.shape[DATA]} prompts or a data axis that divides {batch}")
+
+
+# The axis of each per-layer weight (layers unstacked, as the engine holds them) that `model` splits.
+_TP_AXIS = dict(wq=1, wk=1, wv=1, wo=0, w_gate=1, w_up=1, w_down=0, bq=0, bk=0, bv=0)
+
+
+def _tp_spec(x, axis: int | None, m: int) -> P:
+    if axis is None or x.shape[axis] % m or m == 1:
+        return P()
+    return P(*(MODEL if a == axis else None for a in range(x.ndim)))
+
+
+def tensor_parallel_specs(params: Params, mesh: Mesh) -> Params:
+    """The `PartitionSpec` of every weight of `params` (layers unstacked: a tuple of `LayerParams`, arrays or
+    `ShapeDtypeStruct`s) on a generation mesh; see the module docstring."""
+    m = mesh.shape[MODEL]
+    layers = tuple(LayerParams(**{f.name: None if getattr(layer, f.name) is None else
+                                  _tp_spec(getattr(layer, f.name), _TP_AXIS.get(f.name), m)
+                                  for f in dataclasses.fields(layer)}) for layer in params.layers)
+    return Params(embed=_tp_spec(params.embed, 0, m), layers=layers, final_norm=P(),
+                  lm_head=None if params.lm_head is None else _tp_spec(params.lm_head, 0, m))
+
+
+def named(specs: Any, mesh: Mesh) -> Any:
+    """`PartitionSpec`s -> `NamedSharding`s on `mesh` (same tree)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
+    """The `PartitionSpec` of every array of `method`'s cache on a generation mesh (`method.cache_partition()`),
+    checked against the cache's shapes (arrays or `ShapeDtypeStruct`s); empty arrays (a layer without
+    retrieval or streaming heads) are replicated: there is nothing to split, and XLA returns them so."""
+    specs = method.cache_partition()
+    if specs is None:
+        raise MeshError(f"method {method.name!r} does not run on a device mesh yet; use 'full' or 'duo' "
+                        "(or generate without mesh=)")
+
+    def check(x, spec: P) -> P:
+        for dim, names in zip(x.shape, spec):
+            n = axis_size(mesh, names if isinstance(names, tuple) else (names,)) if names is not None else 1
+            if dim % n:
+                what = "batch" if names == DATA else "cache capacity"
+                raise MeshError(f"the {what} ({dim}) is not a multiple of the mesh's {names} axis ({n}); "
+                                f"choose a {what} that it divides (or a smaller {names} axis)")
+        return spec if math.prod(x.shape) else P()
+
+    return jax.tree.map(check, cache, specs)
+
+
+def merge_partials(out: jax.Array, lse: jax.Array, axis: str) -> jax.Array:
+    """Inside shard_map: attention over keys split across mesh axis `axis`, from each device's partial
+    (out [B, T, H, E], log-sum-exp [B, T, H]; `duo_jax.attention.attend_partial`): the softmax-weighted mean
+    of the partials, weights exp(lse - max lse) (a device whose keys a query cannot see weighs 0)."""
+    weight = jnp.exp(lse - jax.lax.pmax(lse, axis))
+    total = jax.lax.psum(weight, axis)
+    merged = jax.lax.psum(out.astype(jnp.float32) * weight[..., None], axis) / total[..., None]
+    return merged.astype(out.dtype)
+
+
 # --- bytes --------------------------------------------------------------------------------------------
 
 
@@ -152,3 +269,4 @@ def device_bytes(tree: Any) -> int:
 def total_bytes(tree: Any) -> int:
     """Bytes of `tree`'s leaves in full (every shard once)."""
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+

@@ -62,6 +62,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     return xla.attention(q, k, v, spec, scale=scale)
 
 
+def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *,
+                   scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """`attend` over one shard of the keys: (out [B, T, H, E], log-sum-exp float32 [B, T, H]), to be merged
+    with the other shards' (`duo_jax.sharding.merge_partials`). Always the blocked XLA path: the kernels do not
+    return their log-sum-exp."""
+    pallas_kernels.check_qkv(q, k, v)
+    return xla.attention_with_lse(q, k, v, spec, scale=scale)
+
+
 def _kernels_serve(spec: MaskSpec, num_keys: int) -> bool:
     if spec.k_positions is not None or spec.window is not None:
         return False

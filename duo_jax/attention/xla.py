@@ -210,3 +210,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, scale
     block_q = min(block_q, T)
     out = _attention(q.reshape(B, T, K, H // K, E), k, v, spec, scale, block_q, block_k)
     return out.reshape(B, T, H, E)
+
+
+def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, scale: float | None = None,
+                       block_q: int = 512, block_k: int = 512) -> tuple[jax.Array, jax.Array]:
+    """`attention` and its log-sum-exp float32 [B, T, H] (a huge negative number where a query sees no key):
+    the partial result over one shard of the keys, for merging across shards. Forward only."""
+    B, T, H, E = q.shape
+    S, K = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    block_q = min(block_q, T)
+    out, residuals = _attention_fwd(q.reshape(B, T, K, H // K, E), k, v, spec, scale, block_q, min(block_k, S))
+    lse = jnp.transpose(residuals[-1], (1, 0, 4, 2, 3))  # [nq, B, K, G, block_q] -> [B, nq, block_q, K, G]
+    return out.reshape(B, T, H, E), lse.reshape(B, -1, H)[:, :T]

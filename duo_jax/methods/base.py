@@ -36,6 +36,7 @@ class Step:
     impl: str  # attention implementation for the dispatch (`duo_jax.attention.IMPLS`)
     sliding_window: int | None = None  # the model's local-attention window (static)
     state: Any = None  # the method's arrays (`Method.state()`), traced: read them here, never from the method
+    mesh: Any = None  # the generation mesh (`duo_jax.sharding.make_generation_mesh`) the step runs on, or None
 
     @property
     def is_decode(self) -> bool:
@@ -79,6 +80,12 @@ class Method(abc.ABC):
         """`init_cache`'s arrays as `jax.ShapeDtypeStruct`s, without allocating them: what a step is compiled
         for. A method that places arrays in another memory kind (host offload) adds their shardings."""
         return jax.eval_shape(lambda: self.init_cache(batch, dtype))
+
+    def cache_partition(self) -> tuple | None:
+        """How the cache is laid out on a generation mesh: its pytree with a `PartitionSpec` per array (axes
+        `duo_jax.sharding.DATA` / `MODEL`), attended accordingly when `Step.mesh` is set. Default None: the
+        method does not run on a mesh (the engine refuses it with an error)."""
+        return None
 
     def begin_step(self, step: Step) -> Any:
         """Values all layers of one step share (masks, write slots). Default: nothing."""

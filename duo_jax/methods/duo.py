@@ -20,8 +20,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from duo_jax import attention
+from duo_jax import attention, sharding
 from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, init_cache, make_layout,
                            round_capacity, streaming_slot_positions, streaming_write_slots)
 from duo_jax.config import ModelConfig
@@ -59,6 +60,30 @@ def retrieval_attention(q, k, v, step: Step) -> jax.Array:
     """Query t (position lengths + t) sees every cached key up to its own position (within the model's
     sliding window). q [B, T, H_r, E], k / v the full cache [B, C, K_r, E] with this chunk already written."""
     return attention.attend(q, k, v, step.prefix_spec(), impl=step.impl)
+
+
+def sharded_retrieval_attention(q, k, v, cache_k, cache_v, step: Step):
+    """Retrieval heads on a generation mesh (`duo_jax.sharding`'s docstring says why this split): the cache
+    [B, C, n, E] split along C over `model` (device i holds positions [i C / m, (i + 1) C / m)) and by batch over
+    `data`. Each device writes the chunk's tokens k / v [B, T, n, E] that fall into its slots, attends the
+    queries q [B, T, n G, E] to its keys, and the partials are merged across `model`. Returns (output, cache_k,
+    cache_v) as `write_slots` + `retrieval_attention` would."""
+
+    def local(q, k, v, cache_k, cache_v, positions, valid, new_lengths):
+        size = cache_k.shape[1]
+        offset = jax.lax.axis_index(sharding.MODEL) * size
+        local_positions = positions - offset  # slot of each token in this device's slice
+        slots = jnp.where(valid & (local_positions >= 0) & (local_positions < size), local_positions, size)
+        cache_k, cache_v = write_slots(cache_k, slots, k), write_slots(cache_v, slots, v)
+        spec = attention.MaskSpec(local_positions, jnp.clip(new_lengths - offset, 0, size),
+                                  window=step.sliding_window)
+        out, lse = attention.attend_partial(q, cache_k, cache_v, spec)
+        return sharding.merge_partials(out, lse, sharding.MODEL), cache_k, cache_v
+
+    batch, cache = P(sharding.DATA), P(sharding.DATA, sharding.MODEL)
+    return jax.shard_map(local, mesh=step.mesh, in_specs=(batch, batch, batch, cache, cache, batch, batch, batch),
+                         out_specs=(batch, cache, cache), check_vma=False)(
+        q, k, v, cache_k, cache_v, step.positions, step.valid, step.new_lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +147,11 @@ class DuoAttention(Method):
         return dict(retrieval_heads=sum(layout.num_retrieval), kv_heads=layout.num_layers * layout.num_kv_heads,
                     capacity=layout.capacity, sink=layout.sink, recent=layout.recent)
 
+    def cache_partition(self) -> tuple[DuoLayerCache, ...]:
+        """Batch over `data`; retrieval slots over `model`, streaming partition replicated over it."""
+        retrieval, streaming = P(sharding.DATA, sharding.MODEL), P(sharding.DATA)
+        return tuple(DuoLayerCache(retrieval, retrieval, streaming, streaming) for _ in self.layout.num_retrieval)
+
     def begin_step(self, step: Step) -> DuoShared:
         return DuoShared(jnp.where(step.valid, step.positions, self.layout.capacity),
                          StreamingWindow.build(step, self.layout.sink, self.layout.recent))
@@ -129,9 +159,12 @@ class DuoAttention(Method):
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
         (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
-        rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
-        rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
-        out_r = retrieval_attention(qr, rk, rv, step) if kr.shape[2] else qr
+        if step.mesh is not None and kr.shape[2]:
+            out_r, rk, rv = sharded_retrieval_attention(qr, kr, vr, cache.retrieval_k, cache.retrieval_v, step)
+        else:
+            rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
+            rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
+            out_r = retrieval_attention(qr, rk, rv, step) if kr.shape[2] else qr
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
         return merge_heads(self.layout, layer, out_r, out_s), DuoLayerCache(rk, rv, sk, sv)
 
