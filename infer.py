@@ -3,6 +3,7 @@
     python infer.py --model smollm2-135m --prompt "The capital of France is"     # chat: an instruct model
     python infer.py --model smollm2-135m --no-chat --prompt "The capital of France is"   # raw continuation
     python infer.py --model llama3-8b --pattern default --sparsity 0.5 --prompt-file book.txt
+    python infer.py --model llama3-8b --pattern default --mesh model=8 --prompt-file book.txt   # 8 devices
 
 `generate` here is `duo_jax.generate`: `infer.generate(model, prompts, ...)` from your own code.
 """
@@ -47,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mesh", default=None,
+                        help="generate on a device mesh 'data=A,model=B' (A x B = the devices; one prompt: data=1): "
+                             "weights tensor-parallel over model, the retrieval cache split along its capacity; "
+                             "methods full and duo")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="weights and cache dtype; auto: float32 on CPU (no fast bf16 matmuls), else bfloat16")
     return parser
@@ -59,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import duo_jax
+    from duo_jax import sharding
     from duo_jax.chat import is_chat_model
 
     if args.dtype == "auto":
@@ -68,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         validate_options(sparsity=args.sparsity, sink=args.sink, recent=args.recent,
                          max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, attention_impl="auto")
+        mesh = None if args.mesh is None else sharding.make_generation_mesh(
+            **sharding.parse_mesh(args.mesh, sharding.GENERATION_AXES))
         text = args.prompt if args.prompt is not None else open(args.prompt_file).read()
         model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype))
         chat = is_chat_model(model) if args.chat is None else args.chat
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         out = generate(model, text, method=args.method, pattern=args.pattern, sparsity=args.sparsity, sink=args.sink,
                        recent=args.recent, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=chat,
-                       **options)
+                       mesh=mesh, **options)
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -87,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{s['decode_steps']} steps in {s['decode_s']:.2f} s ({s['decode_tokens_per_s']:.1f} tok/s) | "
           f"compile {s['compile_s']:.1f} s\n{heads}KV cache {s['cache_bytes'] / 2**20:.2f} MiB "
           f"(full attention: {s['full_cache_bytes'] / 2**20:.2f} MiB)", file=sys.stderr)
+    if "mesh" in s:
+        print(f"mesh {s['mesh']} | per device: weights {s['device_weight_bytes'] / 2**20:.2f} MiB, "
+              f"KV cache {s['device_cache_bytes'] / 2**20:.2f} MiB", file=sys.stderr)
     return 0
 
 

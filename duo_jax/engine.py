@@ -93,6 +93,10 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
                 # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own query).
                 extra["lookahead_q"] = q if inputs[-1] is None else project_qkv(inputs[-1], layer, config.rms_norm_eps)[0]
             inputs.append(h)
+            if mesh is not None:  # heads stay where the tensor-parallel projections put them (see sharding)
+                q, k, v = (sharding.split_heads_over_model(x, mesh) for x in (q, k, v))
+                out, layer_cache = method.attend(l, q, k, v, cache[l], step, shared, **extra)
+                return sharding.split_heads_over_model(out, mesh), layer_cache
             return method.attend(l, q, k, v, cache[l], step, shared, **extra)
 
         x, layer_cache = decoder_layer(x, layer, config, attend)
@@ -151,7 +155,7 @@ def _abstract_params(config: ModelConfig, dtype: str, mesh: Mesh | None = None) 
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
                            is_leaf=lambda s: isinstance(s, tuple))
     params = jax.eval_shape(unstack_layers, stacked)
-    return params if mesh is None else _with_shardings(params, sharding.tensor_parallel_specs(params, mesh), mesh)
+    return params if mesh is None else sharding.abstract(params, sharding.tensor_parallel_specs(params, mesh), mesh)
 
 
 def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, *shapes):
@@ -160,14 +164,9 @@ def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, 
     cache = method.cache_spec(batch, dtype)
     ints = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes]
     if mesh is not None:
-        cache = _with_shardings(cache, sharding.cache_specs(method, cache, mesh), mesh)
-        ints = [_with_shardings(x, P(sharding.DATA), mesh) for x in ints]
+        cache = sharding.abstract(cache, sharding.cache_specs(method, cache, mesh), mesh)
+        ints = [sharding.abstract(x, P(sharding.DATA), mesh) for x in ints]
     return cache, *ints, _abstract(method.state())
-
-
-def _with_shardings(tree, specs, mesh: Mesh):
-    return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-                        tree, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 @functools.lru_cache(maxsize=64)
@@ -188,7 +187,7 @@ def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str,
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
     key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
-        key, limit = (_with_shardings(x, P(), mesh) for x in (key, limit))
+        key, limit = (sharding.abstract(x, P(), mesh) for x in (key, limit))
     return decode.lower(_abstract_params(config, dtype, mesh), cache, lengths, token, key, limit, state,
                         config=config, method=method, sampling=sampling, max_tokens=max_tokens, eos_ids=eos_ids,
                         impl=impl, mesh=mesh).compile()

@@ -4,6 +4,7 @@ prefill, then one compiled device loop decodes every new token."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -13,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from duo_jax import attention, sharding
-from duo_jax.cache import full_cache_bytes
+from duo_jax.cache import CAPACITY_BLOCK, full_cache_bytes
 from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
 from duo_jax.engine import Engine, bucket, capacity_bucket, compiled_decode, compiled_extend
@@ -148,6 +149,9 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     # Default capacity: a bucket (`capacity_bucket`) so that varied requests share compiled shapes, never
     # beyond the model's context.
     capacity = context or max(needed, min(capacity_bucket(needed), config.max_position_embeddings))
+    if mesh is not None:  # every `model` device holds a whole number of the retrieval slots
+        step = math.lcm(CAPACITY_BLOCK, mesh.shape[sharding.MODEL])
+        capacity = -(-capacity // step) * step
     kv_method = build_method(config, method, context=capacity, pattern=pattern, sparsity=sparsity, sink=sink,
                              recent=recent, model=model, **method_options)
     if kv_method.max_tokens is not None and needed > kv_method.max_tokens:

@@ -37,7 +37,7 @@ Generation (`duo_jax.engine`, `generate(mesh=...)`) runs on a second mesh, ("dat
   never gathers them.
 * The KV cache under DuoAttention (and full attention, its every-head-retrieval case): the retrieval
   partition [B, C, n_l, E] is split along its capacity C over ``model`` (device i holds positions
-  [i C / m, (i + 1) C / m)), the streaming partition [B, sink + recent, K - n_l, E] is replicated over
+  [i C / m, (i + 1) C / m); `generate` rounds C up to a multiple of m), the streaming partition [B, sink + recent, K - n_l, E] is replicated over
   ``model``; both are split over ``data`` by batch. Why the capacity and not the heads: each layer keeps its
   own number of retrieval heads n_l (from 0 to K, set by the pattern), which no fixed mesh size divides in
   general; splitting heads would leave devices idle or force counts per layer to multiples of the mesh.
@@ -222,6 +222,13 @@ def named(specs: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def abstract(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """`ShapeDtypeStruct`s of `tree`'s arrays placed as `specs` say on `mesh` (to compile for, or to count
+    bytes per device without allocating)."""
+    return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+                        tree, specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
     """The `PartitionSpec` of every array of `method`'s cache on a generation mesh (`method.cache_partition()`),
     checked against the cache's shapes (arrays or `ShapeDtypeStruct`s); empty arrays (a layer without
@@ -241,6 +248,21 @@ def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
         return spec if math.prod(x.shape) else P()
 
     return jax.tree.map(check, cache, specs)
+
+
+def split_heads_over_model(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """Attention activations [B, T, heads, E] constrained to their tensor-parallel layout: batch over `data`,
+    heads over `model` (when it divides them). Pinned on the projections' outputs and on the attention's
+    output, so that GSPMD moves these activations (an all-gather of q / k / v for the retrieval heads, the
+    all-reduce after wo) rather than all-gathering wq / wk / wv / wo, which its cost model otherwise may."""
+    heads = MODEL if x.shape[2] % mesh.shape[MODEL] == 0 else None
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA, None, heads, None)))
+
+
+def whole_over_model(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """x [B, ...] split by batch over `data` and whole on every `model` device (DuoAttention's activations
+    before `split_heads` picks each layer's heads: one all-gather over `model`, then local slicing)."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA)))
 
 
 def merge_partials(out: jax.Array, lse: jax.Array, axis: str) -> jax.Array:

@@ -129,10 +129,11 @@ def write_slots(cache: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array
 
     16-bit floats are scattered as their bits: XLA:CPU computes a bf16 scatter in f32, converting the whole
     cache there and back on every write (measured: temp memory growing with the capacity)."""
-    batch = jnp.arange(cache.shape[0])[:, None]
     new = new.astype(cache.dtype)
+    # Per sequence, under vmap: the scatter's batch dimension is one XLA knows, so a batch split over devices
+    # stays local (explicit batch indices made GSPMD gather the updates across the `data` axis).
+    write = jax.vmap(lambda c, s, n: c.at[s].set(n, mode="drop"))
     if cache.dtype.itemsize != 2 or not jnp.issubdtype(cache.dtype, jnp.floating):
-        return cache.at[batch, slots].set(new, mode="drop")
+        return write(cache, slots, new)
     bits = jax.lax.bitcast_convert_type
-    written = bits(cache, jnp.uint16).at[batch, slots].set(bits(new, jnp.uint16), mode="drop")
-    return bits(written, cache.dtype)
+    return bits(write(bits(cache, jnp.uint16), slots, bits(new, jnp.uint16)), cache.dtype)

@@ -158,6 +158,8 @@ class DuoAttention(Method):
 
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        if step.mesh is not None:  # the heads' split is per layer: gather them first, then pick locally
+            q, k, v = (sharding.whole_over_model(x, step.mesh) for x in (q, k, v))
         (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
         if step.mesh is not None and kr.shape[2]:
             out_r, rk, rv = sharded_retrieval_attention(qr, kr, vr, cache.retrieval_k, cache.retrieval_v, step)

@@ -1,0 +1,119 @@
+"""Per-device memory of sharded generation (`generate(mesh=...)`) for a model's shapes (default Llama-3-8B).
+
+For each ("data", "model") mesh: the bytes one device holds of the engine's tensor-parallel weights and of the
+KV cache of full attention and of DuoAttention (the model's shipped pattern at `--sparsity`), read from the
+arrays' shardings (`duo_jax.sharding.device_bytes` over `ShapeDtypeStruct`s: nothing is allocated), on N host
+CPU devices (one subprocess per device count). With `--compile`, also the compiled decode step's memory
+analysis (arguments and temporaries per device), as a check that the shardings are what the step takes.
+
+    python benchmarks/generation_memory.py                                      # Llama-3-8B, 32k context
+    python benchmarks/generation_memory.py --model smollm2-135m --meshes model=3 data=2,model=3 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import common
+
+DEFAULT_MESHES = ("model=1", "model=2", "model=4", "model=8", "data=2,model=4")
+
+
+def _worker(model: str, context: int, sparsity: float, meshes: list[str], compile_step: bool) -> None:
+    """In a process with the right number of host devices: one JSON line per mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    import duo_jax
+    from duo_jax import config as config_lib, sharding
+    from duo_jax.engine import compiled_decode, unstack_layers
+    from duo_jax.methods import make_method
+    from duo_jax.pattern import Pattern
+    from duo_jax.sampling import Sampling
+
+    config = config_lib.get_config(model)
+    stacked = jax.eval_shape(lambda: duo_jax.init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
+    params = jax.eval_shape(unstack_layers, stacked)
+    methods = {"full": make_method("full", config, context=context),
+               "duo": make_method("duo", config, context=context, pattern=Pattern.for_model(config.name),
+                                  sparsity=sparsity, sink=64, recent=256)}
+    for spec in meshes:
+        sizes = sharding.parse_mesh(spec, sharding.GENERATION_AXES)
+        mesh = sharding.make_generation_mesh(**sizes)
+        sharded = sharding.abstract(params, sharding.tensor_parallel_specs(params, mesh), mesh)
+        row = dict(mesh=sharding.format_mesh(mesh), devices=mesh.size, batch=sizes["data"],
+                   weights=sharding.device_bytes(sharded), full_weights=sharding.total_bytes(params))
+        for name, method in methods.items():
+            cache = method.cache_spec(sizes["data"], "bfloat16")
+            placed = sharding.abstract(cache, sharding.cache_specs(method, cache, mesh), mesh)
+            row[f"{name}_cache"], row[f"{name}_full_cache"] = sharding.device_bytes(placed), sharding.total_bytes(cache)
+            if compile_step:
+                step = compiled_decode(config, method, sizes["data"], "bfloat16", "xla", Sampling(0.0, 1.0, 0), 16,
+                                       (), mesh)
+                stats = step.memory_analysis()
+                row[f"{name}_step_arguments"], row[f"{name}_step_temp"] = (stats.argument_size_in_bytes,
+                                                                           stats.temp_size_in_bytes)
+        print(json.dumps(row), flush=True)
+
+
+def main(argv=None) -> int:
+    p = common.parser(__doc__, "generation_memory")
+    p.set_defaults(out=common.REPO / "benchmarks" / "results")
+    p.add_argument("--model", default="llama3-8b", help="a config name with a shipped pattern (only shapes are used)")
+    p.add_argument("--context", type=int, default=32768, help="cache capacity in tokens")
+    p.add_argument("--sparsity", type=float, default=0.5, help="DuoAttention's fraction of streaming heads")
+    p.add_argument("--meshes", nargs="+", default=DEFAULT_MESHES,
+                   help="meshes 'data=A,model=B'; one sequence per data slot")
+    p.add_argument("--compile", action="store_true", help="also compile each decode step (slow for 8B shapes)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.model, args.context, args.sparsity, args.meshes, args.compile)
+        return 0
+
+    from duo_jax import sharding
+
+    by_devices: dict[int, list[str]] = {}
+    for spec in args.meshes:
+        sizes = sharding.parse_mesh(spec, sharding.GENERATION_AXES)
+        by_devices.setdefault(sizes["data"] * sizes["model"], []).append(spec)
+    results = []
+    for n, meshes in sorted(by_devices.items()):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+        run = subprocess.run([sys.executable, __file__, "--worker", "--model", args.model, "--context",
+                              str(args.context), "--sparsity", str(args.sparsity), "--meshes", *meshes,
+                              *(["--compile"] if args.compile else [])], env=env, capture_output=True, text=True)
+        if run.returncode:
+            print(run.stderr[-3000:], file=sys.stderr)
+            return run.returncode
+        results += [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+    gib = lambda b: round(b / 2**30, 3)
+    headers = ["devices", "mesh", "batch", "weights GiB", "full cache GiB", "duo cache GiB", "weights + duo GiB"]
+    if args.compile:
+        headers += ["duo decode step: arguments GiB", "temp GiB"]
+    rows = []
+    for r in results:
+        rows.append([r["devices"], r["mesh"], r["batch"], gib(r["weights"]), gib(r["full_cache"]), gib(r["duo_cache"]),
+                     gib(r["weights"] + r["duo_cache"])])
+        if args.compile:
+            rows[-1] += [gib(r["duo_step_arguments"]), gib(r["duo_step_temp"])]
+    first = results[0]
+    notes = [f"{args.model} shapes in bf16, per device, from the arrays' shardings; one {args.context}-token sequence "
+             f"per data slot. In full: weights {gib(first['full_weights'])} GiB (engine copy, LM head included), "
+             f"full cache {gib(first['full_full_cache'] / first['batch'])} GiB and duo cache "
+             f"{gib(first['duo_full_cache'] / first['batch'])} GiB per sequence (shipped pattern, sparsity "
+             f"{args.sparsity}, sink 64 + recent 256). Retrieval slots split over model, streaming partition "
+             "replicated over it, batch over data (duo_jax/sharding.py)."]
+    common.write_result(args.out, f"generation_memory_{args.model}", title=f"Sharded generation memory per device: "
+                        f"{args.model}, {args.context}-token cache", headers=headers, rows=rows,
+                        data=dict(results=results), notes=notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run(main))

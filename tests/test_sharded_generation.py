@@ -1,0 +1,170 @@
+"""Generation on a ("data", "model") mesh of 8 host CPU devices: the single-device greedy tokens and logits for
+full attention and DuoAttention with retrieval heads uneven across layers, weights 1/model per device, and no
+compiled step that all-gathers a whole weight or cache array."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from duo_jax import sharding
+
+REPO = Path(__file__).resolve().parent.parent
+
+_SCRIPT = r"""
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+import duo_jax
+from duo_jax import sharding
+from duo_jax.engine import Engine, compiled_decode, compiled_extend
+from duo_jax.generation import build_method
+from duo_jax.pattern import Pattern
+from duo_jax.sampling import Sampling
+from tests.conftest import tiny_config
+
+assert jax.device_count() == 8
+config = tiny_config(num_layers=3, num_heads=8, num_kv_heads=4, head_dim=8)
+model = duo_jax.Model(config, duo_jax.init_params(config, jax.random.key(0), scale=0.1), None, "random")
+gates = np.full((3, 4), 0.1)
+gates[0, [0, 2, 3]] = 0.9  # layer retrieval counts 3, 0, 1 of 4 KV heads, not the first heads
+gates[2, 1] = 0.9
+pattern, sparsity = Pattern(gates), 2 / 3
+rng = np.random.default_rng(0)
+lengths = (37, 50, 21, 45)  # ragged; chunks of 16; 50 + 12 tokens span two of model=4's 32-slot slices
+prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
+padded = np.zeros((4, 50), np.int32)
+for b, p in enumerate(prompts):
+    padded[b, :len(p)] = p
+options = dict(max_new_tokens=12, chunk_size=16, sink=4, recent=8, stop_at_eos=False)
+meshes = {"data=2,model=2": dict(data=2, model=2), "data=1,model=4": dict(data=1, model=4)}
+result = {"mask": pattern.retrieval_mask(sparsity).sum(axis=1).tolist()}
+
+
+def prefill_logits(method, mesh):
+    kv = build_method(config, method, context=128, pattern=pattern if method == "duo" else None, sparsity=sparsity,
+                      sink=4, recent=8)
+    logits, _, _ = Engine.of(model, mesh).prefill(kv, padded, np.asarray(lengths), chunk=16)
+    return np.asarray(logits), kv
+
+
+for method in ("full", "duo"):
+    extra = dict(pattern=pattern, sparsity=sparsity) if method == "duo" else {}
+    single = duo_jax.generate(model, prompts, method=method, **options, **extra)
+    logits, kv = prefill_logits(method, None)
+    runs = result[method] = {"single": single.tokens}
+    for name, sizes in meshes.items():
+        mesh = sharding.make_generation_mesh(**sizes, devices=jax.devices()[:4])
+        out = duo_jax.generate(model, prompts, method=method, mesh=mesh, **options, **extra)
+        sharded_logits, _ = prefill_logits(method, mesh)
+        runs[name] = dict(tokens=out.tokens, logits_err=float(np.abs(sharded_logits - logits).max() / np.abs(logits).max()),
+                          device_cache=out.stats["device_cache_bytes"], cache=out.stats["cache_bytes"])
+
+    # Collectives of the compiled steps (data=2, model=2): no all-gather may produce a whole weight or cache array.
+    mesh = sharding.make_generation_mesh(**meshes["data=2,model=2"], devices=jax.devices()[:4])
+    engine = Engine.of(model, mesh)
+    steps = [compiled_extend(config, kv, 4, 16, "float32", "auto", False, mesh),
+             compiled_decode(config, kv, 4, "float32", "auto", Sampling(0.0, 1.0, 0), 16, (), mesh)]
+    gathered = set()
+    for step in steps:
+        gathered |= set(re.findall(r"= [a-z0-9]+\[([0-9,]*)\]\S* all-gather(?:-start)?\(", step.as_text()))
+    whole = {",".join(map(str, x.shape)) for x in jax.tree.leaves((engine.params, kv.cache_spec(4, "float32")))}
+    runs["gathered"], runs["whole_gathered"] = sorted(gathered), sorted(gathered & whole)
+
+# Weight bytes on model=4, from the arrays' own shards.
+mesh = sharding.make_generation_mesh(data=2, model=4)
+params = Engine.of(model, mesh).params
+leaves = jax.tree_util.tree_leaves_with_path(params)
+result["weights"] = [dict(name=jax.tree_util.keystr(path), nbytes=x.nbytes, sharded="model" in str(x.sharding.spec),
+                          shards=sorted({s.data.nbytes for s in x.addressable_shards}), devices=len(x.addressable_shards))
+                     for path, x in leaves]
+per_device = {}
+for _, x in leaves:
+    for s in x.addressable_shards:
+        per_device[str(s.device)] = per_device.get(str(s.device), 0) + s.data.nbytes
+result["per_device"], result["helper"] = sorted(per_device.values()), sharding.device_bytes(params)
+
+errors = {}
+def error(name, f):
+    try:
+        f()
+    except duo_jax.DuoJaxError as e:
+        errors[name] = str(e)
+error("batch", lambda: duo_jax.generate(model, prompts[:3], mesh=mesh, **options))
+error("method", lambda: duo_jax.generate(model, prompts, method="h2o", kv_budget=32, mesh=mesh, chunk_size=16))
+error("heads", lambda: Engine(model.params, config, sharding.make_generation_mesh(model=3, devices=jax.devices()[:3])))
+result["errors"] = errors
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("method", ["full", "duo"])
+def test_sharded_generate_gives_the_single_device_greedy_tokens(sharded, method):
+    """(data=2, model=2) and (model=4): the tokens of one device, and its prefill logits to fp32 rounding."""
+    assert sharded["mask"] == [3, 0, 1]  # uneven: no mesh size splits these heads evenly
+    runs = sharded[method]
+    single = runs.pop("single")
+    assert len({tuple(t) for t in single}) == 4 and all(len(t) == 12 for t in single)
+    gathered, whole = runs.pop("gathered"), runs.pop("whole_gathered")
+    assert gathered and not whole, f"a step all-gathers a whole weight or cache array: {whole}"
+    for mesh, run in runs.items():
+        assert run["tokens"] == single, mesh
+        assert run["logits_err"] < 1e-4, (mesh, run["logits_err"])
+    # The retrieval slots split over model, the streaming partition replicated over it, the batch over data.
+    assert runs["data=2,model=2"]["device_cache"] < runs["data=2,model=2"]["cache"] / 2
+    if method == "full":  # every head a retrieval head: the whole cache splits data x model ways
+        assert runs["data=2,model=2"]["device_cache"] == runs["data=2,model=2"]["cache"] // 4
+        assert runs["data=1,model=4"]["device_cache"] == runs["data=1,model=4"]["cache"] // 4
+
+
+def test_weights_are_split_over_the_model_axis(sharded):
+    """Per device: 1/model of every tensor-parallel weight (from the arrays' shards), norms whole."""
+    weights = sharded["weights"]
+    split = {w["name"] for w in weights if w["sharded"]}
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert sum(f".{name}" in n for n in split) == 3, name  # in each of the 3 layers
+    assert ".embed" in split and not any("norm" in n for n in split)
+    for w in weights:
+        assert w["devices"] == 8
+        assert w["shards"] == [w["nbytes"] // 4 if w["sharded"] else w["nbytes"]], w
+    replicated = sum(w["nbytes"] for w in weights if not w["sharded"])
+    total = sum(w["nbytes"] for w in weights)
+    assert sharded["per_device"] == [(total - replicated) // 4 + replicated] * 8
+    assert sharded["helper"] == sharded["per_device"][0]
+
+
+def test_mesh_errors_name_the_problem(sharded):
+    errors = sharded["errors"]
+    assert "batch of 3 sequences does not split over data=2" in errors["batch"]
+    assert "'h2o' does not run on a device mesh" in errors["method"]
+    assert "model=3 must divide the query heads (8)" in errors["heads"]
+
+
+def test_parse_generation_mesh():
+    assert sharding.parse_mesh("data=2,model=4", sharding.GENERATION_AXES) == {"data": 2, "model": 4}
+    assert sharding.parse_mesh("model=8", sharding.GENERATION_AXES) == {"data": 1, "model": 8}
+    for bad in ("fsdp=2", "model=0", "model=2,model=2"):
+        with pytest.raises(sharding.MeshError, match="data=2,model=2"):
+            sharding.parse_mesh(bad, sharding.GENERATION_AXES)
+    with pytest.raises(sharding.MeshError, match="needs 8 devices"):
+        sharding.make_generation_mesh(data=2, model=4, devices=[object()])
+
+
+def test_infer_mesh_error_is_one_line():
+    run = subprocess.run([sys.executable, str(REPO / "infer.py"), "--mesh", "data=2,model=4", "--prompt", "hi"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+    assert run.returncode == 2 and run.stderr.startswith("error: mesh data=2,model=4 needs 8 devices"), run.stderr
