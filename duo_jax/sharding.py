@@ -34,20 +34,23 @@ Generation (`duo_jax.engine`, `generate(mesh=...)`) runs on a second mesh, ("dat
   vocabulary of the embedding and LM head (replicated when `model` does not divide it). Norms are
   replicated. These are plain `NamedSharding`s on the `Engine`'s arrays, placed once; GSPMD partitions the
   matmuls and inserts the all-reduces after wo and w_down, so a device holds 1/model of those weights and
-  never gathers them.
-* The KV cache under DuoAttention (and full attention, its every-head-retrieval case): the retrieval
-  partition [B, C, n_l, E] is split along its capacity C over ``model`` (device i holds positions
-  [i C / m, (i + 1) C / m); `generate` rounds C up to a multiple of m), the streaming partition [B, sink + recent, K - n_l, E] is replicated over
-  ``model``; both are split over ``data`` by batch. Why the capacity and not the heads: each layer keeps its
-  own number of retrieval heads n_l (from 0 to K, set by the pattern), which no fixed mesh size divides in
-  general; splitting heads would leave devices idle or force counts per layer to multiples of the mesh.
-  Every layer has the same capacity, so splitting it works for any pattern. Each device writes the chunk's
-  tokens that fall into its slots and attends its queries (all of the layer's retrieval heads) to its slice
-  of keys inside `shard_map`, giving a partial (out, log-sum-exp); `merge_partials` combines them across
-  ``model`` (an all-reduce of [B, T, heads, E] activations, never of the cache). The price: the streaming
-  partition (sink + recent tokens per head, small) is held and attended on every ``model`` device, and
-  short sequences fill device 0's slots first, so a decode step's retrieval work is balanced only once the
-  context fills the capacity (memory is balanced from the start: slots are reserved per device).
+  never gathers them. The attention's activations are pinned head-split around the method
+  (`split_heads_over_model`): left free, GSPMD's cost model all-gathered wk / wv / wo instead (seen in the
+  compiled HLO of the tiny test model).
+* The KV cache under DuoAttention (and full attention, its every-head-retrieval case): the retrieval partition
+  [B, C, n_l, E] is split along its capacity C over ``model`` (device i holds positions [i C / m, (i + 1) C /
+  m); `generate` rounds C up to a multiple of lcm(128, m)), the streaming partition [B, sink + recent, K -
+  n_l, E] is replicated over ``model``; both are split over ``data`` by batch. Why the capacity and not the
+  heads: each layer keeps its own number of retrieval heads n_l (from 0 to K, set by the pattern), which no
+  fixed mesh size divides in general; splitting heads would leave devices idle or force counts per layer to
+  multiples of the mesh. Every layer has the same capacity, so splitting it works for any pattern. Each device
+  writes the chunk's tokens that fall into its slots and attends its queries (all of the layer's retrieval
+  heads) to its slice of keys inside `shard_map`, giving a partial (out, log-sum-exp); `merge_partials`
+  combines them across ``model`` (an all-reduce of [B, T, heads, E] activations, never of the cache). The
+  price: the streaming partition (sink + recent tokens per head, small) is held and attended on every
+  ``model`` device, and short sequences fill device 0's slots first, so a decode step's retrieval work is
+  balanced only once the context fills the capacity (memory is balanced from the start: slots are reserved per
+  device).
 """
 
 from __future__ import annotations
