@@ -13,6 +13,7 @@ Timing conventions (the same on both sides):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -231,6 +232,23 @@ def write_result(out_dir: pathlib.Path, name: str, *, title: str, headers: Seque
     report.write_json(files[-1], result)
     print(f"\nwrote {', '.join(str(f) for f in files)}")
     return result
+
+
+def run_workers(script: str, meshes: dict[int, list[str]], worker_args: Sequence[str]) -> list[dict] | None:
+    """For each device count n: `script --worker *worker_args --meshes ...` in a process with n host CPU devices;
+    the JSON lines they print, or None (after printing the failing worker's stderr)."""
+    import subprocess
+
+    results = []
+    for n, specs in sorted(meshes.items()):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+        run = subprocess.run([sys.executable, script, "--worker", *worker_args, "--meshes", *specs], env=env,
+                             capture_output=True, text=True)
+        if run.returncode:
+            print(run.stderr[-3000:], file=sys.stderr)
+            return None
+        results += [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return results
 
 
 def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 
 import common
@@ -81,16 +79,11 @@ def main(argv=None) -> int:
     for spec in args.meshes:
         sizes = sharding.parse_mesh(spec, sharding.GENERATION_AXES)
         by_devices.setdefault(sizes["data"] * sizes["model"], []).append(spec)
-    results = []
-    for n, meshes in sorted(by_devices.items()):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-        run = subprocess.run([sys.executable, __file__, "--worker", "--model", args.model, "--context",
-                              str(args.context), "--sparsity", str(args.sparsity), "--meshes", *meshes,
-                              *(["--compile"] if args.compile else [])], env=env, capture_output=True, text=True)
-        if run.returncode:
-            print(run.stderr[-3000:], file=sys.stderr)
-            return run.returncode
-        results += [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    results = common.run_workers(__file__, by_devices, ["--model", args.model, "--context", str(args.context),
+                                                        "--sparsity", str(args.sparsity),
+                                                        *(["--compile"] if args.compile else [])])
+    if results is None:
+        return 1
 
     gib = lambda b: round(b / 2**30, 3)
     headers = ["devices", "mesh", "batch", "weights GiB", "full cache GiB", "duo cache GiB", "weights + duo GiB"]

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 
 import common
@@ -69,15 +67,9 @@ def main(argv=None) -> int:
     for spec in args.meshes:
         sizes = sharding.parse_mesh(spec)
         by_devices.setdefault(sizes["data"] * sizes["fsdp"] * sizes["seq"], []).append(spec)
-    results = []
-    for n, meshes in sorted(by_devices.items()):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-        run = subprocess.run([sys.executable, __file__, "--worker", "--model", args.model, "--seq-len",
-                              str(args.seq_len), "--meshes", *meshes], env=env, capture_output=True, text=True)
-        if run.returncode:
-            print(run.stderr[-3000:], file=sys.stderr)
-            return run.returncode
-        results += [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    results = common.run_workers(__file__, by_devices, ["--model", args.model, "--seq-len", str(args.seq_len)])
+    if results is None:
+        return 1
 
     gib = lambda b: round(b / 2**30, 3)
     headers = ["devices", "mesh", "batch", "seq attention", "weights GiB", "gates + optimiser GiB", "batch GiB",

@@ -108,7 +108,8 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     logits = unembed(params, config, x)
     new_cache, new_lengths = tuple(new_cache), step.new_lengths
     if mesh is not None:  # the layout the next step is compiled for
-        new_cache = jax.lax.with_sharding_constraint(new_cache, sharding.named(sharding.cache_specs(method, new_cache, mesh), mesh))
+        layout = sharding.named(sharding.cache_specs(method, new_cache, mesh), mesh)
+        new_cache = jax.lax.with_sharding_constraint(new_cache, layout)
         new_lengths = jax.lax.with_sharding_constraint(new_lengths, NamedSharding(mesh, P(sharding.DATA)))
     return (logits if all_logits else logits[:, 0]), new_cache, new_lengths
 

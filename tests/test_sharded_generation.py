@@ -60,7 +60,8 @@ for method in ("full", "duo"):
         mesh = sharding.make_generation_mesh(**sizes, devices=jax.devices()[:4])
         out = duo_jax.generate(model, prompts, method=method, mesh=mesh, **options, **extra)
         sharded_logits, _ = prefill_logits(method, mesh)
-        runs[name] = dict(tokens=out.tokens, logits_err=float(np.abs(sharded_logits - logits).max() / np.abs(logits).max()),
+        err = float(np.abs(sharded_logits - logits).max() / np.abs(logits).max())
+        runs[name] = dict(tokens=out.tokens, logits_err=err,
                           device_cache=out.stats["device_cache_bytes"], cache=out.stats["cache_bytes"])
 
     # Collectives of the compiled steps (data=2, model=2): no all-gather may produce a whole weight or cache array.
@@ -79,7 +80,8 @@ mesh = sharding.make_generation_mesh(data=2, model=4)
 params = Engine.of(model, mesh).params
 leaves = jax.tree_util.tree_leaves_with_path(params)
 result["weights"] = [dict(name=jax.tree_util.keystr(path), nbytes=x.nbytes, sharded="model" in str(x.sharding.spec),
-                          shards=sorted({s.data.nbytes for s in x.addressable_shards}), devices=len(x.addressable_shards))
+                          shards=sorted({s.data.nbytes for s in x.addressable_shards}),
+                          devices=len(x.addressable_shards))
                      for path, x in leaves]
 per_device = {}
 for _, x in leaves:
