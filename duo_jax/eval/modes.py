@@ -86,8 +86,6 @@ class ModeSettings:
 
     @property
     def recent(self) -> int | None:
-        if self.method == "streaming_llm" and self.option("recent") is None:
-            return self.kv_budget - self.sink  # StreamingLLM's recent window is the rest of its budget
         return self.option("recent")
 
     @property
@@ -110,10 +108,8 @@ class ModeSettings:
 
     def describe(self) -> dict:
         """JSON-friendly summary (no gates)."""
-        windowed = self.pattern is not None or self.method == "streaming_llm"
         return dict(name=self.name, method=self.method, sparsity=None if self.pattern is None else self.sparsity,
-                    sink=self.sink if windowed else None, recent=self.recent if windowed else None,
-                    kv_budget=self.kv_budget)
+                    sink=self.sink, recent=self.recent, kv_budget=self.kv_budget)
 
 
 def num_retrieval_heads(config: ModelConfig, sparsity: float) -> int:

@@ -82,7 +82,8 @@ class StreamingLLM(Method):
 
 def streaming_llm_budget(config: ModelConfig, kv_budget: int, **inputs) -> dict:
     """StreamingLLM's 4 attention sinks (fewer for a tiny budget), the rest of the budget recent tokens."""
-    return dict(start=min(4, kv_budget - 1), kv_budget=kv_budget)
+    start = min(4, kv_budget - 1)
+    return dict(start=start, recent=kv_budget - start)
 
 
 @register("streaming_llm", options=("start", "recent", "kv_budget"), windows={"sink": "start", "recent": "recent"},
