@@ -125,7 +125,7 @@ def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_siz
     from duo_jax.methods import cache_nbytes
 
     engine = Engine.of(model)
-    method = settings.build(model.config, len(ids) + new_tokens)
+    method = settings.build(model.config, len(ids) + new_tokens, model=model)
     chunk = min(chunk_size, bucket(len(ids)))
     start = time.perf_counter()
     for n in (chunk, 1):  # compile generate's prefill and the single-token step outside the timings

@@ -16,7 +16,6 @@ next to full attention on the same tokens.
 
 from __future__ import annotations
 
-import dataclasses
 
 import common
 
@@ -37,11 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     from duo_jax.data.haystack import EVALUATION_HAYSTACK
     from duo_jax.eval.modes import ModeSettings, mode_settings
     from duo_jax.eval.perplexity import engine_nll, text_windows
-    from duo_jax.methods.infinigen import InfiniGen, skew_on_text
 
     model = duo_jax.load(args.model, dtype=jnp.float32)
     tokens = text_windows(model, EVALUATION_HAYSTACK, args.length, 1)
-    skew = skew_on_text(model.params, model.config, model.tokenizer)
     budget = int(args.budget * args.length)
 
     def decoded_ppl(settings) -> float:
@@ -53,9 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [["full attention", "-", "-", full, 1.0]], []
     for lookahead in (True, False):
         for alpha in args.alphas:
-            method = dataclasses.replace(InfiniGen.from_skew(*skew, context=args.length, kv_budget=budget, alpha=alpha),
-                                         lookahead=lookahead)
-            ppl = decoded_ppl(ModeSettings("infinigen", None, 0.0, 0, 1, budget, method="infinigen", instance=method))
+            options = (("kv_budget", budget), ("alpha", alpha), ("lookahead", lookahead))  # one skew, computed once
+            ppl = decoded_ppl(ModeSettings("infinigen", "infinigen", options, budget))
             speculation = "previous layer (original)" if lookahead else "this layer"
             rows.append(["infinigen", alpha, speculation, ppl, ppl / full])
             results.append(dict(alpha=alpha, lookahead=lookahead, decoded_ppl=ppl))

@@ -32,6 +32,7 @@ from flax import nnx
 
 from duo_jax import gates as gates_lib
 from duo_jax import generation
+from duo_jax import methods
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model, load
@@ -178,7 +179,8 @@ class CausalLM(nnx.Module):
         The other options are `duo_jax.generate`'s (sparsity, sink, recent, max_new_tokens, ...).
         """
         if isinstance(pattern, str) and pattern == "gates":
-            pattern = self.pattern() if method in (None, "duo", "duo_headkv") else None
+            takes_pattern = method is None or (isinstance(method, str) and methods.entry(method).takes_pattern)
+            pattern = self.pattern() if takes_pattern else None
         return generation.generate(self.to_model(), prompts, pattern=pattern, method=method, **options)
 
 

@@ -155,8 +155,8 @@ def test_duo_and_duo_headkv_meet_the_budget(fraction):
 def test_every_mode_needs_what_it_uses():
     with pytest.raises(duo_jax.DuoJaxError, match="head scores"):
         mode_settings("headkv", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100, kv_budget=20)
-    with pytest.raises(duo_jax.DuoJaxError, match="skewing"):
-        mode_settings("infinigen", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100, kv_budget=20)
+    infinigen = mode_settings("infinigen", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100, kv_budget=20)
+    assert infinigen.generate_kwargs() == {"method": "infinigen", "kv_budget": 20}  # it calibrates when built
     with pytest.raises(duo_jax.DuoJaxError, match="cannot meet"):
         mode_settings("duo_headkv", CONFIG, Pattern.full(2, 2), sparsity=1.0, sink=4, recent=8, context=100,
                       kv_budget=40, scores=Pattern.full(2, 2))  # no retrieval head to hold the rest

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import duo_jax
+    from duo_jax import methods
     from duo_jax.eval import report
     from duo_jax.methods.headkv import resolve_scores
     from duo_jax.eval.niah import accuracy_table, run_niah
@@ -113,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         model = duo_jax.load(args.model, dtype=jnp.dtype(dtype))
-        needs_pattern = {"duo", "duo_headkv"} & set(args.modes)
+        specs = [methods.entry(m) for m in args.modes if m in methods.METHODS]
+        needs_pattern = any(spec.takes_pattern for spec in specs)
         pattern = resolve_pattern(args.pattern, model.config) if needs_pattern else None
-        scores = resolve_scores(args.scores, model.config) if {"headkv", "duo_headkv"} & set(args.modes) else None
+        scores = resolve_scores(args.scores, model.config) if any("scores" in s.options for s in specs) else None
         common = dict(pattern=pattern, scores=scores, kv_budget=args.kv_budget, sparsity=args.sparsity,
                       sink=args.sink, recent=args.recent, chunk_size=args.chunk_size, out_dir=args.out)
         if args.task == "niah":

@@ -46,31 +46,47 @@ import numpy as np
 
 from duo_jax.cache import round_capacity
 from duo_jax.config import ModelConfig
-from duo_jax.data.haystack import CALIBRATION_HAYSTACK, CalibrationOverlapWarning, overlaps
+from duo_jax.data.haystack import CalibrationOverlapWarning, overlaps
 from duo_jax.errors import DuoJaxError
+from duo_jax import methods
 from duo_jax.generation import build_method
-from duo_jax.methods import InfiniGen, Method, duo_sparsity_for_budget
-from duo_jax.methods.infinigen import skew_on_text
+from duo_jax.methods import Method
+from duo_jax.methods.duo import fit_window  # noqa: F401  (re-exported: the window rule of duo at a budget)
 from duo_jax.pattern import Pattern
 
-MODES = ("full", "duo", "streaming", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "headkv",
-         "duo_headkv", "infinigen")
+# The registered methods, plus "streaming": duo with every head a streaming head (absolute positions).
+MODES = ("full", "duo", "streaming", *(m for m in methods.METHODS if m not in ("full", "duo")))
 ONE_CHUNK_PREFILL = ("h2o", "tova")  # exact prefill, evict once at its end (see the module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModeSettings:
-    """What one mode runs with at one context: the arguments `duo_jax.generate` takes, plus its mask."""
+    """What one mode runs with at one context: a registered method and its options (`duo_jax.generate`'s
+    keyword arguments), plus what the evaluation reports of it."""
 
     name: str
-    pattern: Pattern | None  # duo / streaming / duo_headkv: the head pattern; None otherwise
-    sparsity: float
-    sink: int
-    recent: int
+    method: str  # the registered method (`duo_jax.methods.METHODS`) the mode runs
+    options: tuple[tuple[str, Any], ...] = ()  # that method's options (pattern, sparsity, sink, kv_budget, ...)
     kv_budget: int | None = None  # tokens per KV head on average; None: full attention
-    method: str = ""  # the engine's method name ("" for full / duo / streaming: derived from the pattern)
-    options: tuple[tuple[str, Any], ...] = ()  # further make_method options (e.g. HeadKV scores)
-    instance: Method | None = None  # a built method (InfiniGen, which needs calibration)
+
+    def option(self, key: str, default=None):
+        return dict(self.options).get(key, default)
+
+    @property
+    def pattern(self) -> Pattern | None:
+        return self.option("pattern")
+
+    @property
+    def sparsity(self) -> float:
+        return self.option("sparsity", 0.0)
+
+    @property
+    def sink(self) -> int | None:
+        return self.option("sink", self.option("start"))
+
+    @property
+    def recent(self) -> int | None:
+        return self.option("recent")
 
     @property
     def one_chunk_prefill(self) -> bool:
@@ -82,25 +98,18 @@ class ModeSettings:
 
     def generate_kwargs(self) -> dict:
         """Keyword arguments for `duo_jax.generate`."""
-        if self.instance is not None:
-            return dict(method=self.instance)
-        if self.method:
-            return dict(method=self.method, **dict(self.options))
-        if self.pattern is None:
-            return dict(method="full")
-        return dict(method="duo", pattern=self.pattern, sparsity=self.sparsity, sink=self.sink, recent=self.recent)
+        return dict(method=self.method, **dict(self.options))
 
-    def build(self, config: ModelConfig, context: int) -> Method:
-        """The engine's KV-cache method for this mode with a capacity of `context` tokens."""
-        return build_method(config, context=context, **self.generate_kwargs())
+    def build(self, config: ModelConfig, context: int, model=None) -> Method:
+        """The engine's KV-cache method for this mode with a capacity of `context` tokens (`model`: for the
+        methods that calibrate on it)."""
+        kwargs = self.generate_kwargs()
+        return build_method(config, kwargs.pop("method"), context=context, model=model, **kwargs)
 
     def describe(self) -> dict:
         """JSON-friendly summary (no gates)."""
-        windowed = self.pattern is not None or self.method == "streaming_llm"
-        return dict(name=self.name, method=self.method or ("full" if self.pattern is None else "duo"),
-                    sparsity=None if self.pattern is None else self.sparsity,
-                    sink=self.sink if windowed else None, recent=self.recent if windowed else None,
-                    kv_budget=self.kv_budget)
+        return dict(name=self.name, method=self.method, sparsity=None if self.pattern is None else self.sparsity,
+                    sink=self.sink, recent=self.recent, kv_budget=self.kv_budget)
 
 
 def num_retrieval_heads(config: ModelConfig, sparsity: float) -> int:
@@ -117,15 +126,6 @@ def streaming_budget(config: ModelConfig, sparsity: float, context: int, *, sink
     return slots // heads
 
 
-def fit_window(budget: int, sink: int, recent: int) -> tuple[int, int]:
-    """duo's (sink, recent) for a `budget` of tokens per head: unchanged when sink + recent <= budget / 2,
-    else both scaled down to fill half the budget (recent >= 1)."""
-    if sink + recent <= budget // 2:
-        return sink, recent
-    scale = (budget // 2) / (sink + recent)
-    return int(sink * scale), max(1, int(recent * scale))
-
-
 def check_modes(names: Sequence[str]) -> list[str]:
     """The mode names, validated, without duplicates, in the order given."""
     names = list(dict.fromkeys(names))
@@ -137,21 +137,21 @@ def check_modes(names: Sequence[str]) -> list[str]:
 
 
 def mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sparsity: float, sink: int,
-                  recent: int, context: int, kv_budget: int | None = None, scores: Pattern | None = None,
-                  skew: tuple[np.ndarray, np.ndarray] | None = None) -> ModeSettings:
+                  recent: int, context: int, kv_budget: int | None = None,
+                  scores: Pattern | None = None) -> ModeSettings:
     """The settings of mode `name` for prompts whose prompt + generated tokens fit in `context`.
 
-    kv_budget: tokens per KV head (None: duo's budget, see the module docstring). `pattern` is needed by duo
-    and duo_headkv (a resolved `Pattern`), `scores` (HeadKV head scores) by headkv and duo_headkv, `skew`
-    (`duo_jax.methods.infinigen.skew` of the model) by infinigen.
+    kv_budget: tokens per KV head (None: duo's budget, see the module docstring); each method meets it by its
+    own rule (`duo_jax.methods.registry`: `entry(name).budget`). `pattern` is needed by the methods built on
+    one (duo, duo_headkv: a resolved `Pattern`), `scores` (HeadKV head scores) by headkv and duo_headkv.
     """
     if sink < 0 or recent < 1:
         raise DuoJaxError(f"need sink >= 0 and recent >= 1, got sink={sink}, recent={recent}")
-    if name not in MODES:
-        raise DuoJaxError(f"unknown mode {name!r}: choose from {', '.join(MODES)}")
+    check_modes([name])
     if name == "full":
-        return ModeSettings("full", None, 0.0, sink, recent)
-    if name in ("duo", "duo_headkv"):
+        return ModeSettings("full", "full")
+    spec = None if name == "streaming" else methods.entry(name)
+    if spec is not None and spec.takes_pattern:
         if pattern is None:
             raise DuoJaxError(f"mode {name!r} needs a head pattern: pass --pattern PATH (or 'default' for the "
                               "model's shipped one)")
@@ -160,54 +160,31 @@ def mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sp
     budget = duo_budget if kv_budget is None else int(kv_budget)
     if budget < 2:
         raise DuoJaxError(f"a KV budget of {budget} token(s) per head is too small (need >= 2)")
-    if name == "duo":
-        if kv_budget is None:
-            return ModeSettings("duo", pattern, sparsity, sink, recent, duo_budget)
-        sink, recent = fit_window(budget, sink, recent)
-        sparsity = duo_sparsity_for_budget(budget, context=round_capacity(context), window=sink + recent)
-        return ModeSettings("duo", pattern, sparsity, sink, recent, budget)
-    if name == "streaming":
+    if spec is None:  # StreamingLLM at absolute positions: every head a streaming head of duo's kind
         streaming_sink = min(sink, budget - 1)
-        return ModeSettings("streaming", Pattern.full(config.num_layers, config.num_kv_heads), 1.0,
-                            streaming_sink, budget - streaming_sink, budget)
-    if name == "streaming_llm":
-        start = min(4, budget - 1)  # StreamingLLM's 4 attention sinks
-        return ModeSettings(name, None, 1.0, start, budget - start, budget, method=name,
-                            options=(("kv_budget", budget), ("sink", start)))
-    if name in ("headkv", "duo_headkv") and scores is None:
+        options = dict(pattern=Pattern.full(config.num_layers, config.num_kv_heads), sparsity=1.0,
+                       sink=streaming_sink, recent=budget - streaming_sink)
+        return ModeSettings("streaming", "duo", tuple(options.items()), budget)
+    if "scores" in spec.options and scores is None:
         raise DuoJaxError(f"mode {name!r} needs HeadKV head scores: pass --scores PATH (written by "
                           "python -m duo_jax.head_scores), or 'default' for the model's shipped ones")
-    if name == "duo_headkv":
-        if kv_budget is not None:
-            sink, recent = fit_window(budget, sink, recent)
-        heads = config.num_layers * config.num_kv_heads
-        retrieval = num_retrieval_heads(config, sparsity)
-        per_retrieval = (heads * budget - (heads - retrieval) * (sink + recent)) // max(retrieval, 1)
-        if retrieval == 0 or per_retrieval < 1:
-            raise DuoJaxError(f"duo_headkv at sparsity {sparsity} with a window of {sink + recent} cannot meet a "
-                              f"budget of {budget} tokens per head: lower the sparsity or the window")
-        return ModeSettings(name, pattern, sparsity, sink, recent, budget, method=name,
-                            options=(("pattern", pattern), ("sparsity", sparsity), ("sink", sink),
-                                     ("recent", recent), ("scores", scores), ("kv_budget", per_retrieval)))
-    if name == "infinigen":
-        if skew is None:
-            raise DuoJaxError("mode 'infinigen' needs the model's skewing matrices (duo_jax.methods.infinigen.skew)")
-        instance = InfiniGen.from_skew(*skew, context=context, kv_budget=budget)
-        return ModeSettings(name, None, 0.0, sink, recent, budget, method=name, instance=instance)
-    options = (("kv_budget", budget),) + ((("scores", scores),) if name == "headkv" else ())
-    return ModeSettings(name, None, 0.0, sink, recent, budget, method=name, options=options)
+    options = spec.budget(config, budget, context=context, sink=sink, recent=recent, sparsity=sparsity,
+                          pattern=pattern, scores=scores, fitted=kv_budget is not None)
+    return ModeSettings(name, name, tuple(options.items()), budget)
 
 
 def calibration_sources(modes: Sequence[str], pattern: Pattern | None, scores: Pattern | None) -> dict[str, str]:
     """{what was calibrated: the haystack it was calibrated on} for the calibrated inputs `modes` use; an input
     whose metadata does not name its text (e.g. the original repository's patterns) is left out."""
     sources = {}
-    if pattern is not None and {"duo", "duo_headkv"} & set(modes) and (pattern.meta or {}).get("dataset_name"):
+    specs = [methods.entry(m) for m in modes if m in methods.METHODS]
+    if pattern is not None and any(s.takes_pattern for s in specs) and (pattern.meta or {}).get("dataset_name"):
         sources["the DuoAttention pattern"] = pattern.meta["dataset_name"]
-    if scores is not None and {"headkv", "duo_headkv"} & set(modes) and (scores.meta or {}).get("haystack"):
+    if scores is not None and any("scores" in s.options for s in specs) and (scores.meta or {}).get("haystack"):
         sources["the HeadKV head scores"] = scores.meta["haystack"]
-    if "infinigen" in modes:
-        sources["InfiniGen's skew"] = CALIBRATION_HAYSTACK  # `skew_on_text`
+    for spec in specs:
+        if spec.calibrated_on:
+            sources[f"{spec.name}'s calibration"] = spec.calibrated_on
     return sources
 
 
@@ -231,8 +208,3 @@ def budget_tokens(kv_budget: float | None, length: int) -> int | None:
     if not 0 < kv_budget <= 1:
         raise DuoJaxError(f"kv_budget is a fraction of the evaluated length in (0, 1], got {kv_budget}")
     return max(2, int(kv_budget * length))
-
-
-def infinigen_skew(model) -> tuple[np.ndarray, np.ndarray]:
-    """InfiniGen's offline skewing of `model`, on a sample of the essays (`skew_on_text`)."""
-    return skew_on_text(model.params, model.config, model.tokenizer)

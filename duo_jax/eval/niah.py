@@ -22,7 +22,7 @@ from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.data.niah import NeedlePrompt, make_needle_prompt, score_contains, score_needle
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import budget_tokens, check_modes, infinigen_skew, mode_settings, warn_if_calibrated_on
+from duo_jax.eval.modes import budget_tokens, check_modes, mode_settings, warn_if_calibrated_on
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -81,7 +81,6 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
 
     modes = check_modes(modes)
     lengths = list(lengths)
-    skew = infinigen_skew(model) if "infinigen" in modes else None
     prompts = {n: prompts_for(n) for n in lengths}
     total = len(modes) * sum(len(p) for p in prompts.values())
     results = {m: dict(settings={}, cache_bytes={}, full_cache_bytes={}, prefill_s=0.0, decode_s=0.0,
@@ -93,7 +92,7 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
             for mode in modes:
                 settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink,
                                          recent=recent, context=context, kv_budget=budget_tokens(kv_budget, length),
-                                         scores=scores, skew=skew)
+                                         scores=scores)
                 result = results[mode]
                 result["settings"][length] = settings.describe()
                 bar.set_postfix_str(f"{mode} @ {length}")

@@ -33,7 +33,7 @@ from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.engine import Engine
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import (ModeSettings, budget_tokens, check_modes, infinigen_skew, mode_settings,
+from duo_jax.eval.modes import (ModeSettings, budget_tokens, check_modes, mode_settings,
                                 warn_if_calibrated_on)
 from duo_jax.eval.niah import bos_id
 from duo_jax.loading import Model
@@ -67,7 +67,7 @@ def engine_nll(model: Model, tokens: np.ndarray, settings: ModeSettings, *, chun
     if not 1 <= P <= T:
         raise DuoJaxError(f"prefix must lie in [1, {T}] (the window length), got {P}")
     engine = Engine.of(model)
-    method = settings.build(model.config, context=T)
+    method = settings.build(model.config, context=T, model=model)
     chunk = P if settings.one_chunk_prefill else min(chunk_size, P)
     targets = np.zeros((B, max(-(-P // chunk) * chunk, T) + 1), np.int32)  # targets[:, p]: token p + 1
     targets[:, :T - 1] = tokens[:, 1:]
@@ -128,10 +128,9 @@ def evaluate_perplexity(model: Model, tokens: np.ndarray, modes: Sequence[str], 
     if edges[0] != 0 or edges[-1] != T or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
         raise DuoJaxError(f"bucket edges must rise strictly from 0 to the window length {T}, got {edges}")
     results = {}
-    skew = infinigen_skew(model) if "infinigen" in modes else None
     for mode in tqdm(modes, desc="perplexity", unit="mode", disable=not progress):
         settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink, recent=recent,
-                                 context=T, kv_budget=budget_tokens(kv_budget, T), scores=scores, skew=skew)
+                                 context=T, kv_budget=budget_tokens(kv_budget, T), scores=scores)
         start = time.perf_counter()
         nll = engine_nll(model, tokens, settings, chunk_size=chunk_size, prefix=prefix)
         if prefix is not None and prefix < T:

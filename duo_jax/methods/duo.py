@@ -176,8 +176,27 @@ def make_full(config: ModelConfig, *, context: int) -> DuoAttention:
     return DuoAttention(make_layout(config, None, sink=0, recent=0, context=context))
 
 
+def fit_window(budget: int, sink: int, recent: int) -> tuple[int, int]:
+    """duo's (sink, recent) for a `budget` of tokens per head: unchanged when sink + recent <= budget / 2,
+    else both scaled down to fill half the budget (recent >= 1), so that some heads can still be retrieval heads."""
+    if sink + recent <= budget // 2:
+        return sink, recent
+    scale = (budget // 2) / (sink + recent)
+    return int(sink * scale), max(1, int(recent * scale))
+
+
+def duo_budget(config: ModelConfig, kv_budget: int, *, context: int, sink: int, recent: int, sparsity: float,
+               pattern=None, fitted: bool = True, **inputs) -> dict:
+    """duo at a budget: its window fitted to the budget (`fit_window`) and the sparsity that meets it
+    (`duo_sparsity_for_budget`); unfitted (the budget is duo's own), the given sparsity and window."""
+    if fitted:
+        sink, recent = fit_window(kv_budget, sink, recent)
+        sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
+    return dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent)
+
+
 @register("duo", options=("pattern", "sparsity", "sink", "recent", "kv_budget"), takes_pattern=True,
-          summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent")
+          budget=duo_budget, summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent")
 def make_duo(config: ModelConfig, *, context: int, pattern=None, sparsity: float = 0.5, sink: int = 64,
              recent: int = 256, kv_budget: int | None = None) -> DuoAttention:
     """`pattern` (a `Pattern` validated against the model) binarised at `sparsity`; with `kv_budget` (average

@@ -29,7 +29,7 @@ from duo_jax.attention import attention_probs
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
-from duo_jax.methods.registry import register
+from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rope
 
 
@@ -115,7 +115,7 @@ class TOVA(_Eviction):
         return jnp.broadcast_to(jnp.mean(last, axis=(1, 2))[:, None], positions.shape)
 
 
-@register("h2o", options=("kv_budget", "recent"),
+@register("h2o", options=("kv_budget", "recent"), budget=kv_budget_only,
           summary="H2O: heavy hitters by accumulated attention + the recent newest tokens, kv_budget per head")
 def make_h2o(config: ModelConfig, *, context: int, kv_budget: int | None = None, recent: int | None = None) -> H2O:
     """`recent` defaults to kv_budget // 2 (the paper's equal split)."""
@@ -127,7 +127,7 @@ def make_h2o(config: ModelConfig, *, context: int, kv_budget: int | None = None,
     return H2O(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), recent)
 
 
-@register("tova", options=("kv_budget",),
+@register("tova", options=("kv_budget",), budget=kv_budget_only,
           summary="TOVA: the tokens the newest query attends to most (layer-wide), kv_budget per head")
 def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None) -> TOVA:
     if kv_budget is None:

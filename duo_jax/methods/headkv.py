@@ -35,7 +35,7 @@ from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacit
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.duo import DuoAttention, StreamingWindow, merge_heads, split_heads
+from duo_jax.methods.duo import DuoAttention, StreamingWindow, fit_window, merge_heads, split_heads
 from duo_jax.methods.registry import register
 from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
                                     check_selection, compressed_attention, compressed_nbytes, decode_shape,
@@ -65,7 +65,27 @@ def _score_grid(config: ModelConfig, scores: Pattern | np.ndarray) -> np.ndarray
     return grid
 
 
-@register("headkv", options=("kv_budget", "scores", "beta", "window", "kernel", "pooling"),
+def headkv_budget(config: ModelConfig, kv_budget: int, *, scores=None, **inputs) -> dict:
+    return dict(kv_budget=kv_budget, scores=_required_scores(scores, config, "headkv"))
+
+
+def duo_headkv_budget(config: ModelConfig, kv_budget: int, *, sink: int, recent: int, sparsity: float,
+                      pattern=None, scores=None, fitted: bool = True, **inputs) -> dict:
+    """The pattern at `sparsity`, duo's window on the streaming heads (fitted to the budget as duo's), and the
+    rest of N * budget shared by the R retrieval heads: (N * budget - (N - R) * window) / R tokens each."""
+    if fitted:
+        sink, recent = fit_window(kv_budget, sink, recent)
+    heads = config.num_layers * config.num_kv_heads
+    retrieval = int(Pattern.full(config.num_layers, config.num_kv_heads).retrieval_mask(sparsity).sum())
+    per_retrieval = (heads * kv_budget - (heads - retrieval) * (sink + recent)) // max(retrieval, 1)
+    if retrieval == 0 or per_retrieval < 1:
+        raise DuoJaxError(f"duo_headkv at sparsity {sparsity} with a window of {sink + recent} cannot meet a "
+                          f"budget of {kv_budget} tokens per head: lower the sparsity or the window")
+    return dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent,
+                scores=_required_scores(scores, config, "duo_headkv"), kv_budget=per_retrieval)
+
+
+@register("headkv", options=("kv_budget", "scores", "beta", "window", "kernel", "pooling"), budget=headkv_budget,
           summary="HeadKV: SnapKV with per-head budgets from head scores (scores=PATH, 'default' or a Pattern)")
 def make_headkv(config: ModelConfig, *, context: int, scores=None, kv_budget: int | None = None,
                 beta: float = 1.2, window: int = 8, kernel: int = 7, pooling: str = "max") -> SnapKV:
@@ -214,7 +234,7 @@ def _compress_retrieval(method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple
 
 
 @register("duo_headkv", options=("pattern", "sparsity", "sink", "recent", "scores", "kv_budget", "beta", "window",
-                               "kernel", "pooling"), takes_pattern=True,
+                               "kernel", "pooling"), takes_pattern=True, budget=duo_headkv_budget,
           summary="duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head)")
 def make_duo_headkv(config: ModelConfig, *, context: int, pattern: Pattern | None = None, sparsity: float = 0.5,
                     scores=None, kv_budget: int | None = None, beta: float = 1.2, sink: int = 64,

@@ -66,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -75,9 +76,10 @@ from duo_jax import attention
 from duo_jax.attention import attention_probs
 from duo_jax.cache import round_capacity
 from duo_jax.config import ModelConfig
+from duo_jax.data.haystack import CALIBRATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.registry import register
+from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq
 
 
@@ -373,17 +375,36 @@ def partial_channels(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]
     return index, jnp.take_along_axis(mask, index, axis=-1).astype(jnp.float32)
 
 
-@register("infinigen", options=("kv_budget", "alpha", "partial_ratio", "channel_rule", "dense_layers", "offload"),
-          needs_model=True, summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
+@register("infinigen", options=("kv_budget", "alpha", "partial_ratio", "channel_rule", "dense_layers", "offload",
+                                "lookahead"),
+          needs_model=True, budget=kv_budget_only, calibrated_on=CALIBRATION_HAYSTACK, summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
                                     "(calibrated on the calibration essays)")
 def make_infinigen(config: ModelConfig, *, context: int, model, kv_budget: int | None = None,
                    alpha: float = LLAMA_ALPHA, partial_ratio: float = 0.2, channel_rule: str = "qk",
-                   dense_layers: int = DENSE_LAYERS, offload: str = "auto") -> InfiniGen:
+                   dense_layers: int = DENSE_LAYERS, offload: str = "auto", lookahead: bool = True) -> InfiniGen:
     """InfiniGen for `model` with the authors' Llama rules by default, skewed on a sample of the calibration
-    essays (`skew_on_text`); `kv_budget`: tokens fetched per KV head and step."""
+    essays (`skew_on_text`, once per set of weights and rules: later builds reuse it); `kv_budget`: tokens
+    fetched per KV head and step."""
     if kv_budget is None:
         raise DuoJaxError("method 'infinigen' needs a positive kv_budget (tokens fetched per KV head)")
-    A, mask = skew_on_text(model.params, config, model.tokenizer, partial_ratio=partial_ratio,
-                           channel_rule=channel_rule)
+    A, mask = _skew_of(model, partial_ratio, channel_rule)
     return InfiniGen.from_skew(A, mask, context=context, kv_budget=int(kv_budget), alpha=alpha,
-                               dense_layers=dense_layers, offload=offload)
+                               dense_layers=dense_layers, offload=offload, lookahead=lookahead)
+
+
+# id of a model's stacked query weights -> {(tokenizer id, partial_ratio, channel_rule): skew}; an entry goes with
+# the weights (nothing here holds them).
+_SKEWS: dict[int, dict] = {}
+
+
+def _skew_of(model, partial_ratio: float, channel_rule: str):
+    anchor = model.params.layers.wq
+    if id(anchor) not in _SKEWS:
+        _SKEWS[id(anchor)] = {}
+        weakref.finalize(anchor, _SKEWS.pop, id(anchor), None)
+    skews = _SKEWS[id(anchor)]
+    key = (id(model.tokenizer), float(partial_ratio), channel_rule)
+    if key not in skews:
+        skews[key] = skew_on_text(model.params, model.config, model.tokenizer, partial_ratio=partial_ratio,
+                                  channel_rule=channel_rule)
+    return skews[key]

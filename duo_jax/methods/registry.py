@@ -4,7 +4,8 @@
 Method` (with `needs_model=True`, it also gets `model=`: InfiniGen calibrates on the model's weights and
 text). `make_method(name, config, context=..., **options)` checks the options and builds; `entry(name)` says
 what a method takes (its options, whether it takes a head pattern, how `generate`'s `sink` / `recent` map to
-its own window options), which is all a front door (`generate`, the CLIs, evaluation) needs to know of it.
+its own window options, how it meets a KV budget), which is all a front door (`generate`, the CLIs, the
+evaluation's equal-budget comparison) needs to know of it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ class MethodEntry:
     windows: dict[str, str]  # generate's window arguments ("sink", "recent") -> this method's option names
     takes_pattern: bool  # builds on a DuoAttention head pattern (generate resolves and passes `pattern`)
     needs_model: bool  # calibrates on the model itself (build gets model=)
+    # How the method meets a KV budget (average tokens per KV head): budget(config, kv_budget, **inputs) -> its
+    # options; inputs: context, sink, recent, sparsity, pattern, scores, fitted (False: kv_budget is duo's own
+    # at its sink / recent / sparsity, which duo then keeps). None: the method has no budget (full attention).
+    budget: Callable | None = None
+    calibrated_on: str | None = None  # the text the method calibrates itself on when built (a haystack source)
 
 
 _ENTRIES: dict[str, MethodEntry] = {}
 
 
 def register(name: str, *, options: tuple[str, ...], summary: str, windows: dict[str, str] | None = None,
-             takes_pattern: bool = False, needs_model: bool = False) -> Callable:
+             takes_pattern: bool = False, needs_model: bool = False, budget: Callable | None = None,
+             calibrated_on: str | None = None) -> Callable:
     """Decorator: register `build` as method `name`. `windows` defaults to the window options the method
     has among its options (sink / recent under their own names)."""
 
@@ -39,7 +46,8 @@ def register(name: str, *, options: tuple[str, ...], summary: str, windows: dict
         if name in _ENTRIES:
             raise DuoJaxError(f"KV-cache method {name!r} is registered twice")
         own = {w: w for w in ("sink", "recent") if w in options} if windows is None else dict(windows)
-        _ENTRIES[name] = MethodEntry(name, build, tuple(options), summary, own, takes_pattern, needs_model)
+        _ENTRIES[name] = MethodEntry(name, build, tuple(options), summary, own, takes_pattern, needs_model, budget,
+                                     calibrated_on)
         return build
 
     return decorate
@@ -72,3 +80,8 @@ def make_method(name: str, config: ModelConfig, *, context: int, model=None, **o
             raise DuoJaxError(f"method {name!r} calibrates on the model: pass model= (generate does)")
         return e.build(config, context=context, model=model, **options)
     return e.build(config, context=context, **options)
+
+
+def kv_budget_only(config: ModelConfig, kv_budget: int, **inputs) -> dict:
+    """The budget rule of methods whose `kv_budget` option is the budget itself."""
+    return dict(kv_budget=kv_budget)

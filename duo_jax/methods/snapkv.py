@@ -59,7 +59,7 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.duo import retrieval_attention
-from duo_jax.methods.registry import register
+from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rope
 
 POOLINGS = ("max", "avg")
@@ -377,7 +377,7 @@ def base_budget(kv_budget, window: int) -> int:
     return int(kv_budget) - window
 
 
-@register("snapkv", options=("kv_budget", "window", "kernel", "pooling"),
+@register("snapkv", options=("kv_budget", "window", "kernel", "pooling"), budget=kv_budget_only,
           summary="SnapKV: exact prefill, then per KV head the kv_budget tokens the last window queries vote for")
 def make_snapkv(config: ModelConfig, *, context: int, kv_budget: int | None = None, window: int = 32,
                 kernel: int = 5, pooling: str = "avg") -> SnapKV:
@@ -412,7 +412,7 @@ def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: i
     return budgets.tolist()
 
 
-@register("pyramidkv", options=("kv_budget", "window", "kernel", "pooling", "beta"),
+@register("pyramidkv", options=("kv_budget", "window", "kernel", "pooling", "beta"), budget=kv_budget_only,
           summary="PyramidKV: SnapKV with per-layer budgets shrinking bottom to top (beta 20), kv_budget on average")
 def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int | None = None, beta: float = 20.0,
                    window: int = 32, kernel: int = 5, pooling: str = "avg") -> SnapKV:

@@ -80,7 +80,14 @@ class StreamingLLM(Method):
                                         write_slots(cache.v, shared.window.write_slots, v))
 
 
+def streaming_llm_budget(config: ModelConfig, kv_budget: int, **inputs) -> dict:
+    """StreamingLLM's 4 attention sinks (fewer for a tiny budget), the rest of the budget recent tokens."""
+    start = min(4, kv_budget - 1)
+    return dict(start=start, recent=kv_budget - start)
+
+
 @register("streaming_llm", options=("start", "recent", "kv_budget"), windows={"sink": "start", "recent": "recent"},
+          budget=streaming_llm_budget,
           summary="StreamingLLM: every head keeps start sinks + recent tokens, positions re-indexed")
 def make_streaming_llm(config: ModelConfig, *, context: int, start: int = 4, recent: int = 256,
                        kv_budget: int | None = None) -> StreamingLLM:
