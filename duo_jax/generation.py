@@ -162,7 +162,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
              sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, max_new_tokens: int = 128,
              chunk_size: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto",
-             chat: bool | None = None, **method_options) -> Generation:
+             chat: bool | None = None, kv_dtype: str | None = None, **method_options) -> Generation:
     """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
@@ -180,6 +180,8 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
     tokens (default: longest prompt + max_new_tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK).
     attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
+    kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
+    token and head, `duo_jax.quant`; methods full, duo and streaming_llm).
     """
     validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -191,6 +193,11 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     if context is not None and needed > context:
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"cache capacity context={context}; raise context or shorten the prompt")
+    if kv_dtype is not None and kv_dtype != jnp.dtype(model.params.dtype).name:
+        if isinstance(method, Method):
+            raise DuoJaxError("kv_dtype is a method option: build the method with it (make_method(..., "
+                              "kv_dtype=...)) rather than passing both")
+        method_options["kv_dtype"] = kv_dtype
     if method == "infinigen":  # calibrates on the model's weights (pass a built InfiniGen to reuse one)
         kv_method = calibrate_infinigen(model, context=context or needed, **method_options)
     else:

@@ -126,7 +126,10 @@ def kv_bytes_per_vector(head_dim: int, kv_dtype: str | None, bytes_per_elem: int
 
 
 def as_stored(x: jax.Array, like) -> jax.Array | QuantizedKV:
-    """New keys or values x in the form of the cache array `like` (quantized on write when it is)."""
+    """New keys or values x in the form of the cache array `like` (quantized on write when it is; x already in
+    that form is returned as it is)."""
+    if isinstance(x, QuantizedKV):
+        return x
     if isinstance(like, QuantizedKV):
         return quantize_kv(x, like.kind, like.dtype)
     return x.astype(like.dtype)

@@ -59,8 +59,9 @@ def random_decode_inputs(batch, seq_k, num_heads, num_kv_heads, head_dim, seed=0
     return q, k, v
 
 
-def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="auto"):
-    """One prompt through `extend` with a KV-cache method: chunked prefill, then greedy decoding.
+def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="auto", force=None):
+    """One prompt through `extend` with a KV-cache method: chunked prefill, then greedy decoding (or, with
+    `force`, decoding that feeds force[i] at step i: teacher forcing, to compare logits of two caches).
 
     Returns (tokens of the whole sequence, logits [len(sequence), V] at every position, the chunks as
     (start, end) spans (a decode step is a chunk of one), the final cache).
@@ -80,7 +81,7 @@ def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="aut
     method, cache = method.after_prefill(cache, lengths)
     sequence = list(prompt)
     for _ in range(decode_steps):
-        sequence.append(int(np.argmax(logits[-1])))
+        sequence.append(int(np.argmax(logits[-1])) if force is None else int(force[len(sequence) - len(prompt)]))
         out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray([[sequence[-1]]]), jnp.asarray([1]),
                                      config=config, method=method, impl=impl)
         logits.append(np.asarray(out[0]))

@@ -34,7 +34,9 @@ from duo_jax.methods.infinigen import InfiniGen
 from duo_jax.methods.snapkv import make_pyramidkv, make_snapkv
 from duo_jax.methods.streaming_llm import StreamingLLM
 from duo_jax.pattern import Pattern
+from duo_jax.quant import check_kv_dtype
 
+QUANTIZED_KV_METHODS = ("full", "duo", "streaming_llm")  # kv_dtype="int8" / "int4" (`duo_jax.quant`)
 METHODS = ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "headkv", "duo_headkv")
 _OPTIONS = {"full": set(), "duo": {"pattern", "sparsity", "sink", "recent", "kv_budget"},
             "streaming_llm": {"start", "recent", "kv_budget"}, "h2o": {"kv_budget", "recent"},
@@ -59,16 +61,21 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
     (default kv_budget // 2, the paper's equal split); tova: kv_budget (required). `kv_budget` (average tokens kept per
     KV head at `context` tokens) makes budgets comparable across methods: duo then picks the sparsity whose
     mix r * C + (1 - r) * (sink + recent) meets it (C: `context` rounded up to the cache capacity block),
-    streaming_llm sets recent = kv_budget - start.
+    streaming_llm sets recent = kv_budget - start. `kv_dtype` ("int8" / "int4"; full, duo and streaming_llm)
+    quantizes the cache (`duo_jax.quant`).
     """
     if name not in METHODS:
         raise DuoJaxError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    kv_dtype = check_kv_dtype(options.pop("kv_dtype", None))
+    if kv_dtype is not None and name not in QUANTIZED_KV_METHODS:
+        raise DuoJaxError(f"method {name!r} does not support a quantized KV cache (kv_dtype={kv_dtype!r}); "
+                          f"use one of {', '.join(QUANTIZED_KV_METHODS)}, or kv_dtype=None")
     unknown = set(options) - _OPTIONS[name]
     if unknown:
         allowed = ", ".join(sorted(_OPTIONS[name])) or "none"
         raise DuoJaxError(f"method {name!r} does not take {', '.join(sorted(unknown))} (its options: {allowed})")
     if name == "full":
-        return DuoAttention(make_layout(config, None, sink=0, recent=0, context=context))
+        return DuoAttention(make_layout(config, None, sink=0, recent=0, context=context, kv_dtype=kv_dtype))
     budget = options.get("kv_budget")
     if budget is not None and not 0 < budget:
         raise DuoJaxError(f"kv_budget (tokens kept per KV head) must be positive, got {budget}")
@@ -90,7 +97,7 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
         sparsity = options.get("sparsity", 0.5) if budget is None else duo_sparsity_for_budget(
             budget, context=round_capacity(context), window=sink + recent)  # the slots a retrieval head has
         mask = pattern.retrieval_mask(sparsity)
-        layout = make_layout(config, mask, sink=sink, recent=recent, context=context)
+        layout = make_layout(config, mask, sink=sink, recent=recent, context=context, kv_dtype=kv_dtype)
         return DuoAttention(layout, tuple(map(tuple, np.asarray(mask, bool).tolist())))
     dims = (config.num_layers, config.num_kv_heads, config.head_dim)
     if name in ("h2o", "tova"):
@@ -106,7 +113,7 @@ def make_method(name: str, config: ModelConfig, *, context: int, **options) -> M
     recent = options.get("recent", 256) if budget is None else budget - start
     if start < 0 or recent < 0:
         raise DuoJaxError(f"start and recent must be >= 0, got start={start}, recent={recent}")
-    return StreamingLLM(*dims, start, recent)
+    return StreamingLLM(*dims, start, recent, kv_dtype)
 
 
 def duo_sparsity_for_budget(kv_budget: float, *, context: int, window: int) -> float:

@@ -25,8 +25,9 @@ from duo_jax import attention
 from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, init_cache,
                            streaming_slot_positions, streaming_write_slots)
 from duo_jax.config import ModelConfig
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.model import Params, apply_rope
+from duo_jax.quant import as_stored
 
 
 def head_order(retrieval_mask: np.ndarray) -> np.ndarray:
@@ -133,10 +134,10 @@ class DuoAttention(Method):
         heads = []
         if n > 0:
             heads.append(retrieval_attention(q[:, :, : n * G], rk, rv, step))
+        new_k, new_v = as_stored(k[:, :, n:], sk), as_stored(v[:, :, n:], sv)  # quantized once, when it is
         if n < self.layout.num_kv_heads:
-            keys = jnp.concatenate([sk, k[:, :, n:].astype(sk.dtype)], axis=1)
-            values = jnp.concatenate([sv, v[:, :, n:].astype(sv.dtype)], axis=1)
+            keys, values = concat_slots(sk, new_k), concat_slots(sv, new_v)
             heads.append(shared.window.attend(q[:, :, n * G:], keys, values, step))
-        sk = write_slots(sk, shared.window.write_slots, k[:, :, n:])
-        sv = write_slots(sv, shared.window.write_slots, v[:, :, n:])
+        sk = write_slots(sk, shared.window.write_slots, new_k)
+        sv = write_slots(sv, shared.window.write_slots, new_v)
         return jnp.concatenate(heads, axis=2), DuoLayerCache(rk, rv, sk, sv)

@@ -15,15 +15,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.methods.duo import StreamingWindow
 from duo_jax.model import apply_rope
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StreamingLayerCache:
-    k: jax.Array  # [B, start + recent, K, E], before RoPE
+    k: jax.Array  # [B, start + recent, K, E], before RoPE (or a QuantizedKV of that shape)
     v: jax.Array  # [B, start + recent, K, E]
 
 
@@ -41,6 +42,7 @@ class StreamingLLM(Method):
     head_dim: int
     start: int = 4
     recent: int = 256
+    kv_dtype: str | None = None  # "int8" / "int4": quantized (`duo_jax.quant`)
 
     name = "streaming_llm"
     supports_sliding_window = True  # the window applies to absolute positions, as the model was trained
@@ -48,11 +50,15 @@ class StreamingLLM(Method):
 
     def init_cache(self, batch: int, dtype) -> tuple[StreamingLayerCache, ...]:
         shape = (batch, self.start + self.recent, self.num_kv_heads, self.head_dim)
-        return tuple(StreamingLayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                     for _ in range(self.num_layers))
+
+        def zeros():
+            return jnp.zeros(shape, dtype) if self.kv_dtype is None else kv_zeros(shape, self.kv_dtype, dtype)
+
+        return tuple(StreamingLayerCache(zeros(), zeros()) for _ in range(self.num_layers))
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        return batch * 2 * self.num_layers * self.num_kv_heads * (self.start + self.recent) * self.head_dim * bytes_per_elem
+        vector = kv_bytes_per_vector(self.head_dim, check_kv_dtype(self.kv_dtype), bytes_per_elem)
+        return batch * 2 * self.num_layers * self.num_kv_heads * (self.start + self.recent) * vector
 
     def begin_step(self, step: Step) -> StreamingShared:
         window = StreamingWindow.build(step, self.start, self.recent)
@@ -68,10 +74,13 @@ class StreamingLLM(Method):
         return StreamingShared(window, jnp.concatenate([jnp.maximum(slot_rank, 0), new_rank], axis=1), new_rank)
 
     def attend(self, layer, q, k, v, cache: StreamingLayerCache, step: Step, shared: StreamingShared):
-        keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1)  # [B, S + T, K, E], before RoPE
-        values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
+        k, v = as_stored(k, cache.k), as_stored(v, cache.v)  # quantized once, when the cache is
+        keys = concat_slots(cache.k, k)  # [B, S + T, K, E], before RoPE
+        values = concat_slots(cache.v, v)
         q = apply_rope(q, shared.query_rope_positions, step.inv_freq)
-        keys = apply_rope(keys, shared.key_rope_positions, step.inv_freq)
+        # Every key is re-rotated every step, so a quantized window is dequantized whole: it holds
+        # start + recent tokens, not the context.
+        keys = apply_rope(dequantize(keys), shared.key_rope_positions, step.inv_freq)
         out = shared.window.attend(q, keys, values, step)
         return out, StreamingLayerCache(write_slots(cache.k, shared.window.write_slots, k),
                                         write_slots(cache.v, shared.window.write_slots, v))
