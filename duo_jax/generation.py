@@ -20,7 +20,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model
 from duo_jax.methods import DuoAttention, InfiniGen, Method, cache_nbytes, make_method
 from duo_jax.methods.infinigen import DENSE_LAYERS, LLAMA_ALPHA, skew_on_text
-from duo_jax.model import param_shapes
+from duo_jax.model import param_shapes, quantize_weights, weight_format
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.sampling import Sampling, sample
 from duo_jax.tokenizer import require
@@ -89,31 +89,31 @@ def bucket(n: int, smallest: int = 16) -> int:
     return max(smallest, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _abstract_params(config: ModelConfig, method: Method, dtype: str):
+def _abstract_params(config: ModelConfig, method: Method, dtype: str, weights: str | None = None):
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
                            is_leaf=lambda s: isinstance(s, tuple))
-    return jax.eval_shape(lambda p: prepare_params(p, config, method), stacked)
+    return jax.eval_shape(lambda p: prepare_params(quantize_weights(p, weights), config, method), stacked)
 
 
 @functools.lru_cache(maxsize=32)
 def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,
-                    max_tokens: int, eos_ids: tuple[int, ...]):
+                    max_tokens: int, eos_ids: tuple[int, ...], weights: str | None = None):
     """`engine.decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    return decode.lower(_abstract_params(config, method, dtype), method.cache_spec(batch, dtype), ints, ints, key,
+    return decode.lower(_abstract_params(config, method, dtype, weights), method.cache_spec(batch, dtype), ints, ints, key,
                         jax.ShapeDtypeStruct((), jnp.int32), config=config, method=method, sampling=sampling,
                         max_tokens=max_tokens, eos_ids=eos_ids, impl=impl).compile()
 
 
 @functools.lru_cache(maxsize=32)
 def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
-                    impl: str = "auto", all_logits: bool = False):
+                    impl: str = "auto", all_logits: bool = False, weights: str | None = None):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows."""
     cache = method.cache_spec(batch, dtype)
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
-    return extend.lower(_abstract_params(config, method, dtype), cache, ints, tokens, ints, config=config,
+    return extend.lower(_abstract_params(config, method, dtype, weights), cache, ints, tokens, ints, config=config,
                         method=method, all_logits=all_logits, impl=impl).compile()
 
 
@@ -222,7 +222,8 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
 
     start = time.perf_counter()
-    prefill_step = compiled_extend(config, kv_method, B, chunk, jnp.dtype(dtype).name, attention_impl)
+    weights = weight_format(model.params)
+    prefill_step = compiled_extend(config, kv_method, B, chunk, jnp.dtype(dtype).name, attention_impl, weights=weights)
     compile_s = time.perf_counter() - start
 
     cache = kv_method.init_cache(B, dtype)
@@ -244,7 +245,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     eos_ids = tuple(config.eos_token_ids) if stop_at_eos else ()
     start = time.perf_counter()
     decode_loop = compiled_decode(config, kv_method, B, jnp.dtype(dtype).name, attention_impl, sampling,
-                                  bucket(max_new_tokens), eos_ids)
+                                  bucket(max_new_tokens), eos_ids, weights)
     compile_s += time.perf_counter() - start
 
     start = time.perf_counter()

@@ -28,7 +28,7 @@ import numpy as np
 from duo_jax import data_wheels
 from duo_jax.config import ModelConfig, named_configs, read_named
 from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
-from duo_jax.model import LayerParams, Params, param_shapes
+from duo_jax.model import LayerParams, Params, check_weight_format, param_shapes, quantize_weights
 from duo_jax.tokenizer import Tokenizer
 
 
@@ -45,8 +45,18 @@ class Model:
     names: tuple[str, ...] = ()
 
 
-def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None) -> Model:
-    """Load a model by config name or path; see the module docstring for the search order."""
+def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None,
+         weights: str | None = None) -> Model:
+    """Load a model by config name or path; see the module docstring for the search order.
+
+    weights="int8" quantizes every matmul weight to int8 per output channel after loading (scales in `dtype`,
+    dequantized in the matmul: `duo_jax.model.quantize_weights`)."""
+    check_weight_format(weights)  # before reading gigabytes
+    model = _load(name_or_path, dtype, path)
+    return dataclasses.replace(model, params=quantize_weights(model.params, weights))
+
+
+def _load(name_or_path, dtype, path) -> Model:
     name = str(name_or_path)
     if path is None and Path(name).exists():
         path, name = Path(name), ""

@@ -169,16 +169,17 @@ def quantize_weight(w: jax.Array, contract_axes: tuple[int, ...]) -> QuantizedWe
     return QuantizedWeight(_codes(w, scale, 127), scale)
 
 
-def einsum(subscripts: str, x: jax.Array, w) -> jax.Array:
-    """`jnp.einsum(subscripts, x, w)` in x's dtype for a weight w that may be a `QuantizedWeight`."""
+def einsum(subscripts: str, x: jax.Array, w, out_dtype=None) -> jax.Array:
+    """`jnp.einsum(subscripts, x, w)` for a weight w that may be a `QuantizedWeight`, in `out_dtype` (default
+    x's; a float32 out_dtype accumulates in float32)."""
     if not isinstance(w, QuantizedWeight):
-        return jnp.einsum(subscripts, x, w)
+        return jnp.einsum(subscripts, x, w, preferred_element_type=out_dtype)
     inputs, out = subscripts.split("->")
     w_letters = inputs.split(",")[1]
     y = jnp.einsum(subscripts, x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
     kept = "".join(c for c in w_letters if c in out)  # the output channels: the scale's non-unit axes
     scale = w.scale.reshape([n for c, n in zip(w_letters, w.scale.shape) if c in out])
-    return jnp.einsum(f"{out},{kept}->{out}", y, scale.astype(jnp.float32)).astype(x.dtype)
+    return jnp.einsum(f"{out},{kept}->{out}", y, scale.astype(jnp.float32)).astype(out_dtype or x.dtype)
 
 
 def take_rows(w, rows: jax.Array) -> jax.Array:

@@ -47,8 +47,14 @@ def reorder_heads(params: Params, config: ModelConfig, retrieval_mask: np.ndarra
     kv_order = head_order(retrieval_mask)  # [L, K]
     G = config.group_size
     q_order = (kv_order[:, :, None] * G + np.arange(G)).reshape(config.num_layers, config.num_heads)  # [L, H]
-    take_heads = jax.vmap(lambda w, order: w[:, order])  # per layer, index the head axis of [D, heads, E]
-    take_rows = jax.vmap(lambda w, order: w[order])  # per layer, index the leading head axis
+
+    def permute(axis):
+        """Per layer, index head axis `axis` of a weight; an int8 weight's scale with size 1 there (a
+        contracted axis, `duo_jax.quant.QuantizedWeight`) is the same for every head and stays."""
+        take = jax.vmap(lambda w, order: jnp.take(w, order, axis=axis))
+        return lambda w, order: jax.tree.map(lambda a: a if a.shape[axis + 1] == 1 else take(a, order), w)
+
+    take_heads, take_rows = permute(1), permute(0)  # the head axis of [D, heads, E]; the leading one
     layers = params.layers
     biases = {} if layers.bq is None else dict(bq=take_rows(layers.bq, q_order), bk=take_rows(layers.bk, kv_order),
                                                bv=take_rows(layers.bv, kv_order))
