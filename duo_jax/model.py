@@ -150,9 +150,41 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _split_bits(x: np.ndarray, bits: int) -> np.ndarray:
+    """x (float64) rounded to `bits` significant bits."""
+    mantissa, exponent = np.frexp(x)
+    return np.ldexp(np.round(mantissa * 2.0 ** bits), exponent - bits)
+
+
+def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """positions [...] (int) * inv_freq [E/2] reduced mod 2π to [-π, π], float32 [..., E/2], within ~2e-6 rad of
+    the float64 product for every int32 position.
+
+    The plain float32 product is off by up to |angle| * 2^-24 before any reduction: 0.1 rad at position 4M
+    (tests/test_rope.py measures it). Instead the angle is counted in turns, position * inv_freq / 2π, with the
+    per-pair constant split on the host into two 12-bit parts and a remainder, and the position into 12-bit
+    pieces: each piece times each 12-bit part is exact in float32 (24 significant bits), so its fractional
+    part is exact too, and only fractions in [0, 1) are summed."""
+    turns = np.asarray(inv_freq, np.float64) / (2 * np.pi)  # the float32 frequencies the model uses, exactly
+    c1 = _split_bits(turns, 12)
+    c2 = _split_bits(turns - c1, 12)
+    c3 = turns - c1 - c2  # < 2^-24 of the constant: its product needs no exactness
+    p = positions.astype(jnp.int32)[..., None]
+    pieces = [(p >> 24) << 24, ((p >> 12) & 0xFFF) << 12, p & 0xFFF]  # 7, 12 and 12 significant bits
+
+    def frac(t):
+        return t - jnp.floor(t)
+
+    total = frac(p.astype(jnp.float32) * c3.astype(np.float32))
+    for piece in pieces:
+        for c in (c1, c2):
+            total = frac(total + frac(piece.astype(jnp.float32) * c.astype(np.float32)))
+    return (total - jnp.round(total)) * np.float32(2 * np.pi)  # centred: [-π, π], half the rounding
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate x [B, T, N, E] at absolute `positions` [B, T] (half-split layout, as Hugging Face Llama)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, E/2]
+    angles = rope_angles(positions, inv_freq)  # [B, T, E/2]
     cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
     sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
