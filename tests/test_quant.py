@@ -82,3 +82,16 @@ def test_int8_weight_einsum_matches_float64_per_output_channel():
                                rtol=1e-5, atol=1e-5)  # the same as the dequantized weight
     rows = jnp.asarray([[0, 5], [23, 5]])
     np.testing.assert_array_equal(quant.take_rows(q, rows), q.dequantize()[rows])
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_kv_rotation_is_orthonormal_and_evens_out_channels(head_dim):
+    r = quant.kv_rotation(head_dim).astype(np.float64)
+    np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-6)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(400, head_dim)) * np.exp(rng.normal(size=head_dim))  # channels of log-normal scales
+    err = []
+    for y, back in ((x, np.eye(head_dim)), (x @ r, r.T)):
+        q = quant.quantize_kv(jnp.asarray(y, jnp.float32), "int4")
+        err.append(np.linalg.norm(np.asarray(q.dequantize(), np.float64) @ back - x))
+    assert err[1] < 0.7 * err[0]  # measured: 0.47 (64), 0.58 (80, random orthogonal), 0.49 (128)

@@ -27,7 +27,7 @@ from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, ini
 from duo_jax.config import ModelConfig
 from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.model import Params, apply_rope
-from duo_jax.quant import as_stored
+from duo_jax.quant import as_stored, kv_rotation, rotate
 
 
 def head_order(retrieval_mask: np.ndarray) -> np.ndarray:
@@ -134,6 +134,9 @@ class DuoAttention(Method):
         n = self.layout.num_retrieval[layer]
         G = q.shape[2] // k.shape[2]
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
+        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
+            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
         rk = write_slots(cache.retrieval_k, shared.retrieval_slots, k[:, :, :n])
         rv = write_slots(cache.retrieval_v, shared.retrieval_slots, v[:, :, :n])
         sk, sv = cache.streaming_k, cache.streaming_v
@@ -146,4 +149,5 @@ class DuoAttention(Method):
             heads.append(shared.window.attend(q[:, :, n * G:], keys, values, step))
         sk = write_slots(sk, shared.window.write_slots, new_k)
         sv = write_slots(sv, shared.window.write_slots, new_v)
-        return jnp.concatenate(heads, axis=2), DuoLayerCache(rk, rv, sk, sv)
+        out = jnp.concatenate(heads, axis=2)
+        return (out if rotation is None else rotate(out, rotation.T)), DuoLayerCache(rk, rv, sk, sv)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.methods.duo import StreamingWindow
 from duo_jax.model import apply_rope
-from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
+from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
+                           rotate)
 
 
 @jax.tree_util.register_dataclass
@@ -74,13 +75,18 @@ class StreamingLLM(Method):
         return StreamingShared(window, jnp.concatenate([jnp.maximum(slot_rank, 0), new_rank], axis=1), new_rank)
 
     def attend(self, layer, q, k, v, cache: StreamingLayerCache, step: Step, shared: StreamingShared):
+        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
+        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
+            k, v = rotate(k, rotation), rotate(v, rotation)
         k, v = as_stored(k, cache.k), as_stored(v, cache.v)  # quantized once, when the cache is
         keys = concat_slots(cache.k, k)  # [B, S + T, K, E], before RoPE
         values = concat_slots(cache.v, v)
         q = apply_rope(q, shared.query_rope_positions, step.inv_freq)
-        # Every key is re-rotated every step, so a quantized window is dequantized whole: it holds
-        # start + recent tokens, not the context.
-        keys = apply_rope(dequantize(keys), shared.key_rope_positions, step.inv_freq)
+        # Every key is re-rotated by RoPE every step, so a quantized window is dequantized (and turned back
+        # from k R to k) whole: it holds start + recent tokens, not the context.
+        keys = dequantize(keys) if rotation is None else rotate(dequantize(keys), rotation.T)
+        keys = apply_rope(keys, shared.key_rope_positions, step.inv_freq)
         out = shared.window.attend(q, keys, values, step)
+        out = out if rotation is None else rotate(out, rotation.T)
         return out, StreamingLayerCache(write_slots(cache.k, shared.window.write_slots, k),
                                         write_slots(cache.v, shared.window.write_slots, v))
