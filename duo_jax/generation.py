@@ -101,8 +101,8 @@ def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str,
     """`engine.decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
     ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    return decode.lower(_abstract_params(config, method, dtype, weights), method.cache_spec(batch, dtype), ints, ints, key,
-                        jax.ShapeDtypeStruct((), jnp.int32), config=config, method=method, sampling=sampling,
+    return decode.lower(_abstract_params(config, method, dtype, weights), method.cache_spec(batch, dtype), ints,
+                        ints, key, jax.ShapeDtypeStruct((), jnp.int32), config=config, method=method, sampling=sampling,
                         max_tokens=max_tokens, eos_ids=eos_ids, impl=impl).compile()
 
 

@@ -1,30 +1,30 @@
 """Absmax quantization: int8 / int4 KV-cache blocks and int8 weights, with the scales kept beside the codes.
 
 KV cache (`QuantizedKV`): each token's key (or value) of each head is quantized along the head dimension E
-with one scale, `scale = max|x| / qmax` (qmax 127 for int8, 7 for int4), codes `round(x / scale)` in
-[-qmax, qmax], symmetric (int4's -8 is unused). int4 codes are packed two per byte: byte j of a head holds
-element j in its low nibble and element j + E/2 in its high nibble (the halves RoPE rotates together), so
-unpacking is two shifts and one concatenation. Scales are bfloat16, [..., 1] beside the codes: 2 bytes per
-token and head (E=128: 1.6% of an int8 block, 3% of an int4 one; fp32 would double that for nothing: a
-bf16 scale's rounding, at most 2^-8 relative, is far below the quantization step itself, 1/127 or 1/7 of
-the absmax). The scale is rounded *up* to bf16, so no code is clipped and every element is within half a
-step of its value: |x - dequantize(quantize(x))| <= scale / 2 (tests check it against float64).
-Methods store keys and values through an orthonormal rotation (`kv_rotation`) before quantizing, which
-spreads outlier channels over the head dimension. A `QuantizedKV` stands in for the cache array it replaces: `.shape` and `.dtype` are those of the
+with one scale, `scale = max|x| / qmax` (qmax 127 for int8, 7 for int4), codes `round(x / scale)` in [-qmax,
+qmax], symmetric (int4's -8 is unused). int4 codes are packed two per byte: byte j of a head holds element j
+in its low nibble and element j + E/2 in its high nibble (the halves RoPE rotates together), so unpacking is
+two shifts and one concatenation. Scales are bfloat16, [..., 1] beside the codes: 2 bytes per token and head
+(E=128: 1.6% of an int8 block, 3% of an int4 one; fp32 would double that for nothing: a bf16 scale's rounding,
+at most 2^-8 relative, is far below the quantization step itself, 1/127 or 1/7 of the absmax). The scale is
+rounded *up* to bf16, so no code is clipped and every element is within half a step of its value:
+|x - dequantize(quantize(x))| <= scale / 2 (tests check it against float64). Methods store keys and values through
+an orthonormal rotation (`kv_rotation`) before quantizing, which spreads outlier channels over the head
+dimension. A `QuantizedKV` stands in for the cache array it replaces: `.shape` and `.dtype` are those of the
 dequantized array (the model's dtype), and attention dequantizes it one key tile at a time
 (`duo_jax.attention.xla`).
 
-Weights (`QuantizedWeight`): int8 per output channel, the absmax over the axes a matmul contracts; the
-scale keeps the weight's rank with size 1 on those axes (so permuting an output axis, as DuoAttention's head
+Weights (`QuantizedWeight`): int8 per output channel, the absmax over the axes a matmul contracts; the scale
+keeps the weight's rank with size 1 on those axes (so permuting an output axis, as DuoAttention's head
 reordering does, permutes codes and scales alike, and permuting a contracted axis leaves the scales alone).
 `einsum` is the one matmul of the model: it multiplies by the int8 codes converted to the activation's dtype
 (exact: |code| <= 127) with fp32 accumulation, then scales the output channels.
 
-Why not a library: qwix (Google's successor of AQT) quantizes by intercepting Flax modules' dot_generals,
-and AQT (aqtp) by replacing a module's `dot_general`; duo-jax's model is plain functions over dataclass
-pytrees with no modules to intercept, and its KV cache is its own pytree, so either would mean adopting
-Flax for ~100 lines of absmax arithmetic. MaxText's KV quantization is the design followed here (absmax
-along the head dimension, per token and head, int4 packed).
+Why not a library: qwix (Google's successor of AQT) quantizes by intercepting Flax modules' dot_generals, and
+AQT (aqtp) by replacing a module's `dot_general`; duo-jax's model is plain functions over dataclass pytrees
+with no modules to intercept, and its KV cache is its own pytree, so either would mean adopting Flax for ~100
+lines of absmax arithmetic. MaxText's KV quantization is the design followed here (absmax along the head
+dimension, per token and head, int4 packed).
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def quantize_kv(x: jax.Array, kind: str, dtype=None) -> QuantizedKV:
     """x [..., E] -> absmax codes along E, one scale per [...] (dequantizing to `dtype`, default x's)."""
     qmax = QMAX[check_kv_dtype(kind)]
     if kind == "int4" and x.shape[-1] % 2:
-        raise DuoJaxError(f"int4 packs two codes per byte along the head dimension, which must be even; got {x.shape[-1]}")
+        raise DuoJaxError("int4 packs two codes per byte along the head dimension, which must be even; "
+                          f"got {x.shape[-1]}")
     scale = absmax_scale(x, -1, qmax, KV_SCALE_DTYPE)
     codes = _codes(x, scale, qmax)
     return QuantizedKV(pack_int4(codes) if kind == "int4" else codes, scale, kind,
