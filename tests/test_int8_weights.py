@@ -45,8 +45,10 @@ def test_int8_weights_compute_the_model_of_their_dequantized_weights(params, tok
     np.testing.assert_allclose(got, duo_jax.forward(dequantized(q), CONFIG, tokens), atol=2e-5, rtol=2e-5)
     fp32 = duo_jax.forward(params, CONFIG, tokens)
     err = float(jnp.abs(got - fp32).max() / jnp.abs(fp32).max())
-    # Per-channel int8 moves each weight by <= 1/254 of its channel's absmax; measured here: 1.0%.
-    assert 1e-4 < err < 0.03
+    # Per-channel int8 moves each weight by <= 1/254 of its channel's absmax (~0.8% rms); through this random
+    # model's two layers the logits move by 3.8% of their largest (2.3% rms), measured. A lost or misplaced
+    # scale moves them by ~100%.
+    assert 1e-4 < err < 0.08
 
 
 def test_tied_embeddings_bf16_and_head_reordering(tokens):
