@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                              "methods full and duo")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="weights and cache dtype; auto: float32 on CPU (no fast bf16 matmuls), else bfloat16")
+    parser.add_argument("--kv-dtype", choices=["int8", "int4"], default=None,
+                        help="quantized KV cache (full, duo, streaming_llm); default: the model's dtype")
+    parser.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (per output channel)")
     return parser
 
 
@@ -77,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         mesh = None if args.mesh is None else sharding.make_generation_mesh(
             **sharding.parse_mesh(args.mesh, sharding.GENERATION_AXES))
         text = args.prompt if args.prompt is not None else open(args.prompt_file).read()
-        model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype))
+        model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype), weights=args.weights)
         chat = is_chat_model(model) if args.chat is None else args.chat
-        options = {k: v for k, v in dict(kv_budget=args.kv_budget, scores=args.scores).items() if v is not None}
+        options = {k: v for k, v in dict(kv_budget=args.kv_budget, scores=args.scores, kv_dtype=args.kv_dtype).items()
+                   if v is not None}
         out = generate(model, text, method=args.method, pattern=args.pattern, sparsity=args.sparsity, sink=args.sink,
                        recent=args.recent, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=chat,

@@ -11,6 +11,9 @@ streaming heads, each group in the model's order), the cache holds
 Layers keep their own arrays, so memory is exact whatever the per-layer split. Keys are cached after RoPE at
 their absolute positions (`duo_jax.methods.duo` reads and writes it). The capacity C is the context asked for rounded up to `CAPACITY_BLOCK` tokens
 (the kernels' key block). How many tokens each sequence holds lives outside the cache, in `lengths` [B].
+
+With `kv_dtype` "int8" or "int4" each of the four arrays is a `duo_jax.quant.QuantizedKV` of the same logical
+shape: codes (int4: two per byte) and one bf16 scale per token and head, quantized on write.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
+from duo_jax.quant import check_kv_dtype, kv_bytes_per_vector, kv_zeros
 
 CAPACITY_BLOCK = 128
 
@@ -40,6 +44,7 @@ class CacheLayout:
     # Per layer, the KV heads in cache order: the layer's retrieval heads, then its streaming heads (each in the
     # model's order). None: the model's order (every head retrieval, or a pattern that needs no reordering).
     kv_order: tuple[tuple[int, ...], ...] | None = None
+    kv_dtype: str | None = None  # None: the model's dtype; "int8" / "int4": quantized (`duo_jax.quant`)
 
     @property
     def num_layers(self) -> int:
@@ -64,7 +69,7 @@ def round_capacity(tokens: int) -> int:
 
 
 def make_layout(config: ModelConfig, retrieval_mask: np.ndarray | None, *, sink: int, recent: int,
-                context: int) -> CacheLayout:
+                context: int, kv_dtype: str | None = None) -> CacheLayout:
     """Layout for a [layers, kv_heads] retrieval mask (None: every head is a retrieval head)."""
     if sink < 0 or recent < 0:
         raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
@@ -76,7 +81,7 @@ def make_layout(config: ModelConfig, retrieval_mask: np.ndarray | None, *, sink:
         order = np.stack([np.concatenate([np.flatnonzero(m), np.flatnonzero(~m)]) for m in mask])
         kv_order = None if (order == np.arange(mask.shape[1])).all() else tuple(map(tuple, order.tolist()))
     return CacheLayout(num_retrieval, config.num_kv_heads, config.head_dim, sink, recent, round_capacity(context),
-                       kv_order)
+                       kv_order, check_kv_dtype(kv_dtype))
 
 
 @jax.tree_util.register_dataclass
@@ -84,17 +89,19 @@ def make_layout(config: ModelConfig, retrieval_mask: np.ndarray | None, *, sink:
 class DuoLayerCache:
     """One layer's K/V arrays of both partitions."""
 
-    retrieval_k: jax.Array  # [B, C, n_l, E]
+    retrieval_k: jax.Array  # [B, C, n_l, E] (or a QuantizedKV of that shape)
     retrieval_v: jax.Array
     streaming_k: jax.Array  # [B, sink + recent, K - n_l, E]
     streaming_v: jax.Array
 
 
 def init_cache(layout: CacheLayout, batch: int, dtype) -> tuple[DuoLayerCache, ...]:
-    """An empty cache (zeros) for `batch` sequences: one `DuoLayerCache` per layer."""
+    """An empty cache (zeros) for `batch` sequences: one `DuoLayerCache` per layer (`dtype`: the model's)."""
     E = layout.head_dim
 
     def zeros(slots, heads):
+        if layout.kv_dtype is not None:
+            return kv_zeros((batch, slots, heads, E), layout.kv_dtype, dtype)
         return jnp.zeros((batch, slots, heads, E), dtype)
 
     return tuple(DuoLayerCache(zeros(layout.capacity, n), zeros(layout.capacity, n),
@@ -104,10 +111,11 @@ def init_cache(layout: CacheLayout, batch: int, dtype) -> tuple[DuoLayerCache, .
 
 
 def expected_cache_bytes(layout: CacheLayout, batch: int, bytes_per_elem: int) -> int:
-    """batch * 2 * E * bytes * sum_l(n_l * capacity + (K - n_l) * (sink + recent))."""
+    """batch * 2 * v * sum_l(n_l * capacity + (K - n_l) * (sink + recent)), v the bytes of one head's key:
+    E * bytes_per_elem (the model's dtype), E + 2 (int8 codes + bf16 scale) or E / 2 + 2 (int4)."""
     per_layer = sum(n * layout.capacity + (layout.num_kv_heads - n) * layout.streaming_slots
                     for n in layout.num_retrieval)
-    return batch * 2 * layout.head_dim * bytes_per_elem * per_layer
+    return batch * 2 * kv_bytes_per_vector(layout.head_dim, layout.kv_dtype, bytes_per_elem) * per_layer
 
 
 def full_cache_bytes(config: ModelConfig, batch: int, context: int, bytes_per_elem: int) -> int:

@@ -30,7 +30,8 @@ from duo_jax import sharding
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
-from duo_jax.model import Params, decoder_layer, embed, param_shapes, project_qkv, rope_inv_freq, unembed
+from duo_jax.model import (Params, decoder_layer, embed, param_shapes, project_qkv, quantize_weights, rope_inv_freq,
+                           unembed, weight_format)
 from duo_jax.sampling import Sampling, sample
 
 
@@ -151,11 +152,12 @@ def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax
     return tokens, steps, cache, lengths
 
 
-def _abstract_params(config: ModelConfig, dtype: str, mesh: Mesh | None = None) -> Params:
-    """The engine's weights as `ShapeDtypeStruct`s (with their tensor-parallel shardings on `mesh`)."""
+def _abstract_params(config: ModelConfig, dtype: str, mesh: Mesh | None = None, weights: str | None = None) -> Params:
+    """The engine's weights as `ShapeDtypeStruct`s in their format (`weights`: None or "int8",
+    `duo_jax.model.quantize_weights`), with their tensor-parallel shardings on `mesh`."""
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
                            is_leaf=lambda s: isinstance(s, tuple))
-    params = jax.eval_shape(unstack_layers, stacked)
+    params = jax.eval_shape(lambda p: unstack_layers(quantize_weights(p, weights)), stacked)
     return params if mesh is None else sharding.abstract(params, sharding.tensor_parallel_specs(params, mesh), mesh)
 
 
@@ -172,24 +174,26 @@ def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, 
 
 @functools.lru_cache(maxsize=64)
 def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
-                    impl: str = "auto", all_logits: bool = False, mesh: Mesh | None = None):
+                    impl: str = "auto", all_logits: bool = False, mesh: Mesh | None = None,
+                    weights: str | None = None):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows. `method`
     is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it."""
     cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch, chunk),
                                                               (batch,))
-    return extend.lower(_abstract_params(config, dtype, mesh), cache, lengths, tokens, n_valid, state,
+    return extend.lower(_abstract_params(config, dtype, mesh, weights), cache, lengths, tokens, n_valid, state,
                         config=config, method=method, all_logits=all_logits, impl=impl, mesh=mesh).compile()
 
 
 @functools.lru_cache(maxsize=32)
 def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,
-                    max_tokens: int, eos_ids: tuple[int, ...], mesh: Mesh | None = None):
+                    max_tokens: int, eos_ids: tuple[int, ...], mesh: Mesh | None = None,
+                    weights: str | None = None):
     """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
     key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
         key, limit = (sharding.abstract(x, P(), mesh) for x in (key, limit))
-    return decode.lower(_abstract_params(config, dtype, mesh), cache, lengths, token, key, limit, state,
+    return decode.lower(_abstract_params(config, dtype, mesh, weights), cache, lengths, token, key, limit, state,
                         config=config, method=method, sampling=sampling, max_tokens=max_tokens, eos_ids=eos_ids,
                         impl=impl, mesh=mesh).compile()
 
@@ -229,6 +233,7 @@ class Engine:
             specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack, params), mesh)
             self.params = jax.jit(unstack, out_shardings=sharding.named(specs, mesh))(params)
         self.dtype = jnp.dtype(params.dtype).name
+        self.weights = weight_format(params)  # None, or "int8" (`duo_jax.load(..., weights="int8")`)
         # Weak references: the engine must not keep the weights it was prepared from alive.
         self._source = [weakref.ref(x) for x in jax.tree.leaves(params)]
 
@@ -240,7 +245,7 @@ class Engine:
     @classmethod
     def of(cls, model, mesh: Mesh | None = None) -> "Engine":
         """The engine of `model`'s weights (on `mesh`): prepared on their first use, then reused."""
-        anchor = model.params.layers.wq  # stacked [L, D, H, E]: the engine holds per-layer copies, never this
+        anchor = jax.tree.leaves(model.params.layers.wq)[0]  # stacked: the engine holds per-layer copies, never this
         key = (id(anchor), mesh)
         engine = _ENGINES.get(key)
         if engine is None or not engine.prepared_from(model.params, model.config):
@@ -279,7 +284,8 @@ class Engine:
         padded[:, : min(tokens.shape[1], padded.shape[1])] = tokens[:, : padded.shape[1]]
         if cache is None:
             cache, lengths = self.init_cache(method, B), self.put_batch(np.zeros((B,), np.int32))
-        step = compiled_extend(self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh)
+        step = compiled_extend(self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh,
+                               self.weights)
         state = method.state()
         last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
         for start in range(0, longest, chunk):
@@ -299,7 +305,7 @@ class Engine:
         (logits float32 [B, V] (or [B, 1, V] with all_logits), cache, lengths). For callers that need every
         step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`)."""
         B = tokens.shape[0]
-        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh)
+        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, self.weights)
         return run(self.params, cache, lengths, self.put_batch(np.asarray(tokens, np.int32)[:, None]),
                    self.put_batch(np.ones((B,), np.int32)), method.state())
 
@@ -308,7 +314,7 @@ class Engine:
         """`decode` on this engine's weights, compiled per (batch, bucket(max_new_tokens), sampling, EOS ids):
         (tokens int32 [B, bucket], steps, cache, lengths); `token` is each sequence's first new token."""
         run = compiled_decode(self.config, method, token.shape[0], self.dtype, impl, sampling,
-                              bucket(max_new_tokens), tuple(eos_ids), self.mesh)
+                              bucket(max_new_tokens), tuple(eos_ids), self.mesh, self.weights)
         limit = jnp.asarray(max_new_tokens - 1, jnp.int32)
         if self.mesh is not None:
             token = self.put_batch(token)

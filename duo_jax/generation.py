@@ -112,7 +112,8 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
              sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, max_new_tokens: int = 128,
              chunk_size: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto",
-             chat: bool | None = None, mesh: Mesh | None = None, **method_options) -> Generation:
+             chat: bool | None = None, kv_dtype: str | None = None, mesh: Mesh | None = None,
+             **method_options) -> Generation:
     """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
@@ -131,6 +132,8 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
     to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
     attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
+    kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
+    token and head, `duo_jax.quant`; methods full, duo and streaming_llm).
     mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
     number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
     split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention
@@ -146,6 +149,14 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     if context is not None and needed > context:
         raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
                           f"cache capacity context={context}; raise context or shorten the prompt")
+    if kv_dtype is not None and kv_dtype != jnp.dtype(model.params.dtype).name:
+        if isinstance(method, Method):
+            raise DuoJaxError("kv_dtype is a method option: build the method with it (make_method(..., "
+                              "kv_dtype=...)) rather than passing both")
+        if mesh is not None:
+            raise DuoJaxError("a quantized KV cache on a device mesh is not supported yet: use kv_dtype=None "
+                              "with mesh=, or no mesh")
+        method_options["kv_dtype"] = kv_dtype
     # Default capacity: a bucket (`capacity_bucket`) so that varied requests share compiled shapes, never
     # beyond the model's context.
     capacity = context or max(needed, min(capacity_bucket(needed), config.max_position_embeddings))
@@ -179,7 +190,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     if mesh is not None:
         sharding.check_batch(mesh, B)
     start = time.perf_counter()
-    compiled_extend(config, kv_method, B, chunk, engine.dtype, attention_impl, False, mesh)  # compile, untimed
+    compiled_extend(config, kv_method, B, chunk, engine.dtype, attention_impl, False, mesh, engine.weights)  # untimed
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -191,7 +202,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
 
     start = time.perf_counter()
     compiled_decode(config, kv_method, B, engine.dtype, attention_impl, sampling, bucket(max_new_tokens), eos_ids,
-                    mesh)
+                    mesh, engine.weights)
     compile_s += time.perf_counter() - start
 
     start = time.perf_counter()

@@ -30,7 +30,7 @@ import numpy as np
 from duo_jax import data_wheels
 from duo_jax.config import ModelConfig, named_configs, read_named
 from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
-from duo_jax.model import LayerParams, Params, param_shapes
+from duo_jax.model import LayerParams, Params, check_weight_format, param_shapes, quantize_weights
 from duo_jax.tokenizer import Tokenizer
 
 # Params of ShapeDtypeStructs -> Params of jax.sharding.Sharding (see `load`)
@@ -51,13 +51,23 @@ class Model:
 
 
 def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None,
-         shardings: Shardings | None = None) -> Model:
+         shardings: Shardings | None = None, weights: str | None = None) -> Model:
     """Load a model by config name or path; see the module docstring for the search order.
 
     `shardings(shapes)`, given the weights as a `Params` of `jax.ShapeDtypeStruct`s, returns a `Params` of
     `jax.sharding.Sharding`s (e.g. `duo_jax.sharding.weight_shardings` for a mesh): each leaf is then put
     straight into its sharded layout, this process sending only the slices its own devices hold (the
-    default puts every weight on the default device)."""
+    default puts every weight on the default device). weights="int8" quantizes every matmul weight to int8 per
+    output channel after loading (scales in `dtype`, dequantized in the matmul: `duo_jax.model.quantize_weights`;
+    not with `shardings`)."""
+    check_weight_format(weights)  # before reading gigabytes
+    if weights is not None and shardings is not None:
+        raise LoadError("int8 weights are not supported with sharded loading yet: pass weights=None or no shardings")
+    model = _load(name_or_path, dtype, path, shardings)
+    return dataclasses.replace(model, params=quantize_weights(model.params, weights))
+
+
+def _load(name_or_path, dtype, path, shardings) -> Model:
     name = str(name_or_path)
     if path is None and Path(name).exists():
         path, name = Path(name), ""

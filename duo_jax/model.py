@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax import attention
+from duo_jax import attention, quant
 from duo_jax.config import ModelConfig
+from duo_jax.errors import DuoJaxError
 
 
 @jax.tree_util.register_dataclass
@@ -87,6 +88,39 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return jax.tree.unflatten(treedef, arrays)
 
 
+# The axes each weight's matmul contracts (stacked: after the layer axis); int8 weights keep one scale per
+# output channel, the other axes (`quantize_weights`). The embedding's rows are its output channels for the
+# tied LM head and its lookup alike.
+CONTRACTED_AXES = dict(wq=(1,), wk=(1,), wv=(1,), wo=(1, 2), w_gate=(1,), w_up=(1,), w_down=(1,), embed=(1,),
+                       lm_head=(1,))
+
+
+def check_weight_format(weights: str | None) -> str | None:
+    """None (the load dtype) or "int8"; anything else raises."""
+    if weights not in (None, "int8"):
+        raise DuoJaxError(f"weights must be None (the load dtype) or 'int8', got {weights!r}")
+    return weights
+
+
+def weight_format(params: Params) -> str | None:
+    """"int8" for weights from `quantize_weights`, None for weights in their dtype."""
+    return "int8" if isinstance(params.embed, quant.QuantizedWeight) else None
+
+
+def quantize_weights(params: Params, weights: str | None = "int8") -> Params:
+    """`params` with every matmul weight int8 per output channel (`duo_jax.quant.QuantizedWeight`; norms and
+    biases stay as they are). weights=None returns them unchanged."""
+    if check_weight_format(weights) is None:
+        return params
+
+    def quantize(obj):
+        return dataclasses.replace(obj, **{f.name: quant.quantize_weight(getattr(obj, f.name), CONTRACTED_AXES[f.name])
+                                           for f in dataclasses.fields(obj)
+                                           if f.name in CONTRACTED_AXES and getattr(obj, f.name) is not None})
+
+    return dataclasses.replace(quantize(params), layers=quantize(params.layers))
+
+
 # --- building blocks -------------------------------------------------------------------------------
 
 
@@ -116,9 +150,41 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _split_bits(x: np.ndarray, bits: int) -> np.ndarray:
+    """x (float64) rounded to `bits` significant bits."""
+    mantissa, exponent = np.frexp(x)
+    return np.ldexp(np.round(mantissa * 2.0 ** bits), exponent - bits)
+
+
+def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """positions [...] (int) * inv_freq [E/2] reduced mod 2π to [-π, π], float32 [..., E/2], within ~2e-6 rad of
+    the float64 product for every int32 position.
+
+    The plain float32 product is off by up to |angle| * 2^-24 before any reduction: 0.1 rad at position 4M
+    (tests/test_rope.py measures it). Instead the angle is counted in turns, position * inv_freq / 2π, with the
+    per-pair constant split on the host into two 12-bit parts and a remainder, and the position into 12-bit
+    pieces: each piece times each 12-bit part is exact in float32 (24 significant bits), so its fractional
+    part is exact too, and only fractions in [0, 1) are summed."""
+    turns = np.asarray(inv_freq, np.float64) / (2 * np.pi)  # the float32 frequencies the model uses, exactly
+    c1 = _split_bits(turns, 12)
+    c2 = _split_bits(turns - c1, 12)
+    c3 = turns - c1 - c2  # < 2^-24 of the constant: its product needs no exactness
+    p = positions.astype(jnp.int32)[..., None]
+    pieces = [(p >> 24) << 24, ((p >> 12) & 0xFFF) << 12, p & 0xFFF]  # 7, 12 and 12 significant bits
+
+    def frac(t):
+        return t - jnp.floor(t)
+
+    total = frac(p.astype(jnp.float32) * c3.astype(np.float32))
+    for piece in pieces:
+        for c in (c1, c2):
+            total = frac(total + frac(piece.astype(jnp.float32) * c.astype(np.float32)))
+    return (total - jnp.round(total)) * np.float32(2 * np.pi)  # centred: [-π, π], half the rounding
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate x [B, T, N, E] at absolute `positions` [B, T] (half-split layout, as Hugging Face Llama)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, E/2]
+    angles = rope_angles(positions, inv_freq)  # [B, T, E/2]
     cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
     sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
@@ -127,17 +193,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    gate = jnp.einsum("btd,df->btf", x, layer.w_gate)
-    up = jnp.einsum("btd,df->btf", x, layer.w_up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
+    gate = quant.einsum("btd,df->btf", x, layer.w_gate)
+    up = quant.einsum("btd,df->btf", x, layer.w_up)
+    return quant.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
 
 
 def project_qkv(x: jax.Array, layer: LayerParams, eps: float):
     """Query [B, T, H, E], key and value [B, T, K, E] heads of one layer's normed input x [B, T, D], before RoPE
     (with the layer's q/k/v biases and per-head q/k RMSNorm, eps `eps`, where the model has them)."""
-    q = jnp.einsum("btd,dhe->bthe", x, layer.wq)
-    k = jnp.einsum("btd,dke->btke", x, layer.wk)
-    v = jnp.einsum("btd,dke->btke", x, layer.wv)
+    q = quant.einsum("btd,dhe->bthe", x, layer.wq)
+    k = quant.einsum("btd,dke->btke", x, layer.wk)
+    v = quant.einsum("btd,dke->btke", x, layer.wv)
     if layer.bq is not None:
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
     if layer.q_norm is not None:
@@ -147,18 +213,18 @@ def project_qkv(x: jax.Array, layer: LayerParams, eps: float):
 
 def output_projection(attn: jax.Array, layer: LayerParams) -> jax.Array:
     """Merge heads: attn [B, T, H, E] -> [B, T, D]."""
-    return jnp.einsum("bthe,hed->btd", attn, layer.wo)
+    return quant.einsum("bthe,hed->btd", attn, layer.wo)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return params.embed[tokens]  # [B, T, D]
+    return quant.take_rows(params.embed, tokens)  # [B, T, D]
 
 
 def unembed(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
     """Final RMSNorm then the LM head: x [B, T, D] -> logits float32 [B, T, V]."""
     x = rms_norm(x, params.final_norm, config.rms_norm_eps)
     head = params.embed if params.lm_head is None else params.lm_head
-    return jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+    return quant.einsum("btd,vd->btv", x, head, out_dtype=jnp.float32)
 
 
 # --- one decoder layer, and the dense full-attention model ------------------------------------------

@@ -59,9 +59,10 @@ def random_decode_inputs(batch, seq_k, num_heads, num_kv_heads, head_dim, seed=0
     return q, k, v
 
 
-def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="auto"):
+def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="auto", force=None):
     """One prompt through the engine with a KV-cache method: chunked prefill (`Engine.prefill`, every chunk's
-    logits), then greedy decoding one `Engine.step` at a time.
+    logits), then greedy decoding one `Engine.step` at a time (or, with `force`, decoding that feeds force[i]
+    at step i: teacher forcing, to compare logits of two caches).
 
     Returns (tokens of the whole sequence, logits [len(sequence), V] at every position, the chunks as
     (start, end) spans (a decode step is a chunk of one), the final cache).
@@ -76,7 +77,7 @@ def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="aut
     method, cache = method.after_prefill(cache, lengths)
     sequence = list(prompt)
     for _ in range(decode_steps):
-        sequence.append(int(np.argmax(logits[-1])))
+        sequence.append(int(np.argmax(logits[-1])) if force is None else int(force[len(sequence) - len(prompt)]))
         out, cache, lengths = engine.step(method, cache, lengths, jnp.asarray([sequence[-1]]), impl=impl)
         logits.append(np.asarray(out[0]))
     assert int(lengths[0]) == len(sequence)

@@ -18,6 +18,7 @@ from duo_jax.cache import make_layout
 from duo_jax.methods import DuoAttention
 from duo_jax.methods.duo import merge_heads, split_heads
 from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
+from duo_jax.quant import quantize_kv
 from tests.conftest import qkv_projection, run_method, tiny_config
 
 CONFIG = tiny_config(num_layers=4)
@@ -34,8 +35,11 @@ def masked_attention(q, k, v, mask):
     return jnp.einsum("hts,she->the", probs, v)
 
 
-def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk_starts):
-    """Logits [T, V] of one sequence under DuoAttention's masks (chunk_starts[i]: start of i's chunk)."""
+def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk_starts, kv_dtype=None):
+    """Logits [T, V] of one sequence under DuoAttention's masks (chunk_starts[i]: start of i's chunk); with
+    `kv_dtype`, every key (after RoPE) and value replaced by the round trip the quantized cache makes:
+    rotated by the normalised Hadamard matrix H[i, j] = (-1)^popcount(i & j) / sqrt(E), quantized, dequantized
+    and rotated back."""
     T = len(tokens)
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     causal = j <= i
@@ -46,6 +50,11 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
         layer = jax.tree.map(lambda w: w[l], params.layers)
         q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
                                  rope_inv_freq(config))
+        if kv_dtype is not None:
+            i = np.arange(k.shape[-1])
+            signs = (-1.0) ** np.vectorize(lambda n: bin(n).count("1"))(i[:, None] & i[None, :])
+            h = jnp.asarray(signs / math.sqrt(k.shape[-1]), jnp.float32)
+            k, v = (quantize_kv(x @ h, kv_dtype).dequantize() @ h.T for x in (k, v))
         head_masks = np.where(retrieval_mask[l][:, None, None], causal, streaming)  # [K, T, T]
         attn = masked_attention(q[0], k[0], v[0], jnp.asarray(head_masks))[None]
         x = x + output_projection(attn, layer)

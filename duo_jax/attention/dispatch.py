@@ -13,6 +13,10 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
 * "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
 * "auto": "pallas" on GPU, "mosaic" on TPU, "xla" elsewhere.
 
+A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + scales) takes the XLA path
+whatever `impl` says, which dequantizes one key tile at a time: the kernels read arrays of values and have
+no quantized variant yet, and must never be handed codes as if they were values.
+
 The kernels take a query offset rather than per-query positions, so that mapping assumes what every caller
 builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
 
@@ -32,6 +36,7 @@ import pallas_kernels.tpu
 from pallas_kernels._backend import backend as pallas_backend
 from duo_jax.attention import xla
 from duo_jax.attention.masks import MaskSpec, prefix_spec
+from duo_jax.quant import QuantizedKV, dequantize
 from pallas_kernels import reference
 
 Impl = Literal["auto", "pallas", "mosaic", "xla", "reference"]
@@ -55,10 +60,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
-    if impl in ("pallas", "mosaic") and _kernels_serve(spec, k.shape[1]):
+    quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
+    if impl in ("pallas", "mosaic") and not quantized and _kernels_serve(spec, k.shape[1]):
         return _kernels(q, k, v, spec, scale, impl)
     if impl == "reference":
-        return reference.attention_reference(q, k, v, spec.dense(k.shape[1]), scale=scale)
+        return reference.attention_reference(q, dequantize(k), dequantize(v), spec.dense(k.shape[1]), scale=scale)
     return xla.attention(q, k, v, spec, scale=scale)
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from duo_jax.attention.masks import MaskSpec
+from duo_jax.quant import QuantizedKV, dequantize
 
 # Finite "minus infinity": keeps m - m_new free of inf - inf; masked probabilities are zeroed explicitly.
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -57,12 +58,13 @@ def _key_blocks(spec: MaskSpec, q_pos: jax.Array, block_k: int):
     return lo, jnp.minimum(num_sink_blocks, hi), jnp.maximum(jnp.maximum(num_sink_blocks, lo), band_lo), hi
 
 
-def _slice_keys(x: jax.Array, first, size: int) -> jax.Array:
-    """x[:, first:first + size]. The barrier keeps the slice inside the loop: XLA:CPU computes bf16 ops in
-    f32 and would otherwise hoist the convert of the whole loop-invariant cache out of the loop (measured:
-    temp memory growing with the capacity)."""
+def _slice_keys(x, first, size: int) -> jax.Array:
+    """x[:, first:first + size], dequantized when x is a `QuantizedKV` (codes and scales sliced, then only
+    this tile converted). The barrier keeps the slice inside the loop: XLA:CPU computes bf16 ops in f32 and
+    would otherwise hoist the convert of the whole loop-invariant cache out of the loop (measured: temp
+    memory growing with the capacity)."""
     x, first = lax.optimization_barrier((x, first))
-    return lax.dynamic_slice_in_dim(x, first, size, axis=1)
+    return dequantize(jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, size, axis=1), x))
 
 
 def _tile(spec: MaskSpec, q_pos, k, v, i, ranges, block_k: int):
@@ -201,14 +203,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, scale
     """q [B, T, H, E], k / v [B, S, K, E] (H = K * G, query head h uses KV head h // G) -> [B, T, H, E].
 
     Visits only the key blocks `spec` can see among the first max(kv_len) slots; rows with no visible
-    key give zeros. Differentiable in q, k and v.
+    key give zeros. Differentiable in q, k and v; k / v may be `QuantizedKV` (not differentiable then),
+    dequantized one key tile at a time.
     """
     B, T, H, E = q.shape
     S, K = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     block_k = min(block_k, S)
     block_q = min(block_q, T)
-    out = _attention(q.reshape(B, T, K, H // K, E), k, v, spec, scale, block_q, block_k)
+    q = q.reshape(B, T, K, H // K, E)
+    if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):  # a quantized cache: inference only
+        out = _attention_fwd(q, k, v, spec, scale, block_q, block_k)[0]
+    else:
+        out = _attention(q, k, v, spec, scale, block_q, block_k)
     return out.reshape(B, T, H, E)
 
 

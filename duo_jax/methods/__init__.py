@@ -35,6 +35,7 @@ from duo_jax.methods.registry import entry, make_method, names
 from duo_jax.methods.streaming_llm import StreamingLLM
 
 METHODS = names()
+QUANTIZED_KV_METHODS = tuple(m for m in METHODS if entry(m).quantized_kv)  # kv_dtype="int8" / "int4" (`duo_jax.quant`)
 
-__all__ = ["H2O", "InfiniGen", "METHODS", "TOVA", "DuoAttention", "Method", "Step", "StreamingLLM", "cache_nbytes",
-           "duo_sparsity_for_budget", "entry", "make_method"]
+__all__ = ["H2O", "InfiniGen", "METHODS", "QUANTIZED_KV_METHODS", "TOVA", "DuoAttention", "Method", "Step",
+           "StreamingLLM", "cache_nbytes", "duo_sparsity_for_budget", "entry", "make_method"]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax.attention import MaskSpec
+from duo_jax.quant import QuantizedKV, as_stored
 
 LayerCache = Any  # a pytree of arrays, one per layer; its shape is the method's business
 
@@ -124,11 +125,21 @@ def cache_nbytes(cache) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(cache)))
 
 
-def write_slots(cache: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+def concat_slots(cache, new: jax.Array):
+    """Cache slots [B, S, N, E] followed by new keys or values [B, T, N, E] in the cache's form (quantized
+    when it is): [B, S + T, N, E]."""
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), cache, as_stored(new, cache))
+
+
+def write_slots(cache, slots: jax.Array, new: jax.Array):
     """cache [B, S, N, E] with new [B, T, N, E] written at slots [B, T]; out-of-range slots are dropped.
+    A quantized cache (`duo_jax.quant.QuantizedKV`) quantizes `new` and writes its codes and scales.
 
     16-bit floats are scattered as their bits: XLA:CPU computes a bf16 scatter in f32, converting the whole
     cache there and back on every write (measured: temp memory growing with the capacity)."""
+    if isinstance(cache, QuantizedKV):
+        new = as_stored(new, cache)
+        return jax.tree.map(lambda c, n: write_slots(c, slots, n), cache, new)
     new = new.astype(cache.dtype)
     # Per sequence, under vmap: the scatter's batch dimension is one XLA knows, so a batch split over devices
     # stays local (explicit batch indices made GSPMD gather the updates across the `data` axis).

@@ -27,9 +27,10 @@ from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, ini
                            round_capacity, streaming_slot_positions, streaming_write_slots)
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.methods.registry import register
 from duo_jax.model import apply_rope
+from duo_jax.quant import as_stored, kv_rotation, rotate
 
 
 def split_heads(layout: CacheLayout, layer: int, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -49,6 +50,7 @@ def merge_heads(layout: CacheLayout, layer: int, retrieval: jax.Array, streaming
         return x
     index = _head_index(layout.kv_order[layer], x.shape[2] // layout.num_kv_heads)
     return jnp.take(x, np.argsort(index), axis=2)
+
 
 
 def _head_index(kv_order: tuple[int, ...], group: int) -> np.ndarray:
@@ -110,10 +112,9 @@ class StreamingWindow:
         """Streaming heads: q [B, T, H_s, E] over their ring cache_k / cache_v [B, sink + recent, K_s, E] and
         the chunk's k / v [B, T, K_s, E]; returns (output, the ring with the chunk folded in)."""
         out = q
-        if k.shape[2]:
-            keys = jnp.concatenate([cache_k, k.astype(cache_k.dtype)], axis=1)
-            values = jnp.concatenate([cache_v, v.astype(cache_v.dtype)], axis=1)
-            out = self.attend(q, keys, values, step)
+        k, v = as_stored(k, cache_k), as_stored(v, cache_v)  # quantized once, when the cache is
+        if q.shape[2]:
+            out = self.attend(q, concat_slots(cache_k, k), concat_slots(cache_v, v), step)
         return out, write_slots(cache_k, self.write_slots, k), write_slots(cache_v, self.write_slots, v)
 
 
@@ -158,6 +159,9 @@ class DuoAttention(Method):
 
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
+        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
+            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
         if step.mesh is not None:  # the heads' split is per layer: gather them first, then pick locally
             q, k, v = (sharding.whole_over_model(x, step.mesh) for x in (q, k, v))
         (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
@@ -168,12 +172,13 @@ class DuoAttention(Method):
             rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
             out_r = retrieval_attention(qr, rk, rv, step) if kr.shape[2] else qr
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
-        return merge_heads(self.layout, layer, out_r, out_s), DuoLayerCache(rk, rv, sk, sv)
+        out = merge_heads(self.layout, layer, out_r, out_s)
+        return (out if rotation is None else rotate(out, rotation.T)), DuoLayerCache(rk, rv, sk, sv)
 
 
-@register("full", options=(), summary="every head keeps every token")
-def make_full(config: ModelConfig, *, context: int) -> DuoAttention:
-    return DuoAttention(make_layout(config, None, sink=0, recent=0, context=context))
+@register("full", options=(), quantized_kv=True, summary="every head keeps every token")
+def make_full(config: ModelConfig, *, context: int, kv_dtype: str | None = None) -> DuoAttention:
+    return DuoAttention(make_layout(config, None, sink=0, recent=0, context=context, kv_dtype=kv_dtype))
 
 
 def fit_window(budget: int, sink: int, recent: int) -> tuple[int, int]:
@@ -196,9 +201,10 @@ def duo_budget(config: ModelConfig, kv_budget: int, *, context: int, sink: int, 
 
 
 @register("duo", options=("pattern", "sparsity", "sink", "recent", "kv_budget"), takes_pattern=True,
-          budget=duo_budget, summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent")
+          budget=duo_budget, quantized_kv=True,
+          summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent")
 def make_duo(config: ModelConfig, *, context: int, pattern=None, sparsity: float = 0.5, sink: int = 64,
-             recent: int = 256, kv_budget: int | None = None) -> DuoAttention:
+             recent: int = 256, kv_budget: int | None = None, kv_dtype: str | None = None) -> DuoAttention:
     """`pattern` (a `Pattern` validated against the model) binarised at `sparsity`; with `kv_budget` (average
     tokens per KV head at `context`), the sparsity whose mix r * C + (1 - r) * (sink + recent) meets it (C:
     `context` rounded up to the capacity block) instead."""
@@ -207,7 +213,7 @@ def make_duo(config: ModelConfig, *, context: int, pattern=None, sparsity: float
     if kv_budget is not None:
         sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
     return DuoAttention(make_layout(config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent,
-                                    context=context))
+                                    context=context, kv_dtype=kv_dtype))
 
 
 def duo_sparsity_for_budget(kv_budget: float, *, context: int, window: int) -> float:

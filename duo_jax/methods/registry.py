@@ -15,6 +15,7 @@ from typing import Callable
 
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
+from duo_jax.quant import check_kv_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class MethodEntry:
     # at its sink / recent / sparsity, which duo then keeps). None: the method has no budget (full attention).
     budget: Callable | None = None
     calibrated_on: str | None = None  # the text the method calibrates itself on when built (a haystack source)
+    quantized_kv: bool = False  # build takes kv_dtype ("int8" / "int4": a quantized cache, `duo_jax.quant`)
 
 
 _ENTRIES: dict[str, MethodEntry] = {}
@@ -38,7 +40,7 @@ _ENTRIES: dict[str, MethodEntry] = {}
 
 def register(name: str, *, options: tuple[str, ...], summary: str, windows: dict[str, str] | None = None,
              takes_pattern: bool = False, needs_model: bool = False, budget: Callable | None = None,
-             calibrated_on: str | None = None) -> Callable:
+             calibrated_on: str | None = None, quantized_kv: bool = False) -> Callable:
     """Decorator: register `build` as method `name`. `windows` defaults to the window options the method
     has among its options (sink / recent under their own names)."""
 
@@ -47,7 +49,7 @@ def register(name: str, *, options: tuple[str, ...], summary: str, windows: dict
             raise DuoJaxError(f"KV-cache method {name!r} is registered twice")
         own = {w: w for w in ("sink", "recent") if w in options} if windows is None else dict(windows)
         _ENTRIES[name] = MethodEntry(name, build, tuple(options), summary, own, takes_pattern, needs_model, budget,
-                                     calibrated_on)
+                                     calibrated_on, quantized_kv)
         return build
 
     return decorate
@@ -66,9 +68,17 @@ def entry(name: str) -> MethodEntry:
 
 def make_method(name: str, config: ModelConfig, *, context: int, model=None, **options):
     """The method `name` for `config` with a retrieval capacity of `context` tokens; `options` are its own
-    (`entry(name).options`); `model` for the methods that calibrate on it."""
+    (`entry(name).options`, plus `kv_dtype` for the methods with a quantized cache); `model` for the methods
+    that calibrate on it."""
     e = entry(name)
-    unknown = set(options) - set(e.options)
+    kv_dtype = check_kv_dtype(options.pop("kv_dtype", None))
+    if kv_dtype is not None and not e.quantized_kv:
+        supported = ", ".join(n for n, x in _ENTRIES.items() if x.quantized_kv)
+        raise DuoJaxError(f"method {name!r} does not support a quantized KV cache (kv_dtype={kv_dtype!r}); use one "
+                          f"of {supported}, or kv_dtype=None")
+    if e.quantized_kv:
+        options["kv_dtype"] = kv_dtype
+    unknown = set(options) - set(e.options) - ({"kv_dtype"} if e.quantized_kv else set())
     if unknown:
         allowed = ", ".join(e.options) or "none"
         raise DuoJaxError(f"method {name!r} does not take {', '.join(sorted(unknown))} (its options: {allowed})")

@@ -17,16 +17,18 @@ import jax.numpy as jnp
 
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.methods.duo import StreamingWindow
 from duo_jax.methods.registry import register
 from duo_jax.model import apply_rope
+from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
+                           rotate)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StreamingLayerCache:
-    k: jax.Array  # [B, start + recent, K, E], before RoPE
+    k: jax.Array  # [B, start + recent, K, E], before RoPE (or a QuantizedKV of that shape)
     v: jax.Array  # [B, start + recent, K, E]
 
 
@@ -44,6 +46,7 @@ class StreamingLLM(Method):
     head_dim: int
     start: int = 4
     recent: int = 256
+    kv_dtype: str | None = None  # "int8" / "int4": quantized (`duo_jax.quant`)
 
     name = "streaming_llm"
     supports_sliding_window = True  # the window applies to absolute positions, as the model was trained
@@ -51,11 +54,15 @@ class StreamingLLM(Method):
 
     def init_cache(self, batch: int, dtype) -> tuple[StreamingLayerCache, ...]:
         shape = (batch, self.start + self.recent, self.num_kv_heads, self.head_dim)
-        return tuple(StreamingLayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                     for _ in range(self.num_layers))
+
+        def zeros():
+            return jnp.zeros(shape, dtype) if self.kv_dtype is None else kv_zeros(shape, self.kv_dtype, dtype)
+
+        return tuple(StreamingLayerCache(zeros(), zeros()) for _ in range(self.num_layers))
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        return batch * 2 * self.num_layers * self.num_kv_heads * (self.start + self.recent) * self.head_dim * bytes_per_elem
+        vector = kv_bytes_per_vector(self.head_dim, check_kv_dtype(self.kv_dtype), bytes_per_elem)
+        return batch * 2 * self.num_layers * self.num_kv_heads * (self.start + self.recent) * vector
 
     def begin_step(self, step: Step) -> StreamingShared:
         window = StreamingWindow.build(step, self.start, self.recent)
@@ -71,11 +78,19 @@ class StreamingLLM(Method):
         return StreamingShared(window, jnp.concatenate([jnp.maximum(slot_rank, 0), new_rank], axis=1), new_rank)
 
     def attend(self, layer, q, k, v, cache: StreamingLayerCache, step: Step, shared: StreamingShared):
-        keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1)  # [B, S + T, K, E], before RoPE
-        values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
+        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
+        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
+            k, v = rotate(k, rotation), rotate(v, rotation)
+        k, v = as_stored(k, cache.k), as_stored(v, cache.v)  # quantized once, when the cache is
+        keys = concat_slots(cache.k, k)  # [B, S + T, K, E], before RoPE
+        values = concat_slots(cache.v, v)
         q = apply_rope(q, shared.query_rope_positions, step.inv_freq)
+        # Every key is re-rotated by RoPE every step, so a quantized window is dequantized (and turned back
+        # from k R to k) whole: it holds start + recent tokens, not the context.
+        keys = dequantize(keys) if rotation is None else rotate(dequantize(keys), rotation.T)
         keys = apply_rope(keys, shared.key_rope_positions, step.inv_freq)
         out = shared.window.attend(q, keys, values, step)
+        out = out if rotation is None else rotate(out, rotation.T)
         return out, StreamingLayerCache(write_slots(cache.k, shared.window.write_slots, k),
                                         write_slots(cache.v, shared.window.write_slots, v))
 
@@ -87,13 +102,13 @@ def streaming_llm_budget(config: ModelConfig, kv_budget: int, **inputs) -> dict:
 
 
 @register("streaming_llm", options=("start", "recent", "kv_budget"), windows={"sink": "start", "recent": "recent"},
-          budget=streaming_llm_budget,
+          budget=streaming_llm_budget, quantized_kv=True,
           summary="StreamingLLM: every head keeps start sinks + recent tokens, positions re-indexed")
 def make_streaming_llm(config: ModelConfig, *, context: int, start: int = 4, recent: int = 256,
-                       kv_budget: int | None = None) -> StreamingLLM:
+                       kv_budget: int | None = None, kv_dtype: str | None = None) -> StreamingLLM:
     """`start` attention sinks + `recent` tokens per head (recent = kv_budget - start when a budget is given)."""
     if kv_budget is not None:
         recent = kv_budget - start
     if start < 0 or recent < 0:
         raise DuoJaxError(f"start and recent must be >= 0, got start={start}, recent={recent}")
-    return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent)
+    return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent, kv_dtype)

@@ -1,0 +1,158 @@
+"""Memory planner: the largest context of one sequence that fits in a device's memory, full attention vs duo.
+
+    python -m duo_jax.plan --model llama3-8b --hbm-gib 80 --sparsity 0.75 --kv-dtype int4 --weights int8 [--json]
+
+Every figure comes from the real layouts, nothing is allocated: the weights are `jax.eval_shape` of the loaded
+`Params` (int8 ones through `duo_jax.model.quantize_weights`), the cache is the method's own `cache_spec` (the
+arrays `init_cache` builds: codes and scales when quantized), and the temp memory is XLA's memory analysis of
+the compiled steps `generate` runs (`duo_jax.engine.compiled_extend`: one decode step and one prefill
+chunk, compiled from abstract shapes for this machine's backend). Caches are linear in the capacity (duo: its
+retrieval heads; its streaming heads are a constant), and so is temp memory if anything grows with the
+context, so each is measured at two capacities and the largest capacity C (a multiple of
+`duo_jax.cache.CAPACITY_BLOCK`) with weights + cache(C) + temp(C) <= HBM is solved for, then checked on the
+layouts at C. (With a bf16 cache XLA:CPU's steps copy part of it, 63.6 KB of temp per token for Llama-3-8B's
+full attention; with an int4 one, nothing: the slope is measured, not assumed.) The temp figure is the
+backend's: XLA:CPU converts bf16 weights to fp32 for its dots (a weights-sized temp a GPU does not have), so
+on a CPU host `max_context_*_no_temp` (weights + cache only) is the figure to read for a GPU, and the temp
+should be measured where the model will run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from duo_jax.cache import CAPACITY_BLOCK
+from duo_jax.config import ModelConfig, get_config
+from duo_jax.errors import DuoJaxError
+from duo_jax.engine import compiled_extend
+from duo_jax.methods import Method, make_method
+from duo_jax.model import param_shapes, quantize_weights
+from duo_jax.pattern import Pattern
+
+GIB = 2**30
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array (or `jax.ShapeDtypeStruct`) in a pytree."""
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def weight_bytes(config: ModelConfig, dtype: str, weights: str | None) -> int:
+    """Bytes of the model's weights as loaded (`duo_jax.load(..., dtype, weights=...)`)."""
+    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
+                           is_leaf=lambda s: isinstance(s, tuple))
+    return tree_bytes(jax.eval_shape(lambda p: quantize_weights(p, weights), stacked))
+
+
+def _method(name: str, config: ModelConfig, capacity: int, options: dict) -> Method:
+    return make_method(name, config, context=capacity, **options)
+
+
+def _step_temp(config: ModelConfig, method: Method, dtype: str, weights: str | None, chunk: int) -> int:
+    """Temp bytes of the larger of the compiled decode step and prefill chunk (XLA memory analysis)."""
+    return max(compiled_extend(config, method, 1, t, dtype, weights=weights).memory_analysis().temp_size_in_bytes
+               for t in (1, chunk))
+
+
+def _largest(budget: int, fixed: int, per_token: float) -> int:
+    """The largest multiple of CAPACITY_BLOCK with fixed + per_token * C <= budget (0 if none)."""
+    if budget < fixed + per_token * CAPACITY_BLOCK:
+        return 0
+    return int((budget - fixed) // per_token) // CAPACITY_BLOCK * CAPACITY_BLOCK
+
+
+def plan(config: ModelConfig, *, hbm_bytes: int, sparsity: float = 0.5, kv_dtype: str | None = None,
+         weights: str | None = None, dtype: str = "bfloat16", pattern: Pattern | None = None, sink: int = 64,
+         recent: int = 256, chunk: int = 512, temp: bool = True) -> dict:
+    """Weights, cache per token, temp memory and the largest context for "full" and "duo" (batch 1).
+
+    pattern: duo's head pattern (default: the model's shipped one; only how many heads it makes retrieval
+    heads matters here). temp=False skips compiling (temp counted as 0).
+    Returns a dict with weight_bytes, and per method (prefix "full_" / "duo_"): cache_bytes_per_token,
+    cache_fixed_bytes, temp_bytes, temp_bytes_per_token, max_context (weights + cache + temp <= HBM) and
+    max_context_no_temp; plus max_context_full and max_context_duo.
+    """
+    if pattern is None:
+        pattern = Pattern.for_model(config.name)
+        if pattern is None:
+            raise DuoJaxError(f"model {config.name!r} ships no head pattern; pass pattern= (a Pattern)")
+    pattern.validate(config)
+    w_bytes = weight_bytes(config, dtype, weights)
+    out = dict(model=config.name, hbm_bytes=int(hbm_bytes), dtype=dtype, weights=weights or dtype,
+               kv_dtype=kv_dtype or dtype, sparsity=sparsity, sink=sink, recent=recent, chunk=chunk,
+               backend=jax.default_backend(), weight_bytes=w_bytes,
+               max_position_embeddings=config.max_position_embeddings)
+    options = {"full": dict(kv_dtype=kv_dtype),
+               "duo": dict(kv_dtype=kv_dtype, pattern=pattern, sparsity=sparsity, sink=sink, recent=recent)}
+    low = max(2 * chunk, 1024)  # at least the XLA path's key tile (512), so only the context changes
+    high = 2 * low
+    for name, opts in options.items():
+        methods = [_method(name, config, c, opts) for c in (low, high)]
+        cache = [tree_bytes(m.cache_spec(1, dtype)) for m in methods]
+        per_token = (cache[1] - cache[0]) / (high - low)
+        fixed = cache[0] - per_token * low
+        temps = [_step_temp(config, m, dtype, weights, chunk) for m in methods] if temp else [0, 0]
+        temp_per_token = max(temps[1] - temps[0], 0) / (high - low)
+        temp_fixed = temps[0] - temp_per_token * low
+        budget = hbm_bytes - w_bytes
+        best = _largest(budget, fixed + temp_fixed, per_token + temp_per_token)
+        if best:  # the layout at the answer, measured, not extrapolated
+            at = tree_bytes(_method(name, config, best, opts).cache_spec(1, dtype))
+            assert at == round(fixed + per_token * best), (name, at, fixed + per_token * best)
+        out.update({f"{name}_cache_bytes_per_token": per_token, f"{name}_cache_fixed_bytes": int(fixed),
+                    f"{name}_temp_bytes": int(temps[0]), f"{name}_temp_bytes_per_token": temp_per_token,
+                    f"{name}_max_context": best,
+                    f"{name}_max_context_no_temp": _largest(budget, fixed, per_token)})
+        out[f"max_context_{name}"] = best
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m duo_jax.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3-8b", help="a name from configs/ (default llama3-8b)")
+    p.add_argument("--hbm-gib", type=float, default=80.0, help="device memory in GiB (default 80)")
+    p.add_argument("--sparsity", type=float, default=0.5, help="duo's share of streaming heads (default 0.5)")
+    p.add_argument("--kv-dtype", choices=["int8", "int4"], default=None, help="quantized KV cache")
+    p.add_argument("--weights", choices=["int8"], default=None, help="int8 weights")
+    p.add_argument("--dtype", default="bfloat16", help="the model's dtype (default bfloat16)")
+    p.add_argument("--pattern", default=None, help="duo head pattern directory (default: the model's own)")
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
+    p.add_argument("--no-temp", action="store_true", help="skip compiling the steps (temp memory counted as 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    try:
+        config = get_config(args.model)
+        result = plan(config, hbm_bytes=int(args.hbm_gib * GIB), sparsity=args.sparsity, kv_dtype=args.kv_dtype,
+                      weights=args.weights, dtype=args.dtype,
+                      pattern=None if args.pattern is None else Pattern.load(args.pattern), sink=args.sink,
+                      recent=args.recent, chunk=args.chunk, temp=not args.no_temp)
+    except DuoJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    r = result
+    print(f"{r['model']} on {args.hbm_gib:g} GiB: weights {r['weights']}, KV {r['kv_dtype']}, duo sparsity "
+          f"{r['sparsity']} (sink {r['sink']}, recent {r['recent']}); "
+          + ("temp not measured (--no-temp)" if args.no_temp else f"temp compiled for {r['backend']}"))
+    print(f"  weights: {r['weight_bytes'] / GIB:.2f} GiB")
+    for name in ("full", "duo"):
+        print(f"  {name:4s}: cache {r[f'{name}_cache_bytes_per_token'] / 1024:.2f} KiB/token + "
+              f"{r[f'{name}_cache_fixed_bytes'] / 2**20:.1f} MiB fixed; temp {r[f'{name}_temp_bytes'] / GIB:.2f} GiB "
+              f"(+{r[f'{name}_temp_bytes_per_token']:.0f} B/token); largest context {r[f'{name}_max_context']:,} "
+              f"tokens ({r[f'{name}_max_context_no_temp']:,} without temp)")
+    print(f"  (the model was trained for {r['max_position_embeddings']:,} positions)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
