@@ -79,6 +79,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     shared = method.begin_step(step)
 
     x = embed(params, tokens)  # [B, T, D]
+    layer_caches = method.layer_caches(cache)
     new_cache = []
     inputs = [None]  # the attention input of the layer before (for methods that look ahead)
     for l, layer in enumerate(params.layers):
@@ -88,7 +89,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
                 # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own query).
                 extra["lookahead_q"] = q if inputs[-1] is None else project_qkv(inputs[-1], layer, config.rms_norm_eps)[0]
             inputs.append(h)
-            return method.attend(l, q, k, v, cache[l], step, shared, **extra)
+            return method.attend(l, q, k, v, layer_caches[l], step, shared, **extra)
 
         x, layer_cache = decoder_layer(x, layer, config, attend)
         new_cache.append(layer_cache)
@@ -97,7 +98,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
         last = jnp.maximum(n_valid - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     logits = unembed(params, config, x)
-    return (logits if all_logits else logits[:, 0]), tuple(new_cache), step.new_lengths
+    return (logits if all_logits else logits[:, 0]), method.with_layer_caches(cache, tuple(new_cache)), step.new_lengths
 
 
 @functools.partial(jax.jit, static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl"),
