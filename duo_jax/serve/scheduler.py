@@ -290,11 +290,20 @@ class Scheduler:
     def serve_forever(self, stop: threading.Event, poll_s: float = 0.01) -> None:
         """Step while there is work; wait for requests when idle; return once `stop` is set and the requests
         already submitted have finished (none is dropped on shutdown)."""
-        while True:
-            if not self.step():
-                if stop.is_set() and self.idle:
-                    return
-                time.sleep(poll_s)
+        try:
+            while True:
+                if not self.step():
+                    if stop.is_set() and self.idle:
+                        return
+                    time.sleep(poll_s)
+        except Exception:  # a failed step: end every request (finish_reason "error") rather than leave it waiting
+            self._admit()
+            for request in [slot.request for slot in self.running if slot] + list(self.queue):
+                request.finish_reason = "error"
+                if request.on_token is not None:
+                    request.on_token(request, None)
+                request.done.set()
+            raise
 
     def pages_in_use(self) -> int:
         return self.pool.num_pages - self.pool.num_free
