@@ -142,7 +142,9 @@ def test_shutdown_finishes_responses_in_flight(served):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         streamed = pool.submit(stream, running.url, "/v1/completions", body)
         plain = pool.submit(complete, running.url, body)
+        deadline = time.monotonic() + 60
         while "duo_jax_requests_running 2" not in httpx.get(f"{running.url}/metrics").text:
+            assert time.monotonic() < deadline and not plain.done(), "the two requests never ran together"
             time.sleep(0.01)
         running.stop()
         (text, last), plain = streamed.result(), plain.result()

@@ -240,11 +240,14 @@ class Scheduler:
             tokens[b, :n] = slot.request.sequence[slot.fed: slot.fed + n]
             n_valid[b] = n
         if self._tables_changed:
-            self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(self.tables))
+            self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(self.tables.copy()))
             self._tables_changed = False
         run = compiled_extend(self.engine.config, self.method, self.slots, T, self.engine.dtype, self.impl)
-        logits, self.cache, _ = run(self.engine.params, self.cache, jnp.asarray(self.lengths), jnp.asarray(tokens),
-                                    jnp.asarray(n_valid), self.method.state())
+        # Copies: on CPU jnp.asarray may alias a numpy buffer, and the step runs asynchronously while the host
+        # updates self.lengths / self.tables for the next one.
+        lengths = jnp.asarray(self.lengths.copy())
+        logits, self.cache, _ = run(self.engine.params, self.cache, lengths, jnp.asarray(tokens), jnp.asarray(n_valid),
+                                    self.method.state())
         self.counters["steps"] += 1
         ready = []
         for b, n in feed.items():
