@@ -85,6 +85,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     shared = method.begin_step(step)
 
     x = embed(params, tokens)  # [B, T, D]
+    layer_caches = method.layer_caches(cache)
     new_cache = []
     inputs = [None]  # the attention input of the layer before (for methods that look ahead)
     for l, layer in enumerate(params.layers):
@@ -96,9 +97,9 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
             inputs.append(h)
             if mesh is not None:  # heads stay where the tensor-parallel projections put them (see sharding)
                 q, k, v = (sharding.split_heads_over_model(x, mesh) for x in (q, k, v))
-                out, layer_cache = method.attend(l, q, k, v, cache[l], step, shared, **extra)
+                out, layer_cache = method.attend(l, q, k, v, layer_caches[l], step, shared, **extra)
                 return sharding.split_heads_over_model(out, mesh), layer_cache
-            return method.attend(l, q, k, v, cache[l], step, shared, **extra)
+            return method.attend(l, q, k, v, layer_caches[l], step, shared, **extra)
 
         x, layer_cache = decoder_layer(x, layer, config, attend)
         new_cache.append(layer_cache)
@@ -107,7 +108,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
         last = jnp.maximum(n_valid - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     logits = unembed(params, config, x)
-    new_cache, new_lengths = tuple(new_cache), step.new_lengths
+    new_cache, new_lengths = method.with_layer_caches(cache, tuple(new_cache)), step.new_lengths
     if mesh is not None:  # the layout the next step is compiled for
         layout = sharding.named(sharding.cache_specs(method, new_cache, mesh), mesh)
         new_cache = jax.lax.with_sharding_constraint(new_cache, layout)

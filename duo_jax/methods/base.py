@@ -88,6 +88,15 @@ class Method(abc.ABC):
         method does not run on a mesh (the engine refuses it with an error)."""
         return None
 
+    def layer_caches(self, cache) -> tuple:
+        """What each layer's `attend` gets, indexed by layer, out of the step's cache. Default: the cache is that
+        tuple. A cache with arrays all layers share (a paged cache's block tables) hands out per-layer views."""
+        return cache
+
+    def with_layer_caches(self, cache, layers: tuple) -> Any:
+        """The step's cache with the layers' updated caches (what `attend` returned): `layer_caches`' inverse."""
+        return layers
+
     def begin_step(self, step: Step) -> Any:
         """Values all layers of one step share (masks, write slots). Default: nothing."""
         return None

@@ -1,0 +1,197 @@
+"""DuoAttention (and full attention) with a paged retrieval partition: PagedAttention's layout for the heads
+that keep every token, the streaming heads' fixed sink + ring slots per sequence unchanged.
+
+Per layer l with n_l retrieval heads, the cache holds
+
+  pages_k[l], pages_v[l]: [N, P, n_l, E]       a pool of N pages of P tokens, shared by every sequence
+  streaming_k[l], streaming_v[l]: [B, sink + recent, K - n_l, E]   as in `duo_jax.cache` (O(1) per sequence)
+
+and, shared by all layers, `block_tables` int32 [B, M] (M = capacity / P pages per sequence at most): the token
+at position p of sequence b lives in page block_tables[b, p // P], row p % P, of every layer's pool. An entry
+equal to N means "no page": writes through it are dropped. Page i of a sequence is page block_tables[b, i] in
+each layer's pool, so one allocation (`duo_jax.serve.pages.PagePool`) serves every layer. No capacity is
+reserved per sequence: a pool of N pages holds any mix of sequences whose pages add up to N.
+
+Writes go through the block table (one scatter into the pool viewed as N * P slots). Reads gather the
+sequence's M pages of the pool into a contiguous view [B, M * P, n_l, E] (slot = position) once per layer per
+step, then attend with the same dispatch and mask as the contiguous cache (`duo.retrieval_attention`: the blocked
+XLA path visits only the filled key blocks). Cost of this slice: the gather moves B * M * P * n_l * E elements
+per layer and step, whatever the sequences hold, and materialises them as a temporary: the pool saves memory
+held between steps, not the per-step transient or the bandwidth. Paged kernels that read pages in place (a
+Pallas kernel on GPU, JAX's ragged paged attention on TPU) are future work; so is paging the eviction methods,
+which keep their contiguous caches.
+
+`paged(method, page_size=..., num_pages=...)` turns a `DuoAttention` (the registered "duo" or "full") into its
+paged form. `init_cache` gives every sequence its own M pages in order (so `generate(method=paged(...))` runs as
+the contiguous cache does); `empty_cache` gives a pool with no page handed out, for a scheduler that owns the
+block tables (`duo_jax.serve.scheduler`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from duo_jax.cache import CacheLayout
+from duo_jax.errors import DuoJaxError
+from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.duo import DuoAttention, DuoShared, merge_heads, retrieval_attention, split_heads
+from duo_jax.model import apply_rope
+
+DEFAULT_PAGE_SIZE = 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedLayerCache:
+    """One layer's pool of retrieval pages and its per-sequence streaming slots."""
+
+    pages_k: jax.Array  # [N, P, n_l, E]
+    pages_v: jax.Array
+    streaming_k: jax.Array  # [B, sink + recent, K - n_l, E]
+    streaming_v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedCache:
+    block_tables: jax.Array  # int32 [B, M]: page of each sequence's i-th P tokens; N: none
+    layers: tuple[PagedLayerCache, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayerView:
+    """What one layer's `attend` gets: its arrays and the shared block tables (built inside the step)."""
+
+    block_tables: jax.Array
+    layer: PagedLayerCache
+
+
+def write_pages(pool: jax.Array, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
+                new: jax.Array) -> jax.Array:
+    """pool [N, P, n, E] with new [B, T, n, E] written at `positions` [B, T] through `block_tables` [B, M];
+    invalid tokens, positions past M pages and unassigned table entries (N) are dropped."""
+    N, P = pool.shape[:2]
+    B, T = positions.shape
+    index = positions // P
+    page = jnp.take_along_axis(block_tables, jnp.clip(index, 0, block_tables.shape[1] - 1), axis=1)
+    slot = jnp.where(valid & (index < block_tables.shape[1]) & (page < N), page * P + positions % P, N * P)
+    flat = pool.reshape((1, N * P) + pool.shape[2:])
+    written = write_slots(flat, slot.reshape(1, B * T), new.reshape((1, B * T) + new.shape[2:]))
+    return written.reshape(pool.shape)
+
+
+def gather_pages(pool: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """The sequences' pages as contiguous caches: pool [N, P, n, E], block_tables [B, M] -> [B, M * P, n, E]
+    (slot = position). Unassigned entries read some page: the caller's key lengths mask them."""
+    view = jnp.take(pool, block_tables, axis=0, mode="clip")  # [B, M, P, n, E]
+    return view.reshape((block_tables.shape[0], -1) + pool.shape[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDuo(Method):
+    """DuoAttention whose retrieval heads live in pages (`layout.capacity` = M * page_size tokens per sequence
+    at most); `num_pages` per layer pool (None: batch * M, every sequence its own M pages)."""
+
+    layout: CacheLayout
+    page_size: int = DEFAULT_PAGE_SIZE
+    num_pages: int | None = None
+
+    name = "duo_paged"
+    supports_sliding_window = True
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.layout.capacity % self.page_size:
+            raise DuoJaxError(f"page_size must be positive and divide the capacity {self.layout.capacity}, "
+                              f"got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise DuoJaxError(f"num_pages must be positive, got {self.num_pages}")
+
+    @property
+    def pages_per_sequence(self) -> int:
+        return self.layout.capacity // self.page_size
+
+    @property
+    def max_tokens(self) -> int:
+        return self.layout.capacity
+
+    def pool_pages(self, batch: int) -> int:
+        return self.pages_per_sequence * batch if self.num_pages is None else self.num_pages
+
+    def _cache(self, batch: int, dtype, block_tables) -> PagedCache:
+        layout, N, E = self.layout, self.pool_pages(batch), self.layout.head_dim
+        S = layout.streaming_slots
+        layers = tuple(PagedLayerCache(jnp.zeros((N, self.page_size, n, E), dtype),
+                                       jnp.zeros((N, self.page_size, n, E), dtype),
+                                       jnp.zeros((batch, S, layout.num_kv_heads - n, E), dtype),
+                                       jnp.zeros((batch, S, layout.num_kv_heads - n, E), dtype))
+                       for n in layout.num_retrieval)
+        return PagedCache(jnp.asarray(block_tables, jnp.int32), layers)
+
+    def init_cache(self, batch: int, dtype) -> PagedCache:
+        """Every sequence its own M pages, in order (needs a pool of at least batch * M pages)."""
+        M, N = self.pages_per_sequence, self.pool_pages(batch)
+        if N < batch * M:
+            raise DuoJaxError(f"a pool of {N} pages cannot give {batch} sequences {M} pages each; "
+                              "use empty_cache and hand out pages as sequences grow (duo_jax.serve)")
+        return self._cache(batch, dtype, np.arange(batch * M).reshape(batch, M))
+
+    def empty_cache(self, batch: int, dtype) -> PagedCache:
+        """A pool with no page handed out: every block-table entry is N (none)."""
+        return self._cache(batch, dtype, np.full((batch, self.pages_per_sequence), self.pool_pages(batch)))
+
+    def cache_spec(self, batch: int, dtype):
+        return jax.eval_shape(lambda: self.empty_cache(batch, dtype))
+
+    def layer_caches(self, cache: PagedCache) -> tuple[PagedLayerView, ...]:
+        return tuple(PagedLayerView(cache.block_tables, layer) for layer in cache.layers)
+
+    def with_layer_caches(self, cache: PagedCache, layers) -> PagedCache:
+        return PagedCache(cache.block_tables, tuple(layers))
+
+    def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
+        """2 * E * bytes * sum_l(n_l * N * P + batch * (K - n_l) * (sink + recent)) + the block tables."""
+        layout, N = self.layout, self.pool_pages(batch)
+        per_layer = sum(n * N * self.page_size + batch * (layout.num_kv_heads - n) * layout.streaming_slots
+                        for n in layout.num_retrieval)
+        return 2 * layout.head_dim * bytes_per_elem * per_layer + 4 * batch * self.pages_per_sequence
+
+    def stats(self) -> dict:
+        return dict(DuoAttention(self.layout).stats(), page_size=self.page_size, num_pages=self.num_pages)
+
+    def begin_step(self, step: Step) -> DuoShared:
+        return DuoAttention(self.layout).begin_step(step)
+
+    def attend(self, layer, q, k, v, view: PagedLayerView, step: Step, shared: DuoShared):
+        cache, tables = view.layer, view.block_tables
+        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
+        pk, pv, out_r = cache.pages_k, cache.pages_v, qr
+        if kr.shape[2]:
+            pk = write_pages(pk, tables, step.positions, step.valid, kr)
+            pv = write_pages(pv, tables, step.positions, step.valid, vr)
+            out_r = retrieval_attention(qr, gather_pages(pk, tables), gather_pages(pv, tables), step)
+        out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
+        return merge_heads(self.layout, layer, out_r, out_s), PagedLayerCache(pk, pv, sk, sv)
+
+
+def paged(method: Method, *, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None) -> PagedDuo:
+    """`method` ("full" or "duo", a `DuoAttention`) with its retrieval partition in pages of `page_size`
+    tokens, `num_pages` per layer pool (None: every sequence its own pages). The capacity (tokens per sequence
+    at most) is the method's, rounded up to whole pages."""
+    if not isinstance(method, DuoAttention):
+        raise DuoJaxError(f"only full attention and duo have a paged cache; {method.name!r} keeps its contiguous "
+                          "cache")
+    if page_size < 1:
+        raise DuoJaxError(f"page_size must be positive, got {page_size}")
+    if method.layout.kv_dtype is not None:
+        raise DuoJaxError(f"a paged cache of {method.layout.kv_dtype} KV is not supported yet: build the method "
+                          "with kv_dtype=None to page it")
+    capacity = -(-method.layout.capacity // page_size) * page_size
+    return PagedDuo(dataclasses.replace(method.layout, capacity=capacity), page_size, num_pages)
+
+
+__all__ = ["PagedCache", "PagedDuo", "PagedLayerCache", "gather_pages", "paged", "write_pages"]

@@ -1,0 +1,60 @@
+"""python -m duo_jax.serve --model smollm2-135m --pattern default   (OpenAI-compatible server on localhost)"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax.numpy as jnp
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
+    parser.add_argument("--pattern", default=None, help="DuoAttention head pattern ('default': the model's); "
+                                                        "none: full attention")
+    parser.add_argument("--sparsity", type=float, default=0.5)
+    parser.add_argument("--sink", type=int, default=64)
+    parser.add_argument("--recent", type=int, default=256)
+    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence at most (prompt + new)")
+    parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--kv-memory-mb", type=float, default=512, help="memory of the retrieval page pool")
+    parser.add_argument("--slots", type=int, default=8, help="sequences per step")
+    parser.add_argument("--chunk", type=int, default=128, help="prefill tokens per sequence per step")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+
+    try:
+        import uvicorn
+    except ImportError:
+        print("the server needs the 'serve' extra: pip install 'duo-jax[serve]'", file=sys.stderr)
+        return 2
+    import duo_jax
+    from duo_jax.engine import Engine
+    from duo_jax.errors import DuoJaxError
+    from duo_jax.generation import build_method
+    from duo_jax.methods.paged import paged
+    from duo_jax.serve.scheduler import Scheduler, pages_for_memory
+    from duo_jax.serve.server import Server
+
+    try:
+        model = duo_jax.load(args.model, getattr(jnp, args.dtype))
+        method = build_method(model.config, None, context=args.context, pattern=args.pattern,
+                              sparsity=args.sparsity, sink=args.sink, recent=args.recent)
+        pages = pages_for_memory(paged(method, page_size=args.page_size), int(args.kv_memory_mb * 2**20),
+                                 model.params.dtype)
+        method = paged(method, page_size=args.page_size, num_pages=pages)
+        scheduler = Scheduler(Engine.of(model), method, slots=args.slots, chunk=args.chunk)
+    except DuoJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"serving {args.model} ({method.name}, {pages} pages of {args.page_size} tokens, {args.slots} slots) "
+          f"on http://{args.host}:{args.port}", file=sys.stderr)
+    uvicorn.run(Server(scheduler, model, args.model).app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Continuous batching over the paged cache: every request gets exactly the greedy tokens it gets alone (from
+`generate` on the contiguous cache), whoever it shares steps with, however the pool runs short."""
+
+import jax
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax.cache import make_layout
+from duo_jax.engine import Engine
+from duo_jax.errors import DuoJaxError
+from duo_jax.methods.duo import DuoAttention
+from duo_jax.methods.paged import paged
+from duo_jax.sampling import Sampling
+from duo_jax.serve import Request, Scheduler
+from tests.conftest import tiny_config
+
+CONFIG = tiny_config()
+CHUNK, NEW = 8, 8
+MODEL = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), None, "random")
+PROMPTS = [np.random.default_rng(i).integers(1, 128, n).tolist() for i, n in enumerate((19, 11, 26, 9, 14))]
+MAX_TOKENS = (8, 3, 6, 8, 5)  # some leave early
+
+
+@pytest.fixture(scope="module", params=["duo", "full"])
+def setup(request):
+    """(contiguous method, each prompt's solo greedy tokens)."""
+    mask = np.array([[True, False], [False, True]]) if request.param == "duo" else None
+    method = DuoAttention(make_layout(CONFIG, mask, sink=2, recent=5, context=64))
+    solo = [duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK,
+                             stop_at_eos=False).tokens[0] for p in PROMPTS]
+    return method, solo
+
+
+def scheduler(method, num_pages, slots=3):
+    return Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=num_pages), slots=slots, chunk=CHUNK,
+                     impl="xla")
+
+
+def assert_no_page_leaked(s):
+    assert s.pool.num_free == s.pool.num_pages and s.pages_in_use() == 0
+    assert (s.tables == s.pool.num_pages).all() and not any(s.running)
+
+
+def test_requests_joining_and_leaving_get_their_solo_tokens(setup):
+    """Five requests over three slots: two start, a third joins mid-way (prefilling while the others decode),
+    the rest queue for slots that requests leaving early free; each gets its solo greedy tokens."""
+    method, solo = setup
+    s = scheduler(method, num_pages=64)
+    requests = [Request(p, max_tokens=n, stop_at_eos=False) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    for r in requests[:2]:
+        s.submit(r)
+    for _ in range(2):
+        s.step()
+    assert not requests[0].tokens and len(requests[1].tokens) == 1  # 0 still prefilling (19 tokens, chunks of 8)
+    for r in requests[2:]:
+        s.submit(r)
+    s.run()
+    for r, expected, n in zip(requests, solo, MAX_TOKENS):
+        assert r.tokens == expected[:n] and r.finish_reason == "length"
+    assert_no_page_leaked(s)
+
+
+def test_a_short_pool_queues_and_preempts_and_all_complete(setup):
+    """A pool of 10 pages of 4 tokens cannot hold three of these requests at once: newcomers wait for pages,
+    growing requests preempt the newest (recomputed later), and every request still gets its solo tokens."""
+    method, solo = setup
+    s = scheduler(method, num_pages=10)
+    requests = [s.submit(Request(p, max_tokens=NEW, stop_at_eos=False)) for p in PROMPTS]
+    peak = 0
+    while s.step() or not s.idle:
+        peak = max(peak, s.pages_in_use())
+        assert s.pages_in_use() == sum(len(slot.pages) for slot in s.running if slot)
+    assert peak <= 10 and s.counters["preemptions"] > 0
+    for r, expected in zip(requests, solo):
+        assert r.tokens == expected
+    assert_no_page_leaked(s)
+
+
+def test_stops_and_per_request_sampling(setup):
+    """A stop id ends a request at that token; a sampled request (its own temperature, top-k and seed) gets the
+    same tokens alone and in a batch of greedy ones, and different ones with another seed."""
+    method, solo = setup
+    s = scheduler(method, num_pages=64)
+    stopped = s.submit(Request(PROMPTS[0], max_tokens=NEW, stop_ids=(solo[0][2],), stop_at_eos=False))
+    rule = Sampling(temperature=1.5, top_k=20)
+    alone = s.submit(Request(PROMPTS[1], max_tokens=NEW, sampling=rule, seed=7))
+    s.run()
+    assert stopped.tokens == solo[0][: solo[0].index(solo[0][2]) + 1] and stopped.finish_reason == "stop"
+    batch = [s.submit(Request(p, max_tokens=NEW, stop_at_eos=False)) for p in PROMPTS[2:4]]
+    again = s.submit(Request(PROMPTS[1], max_tokens=NEW, sampling=rule, seed=7))
+    other = s.submit(Request(PROMPTS[1], max_tokens=NEW, sampling=rule, seed=8))
+    s.run()
+    assert again.tokens == alone.tokens != other.tokens
+    assert [r.tokens for r in batch] == solo[2:4]
+    assert_no_page_leaked(s)
+
+
+def test_bad_requests_are_refused(setup):
+    method, _ = setup
+    s = scheduler(method, num_pages=4)
+    with pytest.raises(DuoJaxError, match="empty"):
+        s.submit(Request([], max_tokens=2))
+    with pytest.raises(DuoJaxError, match="token ids"):
+        s.submit(Request([1, 500], max_tokens=2))
+    with pytest.raises(DuoJaxError, match="exceeds"):
+        s.submit(Request([1] * 120, max_tokens=10))  # capacity: 128
+    with pytest.raises(DuoJaxError, match="pages"):
+        s.submit(Request([1] * 20, max_tokens=4))  # 23 tokens: 6 pages of 4, the pool has 4
+    assert s.idle
