@@ -232,6 +232,16 @@ def restore_gates(model: CausalLM, directory: str | os.PathLike) -> None:
         raise DuoJaxError(f"no gate checkpoint at {directory}; pass a directory written by save_gates")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(model, Gate))
     checkpointer = ocp.StandardCheckpointer()
-    restored = checkpointer.restore(directory, abstract)
-    checkpointer.close()
+    try:
+        saved = checkpointer.metadata(directory)
+        saved = getattr(saved, "item_metadata", saved)  # orbax's metadata object, or the tree itself
+        shapes = {tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(saved)}
+        expected = tuple(model.gates.shape)
+        if shapes and shapes != {expected}:
+            raise DuoJaxError(f"the gate checkpoint at {directory} holds gates of shape(s) {sorted(shapes)}, but "
+                              f"this model's are {expected} (layers x KV heads): restore into the model it was saved "
+                              "from")
+        restored = checkpointer.restore(directory, abstract)
+    finally:
+        checkpointer.close()
     nnx.update(model, restored)

@@ -133,6 +133,9 @@ def test_gates_saved_and_restored_with_orbax(tmp_path):
     assert same_arrays(fresh.to_params(), model.params)  # only the gates were restored
     with pytest.raises(DuoJaxError, match="no gate checkpoint"):
         restore_gates(fresh, tmp_path / "missing")
+    other = CausalLM.from_model(tiny_model(num_layers=3))
+    with pytest.raises(DuoJaxError, match=r"shape\(s\) \[\(2, 2\)\].*\(3, 2\)"):
+        restore_gates(other, path)
 
 
 def test_generate_runs_the_engine_with_the_modules_gates():
