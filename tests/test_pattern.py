@@ -116,13 +116,13 @@ def test_ties_are_broken_by_gate_then_a_fixed_pseudo_random_order():
 
 
 def test_zero_gate_ties_are_not_given_to_the_first_layers():
-    """SmolLM2's shipped gates: 57 of 90 are exactly 0, so at sparsity 0.5 twelve zero-gate heads must be
-    retrieval heads. They follow the tie order, not the layer order (which gave layers 0-3 all twelve)."""
+    """SmolLM2's shipped gates: 53 of 90 are exactly 0, so at sparsity 0.5 eight zero-gate heads must be
+    retrieval heads. They follow the tie order, not the layer order (which would give layers 0-2 all eight)."""
     pattern = Pattern.for_model("smollm2-135m")
     gates, mask = pattern.gates.ravel(), pattern.retrieval_mask(0.5).ravel()
-    assert mask.sum() == 45 and (gates > 0).sum() == 33 and mask[gates > 0].all()
+    assert mask.sum() == 45 and (gates > 0).sum() == 37 and mask[gates > 0].all()
     tied = np.flatnonzero(gates == 0)
-    chosen = tied[np.argsort(pattern.tie_order()[tied])[:12]]
+    chosen = tied[np.argsort(pattern.tie_order()[tied])[:8]]
     np.testing.assert_array_equal(np.flatnonzero(mask & (gates == 0)), np.sort(chosen))
     assert len(set(chosen // 3)) > 4  # spread over more than the first four layers
 
