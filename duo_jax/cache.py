@@ -35,7 +35,7 @@ CAPACITY_BLOCK = 128
 class CacheLayout:
     """The static shape of a split cache (hashable: a jit static argument)."""
 
-    num_retrieval: tuple[int, ...]  # retrieval KV heads per layer (they come first after reordering)
+    num_retrieval: tuple[int, ...]  # retrieval KV heads per layer (first in `kv_order`)
     num_kv_heads: int
     head_dim: int
     sink: int

@@ -1,5 +1,5 @@
 """int8 weights (per output channel, `duo_jax.model.quantize_weights`): the model over them against its
-dequantized weights (exact) and the fp32 weights (a stated bound), through forward, head reordering, the
+dequantized weights (exact) and the fp32 weights (a stated bound), through forward, the
 engine and the loader."""
 
 import dataclasses
