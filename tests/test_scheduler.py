@@ -108,3 +108,17 @@ def test_bad_requests_are_refused(setup):
     with pytest.raises(DuoJaxError, match="pages"):
         s.submit(Request([1] * 20, max_tokens=4))  # 23 tokens: 6 pages of 4, the pool has 4
     assert s.idle
+
+
+def test_int8_weights_are_served_as_generate_runs_them():
+    """The scheduler compiles its steps for the engine's weight format (int8 weights: codes and scales)."""
+    from duo_jax.model import quantize_weights
+
+    model = duo_jax.Model(CONFIG, quantize_weights(MODEL.params), None, "random")
+    method = DuoAttention(make_layout(CONFIG, None, sink=0, recent=0, context=64))
+    alone = duo_jax.generate(model, PROMPTS[0], method=method, max_new_tokens=5, chunk_size=CHUNK,
+                             stop_at_eos=False).tokens[0]
+    s = Scheduler(Engine.of(model), paged(method, page_size=4, num_pages=16), slots=2, chunk=CHUNK, impl="xla")
+    request = s.submit(Request(PROMPTS[0], max_tokens=5, stop_at_eos=False))
+    s.run()
+    assert request.tokens == alone

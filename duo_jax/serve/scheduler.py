@@ -114,6 +114,8 @@ class Scheduler:
                               "duo_jax.methods.paged.paged(method, num_pages=...)")
         if slots < 1 or chunk < 1:
             raise DuoJaxError(f"slots and chunk must be positive, got {slots}, {chunk}")
+        if engine.mesh is not None:
+            raise DuoJaxError("the scheduler runs on one device; serve with an engine built without a mesh")
         self.engine, self.method, self.slots, self.chunk, self.impl = engine, method, slots, chunk, impl
         self.pool = PagePool(method.num_pages)
         self.cache = method.empty_cache(slots, engine.dtype)
@@ -242,7 +244,8 @@ class Scheduler:
         if self._tables_changed:
             self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(self.tables.copy()))
             self._tables_changed = False
-        run = compiled_extend(self.engine.config, self.method, self.slots, T, self.engine.dtype, self.impl)
+        run = compiled_extend(self.engine.config, self.method, self.slots, T, self.engine.dtype, self.impl,
+                              weights=self.engine.weights)
         # Copies: on CPU jnp.asarray may alias a numpy buffer, and the step runs asynchronously while the host
         # updates self.lengths / self.tables for the next one.
         lengths = jnp.asarray(self.lengths.copy())
