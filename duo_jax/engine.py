@@ -173,23 +173,35 @@ def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, 
     return cache, *ints, _abstract(method.state())
 
 
-@functools.lru_cache(maxsize=64)
 def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
                     impl: str = "auto", all_logits: bool = False, mesh: Mesh | None = None,
                     weights: str | None = None):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows. `method`
-    is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it."""
+    is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it.
+    However the arguments are passed (by position or keyword), one shape is one executable."""
+    return _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weights)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weights):
     cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch, chunk),
                                                               (batch,))
     return extend.lower(_abstract_params(config, dtype, mesh, weights), cache, lengths, tokens, n_valid, state,
                         config=config, method=method, all_logits=all_logits, impl=impl, mesh=mesh).compile()
 
 
-@functools.lru_cache(maxsize=32)
+compiled_extend.cache_clear = _compiled_extend.cache_clear
+
+
 def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,
                     max_tokens: int, eos_ids: tuple[int, ...], mesh: Mesh | None = None,
                     weights: str | None = None):
     """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
+    return _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, tuple(eos_ids), mesh, weights)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, eos_ids, mesh, weights):
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
     key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:

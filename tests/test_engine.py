@@ -174,3 +174,15 @@ def test_an_engine_does_not_keep_its_weights_alive():
     del model, engine
     gc.collect()
     assert anchor() is None and len(_ENGINES) == count - 1
+
+
+def test_one_shape_is_one_executable_however_it_is_asked_for():
+    """Callers that pass the defaults by keyword, by position or not at all get the same executable (the compile
+    a benchmark does ahead of its timings is the one the engine then runs)."""
+    from duo_jax.engine import compiled_extend
+    from duo_jax.methods import make_method
+
+    method = make_method("full", CONFIG, context=32)
+    first = compiled_extend(CONFIG, method, 1, 8, "float32")
+    assert compiled_extend(CONFIG, method, 1, 8, "float32", "auto", False, None, None) is first
+    assert compiled_extend(CONFIG, method, 1, 8, "float32", weights=None, impl="auto") is first
