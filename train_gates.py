@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             max_depth=args.max_depth, supervise=args.supervise, seed=args.seed, save_every=args.save_every)
         out = Path(args.out or f"runs/gates/{name}")
         log = lambda message: print(message, file=sys.stderr)
-        training.check_mesh(model.config, mesh, cfg.batch_size)
+        training.check_mesh(mesh, cfg.batch_size)
         log(str(training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)))
         pattern = training.train(model.params, model.config, tokenizer, cfg, out, mesh, model_name=args.model,
                                  dtype=args.dtype, resume=args.resume, log=log)

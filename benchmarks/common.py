@@ -234,13 +234,21 @@ def write_result(out_dir: pathlib.Path, name: str, *, title: str, headers: Seque
     return result
 
 
-def run_workers(script: str, meshes: dict[int, list[str]], worker_args: Sequence[str]) -> list[dict] | None:
-    """For each device count n: `script --worker *worker_args --meshes ...` in a process with n host CPU devices;
-    the JSON lines they print, or None (after printing the failing worker's stderr)."""
+def run_workers(script: str, meshes: Sequence[str], axes: tuple[str, ...],
+                worker_args: Sequence[str]) -> list[dict] | None:
+    """The mesh specs (`duo_jax.sharding.parse_mesh` over `axes`) grouped by their device count n, each group
+    run as `script --worker *worker_args --meshes ...` in a process with n host CPU devices; the JSON lines they
+    print, or None (after printing the failing worker's stderr)."""
+    import math
     import subprocess
 
+    from duo_jax import sharding
+
+    by_devices: dict[int, list[str]] = {}
+    for spec in meshes:
+        by_devices.setdefault(math.prod(sharding.parse_mesh(spec, axes).values()), []).append(spec)
     results = []
-    for n, specs in sorted(meshes.items()):
+    for n, specs in sorted(by_devices.items()):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
         run = subprocess.run([sys.executable, script, "--worker", *worker_args, "--meshes", *specs], env=env,
                              capture_output=True, text=True)

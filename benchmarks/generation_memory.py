@@ -75,13 +75,9 @@ def main(argv=None) -> int:
 
     from duo_jax import sharding
 
-    by_devices: dict[int, list[str]] = {}
-    for spec in args.meshes:
-        sizes = sharding.parse_mesh(spec, sharding.GENERATION_AXES)
-        by_devices.setdefault(sizes["data"] * sizes["model"], []).append(spec)
-    results = common.run_workers(__file__, by_devices, ["--model", args.model, "--context", str(args.context),
-                                                        "--sparsity", str(args.sparsity),
-                                                        *(["--compile"] if args.compile else [])])
+    worker_args = ["--model", args.model, "--context", str(args.context), "--sparsity", str(args.sparsity),
+                   *(["--compile"] if args.compile else [])]
+    results = common.run_workers(__file__, args.meshes, sharding.GENERATION_AXES, worker_args)
     if results is None:
         return 1
 

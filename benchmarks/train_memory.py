@@ -63,11 +63,8 @@ def main(argv=None) -> int:
 
     from duo_jax import sharding
 
-    by_devices: dict[int, list[str]] = {}
-    for spec in args.meshes:
-        sizes = sharding.parse_mesh(spec)
-        by_devices.setdefault(sizes["data"] * sizes["fsdp"] * sizes["seq"], []).append(spec)
-    results = common.run_workers(__file__, by_devices, ["--model", args.model, "--seq-len", str(args.seq_len)])
+    results = common.run_workers(__file__, args.meshes, sharding.MESH_AXES,
+                                 ["--model", args.model, "--seq-len", str(args.seq_len)])
     if results is None:
         return 1
 

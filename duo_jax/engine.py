@@ -31,7 +31,7 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
 from duo_jax.model import (Params, decoder_layer, embed, param_shapes, project_qkv, quantize_weights, rope_inv_freq,
-                           unembed, weight_format)
+                           unembed, weight_format, weights_memo)
 from duo_jax.sampling import Sampling, sample
 
 
@@ -96,10 +96,9 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
                 extra["lookahead_q"] = q if inputs[-1] is None else project_qkv(inputs[-1], layer, config.rms_norm_eps)[0]
             inputs.append(h)
             if mesh is not None:  # heads stay where the tensor-parallel projections put them (see sharding)
-                q, k, v = (sharding.split_heads_over_model(x, mesh) for x in (q, k, v))
-                out, layer_cache = method.attend(l, q, k, v, layer_caches[l], step, shared, **extra)
-                return sharding.split_heads_over_model(out, mesh), layer_cache
-            return method.attend(l, q, k, v, layer_caches[l], step, shared, **extra)
+                q, k, v = (sharding.split_heads_over_model(a, mesh) for a in (q, k, v))
+            out, layer_cache = method.attend(l, q, k, v, layer_caches[l], step, shared, **extra)
+            return (out if mesh is None else sharding.split_heads_over_model(out, mesh)), layer_cache
 
         x, layer_cache = decoder_layer(x, layer, config, attend)
         new_cache.append(layer_cache)
@@ -218,11 +217,6 @@ def _abstract(tree):
 ChunkCallback = Callable[[jax.Array, int, np.ndarray], None]
 
 
-# id of a model's stacked query weights (an array no engine holds) -> the engine of its weights; an entry goes
-# when those weights are garbage-collected.
-_ENGINES: dict[int, "Engine"] = {}
-
-
 class Engine:
     """One model ready to run every KV-cache method: its weights prepared once, the one prefill driver, and the
     device decode loop. `Engine.of(model)` is the engine of the model's weights (built on their first use and
@@ -257,13 +251,12 @@ class Engine:
 
     @classmethod
     def of(cls, model, mesh: Mesh | None = None) -> "Engine":
-        """The engine of `model`'s weights (on `mesh`): prepared on their first use, then reused."""
-        anchor = jax.tree.leaves(model.params.layers.wq)[0]  # stacked: the engine holds per-layer copies, never this
-        key = (id(anchor), mesh)
-        engine = _ENGINES.get(key)
+        """The engine of `model`'s weights (on `mesh`): prepared on their first use, then reused while they live
+        (`duo_jax.model.weights_memo`; the engine holds per-layer copies, never the stacked weights)."""
+        memo = weights_memo(model.params)
+        engine = memo.get(("engine", mesh))
         if engine is None or not engine.prepared_from(model.params, model.config):
-            engine = _ENGINES[key] = cls(model.params, model.config, mesh)
-            weakref.finalize(anchor, _ENGINES.pop, key, None)
+            engine = memo[("engine", mesh)] = cls(model.params, model.config, mesh)
         return engine
 
     def put_batch(self, x) -> jax.Array:

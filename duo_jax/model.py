@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -59,6 +60,22 @@ class Params:
     @property
     def dtype(self):
         return self.embed.dtype
+
+
+# id of a set of weights' stacked query projection -> what was computed from those weights (`weights_memo`).
+_MEMOS: dict[int, dict] = {}
+
+
+def weights_memo(params: Params) -> dict:
+    """A dict for what is computed once per set of weights (the engine's prepared copy, InfiniGen's skew): the
+    same dict while the stacked weights live, dropped when they are garbage-collected. Nothing in it may hold
+    the stacked query weights (`params.layers.wq`), which keep it."""
+    anchor = jax.tree.leaves(params.layers.wq)[0]
+    memo = _MEMOS.get(id(anchor))
+    if memo is None:
+        memo = _MEMOS[id(anchor)] = {}
+        weakref.finalize(anchor, _MEMOS.pop, id(anchor), None)
+    return memo
 
 
 def param_shapes(config: ModelConfig) -> Params:

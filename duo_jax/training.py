@@ -159,7 +159,7 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
 # --- mesh and sequence parallelism ------------------------------------------------------------------
 
 
-def check_mesh(config: ModelConfig, mesh: Mesh, batch_size: int) -> None:
+def check_mesh(mesh: Mesh, batch_size: int) -> None:
     """TrainingError unless the batch splits over the "data" x "fsdp" devices."""
     n = sharding.axis_size(mesh, sharding.BATCH_AXES)
     if batch_size % n:
@@ -470,7 +470,7 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     out = Path(out)
     if config.sliding_window is not None:
         raise TrainingError("gate training does not support sliding-window attention models")
-    check_mesh(config, mesh, cfg.batch_size)
+    check_mesh(mesh, cfg.batch_size)
     stream, cfg, note = sample_stream(tokenizer, cfg)
     if note:
         log(f"note: {note}")

@@ -165,15 +165,16 @@ def test_an_engine_does_not_keep_its_weights_alive():
     import gc
     import weakref
 
-    from duo_jax.engine import _ENGINES, Engine
+    from duo_jax.engine import Engine
+    from duo_jax.model import _MEMOS
 
     model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(6)), None, "random")
     engine = Engine.of(model)
     assert Engine.of(duo_jax.Model(CONFIG, model.params, None, "another front")) is engine  # same arrays
-    anchor, count = weakref.ref(model.params.layers.wq), len(_ENGINES)
+    anchor, count = weakref.ref(model.params.layers.wq), len(_MEMOS)
     del model, engine
     gc.collect()
-    assert anchor() is None and len(_ENGINES) == count - 1
+    assert anchor() is None and len(_MEMOS) == count - 1
 
 
 def test_one_shape_is_one_executable_however_it_is_asked_for():

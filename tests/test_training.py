@@ -150,7 +150,7 @@ result["bytes"] = {"per_device": list(per_device.values()), "helper": sharding.d
                    "total": sum(x.nbytes for x in jax.tree.leaves(weights)),
                    "final_norm": weights.final_norm.nbytes, "lm_head": weights.lm_head is None}
 try:
-    training.check_mesh(config, sharding.make_mesh(data=2, fsdp=4), 4)
+    training.check_mesh(sharding.make_mesh(data=2, fsdp=4), 4)
 except training.TrainingError as e:
     result["error"] = str(e)
 print(json.dumps(result))

@@ -51,7 +51,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax import methods
 from duo_jax.generation import build_method
 from duo_jax.methods import Method
-from duo_jax.methods.duo import fit_window  # noqa: F401  (re-exported: the window rule of duo at a budget)
+from duo_jax.methods.duo import fit_window, num_retrieval_heads  # noqa: F401  (re-exported: duo's budget rules)
 from duo_jax.pattern import Pattern
 
 # The registered methods, plus "streaming": duo with every head a streaming head (absolute positions).
@@ -110,11 +110,6 @@ class ModeSettings:
         """JSON-friendly summary (no gates)."""
         return dict(name=self.name, method=self.method, sparsity=None if self.pattern is None else self.sparsity,
                     sink=self.sink, recent=self.recent, kv_budget=self.kv_budget)
-
-
-def num_retrieval_heads(config: ModelConfig, sparsity: float) -> int:
-    """How many retrieval heads any pattern keeps at `sparsity` (independent of the gate values)."""
-    return int(Pattern.full(config.num_layers, config.num_kv_heads).retrieval_mask(sparsity).sum())
 
 
 def streaming_budget(config: ModelConfig, sparsity: float, context: int, *, sink: int, recent: int) -> int:

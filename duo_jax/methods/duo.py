@@ -30,6 +30,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.methods.registry import register
 from duo_jax.model import apply_rope
+from duo_jax.pattern import Pattern
 from duo_jax.quant import as_stored, kv_rotation, rotate
 
 
@@ -214,6 +215,11 @@ def make_duo(config: ModelConfig, *, context: int, pattern=None, sparsity: float
         sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
     return DuoAttention(make_layout(config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent,
                                     context=context, kv_dtype=kv_dtype))
+
+
+def num_retrieval_heads(config: ModelConfig, sparsity: float) -> int:
+    """How many retrieval heads any pattern keeps at `sparsity` (independent of the gate values)."""
+    return int(Pattern.full(config.num_layers, config.num_kv_heads).retrieval_mask(sparsity).sum())
 
 
 def duo_sparsity_for_budget(kv_budget: float, *, context: int, window: int) -> float:

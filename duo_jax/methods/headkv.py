@@ -35,7 +35,8 @@ from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacit
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.duo import DuoAttention, StreamingWindow, fit_window, merge_heads, split_heads
+from duo_jax.methods.duo import (DuoAttention, StreamingWindow, fit_window, merge_heads, num_retrieval_heads,
+                                 split_heads)
 from duo_jax.methods.registry import register
 from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
                                     check_selection, compressed_attention, compressed_nbytes, decode_shape,
@@ -66,7 +67,7 @@ def _score_grid(config: ModelConfig, scores: Pattern | np.ndarray) -> np.ndarray
 
 
 def headkv_budget(config: ModelConfig, kv_budget: int, *, scores=None, **inputs) -> dict:
-    return dict(kv_budget=kv_budget, scores=_required_scores(scores, config, "headkv"))
+    return dict(kv_budget=kv_budget, scores=scores)
 
 
 def duo_headkv_budget(config: ModelConfig, kv_budget: int, *, sink: int, recent: int, sparsity: float,
@@ -76,13 +77,13 @@ def duo_headkv_budget(config: ModelConfig, kv_budget: int, *, sink: int, recent:
     if fitted:
         sink, recent = fit_window(kv_budget, sink, recent)
     heads = config.num_layers * config.num_kv_heads
-    retrieval = int(Pattern.full(config.num_layers, config.num_kv_heads).retrieval_mask(sparsity).sum())
+    retrieval = num_retrieval_heads(config, sparsity)
     per_retrieval = (heads * kv_budget - (heads - retrieval) * (sink + recent)) // max(retrieval, 1)
     if retrieval == 0 or per_retrieval < 1:
         raise DuoJaxError(f"duo_headkv at sparsity {sparsity} with a window of {sink + recent} cannot meet a "
                           f"budget of {kv_budget} tokens per head: lower the sparsity or the window")
     return dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent,
-                scores=_required_scores(scores, config, "duo_headkv"), kv_budget=per_retrieval)
+                scores=scores, kv_budget=per_retrieval)
 
 
 @register("headkv", options=("kv_budget", "scores", "beta", "window", "kernel", "pooling"), budget=headkv_budget,

@@ -66,7 +66,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +79,7 @@ from duo_jax.data.haystack import CALIBRATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.registry import kv_budget_only, register
-from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq
+from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq, weights_memo
 
 
 @functools.lru_cache(maxsize=None)
@@ -392,19 +391,11 @@ def make_infinigen(config: ModelConfig, *, context: int, model, kv_budget: int |
                                dense_layers=dense_layers, offload=offload, lookahead=lookahead)
 
 
-# id of a model's stacked query weights -> {(tokenizer id, partial_ratio, channel_rule): skew}; an entry goes with
-# the weights (nothing here holds them).
-_SKEWS: dict[int, dict] = {}
-
-
 def _skew_of(model, partial_ratio: float, channel_rule: str):
-    anchor = model.params.layers.wq
-    if id(anchor) not in _SKEWS:
-        _SKEWS[id(anchor)] = {}
-        weakref.finalize(anchor, _SKEWS.pop, id(anchor), None)
-    skews = _SKEWS[id(anchor)]
-    key = (id(model.tokenizer), float(partial_ratio), channel_rule)
-    if key not in skews:
-        skews[key] = skew_on_text(model.params, model.config, model.tokenizer, partial_ratio=partial_ratio,
-                                  channel_rule=channel_rule)
-    return skews[key]
+    """`skew_on_text` of `model`, once per set of weights and rules (`duo_jax.model.weights_memo`)."""
+    memo = weights_memo(model.params)
+    key = ("infinigen skew", id(model.tokenizer), float(partial_ratio), channel_rule)
+    if key not in memo:
+        memo[key] = skew_on_text(model.params, model.config, model.tokenizer, partial_ratio=partial_ratio,
+                                 channel_rule=channel_rule)
+    return memo[key]
