@@ -20,3 +20,7 @@ class LoadError(DuoJaxError):
 
 class WeightsNotFoundError(LoadError, FileNotFoundError):
     """No weights at any place that was searched."""
+
+
+class BackendError(DuoJaxError):
+    """An implementation asked for that this JAX or device cannot run."""

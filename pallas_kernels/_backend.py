@@ -4,7 +4,10 @@
 * GPU: Triton, chosen on purpose. Since JAX 0.10 a ``pallas_call`` with no
   compiler params lowers through Mosaic GPU on NVIDIA; these kernels are written
   in the Triton style (one program per query tile, an in-kernel loop over the
-  key tiles), so we always pass Triton compiler params.
+  key tiles), so we always pass Triton compiler params. JAX 0.11 deprecates
+  Pallas's Triton backend: `triton_unavailable` compiles and runs one tiny
+  Triton kernel on the GPU, once per process, and says why it could not, so
+  that ``impl="auto"`` falls back to XLA where the backend is gone.
 * TPU: Mosaic params are provided for completeness, but the kernels index the
   head axis in the middle of ``[B, T, H, D]`` arrays and keep a whole sequence
   of K/V per program, which Mosaic TPU does not tile well.
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import jax
@@ -43,6 +47,35 @@ def lowering_for(platform: str) -> Iterator[None]:
         yield
     finally:
         _target = previous
+
+
+def exporting() -> bool:
+    """True inside `lowering_for`: the kernels are traced for a platform other than (or without) the local
+    device, so nothing can be probed by running it."""
+    return _target is not None
+
+
+@functools.cache
+def triton_unavailable() -> str | None:
+    """None when a Pallas kernel with Triton compiler params compiles and runs on the default device and
+    returns the right values; otherwise why not (the exception, or the wrong result). Probed once per
+    process, eagerly even when called while a jit is being traced."""
+    try:
+        import jax.numpy as jnp
+        from jax.experimental import pallas as pl
+
+        def add_one(x_ref, o_ref):
+            o_ref[...] = x_ref[...] + 1.0
+
+        with jax.ensure_compile_time_eval():
+            x = jnp.arange(16 * 16, dtype=jnp.float32).reshape(16, 16)
+            out = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                 compiler_params=_triton_params_cls()(num_warps=1, num_stages=1))(x)
+            if not bool(jnp.all(out == x + 1.0)):
+                return "a probe kernel compiled through Triton but returned wrong values"
+    except Exception as e:  # noqa: BLE001 - any failure means the backend cannot serve the kernels
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return None
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

