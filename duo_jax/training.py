@@ -22,7 +22,8 @@ The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs 
     online-softmax merge) would hold 2 x 2 x T/n x K x E instead; not built yet.
   Each device differentiates its share of the loss; the gate gradients are summed with one `psum`. The
   same code runs on one device (a 1 x 1 x 1 mesh), on host CPU devices, on a GPU node or a TPU pod
-  (multi-process with `jax.distributed.initialize()`, see `initialize_distributed`). `memory_report`
+  (multi-process with `jax.distributed.initialize()`, see `initialize_distributed`; each process loads only
+  its devices' slices of the weights, `duo_jax.loading`). `memory_report`
   compiles the step from shapes and reads the per-device bytes (the CLI prints it before it starts).
 * **Padding.** Sequences of a batch are right-padded to a common length that is a multiple of the "seq"
   axis. Padded positions come after every real token, so the causal and Λ masks already hide them from
@@ -34,7 +35,8 @@ The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs 
 * **Checkpoints.** Orbax, every `save_every` steps and at the end, the last two kept: gates, optimiser
   state, the completed step and next sample index, and the run's arguments (a resumed run must use the
   same ones). Resuming replays exactly the same computation, so the final gates are bit-identical to those
-  of an uninterrupted run (on the same mesh and backend).
+  of an uninterrupted run (on the same mesh and backend). With several processes, all of them save and
+  restore together, each writing and reading the shards it holds (orbax's multi-process checkpointing).
 * **Outputs** in the run folder: `full_attention_heads.tsv` + `config.json` (the original's pattern format,
   `duo_jax.pattern.Pattern.save`), `loss.json` (per step: loss, distill, l1, lr, tokens, tokens/s),
   `gates.png`; all rewritten at every checkpoint, so a partial run is readable.
@@ -43,6 +45,7 @@ The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -289,6 +292,24 @@ def make_train_step(config: ModelConfig, objective: gates_lib.Objective, optimiz
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def run_train_step(config: ModelConfig, cfg: TrainConfig, mesh: Mesh, param_specs: Params):
+    """`make_train_step` with `cfg`'s objective and optimiser, one jitted step per (model, objective,
+    optimiser, mesh, layout) in this process: the step `memory_report` compiles is the one `train` runs (a
+    batch of the reported shape reuses its executable instead of compiling it again), and a run resumed in
+    the same process compiles nothing."""
+    leaves, treedef = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
+    optimiser = (cfg.lr, cfg.steps, cfg.warmup_ratio, cfg.decay_ratio, cfg.min_lr_ratio)
+    return _train_step(config, cfg.objective, optimiser, mesh, tuple(leaves), treedef)
+
+
+@functools.lru_cache(maxsize=8)
+def _train_step(config, objective, optimiser, mesh, spec_leaves, spec_treedef):
+    lr, steps, warmup_ratio, decay_ratio, min_lr_ratio = optimiser
+    optimizer, _ = make_optimizer(TrainConfig(objective=objective, lr=lr, steps=steps, warmup_ratio=warmup_ratio,
+                                              decay_ratio=decay_ratio, min_lr_ratio=min_lr_ratio))
+    return make_train_step(config, objective, optimizer, mesh, jax.tree.unflatten(spec_treedef, spec_leaves))
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """Bytes one device holds for a train step: its arguments, read from their shardings, and the compiled
@@ -329,7 +350,7 @@ def memory_report(config: ModelConfig, cfg: TrainConfig, mesh: Mesh, params: Par
     shape = (cfg.batch_size, T)
     batch = Batch(*(abstract(jax.ShapeDtypeStruct(shape, dtype), batch_sharding(mesh))
                     for dtype in (jnp.int32, jnp.int32, jnp.bool_)))
-    step = make_train_step(config, cfg.objective, optimizer, mesh, specs)
+    step = run_train_step(config, cfg, mesh, specs)
     analysis = step.lower(gates, opt_state, params, batch).compile().memory_analysis()
     temp = analysis.temp_size_in_bytes if analysis is not None else None
     return MemoryReport(weights=sharding.device_bytes(params), gates=sharding.device_bytes(gates),
@@ -481,7 +502,7 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     gates = replicate(gates_lib.init_gates(config, cfg.initial_value), mesh)
     state = {"gates": gates, "opt_state": replicate(optimizer.init(gates), mesh)}
     params, specs = frozen_weights(params, mesh)
-    step_fn = make_train_step(config, cfg.objective, optimizer, mesh, specs)
+    step_fn = run_train_step(config, cfg, mesh, specs)
     log(f"mesh {format_mesh(mesh)}: weights sharded {sharding.axis_size(mesh, sharding.WEIGHT_AXES)} ways, "
         f"sequence parallelism: {sequence_parallelism(config, mesh)}")
 
@@ -531,11 +552,32 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     return Pattern(fetch(state["gates"]), meta)
 
 
-def initialize_distributed(requested: bool) -> None:
-    """`jax.distributed.initialize()` when `requested` or when this process was launched as one of several
-    (a JAX coordinator address, SLURM or Open MPI with more than one task). Call before touching devices."""
+def initialize_distributed(requested: bool, coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """`jax.distributed.initialize` (JAX's multi-controller runtime: every process runs the same program on
+    the global mesh; on CPU its collectives are Gloo's) when `requested`, when `coordinator` is given, or when
+    this process was launched as one of several (SLURM or Open MPI with more than one task, or a JAX
+    coordinator address in the environment). Call before touching devices.
+
+    Without `coordinator`, JAX finds the coordinator, the number of processes and this process's index by
+    itself on Cloud TPU, SLURM, Open MPI and Kubernetes. Anywhere else (a few GPU hosts, or processes on one
+    host) pass all three: `coordinator` "host:port" of process 0, `num_processes`, `process_id` (0-based)."""
+    explicit = (coordinator, num_processes, process_id)
+    if any(v is not None for v in explicit) and any(v is None for v in explicit):
+        raise TrainingError("an explicit multi-process launch needs all of --coordinator HOST:PORT, "
+                            "--num-processes N and --process-id I (or none of them, to let JAX detect the "
+                            "cluster: Cloud TPU, SLURM, Open MPI, Kubernetes)")
+    if process_id is not None and not 0 <= process_id < num_processes:
+        raise TrainingError(f"--process-id {process_id} is not in [0, {num_processes}) (--num-processes "
+                            f"{num_processes}); number the processes 0 to {num_processes - 1}")
     env = os.environ
     launched = ("JAX_COORDINATOR_ADDRESS" in env or int(env.get("SLURM_NTASKS", "1")) > 1
                 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
-    if requested or launched:
-        jax.distributed.initialize()
+    if not (requested or launched or coordinator is not None) or jax.distributed.is_initialized():
+        return
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+    except ValueError as e:  # JAX could not detect the cluster
+        raise TrainingError(f"jax.distributed.initialize failed: {e}; outside Cloud TPU / SLURM / Open MPI / "
+                            "Kubernetes pass --coordinator HOST:PORT (process 0's), --num-processes N and "
+                            "--process-id I to every process") from None

@@ -59,7 +59,7 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref,  # inputs
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      lengths: jax.Array, *, scale: float | None = None,
                      block_k: int = 128, num_splits: int = 16,
-                     interpret: bool | None = None) -> jax.Array:
+                     interpret: bool | None = None, return_lse: bool = False):
     """Single-token attention over a KV cache, split along the keys.
 
     Args:
@@ -74,8 +74,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         it is not a multiple of block_k.
       interpret: None = interpret mode exactly when running on CPU.
 
+      return_lse: also return the log-sum-exp of each query's scaled scores,
+        float32 [B, Hq] (a huge negative number for a sequence with length 0),
+        so that attention over several shards of the keys can be merged
+        (`duo_jax.sharding.merge_partials`).
+
     Returns:
-      [B, Hq, D] like q.
+      [B, Hq, D] like q, or (that, lse) with `return_lse`.
     """
     _common.check_qkv(q, k, v, q_ndim=3)
     _common.check_block("block_k", block_k)
@@ -144,4 +149,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     l_total = jnp.einsum("bhsg,bhsg->bhg", weight, l)
     o = jnp.einsum("bhsg,bhsgd->bhgd", weight, o)
     o = o / jnp.where(l_total == 0.0, 1.0, l_total)[..., None]
-    return o[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
+    out = o[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = m_max[:, :, 0] + jnp.log(jnp.maximum(l_total, 1e-30))  # [B, Hkv, G']
+    return out, lse[:, :, :group].reshape(batch, num_heads)

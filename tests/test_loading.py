@@ -148,3 +148,41 @@ def test_non_llama_checkpoint_is_rejected(tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         duo_jax.load(tmp_path)
+
+
+def test_a_block_reads_only_the_bytes_that_hold_it(tmp_path, monkeypatch):
+    """`load(..., shardings=)` builds each device's block with `_ParamsBuilder._block`: for every weight of a
+    model with biases and any mesh-like split (one axis halved) or random box, the plain load's values, read
+    from the file by safetensors slices of exactly the block's bytes (the whole heads touched, when the split
+    cuts a head's inner dimension)."""
+    from duo_jax import loading
+
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                  max_position_embeddings=256, num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=False)
+    write_random_hf_model(tmp_path, transformers.Qwen2Config, fields)  # q / k / v biases
+    model = duo_jax.load(tmp_path, dtype=jnp.float32)  # equal to transformers' (test_model, test_qwen_gguf)
+    builder = loading._ParamsBuilder(model.config, np.float32, str(tmp_path))
+    for name, tensor in safetensors_tensors(tmp_path / "model.safetensors"):
+        builder.put(name, tensor)
+    reads = []
+    read = loading._SafetensorsTensor.__getitem__
+    monkeypatch.setattr(loading._SafetensorsTensor, "__getitem__",
+                        lambda self, index: reads.append(read(self, index)) or reads[-1])
+    head_inner_axis = dict(wq=3, wk=3, wv=3, wo=2, bq=2, bk=2, bv=2)  # E, of [L, D, H, E], [L, H, E, D], [L, H, E]
+    rng = np.random.default_rng(0)
+    assert {"bq", "lm_head"} <= set(builder.shapes)
+    for field, shape in builder.shapes.items():
+        layers = model.params if field in ("embed", "final_norm", "lm_head") else model.params.layers
+        whole = np.asarray(getattr(layers, field))
+        for axis in range(len(shape)):
+            index = tuple(slice(d // 2, d) if a == axis else slice(None) for a, d in enumerate(shape))
+            reads.clear()
+            block = builder._block(field, index)
+            np.testing.assert_array_equal(block, whole[index], err_msg=f"{field} axis {axis}")
+            exact = head_inner_axis.get(field) != axis
+            assert sum(r.nbytes for r in reads) == (block.nbytes if exact else whole.nbytes), (field, axis)
+        for _ in range(3):
+            starts = [int(rng.integers(0, d)) for d in shape]
+            index = tuple(slice(s, int(rng.integers(s + 1, d + 1))) for s, d in zip(starts, shape))
+            np.testing.assert_array_equal(builder._block(field, index), whole[index], err_msg=f"{field} {index}")

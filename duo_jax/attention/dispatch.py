@@ -93,12 +93,21 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     return xla.attention(q, k, v, spec, scale=scale)
 
 
-def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *,
+def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto",
                    scale: float | None = None) -> tuple[jax.Array, jax.Array]:
     """`attend` over one shard of the keys: (out [B, T, H, E], log-sum-exp float32 [B, T, H]), to be merged
-    with the other shards' (`duo_jax.sharding.merge_partials`). Always the blocked XLA path: the kernels do not
-    return their log-sum-exp."""
+    with the other shards' (`duo_jax.sharding.merge_partials`). A decode step (one query per sequence) over a
+    contiguous cache runs the Pallas split-K kernel where `impl` resolves to "pallas" (it returns its
+    log-sum-exp); everything else takes the blocked XLA path (the flash, Λ and TPU kernels do not return
+    theirs yet)."""
     pallas_kernels.check_qkv(q, k, v)
+    quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
+    if (resolve_impl(impl) == "pallas" and not quantized and q.shape[1] == 1 and spec.causal
+            and spec.k_positions is None and spec.window is None and not spec.is_lambda):
+        lengths = jnp.clip(jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1), 0, k.shape[1])
+        out, lse = pallas_kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
+                                                   num_splits=MAX_SPLITS, return_lse=True)
+        return out[:, None], lse[:, None]
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
 
 

@@ -80,7 +80,7 @@ def sharded_retrieval_attention(q, k, v, cache_k, cache_v, step: Step):
         cache_k, cache_v = write_slots(cache_k, slots, k), write_slots(cache_v, slots, v)
         spec = attention.MaskSpec(local_positions, jnp.clip(new_lengths - offset, 0, size),
                                   window=step.sliding_window)
-        out, lse = attention.attend_partial(q, cache_k, cache_v, spec)
+        out, lse = attention.attend_partial(q, cache_k, cache_v, spec, impl=step.impl)
         return sharding.merge_partials(out, lse, sharding.MODEL), cache_k, cache_v
 
     batch, cache = P(sharding.DATA), P(sharding.DATA, sharding.MODEL)
