@@ -8,8 +8,9 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   meant for tests) for the specs they implement: a contiguous cache under a causal mask (flash attention;
   split-K decode for one query), or Λ over a whole sequence. Other specs (explicit key positions, sliding
   windows) take the XLA path.
-* "mosaic": the TPU kernels of `pallas_kernels.tpu` (splash attention and our own Mosaic kernels) for the
-  same specs; off TPU they run in Pallas's interpreter (tests).
+* "mosaic": the TPU kernels of `pallas_kernels.tpu` for the same specs: splash attention when the spec's
+  offsets are Python ints (`MaskSpec.static_prefix`: gate training, whole sequences), our own Mosaic kernels
+  when they are traced (chunked prefill, decode); off TPU they run in Pallas's interpreter (tests).
 * "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
 * "auto": "pallas" on GPU, "mosaic" on TPU, "xla" elsewhere. On a GPU whose JAX can no longer compile
   Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one warning that
@@ -115,15 +116,16 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
         kernels, options = pallas_kernels, {}
     else:  # off TPU, the generic interpreter: TPU interpret mode cannot run under jax.checkpoint (gate training)
         kernels, options = pallas_kernels.tpu, {"interpret": None if pallas_backend() == "tpu" else True}
-    q_offset = spec.q_positions[:, 0]
+    # Python ints where the caller gave them (TPU: splash attention's static mask), else int32 [B]
+    q_offset, kv_len = spec.static_prefix or (spec.q_positions[:, 0], spec.kv_len)
     if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
         return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
                                         scale=scale, **options)
     if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
-        lengths = jnp.minimum(spec.kv_len, q_offset + 1)
+        lengths = jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1)
         return kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
                                         num_splits=MAX_SPLITS, **options)[:, None]
-    return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=spec.kv_len, scale=scale,
+    return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len, scale=scale,
                                    **options)
 
 
