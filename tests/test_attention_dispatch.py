@@ -80,22 +80,31 @@ def test_engine_with_mosaic_kernels_matches_xla():
         assert rel_err(jnp.asarray(logits), jnp.asarray(ref_logits)) <= 1e-5
 
 
+@pytest.mark.parametrize("method_name", ["full", "duo"])
 @pytest.mark.parametrize("chunk", [128, 1], ids=["prefill-chunk", "decode-step"])
-def test_extend_exported_for_tpu_attends_through_mosaic(chunk):
+def test_extend_exported_for_tpu_attends_through_mosaic(chunk, method_name):
     """`extend` lowered for TPU from this CPU host with impl="auto": every layer's attention is a Mosaic
-    kernel (one tpu_custom_call per layer) and no XLA attention loop is left in the module."""
+    kernel (one tpu_custom_call per layer; with duo two: the retrieval heads over the contiguous cache and the
+    streaming heads over their ring + chunk, keys at explicit positions) and no XLA attention loop is left in
+    the module."""
     import functools
+    import re
 
     from jax import export
 
     from duo_jax.engine import extend, unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.model import init_params
+    from duo_jax.pattern import Pattern
     from pallas_kernels._backend import lowering_for
     from tests.conftest import tiny_config
 
     config = tiny_config(num_layers=2, head_dim=128)
-    method = make_method("full", config, context=256)
+    if method_name == "duo":  # one retrieval and one streaming KV head per layer
+        method = make_method("duo", config, context=256, pattern=Pattern([[0.9, 0.1], [0.2, 0.8]]), sparsity=0.5,
+                             sink=4, recent=60)
+    else:
+        method = make_method("full", config, context=256)
     params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0))))
     ints = jax.ShapeDtypeStruct((1,), jnp.int32)
     step = jax.jit(functools.partial(extend, config=config, method=method))
@@ -103,7 +112,12 @@ def test_extend_exported_for_tpu_attends_through_mosaic(chunk):
         exported = export.export(step, platforms=["tpu"])(params, method.cache_spec(1, jnp.float32), ints,
                                                           jax.ShapeDtypeStruct((1, chunk), jnp.int32), ints)
     module = exported.mlir_module()
-    assert module.count("tpu_custom_call") == config.num_layers
+    kernels = re.findall(r'kernel_name = "([^"]+)"', module)
+    per_layer = 2 if method_name == "duo" else 1
+    assert module.count("tpu_custom_call") == len(kernels) == per_layer * config.num_layers
+    if method_name == "duo":  # the streaming heads' ring + chunk (a decode step too) through the own kernel
+        own = kernels.count("tpu_block_sparse_attention_fwd")
+        assert own == (2 if chunk > 1 else 1) * config.num_layers, kernels
     assert "stablehlo.while" not in module
 
 

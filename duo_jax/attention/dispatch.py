@@ -10,7 +10,9 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   windows) take the XLA path.
 * "mosaic": the TPU kernels of `pallas_kernels.tpu` for the same specs: splash attention when the spec's
   offsets are Python ints (`MaskSpec.static_prefix`: gate training, whole sequences), our own Mosaic kernels
-  when they are traced (chunked prefill, decode); off TPU they run in Pallas's interpreter (tests).
+  when they are traced (chunked prefill, decode); and, unlike "pallas", causal attention over keys at explicit
+  positions (DuoAttention's streaming heads: a ring of cached tokens + the chunk) through the own kernel's
+  k_positions operand. Off TPU they run in Pallas's interpreter (tests).
 * "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
 * "auto": "pallas" on GPU, "mosaic" on TPU, "xla" elsewhere. On a GPU whose JAX can no longer compile
   Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one warning that
@@ -87,7 +89,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
     quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
-    if impl in ("pallas", "mosaic") and not quantized and _kernels_serve(spec, k.shape[1]):
+    if impl in ("pallas", "mosaic") and not quantized and _kernels_serve(spec, k.shape[1], impl):
         return _kernels(q, k, v, spec, scale, impl)
     if impl == "reference":
         return reference.attention_reference(q, dequantize(k), dequantize(v), spec.dense(k.shape[1]), scale=scale)
@@ -103,9 +105,11 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *,
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
 
 
-def _kernels_serve(spec: MaskSpec, num_keys: int) -> bool:
-    if spec.k_positions is not None or spec.window is not None:
+def _kernels_serve(spec: MaskSpec, num_keys: int, impl: str) -> bool:
+    if spec.window is not None:
         return False
+    if spec.k_positions is not None:  # the TPU kernel's k_positions operand (causal, no Λ)
+        return impl == "mosaic" and spec.causal and not spec.is_lambda
     if spec.is_lambda:
         return spec.causal
     return spec.causal and (spec.q_positions.shape[1] > 1 or num_keys % DECODE_BLOCK == 0)
@@ -118,6 +122,9 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
         kernels, options = pallas_kernels.tpu, {"interpret": None if pallas_backend() == "tpu" else True}
     # Python ints where the caller gave them (TPU: splash attention's static mask), else int32 [B]
     q_offset, kv_len = spec.static_prefix or (spec.q_positions[:, 0], spec.kv_len)
+    if spec.k_positions is not None:  # "mosaic" only (`_kernels_serve`); a decode step is a chunk of one
+        return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len, scale=scale,
+                                       k_positions=spec.k_positions, **options)
     if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
         return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
                                         scale=scale, **options)
