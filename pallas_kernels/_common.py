@@ -76,16 +76,16 @@ def fit_block(block: int, length: int) -> int:
 
 
 def attention_mask(rows, cols, *, q_offset, kv_len, seq_q: int, causal: bool,
-                   sink: int | None, recent: int | None, k_pos=None):
+                   sink: int | None, recent: int | None, q_pos=None, k_pos=None):
     """Which (query row, key column) pairs attend; rows [bq, 1], cols [1, bk].
 
-    Query row i sits at absolute position q_offset + i; key column j at j, or
-    at k_pos (like cols) when given: keys at explicit positions, -1 for an
-    empty slot (a ring cache). Columns >= kv_len are empty either way.
-    Rows >= seq_q (padding) see nothing, so their lse is +inf and their
-    probabilities are exactly zero in the backward pass.
+    Query row i sits at absolute position q_offset + i, or at q_pos (like rows)
+    when given; key column j at j, or at k_pos (like cols) when given: keys at
+    explicit positions, -1 for an empty slot (a ring cache). Columns >= kv_len
+    are empty either way. Rows >= seq_q (padding) see nothing, so their lse is
+    +inf and their probabilities are exactly zero in the backward pass.
     """
-    pos = q_offset + rows
+    pos = q_offset + rows if q_pos is None else q_pos
     mask = (rows < seq_q) & (cols < kv_len)
     if k_pos is None:
         k_pos = cols

@@ -157,22 +157,24 @@ def ring_and_chunk_positions(lengths, ring: int, sink: int, chunk: int, rng):
 
 
 def test_attention_over_keys_at_explicit_positions():
-    """The own kernel's k_positions operand (DuoAttention's streaming heads: ring + chunk): query t of
-    sequence b at position lengths[b] + t sees slot s iff 0 <= k_positions[b, s] <= its position. Two
-    128-key blocks, per-sequence offsets (a full ring and a partly empty one), forward and gradients.
+    """The own kernel's position operands (DuoAttention's streaming heads: ring + chunk): a query at
+    position p sees slot s iff 0 <= k_positions[b, s] <= p. Two 128-key blocks, per-sequence positions
+    (a full ring and a partly empty one), queries out of order too; forward and gradients.
     (Decode steps over a real ring: `test_engine_with_mosaic_kernels_matches_xla`.)"""
     lengths, chunk = (300, 10), 24
+    rng = np.random.default_rng(0)
     q, k, v, cotangent = random_attention_inputs(2, chunk, 200 + chunk, 2, 1, 64)
-    k_pos = ring_and_chunk_positions(lengths, 200, 4, chunk, np.random.default_rng(0))
-    q_offset = jnp.asarray(lengths, jnp.int32)
-    q_pos = np.asarray(lengths)[:, None, None] + np.arange(chunk)[None, :, None]
-    mask = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos)  # [B, T, S]
-    attn = jax.jit(lambda q, k, v, q_offset, k_pos: tpu.flash_attention(q, k, v, q_offset=q_offset,
-                                                                        k_positions=k_pos))
-    assert [launch["grid"] for launch in pallas_launches(attn, q, k, v, q_offset, k_pos)] == [[2, 2, 1, 2]]
+    k_pos = ring_and_chunk_positions(lengths, 200, 4, chunk, rng)
+    q_pos = k_pos[:, 200:].copy()
+    q_pos[1] = rng.permutation(q_pos[1])  # the dispatch's specs have consecutive queries; the kernel need not
+    mask = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
+    attn = jax.jit(lambda q, k, v, q_pos, k_pos: tpu.flash_attention(q, k, v, q_positions=q_pos,
+                                                                     k_positions=k_pos))
+    (launch,) = pallas_launches(attn, q, k, v, q_pos, k_pos)
+    assert launch["grid"] == [2, 2, 1, 2] and launch["blocks"][3:5] == [[None, 128, 1], [None, 1, 128]]
 
     def kernel(q, k, v):
-        return attn(q, k, v, q_offset, jnp.asarray(k_pos))
+        return attn(q, k, v, jnp.asarray(q_pos), jnp.asarray(k_pos))
 
     def ref(q, k, v):
         return reference.attention_reference(q, k, v, jnp.asarray(mask))
@@ -180,6 +182,8 @@ def test_attention_over_keys_at_explicit_positions():
     check_forward_and_grad(kernel, ref, mask, q, k, v, cotangent)
     with pytest.raises(ValueError, match="k_positions must be int32"):
         tpu.flash_attention(q, k, v, k_positions=jnp.asarray(k_pos[:, :-1]))
+    with pytest.raises(ValueError, match="q_positions goes with k_positions"):
+        tpu.flash_attention(q, k, v, q_positions=jnp.asarray(q_pos))
 
 
 DECODE_CASES = {
@@ -439,5 +443,5 @@ def test_benchmark_records_tpu_export(tmp_path, capsys):
     assert decode["grid"] == [1, 4, 1]  # 512 keys: 4 splits of one 128-key block
     streaming = next(row for row in rows if row["kernel"].startswith("streaming own decode"))["launches"][0]
     assert streaming["grid"] == [1, 4, 1, 1]  # batch, heads, one query block, the one 128-key block (81 keys)
-    assert streaming["blocks"][3] == [None, 1, 128]  # after q, k, v: the key positions' row
+    assert streaming["blocks"][3:5] == [[None, 128, 1], [None, 1, 128]]  # query positions, key positions
     assert "tpu_decode_attention_split" in capsys.readouterr().out

@@ -22,8 +22,9 @@ A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + sca
 whatever `impl` says, which dequantizes one key tile at a time: the kernels read arrays of values and have
 no quantized variant yet, and must never be handed codes as if they were values.
 
-The kernels take a query offset rather than per-query positions, so that mapping assumes what every caller
-builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
+The kernels take a query offset rather than per-query positions for a contiguous cache, so that mapping
+assumes what every caller builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
+With explicit key positions the TPU kernel also takes the query positions as they are.
 
 `flash_attention`, `lambda_attention` and `decode_attention` are the kernels' own signatures over the
 same dispatch, for callers that attend over a whole sequence (gate training, head scoring) and for tests.
@@ -123,8 +124,8 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
     # Python ints where the caller gave them (TPU: splash attention's static mask), else int32 [B]
     q_offset, kv_len = spec.static_prefix or (spec.q_positions[:, 0], spec.kv_len)
     if spec.k_positions is not None:  # "mosaic" only (`_kernels_serve`); a decode step is a chunk of one
-        return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len, scale=scale,
-                                       k_positions=spec.k_positions, **options)
+        return kernels.flash_attention(q, k, v, causal=True, kv_len=kv_len, scale=scale,
+                                       q_positions=spec.q_positions, k_positions=spec.k_positions, **options)
     if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
         return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
                                         scale=scale, **options)

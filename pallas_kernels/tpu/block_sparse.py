@@ -24,13 +24,14 @@ K and V heads are interleaved in one page array, not our contiguous
   With sink > 0 every query block sees the sink blocks, so the dk/dv inner axis
   is as long as the number of query blocks; steps outside a block's schedule
   cost only the grid overhead.
-* Keys at explicit positions (``k_positions`` int32 [B, S], -1 for an empty
-  slot): DuoAttention's streaming heads attend over a ring of sink + recent
-  cached tokens followed by the chunk, whose slots hold positions out of
-  order. The positions come in as one more blocked operand (a [1, block_k] row
-  per KV tile, a [block_k, 1] column in the keys-major dk/dv kernel), the mask
-  compares them with the query positions, and the schedules visit every block
-  up to kv_len (any slot may hold any position; the ring is short).
+* Explicit positions (``q_positions`` int32 [B, T], ``k_positions`` int32
+  [B, S], -1 for an empty key slot): DuoAttention's streaming heads attend over
+  a ring of sink + recent cached tokens followed by the chunk, whose slots hold
+  positions out of order. The positions come in as two more blocked operands
+  (per tile a [block_q, 1] column of query positions and a [1, block_k] row of
+  key positions; transposed in the keys-major dk/dv kernel), the mask compares
+  them, and the schedules visit every block up to kv_len (any slot may hold any
+  position; the ring is short).
 * Layout [B, H, T, D] (the wrapper transposes; see `_mosaic`). Statistics
   (lse, delta) are [B, H, T, 1] columns, blocks [block_q, 1] (a legal TPU block:
   the last dim whole); dk/dv read them as [B, H, 1, T] rows (a free reshape)
@@ -65,7 +66,7 @@ class _Config:
     block_k: int
     group: int            # Query heads per KV head.
     interpret: object     # See `_mosaic.interpret_mode`.
-    positions: bool = False  # Keys at explicit positions (a k_positions operand), not at their slots.
+    positions: bool = False  # Explicit query and key positions (two operands), not q_offset + i and j.
 
     @property
     def window(self) -> dict:
@@ -100,15 +101,17 @@ def _dot(a, b, contract: str):
     return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_mask(q_block, kv_block, q_offset, kv_len, k_pos, cfg: _Config, *,
+def _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *,
                keys_major: bool = False):
-    """[bq, bk] mask of one tile ([bk, bq] when keys_major: the dk/dv kernel's orientation); k_pos:
-    the tile's key positions, a [1, bk] row ([bk, 1] column when keys_major), or None."""
+    """[bq, bk] mask of one tile ([bk, bq] when keys_major: the dk/dv kernel's orientation); pos:
+    None, or the tile's (query positions, key positions), a [bq, 1] column and a [1, bk] row
+    (a [1, bq] row and a [bk, 1] column when keys_major)."""
+    q_pos, k_pos = (None, None) if pos is None else pos
     shape, q_axis = ((cfg.block_k, cfg.block_q), 1) if keys_major else ((cfg.block_q, cfg.block_k), 0)
     rows = q_block * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     cols = kv_block * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len,
-                                  seq_q=cfg.seq_q, k_pos=k_pos, **cfg.window)
+                                  seq_q=cfg.seq_q, q_pos=q_pos, k_pos=k_pos, **cfg.window)
 
 
 def _kv_visit(q_block, step, q_offset, kv_len, cfg: _Config, num_kv_blocks: int):
@@ -134,33 +137,30 @@ def _q_visit(kv_block, step, q_offset, kv_len, cfg: _Config, num_q_blocks: int):
     return jnp.clip(block, 0, num_q_blocks - 1), step < end - start
 
 
-def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, k_pos, cfg: _Config, *,
+def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *,
                    keys_major: bool = False):
     """P = exp(scale q k^T - lse), zero where masked: a = q, b = k gives [bq, bk] (lse a column);
     keys_major, a = k, b = q gives P^T [bk, bq] (lse a row), so every matmul here is A B or A B^T."""
     s = _dot(a, b, "ad,bd->ab") * cfg.scale
-    mask = _tile_mask(q_block, kv_block, q_offset, kv_len, k_pos, cfg, keys_major=keys_major)
+    mask = _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg, keys_major=keys_major)
     return jnp.where(mask, jnp.exp(s - lse), 0.0)
 
 
 def _split_positions(refs, cfg: _Config):
-    """(the key-positions ref, the other refs): the kernels' refs after their inputs q, k, v (and
-    those of the backward), where a k_positions operand comes last when `cfg.positions`."""
-    return (refs[0], refs[1:]) if cfg.positions else (None, refs)
-
-
-def _read(ref):
-    return None if ref is None else ref[...]
+    """(the tile's positions, see `_tile_mask`, or None; the other refs): the kernels' refs after
+    their inputs q, k, v (and those of the backward), where the query and key positions' operands
+    come first when `cfg.positions`."""
+    return ((refs[0][...], refs[1][...]), refs[2:]) if cfg.positions else (None, refs)
 
 
 # ------------------------------------------------------------------- forward
 
 
 def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
-                q_ref, k_ref, v_ref,  # inputs (and the key positions, a [1, bk] row, when cfg.positions)
-                *refs,  # outputs o, lse; scratch m, l, acc
+                q_ref, k_ref, v_ref,  # inputs
+                *refs,  # (query and key positions when cfg.positions); outputs o, lse; scratch
                 cfg: _Config, num_kv_blocks: int):
-    kpos_ref, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_positions(refs, cfg)
+    pos, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_positions(refs, cfg)
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     kv_block, real = _kv_visit(q_block, step, q_offset, kv_len, cfg, num_kv_blocks)
@@ -175,7 +175,7 @@ def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     def _accumulate():
         v = v_ref[...]
         s = _dot(q_ref[...], k_ref[...], "qd,kd->qk") * cfg.scale  # [bq, bk]
-        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, _read(kpos_ref), cfg)
+        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg)
         s = jnp.where(mask, s, _common.MASK_VALUE)
         m = m_scr[...]
         m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
@@ -195,7 +195,8 @@ def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
 
 def _specs(cfg: _Config, head_dim: int, num_q_blocks: int, num_kv_blocks: int):
     """BlockSpecs for grid (b, h, i, t): query tiles at block i, KV tiles at the visited block, and
-    the key positions' [1, bk] row of that block ([B, 1, S] positions; in_specs' tail, [] or one)."""
+    with cfg.positions the query positions' [bq, 1] column of block i and the key positions' [1, bk]
+    row of the visited block ([B, T, 1] and [B, 1, S] operands; `positions`: [] or both)."""
     def kv_map(b, h, i, t, q_offset_ref, kv_len_ref):
         block, _ = _kv_visit(i, t, q_offset_ref[b], kv_len_ref[b], cfg, num_kv_blocks)
         return b, lax.div(h, cfg.group), block, 0  # lax.div: `//` lowers through sign
@@ -207,18 +208,23 @@ def _specs(cfg: _Config, head_dim: int, num_q_blocks: int, num_kv_blocks: int):
     q_tile = pl.BlockSpec((None, None, cfg.block_q, head_dim), lambda b, h, i, t, *_: (b, h, i, 0))
     stats = pl.BlockSpec((None, None, cfg.block_q, 1), lambda b, h, i, t, *_: (b, h, i, 0))
     kv_tile = pl.BlockSpec((None, None, cfg.block_k, head_dim), kv_map)
-    positions = [pl.BlockSpec((None, 1, cfg.block_k), row_map)] if cfg.positions else []
+    positions = [pl.BlockSpec((None, cfg.block_q, 1), lambda b, h, i, t, *_: (b, i, 0)),
+                 pl.BlockSpec((None, 1, cfg.block_k), row_map)] if cfg.positions else []
     return q_tile, stats, kv_tile, positions
 
 
-def _position_operands(k_pos, cfg: _Config, *, column: bool = False) -> list:
-    """The k_positions operand ([B, S] -> [B, 1, S] rows, or [B, S, 1] columns), [] without one."""
-    if not cfg.positions:
+def _position_operands(pos, *, keys_major: bool = False) -> list:
+    """The operands of (q_positions [B, T], k_positions [B, S]): a [B, T, 1] column and a [B, 1, S]
+    row ([B, 1, T] and [B, S, 1] when keys_major); [] when pos is None."""
+    if pos is None:
         return []
-    return [k_pos[:, :, None] if column else k_pos[:, None, :]]
+    q_pos, k_pos = pos
+    if keys_major:
+        return [q_pos[:, None, :], k_pos[:, :, None]]
+    return [q_pos[:, :, None], k_pos[:, None, :]]
 
 
-def _forward(q, k, v, q_offset, kv_len, k_pos, cfg: _Config):
+def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config):
     batch, num_heads, seq_q_padded, head_dim = q.shape
     num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, k.shape[2] // cfg.block_k
     q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
@@ -239,7 +245,7 @@ def _forward(q, k, v, q_offset, kv_len, k_pos, cfg: _Config):
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_fwd",
-    )(q_offset, kv_len, q, k, v, *_position_operands(k_pos, cfg))
+    )(q_offset, kv_len, q, k, v, *_position_operands(pos))
 
 
 # ------------------------------------------------------------------ backward
@@ -248,10 +254,10 @@ def _forward(q, k, v, q_offset, kv_len, k_pos, cfg: _Config):
 
 
 def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
-               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs (+ key positions' row)
-               *refs,  # output dq; scratch
+               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs
+               *refs,  # (positions); output dq; scratch
                cfg: _Config, num_kv_blocks: int):
-    kpos_ref, (dq_ref, dq_scr) = _split_positions(refs, cfg)
+    pos, (dq_ref, dq_scr) = _split_positions(refs, cfg)
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     kv_block, real = _kv_visit(q_block, step, q_offset, kv_len, cfg, num_kv_blocks)
@@ -264,7 +270,7 @@ def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     def _accumulate():
         k = k_ref[...]
         p = _probabilities(q_ref[...], k, lse_ref[...], q_block, kv_block, q_offset, kv_len,
-                           _read(kpos_ref), cfg)
+                           pos, cfg)
         dp = _dot(do_ref[...], v_ref[...], "qd,kd->qk")
         ds = p * (dp - delta_ref[...])
         dq_scr[...] += _dot(ds.astype(k.dtype), k, "qk,kd->qd")
@@ -275,10 +281,10 @@ def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
 
 
 def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs (+ key positions' column)
-                *refs,  # outputs dk, dv; scratch
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs
+                *refs,  # (positions, keys-major); outputs dk, dv; scratch
                 cfg: _Config, num_q_blocks: int):
-    kpos_ref, (dk_ref, dv_ref, dk_scr, dv_scr) = _split_positions(refs, cfg)
+    pos, (dk_ref, dv_ref, dk_scr, dv_scr) = _split_positions(refs, cfg)
     b, kv_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     q_block, real = _q_visit(kv_block, step, q_offset, kv_len, cfg, num_q_blocks)
@@ -292,7 +298,7 @@ def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     def _accumulate():  # Keys-major: P^T and dS^T [bk, bq], lse and delta rows [1, bq].
         q, k, do = q_ref[...], k_ref[...], do_ref[...]
         p_t = _probabilities(k, q, lse_ref[...], q_block, kv_block, q_offset, kv_len,
-                             _read(kpos_ref), cfg, keys_major=True)
+                             pos, cfg, keys_major=True)
         dv_scr[...] += _dot(p_t.astype(do.dtype), do, "kq,qd->kd")
         dp_t = _dot(v_ref[...], do, "kd,qd->kq")
         ds_t = p_t * (dp_t - delta_ref[...])
@@ -305,7 +311,7 @@ def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
 
 
 def _backward(cfg: _Config, residuals, do):
-    q, k, v, q_offset, kv_len, k_pos, o, lse = residuals
+    q, k, v, q_offset, kv_len, pos, o, lse = residuals
     batch, num_heads, seq_q_padded, head_dim = q.shape
     num_kv_heads, seq_k_padded = k.shape[1], k.shape[2]
     num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, seq_k_padded // cfg.block_k
@@ -327,7 +333,7 @@ def _backward(cfg: _Config, residuals, do):
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_dq",
-    )(q_offset, kv_len, q, k, v, do, lse, delta, *_position_operands(k_pos, cfg))
+    )(q_offset, kv_len, q, k, v, do, lse, delta, *_position_operands(pos))
 
     # Grid (b, h, j, t): KV tiles at block j, query tiles at the visited query block.
     def q_map(b, h, j, t, q_offset_ref, kv_len_ref):
@@ -343,8 +349,10 @@ def _backward(cfg: _Config, residuals, do):
     kv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim),
                           lambda b, h, j, t, *_: (b, lax.div(h, cfg.group), j, 0))
     dkv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim), lambda b, h, j, t, *_: (b, h, j, 0))
-    positions_own = [pl.BlockSpec((None, cfg.block_k, 1), lambda b, h, j, t, *_: (b, j, 0))
-                     ] if cfg.positions else []
+    positions_own = [  # the visited query block's positions (a row), this key block's (a column)
+        pl.BlockSpec((None, 1, cfg.block_q), lambda *args: (args[0], 0, q_map(*args)[2])),
+        pl.BlockSpec((None, cfg.block_k, 1), lambda b, h, j, t, *_: (b, j, 0)),
+    ] if cfg.positions else []
     per_q_head = jax.ShapeDtypeStruct((batch, num_heads, seq_k_padded, head_dim), jnp.float32)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
@@ -360,7 +368,7 @@ def _backward(cfg: _Config, residuals, do):
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_dkv",
     )(q_offset, kv_len, q, k, v, do, rows(lse), rows(delta),
-      *_position_operands(k_pos, cfg, column=True))
+      *_position_operands(pos, keys_major=True))
 
     def sum_groups(x):  # [B, Hkv * G, S, D] -> [B, Hkv, S, D]
         x = x.reshape(batch, num_kv_heads, cfg.group, seq_k_padded, head_dim)
@@ -370,13 +378,13 @@ def _backward(cfg: _Config, residuals, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, q_offset, kv_len, k_pos, cfg: _Config):
-    return _forward(q, k, v, q_offset, kv_len, k_pos, cfg)[0]
+def _attention(q, k, v, q_offset, kv_len, pos, cfg: _Config):
+    return _forward(q, k, v, q_offset, kv_len, pos, cfg)[0]
 
 
-def _attention_fwd(q, k, v, q_offset, kv_len, k_pos, cfg: _Config):
-    o, lse = _forward(q, k, v, q_offset, kv_len, k_pos, cfg)
-    return o, (q, k, v, q_offset, kv_len, k_pos, o, lse)
+def _attention_fwd(q, k, v, q_offset, kv_len, pos, cfg: _Config):
+    o, lse = _forward(q, k, v, q_offset, kv_len, pos, cfg)
+    return o, (q, k, v, q_offset, kv_len, pos, o, lse)
 
 
 _attention.defvjp(_attention_fwd, _backward)
@@ -384,9 +392,10 @@ _attention.defvjp(_attention_fwd, _backward)
 
 def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None,
                            q_offset, kv_len, scale: float, block_q: int, block_k: int, interpret,
-                           k_positions=None):
+                           positions=None):
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; q_offset and kv_len int32 [B];
-    k_positions None (key j at position j) or int32 [B, S] (-1: an empty slot).
+    positions None (query i at q_offset + i, key j at j) or (q_positions int32 [B, T],
+    k_positions int32 [B, S], -1: an empty slot); q_offset is then unused.
 
     Transposes to [B, H, L, D], pads T and S to the blocks (padded rows and keys are masked),
     runs the custom-VJP kernels and undoes both.
@@ -397,12 +406,13 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: i
                   block_q=_mosaic.tpu_block(block_q, seq_q),
                   block_k=_mosaic.tpu_block(block_k, seq_k),
                   group=num_heads // k.shape[2], interpret=interpret,
-                  positions=k_positions is not None)
+                  positions=positions is not None)
     kv_len = jnp.minimum(kv_len, seq_k)
     q = _mosaic.pad_axis(_mosaic.heads_major(q), 2, cfg.block_q)
     k, v = (_mosaic.pad_axis(_mosaic.heads_major(x), 2, cfg.block_k) for x in (k, v))
-    if k_positions is not None:  # padded slots are empty (-1), as well as past kv_len
-        k_positions = jnp.asarray(k_positions, jnp.int32)
-        k_positions = jnp.pad(k_positions, ((0, 0), (0, k.shape[2] - seq_k)), constant_values=-1)
-    o = _attention(q, k, v, q_offset, kv_len, k_positions, cfg)
+    if positions is not None:  # padded key slots are empty (-1), as well as past kv_len
+        q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in positions)
+        positions = (_mosaic.pad_axis(q_pos, 1, cfg.block_q),
+                     jnp.pad(k_pos, ((0, 0), (0, k.shape[2] - seq_k)), constant_values=-1))
+    o = _attention(q, k, v, q_offset, kv_len, positions, cfg)
     return _mosaic.heads_major(o[:, :, :seq_q])
