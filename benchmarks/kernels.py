@@ -18,7 +18,8 @@ mode, only to show that everything runs, and with --tpu-export exports every TPU
 kernel for TPU from this host (``jax.export(..., platforms=["tpu"])``) and
 records each launch's grid and block sizes: splash Λ / causal (fwd + bwd), the
 own kernel with a traced offset (Λ fwd + bwd, a causal prefill chunk against a
-cache) and decode.
+cache), decode, and a streaming head's chunk and decode step over its ring of
+sink + recent cached tokens (keys at explicit positions, the own kernel).
 
   python benchmarks/kernels.py --out results/kernels.json
   python benchmarks/kernels.py --cpu-smoke
@@ -182,6 +183,7 @@ def tpu_export_rows(args, seq_len: int) -> list[dict]:
                                   args.head_dim), dtype)
     one = jax.ShapeDtypeStruct((args.batch, args.num_heads, args.head_dim), dtype)
     per_seq = jax.ShapeDtypeStruct((args.batch,), jnp.int32)
+    ring = args.sink + args.recent  # a streaming head's cache: sinks + a ring of recent tokens
     window = dict(sink=args.sink, recent=args.recent, block_q=args.block_q, block_k=args.block_k)
     blocks = dict(block_q=args.block_q, block_k=args.block_k)
     cases = {
@@ -199,6 +201,14 @@ def tpu_export_rows(args, seq_len: int) -> list[dict]:
         "decode own fwd": (lambda q, k, v, lengths: tpu.decode_attention(
             q, k, v, lengths, block_k=args.block_k), (one, kv, kv, per_seq)),
     }
+    for t in (chunk.shape[1], 1):  # streaming heads: [ring, new tokens] at explicit positions
+        keys = jax.ShapeDtypeStruct((args.batch, ring + t, args.num_kv_heads, args.head_dim), dtype)
+        positions = jax.ShapeDtypeStruct((args.batch, ring + t), jnp.int32)
+        step = "decode step" if t == 1 else f"chunk of {t}"
+        cases[f"streaming own {step} vs ring of {ring} fwd"] = (
+            lambda q, k, v, off, pos: tpu.flash_attention(q, k, v, q_offset=off, k_positions=pos, **blocks),
+            (jax.ShapeDtypeStruct((args.batch, t, args.num_heads, args.head_dim), dtype), keys, keys,
+             per_seq, positions))
     rows = []
     for name, (fn, shapes) in cases.items():
         with _backend.lowering_for("tpu"):

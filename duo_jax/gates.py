@@ -33,7 +33,8 @@ differs from the teacher's, and the paper's reading would feed the student's own
 
 Both models run in one `lax.scan` over the stacked layers with the gates [L, K] scanned alongside, each
 through `duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
-`duo_jax.attention` (Pallas kernels on GPU, the blocked XLA path elsewhere). `distill_terms` takes optional
+`duo_jax.attention` (Pallas kernels on GPU; on TPU splash attention, or our own Mosaic kernel where a
+sequence shard's query offset is traced; the blocked XLA path elsewhere). `distill_terms` takes optional
 hooks: the sharded trainer (`duo_jax.training`) wraps the two attention functions for sequence parallelism
 and gathers each layer's FSDP-sharded weights inside the scanned body.
 
@@ -65,7 +66,8 @@ class Objective:
     """The training objective's hyper-parameters (defaults: the original's training run).
 
     sink / recent: the streaming branch's Λ window. reg_weight: lambda of the L1 term.
-    impl: attention implementation, see `duo_jax.attention` ("auto": Pallas on GPU, the blocked XLA path elsewhere).
+    impl: attention implementation, see `duo_jax.attention` ("auto": Pallas on GPU, Mosaic on TPU, the blocked
+    XLA path elsewhere).
     """
 
     sink: int = 128

@@ -8,10 +8,11 @@
   Pallas's Triton backend: `triton_unavailable` compiles and runs one tiny
   Triton kernel on the GPU, once per process, and says why it could not, so
   that ``impl="auto"`` falls back to XLA where the backend is gone.
-* TPU: Mosaic params are provided for completeness, but the kernels index the
-  head axis in the middle of ``[B, T, H, D]`` arrays and keep a whole sequence
-  of K/V per program, which Mosaic TPU does not tile well.
-  ``duo_jax.attention`` therefore prefers the XLA reference on TPU.
+* TPU: these kernels index the head axis in the middle of ``[B, T, H, D]``
+  arrays and keep a whole sequence of K/V per program, which Mosaic TPU does
+  not tile well; the TPU kernels are `pallas_kernels.tpu` (splash attention and
+  our own Mosaic kernels), which ``duo_jax.attention`` picks on TPU. `backend`
+  and `lowering_for` serve both sets.
 """
 
 from __future__ import annotations

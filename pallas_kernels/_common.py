@@ -76,19 +76,25 @@ def fit_block(block: int, length: int) -> int:
 
 
 def attention_mask(rows, cols, *, q_offset, kv_len, seq_q: int, causal: bool,
-                   sink: int | None, recent: int | None):
+                   sink: int | None, recent: int | None, q_pos=None, k_pos=None):
     """Which (query row, key column) pairs attend; rows [bq, 1], cols [1, bk].
 
-    Query row i sits at absolute position q_offset + i; key column j at j.
-    Rows >= seq_q (padding) see nothing, so their lse is +inf and their
-    probabilities are exactly zero in the backward pass.
+    Query row i sits at absolute position q_offset + i, or at q_pos (like rows)
+    when given; key column j at j, or at k_pos (like cols) when given: keys at
+    explicit positions, -1 for an empty slot (a ring cache). Columns >= kv_len
+    are empty either way. Rows >= seq_q (padding) see nothing, so their lse is
+    +inf and their probabilities are exactly zero in the backward pass.
     """
-    pos = q_offset + rows
+    pos = q_offset + rows if q_pos is None else q_pos
     mask = (rows < seq_q) & (cols < kv_len)
+    if k_pos is None:
+        k_pos = cols
+    else:
+        mask &= k_pos >= 0
     if causal:
-        mask &= cols <= pos
+        mask &= k_pos <= pos
     if recent is not None:  # Λ: sinks, or within the recent window.
-        mask &= (cols < sink) | (pos - cols < recent)
+        mask &= (k_pos < sink) | (pos - k_pos < recent)
     return mask
 
 

@@ -80,22 +80,31 @@ def test_engine_with_mosaic_kernels_matches_xla():
         assert rel_err(jnp.asarray(logits), jnp.asarray(ref_logits)) <= 1e-5
 
 
+@pytest.mark.parametrize("method_name", ["full", "duo"])
 @pytest.mark.parametrize("chunk", [128, 1], ids=["prefill-chunk", "decode-step"])
-def test_extend_exported_for_tpu_attends_through_mosaic(chunk):
+def test_extend_exported_for_tpu_attends_through_mosaic(chunk, method_name):
     """`extend` lowered for TPU from this CPU host with impl="auto": every layer's attention is a Mosaic
-    kernel (one tpu_custom_call per layer) and no XLA attention loop is left in the module."""
+    kernel (one tpu_custom_call per layer; with duo two: the retrieval heads over the contiguous cache and the
+    streaming heads over their ring + chunk, keys at explicit positions) and no XLA attention loop is left in
+    the module."""
     import functools
+    import re
 
     from jax import export
 
     from duo_jax.engine import extend, unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.model import init_params
+    from duo_jax.pattern import Pattern
     from pallas_kernels._backend import lowering_for
     from tests.conftest import tiny_config
 
     config = tiny_config(num_layers=2, head_dim=128)
-    method = make_method("full", config, context=256)
+    if method_name == "duo":  # one retrieval and one streaming KV head per layer
+        method = make_method("duo", config, context=256, pattern=Pattern([[0.9, 0.1], [0.2, 0.8]]), sparsity=0.5,
+                             sink=4, recent=60)
+    else:
+        method = make_method("full", config, context=256)
     params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0))))
     ints = jax.ShapeDtypeStruct((1,), jnp.int32)
     step = jax.jit(functools.partial(extend, config=config, method=method))
@@ -103,7 +112,12 @@ def test_extend_exported_for_tpu_attends_through_mosaic(chunk):
         exported = export.export(step, platforms=["tpu"])(params, method.cache_spec(1, jnp.float32), ints,
                                                           jax.ShapeDtypeStruct((1, chunk), jnp.int32), ints)
     module = exported.mlir_module()
-    assert module.count("tpu_custom_call") == config.num_layers
+    kernels = re.findall(r'kernel_name = "([^"]+)"', module)
+    per_layer = 2 if method_name == "duo" else 1
+    assert module.count("tpu_custom_call") == len(kernels) == per_layer * config.num_layers
+    if method_name == "duo":  # the streaming heads' ring + chunk (a decode step too) through the own kernel
+        own = kernels.count("tpu_block_sparse_attention_fwd")
+        assert own == (2 if chunk > 1 else 1) * config.num_layers, kernels
     assert "stablehlo.while" not in module
 
 
@@ -137,3 +151,81 @@ def test_the_triton_probe_names_why_it_cannot_run_here():
     reason = _backend.triton_unavailable()
     if jax.default_backend() == "cpu":
         assert isinstance(reason, str) and reason  # no GPU: Triton cannot compile for this host
+
+
+@pytest.mark.parametrize("seq", [1, 2, 4], ids=["one-device", "ulysses", "all-gather"])
+def test_gate_training_step_exported_for_tpu_attends_through_mosaic(seq):
+    """The whole gate-training step (`make_train_step`: shard_map over the mesh, the scanned remat layer, the
+    optimiser) lowered for TPU from this CPU host with impl="auto", on an abstract ("data", "fsdp", "seq") mesh:
+    every attention is a Mosaic kernel (teacher causal forward, student Λ forward, its remat recomputation, dq,
+    dk/dv: 5 in the scanned layer body) and the only loops left are the layer scans (the XLA path would add
+    its key-block loops). Splash where the query offset is static (one device, Ulysses: each device holds whole
+    sequences), the own kernel where it is traced (all-gather K/V: each device's queries at its offset)."""
+    import dataclasses
+    import re
+
+    from jax import export
+    from jax.sharding import AbstractMesh
+
+    from duo_jax import gates, sharding, training
+    from duo_jax.model import init_params
+    from pallas_kernels._backend import lowering_for
+    from tests.conftest import tiny_config
+
+    config = tiny_config(num_layers=2, head_dim=128)  # 2 KV heads: Ulysses on seq=2, all-gather on seq=4
+    mesh = AbstractMesh((1, 1, seq), sharding.MESH_AXES)
+    expected = {1: "none", 2: "ulysses", 4: "all-gather"}[seq]
+    assert training.sequence_parallelism(config, mesh) == expected
+    params = jax.eval_shape(lambda: dataclasses.replace(init_params(config, jax.random.key(0)), lm_head=None))
+    gate_shape = jax.ShapeDtypeStruct((config.num_layers, config.num_kv_heads), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((1, 256 * seq), jnp.int32)
+    batch = training.Batch(tokens, tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.bool_))
+
+    def lowered(impl):
+        objective = gates.Objective(sink=16, recent=64, impl=impl)
+        optimizer, _ = training.make_optimizer(training.TrainConfig(objective=objective))
+        step = training.make_train_step(config, objective, optimizer, mesh, sharding.weight_specs(params, mesh))
+        with lowering_for("tpu"):
+            return export.export(step, platforms=["tpu"])(gate_shape, jax.eval_shape(optimizer.init, gate_shape),
+                                                          params, batch).mlir_module()
+
+    module = lowered("auto")
+    kernels = re.findall(r'kernel_name = "([^"]+)"', module)
+    assert module.count("stablehlo.custom_call @tpu_custom_call") == len(kernels) == 5
+    own = expected == "all-gather"
+    assert all(name.startswith("tpu_block_sparse_" if own else "splash_") for name in kernels), kernels
+    assert module.count("stablehlo.while") == 2  # the layer scan, forward and backward
+    if seq == 1:  # the check bites: the XLA path's key-block loops
+        assert lowered("xla").count("stablehlo.while") > 2
+
+
+def test_gate_loss_and_gradients_with_mosaic_kernels_match_xla():
+    """The gate-training objective (scanned, rematerialised layers) with the TPU kernels, interpreted on CPU:
+    splash for the teacher's causal and the student's Λ attention (static offsets); loss and gate gradients as
+    the XLA path's."""
+    import numpy as np
+
+    from duo_jax import gates, init_params
+    from pallas_kernels.tpu.launches import pallas_launches
+    from tests.conftest import tiny_config
+
+    config = tiny_config(num_layers=1)
+    params = init_params(config, jax.random.key(0), scale=0.2)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, 24)), jnp.int32)
+    positions = jnp.arange(24, dtype=jnp.int32)[None]
+    supervise = jnp.asarray(rng.random((1, 24)) < 0.5)
+    alpha = jnp.asarray(rng.uniform(0.1, 0.9, (config.num_layers, config.num_kv_heads)), jnp.float32)
+
+    def loss_and_grad(impl):
+        objective = gates.Objective(sink=2, recent=8, impl=impl)
+        fn = lambda a: jax.value_and_grad(gates.loss, has_aux=True)(  # noqa: E731
+            a, params, config, tokens, positions, supervise, objective)
+        return fn, jax.jit(fn)(alpha)
+
+    fn, ((_, ours), grad) = loss_and_grad("mosaic")
+    assert {launch["name"].split("_")[0] for launch in pallas_launches(fn, alpha)} == {"splash"}
+    _, ((_, ref), ref_grad) = loss_and_grad("xla")
+    assert float(jnp.max(jnp.abs(ref_grad))) > 1e-4
+    assert abs(float(ours.loss) - float(ref.loss)) <= 1e-5 * abs(float(ref.loss))
+    assert rel_err(grad, ref_grad) <= 1e-4

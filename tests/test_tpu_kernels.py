@@ -33,17 +33,17 @@ def numpy_attention(q, k, v, mask, scale=None):
 
 
 def check_forward_and_grad(kernel, ref, mask, q, k, v, cotangent):
-    """Forward vs the jnp and float64 references, gradients vs the jnp one; returns the output."""
-    out = kernel(q, k, v)
+    """Forward vs the jnp and float64 references, gradients vs the jnp one; returns the output.
+    One jax.vjp each: the forward checked is the one whose residuals the backward kernels read (a
+    second, residual-free forward would cost another interpret-mode kernel build), and the jnp
+    reference runs jitted (op by op it costs as much CPU as the interpreted kernel)."""
+    out, vjp = jax.vjp(kernel, q, k, v)
+    ref_out, ref_vjp = jax.vjp(jax.jit(ref), q, k, v)
     assert out.shape == q.shape and bool(jnp.all(jnp.isfinite(out)))
-    assert rel_err(out, ref(q, k, v)) <= 1e-5
+    assert rel_err(out, ref_out) <= 1e-5
     assert rel_err(out, numpy_attention(q, k, v, mask)) <= 1e-5
-
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
-
-    grads = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
-    ref_grads = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    grads = vjp(cotangent)
+    ref_grads = ref_vjp(cotangent)
     for name, g, g_ref in zip("qkv", grads, ref_grads):
         assert g.shape == g_ref.shape, name
         assert bool(jnp.all(jnp.isfinite(g))), name
@@ -143,6 +143,49 @@ def test_lambda_skipped_blocks_are_never_read(traced):
     assert bool(jnp.isfinite(value))
     for g in grads:
         assert bool(jnp.all(jnp.isfinite(g[:, :128]))) and bool(jnp.all(jnp.isfinite(g[:, 256:])))
+
+
+def ring_and_chunk_positions(lengths, ring: int, sink: int, chunk: int, rng):
+    """Key positions [B, ring + chunk] of a streaming head: a ring of `ring` slots holding, for a sequence
+    of length L, the sinks and the most recent tokens in shuffled slots (-1: empty), then the chunk at
+    positions L ... L + chunk - 1."""
+    rows = []
+    for length in lengths:
+        held = [p for p in range(length) if p < sink or p >= length - (ring - sink)]
+        slots = np.full(ring, -1)
+        slots[rng.permutation(ring)[:len(held)]] = held
+        rows.append(np.concatenate([slots, length + np.arange(chunk)]))
+    return np.asarray(rows, np.int32)
+
+
+def test_attention_over_keys_at_explicit_positions():
+    """The own kernel's position operands (DuoAttention's streaming heads: ring + chunk): a query at
+    position p sees slot s iff 0 <= k_positions[b, s] <= p. Two 128-key blocks, per-sequence positions
+    (a full ring and a partly empty one), queries out of order too; forward and gradients.
+    (Decode steps over a real ring: `test_engine_with_mosaic_kernels_matches_xla`.)"""
+    lengths, chunk = (300, 10), 24
+    rng = np.random.default_rng(0)
+    q, k, v, cotangent = random_attention_inputs(2, chunk, 200 + chunk, 2, 1, 64)
+    k_pos = ring_and_chunk_positions(lengths, 200, 4, chunk, rng)
+    q_pos = k_pos[:, 200:].copy()
+    q_pos[1] = rng.permutation(q_pos[1])  # the dispatch's specs have consecutive queries; the kernel need not
+    mask = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
+    attn = jax.jit(lambda q, k, v, q_pos, k_pos: tpu.flash_attention(q, k, v, q_positions=q_pos,
+                                                                     k_positions=k_pos))
+    (launch,) = pallas_launches(attn, q, k, v, q_pos, k_pos)
+    assert launch["grid"] == [2, 2, 1, 2] and launch["blocks"][3:5] == [[None, 128, 1], [None, 1, 128]]
+
+    def kernel(q, k, v):
+        return attn(q, k, v, jnp.asarray(q_pos), jnp.asarray(k_pos))
+
+    def ref(q, k, v):
+        return reference.attention_reference(q, k, v, jnp.asarray(mask))
+
+    check_forward_and_grad(kernel, ref, mask, q, k, v, cotangent)
+    with pytest.raises(ValueError, match="k_positions must be int32"):
+        tpu.flash_attention(q, k, v, k_positions=jnp.asarray(k_pos[:, :-1]))
+    with pytest.raises(ValueError, match="q_positions goes with k_positions"):
+        tpu.flash_attention(q, k, v, q_positions=jnp.asarray(q_pos))
 
 
 DECODE_CASES = {
@@ -266,7 +309,7 @@ def test_generic_interpreter_under_remat(traced):
         return reference.lambda_attention_reference(q, k, v, sink=4, recent=64)
 
     grads = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v)
-    for g, g_ref in zip(grads, jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)):
+    for g, g_ref in zip(grads, jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)):
         assert rel_err(g, g_ref) <= 1e-4
 
 
@@ -395,7 +438,12 @@ def test_benchmark_records_tpu_export(tmp_path, capsys):
     calls = {row["kernel"]: row["tpu_custom_calls"] for row in rows}
     assert calls == {"lambda splash fwd+bwd": 3, "causal splash fwd+bwd": 3,
                      "lambda own (traced q_offset) fwd+bwd": 3,
-                     "causal own chunk of 128 vs cache fwd": 1, "decode own fwd": 1}
+                     "causal own chunk of 128 vs cache fwd": 1, "decode own fwd": 1,
+                     "streaming own chunk of 128 vs ring of 80 fwd": 1,
+                     "streaming own decode step vs ring of 80 fwd": 1}
     decode = next(row for row in rows if row["kernel"] == "decode own fwd")["launches"][0]
     assert decode["grid"] == [1, 4, 1]  # 512 keys: 4 splits of one 128-key block
+    streaming = next(row for row in rows if row["kernel"].startswith("streaming own decode"))["launches"][0]
+    assert streaming["grid"] == [1, 4, 1, 1]  # batch, heads, one query block, the one 128-key block (81 keys)
+    assert streaming["blocks"][3:5] == [[None, 128, 1], [None, 1, 128]]  # query positions, key positions
     assert "tpu_decode_attention_split" in capsys.readouterr().out

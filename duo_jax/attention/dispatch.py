@@ -8,8 +8,11 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   meant for tests) for the specs they implement: a contiguous cache under a causal mask (flash attention;
   split-K decode for one query), or Λ over a whole sequence. Other specs (explicit key positions, sliding
   windows) take the XLA path.
-* "mosaic": the TPU kernels of `pallas_kernels.tpu` (splash attention and our own Mosaic kernels) for the
-  same specs; off TPU they run in Pallas's interpreter (tests).
+* "mosaic": the TPU kernels of `pallas_kernels.tpu` for the same specs: splash attention when the spec's
+  offsets are Python ints (`MaskSpec.static_prefix`: gate training, whole sequences), our own Mosaic kernels
+  when they are traced (chunked prefill, decode); and, unlike "pallas", causal attention over keys at explicit
+  positions (DuoAttention's streaming heads: a ring of cached tokens + the chunk) through the own kernel's
+  k_positions operand. Off TPU they run in Pallas's interpreter (tests).
 * "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
 * "auto": "pallas" on GPU, "mosaic" on TPU, "xla" elsewhere. On a GPU whose JAX can no longer compile
   Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one warning that
@@ -19,8 +22,9 @@ A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + sca
 whatever `impl` says, which dequantizes one key tile at a time: the kernels read arrays of values and have
 no quantized variant yet, and must never be handed codes as if they were values.
 
-The kernels take a query offset rather than per-query positions, so that mapping assumes what every caller
-builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
+The kernels take a query offset rather than per-query positions for a contiguous cache, so that mapping
+assumes what every caller builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
+With explicit key positions the TPU kernel also takes the query positions as they are.
 
 `flash_attention`, `lambda_attention` and `decode_attention` are the kernels' own signatures over the
 same dispatch, for callers that attend over a whole sequence (gate training, head scoring) and for tests.
@@ -86,7 +90,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
     quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
-    if impl in ("pallas", "mosaic") and not quantized and _kernels_serve(spec, k.shape[1]):
+    if impl in ("pallas", "mosaic") and not quantized and _kernels_serve(spec, k.shape[1], impl):
         return _kernels(q, k, v, spec, scale, impl)
     if impl == "reference":
         return reference.attention_reference(q, dequantize(k), dequantize(v), spec.dense(k.shape[1]), scale=scale)
@@ -111,9 +115,11 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, 
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
 
 
-def _kernels_serve(spec: MaskSpec, num_keys: int) -> bool:
-    if spec.k_positions is not None or spec.window is not None:
+def _kernels_serve(spec: MaskSpec, num_keys: int, impl: str) -> bool:
+    if spec.window is not None:
         return False
+    if spec.k_positions is not None:  # the TPU kernel's k_positions operand (causal, no Λ)
+        return impl == "mosaic" and spec.causal and not spec.is_lambda
     if spec.is_lambda:
         return spec.causal
     return spec.causal and (spec.q_positions.shape[1] > 1 or num_keys % DECODE_BLOCK == 0)
@@ -124,15 +130,19 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
         kernels, options = pallas_kernels, {}
     else:  # off TPU, the generic interpreter: TPU interpret mode cannot run under jax.checkpoint (gate training)
         kernels, options = pallas_kernels.tpu, {"interpret": None if pallas_backend() == "tpu" else True}
-    q_offset = spec.q_positions[:, 0]
+    # Python ints where the caller gave them (TPU: splash attention's static mask), else int32 [B]
+    q_offset, kv_len = spec.static_prefix or (spec.q_positions[:, 0], spec.kv_len)
+    if spec.k_positions is not None:  # "mosaic" only (`_kernels_serve`); a decode step is a chunk of one
+        return kernels.flash_attention(q, k, v, causal=True, kv_len=kv_len, scale=scale,
+                                       q_positions=spec.q_positions, k_positions=spec.k_positions, **options)
     if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
         return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
                                         scale=scale, **options)
     if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
-        lengths = jnp.minimum(spec.kv_len, q_offset + 1)
+        lengths = jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1)
         return kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
                                         num_splits=MAX_SPLITS, **options)[:, None]
-    return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=spec.kv_len, scale=scale,
+    return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len, scale=scale,
                                    **options)
 
 

@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +35,10 @@ class MaskSpec:
     window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     sink: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # Λ when not None
     recent: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # (query offset, kv_len) as Python ints when the caller gave them so (`prefix_spec` with int arguments: gate
+    # training, whole-sequence attention); the same values as q_positions[:, 0] and kv_len, known at trace time,
+    # so the TPU kernels can build a static mask (splash attention). None when they are traced.
+    static_prefix: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         if (self.sink is None) != (self.recent is None):
@@ -70,10 +75,18 @@ class MaskSpec:
 def prefix_spec(batch: int, num_queries: int, *, q_offset=0, kv_len=None, num_keys: int, causal: bool = True,
                 window: int | None = None, sink: int | None = None, recent: int | None = None) -> MaskSpec:
     """A contiguous cache: query t at position q_offset + t (int, scalar or [B]); keys j < kv_len
-    (None: all `num_keys`)."""
+    (None: all `num_keys`). Python-int q_offset and kv_len are also kept as `static_prefix`."""
+    static = None
+    if _python_int(q_offset) and (kv_len is None or _python_int(kv_len)):
+        static = (int(q_offset), num_keys if kv_len is None else int(kv_len))
     offset = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (batch,))
     q_positions = offset[:, None] + jnp.arange(num_queries, dtype=jnp.int32)[None, :]
     kv_len = num_keys if kv_len is None else kv_len
     kv_len = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32).reshape(-1), (batch,))
-    return MaskSpec(q_positions, kv_len, None, causal=causal, window=window, sink=sink, recent=recent)
+    return MaskSpec(q_positions, kv_len, None, causal=causal, window=window, sink=sink, recent=recent,
+                    static_prefix=static)
+
+
+def _python_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 

@@ -24,6 +24,14 @@ K and V heads are interleaved in one page array, not our contiguous
   With sink > 0 every query block sees the sink blocks, so the dk/dv inner axis
   is as long as the number of query blocks; steps outside a block's schedule
   cost only the grid overhead.
+* Explicit positions (``q_positions`` int32 [B, T], ``k_positions`` int32
+  [B, S], -1 for an empty key slot): DuoAttention's streaming heads attend over
+  a ring of sink + recent cached tokens followed by the chunk, whose slots hold
+  positions out of order. The positions come in as two more blocked operands
+  (per tile a [block_q, 1] column of query positions and a [1, block_k] row of
+  key positions; transposed in the keys-major dk/dv kernel), the mask compares
+  them, and the schedules visit every block up to kv_len (any slot may hold any
+  position; the ring is short).
 * Layout [B, H, T, D] (the wrapper transposes; see `_mosaic`). Statistics
   (lse, delta) are [B, H, T, 1] columns, blocks [block_q, 1] (a legal TPU block:
   the last dim whole); dk/dv read them as [B, H, 1, T] rows (a free reshape)
@@ -58,21 +66,28 @@ class _Config:
     block_k: int
     group: int            # Query heads per KV head.
     interpret: object     # See `_mosaic.interpret_mode`.
+    positions: bool = False  # Explicit query and key positions (two operands), not q_offset + i and j.
 
     @property
     def window(self) -> dict:
         return dict(causal=self.causal, sink=self.sink, recent=self.recent)
 
+    @property
+    def schedule(self) -> dict:
+        """The window the block schedules follow: with explicit key positions any slot may hold any
+        position, so every block up to kv_len is visited (the mask alone decides)."""
+        return dict(causal=False, sink=None, recent=None) if self.positions else self.window
+
     def kv_steps(self, num_kv_blocks: int) -> int:
         """Static length of the inner KV axis: the most KV blocks one query block visits."""
-        if self.recent is None:
+        if self.recent is None or self.positions:
             return num_kv_blocks
         band = _common.cdiv(self.block_q + self.recent - 1, self.block_k) + 1
         return min(num_kv_blocks, _common.cdiv(self.sink, self.block_k) + band)
 
     def q_steps(self, num_q_blocks: int) -> int:
         """Static length of the inner query axis of dk/dv: the most query blocks one KV block meets."""
-        if self.recent is None or self.sink > 0:
+        if self.recent is None or self.sink > 0 or self.positions:
             return num_q_blocks
         return min(num_q_blocks, _common.cdiv(self.block_k + self.recent - 1, self.block_q) + 1)
 
@@ -86,13 +101,17 @@ def _dot(a, b, contract: str):
     return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: _Config, *, keys_major: bool = False):
-    """[bq, bk] mask of one tile ([bk, bq] when keys_major: the dk/dv kernel's orientation)."""
+def _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *,
+               keys_major: bool = False):
+    """[bq, bk] mask of one tile ([bk, bq] when keys_major: the dk/dv kernel's orientation); pos:
+    None, or the tile's (query positions, key positions), a [bq, 1] column and a [1, bk] row
+    (a [1, bq] row and a [bk, 1] column when keys_major)."""
+    q_pos, k_pos = (None, None) if pos is None else pos
     shape, q_axis = ((cfg.block_k, cfg.block_q), 1) if keys_major else ((cfg.block_q, cfg.block_k), 0)
     rows = q_block * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     cols = kv_block * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len,
-                                  seq_q=cfg.seq_q, **cfg.window)
+                                  seq_q=cfg.seq_q, q_pos=q_pos, k_pos=k_pos, **cfg.window)
 
 
 def _kv_visit(q_block, step, q_offset, kv_len, cfg: _Config, num_kv_blocks: int):
@@ -102,7 +121,7 @@ def _kv_visit(q_block, step, q_offset, kv_len, cfg: _Config, num_kv_blocks: int)
     """
     sink_end, band_start, end = _common.kv_block_schedule(
         q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q, block_q=cfg.block_q,
-        block_k=cfg.block_k, **cfg.window)
+        block_k=cfg.block_k, **cfg.schedule)
     count = sink_end + end - band_start
     clamped = jnp.clip(step, 0, jnp.maximum(count - 1, 0))
     block = jnp.where(clamped < sink_end, clamped, clamped - sink_end + band_start)
@@ -113,18 +132,25 @@ def _q_visit(kv_block, step, q_offset, kv_len, cfg: _Config, num_q_blocks: int):
     """(Query block that KV block `kv_block` meets at inner step `step`, whether the step is real)."""
     start, end = _common.q_block_schedule(
         kv_block, q_offset=q_offset, kv_len=kv_len, num_q_blocks=num_q_blocks,
-        block_q=cfg.block_q, block_k=cfg.block_k, **cfg.window)
+        block_q=cfg.block_q, block_k=cfg.block_k, **cfg.schedule)
     block = start + jnp.clip(step, 0, jnp.maximum(end - start - 1, 0))
     return jnp.clip(block, 0, num_q_blocks - 1), step < end - start
 
 
-def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, cfg: _Config, *,
+def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *,
                    keys_major: bool = False):
     """P = exp(scale q k^T - lse), zero where masked: a = q, b = k gives [bq, bk] (lse a column);
     keys_major, a = k, b = q gives P^T [bk, bq] (lse a row), so every matmul here is A B or A B^T."""
     s = _dot(a, b, "ad,bd->ab") * cfg.scale
-    mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg, keys_major=keys_major)
+    mask = _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg, keys_major=keys_major)
     return jnp.where(mask, jnp.exp(s - lse), 0.0)
+
+
+def _split_positions(refs, cfg: _Config):
+    """(the tile's positions, see `_tile_mask`, or None; the other refs): the kernels' refs after
+    their inputs q, k, v (and those of the backward), where the query and key positions' operands
+    come first when `cfg.positions`."""
+    return ((refs[0][...], refs[1][...]), refs[2:]) if cfg.positions else (None, refs)
 
 
 # ------------------------------------------------------------------- forward
@@ -132,9 +158,9 @@ def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, cfg: _Config,
 
 def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
                 q_ref, k_ref, v_ref,  # inputs
-                o_ref, lse_ref,  # outputs
-                m_scr, l_scr, acc_scr,  # scratch
-                *, cfg: _Config, num_kv_blocks: int):
+                *refs,  # (query and key positions when cfg.positions); outputs o, lse; scratch
+                cfg: _Config, num_kv_blocks: int):
+    pos, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_positions(refs, cfg)
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     kv_block, real = _kv_visit(q_block, step, q_offset, kv_len, cfg, num_kv_blocks)
@@ -149,7 +175,7 @@ def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     def _accumulate():
         v = v_ref[...]
         s = _dot(q_ref[...], k_ref[...], "qd,kd->qk") * cfg.scale  # [bq, bk]
-        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
+        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg)
         s = jnp.where(mask, s, _common.MASK_VALUE)
         m = m_scr[...]
         m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
@@ -168,25 +194,44 @@ def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
 
 
 def _specs(cfg: _Config, head_dim: int, num_q_blocks: int, num_kv_blocks: int):
-    """BlockSpecs for grid (b, h, i, t): query tiles at block i, KV tiles at the visited block."""
+    """BlockSpecs for grid (b, h, i, t): query tiles at block i, KV tiles at the visited block, and
+    with cfg.positions the query positions' [bq, 1] column of block i and the key positions' [1, bk]
+    row of the visited block ([B, T, 1] and [B, 1, S] operands; `positions`: [] or both)."""
     def kv_map(b, h, i, t, q_offset_ref, kv_len_ref):
         block, _ = _kv_visit(i, t, q_offset_ref[b], kv_len_ref[b], cfg, num_kv_blocks)
         return b, lax.div(h, cfg.group), block, 0  # lax.div: `//` lowers through sign
 
+    def row_map(*args):
+        b, _, block, _ = kv_map(*args)
+        return b, 0, block
+
     q_tile = pl.BlockSpec((None, None, cfg.block_q, head_dim), lambda b, h, i, t, *_: (b, h, i, 0))
     stats = pl.BlockSpec((None, None, cfg.block_q, 1), lambda b, h, i, t, *_: (b, h, i, 0))
     kv_tile = pl.BlockSpec((None, None, cfg.block_k, head_dim), kv_map)
-    return q_tile, stats, kv_tile
+    positions = [pl.BlockSpec((None, cfg.block_q, 1), lambda b, h, i, t, *_: (b, i, 0)),
+                 pl.BlockSpec((None, 1, cfg.block_k), row_map)] if cfg.positions else []
+    return q_tile, stats, kv_tile, positions
 
 
-def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
+def _position_operands(pos, *, keys_major: bool = False) -> list:
+    """The operands of (q_positions [B, T], k_positions [B, S]): a [B, T, 1] column and a [B, 1, S]
+    row ([B, 1, T] and [B, S, 1] when keys_major); [] when pos is None."""
+    if pos is None:
+        return []
+    q_pos, k_pos = pos
+    if keys_major:
+        return [q_pos[:, None, :], k_pos[:, :, None]]
+    return [q_pos[:, :, None], k_pos[:, None, :]]
+
+
+def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config):
     batch, num_heads, seq_q_padded, head_dim = q.shape
     num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, k.shape[2] // cfg.block_k
-    q_tile, stats, kv_tile = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
+    q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(batch, num_heads, num_q_blocks, cfg.kv_steps(num_kv_blocks)),
-        in_specs=[q_tile, kv_tile, kv_tile],
+        in_specs=[q_tile, kv_tile, kv_tile, *positions],
         out_specs=[q_tile, stats],
         scratch_shapes=[pltpu.VMEM((cfg.block_q, 1), jnp.float32),
                         pltpu.VMEM((cfg.block_q, 1), jnp.float32),
@@ -200,7 +245,7 @@ def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_fwd",
-    )(q_offset, kv_len, q, k, v)
+    )(q_offset, kv_len, q, k, v, *_position_operands(pos))
 
 
 # ------------------------------------------------------------------ backward
@@ -210,9 +255,9 @@ def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
 
 def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs
-               dq_ref,  # output
-               dq_scr,  # scratch
-               *, cfg: _Config, num_kv_blocks: int):
+               *refs,  # (positions); output dq; scratch
+               cfg: _Config, num_kv_blocks: int):
+    pos, (dq_ref, dq_scr) = _split_positions(refs, cfg)
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     kv_block, real = _kv_visit(q_block, step, q_offset, kv_len, cfg, num_kv_blocks)
@@ -224,7 +269,8 @@ def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     @pl.when(real)
     def _accumulate():
         k = k_ref[...]
-        p = _probabilities(q_ref[...], k, lse_ref[...], q_block, kv_block, q_offset, kv_len, cfg)
+        p = _probabilities(q_ref[...], k, lse_ref[...], q_block, kv_block, q_offset, kv_len,
+                           pos, cfg)
         dp = _dot(do_ref[...], v_ref[...], "qd,kd->qk")
         ds = p * (dp - delta_ref[...])
         dq_scr[...] += _dot(ds.astype(k.dtype), k, "qk,kd->qd")
@@ -236,9 +282,9 @@ def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
 
 def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
                 q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs
-                dk_ref, dv_ref,  # outputs
-                dk_scr, dv_scr,  # scratch
-                *, cfg: _Config, num_q_blocks: int):
+                *refs,  # (positions, keys-major); outputs dk, dv; scratch
+                cfg: _Config, num_q_blocks: int):
+    pos, (dk_ref, dv_ref, dk_scr, dv_scr) = _split_positions(refs, cfg)
     b, kv_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     q_block, real = _q_visit(kv_block, step, q_offset, kv_len, cfg, num_q_blocks)
@@ -251,8 +297,8 @@ def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     @pl.when(real)
     def _accumulate():  # Keys-major: P^T and dS^T [bk, bq], lse and delta rows [1, bq].
         q, k, do = q_ref[...], k_ref[...], do_ref[...]
-        p_t = _probabilities(k, q, lse_ref[...], q_block, kv_block, q_offset, kv_len, cfg,
-                             keys_major=True)
+        p_t = _probabilities(k, q, lse_ref[...], q_block, kv_block, q_offset, kv_len,
+                             pos, cfg, keys_major=True)
         dv_scr[...] += _dot(p_t.astype(do.dtype), do, "kq,qd->kd")
         dp_t = _dot(v_ref[...], do, "kd,qd->kq")
         ds_t = p_t * (dp_t - delta_ref[...])
@@ -265,7 +311,7 @@ def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
 
 
 def _backward(cfg: _Config, residuals, do):
-    q, k, v, q_offset, kv_len, o, lse = residuals
+    q, k, v, q_offset, kv_len, pos, o, lse = residuals
     batch, num_heads, seq_q_padded, head_dim = q.shape
     num_kv_heads, seq_k_padded = k.shape[1], k.shape[2]
     num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, seq_k_padded // cfg.block_k
@@ -274,20 +320,20 @@ def _backward(cfg: _Config, residuals, do):
     scratch = lambda length: pltpu.VMEM((length, head_dim), jnp.float32)  # noqa: E731
     rows = lambda x: x.reshape(batch, num_heads, 1, seq_q_padded)  # noqa: E731  [B, H, T, 1] -> rows
 
-    q_tile, stats, kv_tile = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
+    q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, num_kv_blocks=num_kv_blocks),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, num_heads, num_q_blocks, cfg.kv_steps(num_kv_blocks)),
-            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stats, stats],
+            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stats, stats, *positions],
             out_specs=q_tile,
             scratch_shapes=[scratch(cfg.block_q)]),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_dq",
-    )(q_offset, kv_len, q, k, v, do, lse, delta)
+    )(q_offset, kv_len, q, k, v, do, lse, delta, *_position_operands(pos))
 
     # Grid (b, h, j, t): KV tiles at block j, query tiles at the visited query block.
     def q_map(b, h, j, t, q_offset_ref, kv_len_ref):
@@ -303,44 +349,53 @@ def _backward(cfg: _Config, residuals, do):
     kv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim),
                           lambda b, h, j, t, *_: (b, lax.div(h, cfg.group), j, 0))
     dkv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim), lambda b, h, j, t, *_: (b, h, j, 0))
+    positions_own = [  # the visited query block's positions (a row), this key block's (a column)
+        pl.BlockSpec((None, 1, cfg.block_q), lambda *args: (args[0], 0, q_map(*args)[2])),
+        pl.BlockSpec((None, cfg.block_k, 1), lambda b, h, j, t, *_: (b, j, 0)),
+    ] if cfg.positions else []
     per_q_head = jax.ShapeDtypeStruct((batch, num_heads, seq_k_padded, head_dim), jnp.float32)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, num_heads, num_kv_blocks, cfg.q_steps(num_q_blocks)),
-            in_specs=[q_visited, kv_own, kv_own, q_visited, stats_visited, stats_visited],
+            in_specs=[q_visited, kv_own, kv_own, q_visited, stats_visited, stats_visited,
+                      *positions_own],
             out_specs=[dkv_own, dkv_own],
             scratch_shapes=[scratch(cfg.block_k), scratch(cfg.block_k)]),
         out_shape=[per_q_head, per_q_head],
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_dkv",
-    )(q_offset, kv_len, q, k, v, do, rows(lse), rows(delta))
+    )(q_offset, kv_len, q, k, v, do, rows(lse), rows(delta),
+      *_position_operands(pos, keys_major=True))
 
     def sum_groups(x):  # [B, Hkv * G, S, D] -> [B, Hkv, S, D]
         x = x.reshape(batch, num_kv_heads, cfg.group, seq_k_padded, head_dim)
         return x.sum(axis=2).astype(k.dtype)
 
-    return dq, sum_groups(dk), sum_groups(dv), None, None
+    return dq, sum_groups(dk), sum_groups(dv), None, None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, q_offset, kv_len, cfg: _Config):
-    return _forward(q, k, v, q_offset, kv_len, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, q_offset, kv_len, pos, cfg: _Config):
+    return _forward(q, k, v, q_offset, kv_len, pos, cfg)[0]
 
 
-def _attention_fwd(q, k, v, q_offset, kv_len, cfg: _Config):
-    o, lse = _forward(q, k, v, q_offset, kv_len, cfg)
-    return o, (q, k, v, q_offset, kv_len, o, lse)
+def _attention_fwd(q, k, v, q_offset, kv_len, pos, cfg: _Config):
+    o, lse = _forward(q, k, v, q_offset, kv_len, pos, cfg)
+    return o, (q, k, v, q_offset, kv_len, pos, o, lse)
 
 
 _attention.defvjp(_attention_fwd, _backward)
 
 
 def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None,
-                           q_offset, kv_len, scale: float, block_q: int, block_k: int, interpret):
-    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; q_offset and kv_len int32 [B].
+                           q_offset, kv_len, scale: float, block_q: int, block_k: int, interpret,
+                           positions=None):
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; q_offset and kv_len int32 [B];
+    positions None (query i at q_offset + i, key j at j) or (q_positions int32 [B, T],
+    k_positions int32 [B, S], -1: an empty slot); q_offset is then unused.
 
     Transposes to [B, H, L, D], pads T and S to the blocks (padded rows and keys are masked),
     runs the custom-VJP kernels and undoes both.
@@ -350,9 +405,14 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: i
     cfg = _Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent, scale=scale,
                   block_q=_mosaic.tpu_block(block_q, seq_q),
                   block_k=_mosaic.tpu_block(block_k, seq_k),
-                  group=num_heads // k.shape[2], interpret=interpret)
+                  group=num_heads // k.shape[2], interpret=interpret,
+                  positions=positions is not None)
     kv_len = jnp.minimum(kv_len, seq_k)
     q = _mosaic.pad_axis(_mosaic.heads_major(q), 2, cfg.block_q)
     k, v = (_mosaic.pad_axis(_mosaic.heads_major(x), 2, cfg.block_k) for x in (k, v))
-    o = _attention(q, k, v, q_offset, kv_len, cfg)
+    if positions is not None:  # padded key slots are empty (-1), as well as past kv_len
+        q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in positions)
+        positions = (_mosaic.pad_axis(q_pos, 1, cfg.block_q),
+                     jnp.pad(k_pos, ((0, 0), (0, k.shape[2] - seq_k)), constant_values=-1))
+    o = _attention(q, k, v, q_offset, kv_len, positions, cfg)
     return _mosaic.heads_major(o[:, :, :seq_q])

@@ -9,12 +9,15 @@ chooses between the two TPU implementations, for it and for
   ``kv_len`` are Python ints, and every query sees at least one key (splash
   leaves a row with no key undefined);
 * otherwise the own scalar-prefetch kernel (`block_sparse.py`): traced or
-  per-sequence [B] offsets and lengths, as in chunked prefill.
+  per-sequence [B] offsets and lengths, as in chunked prefill, and queries
+  and keys at explicit positions (``k_positions``: a streaming head's ring +
+  chunk).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _common
@@ -38,9 +41,24 @@ def _every_query_sees_a_key(*, seq_q: int, q_offset: int, kv_len: int, sink: int
 
 def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None, q_offset,
                      kv_len, scale: float | None, block_q: int, block_k: int,
-                     interpret) -> jax.Array:
+                     interpret, q_positions=None, k_positions=None) -> jax.Array:
     """Checks the arguments and runs splash attention or the own kernel (see the module docstring)."""
     _common.check_qkv(q, k, v)
+    positions = None
+    if k_positions is not None:
+        if tuple(k_positions.shape) != k.shape[:2]:
+            raise ValueError(f"k_positions must be int32 [B, S] = {k.shape[:2]} (one position per key "
+                             f"slot), got shape {tuple(k_positions.shape)}.")
+        if q_positions is None:
+            q_positions = (_common.per_batch(q_offset, q.shape[0], 0)[:, None]
+                           + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :])
+        if tuple(q_positions.shape) != q.shape[:2]:
+            raise ValueError(f"q_positions must be int32 [B, T] = {q.shape[:2]}, got shape "
+                             f"{tuple(q_positions.shape)}.")
+        positions = (q_positions, k_positions)
+    elif q_positions is not None:
+        raise ValueError("q_positions goes with k_positions (keys at explicit positions); without "
+                         "them, pass q_offset.")
     _mosaic.check_tpu_block("block_q", block_q)
     _mosaic.check_tpu_block("block_k", block_k)
     if recent is not None:
@@ -52,19 +70,21 @@ def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | N
     window = dict(causal=causal, sink=sink, recent=recent, scale=scale, block_q=block_q,
                   block_k=block_k, interpret=interpret)
     static_len = seq_k if kv_len is None else kv_len
-    if (splash.available() and _static_int(q_offset) and _static_int(static_len)
+    if (positions is None and splash.available() and _static_int(q_offset) and _static_int(static_len)
             and _every_query_sees_a_key(seq_q=seq_q, q_offset=int(q_offset),
                                         kv_len=min(int(static_len), seq_k), sink=sink,
                                         recent=recent)):
         return splash.splash_attention(q, k, v, q_offset=int(q_offset),
                                        kv_len=min(int(static_len), seq_k), **window)
     return block_sparse_attention(q, k, v, q_offset=_common.per_batch(q_offset, batch, 0),
-                                  kv_len=_common.per_batch(kv_len, batch, seq_k), **window)
+                                  kv_len=_common.per_batch(kv_len, batch, seq_k),
+                                  positions=positions, **window)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                     q_offset=0, kv_len=None, scale: float | None = None, block_q: int = 128,
-                    block_k: int = 128, interpret=None) -> jax.Array:
+                    block_k: int = 128, interpret=None, q_positions=None,
+                    k_positions=None) -> jax.Array:
     """Dense (causal) flash attention on TPU, differentiable (custom VJP).
 
     Args:
@@ -80,10 +100,16 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       interpret: None = TPU interpret mode unless running on (or lowering for) a TPU, where the
         kernels compile; True = JAX's generic interpreter (works under jax.checkpoint); a
         pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
+      k_positions: None, or int32 [B, S]: the absolute position of each key slot (-1: empty),
+        for keys not stored in position order (a ring cache + a chunk); the mask then compares
+        positions, and every key block up to kv_len is visited. TPU only (the GPU kernel has no
+        such argument).
+      q_positions: with k_positions only: int32 [B, T], each query's position (default
+        q_offset + i).
 
     Returns:
       [B, T, Hq, D] like q. Queries that see no key get 0.
     """
     return masked_attention(q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
                             kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
-                            interpret=interpret)
+                            interpret=interpret, q_positions=q_positions, k_positions=k_positions)
