@@ -444,14 +444,18 @@ class Scheduler:
         return True
 
     def _sample(self, logits: jax.Array, rows: list[int]) -> None:
+        """Sample rows' next tokens, one call per sampling rule over every slot (a fixed shape: no compile
+        when the batch's make-up changes; rows not in the rule's group are ignored)."""
         by_rule = collections.defaultdict(list)
         for b in rows:
             by_rule[self.running[b].request.sampling].append(b)
         for sampling, group in by_rule.items():
-            requests = [self.running[b].request for b in group]
-            new = _sample_rows(logits[jnp.asarray(group)], jnp.asarray([r.seed for r in requests], jnp.uint32),
-                               jnp.asarray([len(r.tokens) for r in requests], jnp.int32), sampling)
-            for b, request, token in zip(group, requests, np.asarray(new).tolist()):
+            seeds, counts = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.int32)
+            for b in group:
+                seeds[b], counts[b] = self.running[b].request.seed, len(self.running[b].request.tokens)
+            new = np.asarray(_sample_rows(logits, jnp.asarray(seeds), jnp.asarray(counts), sampling))
+            for b in group:
+                request, token = self.running[b].request, int(new[b])
                 request.tokens.append(token)
                 self.counters["tokens"] += 1
                 reason = None
