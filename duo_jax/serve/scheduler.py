@@ -8,12 +8,30 @@ decode). Between steps the scheduler
   * hands out pages as sequences grow (`PagePool`, one page per `page_size` tokens, the same page index in
     every layer's pool) and, when the pool is empty, preempts the most recently admitted request: its pages
     are freed and it goes back to the front of the queue with the tokens it has, to be fed again (recompute:
-    its prompt in chunks, its generated tokens one by one, as the first time) when pages free up. No request writes a page it does not hold, so none corrupts another;
+    its prompt in chunks, its generated tokens one by one, as the first time) when pages free up. No request
+    writes a page it does not hold, so none corrupts another;
   * samples each request's next token with its own options (`Sampling`, a seed: the key of its n-th token
     is fold_in(key(seed), n), so its tokens do not depend on what it is batched with) and stops it at
-    `max_tokens`, at EOS (unless `stop_at_eos=False`) or at one of its `stop_ids`, freeing its pages.
+    `max_tokens`, at EOS (unless `stop_at_eos=False`), at one of its `stop_ids`, when its detokenized text
+    contains one of its `stop` strings (the scheduler's `detokenize`), or when `cancel` is called (a client
+    that went away), freeing its pages.
 
-Prefix reuse (shared pages for a shared prompt prefix) is not implemented yet.
+Steps are padded: while any slot prefills, every slot runs a row of `chunk` positions, so a decoding slot's
+token costs `chunk` positions of compute in that step (benchmarks/serving.py measures what this costs);
+steps over a ragged token budget, as vLLM runs them, are not built yet.
+
+Prefix reuse (`prefix_cache=True`, vLLM's automatic prefix caching adapted to DuoAttention): every full page of
+a prompt is named by a digest of its tokens chained with its prefix's digest (sha256(parent digest, tokens)),
+and once written it is registered under that name. A request admitted later whose prompt starts with the same
+pages shares them (reference counts; no copy: a sequence only writes past its shared prefix, so a shared page
+is never written again) and starts feeding at the end of the shared prefix instead of position 0. Pages whose
+last user ended go back to the free pages but keep their content and name until the pool hands them out again
+(oldest first), so a later request can still find them. DuoAttention's streaming heads keep no pages: their
+sink + ring state at the end of a shared prefix is a snapshot of the slot's streaming rows taken when the
+prefix was prefilled (at most `prefix_snapshots` kept, least recently used dropped), copied into the new
+request's slot. Outputs depend on the chunk boundaries (streaming heads see the ring plus the causal chunk), so
+a prefix is reused only up to a multiple of lcm(page_size, chunk) and at most up to the prompt's last token:
+the rest is fed in the very chunks a request alone feeds, and sharing gives the tokens no sharing gives.
 """
 
 from __future__ import annotations
