@@ -7,7 +7,8 @@ under three policies:
   static       a batch of up to `slots` arrived requests runs to its end before the next batch starts
 
 Prompts are windows of real prose (the evaluation half of the Paul Graham essays) of lengths drawn uniformly
-from [--min-len, --max-len], each starting at its own offset (no shared prefix: prefix reuse stays idle); request
+from [--min-len, --max-len], each starting at its own offset (by default no shared prefix, so prefix reuse stays
+idle; `--shared-prefix N` starts every prompt with the same N tokens, `--no-prefix-cache` turns reuse off); request
 i arrives at i / --rate seconds. Before the clock starts, one short request through a scheduler of the same
 shape compiles its steps (and, for duo, the streaming snapshot of prefix reuse). Reported per (method,
 policy): generated tokens/s over the wall time from the first arrival to the last token, time to first
@@ -39,9 +40,10 @@ def prompts(model, args) -> list[list[int]]:
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(args.min_len, args.max_len + 1, args.requests)
     stride = 997  # not a multiple of any page size: no two prompts share a page
-    text = haystack_tokens(model.tokenizer, EVALUATION_HAYSTACK, args.max_len + stride * args.requests)
-    bos = [] if bos_id(model.tokenizer) is None else [bos_id(model.tokenizer)]
-    return [bos + text[i * stride: i * stride + n - len(bos)] for i, n in enumerate(lengths)]
+    end = args.max_len + stride * args.requests
+    text = haystack_tokens(model.tokenizer, EVALUATION_HAYSTACK, end + args.shared_prefix)
+    head = ([] if bos_id(model.tokenizer) is None else [bos_id(model.tokenizer)]) + text[end:][:args.shared_prefix]
+    return [head + text[i * stride: i * stride + n - len(head)] for i, n in enumerate(lengths)]
 
 
 def drive(scheduler, requests, arrivals, policy: str) -> dict:
@@ -73,7 +75,8 @@ def drive(scheduler, requests, arrivals, policy: str) -> dict:
     wall = max(last.values()) - start - min(arrivals)
     return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, ttft_s=_percentiles(ttft, (50, 90, 99)),
                 tpot_ms=_percentiles([1e3 * t for t in tpot], (50, 90)), peak_pages=peak,
-                steps=scheduler.counters["steps"], preemptions=scheduler.counters["preemptions"])
+                steps=scheduler.counters["steps"], preemptions=scheduler.counters["preemptions"],
+                prompt_tokens=scheduler.counters["prompt_tokens"], prefix_tokens=scheduler.counters["prefix_tokens"])
 
 
 def _percentiles(values, ps) -> dict:
@@ -93,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", choices=("full", "duo"), default=["full", "duo"])
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens every prompt starts with (a shared document): exercises prefix reuse")
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     args = p.parse_args(argv)
     if not 1 <= args.min_len <= args.max_len or args.requests < 1 or args.max_new_tokens < 2 or args.rate <= 0:
         p.error("need 1 <= --min-len <= --max-len, --requests >= 1, --max-new-tokens >= 2 and --rate > 0")
+    if not 0 <= args.shared_prefix < args.min_len - 1:
+        p.error("--shared-prefix must be >= 0 and shorter than --min-len - 1")
 
     common.setup_threads(args)
     from duo_jax.engine import Engine
@@ -120,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             unit = warm.reuse_unit
             warm.submit(Request((ids[0] * (unit // len(ids[0]) + 2))[:unit + 1], max_tokens=2, stop_at_eos=False))
             warm.run()
-            scheduler = Scheduler(engine, method, slots=slots, chunk=args.chunk_size)
+            scheduler = Scheduler(engine, method, slots=slots, chunk=args.chunk_size,
+                                  prefix_cache=not args.no_prefix_cache)
             requests = [Request(list(x), max_tokens=args.max_new_tokens, stop_at_eos=False) for x in ids]
             print(f"{name} / {policy}: {args.requests} requests...", file=sys.stderr, flush=True)
             r = drive(scheduler, requests, arrivals, policy)
@@ -130,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{name}/{policy}"] = r
             rows.append([name, policy, slots, r["tokens_per_s"], r["ttft_s"]["p50"], r["ttft_s"]["p90"],
                          r["ttft_s"]["p99"], r["tpot_ms"]["p50"], r["tpot_ms"]["p90"], r["peak_pages"],
-                         r["paged_bytes_at_peak"] / 2**20, r["contiguous_bytes"] / 2**20])
+                         r["paged_bytes_at_peak"] / 2**20, r["contiguous_bytes"] / 2**20, r["prompt_tokens"],
+                         r["prefix_tokens"]])
     headers = ["method", "policy", "slots", "tok/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "TPOT p50 ms",
-               "TPOT p90 ms", "peak pages", "paged MiB at peak", "contiguous MiB"]
+               "TPOT p90 ms", "peak pages", "paged MiB at peak", "contiguous MiB", "prefilled", "reused"]
     notes = [f"model {model.config.name} ({args.dtype}); {args.requests} requests, prompts {args.min_len}-"
              f"{args.max_len} tokens (longest {max(map(len, ids))}), {args.max_new_tokens} new tokens each, "
              f"{args.rate} requests/s; chunk {args.chunk_size}, pages of {args.page_size}; duo sparsity "
-             f"{args.sparsity} (sink {args.sink}, recent {args.recent})"]
+             f"{args.sparsity} (sink {args.sink}, recent {args.recent}); shared prefix {args.shared_prefix} tokens, "
+             f"prefix cache {'off' if args.no_prefix_cache else 'on'}"]
     common.write_result(args.out, "serving", title="Serving: continuous batching vs one-by-one vs static batches",
                         headers=headers, rows=rows, notes=notes,
                         data=dict(args={k: str(v) for k, v in vars(args).items() if k != "out"},
