@@ -1,6 +1,8 @@
 """Continuous batching over the paged cache: every request gets exactly the greedy tokens it gets alone (from
 `generate` on the contiguous cache), whoever it shares steps with, however the pool runs short."""
 
+import collections
+
 import jax
 import numpy as np
 import pytest
@@ -122,3 +124,61 @@ def test_int8_weights_are_served_as_generate_runs_them():
     request = s.submit(Request(PROMPTS[0], max_tokens=5, stop_at_eos=False))
     s.run()
     assert request.tokens == alone
+
+
+SHARED = np.random.default_rng(10).integers(1, 128, 24).tolist()
+TAILS = [np.random.default_rng(11 + i).integers(1, 128, n).tolist() for i, n in enumerate((5, 9, 6))]
+# A, B: the shared 24 tokens + their own; C: 17 of them (2 reuse units of 8) + its own; D: A again.
+PREFIXED = [SHARED + TAILS[0], SHARED + TAILS[1], SHARED[:17] + TAILS[2], SHARED + TAILS[0]]
+
+
+def run_prefixed(method, prefix_cache, num_pages=64):
+    """A alone for 4 steps (its prompt registered), then B, C, D join it; once all end, E (= B) comes."""
+    s = Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=num_pages), slots=3, chunk=CHUNK,
+                  impl="xla", prefix_cache=prefix_cache)
+    requests = [s.submit(Request(PREFIXED[0], max_tokens=NEW, stop_at_eos=False))]
+    for _ in range(4):
+        s.step()
+    requests += [s.submit(Request(p, max_tokens=NEW, stop_at_eos=False)) for p in PREFIXED[1:]]
+    peak = 0
+    while s.step() or not s.idle:
+        peak = max(peak, s.pages_in_use())
+        held = collections.Counter(page for slot in s.running if slot for page in slot.pages)
+        assert all(s.pool.refs[p] == held[p] for p in range(s.pool.num_pages))  # reference counts are exact
+        assert s.pages_in_use() == len(held)
+    requests.append(s.submit(Request(PREFIXED[1], max_tokens=NEW, stop_at_eos=False)))
+    s.run()
+    assert_no_page_leaked(s)
+    assert not any(s.pool.refs)
+    return s, requests, peak
+
+
+def test_prefix_reuse_gives_the_tokens_of_no_reuse_with_fewer_pages(setup):
+    """Requests sharing a prompt prefix share its pages (and, for duo, the streaming heads' state copied from a
+    snapshot) instead of prefilling it again: each gets the greedy tokens `generate` gives it alone, fewer
+    pages are held at the peak, and every page comes back. The reused tokens are counted exactly: B and D
+    reuse 24 tokens of A (D's own last token is fed again), C 16 (two units of 8 of its 17 shared tokens), E
+    (= B) 32 of B's pages, still registered after B ended."""
+    method, _ = setup
+    solo = [duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK,
+                             stop_at_eos=False).tokens[0] for p in PREFIXED]
+    shared, requests, peak = run_prefixed(method, True)
+    alone, plain, peak_plain = run_prefixed(method, False)
+    for r, q, expected in zip(requests, plain, solo + [solo[1]]):
+        assert r.tokens == q.tokens == expected
+    assert shared.counters["prefix_tokens"] == 24 + 16 + 24 + 32 and shared.counters["prefix_hits"] == 4
+    assert alone.counters["prefix_tokens"] == 0
+    assert shared.counters["prompt_tokens"] == alone.counters["prompt_tokens"] - 96
+    assert peak < peak_plain
+
+
+def test_prefix_reuse_survives_preemption(setup):
+    """A pool too small for the shared-prefix requests at once: preempted requests are recomputed (reusing
+    what is still registered), reference counts stay exact, and all get their solo tokens."""
+    method, _ = setup
+    solo = [duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK,
+                             stop_at_eos=False).tokens[0] for p in PREFIXED]
+    s, requests, peak = run_prefixed(method, True, num_pages=10)  # the pool of the test above: no compile
+    assert peak <= 10 and s.counters["preemptions"] > 0
+    for r, expected in zip(requests, solo + [solo[1]]):
+        assert r.tokens == expected

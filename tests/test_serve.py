@@ -22,7 +22,7 @@ from duo_jax.engine import Engine  # noqa: E402
 from duo_jax.methods.duo import DuoAttention  # noqa: E402
 from duo_jax.methods.paged import paged  # noqa: E402
 from duo_jax.serve import Scheduler  # noqa: E402
-from duo_jax.serve.server import Server  # noqa: E402
+from duo_jax.serve.server import Server, held_back  # noqa: E402
 from tests.conftest import BPETokenizer, tiny_config  # noqa: E402
 
 CONFIG = tiny_config(vocab_size=2000)
@@ -61,9 +61,10 @@ def served():
     model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), ChatTokenizer(), "tiny")
     method = DuoAttention(make_layout(CONFIG, np.array([[True, False], [False, True]]), sink=2, recent=5, context=64))
     scheduler = Scheduler(Engine.of(model), paged(method, page_size=4, num_pages=40), slots=3, chunk=CHUNK,
-                          impl="xla")
+                          impl="xla", detokenize=model.tokenizer.decode)
     server = Server(scheduler, model, "tiny")
     running = Running(server.app)
+    running.scheduler = scheduler
 
     def solo(ids):
         out = duo_jax.generate(model, ids, method=method, max_new_tokens=NEW, chunk_size=CHUNK, stop_at_eos=False)
@@ -122,7 +123,8 @@ def test_concurrent_completions_match_solo_generation(served):
     ({"prompt": "hi", "max_tokens": 500}, 400, "exceeds"),
     ({"prompt": "hi", "max_tokens": "four"}, 400, "integer"),
     ({"prompt": "hi", "n": 2}, 400, "n = 1"),
-    ({"prompt": "hi", "stop": ["\n"]}, 400, "'stop'"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
+    ({"prompt": "hi", "stop": [""]}, 400, "'stop'"),
     ({"prompt": [1, 99999]}, 400, "token ids"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "not served"),
@@ -133,6 +135,56 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(served, body, st
     response = httpx.post(f"{running.url}/v1/completions", timeout=30, **kwargs)
     assert response.status_code == status and message in response.json()["error"]["message"]
     assert httpx.get(f"{running.url}/health").json() == {"status": "ok"}
+
+
+def metric(url, name):
+    line = next(line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(f"duo_jax_{name} "))
+    return int(line.split()[1])
+
+
+def test_stop_strings_end_the_text_before_them_streamed_or_not(served):
+    """A stop string (spanning tokens) ends generation: the text is the solo text up to it, whole or streamed
+    (no chunk shows the stop string or a part of it), with finish_reason "stop"."""
+    running, model, solo = served
+    ids = model.tokenizer.encode("It was a bright cold day")
+    text = solo(ids)
+    assert len(text) >= 6
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
+    body = dict(prompt=ids, max_tokens=NEW, temperature=0, stop=["never in it \x00", stop])
+    plain = complete(running.url, body).json()
+    streamed, last = stream(running.url, "/v1/completions", body)
+    assert plain["choices"][0]["text"] == streamed == expected
+    assert plain["choices"][0]["finish_reason"] == last["choices"][0]["finish_reason"] == "stop"
+    assert plain["usage"]["completion_tokens"] < NEW or text.endswith(stop)
+    single = complete(running.url, dict(body, stop=stop)).json()  # a string, not a list
+    assert single["choices"][0]["text"] == expected
+    # What a stream holds back: the longest tail that begins a stop string (it may still complete).
+    assert held_back("the end", ["end.", "xx"]) == 3 and held_back("abx", ["xyz", "bx!"]) == 2
+    assert held_back("abc", ["zz", "c"]) == 0  # a whole stop string is cut, not held
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, monkeypatch):
+    """A real streaming client closes the connection after its first chunk: the request is cancelled (not run
+    to its 50 tokens) and its pages go back to the pool. Steps are slowed to 100 ms here, so that the tiny
+    model cannot finish the 50 tokens before the disconnect reaches the server."""
+    running, model, _ = served
+    step = running.scheduler.step
+    monkeypatch.setattr(running.scheduler, "step", lambda: time.sleep(0.1) or step())
+    cancelled, tokens = metric(running.url, "cancelled_total"), metric(running.url, "generated_tokens_total")
+    body = dict(prompt=model.tokenizer.encode("A client that leaves early"), max_tokens=50, temperature=0,
+                stream=True)
+    with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()  # held: closing it (even by garbage collection) closes the connection
+        first = next(line for line in lines if line)
+        assert first.startswith("data: ") and metric(running.url, "pages_in_use") > 0
+        assert metric(running.url, "cancelled_total") == cancelled
+    deadline = time.monotonic() + 60
+    while metric(running.url, "cancelled_total") == cancelled or metric(running.url, "pages_in_use"):
+        assert time.monotonic() < deadline, "the disconnected request kept its pages"
+        time.sleep(0.02)
+    assert metric(running.url, "requests_running") == 0
+    assert metric(running.url, "generated_tokens_total") < tokens + 50
 
 
 def test_shutdown_finishes_responses_in_flight(served):

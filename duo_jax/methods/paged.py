@@ -9,7 +9,7 @@ Per layer l with n_l retrieval heads, the cache holds
 and, shared by all layers, `block_tables` int32 [B, M] (M = capacity / P pages per sequence at most): the token
 at position p of sequence b lives in page block_tables[b, p // P], row p % P, of every layer's pool. An entry
 equal to N means "no page": writes through it are dropped. Page i of a sequence is page block_tables[b, i] in
-each layer's pool, so one allocation (`duo_jax.serve.pages.PagePool`) serves every layer. No capacity is
+each layer's pool, so one allocation (`duo_jax.serve.scheduler.PagePool`) serves every layer. No capacity is
 reserved per sequence: a pool of N pages holds any mix of sequences whose pages add up to N.
 
 Writes go through the block table (one scatter into the pool viewed as N * P slots). Reads gather the

@@ -21,6 +21,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-memory-mb", type=float, default=512, help="memory of the retrieval page pool")
     parser.add_argument("--slots", type=int, default=8, help="sequences per step")
     parser.add_argument("--chunk", type=int, default=128, help="prefill tokens per sequence per step")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no shared pages)")
+    parser.add_argument("--prefix-snapshots", type=int, default=32,
+                        help="streaming-head states kept for prefix reuse (duo; least recently used dropped)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -46,7 +49,9 @@ def main(argv=None) -> int:
         pages = pages_for_memory(paged(method, page_size=args.page_size), int(args.kv_memory_mb * 2**20),
                                  model.params.dtype)
         method = paged(method, page_size=args.page_size, num_pages=pages)
-        scheduler = Scheduler(Engine.of(model), method, slots=args.slots, chunk=args.chunk)
+        scheduler = Scheduler(Engine.of(model), method, slots=args.slots, chunk=args.chunk,
+                              prefix_cache=not args.no_prefix_cache, prefix_snapshots=args.prefix_snapshots,
+                              detokenize=None if model.tokenizer is None else model.tokenizer.decode)
     except DuoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

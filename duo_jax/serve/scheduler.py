@@ -8,12 +8,30 @@ decode). Between steps the scheduler
   * hands out pages as sequences grow (`PagePool`, one page per `page_size` tokens, the same page index in
     every layer's pool) and, when the pool is empty, preempts the most recently admitted request: its pages
     are freed and it goes back to the front of the queue with the tokens it has, to be fed again (recompute:
-    its prompt in chunks, its generated tokens one by one, as the first time) when pages free up. No request writes a page it does not hold, so none corrupts another;
+    its prompt in chunks, its generated tokens one by one, as the first time) when pages free up. No request
+    writes a page it does not hold, so none corrupts another;
   * samples each request's next token with its own options (`Sampling`, a seed: the key of its n-th token
     is fold_in(key(seed), n), so its tokens do not depend on what it is batched with) and stops it at
-    `max_tokens`, at EOS (unless `stop_at_eos=False`) or at one of its `stop_ids`, freeing its pages.
+    `max_tokens`, at EOS (unless `stop_at_eos=False`), at one of its `stop_ids`, when its detokenized text
+    contains one of its `stop` strings (the scheduler's `detokenize`), or when `cancel` is called (a client
+    that went away), freeing its pages.
 
-Prefix reuse (shared pages for a shared prompt prefix) is not implemented yet.
+Steps are padded: while any slot prefills, every slot runs a row of `chunk` positions, so a decoding slot's
+token costs `chunk` positions of compute in that step (benchmarks/serving.py measures what this costs);
+steps over a ragged token budget, as vLLM runs them, are not built yet.
+
+Prefix reuse (`prefix_cache=True`, vLLM's automatic prefix caching adapted to DuoAttention): every full page of
+a prompt is named by a digest of its tokens chained with its prefix's digest (sha256(parent digest, tokens)),
+and once written it is registered under that name. A request admitted later whose prompt starts with the same
+pages shares them (reference counts; no copy: a sequence only writes past its shared prefix, so a shared page
+is never written again) and starts feeding at the end of the shared prefix instead of position 0. Pages whose
+last user ended go back to the free pages but keep their content and name until the pool hands them out again
+(oldest first), so a later request can still find them. DuoAttention's streaming heads keep no pages: their
+sink + ring state at the end of a shared prefix is a snapshot of the slot's streaming rows taken when the
+prefix was prefilled (at most `prefix_snapshots` kept, least recently used dropped), copied into the new
+request's slot. Outputs depend on the chunk boundaries (streaming heads see the ring plus the causal chunk), so
+a prefix is reused only up to a multiple of lcm(page_size, chunk) and at most up to the prompt's last token:
+the rest is fed in the very chunks a request alone feeds, and sharing gives the tokens no sharing gives.
 """
 
 from __future__ import annotations
@@ -21,7 +39,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import itertools
+import math
 import queue
 import threading
 import time
@@ -38,23 +58,93 @@ from duo_jax.sampling import Sampling, sample
 
 
 class PagePool:
-    """The free pages of a pool of `num_pages` (indices into every layer's pool)."""
+    """The pages of a pool of `num_pages` (indices into every layer's pool): reference counts, the free pages,
+    and the registry of full pages by the digest of the tokens up to their end (`page_digests`). A free
+    page that is registered keeps its content until `take` hands it out again (the least recently freed
+    first; never-registered pages go first), so `lookup` can still find it."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = list(range(num_pages - 1, -1, -1))  # holding nothing reusable
+        self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()  # registered, unused
+        self.refs = [0] * num_pages
+        self._by_digest: dict[bytes, int] = {}
+        self._digest: dict[int, bytes] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_registered(self) -> int:
+        return len(self._by_digest)
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise DuoJaxError(f"asked for {n} pages, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise DuoJaxError(f"asked for {n} pages, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._cached_free.popitem(last=False)
+                del self._by_digest[self._digest.pop(page)]
+            self.refs[page] = 1
+            out.append(page)
+        return out
+
+    def share(self, pages: list[int]) -> None:
+        """One more user of each of `pages` (registered pages found by `lookup`)."""
+        for page in pages:
+            if self.refs[page] == 0:
+                del self._cached_free[page]
+            self.refs[page] += 1
 
     def give_back(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """One user fewer; a page nobody uses is free (the tail of a sequence first, so that its head, the
+        part other prompts are likelier to share, stays registered longest)."""
+        for page in reversed(pages):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self._digest:
+                    self._cached_free[page] = None
+                else:
+                    self._free.append(page)
+
+    def register(self, page: int, digest: bytes) -> None:
+        """`page` holds the tokens named by `digest` (kept if another page already does)."""
+        if digest not in self._by_digest and page not in self._digest:
+            self._by_digest[digest], self._digest[page] = page, digest
+
+    def lookup(self, digest: bytes) -> int | None:
+        return self._by_digest.get(digest)
+
+
+def page_digests(tokens: list[int], page_size: int) -> list[bytes]:
+    """The name of each full page of `tokens`: sha256 of the previous page's name and this page's tokens, so a
+    name stands for every token up to the page's end."""
+    out, parent = [], b""
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        parent = hashlib.sha256(parent + np.asarray(tokens[start: start + page_size], np.int64).tobytes()).digest()
+        out.append(parent)
+    return out
+
+
+@jax.jit
+def _streaming_rows(streaming, b):
+    """Slot b's streaming state (each layer's sink + ring rows of K and V)."""
+    return jax.tree.map(lambda x: x[b], streaming)
+
+
+@jax.jit
+def _set_streaming_rows(streaming, b, rows):
+    return jax.tree.map(lambda x, r: x.at[b].set(r), streaming, rows)
+
+
+def find_stop(text: str, stops) -> tuple[str, bool]:
+    """(`text` cut before the first occurrence of any of `stops`, whether one occurs)."""
+    cut = min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=-1)
+    return (text, False) if cut < 0 else (text[:cut], True)
 
 
 def pages_for_memory(method: PagedDuo, memory_bytes: int, dtype) -> int:
@@ -78,10 +168,11 @@ class Request:
     seed: int = 0
     stop_at_eos: bool = True
     stop_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings (needs the scheduler's detokenize)
     on_token: Callable | None = None
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
-    finish_reason: str | None = None  # "stop" (EOS or a stop id) or "length"
+    finish_reason: str | None = None  # "stop" (EOS, a stop id or string), "length" or "cancelled"
     preemptions: int = 0
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
@@ -96,6 +187,8 @@ class _Slot:
     admitted: int  # admission order (the newest is preempted first)
     fed: int = 0  # tokens of request.sequence in the cache
     pages: list[int] = dataclasses.field(default_factory=list)
+    digests: list[bytes] = dataclasses.field(default_factory=list)  # of the prompt's full pages
+    registered: int = 0  # pages registered for reuse (a prefix of `pages`)
 
 
 @functools.partial(jax.jit, static_argnums=3)
@@ -106,14 +199,19 @@ def _sample_rows(logits, seeds, counts, sampling: Sampling):
 
 
 class Scheduler:
-    """Continuous batching of `Request`s over `method`'s paged cache with `slots` sequences per step."""
+    """Continuous batching of `Request`s over `method`'s paged cache with `slots` sequences per step.
+    `prefix_cache`: reuse shared prompt prefixes (module docstring), keeping at most `prefix_snapshots`
+    streaming-head states; `detokenize(ids) -> str` serves requests' `stop` strings."""
 
-    def __init__(self, engine: Engine, method: PagedDuo, *, slots: int, chunk: int = 64, impl: str = "auto"):
+    def __init__(self, engine: Engine, method: PagedDuo, *, slots: int, chunk: int = 64, impl: str = "auto",
+                 prefix_cache: bool = True, prefix_snapshots: int = 32, detokenize: Callable | None = None):
         if not isinstance(method, PagedDuo) or method.num_pages is None:
             raise DuoJaxError("the scheduler needs a paged method with a pool size: "
                               "duo_jax.methods.paged.paged(method, num_pages=...)")
         if slots < 1 or chunk < 1:
             raise DuoJaxError(f"slots and chunk must be positive, got {slots}, {chunk}")
+        if prefix_snapshots < 0:
+            raise DuoJaxError(f"prefix_snapshots must be >= 0, got {prefix_snapshots}")
         if engine.mesh is not None:
             raise DuoJaxError("the scheduler runs on one device; serve with an engine built without a mesh")
         self.engine, self.method, self.slots, self.chunk, self.impl = engine, method, slots, chunk, impl
@@ -127,7 +225,14 @@ class Scheduler:
         self.eos_ids = frozenset(engine.config.eos_token_ids)
         self._admissions = itertools.count()
         self._tables_changed = True
-        self.counters = collections.Counter()  # requests, finished, tokens, prompt_tokens, steps, preemptions
+        self.prefix_cache, self.prefix_snapshots, self.detokenize = prefix_cache, prefix_snapshots, detokenize
+        self.reuse_unit = math.lcm(method.page_size, chunk)  # a prefix is reused up to a multiple of this
+        layout = method.layout
+        self._streaming = any(n < layout.num_kv_heads for n in layout.num_retrieval) and layout.streaming_slots > 0
+        self.snapshots: collections.OrderedDict[bytes, object] = collections.OrderedDict()  # digest -> rows
+        self.cancelled: queue.Queue[Request] = queue.Queue()
+        # requests, finished, cancelled, tokens, prompt_tokens, prefix_tokens, prefix_hits, steps, preemptions
+        self.counters = collections.Counter()
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -148,6 +253,8 @@ class Scheduler:
         if total > limit:
             raise DuoJaxError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the "
                               f"{limit} tokens a sequence can hold")
+        if request.stop and self.detokenize is None:
+            raise DuoJaxError("stop strings need a tokenizer: build the Scheduler with detokenize=")
         if self._pages(total - 1) > self.pool.num_pages:
             raise DuoJaxError(f"the request needs {self._pages(total - 1)} pages; the pool has "
                               f"{self.pool.num_pages}")
@@ -157,6 +264,11 @@ class Scheduler:
         self.check(request)
         self.inbox.put(request)
         return request
+
+    def cancel(self, request: Request) -> None:
+        """End `request` (thread-safe) before its next step: its pages are freed, `finish_reason` becomes
+        "cancelled" and `on_token(request, None)` is called. Nothing happens if it already finished."""
+        self.cancelled.put(request)
 
     @property
     def idle(self) -> bool:
@@ -175,6 +287,32 @@ class Scheduler:
         self._tables_changed = True
         return slot.request
 
+    def _finish(self, request: Request, reason: str) -> None:
+        """Record the end of a request no longer in a slot or the queue, and tell its caller."""
+        request.finish_reason = reason
+        self.counters["finished"] += 1
+        if request.on_token is not None:
+            request.on_token(request, None)
+        request.done.set()
+
+    def _cancel_requested(self) -> None:
+        while True:
+            try:
+                request = self.cancelled.get_nowait()
+            except queue.Empty:
+                return
+            if request.done.is_set():
+                continue
+            running = [b for b, s in enumerate(self.running) if s and s.request is request]
+            if running:
+                self._release(running[0])
+            elif request in self.queue:
+                self.queue.remove(request)
+            else:
+                continue  # not submitted here
+            self.counters["cancelled"] += 1
+            self._finish(request, "cancelled")
+
     def _preempt_newest(self) -> None:
         b = max((b for b, s in enumerate(self.running) if s), key=lambda b: self.running[b].admitted)
         request = self._release(b)
@@ -189,15 +327,72 @@ class Scheduler:
                 self.counters["requests"] += 1
             except queue.Empty:
                 break
+        self._cancel_requested()
         for b in range(self.slots):
             if not self.queue:
                 return
             if self.running[b] is None:
                 request = self.queue[0]
-                if self._pages(len(request.sequence)) > self.pool.num_free:
+                digests = page_digests(request.prompt, self.method.page_size) if self.prefix_cache else []
+                reused, shared = self._reusable(request, digests)
+                unused = sum(1 for page in shared if self.pool.refs[page] == 0)  # free now, held once shared
+                if self._pages(len(request.sequence)) - len(shared) > self.pool.num_free - unused:
                     return  # first come, first served: wait for pages
                 self.queue.popleft()
-                self.running[b] = _Slot(request, next(self._admissions))
+                self.pool.share(shared)
+                slot = _Slot(request, next(self._admissions), fed=reused, pages=list(shared), digests=digests,
+                             registered=len(shared))
+                self.running[b] = slot
+                if reused:
+                    self.tables[b, :len(shared)] = shared
+                    self.lengths[b] = reused
+                    self._tables_changed = True
+                    self.counters["prefix_hits"] += 1
+                    self.counters["prefix_tokens"] += reused
+                    if self._streaming:
+                        key = digests[len(shared) - 1]
+                        self.snapshots.move_to_end(key)
+                        self._set_streaming(_set_streaming_rows(self._streaming_arrays(), b, self.snapshots[key]))
+
+    def _reusable(self, request: Request, digests: list[bytes]) -> tuple[int, list[int]]:
+        """(tokens of the request's prompt already in the pool, the pages holding them): whole pages, a
+        multiple of `reuse_unit` tokens, at most up to the last token to feed, and (DuoAttention) ending where
+        a streaming snapshot was taken."""
+        limit = min(len(request.prompt), len(request.sequence) - 1) // self.method.page_size
+        pages = []
+        for digest in digests[:limit]:
+            page = self.pool.lookup(digest)
+            if page is None:
+                break
+            pages.append(page)
+        reused = len(pages) * self.method.page_size // self.reuse_unit * self.reuse_unit
+        while reused and self._streaming and digests[reused // self.method.page_size - 1] not in self.snapshots:
+            reused -= self.reuse_unit
+        return reused, pages[: reused // self.method.page_size]
+
+    def _streaming_arrays(self):
+        return tuple((layer.streaming_k, layer.streaming_v) for layer in self.cache.layers)
+
+    def _set_streaming(self, arrays) -> None:
+        self.cache = dataclasses.replace(self.cache, layers=tuple(
+            dataclasses.replace(layer, streaming_k=k, streaming_v=v) for layer, (k, v) in zip(self.cache.layers,
+                                                                                              arrays)))
+
+    def _remember_prefix(self, b: int, fed_before: int) -> None:
+        """Register slot b's prompt pages written so far; snapshot its streaming state at a reuse boundary."""
+        slot, P = self.running[b], self.method.page_size
+        written = min(slot.fed, len(slot.request.prompt)) // P
+        while slot.registered < written:
+            self.pool.register(slot.pages[slot.registered], slot.digests[slot.registered])
+            slot.registered += 1
+        fed = slot.fed
+        if (self._streaming and self.prefix_snapshots and fed_before < fed <= len(slot.request.prompt)
+                and fed % self.reuse_unit == 0):
+            key = slot.digests[fed // P - 1]
+            if key not in self.snapshots:
+                self.snapshots[key] = _streaming_rows(self._streaming_arrays(), b)
+                while len(self.snapshots) > self.prefix_snapshots:
+                    self.snapshots.popitem(last=False)
 
     def _grow(self, b: int, tokens: int) -> bool:
         """Pages for `tokens` tokens in slot b, preempting newer requests while the pool is short; False when
@@ -261,32 +456,37 @@ class Scheduler:
                 ready.append(b)
             if slot.fed <= len(slot.request.prompt):
                 self.counters["prompt_tokens"] += n
+            if self.prefix_cache:
+                self._remember_prefix(b, slot.fed - n)
         self._sample(logits, ready)
         return True
 
     def _sample(self, logits: jax.Array, rows: list[int]) -> None:
+        """Sample rows' next tokens, one call per sampling rule over every slot (a fixed shape: no compile
+        when the batch's make-up changes; rows not in the rule's group are ignored)."""
         by_rule = collections.defaultdict(list)
         for b in rows:
             by_rule[self.running[b].request.sampling].append(b)
         for sampling, group in by_rule.items():
-            requests = [self.running[b].request for b in group]
-            new = _sample_rows(logits[jnp.asarray(group)], jnp.asarray([r.seed for r in requests], jnp.uint32),
-                               jnp.asarray([len(r.tokens) for r in requests], jnp.int32), sampling)
-            for b, request, token in zip(group, requests, np.asarray(new).tolist()):
+            seeds, counts = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.int32)
+            for b in group:
+                seeds[b], counts[b] = self.running[b].request.seed, len(self.running[b].request.tokens)
+            new = np.asarray(_sample_rows(logits, jnp.asarray(seeds), jnp.asarray(counts), sampling))
+            for b in group:
+                request, token = self.running[b].request, int(new[b])
                 request.tokens.append(token)
                 self.counters["tokens"] += 1
-                if request.stop_at_eos and token in self.eos_ids or token in request.stop_ids:
-                    request.finish_reason = "stop"
+                reason = None
+                if (request.stop_at_eos and token in self.eos_ids or token in request.stop_ids
+                        or request.stop and find_stop(self.detokenize(request.tokens), request.stop)[1]):
+                    reason = "stop"
                 elif len(request.tokens) >= request.max_tokens:
-                    request.finish_reason = "length"
+                    reason = "length"
                 if request.on_token is not None:
                     request.on_token(request, token)
-                if request.finish_reason is not None:
+                if reason is not None:
                     self._release(b)
-                    self.counters["finished"] += 1
-                    if request.on_token is not None:
-                        request.on_token(request, None)
-                    request.done.set()
+                    self._finish(request, reason)
 
     def run(self) -> None:
         """Step until every submitted request has finished."""
@@ -305,10 +505,7 @@ class Scheduler:
         except Exception:  # a failed step: end every request (finish_reason "error") rather than leave it waiting
             self._admit()
             for request in [slot.request for slot in self.running if slot] + list(self.queue):
-                request.finish_reason = "error"
-                if request.on_token is not None:
-                    request.on_token(request, None)
-                request.done.set()
+                self._finish(request, "error")
             raise
 
     def pages_in_use(self) -> int:

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over the scheduler (Starlette; run by uvicorn in `duo_jax.serve.__main__`).
 
-  POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p, top_k, seed, stream
+  POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p, top_k, seed, stop, stream
   POST /v1/chat/completions   messages (rendered with the model's chat template), the same options
   GET  /health                {"status": "ok"}
   GET  /metrics               Prometheus text: requests, tokens, steps, preemptions, pages, queue
@@ -10,7 +10,13 @@ handler through an asyncio queue, streamed as server-sent events (`stream: true`
 request gets a 4xx JSON error ({"error": {"message", "type"}}) and changes nothing else. On shutdown the
 server stops taking connections and the responses in flight finish (uvicorn waits for them; the scheduler's
 thread then drains and stops). Options that would change what is generated and that this server does not
-implement (`n` > 1, `stop` strings, `logprobs`, penalties) are refused rather than ignored.
+implement (`n` > 1, `logprobs`, penalties) are refused rather than ignored.
+
+`stop` (a string or a list of up to 4): the scheduler ends the request once its detokenized text contains
+one, and the text returned ends before it. Streamed, a chunk never shows text that could still turn out to
+begin a stop string: a tail that is a prefix of one is held back until the next tokens settle it. A client
+that disconnects (mid-stream, or while waiting for a whole response) cancels its request: the scheduler frees
+its pages before its next step.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from starlette.routing import Route
 from duo_jax.chat import chat_prompts
 from duo_jax.errors import DuoJaxError
 from duo_jax.sampling import Sampling
-from duo_jax.serve.scheduler import Request, Scheduler
+from duo_jax.serve.scheduler import Request, Scheduler, find_stop
 
-UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "best_of", "suffix", "presence_penalty", "frequency_penalty",
+UNSUPPORTED = ("logprobs", "top_logprobs", "best_of", "suffix", "presence_penalty", "frequency_penalty",
                "logit_bias", "tools")
 
 
@@ -65,8 +71,18 @@ def _request_options(body: dict) -> dict:
         raise BadRequest(f"'stream' must be true or false, got {stream!r}")
     sampling = Sampling(_number(body, "temperature", float, 1.0), _number(body, "top_p", float, 1.0),
                         _number(body, "top_k", int, 0))
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
+        raise BadRequest("'stop' must be a non-empty string or a list of at most 4 of them")
     return dict(max_tokens=_number(body, "max_tokens", int, 16), sampling=sampling,
-                seed=_number(body, "seed", int, 0) % (1 << 32), stream=stream)
+                seed=_number(body, "seed", int, 0) % (1 << 32), stop=tuple(stop), stream=stream)
+
+
+def held_back(text: str, stops) -> int:
+    """How many characters at the end of `text` could begin one of `stops` (not to be shown yet)."""
+    return max((k for stop in stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
+                if text.endswith(stop[:k])), default=0)
 
 
 class Server:
@@ -112,6 +128,9 @@ class Server:
              c["prompt_tokens"]),
             ("steps_total", "counter", "compiled steps run", c["steps"]),
             ("preemptions_total", "counter", "requests preempted for pages", c["preemptions"]),
+            ("cancelled_total", "counter", "requests cancelled (client gone)", c["cancelled"]),
+            ("prefix_reused_tokens_total", "counter", "prompt tokens not prefilled: shared prefix pages",
+             c["prefix_tokens"]),
             ("requests_running", "gauge", "requests in a slot", sum(1 for slot in s.running if slot)),
             ("requests_queued", "gauge", "requests waiting for a slot or pages", len(s.queue) + s.inbox.qsize()),
             ("pages_in_use", "gauge", "KV pages held by requests", s.pages_in_use()),
@@ -154,12 +173,36 @@ class Server:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{job.id}"
         if stream:
             return StreamingResponse(self._events(job, tokens, ident, chat), media_type="text/event-stream")
-        while await tokens.get() is not None:
-            pass
-        text = self._decode(job.tokens)
+        if not await self._collect(http, job, tokens):
+            return _error("the client disconnected", 499, "cancelled")
+        text = self._text(job)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
                   else {"index": 0, "text": text, "logprobs": None})
         return JSONResponse(self._envelope(ident, chat, dict(choice, finish_reason=job.finish_reason), job))
+
+    async def _collect(self, http: HttpRequest, job: Request, tokens: asyncio.Queue) -> bool:
+        """Wait for the end of `job`; False (and the job cancelled) if the client disconnects first."""
+        async def disconnected():
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            while True:
+                token = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({token, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not token.done():
+                    token.cancel()
+                    self.scheduler.cancel(job)
+                    return False
+                if token.result() is None:
+                    return True
+        finally:
+            gone.cancel()
+
+    def _text(self, job: Request) -> str:
+        """The text of the job's tokens, ending before its first stop string."""
+        return find_stop(self._decode(job.tokens), job.stop)[0]
 
     def _prompt(self, body: dict, chat: bool) -> list[int]:
         if chat:
@@ -192,19 +235,27 @@ class Server:
 
     async def _events(self, job: Request, tokens: asyncio.Queue, ident: str, chat: bool):
         """Server-sent events: each chunk the text the new tokens add (held back while it ends inside a
-        multi-byte character), then a chunk with the finish reason, then [DONE]."""
+        multi-byte character or could begin a stop string), then a chunk with the finish reason, then [DONE].
+        If the client goes away (the response task is cancelled, or the generator closed), the job is
+        cancelled."""
         sent, ids = "", []
-        if chat:
-            yield self._event(ident, chat, {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
-        while (token := await tokens.get()) is not None:
-            ids.append(token)
-            text = self._decode(ids)
-            if text.endswith("\ufffd") or len(text) <= len(sent):
-                continue
-            delta, sent = text[len(sent):], text
-            yield self._event(ident, chat, {"index": 0, "delta": {"content": delta}, "finish_reason": None} if chat
-                              else {"index": 0, "text": delta, "logprobs": None, "finish_reason": None})
-        text = self._decode(job.tokens)
+        try:
+            if chat:
+                yield self._event(ident, chat, {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
+            while (token := await tokens.get()) is not None:
+                ids.append(token)
+                text, stopped = find_stop(self._decode(ids), job.stop)
+                if not stopped:
+                    text = text[:len(text) - held_back(text, job.stop)]
+                if text.endswith("\ufffd") or len(text) <= len(sent) or not text.startswith(sent):
+                    continue
+                delta, sent = text[len(sent):], text
+                yield self._event(ident, chat, {"index": 0, "delta": {"content": delta}, "finish_reason": None}
+                                  if chat else {"index": 0, "text": delta, "logprobs": None, "finish_reason": None})
+        finally:
+            if not job.done.is_set():
+                self.scheduler.cancel(job)
+        text = self._text(job)
         rest = text[len(sent):] if text.startswith(sent) else ""
         last = ({"index": 0, "delta": {"content": rest} if rest else {}, "finish_reason": job.finish_reason} if chat
                 else {"index": 0, "text": rest, "logprobs": None, "finish_reason": job.finish_reason})
