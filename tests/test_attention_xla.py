@@ -124,3 +124,15 @@ def test_temp_memory_does_not_grow_with_capacity():
 def test_mask_spec_rejects_half_a_lambda():
     with pytest.raises(ValueError, match="both sink and recent"):
         MaskSpec(jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), sink=4)
+
+
+def test_key_blocks_are_balanced():
+    """576 keys (DuoAttention's sink 64 + recent 256 + a 256-token chunk) are two blocks of 288, not 512 + a
+    512 shifted back over the first (1024 slots scored); a capacity that 512 divides keeps 512."""
+    assert xla.balanced_block(576, 512) == 288
+    assert xla.balanced_block(8192, 512) == 512
+    assert xla.balanced_block(1152, 512) == 384
+    assert xla.balanced_block(5, 512) == 5
+    for S in range(1, 700, 37):
+        block = xla.balanced_block(S, 64)
+        assert block <= max(S, 64) and -(-S // block) * block < S + 8 * -(-S // 64)

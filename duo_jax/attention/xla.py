@@ -86,6 +86,14 @@ def _tile(spec: MaskSpec, q_pos, k, v, i, ranges, block_k: int):
     return first, k_tile, v_tile, visible
 
 
+def balanced_block(num_keys: int, block_k: int) -> int:
+    """The key block for `num_keys` slots: as many blocks as `block_k` needs, of equal size (rounded up to 8).
+    A plain min(block_k, S) made DuoAttention's streaming keys (sink + recent + chunk = 576 slots) two blocks of
+    512, the second shifted back over the first: 1024 slots scored for 576."""
+    blocks = _cdiv(num_keys, block_k)
+    return min(num_keys, _cdiv(_cdiv(num_keys, blocks), 8) * 8)
+
+
 def _trip_count(ranges):
     a1, b1, a2, b2 = ranges
     return jnp.maximum(b1 - a1, 0) + jnp.maximum(b2 - a2, 0)
@@ -203,13 +211,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, scale
     """q [B, T, H, E], k / v [B, S, K, E] (H = K * G, query head h uses KV head h // G) -> [B, T, H, E].
 
     Visits only the key blocks `spec` can see among the first max(kv_len) slots; rows with no visible
-    key give zeros. Differentiable in q, k and v; k / v may be `QuantizedKV` (not differentiable then),
+    key give zeros. Key blocks are at most `block_k` slots, all of one size (`balanced_block`). Differentiable in q, k and v; k / v may be `QuantizedKV` (not differentiable then),
     dequantized one key tile at a time.
     """
     B, T, H, E = q.shape
     S, K = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    block_k = min(block_k, S)
+    block_k = balanced_block(S, block_k)
     block_q = min(block_q, T)
     q = q.reshape(B, T, K, H // K, E)
     if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):  # a quantized cache: inference only
@@ -227,6 +235,7 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec,
     S, K = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     block_q = min(block_q, T)
-    out, residuals = _attention_fwd(q.reshape(B, T, K, H // K, E), k, v, spec, scale, block_q, min(block_k, S))
+    out, residuals = _attention_fwd(q.reshape(B, T, K, H // K, E), k, v, spec, scale, block_q,
+                                    balanced_block(S, block_k))
     lse = jnp.transpose(residuals[-1], (1, 0, 4, 2, 3))  # [nq, B, K, G, block_q] -> [B, nq, block_q, K, G]
     return out.reshape(B, T, H, E), lse.reshape(B, -1, H)[:, :T]

@@ -157,3 +157,38 @@ def write_slots(cache, slots: jax.Array, new: jax.Array):
         return write(cache, slots, new)
     bits = jax.lax.bitcast_convert_type
     return bits(write(bits(cache, jnp.uint16), slots, bits(new, jnp.uint16)), cache.dtype)
+
+
+def write_run(cache, start: jax.Array, new: jax.Array, n_valid: jax.Array):
+    """cache [B, S, N, E] with new[b, :n_valid[b]] [B, T, N, E] written at slots start[b], start[b] + 1, ...:
+    `write_slots` for slots that follow each other (a contiguous cache's positions), the other slots untouched
+    and slots past S dropped alike.
+
+    Each sequence reads the T-slot window it writes into, merges the new tokens in, and writes the window back
+    with a `dynamic_update_slice`, which XLA updates in place whatever the dtype; XLA:CPU's bf16 scatter (even
+    as uint16 bits) made a cache-sized copy per layer (measured: temp memory growing with the capacity).
+    Needs T <= S (else `write_slots`)."""
+    if isinstance(cache, QuantizedKV):
+        new = as_stored(new, cache)
+        return jax.tree.map(lambda c, n: write_run(c, start, n, n_valid), cache, new)
+    B, T = new.shape[:2]
+    S = cache.shape[1]
+    if T > S:
+        slots = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+        return write_slots(cache, jnp.where(jnp.arange(T)[None, :] < n_valid[:, None], slots, S), new)
+    new = new.astype(cache.dtype)
+    half = cache.dtype.itemsize == 2 and jnp.issubdtype(cache.dtype, jnp.floating)
+    bits = jax.lax.bitcast_convert_type
+    first = jnp.clip(start, 0, S - T)  # the window [first, first + T) stays in bounds and holds slot start
+    tail = (0,) * (cache.ndim - 2)
+    for b in range(B):  # one in-place update per sequence (a vmapped one would be a scatter again)
+        j = first[b] + jnp.arange(T, dtype=jnp.int32) - start[b]  # index into new of each window slot
+        take = ((j >= 0) & (j < n_valid[b])).reshape((T,) + (1,) * (cache.ndim - 2))
+        old = jax.lax.dynamic_slice(cache, (b, first[b]) + tail, (1, T) + cache.shape[2:])[0]
+        fresh = jnp.take(new[b], jnp.clip(j, 0, T - 1), axis=0)
+        if half:  # merged as bits: XLA:CPU would compute a 16-bit float select in f32 over the whole cache
+            window = bits(jnp.where(take, bits(fresh, jnp.uint16), bits(old, jnp.uint16)), cache.dtype)
+        else:
+            window = jnp.where(take, fresh, old)
+        cache = jax.lax.dynamic_update_slice(cache, window[None], (b, first[b]) + tail)
+    return cache

@@ -27,7 +27,7 @@ from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, ini
                            round_capacity, streaming_slot_positions, streaming_write_slots)
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, concat_slots, write_slots
+from duo_jax.methods.base import Method, Step, concat_slots, write_run, write_slots
 from duo_jax.methods.registry import register
 from duo_jax.model import apply_rope
 from duo_jax.pattern import Pattern
@@ -169,8 +169,13 @@ class DuoAttention(Method):
         if step.mesh is not None and kr.shape[2]:
             out_r, rk, rv = sharded_retrieval_attention(qr, kr, vr, cache.retrieval_k, cache.retrieval_v, step)
         else:
-            rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
-            rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
+            if step.mesh is None:  # slot = position, and a step's positions follow each other: written in place
+                n_valid = step.new_lengths - step.lengths
+                rk = write_run(cache.retrieval_k, step.lengths, kr, n_valid)
+                rv = write_run(cache.retrieval_v, step.lengths, vr, n_valid)
+            else:
+                rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
+                rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
             out_r = retrieval_attention(qr, rk, rv, step) if kr.shape[2] else qr
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
         out = merge_heads(self.layout, layer, out_r, out_s)
