@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for every Llama / Mistral variant duo-jax runs.
+"""Model configuration: one frozen dataclass for every Llama / Mistral / Qwen variant duo-jax runs.
 
 `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json` (both the published
 `rope_theta` / `rope_scaling` keys and transformers 5's `rope_parameters`). Named configs live in the
@@ -47,7 +47,11 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # Mistral v0.1 style local attention; None for v0.2 / v0.3
+    sliding_window: int | None = None  # local attention: query p sees keys p - window < j <= p (None: causal)
+    # The layers the window applies to, ascending; None: every layer (Mistral v0.1). Qwen2 / Qwen3 with
+    # use_sliding_window window only layers >= max_window_layers (or those `layer_types` marks). Read the
+    # window of a layer with `layer_window`; `window_runs` groups consecutive layers that share one.
+    window_layers: tuple[int, ...] | None = None
     qkv_bias: bool = False  # biases on the q / k / v projections (Qwen2, Qwen2.5; Qwen3 with attention_bias)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     bos_token_id: int | None = None
@@ -69,6 +73,38 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.window_layers is not None:
+            layers = tuple(self.window_layers)
+            if any(not isinstance(l, int) or isinstance(l, bool) for l in layers) or list(layers) != sorted(set(layers)) \
+                    or not layers or not 0 <= layers[0] <= layers[-1] < self.num_layers:
+                raise ConfigError(f"window_layers must be distinct ascending layer indices in [0, {self.num_layers}), "
+                                  f"at least one, got {self.window_layers!r}")
+            # canonical: no window means no windowed layers, and every layer is None (equal configs compare equal)
+            if self.sliding_window is None or len(layers) == self.num_layers:
+                layers = None
+            object.__setattr__(self, "window_layers", layers)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None where it attends causally to every earlier token."""
+        if self.window_layers is None or layer in self.window_layers:
+            return self.sliding_window
+        return None
+
+    def window_runs(self) -> tuple[tuple[int, int, int | None], ...]:
+        """Consecutive layers sharing a window, as (first, stop, window) covering layers 0 .. L-1 in order: one
+        run for most models, two for Qwen's max_window_layers rule. Scanned paths run one `lax.scan` per run,
+        so that each run's window is a static part of its mask spec."""
+        runs: list[tuple[int, int, int | None]] = []
+        for layer in range(self.num_layers):
+            window = self.layer_window(layer)
+            if runs and runs[-1][2] == window:
+                runs[-1] = (runs[-1][0], layer + 1, window)
+            else:
+                runs.append((layer, layer + 1, window))
+        return tuple(runs)
 
     @property
     def group_size(self) -> int:
@@ -89,8 +125,9 @@ class ModelConfig:
         if hf.get("mlp_bias") or (hf.get("attention_bias") and model_type in ("llama", "mistral")):
             raise ConfigError("mlp_bias and Llama's attention_bias (a bias on o_proj too) are not supported; "
                               "q/k/v biases are (Qwen2, Qwen3)")
+        window_layers = None
         if model_type in ("qwen2", "qwen3"):
-            hf = dict(hf, sliding_window=_qwen_window(hf))
+            hf, window_layers = _qwen_windows(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU)")
         try:
@@ -116,6 +153,7 @@ class ModelConfig:
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 sliding_window=hf.get("sliding_window"),
+                window_layers=window_layers,
                 qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
                 qk_norm=model_type == "qwen3",
                 bos_token_id=hf.get("bos_token_id"),
@@ -130,18 +168,32 @@ class ModelConfig:
             raise ConfigError(f"config.json has a value of the wrong type ({e})") from None
 
 
-def _qwen_window(hf: dict[str, Any]) -> int | None:
-    """Qwen's window: `sliding_window` applies to the layers `layer_types` marks (transformers 5) or, in older
-    configs, to layers >= max_window_layers when use_sliding_window. One window for every layer or none."""
-    layers = hf.get("num_hidden_layers", 0)
+def _qwen_windows(hf: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...] | None]:
+    """Qwen2 / Qwen3's windows as transformers 5 reads them (`Qwen2Config.__post_init__`): the window is
+    `sliding_window` when `use_sliding_window` (default false), else there is none; it applies to the layers
+    `layer_types` marks "sliding_attention", or without `layer_types` (older configs) to the layers
+    >= `max_window_layers` (default 28). Returns (hf with the effective `sliding_window`, the windowed layers)."""
+    layers = hf.get("num_hidden_layers")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    if not isinstance(layers, int):
+        return dict(hf, sliding_window=window), None  # from_hf reports the missing or mistyped layer count
     kinds = hf.get("layer_types")
     if kinds is None:
-        first = hf.get("max_window_layers", 0) if hf.get("use_sliding_window") else layers
-        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if len(set(kinds)) > 1:
-        raise ConfigError("a sliding window on some layers only (use_sliding_window with max_window_layers, or "
-                          "mixed layer_types) is not supported; set use_sliding_window to false")
-    return hf.get("sliding_window") if kinds and kinds[0] == "sliding_attention" else None
+        first = hf.get("max_window_layers", 28)
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise ConfigError(f"max_window_layers must be an integer, got {first!r}")
+        kinds = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(layers)]
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != layers \
+            or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"layer_types must list 'full_attention' or 'sliding_attention' for each of the "
+                          f"{layers} layers, got {kinds!r}")
+    windowed = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    if windowed and window is None:
+        raise ConfigError("layer_types marks sliding-attention layers but the config has no window "
+                          "(use_sliding_window is false or sliding_window is null); transformers cannot run it "
+                          "either: set use_sliding_window and sliding_window, or mark every layer full_attention")
+    return dict(hf, sliding_window=window if windowed else None), windowed or None
 
 
 def _read_rope(hf: dict[str, Any]) -> dict[str, Any]:

@@ -81,7 +81,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     step = Step(positions=lengths[:, None] + jnp.arange(T, dtype=jnp.int32),
                 valid=jnp.arange(T)[None, :] < n_valid[:, None],
                 lengths=lengths, new_lengths=lengths + n_valid, inv_freq=rope_inv_freq(config), impl=impl,
-                sliding_window=config.sliding_window, state=state, mesh=mesh)
+                state=state, mesh=mesh)
     shared = method.begin_step(step)
 
     x = embed(params, tokens)  # [B, T, D]
@@ -97,7 +97,8 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
             inputs.append(h)
             if mesh is not None:  # heads stay where the tensor-parallel projections put them (see sharding)
                 q, k, v = (sharding.split_heads_over_model(a, mesh) for a in (q, k, v))
-            out, layer_cache = method.attend(l, q, k, v, layer_caches[l], step, shared, **extra)
+            layer_step = dataclasses.replace(step, sliding_window=config.layer_window(l))  # this layer's window
+            out, layer_cache = method.attend(l, q, k, v, layer_caches[l], layer_step, shared, **extra)
             return (out if mesh is None else sharding.split_heads_over_model(out, mesh)), layer_cache
 
         x, layer_cache = decoder_layer(x, layer, config, attend)

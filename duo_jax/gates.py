@@ -5,7 +5,9 @@ layer's per-head attention output, before the output projection, is
 
     attn = alpha * full_attn + (1 - alpha) * streaming_attn
 
-where `streaming_attn` uses the Λ mask (query t sees key s iff s <= t and (s < sink or t - s < recent)).
+where `streaming_attn` uses the Λ mask (query t sees key s iff s <= t and (s < sink or t - s < recent)). On
+a model with a sliding window both branches keep the layer's window too (t - s < window: the teacher is the
+model itself, and a streaming head never sees what the model cannot), as the engine's `full` and `duo` do.
 With GQA a gate covers its KV head's whole group of query heads. The loss is
 
     L = sum_{supervised t} mean_D (teacher_t - student_t)^2 / #supervised  +  reg_weight * mean |alpha|
@@ -31,8 +33,9 @@ original implementation does), rather than the student's own full attention over
 The two readings differ only once some upstream gate is below 1 (the student's residual stream then
 differs from the teacher's, and the paper's reading would feed the student's own full attention with it).
 
-Both models run in one `lax.scan` over the stacked layers with the gates [L, K] scanned alongside, each
-through `duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
+Both models run in one `lax.scan` over the stacked layers (one per run of layers sharing a sliding window,
+`duo_jax.model.scan_layers`) with the gates [L, K] scanned alongside, each through
+`duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
 `duo_jax.attention` (Pallas kernels on GPU; on TPU splash attention, or our own Mosaic kernel where a
 sequence shard's query offset is traced; the blocked XLA path elsewhere). `distill_terms` takes optional
 hooks: the sharded trainer (`duo_jax.training`) wraps the two attention functions for sequence parallelism
@@ -45,6 +48,7 @@ G query heads per KV head, E head_dim, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -53,7 +57,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from duo_jax import attention
 from duo_jax.config import ModelConfig
-from duo_jax.model import LayerParams, Params, apply_rope, decoder_layer, embed, rms_norm, rope_inv_freq
+from duo_jax.model import (LayerParams, Params, apply_rope, decoder_layer, embed, rms_norm, rope_inv_freq,
+                           scan_layers)
 
 # q [B, T, H, E], k / v [B, T, K, E] -> [B, T, H, E]
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -75,14 +80,18 @@ class Objective:
     reg_weight: float = 0.05
     impl: attention.Impl = "auto"
 
-    def full_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0) -> jax.Array:
-        """Causal attention; query i sits at position q_offset + i of the keys (a sequence shard's offset)."""
-        return attention.flash_attention(q, k, v, causal=True, q_offset=q_offset, impl=self.impl)
+    def full_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
+                       window: int | None = None) -> jax.Array:
+        """Causal attention (within the layer's sliding `window`, the model's); query i sits at position
+        q_offset + i of the keys (a sequence shard's offset)."""
+        return attention.flash_attention(q, k, v, causal=True, q_offset=q_offset, window=window, impl=self.impl)
 
-    def streaming_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0) -> jax.Array:
-        """Λ attention; query i sits at position q_offset + i of the keys."""
+    def streaming_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
+                            window: int | None = None) -> jax.Array:
+        """Λ attention (and the layer's sliding `window`: a sink further back than it is not seen, as in the
+        engine's streaming heads); query i sits at position q_offset + i of the keys."""
         return attention.lambda_attention(q, k, v, sink=self.sink, recent=self.recent, q_offset=q_offset,
-                                          impl=self.impl)
+                                          window=window, impl=self.impl)
 
 
 @jax.tree_util.register_dataclass
@@ -124,17 +133,18 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
                          f"got {gates.shape}")
     inv_freq = rope_inv_freq(config)
     eps = config.rms_norm_eps
-    full_attention = wrap_attention(objective.full_attention)
-    streaming_attention = wrap_attention(objective.streaming_attention)
 
     def rotate(q, k):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-    def teacher_attend(q, k, v, h):  # the frozen model with full attention everywhere
-        full = checkpoint_name(full_attention(*rotate(q, k), v), REMAT_SAVED)  # [B, T, H, E]
-        return full, full
+    def layer_step(carry, inputs, window):
+        full_attention = wrap_attention(functools.partial(objective.full_attention, window=window))
+        streaming_attention = wrap_attention(functools.partial(objective.streaming_attention, window=window))
 
-    def layer_step(carry, inputs):
+        def teacher_attend(q, k, v, h):  # the frozen model with full attention everywhere
+            full = checkpoint_name(full_attention(*rotate(q, k), v), REMAT_SAVED)  # [B, T, H, E]
+            return full, full
+
         x_teacher, x_student = carry  # [B, T, D] each
         layer, gate = inputs  # LayerParams of one layer, gate [K]
         layer = layer_weights(layer)  # inside the rematerialised body: gathered again, never saved
@@ -150,9 +160,12 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
         x_student, _ = decoder_layer(x_student, layer, config, student_attend)
         return (x_teacher, x_student), None
 
-    layer_step = jax.checkpoint(layer_step, policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED))
+    def make_body(window):  # the layers of one window run (`scan_layers`), their body rematerialised
+        return jax.checkpoint(functools.partial(layer_step, window=window),
+                              policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED))
+
     x = embed_tokens(params, tokens)  # [B, T, D]
-    (x_teacher, x_student), _ = jax.lax.scan(layer_step, (x, x), (params.layers, gates))
+    (x_teacher, x_student), _ = scan_layers(make_body, (x, x), config, (params.layers, gates))
     return rms_norm(x_teacher, params.final_norm, eps), rms_norm(x_student, params.final_norm, eps)
 
 

@@ -53,7 +53,7 @@ from duo_jax.data import CALIBRATION_HAYSTACK, DataError, encode, haystack_token
 from duo_jax.data.niah import NEEDLE, NEEDLE_TEMPLATE, QUESTION
 from duo_jax.errors import DuoJaxError
 from duo_jax.attention import masked_softmax
-from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq, unembed
+from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq, scan_layers, unembed
 from duo_jax.pattern import Pattern
 
 SCORES_KIND = "headkv_head_scores"  # config.json "kind" of a saved score grid
@@ -122,24 +122,31 @@ def prompt_scores(params: Params, tokens: jax.Array, start, end, *, config: Mode
     span [start, end) in the prompt -> (scores float32 [L, H] per query head, predicted int32 [n]: the model's
     own next token at each answer step).
 
-    A dense causal forward over the stacked layers (`lax.scan`, the attention through the dispatch) that also
-    scores the attention probabilities of the n answer-step queries."""
+    A dense causal forward over the stacked layers (`lax.scan`, the attention through the dispatch; within each
+    layer's sliding window on a model that has one) that also scores the attention probabilities of the n
+    answer-step queries."""
     T = tokens.shape[1]
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     steps = T - 1 - n + jnp.arange(n)  # positions of the queries that predict the answer tokens
-    visible = jnp.arange(T)[None, :] <= steps[:, None]  # [n, T]
+    keys = jnp.arange(T)[None, :]
     inv_freq = rope_inv_freq(config)
 
-    def attend(q, k, v, h):  # causal attention, plus the needle score of the answer-step queries
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        K, E = k.shape[2], k.shape[3]
-        answer_q = q[0, T - 1 - n: T - 1].reshape(n, K, -1, E)  # [n, K, G, E]
-        scores = jnp.einsum("nkge,ske->kgns", answer_q, k[0], preferred_element_type=jnp.float32) / math.sqrt(E)
-        needle = needle_attention_score(masked_softmax(scores, visible), start, end).reshape(-1)  # [H]
-        return attention.flash_attention(q, k, v, causal=True, impl=impl), needle
+    def make_body(window):  # the layers of one sliding-window run (`scan_layers`)
+        visible = keys <= steps[:, None]  # [n, T]
+        if window is not None:
+            visible = visible & (steps[:, None] - keys < window)
 
-    x, scores = jax.lax.scan(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
-                             params.layers)
+        def attend(q, k, v, h):  # causal attention, plus the needle score of the answer-step queries
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            K, E = k.shape[2], k.shape[3]
+            answer_q = q[0, T - 1 - n: T - 1].reshape(n, K, -1, E)  # [n, K, G, E]
+            scores = jnp.einsum("nkge,ske->kgns", answer_q, k[0], preferred_element_type=jnp.float32) / math.sqrt(E)
+            needle = needle_attention_score(masked_softmax(scores, visible), start, end).reshape(-1)  # [H]
+            return attention.flash_attention(q, k, v, causal=True, window=window, impl=impl), needle
+
+        return lambda x, layer: decoder_layer(x, layer, config, attend)
+
+    x, scores = scan_layers(make_body, embed(params, tokens), config, params.layers)
     logits = unembed(params, config, x[:, T - 1 - n: T - 1])  # [1, n, V]
     return scores, jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
 

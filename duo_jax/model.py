@@ -1,10 +1,11 @@
-"""The Llama / Mistral decoder as pure functions over a parameter pytree.
+"""The Llama / Mistral / Qwen decoder as pure functions over a parameter pytree.
 
-One model covers Llama 2 / 3 / 3.1, Mistral and SmolLM2: the differences are config switches (GQA vs MHA,
-RoPE scaling, tied embeddings, sliding window). Layers are stacked on a leading axis and run under
-`lax.scan`. `decoder_layer` is the one layer body every path runs (with its own attention passed in);
-`forward` is full causal attention, tested against Hugging Face transformers, and the reference every
-cached path is tested against.
+One model covers Llama 2 / 3 / 3.1 / 3.2, Mistral, Qwen2 / Qwen3 and SmolLM2: the differences are config
+switches (GQA vs MHA, RoPE scaling, tied embeddings, q/k/v biases, q/k norms, a sliding window on every
+layer or on some). Layers are stacked on a leading axis and run under `lax.scan` (`scan_layers`: one scan
+per run of layers sharing a window). `decoder_layer` is the one layer body every path runs (with its own
+attention passed in); `forward` is full causal attention, tested against Hugging Face transformers, and the
+reference every cached path is tested against.
 
 Dimension letters used in einsum strings and shape comments:
   B batch, T query positions, S key positions, D model width (hidden_size), F MLP width,
@@ -263,25 +264,48 @@ def decoder_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, attend:
     return x, aux
 
 
+def scan_layers(make_body: Callable[[int | None], Callable], carry, config: ModelConfig, xs):
+    """`lax.scan` over the stacked layers with the layers' sliding windows static: one scan per run of
+    consecutive layers sharing a window (`ModelConfig.window_runs`; one run unless the model windows some
+    layers only), `make_body(window)` giving the scanned function of a run. `xs` is scanned alongside: a pytree
+    of arrays with the layer axis first (the stacked `LayerParams`, with gates or anything else). Returns
+    (carry, the scan's outputs with the runs' concatenated on the layer axis)."""
+    runs = config.window_runs()
+    outputs = []
+    for first, stop, window in runs:
+        part = xs if len(runs) == 1 else jax.tree.map(lambda a: a[first:stop], xs)
+        carry, ys = jax.lax.scan(make_body(window), carry, part)
+        outputs.append(ys)
+    if len(outputs) == 1:
+        return carry, outputs[0]
+    return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *outputs)
+
+
 def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
                   positions: jax.Array | None = None) -> jax.Array:
     """Residual stream after the last layer, before the final norm: tokens int32 [B, T] -> [B, T, D].
 
-    Query t sees keys s <= t (within `config.sliding_window` when set), by position order in the sequence."""
+    Query t sees keys s <= t (within the layer's sliding window, `config.layer_window`), by position order
+    in the sequence."""
     B, T = tokens.shape
-    if positions is None:  # contiguous: the attention skips the key blocks past each query block
+    contiguous = positions is None  # then the attention skips the key blocks past each query block
+    if contiguous:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        spec = attention.prefix_spec(B, T, num_keys=T, window=config.sliding_window)
-    else:
-        spec = attention.MaskSpec(positions, jnp.full((B,), T, jnp.int32), positions, window=config.sliding_window)
     inv_freq = rope_inv_freq(config)
 
-    def attend(q, k, v, h):
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        return attention.attend(q, k, v, spec), None
+    def make_body(window):
+        if contiguous:
+            spec = attention.prefix_spec(B, T, num_keys=T, window=window)
+        else:
+            spec = attention.MaskSpec(positions, jnp.full((B,), T, jnp.int32), positions, window=window)
 
-    x, _ = jax.lax.scan(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
-                        params.layers)
+        def attend(q, k, v, h):
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            return attention.attend(q, k, v, spec), None
+
+        return lambda x, layer: decoder_layer(x, layer, config, attend)
+
+    x, _ = scan_layers(make_body, embed(params, tokens), config, params.layers)
     return x
 
 

@@ -489,8 +489,6 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     from tqdm.auto import tqdm
 
     out = Path(out)
-    if config.sliding_window is not None:
-        raise TrainingError("gate training does not support sliding-window attention models")
     check_mesh(mesh, cfg.batch_size)
     stream, cfg, note = sample_stream(tokenizer, cfg)
     if note:

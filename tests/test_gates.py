@@ -17,6 +17,7 @@ SINK, RECENT, T = 4, 8, 40
 OBJECTIVE = gates.Objective(sink=SINK, recent=RECENT)
 # Jitted once per test module (config and objective are static): eager scans are slow.
 hidden_states = jax.jit(gates.gated_hidden_states, static_argnums=(1, 5))
+dense_hidden_states = jax.jit(duo_jax.hidden_states, static_argnums=1)
 loss = jax.jit(gates.loss, static_argnums=(2, 6))
 
 
@@ -29,8 +30,9 @@ def setup():
     return config, params, tokens, positions
 
 
-def lambda_reference(params, config, tokens, positions):
-    """The dense model with every head on the Λ mask, built from an explicit mask: normed [B, T, D]."""
+def lambda_reference(params, config, tokens, positions, windows=None):
+    """The dense model with every head on the Λ mask, built from an explicit mask: normed [B, T, D].
+    windows[l]: layer l's sliding window (i - j < window as well), None for none."""
     i, j = positions[:, :, None], positions[:, None, :]
     mask = (j <= i) & ((j < SINK) | (i - j < RECENT))  # [B, T, S]
     x = embed(params, tokens)
@@ -38,7 +40,9 @@ def lambda_reference(params, config, tokens, positions):
         layer = jax.tree.map(lambda w: w[l], params.layers)
         q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
                                  rope_inv_freq(config))
-        x = x + output_projection(attention_reference(q, k, v, mask), layer)
+        window = None if windows is None else windows[l]
+        layer_mask = mask if window is None else mask & (i - j < window)
+        x = x + output_projection(attention_reference(q, k, v, layer_mask), layer)
         x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
     return rms_norm(x, params.final_norm, config.rms_norm_eps)
 
@@ -47,7 +51,7 @@ def test_all_gates_one_is_the_full_model(setup):
     config, params, tokens, positions = setup
     teacher, student = hidden_states(params, config, gates.init_gates(config), tokens, positions,
                                                  OBJECTIVE)
-    full = rms_norm(duo_jax.hidden_states(params, config, tokens), params.final_norm, config.rms_norm_eps)
+    full = rms_norm(dense_hidden_states(params, config, tokens), params.final_norm, config.rms_norm_eps)
     np.testing.assert_allclose(teacher, full, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(student, teacher)
     value, terms = loss(gates.init_gates(config), params, config, tokens, positions,
@@ -105,7 +109,7 @@ def test_unsupervised_positions_do_not_count(setup):
 def test_bf16_weights_keep_fp32_gates_and_gradients(setup):
     config, params, tokens, positions = setup
     params16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
-    (value, terms), grad = jax.value_and_grad(gates.loss, has_aux=True)(
+    (value, terms), grad = jax.jit(jax.value_and_grad(gates.loss, has_aux=True), static_argnums=(2, 6))(
         gates.init_gates(config, 0.5), params16, config, tokens, positions, jnp.ones(tokens.shape, bool), OBJECTIVE)
     assert grad.dtype == jnp.float32 and value.dtype == jnp.float32
     assert np.isfinite(np.asarray(grad)).all() and float(terms.distill) > 0
@@ -115,3 +119,26 @@ def test_rejects_gates_of_the_wrong_shape(setup):
     config, params, tokens, positions = setup
     with pytest.raises(ValueError, match="gates must have shape"):
         gates.gated_hidden_states(params, config, jnp.ones((3, 2)), tokens, positions, OBJECTIVE)
+
+
+def test_sliding_window_on_some_layers(setup):
+    """A window (shorter than the sequence, and than RECENT) on layer 1 only: the teacher is the model's own
+    forward (tested against transformers in tests/test_sliding_window.py), the student at gates 0 is Λ within
+    each layer's window, and a windowed layer's gate gets its gradient."""
+    _, params, tokens, positions = setup
+    config = tiny_config(sliding_window=6, window_layers=(1,))
+    teacher, student = hidden_states(params, config, gates.init_gates(config), tokens, positions, OBJECTIVE)
+    full = rms_norm(dense_hidden_states(params, config, tokens), params.final_norm, config.rms_norm_eps)
+    np.testing.assert_allclose(teacher, full, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(student, teacher)
+    _, student = hidden_states(params, config, gates.init_gates(config, 0.0), tokens, positions, OBJECTIVE)
+    reference = lambda_reference(params, config, tokens, positions, windows=[None, 6])
+    np.testing.assert_allclose(student, reference, atol=1e-5, rtol=1e-5)
+    supervise = jnp.ones(tokens.shape, bool)
+    value = jax.jit(lambda g: gates.loss(g, params, config, tokens, positions, supervise, OBJECTIVE)[0])
+    alpha = jnp.asarray([[0.7, 0.4], [0.2, 0.9]], jnp.float32)
+    grad, eps = jax.jit(jax.grad(value))(alpha), 1e-3
+    step = jnp.zeros_like(alpha).at[1, 0].set(eps)
+    numeric = (value(alpha + step) - value(alpha - step)) / (2 * eps)
+    assert abs(float(numeric)) > 1e-4
+    np.testing.assert_allclose(grad[1, 0], numeric, rtol=2e-3, atol=1e-6)

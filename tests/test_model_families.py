@@ -9,8 +9,6 @@ import torch
 import transformers
 
 import duo_jax
-from duo_jax.config import ModelConfig
-from duo_jax.errors import ConfigError
 from duo_jax.generation import generate
 from duo_jax.pattern import Pattern
 from tests.test_model import TINY, hf_logits, write_random_hf_model
@@ -65,10 +63,3 @@ def test_generate_matches_transformers_greedy(family):
                    chunk_size=8, stop_at_eos=False)
     assert duo.tokens[0] == expected
 
-
-def test_qwen_per_layer_windows_are_refused():
-    hf = dict(model_type="qwen2", vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=4,
-              num_attention_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=2)
-    with pytest.raises(ConfigError, match="some layers only"):
-        ModelConfig.from_hf(hf)
-    assert ModelConfig.from_hf(dict(hf, max_window_layers=0)).sliding_window == 4  # every layer windowed

@@ -1,6 +1,7 @@
 """The rest of duo-jax on tiny random Qwen models: every KV-cache method generates what transformers generates
-(budgets that keep every token), HeadKV head scores from transformers' own attention maps, and gate training
-through train_gates.py writing a pattern that loads and drives generate."""
+(budgets that keep every token), HeadKV head scores from transformers' own attention maps (also with a sliding
+window on one layer), and gate training through train_gates.py on a Qwen3 with a sliding window on one layer,
+writing a pattern that loads and drives generate."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +24,9 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(TINY, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
                                              head_dim=24, tie_word_embeddings=True, rope_theta=1e6)),
 }
+# Qwen3 with a sliding window shorter than the sequences on layer 1 only (layers >= max_window_layers)
+FAMILIES["qwen3-window"] = (transformers.Qwen3Config, dict(FAMILIES["qwen3"][1], use_sliding_window=True,
+                                                           sliding_window=8, max_window_layers=1))
 NEW_TOKENS = 6
 
 
@@ -77,7 +81,7 @@ def test_head_scores_match_transformers_attention(checkpoints, family):
     steps, the attention of its top-n keys that fall in the answer span, / n."""
     _, hf_model, model = checkpoints[family]
     tokens = np.random.default_rng(8).integers(0, VOCAB, 30)
-    start, end, n = 9, 14, 5
+    start, end, n = 19, 24, 5  # answer steps at 24 .. 28: with a window of 8, the span is partly in sight
     ours, predicted = prompt_scores(model.params, jnp.asarray(tokens[None]), start, end, config=model.config, n=n)
     hf_model.config._attn_implementation = "eager"
     with torch.no_grad():
@@ -96,10 +100,13 @@ def test_head_scores_match_transformers_attention(checkpoints, family):
 
 
 def test_train_gates_on_qwen3_writes_a_pattern_that_drives_generate(checkpoints, tmp_path):
-    directory, hf_model, model = checkpoints["qwen3"]
+    """On the Qwen3 whose layer 1 has a sliding window (8 tokens) shorter than the training sequences (the
+    teacher and the student keep it: tests/test_gates.py); a Λ of 2 sinks + 6 recent tokens within it."""
+    directory, hf_model, model = checkpoints["qwen3-window"]
+    assert model.config.window_runs() == ((0, 1, None), (1, 2, 8))
     out = tmp_path / "run"
     status = train_gates.main(["--model", str(directory), "--out", str(out), "--dtype", "fp32", "--steps", "3",
-                               "--sink", "8", "--recent", "16", "--min-len", "1", "--max-len", "200",
+                               "--sink", "2", "--recent", "6", "--min-len", "1", "--max-len", "200",
                                "--num-lengths", "1", "--num-passkeys", "2", "--passkey-words", "4",
                                "--haystack", str(write_haystack(tmp_path / "hay"))])
     assert status == 0

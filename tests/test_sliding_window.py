@@ -1,8 +1,11 @@
-"""Models with a sliding window (Mistral v0.1 style) through the engine: the same logits and greedy tokens as
-Hugging Face transformers, chunked prefill included; methods that cannot honour the window refuse it."""
+"""Models with a sliding window through the engine: on every layer (Mistral v0.1) and on some layers only
+(Qwen2's use_sliding_window with max_window_layers). The same logits and greedy tokens as Hugging Face
+transformers, chunked prefill included; DuoAttention's streaming heads keep each layer's window; methods that
+cannot honour the window refuse it."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,16 +13,22 @@ import torch
 import transformers
 
 import duo_jax
-from duo_jax.errors import DuoJaxError
+from duo_jax.config import ModelConfig
+from duo_jax.errors import ConfigError, DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import make_method
+from duo_jax.model import embed, mlp, output_projection, rms_norm, rope_inv_freq, unembed
 from duo_jax.pattern import Pattern
-from tests.conftest import run_method
+from pallas_kernels.reference import attention_reference
+from tests.conftest import qkv_projection, run_method
 from tests.test_model import TINY, hf_logits, write_random_hf_model
 
 WINDOW = 8
 FIELDS = dict(TINY, num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
               tie_word_embeddings=False, rope_theta=1e6)
+# Qwen2 with the window on layers >= max_window_layers only: layer 0 attends to everything, layer 1 within WINDOW.
+QWEN_FIELDS = dict(TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6,
+                   use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +47,15 @@ def test_config_reads_the_window(models):
     assert models[1].config.sliding_window == WINDOW
 
 
-@pytest.mark.parametrize("chunk", [5, 29])
-def test_engine_logits_match_transformers(models, prompt, chunk):
+def test_forward_matches_transformers(models, prompt):
     hf_model, model = models
-    method = make_method("full", model.config, context=64)
-    sequence, logits, _, _ = run_method(model.params, model.config, method, prompt, chunk=chunk, decode_steps=6)
-    ref = hf_logits(hf_model, np.asarray([sequence[:-1]]))[0]
+    ref = hf_logits(hf_model, np.asarray([prompt]))[0]
+    ours = np.asarray(duo_jax.forward(model.params, model.config, jnp.asarray([prompt])))[0]
     assert np.abs(ref).max() > 1.0
-    np.testing.assert_array_less(np.abs(logits[: len(ref)] - ref).max(), 1e-4)
+    np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
     # the window matters: without it the logits past the window differ
     unwindowed = duo_jax.forward(model.params, dataclasses.replace(model.config, sliding_window=None),
-                                 jnp.asarray([sequence[:-1]]))
+                                 jnp.asarray([prompt]))
     assert np.abs(np.asarray(unwindowed)[0, WINDOW + 1:] - ref[WINDOW + 1:]).max() > 1e-2
 
 
@@ -61,18 +68,142 @@ def test_generate_matches_transformers_greedy(models, prompt):
     assert out.tokens[0] == hf[0, len(prompt):].tolist()
 
 
-def test_duo_streaming_heads_keep_the_window(models, prompt):
-    """Every head streaming with sink + recent covering the sequence is full attention: the window still applies."""
-    _, model = models
-    pattern = Pattern.full(model.config.num_layers, model.config.num_kv_heads)
-    duo = make_method("duo", model.config, context=64, pattern=pattern, sparsity=1.0, sink=4, recent=60)
-    _, logits, _, _ = run_method(model.params, model.config, duo, prompt, chunk=6, decode_steps=0)
-    ref = np.asarray(duo_jax.forward(model.params, model.config, jnp.asarray([prompt])))[0]
-    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
-
-
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
 def test_methods_without_window_support_refuse(models, prompt, name):
     _, model = models
     with pytest.raises(DuoJaxError, match="sliding window"):
         generate(model, prompt, method=name, kv_budget=40, max_new_tokens=2)
+
+
+# --- a window on some layers only (Qwen2) ---------------------------------------------------------------
+
+
+def hf_layer_windows(config) -> list:
+    """transformers' window of each layer: its config's `sliding_window` where `layer_types` says sliding."""
+    return [config.sliding_window if kind == "sliding_attention" else None for kind in config.layer_types]
+
+
+QWEN_RULES = [  # config.json keys as written by older transformers (no layer_types) and by transformers 5
+    dict(use_sliding_window=True, max_window_layers=1),
+    dict(use_sliding_window=True, max_window_layers=0),  # every layer
+    dict(use_sliding_window=True),  # max_window_layers defaults to 28: no layer of 4
+    dict(use_sliding_window=False, max_window_layers=1),
+    dict(max_window_layers=1),  # use_sliding_window defaults to false
+    dict(use_sliding_window=True, layer_types=["full_attention", "sliding_attention"] * 2),
+    dict(use_sliding_window=True, max_window_layers=3, layer_types=["sliding_attention"] + ["full_attention"] * 3),
+]
+
+
+@pytest.mark.parametrize("config_cls", [transformers.Qwen2Config, transformers.Qwen3Config])
+def test_qwen_layer_windows_read_as_transformers_reads_them(config_cls):
+    base = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=2, sliding_window=4)
+    model_type = config_cls.model_type
+    seen = set()
+    for rule in QWEN_RULES:
+        hf = config_cls(**base, **rule)
+        expected = hf_layer_windows(hf)
+        for raw in (dict(base, model_type=model_type, **rule), hf.to_dict()):  # as given, and as saved
+            ours = ModelConfig.from_hf(raw)
+            assert [ours.layer_window(l) for l in range(4)] == expected, (rule, raw)
+        seen.add(tuple(expected))
+    assert len(seen) == 5  # the rules above differ: none, all, top three, alternating, bottom one
+    with pytest.raises(ConfigError, match="no window"):  # transformers fails too (its cache needs the window)
+        ModelConfig.from_hf(dict(base, model_type=model_type, layer_types=["sliding_attention"] * 4))
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_hf(dict(base, model_type=model_type, use_sliding_window=True, layer_types=["full_attention"]))
+
+
+def test_window_layers_are_checked_and_canonical():
+    config = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=4, num_heads=2,
+                         num_kv_heads=2, head_dim=4, sliding_window=4, window_layers=(1, 3))
+    assert config.window_runs() == ((0, 1, None), (1, 2, 4), (2, 3, None), (3, 4, 4))
+    every = dataclasses.replace(config, window_layers=(0, 1, 2, 3))
+    assert every.window_layers is None and every == dataclasses.replace(config, window_layers=None)
+    assert dataclasses.replace(config, sliding_window=None).window_runs() == ((0, 4, None),)
+    for bad in [(3, 1), (1, 1), (4,), (), (-1,)]:
+        with pytest.raises(ConfigError, match="window_layers"):
+            dataclasses.replace(config, window_layers=bad)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen2-layer-window")
+    hf_model = write_random_hf_model(directory, transformers.Qwen2Config, QWEN_FIELDS)
+    return hf_model, duo_jax.load(directory, dtype=jnp.float32)
+
+
+def test_qwen_layer_window_forward_matches_transformers(qwen):
+    hf_model, model = qwen
+    assert [model.config.layer_window(l) for l in range(2)] == [None, WINDOW]
+    tokens = np.random.default_rng(1).integers(0, TINY["vocab_size"], (2, 40)).astype(np.int32)
+    ref = hf_logits(hf_model, tokens)
+    ours = np.asarray(duo_jax.forward(model.params, model.config, jnp.asarray(tokens)))
+    assert np.abs(ref).max() > 1.0
+    np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
+    # the rule matters: the window on every layer, or on none, gives other logits
+    for other in (dataclasses.replace(model.config, window_layers=None),
+                  dataclasses.replace(model.config, sliding_window=None)):
+        logits = np.asarray(duo_jax.forward(model.params, other, jnp.asarray(tokens)))
+        assert np.abs(logits - ref).max() > 1e-2
+
+
+def test_qwen_layer_window_engine_matches_transformers(qwen):
+    """Chunked prefill + decode through the engine's steps with `full` (duo with every head a retrieval head):
+    every logit within 1e-4 of transformers', greedy tokens those of `model.generate`; and through `generate`
+    (chunked prefill, the device decode loop) with streaming_llm, whose sink + ring (the streaming heads' code)
+    covers the sequence, the same tokens."""
+    hf_model, model = qwen
+    prompt = np.random.default_rng(2).integers(0, TINY["vocab_size"], 29).tolist()
+    with torch.no_grad():
+        hf = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = hf[0, len(prompt):].tolist()
+    method = make_method("full", model.config, context=64)
+    sequence, logits, _, _ = run_method(model.params, model.config, method, prompt, chunk=5, decode_steps=8)
+    assert sequence[len(prompt):] == expected
+    ref = hf_logits(hf_model, np.asarray([sequence[:-1]]))[0]
+    np.testing.assert_array_less(np.abs(logits[: len(ref)] - ref).max(), 1e-4)
+    out = generate(model, prompt, method="streaming_llm", sink=4, recent=64, max_new_tokens=8, chunk_size=7,
+                   stop_at_eos=False)
+    assert out.tokens[0] == expected
+
+
+def duo_reference(params, config, tokens, retrieval, *, sink, recent, windows):
+    """Logits [T, V] of the dense model as DuoAttention runs it one token at a time, from explicit masks:
+    on a retrieval head (retrieval[l, kv_head]) query i sees every key j <= i, on a streaming head the keys
+    j <= i with j < sink or i - j <= recent (the last `recent` tokens before it, and itself); in a windowed
+    layer (windows[l]) only those with i - j < window. Dense jnp attention per mask."""
+    T = len(tokens)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    positions = jnp.arange(T)[None]
+    x = embed(params, jnp.asarray([tokens]))
+    for l, window in enumerate(windows):
+        full = (j <= i) & (True if window is None else i - j < window)
+        streaming = full & ((j < sink) | (i - j <= recent))
+        layer = jax.tree.map(lambda w: w[l], params.layers)
+        q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
+                                 rope_inv_freq(config))
+        out_full, out_streaming = (attention_reference(q, k, v, jnp.asarray(mask)[None]) for mask in (full, streaming))
+        per_head = np.repeat(retrieval[l], config.group_size)[None, None, :, None]  # [1, 1, H, 1]
+        x = x + output_projection(jnp.where(per_head, out_full, out_streaming), layer)
+        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
+    return np.asarray(unembed(params, config, x))[0]
+
+
+def test_duo_heads_keep_each_layers_window(qwen):
+    """DuoAttention one token per step (so each streaming query's keys are exactly Λ's), a retrieval and a
+    streaming head in each layer (layer 1's retrieval head second: heads reordered): the layer's window
+    applies to both kinds, on layer 1 only, and Λ besides on streaming heads."""
+    _, model = qwen
+    prompt = np.random.default_rng(4).integers(0, TINY["vocab_size"], 20).tolist()
+    pattern = Pattern(np.asarray([[0.9, 0.1], [0.2, 0.8]]))
+    retrieval = pattern.retrieval_mask(0.5)
+    assert retrieval.tolist() == [[True, False], [False, True]]
+    duo = make_method("duo", model.config, context=64, pattern=pattern, sparsity=0.5, sink=2, recent=10)
+    _, logits, _, _ = run_method(model.params, model.config, duo, prompt, chunk=1, decode_steps=0)
+    ref = duo_reference(model.params, model.config, prompt, retrieval, sink=2, recent=10, windows=[None, WINDOW])
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
+    unwindowed = duo_reference(model.params, model.config, prompt, retrieval, sink=2, recent=10,
+                               windows=[None, None])
+    assert np.abs(unwindowed - ref).max() > 1e-2  # with recent > window, the window is what hides keys

@@ -119,9 +119,10 @@ padded = training.Batch(np.pad(tokens, ((0, 0), (0, 3))), np.broadcast_to(np.ara
                         np.pad(supervise, ((0, 0), (0, 3))))
 single = jax.jit(jax.value_and_grad(gates.loss, has_aux=True), static_argnums=(2, 6))
 result = {}
-# (config, meshes): 8 KV heads (Ulysses divides them), 2 KV heads (seq=8 needs the all-gather variant)
+# (config, meshes): 8 KV heads (Ulysses divides them), 2 KV heads (seq=8 needs the all-gather variant) with a
+# sliding window of 12 tokens, wider than a sequence shard: the window crosses shards
 cases = {"kv8": (tiny_config(num_heads=16, num_kv_heads=8, head_dim=8), [dict(fsdp=8), dict(data=2, fsdp=2, seq=2)]),
-         "kv2": (tiny_config(), [dict(seq=8)])}
+         "kv2": (tiny_config(sliding_window=12), [dict(seq=8)])}
 for name, (config, meshes) in cases.items():
     params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
     alpha = jnp.asarray(rng.uniform(0.1, 0.9, (config.num_layers, config.num_kv_heads)), jnp.float32)
@@ -158,8 +159,9 @@ print(json.dumps(result))
 
 
 def test_sharded_loss_and_grads_equal_single_device():
-    """FSDP weights (gathered per layer), data and sequence shards (Ulysses, all-gather KV): the loss and gate
-    gradients of one device, to float32 rounding; per-device weight bytes 1/8 on fsdp=8."""
+    """FSDP weights (gathered per layer), data and sequence shards (Ulysses, all-gather KV, the latter with a
+    sliding window): the loss and gate gradients of one device, to float32 rounding; per-device weight bytes
+    1/8 on fsdp=8."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
     run = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=REPO, capture_output=True,

@@ -150,22 +150,24 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset=0, kv_len=None,
-                    scale: float | None = None, impl: Impl = "auto") -> jax.Array:
+                    window: int | None = None, scale: float | None = None, impl: Impl = "auto") -> jax.Array:
     """Dense (causal) attention. q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D].
 
     Query i sits at position q_offset + i (int, int32 scalar or [B]); keys j >= kv_len (None = S, int, int32
-    scalar or [B]) are masked.
+    scalar or [B]) are masked, and with a sliding `window` keys j <= position - window too (the XLA path).
     """
     spec = prefix_spec(q.shape[0], q.shape[1], q_offset=q_offset, kv_len=kv_len, num_keys=k.shape[1],
-                       causal=causal)
+                       causal=causal, window=window)
     return attend(q, k, v, spec, impl=impl, scale=scale)
 
 
 def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int, recent: int, q_offset=0,
-                     scale: float | None = None, impl: Impl = "auto") -> jax.Array:
-    """Streaming heads' attention: position p sees key j iff j <= p and (j < sink or p - j < recent)."""
+                     window: int | None = None, scale: float | None = None, impl: Impl = "auto") -> jax.Array:
+    """Streaming heads' attention: position p sees key j iff j <= p and (j < sink or p - j < recent), and
+    p - j < window with a sliding `window` (the model's; then the XLA path)."""
     pallas_kernels.check_window(sink, recent)
-    spec = prefix_spec(q.shape[0], q.shape[1], q_offset=q_offset, num_keys=k.shape[1], sink=sink, recent=recent)
+    spec = prefix_spec(q.shape[0], q.shape[1], q_offset=q_offset, num_keys=k.shape[1], window=window, sink=sink,
+                       recent=recent)
     return attend(q, k, v, spec, impl=impl, scale=scale)
 
 

@@ -35,7 +35,9 @@ class Step:
     new_lengths: jax.Array  # int32 [B]: lengths + real new tokens
     inv_freq: np.ndarray  # RoPE inverse frequencies [E/2] (static)
     impl: str  # attention implementation for the dispatch (`duo_jax.attention.IMPLS`)
-    sliding_window: int | None = None  # the model's local-attention window (static)
+    # The sliding window of the layer being attended (static; `ModelConfig.layer_window`): the engine hands
+    # each layer's `attend` its own copy of the step with it set, `begin_step` gets the step without one.
+    sliding_window: int | None = None
     state: Any = None  # the method's arrays (`Method.state()`), traced: read them here, never from the method
     mesh: Any = None  # the generation mesh (`duo_jax.sharding.make_generation_mesh`) the step runs on, or None
 

@@ -111,16 +111,16 @@ def _layer_qk(params: Params, config: ModelConfig, tokens) -> list[tuple[np.ndar
     T = tokens.shape[1]
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     inv_freq = rope_inv_freq(config)
-    spec = attention.prefix_spec(1, T, num_keys=T, window=config.sliding_window)
 
-    def attend(q, k, v, h):
+    def attend(q, k, v, h, window):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        return attention.attend(q, k, v, spec), (q[0], k[0])
+        return attention.attend(q, k, v, attention.prefix_spec(1, T, num_keys=T, window=window)), (q[0], k[0])
 
     x = embed(params, tokens)
     out = []
     for l in range(config.num_layers):
-        x, (q, k) = decoder_layer(x, jax.tree.map(lambda w, l=l: w[l], params.layers), config, attend)
+        x, (q, k) = decoder_layer(x, jax.tree.map(lambda w, l=l: w[l], params.layers), config,
+                                  functools.partial(attend, window=config.layer_window(l)))
         out.append((np.asarray(q, np.float32), np.asarray(k, np.float32)))
     return out
 
