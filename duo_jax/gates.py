@@ -31,8 +31,8 @@ original implementation does), rather than the student's own full attention over
 The two readings differ only once some upstream gate is below 1 (the student's residual stream then
 differs from the teacher's, and the paper's reading would feed the student's own full attention with it).
 
-Both models run in one `lax.scan` over the stacked layers with the gates [L, K] scanned alongside, each
-through `duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
+Both models run in one `lax.scan` over the stacked layers with the gates [L, K] scanned alongside (a Python
+loop over per-layer weights: `duo_jax.model.scan_layers`), each through `duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
 `duo_jax.attention` (Pallas kernels on GPU, the blocked XLA path elsewhere). `distill_terms` takes optional
 hooks: the sharded trainer (`duo_jax.training`) wraps the two attention functions for sequence parallelism
 and gathers each layer's FSDP-sharded weights inside the scanned body.
@@ -52,7 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from duo_jax import attention
 from duo_jax.config import ModelConfig
-from duo_jax.model import LayerParams, Params, apply_rope, decoder_layer, embed, rms_norm, rope_inv_freq
+from duo_jax.model import LayerParams, Params, apply_rope, decoder_layer, embed, rms_norm, rope_inv_freq, scan_layers
 
 # q [B, T, H, E], k / v [B, T, K, E] -> [B, T, H, E]
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -132,9 +132,8 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
         full = checkpoint_name(full_attention(*rotate(q, k), v), REMAT_SAVED)  # [B, T, H, E]
         return full, full
 
-    def layer_step(carry, inputs):
+    def layer_step(carry, layer, gate):  # LayerParams of one layer, gate [K]
         x_teacher, x_student = carry  # [B, T, D] each
-        layer, gate = inputs  # LayerParams of one layer, gate [K]
         layer = layer_weights(layer)  # inside the rematerialised body: gathered again, never saved
         x_teacher, full = decoder_layer(x_teacher, layer, config, teacher_attend)
 
@@ -150,7 +149,7 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
 
     layer_step = jax.checkpoint(layer_step, policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED))
     x = embed_tokens(params, tokens)  # [B, T, D]
-    (x_teacher, x_student), _ = jax.lax.scan(layer_step, (x, x), (params.layers, gates))
+    (x_teacher, x_student), _ = scan_layers(layer_step, (x, x), params.layers, gates)
     return rms_norm(x_teacher, params.final_norm, eps), rms_norm(x_student, params.final_norm, eps)
 
 

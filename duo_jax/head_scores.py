@@ -53,7 +53,7 @@ from duo_jax.data import CALIBRATION_HAYSTACK, DataError, encode, haystack_token
 from duo_jax.data.niah import NEEDLE, NEEDLE_TEMPLATE, QUESTION
 from duo_jax.errors import DuoJaxError
 from duo_jax.attention import masked_softmax
-from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq, unembed
+from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq, scan_layers, unembed
 from duo_jax.pattern import Pattern
 
 SCORES_KIND = "headkv_head_scores"  # config.json "kind" of a saved score grid
@@ -122,8 +122,8 @@ def prompt_scores(params: Params, tokens: jax.Array, start, end, *, config: Mode
     span [start, end) in the prompt -> (scores float32 [L, H] per query head, predicted int32 [n]: the model's
     own next token at each answer step).
 
-    A dense causal forward over the stacked layers (`lax.scan`, the attention through the dispatch) that also
-    scores the attention probabilities of the n answer-step queries."""
+    A dense causal forward over the layers (`duo_jax.model.scan_layers`, the attention through the dispatch)
+    that also scores the attention probabilities of the n answer-step queries."""
     T = tokens.shape[1]
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     steps = T - 1 - n + jnp.arange(n)  # positions of the queries that predict the answer tokens
@@ -138,8 +138,8 @@ def prompt_scores(params: Params, tokens: jax.Array, start, end, *, config: Mode
         needle = needle_attention_score(masked_softmax(scores, visible), start, end).reshape(-1)  # [H]
         return attention.flash_attention(q, k, v, causal=True, impl=impl), needle
 
-    x, scores = jax.lax.scan(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
-                             params.layers)
+    x, scores = scan_layers(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
+                            params.layers)
     logits = unembed(params, config, x[:, T - 1 - n: T - 1])  # [1, n, V]
     return scores, jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
 
@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-accuracy", type=float, default=0.5)
     args = parser.parse_args(argv)
     try:
-        model = load(args.model)
+        model = load(args.model, layout="stacked")  # scanned: one compiled layer
         tokenizer = model.tokenizer
         if tokenizer is None:
             raise DuoJaxError(f"{args.model} has no tokenizer; head scoring needs one")

@@ -1,10 +1,15 @@
 """The Llama / Mistral decoder as pure functions over a parameter pytree.
 
 One model covers Llama 2 / 3 / 3.1, Mistral and SmolLM2: the differences are config switches (GQA vs MHA,
-RoPE scaling, tied embeddings, sliding window). Layers are stacked on a leading axis and run under
-`lax.scan`. `decoder_layer` is the one layer body every path runs (with its own attention passed in);
-`forward` is full causal attention, tested against Hugging Face transformers, and the reference every
-cached path is tested against.
+RoPE scaling, tied embeddings, sliding window). `decoder_layer` is the one layer body every path runs (with
+its own attention passed in); `forward` is full causal attention, tested against Hugging Face transformers,
+and the reference every cached path is tested against.
+
+Two layouts of the layers (`LAYOUTS`), chosen when the weights are loaded (`duo_jax.load(..., layout=)`):
+"per_layer" (`Params.layers` a tuple of `LayerParams`, one per layer: what the engine's unrolled steps take;
+the default) and "stacked" (one `LayerParams` whose arrays have a leading layer axis L: what `lax.scan` takes,
+for gate training with its per-layer FSDP gather and the Flax front). `scan_layers` runs a layer body over
+either (a scan, or a Python loop); `stack_layers` / `unstack_layers` convert, which is a copy of the weights.
 
 Dimension letters used in einsum strings and shape comments:
   B batch, T query positions, S key positions, D model width (hidden_size), F MLP width,
@@ -31,7 +36,7 @@ from duo_jax.errors import DuoJaxError
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """Weights of all decoder layers, stacked on a leading layer axis L."""
+    """Weights of decoder layers: all of them stacked on a leading layer axis L, or one layer's (no L axis)."""
 
     attn_norm: jax.Array  # [L, D]
     wq: jax.Array  # [L, D, H, E]
@@ -53,7 +58,7 @@ class LayerParams:
 @dataclasses.dataclass
 class Params:
     embed: jax.Array  # [V, D]
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]  # stacked [L, ...], or one LayerParams per layer (`LAYOUTS`)
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [V, D]; None when the embeddings are tied
 
@@ -62,15 +67,66 @@ class Params:
         return self.embed.dtype
 
 
-# id of a set of weights' stacked query projection -> what was computed from those weights (`weights_memo`).
+LAYOUTS = ("per_layer", "stacked")
+
+
+def layout(params: Params) -> str:
+    """"per_layer" when `params.layers` is a tuple of one `LayerParams` per layer, else "stacked"."""
+    return "per_layer" if isinstance(params.layers, tuple) else "stacked"
+
+
+def check_layout(value: str) -> str:
+    if value not in LAYOUTS:
+        raise DuoJaxError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {value!r}")
+    return value
+
+
+def layer_at(params: Params, l: int) -> LayerParams:
+    """Layer l's weights (a slice of each stacked array: a copy, outside a jitted function)."""
+    if isinstance(params.layers, tuple):
+        return params.layers[l]
+    return jax.tree.map(lambda w: w[l], params.layers)
+
+
+def unstack_layers(params: Params) -> Params:
+    """`params` with per-layer layers (a tuple of `LayerParams`): stacked weights are sliced, a copy of every
+    layer weight; per-layer weights are returned as they are."""
+    if isinstance(params.layers, tuple):
+        return params
+    num_layers = jax.tree.leaves(params.layers)[0].shape[0]
+    return dataclasses.replace(params, layers=tuple(layer_at(params, l) for l in range(num_layers)))
+
+
+def stack_layers(params: Params) -> Params:
+    """`params` with stacked layers: per-layer weights are stacked, a copy of every layer weight; stacked
+    weights are returned as they are."""
+    if not isinstance(params.layers, tuple):
+        return params
+    return dataclasses.replace(params, layers=jax.tree.map(lambda *w: jnp.stack(w), *params.layers))
+
+
+def scan_layers(body: Callable, carry, layers: LayerParams | tuple[LayerParams, ...], *xs):
+    """`body(carry, layer, *x) -> (carry, y)` over every layer, x the layer's row of each of `xs` (arrays with
+    a leading layer axis): `lax.scan` over stacked layers, a Python loop over per-layer ones (the same ops,
+    unrolled). Returns (carry, ys stacked on a leading layer axis)."""
+    if not isinstance(layers, tuple):
+        return jax.lax.scan(lambda c, inputs: body(c, *inputs), carry, (layers, *xs))
+    ys = []
+    for l, layer in enumerate(layers):
+        carry, y = body(carry, layer, *(x[l] for x in xs))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+
+# id of a set of weights' first query projection -> what was computed from those weights (`weights_memo`).
 _MEMOS: dict[int, dict] = {}
 
 
 def weights_memo(params: Params) -> dict:
-    """A dict for what is computed once per set of weights (the engine's prepared copy, InfiniGen's skew): the
-    same dict while the stacked weights live, dropped when they are garbage-collected. Nothing in it may hold
-    the stacked query weights (`params.layers.wq`), which keep it."""
-    anchor = jax.tree.leaves(params.layers.wq)[0]
+    """A dict for what is computed once per set of weights (an engine's prepared copy, InfiniGen's skew): the
+    same dict while the weights live, dropped when they are garbage-collected. Nothing in it may hold the
+    first layer's query weights (`layer_at(params, 0).wq` / the stacked `params.layers.wq`), which keep it."""
+    anchor = jax.tree.leaves(params.layers[0].wq if isinstance(params.layers, tuple) else params.layers.wq)[0]
     memo = _MEMOS.get(id(anchor))
     if memo is None:
         memo = _MEMOS[id(anchor)] = {}
@@ -105,10 +161,10 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return jax.tree.unflatten(treedef, arrays)
 
 
-# The axes each weight's matmul contracts (stacked: after the layer axis); int8 weights keep one scale per
-# output channel, the other axes (`quantize_weights`). The embedding's rows are its output channels for the
-# tied LM head and its lookup alike.
-CONTRACTED_AXES = dict(wq=(1,), wk=(1,), wv=(1,), wo=(1, 2), w_gate=(1,), w_up=(1,), w_down=(1,), embed=(1,),
+# The axes each weight's matmul contracts (of one layer's weights; stacked ones have the layer axis first);
+# int8 weights keep one scale per output channel, the other axes (`quantize_weights`). The embedding's rows
+# are its output channels for the tied LM head and its lookup alike.
+CONTRACTED_AXES = dict(wq=(0,), wk=(0,), wv=(0,), wo=(0, 1), w_gate=(0,), w_up=(0,), w_down=(0,), embed=(1,),
                        lm_head=(1,))
 
 
@@ -130,12 +186,14 @@ def quantize_weights(params: Params, weights: str | None = "int8") -> Params:
     if check_weight_format(weights) is None:
         return params
 
-    def quantize(obj):
-        return dataclasses.replace(obj, **{f.name: quant.quantize_weight(getattr(obj, f.name), CONTRACTED_AXES[f.name])
-                                           for f in dataclasses.fields(obj)
-                                           if f.name in CONTRACTED_AXES and getattr(obj, f.name) is not None})
+    def quantize(obj, shift=0):  # shift: 1 for stacked layers (the layer axis comes first)
+        return dataclasses.replace(obj, **{f.name: quant.quantize_weight(
+            getattr(obj, f.name), tuple(a + shift for a in CONTRACTED_AXES[f.name]))
+            for f in dataclasses.fields(obj) if f.name in CONTRACTED_AXES and getattr(obj, f.name) is not None})
 
-    return dataclasses.replace(quantize(params), layers=quantize(params.layers))
+    layers = (tuple(quantize(layer) for layer in params.layers) if isinstance(params.layers, tuple)
+              else quantize(params.layers, shift=1))
+    return dataclasses.replace(quantize(params), layers=layers)
 
 
 # --- building blocks -------------------------------------------------------------------------------
@@ -280,8 +338,8 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         return attention.attend(q, k, v, spec), None
 
-    x, _ = jax.lax.scan(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
-                        params.layers)
+    x, _ = scan_layers(lambda x, layer: decoder_layer(x, layer, config, attend), embed(params, tokens),
+                       params.layers)
     return x
 
 

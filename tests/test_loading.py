@@ -148,3 +148,28 @@ def test_non_llama_checkpoint_is_rejected(tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         duo_jax.load(tmp_path)
+
+
+def test_layouts_hold_the_same_weights_and_compute_the_same(hf_dir):
+    """layout="per_layer" (the default) and "stacked" load the same numbers; forward (a Python loop over the
+    layers, or a scan) and int8 quantization agree across them; the conversions are each other's inverse."""
+    import jax
+
+    from duo_jax.model import quantize_weights, stack_layers, unstack_layers
+
+    per_layer = duo_jax.load(hf_dir, dtype=jnp.float32)
+    stacked = duo_jax.load(hf_dir, dtype=jnp.float32, layout="stacked")
+    assert isinstance(per_layer.params.layers, tuple) and len(per_layer.params.layers) == per_layer.config.num_layers
+    jax.tree.map(np.testing.assert_array_equal, stack_layers(per_layer.params), stacked.params)
+    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked.params), per_layer.params)
+    assert unstack_layers(per_layer.params) is per_layer.params and stack_layers(stacked.params) is stacked.params
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, per_layer.config.vocab_size, (2, 24)), jnp.int32)
+    ref = duo_jax.forward(stacked.params, stacked.config, tokens)
+    assert np.abs(np.asarray(ref)).max() > 0.1
+    np.testing.assert_allclose(duo_jax.forward(per_layer.params, per_layer.config, tokens), ref, rtol=1e-5, atol=1e-5)
+    jax.tree.map(np.testing.assert_array_equal, quantize_weights(per_layer.params),
+                 unstack_layers(quantize_weights(stacked.params)))  # the same codes and per-channel scales
+    with pytest.raises(duo_jax.DuoJaxError, match="layout must be one of"):
+        duo_jax.load(hf_dir, layout="scanned")
+    with pytest.raises(LoadError, match="layout='stacked'"):
+        duo_jax.load(hf_dir, shardings=lambda shapes: None)
