@@ -345,7 +345,9 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
 
 @functools.partial(jax.jit, static_argnames="config")
 def forward(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Dense causal forward pass: tokens int32 [B, T] -> logits float32 [B, T, V]."""
+    """Dense causal forward pass: tokens int32 [B, T] -> logits float32 [B, T, V]. `params` in either layout
+    (`LAYOUTS`): stacked layers compile one scanned layer, per-layer ones an unrolled loop (the same numbers;
+    more compile time, no copy of the weights)."""
     return unembed(params, config, hidden_states(params, config, tokens))
 
 
