@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         training.initialize_distributed(args.distributed, args.coordinator, args.num_processes, args.process_id)
         mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
         model = duo_jax.load(args.model, dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,
-                             shardings=lambda shapes: sharding.weight_shardings(shapes, mesh))  # this host's slices
+                             shardings=lambda shapes: sharding.weight_shardings(shapes, mesh),  # this host's slices
+                             layout="stacked")  # the scanned layers' layout
         tokenizer = require(model.tokenizer, "training on text samples")
         name = Path(args.model).stem if Path(args.model).exists() else args.model
         cfg = training.TrainConfig(

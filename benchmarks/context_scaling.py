@@ -23,7 +23,8 @@ def llama_temp_bytes(capacity: int, chunk: int) -> int:
     import jax.numpy as jnp
 
     from duo_jax.config import get_config
-    from duo_jax.engine import extend, unstack_layers
+    from duo_jax.engine import extend
+    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.model import init_params
 

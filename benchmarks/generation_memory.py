@@ -28,7 +28,8 @@ def _worker(model: str, context: int, sparsity: float, meshes: list[str], compil
 
     import duo_jax
     from duo_jax import config as config_lib, sharding
-    from duo_jax.engine import compiled_decode, unstack_layers
+    from duo_jax.engine import compiled_decode
+    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.pattern import Pattern
     from duo_jax.sampling import Sampling

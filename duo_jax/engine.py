@@ -1,4 +1,4 @@
-"""The engine: a model's weights prepared once, and the compiled steps every KV-cache method runs on them.
+"""The engine: a model's weights in the steps' layout, and the compiled steps every KV-cache method runs on them.
 
 `extend` runs T new tokens per sequence through the model. Everything but attention is the model's own
 (`duo_jax.model`); per layer, the method (`duo_jax.methods`) attends the new tokens to its cache and returns
@@ -6,16 +6,15 @@ the updated cache. The layers are unrolled (not scanned) because a method's per-
 shape (DuoAttention's layers each have their own number of retrieval heads). `decode` is a `lax.while_loop` of
 `extend` steps with sampling and EOS inside: one compiled call per generation.
 
-`Engine` holds what those steps need that is not a shape: the weights in the layout the steps take (layers
-unstacked, prepared once per model and shared by every method: no method reorders weights, DuoAttention splits
-heads on the activations), and `prefill`, the one chunked-prefill driver that `generate`, the evaluations, the
-benchmarks and the tests run. Executables are compiled per shape bucket (`compiled_extend`, `compiled_decode`,
+`Engine` holds what those steps need that is not a shape: the weights in the layout the steps take (per layer:
+the loaded arrays themselves by default, see `Engine`; shared by every method: no method reorders weights,
+DuoAttention splits heads on the activations), and `prefill`, the one chunked-prefill driver that `generate`,
+the evaluations, the benchmarks and the tests run. Executables are compiled per shape bucket (`compiled_extend`, `compiled_decode`,
 keyed by config, method spec, batch, chunk and dtype; weights and method state are arguments, never constants).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from typing import Callable
@@ -30,20 +29,9 @@ from duo_jax import sharding
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
-from duo_jax.model import (Params, decoder_layer, embed, param_shapes, project_qkv, quantize_weights, rope_inv_freq,
-                           unembed, weight_format, weights_memo)
+from duo_jax.model import (Params, decoder_layer, embed, param_shapes, quantize_weights, rope_inv_freq, unembed,
+                           unstack_layers, weight_format, weights_memo)
 from duo_jax.sampling import Sampling, sample
-
-
-def unstack_layers(params: Params) -> Params:
-    """`Params` whose `.layers` is a tuple of per-layer `LayerParams` (what `extend` takes).
-
-    The engine unrolls its layers; slicing a stacked weight inside the jitted step costs a copy of it on every
-    call on CPU (measured: 10-14x slower matmuls), so the layers are split once, outside the step.
-    """
-    num_layers = params.layers.wq.shape[0]
-    layers = tuple(jax.tree.map(lambda w, l=l: w[l], params.layers) for l in range(num_layers))
-    return dataclasses.replace(params, layers=layers)
 
 
 def bucket(n: int, smallest: int = 16) -> int:
@@ -67,14 +55,18 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
            config: ModelConfig, method: Method, all_logits: bool = False, impl: str = "auto", mesh: Mesh | None = None):
     """Feed tokens [B, T] at positions lengths[b] + t, of which the first n_valid[b] are real (rest padding).
 
-    `params` come from `unstack_layers` (an `Engine`'s `.params`); `cache` from `method.init_cache`; `state`
-    is the method's arrays (`method.state()`, e.g. InfiniGen's skew matrices; None for most methods).
+    `params` have per-layer layers (`duo_jax.model.unstack_layers`; an `Engine`'s `.params`); `cache` from
+    `method.init_cache`; `state` is the method's arrays (`method.state()`, e.g. InfiniGen's skew matrices;
+    None for most methods).
     Returns (logits, cache, lengths): logits float32 [B, V] at each sequence's last real token ([B, T, V] for
     every token when all_logits), the updated cache, and lengths + n_valid. `impl` picks the attention
     kernels (`duo_jax.attention`: Pallas on GPU, the blocked XLA path elsewhere). `mesh`: a generation mesh
     (`duo_jax.sharding`) that params and cache are laid out on (`Engine` places them), or None.
     """
     B, T = tokens.shape
+    if not isinstance(params.layers, tuple):
+        raise DuoJaxError("the engine's steps take per-layer weights: pass an Engine's .params, or "
+                          "duo_jax.model.unstack_layers(params), or load with layout='per_layer' (the default)")
     if config.sliding_window is not None and not method.supports_sliding_window:
         raise DuoJaxError(f"method {method.name!r} does not implement the model's sliding window "
                           f"(sliding_window={config.sliding_window}); use full, duo or streaming_llm")
@@ -87,14 +79,11 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     x = embed(params, tokens)  # [B, T, D]
     layer_caches = method.layer_caches(cache)
     new_cache = []
-    inputs = [None]  # the attention input of the layer before (for methods that look ahead)
+    previous = [None]  # the attention input of the layer before (`Method.prepare`)
     for l, layer in enumerate(params.layers):
         def attend(q, k, v, h, l=l, layer=layer):
-            extra = {}
-            if method.lookahead and step.is_decode:
-                # InfiniGen: layer l's query from layer l-1's attention input (layer 0: its own query).
-                extra["lookahead_q"] = q if inputs[-1] is None else project_qkv(inputs[-1], layer, config.rms_norm_eps)[0]
-            inputs.append(h)
+            extra = method.prepare(l, q, previous[0], layer, config, step)  # the method's per-layer hook
+            previous[0] = h
             if mesh is not None:  # heads stay where the tensor-parallel projections put them (see sharding)
                 q, k, v = (sharding.split_heads_over_model(a, mesh) for a in (q, k, v))
             layer_step = dataclasses.replace(step, sliding_window=config.layer_window(l))  # this layer's window
@@ -219,29 +208,35 @@ ChunkCallback = Callable[[jax.Array, int, np.ndarray], None]
 
 
 class Engine:
-    """One model ready to run every KV-cache method: its weights prepared once, the one prefill driver, and the
-    device decode loop. `Engine.of(model)` is the engine of the model's weights (built on their first use and
-    reused while those arrays live: another `Model` over the same arrays, e.g. the Flax front's, shares it),
-    which is what `duo_jax.generate` runs.
+    """One model ready to run every KV-cache method: its weights in the layout the steps take, the one prefill
+    driver, and the device decode loop. `Engine.of(model)` is the engine of the model's weights, which is what
+    `duo_jax.generate` runs.
 
-    `params` holds the weights with layers unstacked: a second copy of the model's stacked weights, one per
-    set of weights (not per call or per method). On a generation `mesh` (`duo_jax.sharding`: batch over
-    `data`, tensor parallelism over `model`) that copy is placed sharded, each device receiving only its
-    slices, and every step runs on the mesh; only methods with a `cache_partition` (full, duo) run there.
+    The steps take per-layer weights (`duo_jax.model.LAYOUTS`; slicing a stacked weight inside the compiled
+    step copies it on every call on CPU: measured 3.5x slower decode steps). Weights loaded per layer (the
+    default of `duo_jax.load`) are used as they are: `params` holds the model's own arrays, there is one copy
+    of the weights and nothing to prepare. Stacked weights (`load(..., layout="stacked")`, the Flax front,
+    gate training) are sliced into a per-layer copy once per set of weights (kept while they live and reused by
+    every call and method; `copied` says so): a model used both for scanned work and for generation holds
+    its weights twice. On a generation `mesh` (`duo_jax.sharding`: batch over `data`, tensor parallelism over
+    `model`) the weights are placed sharded, each device receiving only its slices (a copy beside the model's
+    unsharded arrays), and every step runs on the mesh; only methods with a `cache_partition` (full, duo) run
+    there.
     """
 
     def __init__(self, params: Params, config: ModelConfig, mesh: Mesh | None = None):
-        """`params` stacked (as loaded; unstacked here) or with layers already a tuple (used as they are)."""
+        """`params` in either layout: per-layer weights are used as they are (off a mesh), stacked ones sliced."""
         self.config, self.mesh = config, mesh
-        unstack = (lambda p: p) if isinstance(params.layers, tuple) else unstack_layers
         if mesh is None:
-            self.params = unstack(params)
+            self.params = unstack_layers(params)
         else:
             sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)
-            specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack, params), mesh)
-            self.params = jax.jit(unstack, out_shardings=sharding.named(specs, mesh))(params)
+            specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack_layers, params), mesh)
+            self.params = jax.jit(unstack_layers, out_shardings=sharding.named(specs, mesh))(params)
         self.dtype = jnp.dtype(params.dtype).name
         self.weights = weight_format(params)  # None, or "int8" (`duo_jax.load(..., weights="int8")`)
+        # Whether `params` is a copy of the weights (rather than the very arrays it was built from).
+        self.copied = any(a is not b for a, b in zip(jax.tree.leaves(self.params), jax.tree.leaves(params)))
         # Weak references: the engine must not keep the weights it was prepared from alive.
         self._source = [weakref.ref(x) for x in jax.tree.leaves(params)]
 
@@ -252,12 +247,16 @@ class Engine:
 
     @classmethod
     def of(cls, model, mesh: Mesh | None = None) -> "Engine":
-        """The engine of `model`'s weights (on `mesh`): prepared on their first use, then reused while they live
-        (`duo_jax.model.weights_memo`; the engine holds per-layer copies, never the stacked weights)."""
+        """The engine of `model`'s weights (on `mesh`). One over the model's own arrays (per-layer weights, no
+        mesh) costs nothing to build and is built per call; one holding a copy (stacked weights, or placed on a
+        mesh) is built on the weights' first use, then reused while they live (`duo_jax.model.weights_memo`,
+        which must not hold the model's own arrays)."""
         memo = weights_memo(model.params)
         engine = memo.get(("engine", mesh))
         if engine is None or not engine.prepared_from(model.params, model.config):
-            engine = memo[("engine", mesh)] = cls(model.params, model.config, mesh)
+            engine = cls(model.params, model.config, mesh)
+            if engine.copied:
+                memo[("engine", mesh)] = engine
         return engine
 
     def put_batch(self, x) -> jax.Array:

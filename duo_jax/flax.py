@@ -2,15 +2,18 @@
 
 duo-jax's core is functional (pure functions over registered-dataclass pytrees); this module is a thin front
 for Flax users, with no math of its own. `CausalLM` holds every weight of a `Params` as an `nnx.Param`
-(the very same `jax.Array` objects: `from_model` and `to_params` copy nothing), its `__call__` is
-`duo_jax.forward`, its gate objective is `duo_jax.gates.loss` and its `generate` is `duo_jax.generate`.
+(the very same `jax.Array` objects: `to_params` copies nothing, nor does `from_model` given stacked layers),
+its `__call__` is `duo_jax.forward`, its gate objective is `duo_jax.gates.loss` and its `generate` is
+`duo_jax.generate`.
 
-Layout. Layers stay stacked on a leading axis L, as `Params.layers` stacks them for `lax.scan` (the NNX
-idiom for scanned layers, as `nnx.vmap`-created ones): `model.layers` is one `DecoderLayers` module whose
-variables are [L, ...], with submodules `attention` (wq, wk, wv, wo, the optional q/k/v biases and q/k norms,
+Layout. Layers are stacked on a leading axis L (`duo_jax.model.LAYOUTS`: "stacked"), as `lax.scan` takes them
+(the NNX idiom for scanned layers, as `nnx.vmap`-created ones; `from_pretrained` loads them so, `from_model`
+stacks a per-layer model, a copy): `model.layers` is one `DecoderLayers` module whose variables are [L, ...], with submodules `attention` (wq, wk, wv, wo, the optional q/k/v biases and q/k norms,
 and `gate`) and `mlp`. The gates are one `Gate` variable of shape [L, K] (layers x KV heads) rather than one
 per layer: it is exactly the array `duo_jax.gates` scans over and `duo_jax.pattern.Pattern` stores, so
-training, saving and writing a pattern need no stacking or splitting.
+training, saving and writing a pattern need no stacking or splitting. `generate` runs the engine, whose steps
+take per-layer weights: it slices a per-layer copy once per set of weights (`duo_jax.engine.Engine`), so a
+module that both trains and generates holds its layer weights twice.
 
 Filters. `Gate` subclasses `nnx.Param`, so `nnx.Param` selects weights and gates, `Gate` the gates only and
 `WEIGHTS` (`nnx.All(nnx.Param, nnx.Not(Gate))`) the weights only. `nnx.Optimizer(model, tx, wrt=Gate)` with
@@ -36,7 +39,7 @@ from duo_jax import methods
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model, load
-from duo_jax.model import LayerParams, Params, forward
+from duo_jax.model import LayerParams, Params, forward, stack_layers
 from duo_jax.pattern import Pattern, PatternError
 
 ATTENTION_FIELDS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
@@ -120,6 +123,10 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, params: Params, gates: Pattern | float | Any | None = None, *,
                  tokenizer=None, source: str = "", names: tuple[str, ...] = ()):
+        """`params` with stacked layers (`duo_jax.model.stack_layers`)."""
+        if isinstance(params.layers, tuple):
+            raise DuoJaxError("CausalLM holds its layers stacked: pass duo_jax.model.stack_layers(params), or use "
+                              "CausalLM.from_model, which stacks them")
         self.config = config
         self.embed = nnx.Param(params.embed)
         self.layers = DecoderLayers(params.layers, _initial_gates(config, gates))
@@ -129,15 +136,17 @@ class CausalLM(nnx.Module):
 
     @classmethod
     def from_model(cls, model: Model, gates: Pattern | float | Any | None = None) -> "CausalLM":
-        """Wrap a loaded `Model` (its arrays, not copies). gates: None (all 1), a number, a Pattern, [L, K]."""
-        return cls(model.config, model.params, gates, tokenizer=model.tokenizer, source=model.source,
+        """Wrap a loaded `Model`: its arrays, not copies, when its layers are stacked (`duo_jax.load(...,
+        layout="stacked")`); weights loaded per layer (the default) are stacked, a copy of the layers' weights.
+        gates: None (all 1), a number, a Pattern, [L, K]."""
+        return cls(model.config, stack_layers(model.params), gates, tokenizer=model.tokenizer, source=model.source,
                    names=model.names)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *,
                         path: str | os.PathLike | None = None, gates=None) -> "CausalLM":
-        """`duo_jax.load(name_or_path, dtype, path=path)` wrapped by `from_model`."""
-        return cls.from_model(load(name_or_path, dtype, path=path), gates)
+        """`duo_jax.load(name_or_path, dtype, path=path, layout="stacked")` wrapped by `from_model`."""
+        return cls.from_model(load(name_or_path, dtype, path=path, layout="stacked"), gates)
 
     def to_params(self) -> Params:
         """The weights as the functional core's `Params`: the very arrays this module holds."""

@@ -33,9 +33,9 @@ original implementation does), rather than the student's own full attention over
 The two readings differ only once some upstream gate is below 1 (the student's residual stream then
 differs from the teacher's, and the paper's reading would feed the student's own full attention with it).
 
-Both models run in one `lax.scan` over the stacked layers (one per run of layers sharing a sliding window,
-`duo_jax.model.scan_layers`) with the gates [L, K] scanned alongside, each through
-`duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
+Both models run in one `lax.scan` over the stacked layers (one per run of layers sharing a sliding window;
+a Python loop over per-layer weights: `duo_jax.model.scan_layers`) with the gates [L, K] alongside, each
+through `duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
 `duo_jax.attention` (Pallas kernels on GPU; on TPU splash attention, or our own Mosaic kernel where a
 sequence shard's query offset is traced; the blocked XLA path elsewhere). `distill_terms` takes optional
 hooks: the sharded trainer (`duo_jax.training`) wraps the two attention functions for sequence parallelism
@@ -137,7 +137,7 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
     def rotate(q, k):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-    def layer_step(carry, inputs, window):
+    def layer_step(carry, layer, gate, window):  # LayerParams of one layer, gate [K]
         full_attention = wrap_attention(functools.partial(objective.full_attention, window=window))
         streaming_attention = wrap_attention(functools.partial(objective.streaming_attention, window=window))
 
@@ -146,7 +146,6 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
             return full, full
 
         x_teacher, x_student = carry  # [B, T, D] each
-        layer, gate = inputs  # LayerParams of one layer, gate [K]
         layer = layer_weights(layer)  # inside the rematerialised body: gathered again, never saved
         x_teacher, full = decoder_layer(x_teacher, layer, config, teacher_attend)
 
@@ -165,7 +164,7 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
                               policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED))
 
     x = embed_tokens(params, tokens)  # [B, T, D]
-    (x_teacher, x_student), _ = scan_layers(make_body, (x, x), config, (params.layers, gates))
+    (x_teacher, x_student), _ = scan_layers(make_body, (x, x), config, params.layers, gates)
     return rms_norm(x_teacher, params.final_norm, eps), rms_norm(x_student, params.final_norm, eps)
 
 

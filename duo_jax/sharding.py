@@ -126,6 +126,9 @@ def _spec(ndim: int, axis: int | None) -> P:
 def weight_specs(params: Params, mesh: Mesh) -> Params:
     """The `PartitionSpec` of every weight (arrays or `jax.ShapeDtypeStruct`s) on `mesh`; see the module
     docstring. The final norm is replicated (a vector, used once)."""
+    if isinstance(params.layers, tuple):
+        raise MeshError("weight_specs lays out stacked layers (gate training scans them): pass "
+                        "duo_jax.model.stack_layers(params), or load with layout='stacked'")
     n = axis_size(mesh, WEIGHT_AXES)
     layers = jax.tree.map(lambda x: _spec(x.ndim, _split_axis(x.shape, n, 1)), params.layers)
     embed_axis = 1 if params.embed.shape[1] % n == 0 and n > 1 else None

@@ -65,7 +65,7 @@ from duo_jax import sharding
 from duo_jax.config import ModelConfig
 from duo_jax.data import CALIBRATION_HAYSTACK, SampleStream, context_lengths, haystack_tokens, min_context_len
 from duo_jax.errors import DuoJaxError
-from duo_jax.model import Params
+from duo_jax.model import Params, stack_layers
 from duo_jax.pattern import Pattern
 from duo_jax.sharding import MESH_AXES, format_mesh
 
@@ -337,9 +337,9 @@ class MemoryReport:
 def memory_report(config: ModelConfig, cfg: TrainConfig, mesh: Mesh, params: Params, seq_len: int) -> MemoryReport:
     """Lower and compile the train step for batches of `cfg.batch_size` x `seq_len` tokens (rounded up to
     the "seq" axis) on `mesh`, from shapes only: `params` may be arrays or `jax.ShapeDtypeStruct`s
-    (`jax.eval_shape`), nothing is allocated."""
+    (`jax.eval_shape`), in either layout (`duo_jax.model.LAYOUTS`), nothing is allocated."""
     abstract = lambda x, layout: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=layout)
-    params = dataclasses.replace(params, lm_head=None)
+    params = jax.eval_shape(stack_layers, dataclasses.replace(params, lm_head=None))
     specs = sharding.weight_specs(params, mesh)
     params = jax.tree.map(abstract, params, sharding.weight_shardings(params, mesh))
     optimizer, _ = make_optimizer(cfg)
@@ -377,8 +377,10 @@ def shard_batch(batch: Batch, mesh: Mesh) -> Batch:
 
 def frozen_weights(params: Params, mesh: Mesh) -> tuple[Params, Params]:
     """The weights gate training reads (the LM head is not: the loss compares hidden states), laid out on
-    `mesh` (`duo_jax.sharding.weight_specs`), and their specs."""
-    params = dataclasses.replace(params, lm_head=None)
+    `mesh` (`duo_jax.sharding.weight_specs`), and their specs. The training step scans stacked layers: weights
+    loaded per layer (`duo_jax.load`'s default) are stacked here, a copy (load with layout="stacked" to avoid
+    it)."""
+    params = stack_layers(dataclasses.replace(params, lm_head=None))
     return sharding.shard_params(params, mesh), sharding.weight_specs(params, mesh)
 
 

@@ -92,7 +92,8 @@ def test_extend_exported_for_tpu_attends_through_mosaic(chunk, method_name):
 
     from jax import export
 
-    from duo_jax.engine import extend, unstack_layers
+    from duo_jax.engine import extend
+    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.model import init_params
     from duo_jax.pattern import Pattern

@@ -166,12 +166,23 @@ def test_an_engine_does_not_keep_its_weights_alive():
     import weakref
 
     from duo_jax.engine import Engine
-    from duo_jax.model import _MEMOS
+    from duo_jax.model import _MEMOS, unstack_layers
 
     model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(6)), None, "random")
     engine = Engine.of(model)
-    assert Engine.of(duo_jax.Model(CONFIG, model.params, None, "another front")) is engine  # same arrays
+    assert engine.copied  # stacked weights: one per-layer copy, reused by another front over the same arrays
+    assert Engine.of(duo_jax.Model(CONFIG, model.params, None, "another front")) is engine
     anchor, count = weakref.ref(model.params.layers.wq), len(_MEMOS)
+    del model, engine
+    gc.collect()
+    assert anchor() is None and len(_MEMOS) == count - 1
+
+    # Per-layer weights (duo_jax.load's default): the engine runs on the model's own arrays, nothing is copied
+    # or kept, and the weights still die with the model.
+    model = duo_jax.Model(CONFIG, unstack_layers(duo_jax.init_params(CONFIG, jax.random.key(7))), None, "random")
+    engine = Engine.of(model)
+    assert not engine.copied and engine.params is model.params
+    anchor, count = weakref.ref(model.params.layers[0].wq), len(_MEMOS)
     del model, engine
     gc.collect()
     assert anchor() is None and len(_MEMOS) == count - 1
@@ -187,3 +198,15 @@ def test_one_shape_is_one_executable_however_it_is_asked_for():
     first = compiled_extend(CONFIG, method, 1, 8, "float32")
     assert compiled_extend(CONFIG, method, 1, 8, "float32", "auto", False, None, None) is first
     assert compiled_extend(CONFIG, method, 1, 8, "float32", weights=None, impl="auto") is first
+
+
+def test_the_step_refuses_stacked_weights():
+    """`extend` unrolls per-layer weights; stacked ones are a clear error naming the conversion, not a failure
+    deep inside tracing."""
+    from duo_jax.engine import extend
+    from duo_jax.methods import make_method
+
+    method = make_method("full", CONFIG, context=128)
+    with pytest.raises(duo_jax.DuoJaxError, match="per-layer weights.*unstack_layers"):
+        extend(duo_jax.init_params(CONFIG, jax.random.key(0)), method.init_cache(1, "float32"), jnp.zeros(1, jnp.int32),
+               jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32), config=CONFIG, method=method)

@@ -104,7 +104,8 @@ def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
     """Reference decoding: one `extend` step and one `sample` per token, driven from Python."""
     import jax.numpy as jnp
 
-    from duo_jax.engine import extend, unstack_layers
+    from duo_jax.engine import extend
+    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.sampling import sample
 
@@ -148,7 +149,8 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
     """engine.decode under the caller's own jax.jit gives generate's tokens."""
     import jax.numpy as jnp
 
-    from duo_jax.engine import decode, extend, unstack_layers
+    from duo_jax.engine import decode, extend
+    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
     from duo_jax.sampling import Sampling
 

@@ -161,7 +161,7 @@ def test_a_block_reads_only_the_bytes_that_hold_it(tmp_path, monkeypatch):
                   max_position_embeddings=256, num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=False)
     write_random_hf_model(tmp_path, transformers.Qwen2Config, fields)  # q / k / v biases
-    model = duo_jax.load(tmp_path, dtype=jnp.float32)  # equal to transformers' (test_model, test_qwen_gguf)
+    model = duo_jax.load(tmp_path, dtype=jnp.float32, layout="stacked")  # equal to transformers' (test_model, test_qwen_gguf)
     builder = loading._ParamsBuilder(model.config, np.float32, str(tmp_path))
     for name, tensor in safetensors_tensors(tmp_path / "model.safetensors"):
         builder.put(name, tensor)
@@ -186,3 +186,30 @@ def test_a_block_reads_only_the_bytes_that_hold_it(tmp_path, monkeypatch):
             starts = [int(rng.integers(0, d)) for d in shape]
             index = tuple(slice(s, int(rng.integers(s + 1, d + 1))) for s, d in zip(starts, shape))
             np.testing.assert_array_equal(builder._block(field, index), whole[index], err_msg=f"{field} {index}")
+
+
+def test_layouts_hold_the_same_weights_and_compute_the_same(hf_dir):
+    """layout="per_layer" (the default) and "stacked" load the same numbers; forward (a Python loop over the
+    layers, or a scan) and int8 quantization agree across them; the conversions are each other's inverse."""
+    import jax
+
+    from duo_jax.model import quantize_weights, stack_layers, unstack_layers
+
+    per_layer = duo_jax.load(hf_dir, dtype=jnp.float32)
+    stacked = duo_jax.load(hf_dir, dtype=jnp.float32, layout="stacked")
+    assert isinstance(per_layer.params.layers, tuple) and len(per_layer.params.layers) == per_layer.config.num_layers
+    jax.tree.map(np.testing.assert_array_equal, stack_layers(per_layer.params), stacked.params)
+    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked.params), per_layer.params)
+    assert unstack_layers(per_layer.params) is per_layer.params and stack_layers(stacked.params) is stacked.params
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, per_layer.config.vocab_size, (2, 24)), jnp.int32)
+    ref = duo_jax.forward(stacked.params, stacked.config, tokens)
+    assert np.abs(np.asarray(ref)).max() > 0.1
+    np.testing.assert_allclose(duo_jax.forward(per_layer.params, per_layer.config, tokens), ref, rtol=1e-5, atol=1e-5)
+    # int8 per layer keeps a scale per output channel as stacked int8 does (the shapes say which axes were
+    # reduced; `tests/test_int8_weights.py` checks the numbers)
+    assert (jax.eval_shape(quantize_weights, per_layer.params)
+            == jax.eval_shape(lambda p: unstack_layers(quantize_weights(p)), stacked.params))
+    with pytest.raises(duo_jax.DuoJaxError, match="layout must be one of"):
+        duo_jax.load(hf_dir, layout="scanned")
+    with pytest.raises(LoadError, match="layout='stacked'"):
+        duo_jax.load(hf_dir, shardings=lambda shapes: None)

@@ -77,7 +77,7 @@ def test_bf16_params_compute_in_bf16_with_fp32_logits(tmp_path):
     config_cls, fields = HF_CASES["llama-mha-tied"]
     hf_model = write_random_hf_model(tmp_path, config_cls, fields)
     model = duo_jax.load(tmp_path)  # default dtype bf16
-    assert model.params.layers.wq.dtype == jnp.bfloat16
+    assert all(layer.wq.dtype == jnp.bfloat16 for layer in model.params.layers)
     tokens = np.arange(40, dtype=np.int32)[None] % fields["vocab_size"]
     logits = duo_jax.forward(model.params, model.config, jnp.asarray(tokens))
     assert logits.dtype == jnp.float32

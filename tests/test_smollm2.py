@@ -8,6 +8,7 @@ and a tolerance of 1e-3 still catches any real bug (a wrong RoPE permutation or 
 import dataclasses
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,7 +25,9 @@ PROMPT = ("Once upon a time, in a small village at the foot of the mountains, th
 
 @pytest.fixture(scope="module")
 def ours():
-    return duo_jax.load("smollm2-135m", dtype=jnp.float32)
+    # Stacked: `forward` scans one compiled layer (over per-layer weights it unrolls 30, ~6x the compile time;
+    # tests/test_loading.py checks that both layouts load and compute the same).
+    return duo_jax.load("smollm2-135m", dtype=jnp.float32, layout="stacked")
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +64,34 @@ def test_logits_and_greedy_continuation_match_transformers(ours, theirs):
     assert np.abs(ref).max() > 10
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-3)
     assert greedy_reference(ours.params, ours.config, ids, 16) == ref_tokens
+
+
+def test_generating_holds_one_copy_of_the_weights(ours, monkeypatch):
+    """Per-layer weights (`duo_jax.load`'s default layout) are what the engine runs on: while `generate`
+    decodes, the live device arrays exceed what they were before the call by the cache and less than a quarter
+    of the weights (a per-layer copy of SmolLM2's layers would be 0.8 of them), and no call prepares weights:
+    the engine's arrays are the model's own."""
+    import gc
+
+    from duo_jax.engine import Engine
+    from duo_jax.model import unstack_layers
+
+    ours = duo_jax.Model(ours.config, unstack_layers(ours.params), ours.tokenizer, ours.source, ours.names)
+    weights = sum(x.nbytes for x in jax.tree.leaves(ours.params))
+    live = lambda: sum(x.nbytes for x in jax.live_arrays())  # noqa: E731
+    seen, decode_loop = [], Engine.decode_loop
+
+    def measured(self, method, cache, *args, **kwargs):  # the prefill done, the cache full, the weights in use
+        seen.append((self, live(), sum(x.nbytes for x in jax.tree.leaves(cache))))
+        return decode_loop(self, method, cache, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "decode_loop", measured)
+    ids = ours.tokenizer.encode(PROMPT)
+    for _ in range(2):
+        gc.collect()
+        before = live()
+        duo_jax.generate(ours, [ids], max_new_tokens=2, chunk_size=128, stop_at_eos=False)
+        engine, during, cache = seen[-1]
+        assert 0 < during - before - cache < weights / 4, (during - before - cache) / weights
+        assert not engine.copied and all(a is b for a, b in zip(jax.tree.leaves(engine.params),
+                                                                jax.tree.leaves(ours.params)))

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import duo_jax
-from duo_jax.engine import extend, unstack_layers
+from duo_jax.engine import extend
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import cache_nbytes, make_method
 from duo_jax.methods.snapkv import SnapKV, make_pyramidkv, make_snapkv, pyramid_budgets
-from duo_jax.model import rope_inv_freq
+from duo_jax.model import rope_inv_freq, unstack_layers
 from tests.conftest import tiny_config
 
 CONFIG = tiny_config(max_position_embeddings=128)

@@ -298,9 +298,10 @@ from tests.test_training import VOCAB, tiny_tokenizer, write_haystack
 
 root, phase = Path(sys.argv[1]), sys.argv[2]
 mesh = sharding.make_mesh(data=2, fsdp=2, seq=2)
-model = duo_jax.load(root / "model", dtype=np.float32, shardings=lambda shapes: sharding.weight_shardings(shapes, mesh))
+model = duo_jax.load(root / "model", dtype=np.float32, shardings=lambda shapes: sharding.weight_shardings(shapes, mesh),
+                     layout="stacked")
 config, params = model.config, model.params
-plain = duo_jax.load(root / "model", dtype=np.float32).params
+plain = duo_jax.load(root / "model", dtype=np.float32, layout="stacked").params
 for x, y, spec in zip(jax.tree.leaves(params), jax.tree.leaves(plain), jax.tree.leaves(sharding.weight_specs(plain, mesh))):
     assert x.sharding.spec == spec and np.array_equal(np.asarray(x), np.asarray(y))
     if spec != jax.sharding.PartitionSpec():  # loaded straight into 1/4 slices (fsdp x seq)

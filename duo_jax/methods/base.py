@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,10 @@ import numpy as np
 
 from duo_jax.attention import MaskSpec
 from duo_jax.quant import QuantizedKV, as_stored
+
+if TYPE_CHECKING:
+    from duo_jax.config import ModelConfig
+    from duo_jax.model import LayerParams
 
 LayerCache = Any  # a pytree of arrays, one per layer; its shape is the method's business
 
@@ -62,9 +66,6 @@ class Method(abc.ABC):
 
     name = "method"
     absolute_positions = True  # positions are absolute: a sequence cannot outgrow the model's context
-    # Decode steps also pass attend() `lookahead_q` [B, 1, H, E]: this layer's query projection applied to the
-    # previous layer's attention input (InfiniGen's speculation), before RoPE.
-    lookahead = False
     # Whether the method honours a model's sliding window (`Step.sliding_window`); the engine rejects
     # sliding-window models for methods that do not, rather than attend past the window silently.
     supports_sliding_window = False
@@ -102,6 +103,15 @@ class Method(abc.ABC):
     def begin_step(self, step: Step) -> Any:
         """Values all layers of one step share (masks, write slots). Default: nothing."""
         return None
+
+    def prepare(self, layer: int, q: jax.Array, previous_input: jax.Array | None, weights: LayerParams,
+                config: ModelConfig, step: Step) -> dict:
+        """The per-layer hook: extra keyword arguments for this layer's `attend`, computed by the engine just
+        before it from what the layer loop has in hand: the layer's query q [B, T, H, E] (before RoPE), the
+        previous layer's normed attention input [B, T, D] (None at layer 0), this layer's weights (project
+        with `duo_jax.model.project_qkv`) and the model's config. Default: nothing (InfiniGen projects the
+        previous layer's input with this layer's query weights, to speculate one layer ahead)."""
+        return {}
 
     @abc.abstractmethod
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, step: Step,

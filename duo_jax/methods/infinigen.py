@@ -42,9 +42,10 @@ Steps:
       heads (floor), capped by the static `kv_budget`; each head takes its top_k(kv_budget) tokens and masks
       ranks >= count; exact attention over those rows (gathered from the full cache) plus the current token.
 
-Layer i speculates from layer i-1's attention input: the engine (`Method.lookahead`) hands each decode step's
-`attend` that input projected by layer i's query weights (`lookahead_q`; layer 0 gets its own input, which
-matters only with `dense_layers=0`), which is rotated, skewed and cut to the partial channels here. The
+Layer i speculates from layer i-1's attention input: the engine's per-layer hook (`InfiniGen.prepare`) hands
+each decode step's `attend` that input projected by layer i's query weights (`lookahead_q`; layer 0 gets its
+own query, which matters only with `dense_layers=0`), which is rotated, skewed and cut to the partial
+channels here. The
 selection and the gather of the selected rows thus depend only on layer i-1's input, so XLA may overlap them
 with layer i-1's compute (the schedule is XLA's; the overlap is not measured). `lookahead=False` speculates
 from the layer's own query.
@@ -79,7 +80,7 @@ from duo_jax.data.haystack import CALIBRATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.registry import kv_budget_only, register
-from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq, weights_memo
+from duo_jax.model import Params, apply_rope, decoder_layer, embed, layer_at, project_qkv, rope_inv_freq, weights_memo
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,7 +120,7 @@ def _layer_qk(params: Params, config: ModelConfig, tokens) -> list[tuple[np.ndar
     x = embed(params, tokens)
     out = []
     for l in range(config.num_layers):
-        x, (q, k) = decoder_layer(x, jax.tree.map(lambda w, l=l: w[l], params.layers), config,
+        x, (q, k) = decoder_layer(x, layer_at(params, l), config,
                                   functools.partial(attend, window=config.layer_window(l)))
         out.append((np.asarray(q, np.float32), np.asarray(k, np.float32)))
     return out
@@ -235,7 +236,7 @@ class InfiniGen(Method):
     @classmethod
     def calibrate(cls, params: Params, config: ModelConfig, sample_tokens, *, context: int, kv_budget: int,
                   partial_ratio: float = 0.2, channel_rule: str = "qk", **options) -> "InfiniGen":
-        """Skew on `sample_tokens` (stacked `params`, as `init_params` / loading give) and build the method."""
+        """Skew on `sample_tokens` (`params` in either layout) and build the method."""
         A, mask = skew(params, config, sample_tokens, partial_ratio=partial_ratio, channel_rule=channel_rule)
         return cls.from_skew(A, mask, context=context, kv_budget=kv_budget, **options)
 
@@ -306,6 +307,14 @@ class InfiniGen(Method):
 
     # --- attention --------------------------------------------------------------------------------------
 
+    def prepare(self, layer, q, previous_input, weights, config, step):
+        """Decode steps speculate one layer ahead (`lookahead`): `lookahead_q` is layer l's query projection of
+        layer l-1's attention input (layer 0: its own query)."""
+        if not (self.lookahead and step.is_decode):
+            return {}
+        return {"lookahead_q": q if previous_input is None else
+                project_qkv(previous_input, weights, config.rms_norm_eps)[0]}
+
     def attend(self, layer, q, k, v, cache: InfiniGenLayerCache, step: Step, shared, lookahead_q=None):
         B, T, H, E = q.shape
         K, C = self.num_kv_heads, self.capacity
@@ -335,7 +344,7 @@ class InfiniGen(Method):
             return out, new_cache
 
         # Decode: speculate with the partial query against the partial keys of the cached tokens. The query is
-        # this layer's projection of the previous layer's attention input (the engine's lookahead_q), so the
+        # this layer's projection of the previous layer's attention input (`prepare`'s lookahead_q), so the
         # selection, and the fetch of its rows, depend only on what the previous layer had.
         spec = qs if lookahead_q is None else skew_q(apply_rope(lookahead_q, step.positions, step.inv_freq))
         qp = jnp.take_along_axis(spec[:, 0].reshape(B, K, G, E), index[None, :, None], axis=-1)
