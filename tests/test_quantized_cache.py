@@ -59,7 +59,8 @@ def test_methods_without_quantized_caches_refuse_kv_dtype(name):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_attention_over_a_quantized_cache_is_attention_over_its_values(kind):
     """Tile by tile (many key blocks, ragged lengths, a ring with explicit positions): the same as attending
-    to the dequantized arrays; the kernels' impl routes a quantized cache to the XLA path."""
+    to the dequantized arrays; the kernels' impl routes a quantized cache to the XLA path for these specs (more
+    than one query; `test_quantized_kernels` covers decode)."""
     q, k, v, _ = random_attention_inputs(2, 5, 96, 4, 2, 16, seed=3)
     qk, qv = quantize_kv(k, kind), quantize_kv(v, kind)
     positions = jnp.asarray([[40, 41, 42, 43, 44], [90, 91, 92, 93, 94]], jnp.int32)
