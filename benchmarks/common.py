@@ -80,12 +80,13 @@ def load(args: argparse.Namespace):
     return model, pattern
 
 
-def mode(name: str, model, pattern, args: argparse.Namespace, context: int):
-    """`duo_jax.eval.modes.ModeSettings` of mode `name` ("full" or "duo") at `context` tokens."""
+def mode(name: str, model, pattern, args: argparse.Namespace, context: int, kv_dtype: str | None = None):
+    """`duo_jax.eval.modes.ModeSettings` of mode `name` ("full" or "duo") at `context` tokens (its KV cache
+    quantized with `kv_dtype` "int8" / "int4")."""
     from duo_jax.eval.modes import mode_settings
 
     return mode_settings(name, model.config, pattern, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
-                         context=context)
+                         context=context, kv_dtype=kv_dtype)
 
 
 def text_prompt(model, length: int) -> list[int]:

@@ -6,7 +6,8 @@
    rounded up to the cache block).
 2. Llama-3-8B's shape with its published pattern (configs/patterns/llama3-8b) in bf16 from 8k to 1M tokens,
    by `jax.eval_shape` on the caches (nothing is allocated), and the largest context whose cache fits next
-   to the bf16 weights in --hbm-gib of device memory (activations not counted). The paper reports 1.67x
+   to the bf16 weights in --hbm-gib of device memory: the memory planner's answer (`duo_jax.plan`, weights +
+   cache, activations not counted; `python -m duo_jax.plan` adds XLA's temp memory and quantized options). The paper reports 1.67x
    less memory for GQA models at 50% retrieval heads.
 3. Peak device memory where the backend reports it (`jax.devices()[0].memory_stats()`; the CPU backend
    reports none).
@@ -17,20 +18,11 @@
 
 from __future__ import annotations
 
-import math
 import sys
 
 import common
 
 LLAMA = "llama3-8b"
-
-
-def tree_bytes(tree) -> int:
-    """Bytes of every array (or ShapeDtypeStruct) in a pytree."""
-    import jax
-    import numpy as np
-
-    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
 def theoretical_ratio(retrieval_share: float, window: int, capacity: int) -> float:
@@ -39,32 +31,31 @@ def theoretical_ratio(retrieval_share: float, window: int, capacity: int) -> flo
 
 
 def llama_rows(contexts, *, sparsity: float, sink: int, recent: int, hbm_gib: float) -> tuple[list, dict]:
-    """Llama-3-8B-shaped cache bytes full vs duo (bf16, by eval_shape) and the largest context in `hbm_gib`."""
-    import jax
+    """Llama-3-8B-shaped cache bytes full vs duo (bf16, by eval_shape) and the largest context in `hbm_gib`
+    next to the bf16 weights: the memory planner's (`duo_jax.plan.plan`, weights + cache, temp not compiled)."""
     import jax.numpy as jnp
 
     import duo_jax
     from duo_jax.cache import round_capacity
     from duo_jax.eval.modes import mode_settings, num_retrieval_heads
-    from duo_jax.model import param_shapes
     from duo_jax.pattern import Pattern
+    from duo_jax.plan import plan, tree_bytes
 
     config = duo_jax.get_config(LLAMA)
     pattern = Pattern.for_model(LLAMA)
     share = num_retrieval_heads(config, sparsity) / (config.num_layers * config.num_kv_heads)
-    weight_bytes = 2 * sum(math.prod(s) for s in jax.tree.leaves(param_shapes(config),
-                                                                   is_leaf=lambda s: isinstance(s, tuple)))
-    per_token = config.kv_bytes_per_token(2)  # full attention, bf16
-    streaming_fixed = (1 - share) * config.num_layers * config.num_kv_heads * (sink + recent) * 2 * config.head_dim * 2
-    free = hbm_gib * 2**30 - weight_bytes
-    fits = dict(full=int(free // per_token), duo=int((free - streaming_fixed) // (share * per_token)))
-    rows, data = [], dict(weight_bytes=weight_bytes, retrieval_share=share, largest_context=fits, contexts={})
+    planned = plan(config, hbm_bytes=int(hbm_gib * 2**30), sparsity=sparsity, pattern=pattern, sink=sink,
+                   recent=recent, temp=False)
+    fits = dict(full=planned["max_context_full"], duo=planned["max_context_duo"])
+    rows, data = [], dict(weight_bytes=planned["weight_bytes"], retrieval_share=share, largest_context=fits,
+                          contexts={})
+    weight_bytes = planned["weight_bytes"]
     for context in contexts:
         sizes = {}
         for name in ("full", "duo"):
             method = mode_settings(name, config, pattern, sparsity=sparsity, sink=sink, recent=recent,
                                    context=context).build(config, context)
-            sizes[name] = tree_bytes(jax.eval_shape(lambda m=method: m.init_cache(1, jnp.bfloat16)))
+            sizes[name] = tree_bytes(method.cache_spec(1, jnp.bfloat16))
         theory = theoretical_ratio(share, sink + recent, round_capacity(context))
         data["contexts"][context] = dict(sizes, theoretical_ratio=theory)
         rows.append([context, _gib(sizes["full"]), _gib(sizes["duo"]), sizes["duo"] / sizes["full"], theory,

@@ -15,6 +15,7 @@ keyed by config, method spec, batch, chunk and dtype; weights and method state a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Callable

@@ -133,7 +133,8 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
     attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
     kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
-    token and head, `duo_jax.quant`; methods full, duo and streaming_llm).
+    token and head, `duo_jax.quant`; methods full, duo, streaming_llm, h2o, tova, snapkv,
+    pyramidkv and headkv).
     mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
     number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
     split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention

@@ -11,8 +11,9 @@ rounded *up* to bf16, so no code is clipped and every element is within half a s
 |x - dequantize(quantize(x))| <= scale / 2 (tests check it against float64). Methods store keys and values through
 an orthonormal rotation (`kv_rotation`) before quantizing, which spreads outlier channels over the head
 dimension. A `QuantizedKV` stands in for the cache array it replaces: `.shape` and `.dtype` are those of the
-dequantized array (the model's dtype), and attention dequantizes it one key tile at a time
-(`duo_jax.attention.xla`).
+dequantized array (the model's dtype), and attention dequantizes it one key tile at a time: the blocked XLA
+loop (`duo_jax.attention.xla`), and the Pallas / Mosaic decode kernels, which read the codes and scales and
+unpack int4 with the same `pallas_kernels._common.unpack_int4_halves` as `unpack_int4` here.
 
 Weights (`QuantizedWeight`): int8 per output channel, the absmax over the axes a matmul contracts; the scale
 keeps the weight's rank with size 1 on those axes (so slicing or permuting an output axis takes codes and
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax.errors import DuoJaxError
+from pallas_kernels._common import dequantize_tile, unpack_int4_halves
 
 KV_DTYPES = ("int8", "int4")
 QMAX = {"int8": 127, "int4": 7}
@@ -73,8 +75,9 @@ def pack_int4(codes: jax.Array) -> jax.Array:
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
-    """The inverse of `pack_int4` (arithmetic shifts restore the signs)."""
-    return jnp.concatenate([(packed << 4) >> 4, packed >> 4], axis=-1)
+    """The inverse of `pack_int4`: the nibble halves as the kernels read them (`unpack_int4_halves`, arithmetic
+    shifts restore the signs), concatenated."""
+    return jnp.concatenate(unpack_int4_halves(packed), axis=-1).astype(jnp.int8)
 
 
 @jax.tree_util.register_dataclass
@@ -97,8 +100,8 @@ class QuantizedKV:
         return self.codes.ndim
 
     def dequantize(self) -> jax.Array:
-        codes = unpack_int4(self.codes) if self.kind == "int4" else self.codes
-        return (codes.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(self.dtype)
+        """codes * scale in float32, rounded once to `dtype`: the kernels' `dequantize_tile` over any shape."""
+        return jnp.concatenate(dequantize_tile(self.codes, self.scale, self.kind, self.dtype), axis=-1)
 
 
 def quantize_kv(x: jax.Array, kind: str, dtype=None) -> QuantizedKV:

@@ -139,3 +139,63 @@ def q_block_schedule(kv_block, *, q_offset, kv_len, num_q_blocks: int,
         end = jnp.where(first_key < sink, end, jnp.minimum(band_end, end))
     end = jnp.where(first_key < kv_len, end, start)  # Block entirely past kv_len.
     return start, end
+
+
+# --- quantized KV tiles ------------------------------------------------------------------------------
+# A quantized cache (`duo_jax.quant.QuantizedKV`) holds, per token and KV head, absmax codes along the head
+# dimension D and one scale: "int8" codes [.., D], or "int4" codes packed two per byte [.., D/2], byte j holding
+# element j in its low nibble and element j + D/2 in its high one. The decode kernels read codes and scales and
+# dequantize one key tile at a time, as "parts": int4's two nibble halves (elements [0, D/2) and [D/2, D)) stay
+# separate, so a kernel dots each with the matching half of the query (split outside the kernel) and never
+# concatenates inside it (Triton has no general concatenate).
+
+KV_QUANT = (None, "int8", "int4")
+
+
+def kv_parts(kv_quant: str | None) -> int:
+    """How many parts a head's D elements come in: 2 for packed int4 (the nibble halves), else 1."""
+    if kv_quant not in KV_QUANT:
+        raise ValueError(f"kv_quant must be one of {KV_QUANT}, got {kv_quant!r}.")
+    return 2 if kv_quant == "int4" else 1
+
+
+def unpack_int4_halves(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Packed int4 codes [.., D/2] (int8) -> (elements [0, D/2), elements [D/2, D)) as int32 in [-8, 7]: the low
+    nibbles, then the high ones (sign-extended by arithmetic shifts, in 32 bits, which every backend shifts)."""
+    x = packed.astype(jnp.int32)
+    return lax.shift_right_arithmetic(lax.shift_left(x, 28), 28), lax.shift_right_arithmetic(x, 4)
+
+
+def dequantize_tile(codes: jax.Array, scale: jax.Array | None, kv_quant: str | None, dtype) -> list[jax.Array]:
+    """A tile of keys or values in `kv_parts(kv_quant)` parts, each [bk, D / parts] in `dtype`: the array itself
+    when not quantized, else codes [bk, D or D/2] times scale [bk, 1], computed in float32 and rounded once to
+    `dtype` (the values `duo_jax.quant.QuantizedKV.dequantize` gives)."""
+    if kv_quant is None:
+        return [codes]
+    parts = unpack_int4_halves(codes) if kv_quant == "int4" else (codes,)
+    scale = scale.astype(jnp.float32)
+    return [(part.astype(jnp.float32) * scale).astype(dtype) for part in parts]
+
+
+def check_decode_cache(q: jax.Array, k: jax.Array, v: jax.Array, k_scale, v_scale, kv_quant: str | None) -> None:
+    """Checks a decode kernel's arguments: q [B, Hq, D] and k / v [B, S, Hkv, D] values when `kv_quant` is None
+    (no scales), else int8 codes [B, S, Hkv, D] ("int8") or [B, S, Hkv, D/2] ("int4") with scales
+    [B, S, Hkv, 1]."""
+    parts = kv_parts(kv_quant)
+    if kv_quant is None:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale / v_scale are for a quantized cache: pass kv_quant='int8' or 'int4' with them.")
+        return check_qkv(q, k, v, q_ndim=3)
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {kv_quant} cache needs its scales: pass k_scale and v_scale [B, S, Hkv, 1].")
+    head_dim = q.shape[-1]
+    if head_dim % parts:
+        raise ValueError(f"int4 codes pack two elements per byte: head_dim must be even, got {head_dim}.")
+    for name, codes, scales in (("k", k, k_scale), ("v", v, v_scale)):
+        if codes.dtype != jnp.int8 or codes.ndim != 4 or codes.shape[-1] != head_dim // parts:
+            raise ValueError(f"{kv_quant} {name} codes must be int8 [B, S, Hkv, {head_dim // parts}] for q "
+                             f"{q.shape}, got {codes.dtype} {codes.shape}.")
+        if scales.shape != codes.shape[:-1] + (1,):
+            raise ValueError(f"{name}_scale must be [B, S, Hkv, 1] = {codes.shape[:-1] + (1,)}, got {scales.shape}.")
+    values = [jax.ShapeDtypeStruct(x.shape[:-1] + (head_dim,), q.dtype) for x in (k, v)]
+    check_qkv(q, *values, q_ndim=3)

@@ -7,11 +7,18 @@ share one KV head (so a KV tile is loaded once per group) and one contiguous
 chunk of the cache, and returns a partial (o, m, l) for it. A cheap jnp
 reduction then combines the splits with the usual log-sum-exp rescaling.
 Splitting S keeps the GPU busy when B * Hkv alone is too small a grid.
+
+A quantized cache (`kv_quant` "int8" / "int4": int8 codes plus one scale per token and head, the layout of
+`duo_jax.quant.QuantizedKV`) is read as it is stored: each program loads a tile of codes and its scales and
+dequantizes it in registers (`_common.dequantize_tile`), so the kernel moves the quantized bytes, not the
+values. int4's two nibble halves are dotted with the matching halves of the query and accumulate into two
+halves of the output (`_common.kv_parts`), so nothing is concatenated inside the kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -22,19 +29,26 @@ from pallas_kernels import _backend
 from pallas_kernels import _common
 
 
-def _split_kernel(lengths_ref, q_ref, k_ref, v_ref,  # inputs
-                  o_ref, m_ref, l_ref,  # outputs
-                  *, scale: float, block_k: int, blocks_per_split: int):
+def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs,  # inputs (+ scales when quantized), outputs
+                  scale: float, block_k: int, blocks_per_split: int, kv_quant: str | None):
+    if kv_quant is None:
+        (o_ref, m_ref, l_ref), k_scale_ref, v_scale_ref = refs, None, None
+    else:
+        k_scale_ref, v_scale_ref, o_ref, m_ref, l_ref = refs
     b, split = pl.program_id(0), pl.program_id(2)
     chunk_start = split * blocks_per_split * block_k
     keys_left = jnp.maximum(lengths_ref[b] - chunk_start, 0)  # valid keys in and past this chunk
-    q = q_ref[...]  # [G, D]
+    qs = [q_ref[i] for i in range(q_ref.shape[0])]  # the query's parts, each [G, D / parts]
+
+    def tile(ref, scale_ref, kv_slice):  # keys or values [bk, D / parts] per part, dequantized when quantized
+        return _common.dequantize_tile(ref[kv_slice, :], None if scale_ref is None else scale_ref[kv_slice, :],
+                                       kv_quant, qs[0].dtype)
 
     def body(i, carry):
-        acc, m, l = carry  # [G, D], [G], [G]
+        acc, m, l = carry  # [parts][G, D / parts], [G], [G]
         kv_slice = pl.ds(i * block_k, block_k)
-        k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]  # [bk, D]
-        s = jnp.einsum("gd,kd->gk", q, k, preferred_element_type=jnp.float32) * scale
+        s = functools.reduce(operator.add, [jnp.einsum("gd,kd->gk", q, k, preferred_element_type=jnp.float32)
+                                            for q, k in zip(qs, tile(k_ref, k_scale_ref, kv_slice))]) * scale
         cols = i * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         mask = cols < keys_left
         s = jnp.where(mask, s, _common.MASK_VALUE)
@@ -42,16 +56,19 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref,  # inputs
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = correction * l + p.sum(axis=-1)
-        acc = correction[:, None] * acc + jnp.einsum(
-            "gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc = tuple(correction[:, None] * a + jnp.einsum("gk,kd->gd", p.astype(v.dtype), v,
+                                                         preferred_element_type=jnp.float32)
+                    for a, v in zip(acc, tile(v_ref, v_scale_ref, kv_slice)))
         return acc, m_new, l
 
     num_blocks = jnp.minimum(_common.cdiv(keys_left, block_k), blocks_per_split)
-    init = (jnp.zeros(q.shape, jnp.float32),
-            jnp.full(q.shape[:1], _common.MASK_VALUE, jnp.float32),
-            jnp.zeros(q.shape[:1], jnp.float32))
+    rows = qs[0].shape[0]
+    init = (tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
+            jnp.full((rows,), _common.MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(0, num_blocks, body, init)
-    o_ref[...] = acc  # Unnormalised; the reduction divides by the combined l.
+    for i, a in enumerate(acc):  # Unnormalised; the reduction divides by the combined l.
+        o_ref[i] = a
     m_ref[...] = m
     l_ref[...] = l
 
@@ -59,12 +76,15 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref,  # inputs
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      lengths: jax.Array, *, scale: float | None = None,
                      block_k: int = 128, num_splits: int = 16,
+                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                     kv_quant: str | None = None,
                      interpret: bool | None = None, return_lse: bool = False):
     """Single-token attention over a KV cache, split along the keys.
 
     Args:
       q: [B, Hq, D] one query per sequence.
-      k, v: [B, S, Hkv, D] cache; Hq % Hkv == 0.
+      k, v: [B, S, Hkv, D] cache; Hq % Hkv == 0. With `kv_quant`, the cache's int8 codes instead:
+        [B, S, Hkv, D] for "int8", [B, S, Hkv, D/2] for "int4" (two per byte, `_common.unpack_int4_halves`).
       lengths: int32 [B]; sequence b attends to keys j < lengths[b] (clipped to
         S). A sequence with length 0 gets a zero output.
       scale: softmax scale, default 1 / sqrt(D).
@@ -72,6 +92,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       num_splits: how many chunks the keys are split into (at most); each is a
         whole number of blocks, the last one possibly fewer. S is padded only if
         it is not a multiple of block_k.
+      k_scale, v_scale: with `kv_quant`, the codes' scales [B, S, Hkv, 1] (one per token and head).
+      kv_quant: None (k / v are values), "int8" or "int4": each key tile is dequantized in the kernel
+        (codes * scale, in q's dtype) before its dots; the cache is never dequantized whole.
       interpret: None = interpret mode exactly when running on CPU.
 
       return_lse: also return the log-sum-exp of each query's scaled scores,
@@ -82,12 +105,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     Returns:
       [B, Hq, D] like q, or (that, lse) with `return_lse`.
     """
-    _common.check_qkv(q, k, v, q_ndim=3)
+    _common.check_decode_cache(q, k, v, k_scale, v_scale, kv_quant)
     _common.check_block("block_k", block_k)
     _common.check_block("num_splits", num_splits)
     batch, num_heads, head_dim = q.shape
     seq_k, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
+    parts = _common.kv_parts(kv_quant)
+    width = head_dim // parts
     scale = _common.default_scale(head_dim, scale)
     interpret = _backend.resolve_interpret(interpret)
     lengths = jnp.minimum(_common.per_batch(lengths, batch, seq_k), seq_k)
@@ -99,39 +124,40 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
     num_splits = _common.cdiv(num_blocks, blocks_per_split)
     chunk = blocks_per_split * block_k
+    cache = [k, v] + ([] if kv_quant is None else [k_scale, v_scale])
     if seq_k % block_k:  # a partial last block would be read past the end: pad (only caches not a multiple of block_k)
         extra = num_blocks * block_k - seq_k
-        k = jnp.pad(k, ((0, 0), (0, extra), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, 0), (0, extra), (0, 0), (0, 0)))
+        cache = [jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) for x in cache]
 
-    # Query heads grouped by KV head: [B, Hkv, G', D]. Triton's dot wants at least
-    # 16 rows, so on GPU the group is zero-padded to a power of two >= 16.
-    q = q.reshape(batch, num_kv_heads, group, head_dim)
+    # Query heads grouped by KV head, each head's D elements in `parts` (int4's nibble halves):
+    # [B, Hkv, parts, G', D / parts]. Triton's dot wants at least 16 rows, so on GPU the group is
+    # zero-padded to a power of two >= 16.
+    q = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, parts, width), 2, 3)
     rows = group if interpret else _common.fit_block(1 << 30, group)
     if rows != group:
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, rows - group), (0, 0)))
 
-    kv_spec = pl.BlockSpec((None, chunk, None, head_dim),
-                           lambda b, h, s: (b, s, h, 0))
+    kv_spec = pl.BlockSpec((None, chunk, None, width), lambda b, h, s: (b, s, h, 0))
+    scale_spec = pl.BlockSpec((None, chunk, None, 1), lambda b, h, s: (b, s, h, 0))
     stats_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))
     o, m, l = pl.pallas_call(
         functools.partial(_split_kernel, scale=scale, block_k=block_k,
-                          blocks_per_split=blocks_per_split),
+                          blocks_per_split=blocks_per_split, kv_quant=kv_quant),
         grid=(batch, num_kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # lengths
-            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, parts, rows, width), lambda b, h, s: (b, h, 0, 0, 0)),
             kv_spec,  # k
             kv_spec,  # v
-        ],
+        ] + ([] if kv_quant is None else [scale_spec, scale_spec]),
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim),
-                         lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, parts, rows, width),
+                         lambda b, h, s: (b, h, s, 0, 0, 0)),
             stats_spec,
             stats_spec,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows, head_dim),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, parts, rows, width),
                                  jnp.float32),
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32),
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32),
@@ -141,14 +167,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
             dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name="decode_attention_split",
-    )(lengths, q, k, v)
+    )(lengths, q, *cache)
 
     # Combine the splits: weight each by exp(m_split - m_max) (0 if empty).
     m_max = m.max(axis=2, keepdims=True)  # [B, Hkv, 1, G']
     weight = jnp.where(l > 0.0, jnp.exp(m - m_max), 0.0)  # [B, Hkv, splits, G']
     l_total = jnp.einsum("bhsg,bhsg->bhg", weight, l)
-    o = jnp.einsum("bhsg,bhsgd->bhgd", weight, o)
-    o = o / jnp.where(l_total == 0.0, 1.0, l_total)[..., None]
+    o = jnp.einsum("bhsg,bhspgd->bhgpd", weight, o)  # the parts back in order: [B, Hkv, G', parts, D / parts]
+    o = o / jnp.where(l_total == 0.0, 1.0, l_total)[..., None, None]
     out = o[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
     if not return_lse:
         return out

@@ -216,6 +216,31 @@ def test_niah_every_mode_at_a_budget(model, pattern, tmp_path):
             assert r["cache_bytes"][128] < full_bytes, mode
 
 
+def test_evaluations_with_a_quantized_kv_cache(model, pattern):
+    """kv_dtype (the CLI's --kv-dtype): each mode's cache quantized, in exactly the bytes of int8 codes + one
+    bf16 scale per token and head; full attention's perplexity through an int8 cache moves a little from the
+    dense forward pass's (independent), not much; a mode whose method has no quantized cache is refused before
+    anything runs."""
+    E = CONFIG.head_dim
+    for mode in ("full", "duo", "streaming"):
+        settings = mode_settings(mode, CONFIG, pattern, sparsity=0.5, sink=4, recent=16, context=131, kv_dtype="int8")
+        assert settings.describe()["kv_dtype"] == "int8"
+        plain = mode_settings(mode, CONFIG, pattern, sparsity=0.5, sink=4, recent=16, context=131)
+        slots = plain.build(CONFIG, 131).expected_cache_bytes(1, 4) // (2 * E * 4)  # fp32: 2 E 4 bytes per slot
+        assert settings.build(CONFIG, 131).expected_cache_bytes(1, 4) == 2 * slots * (E + 2), mode
+    # (the generation loop of NIAH / passkey with kv_dtype: `test_passkey_end_to_end`)
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (1, 96)).astype(np.int32)
+    kwargs = dict(pattern=None, chunk_size=32, edges=[0, 64, 96], prefix=64, progress=False)
+    int8 = evaluate_perplexity(model, tokens, ["full"], kv_dtype="int8", **kwargs)["modes"]["full"]
+    logits = np.asarray(duo_jax.forward(model.params, CONFIG, jnp.asarray(tokens)), np.float64)[:, :-1]
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, tokens[:, 1:, None].astype(int), axis=-1)[0, 63:, 0].mean()
+    assert 1e-5 < abs(int8["decoded_nll"] - nll) < 0.01 * nll  # measured: 2e-3 of 9.14
+    with pytest.raises(duo_jax.DuoJaxError, match="infinigen have no quantized KV cache"):
+        evaluate_perplexity(model, tokens, ["full", "infinigen"], kv_dtype="int4", **kwargs)
+
+
 @pytest.mark.parametrize("mode", ["streaming_llm", "h2o", "tova", "snapkv"])
 def test_perplexity_with_prefix_equals_full_when_the_budget_covers_all(model, mode):
     """Prefill a prefix, decode the rest token by token: full attention matches the dense forward pass
@@ -235,9 +260,13 @@ def test_perplexity_with_prefix_equals_full_when_the_budget_covers_all(model, mo
 
 
 def test_passkey_end_to_end(model, tmp_path):
+    """With an int8 KV cache (the grid loop NIAH shares; `test_niah_end_to_end` runs it unquantized)."""
     results = run_passkey(model, ["full", "streaming"], pattern=None, lengths=[200], depths_per_length=2,
                           sink=4, recent=16, max_new_tokens=4, chunk_size=64, batch_size=1, out_dir=tmp_path,
-                          progress=False)
+                          kv_dtype="int8", progress=False)
+    assert results["kv_dtype"] == "int8" and results["modes"]["streaming"]["settings"][200]["kv_dtype"] == "int8"
+    L, K, E = CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim  # int8: E codes + a 2-byte scale per slot
+    assert results["modes"]["full"]["cache_bytes"][200] == 2 * L * K * 256 * (E + 2)  # capacity: 204 -> 256
     cells = results["modes"]["full"]["cells"]
     assert [c["depth"] for c in cells] == [0.0, 1.0] and all(c["answer"].isdigit() for c in cells)
     assert [c["answer"] for c in cells] == [c["answer"] for c in results["modes"]["streaming"]["cells"]]
@@ -311,6 +340,8 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     (["niah", "--kv-budget", "1.5"], "--kv-budget is a fraction"),
     (["niah", "--modes", "full", "h2o2"], "invalid choice"),
     (["perplexity", "--length", "512", "--prefix", "512"], "--prefix must lie"),
+    (["niah", "--modes", "duo", "infinigen", "--kv-dtype", "int8"], "infinigen have no quantized KV cache"),
+    (["niah", "--kv-dtype", "int2"], "invalid choice"),
 ])
 def test_cli_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,5 +1,7 @@
-"""Quantized KV caches (int8 / int4, `duo_jax.quant`) for full, duo and streaming_llm: exact bytes, attention
-that dequantizes tile by tile, and decoding close to the full-precision cache."""
+"""Quantized KV caches (int8 / int4, `duo_jax.quant`) for full, duo, streaming_llm, h2o, tova and snapkv: exact
+bytes, attention that dequantizes tile by tile, and decoding close to the full-precision cache."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,10 @@ def methods(kv_dtype, context=200):
             "duo": make_method("duo", CONFIG, context=context, pattern=Pattern(GATES), sparsity=0.5, sink=3,
                                recent=7, kv_dtype=kv_dtype),
             "streaming_llm": make_method("streaming_llm", CONFIG, context=context, start=2, recent=9,
-                                         kv_dtype=kv_dtype)}
+                                         kv_dtype=kv_dtype),
+            "h2o": make_method("h2o", CONFIG, context=context, kv_budget=24, kv_dtype=kv_dtype),
+            "tova": make_method("tova", CONFIG, context=context, kv_budget=24, kv_dtype=kv_dtype),
+            "snapkv": make_method("snapkv", CONFIG, context=context, kv_budget=16, window=4, kv_dtype=kv_dtype)}
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -36,7 +41,8 @@ def test_cache_bytes_include_the_scales_exactly(kv_dtype):
     for name, method in methods(kv_dtype).items():
         cache = method.init_cache(2, jnp.bfloat16)
         leaves = jax.tree.leaves(cache)
-        assert {x.dtype for x in leaves} == {jnp.dtype(jnp.int8), jnp.dtype(jnp.bfloat16)}
+        positions = {jnp.dtype(jnp.int32), jnp.dtype(jnp.float32)} if name in ("h2o", "tova") else set()
+        assert {x.dtype for x in leaves} == {jnp.dtype(jnp.int8), jnp.dtype(jnp.bfloat16)} | positions
         assert cache_nbytes(cache) == method.expected_cache_bytes(2, 2), name
         spec = method.cache_spec(2, jnp.bfloat16)  # abstract: what a step compiles for
         assert sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(spec)) == cache_nbytes(cache)
@@ -46,12 +52,14 @@ def test_cache_bytes_include_the_scales_exactly(kv_dtype):
     assert duo.expected_cache_bytes(2, 2) < make_method("duo", CONFIG, context=200, pattern=Pattern(GATES),
                                                         sparsity=0.5, sink=3, recent=7).expected_cache_bytes(2, 2)
     assert E == 16
+    # h2o / tova by hand: 24 slots per KV head (2 x 3 layers), K and V, plus an int32 position and fp32 score.
+    assert methods(kv_dtype)["h2o"].expected_cache_bytes(2, 2) == 2 * 3 * 2 * 24 * (2 * (codes + 2) + 8)
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
+@pytest.mark.parametrize("name", ["duo_headkv", "infinigen"])
 def test_methods_without_quantized_caches_refuse_kv_dtype(name):
     with pytest.raises(DuoJaxError, match="does not support a quantized KV cache"):
-        make_method(name, CONFIG, context=64, kv_budget=16, kv_dtype="int8")
+        make_method(name, CONFIG, context=64, kv_budget=48, kv_dtype="int8")
     with pytest.raises(DuoJaxError, match="kv_dtype must be"):
         make_method("full", CONFIG, context=64, kv_dtype="int2")
 
@@ -59,7 +67,8 @@ def test_methods_without_quantized_caches_refuse_kv_dtype(name):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_attention_over_a_quantized_cache_is_attention_over_its_values(kind):
     """Tile by tile (many key blocks, ragged lengths, a ring with explicit positions): the same as attending
-    to the dequantized arrays; the kernels' impl routes a quantized cache to the XLA path."""
+    to the dequantized arrays; the kernels' impl routes a quantized cache to the XLA path for these specs (more
+    than one query; `test_quantized_kernels` covers decode)."""
     q, k, v, _ = random_attention_inputs(2, 5, 96, 4, 2, 16, seed=3)
     qk, qv = quantize_kv(k, kind), quantize_kv(v, kind)
     positions = jnp.asarray([[40, 41, 42, 43, 44], [90, 91, 92, 93, 94]], jnp.int32)
@@ -102,19 +111,26 @@ def model():
 
 # max |logits - fp32 cache logits| / max |fp32 cache logits| over prefill and teacher-forced decode. Measured on
 # this model (print with -s): int8 0.7% (duo) to 0.8% (streaming_llm), int4 12% (duo); the bounds leave
-# ~2x headroom. (Full attention int8 is the generate test below.)
+# ~2x headroom. (h2o: its evictions follow the attention, so the int8 cache must keep the fp32 cache's
+# tokens too.) (Full attention int8 is the generate test below.)
 BOUNDS = {"int8": 0.02, "int4": 0.3}
 
 
-@pytest.mark.parametrize("name, kv_dtype", [("duo", "int8"), ("duo", "int4"), ("streaming_llm", "int8")])
+@pytest.mark.parametrize("name, kv_dtype", [("duo", "int8"), ("duo", "int4"), ("streaming_llm", "int8"),
+                                            ("h2o", "int8"), ("snapkv", "int8")])
 def test_quantized_cache_decodes_close_to_the_fp32_cache(model, name, kv_dtype):
     prompt = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 37).tolist()
     seq, logits, _, _ = run_method(model.params, CONFIG, methods(None, 64)[name], prompt, chunk=16, decode_steps=8)
     q_seq, q_logits, _, cache = run_method(model.params, CONFIG, methods(kv_dtype, 64)[name], prompt, chunk=16,
                                            decode_steps=8, force=seq[len(prompt):])
     assert q_seq == seq
-    assert all(isinstance(x, QuantizedKV) for layer in cache for x in jax.tree.leaves(
-        layer, is_leaf=lambda x: isinstance(x, QuantizedKV)))
+    leaves = jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, QuantizedKV))
+    assert any(isinstance(x, QuantizedKV) for x in leaves)  # every K / V array (h2o also keeps positions, scores)
+    assert all(isinstance(x, QuantizedKV) or x.shape[-1] != CONFIG.head_dim for x in leaves)
+    if name == "snapkv":  # the compressed decode cache (prefix 33 > 12 kept + a window of 4), exact bytes
+        decode = methods(kv_dtype, 64)[name].compressed(len(prompt))
+        unquantized = dataclasses.replace(decode, kv_dtype=None).expected_cache_bytes(1, 4)
+        assert cache_nbytes(cache) == decode.expected_cache_bytes(1, 4) < unquantized / 3
     err = np.abs(q_logits - logits).max() / np.abs(logits).max()
     print(f"{name} {kv_dtype}: relative logits error {err:.4f}")
     assert 1e-5 < err < BOUNDS[kv_dtype]  # quantized, and close
@@ -130,4 +146,4 @@ def test_generate_with_int8_kv_gives_the_fp32_caches_greedy_tokens(model):
     same = duo_jax.generate(model, prompt, kv_dtype="float32", **kwargs)  # the model's dtype: unquantized
     assert same.stats["cache_bytes"] == full.stats["cache_bytes"]
     with pytest.raises(DuoJaxError, match="does not support a quantized KV cache"):
-        duo_jax.generate(model, prompt, method="h2o", kv_budget=16, kv_dtype="int4", **kwargs)
+        duo_jax.generate(model, prompt, method="infinigen", kv_budget=16, kv_dtype="int4", **kwargs)

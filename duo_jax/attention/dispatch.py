@@ -18,9 +18,11 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one warning that
   names the reason; "pallas" is then an error (`BackendError`) rather than a crash inside the compiler.
 
-A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + scales) takes the XLA path
-whatever `impl` says, which dequantizes one key tile at a time: the kernels read arrays of values and have
-no quantized variant yet, and must never be handed codes as if they were values.
+A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + scales) is read as codes and
+scales: one query per sequence over a contiguous cache (decode) runs the split-K decode kernel of the chosen
+`impl`, which dequantizes each key tile inside the kernel (`kv_quant=`); every other spec (prefill chunks,
+explicit key positions, sliding windows, Λ) takes the XLA path, which dequantizes one key tile at a time.
+Codes never reach a kernel as if they were values.
 
 The kernels take a query offset rather than per-query positions for a contiguous cache, so that mapping
 assumes what every caller builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
@@ -89,8 +91,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
-    quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
-    if impl in ("pallas", "mosaic") and not quantized and _kernels_serve(spec, k.shape[1], impl):
+    if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):
         return _kernels(q, k, v, spec, scale, impl)
     if impl == "reference":
         return reference.attention_reference(q, dequantize(k), dequantize(v), spec.dense(k.shape[1]), scale=scale)
@@ -115,14 +116,19 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, 
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
 
 
-def _kernels_serve(spec: MaskSpec, num_keys: int, impl: str) -> bool:
+def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
     if spec.window is not None:
         return False
-    if spec.k_positions is not None:  # the TPU kernel's k_positions operand (causal, no Λ)
-        return impl == "mosaic" and spec.causal and not spec.is_lambda
+    quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
+    if spec.k_positions is not None:  # the TPU kernel's k_positions operand (causal, no Λ, values only)
+        return impl == "mosaic" and spec.causal and not spec.is_lambda and not quantized
+    decode = spec.q_positions.shape[1] == 1 and k.shape[1] % DECODE_BLOCK == 0
+    if quantized:  # only the decode kernels read codes
+        return (decode and spec.causal and not spec.is_lambda and isinstance(k, QuantizedKV)
+                and isinstance(v, QuantizedKV) and k.kind == v.kind)
     if spec.is_lambda:
         return spec.causal
-    return spec.causal and (spec.q_positions.shape[1] > 1 or num_keys % DECODE_BLOCK == 0)
+    return spec.causal and (spec.q_positions.shape[1] > 1 or decode)
 
 
 def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
@@ -140,6 +146,8 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
                                         scale=scale, **options)
     if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
         lengths = jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1)
+        if isinstance(k, QuantizedKV):  # codes and scales, dequantized tile by tile in the kernel
+            k, v, options = k.codes, v.codes, dict(options, k_scale=k.scale, v_scale=v.scale, kv_quant=k.kind)
         return kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
                                         num_splits=MAX_SPLITS, **options)[:, None]
     return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len, scale=scale,

@@ -6,11 +6,13 @@ H2O, TOVA, SnapKV, PyramidKV, HeadKV, DuoAttention + HeadKV, InfiniGen.
     python -m duo_jax.eval passkey --lengths 1024 2048 4096 --depths-per-length 5
     python -m duo_jax.eval perplexity --source austen --length 4096 --samples 2
     python -m duo_jax.eval perplexity --length 4096 --prefix 3584 --modes full h2o tova --kv-budget 0.25
+    python -m duo_jax.eval niah --modes full duo --kv-dtype int4 --lengths 1024 2048
 
 The budget (tokens kept per KV head on average) is duo's by default; --kv-budget F gives every mode but full
 F x the evaluated length (duo_jax/eval/modes.py says how each mode meets it). --pattern "default" is the
 model's shipped head pattern (configs/patterns/), --scores "default" its HeadKV head scores
-(configs/scores/); pass a folder or a full_attention_heads.tsv to use others. Results (JSON, PNG) go to
+(configs/scores/); pass a folder or a full_attention_heads.tsv to use others. --kv-dtype int8 / int4
+quantizes every mode's KV cache (modes whose method has no quantized cache are refused). Results (JSON, PNG) go to
 --out (default results/<task>).
 """
 
@@ -20,7 +22,9 @@ import argparse
 import sys
 import time
 
-from duo_jax.eval.modes import MODES
+from duo_jax.errors import DuoJaxError
+from duo_jax.eval.modes import MODES, check_kv_dtype_modes
+from duo_jax.quant import KV_DTYPES
 
 
 def _common(parser: argparse.ArgumentParser, task: str) -> None:
@@ -45,6 +49,9 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
                         help="prompt tokens per prefill step (on CPU 256 beat 128 and 512 for SmolLM2)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="weights and cache dtype; auto: float32 on CPU, bfloat16 elsewhere")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                        help="quantize every mode's KV cache (absmax per token and head, bf16 scales; "
+                             "duo_jax.quant); only modes with a quantized cache take it (default: --dtype)")
     parser.add_argument("--out", default=f"results/{task}", help="folder for the JSON and PNG results")
 
 
@@ -90,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.kv_budget is not None and not 0 < args.kv_budget <= 1:
         parser.error(f"--kv-budget is a fraction in (0, 1] of the evaluated length, got {args.kv_budget}")
+    try:
+        check_kv_dtype_modes(args.modes, args.kv_dtype)
+    except DuoJaxError as e:
+        parser.error(f"--kv-dtype: {e}")
     if args.task == "perplexity" and args.prefix is not None and not 1 <= args.prefix < args.length:
         parser.error(f"--prefix must lie in [1, --length) = [1, {args.length}), got {args.prefix}")
     return args
@@ -118,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         needs_pattern = any(spec.takes_pattern for spec in specs)
         pattern = resolve_pattern(args.pattern, model.config) if needs_pattern else None
         scores = resolve_scores(args.scores, model.config) if any("scores" in s.options for s in specs) else None
-        common = dict(pattern=pattern, scores=scores, kv_budget=args.kv_budget, sparsity=args.sparsity,
+        common = dict(pattern=pattern, scores=scores, kv_budget=args.kv_budget, kv_dtype=args.kv_dtype,
+                      sparsity=args.sparsity,
                       sink=args.sink, recent=args.recent, chunk_size=args.chunk_size, out_dir=args.out)
         if args.task == "niah":
             results = run_niah(model, args.modes, lengths=args.lengths, depths=args.depths, haystack=args.haystack,

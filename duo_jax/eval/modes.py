@@ -31,6 +31,11 @@ average, so its total matches the budget too. h2o and tova prefill the whole pro
 attention, one eviction at its end, as the DuoAttention paper runs them); the others use the evaluation's chunk.
 What each mode really stores is measured (``cache_bytes`` in the results), not assumed.
 
+``kv_dtype`` ("int8" / "int4", `duo_jax.quant`) quantizes every mode's cache, full attention's included, for the
+modes whose method has the registry capability `quantized_kv` (``streaming`` is duo's); a mode without it is
+refused (`check_kv_dtype_modes`). The budget stays in tokens: a quantized mode stores the same tokens in fewer
+bytes.
+
 Evaluations run on the evaluation half of the essays by default (`duo_jax.data.EVALUATION_HAYSTACK`), and
 `warn_if_calibrated_on` warns when a mode's calibration (the DuoAttention pattern's training text, the HeadKV
 scores' haystack, InfiniGen's skew sample) shares text with what is evaluated.
@@ -53,6 +58,7 @@ from duo_jax.generation import build_method
 from duo_jax.methods import Method
 from duo_jax.methods.duo import fit_window, num_retrieval_heads  # noqa: F401  (re-exported: duo's budget rules)
 from duo_jax.pattern import Pattern
+from duo_jax.quant import check_kv_dtype
 
 # The registered methods, plus "streaming": duo with every head a streaming head (absolute positions).
 MODES = ("full", "duo", "streaming", *(m for m in methods.METHODS if m not in ("full", "duo")))
@@ -109,7 +115,7 @@ class ModeSettings:
     def describe(self) -> dict:
         """JSON-friendly summary (no gates)."""
         return dict(name=self.name, method=self.method, sparsity=None if self.pattern is None else self.sparsity,
-                    sink=self.sink, recent=self.recent, kv_budget=self.kv_budget)
+                    sink=self.sink, recent=self.recent, kv_budget=self.kv_budget, kv_dtype=self.option("kv_dtype"))
 
 
 def streaming_budget(config: ModelConfig, sparsity: float, context: int, *, sink: int, recent: int) -> int:
@@ -131,15 +137,37 @@ def check_modes(names: Sequence[str]) -> list[str]:
     return names
 
 
+def check_kv_dtype_modes(modes: Sequence[str], kv_dtype: str | None) -> str | None:
+    """`kv_dtype` (None, "int8" or "int4"), checked against the modes: each must run a method with a quantized
+    cache (the registry's `quantized_kv`; ``streaming`` runs duo). Raises a `DuoJaxError` naming the others."""
+    if check_kv_dtype(kv_dtype) is None:
+        return None
+    refused = [m for m in check_modes(modes) if m != "streaming" and not methods.entry(m).quantized_kv]
+    if refused:
+        able = [m for m in MODES if m == "streaming" or methods.entry(m).quantized_kv]
+        raise DuoJaxError(f"mode(s) {', '.join(refused)} have no quantized KV cache (kv_dtype={kv_dtype!r}); "
+                          f"evaluate them without --kv-dtype, or choose modes from {', '.join(able)}")
+    return kv_dtype
+
+
 def mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sparsity: float, sink: int,
                   recent: int, context: int, kv_budget: int | None = None,
-                  scores: Pattern | None = None) -> ModeSettings:
+                  scores: Pattern | None = None, kv_dtype: str | None = None) -> ModeSettings:
     """The settings of mode `name` for prompts whose prompt + generated tokens fit in `context`.
 
     kv_budget: tokens per KV head (None: duo's budget, see the module docstring); each method meets it by its
     own rule (`duo_jax.methods.registry`: `entry(name).budget`). `pattern` is needed by the methods built on
     one (duo, duo_headkv: a resolved `Pattern`), `scores` (HeadKV head scores) by headkv and duo_headkv.
+    kv_dtype: "int8" / "int4" for a quantized cache (`check_kv_dtype_modes`), None for the model's dtype.
     """
+    quantized = () if check_kv_dtype_modes([name], kv_dtype) is None else (("kv_dtype", kv_dtype),)
+    settings = _mode_settings(name, config, pattern, sparsity=sparsity, sink=sink, recent=recent, context=context,
+                              kv_budget=kv_budget, scores=scores)
+    return dataclasses.replace(settings, options=settings.options + quantized)
+
+
+def _mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sparsity: float, sink: int,
+                   recent: int, context: int, kv_budget: int | None, scores: Pattern | None) -> ModeSettings:
     if sink < 0 or recent < 1:
         raise DuoJaxError(f"need sink >= 0 and recent >= 1, got sink={sink}, recent={recent}")
     check_modes([name])

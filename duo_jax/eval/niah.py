@@ -22,7 +22,8 @@ from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.data.niah import NeedlePrompt, make_needle_prompt, score_contains, score_needle
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import budget_tokens, check_modes, mode_settings, warn_if_calibrated_on
+from duo_jax.eval.modes import (budget_tokens, check_kv_dtype_modes, check_modes, mode_settings,
+                                warn_if_calibrated_on)
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -64,13 +65,15 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
                   prompts_for: Callable[[int], list[NeedlePrompt]], *, pattern: Pattern | None,
                   sparsity: float, sink: int, recent: int, max_new_tokens: int, chunk_size: int,
                   score: Callable[[str, NeedlePrompt], float], batch_size: int | None = None,
-                  kv_budget: float | None = None, scores: Pattern | None = None, progress: bool = True) -> dict:
+                  kv_budget: float | None = None, scores: Pattern | None = None, kv_dtype: str | None = None,
+                  progress: bool = True) -> dict:
     """Generate the answer of every prompt in every mode; returns {"modes": {mode: result}}.
 
     prompts_for(length) gives the prompts of one context length (all exactly `length` tokens); they are
     generated in batches of `batch_size` (default: all at once). Every mode but full keeps `kv_budget` x
     `length` tokens per KV head (None: duo's budget; see `duo_jax.eval.modes`); `scores` are the HeadKV
-    head scores for headkv / duo_headkv. `score(generated, prompt)` gives a cell's
+    head scores for headkv / duo_headkv; `kv_dtype` ("int8" / "int4") quantizes every mode's cache
+    (`duo_jax.eval.modes.check_kv_dtype_modes`). `score(generated, prompt)` gives a cell's
     score in [0, 1]; a cell is correct when `score_contains` says so. Each mode's result holds its settings
     and cache bytes per length, prefill / decode seconds, the cells, and accuracy overall, per length and
     per depth.
@@ -80,6 +83,7 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
     from duo_jax import generate
 
     modes = check_modes(modes)
+    check_kv_dtype_modes(modes, kv_dtype)  # before any generation
     lengths = list(lengths)
     prompts = {n: prompts_for(n) for n in lengths}
     total = len(modes) * sum(len(p) for p in prompts.values())
@@ -92,7 +96,7 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
             for mode in modes:
                 settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink,
                                          recent=recent, context=context, kv_budget=budget_tokens(kv_budget, length),
-                                         scores=scores)
+                                         scores=scores, kv_dtype=kv_dtype)
                 result = results[mode]
                 result["settings"][length] = settings.describe()
                 bar.set_postfix_str(f"{mode} @ {length}")
@@ -154,9 +158,10 @@ def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, len
              depths: Sequence[float] = DEFAULT_DEPTHS, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
              max_new_tokens: int = 32, chunk_size: int = 512, haystack: str = EVALUATION_HAYSTACK,
              batch_size: int | None = None, kv_budget: float | None = None, scores: Pattern | None = None,
-             out_dir: str | Path | None = None, progress: bool = True) -> dict:
+             kv_dtype: str | None = None, out_dir: str | Path | None = None, progress: bool = True) -> dict:
     """The NIAH grid in every mode; writes niah.json and the heat maps into `out_dir` when given.
-    kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's)."""
+    kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's);
+    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype)."""
     if model.tokenizer is None:
         raise DuoJaxError("NIAH needs the model's tokenizer (none was found with the weights)")
     lengths, depths = sorted(set(lengths)), sorted(set(float(d) for d in depths))
@@ -171,10 +176,12 @@ def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, len
     results = evaluate_grid(model, modes, lengths, prompts_for, pattern=pattern, sparsity=sparsity, sink=sink,
                             recent=recent, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                             score=lambda text, p: score_needle(text, p.answer, question=p.question),
-                            batch_size=batch_size, kv_budget=kv_budget, scores=scores, progress=progress)
+                            batch_size=batch_size, kv_budget=kv_budget, scores=scores, kv_dtype=kv_dtype,
+                            progress=progress)
     results = dict(task="niah", model=model.config.name, source=model.source, haystack=haystack,
                    calibration_overlap=overlap,
                    lengths=lengths, depths=depths, sparsity=sparsity, sink=sink, recent=recent, kv_budget=kv_budget,
+                   kv_dtype=kv_dtype,
                    max_new_tokens=max_new_tokens, chunk_size=chunk_size, dtype=str(model.params.dtype),
                    wall_s=time.perf_counter() - start, machine=report.machine_info(), **results)
     if out_dir is not None:

@@ -37,9 +37,11 @@ def run_passkey(model: Model, modes: Sequence[str], *, pattern: Pattern | None,
                 lengths: Sequence[int] = DEFAULT_LENGTHS, depths_per_length: int = 5, digits: int = 5,
                 seed: int = 0, sparsity: float = 0.5, sink: int = 64, recent: int = 256, max_new_tokens: int = 12,
                 chunk_size: int = 512, batch_size: int | None = None, kv_budget: float | None = None,
-                scores: Pattern | None = None, out_dir: str | Path | None = None, progress: bool = True) -> dict:
+                scores: Pattern | None = None, kv_dtype: str | None = None, out_dir: str | Path | None = None,
+                progress: bool = True) -> dict:
     """Passkey accuracy per length in every mode; writes passkey.json and the figures into `out_dir` when given.
-    kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's)."""
+    kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's);
+    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype)."""
     if model.tokenizer is None:
         raise DuoJaxError("passkey retrieval needs the model's tokenizer (none was found with the weights)")
     lengths, depths = sorted(set(lengths)), passkey_depths(depths_per_length)
@@ -54,9 +56,11 @@ def run_passkey(model: Model, modes: Sequence[str], *, pattern: Pattern | None,
     results = evaluate_grid(model, modes, lengths, prompts_for, pattern=pattern, sparsity=sparsity, sink=sink,
                             recent=recent, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                             score=lambda text, p: float(score_passkey(text, p.answer)),
-                            batch_size=batch_size, kv_budget=kv_budget, scores=scores, progress=progress)
+                            batch_size=batch_size, kv_budget=kv_budget, scores=scores, kv_dtype=kv_dtype,
+                            progress=progress)
     results = dict(task="passkey", model=model.config.name, source=model.source, lengths=lengths, depths=depths,
                    digits=digits, seed=seed, sparsity=sparsity, sink=sink, recent=recent, kv_budget=kv_budget,
+                   kv_dtype=kv_dtype,
                    max_new_tokens=max_new_tokens, chunk_size=chunk_size, dtype=str(model.params.dtype),
                    wall_s=time.perf_counter() - start, machine=report.machine_info(), **results)
     if out_dir is not None:

@@ -33,7 +33,7 @@ from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.engine import Engine
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import (ModeSettings, budget_tokens, check_modes, mode_settings,
+from duo_jax.eval.modes import (ModeSettings, budget_tokens, check_kv_dtype_modes, check_modes, mode_settings,
                                 warn_if_calibrated_on)
 from duo_jax.eval.niah import bos_id
 from duo_jax.loading import Model
@@ -113,13 +113,16 @@ def text_windows(model: Model, source: str, length: int, samples: int) -> np.nda
 def evaluate_perplexity(model: Model, tokens: np.ndarray, modes: Sequence[str], *, pattern: Pattern | None,
                         sparsity: float = 0.5, sink: int = 64, recent: int = 256, chunk_size: int = 512,
                         edges: Sequence[int] | None = None, prefix: int | None = None,
-                        kv_budget: float | None = None, scores: Pattern | None = None, progress: bool = True) -> dict:
+                        kv_budget: float | None = None, scores: Pattern | None = None, kv_dtype: str | None = None,
+                        progress: bool = True) -> dict:
     """Per-bucket NLL / perplexity of token windows [B, T] in every mode: {"modes": {mode: {...}}}.
     prefix: prompt tokens (the rest is decoded; None: all prompt); kv_budget: a fraction of T kept per KV
-    head by every mode but full (None: duo's budget); `scores`: HeadKV scores for headkv / duo_headkv."""
+    head by every mode but full (None: duo's budget); `scores`: HeadKV scores for headkv / duo_headkv;
+    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype)."""
     from tqdm.auto import tqdm
 
     modes = check_modes(modes)
+    check_kv_dtype_modes(modes, kv_dtype)  # before any mode runs
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise DuoJaxError(f"need token windows [samples, length >= 2], got shape {tokens.shape}")
@@ -130,7 +133,7 @@ def evaluate_perplexity(model: Model, tokens: np.ndarray, modes: Sequence[str], 
     results = {}
     for mode in tqdm(modes, desc="perplexity", unit="mode", disable=not progress):
         settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink, recent=recent,
-                                 context=T, kv_budget=budget_tokens(kv_budget, T), scores=scores)
+                                 context=T, kv_budget=budget_tokens(kv_budget, T), scores=scores, kv_dtype=kv_dtype)
         start = time.perf_counter()
         nll = engine_nll(model, tokens, settings, chunk_size=chunk_size, prefix=prefix)
         if prefix is not None and prefix < T:
@@ -162,10 +165,11 @@ def _k(n: int) -> str:
 def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | None, source: str = EVALUATION_HAYSTACK,
                    length: int = 4096, samples: int = 2, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
                    chunk_size: int = 512, edges: Sequence[int] | None = None, prefix: int | None = None,
-                   kv_budget: float | None = None, scores: Pattern | None = None,
+                   kv_budget: float | None = None, scores: Pattern | None = None, kv_dtype: str | None = None,
                    out_dir: str | Path | None = None, progress: bool = True) -> dict:
     """Perplexity of `samples` windows of `length` tokens of `source`; writes perplexity.json and
-    perplexity.png (perplexity per bucket, one line per mode) into `out_dir` when given."""
+    perplexity.png (perplexity per bucket, one line per mode) into `out_dir` when given. kv_dtype: "int8" /
+    "int4" quantizes every mode's KV cache (None: the model's dtype)."""
     if length > model.config.max_position_embeddings:
         raise DuoJaxError(f"length {length} exceeds the model's context of {model.config.max_position_embeddings}")
     if samples < 1:
@@ -175,11 +179,11 @@ def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | Non
     tokens = text_windows(model, source, length, samples)
     results = evaluate_perplexity(model, tokens, modes, pattern=pattern, sparsity=sparsity, sink=sink,
                                   recent=recent, chunk_size=chunk_size, edges=edges, prefix=prefix,
-                                  kv_budget=kv_budget, scores=scores, progress=progress)
+                                  kv_budget=kv_budget, scores=scores, kv_dtype=kv_dtype, progress=progress)
     results = dict(task="perplexity", model=model.config.name, source_text=source, calibration_overlap=overlap,
                    length=length, samples=samples,
                    sparsity=sparsity, sink=sink, recent=recent, chunk_size=chunk_size, prefix=prefix,
-                   kv_budget=kv_budget,
+                   kv_budget=kv_budget, kv_dtype=kv_dtype,
                    dtype=str(model.params.dtype), wall_s=time.perf_counter() - start,
                    machine=report.machine_info(), **results)
     if out_dir is not None:

@@ -15,6 +15,12 @@ prompt is exact and compresses once at its end (as the DuoAttention paper runs t
 smaller chunks bound memory. Keys are cached after RoPE at absolute positions. The cache also holds each
 slot's position (int32) and score (float32), counted in its bytes. Attention probabilities are
 materialised (`duo_jax.attention.probs`), which is what these methods need and what flash kernels do not give.
+
+With `kv_dtype` "int8" / "int4" the kept keys and values are a `duo_jax.quant.QuantizedKV` (codes + a bf16
+scale per token and head, stored through `quant.kv_rotation` as duo's are: queries rotated alike, outputs
+rotated back): each step's new tokens are quantized once, when they enter the candidates, and eviction moves
+codes and scales together, so a kept token is never re-quantized. The candidates (the budget plus the chunk,
+not the context) are dequantized for the step's attention.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rope
+from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
+                           rotate)
 
 
 @jax.tree_util.register_dataclass
@@ -48,16 +56,21 @@ class _Eviction(Method):
     num_kv_heads: int
     head_dim: int
     budget: int
+    kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`)
 
     def init_cache(self, batch: int, dtype) -> tuple[EvictionLayerCache, ...]:
         slots = (batch, self.num_kv_heads, self.budget)
-        return tuple(EvictionLayerCache(jnp.zeros(slots + (self.head_dim,), dtype),
-                                        jnp.zeros(slots + (self.head_dim,), dtype),
-                                        jnp.full(slots, -1, jnp.int32), jnp.zeros(slots, jnp.float32))
+
+        def zeros():
+            shape = slots + (self.head_dim,)
+            return jnp.zeros(shape, dtype) if self.kv_dtype is None else kv_zeros(shape, self.kv_dtype, dtype)
+
+        return tuple(EvictionLayerCache(zeros(), zeros(), jnp.full(slots, -1, jnp.int32), jnp.zeros(slots, jnp.float32))
                      for _ in range(self.num_layers))
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        per_slot = 2 * self.head_dim * bytes_per_elem + 4 + 4  # K, V, position, score
+        vector = kv_bytes_per_vector(self.head_dim, check_kv_dtype(self.kv_dtype), bytes_per_elem)
+        per_slot = 2 * vector + 4 + 4  # K, V, position, score
         return batch * self.num_layers * self.num_kv_heads * self.budget * per_slot
 
     @abc.abstractmethod
@@ -68,23 +81,31 @@ class _Eviction(Method):
     def attend(self, layer, q, k, v, cache: EvictionLayerCache, step: Step, shared):
         q = apply_rope(q, step.positions, step.inv_freq)
         k = apply_rope(k, step.positions, step.inv_freq)
+        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
+        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
+            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
         B, T = step.positions.shape
         K = self.num_kv_heads
-        # Candidates: the kept tokens, then this step's tokens. [B, K, N + T, ...]
-        keys = jnp.concatenate([cache.k, jnp.swapaxes(k, 1, 2).astype(cache.k.dtype)], axis=2)
-        values = jnp.concatenate([cache.v, jnp.swapaxes(v, 1, 2).astype(cache.v.dtype)], axis=2)
+
+        def candidates(kept, new):  # the kept tokens, then this step's tokens (quantized once, here): [B, K, N + T, E]
+            new = as_stored(jnp.swapaxes(new, 1, 2), kept)
+            return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=2), kept, new)
+
+        keys, values = candidates(cache.k, k), candidates(cache.v, v)
         new_positions = jnp.broadcast_to(jnp.where(step.valid, step.positions, -1)[:, None], (B, K, T))
         positions = jnp.concatenate([cache.positions, new_positions], axis=2)
         visible = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= step.positions[:, None, :, None])
-        out, probs = attention_probs(q, keys, values, visible)  # probs [B, K, G, T, N + T]
+        out, probs = attention_probs(q, dequantize(keys), dequantize(values), visible)  # probs [B, K, G, T, N + T]
+        if rotation is not None:
+            out = rotate(out, rotation.T)
         received = jnp.einsum("bkgts,bt->bks", probs, step.valid.astype(jnp.float32))
         scores = jnp.concatenate([cache.scores, jnp.zeros((B, K, T), jnp.float32)], axis=2) + received
         priority = jnp.where(positions >= 0, self.priority(positions, scores, probs, step), -jnp.inf)
         kept_priority, kept = jax.lax.top_k(priority, self.budget)  # [B, K, N]
 
-        def take(x):
-            index = kept.reshape(kept.shape + (1,) * (x.ndim - 3))
-            return jnp.take_along_axis(x, index, axis=2)
+        def take(x):  # codes and scales alike for a quantized cache
+            return jax.tree.map(lambda a: jnp.take_along_axis(a, kept.reshape(kept.shape + (1,) * (a.ndim - 3)),
+                                                              axis=2), x)
 
         return out, EvictionLayerCache(take(keys), take(values),
                                        jnp.where(kept_priority > -jnp.inf, take(positions), -1), take(scores))
@@ -115,21 +136,22 @@ class TOVA(_Eviction):
         return jnp.broadcast_to(jnp.mean(last, axis=(1, 2))[:, None], positions.shape)
 
 
-@register("h2o", options=("kv_budget", "recent"), budget=kv_budget_only,
+@register("h2o", options=("kv_budget", "recent"), budget=kv_budget_only, quantized_kv=True,
           summary="H2O: heavy hitters by accumulated attention + the recent newest tokens, kv_budget per head")
-def make_h2o(config: ModelConfig, *, context: int, kv_budget: int | None = None, recent: int | None = None) -> H2O:
+def make_h2o(config: ModelConfig, *, context: int, kv_budget: int | None = None, recent: int | None = None,
+             kv_dtype: str | None = None) -> H2O:
     """`recent` defaults to kv_budget // 2 (the paper's equal split)."""
     if kv_budget is None:
         raise DuoJaxError("method 'h2o' needs kv_budget (tokens kept per KV head)")
     recent = int(kv_budget) // 2 if recent is None else recent
     if not 0 <= recent <= kv_budget:
         raise DuoJaxError(f"h2o's recent window must lie in [0, kv_budget={kv_budget}], got {recent}")
-    return H2O(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), recent)
+    return H2O(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype, recent=recent)
 
 
-@register("tova", options=("kv_budget",), budget=kv_budget_only,
+@register("tova", options=("kv_budget",), budget=kv_budget_only, quantized_kv=True,
           summary="TOVA: the tokens the newest query attends to most (layer-wide), kv_budget per head")
-def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None) -> TOVA:
+def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None, kv_dtype: str | None = None) -> TOVA:
     if kv_budget is None:
         raise DuoJaxError("method 'tova' needs kv_budget (tokens kept per KV head)")
-    return TOVA(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget))
+    return TOVA(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype)

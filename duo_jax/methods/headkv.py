@@ -87,15 +87,17 @@ def duo_headkv_budget(config: ModelConfig, kv_budget: int, *, sink: int, recent:
 
 
 @register("headkv", options=("kv_budget", "scores", "beta", "window", "kernel", "pooling"), budget=headkv_budget,
+          quantized_kv=True,
           summary="HeadKV: SnapKV with per-head budgets from head scores (scores=PATH, 'default' or a Pattern)")
 def make_headkv(config: ModelConfig, *, context: int, scores=None, kv_budget: int | None = None,
-                beta: float = 1.2, window: int = 8, kernel: int = 7, pooling: str = "max") -> SnapKV:
+                beta: float = 1.2, window: int = 8, kernel: int = 7, pooling: str = "max",
+                kv_dtype: str | None = None) -> SnapKV:
     """HeadKV with `kv_budget` tokens per KV head on average (window included) shared out by `scores`
     ([layers, kv_heads]: a `Pattern` from `duo_jax.head_scores.score_heads`, a path to one, or 'default')."""
     scores = _required_scores(scores, config, "headkv")
     budgets = headkv_budgets(_score_grid(config, scores), base_budget(kv_budget, window), beta)
     return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context),
-                  tuple(map(tuple, budgets.tolist())), window, kernel, pooling, name="headkv")
+                  tuple(map(tuple, budgets.tolist())), window, kernel, pooling, name="headkv", kv_dtype=kv_dtype)
 
 
 # --- DuoAttention with HeadKV inside its retrieval heads ------------------------------------------------

@@ -41,6 +41,15 @@ E = 128).
 
 PyramidKV (`pyramid_budgets`) is this selection with per-layer budgets that shrink from the bottom layer to
 the top; HeadKV (`duo_jax.methods.headkv`) with per-head budgets.
+
+Quantized (`kv_dtype` "int8" / "int4", `duo_jax.quant`): the prefill cache, the kept prompt tokens and the ring
+of new tokens hold codes + a bf16 scale per token and head, stored through `quant.kv_rotation` as duo's are
+(queries rotated alike, the query ring holds rotated queries, outputs rotated back; the votes q.k are
+unchanged). A token is quantized once, when written; compression moves codes and scales together. Prefill
+attends through the dispatch (the decode kernels read codes; the XLA path dequantizes per key tile); the votes
+read one layer's prefill keys dequantized (a transient of that layer, once, at compression); decode dequantizes
+the kept tokens and the ring (the budget plus the generated tokens) for its scored attention. The query ring
+stays in the model's dtype (it is not K / V).
 """
 
 from __future__ import annotations
@@ -57,10 +66,12 @@ from duo_jax.attention import masked_softmax
 from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.methods.duo import retrieval_attention
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rope
+from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
+                           rotate)
 
 POOLINGS = ("max", "avg")
 
@@ -154,17 +165,25 @@ class CompressedShared:
         return cls(jnp.where(keep, step.positions % room, room), jnp.where(step.valid, step.positions, -1))
 
 
-def empty_compressed(batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, dtype) -> CompressedLayerCache:
+def kv_array(shape: tuple[int, ...], dtype, kv_dtype: str | None):
+    """Zeros for keys or values of logical `shape` [..., E]: in `dtype`, or quantized (`duo_jax.quant`)."""
+    return jnp.zeros(shape, dtype) if kv_dtype is None else kv_zeros(shape, kv_dtype, dtype)
+
+
+def empty_compressed(batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, dtype,
+                     kv_dtype: str | None = None) -> CompressedLayerCache:
     """One layer's empty decode cache for len(head_slots) KV heads."""
     n, K, E = sum(head_slots), len(head_slots), head_dim
-    return CompressedLayerCache(jnp.zeros((batch, n, E), dtype), jnp.zeros((batch, n, E), dtype),
-                                jnp.full((batch, n), -1, jnp.int32), jnp.zeros((batch, room, K, E), dtype),
-                                jnp.zeros((batch, room, K, E), dtype), jnp.full((batch, room), -1, jnp.int32))
+    return CompressedLayerCache(kv_array((batch, n, E), dtype, kv_dtype), kv_array((batch, n, E), dtype, kv_dtype),
+                                jnp.full((batch, n), -1, jnp.int32), kv_array((batch, room, K, E), dtype, kv_dtype),
+                                kv_array((batch, room, K, E), dtype, kv_dtype), jnp.full((batch, room), -1, jnp.int32))
 
 
-def compressed_nbytes(batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, bytes_per_elem: int) -> int:
-    """Size of one layer's decode cache: batch * [sum(head_slots) * (2 E bytes + 4) + room * (2 K E bytes + 4)]."""
-    kv = 2 * head_dim * bytes_per_elem
+def compressed_nbytes(batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, bytes_per_elem: int,
+                      kv_dtype: str | None = None) -> int:
+    """Size of one layer's decode cache: batch * [sum(head_slots) * (2 V + 4) + room * (2 K V + 4)], V the bytes
+    of one key (`duo_jax.quant.kv_bytes_per_vector`: E bytes, or codes + scale when quantized)."""
+    kv = 2 * kv_bytes_per_vector(head_dim, check_kv_dtype(kv_dtype), bytes_per_elem)
     return batch * (sum(head_slots) * (kv + 4) + room * (len(head_slots) * kv + 4))
 
 
@@ -173,26 +192,29 @@ def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple
     """New tokens over one layer's decode cache: q [B, T, H, E] and k [B, T, K, E] after RoPE, v [B, T, K, E].
 
     Each KV head sees its kept prompt tokens, the tokens generated so far and the chunk up to the query.
-    Returns the output [B, T, H, E] and the cache with the chunk written into the ring."""
+    Returns the output [B, T, H, E] and the cache with the chunk written into the ring. A quantized cache
+    (`duo_jax.quant.QuantizedKV`) quantizes the chunk once and is read dequantized."""
     B, T, H, E = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, H // K, E)
+    k, v = as_stored(k, cache.new_k), as_stored(v, cache.new_v)  # quantized once, when the cache is
+    kept_k, kept_v = dequantize(cache.k), dequantize(cache.v)
     # The kept prompt tokens. Equal budgets: a [B, K, n, E] view; otherwise every query head scores every
     # slot and a mask keeps its own head's (K times the score FLOPs, on a cache that stays exact).
     uniform = len(set(head_slots)) == 1
     if uniform:
         n = head_slots[0]
-        prompt_scores = jnp.einsum("btkge,bkne->bkgtn", q, cache.k.reshape(B, K, n, E),
+        prompt_scores = jnp.einsum("btkge,bkne->bkgtn", q, kept_k.reshape(B, K, n, E),
                                    preferred_element_type=jnp.float32)
         prompt_mask = (cache.positions.reshape(B, K, n) >= 0)[:, :, None, None, :]
     else:
-        prompt_scores = jnp.einsum("btkge,bne->bkgtn", q, cache.k, preferred_element_type=jnp.float32)
+        prompt_scores = jnp.einsum("btkge,bne->bkgtn", q, kept_k, preferred_element_type=jnp.float32)
         owner = np.repeat(np.arange(K), head_slots)  # [N]: the KV head of each slot
         own = jnp.asarray(owner[None, :] == np.arange(K)[:, None])  # [K, N]
         prompt_mask = (own[None] & (cache.positions >= 0)[:, None, :])[:, :, None, None, :]
     # The generated tokens so far, then this chunk (causal).
-    keys = jnp.concatenate([cache.new_k, k.astype(cache.new_k.dtype)], axis=1)  # [B, R + T, K, E]
-    values = jnp.concatenate([cache.new_v, v.astype(cache.new_v.dtype)], axis=1)
+    keys = dequantize(concat_slots(cache.new_k, k))  # [B, R + T, K, E]
+    values = dequantize(concat_slots(cache.new_v, v))
     key_positions = jnp.concatenate([cache.new_positions, shared.new_key_positions], axis=1)  # [B, R + T]
     new_mask = (key_positions[:, None, :] >= 0) & (key_positions[:, None, :] <= step.positions[:, :, None])
     new_scores = jnp.einsum("btkge,bske->bkgts", q, keys, preferred_element_type=jnp.float32)
@@ -201,11 +223,11 @@ def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple
     probs = masked_softmax(jnp.concatenate([prompt_scores, new_scores], axis=-1) / math.sqrt(E),
                            jnp.concatenate([jnp.broadcast_to(prompt_mask, prompt_scores.shape),
                                             jnp.broadcast_to(new_mask[:, None, None], new_scores.shape)], -1))
-    prompt_probs, new_probs = probs[..., :n_prompt].astype(v.dtype), probs[..., n_prompt:].astype(v.dtype)
+    prompt_probs, new_probs = probs[..., :n_prompt].astype(values.dtype), probs[..., n_prompt:].astype(values.dtype)
     if uniform:
-        out = jnp.einsum("bkgtn,bkne->btkge", prompt_probs, cache.v.reshape(B, K, head_slots[0], E))
+        out = jnp.einsum("bkgtn,bkne->btkge", prompt_probs, kept_v.reshape(B, K, head_slots[0], E))
     else:
-        out = jnp.einsum("bkgtn,bne->btkge", prompt_probs, cache.v)
+        out = jnp.einsum("bkgtn,bne->btkge", prompt_probs, kept_v)
     out = out + jnp.einsum("bkgts,bske->btkge", new_probs, values)
 
     batch = jnp.arange(B)[:, None]
@@ -222,14 +244,15 @@ def compress_layer(queries, keys, values, lengths, empty: CompressedLayerCache, 
     # Every head ends with the same window slots: the whole window, or all of its slots when the prompts are
     # shorter than the window (then no head selects anything; see `SnapKV.compressed`).
     window_slots = min(window, head_slots[0])
-    positions = kept_positions(queries, keys, lengths, selected=tuple(n - window_slots for n in head_slots),
+    positions = kept_positions(queries, dequantize(keys), lengths, selected=tuple(n - window_slots for n in head_slots),
                                window=window, window_slots=window_slots, kernel=kernel, pooling=pooling)
     owner = jnp.asarray(np.repeat(np.arange(len(head_slots)), head_slots))[None, :]  # [1, N]
     batch = jnp.arange(lengths.shape[0])[:, None]
     filled = (positions >= 0)[..., None]
 
-    def take(x):
-        return jnp.where(filled, x[batch, jnp.maximum(positions, 0), owner], 0).astype(x.dtype)
+    def take(x):  # codes and scales alike for a quantized cache
+        return jax.tree.map(lambda a: jnp.where(filled, a[batch, jnp.maximum(positions, 0), owner], 0).astype(a.dtype),
+                            x)
 
     return dataclasses.replace(empty, k=take(keys), v=take(values), positions=positions)
 
@@ -253,12 +276,14 @@ class CompressedKV(Method):
     head_slots: tuple[tuple[int, ...], ...]  # [L][K]: kept prompt slots per KV head
     room: int  # ring slots for the tokens after the prompt
     name: str = "snapkv"
+    kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`)
 
     def init_cache(self, batch: int, dtype) -> tuple[CompressedLayerCache, ...]:
-        return tuple(empty_compressed(batch, slots, self.room, self.head_dim, dtype) for slots in self.head_slots)
+        return tuple(empty_compressed(batch, slots, self.room, self.head_dim, dtype, self.kv_dtype)
+                     for slots in self.head_slots)
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        return sum(compressed_nbytes(batch, slots, self.room, self.head_dim, bytes_per_elem)
+        return sum(compressed_nbytes(batch, slots, self.room, self.head_dim, bytes_per_elem, self.kv_dtype)
                    for slots in self.head_slots)
 
     def begin_step(self, step: Step) -> CompressedShared:
@@ -266,7 +291,11 @@ class CompressedKV(Method):
 
     def attend(self, layer, q, k, v, cache: CompressedLayerCache, step: Step, shared: CompressedShared):
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
-        return compressed_attention(q, k, v, cache, self.head_slots[layer], step, shared)
+        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
+        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
+            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        out, cache = compressed_attention(q, k, v, cache, self.head_slots[layer], step, shared)
+        return (out if rotation is None else rotate(out, rotation.T)), cache
 
 
 # --- the prefill method -------------------------------------------------------------------------------
@@ -304,6 +333,7 @@ class SnapKV(Method):
     pooling: str = "avg"
     name: str = "snapkv"
     pyramid_beta: float | None = None  # PyramidKV: re-spread the budgets over the layers for short prompts
+    kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`; the query ring is not)
 
     def __post_init__(self):
         check_selection(self.window, self.kernel, self.pooling)
@@ -317,13 +347,15 @@ class SnapKV(Method):
     def init_cache(self, batch: int, dtype) -> tuple[PrefillLayerCache, ...]:
         kv = (batch, self.capacity, self.num_kv_heads, self.head_dim)
         ring = (batch, self.window, self.num_heads, self.head_dim)
-        return tuple(PrefillLayerCache(jnp.zeros(kv, dtype), jnp.zeros(kv, dtype), jnp.zeros(ring, dtype))
-                     for _ in range(self.num_layers))
+        return tuple(PrefillLayerCache(kv_array(kv, dtype, self.kv_dtype), kv_array(kv, dtype, self.kv_dtype),
+                                       jnp.zeros(ring, dtype)) for _ in range(self.num_layers))
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        """batch * L * E * bytes * (2 C K + window H)."""
-        per_layer = 2 * self.capacity * self.num_kv_heads + self.window * self.num_heads
-        return batch * self.num_layers * self.head_dim * bytes_per_elem * per_layer
+        """batch * L * (2 C K V + window H E bytes), V the bytes of one key (`duo_jax.quant.kv_bytes_per_vector`)."""
+        vector = kv_bytes_per_vector(self.head_dim, check_kv_dtype(self.kv_dtype), bytes_per_elem)
+        ring = self.window * self.num_heads * self.head_dim * bytes_per_elem
+        per_layer = 2 * self.capacity * self.num_kv_heads * vector + ring
+        return batch * self.num_layers * per_layer
 
     def begin_step(self, step: Step) -> PrefillShared:
         in_window = step.valid & (step.positions >= step.new_lengths[:, None] - self.window)
@@ -332,9 +364,13 @@ class SnapKV(Method):
 
     def attend(self, layer, q, k, v, cache: PrefillLayerCache, step: Step, shared: PrefillShared):
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
+        if rotation is not None:  # a quantized cache holds k R and v R; the ring holds q R (votes: q R (k R)^T)
+            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
         keys = write_slots(cache.k, shared.kv_slots, k)
         values = write_slots(cache.v, shared.kv_slots, v)
         out = retrieval_attention(q, keys, values, step)
+        out = out if rotation is None else rotate(out, rotation.T)
         return out, PrefillLayerCache(keys, values, write_slots(cache.queries, shared.query_slots, q))
 
     def prompt_budgets(self, longest: int) -> tuple[tuple[int, ...], ...]:
@@ -349,7 +385,7 @@ class SnapKV(Method):
     def compressed(self, longest: int) -> CompressedKV:
         """The decode method after a prefill whose longest prompt has `longest` tokens."""
         slots, room = decode_shape(self.prompt_budgets(longest), self.window, self.capacity, longest)
-        return CompressedKV(self.num_kv_heads, self.head_dim, slots, room, self.name)
+        return CompressedKV(self.num_kv_heads, self.head_dim, slots, room, self.name, self.kv_dtype)
 
     def after_prefill(self, cache, lengths):
         decode = self.compressed(int(jnp.max(lengths)))
@@ -359,7 +395,7 @@ class SnapKV(Method):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _compress(method: SnapKV, decode: CompressedKV, cache: tuple[PrefillLayerCache, ...], lengths: jax.Array):
     """The prefill cache -> the decode cache, layer by layer."""
-    empty = decode.init_cache(lengths.shape[0], cache[0].k.dtype)
+    empty = decode.init_cache(lengths.shape[0], cache[0].queries.dtype)  # the model's dtype
     return tuple(compress_layer(layer.queries, layer.k, layer.v, lengths, new, slots, window=method.window,
                                 kernel=method.kernel, pooling=method.pooling)
                  for layer, new, slots in zip(cache, empty, decode.head_slots))
@@ -377,16 +413,16 @@ def base_budget(kv_budget, window: int) -> int:
     return int(kv_budget) - window
 
 
-@register("snapkv", options=("kv_budget", "window", "kernel", "pooling"), budget=kv_budget_only,
+@register("snapkv", options=("kv_budget", "window", "kernel", "pooling"), budget=kv_budget_only, quantized_kv=True,
           summary="SnapKV: exact prefill, then per KV head the kv_budget tokens the last window queries vote for")
 def make_snapkv(config: ModelConfig, *, context: int, kv_budget: int | None = None, window: int = 32,
-                kernel: int = 5, pooling: str = "avg") -> SnapKV:
+                kernel: int = 5, pooling: str = "avg", kv_dtype: str | None = None) -> SnapKV:
     """SnapKV: every KV head keeps `kv_budget` prompt tokens, the last `window` included (the original's
     max_capacity_prompt). Defaults are the SnapKV release's: window 32, average pooling over 5 tokens."""
     budget = base_budget(kv_budget, window)
     budgets = ((budget,) * config.num_kv_heads,) * config.num_layers
     return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
-                  window, kernel, pooling)
+                  window, kernel, pooling, kv_dtype=kv_dtype)
 
 
 def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: int | None = None) -> list[int]:
@@ -413,9 +449,10 @@ def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: i
 
 
 @register("pyramidkv", options=("kv_budget", "window", "kernel", "pooling", "beta"), budget=kv_budget_only,
+          quantized_kv=True,
           summary="PyramidKV: SnapKV with per-layer budgets shrinking bottom to top (beta 20), kv_budget on average")
 def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int | None = None, beta: float = 20.0,
-                   window: int = 32, kernel: int = 5, pooling: str = "avg") -> SnapKV:
+                   window: int = 32, kernel: int = 5, pooling: str = "avg", kv_dtype: str | None = None) -> SnapKV:
     """PyramidKV: SnapKV selection, `kv_budget` tokens per KV head on average (window included), spread over
     the layers by `pyramid_budgets` (beta 20 as the paper); after a prompt whose prefix is shorter than the
     bottom layer's budget, the surplus moves to the upper layers (`SnapKV.prompt_budgets`; with a batch of
@@ -423,4 +460,4 @@ def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int | None =
     budget = base_budget(kv_budget, window)
     budgets = tuple((b,) * config.num_kv_heads for b in pyramid_budgets(config.num_layers, budget, beta))
     return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
-                  window, kernel, pooling, name="pyramidkv", pyramid_beta=float(beta))
+                  window, kernel, pooling, name="pyramidkv", pyramid_beta=float(beta), kv_dtype=kv_dtype)

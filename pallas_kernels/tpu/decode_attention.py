@@ -20,11 +20,20 @@ issue no DMA, and `pl.when` skips their math. The grid is
 (batch, split, block): splits are independent ("parallel", so a megacore TPU
 shares them between its cores) and each returns a partial (o, m, l); a cheap
 jnp reduction combines them with log-sum-exp rescaling.
+
+A quantized cache (`kv_quant` "int8" / "int4", the layout of `duo_jax.quant.QuantizedKV`) is read in place
+the same way: codes viewed as [B, S, Hkv * D] (or [B, S, Hkv * D/2] for int4) and scales as [B, S, Hkv]
+(both free reshapes), so a grid step DMAs the quantized bytes; the kernel picks KV head h's scale column
+with a masked lane sum and dequantizes the tile in VMEM (`_common.dequantize_tile`). int4's two nibble halves
+are dotted with the matching halves of the query and accumulate into two halves of the output, each on a
+leading dim. Tested in TPU interpret mode and lowered for TPU from a CPU host (`jax.export`); Mosaic's own
+compilation (layouts of int8 lane slices) happens only on a TPU and has not run here.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +46,15 @@ from pallas_kernels.tpu import _mosaic
 
 
 def _split_kernel(lengths_ref,  # scalar prefetch
-                  q_ref, k_ref, v_ref,  # inputs
-                  o_ref, m_ref, l_ref,  # outputs (partial, per split)
-                  m_scr, l_scr, acc_scr,  # scratch
-                  *, scale: float, block_k: int, blocks_per_split: int):
+                  q_ref, k_ref, v_ref, *refs,  # inputs (+ scales when quantized), outputs, scratch
+                  scale: float, block_k: int, blocks_per_split: int, kv_quant: str | None):
+    if kv_quant is None:
+        (o_ref, m_ref, l_ref, m_scr, l_scr, acc_scr), k_scale_ref, v_scale_ref = refs, None, None
+    else:
+        k_scale_ref, v_scale_ref, o_ref, m_ref, l_ref, m_scr, l_scr, acc_scr = refs
     b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first_key = (split * blocks_per_split + step) * block_k
-    num_kv_heads, group, head_dim = q_ref.shape  # [Hkv, G, D]
+    num_kv_heads, parts, group, width = q_ref.shape  # [Hkv, parts, G, D / parts]
 
     @pl.when(step == 0)
     def _init():
@@ -51,22 +62,32 @@ def _split_kernel(lengths_ref,  # scalar prefetch
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
+    def head_tile(ref, scale_ref, h):  # KV head h's keys or values [bk, D / parts] per part
+        codes, column = ref[:, pl.ds(h * width, width)], None
+        if scale_ref is not None:  # its scales [bk, 1]: lane h of the [bk, Hkv] tile, by a masked lane sum
+            scales = scale_ref[...].astype(jnp.float32)
+            lane = lax.broadcasted_iota(jnp.int32, scales.shape, 1)
+            column = jnp.sum(jnp.where(lane == h, scales, 0.0), axis=1, keepdims=True)
+        return _common.dequantize_tile(codes, column, kv_quant, q_ref.dtype)
+
     @pl.when(first_key < lengths_ref[b])
     def _accumulate():
         cols = first_key + lax.broadcasted_iota(jnp.int32, (group, block_k), 1)
         mask = cols < lengths_ref[b]
         for h in range(num_kv_heads):  # static: KV head h and its G query heads
-            lanes = pl.ds(h * head_dim, head_dim)
-            k, v = k_ref[:, lanes], v_ref[:, lanes]  # [bk, D]
-            s = jnp.einsum("gd,kd->gk", q_ref[h], k, preferred_element_type=jnp.float32) * scale
+            ks, vs = head_tile(k_ref, k_scale_ref, h), head_tile(v_ref, v_scale_ref, h)
+            s = functools.reduce(operator.add, [
+                jnp.einsum("gd,kd->gk", q_ref[h, i], k, preferred_element_type=jnp.float32)
+                for i, k in enumerate(ks)]) * scale
             s = jnp.where(mask, s, _common.MASK_VALUE)
             m = m_scr[h]  # [G, 1]
             m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
             correction = jnp.exp(m - m_new)
             l_scr[h] = correction * l_scr[h] + p.sum(axis=-1, keepdims=True)
-            acc_scr[h] = correction * acc_scr[h] + jnp.einsum(
-                "gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            for i, v in enumerate(vs):
+                acc_scr[h, i] = correction * acc_scr[h, i] + jnp.einsum(
+                    "gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             m_scr[h] = m_new
 
     @pl.when(step == pl.num_programs(2) - 1)
@@ -78,18 +99,23 @@ def _split_kernel(lengths_ref,  # scalar prefetch
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      scale: float | None = None, block_k: int = 128, num_splits: int = 16,
-                     interpret=None) -> jax.Array:
+                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                     kv_quant: str | None = None, interpret=None) -> jax.Array:
     """Single-token attention over a KV cache on TPU, split along the keys.
 
     Args:
       q: [B, Hq, D] one query per sequence.
-      k, v: [B, S, Hkv, D] cache; Hq % Hkv == 0.
+      k, v: [B, S, Hkv, D] cache; Hq % Hkv == 0. With `kv_quant`, the cache's int8 codes instead:
+        [B, S, Hkv, D] for "int8", [B, S, Hkv, D/2] for "int4" (two per byte, `_common.unpack_int4_halves`).
       lengths: int32 [B] (may be traced); sequence b attends to keys j < lengths[b] (clipped to
         S). A sequence with length 0 gets a zero output.
       scale: softmax scale, default 1 / sqrt(D).
       block_k: keys per grid step, a multiple of 128 (shrunk for short caches).
       num_splits: the most chunks the keys are split into, each a whole number of blocks (the last may
         have fewer).
+      k_scale, v_scale: with `kv_quant`, the codes' scales [B, S, Hkv, 1] (one per token and head).
+      kv_quant: None (k / v are values), "int8" or "int4": each tile of codes is dequantized in the kernel
+        (codes * scale, in q's dtype) before its dots; the cache is never dequantized whole.
       interpret: None = TPU interpret mode unless running on (or lowering for) a TPU, where the
         kernels compile; True = JAX's generic interpreter (works under jax.checkpoint); a
         pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
@@ -97,11 +123,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     Returns:
       [B, Hq, D] like q.
     """
-    _common.check_qkv(q, k, v, q_ndim=3)
+    _common.check_decode_cache(q, k, v, k_scale, v_scale, kv_quant)
     _mosaic.check_tpu_block("block_k", block_k)
     _common.check_block("num_splits", num_splits)
     batch, num_heads, head_dim = q.shape
     seq_k, num_kv_heads = k.shape[1], k.shape[2]
+    parts = _common.kv_parts(kv_quant)
+    width = head_dim // parts
     scale = _common.default_scale(head_dim, scale)
     interpret = _mosaic.interpret_mode(interpret)
     lengths = jnp.minimum(_common.per_batch(lengths, batch, seq_k), seq_k)
@@ -110,45 +138,46 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     num_blocks = _common.cdiv(seq_k, block_k)
     blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
     num_splits = _common.cdiv(num_blocks, blocks_per_split)
-    # [B, S, Hkv, D] -> [B, S', Hkv * D]: free reshape; S' pads S to whole blocks (a no-op for a cache of
-    # whole blocks). The last split may be shorter: its steps past the cache map to the last valid block and
-    # are skipped, so any cache size gets about num_splits splits.
-    k, v = (_mosaic.pad_axis(x, 1, block_k).reshape(
-        batch, -1, num_kv_heads * head_dim) for x in (k, v))
+    # [B, S, Hkv, W] -> [B, S', Hkv * W]: free reshape (W = D, or D/2 for int4 codes; scales: W = 1); S' pads S
+    # to whole blocks (a no-op for a cache of whole blocks). The last split may be shorter: its steps past the
+    # cache map to the last valid block and are skipped, so any cache size gets about num_splits splits.
+    cache = [k, v] + ([] if kv_quant is None else [k_scale, v_scale])
+    cache = [_mosaic.pad_axis(x, 1, block_k).reshape(batch, -1, num_kv_heads * x.shape[-1]) for x in cache]
 
     def kv_map(b, split, step, lengths_ref):  # Blocks past the length repeat the last valid one.
         last_valid = jnp.maximum(_common.cdiv(lengths_ref[b], block_k) - 1, 0)
         return b, jnp.minimum(split * blocks_per_split + step, last_valid), 0
 
-    # Query heads grouped by KV head, [B, Hkv, G, D]: the kernel indexes KV head h on the leading dim.
+    # Query heads grouped by KV head, each head's D elements in `parts` (int4's nibble halves):
+    # [B, Hkv, parts, G, D / parts]; the kernel indexes KV head h and part i on leading dims.
     group = num_heads // num_kv_heads
-    q = q.reshape(batch, num_kv_heads, group, head_dim)
-    kv_tile = pl.BlockSpec((None, block_k, num_kv_heads * head_dim), kv_map)
-    per_split = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, None, num_kv_heads, group, width), lambda b, split, step, _: (b, split, 0, 0, 0))
-    partial_out = lambda width: jax.ShapeDtypeStruct(  # noqa: E731
-        (batch, num_splits, num_kv_heads, group, width), jnp.float32)
+    q = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, parts, width), 2, 3)
+    kv_tiles = [pl.BlockSpec((None, block_k, x.shape[-1]), kv_map) for x in cache]
+    per_split = lambda *shape: pl.BlockSpec(  # noqa: E731
+        (None, None, num_kv_heads) + shape, lambda b, split, step, _: (b, split) + (0,) * (1 + len(shape)))
+    partial_out = lambda *shape: jax.ShapeDtypeStruct(  # noqa: E731
+        (batch, num_splits, num_kv_heads) + shape, jnp.float32)
     o, m, l = pl.pallas_call(
         functools.partial(_split_kernel, scale=scale, block_k=block_k,
-                          blocks_per_split=blocks_per_split),
+                          blocks_per_split=blocks_per_split, kv_quant=kv_quant),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(batch, num_splits, blocks_per_split),
-            in_specs=[pl.BlockSpec((None, num_kv_heads, group, head_dim),
-                                   lambda b, split, step, _: (b, 0, 0, 0)),
-                      kv_tile, kv_tile],
-            out_specs=[per_split(head_dim), per_split(1), per_split(1)],
+            in_specs=[pl.BlockSpec((None, num_kv_heads, parts, group, width),
+                                   lambda b, split, step, _: (b, 0, 0, 0, 0))] + kv_tiles,
+            out_specs=[per_split(parts, group, width), per_split(group, 1), per_split(group, 1)],
             scratch_shapes=[pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
                             pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
-                            pltpu.VMEM((num_kv_heads, group, head_dim), jnp.float32)]),
-        out_shape=[partial_out(head_dim), partial_out(1), partial_out(1)],
+                            pltpu.VMEM((num_kv_heads, parts, group, width), jnp.float32)]),
+        out_shape=[partial_out(parts, group, width), partial_out(group, 1), partial_out(group, 1)],
         compiler_params=_mosaic.compiler_params(("parallel", "parallel", "arbitrary"), interpret),
         interpret=interpret,
         name="tpu_decode_attention_split",
-    )(lengths, q, k, v)
+    )(lengths, q, *cache)
 
     # Combine the splits: weight each by exp(m_split - m_max) (0 if it saw no key).
     weight = jnp.where(l > 0.0, jnp.exp(m - m.max(axis=1, keepdims=True)), 0.0)  # [B, splits, Hkv, G, 1]
     l_total = jnp.sum(weight * l, axis=1)  # [B, Hkv, G, 1]
-    o = jnp.sum(weight * o, axis=1) / jnp.where(l_total == 0.0, 1.0, l_total)
+    o = jnp.einsum("bshg,bshpgd->bhgpd", weight[..., 0], o)  # the parts back in order: [B, Hkv, G, parts, D/parts]
+    o = o / jnp.where(l_total == 0.0, 1.0, l_total)[..., None]
     return o.reshape(batch, num_heads, head_dim).astype(q.dtype)

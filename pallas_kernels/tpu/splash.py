@@ -31,7 +31,6 @@ key length. Traced or per-sequence offsets and lengths (chunked prefill) go to
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
