@@ -62,9 +62,10 @@ assert train_gates.main(args) == 0  # the same command again: resumes from check
 # what this process's devices hold of the weights train_gates loaded, and their values
 mesh = sharding.make_mesh(fsdp=2, seq=2)
 reads.clear()
-model = duo_jax.load(root / "model", np.float32, shardings=lambda shapes: sharding.weight_shardings(shapes, mesh))
+model = duo_jax.load(root / "model", np.float32, shardings=lambda shapes: sharding.weight_shardings(shapes, mesh),
+                     layout="stacked")
 assert sum(r.nbytes for r in reads) == sharded_reads  # one load reads what the one in train_gates read
-plain = duo_jax.load(root / "model", np.float32).params  # every byte of the checkpoint, on this host
+plain = duo_jax.load(root / "model", np.float32, layout="stacked").params  # every byte of the checkpoint, on this host
 held, equal = 0, True
 for x, whole in zip(jax.tree.leaves(model.params), jax.tree.leaves(plain)):
     blocks = {tuple(i.indices(d) for i, d in zip(s.index, x.shape)): s for s in x.addressable_shards}

@@ -5,7 +5,6 @@ cannot honour the window refuse it."""
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import ConfigError, DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import make_method
-from duo_jax.model import embed, mlp, output_projection, rms_norm, rope_inv_freq, unembed
+from duo_jax.model import embed, layer_at, mlp, output_projection, rms_norm, rope_inv_freq, unembed
 from duo_jax.pattern import Pattern
 from pallas_kernels.reference import attention_reference
 from tests.conftest import qkv_projection, run_method
@@ -181,7 +180,7 @@ def duo_reference(params, config, tokens, retrieval, *, sink, recent, windows):
     for l, window in enumerate(windows):
         full = (j <= i) & (True if window is None else i - j < window)
         streaming = full & ((j < sink) | (i - j <= recent))
-        layer = jax.tree.map(lambda w: w[l], params.layers)
+        layer = layer_at(params, l)
         q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
                                  rope_inv_freq(config))
         out_full, out_streaming = (attention_reference(q, k, v, jnp.asarray(mask)[None]) for mask in (full, streaming))
