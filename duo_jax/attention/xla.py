@@ -103,19 +103,25 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
     """One query block: q [B, T, K, G, E] -> (out [B, T, K, G, E] in q's dtype, lse float32 [B, K, G, T])."""
     B, T, K, G, E = q.shape
     ranges = _key_blocks(spec, q_pos, block_k)
+    # The query heads of a KV head and the block's queries as the rows of one matrix, [B, K, G*T, E], laid out
+    # once: each tile is then one [G*T, E] x [E, bk] matmul per (b, k). Contracting the [B, T, K, G, E] layout
+    # in place made XLA:CPU re-lay the queries out every tile (measured 1.6x slower on SmolLM2 prefill chunks).
+    rows = jnp.einsum("btkge->bkgte", q).reshape(B, K, G * T, E)
 
     def body(i, carry):
         m, l, acc = carry
         _, k_tile, v_tile, visible = _tile(spec, q_pos, k, v, i, ranges, block_k)
-        s = jnp.einsum("btkge,bske->bkgts", q, k_tile, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("bkxe,bske->bkxs", rows, k_tile, preferred_element_type=jnp.float32) * scale
+        s = s.reshape(B, K, G, T, -1)
         visible = visible[:, None, None]  # [B, 1, 1, T, bk]
         s = jnp.where(visible, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bkgts,bske->bkgte", p.astype(v_tile.dtype), v_tile, preferred_element_type=jnp.float32)
-        return m_new, l, acc * correction[..., None] + pv
+        pv = jnp.einsum("bkxs,bske->bkxe", p.reshape(B, K, G * T, -1).astype(v_tile.dtype), v_tile,
+                        preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[..., None] + pv.reshape(B, K, G, T, E)
 
     init = (jnp.full((B, K, G, T), _MASKED, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, E), jnp.float32))
