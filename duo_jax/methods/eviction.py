@@ -16,6 +16,13 @@ smaller chunks bound memory. Keys are cached after RoPE at absolute positions. T
 slot's position (int32) and score (float32), counted in its bytes. Attention probabilities are
 materialised (`duo_jax.attention.probs`), which is what these methods need and what flash kernels do not give.
 
+On a layer with a sliding window W (`Step.sliding_window`: Mistral's every layer, Qwen's windowed ones) the
+probabilities, and so H2O's accumulated scores and TOVA's, are those of the windowed attention (query p sees
+the kept tokens p - W < j <= p), and a token the next query can no longer see (j <= length - W, out of every
+future window: `duo_jax.methods.base.within_future_window`) is evicted first, whatever its score or
+recency, and never counted as kept. So such a layer keeps at most the W - 1 tokens before the next query,
+the budget applying among them; a budget of W - 1 or more keeps the windowed attention exact.
+
 With `kv_dtype` "int8" / "int4" the kept keys and values are a `duo_jax.quant.QuantizedKV` (codes + a bf16
 scale per token and head, stored through `quant.kv_rotation` as duo's are: queries rotated alike, outputs
 rotated back): each step's new tokens are quantized once, when they enter the candidates, and eviction moves
@@ -94,13 +101,14 @@ class _Eviction(Method):
         keys, values = candidates(cache.k, k), candidates(cache.v, v)
         new_positions = jnp.broadcast_to(jnp.where(step.valid, step.positions, -1)[:, None], (B, K, T))
         positions = jnp.concatenate([cache.positions, new_positions], axis=2)
-        visible = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= step.positions[:, None, :, None])
+        visible = step.sees(positions)  # [B, K, T, N + T]: causal, within the layer's window
         out, probs = attention_probs(q, dequantize(keys), dequantize(values), visible)  # probs [B, K, G, T, N + T]
         if rotation is not None:
             out = rotate(out, rotation.T)
         received = jnp.einsum("bkgts,bt->bks", probs, step.valid.astype(jnp.float32))
         scores = jnp.concatenate([cache.scores, jnp.zeros((B, K, T), jnp.float32)], axis=2) + received
-        priority = jnp.where(positions >= 0, self.priority(positions, scores, probs, step), -jnp.inf)
+        # Empty slots and the tokens out of every future query's window go first (and are dropped below).
+        priority = jnp.where(step.still_visible(positions), self.priority(positions, scores, probs, step), -jnp.inf)
         kept_priority, kept = jax.lax.top_k(priority, self.budget)  # [B, K, N]
 
         def take(x):  # codes and scales alike for a quantized cache
