@@ -6,6 +6,7 @@ and with a budget of the window (their rule: tokens out of every future window g
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,6 +47,26 @@ def prompt():
 
 def test_config_reads_the_window(models):
     assert models[1].config.sliding_window == WINDOW
+
+
+def test_mistral_gguf_reads_the_window(tmp_path):
+    """A Mistral written as llama.cpp converts it (architecture llama, Q / K rows permuted, the window as
+    `llama.attention.sliding_window`): the window is read onto every layer, and the model is the safetensors
+    one: equal config and weights, the same logits, transformers' within 1e-4."""
+    from tests.test_qwen_gguf import VOCAB, _tokenizer_fields, _trained_bpe, write_gguf
+
+    hf_model = write_random_hf_model(tmp_path, transformers.MistralConfig, dict(FIELDS, vocab_size=VOCAB))
+    path = tmp_path / "tiny-mistral.gguf"
+    write_gguf(path, hf_model, "llama", _tokenizer_fields(*_trained_bpe(), pre="llama-bpe"))
+    from_dir, from_gguf = duo_jax.load(tmp_path, dtype=jnp.float32), duo_jax.load(path, dtype=jnp.float32)
+    g = from_gguf.config
+    assert g.sliding_window == WINDOW and g.layer_windows() == (WINDOW, WINDOW)
+    assert g == dataclasses.replace(from_dir.config, name=g.name, rms_norm_eps=g.rms_norm_eps,
+                                    bos_token_id=g.bos_token_id, eos_token_ids=g.eos_token_ids)
+    jax.tree.map(np.testing.assert_array_equal, from_gguf.params, from_dir.params)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 3 * WINDOW)).astype(np.int32)
+    ours = np.asarray(duo_jax.forward(from_gguf.params, g, jnp.asarray(tokens)))
+    np.testing.assert_array_less(np.abs(ours - hf_logits(hf_model, tokens)).max(), 1e-4)
 
 
 def test_forward_matches_transformers(models, prompt):
