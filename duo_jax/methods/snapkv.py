@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax.attention import masked_softmax
+from duo_jax.attention import MaskSpec, masked_softmax
 from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
@@ -104,10 +104,10 @@ def window_votes(queries: jax.Array, keys: jax.Array, lengths: jax.Array, window
     C, K = keys.shape[1], keys.shape[2]
     q = queries.reshape(B, w, K, H // K, E)
     scores = jnp.einsum("bwkge,bcke->bkgwc", q, keys, preferred_element_type=jnp.float32) / math.sqrt(E)
-    query_positions = window_positions(lengths, w)[:, :, None]
-    visible = jnp.arange(C)[None, None, :] <= query_positions  # [B, w, C]; empty: none
-    if sliding_window is not None:
-        visible &= query_positions - jnp.arange(C)[None, None, :] < sliding_window
+    query_positions = window_positions(lengths, w)
+    # [B, w, C]: causal within the window (`MaskSpec.visible`); an empty ring slot (negative position) sees none
+    visible = MaskSpec(query_positions, lengths, window=sliding_window).visible(
+        query_positions[:, :, None], jnp.arange(C)[None, None, :], jnp.ones((1, 1, C), bool))
     votes = jnp.sum(masked_softmax(scores, visible[:, None, None]), axis=(2, 3))
     prefix = jnp.arange(C)[None, :] < (lengths - window)[:, None]  # [B, C]
     return jnp.where(prefix[:, None, :], votes, 0.0)
