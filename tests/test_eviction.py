@@ -121,6 +121,8 @@ def test_windowed_layer_matches_the_eviction_reference(params, prompt, rule, chu
         positions = np.asarray(layer.positions[0])
         assert [set(row[row >= 0].tolist()) for row in positions] == expected
     assert all(len(row) == min(budget, 4) for row in kept[1])  # at most the window's 4 tokens before the next
+    assert [layer.k.shape[2] for layer in cache] == [budget, min(budget, 4)]  # and no slot for more
+    assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
     assert max(len(row) for row in kept[0]) == budget
     # the window matters: the reference without it (every token visible) gives other logits
     assert np.abs(reference_logits(params, sequence, chunks, rule, budget, recent) - ref).max() > 1e-2

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax.attention import MaskSpec
+from duo_jax.errors import DuoJaxError
 from duo_jax.quant import QuantizedKV, as_stored
 
 if TYPE_CHECKING:
@@ -85,6 +86,16 @@ def within_future_window(key_positions: jax.Array, lengths: jax.Array, window: i
     if window is None:
         return filled
     return filled & (key_positions > lengths.reshape(lengths.shape + (1,) * (key_positions.ndim - 1)) - window)
+
+
+def check_windows(method: "Method", windows: tuple[int | None, ...] | None, layer: int, step: Step) -> None:
+    """DuoJaxError unless the sliding window the engine gives layer `layer` is the one `method` was built for
+    (`windows`, from `ModelConfig.layer_windows`; None: no window anywhere): SnapKV's compression after prefill,
+    outside the layer loop, selects within the windows it keeps; H2O / TOVA size each layer's cache by it."""
+    own = None if windows is None else windows[layer]
+    if own != step.sliding_window:
+        raise DuoJaxError(f"method {method.name!r} was built for sliding window {own} on layer {layer} but the "
+                          f"model has {step.sliding_window}: build it with this model's config (make_method)")
 
 
 class Method(abc.ABC):

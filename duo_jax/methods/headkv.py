@@ -37,13 +37,13 @@ import numpy as np
 from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, check_windows, write_slots
 from duo_jax.methods.duo import (DuoAttention, StreamingWindow, fit_window, merge_heads, num_retrieval_heads,
                                  split_heads)
 from duo_jax.methods.registry import register
 from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
-                                    check_selection, check_windows, compressed_attention, compressed_nbytes,
-                                    decode_shape, empty_compressed)
+                                    check_selection, compressed_attention, compressed_nbytes, decode_shape,
+                                    empty_compressed)
 from duo_jax.model import apply_rope
 from duo_jax.pattern import Pattern
 

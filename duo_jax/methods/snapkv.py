@@ -74,7 +74,7 @@ from duo_jax.attention import MaskSpec, masked_softmax
 from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, concat_slots, within_future_window, write_slots
+from duo_jax.methods.base import Method, Step, check_windows, concat_slots, within_future_window, write_slots
 from duo_jax.methods.duo import retrieval_attention
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rope
@@ -143,16 +143,6 @@ def kept_positions(queries, keys, lengths, *, selected: tuple[int, ...], window:
             parts.append(chosen[:, h, :n])
         parts.append(last)
     return jnp.concatenate(parts, axis=1)
-
-
-def check_windows(method: Method, windows: tuple[int | None, ...] | None, layer: int, step: Step) -> None:
-    """DuoJaxError unless the sliding window the engine gives layer `layer` is the one `method` was built for
-    (`windows`, from `ModelConfig.layer_windows`; None: no window anywhere): its compression after prefill,
-    outside the layer loop, selects within the windows it keeps."""
-    own = None if windows is None else windows[layer]
-    if own != step.sliding_window:
-        raise DuoJaxError(f"method {method.name!r} was built for sliding window {own} on layer {layer} but the "
-                          f"model has {step.sliding_window}: build it with this model's config (make_method)")
 
 
 def check_selection(window: int, kernel: int, pooling: str) -> None:
