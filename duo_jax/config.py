@@ -93,6 +93,11 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """`layer_window` of every layer, bottom first (what a method that works outside the engine's layer
+        loop, such as SnapKV's compression after prefill, keeps of the model)."""
+        return tuple(self.layer_window(layer) for layer in range(self.num_layers))
+
     def window_runs(self) -> tuple[tuple[int, int, int | None], ...]:
         """Consecutive layers sharing a window, as (first, stop, window) covering layers 0 .. L-1 in order: one
         run for most models, two for Qwen's max_window_layers rule. Scanned paths run one `lax.scan` per run,

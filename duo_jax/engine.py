@@ -68,9 +68,6 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     if not isinstance(params.layers, tuple):
         raise DuoJaxError("the engine's steps take per-layer weights: pass an Engine's .params, or "
                           "duo_jax.model.unstack_layers(params), or load with layout='per_layer' (the default)")
-    if config.sliding_window is not None and not method.supports_sliding_window:
-        raise DuoJaxError(f"method {method.name!r} does not implement the model's sliding window "
-                          f"(sliding_window={config.sliding_window}); use full, duo or streaming_llm")
     step = Step(positions=lengths[:, None] + jnp.arange(T, dtype=jnp.int32),
                 valid=jnp.arange(T)[None, :] < n_valid[:, None],
                 lengths=lengths, new_lengths=lengths + n_valid, inv_freq=rope_inv_freq(config), impl=impl,

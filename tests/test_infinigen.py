@@ -127,41 +127,44 @@ def test_budget_covering_the_sequence_is_full_attention(params, prompt, skewed, 
     assert cache[2].partial_k.sharding.memory_kind == "device"
 
 
-def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_layers):
+def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_layers, config=CONFIG):
     """float64, as the authors' Llama code: positions < prompt_len attend causally to everything, and so does
     every position in layers < dense_layers; in layer l >= dense_layers each decode position i speculates with
     the skewed query that layer l's weights make of layer l-1's attention input (layer 0: its own), cut to the
     head's partial channels, against the same channels of the skewed keys of tokens < i; per KV head (max over
     its query group) the tokens within alpha of the max are counted, int(mean count over heads) capped at
-    budget are kept by rank, and the position attends exactly to those plus itself."""
-    T, G, K, E = len(tokens), CONFIG.group_size, CONFIG.num_kv_heads, CONFIG.head_dim
+    budget are kept by rank, and the position attends exactly to those plus itself. On a layer with a sliding
+    window W only the tokens i - W < j <= i are attended, speculated on and counted."""
+    T, G, K, E = len(tokens), config.group_size, config.num_kv_heads, config.head_dim
     positions = jnp.arange(T)[None]
     x = params.embed[jnp.asarray(tokens)][None]
     kept_counts = []
     previous_input = None
-    for l in range(CONFIG.num_layers):
+    for l in range(config.num_layers):
+        window = config.layer_window(l) or T + 1
         layer = jax.tree.map(lambda w: w[l], params.layers)
         attention_input = rms_norm(x, layer.attn_norm, 1e-5)
         q, k, v = (np.asarray(a[0], np.float64) for a in
-                   qkv_projection(attention_input, layer, positions, rope_inv_freq(CONFIG)))
+                   qkv_projection(attention_input, layer, positions, rope_inv_freq(config)))
         source = attention_input if previous_input is None else previous_input
-        q_spec = np.asarray(qkv_projection(source, layer, positions, rope_inv_freq(CONFIG))[0][0], np.float64)
+        q_spec = np.asarray(qkv_projection(source, layer, positions, rope_inv_freq(config))[0][0], np.float64)
         previous_input = attention_input
         out = np.zeros_like(q)
         for i in range(T):
+            first = max(i - window + 1, 0)  # the first key the window lets query i see
             if i < prompt_len or l < dense_layers:
-                seen = [list(range(i + 1))] * K
+                seen = [list(range(first, i + 1))] * K
             else:
                 head_scores = []
                 for h in range(K):
                     a, ch = A[l, h].astype(np.float64), np.flatnonzero(mask[l, h])
-                    kp = (k[:i, h] @ a)[:, ch]
+                    kp = (k[first:i, h] @ a)[:, ch]
                     qp = (q_spec[i, h * G:(h + 1) * G] @ a)[:, ch]
                     head_scores.append((qp @ kp.T / math.sqrt(E)).max(axis=0))  # [i]
                 counts = [int(np.sum(s >= s.max() - alpha)) for s in head_scores]
                 n = int(min(int(np.mean(counts)), budget))
                 kept_counts.append(n)
-                seen = [sorted(np.argsort(-s, kind="stable")[:n].tolist()) + [i] for s in head_scores]
+                seen = [sorted((first + np.argsort(-s, kind="stable")[:n]).tolist()) + [i] for s in head_scores]
             for h in range(K):
                 for g in range(G):
                     s = k[seen[h], h] @ q[i, h * G + g] / math.sqrt(E)
@@ -169,7 +172,7 @@ def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_l
                     out[i, h * G + g] = (p / p.sum()) @ v[seen[h], h]
         x = x + output_projection(jnp.asarray(out[None], jnp.float32), layer)
         x = x + mlp(rms_norm(x, layer.mlp_norm, 1e-5), layer)
-    return np.asarray(unembed(params, CONFIG, x)[0]), kept_counts
+    return np.asarray(unembed(params, config, x)[0]), kept_counts
 
 
 @pytest.mark.parametrize("offload, budget, rules", [("device", 5, AUTHORS_LLAMA), ("host", 6, SINGLE_QUERY_RULES),
@@ -188,6 +191,19 @@ def test_decode_matches_the_speculation_reference(params, prompt, sample, offloa
     full, _ = reference_logits(params, sequence, PROMPT_LEN, A, mask, 10_000, 1e9, 0)
     assert np.abs(full - ref)[PROMPT_LEN:].max() > 1e-3  # ... and changed the logits
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
+
+
+def test_windowed_layers_match_the_speculation_reference(params, prompt, sample):
+    """A 6-token window on layers 1 (dense) and 3 (speculating; layer 2 speculates without a window): a
+    speculating layer ranks, counts and fetches only the tokens inside the query's window, under the budget
+    of 4 (below the window's 5 earlier tokens). Every logit is the float64 reference's."""
+    config = dataclasses.replace(CONFIG, sliding_window=6, window_layers=(1, 3))
+    A, mask = skew(params, config, sample, partial_ratio=0.25)  # on the windowed model's queries
+    method = InfiniGen.from_skew(A, mask, context=64, kv_budget=4, offload="device")
+    sequence, logits, _, _ = run_method(params, config, method, prompt, chunk=8, decode_steps=8)
+    ref, counts = reference_logits(params, sequence, PROMPT_LEN, A, mask, 4, 5.0, 2, config=config)
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
+    assert min(counts) < 4 and max(counts) == 4  # the alpha rule counted fewer somewhere, the budget capped it
 
 
 def test_default_instance_decodes_as_the_authors_rules(params, prompt, sample):

@@ -67,8 +67,15 @@ def _tokenizer_fields(vocab: dict[str, int], merges: list[str], pre: str = "qwen
             "tokenizer.ggml.add_bos_token": False}
 
 
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter (`LlamaModel.permute`): Q / K rows of each head from the half-split RoPE layout
+    to the interleaved one."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def write_gguf(path, hf_model, arch: str, tokenizer_fields: dict) -> None:
-    """The torch model's weights (fp32) and config as a GGUF of architecture `arch` (qwen2 / qwen3)."""
+    """The torch model's weights (fp32) and config as a GGUF of architecture `arch` (qwen2 / qwen3, or llama:
+    a Mistral's Q / K rows permuted and its sliding window written, as llama.cpp's converter does)."""
     c = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-qwen")
@@ -83,6 +90,8 @@ def write_gguf(path, hf_model, arch: str, tokenizer_fields: dict) -> None:
         writer.add_value_length(c.head_dim)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "llama" and getattr(c, "sliding_window", None) is not None:
+        writer.add_sliding_window(c.sliding_window)
     writer.add_tokenizer_model(tokenizer_fields["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(tokenizer_fields["tokenizer.ggml.pre"])
     writer.add_token_list(tokenizer_fields["tokenizer.ggml.tokens"])
@@ -105,7 +114,10 @@ def write_gguf(path, hf_model, arch: str, tokenizer_fields: dict) -> None:
             target = f"blk.{i}.{layer[rest]}.{suffix}"
         else:
             target = f"{names[stem]}.{suffix}"
-        writer.add_tensor(target, w.numpy().astype(np.float32))
+        w = w.numpy().astype(np.float32)
+        if arch == "llama" and target.endswith((".attn_q.weight", ".attn_k.weight")):
+            w = llama_cpp_permute(w, c.num_attention_heads if ".attn_q." in target else c.num_key_value_heads)
+        writer.add_tensor(target, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

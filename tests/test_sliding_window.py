@@ -1,10 +1,12 @@
 """Models with a sliding window through the engine: on every layer (Mistral v0.1) and on some layers only
 (Qwen2's use_sliding_window with max_window_layers). The same logits and greedy tokens as Hugging Face
-transformers, chunked prefill included; DuoAttention's streaming heads keep each layer's window; methods that
-cannot honour the window refuse it."""
+transformers, chunked prefill included; DuoAttention's streaming heads keep each layer's window; every other
+method (eviction, SnapKV's family, HeadKV, InfiniGen) with a budget covering the sequence gives `full`'s logits,
+and with a budget of the window (their rule: tokens out of every future window go first) too."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import ConfigError, DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import make_method
+from duo_jax.methods.infinigen import InfiniGen
 from duo_jax.model import embed, layer_at, mlp, output_projection, rms_norm, rope_inv_freq, unembed
 from duo_jax.pattern import Pattern
 from pallas_kernels.reference import attention_reference
@@ -46,6 +49,26 @@ def test_config_reads_the_window(models):
     assert models[1].config.sliding_window == WINDOW
 
 
+def test_mistral_gguf_reads_the_window(tmp_path):
+    """A Mistral written as llama.cpp converts it (architecture llama, Q / K rows permuted, the window as
+    `llama.attention.sliding_window`): the window is read onto every layer, and the model is the safetensors
+    one: equal config and weights, the same logits, transformers' within 1e-4."""
+    from tests.test_qwen_gguf import VOCAB, _tokenizer_fields, _trained_bpe, write_gguf
+
+    hf_model = write_random_hf_model(tmp_path, transformers.MistralConfig, dict(FIELDS, vocab_size=VOCAB))
+    path = tmp_path / "tiny-mistral.gguf"
+    write_gguf(path, hf_model, "llama", _tokenizer_fields(*_trained_bpe(), pre="llama-bpe"))
+    from_dir, from_gguf = duo_jax.load(tmp_path, dtype=jnp.float32), duo_jax.load(path, dtype=jnp.float32)
+    g = from_gguf.config
+    assert g.sliding_window == WINDOW and g.layer_windows() == (WINDOW, WINDOW)
+    assert g == dataclasses.replace(from_dir.config, name=g.name, rms_norm_eps=g.rms_norm_eps,
+                                    bos_token_id=g.bos_token_id, eos_token_ids=g.eos_token_ids)
+    jax.tree.map(np.testing.assert_array_equal, from_gguf.params, from_dir.params)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 3 * WINDOW)).astype(np.int32)
+    ours = np.asarray(duo_jax.forward(from_gguf.params, g, jnp.asarray(tokens)))
+    np.testing.assert_array_less(np.abs(ours - hf_logits(hf_model, tokens)).max(), 1e-4)
+
+
 def test_forward_matches_transformers(models, prompt):
     hf_model, model = models
     ref = hf_logits(hf_model, np.asarray([prompt]))[0]
@@ -67,11 +90,78 @@ def test_generate_matches_transformers_greedy(models, prompt):
     assert out.tokens[0] == hf[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
-def test_methods_without_window_support_refuse(models, prompt, name):
+# --- every method on a windowed model ---------------------------------------------------------------------
+
+METHODS = ("h2o", "tova", "snapkv", "pyramidkv", "headkv", "duo_headkv", "infinigen")
+
+
+def build(name, model, budget, *, window=4, alpha=1e9):
+    """Method `name` for `model` keeping `budget` tokens per KV head (SnapKV's family: observation window
+    `window`; duo_headkv: half the heads streaming, with a ring that holds the whole sequence; InfiniGen:
+    `alpha` 1e9 so that its count is every token it may fetch, layer 1 speculating, calibrated on random tokens)."""
+    config = model.config
+    grid = np.random.default_rng(5).uniform(0.1, 1.0, (config.num_layers, config.num_kv_heads))
+    if name == "infinigen":
+        sample = np.random.default_rng(6).integers(0, config.vocab_size, 24)
+        return InfiniGen.calibrate(model.params, config, sample, context=64, kv_budget=budget, alpha=alpha,
+                                   partial_ratio=0.25, offload="device", dense_layers=1)
+    options = {"snapkv": dict(window=window), "pyramidkv": dict(window=window, beta=4.0),
+               "headkv": dict(window=window, scores=grid),
+               "duo_headkv": dict(window=window, scores=grid, pattern=Pattern(grid), sparsity=0.5, sink=4,
+                                  recent=64)}.get(name, {})
+    return make_method(name, config, context=64, kv_budget=budget, **options)
+
+
+@pytest.fixture(scope="module")
+def full_runs(models, qwen):
+    """`full` on each model: chunked prefill and 6 greedy decode steps (tokens, logits at every position)."""
+    prompt = np.random.default_rng(8).integers(0, TINY["vocab_size"], 29).tolist()
+    runs = {}
+    for family, (_, model) in (("mistral", models), ("qwen2", qwen)):
+        full = make_method("full", model.config, context=64)
+        runs[family] = (model, prompt) + run_method(model.params, model.config, full, prompt, chunk=8,
+                                                    decode_steps=6)[:2]
+    return runs
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("name", METHODS)
+def test_budget_covering_the_sequence_is_full_attention(full_runs, family, name):
+    """Each method with a budget of the whole sequence (29 + 6 tokens, the window 8) on the Mistral-like model
+    (every layer windowed) and on the Qwen2 (layer 1 only): nothing the window can see is evicted, so every
+    logit (prefill and decode) and every greedy token is `full`'s, which is transformers' (tests above)."""
+    model, prompt, tokens, expected = full_runs[family]
+    method = build(name, model, 64 if name != "headkv" else 200)  # headkv: the lowest head budget covers it
+    sequence, logits, _, _ = run_method(model.params, model.config, method, prompt, chunk=8, decode_steps=6)
+    assert sequence == tokens
+    np.testing.assert_array_less(np.abs(logits - expected).max(), 1e-4)
+
+
+@pytest.mark.parametrize("name, budget", [("h2o", WINDOW - 1), ("tova", WINDOW - 1), ("snapkv", WINDOW - 1),
+                                          ("infinigen", WINDOW - 1), ("h2o", 3)])
+def test_a_budget_of_the_window_is_exact(full_runs, name, budget):
+    """On the model whose every layer is windowed, a query sees at most WINDOW - 1 earlier tokens, so a budget
+    of WINDOW - 1 (below the 29-token prompt) loses nothing: the methods drop the tokens out of every future
+    window first and keep the rest (SnapKV: 4 observation-window tokens + the 3 visible prefix tokens;
+    InfiniGen fetches all it sees). A method that kept an old token by its score instead of a visible one
+    would change the logits; a smaller budget does."""
+    model, prompt, tokens, expected = full_runs["mistral"]
+    sequence, logits, _, _ = run_method(model.params, model.config, build(name, model, budget), prompt,
+                                        chunk=8, decode_steps=6, force=tokens[len(prompt):])
+    error = np.abs(logits - expected).max()
+    if budget >= WINDOW - 1:
+        np.testing.assert_array_less(error, 1e-4)
+    else:
+        assert error > 1e-2
+
+
+def test_a_method_built_for_other_windows_is_refused(models, qwen, prompt):
+    """SnapKV's family keeps each layer's window for its compression after prefill: run on a model whose
+    windows differ from those it was built for, it refuses rather than select past the window."""
+    method = make_method("snapkv", qwen[1].config, context=64, kv_budget=16, window=4)  # window on layer 1 only
     _, model = models
-    with pytest.raises(DuoJaxError, match="sliding window"):
-        generate(model, prompt, method=name, kv_budget=40, max_new_tokens=2)
+    with pytest.raises(DuoJaxError, match="built for sliding window None on layer 0 but the model has 8"):
+        run_method(model.params, model.config, method, prompt, chunk=8, decode_steps=0)
 
 
 # --- a window on some layers only (Qwen2) ---------------------------------------------------------------

@@ -5,9 +5,12 @@ a prompt token sees every earlier token (exact prefill); at the end of the promp
 head, from its own float64 attention: the last `window` queries' softmax over the prompt, summed over the
 window and the head's query heads, on the prefix keys only; torch-style pooling (padding -inf / zero,
 average divided by the kernel); the `budget` best (earlier token on ties) plus the window; a token after the
-prompt sees its head's kept tokens and every token after the prompt up to itself.
+prompt sees its head's kept tokens and every token after the prompt up to itself. With a sliding window W on a
+layer, every query sees only the keys i - W < j <= i (the votes included), and no token out of every later
+query's window (j <= P - W) is selected or kept.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -20,6 +23,7 @@ from duo_jax.engine import extend
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import cache_nbytes, make_method
+from duo_jax.methods.headkv import make_headkv
 from duo_jax.methods.snapkv import SnapKV, make_pyramidkv, make_snapkv, pyramid_budgets
 from duo_jax.model import rope_inv_freq, unstack_layers
 from tests.conftest import tiny_config
@@ -47,28 +51,35 @@ def softmax64(scores):
     return e / e.sum()
 
 
-def reference_selection(q, k, budgets, window, kernel, pooling):
-    """Kept prompt positions per KV head (sets), from the prompt's rotated q [P, H, E] and k [P, K, E]."""
+def reference_selection(q, k, budgets, window, kernel, pooling, sliding=None):
+    """Kept prompt positions per KV head (sets), from the prompt's rotated q [P, H, E] and k [P, K, E]; with the
+    layer's `sliding` window W, votes under it and nothing out of every later window (j <= P - W) kept."""
     P, H, E = q.shape
     K = k.shape[1]
     G = H // K
+    W = sliding or P + 1
     prefix = max(P - window, 0)
     votes = np.zeros((K, prefix))
     for i in range(prefix, P):
+        first = max(i - W + 1, 0)
         for h in range(H):
-            probs = softmax64(k[: i + 1, h // G] @ q[i, h] / math.sqrt(E))
+            probs = np.zeros(i + 1)
+            probs[first:] = softmax64(k[first: i + 1, h // G] @ q[i, h] / math.sqrt(E))
             votes[h // G] += probs[:prefix]
     pad = kernel // 2
     padded = np.pad(votes, ((0, 0), (pad, pad)), constant_values=-np.inf if pooling == "max" else 0.0)
     windows = np.stack([padded[:, j: j + kernel] for j in range(prefix)], axis=-1)  # [K, kernel, prefix]
     pooled = windows.max(axis=1) if pooling == "max" else windows.sum(axis=1) / kernel
-    window_tokens = set(range(prefix, P))
-    return [set(np.argsort(-pooled[h], kind="stable")[: budgets[h]].tolist()) | window_tokens for h in range(K)]
+    visible = np.arange(prefix) > P - W
+    window_tokens = set(range(max(prefix, P - W + 1), P))
+    return [set(j for j in np.argsort(-np.where(visible, pooled[h], -np.inf), kind="stable")[: budgets[h]].tolist()
+                if visible[j]) | window_tokens for h in range(K)]
 
 
 def reference_logits(params, config, tokens, prompt_len, budgets, *, window=WINDOW, kernel=5, pooling="avg",
                      streaming=None, sink=0, recent=0, chunk_starts=None):
-    """Logits [T, V] of one sequence and the kept positions [L][K] (sets), all float64.
+    """Logits [T, V] of one sequence and the kept positions [L][K] (sets), all float64; each layer within its
+    sliding window (`config.layer_window`).
 
     `streaming` ([L][K] bools) marks DuoAttention streaming heads: a query at position i in a chunk that starts
     at chunk_starts[i] sees the keys j <= i with j < sink or j >= chunk_starts[i] - recent."""
@@ -83,7 +94,8 @@ def reference_logits(params, config, tokens, prompt_len, budgets, *, window=WIND
         q = rope64(np.einsum("td,dhe->the", h, w.wq), positions, inv_freq)
         k = rope64(np.einsum("td,dke->tke", h, w.wk), positions, inv_freq)
         v = np.einsum("td,dke->tke", h, w.wv)
-        kept = reference_selection(q[:prompt_len], k[:prompt_len], budgets[l], window, kernel, pooling)
+        sliding = config.layer_window(l)
+        kept = reference_selection(q[:prompt_len], k[:prompt_len], budgets[l], window, kernel, pooling, sliding)
         kept_all.append(kept)
         out = np.zeros_like(q)
         for i in range(T):
@@ -95,6 +107,7 @@ def reference_logits(params, config, tokens, prompt_len, budgets, *, window=WIND
                     keys = list(range(i + 1))
                 else:
                     keys = sorted(kept[kv]) + list(range(prompt_len, i + 1))
+                keys = [j for j in keys if sliding is None or i - j < sliding]
                 probs = softmax64(k[keys, kv] @ q[i, head] / math.sqrt(E))
                 out[i, head] = probs @ v[keys, kv]
         x = x + np.einsum("the,hed->td", out, w.wo)
@@ -191,6 +204,32 @@ def test_matches_the_float64_reference(params, sequences, make, options):
     # The compression matters: full attention gives clearly different logits after the prompt.
     full, _, _, _ = run_engine(params, CONFIG, make_method("full", CONFIG, context=64), prompts, continuations)
     assert np.abs(full[0][45:] - logits[0][45:]).max() > 1e-2
+
+
+@pytest.mark.parametrize("make, options", [
+    (make_snapkv, dict(kernel=5, pooling="avg")),
+    (make_headkv, dict(kernel=7, pooling="max", scores=np.array([[0.9, 0.1], [0.3, 0.7]]), beta=1.25)),
+])
+def test_windowed_layer_matches_the_float64_reference(params, sequences, make, options):
+    """Layer 1 with a 20-token window (layer 0 none), the prompts 45 and 38 tokens: layer 1's votes are the
+    windowed attention's, and each head keeps its budget's best among the 13 visible prefix tokens
+    (P - 20 < j < P - 6) plus the observation window, never a token out of the window. Kept sets and logits
+    (ragged batch, chunked prefill, a 3-token chunk then decode steps) are the reference's."""
+    config = dataclasses.replace(CONFIG, sliding_window=20, window_layers=(1,))
+    prompts, continuations = sequences
+    method = make(config, context=64, kv_budget=16, window=WINDOW, **options)
+    logits, cache, decode, _ = run_engine(params, config, method, prompts, continuations)
+    for b, (prompt, cont) in enumerate(zip(prompts, continuations)):
+        P = len(prompt)
+        ref, kept = reference_logits(params, config, prompt + cont, P, method.budgets, kernel=options["kernel"],
+                                     pooling=options["pooling"])
+        assert kept_sets(cache, decode, b) == kept
+        for n, heads in zip(method.budgets[1], kept[1]):
+            assert P - 20 < min(heads) and len(heads) == min(n, 13) + WINDOW
+        np.testing.assert_array_less(np.abs(logits[b] - ref).max(), 1e-4)
+    unwindowed, _, _, _ = run_engine(params, CONFIG, make(CONFIG, context=64, kv_budget=16, window=WINDOW,
+                                                          **options), prompts, continuations)
+    assert np.abs(unwindowed[0] - logits[0]).max() > 1e-2  # the window changed the result
 
 
 def test_budget_covering_the_prompt_is_full_attention(params, sequences):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax.attention import MaskSpec
+from duo_jax.errors import DuoJaxError
 from duo_jax.quant import QuantizedKV, as_stored
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class Step:
     impl: str  # attention implementation for the dispatch (`duo_jax.attention.IMPLS`)
     # The sliding window of the layer being attended (static; `ModelConfig.layer_window`): the engine hands
     # each layer's `attend` its own copy of the step with it set, `begin_step` gets the step without one.
+    # Every method honours it: its attention goes through `prefix_spec`, `positions_spec` or `sees`.
     sliding_window: int | None = None
     state: Any = None  # the method's arrays (`Method.state()`), traced: read them here, never from the method
     mesh: Any = None  # the generation mesh (`duo_jax.sharding.make_generation_mesh`) the step runs on, or None
@@ -60,15 +62,47 @@ class Step:
         num_keys = jnp.full(key_positions.shape[:1], key_positions.shape[1], jnp.int32)
         return MaskSpec(self.positions, num_keys, key_positions, window=self.sliding_window)
 
+    def sees(self, key_positions: jax.Array) -> jax.Array:
+        """Which keys each new token sees, for the methods that score keys with a materialised mask
+        (`duo_jax.attention.probs`): key_positions int32 [B, ..., S] (-1: empty; e.g. per KV head [B, K, S])
+        -> bool [B, ..., T, S]: filled, causal, and within this layer's sliding window (`MaskSpec.visible`)."""
+        B, T = self.positions.shape
+        extra = (1,) * (key_positions.ndim - 2)
+        keys = key_positions[..., None, :]
+        return self.prefix_spec().visible(self.positions.reshape((B,) + extra + (T, 1)), keys, keys >= 0)
+
+    def still_visible(self, key_positions: jax.Array) -> jax.Array:
+        """Which cached tokens a later query can still see: `within_future_window` after this step."""
+        return within_future_window(key_positions, self.new_lengths, self.sliding_window)
+
+
+def within_future_window(key_positions: jax.Array, lengths: jax.Array, window: int | None) -> jax.Array:
+    """bool, the shape of key_positions [B, ...] (-1: empty): whether the token can still be attended once
+    `lengths` [B] tokens are cached. The next query sits at position lengths and later ones further on, so on
+    a layer with a sliding `window` (query p sees keys p - window < j <= p) a token at j <= lengths - window is
+    out of every future query's window: a method that evicts or selects tokens drops it first and never counts
+    it as kept. Without a window every filled slot stays visible."""
+    filled = key_positions >= 0
+    if window is None:
+        return filled
+    return filled & (key_positions > lengths.reshape(lengths.shape + (1,) * (key_positions.ndim - 1)) - window)
+
+
+def check_windows(method: "Method", windows: tuple[int | None, ...] | None, layer: int, step: Step) -> None:
+    """DuoJaxError unless the sliding window the engine gives layer `layer` is the one `method` was built for
+    (`windows`, from `ModelConfig.layer_windows`; None: no window anywhere): SnapKV's compression after prefill,
+    outside the layer loop, selects within the windows it keeps; H2O / TOVA size each layer's cache by it."""
+    own = None if windows is None else windows[layer]
+    if own != step.sliding_window:
+        raise DuoJaxError(f"method {method.name!r} was built for sliding window {own} on layer {layer} but the "
+                          f"model has {step.sliding_window}: build it with this model's config (make_method)")
+
 
 class Method(abc.ABC):
     """Base class of KV-cache methods (subclasses are frozen dataclasses)."""
 
     name = "method"
     absolute_positions = True  # positions are absolute: a sequence cannot outgrow the model's context
-    # Whether the method honours a model's sliding window (`Step.sliding_window`); the engine rejects
-    # sliding-window models for methods that do not, rather than attend past the window silently.
-    supports_sliding_window = False
 
     def state(self) -> Any:
         """The method's arrays (e.g. InfiniGen's skew matrices): a pytree the engine passes into the compiled

@@ -132,7 +132,6 @@ class DuoAttention(Method):
     layout: CacheLayout  # its kv_order says which heads are retrieval heads
 
     name = "duo"
-    supports_sliding_window = True
 
     @property
     def max_tokens(self) -> int:

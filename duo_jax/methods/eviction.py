@@ -16,6 +16,14 @@ smaller chunks bound memory. Keys are cached after RoPE at absolute positions. T
 slot's position (int32) and score (float32), counted in its bytes. Attention probabilities are
 materialised (`duo_jax.attention.probs`), which is what these methods need and what flash kernels do not give.
 
+On a layer with a sliding window W (`Step.sliding_window`: Mistral's every layer, Qwen's windowed ones) the
+probabilities, and so H2O's accumulated scores and TOVA's, are those of the windowed attention (query p sees
+the kept tokens p - W < j <= p), and a token the next query can no longer see (j <= length - W, out of every
+future window: `duo_jax.methods.base.within_future_window`) is evicted first, whatever its score or
+recency, and never counted as kept. So such a layer keeps at most the W - 1 tokens before the next query,
+the budget applying among them (its cache has min(budget, W - 1) slots per KV head: `slots`); a budget of
+W - 1 or more keeps the windowed attention exact.
+
 With `kv_dtype` "int8" / "int4" the kept keys and values are a `duo_jax.quant.QuantizedKV` (codes + a bf16
 scale per token and head, stored through `quant.kv_rotation` as duo's are: queries rotated alike, outputs
 rotated back): each step's new tokens are quantized once, when they enter the candidates, and eviction moves
@@ -34,7 +42,7 @@ import jax.numpy as jnp
 from duo_jax.attention import attention_probs
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step
+from duo_jax.methods.base import Method, Step, check_windows
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rope
 from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
@@ -57,21 +65,34 @@ class _Eviction(Method):
     head_dim: int
     budget: int
     kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`)
+    windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
+
+    def __post_init__(self):
+        if self.windows is not None and len(self.windows) != self.num_layers:
+            raise DuoJaxError(f"windows must give each of the {self.num_layers} layers its sliding window")
+
+    def slots(self, layer: int) -> int:
+        """Tokens layer `layer` keeps per KV head: the budget, or on a layer with window W at most the W - 1
+        tokens a later query can still see (at least one slot)."""
+        window = None if self.windows is None else self.windows[layer]
+        return self.budget if window is None else max(1, min(self.budget, window - 1))
 
     def init_cache(self, batch: int, dtype) -> tuple[EvictionLayerCache, ...]:
-        slots = (batch, self.num_kv_heads, self.budget)
+        def layer(n):
+            slots = (batch, self.num_kv_heads, n)
 
-        def zeros():
-            shape = slots + (self.head_dim,)
-            return jnp.zeros(shape, dtype) if self.kv_dtype is None else kv_zeros(shape, self.kv_dtype, dtype)
+            def zeros():
+                shape = slots + (self.head_dim,)
+                return jnp.zeros(shape, dtype) if self.kv_dtype is None else kv_zeros(shape, self.kv_dtype, dtype)
 
-        return tuple(EvictionLayerCache(zeros(), zeros(), jnp.full(slots, -1, jnp.int32), jnp.zeros(slots, jnp.float32))
-                     for _ in range(self.num_layers))
+            return EvictionLayerCache(zeros(), zeros(), jnp.full(slots, -1, jnp.int32), jnp.zeros(slots, jnp.float32))
+
+        return tuple(layer(self.slots(l)) for l in range(self.num_layers))
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         vector = kv_bytes_per_vector(self.head_dim, check_kv_dtype(self.kv_dtype), bytes_per_elem)
         per_slot = 2 * vector + 4 + 4  # K, V, position, score
-        return batch * self.num_layers * self.num_kv_heads * self.budget * per_slot
+        return batch * self.num_kv_heads * sum(map(self.slots, range(self.num_layers))) * per_slot
 
     @abc.abstractmethod
     def priority(self, positions: jax.Array, scores: jax.Array, probs: jax.Array, step: Step) -> jax.Array:
@@ -79,6 +100,7 @@ class _Eviction(Method):
         (-1: empty), scores: H2O's accumulated attention, probs [B, K, G, T, N + T] of this step."""
 
     def attend(self, layer, q, k, v, cache: EvictionLayerCache, step: Step, shared):
+        check_windows(self, self.windows, layer, step)
         q = apply_rope(q, step.positions, step.inv_freq)
         k = apply_rope(k, step.positions, step.inv_freq)
         rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
@@ -94,14 +116,15 @@ class _Eviction(Method):
         keys, values = candidates(cache.k, k), candidates(cache.v, v)
         new_positions = jnp.broadcast_to(jnp.where(step.valid, step.positions, -1)[:, None], (B, K, T))
         positions = jnp.concatenate([cache.positions, new_positions], axis=2)
-        visible = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= step.positions[:, None, :, None])
+        visible = step.sees(positions)  # [B, K, T, N + T]: causal, within the layer's window
         out, probs = attention_probs(q, dequantize(keys), dequantize(values), visible)  # probs [B, K, G, T, N + T]
         if rotation is not None:
             out = rotate(out, rotation.T)
         received = jnp.einsum("bkgts,bt->bks", probs, step.valid.astype(jnp.float32))
         scores = jnp.concatenate([cache.scores, jnp.zeros((B, K, T), jnp.float32)], axis=2) + received
-        priority = jnp.where(positions >= 0, self.priority(positions, scores, probs, step), -jnp.inf)
-        kept_priority, kept = jax.lax.top_k(priority, self.budget)  # [B, K, N]
+        # Empty slots and the tokens out of every future query's window go first (and are dropped below).
+        priority = jnp.where(step.still_visible(positions), self.priority(positions, scores, probs, step), -jnp.inf)
+        kept_priority, kept = jax.lax.top_k(priority, self.slots(layer))  # [B, K, N]
 
         def take(x):  # codes and scales alike for a quantized cache
             return jax.tree.map(lambda a: jnp.take_along_axis(a, kept.reshape(kept.shape + (1,) * (a.ndim - 3)),
@@ -146,7 +169,8 @@ def make_h2o(config: ModelConfig, *, context: int, kv_budget: int | None = None,
     recent = int(kv_budget) // 2 if recent is None else recent
     if not 0 <= recent <= kv_budget:
         raise DuoJaxError(f"h2o's recent window must lie in [0, kv_budget={kv_budget}], got {recent}")
-    return H2O(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype, recent=recent)
+    return H2O(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype,
+               config.layer_windows(), recent=recent)
 
 
 @register("tova", options=("kv_budget",), budget=kv_budget_only, quantized_kv=True,
@@ -154,4 +178,5 @@ def make_h2o(config: ModelConfig, *, context: int, kv_budget: int | None = None,
 def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None, kv_dtype: str | None = None) -> TOVA:
     if kv_budget is None:
         raise DuoJaxError("method 'tova' needs kv_budget (tokens kept per KV head)")
-    return TOVA(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype)
+    return TOVA(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype,
+                config.layer_windows())

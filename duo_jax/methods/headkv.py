@@ -20,6 +20,9 @@ normalised scores to a power `temp` (1 in its scripts), left out here.
 `DuoHeadKV` composes this with DuoAttention: the head pattern splits the heads into retrieval heads and
 streaming heads (sink + recent tokens, as `duo`), and only the retrieval heads, which DuoAttention would keep
 whole, are compressed after prefill, with HeadKV budgets shared among them (their average is `kv_budget`).
+
+Sliding windows: as SnapKV's (`duo_jax.methods.snapkv`: votes under each layer's window, tokens out of every
+later query's window never kept), and as DuoAttention's on the streaming heads (Λ within the window).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, check_windows, write_slots
 from duo_jax.methods.duo import (DuoAttention, StreamingWindow, fit_window, merge_heads, num_retrieval_heads,
                                  split_heads)
 from duo_jax.methods.registry import register
@@ -97,7 +100,8 @@ def make_headkv(config: ModelConfig, *, context: int, scores=None, kv_budget: in
     scores = _required_scores(scores, config, "headkv")
     budgets = headkv_budgets(_score_grid(config, scores), base_budget(kv_budget, window), beta)
     return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context),
-                  tuple(map(tuple, budgets.tolist())), window, kernel, pooling, name="headkv", kv_dtype=kv_dtype)
+                  tuple(map(tuple, budgets.tolist())), window, kernel, pooling, name="headkv", kv_dtype=kv_dtype,
+                  windows=config.layer_windows())
 
 
 # --- DuoAttention with HeadKV inside its retrieval heads ------------------------------------------------
@@ -174,6 +178,7 @@ class DuoHeadKV(Method):
     window: int = 8
     kernel: int = 7
     pooling: str = "max"
+    windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
 
     name = "duo_headkv"
 
@@ -181,6 +186,8 @@ class DuoHeadKV(Method):
         if tuple(map(len, self.budgets)) != self.layout.num_retrieval:
             raise DuoJaxError("DuoHeadKV needs one budget per retrieval head of every layer")
         check_selection(self.window, self.kernel, self.pooling)
+        if self.windows is not None and len(self.windows) != len(self.budgets):
+            raise DuoJaxError(f"windows must give each of the {len(self.budgets)} layers its sliding window")
 
     @property
     def duo(self) -> DuoAttention:
@@ -206,6 +213,7 @@ class DuoHeadKV(Method):
 
     def attend(self, layer, q, k, v, cache: DuoPrefillLayerCache, step: Step, shared):
         duo_shared, query_slots = shared
+        check_windows(self, self.windows, layer, step)
         out, duo_cache = self.duo.attend(layer, q, k, v, cache.duo, step, duo_shared)
         retrieval_q = split_heads(self.layout, layer, apply_rope(q, step.positions, step.inv_freq))[0]
         return out, DuoPrefillLayerCache(duo_cache, write_slots(cache.queries, query_slots, retrieval_q))
@@ -226,12 +234,13 @@ def _compress_retrieval(method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple
     """The retrieval heads' full caches -> their kept tokens; the streaming caches carry over."""
     empty = decode.init_cache(lengths.shape[0], cache[0].duo.retrieval_k.dtype)
     out = []
-    for layer, new, slots in zip(cache, empty, decode.head_slots):
+    windows = method.windows or (None,) * len(cache)
+    for layer, new, slots, sliding_window in zip(cache, empty, decode.head_slots, windows):
         retrieval = new.retrieval
         if slots:
             retrieval = compress_layer(layer.queries, layer.duo.retrieval_k, layer.duo.retrieval_v, lengths,
                                        retrieval, slots, window=method.window, kernel=method.kernel,
-                                       pooling=method.pooling)
+                                       pooling=method.pooling, sliding_window=sliding_window)
         out.append(DuoCompressedLayerCache(retrieval, layer.duo.streaming_k, layer.duo.streaming_v))
     return tuple(out)
 
@@ -255,7 +264,7 @@ def make_duo_headkv(config: ModelConfig, *, context: int, pattern: Pattern | Non
     # grid[mask] lists the retrieval heads layer by layer in the model's order, as `split_heads` does.
     flat = headkv_budgets(grid[mask], base, beta) if mask.any() else np.zeros(0, int)
     budgets = tuple(tuple(b.tolist()) for b in np.split(flat, np.cumsum(layout.num_retrieval)[:-1]))
-    return DuoHeadKV(layout, config.num_heads, budgets, window, kernel, pooling)
+    return DuoHeadKV(layout, config.num_heads, budgets, window, kernel, pooling, config.layer_windows())
 
 
 def resolve_scores(scores, config: ModelConfig) -> Pattern | None:

@@ -55,6 +55,11 @@ weights). The partial channels are fixed offline on a sample text, as the author
 is no counter-based eviction of the host pool (the host cache has a fixed capacity). The budget is a fixed
 number of tokens per step (the authors' is 20% of the current length).
 
+Sliding windows (`Step.sliding_window`: every layer of Mistral v0.1, some of Qwen's): prefill and the dense
+layers attend within the window, and a speculating layer speculates, counts (the alpha rule) and fetches
+among the cached tokens inside the query's window only (p - W < j < p), so a budget covering the window
+fetches all of it. The skew is calibrated on the windowed model's queries (`skew` runs the model as it is).
+
 Memory placement: where the backend exposes the `pinned_host` memory kind (`host_offload_supported()`), the
 full K / V live there between steps (offload="auto" or "host"); writes and the gather of selected rows run on
 the host (`compute_on("device_host")`) and only the gathered rows move to the device (the whole cache moves
@@ -351,7 +356,10 @@ class InfiniGen(Method):
         qp = qp * weight.astype(qp.dtype)[None, :, None]  # [B, K, G, W], padding channels zeroed
         approx = jnp.einsum("bkgc,bskc->bkgs", qp, cache.partial_k.astype(qp.dtype),
                             preferred_element_type=jnp.float32) / math.sqrt(E)
-        cached = jnp.arange(C)[None, :] < step.lengths[:, None]  # [B, C]
+        # The cached tokens the query sees: every one, or those within the layer's sliding window. Tokens out
+        # of the window are never speculated on, counted or fetched.
+        slot_positions = jnp.where(jnp.arange(C)[None, :] < step.lengths[:, None], jnp.arange(C)[None, :], -1)
+        cached = step.sees(slot_positions)[:, 0]  # [B, C]
         head_score = jnp.where(cached[:, None], jnp.max(approx, axis=2), -jnp.inf)  # [B, K, C]
         top = jnp.max(head_score, axis=-1, keepdims=True)
         per_head = jnp.sum(cached[:, None] & (head_score >= top - self.alpha), axis=-1)  # [B, K]

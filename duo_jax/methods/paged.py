@@ -101,7 +101,6 @@ class PagedDuo(Method):
     num_pages: int | None = None
 
     name = "duo_paged"
-    supports_sliding_window = True
 
     def __post_init__(self):
         if self.page_size < 1 or self.layout.capacity % self.page_size:

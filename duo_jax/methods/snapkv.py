@@ -39,6 +39,14 @@ cache holds exactly the kept tokens (no padding between heads with different bud
 plus an int32 position per slot (2 * E * bytes per element for the K/V of a slot: under 1% more in bf16 at
 E = 128).
 
+Sliding windows (`ModelConfig.layer_windows`, kept on the method as `windows` since compression runs outside
+the engine's layer loop): on a layer with window W, prefill and decode attend within it (query p sees keys
+p - W < j <= p), the votes are the windowed attention's probabilities, and a prompt token no later query can
+see (j <= P - W, `duo_jax.methods.base.within_future_window`) is never selected nor kept: neither a prefix
+token (step 4 takes the best-voted among the visible ones) nor an observation-window token (its slot stays
+empty, -1). Such a layer thus keeps at most the W - 1 prompt tokens before the first generated one, and a
+budget that covers them leaves its attention exact.
+
 PyramidKV (`pyramid_budgets`) is this selection with per-layer budgets that shrink from the bottom layer to
 the top; HeadKV (`duo_jax.methods.headkv`) with per-head budgets.
 
@@ -62,11 +70,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax.attention import masked_softmax
+from duo_jax.attention import MaskSpec, masked_softmax
 from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, concat_slots, write_slots
+from duo_jax.methods.base import Method, Step, check_windows, concat_slots, within_future_window, write_slots
 from duo_jax.methods.duo import retrieval_attention
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rope
@@ -87,14 +95,19 @@ def window_positions(lengths: jax.Array, window: int) -> jax.Array:
     return (s + window * jnp.floor_divide(lengths[:, None] - 1 - s, window)).astype(jnp.int32)
 
 
-def window_votes(queries: jax.Array, keys: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
+def window_votes(queries: jax.Array, keys: jax.Array, lengths: jax.Array, window: int,
+                 sliding_window: int | None = None) -> jax.Array:
     """Step 2 of the selection: queries [B, w, H, E] (the window ring), keys [B, C, K, E] -> votes
-    float32 [B, K, C], zero outside each prompt's prefix (j >= lengths - window)."""
+    float32 [B, K, C], zero outside each prompt's prefix (j >= lengths - window). With the layer's
+    `sliding_window` W, query p's softmax runs over the keys p - W < j <= p only."""
     B, w, H, E = queries.shape
     C, K = keys.shape[1], keys.shape[2]
     q = queries.reshape(B, w, K, H // K, E)
     scores = jnp.einsum("bwkge,bcke->bkgwc", q, keys, preferred_element_type=jnp.float32) / math.sqrt(E)
-    visible = jnp.arange(C)[None, None, :] <= window_positions(lengths, w)[:, :, None]  # [B, w, C]; empty: none
+    query_positions = window_positions(lengths, w)
+    # [B, w, C]: causal within the window (`MaskSpec.visible`); an empty ring slot (negative position) sees none
+    visible = MaskSpec(query_positions, lengths, window=sliding_window).visible(
+        query_positions[:, :, None], jnp.arange(C)[None, None, :], jnp.ones((1, 1, C), bool))
     votes = jnp.sum(masked_softmax(scores, visible[:, None, None]), axis=(2, 3))
     prefix = jnp.arange(C)[None, :] < (lengths - window)[:, None]  # [B, C]
     return jnp.where(prefix[:, None, :], votes, 0.0)
@@ -109,17 +122,19 @@ def pool_votes(votes: jax.Array, kernel: int, pooling: str) -> jax.Array:
 
 
 def kept_positions(queries, keys, lengths, *, selected: tuple[int, ...], window: int, window_slots: int,
-                   kernel: int, pooling: str) -> jax.Array:
+                   kernel: int, pooling: str, sliding_window: int | None = None) -> jax.Array:
     """The positions one layer keeps: for each KV head h, its `selected[h]` best-voted prefix tokens, then the
     last `window_slots` prompt tokens (the observation window, or fewer slots when every prompt is shorter).
     queries [B, window, H, E] (the ring), keys [B, C, K, E], lengths [B]
-    -> int32 [B, sum_h (selected[h] + window_slots)], heads one after another, -1 where empty."""
+    -> int32 [B, sum_h (selected[h] + window_slots)], heads one after another, -1 where empty. With the
+    layer's `sliding_window`, tokens out of every later query's window are neither selected nor kept (-1)."""
     last = lengths[:, None] - window_slots + jnp.arange(window_slots)[None, :]
-    last = jnp.where(last >= 0, last, -1)  # [B, window_slots]
+    last = jnp.where(within_future_window(last, lengths, sliding_window), last, -1)  # [B, window_slots]
     top = max(selected)
     if top > 0:
-        pooled = pool_votes(window_votes(queries, keys, lengths, window), kernel, pooling)
-        prefix = jnp.arange(keys.shape[1])[None, :] < (lengths - window)[:, None]
+        pooled = pool_votes(window_votes(queries, keys, lengths, window, sliding_window), kernel, pooling)
+        slots = jnp.broadcast_to(jnp.arange(keys.shape[1])[None, :], (lengths.shape[0], keys.shape[1]))
+        prefix = (slots < (lengths - window)[:, None]) & within_future_window(slots, lengths, sliding_window)
         best, order = jax.lax.top_k(jnp.where(prefix[:, None, :], pooled, -jnp.inf), top)  # [B, K, top]
         chosen = jnp.where(best > -jnp.inf, order, -1).astype(jnp.int32)
     parts = []
@@ -191,7 +206,8 @@ def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple
                          shared: CompressedShared):
     """New tokens over one layer's decode cache: q [B, T, H, E] and k [B, T, K, E] after RoPE, v [B, T, K, E].
 
-    Each KV head sees its kept prompt tokens, the tokens generated so far and the chunk up to the query.
+    Each KV head sees its kept prompt tokens, the tokens generated so far and the chunk up to the query (within
+    the layer's sliding window, `Step.sees`).
     Returns the output [B, T, H, E] and the cache with the chunk written into the ring. A quantized cache
     (`duo_jax.quant.QuantizedKV`) quantizes the chunk once and is read dequantized."""
     B, T, H, E = q.shape
@@ -206,17 +222,17 @@ def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple
         n = head_slots[0]
         prompt_scores = jnp.einsum("btkge,bkne->bkgtn", q, kept_k.reshape(B, K, n, E),
                                    preferred_element_type=jnp.float32)
-        prompt_mask = (cache.positions.reshape(B, K, n) >= 0)[:, :, None, None, :]
+        prompt_mask = step.sees(cache.positions.reshape(B, K, n))[:, :, None]  # [B, K, 1, T, n]
     else:
         prompt_scores = jnp.einsum("btkge,bne->bkgtn", q, kept_k, preferred_element_type=jnp.float32)
         owner = np.repeat(np.arange(K), head_slots)  # [N]: the KV head of each slot
         own = jnp.asarray(owner[None, :] == np.arange(K)[:, None])  # [K, N]
-        prompt_mask = (own[None] & (cache.positions >= 0)[:, None, :])[:, :, None, None, :]
+        prompt_mask = own[None, :, None, None, :] & step.sees(cache.positions)[:, None, None]  # [B, K, 1, T, N]
     # The generated tokens so far, then this chunk (causal).
     keys = dequantize(concat_slots(cache.new_k, k))  # [B, R + T, K, E]
     values = dequantize(concat_slots(cache.new_v, v))
     key_positions = jnp.concatenate([cache.new_positions, shared.new_key_positions], axis=1)  # [B, R + T]
-    new_mask = (key_positions[:, None, :] >= 0) & (key_positions[:, None, :] <= step.positions[:, :, None])
+    new_mask = step.sees(key_positions)  # [B, T, R + T]
     new_scores = jnp.einsum("btkge,bske->bkgts", q, keys, preferred_element_type=jnp.float32)
 
     n_prompt = prompt_scores.shape[-1]
@@ -238,14 +254,16 @@ def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple
 
 
 def compress_layer(queries, keys, values, lengths, empty: CompressedLayerCache, head_slots: tuple[int, ...], *,
-                   window: int, kernel: int, pooling: str) -> CompressedLayerCache:
+                   window: int, kernel: int, pooling: str, sliding_window: int | None = None) -> CompressedLayerCache:
     """One layer's prefill cache (queries [B, window, H, E], keys / values [B, C, K, E]) -> its decode cache:
-    the kept tokens gathered into `empty` (from `empty_compressed`), the ring left empty."""
+    the kept tokens gathered into `empty` (from `empty_compressed`), the ring left empty. `sliding_window`:
+    the layer's (`kept_positions`)."""
     # Every head ends with the same window slots: the whole window, or all of its slots when the prompts are
     # shorter than the window (then no head selects anything; see `SnapKV.compressed`).
     window_slots = min(window, head_slots[0])
     positions = kept_positions(queries, dequantize(keys), lengths, selected=tuple(n - window_slots for n in head_slots),
-                               window=window, window_slots=window_slots, kernel=kernel, pooling=pooling)
+                               window=window, window_slots=window_slots, kernel=kernel, pooling=pooling,
+                               sliding_window=sliding_window)
     owner = jnp.asarray(np.repeat(np.arange(len(head_slots)), head_slots))[None, :]  # [1, N]
     batch = jnp.arange(lengths.shape[0])[:, None]
     filled = (positions >= 0)[..., None]
@@ -334,11 +352,14 @@ class SnapKV(Method):
     name: str = "snapkv"
     pyramid_beta: float | None = None  # PyramidKV: re-spread the budgets over the layers for short prompts
     kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`; the query ring is not)
+    windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
 
     def __post_init__(self):
         check_selection(self.window, self.kernel, self.pooling)
         if any(len(row) != self.num_kv_heads or min(row) < 0 for row in self.budgets):
             raise DuoJaxError(f"budgets must be [layers][{self.num_kv_heads}] non-negative token counts")
+        if self.windows is not None and len(self.windows) != len(self.budgets):
+            raise DuoJaxError(f"windows must give each of the {len(self.budgets)} layers its sliding window")
 
     @property
     def num_layers(self) -> int:
@@ -363,6 +384,7 @@ class SnapKV(Method):
                              jnp.where(in_window, step.positions % self.window, self.window))
 
     def attend(self, layer, q, k, v, cache: PrefillLayerCache, step: Step, shared: PrefillShared):
+        check_windows(self, self.windows, layer, step)
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
         rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
         if rotation is not None:  # a quantized cache holds k R and v R; the ring holds q R (votes: q R (k R)^T)
@@ -396,9 +418,10 @@ class SnapKV(Method):
 def _compress(method: SnapKV, decode: CompressedKV, cache: tuple[PrefillLayerCache, ...], lengths: jax.Array):
     """The prefill cache -> the decode cache, layer by layer."""
     empty = decode.init_cache(lengths.shape[0], cache[0].queries.dtype)  # the model's dtype
+    windows = method.windows or (None,) * method.num_layers
     return tuple(compress_layer(layer.queries, layer.k, layer.v, lengths, new, slots, window=method.window,
-                                kernel=method.kernel, pooling=method.pooling)
-                 for layer, new, slots in zip(cache, empty, decode.head_slots))
+                                kernel=method.kernel, pooling=method.pooling, sliding_window=sliding_window)
+                 for layer, new, slots, sliding_window in zip(cache, empty, decode.head_slots, windows))
 
 
 # --- budgets ------------------------------------------------------------------------------------------
@@ -422,7 +445,7 @@ def make_snapkv(config: ModelConfig, *, context: int, kv_budget: int | None = No
     budget = base_budget(kv_budget, window)
     budgets = ((budget,) * config.num_kv_heads,) * config.num_layers
     return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
-                  window, kernel, pooling, kv_dtype=kv_dtype)
+                  window, kernel, pooling, kv_dtype=kv_dtype, windows=config.layer_windows())
 
 
 def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: int | None = None) -> list[int]:
@@ -460,4 +483,5 @@ def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int | None =
     budget = base_budget(kv_budget, window)
     budgets = tuple((b,) * config.num_kv_heads for b in pyramid_budgets(config.num_layers, budget, beta))
     return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
-                  window, kernel, pooling, name="pyramidkv", pyramid_beta=float(beta), kv_dtype=kv_dtype)
+                  window, kernel, pooling, name="pyramidkv", pyramid_beta=float(beta), kv_dtype=kv_dtype,
+                  windows=config.layer_windows())

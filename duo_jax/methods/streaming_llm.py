@@ -49,7 +49,7 @@ class StreamingLLM(Method):
     kv_dtype: str | None = None  # "int8" / "int4": quantized (`duo_jax.quant`)
 
     name = "streaming_llm"
-    supports_sliding_window = True  # the window applies to absolute positions, as the model was trained
+    # A model's sliding window applies to absolute positions, as the model was trained (`Step.positions_spec`).
     absolute_positions = False  # re-indexed: generation may run past the trained context
 
     def init_cache(self, batch: int, dtype) -> tuple[StreamingLayerCache, ...]:
