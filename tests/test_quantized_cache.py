@@ -96,8 +96,8 @@ def test_every_method_takes_kv_dtype_and_the_registry_refuses_one_without(monkey
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_attention_over_a_quantized_cache_is_attention_over_its_values(kind):
     """Tile by tile (many key blocks, ragged lengths, a ring with explicit positions): the same as attending
-    to the dequantized arrays; the kernels' impl routes a quantized cache to the XLA path for these specs (more
-    than one query; `test_quantized_kernels` covers decode)."""
+    to the dequantized arrays, on the XLA path and on "pallas" (the flash kernel reading codes for the
+    contiguous cache, the XLA path for explicit positions; `test_quantized_kernels` covers the kernels)."""
     q, k, v, _ = random_attention_inputs(2, 5, 96, 4, 2, 16, seed=3)
     qk, qv = quantize_kv(k, kind), quantize_kv(v, kind)
     positions = jnp.asarray([[40, 41, 42, 43, 44], [90, 91, 92, 93, 94]], jnp.int32)
