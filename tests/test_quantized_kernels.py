@@ -94,9 +94,10 @@ def prefill_case(kind, seq_q, seq_k, offsets, lengths, seed=0, positions=False):
     q_pos = np.asarray(offsets)[:, None] + np.arange(seq_q)[None]
     k_pos = np.stack([np.random.default_rng(seed + b).permutation(seq_k) if positions else np.arange(seq_k)
                       for b in range(len(offsets))])
-    mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (np.arange(seq_k)[None, None] < np.asarray(lengths)[:, None, None])
-    expected = numpy_attention(q, numpy_dequantize(qk.codes, qk.scale, kind), numpy_dequantize(qv.codes, qv.scale, kind),
-                               mask)
+    filled = np.arange(seq_k)[None, None] < np.asarray(lengths)[:, None, None]
+    mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & filled
+    expected = numpy_attention(q, numpy_dequantize(qk.codes, qk.scale, kind),
+                               numpy_dequantize(qv.codes, qv.scale, kind), mask)
     exact = numpy_attention(q, k, v, mask)
     args = dict(q_offset=jnp.asarray(offsets, jnp.int32), kv_len=jnp.asarray(lengths, jnp.int32))
     if positions:

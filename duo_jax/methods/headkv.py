@@ -143,7 +143,8 @@ class DuoCompressedKV(Method):
                      for slots, n in zip(self.head_slots, self.layout.num_retrieval))
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        E, K, S, kv_dtype = self.layout.head_dim, self.layout.num_kv_heads, self.layout.streaming_slots, self.layout.kv_dtype
+        E, K, S, kv_dtype = (self.layout.head_dim, self.layout.num_kv_heads, self.layout.streaming_slots,
+                             self.layout.kv_dtype)
         vector = kv_bytes_per_vector(E, kv_dtype, bytes_per_elem)
         return sum(compressed_nbytes(batch, slots, self.room, E, bytes_per_elem, kv_dtype)
                    + batch * 2 * (K - n) * S * vector

@@ -275,7 +275,9 @@ class InfiniGen(Method):
     def init_cache(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
         full = (batch, self.capacity, self.num_kv_heads, self.head_dim)
         place = ((lambda x: jax.device_put(x, jax.memory.Space.Host)) if self.host_offload else (lambda x: x))
-        zeros = lambda: jnp.zeros(full, dtype) if self.kv_dtype is None else kv_zeros(full, self.kv_dtype, dtype)  # noqa: E731
+        def zeros():  # the full K or V: in the model's dtype, or quantized
+            return jnp.zeros(full, dtype) if self.kv_dtype is None else kv_zeros(full, self.kv_dtype, dtype)
+
         return tuple(InfiniGenLayerCache(place(zeros()), place(zeros()), jnp.zeros(full[:3] + (self.widths[l],), dtype))
                      for l in range(self.num_layers))
 
@@ -415,8 +417,9 @@ def partial_channels(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]
 
 @register("infinigen", options=("kv_budget", "alpha", "partial_ratio", "channel_rule", "dense_layers", "offload",
                                 "lookahead"),
-          needs_model=True, budget=kv_budget_only, calibrated_on=CALIBRATION_HAYSTACK, quantized_kv=True, summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
-                                    "(calibrated on the calibration essays)")
+          needs_model=True, budget=kv_budget_only, calibrated_on=CALIBRATION_HAYSTACK, quantized_kv=True,
+          summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
+                  "(calibrated on the calibration essays)")
 def make_infinigen(config: ModelConfig, *, context: int, model, kv_budget: int | None = None,
                    alpha: float = LLAMA_ALPHA, partial_ratio: float = 0.2, channel_rule: str = "qk",
                    dense_layers: int = DENSE_LAYERS, offload: str = "auto", lookahead: bool = True,
