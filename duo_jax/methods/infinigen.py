@@ -278,7 +278,8 @@ class InfiniGen(Method):
         def zeros():  # the full K or V: in the model's dtype, or quantized
             return jnp.zeros(full, dtype) if self.kv_dtype is None else kv_zeros(full, self.kv_dtype, dtype)
 
-        return tuple(InfiniGenLayerCache(place(zeros()), place(zeros()), jnp.zeros(full[:3] + (self.widths[l],), dtype))
+        return tuple(InfiniGenLayerCache(place(zeros()), place(zeros()),
+                                         jnp.zeros(full[:3] + (self.widths[l],), dtype))
                      for l in range(self.num_layers))
 
     def cache_spec(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
