@@ -55,8 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="weights and cache dtype; auto: float32 on CPU (no fast bf16 matmuls), else bfloat16")
     parser.add_argument("--kv-dtype", choices=["int8", "int4"], default=None,
-                        help="quantized KV cache (every method but duo_headkv and infinigen); "
-                             "default: the model's dtype")
+                        help="quantized KV cache (every method; not with --mesh); default: the model's dtype")
     parser.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (per output channel)")
     return parser
 

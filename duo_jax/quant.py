@@ -12,8 +12,8 @@ rounded *up* to bf16, so no code is clipped and every element is within half a s
 an orthonormal rotation (`kv_rotation`) before quantizing, which spreads outlier channels over the head
 dimension. A `QuantizedKV` stands in for the cache array it replaces: `.shape` and `.dtype` are those of the
 dequantized array (the model's dtype), and attention dequantizes it one key tile at a time: the blocked XLA
-loop (`duo_jax.attention.xla`), and the Pallas / Mosaic decode kernels, which read the codes and scales and
-unpack int4 with the same `pallas_kernels._common.unpack_int4_halves` as `unpack_int4` here.
+loop (`duo_jax.attention.xla`), and the Pallas / Mosaic decode and prefill (flash) kernels, which read the codes
+and scales and unpack int4 with the same `pallas_kernels._common.unpack_int4_halves` as `unpack_int4` here.
 
 Weights (`QuantizedWeight`): int8 per output channel, the absmax over the axes a matmul contracts; the scale
 keeps the weight's rank with size 1 on those axes (so slicing or permuting an output axis takes codes and

@@ -144,10 +144,10 @@ def q_block_schedule(kv_block, *, q_offset, kv_len, num_q_blocks: int,
 # --- quantized KV tiles ------------------------------------------------------------------------------
 # A quantized cache (`duo_jax.quant.QuantizedKV`) holds, per token and KV head, absmax codes along the head
 # dimension D and one scale: "int8" codes [.., D], or "int4" codes packed two per byte [.., D/2], byte j holding
-# element j in its low nibble and element j + D/2 in its high one. The decode kernels read codes and scales and
-# dequantize one key tile at a time, as "parts": int4's two nibble halves (elements [0, D/2) and [D/2, D)) stay
-# separate, so a kernel dots each with the matching half of the query (split outside the kernel) and never
-# concatenates inside it (Triton has no general concatenate).
+# element j in its low nibble and element j + D/2 in its high one. The decode and flash (prefill) kernels read
+# codes and scales and dequantize one key tile at a time, as "parts": int4's two nibble halves (elements [0, D/2)
+# and [D/2, D)) stay separate, so a kernel dots each with the matching half of the query (split outside the
+# kernel) and never concatenates inside it (Triton has no general concatenate).
 
 KV_QUANT = (None, "int8", "int4")
 
@@ -177,15 +177,22 @@ def dequantize_tile(codes: jax.Array, scale: jax.Array | None, kv_quant: str | N
     return [(part.astype(jnp.float32) * scale).astype(dtype) for part in parts]
 
 
-def check_decode_cache(q: jax.Array, k: jax.Array, v: jax.Array, k_scale, v_scale, kv_quant: str | None) -> None:
-    """Checks a decode kernel's arguments: q [B, Hq, D] and k / v [B, S, Hkv, D] values when `kv_quant` is None
-    (no scales), else int8 codes [B, S, Hkv, D] ("int8") or [B, S, Hkv, D/2] ("int4") with scales
-    [B, S, Hkv, 1]."""
+def load_tile(ref, scale_ref, rows, kv_quant: str | None, dtype) -> list[jax.Array]:
+    """Rows `rows` (a `pl.ds`) of a kernel's keys or values ref [.., W] (and, quantized, of its scales ref
+    [.., 1]) as `dequantize_tile`'s parts."""
+    return dequantize_tile(ref[rows, :], None if scale_ref is None else scale_ref[rows, :], kv_quant, dtype)
+
+
+def check_cache(q: jax.Array, k: jax.Array, v: jax.Array, k_scale, v_scale, kv_quant: str | None, *,
+                q_ndim: int) -> None:
+    """Checks a kernel's cache arguments: q [B, T, Hq, D] (q_ndim 4) or [B, Hq, D] (3, decode) and k / v
+    [B, S, Hkv, D] values when `kv_quant` is None (no scales), else int8 codes [B, S, Hkv, D] ("int8") or
+    [B, S, Hkv, D/2] ("int4") with scales [B, S, Hkv, 1]."""
     parts = kv_parts(kv_quant)
     if kv_quant is None:
         if k_scale is not None or v_scale is not None:
             raise ValueError("k_scale / v_scale are for a quantized cache: pass kv_quant='int8' or 'int4' with them.")
-        return check_qkv(q, k, v, q_ndim=3)
+        return check_qkv(q, k, v, q_ndim=q_ndim)
     if k_scale is None or v_scale is None:
         raise ValueError(f"a {kv_quant} cache needs its scales: pass k_scale and v_scale [B, S, Hkv, 1].")
     head_dim = q.shape[-1]
@@ -198,4 +205,4 @@ def check_decode_cache(q: jax.Array, k: jax.Array, v: jax.Array, k_scale, v_scal
         if scales.shape != codes.shape[:-1] + (1,):
             raise ValueError(f"{name}_scale must be [B, S, Hkv, 1] = {codes.shape[:-1] + (1,)}, got {scales.shape}.")
     values = [jax.ShapeDtypeStruct(x.shape[:-1] + (head_dim,), q.dtype) for x in (k, v)]
-    check_qkv(q, *values, q_ndim=3)
+    check_qkv(q, *values, q_ndim=q_ndim)

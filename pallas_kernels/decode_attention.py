@@ -41,8 +41,7 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs,  # inputs (+ scales w
     qs = [q_ref[i] for i in range(q_ref.shape[0])]  # the query's parts, each [G, D / parts]
 
     def tile(ref, scale_ref, kv_slice):  # keys or values [bk, D / parts] per part, dequantized when quantized
-        return _common.dequantize_tile(ref[kv_slice, :], None if scale_ref is None else scale_ref[kv_slice, :],
-                                       kv_quant, qs[0].dtype)
+        return _common.load_tile(ref, scale_ref, kv_slice, kv_quant, qs[0].dtype)
 
     def body(i, carry):
         acc, m, l = carry  # [parts][G, D / parts], [G], [G]
@@ -105,7 +104,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     Returns:
       [B, Hq, D] like q, or (that, lse) with `return_lse`.
     """
-    _common.check_decode_cache(q, k, v, k_scale, v_scale, kv_quant)
+    _common.check_cache(q, k, v, k_scale, v_scale, kv_quant, q_ndim=3)
     _common.check_block("block_k", block_k)
     _common.check_block("num_splits", num_splits)
     batch, num_heads, head_dim = q.shape

@@ -13,12 +13,20 @@ the grid is (batch, head, block); each program keeps one tile resident and loops
 over the tiles of the other sequence with `lax.fori_loop`, with loop bounds
 computed from the program ids. Backward: dq in one kernel (grid over query
 blocks), dk and dv in another (grid over key blocks); no atomics.
+
+Over a quantized cache (`flash_attention(..., kv_quant="int8" / "int4")`: int8 codes plus one scale per token
+and head, the layout of `duo_jax.quant.QuantizedKV`; chunked prefill) the forward kernel reads the codes and
+scales and dequantizes each key / value tile in registers (`_common.load_tile`, the decode kernel's), with
+float32 accumulation; int4's nibble halves are dotted with the matching halves of the query and accumulate
+into two halves of the output (the query and output carry the halves on a leading dim), as in
+`decode_attention`. Forward only: a quantized cache is read at inference, never differentiated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +48,7 @@ class _Config:
     block_q: int
     block_k: int
     interpret: bool
+    kv_quant: str | None = None  # k / v are int8 codes with scales ("int8", "int4"): forward only
 
     @property
     def window(self) -> dict:
@@ -75,38 +84,49 @@ def _visited_kv_block(step, sink_end, band_start):
 
 
 def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
-                o_ref, lse_ref,  # outputs
-                *, cfg: _Config):
+                *refs,  # (k and v scales when quantized); outputs o, lse
+                cfg: _Config):
+    if cfg.kv_quant is None:
+        (o_ref, lse_ref), k_scale_ref, v_scale_ref = refs, None, None
+        qs = [q_ref[...]]  # [bq, D]
+    else:  # q and o tiles [parts, bq, D / parts]: int4's nibble halves on the leading dim
+        k_scale_ref, v_scale_ref, o_ref, lse_ref = refs
+        qs = [q_ref[i] for i in range(q_ref.shape[0])]
     b, q_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q, block_k = cfg.block_q, cfg.block_k
-    q = q_ref[...]  # [bq, D]
     sink_end, band_start, end = _common.kv_block_schedule(
         q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
         block_q=block_q, block_k=block_k, **cfg.window)
 
     def body(step, carry):
-        acc, m, l = carry  # [bq, D], [bq], [bq]
+        acc, m, l = carry  # [parts][bq, D / parts], [bq], [bq]
         kv_block = _visited_kv_block(step, sink_end, band_start)
         kv_slice = pl.ds(kv_block * block_k, block_k)
-        k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]  # [bk, D]
-        s = _dot(q, k, "qd,kd->qk") * cfg.scale  # [bq, bk]
+        ks = _common.load_tile(k_ref, k_scale_ref, kv_slice, cfg.kv_quant, qs[0].dtype)  # [parts][bk, D / parts]
+        s = functools.reduce(operator.add, [_dot(q, k, "qd,kd->qk") for q, k in zip(qs, ks)]) * cfg.scale
         mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
         s = jnp.where(mask, s, _common.MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         correction = jnp.exp(m - m_new)  # Rescales what was summed under the old max.
         l = correction * l + p.sum(axis=-1)
-        acc = correction[:, None] * acc + _dot(p.astype(v.dtype), v, "qk,kd->qd")
+        vs = _common.load_tile(v_ref, v_scale_ref, kv_slice, cfg.kv_quant, qs[0].dtype)
+        acc = tuple(correction[:, None] * a + _dot(p.astype(v.dtype), v, "qk,kd->qd") for a, v in zip(acc, vs))
         return acc, m_new, l
 
-    init = (jnp.zeros(q.shape, jnp.float32),
+    init = (tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
             jnp.full((block_q,), _common.MASK_VALUE, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
     acc, m, l = lax.fori_loop(0, sink_end + end - band_start, body, init)
 
     empty = l == 0.0  # Rows that see no key at all: output 0, lse +inf.
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    out = [(a / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype) for a in acc]
+    if cfg.kv_quant is None:
+        o_ref[...] = out[0]
+    else:
+        for i, o in enumerate(out):
+            o_ref[i] = o
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
@@ -119,7 +139,8 @@ def _head_spec(block: int, head_dim: int, head_of, *, tiled: bool):
                         lambda b, h, i: (b, i if tiled else 0, head_of(h), 0))
 
 
-def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
+def _forward(q, k, v, q_offset, kv_len, cfg: _Config, scales=()):
+    """o [B, T, Hq, D], lse [B, Hq, T]; with cfg.kv_quant, k / v are codes and `scales` their (k, v) scales."""
     batch, seq_q_padded, num_heads, head_dim = q.shape
     seq_k_padded = k.shape[1]
     group = num_heads // k.shape[2]
@@ -127,18 +148,24 @@ def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
 
     q_head, kv_head = (lambda h: h), (lambda h: h // group)
     scalar_spec = pl.BlockSpec((batch,), lambda b, h, i: (0,))
+    q_spec = _head_spec(cfg.block_q, head_dim, q_head, tiled=True)
+    kv_spec = _head_spec(seq_k_padded, k.shape[-1], kv_head, tiled=False)  # D, or D/2 packed int4 codes
+    parts = _common.kv_parts(cfg.kv_quant)
+    if cfg.kv_quant is not None:  # q (and o) as [parts, B, T, Hq, D / parts]: part i of every head on a leading dim
+        q = jnp.moveaxis(q.reshape(batch, seq_q_padded, num_heads, parts, head_dim // parts), 3, 0)
+        q_spec = pl.BlockSpec((parts, None, cfg.block_q, None, head_dim // parts), lambda b, h, i: (0, b, i, h, 0))
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(batch, num_heads, num_q_blocks),
         in_specs=[
             scalar_spec,  # q_offset [B]
             scalar_spec,  # kv_len [B]
-            _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # q
-            _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # k
-            _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # v
-        ],
+            q_spec,  # q
+            kv_spec,  # k
+            kv_spec,  # v
+        ] + [_head_spec(seq_k_padded, 1, kv_head, tiled=False)] * len(scales),  # k and v scales [B, S, Hkv, 1]
         out_specs=[
-            _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # o
+            q_spec,  # o
             pl.BlockSpec((None, None, cfg.block_q), lambda b, h, i: (b, h, i)),
         ],
         out_shape=[
@@ -148,7 +175,9 @@ def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
         compiler_params=cfg.compiler_params(head_dim),
         interpret=cfg.interpret,
         name="block_sparse_attention_fwd",
-    )(q_offset, kv_len, q, k, v)
+    )(q_offset, kv_len, q, k, v, *scales)
+    if cfg.kv_quant is not None:
+        o = jnp.moveaxis(o, 0, 3).reshape(batch, seq_q_padded, num_heads, head_dim)
     return o, lse
 
 
@@ -302,13 +331,15 @@ _attention.defvjp(_attention_fwd, _backward)
 
 def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
                            recent: int | None, q_offset, kv_len, scale,
-                           block_q: int, block_k: int, interpret: bool | None):
+                           block_q: int, block_k: int, interpret: bool | None,
+                           k_scale=None, v_scale=None, kv_quant: str | None = None):
     """Shared entry point of `flash_attention` and `lambda_attention`.
 
     Pads T and S up to the block sizes (padded queries and keys are masked),
-    runs the custom-VJP kernels and slices the padding off again.
+    runs the custom-VJP kernels (a quantized cache: the forward kernel alone)
+    and slices the padding off again.
     """
-    _common.check_qkv(q, k, v)
+    _common.check_cache(q, k, v, k_scale, v_scale, kv_quant, q_ndim=4)
     _common.check_block("block_q", block_q)
     _common.check_block("block_k", block_k)
     if recent is not None:
@@ -320,7 +351,7 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
     cfg = _Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
                   scale=_common.default_scale(head_dim, scale),
                   block_q=block_q, block_k=block_k,
-                  interpret=_backend.resolve_interpret(interpret))
+                  interpret=_backend.resolve_interpret(interpret), kv_quant=kv_quant)
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
 
@@ -328,16 +359,21 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
         extra = -x.shape[1] % block
         return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) if extra else x
 
-    o = _attention(pad(q, block_q), pad(k, block_k), pad(v, block_k),
-                   q_offset, kv_len, cfg)
+    if kv_quant is not None:  # inference over codes: no gradient to define
+        scales = tuple(pad(x, block_k) for x in (k_scale, v_scale))
+        o, _ = _forward(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg, scales)
+    else:
+        o = _attention(pad(q, block_q), pad(k, block_k), pad(v, block_k),
+                       q_offset, kv_len, cfg)
     return o[:, :seq_q]
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                     causal: bool = True, q_offset=0, kv_len=None,
                     scale: float | None = None, block_q: int = 128,
-                    block_k: int = 128, interpret: bool | None = None
-                    ) -> jax.Array:
+                    block_k: int = 128, interpret: bool | None = None,
+                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                    kv_quant: str | None = None) -> jax.Array:
     """Dense (causal) flash attention with Pallas forward and backward kernels.
 
     Args:
@@ -353,6 +389,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       block_q, block_k: tile sizes (shrunk for short sequences; T and S need not
         be multiples, they are padded and masked).
       interpret: None = interpret mode exactly when running on CPU.
+      k_scale, v_scale: with `kv_quant`, the codes' scales [B, S, Hkv, 1] (one per token and head).
+      kv_quant: None (k / v are values), "int8" or "int4": k / v are the cache's int8 codes, [B, S, Hkv, D]
+        ("int8") or [B, S, Hkv, D/2] ("int4", two per byte, `_common.unpack_int4_halves`), and each tile is
+        dequantized in the kernel (codes * scale, in q's dtype) before its dots. Forward only.
 
     Returns:
       [B, T, Hq, D] like q. Queries that see no key get 0.
@@ -360,4 +400,4 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return block_sparse_attention(
         q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
         kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret)
+        interpret=interpret, k_scale=k_scale, v_scale=v_scale, kv_quant=kv_quant)

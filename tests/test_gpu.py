@@ -134,6 +134,32 @@ def test_decode_attention_split_k(dtype):
     assert bool(jnp.all(out[2] == 0))
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_kernels_over_a_quantized_cache(kind):
+    """The flash kernel's forward (a 256-token chunk at positions 1,000.. over a 1,536-slot cache, ragged lengths)
+    and the split-K decode kernel (lengths full, 1, 0, mid-block) reading int8 / packed int4 codes and bf16 scales,
+    bf16 queries, against float64 attention over the dequantized values (independent numpy unpacking)."""
+    from duo_jax.quant import quantize_kv
+    from tests.test_quantized_kernels import numpy_dequantize
+
+    needs_triton()
+    dtype = jnp.bfloat16
+    q, k, v = inputs(4, 256, 1536, 16, 4, 128, dtype)
+    qk, qv = (quantize_kv(jnp.asarray(x, dtype), kind) for x in (k, v))
+    k, v = (numpy_dequantize(x.codes, x.scale, kind) for x in (qk, qv))
+    codes = (qk.codes, qv.codes)
+    scales = dict(k_scale=qk.scale, v_scale=qv.scale, kv_quant=kind)
+    q_offset, kv_len = np.array([1000, 1100, 0, 888]), np.array([1256, 1536, 0, 1144])
+    prefill = jax.jit(lambda q, kc, vc, o, n: flash_attention(q, kc, vc, q_offset=o, kv_len=n, **scales))
+    out = prefill(jnp.asarray(q, dtype), *codes, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32))
+    check(out, attention_f64(q, k, v, positions_mask(256, 1536, q_offset, kv_len)), dtype)
+    lengths = np.array([1536, 1, 0, 1001])
+    decode = jax.jit(lambda q, kc, vc, n: decode_attention(q, kc, vc, n, **scales))
+    out = decode(jnp.asarray(q[:, 0], dtype), *codes, jnp.asarray(lengths, jnp.int32))
+    check(out[:, None], attention_f64(q[:, :1], k, v, positions_mask(1, 1536, lengths - 1, lengths)), dtype)
+    assert bool(jnp.all(out[2] == 0))
+
+
 @pytest.mark.parametrize("method", ["full", "duo"])
 def test_engine_on_the_kernels_matches_the_reference(method):
     """Chunked prefill (chunks of 64 over a 200-token prompt) and 16 decode steps through the Pallas kernels

@@ -68,8 +68,7 @@ def test_instruct_model_answers_through_its_chat_template(prompt):
     (["--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context of 8192"),
     (["--prompt-file", "/nonexistent.txt"], "No such file"),
     (["--prompt", "hi", "--method", "h2o"], "needs kv_budget"),
-    (["--prompt", "hi", "--method", "duo_headkv", "--kv-budget", "16", "--kv-dtype", "int4"],
-     "does not support a quantized KV cache"),
+    (["--prompt", "hi", "--mesh", "model=1", "--kv-dtype", "int4"], "quantized KV cache on a device mesh"),
     (["--prompt", "hi", "--method", "infinigen"], "needs a positive kv_budget"),
     (["--prompt", "hi", "--method", "headkv", "--kv-budget", "64", "--scores", "/nonexistent"], "nonexistent"),
 ])

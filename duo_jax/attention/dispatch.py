@@ -18,11 +18,13 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one warning that
   names the reason; "pallas" is then an error (`BackendError`) rather than a crash inside the compiler.
 
-A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + scales) is read as codes and
-scales: one query per sequence over a contiguous cache (decode) runs the split-K decode kernel of the chosen
-`impl`, which dequantizes each key tile inside the kernel (`kv_quant=`); every other spec (prefill chunks,
-explicit key positions, sliding windows, Λ) takes the XLA path, which dequantizes one key tile at a time.
-Codes never reach a kernel as if they were values.
+A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + scales, both of one kind) is read
+as codes and scales by the kernels that serve its spec, each dequantizing a key / value tile inside the kernel
+(`kv_quant=`): one query per sequence over a contiguous cache (decode) runs the split-K decode kernel of the
+chosen `impl`, a prefill chunk over it the flash kernel's forward (Triton or Mosaic), and on "mosaic" keys at
+explicit positions (the streaming heads' quantized ring + chunk) the Mosaic flash kernel. Sliding windows, Λ
+and what the kernels do not serve take the XLA path, which dequantizes one key tile at a time. Codes never
+reach a kernel as if they were values.
 
 The kernels take a query offset rather than per-query positions for a contiguous cache, so that mapping
 assumes what every caller builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
@@ -120,14 +122,13 @@ def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
     if spec.window is not None:
         return False
     quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
-    if spec.k_positions is not None:  # the TPU kernel's k_positions operand (causal, no Λ, values only)
-        return impl == "mosaic" and spec.causal and not spec.is_lambda and not quantized
+    if quantized and not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV) and k.kind == v.kind):
+        return False  # the kernels take one kind of codes for both
+    if spec.k_positions is not None:  # the TPU kernel's k_positions operand (causal, no Λ)
+        return impl == "mosaic" and spec.causal and not spec.is_lambda
     decode = spec.q_positions.shape[1] == 1 and k.shape[1] % DECODE_BLOCK == 0
-    if quantized:  # only the decode kernels read codes
-        return (decode and spec.causal and not spec.is_lambda and isinstance(k, QuantizedKV)
-                and isinstance(v, QuantizedKV) and k.kind == v.kind)
-    if spec.is_lambda:
-        return spec.causal
+    if spec.is_lambda:  # (gate training: values, never a cache)
+        return spec.causal and not quantized
     return spec.causal and (spec.q_positions.shape[1] > 1 or decode)
 
 
@@ -138,6 +139,8 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
         kernels, options = pallas_kernels.tpu, {"interpret": None if pallas_backend() == "tpu" else True}
     # Python ints where the caller gave them (TPU: splash attention's static mask), else int32 [B]
     q_offset, kv_len = spec.static_prefix or (spec.q_positions[:, 0], spec.kv_len)
+    if isinstance(k, QuantizedKV):  # codes and scales, dequantized tile by tile in the kernel (never Λ)
+        k, v, options = k.codes, v.codes, dict(options, k_scale=k.scale, v_scale=v.scale, kv_quant=k.kind)
     if spec.k_positions is not None:  # "mosaic" only (`_kernels_serve`); a decode step is a chunk of one
         return kernels.flash_attention(q, k, v, causal=True, kv_len=kv_len, scale=scale,
                                        q_positions=spec.q_positions, k_positions=spec.k_positions, **options)
@@ -146,8 +149,6 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
                                         scale=scale, **options)
     if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
         lengths = jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1)
-        if isinstance(k, QuantizedKV):  # codes and scales, dequantized tile by tile in the kernel
-            k, v, options = k.codes, v.codes, dict(options, k_scale=k.scale, v_scale=v.scale, kv_quant=k.kind)
         return kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
                                         num_splits=MAX_SPLITS, **options)[:, None]
     return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len, scale=scale,

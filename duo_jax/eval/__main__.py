@@ -12,7 +12,7 @@ The budget (tokens kept per KV head on average) is duo's by default; --kv-budget
 F x the evaluated length (duo_jax/eval/modes.py says how each mode meets it). --pattern "default" is the
 model's shipped head pattern (configs/patterns/), --scores "default" its HeadKV head scores
 (configs/scores/); pass a folder or a full_attention_heads.tsv to use others. --kv-dtype int8 / int4
-quantizes every mode's KV cache (modes whose method has no quantized cache are refused). Results (JSON, PNG) go to
+quantizes every mode's KV cache (every method has a quantized cache). Results (JSON, PNG) go to
 --out (default results/<task>).
 """
 
@@ -51,7 +51,7 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
                         help="weights and cache dtype; auto: float32 on CPU, bfloat16 elsewhere")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                         help="quantize every mode's KV cache (absmax per token and head, bf16 scales; "
-                             "duo_jax.quant); only modes with a quantized cache take it (default: --dtype)")
+                             "duo_jax.quant; every mode has one) (default: --dtype)")
     parser.add_argument("--out", default=f"results/{task}", help="folder for the JSON and PNG results")
 
 

@@ -32,9 +32,9 @@ attention, one eviction at its end, as the DuoAttention paper runs them); the ot
 What each mode really stores is measured (``cache_bytes`` in the results), not assumed.
 
 ``kv_dtype`` ("int8" / "int4", `duo_jax.quant`) quantizes every mode's cache, full attention's included, for the
-modes whose method has the registry capability `quantized_kv` (``streaming`` is duo's); a mode without it is
-refused (`check_kv_dtype_modes`). The budget stays in tokens: a quantized mode stores the same tokens in fewer
-bytes.
+modes whose method has the registry capability `quantized_kv` (``streaming`` is duo's; every method has it
+now); a mode without it would be refused (`check_kv_dtype_modes`). The budget stays in tokens: a quantized mode
+stores the same tokens in fewer bytes.
 
 Evaluations run on the evaluation half of the essays by default (`duo_jax.data.EVALUATION_HAYSTACK`), and
 `warn_if_calibrated_on` warns when a mode's calibration (the DuoAttention pattern's training text, the HeadKV

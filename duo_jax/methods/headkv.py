@@ -23,6 +23,12 @@ whole, are compressed after prefill, with HeadKV budgets shared among them (thei
 
 Sliding windows: as SnapKV's (`duo_jax.methods.snapkv`: votes under each layer's window, tokens out of every
 later query's window never kept), and as DuoAttention's on the streaming heads (Λ within the window).
+
+Quantized (`kv_dtype` "int8" / "int4", `duo_jax.quant`): every partition holds codes + scales, as duo's and
+SnapKV's do: the prefill cache (duo's split cache), the retrieval heads' kept tokens and their ring of new
+tokens, and the streaming heads' sink + recent. Keys and values are stored through `quant.kv_rotation` (the
+query ring holds the rotated queries, so the votes q R (k R)^T are unchanged); compression moves codes and
+scales together. The query ring stays in the model's dtype (it is not K / V).
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ from duo_jax.methods.duo import (DuoAttention, StreamingWindow, fit_window, merg
 from duo_jax.methods.registry import register
 from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
                                     check_selection, compressed_attention, compressed_nbytes, decode_shape,
-                                    empty_compressed)
+                                    empty_compressed, kv_array)
 from duo_jax.model import apply_rope
 from duo_jax.pattern import Pattern
+from duo_jax.quant import kv_bytes_per_vector, kv_rotation, rotate
 
 
 def headkv_budgets(scores, base: int, beta: float) -> np.ndarray:
@@ -133,17 +140,18 @@ class DuoCompressedKV(Method):
     name = "duo_headkv"
 
     def init_cache(self, batch: int, dtype) -> tuple[DuoCompressedLayerCache, ...]:
-        streaming = (batch, self.layout.streaming_slots)
-        return tuple(DuoCompressedLayerCache(
-            empty_compressed(batch, slots, self.room, self.layout.head_dim, dtype),
-            jnp.zeros(streaming + (self.layout.num_kv_heads - n, self.layout.head_dim), dtype),
-            jnp.zeros(streaming + (self.layout.num_kv_heads - n, self.layout.head_dim), dtype))
-            for slots, n in zip(self.head_slots, self.layout.num_retrieval))
+        E, K, kv_dtype = self.layout.head_dim, self.layout.num_kv_heads, self.layout.kv_dtype
+        streaming = lambda n: kv_array((batch, self.layout.streaming_slots, K - n, E), dtype, kv_dtype)  # noqa: E731
+        return tuple(DuoCompressedLayerCache(empty_compressed(batch, slots, self.room, E, dtype, kv_dtype),
+                                             streaming(n), streaming(n))
+                     for slots, n in zip(self.head_slots, self.layout.num_retrieval))
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        E, K, S = self.layout.head_dim, self.layout.num_kv_heads, self.layout.streaming_slots
-        return sum(compressed_nbytes(batch, slots, self.room, E, bytes_per_elem)
-                   + batch * 2 * (K - n) * S * E * bytes_per_elem
+        E, K, S, kv_dtype = (self.layout.head_dim, self.layout.num_kv_heads, self.layout.streaming_slots,
+                             self.layout.kv_dtype)
+        vector = kv_bytes_per_vector(E, kv_dtype, bytes_per_elem)
+        return sum(compressed_nbytes(batch, slots, self.room, E, bytes_per_elem, kv_dtype)
+                   + batch * 2 * (K - n) * S * vector
                    for slots, n in zip(self.head_slots, self.layout.num_retrieval))
 
     def begin_step(self, step: Step):
@@ -153,13 +161,17 @@ class DuoCompressedKV(Method):
     def attend(self, layer, q, k, v, cache: DuoCompressedLayerCache, step: Step, shared):
         retrieval_shared, window = shared
         q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
+        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
+            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
         (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
         out_r, retrieval = qr, cache.retrieval
         if kr.shape[2]:
             out_r, retrieval = compressed_attention(qr, kr, vr, retrieval, self.head_slots[layer], step,
                                                     retrieval_shared)
         out_s, sk, sv = window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
-        return merge_heads(self.layout, layer, out_r, out_s), DuoCompressedLayerCache(retrieval, sk, sv)
+        out = merge_heads(self.layout, layer, out_r, out_s)
+        return (out if rotation is None else rotate(out, rotation.T)), DuoCompressedLayerCache(retrieval, sk, sv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +227,10 @@ class DuoHeadKV(Method):
         duo_shared, query_slots = shared
         check_windows(self, self.windows, layer, step)
         out, duo_cache = self.duo.attend(layer, q, k, v, cache.duo, step, duo_shared)
-        retrieval_q = split_heads(self.layout, layer, apply_rope(q, step.positions, step.inv_freq))[0]
+        q = apply_rope(q, step.positions, step.inv_freq)
+        if self.layout.kv_dtype is not None:  # the keys are stored rotated (k R): the votes read q R alike
+            q = rotate(q, kv_rotation(self.layout.head_dim))
+        retrieval_q = split_heads(self.layout, layer, q)[0]
         return out, DuoPrefillLayerCache(duo_cache, write_slots(cache.queries, query_slots, retrieval_q))
 
     def compressed(self, longest: int) -> DuoCompressedKV:
@@ -232,7 +247,7 @@ class DuoHeadKV(Method):
 def _compress_retrieval(method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple[DuoPrefillLayerCache, ...],
                         lengths: jax.Array):
     """The retrieval heads' full caches -> their kept tokens; the streaming caches carry over."""
-    empty = decode.init_cache(lengths.shape[0], cache[0].duo.retrieval_k.dtype)
+    empty = decode.init_cache(lengths.shape[0], cache[0].queries.dtype)  # the model's dtype
     out = []
     windows = method.windows or (None,) * len(cache)
     for layer, new, slots, sliding_window in zip(cache, empty, decode.head_slots, windows):
@@ -246,20 +261,22 @@ def _compress_retrieval(method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple
 
 
 @register("duo_headkv", options=("pattern", "sparsity", "sink", "recent", "scores", "kv_budget", "beta", "window",
-                               "kernel", "pooling"), takes_pattern=True, budget=duo_headkv_budget,
+                               "kernel", "pooling"), takes_pattern=True, budget=duo_headkv_budget, quantized_kv=True,
           summary="duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head)")
 def make_duo_headkv(config: ModelConfig, *, context: int, pattern: Pattern | None = None, sparsity: float = 0.5,
                     scores=None, kv_budget: int | None = None, beta: float = 1.2, sink: int = 64,
-                    recent: int = 256, window: int = 8, kernel: int = 7, pooling: str = "max") -> DuoHeadKV:
+                    recent: int = 256, window: int = 8, kernel: int = 7, pooling: str = "max",
+                    kv_dtype: str | None = None) -> DuoHeadKV:
     """DuoAttention (`pattern` binarised at `sparsity`, streaming heads `sink` + `recent`) whose retrieval heads
     keep `kv_budget` tokens each on average (window included), shared out among the retrieval heads by their
-    HeadKV `scores` (the formula of `headkv_budgets` over the retrieval heads only)."""
+    HeadKV `scores` (the formula of `headkv_budgets` over the retrieval heads only); `kv_dtype` "int8" / "int4"
+    quantizes every partition (the module docstring)."""
     scores = _required_scores(scores, config, "duo_headkv")
     if pattern is None:
         raise DuoJaxError("method 'duo_headkv' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
     grid = _score_grid(config, scores)
     mask = pattern.retrieval_mask(sparsity)
-    layout = make_layout(config, mask, sink=sink, recent=recent, context=context)
+    layout = make_layout(config, mask, sink=sink, recent=recent, context=context, kv_dtype=kv_dtype)
     base = base_budget(kv_budget, window)
     # grid[mask] lists the retrieval heads layer by layer in the model's order, as `split_heads` does.
     flat = headkv_budgets(grid[mask], base, beta) if mask.any() else np.zeros(0, int)

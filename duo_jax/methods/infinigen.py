@@ -65,6 +65,16 @@ full K / V live there between steps (offload="auto" or "host"); writes and the g
 the host (`compute_on("device_host")`) and only the gathered rows move to the device (the whole cache moves
 only for prefill chunks and the dense layers, which attend to all of it). Elsewhere (offload="device", or
 "auto" without support) the same code runs with the full cache in device memory.
+
+Quantized (`kv_dtype` "int8" / "int4", `duo_jax.quant`): the full K / V (the host-resident cache) hold codes +
+a bf16 scale per token and head; the partial key cache stays in the model's dtype, as the original keeps it
+separately on the GPU, so the speculation is the unquantized method's. The full cache stores the skewed keys
+and the values through `quant.kv_rotation` R (k A R, v R; the exact attention reads q A R and rotates its
+output back by R^T): the skew concentrates energy in few channels, which per-token absmax would quantize
+poorly, and R spreads it again. A token is quantized once, on the device, before its codes move to the host;
+a decode step fetches the selected rows' codes and scales and dequantizes only those rows (the current token
+attends to its own round-tripped key and value, as a cache write then read would give); prefill chunks and the
+dense layers attend to the whole quantized cache through the dispatch (dequantized one key tile at a time).
 """
 
 from __future__ import annotations
@@ -86,6 +96,8 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import Params, apply_rope, decoder_layer, embed, layer_at, project_qkv, rope_inv_freq, weights_memo
+from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
+                           rotate)
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +187,7 @@ def skew_on_text(params: Params, config: ModelConfig, tokenizer, *, sample_lengt
 @dataclasses.dataclass
 class InfiniGenLayerCache:
     k: jax.Array  # [B, C, K, E] skewed rotated keys, slot = absolute position (pinned_host when offloaded)
-    v: jax.Array  # [B, C, K, E] values (pinned_host when offloaded)
+    v: jax.Array  # [B, C, K, E] values (pinned_host when offloaded); both `QuantizedKV` with a kv_dtype
     partial_k: jax.Array  # [B, C, K, W] the partial channels of the skewed keys (device; W = 0 on a dense layer)
 
 
@@ -203,6 +215,7 @@ class InfiniGen(Method):
     offload: str = "auto"  # "auto" | "host" | "device"
     lookahead: bool = True  # decode steps speculate from the previous layer's attention input (False: own layer)
     dense_layers: int = DENSE_LAYERS  # layers 0 .. dense_layers-1 attend densely and never speculate
+    kv_dtype: str | None = None  # "int8" / "int4": the full K and V quantized (`duo_jax.quant`; not the partial keys)
     # W_l: partial channels of layer l's widest head (0: a dense layer), from the calibration: part of the spec
     # (the partial cache's shapes), so a recalibration that changes them compiles anew.
     widths: tuple[int, ...] = dataclasses.field(init=False)
@@ -224,13 +237,14 @@ class InfiniGen(Method):
             raise DuoJaxError("this backend has no pinned_host memory: use offload='device' or 'auto'")
         if self.kv_budget <= 0:
             raise DuoJaxError(f"kv_budget (tokens kept per KV head) must be positive, got {self.kv_budget}")
+        check_kv_dtype(self.kv_dtype)
 
     # --- construction -------------------------------------------------------------------------------
 
     @classmethod
     def from_skew(cls, A: np.ndarray, channel_mask: np.ndarray, *, context: int, kv_budget: int,
                   **options) -> "InfiniGen":
-        """From `skew`'s output; `options`: alpha, offload, lookahead, dense_layers."""
+        """From `skew`'s output; `options`: alpha, offload, lookahead, dense_layers, kv_dtype."""
         A, channel_mask = np.asarray(A, np.float32), np.asarray(channel_mask, bool)
         if channel_mask.shape != A.shape[:-1]:
             raise DuoJaxError(f"channel mask {channel_mask.shape} does not match skew matrices {A.shape}")
@@ -266,7 +280,10 @@ class InfiniGen(Method):
     def init_cache(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
         full = (batch, self.capacity, self.num_kv_heads, self.head_dim)
         place = ((lambda x: jax.device_put(x, jax.memory.Space.Host)) if self.host_offload else (lambda x: x))
-        return tuple(InfiniGenLayerCache(place(jnp.zeros(full, dtype)), place(jnp.zeros(full, dtype)),
+        def zeros():  # the full K or V: in the model's dtype, or quantized
+            return jnp.zeros(full, dtype) if self.kv_dtype is None else kv_zeros(full, self.kv_dtype, dtype)
+
+        return tuple(InfiniGenLayerCache(place(zeros()), place(zeros()),
                                          jnp.zeros(full[:3] + (self.widths[l],), dtype))
                      for l in range(self.num_layers))
 
@@ -278,34 +295,43 @@ class InfiniGen(Method):
         return self.init_cache(batch, dtype)
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        """B * C * K * sum_l (2E + W_l) * bytes: full K and V plus the partial keys (W_l channels, 0 if dense)."""
+        """B * C * K * sum_l (2 V + W_l * bytes): full K and V (V the bytes of one key,
+        `duo_jax.quant.kv_bytes_per_vector`: E * bytes, or codes + scale) plus the partial keys (W_l channels in the
+        model's dtype, 0 on a dense layer)."""
+        vector = kv_bytes_per_vector(self.head_dim, self.kv_dtype, bytes_per_elem)
         return (batch * self.capacity * self.num_kv_heads
-                * (2 * self.head_dim * self.num_layers + sum(self.widths)) * bytes_per_elem)
+                * (2 * vector * self.num_layers + sum(self.widths) * bytes_per_elem))
 
     # --- host / device helpers ----------------------------------------------------------------------
 
-    def _host_write(self, full: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
-        """full [B, C, K, E] with rows (flat row indices [N], out of range: dropped) set to new [N, E]."""
-        B, C, K, E = full.shape
+    def _host_write(self, full, rows: jax.Array, new):
+        """full [B, C, K, E] with rows (flat row indices [N], out of range: dropped) set to new [..., E] (N rows,
+        already in the cache's form: `as_stored`). A quantized cache writes codes and scales alike."""
+        def write(full, new):  # one array: [B, C, K, W] rows <- [..., W]
+            flat = full.reshape(-1, full.shape[-1])
+            return flat.at[rows].set(new.reshape(-1, full.shape[-1]), mode="drop").reshape(full.shape)
+
         if not self.host_offload:
-            return full.reshape(B * C * K, E).at[rows].set(new.astype(full.dtype), mode="drop").reshape(full.shape)
+            return jax.tree.map(write, full, new)
         from jax.experimental.compute_on import compute_on
-        rows, new = jax.device_put(rows, jax.memory.Space.Host), jax.device_put(new.astype(full.dtype),
-                                                                              jax.memory.Space.Host)
+        rows, new = jax.device_put((rows, new), jax.memory.Space.Host)
         with compute_on("device_host"):
-            out = full.reshape(B * C * K, E).at[rows].set(new, mode="drop").reshape(full.shape)
+            out = jax.tree.map(write, full, new)
         return out
 
-    def _host_gather(self, full: jax.Array, rows: jax.Array) -> jax.Array:
-        """Rows [N] (in range) of full [B, C, K, E] as a device array [N, E]: only these rows move."""
-        B, C, K, E = full.shape
+    def _host_gather(self, full, rows: jax.Array) -> jax.Array:
+        """Rows [N] (in range) of full [B, C, K, E] as a device array [N, E] in the model's dtype: only these rows
+        move (a quantized cache's codes and scales, dequantized on the device)."""
+        def gather(full):
+            return full.reshape(-1, full.shape[-1]).at[rows].get(mode="promise_in_bounds")
+
         if not self.host_offload:
-            return full.reshape(B * C * K, E).at[rows].get(mode="promise_in_bounds")
+            return dequantize(jax.tree.map(gather, full))
         from jax.experimental.compute_on import compute_on
         rows = jax.device_put(rows, jax.memory.Space.Host)
         with compute_on("device_host"):
-            picked = full.reshape(B * C * K, E).at[rows].get(mode="promise_in_bounds")
-        return jax.device_put(picked, jax.memory.Space.Device)
+            picked = jax.tree.map(gather, full)
+        return dequantize(jax.device_put(picked, jax.memory.Space.Device))
 
     def _to_device(self, full: jax.Array) -> jax.Array:
         return jax.device_put(full, jax.memory.Space.Device) if self.host_offload else full
@@ -332,21 +358,27 @@ class InfiniGen(Method):
                                       A.astype(x.dtype)).reshape(B, -1, H, E)
         qs = skew_q(q)
         ks = jnp.einsum("btke,kef->btkf", k, A.astype(k.dtype))
-        kp = jnp.take_along_axis(ks, index[None, None], axis=-1)  # [B, T, K, W]
+        kp = jnp.take_along_axis(ks, index[None, None], axis=-1)  # [B, T, K, W]: the speculation's, unquantized
+        rotation = None if self.kv_dtype is None else kv_rotation(E)
+        exact_q, stored_k, stored_v = qs, ks, v
+        if rotation is not None:  # the quantized full cache holds k A R and v R; exact attention reads q A R
+            exact_q, stored_k, stored_v = rotate(qs, rotation), rotate(ks, rotation), rotate(v, rotation)
+        stored_k, stored_v = as_stored(stored_k, cache.k), as_stored(stored_v, cache.v)  # quantized once, here
 
         # Write this step's tokens (slot = absolute position; padding and overflow dropped).
         slots = jnp.where(step.valid & (step.positions < C), step.positions, C)  # [B, T]
         rows = ((jnp.arange(B)[:, None, None] * C + slots[:, :, None]) * K + jnp.arange(K)).reshape(-1)
         rows = jnp.where(jnp.repeat(slots.reshape(-1) < C, K), rows, B * C * K)
-        new_k = self._host_write(cache.k, rows, ks.reshape(-1, E))
-        new_v = self._host_write(cache.v, rows, v.reshape(-1, E))
+        new_k = self._host_write(cache.k, rows, stored_k)
+        new_v = self._host_write(cache.v, rows, stored_v)
         new_partial = write_slots(cache.partial_k, slots, kp)
         new_cache = InfiniGenLayerCache(new_k, new_v, new_partial)
+        unrotate = (lambda out: out) if rotation is None else (lambda out: rotate(out, rotation.T))  # noqa: E731
 
         if not step.is_decode or layer < self.dense_layers:  # exact attention to every cached token and the new
             keys, values = self._to_device(new_k), self._to_device(new_v)
-            out = attention.attend(qs, keys.astype(q.dtype), values.astype(v.dtype), step.prefix_spec(), impl=step.impl)
-            return out, new_cache
+            out = attention.attend(exact_q, keys, values, step.prefix_spec(), impl=step.impl)
+            return unrotate(out), new_cache
 
         # Decode: speculate with the partial query against the partial keys of the cached tokens. The query is
         # this layer's projection of the previous layer's attention input (`prepare`'s lookahead_q), so the
@@ -371,11 +403,12 @@ class InfiniGen(Method):
         rows = ((jnp.arange(B)[:, None, None] * C + chosen) * K + jnp.arange(K)[None, :, None]).reshape(-1)
         sel_k = self._host_gather(cache.k, rows).reshape(B, K, budget, E)
         sel_v = self._host_gather(cache.v, rows).reshape(B, K, budget, E)
-        keys = jnp.concatenate([sel_k.astype(q.dtype), jnp.swapaxes(ks, 1, 2)], axis=2)  # [B, K, N + 1, E]
-        values = jnp.concatenate([sel_v.astype(v.dtype), jnp.swapaxes(v, 1, 2)], axis=2)
+        # [B, K, N + 1, E]: the fetched rows, then the current token (as the cache stores it)
+        keys = jnp.concatenate([sel_k.astype(q.dtype), jnp.swapaxes(dequantize(stored_k), 1, 2).astype(q.dtype)], 2)
+        values = jnp.concatenate([sel_v.astype(v.dtype), jnp.swapaxes(dequantize(stored_v), 1, 2).astype(v.dtype)], 2)
         mask = jnp.concatenate([keep, jnp.ones((B, K, 1), bool)], axis=2)[:, :, None]  # [B, K, 1, N + 1]
-        out, _ = attention_probs(qs, keys, values, mask)
-        return out, new_cache
+        out, _ = attention_probs(exact_q, keys, values, mask)
+        return unrotate(out), new_cache
 
 
 def _widths(channel_mask: np.ndarray, dense_layers: int) -> tuple[int, ...]:
@@ -393,19 +426,21 @@ def partial_channels(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]
 
 @register("infinigen", options=("kv_budget", "alpha", "partial_ratio", "channel_rule", "dense_layers", "offload",
                                 "lookahead"),
-          needs_model=True, budget=kv_budget_only, calibrated_on=CALIBRATION_HAYSTACK, summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
-                                    "(calibrated on the calibration essays)")
+          needs_model=True, budget=kv_budget_only, calibrated_on=CALIBRATION_HAYSTACK, quantized_kv=True,
+          summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
+                  "(calibrated on the calibration essays)")
 def make_infinigen(config: ModelConfig, *, context: int, model, kv_budget: int | None = None,
                    alpha: float = LLAMA_ALPHA, partial_ratio: float = 0.2, channel_rule: str = "qk",
-                   dense_layers: int = DENSE_LAYERS, offload: str = "auto", lookahead: bool = True) -> InfiniGen:
+                   dense_layers: int = DENSE_LAYERS, offload: str = "auto", lookahead: bool = True,
+                   kv_dtype: str | None = None) -> InfiniGen:
     """InfiniGen for `model` with the authors' Llama rules by default, skewed on a sample of the calibration
     essays (`skew_on_text`, once per set of weights and rules: later builds reuse it); `kv_budget`: tokens
-    fetched per KV head and step."""
+    fetched per KV head and step; `kv_dtype` "int8" / "int4" quantizes the full K / V (not the partial keys)."""
     if kv_budget is None:
         raise DuoJaxError("method 'infinigen' needs a positive kv_budget (tokens fetched per KV head)")
     A, mask = _skew_of(model, partial_ratio, channel_rule)
     return InfiniGen.from_skew(A, mask, context=context, kv_budget=int(kv_budget), alpha=alpha,
-                               dense_layers=dense_layers, offload=offload, lookahead=lookahead)
+                               dense_layers=dense_layers, offload=offload, lookahead=lookahead, kv_dtype=kv_dtype)
 
 
 def _skew_of(model, partial_ratio: float, channel_rule: str):

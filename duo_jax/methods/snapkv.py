@@ -54,10 +54,10 @@ Quantized (`kv_dtype` "int8" / "int4", `duo_jax.quant`): the prefill cache, the 
 of new tokens hold codes + a bf16 scale per token and head, stored through `quant.kv_rotation` as duo's are
 (queries rotated alike, the query ring holds rotated queries, outputs rotated back; the votes q.k are
 unchanged). A token is quantized once, when written; compression moves codes and scales together. Prefill
-attends through the dispatch (the decode kernels read codes; the XLA path dequantizes per key tile); the votes
-read one layer's prefill keys dequantized (a transient of that layer, once, at compression); decode dequantizes
-the kept tokens and the ring (the budget plus the generated tokens) for its scored attention. The query ring
-stays in the model's dtype (it is not K / V).
+attends through the dispatch (the prefill and decode kernels read codes; the XLA path dequantizes per key
+tile); the votes read one layer's prefill keys dequantized (a transient of that layer, once, at compression);
+decode dequantizes the kept tokens and the ring (the budget plus the generated tokens) for its scored attention.
+The query ring stays in the model's dtype (it is not K / V).
 """
 
 from __future__ import annotations

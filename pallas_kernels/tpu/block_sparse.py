@@ -37,12 +37,22 @@ K and V heads are interleaved in one page array, not our contiguous
   the last dim whole); dk/dv read them as [B, H, 1, T] rows (a free reshape)
   because that kernel works keys-major, on P^T [block_k, block_q], as splash's
   does: every matmul is then A B or A B^T, never A^T B.
+* A quantized cache (``kv_quant`` "int8" / "int4": int8 codes and one scale per
+  token and head, the layout of `duo_jax.quant.QuantizedKV`; chunked prefill
+  and the streaming heads' ring): the forward kernel DMAs tiles of codes
+  [block_k, D or D/2] and of scales [block_k, 1] (two more operands, heads-major
+  like K and V) and dequantizes them in VMEM (`_common.dequantize_tile`, the
+  decode kernels'), float32 accumulation. int4's nibble halves are dotted with
+  the matching halves of the query, which with the output and the accumulator
+  carries them on a leading dim ([parts, block_q, D/2]). Forward only: a
+  quantized cache is read at inference, never differentiated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +77,7 @@ class _Config:
     group: int            # Query heads per KV head.
     interpret: object     # See `_mosaic.interpret_mode`.
     positions: bool = False  # Explicit query and key positions (two operands), not q_offset + i and j.
+    kv_quant: str | None = None  # k / v are int8 codes with scales ("int8", "int4"): forward only
 
     @property
     def window(self) -> dict:
@@ -158,9 +169,14 @@ def _split_positions(refs, cfg: _Config):
 
 def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
                 q_ref, k_ref, v_ref,  # inputs
-                *refs,  # (query and key positions when cfg.positions); outputs o, lse; scratch
-                cfg: _Config, num_kv_blocks: int):
+                *refs,  # (k, v scales when quantized; query and key positions when cfg.positions); outputs o,
+                cfg: _Config, num_kv_blocks: int):  # lse; scratch
+    (k_scale_ref, v_scale_ref), refs = (refs[:2], refs[2:]) if cfg.kv_quant else ((None, None), refs)
     pos, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_positions(refs, cfg)
+    parts = _common.kv_parts(cfg.kv_quant)
+    part = (lambda ref, i: ref) if cfg.kv_quant is None else (lambda ref, i: ref.at[i])  # noqa: E731
+    q_parts = [part(q_ref, i) for i in range(parts)]  # [bq, D / parts] each (quantized: a leading-dim index)
+    acc_parts = [part(acc_scr, i) for i in range(parts)]
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     kv_block, real = _kv_visit(q_block, step, q_offset, kv_len, cfg, num_kv_blocks)
@@ -173,8 +189,10 @@ def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
 
     @pl.when(real)
     def _accumulate():
-        v = v_ref[...]
-        s = _dot(q_ref[...], k_ref[...], "qd,kd->qk") * cfg.scale  # [bq, bk]
+        tile = lambda ref, scale_ref: _common.dequantize_tile(  # noqa: E731  [parts][bk, D / parts]
+            ref[...], None if scale_ref is None else scale_ref[...], cfg.kv_quant, q_ref.dtype)
+        s = functools.reduce(operator.add, [_dot(q[...], k, "qd,kd->qk")
+                                            for q, k in zip(q_parts, tile(k_ref, k_scale_ref))]) * cfg.scale
         mask = _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg)
         s = jnp.where(mask, s, _common.MASK_VALUE)
         m = m_scr[...]
@@ -182,14 +200,16 @@ def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         correction = jnp.exp(m - m_new)  # Rescales what was summed under the old max.
         l_scr[...] = correction * l_scr[...] + p.sum(axis=-1, keepdims=True)
-        acc_scr[...] = correction * acc_scr[...] + _dot(p.astype(v.dtype), v, "qk,kd->qd")
+        for acc, v in zip(acc_parts, tile(v_ref, v_scale_ref)):
+            acc[...] = correction * acc[...] + _dot(p.astype(v.dtype), v, "qk,kd->qd")
         m_scr[...] = m_new
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _finish():
         l = l_scr[...]
         empty = l == 0.0  # Rows that see no key: output 0, lse +inf.
-        o_ref[...] = (acc_scr[...] / jnp.where(empty, 1.0, l)).astype(o_ref.dtype)
+        for i, acc in enumerate(acc_parts):
+            part(o_ref, i)[...] = (acc[...] / jnp.where(empty, 1.0, l)).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(empty, jnp.inf, m_scr[...] + jnp.log(jnp.where(empty, 1.0, l)))
 
 
@@ -224,20 +244,33 @@ def _position_operands(pos, *, keys_major: bool = False) -> list:
     return [q_pos[:, :, None], k_pos[:, None, :]]
 
 
-def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config):
+def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config, scales=()):
+    """o [B, H, T, D], lse [B, H, T, 1]; with cfg.kv_quant, k / v are codes [B, Hkv, S, D or D/2] and `scales`
+    their (k, v) scales [B, Hkv, S, 1]."""
     batch, num_heads, seq_q_padded, head_dim = q.shape
     num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, k.shape[2] // cfg.block_k
     q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
+    parts, acc = _common.kv_parts(cfg.kv_quant), (cfg.block_q, head_dim)
+    if cfg.kv_quant is not None:  # codes' and scales' tiles at the same blocks as K / V's; q, o, acc in parts
+        code_tile, scale_tile = (pl.BlockSpec((None, None, cfg.block_k, width), kv_tile.index_map)
+                                 for width in (k.shape[-1], 1))
+        kv_tile = [code_tile, code_tile, scale_tile, scale_tile]
+        width = head_dim // parts  # [B, H, T, D] -> [B, H, parts, T, D / parts]
+        q = jnp.swapaxes(q.reshape(batch, num_heads, seq_q_padded, parts, width), 2, 3)
+        q_tile = pl.BlockSpec((None, None, parts, cfg.block_q, width), lambda b, h, i, t, *_: (b, h, 0, i, 0))
+        acc = (parts, cfg.block_q, width)
+    else:
+        kv_tile = [kv_tile, kv_tile]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(batch, num_heads, num_q_blocks, cfg.kv_steps(num_kv_blocks)),
-        in_specs=[q_tile, kv_tile, kv_tile, *positions],
+        in_specs=[q_tile, *kv_tile, *positions],
         out_specs=[q_tile, stats],
         scratch_shapes=[pltpu.VMEM((cfg.block_q, 1), jnp.float32),
                         pltpu.VMEM((cfg.block_q, 1), jnp.float32),
-                        pltpu.VMEM((cfg.block_q, head_dim), jnp.float32)],
+                        pltpu.VMEM(acc, jnp.float32)],
     )
-    return pl.pallas_call(
+    o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, num_kv_blocks=num_kv_blocks),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -245,7 +278,10 @@ def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config):
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_fwd",
-    )(q_offset, kv_len, q, k, v, *_position_operands(pos))
+    )(q_offset, kv_len, q, k, v, *scales, *_position_operands(pos))
+    if cfg.kv_quant is not None:
+        o = jnp.swapaxes(o, 2, 3).reshape(batch, num_heads, seq_q_padded, head_dim)
+    return o, lse
 
 
 # ------------------------------------------------------------------ backward
@@ -392,13 +428,14 @@ _attention.defvjp(_attention_fwd, _backward)
 
 def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None,
                            q_offset, kv_len, scale: float, block_q: int, block_k: int, interpret,
-                           positions=None):
+                           positions=None, scales=None, kv_quant: str | None = None):
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; q_offset and kv_len int32 [B];
     positions None (query i at q_offset + i, key j at j) or (q_positions int32 [B, T],
-    k_positions int32 [B, S], -1: an empty slot); q_offset is then unused.
+    k_positions int32 [B, S], -1: an empty slot); q_offset is then unused. With `kv_quant`, k / v
+    are int8 codes [B, S, Hkv, D or D/2] and `scales` their (k_scale, v_scale) [B, S, Hkv, 1].
 
     Transposes to [B, H, L, D], pads T and S to the blocks (padded rows and keys are masked),
-    runs the custom-VJP kernels and undoes both.
+    runs the custom-VJP kernels (quantized: the forward kernel alone) and undoes both.
     """
     batch, seq_q, num_heads, head_dim = q.shape
     seq_k = k.shape[1]
@@ -406,7 +443,7 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: i
                   block_q=_mosaic.tpu_block(block_q, seq_q),
                   block_k=_mosaic.tpu_block(block_k, seq_k),
                   group=num_heads // k.shape[2], interpret=interpret,
-                  positions=positions is not None)
+                  positions=positions is not None, kv_quant=kv_quant)
     kv_len = jnp.minimum(kv_len, seq_k)
     q = _mosaic.pad_axis(_mosaic.heads_major(q), 2, cfg.block_q)
     k, v = (_mosaic.pad_axis(_mosaic.heads_major(x), 2, cfg.block_k) for x in (k, v))
@@ -414,5 +451,9 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: i
         q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in positions)
         positions = (_mosaic.pad_axis(q_pos, 1, cfg.block_q),
                      jnp.pad(k_pos, ((0, 0), (0, k.shape[2] - seq_k)), constant_values=-1))
-    o = _attention(q, k, v, q_offset, kv_len, positions, cfg)
+    if kv_quant is not None:  # inference over codes: no gradient to define
+        scales = tuple(_mosaic.pad_axis(_mosaic.heads_major(x), 2, cfg.block_k) for x in scales)
+        o, _ = _forward(q, k, v, q_offset, kv_len, positions, cfg, scales)
+    else:
+        o = _attention(q, k, v, q_offset, kv_len, positions, cfg)
     return _mosaic.heads_major(o[:, :, :seq_q])

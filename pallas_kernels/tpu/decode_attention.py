@@ -123,7 +123,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     Returns:
       [B, Hq, D] like q.
     """
-    _common.check_decode_cache(q, k, v, k_scale, v_scale, kv_quant)
+    _common.check_cache(q, k, v, k_scale, v_scale, kv_quant, q_ndim=3)
     _mosaic.check_tpu_block("block_k", block_k)
     _common.check_block("num_splits", num_splits)
     batch, num_heads, head_dim = q.shape

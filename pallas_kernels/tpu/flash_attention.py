@@ -11,7 +11,8 @@ chooses between the two TPU implementations, for it and for
 * otherwise the own scalar-prefetch kernel (`block_sparse.py`): traced or
   per-sequence [B] offsets and lengths, as in chunked prefill, and queries
   and keys at explicit positions (``k_positions``: a streaming head's ring +
-  chunk).
+  chunk), and a quantized cache (``kv_quant``: codes + scales, dequantized per
+  tile in the kernel; splash attention reads values only).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def _every_query_sees_a_key(*, seq_q: int, q_offset: int, kv_len: int, sink: int
 
 def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None, q_offset,
                      kv_len, scale: float | None, block_q: int, block_k: int,
-                     interpret, q_positions=None, k_positions=None) -> jax.Array:
+                     interpret, q_positions=None, k_positions=None, k_scale=None, v_scale=None,
+                     kv_quant: str | None = None) -> jax.Array:
     """Checks the arguments and runs splash attention or the own kernel (see the module docstring)."""
-    _common.check_qkv(q, k, v)
+    _common.check_cache(q, k, v, k_scale, v_scale, kv_quant, q_ndim=4)
     positions = None
     if k_positions is not None:
         if tuple(k_positions.shape) != k.shape[:2]:
@@ -70,7 +72,8 @@ def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | N
     window = dict(causal=causal, sink=sink, recent=recent, scale=scale, block_q=block_q,
                   block_k=block_k, interpret=interpret)
     static_len = seq_k if kv_len is None else kv_len
-    if (positions is None and splash.available() and _static_int(q_offset) and _static_int(static_len)
+    if (positions is None and kv_quant is None and splash.available() and _static_int(q_offset)
+            and _static_int(static_len)
             and _every_query_sees_a_key(seq_q=seq_q, q_offset=int(q_offset),
                                         kv_len=min(int(static_len), seq_k), sink=sink,
                                         recent=recent)):
@@ -78,13 +81,14 @@ def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | N
                                        kv_len=min(int(static_len), seq_k), **window)
     return block_sparse_attention(q, k, v, q_offset=_common.per_batch(q_offset, batch, 0),
                                   kv_len=_common.per_batch(kv_len, batch, seq_k),
-                                  positions=positions, **window)
+                                  positions=positions, scales=(k_scale, v_scale), kv_quant=kv_quant, **window)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                     q_offset=0, kv_len=None, scale: float | None = None, block_q: int = 128,
                     block_k: int = 128, interpret=None, q_positions=None,
-                    k_positions=None) -> jax.Array:
+                    k_positions=None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                    kv_quant: str | None = None) -> jax.Array:
     """Dense (causal) flash attention on TPU, differentiable (custom VJP).
 
     Args:
@@ -106,10 +110,16 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         such argument).
       q_positions: with k_positions only: int32 [B, T], each query's position (default
         q_offset + i).
+      k_scale, v_scale: with `kv_quant`, the codes' scales [B, S, Hkv, 1] (one per token and head).
+      kv_quant: None (k / v are values), "int8" or "int4": k / v are the cache's int8 codes,
+        [B, S, Hkv, D] ("int8") or [B, S, Hkv, D/2] ("int4", two per byte), each tile dequantized in
+        the kernel (codes * scale, in q's dtype) before its dots; the own kernel (never splash),
+        forward only.
 
     Returns:
       [B, T, Hq, D] like q. Queries that see no key get 0.
     """
     return masked_attention(q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
                             kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
-                            interpret=interpret, q_positions=q_positions, k_positions=k_positions)
+                            interpret=interpret, q_positions=q_positions, k_positions=k_positions,
+                            k_scale=k_scale, v_scale=v_scale, kv_quant=kv_quant)
