@@ -30,7 +30,7 @@ from pallas_kernels import _common
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
     """Static description of one attention call (hashable: a custom_vjp nondiff arg)."""
     seq_q: int            # True number of queries; the arrays may be padded past it.
     causal: bool
@@ -57,7 +57,7 @@ def _dot(a, b, contract: str):
     return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: _Config):
+def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: Config):
     rows = q_block * cfg.block_q + lax.broadcasted_iota(
         jnp.int32, (cfg.block_q, cfg.block_k), 0)
     cols = kv_block * cfg.block_k + lax.broadcasted_iota(
@@ -76,7 +76,19 @@ def _visited_kv_block(step, sink_end, band_start):
 
 def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
                 o_ref, lse_ref,  # outputs
-                *, cfg: _Config):
+                *, cfg: Config):
+    def load_kv(kv_block):  # [bk, D] each
+        kv_slice = pl.ds(kv_block * cfg.block_k, cfg.block_k)
+        return k_ref[kv_slice, :], v_ref[kv_slice, :]
+
+    forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg)
+
+
+def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *, cfg: Config):
+    """One forward program (grid point (b, h, query block)): the query tile q_ref [bq, D] over the KV blocks
+    its mask touches, `load_kv(kv_block)` giving block kv_block's keys and values [bk, D] (a slice of a
+    contiguous cache, or pages read through a block table: `pallas_kernels.paged_attention`). Writes the
+    normalised output and the log-sum-exp (+inf for rows that see no key)."""
     b, q_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q, block_k = cfg.block_q, cfg.block_k
@@ -88,8 +100,7 @@ def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
     def body(step, carry):
         acc, m, l = carry  # [bq, D], [bq], [bq]
         kv_block = _visited_kv_block(step, sink_end, band_start)
-        kv_slice = pl.ds(kv_block * block_k, block_k)
-        k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]  # [bk, D]
+        k, v = load_kv(kv_block)  # [bk, D]
         s = _dot(q, k, "qd,kd->qk") * cfg.scale  # [bq, bk]
         mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
         s = jnp.where(mask, s, _common.MASK_VALUE)
@@ -119,26 +130,27 @@ def _head_spec(block: int, head_dim: int, head_of, *, tiled: bool):
                         lambda b, h, i: (b, i if tiled else 0, head_of(h), 0))
 
 
-def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
-    batch, seq_q_padded, num_heads, head_dim = q.shape
-    seq_k_padded = k.shape[1]
-    group = num_heads // k.shape[2]
-    num_q_blocks = seq_q_padded // cfg.block_q
+def _forward(q, k, v, q_offset, kv_len, cfg: Config):
+    seq_k_padded, group = k.shape[1], q.shape[2] // k.shape[2]
+    kv_spec = _head_spec(seq_k_padded, q.shape[3], lambda h: h // group, tiled=False)
+    return launch_forward(functools.partial(_fwd_kernel, cfg=cfg), q, [q_offset, kv_len], [k, v],
+                          [kv_spec, kv_spec], cfg, name="block_sparse_attention_fwd")
 
-    q_head, kv_head = (lambda h: h), (lambda h: h // group)
+
+def launch_forward(kernel, q, scalars: list, kv: list, kv_specs: list, cfg: Config, *, name: str):
+    """The forward pallas_call over grid (batch, query head, query block): `kernel` gets the [B] scalar
+    operands (whole), the query tile, then the KV operands with their specs (`kv_specs`), and writes the
+    output tile and the log-sum-exp. Returns (o like q, lse float32 [B, Hq, T])."""
+    batch, seq_q_padded, num_heads, head_dim = q.shape
+    num_q_blocks = seq_q_padded // cfg.block_q
     scalar_spec = pl.BlockSpec((batch,), lambda b, h, i: (0,))
+    q_spec = _head_spec(cfg.block_q, head_dim, lambda h: h, tiled=True)
     o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg),
+        kernel,
         grid=(batch, num_heads, num_q_blocks),
-        in_specs=[
-            scalar_spec,  # q_offset [B]
-            scalar_spec,  # kv_len [B]
-            _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # q
-            _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # k
-            _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # v
-        ],
+        in_specs=[scalar_spec] * len(scalars) + [q_spec] + kv_specs,
         out_specs=[
-            _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # o
+            q_spec,  # o
             pl.BlockSpec((None, None, cfg.block_q), lambda b, h, i: (b, h, i)),
         ],
         out_shape=[
@@ -147,8 +159,8 @@ def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
         ],
         compiler_params=cfg.compiler_params(head_dim),
         interpret=cfg.interpret,
-        name="block_sparse_attention_fwd",
-    )(q_offset, kv_len, q, k, v)
+        name=name,
+    )(*scalars, q, *kv)
     return o, lse
 
 
@@ -161,7 +173,7 @@ def _forward(q, k, v, q_offset, kv_len, cfg: _Config):
 def _dq_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref,  # inputs
                dq_ref,  # output
-               *, cfg: _Config):
+               *, cfg: Config):
     b, q_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_k = cfg.block_k
@@ -190,7 +202,7 @@ def _dq_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 def _dkv_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref,  # inputs
                 dk_ref, dv_ref,  # outputs
-                *, cfg: _Config, num_q_blocks: int):
+                *, cfg: Config, num_q_blocks: int):
     b, kv_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q = cfg.block_q
@@ -219,7 +231,7 @@ def _dkv_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward(cfg: _Config, residuals, do):
+def _backward(cfg: Config, residuals, do):
     q, k, v, q_offset, kv_len, o, lse = residuals
     batch, seq_q_padded, num_heads, head_dim = q.shape
     seq_k_padded, num_kv_heads = k.shape[1], k.shape[2]
@@ -288,11 +300,11 @@ def _backward(cfg: _Config, residuals, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, q_offset, kv_len, cfg: _Config):
+def _attention(q, k, v, q_offset, kv_len, cfg: Config):
     return _forward(q, k, v, q_offset, kv_len, cfg)[0]
 
 
-def _attention_fwd(q, k, v, q_offset, kv_len, cfg: _Config):
+def _attention_fwd(q, k, v, q_offset, kv_len, cfg: Config):
     o, lse = _forward(q, k, v, q_offset, kv_len, cfg)
     return o, (q, k, v, q_offset, kv_len, o, lse)
 
@@ -317,7 +329,7 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
     seq_k = k.shape[1]
     block_q = _common.fit_block(block_q, seq_q)
     block_k = _common.fit_block(block_k, seq_k)
-    cfg = _Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
+    cfg = Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
                   scale=_common.default_scale(head_dim, scale),
                   block_q=block_q, block_k=block_k,
                   interpret=_backend.resolve_interpret(interpret))
