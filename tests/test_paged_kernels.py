@@ -265,3 +265,18 @@ def test_cpu_xla_path_reads_pages_one_tile_at_a_time():
     hlo = jax.jit(paged_decode("xla")).lower(*lowering_args(jnp.float32)).compile().as_text()
     assert_no_gathered_cache(hlo)
     assert {(LK, LB, 512, LE), (LB, 512, LK, LE)} & shapes(hlo)  # one tile of 512 slots, gathered
+
+
+def test_bad_paged_inputs_are_named():
+    """Shapes that do not fit, and a head dim JAX's TPU kernel cannot tile when compiled for TPU: clear errors."""
+    from pallas_kernels import _backend
+
+    q, kp, vp, tables, lengths = random_case(4, 2, jnp.bfloat16, lengths=[3, 5])
+    with pytest.raises(ValueError, match="k_pages and v_pages"):
+        pallas_kernels.paged_decode_attention(q, kp, vp[:, :, :2], tables, lengths)
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        pallas_kernels.paged_decode_attention(q[:, :3], kp, vp, tables, lengths)
+    with pytest.raises(ValueError, match="batch"):
+        pallas_kernels.paged_flash_attention(q[:1, None], kp, vp, tables, q_offset=0, kv_len=lengths[:1])
+    with _backend.lowering_for("tpu"), pytest.raises(ValueError, match="multiple of 128.*impl='xla'"):
+        jax.eval_shape(tpu.paged_decode_attention, q, kp, vp, tables, lengths)

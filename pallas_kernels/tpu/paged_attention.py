@@ -19,6 +19,10 @@ the adaptation does around the call, and why:
   an fp32 pool gets bfloat16-precision attention, so the dispatch (`duo_jax.attention`) hands this kernel
   bfloat16 pools only and takes the XLA path for others.
 
+JAX's ragged paged attention (`ops.tpu.ragged_paged_attention`, in this JAX too) would also serve prefill
+chunks, but it takes K and V interleaved in one pool [N, P, 2 * Hkv, D]; feeding it our separate pools would
+copy both whole pools every step, so prefill chunks over pages take the XLA path on TPU.
+
 ``interpret=None`` runs it in TPU interpret mode off TPU (`_mosaic.interpret_mode`; JAX's op has no
 interpret argument, so the call is traced under `force_tpu_interpret_mode`) and compiles it with Mosaic on a
 TPU. The kernel returns no log-sum-exp, so sharded decode over pages (`attend_partial`) takes the XLA path.
