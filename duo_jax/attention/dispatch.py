@@ -24,8 +24,8 @@ scales: one query per sequence over a contiguous cache (decode) runs the split-K
 explicit key positions, sliding windows, Λ) takes the XLA path, which dequantizes one key tile at a time.
 Codes never reach a kernel as if they were values.
 
-A paged cache (k / v a `duo_jax.attention.pages.PagedKV`: a pool of pages [K, N, P, E] and block tables [B, M])
-is read in place, never copied into a contiguous [B, M * P, K, E] cache. "pallas" (power-of-two page sizes)
+A paged cache (k / v a `duo_jax.attention.pages.PagedKV`: a pool of pages [K, N, P, E] and block tables [B, M],
+the same tables for both: the kernels take k's) is read in place, never copied into a contiguous [B, M * P, K, E] cache. "pallas" (power-of-two page sizes)
 runs our Triton kernels of `pallas_kernels.paged_attention`: split-K for one query per sequence (decode), the
 flash program for a chunk (chunked prefill over pages). "mosaic" runs JAX's TPU paged attention for decode,
 for bfloat16 pools only (it rounds keys and values to bfloat16 inside) and head dims that are multiples of

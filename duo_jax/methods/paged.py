@@ -14,13 +14,13 @@ reserved per sequence: a pool of N pages holds any mix of sequences whose pages 
 
 Writes go through the block table (one scatter into the pool viewed as N * P slots per head). Reads do not
 copy the pages: attention gets them as a `duo_jax.attention.pages.PagedKV` (the pool + the block tables) with
-the same mask as the contiguous cache (`duo.retrieval_attention`), and the dispatch reads them in place: a
-decode step runs a paged split-K kernel (Pallas/Triton on GPU, JAX's paged attention on TPU, following the
-block tables inside the kernel), and the blocked XLA path (CPU; prefill chunks everywhere) gathers one key tile
-of slots at a time through the tables, visiting only the filled key blocks. The pool is head-major (one head's
-page is P * E contiguous elements) because that is the layout of JAX's TPU paged attention, which then reads it
-as it is. Prefill chunks over pages in a kernel (a paged flash attention) are future work; so is paging the
-eviction methods, which keep their contiguous caches.
+the same mask as the contiguous cache (`duo.retrieval_attention`), and the dispatch reads them in place,
+following the block tables inside the kernels: a decode step runs a paged split-K kernel (Pallas/Triton on GPU,
+JAX's paged attention on TPU), a prefill chunk the paged flash kernel (GPU), and the blocked XLA path (CPU;
+prefill chunks on TPU) gathers one key tile of slots at a time through the tables, visiting only the filled
+key blocks (`duo_jax.attention.dispatch` says which runs when). The pool is head-major (one head's page is
+P * E contiguous elements) because that is the layout of JAX's TPU paged attention, which then reads it as it
+is. Paging the eviction methods is future work: they keep their contiguous caches.
 
 `paged(method, page_size=..., num_pages=...)` turns a `DuoAttention` (the registered "duo" or "full") into its
 paged form. `init_cache` gives every sequence its own M pages in order (so `generate(method=paged(...))` runs as
