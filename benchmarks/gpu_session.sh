@@ -3,7 +3,8 @@
 # Python with JAX, torch and transformers). Run from the repository root:
 #
 #   bash benchmarks/gpu_session.sh check OUT     # pytest -m gpu (kernels + engine vs references, the Triton
-#                                                # probe) and the kernel timings at 4k-32k: about 5-8 minutes
+#                                                # probe), the kernel timings at 4k-32k and paged decode
+#                                                # (in place vs gathered): about 5-8 minutes
 #   bash benchmarks/gpu_session.sh llama8b OUT   # Llama-3-8B-shaped prefill / decode, full vs duo, vs roofline
 #   bash benchmarks/gpu_session.sh gates OUT [STEPS]
 #                                                # SmolLM2 gate training with the original recipe; the run
@@ -41,6 +42,8 @@ check)
     $PY -m pytest -m gpu -q -ra tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" || true
     $PY benchmarks/kernels.py --seq-lens 4096 8192 16384 32768 --out "$out/kernels_gpu.json" 2>&1 \
         | tee "$out/kernels_gpu.log"
+    $PY benchmarks/paged_attention.py --capacities 4096 16384 65536 131072 --out "$out/paged_attention_gpu.json" \
+        2>&1 | tee "$out/paged_attention_gpu.log"
     ;;
 llama8b)
     $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 262144 524288 --max-prefill 131072 \

@@ -5,6 +5,8 @@
 * `flash_attention`: dense (causal) attention with q_offset / kv_len, forward
   and backward kernels.
 * `decode_attention`: split-K single-token attention over a cache, forward only.
+* `paged_decode_attention`, `paged_flash_attention`: decode and a prefill chunk over
+  pages of a pool read through block tables, forward only.
 
 `reference` holds dense pure-jnp versions of all three with explicit masks.
 `tpu` holds the same three functions for TPU (splash attention and Mosaic
@@ -15,10 +17,12 @@ from pallas_kernels import reference, tpu
 from pallas_kernels._common import check_block, check_qkv, check_window
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.paged_attention import paged_decode_attention, paged_flash_attention
 from pallas_kernels.lambda_attention import (causal_visited_blocks, lambda_attention,
                                              lambda_visited_blocks)
 
 __all__ = [
     "causal_visited_blocks", "check_block", "check_qkv", "check_window", "decode_attention",
-    "flash_attention", "lambda_attention", "lambda_visited_blocks", "reference", "tpu",
+    "flash_attention", "lambda_attention", "lambda_visited_blocks", "paged_decode_attention",
+    "paged_flash_attention", "reference", "tpu",
 ]

@@ -7,6 +7,9 @@ share one KV head (so a KV tile is loaded once per group) and one contiguous
 chunk of the cache, and returns a partial (o, m, l) for it. A cheap jnp
 reduction then combines the splits with the usual log-sum-exp rescaling.
 Splitting S keeps the GPU busy when B * Hkv alone is too small a grid.
+The program's loop (`split_attention`), the launch and the merge (`run_splits`) are
+shared with the paged kernel (`pallas_kernels.paged_attention`), which differs
+only in how it loads a key tile.
 
 A quantized cache (`kv_quant` "int8" / "int4": int8 codes plus one scale per token and head, the layout of
 `duo_jax.quant.QuantizedKV`) is read as it is stored: each program loads a tile of codes and its scales and
@@ -35,19 +38,32 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs,  # inputs (+ scales w
         (o_ref, m_ref, l_ref), k_scale_ref, v_scale_ref = refs, None, None
     else:
         k_scale_ref, v_scale_ref, o_ref, m_ref, l_ref = refs
+    dtype = q_ref.dtype
+
+    def tile(ref, scale_ref, i):  # keys or values [bk, D / parts] per part, dequantized when quantized
+        return _common.load_tile(ref, scale_ref, pl.ds(i * block_k, block_k), kv_quant, dtype)
+
+    split_attention(lengths_ref, q_ref, lambda i: tile(k_ref, k_scale_ref, i), lambda i: tile(v_ref, v_scale_ref, i),
+                    (o_ref, m_ref, l_ref), scale=scale, block_k=block_k, blocks_per_split=blocks_per_split)
+
+
+def split_attention(lengths_ref, q_ref, k_tile, v_tile, out_refs, *, scale: float, block_k: int,
+                    blocks_per_split: int):
+    """One program's share of split-K decode: the G query rows of q_ref [parts, G, D / parts] over the keys
+    of chunk program_id(2) of sequence program_id(0) (`blocks_per_split` blocks of `block_k`, stopping at the
+    sequence's length), with `k_tile(i)` / `v_tile(i)` loading block i of the chunk as parts of [bk, D / parts]
+    (a slice of a contiguous cache, a dequantized tile, pages read through a block table). Writes the
+    unnormalised output, running max and sum to out_refs (o, m, l) for `merge_splits`."""
+    o_ref, m_ref, l_ref = out_refs
     b, split = pl.program_id(0), pl.program_id(2)
     chunk_start = split * blocks_per_split * block_k
     keys_left = jnp.maximum(lengths_ref[b] - chunk_start, 0)  # valid keys in and past this chunk
     qs = [q_ref[i] for i in range(q_ref.shape[0])]  # the query's parts, each [G, D / parts]
 
-    def tile(ref, scale_ref, kv_slice):  # keys or values [bk, D / parts] per part, dequantized when quantized
-        return _common.load_tile(ref, scale_ref, kv_slice, kv_quant, qs[0].dtype)
-
     def body(i, carry):
         acc, m, l = carry  # [parts][G, D / parts], [G], [G]
-        kv_slice = pl.ds(i * block_k, block_k)
         s = functools.reduce(operator.add, [jnp.einsum("gd,kd->gk", q, k, preferred_element_type=jnp.float32)
-                                            for q, k in zip(qs, tile(k_ref, k_scale_ref, kv_slice))]) * scale
+                                            for q, k in zip(qs, k_tile(i))]) * scale
         cols = i * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         mask = cols < keys_left
         s = jnp.where(mask, s, _common.MASK_VALUE)
@@ -57,7 +73,7 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs,  # inputs (+ scales w
         l = correction * l + p.sum(axis=-1)
         acc = tuple(correction[:, None] * a + jnp.einsum("gk,kd->gd", p.astype(v.dtype), v,
                                                          preferred_element_type=jnp.float32)
-                    for a, v in zip(acc, tile(v_ref, v_scale_ref, kv_slice)))
+                    for a, v in zip(acc, v_tile(i)))
         return acc, m_new, l
 
     num_blocks = jnp.minimum(_common.cdiv(keys_left, block_k), blocks_per_split)
@@ -70,6 +86,62 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs,  # inputs (+ scales w
         o_ref[i] = a
     m_ref[...] = m
     l_ref[...] = l
+
+
+def group_queries(q: jax.Array, num_kv_heads: int, parts: int, interpret: bool) -> jax.Array:
+    """q [B, Hq, D] -> [B, Hkv, parts, G', D / parts]: the query heads grouped by KV head, each head's D
+    elements in `parts` (int4's nibble halves). Triton's dot wants at least 16 rows, so on GPU the group is
+    zero-padded to a power of two G' >= 16."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    q = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, parts, head_dim // parts), 2, 3)
+    rows = group if interpret else _common.fit_block(1 << 30, group)
+    if rows != group:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, rows - group), (0, 0)))
+    return q
+
+
+def run_splits(kernel, in_specs: list, args: list, q: jax.Array, *, num_splits: int, num_heads: int, dtype,
+               interpret: bool, name: str, return_lse: bool):
+    """Launches a split-K program `kernel` (one `split_attention` per program) over grid (batch, KV head, split)
+    with grouped queries q [B, Hkv, parts, G', D / parts] (`group_queries`) among its inputs, then merges the
+    splits (`merge_splits`). Its outputs: o float32 [B, Hkv, splits, parts, G', D / parts], m, l float32
+    [B, Hkv, splits, G']."""
+    batch, num_kv_heads, parts, rows, width = q.shape
+    stats_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))
+    stats = jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, None, parts, rows, width), lambda b, h, s: (b, h, s, 0, 0, 0)),
+                   stats_spec, stats_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, parts, rows, width), jnp.float32),
+                   stats, stats],
+        compiler_params=_backend.compiler_params(
+            interpret=interpret, num_warps=4, num_stages=2,
+            dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=interpret,
+        name=name,
+    )(*args)
+    return merge_splits(o, m, l, num_heads=num_heads, dtype=dtype, return_lse=return_lse)
+
+
+def merge_splits(o, m, l, *, num_heads: int, dtype, return_lse: bool):
+    """Combines the splits' partials (`split_attention`) into [B, Hq, D] in `dtype` (and the log-sum-exp
+    float32 [B, Hq] with `return_lse`): each split weighted by exp(m_split - m_max), 0 if it saw no key."""
+    batch, num_kv_heads = o.shape[:2]
+    group = num_heads // num_kv_heads
+    m_max = m.max(axis=2, keepdims=True)  # [B, Hkv, 1, G']
+    weight = jnp.where(l > 0.0, jnp.exp(m - m_max), 0.0)  # [B, Hkv, splits, G']
+    l_total = jnp.einsum("bhsg,bhsg->bhg", weight, l)
+    o = jnp.einsum("bhsg,bhspgd->bhgpd", weight, o)  # the parts back in order: [B, Hkv, G', parts, D / parts]
+    o = o / jnp.where(l_total == 0.0, 1.0, l_total)[..., None, None]
+    out = o[:, :, :group].reshape(batch, num_heads, -1).astype(dtype)
+    if not return_lse:
+        return out
+    lse = m_max[:, :, 0] + jnp.log(jnp.maximum(l_total, 1e-30))  # [B, Hkv, G']
+    return out, lse[:, :, :group].reshape(batch, num_heads)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -109,7 +181,6 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     _common.check_block("num_splits", num_splits)
     batch, num_heads, head_dim = q.shape
     seq_k, num_kv_heads = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads
     parts = _common.kv_parts(kv_quant)
     width = head_dim // parts
     scale = _common.default_scale(head_dim, scale)
@@ -128,54 +199,17 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         extra = num_blocks * block_k - seq_k
         cache = [jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) for x in cache]
 
-    # Query heads grouped by KV head, each head's D elements in `parts` (int4's nibble halves):
-    # [B, Hkv, parts, G', D / parts]. Triton's dot wants at least 16 rows, so on GPU the group is
-    # zero-padded to a power of two >= 16.
-    q = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, parts, width), 2, 3)
-    rows = group if interpret else _common.fit_block(1 << 30, group)
-    if rows != group:
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, rows - group), (0, 0)))
-
+    q_dtype, q = q.dtype, group_queries(q, num_kv_heads, parts, interpret)
+    rows = q.shape[3]
     kv_spec = pl.BlockSpec((None, chunk, None, width), lambda b, h, s: (b, s, h, 0))
     scale_spec = pl.BlockSpec((None, chunk, None, 1), lambda b, h, s: (b, s, h, 0))
-    stats_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))
-    o, m, l = pl.pallas_call(
-        functools.partial(_split_kernel, scale=scale, block_k=block_k,
-                          blocks_per_split=blocks_per_split, kv_quant=kv_quant),
-        grid=(batch, num_kv_heads, num_splits),
-        in_specs=[
-            pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # lengths
-            pl.BlockSpec((None, None, parts, rows, width), lambda b, h, s: (b, h, 0, 0, 0)),
-            kv_spec,  # k
-            kv_spec,  # v
-        ] + ([] if kv_quant is None else [scale_spec, scale_spec]),
-        out_specs=[
-            pl.BlockSpec((None, None, None, parts, rows, width),
-                         lambda b, h, s: (b, h, s, 0, 0, 0)),
-            stats_spec,
-            stats_spec,
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, parts, rows, width),
-                                 jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32),
-        ],
-        compiler_params=_backend.compiler_params(
-            interpret=interpret, num_warps=4, num_stages=2,
-            dimension_semantics=("parallel", "parallel", "parallel")),
-        interpret=interpret,
-        name="decode_attention_split",
-    )(lengths, q, *cache)
-
-    # Combine the splits: weight each by exp(m_split - m_max) (0 if empty).
-    m_max = m.max(axis=2, keepdims=True)  # [B, Hkv, 1, G']
-    weight = jnp.where(l > 0.0, jnp.exp(m - m_max), 0.0)  # [B, Hkv, splits, G']
-    l_total = jnp.einsum("bhsg,bhsg->bhg", weight, l)
-    o = jnp.einsum("bhsg,bhspgd->bhgpd", weight, o)  # the parts back in order: [B, Hkv, G', parts, D / parts]
-    o = o / jnp.where(l_total == 0.0, 1.0, l_total)[..., None, None]
-    out = o[:, :, :group].reshape(batch, num_heads, head_dim).astype(q.dtype)
-    if not return_lse:
-        return out
-    lse = m_max[:, :, 0] + jnp.log(jnp.maximum(l_total, 1e-30))  # [B, Hkv, G']
-    return out, lse[:, :, :group].reshape(batch, num_heads)
+    in_specs = [
+        pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # lengths
+        pl.BlockSpec((None, None, parts, rows, width), lambda b, h, s: (b, h, 0, 0, 0)),
+        kv_spec,  # k
+        kv_spec,  # v
+    ] + ([] if kv_quant is None else [scale_spec, scale_spec])
+    kernel = functools.partial(_split_kernel, scale=scale, block_k=block_k, blocks_per_split=blocks_per_split,
+                               kv_quant=kv_quant)
+    return run_splits(kernel, in_specs, [lengths, q, *cache], q, num_splits=num_splits, num_heads=num_heads,
+                      dtype=q_dtype, interpret=interpret, name="decode_attention_split", return_lse=return_lse)

@@ -38,7 +38,7 @@ from pallas_kernels import _common
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
     """Static description of one attention call (hashable: a custom_vjp nondiff arg)."""
     seq_q: int            # True number of queries; the arrays may be padded past it.
     causal: bool
@@ -66,7 +66,7 @@ def _dot(a, b, contract: str):
     return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: _Config):
+def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: Config):
     rows = q_block * cfg.block_q + lax.broadcasted_iota(
         jnp.int32, (cfg.block_q, cfg.block_k), 0)
     cols = kv_block * cfg.block_k + lax.broadcasted_iota(
@@ -85,25 +85,38 @@ def _visited_kv_block(step, sink_end, band_start):
 
 def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
                 *refs,  # (k and v scales when quantized); outputs o, lse
-                cfg: _Config):
+                cfg: Config):
     if cfg.kv_quant is None:
         (o_ref, lse_ref), k_scale_ref, v_scale_ref = refs, None, None
-        qs = [q_ref[...]]  # [bq, D]
-    else:  # q and o tiles [parts, bq, D / parts]: int4's nibble halves on the leading dim
+    else:
         k_scale_ref, v_scale_ref, o_ref, lse_ref = refs
-        qs = [q_ref[i] for i in range(q_ref.shape[0])]
+
+    def load_kv(kv_block):  # [parts][bk, D / parts] each
+        kv_slice = pl.ds(kv_block * cfg.block_k, cfg.block_k)
+        return (_common.load_tile(k_ref, k_scale_ref, kv_slice, cfg.kv_quant, q_ref.dtype),
+                _common.load_tile(v_ref, v_scale_ref, kv_slice, cfg.kv_quant, q_ref.dtype))
+
+    forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg)
+
+
+def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *, cfg: Config):
+    """One forward program (grid point (b, h, query block)): the query tile q_ref [bq, D] (quantized cache:
+    [parts, bq, D / parts], int4's nibble halves on the leading dim) over the KV blocks its mask touches,
+    `load_kv(kv_block)` giving block kv_block's keys and values as lists of parts [bk, D / parts] (a slice of
+    a contiguous cache, or pages read through a block table: `pallas_kernels.paged_attention`). Writes the
+    normalised output (o_ref shaped as q_ref) and the log-sum-exp (+inf for rows that see no key)."""
+    qs = [q_ref[...]] if cfg.kv_quant is None else [q_ref[i] for i in range(q_ref.shape[0])]  # [parts][bq, D / parts]
     b, q_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
-    block_q, block_k = cfg.block_q, cfg.block_k
+    block_q = cfg.block_q
     sink_end, band_start, end = _common.kv_block_schedule(
         q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
-        block_q=block_q, block_k=block_k, **cfg.window)
+        block_q=block_q, block_k=cfg.block_k, **cfg.window)
 
     def body(step, carry):
         acc, m, l = carry  # [parts][bq, D / parts], [bq], [bq]
         kv_block = _visited_kv_block(step, sink_end, band_start)
-        kv_slice = pl.ds(kv_block * block_k, block_k)
-        ks = _common.load_tile(k_ref, k_scale_ref, kv_slice, cfg.kv_quant, qs[0].dtype)  # [parts][bk, D / parts]
+        ks, vs = load_kv(kv_block)  # [parts][bk, D / parts]
         s = functools.reduce(operator.add, [_dot(q, k, "qd,kd->qk") for q, k in zip(qs, ks)]) * cfg.scale
         mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
         s = jnp.where(mask, s, _common.MASK_VALUE)
@@ -111,7 +124,6 @@ def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         correction = jnp.exp(m - m_new)  # Rescales what was summed under the old max.
         l = correction * l + p.sum(axis=-1)
-        vs = _common.load_tile(v_ref, v_scale_ref, kv_slice, cfg.kv_quant, qs[0].dtype)
         acc = tuple(correction[:, None] * a + _dot(p.astype(v.dtype), v, "qk,kd->qd") for a, v in zip(acc, vs))
         return acc, m_new, l
 
@@ -139,31 +151,32 @@ def _head_spec(block: int, head_dim: int, head_of, *, tiled: bool):
                         lambda b, h, i: (b, i if tiled else 0, head_of(h), 0))
 
 
-def _forward(q, k, v, q_offset, kv_len, cfg: _Config, scales=()):
+def _forward(q, k, v, q_offset, kv_len, cfg: Config, scales=()):
     """o [B, T, Hq, D], lse [B, Hq, T]; with cfg.kv_quant, k / v are codes and `scales` their (k, v) scales."""
-    batch, seq_q_padded, num_heads, head_dim = q.shape
-    seq_k_padded = k.shape[1]
-    group = num_heads // k.shape[2]
-    num_q_blocks = seq_q_padded // cfg.block_q
+    seq_k_padded, group = k.shape[1], q.shape[2] // k.shape[2]
+    kv_spec = _head_spec(seq_k_padded, k.shape[-1], lambda h: h // group, tiled=False)  # D, or D/2 int4 codes
+    scale_spec = _head_spec(seq_k_padded, 1, lambda h: h // group, tiled=False)  # k and v scales [B, S, Hkv, 1]
+    return launch_forward(functools.partial(_fwd_kernel, cfg=cfg), q, [q_offset, kv_len], [k, v, *scales],
+                          [kv_spec, kv_spec] + [scale_spec] * len(scales), cfg, name="block_sparse_attention_fwd")
 
-    q_head, kv_head = (lambda h: h), (lambda h: h // group)
+
+def launch_forward(kernel, q, scalars: list, kv: list, kv_specs: list, cfg: Config, *, name: str):
+    """The forward pallas_call over grid (batch, query head, query block): `kernel` gets the [B] scalar
+    operands (whole), the query tile, then the KV operands with their specs (`kv_specs`), and writes the
+    output tile and the log-sum-exp. With cfg.kv_quant the query and output tiles are [parts, bq, D / parts]
+    (`forward_program`). Returns (o like q, lse float32 [B, Hq, T])."""
+    batch, seq_q_padded, num_heads, head_dim = q.shape
+    num_q_blocks = seq_q_padded // cfg.block_q
     scalar_spec = pl.BlockSpec((batch,), lambda b, h, i: (0,))
-    q_spec = _head_spec(cfg.block_q, head_dim, q_head, tiled=True)
-    kv_spec = _head_spec(seq_k_padded, k.shape[-1], kv_head, tiled=False)  # D, or D/2 packed int4 codes
+    q_spec = _head_spec(cfg.block_q, head_dim, lambda h: h, tiled=True)
     parts = _common.kv_parts(cfg.kv_quant)
     if cfg.kv_quant is not None:  # q (and o) as [parts, B, T, Hq, D / parts]: part i of every head on a leading dim
         q = jnp.moveaxis(q.reshape(batch, seq_q_padded, num_heads, parts, head_dim // parts), 3, 0)
         q_spec = pl.BlockSpec((parts, None, cfg.block_q, None, head_dim // parts), lambda b, h, i: (0, b, i, h, 0))
     o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg),
+        kernel,
         grid=(batch, num_heads, num_q_blocks),
-        in_specs=[
-            scalar_spec,  # q_offset [B]
-            scalar_spec,  # kv_len [B]
-            q_spec,  # q
-            kv_spec,  # k
-            kv_spec,  # v
-        ] + [_head_spec(seq_k_padded, 1, kv_head, tiled=False)] * len(scales),  # k and v scales [B, S, Hkv, 1]
+        in_specs=[scalar_spec] * len(scalars) + [q_spec] + kv_specs,
         out_specs=[
             q_spec,  # o
             pl.BlockSpec((None, None, cfg.block_q), lambda b, h, i: (b, h, i)),
@@ -174,8 +187,8 @@ def _forward(q, k, v, q_offset, kv_len, cfg: _Config, scales=()):
         ],
         compiler_params=cfg.compiler_params(head_dim),
         interpret=cfg.interpret,
-        name="block_sparse_attention_fwd",
-    )(q_offset, kv_len, q, k, v, *scales)
+        name=name,
+    )(*scalars, q, *kv)
     if cfg.kv_quant is not None:
         o = jnp.moveaxis(o, 0, 3).reshape(batch, seq_q_padded, num_heads, head_dim)
     return o, lse
@@ -190,7 +203,7 @@ def _forward(q, k, v, q_offset, kv_len, cfg: _Config, scales=()):
 def _dq_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref,  # inputs
                dq_ref,  # output
-               *, cfg: _Config):
+               *, cfg: Config):
     b, q_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_k = cfg.block_k
@@ -219,7 +232,7 @@ def _dq_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
 def _dkv_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                 delta_ref,  # inputs
                 dk_ref, dv_ref,  # outputs
-                *, cfg: _Config, num_q_blocks: int):
+                *, cfg: Config, num_q_blocks: int):
     b, kv_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q = cfg.block_q
@@ -248,7 +261,7 @@ def _dkv_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward(cfg: _Config, residuals, do):
+def _backward(cfg: Config, residuals, do):
     q, k, v, q_offset, kv_len, o, lse = residuals
     batch, seq_q_padded, num_heads, head_dim = q.shape
     seq_k_padded, num_kv_heads = k.shape[1], k.shape[2]
@@ -317,11 +330,11 @@ def _backward(cfg: _Config, residuals, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, q_offset, kv_len, cfg: _Config):
+def _attention(q, k, v, q_offset, kv_len, cfg: Config):
     return _forward(q, k, v, q_offset, kv_len, cfg)[0]
 
 
-def _attention_fwd(q, k, v, q_offset, kv_len, cfg: _Config):
+def _attention_fwd(q, k, v, q_offset, kv_len, cfg: Config):
     o, lse = _forward(q, k, v, q_offset, kv_len, cfg)
     return o, (q, k, v, q_offset, kv_len, o, lse)
 
@@ -348,10 +361,10 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
     seq_k = k.shape[1]
     block_q = _common.fit_block(block_q, seq_q)
     block_k = _common.fit_block(block_k, seq_k)
-    cfg = _Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
-                  scale=_common.default_scale(head_dim, scale),
-                  block_q=block_q, block_k=block_k,
-                  interpret=_backend.resolve_interpret(interpret), kv_quant=kv_quant)
+    cfg = Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
+                 scale=_common.default_scale(head_dim, scale),
+                 block_q=block_q, block_k=block_k,
+                 interpret=_backend.resolve_interpret(interpret), kv_quant=kv_quant)
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from duo_jax.attention import dispatch
-from pallas_kernels import _backend, decode_attention, flash_attention, lambda_attention
+from pallas_kernels import (_backend, decode_attention, flash_attention, lambda_attention, paged_decode_attention,
+                            paged_flash_attention)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run with pytest -m gpu)")]
@@ -160,10 +161,56 @@ def test_kernels_over_a_quantized_cache(kind):
     assert bool(jnp.all(out[2] == 0))
 
 
-@pytest.mark.parametrize("method", ["full", "duo"])
+def paged(k, v, page_size, seed=0):
+    """The caches k / v [B, S, K, E] moved into pages of a shuffled pool [K, N, P, E] (3 more pages than
+    needed, holding stale values): (k_pages, v_pages, block_tables [B, S / P])."""
+    rng = np.random.default_rng(seed)
+    B, S, K, E = k.shape
+    M = S // page_size
+    N = B * M + 3
+    tables = rng.permutation(N)[:B * M].reshape(B, M).astype(np.int32)
+    pools = []
+    for x in (k, v):
+        pool = rng.standard_normal((K, N, page_size, E))
+        for b in range(B):
+            pool[:, tables[b]] = np.moveaxis(x[b].reshape(M, page_size, K, E), 2, 0)
+        pools.append(pool)
+    return pools[0], pools[1], tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_paged_decode_attention(dtype, S=4224, page_size=16, lengths=(4224, 1, 0, 3001)):
+    """One query per sequence over 264 pages of 16 per sequence in a shuffled pool (33 blocks of 8 pages in 11
+    splits of 3 blocks), lengths full, 1, 0 and mid-page."""
+    needs_triton()
+    lengths = np.array(lengths)
+    q, k, v = inputs(len(lengths), 1, S, 32, 8, 128, dtype)
+    kp, vp, tables = paged(k, v, page_size)
+    fn = jax.jit(lambda q, kp, vp, t, n: paged_decode_attention(q, kp, vp, t, n, block_k=128, num_splits=16))
+    out = fn(*(jnp.asarray(x, dtype) for x in (q[:, 0], kp, vp)), jnp.asarray(tables), jnp.asarray(lengths, jnp.int32))
+    check(out[:, None], attention_f64(q, k, v, positions_mask(1, S, lengths - 1, lengths)), dtype)
+    assert bool(jnp.all(out[2] == 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_paged_flash_attention_chunk(dtype, T=512, S=2048, page_size=16, q_offset=(888, 1000), kv_len=(1400, 1512)):
+    """A 512-token prefill chunk at positions 1,000.. over 128 pages of 16 per sequence in a shuffled pool, of
+    which 1,400 / 1,512 tokens are filled (ragged key blocks)."""
+    needs_triton()
+    q_offset, kv_len = np.array(q_offset), np.array(kv_len)
+    q, k, v = inputs(2, T, S, 16, 4, 128, dtype)
+    kp, vp, tables = paged(k, v, page_size)
+    fn = jax.jit(lambda q, kp, vp, t: paged_flash_attention(q, kp, vp, t, q_offset=jnp.asarray(q_offset),
+                                                             kv_len=jnp.asarray(kv_len)))
+    out = fn(*(jnp.asarray(x, dtype) for x in (q, kp, vp)), jnp.asarray(tables))
+    check(out, attention_f64(q, k, v, positions_mask(T, S, q_offset, kv_len)), dtype)
+
+
+@pytest.mark.parametrize("method", ["full", "duo", "paged_duo"])
 def test_engine_on_the_kernels_matches_the_reference(method):
     """Chunked prefill (chunks of 64 over a 200-token prompt) and 16 decode steps through the Pallas kernels
-    vs the dense reference, teacher-forced on the same tokens, fp32."""
+    vs the dense reference, teacher-forced on the same tokens, fp32 (paged_duo: duo with its retrieval heads in
+    pages of 16, read by the paged kernels)."""
     needs_triton()
     logits = {impl: _engine_logits(method, impl) for impl in ("pallas", "reference")}
     ref = logits["reference"]
@@ -193,9 +240,13 @@ def _engine_logits(method_name, impl):
     params = duo_jax.init_params(config, jax.random.key(0), scale=0.2)
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, 200).tolist()
     force = np.random.default_rng(1).integers(0, config.vocab_size, 16)
-    if method_name == "duo":  # layer 0: head 0 retrieval, layer 1: head 1, layer 2: none
+    if method_name in ("duo", "paged_duo"):  # layer 0: head 0 retrieval, layer 1: head 1, layer 2: none
         retrieval = np.array([[1, 0], [0, 1], [0, 0]], bool)
         method = DuoAttention(make_layout(config, retrieval, sink=16, recent=32, context=256))
+        if method_name == "paged_duo":
+            from duo_jax.methods.paged import paged
+
+            method = paged(method, page_size=16)
     else:
         method = make_method(method_name, config, context=256)
     _, logits, _, _ = run_method(params, config, method, prompt, chunk=64, decode_steps=16, impl=impl,

@@ -58,11 +58,11 @@ def test_paged_attention_matches_float64_with_random_tables():
     tables = random_tables(rng, new_lengths, P, M, N)
     keys = rng.standard_normal((B, M * P, K, E)).astype(np.float32)  # each sequence's tokens, by position
     values = rng.standard_normal((B, M * P, K, E)).astype(np.float32)
-    pool_k = rng.standard_normal((N, P, K, E)).astype(np.float32)  # stale content everywhere
-    pool_v = rng.standard_normal((N, P, K, E)).astype(np.float32)
+    pool_k = rng.standard_normal((K, N, P, E)).astype(np.float32)  # stale content everywhere
+    pool_v = rng.standard_normal((K, N, P, E)).astype(np.float32)
     for b in range(B):  # the tokens before the chunk, already cached
         for p in range(offsets[b]):
-            pool_k[tables[b, p // P], p % P], pool_v[tables[b, p // P], p % P] = keys[b, p], values[b, p]
+            pool_k[:, tables[b, p // P], p % P], pool_v[:, tables[b, p // P], p % P] = keys[b, p], values[b, p]
     positions = offsets[:, None] + np.arange(chunk)
     valid = positions < new_lengths[:, None]
     chunk_k = np.take_along_axis(keys, np.minimum(positions, M * P - 1)[:, :, None, None], axis=1)
@@ -72,7 +72,7 @@ def test_paged_attention_matches_float64_with_random_tables():
     pv = write_pages(jnp.asarray(pool_v), jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(valid),
                      jnp.asarray(chunk_v))
     unused = np.setdiff1d(np.arange(N), tables)
-    np.testing.assert_array_equal(np.asarray(pk)[unused], pool_k[unused])  # nothing written outside the tables
+    np.testing.assert_array_equal(np.asarray(pk)[:, unused], pool_k[:, unused])  # nothing written outside the tables
     q = rng.standard_normal((B, chunk, H, E)).astype(np.float32)
     spec = MaskSpec(jnp.asarray(positions, jnp.int32), jnp.asarray(new_lengths, jnp.int32))
     out = attention.attend(jnp.asarray(q), gather_pages(pk, jnp.asarray(tables)), gather_pages(pv, jnp.asarray(tables)),
@@ -86,7 +86,7 @@ def engine():
     return Engine(duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), CONFIG)
 
 
-def all_logits(engine, method, prompts, cache, *, chunk, steps):
+def all_logits(engine, method, prompts, cache, *, chunk, steps, impl="xla"):
     """Chunked prefill (every chunk's logits), then greedy decode steps: logits [B][position] per sequence."""
     B = len(prompts)
     lengths = np.array([len(p) for p in prompts])
@@ -99,11 +99,11 @@ def all_logits(engine, method, prompts, cache, *, chunk, steps):
         for b in range(B):
             seen[b].extend(np.asarray(out[b, : n_valid[b]]))
 
-    last, cache, lens = engine.prefill(method, padded, lengths, chunk=chunk, impl="xla", on_chunk=keep,
+    last, cache, lens = engine.prefill(method, padded, lengths, chunk=chunk, impl=impl, on_chunk=keep,
                                        cache=cache, lengths=jnp.zeros((B,), jnp.int32))
     token = jnp.argmax(last, -1).astype(jnp.int32)
     for _ in range(steps):
-        out, cache, lens = engine.step(method, cache, lens, token, impl="xla")
+        out, cache, lens = engine.step(method, cache, lens, token, impl=impl)
         for b in range(B):
             seen[b].append(np.asarray(out[b]))
         token = jnp.argmax(out, -1).astype(jnp.int32)
@@ -128,6 +128,32 @@ def test_paged_duo_gives_the_contiguous_caches_logits(engine, mask):
     for g, r in zip(got, ref):
         assert g.shape == r.shape
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * np.abs(r).max())
+
+
+def test_paged_decode_through_the_kernel_gives_the_xla_paths_tokens(engine, monkeypatch):
+    """The paged method with impl="pallas" (prefill chunks and decode steps read the pages in the paged Pallas
+    kernels, in the interpreter here) gives the XLA path's logits and greedy tokens over random block tables;
+    each kernel is traced once per layer with retrieval heads (the steps are jitted)."""
+    import pallas_kernels
+
+    calls = []
+    for name in ("paged_decode_attention", "paged_flash_attention"):
+        kernel = getattr(pallas_kernels, name)
+        monkeypatch.setattr(pallas_kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    rng = np.random.default_rng(2)
+    method = paged(DuoAttention(make_layout(CONFIG, MASK, sink=2, recent=5, context=64)), page_size=4, num_pages=40)
+    prompts = [rng.integers(1, 128, n).tolist() for n in (11, 4)]
+    steps = 3
+    tables = random_tables(rng, [len(p) + steps for p in prompts], 4, method.pages_per_sequence, 40)
+    logits = {}
+    for impl in ("xla", "pallas"):
+        cache = method.empty_cache(2, engine.dtype)
+        cache.block_tables = jnp.asarray(tables)
+        logits[impl] = all_logits(engine, method, prompts, cache, chunk=8, steps=steps, impl=impl)
+    assert sorted(calls) == ["paged_decode_attention"] * 2 + ["paged_flash_attention"] * 2  # layers 0 and 1
+    for x, p in zip(logits["xla"], logits["pallas"]):
+        np.testing.assert_allclose(p, x, rtol=0, atol=1e-5 * np.abs(x).max())
+        np.testing.assert_array_equal(p.argmax(-1), x.argmax(-1))
 
 
 def test_generate_runs_a_paged_method():

@@ -26,6 +26,15 @@ explicit positions (the streaming heads' quantized ring + chunk) the Mosaic flas
 and what the kernels do not serve take the XLA path, which dequantizes one key tile at a time. Codes never
 reach a kernel as if they were values.
 
+A paged cache (k / v a `duo_jax.attention.pages.PagedKV`: a pool of pages [K, N, P, E] and block tables [B, M],
+the same tables for both: the kernels take k's) is read in place, never copied into a contiguous [B, M * P, K, E] cache. "pallas" (power-of-two page sizes)
+runs our Triton kernels of `pallas_kernels.paged_attention`: split-K for one query per sequence (decode), the
+flash program for a chunk (chunked prefill over pages). "mosaic" runs JAX's TPU paged attention for decode,
+for bfloat16 pools only (it rounds keys and values to bfloat16 inside) and head dims that are multiples of
+128 (which its blocks need on TPU). Every other case (prefill chunks on TPU, sliding windows, fp32 pools on
+TPU, other page sizes on GPU, CPU) takes the XLA path, which gathers one key tile of slots at a time through
+the tables.
+
 The kernels take a query offset rather than per-query positions for a contiguous cache, so that mapping
 assumes what every caller builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
 With explicit key positions the TPU kernel also takes the query positions as they are.
@@ -51,6 +60,7 @@ from pallas_kernels import _backend
 from pallas_kernels._backend import backend as pallas_backend
 from duo_jax.attention import xla
 from duo_jax.attention.masks import MaskSpec, prefix_spec
+from duo_jax.attention.pages import PagedKV
 from duo_jax.quant import QuantizedKV, dequantize
 from pallas_kernels import reference
 
@@ -96,8 +106,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):
         return _kernels(q, k, v, spec, scale, impl)
     if impl == "reference":
-        return reference.attention_reference(q, dequantize(k), dequantize(v), spec.dense(k.shape[1]), scale=scale)
+        return reference.attention_reference(q, _values(k), _values(v), spec.dense(k.shape[1]), scale=scale)
     return xla.attention(q, k, v, spec, scale=scale)
+
+
+def _values(x) -> jax.Array:
+    """A contiguous cache of values: pages gathered, codes dequantized (for the dense reference)."""
+    return x.contiguous() if isinstance(x, PagedKV) else dequantize(x)
 
 
 def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto",
@@ -108,8 +123,8 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, 
     log-sum-exp); everything else takes the blocked XLA path (the flash, Λ and TPU kernels do not return
     theirs yet)."""
     pallas_kernels.check_qkv(q, k, v)
-    quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
-    if (resolve_impl(impl) == "pallas" and not quantized and q.shape[1] == 1 and spec.causal
+    contiguous = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
+    if (resolve_impl(impl) == "pallas" and contiguous and q.shape[1] == 1 and spec.causal
             and spec.k_positions is None and spec.window is None and not spec.is_lambda):
         lengths = jnp.clip(jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1), 0, k.shape[1])
         out, lse = pallas_kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
@@ -121,6 +136,14 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, 
 def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
     if spec.window is not None:
         return False
+    if isinstance(k, PagedKV) or isinstance(v, PagedKV):  # the paged kernels (module docstring)
+        if not (isinstance(k, PagedKV) and isinstance(v, PagedKV) and spec.causal and spec.k_positions is None
+                and not spec.is_lambda):
+            return False
+        if impl == "pallas":  # Triton's power-of-two tensor shapes: a key block is [pages, P, E]
+            return k.page_size & (k.page_size - 1) == 0
+        return (spec.q_positions.shape[1] == 1 and k.dtype == jnp.bfloat16
+                and k.shape[-1] % pallas_kernels.tpu.LANES == 0)
     quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
     if quantized and not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV) and k.kind == v.kind):
         return False  # the kernels take one kind of codes for both
@@ -144,6 +167,16 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
     if spec.k_positions is not None:  # "mosaic" only (`_kernels_serve`); a decode step is a chunk of one
         return kernels.flash_attention(q, k, v, causal=True, kv_len=kv_len, scale=scale,
                                        q_positions=spec.q_positions, k_positions=spec.k_positions, **options)
+    if isinstance(k, PagedKV):  # pages read through the block tables (`_kernels_serve`)
+        if q.shape[1] > 1:  # "pallas" only: a prefill chunk over pages
+            return pallas_kernels.paged_flash_attention(q, k.pages, v.pages, k.block_tables,
+                                                        q_offset=spec.q_positions[:, 0], kv_len=spec.kv_len,
+                                                        scale=scale)
+        lengths = jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1)
+        if impl == "pallas":
+            options = dict(num_splits=MAX_SPLITS)
+        return kernels.paged_decode_attention(q[:, 0], k.pages, v.pages, k.block_tables, lengths, scale=scale,
+                                              **options)[:, None]
     if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
         return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
                                         scale=scale, **options)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from duo_jax.attention.masks import MaskSpec
+from duo_jax.attention.pages import PagedKV
 from duo_jax.quant import QuantizedKV, dequantize
 
 # Finite "minus infinity": keeps m - m_new free of inf - inf; masked probabilities are zeroed explicitly.
@@ -60,10 +61,13 @@ def _key_blocks(spec: MaskSpec, q_pos: jax.Array, block_k: int):
 
 def _slice_keys(x, first, size: int) -> jax.Array:
     """x[:, first:first + size], dequantized when x is a `QuantizedKV` (codes and scales sliced, then only
-    this tile converted). The barrier keeps the slice inside the loop: XLA:CPU computes bf16 ops in f32 and
-    would otherwise hoist the convert of the whole loop-invariant cache out of the loop (measured: temp
-    memory growing with the capacity)."""
+    this tile converted), gathered through the block tables when x is a `PagedKV` (only this tile's rows of
+    the pool are read: the pages are never copied whole into a contiguous cache). The barrier keeps the slice
+    inside the loop: XLA:CPU computes bf16 ops in f32 and would otherwise hoist the convert of the whole
+    loop-invariant cache out of the loop (measured: temp memory growing with the capacity)."""
     x, first = lax.optimization_barrier((x, first))
+    if isinstance(x, PagedKV):
+        return x.read(first, size)
     return dequantize(jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, first, size, axis=1), x))
 
 
@@ -217,8 +221,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, scale
     """q [B, T, H, E], k / v [B, S, K, E] (H = K * G, query head h uses KV head h // G) -> [B, T, H, E].
 
     Visits only the key blocks `spec` can see among the first max(kv_len) slots; rows with no visible
-    key give zeros. Key blocks are at most `block_k` slots, all of one size (`balanced_block`). Differentiable in q, k and v; k / v may be `QuantizedKV` (not differentiable then),
-    dequantized one key tile at a time.
+    key give zeros. Key blocks are at most `block_k` slots, all of one size (`balanced_block`). Differentiable
+    in q, k and v; k / v may be `QuantizedKV` (dequantized one key tile at a time) or `PagedKV` (gathered one
+    key tile at a time), not differentiable then.
     """
     B, T, H, E = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -226,7 +231,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, scale
     block_k = balanced_block(S, block_k)
     block_q = min(block_q, T)
     q = q.reshape(B, T, K, H // K, E)
-    if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):  # a quantized cache: inference only
+    if isinstance(k, (QuantizedKV, PagedKV)) or isinstance(v, (QuantizedKV, PagedKV)):  # a cache: inference only
         out = _attention_fwd(q, k, v, spec, scale, block_q, block_k)[0]
     else:
         out = _attention(q, k, v, spec, scale, block_q, block_k)

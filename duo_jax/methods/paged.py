@@ -3,7 +3,7 @@ that keep every token, the streaming heads' fixed sink + ring slots per sequence
 
 Per layer l with n_l retrieval heads, the cache holds
 
-  pages_k[l], pages_v[l]: [N, P, n_l, E]       a pool of N pages of P tokens, shared by every sequence
+  pages_k[l], pages_v[l]: [n_l, N, P, E]       a pool of N pages of P tokens per head, shared by every sequence
   streaming_k[l], streaming_v[l]: [B, sink + recent, K - n_l, E]   as in `duo_jax.cache` (O(1) per sequence)
 
 and, shared by all layers, `block_tables` int32 [B, M] (M = capacity / P pages per sequence at most): the token
@@ -12,14 +12,15 @@ equal to N means "no page": writes through it are dropped. Page i of a sequence 
 each layer's pool, so one allocation (`duo_jax.serve.scheduler.PagePool`) serves every layer. No capacity is
 reserved per sequence: a pool of N pages holds any mix of sequences whose pages add up to N.
 
-Writes go through the block table (one scatter into the pool viewed as N * P slots). Reads gather the
-sequence's M pages of the pool into a contiguous view [B, M * P, n_l, E] (slot = position) once per layer per
-step, then attend with the same dispatch and mask as the contiguous cache (`duo.retrieval_attention`: the blocked
-XLA path visits only the filled key blocks). Cost of this slice: the gather moves B * M * P * n_l * E elements
-per layer and step, whatever the sequences hold, and materialises them as a temporary: the pool saves memory
-held between steps, not the per-step transient or the bandwidth. Paged kernels that read pages in place (a
-Pallas kernel on GPU, JAX's ragged paged attention on TPU) are future work; so is paging the eviction methods,
-which keep their contiguous caches.
+Writes go through the block table (one scatter into the pool viewed as N * P slots per head). Reads do not
+copy the pages: attention gets them as a `duo_jax.attention.pages.PagedKV` (the pool + the block tables) with
+the same mask as the contiguous cache (`duo.retrieval_attention`), and the dispatch reads them in place,
+following the block tables inside the kernels: a decode step runs a paged split-K kernel (Pallas/Triton on GPU,
+JAX's paged attention on TPU), a prefill chunk the paged flash kernel (GPU), and the blocked XLA path (CPU;
+prefill chunks on TPU) gathers one key tile of slots at a time through the tables, visiting only the filled
+key blocks (`duo_jax.attention.dispatch` says which runs when). The pool is head-major (one head's page is
+P * E contiguous elements) because that is the layout of JAX's TPU paged attention, which then reads it as it
+is. Paging the eviction methods is future work: they keep their contiguous caches.
 
 `paged(method, page_size=..., num_pages=...)` turns a `DuoAttention` (the registered "duo" or "full") into its
 paged form. `init_cache` gives every sequence its own M pages in order (so `generate(method=paged(...))` runs as
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from duo_jax.attention.pages import PagedKV
 from duo_jax.cache import CacheLayout
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
@@ -49,7 +51,7 @@ DEFAULT_PAGE_SIZE = 128
 class PagedLayerCache:
     """One layer's pool of retrieval pages and its per-sequence streaming slots."""
 
-    pages_k: jax.Array  # [N, P, n_l, E]
+    pages_k: jax.Array  # [n_l, N, P, E]
     pages_v: jax.Array
     streaming_k: jax.Array  # [B, sink + recent, K - n_l, E]
     streaming_v: jax.Array
@@ -72,23 +74,24 @@ class PagedLayerView:
 
 def write_pages(pool: jax.Array, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
                 new: jax.Array) -> jax.Array:
-    """pool [N, P, n, E] with new [B, T, n, E] written at `positions` [B, T] through `block_tables` [B, M];
+    """pool [n, N, P, E] with new [B, T, n, E] written at `positions` [B, T] through `block_tables` [B, M];
     invalid tokens, positions past M pages and unassigned table entries (N) are dropped."""
-    N, P = pool.shape[:2]
+    n, N, P = pool.shape[:3]
     B, T = positions.shape
     index = positions // P
     page = jnp.take_along_axis(block_tables, jnp.clip(index, 0, block_tables.shape[1] - 1), axis=1)
     slot = jnp.where(valid & (index < block_tables.shape[1]) & (page < N), page * P + positions % P, N * P)
-    flat = pool.reshape((1, N * P) + pool.shape[2:])
-    written = write_slots(flat, slot.reshape(1, B * T), new.reshape((1, B * T) + new.shape[2:]))
+    flat = pool.reshape((n, N * P) + pool.shape[3:])  # each head's slots: one "sequence" of write_slots
+    new = jnp.moveaxis(new.reshape((B * T, n) + new.shape[3:]), 1, 0)[:, :, None]  # [n, B * T, 1, E]
+    slots = jnp.broadcast_to(slot.reshape(1, B * T), (n, B * T))
+    written = write_slots(flat[:, :, None], slots, new)
     return written.reshape(pool.shape)
 
 
 def gather_pages(pool: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """The sequences' pages as contiguous caches: pool [N, P, n, E], block_tables [B, M] -> [B, M * P, n, E]
-    (slot = position). Unassigned entries read some page: the caller's key lengths mask them."""
-    view = jnp.take(pool, block_tables, axis=0, mode="clip")  # [B, M, P, n, E]
-    return view.reshape((block_tables.shape[0], -1) + pool.shape[2:])
+    """The sequences' pages as contiguous caches: pool [n, N, P, E], block_tables [B, M] -> [B, M * P, n, E]
+    (slot = position; a copy, for tests and references: attention reads the pages in place)."""
+    return PagedKV(pool, block_tables).contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +126,8 @@ class PagedDuo(Method):
     def _cache(self, batch: int, dtype, block_tables) -> PagedCache:
         layout, N, E = self.layout, self.pool_pages(batch), self.layout.head_dim
         S = layout.streaming_slots
-        layers = tuple(PagedLayerCache(jnp.zeros((N, self.page_size, n, E), dtype),
-                                       jnp.zeros((N, self.page_size, n, E), dtype),
+        layers = tuple(PagedLayerCache(jnp.zeros((n, N, self.page_size, E), dtype),
+                                       jnp.zeros((n, N, self.page_size, E), dtype),
                                        jnp.zeros((batch, S, layout.num_kv_heads - n, E), dtype),
                                        jnp.zeros((batch, S, layout.num_kv_heads - n, E), dtype))
                        for n in layout.num_retrieval)
@@ -172,7 +175,7 @@ class PagedDuo(Method):
         if kr.shape[2]:
             pk = write_pages(pk, tables, step.positions, step.valid, kr)
             pv = write_pages(pv, tables, step.positions, step.valid, vr)
-            out_r = retrieval_attention(qr, gather_pages(pk, tables), gather_pages(pv, tables), step)
+            out_r = retrieval_attention(qr, PagedKV(pk, tables), PagedKV(pv, tables), step)
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
         return merge_heads(self.layout, layer, out_r, out_s), PagedLayerCache(pk, pv, sk, sv)
 

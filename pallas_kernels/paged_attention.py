@@ -1,0 +1,179 @@
+"""Attention over a paged cache in Pallas (Triton on GPU), forward only: decode and chunked prefill.
+
+The tokens of B sequences live in pages of a pool shared by the batch: k_pages and v_pages [Hkv, N, P, D]
+(head-major: one head's page is P * D contiguous elements), block_tables int32 [B, M] (slot s of sequence b is
+page block_tables[b, s // P], row s % P). The kernels read the pages where they are: no [B, M * P, Hkv, D]
+copy of the sequences' caches is ever built. A key block is `pages_per_block` pages, loaded with one gathered
+load (`ref[pages]`, a vector of page ids: the idiom of JAX's GPU `paged_attention` op) and viewed as
+[pages_per_block * P, D]; table entries are clipped into the pool ("no page" entries past a length read some
+page, which the length masks).
+
+* `paged_decode_attention`: one query per sequence, q [B, Hq, D]. The grid is (batch, KV head, split), as in
+  the contiguous split-K kernel (`decode_attention`), whose loop, launch and log-sum-exp merge this one shares
+  (`split_attention`, `run_splits`); only the loading of a key tile differs. Each program sees the whole pool
+  of its KV head and its split's run of table entries; the G query heads of a group share every page load. A
+  split stops at its sequence's length, so pages past it are not read, except within the last block.
+* `paged_flash_attention`: a chunk of queries per sequence (chunked prefill of a newcomer whose earlier
+  chunks, or reused prefix, are in pages), q [B, T, Hq, D]. The flash kernel's program
+  (`flash_attention.forward_program`: grid batch x query head x query block, key blocks past the length or the
+  causal edge skipped) with its key blocks loaded through the table.
+
+What differs from JAX's `jax.experimental.pallas.ops.gpu.paged_attention` (decode only): our pool is
+[Hkv, N, P, D] per layer with the head picked by the grid (JAX vmaps over the batch and loads q blocks of 16
+heads), the splits are the ragged whole-block chunks of our contiguous kernel (JAX needs pages_per_sequence %
+k_splits == 0), lengths 0 give zeros, and the per-split statistics leave the kernel in float32 for an exact
+merge and an optional log-sum-exp.
+
+Triton wants power-of-two tensor shapes: P and D must be powers of two (pages_per_block is one); the
+dispatch (`duo_jax.attention`) takes the XLA path for other page sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend
+from pallas_kernels import _common
+from pallas_kernels.decode_attention import group_queries, run_splits, split_attention
+from pallas_kernels.flash_attention import Config, forward_program, launch_forward
+
+
+def check_paged(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array) -> None:
+    """q [B, Hq, D], k_pages / v_pages [Hkv, N, P, D] (Hq a multiple of Hkv), block_tables [B, M]."""
+    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape or block_tables.ndim != 2:
+        raise ValueError("expected q [B, Hq, D], k_pages and v_pages [Hkv, N, P, D] of one shape and "
+                         f"block_tables [B, M]; got q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}, "
+                         f"block_tables {block_tables.shape}.")
+    if q.shape[0] != block_tables.shape[0] or q.shape[2] != k_pages.shape[3] or q.shape[1] % k_pages.shape[0]:
+        raise ValueError(f"q {q.shape} does not fit pages {k_pages.shape} and block_tables {block_tables.shape}: "
+                         "batch, head_dim and the query heads (a multiple of the KV heads) must agree.")
+
+
+def pages_per_block(page_size: int, block_k: int) -> int:
+    """Pages per key block: block_k // page_size tokens' worth (one page when pages are larger)."""
+    return max(1, block_k // page_size)
+
+
+def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                  scale: float, pages_per_block: int, blocks_per_split: int):
+    page_size, width = k_ref.shape[1], k_ref.shape[2]  # k_ref: this KV head's pool [N, P, D]
+    block_k = pages_per_block * page_size
+
+    def tile(ref, i):  # block i of this split: its pages' ids, then one gathered load of them
+        pages = tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        return (ref[pages].reshape(block_k, width),)
+
+    split_attention(lengths_ref, q_ref, functools.partial(tile, k_ref), functools.partial(tile, v_ref),
+                    (o_ref, m_ref, l_ref), scale=scale, block_k=block_k, blocks_per_split=blocks_per_split)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                           lengths: jax.Array, *, scale: float | None = None, block_k: int = 128,
+                           num_splits: int = 16, interpret: bool | None = None, return_lse: bool = False):
+    """Single-token attention over paged caches, split along each sequence's pages.
+
+    Args:
+      q: [B, Hq, D] one query per sequence.
+      k_pages, v_pages: [Hkv, N, P, D] the pool (Hq % Hkv == 0).
+      block_tables: int32 [B, M]; entries past a sequence's length may be anything (>= N: none).
+      lengths: int32 [B]; sequence b attends to its slots j < lengths[b] (clipped to M * P); 0 gives zeros.
+      scale: softmax scale, default 1 / sqrt(D).
+      block_k: tokens per loop step (rounded to whole pages: max(1, block_k // P) pages).
+      num_splits: how many chunks of whole blocks each sequence's pages are split into (at most).
+      interpret: None = interpret mode exactly when running on CPU.
+      return_lse: also return the log-sum-exp float32 [B, Hq] (as `decode_attention`).
+
+    Returns:
+      [B, Hq, D] like q, or (that, lse) with `return_lse`.
+    """
+    check_paged(q, k_pages, v_pages, block_tables)
+    _common.check_block("block_k", block_k)
+    _common.check_block("num_splits", num_splits)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_pages = block_tables.shape[1]
+    scale = _common.default_scale(head_dim, scale)
+    interpret = _backend.resolve_interpret(interpret)
+    lengths = jnp.minimum(_common.per_batch(lengths, batch, max_pages * page_size), max_pages * page_size)
+
+    per_block = pages_per_block(page_size, block_k)
+    num_blocks = _common.cdiv(max_pages, per_block)
+    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
+    num_splits = _common.cdiv(num_blocks, blocks_per_split)
+    pages_per_split = blocks_per_split * per_block
+    # Every entry in the pool (clipped "no page"s, and page 0 padding the table to whole splits): a block may
+    # read a few entries past its sequence's length, whose keys the length masks.
+    tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)
+    tables = jnp.pad(tables, ((0, 0), (0, num_splits * pages_per_split - max_pages)))
+    tables = tables.reshape(batch, num_splits, pages_per_split)
+
+    q_dtype, q = q.dtype, group_queries(q, num_kv_heads, 1, interpret)
+    rows = q.shape[3]
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0))
+    in_specs = [
+        pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # lengths
+        pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),  # this split's pages
+        pl.BlockSpec((None, None, 1, rows, head_dim), lambda b, h, s: (b, h, 0, 0, 0)),  # q
+        pool_spec,  # k_pages
+        pool_spec,  # v_pages
+    ]
+    kernel = functools.partial(_paged_kernel, scale=scale, pages_per_block=per_block,
+                               blocks_per_split=blocks_per_split)
+    return run_splits(kernel, in_specs, [lengths, tables, q, k_pages, v_pages], q, num_splits=num_splits,
+                      num_heads=num_heads, dtype=q_dtype, interpret=interpret,
+                      name="paged_decode_attention_split", return_lse=return_lse)
+
+
+def _paged_flash_kernel(q_offset_ref, kv_len_ref, q_ref, tables_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                        cfg: Config, pages_per_block: int):
+    page_size, width = k_ref.shape[1], k_ref.shape[2]  # k_ref: this query head's KV head's pool [N, P, D]
+
+    def load_kv(kv_block):  # key block kv_block: its pages' ids, then one gathered load of each pool
+        pages = tables_ref[pl.ds(kv_block * pages_per_block, pages_per_block)]
+        return [k_ref[pages].reshape(cfg.block_k, width)], [v_ref[pages].reshape(cfg.block_k, width)]
+
+    forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg)
+
+
+def paged_flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array, *,
+                          q_offset, kv_len, scale: float | None = None, block_q: int = 128,
+                          block_k: int = 128, interpret: bool | None = None) -> jax.Array:
+    """Causal attention of a chunk of queries over paged caches (chunked prefill), forward only.
+
+    q [B, T, Hq, D]: query i of sequence b at position q_offset[b] + i; k_pages / v_pages [Hkv, N, P, D];
+    block_tables int32 [B, M]; sequence b sees its slots j <= position and j < kv_len[b] (clipped to M * P).
+    The flash kernel's program (`flash_attention.forward_program`: grid batch x query head x query block, key
+    blocks past kv_len or the causal edge skipped) with key blocks of max(1, block_k // P) pages, each loaded
+    through the table with one gathered load. Queries that see no key get 0.
+    """
+    _common.check_block("block_q", block_q)
+    _common.check_block("block_k", block_k)
+    if q.ndim != 4:
+        raise ValueError(f"expected q [B, T, Hq, D], got {q.shape}.")
+    check_paged(q[:, 0], k_pages, v_pages, block_tables)
+    batch, seq_q, _, head_dim = q.shape
+    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    max_pages = block_tables.shape[1]
+    per_block = pages_per_block(page_size, _common.fit_block(block_k, max_pages * page_size))
+    cfg = Config(seq_q=seq_q, causal=True, sink=None, recent=None, scale=_common.default_scale(head_dim, scale),
+                 block_q=_common.fit_block(block_q, seq_q), block_k=per_block * page_size,
+                 interpret=_backend.resolve_interpret(interpret))
+    q_offset = _common.per_batch(q_offset, batch, 0)
+    kv_len = jnp.minimum(_common.per_batch(kv_len, batch, max_pages * page_size), max_pages * page_size)
+    tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)  # "no page" entries: masked reads
+    tables = jnp.pad(tables, ((0, 0), (0, -max_pages % per_block)))
+    q_padded = jnp.pad(q, ((0, 0), (0, -seq_q % cfg.block_q), (0, 0), (0, 0)))
+    group = q.shape[2] // k_pages.shape[0]
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, i: (h // group, 0, 0, 0))
+    tables_spec = pl.BlockSpec((None, tables.shape[1]), lambda b, h, i: (b, 0))
+    kernel = functools.partial(_paged_flash_kernel, cfg=cfg, pages_per_block=per_block)
+    o, _ = launch_forward(kernel, q_padded, [q_offset, kv_len], [tables, k_pages, v_pages],
+                          [tables_spec, pool_spec, pool_spec], cfg, name="paged_flash_attention_fwd")
+    return o[:, :seq_q]
+
+
+__all__ = ["check_paged", "paged_decode_attention", "paged_flash_attention", "pages_per_block"]

@@ -1,0 +1,78 @@
+"""Decode attention over a paged cache on TPU: JAX's maintained paged attention kernel, adapted to our call.
+
+`jax.experimental.pallas.ops.tpu.paged_attention` takes q [B, Hq, D], k_pages / v_pages [Hkv, N, P, D],
+lengths [B] and page_indices [B, M]: our pool's layout (`duo_jax.attention.pages.PagedKV` is head-major for
+this reason), so the pages go in as they are and the kernel DMAs each sequence's pages from HBM itself. What
+the adaptation does around the call, and why:
+
+* The softmax scale: JAX's kernel computes q . k unscaled, so q is scaled first (in float32, then q's dtype).
+* Table entries past a sequence's length may be "no page" (N); the kernel DMAs whole compute blocks of
+  pages, so entries are clipped into the pool (what they read is masked by the length).
+* M must be a multiple of the pages per compute block: the block is the largest divisor of M within
+  `block_k` tokens.
+* Head dim: the kernel's q / statistics blocks are [G, D], which Mosaic tiles only for D a multiple of 128;
+  compiled for TPU, other head dims are an error here (the dispatch takes the XLA path for them).
+* Length 0: JAX's kernel skips such sequences and leaves their output unwritten; we return zeros for them
+  (as every other kernel here does).
+* Precision: JAX's kernel rounds every key and value tile to bfloat16 after loading it (its
+  `MultiPageAsyncCopyDescriptor._maybe_dequantize`), whatever the pool's dtype. Exact for a bfloat16 pool;
+  an fp32 pool gets bfloat16-precision attention, so the dispatch (`duo_jax.attention`) hands this kernel
+  bfloat16 pools only and takes the XLA path for others.
+
+JAX's ragged paged attention (`ops.tpu.ragged_paged_attention`, in this JAX too) would also serve prefill
+chunks, but it takes K and V interleaved in one pool [N, P, 2 * Hkv, D]; feeding it our separate pools would
+copy both whole pools every step, so prefill chunks over pages take the XLA path on TPU.
+
+``interpret=None`` runs it in TPU interpret mode off TPU (`_mosaic.interpret_mode`; JAX's op has no
+interpret argument, so the call is traced under `force_tpu_interpret_mode`) and compiles it with Mosaic on a
+TPU. The kernel returns no log-sum-exp, so sharded decode over pages (`attend_partial`) takes the XLA path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _common
+from pallas_kernels.paged_attention import check_paged, pages_per_block
+from pallas_kernels.tpu import _mosaic
+
+
+def compute_block_pages(max_pages: int, page_size: int, block_k: int) -> int:
+    """The largest divisor of `max_pages` with at most block_k // page_size pages (at least one)."""
+    most = min(max_pages, pages_per_block(page_size, block_k))
+    return max(d for d in range(1, most + 1) if max_pages % d == 0)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                           lengths: jax.Array, *, scale: float | None = None, block_k: int = 512,
+                           interpret=None) -> jax.Array:
+    """q [B, Hq, D] over pages [Hkv, N, P, D] through block_tables int32 [B, M]; sequence b sees its slots
+    j < lengths[b] (clipped to M * P; 0 gives zeros). Same contract as the GPU kernel
+    (`pallas_kernels.paged_decode_attention`), without `return_lse`."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    check_paged(q, k_pages, v_pages, block_tables)
+    _common.check_block("block_k", block_k)
+    batch, _, head_dim = q.shape
+    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+    max_pages = block_tables.shape[1]
+    scale = _common.default_scale(head_dim, scale)
+    lengths = jnp.minimum(_common.per_batch(lengths, batch, max_pages * page_size), max_pages * page_size)
+    tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)
+    interpret = _mosaic.interpret_mode(interpret)
+    if not interpret and head_dim % _mosaic.LANES:
+        raise ValueError(f"JAX's TPU paged attention needs a head dim that is a multiple of {_mosaic.LANES} "
+                         f"on TPU, got {head_dim}; use the XLA path (duo_jax.attention.attend, impl='xla').")
+    mode = contextlib.nullcontext() if not interpret else pltpu.force_tpu_interpret_mode(
+        interpret if isinstance(interpret, pltpu.InterpretParams) else pltpu.InterpretParams())
+    with mode:
+        out = paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), k_pages, v_pages, lengths, tables,
+                              pages_per_compute_block=compute_block_pages(max_pages, page_size, block_k))
+    return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros_like(out))
+
+
+__all__ = ["compute_block_pages", "paged_decode_attention"]
