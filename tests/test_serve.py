@@ -187,9 +187,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, monkeypatc
     assert metric(running.url, "generated_tokens_total") < tokens + 50
 
 
-def test_shutdown_finishes_responses_in_flight(served):
-    """Shutdown while two requests of 40 tokens run: both responses come back whole, then the port closes."""
+def test_shutdown_finishes_responses_in_flight(served, monkeypatch):
+    """Shutdown while two requests of 40 tokens run: both responses come back whole, then the port closes. Each
+    scheduler step is slowed by 20 ms, so that on a loaded machine too the first request cannot finish before
+    the second is admitted."""
     running, model, _ = served
+    step = running.scheduler.step
+    monkeypatch.setattr(running.scheduler, "step", lambda: time.sleep(0.02) or step())
     body = dict(prompt=model.tokenizer.encode("A last request before closing"), max_tokens=40, temperature=0)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         streamed = pool.submit(stream, running.url, "/v1/completions", body)
