@@ -21,13 +21,14 @@ Mixed steps (some slots prefill while others decode), `mixed=`:
       nothing (n_valid 0: their cache rows and lengths are left as they are), then one chunk [1, chunk] of the
       oldest prefilling request alone, on its row of the cache (`duo_jax.engine.extend_row`: the page pools
       shared, the slot index an argument). The other prefilling requests wait their turn: a decoding slot's
-      token costs one position, and prefill runs one request at a time.
-  "padded": one step [slots, chunk]: every slot runs a row of `chunk` positions, so a decoding slot's token
-      costs `chunk` positions of compute (on a compute-bound CPU as much as real ones).
-Under both, a step where nobody decodes is one [slots, chunk] step over every prefilling slot (newcomers
-arriving together prefill together) and a step where nobody prefills is [slots, 1]. `counters["row_tokens"]`
-adds up batch x T of every compiled call (the positions computed, padding included). Steps over a ragged token
-budget, as vLLM runs them (decode tokens and prefill chunks packed into one row), are not built.
+      token costs one position, and prefill runs one request at a time. A step where nobody decodes feeds
+      every prefilling slot its chunk, each alone at [1, chunk], or in one [slots, chunk] step when every slot
+      prefills (SmolLM2 on CPU: a [4, 256] step costs four [1, 256] ones, however few of its rows are real).
+  "padded": one step [slots, chunk] while any slot prefills: every slot runs a row of `chunk` positions, so
+      a decoding slot's token costs `chunk` positions of compute (on a compute-bound CPU as much as real ones).
+A step where nobody prefills is [slots, 1] under both. `counters["row_tokens"]` adds up batch x T of every
+compiled call (the positions computed, padding included). Steps over a ragged token budget, as vLLM runs them
+(decode tokens and prefill chunks packed into one row), are not built.
 
 Prefix reuse (`prefix_cache=True`, vLLM's automatic prefix caching adapted to DuoAttention): every full page of
 a prompt is named by a digest of its tokens chained with its prefix's digest (sha256(parent digest, tokens)),
@@ -493,11 +494,10 @@ class Scheduler:
         feed = self._plan()
         if not feed:
             return False
-        # Under "split", the one prefilling slot fed beside decoding ones runs alone (unless its chunk is a
-        # single token: then it is a T = 1 row like the others).
-        decoding = any(not self._prefilling(self.running[b]) for b in feed)
-        alone = [b for b, n in feed.items() if n > 1 and self._prefilling(self.running[b])
-                 ] if self.mixed == "split" and decoding else []
+        # Under "split", prompt chunks (feeds of more than one token: only prefilling slots have them) run
+        # each alone unless every slot has one; a chunk of a single token rides in the T = 1 step.
+        chunks = [b for b, n in feed.items() if n > 1]
+        alone = chunks if self.mixed == "split" and len(chunks) < self.slots else []
         calls = []  # (logits, {slot: its row of the logits})
         batched = {b: n for b, n in feed.items() if b not in alone}
         if batched:
