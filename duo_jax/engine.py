@@ -203,6 +203,9 @@ compiled_extend.cache_clear = _compiled_extend.cache_clear
 def compiled_extend_row(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str, impl: str = "auto",
                         weights: str | None = None):
     """`extend_row` compiled once per (batch, chunk): the row is an argument, never a recompile. One device only."""
+    if not hasattr(method, "take_row"):
+        raise DuoJaxError(f"{method.name!r} cannot run one row of a batched cache (no take_row / put_row; the "
+                          "paged methods can: duo_jax.methods.paged)")
     return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weights)
 
 

@@ -4,6 +4,7 @@ alone, fewer positions computed, every page back; and the engine pieces this res
 left unchanged, `extend_row` changes its row only)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,13 @@ def method_of(name):
     return DuoAttention(make_layout(CONFIG, mask, sink=2, recent=5, context=64))
 
 
+@functools.cache
+def solo(name):
+    """Each prompt's greedy tokens from `generate` alone."""
+    return [duo_jax.generate(MODEL, p, method=method_of(name), max_new_tokens=NEW, chunk_size=CHUNK,
+                             stop_at_eos=False).tokens[0] for p in PROMPTS]
+
+
 def serve(method, mixed):
     """Request 0 alone for 3 steps (it decodes from step 2), then 1 and 2 join (prefilling while 0 decodes);
     3 joins after 3 more steps. Returns (the scheduler, the requests)."""
@@ -50,12 +58,9 @@ def serve(method, mixed):
 
 @pytest.mark.parametrize("name", ["duo", "full"])
 def test_split_mixed_steps_give_the_padded_and_solo_tokens_with_fewer_positions(name):
-    method = method_of(name)
-    solo = [duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK,
-                             stop_at_eos=False).tokens[0] for p in PROMPTS]
-    split, split_requests = serve(method, "split")
-    padded, padded_requests = serve(method, "padded")
-    for r, q, expected in zip(split_requests, padded_requests, solo):
+    split, split_requests = serve(method_of(name), "split")
+    padded, padded_requests = serve(method_of(name), "padded")
+    for r, q, expected in zip(split_requests, padded_requests, solo(name)):
         assert r.tokens == q.tokens == expected and r.finish_reason == "length"
     # Mixed steps ran as two calls (a decode step, a prefill chunk alone) under split, one under padded.
     assert split.counters["calls"] > split.counters["steps"] and padded.counters["calls"] == padded.counters["steps"]
@@ -67,15 +72,13 @@ def test_split_mixed_steps_give_the_padded_and_solo_tokens_with_fewer_positions(
 def test_a_short_pool_preempts_under_split_and_all_complete():
     """10 pages of 4 tokens: prefilling requests wait their turn, growing ones preempt the newest; the tokens
     are still the solo ones and every page comes back."""
-    method = method_of("duo")
-    solo = [duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK,
-                             stop_at_eos=False).tokens[0] for p in PROMPTS]
-    s = Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=10), slots=3, chunk=CHUNK, impl="xla")
+    s = Scheduler(Engine.of(MODEL), paged(method_of("duo"), page_size=4, num_pages=10), slots=3, chunk=CHUNK,
+                  impl="xla")
     requests = [s.submit(Request(p, max_tokens=NEW, stop_at_eos=False)) for p in PROMPTS]
     while s.step() or not s.idle:
         assert s.pages_in_use() == sum(len(slot.pages) for slot in s.running if slot) <= 10
     assert s.counters["preemptions"] > 0
-    assert [r.tokens for r in requests] == solo
+    assert [r.tokens for r in requests] == solo("duo")
     assert s.pool.num_free == s.pool.num_pages and not any(s.running)
 
 
