@@ -6,18 +6,26 @@ under three policies:
   one-by-one   one slot: each request runs alone, the others wait in the queue (FIFO)
   static       a batch of up to `slots` arrived requests runs to its end before the next batch starts
 
+`--mixed` picks how a step runs prefill beside decoding slots (the scheduler's `mixed`: "split", a decode
+step then one prompt chunk alone; "padded", one [slots, chunk] step), both for a comparison (rows
+"continuous-split", "continuous-padded", "static-split", ...: a static batch's shorter prompts decode while
+the longer ones still prefill).
+
 Prompts are windows of real prose (the evaluation half of the Paul Graham essays) of lengths drawn uniformly
 from [--min-len, --max-len], each starting at its own offset (by default no shared prefix, so prefix reuse stays
 idle; `--shared-prefix N` starts every prompt with the same N tokens, `--no-prefix-cache` turns reuse off); request
-i arrives at i / --rate seconds. Before the clock starts, one short request through a scheduler of the same
-shape compiles its steps (and, for duo, the streaming snapshot of prefix reuse). Reported per (method,
-policy): generated tokens/s over the wall time from the first arrival to the last token, time to first
-token (TTFT, from arrival) p50 / p90 / p99, time per output token after the first (TPOT) p50 / p90, the peak of retrieval pages in use and the cache bytes that peak
-holds (pages + every slot's streaming rows + block tables) against the contiguous cache `generate` would
-reserve for the same batch (`slots` sequences of the longest request's capacity).
+i arrives at i / --rate seconds. Before the clock starts, a few short requests through a scheduler of the
+same shape compile its steps (`warm_up`; for duo, also the streaming snapshot of prefix reuse). Reported per
+(method, policy): generated tokens/s over the wall time from the first arrival to the last token, time to
+first token (TTFT, from arrival) p50 / p90 / p99, time per output token after the first (TPOT) p50 / p90, the
+scheduler's steps, its compiled calls and the positions they computed (batch x T summed, padding included),
+the peak of retrieval pages in use and the cache bytes that peak holds (pages + every slot's streaming rows +
+block tables) against the contiguous cache `generate` would reserve for the same batch (`slots` sequences of
+the longest request's capacity).
 
     python benchmarks/serving.py                                  # 32 requests, 256-4096 tokens, 32 new
     python benchmarks/serving.py --requests 8 --min-len 128 --max-len 512 --max-new-tokens 8 --rate 1
+    python benchmarks/serving.py --mixed split padded             # both mixed-step policies side by side
 """
 
 from __future__ import annotations
@@ -75,8 +83,27 @@ def drive(scheduler, requests, arrivals, policy: str) -> dict:
     wall = max(last.values()) - start - min(arrivals)
     return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, ttft_s=_percentiles(ttft, (50, 90, 99)),
                 tpot_ms=_percentiles([1e3 * t for t in tpot], (50, 90)), peak_pages=peak,
-                steps=scheduler.counters["steps"], preemptions=scheduler.counters["preemptions"],
+                steps=scheduler.counters["steps"], calls=scheduler.counters["calls"],
+                row_tokens=scheduler.counters["row_tokens"], preemptions=scheduler.counters["preemptions"],
                 prompt_tokens=scheduler.counters["prompt_tokens"], prefix_tokens=scheduler.counters["prefix_tokens"])
+
+
+def warm_up(scheduler, ids: list[int]) -> None:
+    """Compile outside the clock whatever the run will: the steps (every slot prefilling, then one request
+    decoding while another prefills: a mixed step's calls), sampling and (duo) a streaming snapshot. Prompts of
+    one reuse unit + 1 tokens, each a rotation of `ids` (no prefix shared, so each is prefilled)."""
+    from duo_jax.serve import Request
+
+    unit = scheduler.reuse_unit
+    prompt = lambda i: ((ids[i:] + ids[:i]) * (unit // len(ids) + 2))[:unit + 1]
+    for i in range(scheduler.slots):
+        scheduler.submit(Request(prompt(i), max_tokens=2, stop_at_eos=False))
+    scheduler.run()
+    first = scheduler.submit(Request(prompt(scheduler.slots), max_tokens=3, stop_at_eos=False))
+    while not first.tokens:
+        scheduler.step()
+    scheduler.submit(Request(prompt(scheduler.slots + 1), max_tokens=2, stop_at_eos=False))
+    scheduler.run()
 
 
 def _percentiles(values, ps) -> dict:
@@ -95,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--methods", nargs="+", choices=("full", "duo"), default=["full", "duo"])
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--mixed", nargs="+", choices=("split", "padded"), default=["split"],
+                   help="continuous: how mixed steps run (the scheduler's `mixed`); two: both, side by side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="tokens every prompt starts with (a shared document): exercises prefix reuse")
@@ -120,16 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.methods:
         contiguous = common.mode(name, model, pattern, args, context).build(model.config, context, model=model)
         base = paged(contiguous, page_size=args.page_size)
-        for policy in args.policies:
+        runs = [(policy, mixed) for policy in args.policies
+                for mixed in (args.mixed[:1] if policy == "one-by-one" else args.mixed)]  # one slot: never mixed
+        for policy, mixed in runs:
             slots = 1 if policy == "one-by-one" else args.slots
             method = dataclasses.replace(base, num_pages=slots * base.pages_per_sequence)  # never short
-            # Warm-up outside the clock: the compiled steps, sampling and (duo) a streaming snapshot.
-            warm = Scheduler(engine, method, slots=slots, chunk=args.chunk_size)
-            unit = warm.reuse_unit
-            warm.submit(Request((ids[0] * (unit // len(ids[0]) + 2))[:unit + 1], max_tokens=2, stop_at_eos=False))
-            warm.run()
-            scheduler = Scheduler(engine, method, slots=slots, chunk=args.chunk_size,
+            warm_up(Scheduler(engine, method, slots=slots, chunk=args.chunk_size, mixed=mixed), ids[0])
+            scheduler = Scheduler(engine, method, slots=slots, chunk=args.chunk_size, mixed=mixed,
                                   prefix_cache=not args.no_prefix_cache)
+            if policy != "one-by-one" and len(args.mixed) > 1:
+                policy = f"{policy}-{mixed}"
             requests = [Request(list(x), max_tokens=args.max_new_tokens, stop_at_eos=False) for x in ids]
             print(f"{name} / {policy}: {args.requests} requests...", file=sys.stderr, flush=True)
             r = drive(scheduler, requests, arrivals, policy)
@@ -138,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             r["contiguous_bytes"] = contiguous.expected_cache_bytes(slots, itemsize)
             results[f"{name}/{policy}"] = r
             rows.append([name, policy, slots, r["tokens_per_s"], r["ttft_s"]["p50"], r["ttft_s"]["p90"],
-                         r["ttft_s"]["p99"], r["tpot_ms"]["p50"], r["tpot_ms"]["p90"], r["peak_pages"],
+                         r["ttft_s"]["p99"], r["tpot_ms"]["p50"], r["tpot_ms"]["p90"], r["steps"], r["calls"],
+                         r["row_tokens"], r["peak_pages"],
                          r["paged_bytes_at_peak"] / 2**20, r["contiguous_bytes"] / 2**20, r["prompt_tokens"],
                          r["prefix_tokens"]])
     headers = ["method", "policy", "slots", "tok/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "TPOT p50 ms",
-               "TPOT p90 ms", "peak pages", "paged MiB at peak", "contiguous MiB", "prefilled", "reused"]
+               "TPOT p90 ms", "steps", "calls", "row tokens", "peak pages", "paged MiB at peak", "contiguous MiB", "prefilled", "reused"]
     notes = [f"model {model.config.name} ({args.dtype}); {args.requests} requests, prompts {args.min_len}-"
              f"{args.max_len} tokens (longest {max(map(len, ids))}), {args.max_new_tokens} new tokens each, "
              f"{args.rate} requests/s; chunk {args.chunk_size}, pages of {args.page_size}; duo sparsity "

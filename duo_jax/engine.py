@@ -9,8 +9,10 @@ shape (DuoAttention's layers each have their own number of retrieval heads). `de
 `Engine` holds what those steps need that is not a shape: the weights in the layout the steps take (per layer:
 the loaded arrays themselves by default, see `Engine`; shared by every method: no method reorders weights,
 DuoAttention splits heads on the activations), and `prefill`, the one chunked-prefill driver that `generate`,
-the evaluations, the benchmarks and the tests run. Executables are compiled per shape bucket (`compiled_extend`, `compiled_decode`,
-keyed by config, method spec, batch, chunk and dtype; weights and method state are arguments, never constants).
+the evaluations, the benchmarks and the tests run. `extend_row` is `extend` for one row of a batched cache (a
+scheduler's prefill of one sequence beside a decoding batch). Executables are compiled per shape bucket
+(`compiled_extend`, `compiled_extend_row`, `compiled_decode`, keyed by config, method spec, batch, chunk and
+dtype; weights and method state are arguments, never constants).
 """
 
 from __future__ import annotations
@@ -103,6 +105,24 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     return (logits if all_logits else logits[:, 0]), new_cache, new_lengths
 
 
+@functools.partial(jax.jit, static_argnames=("config", "method", "impl"), donate_argnames=("cache",))
+def extend_row(params: Params, cache, row: jax.Array, lengths: jax.Array, tokens: jax.Array, n_valid: jax.Array,
+               state=None, *, config: ModelConfig, method: Method, impl: str = "auto"):
+    """`extend` for one sequence of a batched cache: tokens [1, T] and n_valid [1] fed to sequence `row` (an
+    int32 scalar, an argument: one executable serves every row) of `cache` [B, ...] at lengths[row].
+
+    The method cuts the row out (`method.take_row`: a paged cache's per-sequence parts, its page pools whole)
+    and puts it back (`method.put_row`); with the cache donated, the pools are updated in place, not copied.
+    This is how a scheduler prefills one sequence while the batch's other rows wait (`duo_jax.serve`).
+    Returns (logits float32 [1, V], the cache, lengths with lengths[row] + n_valid[0]); other rows unchanged.
+    """
+    part = method.take_row(cache, row)
+    length = jax.lax.dynamic_slice_in_dim(lengths, row, 1)
+    logits, part, length = extend(params, part, length, tokens, n_valid, state, config=config, method=method,
+                                  impl=impl)
+    return logits, method.put_row(cache, row, part), jax.lax.dynamic_update_slice_in_dim(lengths, length, row, 0)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl", "mesh"),
                    donate_argnames=("cache",))
 def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax.Array, limit: jax.Array,
@@ -178,6 +198,23 @@ def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh
 
 
 compiled_extend.cache_clear = _compiled_extend.cache_clear
+
+
+def compiled_extend_row(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str, impl: str = "auto",
+                        weights: str | None = None):
+    """`extend_row` compiled once per (batch, chunk): the row is an argument, never a recompile. One device only."""
+    if not hasattr(method, "take_row"):
+        raise DuoJaxError(f"{method.name!r} cannot run one row of a batched cache (no take_row / put_row; the "
+                          "paged methods can: duo_jax.methods.paged)")
+    return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weights)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weights):
+    cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, None, (batch,), (1, chunk), (1,))
+    row = jax.ShapeDtypeStruct((), jnp.int32)
+    return extend_row.lower(_abstract_params(config, dtype, None, weights), cache, row, lengths, tokens, n_valid,
+                            state, config=config, method=method, impl=impl).compile()
 
 
 def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,

@@ -154,6 +154,23 @@ class PagedDuo(Method):
     def with_layer_caches(self, cache: PagedCache, layers) -> PagedCache:
         return PagedCache(cache.block_tables, tuple(layers))
 
+    def take_row(self, cache: PagedCache, b: jax.Array) -> PagedCache:
+        """Sequence b's cache at batch 1 (b an int32 scalar, may be traced): its block-table row and streaming
+        rows, and every layer's pools whole (they are shared: no copy)."""
+        row = lambda x: jax.lax.dynamic_slice_in_dim(x, b, 1, axis=0)
+        return PagedCache(row(cache.block_tables), tuple(
+            PagedLayerCache(layer.pages_k, layer.pages_v, row(layer.streaming_k), row(layer.streaming_v))
+            for layer in cache.layers))
+
+    def put_row(self, cache: PagedCache, b: jax.Array, part: PagedCache) -> PagedCache:
+        """`cache` with sequence b's streaming rows and the pools taken from `part` (a `take_row` after a step;
+        steps never change the block tables)."""
+        put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, b, axis=0)
+        return PagedCache(cache.block_tables, tuple(
+            PagedLayerCache(new.pages_k, new.pages_v, put(old.streaming_k, new.streaming_k),
+                            put(old.streaming_v, new.streaming_v))
+            for old, new in zip(cache.layers, part.layers)))
+
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         """2 * E * bytes * sum_l(n_l * N * P + batch * (K - n_l) * (sink + recent)) + the block tables."""
         layout, N = self.layout, self.pool_pages(batch)

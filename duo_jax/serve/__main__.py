@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 
 def main(argv=None) -> int:
+    from duo_jax.serve.scheduler import MIXED
+
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
     parser.add_argument("--pattern", default=None, help="DuoAttention head pattern ('default': the model's); "
@@ -24,6 +26,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no shared pages)")
     parser.add_argument("--prefix-snapshots", type=int, default=32,
                         help="streaming-head states kept for prefix reuse (duo; least recently used dropped)")
+    parser.add_argument("--mixed", default="split", choices=MIXED,
+                        help="steps with prefill beside decode: split (a decode step, then one prompt chunk alone) "
+                             "or padded (one [slots, chunk] step)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -49,7 +54,7 @@ def main(argv=None) -> int:
         pages = pages_for_memory(paged(method, page_size=args.page_size), int(args.kv_memory_mb * 2**20),
                                  model.params.dtype)
         method = paged(method, page_size=args.page_size, num_pages=pages)
-        scheduler = Scheduler(Engine.of(model), method, slots=args.slots, chunk=args.chunk,
+        scheduler = Scheduler(Engine.of(model), method, slots=args.slots, chunk=args.chunk, mixed=args.mixed,
                               prefix_cache=not args.no_prefix_cache, prefix_snapshots=args.prefix_snapshots,
                               detokenize=None if model.tokenizer is None else model.tokenizer.decode)
     except DuoJaxError as e:

@@ -1,10 +1,10 @@
 """Continuous batching: a host loop that runs many requests through a fixed number of slots of one paged cache.
 
-The engine's compiled `extend` runs every step ([slots, chunk] while some slot is prefilling, [slots, 1] when all
-decode). Between steps the scheduler
+Every step runs the engine's compiled `extend` over the slots; how a step mixes prefill and decode is the
+scheduler's `mixed` policy (below). Between steps the scheduler
   * admits queued requests into free slots (FIFO) when the pool has the pages their tokens so far need;
-  * feeds each running request its next tokens: up to `chunk` prompt tokens (chunked prefill), or its last
-    sampled token (decode), in the same step: newcomers prefill while the others decode;
+  * feeds running requests their next tokens: up to `chunk` prompt tokens (chunked prefill), or the last
+    sampled token (decode): newcomers prefill while the others decode;
   * hands out pages as sequences grow (`PagePool`, one page per `page_size` tokens, the same page index in
     every layer's pool) and, when the pool is empty, preempts the most recently admitted request: its pages
     are freed and it goes back to the front of the queue with the tokens it has, to be fed again (recompute:
@@ -16,9 +16,19 @@ decode). Between steps the scheduler
     contains one of its `stop` strings (the scheduler's `detokenize`), or when `cancel` is called (a client
     that went away), freeing its pages.
 
-Steps are padded: while any slot prefills, every slot runs a row of `chunk` positions, so a decoding slot's
-token costs `chunk` positions of compute in that step (benchmarks/serving.py measures what this costs);
-steps over a ragged token budget, as vLLM runs them, are not built yet.
+Mixed steps (some slots prefill while others decode), `mixed=`:
+  "split" (the default; JetStream's interleaving): a decode step [slots, 1] in which the prefilling slots feed
+      nothing (n_valid 0: their cache rows and lengths are left as they are), then one chunk [1, chunk] of the
+      oldest prefilling request alone, on its row of the cache (`duo_jax.engine.extend_row`: the page pools
+      shared, the slot index an argument). The other prefilling requests wait their turn: a decoding slot's
+      token costs one position, and prefill runs one request at a time. A step where nobody decodes feeds
+      every prefilling slot its chunk, each alone at [1, chunk], or in one [slots, chunk] step when every slot
+      prefills (SmolLM2 on CPU: a [4, 256] step costs four [1, 256] ones, however few of its rows are real).
+  "padded": one step [slots, chunk] while any slot prefills: every slot runs a row of `chunk` positions, so
+      a decoding slot's token costs `chunk` positions of compute (on a compute-bound CPU as much as real ones).
+A step where nobody prefills is [slots, 1] under both. `counters["row_tokens"]` adds up batch x T of every
+compiled call (the positions computed, padding included). Steps over a ragged token budget, as vLLM runs them
+(decode tokens and prefill chunks packed into one row), are not built.
 
 Prefix reuse (`prefix_cache=True`, vLLM's automatic prefix caching adapted to DuoAttention): every full page of
 a prompt is named by a digest of its tokens chained with its prefix's digest (sha256(parent digest, tokens)),
@@ -51,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax.engine import Engine, compiled_extend
+from duo_jax.engine import Engine, compiled_extend, compiled_extend_row
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.paged import PagedDuo
 from duo_jax.sampling import Sampling, sample
@@ -191,6 +201,9 @@ class _Slot:
     registered: int = 0  # pages registered for reuse (a prefix of `pages`)
 
 
+MIXED = ("split", "padded")
+
+
 @functools.partial(jax.jit, static_argnums=3)
 def _sample_rows(logits, seeds, counts, sampling: Sampling):
     """Row b's token sampled with key fold_in(key(seeds[b]), counts[b]): the same whatever the batch."""
@@ -200,21 +213,26 @@ def _sample_rows(logits, seeds, counts, sampling: Sampling):
 
 class Scheduler:
     """Continuous batching of `Request`s over `method`'s paged cache with `slots` sequences per step.
-    `prefix_cache`: reuse shared prompt prefixes (module docstring), keeping at most `prefix_snapshots`
-    streaming-head states; `detokenize(ids) -> str` serves requests' `stop` strings."""
+    `mixed`: how a step runs prefill beside decode, "split" or "padded" (module docstring). `prefix_cache`: reuse
+    shared prompt prefixes (module docstring), keeping at most `prefix_snapshots` streaming-head states;
+    `detokenize(ids) -> str` serves requests' `stop` strings."""
 
     def __init__(self, engine: Engine, method: PagedDuo, *, slots: int, chunk: int = 64, impl: str = "auto",
-                 prefix_cache: bool = True, prefix_snapshots: int = 32, detokenize: Callable | None = None):
+                 mixed: str = "split", prefix_cache: bool = True, prefix_snapshots: int = 32,
+                 detokenize: Callable | None = None):
         if not isinstance(method, PagedDuo) or method.num_pages is None:
             raise DuoJaxError("the scheduler needs a paged method with a pool size: "
                               "duo_jax.methods.paged.paged(method, num_pages=...)")
         if slots < 1 or chunk < 1:
             raise DuoJaxError(f"slots and chunk must be positive, got {slots}, {chunk}")
+        if mixed not in MIXED:
+            raise DuoJaxError(f"mixed must be one of {MIXED}, got {mixed!r}")
         if prefix_snapshots < 0:
             raise DuoJaxError(f"prefix_snapshots must be >= 0, got {prefix_snapshots}")
         if engine.mesh is not None:
             raise DuoJaxError("the scheduler runs on one device; serve with an engine built without a mesh")
         self.engine, self.method, self.slots, self.chunk, self.impl = engine, method, slots, chunk, impl
+        self.mixed = mixed
         self.pool = PagePool(method.num_pages)
         self.cache = method.empty_cache(slots, engine.dtype)
         self.tables = np.full((slots, method.pages_per_sequence), method.num_pages, np.int32)
@@ -231,7 +249,8 @@ class Scheduler:
         self._streaming = any(n < layout.num_kv_heads for n in layout.num_retrieval) and layout.streaming_slots > 0
         self.snapshots: collections.OrderedDict[bytes, object] = collections.OrderedDict()  # digest -> rows
         self.cancelled: queue.Queue[Request] = queue.Queue()
-        # requests, finished, cancelled, tokens, prompt_tokens, prefix_tokens, prefix_hits, steps, preemptions
+        # requests, finished, cancelled, tokens, prompt_tokens, prefix_tokens, prefix_hits, steps, preemptions,
+        # calls (compiled calls), row_tokens (batch x T of every call)
         self.counters = collections.Counter()
 
     # --- requests -------------------------------------------------------------------------------------
@@ -417,63 +436,104 @@ class Scheduler:
         prompt = len(slot.request.prompt)
         return min(self.chunk, prompt - slot.fed) if slot.fed < prompt else 1
 
-    def step(self) -> bool:
-        """Admit, run one compiled step over every slot, sample, retire finished requests. False when idle."""
-        self._admit()
-        # Oldest first, so that pages go to the requests that have waited longest.
-        for b in sorted((b for b, s in enumerate(self.running) if s), key=lambda b: self.running[b].admitted):
-            slot = self.running[b]
-            if slot is not None:
-                self._grow(b, slot.fed + self._feed(slot))
-        active = [b for b, s in enumerate(self.running) if s]
-        if not active:
-            return False
-        feed = {b: self._feed(self.running[b]) for b in active}
-        T = self.chunk if max(feed.values()) > 1 else 1
-        tokens = np.zeros((self.slots, T), np.int32)
-        n_valid = np.zeros(self.slots, np.int32)
+    def _prefilling(self, slot: _Slot) -> bool:
+        return slot.fed < len(slot.request.prompt)
+
+    def _plan(self) -> dict[int, int]:
+        """Tokens each slot feeds this step (slot -> count; the slots that feed nothing left out), with the pages
+        they need taken (oldest first, so that pages go to the requests that have waited longest; preempting
+        the newest while short, which may change the plan: planned again until every fed slot has its pages).
+        Under "split", a step with decoding slots feeds one prefilling request only, the oldest."""
+        while True:
+            order = sorted((b for b, s in enumerate(self.running) if s), key=lambda b: self.running[b].admitted)
+            feed = {b: self._feed(self.running[b]) for b in order}
+            prefilling = [b for b in order if self._prefilling(self.running[b])]
+            if self.mixed == "split" and 0 < len(prefilling) < len(order):
+                for b in prefilling[1:]:
+                    del feed[b]
+            short = [b for b, n in feed.items() if self._pages(self.running[b].fed + n) > len(self.running[b].pages)]
+            if not short:
+                return feed
+            for b in short:
+                if self.running[b] is not None:  # not preempted by an older slot's growth
+                    self._grow(b, self.running[b].fed + feed[b])
+
+    def _run(self, feed: dict[int, int], row: int | None = None) -> jax.Array:
+        """One compiled call feeding feed[b] tokens to each slot b: over every slot at T = the longest feed
+        ([slots, chunk] or [slots, 1]; logits [slots, V]), or, with `row`, slot `row` alone at [1, chunk]
+        (logits [1, V])."""
+        T = self.chunk if row is not None or max(feed.values()) > 1 else 1
+        batch = 1 if row is not None else self.slots
+        tokens, n_valid = np.zeros((batch, T), np.int32), np.zeros(batch, np.int32)
         for b, n in feed.items():
-            slot = self.running[b]
-            tokens[b, :n] = slot.request.sequence[slot.fed: slot.fed + n]
-            n_valid[b] = n
+            slot, i = self.running[b], 0 if row is not None else b
+            tokens[i, :n] = slot.request.sequence[slot.fed: slot.fed + n]
+            n_valid[i] = n
         if self._tables_changed:
             self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(self.tables.copy()))
             self._tables_changed = False
-        run = compiled_extend(self.engine.config, self.method, self.slots, T, self.engine.dtype, self.impl,
-                              weights=self.engine.weights)
+        config, dtype, weights = self.engine.config, self.engine.dtype, self.engine.weights
         # Copies: on CPU jnp.asarray may alias a numpy buffer, and the step runs asynchronously while the host
         # updates self.lengths / self.tables for the next one.
         lengths = jnp.asarray(self.lengths.copy())
-        logits, self.cache, _ = run(self.engine.params, self.cache, lengths, jnp.asarray(tokens), jnp.asarray(n_valid),
-                                    self.method.state())
+        args = (jnp.asarray(tokens), jnp.asarray(n_valid), self.method.state())
+        if row is None:
+            run = compiled_extend(config, self.method, self.slots, T, dtype, self.impl, weights=weights)
+            logits, self.cache, _ = run(self.engine.params, self.cache, lengths, *args)
+        else:
+            run = compiled_extend_row(config, self.method, self.slots, T, dtype, self.impl, weights)
+            logits, self.cache, _ = run(self.engine.params, self.cache, jnp.asarray(row, jnp.int32), lengths, *args)
+        self.counters["calls"] += 1
+        self.counters["row_tokens"] += batch * T
+        return logits
+
+    def step(self) -> bool:
+        """Admit, run the step's compiled calls (one, or under "split" a decode step and one prefill chunk),
+        sample, retire finished requests. False when idle."""
+        self._admit()
+        feed = self._plan()
+        if not feed:
+            return False
+        # Under "split", prompt chunks (feeds of more than one token: only prefilling slots have them) run
+        # each alone unless every slot has one; a chunk of a single token rides in the T = 1 step.
+        chunks = [b for b, n in feed.items() if n > 1]
+        alone = chunks if self.mixed == "split" and len(chunks) < self.slots else []
+        calls = []  # (logits, {slot: its row of the logits})
+        batched = {b: n for b, n in feed.items() if b not in alone}
+        if batched:
+            calls.append((self._run(batched), {b: b for b in batched}))
+        for b in alone:
+            calls.append((self._run({b: feed[b]}, row=b), {b: 0}))
         self.counters["steps"] += 1
-        ready = []
+        ready = set()
         for b, n in feed.items():
             slot = self.running[b]
             slot.fed += n
             self.lengths[b] += n
             if slot.fed == len(slot.request.sequence):
-                ready.append(b)
+                ready.add(b)
             if slot.fed <= len(slot.request.prompt):
                 self.counters["prompt_tokens"] += n
             if self.prefix_cache:
                 self._remember_prefix(b, slot.fed - n)
-        self._sample(logits, ready)
+        for logits, rows in calls:
+            self._sample(logits, {b: i for b, i in rows.items() if b in ready})
         return True
 
-    def _sample(self, logits: jax.Array, rows: list[int]) -> None:
-        """Sample rows' next tokens, one call per sampling rule over every slot (a fixed shape: no compile
-        when the batch's make-up changes; rows not in the rule's group are ignored)."""
+    def _sample(self, logits: jax.Array, rows: dict[int, int]) -> None:
+        """Sample the next token of each slot b in `rows` from its row rows[b] of `logits`, one call per
+        sampling rule over every row (a fixed shape: no compile when the batch's make-up changes; rows not in
+        the rule's group are ignored)."""
         by_rule = collections.defaultdict(list)
         for b in rows:
             by_rule[self.running[b].request.sampling].append(b)
         for sampling, group in by_rule.items():
-            seeds, counts = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.int32)
+            seeds, counts = np.zeros(logits.shape[0], np.uint32), np.zeros(logits.shape[0], np.int32)
             for b in group:
-                seeds[b], counts[b] = self.running[b].request.seed, len(self.running[b].request.tokens)
+                seeds[rows[b]], counts[rows[b]] = self.running[b].request.seed, len(self.running[b].request.tokens)
             new = np.asarray(_sample_rows(logits, jnp.asarray(seeds), jnp.asarray(counts), sampling))
             for b in group:
-                request, token = self.running[b].request, int(new[b])
+                request, token = self.running[b].request, int(new[rows[b]])
                 request.tokens.append(token)
                 self.counters["tokens"] += 1
                 reason = None
