@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b", "methods", "infinigen_alpha", "call_overhead",
-           "train_memory", "generation_memory", "serving")
+           "train_memory", "generation_memory", "serving", "prefill_profile")
 
 common = importlib.import_module("common")
 
