@@ -14,6 +14,24 @@ from duo_jax.config import ModelConfig  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+    """Drop every compiled executable after each test module. XLA:CPU maps each executable's code into memory,
+    and the whole suite in one process compiles enough of them to pass Linux's default limit of 65,530
+    mappings per process (`vm.max_map_count`): the compiler then segfaults mid-suite. Two modules hold ~10k
+    mappings; cleared, a process goes back to ~600."""
+    yield
+    import gc
+
+    from duo_jax import engine, training
+
+    jax.clear_caches()
+    for compiled in (engine.compiled_extend, engine._compiled_extend_row, engine._compiled_decode,
+                     training._train_step):
+        compiled.cache_clear()
+    gc.collect()
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """2 layers, hidden 64, GQA 4 query / 2 KV heads: small enough to compile in seconds."""
     fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
