@@ -34,7 +34,7 @@ demo: install
 	$(BIN)/python demo.py --out results/demo
 
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache
