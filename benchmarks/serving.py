@@ -56,10 +56,17 @@ def prompts(model, args) -> list[list[int]]:
 
 def drive(scheduler, requests, arrivals, policy: str) -> dict:
     """Submit `requests` at their `arrivals` (s) under `policy`, step until all end; timings and peak pages."""
+    from tqdm.auto import tqdm
+
     pending, first, last, peak = list(range(len(requests))), {}, {}, 0
+    done = tqdm(total=len(requests), desc=policy, unit="request", leave=False)
 
     def on_token(request, token):
-        (first.setdefault if token is not None else last.__setitem__)(request.id, time.perf_counter())
+        if token is None:
+            last[request.id] = time.perf_counter()
+            done.update()
+        else:
+            first.setdefault(request.id, time.perf_counter())
 
     for r in requests:
         r.on_token = on_token
@@ -77,6 +84,7 @@ def drive(scheduler, requests, arrivals, policy: str) -> dict:
             peak = max(peak, scheduler.pages_in_use())
         else:
             time.sleep(0.002)
+    done.close()
     ttft = [first[r.id] - start - a for r, a in zip(requests, arrivals)]
     tpot = [(last[r.id] - first[r.id]) / (len(r.tokens) - 1) for r in requests if len(r.tokens) > 1]
     tokens = sum(len(r.tokens) for r in requests)
@@ -146,6 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     context = max(map(len, ids)) + args.max_new_tokens
     itemsize = np.dtype(args.dtype).itemsize
     results, rows = {}, []
+    headers = ["method", "policy", "slots", "tok/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "TPOT p50 ms",
+               "TPOT p90 ms", "steps", "calls", "row tokens", "peak pages", "paged MiB at peak", "contiguous MiB",
+               "prefilled", "reused"]
+    notes = [f"model {model.config.name} ({args.dtype}); {args.requests} requests, prompts {args.min_len}-"
+             f"{args.max_len} tokens (longest {max(map(len, ids))}), {args.max_new_tokens} new tokens each, "
+             f"{args.rate} requests/s; chunk {args.chunk_size}, pages of {args.page_size}; duo sparsity "
+             f"{args.sparsity} (sink {args.sink}, recent {args.recent}); shared prefix {args.shared_prefix} tokens, "
+             f"prefix cache {'off' if args.no_prefix_cache else 'on'}"]
+
+    def write():  # after every run (the table so far), so a long sweep that is stopped keeps what it measured
+        common.write_result(args.out, "serving", title="Serving: continuous batching vs one-by-one vs static batches",
+                            headers=headers, rows=rows, notes=notes,
+                            data=dict(args={k: str(v) for k, v in vars(args).items() if k != "out"},
+                                      prompt_lengths=list(map(len, ids)), results=results))
+
     for name in args.methods:
         contiguous = common.mode(name, model, pattern, args, context).build(model.config, context, model=model)
         base = paged(contiguous, page_size=args.page_size)
@@ -171,17 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                          r["row_tokens"], r["peak_pages"],
                          r["paged_bytes_at_peak"] / 2**20, r["contiguous_bytes"] / 2**20, r["prompt_tokens"],
                          r["prefix_tokens"]])
-    headers = ["method", "policy", "slots", "tok/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "TPOT p50 ms",
-               "TPOT p90 ms", "steps", "calls", "row tokens", "peak pages", "paged MiB at peak", "contiguous MiB", "prefilled", "reused"]
-    notes = [f"model {model.config.name} ({args.dtype}); {args.requests} requests, prompts {args.min_len}-"
-             f"{args.max_len} tokens (longest {max(map(len, ids))}), {args.max_new_tokens} new tokens each, "
-             f"{args.rate} requests/s; chunk {args.chunk_size}, pages of {args.page_size}; duo sparsity "
-             f"{args.sparsity} (sink {args.sink}, recent {args.recent}); shared prefix {args.shared_prefix} tokens, "
-             f"prefix cache {'off' if args.no_prefix_cache else 'on'}"]
-    common.write_result(args.out, "serving", title="Serving: continuous batching vs one-by-one vs static batches",
-                        headers=headers, rows=rows, notes=notes,
-                        data=dict(args={k: str(v) for k, v in vars(args).items() if k != "out"},
-                                  prompt_lengths=list(map(len, ids)), results=results))
+            write()
     return 0
 
 

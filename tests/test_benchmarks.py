@@ -136,3 +136,19 @@ def test_gpu_dry_run(tmp_path, capsys):
     assert small["cache_bytes"]["full"] == 2**30 and small["cache_bytes"]["duo"] < 0.53 * 2**30
     assert large["fits"] == {"full": False, "duo": True}
     assert small["decode_ms"]["full"] == pytest.approx(5.65, abs=0.01)
+
+
+def test_gpu_dry_run_quantized(tmp_path, capsys):
+    """int4 KV + int8 weights: the cache is its codes + bf16 scales (66 B per head vector, so 33 KiB per token
+    of Llama-3-8B), the roofline reads those bytes, and duo 75% reaches 4M tokens on 80 GiB where full does not."""
+    gpu = importlib.import_module("gpu_llama8b")
+    assert gpu.main(["--dry-run", "--kv-dtype", "int4", "--weights", "int8", "--sparsity", "0.75", "--contexts",
+                     "8192", "4194304", "--out", str(tmp_path)]) == 0
+    assert "weights int8, KV int4" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "gpu_llama8b_plan.json").read_text())
+    assert 8.03e9 < plan["weight_bytes"] < 0.51 * 2 * 8_030_261_248  # int8 codes + per-channel scales
+    small, large = plan["plan"]["8192"], plan["plan"]["4194304"]
+    per_token = 2 * 32 * 8 * (128 // 2 + 2)
+    assert small["cache_bytes"]["full"] == 8192 * per_token
+    assert small["decode_ms"]["full"] == pytest.approx(1e3 * (plan["weight_bytes"] + 8192 * per_token) / 3.03e12)
+    assert large["fits"] == {"full": False, "duo": True}
