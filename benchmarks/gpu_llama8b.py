@@ -164,7 +164,6 @@ def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: b
 
 def dry_run_checks(config, methods: dict, chunk: int, weights: str | None) -> None:
     """One prefill chunk and one decode step of every mode traced with abstract shapes (nothing allocated)."""
-
     import jax
     import jax.numpy as jnp
 
@@ -225,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                                   chunk=args.chunk_size, kv_dtype=args.kv_dtype)
     if args.dry_run:
         bandwidth = (args.bandwidth_tbs or DRY_RUN_BANDWIDTH_TBS) * 1e12
-        print(f"dry run on {jax.default_backend()}: {MODEL} shape, {formats}, weights {weight_bytes / 2**30:.2f} GiB, "
-              f"duo sparsity {args.sparsity} (r = {share:.3f}), chunk {args.chunk_size}")
+        print(f"dry run on {jax.default_backend()}: {MODEL} shape, {formats}, weights {weight_bytes / 2**30:.2f} "
+              f"GiB, duo sparsity {args.sparsity} (r = {share:.3f}), chunk {args.chunk_size}")
         dry_run_checks(config, methods_at(contexts[0]), args.chunk_size, args.weights)
         rows, plan = [], {}
         for context in contexts:
@@ -242,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         headers = ["context", "full KV GiB", "duo KV GiB", f"full fits {args.hbm_gib:g} GiB",
                    f"duo fits {args.hbm_gib:g} GiB", "roofline full ms", "roofline duo ms", "best decode speed-up",
                    "best prefill speed-up"]
-        common.write_result(args.out, "gpu_llama8b_plan", title=f"Llama-3-8B plan, {formats} (dry run, nothing allocated)",
+        common.write_result(args.out, "gpu_llama8b_plan",
+                            title=f"Llama-3-8B plan, {formats} (dry run, nothing allocated)",
                             headers=headers, rows=rows,
                             data=dict(args={k: str(v) for k, v in vars(args).items()}, plan=plan,
                                       weight_bytes=weight_bytes, bandwidth=bandwidth),

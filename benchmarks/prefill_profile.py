@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from duo_jax.attention import xla
     from duo_jax.attention.masks import prefix_spec
-    from duo_jax.engine import Engine, bucket, compiled_extend
+    from duo_jax.engine import Engine, bucket, clear_compiled
 
     model, pattern = common.load(args)
     peer = common.Peer(model, args.dtype, single_thread=True)
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         attention, traced = xla.attention, []
         if no_attention:  # every attention call returns its queries: same shapes, no attention work
             xla.attention = lambda q, k, v, spec, **kw: traced.append(q.shape) or q
-        compiled_extend.cache_clear()
-        jax.clear_caches()  # `extend`'s traces too: else the patched attention is never traced
+        clear_compiled()  # `extend`'s traces too: else the patched attention is never traced
         try:
             seconds = cpu_seconds(lambda: jax.block_until_ready(engine.prefill(
                 method, np.asarray([ids], np.int32), np.asarray([len(ids)]), chunk=chunk)), args.repeats)
@@ -80,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             return seconds
         finally:
             xla.attention = attention
-            compiled_extend.cache_clear()
-            jax.clear_caches()
+            clear_compiled()
 
     def ours_attention(length: int) -> float:
         method = common.mode("full", model, pattern, args, length + 1).build(config, length + 1, model=model)

@@ -235,6 +235,15 @@ def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, e
                         impl=impl, mesh=mesh).compile()
 
 
+def clear_compiled() -> None:
+    """Drop every executable the engine compiled (`compiled_extend`, `compiled_extend_row`, `compiled_decode`) and
+    JAX's trace caches, so the next call traces and compiles afresh (after patching a function the steps call)
+    and the executables' memory is released (each XLA:CPU executable maps its code into the process)."""
+    for compiled in (_compiled_extend, _compiled_extend_row, _compiled_decode):
+        compiled.cache_clear()
+    jax.clear_caches()
+
+
 def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 

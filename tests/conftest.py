@@ -1,5 +1,6 @@
 """Shared test helpers: tiny model configs and random Hugging Face checkpoints written to disk."""
 
+import gc
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -21,14 +22,10 @@ def _release_executables():
     mappings per process (`vm.max_map_count`): the compiler then segfaults mid-suite. Two modules hold ~10k
     mappings; cleared, a process goes back to ~600."""
     yield
-    import gc
-
     from duo_jax import engine, training
 
-    jax.clear_caches()
-    for compiled in (engine.compiled_extend, engine._compiled_extend_row, engine._compiled_decode,
-                     training._train_step):
-        compiled.cache_clear()
+    engine.clear_compiled()
+    training._train_step.cache_clear()
     gc.collect()
 
 
