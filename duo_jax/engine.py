@@ -32,8 +32,8 @@ from duo_jax import sharding
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
-from duo_jax.model import (Params, decoder_layer, embed, param_shapes, quantize_weights, rope_inv_freq, unembed,
-                           unstack_layers, weight_format, weights_memo)
+from duo_jax.model import (Params, decoder_layer, embed, param_shapes, quantize_weights, rope_inv_freq, rotary,
+                           unembed, unstack_layers, weight_format, weights_memo)
 from duo_jax.sampling import Sampling, sample
 
 
@@ -70,9 +70,9 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     if not isinstance(params.layers, tuple):
         raise DuoJaxError("the engine's steps take per-layer weights: pass an Engine's .params, or "
                           "duo_jax.model.unstack_layers(params), or load with layout='per_layer' (the default)")
-    step = Step(positions=lengths[:, None] + jnp.arange(T, dtype=jnp.int32),
-                valid=jnp.arange(T)[None, :] < n_valid[:, None],
-                lengths=lengths, new_lengths=lengths + n_valid, inv_freq=rope_inv_freq(config), impl=impl,
+    positions, inv_freq = lengths[:, None] + jnp.arange(T, dtype=jnp.int32), rope_inv_freq(config)
+    step = Step(positions=positions, valid=jnp.arange(T)[None, :] < n_valid[:, None], lengths=lengths,
+                new_lengths=lengths + n_valid, inv_freq=inv_freq, rope=rotary(positions, inv_freq), impl=impl,
                 state=state, mesh=mesh)
     shared = method.begin_step(step)
 

@@ -57,8 +57,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from duo_jax import attention
 from duo_jax.config import ModelConfig
-from duo_jax.model import (LayerParams, Params, apply_rope, decoder_layer, embed, rms_norm, rope_inv_freq,
-                           scan_layers)
+from duo_jax.model import (LayerParams, Params, apply_rotary, decoder_layer, embed, rms_norm, rope_inv_freq,
+                           rotary, scan_layers)
 
 # q [B, T, H, E], k / v [B, T, K, E] -> [B, T, H, E]
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -131,11 +131,11 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
     if gates.shape != (config.num_layers, config.num_kv_heads):
         raise ValueError(f"gates must have shape [layers, kv_heads] = {(config.num_layers, config.num_kv_heads)}, "
                          f"got {gates.shape}")
-    inv_freq = rope_inv_freq(config)
+    rope = rotary(positions, rope_inv_freq(config))
     eps = config.rms_norm_eps
 
     def rotate(q, k):
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return apply_rotary(q, rope), apply_rotary(k, rope)
 
     def layer_step(carry, layer, gate, window):  # LayerParams of one layer, gate [K]
         full_attention = wrap_attention(functools.partial(objective.full_attention, window=window))

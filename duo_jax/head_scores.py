@@ -53,7 +53,7 @@ from duo_jax.data import CALIBRATION_HAYSTACK, DataError, encode, haystack_token
 from duo_jax.data.niah import NEEDLE, NEEDLE_TEMPLATE, QUESTION
 from duo_jax.errors import DuoJaxError
 from duo_jax.attention import masked_softmax
-from duo_jax.model import Params, apply_rope, decoder_layer, embed, rope_inv_freq, scan_layers, unembed
+from duo_jax.model import Params, apply_rotary, decoder_layer, embed, rope_inv_freq, rotary, scan_layers, unembed
 from duo_jax.pattern import Pattern
 
 SCORES_KIND = "headkv_head_scores"  # config.json "kind" of a saved score grid
@@ -129,7 +129,7 @@ def prompt_scores(params: Params, tokens: jax.Array, start, end, *, config: Mode
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     steps = T - 1 - n + jnp.arange(n)  # positions of the queries that predict the answer tokens
     keys = jnp.arange(T)[None, :]
-    inv_freq = rope_inv_freq(config)
+    rope = rotary(positions, rope_inv_freq(config))
 
     def make_body(window):  # the layers of one sliding-window run (`scan_layers`)
         visible = keys <= steps[:, None]  # [n, T]
@@ -137,7 +137,7 @@ def prompt_scores(params: Params, tokens: jax.Array, start, end, *, config: Mode
             visible = visible & (steps[:, None] - keys < window)
 
         def attend(q, k, v, h):  # causal attention, plus the needle score of the answer-step queries
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
             K, E = k.shape[2], k.shape[3]
             answer_q = q[0, T - 1 - n: T - 1].reshape(n, K, -1, E)  # [n, K, G, E]
             scores = jnp.einsum("nkge,ske->kgns", answer_q, k[0], preferred_element_type=jnp.float32) / math.sqrt(E)

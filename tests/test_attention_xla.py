@@ -136,3 +136,28 @@ def test_key_blocks_are_balanced():
     for S in range(1, 700, 37):
         block = xla.balanced_block(S, 64)
         assert block <= max(S, 64) and -(-S // block) * block < S + 8 * -(-S // 64)
+
+
+def test_key_tiles_follow_the_query_blocks_over_a_contiguous_cache():
+    """Over a contiguous causal cache a key tile is a query block long (its causal boundary on a tile
+    boundary); over slots holding arbitrary positions, tiles stay balanced; a decode query keeps `block_k`."""
+    S = 1152
+    spec = prefix_spec(1, 256, q_offset=512, kv_len=768, num_keys=S)
+    assert xla.key_block(spec, S, block_q=256, block_k=512) == 256
+    assert xla.key_block(prefix_spec(1, 1, q_offset=5, kv_len=6, num_keys=S), S, block_q=1, block_k=512) == 384
+    ring = MaskSpec(jnp.zeros((1, 4), jnp.int32), jnp.full((1,), 576), jnp.zeros((1, 576), jnp.int32))
+    assert xla.key_block(ring, 576, block_q=4, block_k=512) == 288
+    assert xla.key_block(spec, 100, block_q=256, block_k=512) == 100
+
+
+@pytest.mark.parametrize("offsets", [(256, 256), (255, 0), (300, 17)], ids=str)
+def test_chunks_at_tile_boundaries_match_float64(offsets):
+    """A 64-query chunk in blocks of 16 over 16-slot tiles, its causal edge on a tile boundary or off it,
+    per-sequence offsets (the diagonal tile and the shifted last tile of the cache)."""
+    B, T, S = 2, 64, 368
+    q, k, v, _ = random_attention_inputs(B, T, S, 6, 2, 16, seed=4)
+    offsets = jnp.asarray(offsets)
+    spec = prefix_spec(B, T, q_offset=offsets, kv_len=offsets + T, num_keys=S)
+    out = xla.attention(q, k, v, spec, block_q=16, block_k=64)
+    ref = attention_np(q, k, v, mask_np(spec, S))
+    assert np.max(np.abs(np.asarray(out) - ref)) <= 1e-5 * np.max(np.abs(ref))

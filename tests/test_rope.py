@@ -38,3 +38,23 @@ def test_apply_rope_rotates_by_the_exact_angle_at_4m():
     x1, x2 = np.split(x.astype(np.float64), 2, axis=-1)
     want = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(x).max())
+
+
+def test_rotary_table_matches_apply_rope_and_is_built_once_per_forward(tiny):
+    """`rotary` + `apply_rotary` is `apply_rope`; and in a compiled forward of unrolled layers the table's sin and
+    cos are computed once, not fused into every layer's rotation of its queries and keys (XLA:CPU did that)."""
+    import jax
+
+    from duo_jax.model import apply_rotary, forward, init_params, rotary, unstack_layers
+
+    inv_freq = rope_inv_freq(tiny)
+    positions = jnp.asarray([[0, 7, 511, 4_000_000]], jnp.int32)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(1, 4, 3, tiny.head_dim)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(apply_rotary(x, rotary(positions, inv_freq))),
+                                  np.asarray(apply_rope(x, positions, inv_freq)))
+
+    params = unstack_layers(init_params(tiny, jax.random.key(0)))  # unrolled layers: one rotation per layer
+    hlo = forward.lower(params, tiny, jnp.zeros((1, 32), jnp.int32)).compile().as_text()
+    assert tiny.num_layers >= 2
+    if jax.default_backend() == "cpu":
+        assert hlo.count(" sine(") == 1 and hlo.count(" cosine(") == 1, (hlo.count(" sine("), hlo.count(" cosine("))

@@ -39,6 +39,7 @@ class Step:
     lengths: jax.Array  # int32 [B]: tokens cached before this call
     new_lengths: jax.Array  # int32 [B]: lengths + real new tokens
     inv_freq: np.ndarray  # RoPE inverse frequencies [E/2] (static)
+    rope: Any  # `duo_jax.model.Rotary` at `positions`: the new tokens' RoPE table, built once for every layer
     impl: str  # attention implementation for the dispatch (`duo_jax.attention.IMPLS`)
     # The sliding window of the layer being attended (static; `ModelConfig.layer_window`): the engine hands
     # each layer's `attend` its own copy of the step with it set, `begin_step` gets the step without one.

@@ -29,7 +29,7 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, concat_slots, write_run, write_slots
 from duo_jax.methods.registry import register
-from duo_jax.model import apply_rope
+from duo_jax.model import apply_rotary
 from duo_jax.pattern import Pattern
 from duo_jax.quant import as_stored, kv_rotation, rotate
 
@@ -158,7 +158,7 @@ class DuoAttention(Method):
                          StreamingWindow.build(step, self.layout.sink, self.layout.recent))
 
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
-        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
         rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
         if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
             q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)

@@ -44,7 +44,7 @@ from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, check_windows
 from duo_jax.methods.registry import kv_budget_only, register
-from duo_jax.model import apply_rope
+from duo_jax.model import apply_rotary
 from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
                            rotate)
 
@@ -101,8 +101,8 @@ class _Eviction(Method):
 
     def attend(self, layer, q, k, v, cache: EvictionLayerCache, step: Step, shared):
         check_windows(self, self.windows, layer, step)
-        q = apply_rope(q, step.positions, step.inv_freq)
-        k = apply_rope(k, step.positions, step.inv_freq)
+        q = apply_rotary(q, step.rope)
+        k = apply_rotary(k, step.rope)
         rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
         if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
             q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)

@@ -50,7 +50,7 @@ from duo_jax.methods.registry import register
 from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
                                     check_selection, compressed_attention, compressed_nbytes, decode_shape,
                                     empty_compressed, kv_array)
-from duo_jax.model import apply_rope
+from duo_jax.model import apply_rotary
 from duo_jax.pattern import Pattern
 from duo_jax.quant import kv_bytes_per_vector, kv_rotation, rotate
 
@@ -160,7 +160,7 @@ class DuoCompressedKV(Method):
 
     def attend(self, layer, q, k, v, cache: DuoCompressedLayerCache, step: Step, shared):
         retrieval_shared, window = shared
-        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
         rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
         if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
             q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
@@ -227,7 +227,7 @@ class DuoHeadKV(Method):
         duo_shared, query_slots = shared
         check_windows(self, self.windows, layer, step)
         out, duo_cache = self.duo.attend(layer, q, k, v, cache.duo, step, duo_shared)
-        q = apply_rope(q, step.positions, step.inv_freq)
+        q = apply_rotary(q, step.rope)
         if self.layout.kv_dtype is not None:  # the keys are stored rotated (k R): the votes read q R alike
             q = rotate(q, kv_rotation(self.layout.head_dim))
         retrieval_q = split_heads(self.layout, layer, q)[0]

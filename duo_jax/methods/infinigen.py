@@ -95,7 +95,8 @@ from duo_jax.data.haystack import CALIBRATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.registry import kv_budget_only, register
-from duo_jax.model import Params, apply_rope, decoder_layer, embed, layer_at, project_qkv, rope_inv_freq, weights_memo
+from duo_jax.model import (Params, apply_rotary, decoder_layer, embed, layer_at, project_qkv, rope_inv_freq, rotary,
+                           weights_memo)
 from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
                            rotate)
 
@@ -128,10 +129,10 @@ def _layer_qk(params: Params, config: ModelConfig, tokens) -> list[tuple[np.ndar
     tokens = jnp.asarray(np.asarray(tokens, np.int32))[None]
     T = tokens.shape[1]
     positions = jnp.arange(T, dtype=jnp.int32)[None]
-    inv_freq = rope_inv_freq(config)
+    rope = rotary(positions, rope_inv_freq(config))
 
     def attend(q, k, v, h, window):
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         return attention.attend(q, k, v, attention.prefix_spec(1, T, num_keys=T, window=window)), (q[0], k[0])
 
     x = embed(params, tokens)
@@ -352,8 +353,8 @@ class InfiniGen(Method):
         G = H // K
         A = step.state.skew[layer]  # [K, E, E]
         index, weight = partial_channels(step.state.channel_mask[layer], self.widths[layer])  # [K, W]
-        q = apply_rope(q, step.positions, step.inv_freq)
-        k = apply_rope(k, step.positions, step.inv_freq)
+        q = apply_rotary(q, step.rope)
+        k = apply_rotary(k, step.rope)
         skew_q = lambda x: jnp.einsum("btkge,kef->btkgf", x.reshape(B, -1, K, G, E),  # noqa: E731
                                       A.astype(x.dtype)).reshape(B, -1, H, E)
         qs = skew_q(q)
@@ -383,7 +384,7 @@ class InfiniGen(Method):
         # Decode: speculate with the partial query against the partial keys of the cached tokens. The query is
         # this layer's projection of the previous layer's attention input (`prepare`'s lookahead_q), so the
         # selection, and the fetch of its rows, depend only on what the previous layer had.
-        spec = qs if lookahead_q is None else skew_q(apply_rope(lookahead_q, step.positions, step.inv_freq))
+        spec = qs if lookahead_q is None else skew_q(apply_rotary(lookahead_q, step.rope))
         qp = jnp.take_along_axis(spec[:, 0].reshape(B, K, G, E), index[None, :, None], axis=-1)
         qp = qp * weight.astype(qp.dtype)[None, :, None]  # [B, K, G, W], padding channels zeroed
         approx = jnp.einsum("bkgc,bskc->bkgs", qp, cache.partial_k.astype(qp.dtype),

@@ -41,7 +41,7 @@ from duo_jax.cache import CacheLayout
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.duo import DuoAttention, DuoShared, merge_heads, retrieval_attention, split_heads
-from duo_jax.model import apply_rope
+from duo_jax.model import apply_rotary
 
 DEFAULT_PAGE_SIZE = 128
 
@@ -186,7 +186,7 @@ class PagedDuo(Method):
 
     def attend(self, layer, q, k, v, view: PagedLayerView, step: Step, shared: DuoShared):
         cache, tables = view.layer, view.block_tables
-        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
         (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
         pk, pv, out_r = cache.pages_k, cache.pages_v, qr
         if kr.shape[2]:

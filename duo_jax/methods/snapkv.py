@@ -77,7 +77,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, check_windows, concat_slots, within_future_window, write_slots
 from duo_jax.methods.duo import retrieval_attention
 from duo_jax.methods.registry import kv_budget_only, register
-from duo_jax.model import apply_rope
+from duo_jax.model import apply_rotary
 from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
                            rotate)
 
@@ -308,7 +308,7 @@ class CompressedKV(Method):
         return CompressedShared.build(step, self.room)
 
     def attend(self, layer, q, k, v, cache: CompressedLayerCache, step: Step, shared: CompressedShared):
-        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
         rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
         if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
             q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
@@ -385,7 +385,7 @@ class SnapKV(Method):
 
     def attend(self, layer, q, k, v, cache: PrefillLayerCache, step: Step, shared: PrefillShared):
         check_windows(self, self.windows, layer, step)
-        q, k = apply_rope(q, step.positions, step.inv_freq), apply_rope(k, step.positions, step.inv_freq)
+        q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
         rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
         if rotation is not None:  # a quantized cache holds k R and v R; the ring holds q R (votes: q R (k R)^T)
             q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
