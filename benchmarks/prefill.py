@@ -11,6 +11,7 @@ apart); the peer runs its whole prompt in one forward. Ratios are speed-ups (> 1
 from __future__ import annotations
 
 import sys
+import time
 
 import common
 
@@ -21,9 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths (tokens)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per system and length, interleaved across systems; the median TTFT is reported")
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="seconds of idle before every timed run: torch's OpenMP threads keep spinning a while "
+                        "after a forward and slowed the run after the peer's (ours at 2k: 0.89x -> 0.99x the "
+                        "peer with 1 s)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.settle < 0:
+        p.error("--settle must be >= 0")
 
     common.setup_threads(args)
     import numpy as np
@@ -41,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for system in systems:
                     bar.set_postfix_str(f"{system} @ {length}")
+                    time.sleep(args.settle)
                     if system == common.PEER:
                         runs[length][system].append(peer.time(ids, new_tokens=1)["ttft_s"])
                     else:
@@ -63,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                                        logy=True, title=f"prefill, {model.config.name} ({args.dtype}), batch 1")
 
     notes = [f"model {model.config.name} ({args.dtype}), duo sparsity {args.sparsity} (sink {args.sink}, "
-             f"recent {args.recent}), ours chunked by {args.chunk_size}, median of {args.repeats} run(s)"
+             f"recent {args.recent}), ours chunked by {args.chunk_size}, median of {args.repeats} run(s), "
+             f"{args.settle:g} s idle before each"
              + (", single-threaded" if args.single_thread else "")]
     if peer:
         notes.append(f"peer: transformers {__import__('transformers').__version__}, attention {peer.attention}, "
