@@ -41,17 +41,19 @@ def test_apply_rope_rotates_by_the_exact_angle_at_4m():
 
 
 def test_rotary_table_matches_apply_rope_and_is_built_once_per_forward(tiny):
-    """`rotary` + `apply_rotary` is `apply_rope`; and in a compiled forward of unrolled layers the table's sin and
-    cos are computed once, not fused into every layer's rotation of its queries and keys (XLA:CPU did that)."""
+    """The `rotary` table is the cos and sin of `rope_angles` (its conditional on CPU passes them through, jitted
+    or not); and in a compiled forward of unrolled layers its sin and cos are computed once, not fused into
+    every layer's rotation of its queries and keys (XLA:CPU did that)."""
     import jax
 
-    from duo_jax.model import apply_rotary, forward, init_params, rotary, unstack_layers
+    from duo_jax.model import forward, init_params, rotary, unstack_layers
 
     inv_freq = rope_inv_freq(tiny)
     positions = jnp.asarray([[0, 7, 511, 4_000_000]], jnp.int32)
-    x = jnp.asarray(np.random.default_rng(3).normal(size=(1, 4, 3, tiny.head_dim)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(apply_rotary(x, rotary(positions, inv_freq))),
-                                  np.asarray(apply_rope(x, positions, inv_freq)))
+    angles = np.asarray(rope_angles(positions, inv_freq))
+    for table in (rotary(positions, inv_freq), jax.jit(rotary, static_argnums=1)(positions, tuple(inv_freq))):
+        np.testing.assert_allclose(np.asarray(table.cos), np.cos(angles), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(table.sin), np.sin(angles), atol=1e-6)
 
     params = unstack_layers(init_params(tiny, jax.random.key(0)))  # unrolled layers: one rotation per layer
     hlo = forward.lower(params, tiny, jnp.zeros((1, 32), jnp.int32)).compile().as_text()

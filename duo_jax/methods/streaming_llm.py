@@ -20,7 +20,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.methods.duo import StreamingWindow
 from duo_jax.methods.registry import register
-from duo_jax.model import apply_rope
+from duo_jax.model import Rotary, apply_rotary, rotary
 from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
                            rotate)
 
@@ -35,8 +35,9 @@ class StreamingLayerCache:
 @dataclasses.dataclass(frozen=True)
 class StreamingShared:
     window: StreamingWindow
-    key_rope_positions: jax.Array  # int32 [B, S + T]: cache-order position of each slot, then each new token
-    query_rope_positions: jax.Array  # int32 [B, T]
+    # RoPE tables at re-indexed positions, built once per step for every layer (`duo_jax.model.rotary`):
+    key_rope: Rotary  # [B, S + T, E/2]: the cache-order position of each slot, then of each new token
+    query_rope: Rotary  # [B, T, E/2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,8 @@ class StreamingLLM(Method):
         slot_rank = jnp.where(slot_pos < self.start, slot_pos, num_sinks + slot_pos - oldest)
         num_cached = jnp.sum(slot_pos >= 0, axis=1, keepdims=True)
         new_rank = num_cached + jnp.arange(step.positions.shape[1])[None, :]  # [B, T]
-        return StreamingShared(window, jnp.concatenate([jnp.maximum(slot_rank, 0), new_rank], axis=1), new_rank)
+        key_positions = jnp.concatenate([jnp.maximum(slot_rank, 0), new_rank], axis=1)
+        return StreamingShared(window, rotary(key_positions, step.inv_freq), rotary(new_rank, step.inv_freq))
 
     def attend(self, layer, q, k, v, cache: StreamingLayerCache, step: Step, shared: StreamingShared):
         rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
@@ -84,11 +86,11 @@ class StreamingLLM(Method):
         k, v = as_stored(k, cache.k), as_stored(v, cache.v)  # quantized once, when the cache is
         keys = concat_slots(cache.k, k)  # [B, S + T, K, E], before RoPE
         values = concat_slots(cache.v, v)
-        q = apply_rope(q, shared.query_rope_positions, step.inv_freq)
+        q = apply_rotary(q, shared.query_rope)
         # Every key is re-rotated by RoPE every step, so a quantized window is dequantized (and turned back
         # from k R to k) whole: it holds start + recent tokens, not the context.
         keys = dequantize(keys) if rotation is None else rotate(dequantize(keys), rotation.T)
-        keys = apply_rope(keys, shared.key_rope_positions, step.inv_freq)
+        keys = apply_rotary(keys, shared.key_rope)
         out = shared.window.attend(q, keys, values, step)
         out = out if rotation is None else rotate(out, rotation.T)
         return out, StreamingLayerCache(write_slots(cache.k, shared.window.write_slots, k),
