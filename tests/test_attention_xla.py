@@ -161,3 +161,17 @@ def test_chunks_at_tile_boundaries_match_float64(offsets):
     out = xla.attention(q, k, v, spec, block_q=16, block_k=64)
     ref = attention_np(q, k, v, mask_np(spec, S))
     assert np.max(np.abs(np.asarray(out) - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("rule", [dict(), dict(window=9)], ids=["causal", "window=9"])
+def test_bfloat16_queries_match_float64(rule):
+    """bf16 queries keep the scale after the matmul (fp32 ones fold it into the queries) and tiles seen whole
+    skip the mask: against float64 on the same bf16-rounded inputs, within bf16's output rounding."""
+    B, T, S = 2, 48, 200
+    q, k, v, _ = random_attention_inputs(B, T, S, 6, 2, 16, seed=7)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    spec = prefix_spec(B, T, q_offset=jnp.array([100, 30]), kv_len=jnp.array([148, 78]), num_keys=S, **rule)
+    out = xla.attention(q, k, v, spec, block_q=16, block_k=16)
+    assert out.dtype == jnp.bfloat16
+    ref = attention_np(q, k, v, mask_np(spec, S))
+    assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
