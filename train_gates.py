@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--recent", type=int, default=256, help="recent-window tokens of the streaming branch")
     group.add_argument("--reg-weight", type=float, default=0.05, help="weight of the L1 term mean |alpha|")
     group.add_argument("--initial-value", type=float, default=1.0, help="initial value of every gate")
-    group.add_argument("--impl", choices=("auto", "pallas", "mosaic", "xla", "reference"), default="auto",
-                       help="attention implementation (auto: Pallas on GPU, Mosaic on TPU, the blocked XLA path elsewhere)")
+    group.add_argument("--impl", choices=("auto", "pallas", "mosaic", "cpu", "xla", "reference"), default="auto",
+                       help="attention implementation (auto: Pallas on GPU, Mosaic on TPU, the C++ kernel on CPU, "
+                            "the blocked XLA path elsewhere)")
 
     group = parser.add_argument_group("optimisation")
     group.add_argument("--steps", type=int, default=2000, help="optimiser steps")

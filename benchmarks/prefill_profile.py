@@ -7,12 +7,13 @@ prompt length it measures
 - ours: `Engine.prefill` (the compiled chunked extend `generate` runs) for full attention and DuoAttention;
   and full attention with every attention call replaced by its queries ("no attention": embedding, norms,
   projections, RoPE, cache writes, MLP, LM head and the per-chunk steps);
-- ours, attention alone: the blocked XLA attention (`duo_jax.attention.xla`) over the same chunk schedule,
-  query / KV heads and cache capacity, times the number of layers;
+- ours, attention alone: the attention `generate` runs on CPU (`duo_jax.attention.attend`, impl "auto": the C++
+  kernel of `pallas_kernels.cpu`) and the blocked XLA path (`duo_jax.attention.xla`), each over the same chunk
+  schedule, query / KV heads and cache capacity, times the number of layers;
 - the peer: one `model(ids, logits_to_keep=1)` forward (what its TTFT is), and its attention alone:
   `scaled_dot_product_attention(is_causal=True)` over the whole prompt (its GQA K/V expanded, as transformers
   does on CPU), times the number of layers.
-The "rest" columns are a whole prefill minus its attention alone.
+The "rest" columns are a whole prefill minus its attention alone (ours: the kernel's).
 
     python benchmarks/prefill_profile.py                       # SmolLM2-135M, 1k and 2k, fp32
     python benchmarks/prefill_profile.py --lengths 1024 --repeats 3 --out results/benchmarks/prefill_profile
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm.auto import tqdm
 
+    import pallas_kernels.cpu
+    from duo_jax import attention as attention_module
     from duo_jax.attention import xla
     from duo_jax.attention.masks import prefix_spec
     from duo_jax.engine import Engine, bucket, clear_compiled
@@ -66,22 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     def ours(name: str, ids, no_attention: bool = False) -> float:
         method = common.mode(name, model, pattern, args, len(ids) + 1).build(config, len(ids) + 1, model=model)
         chunk = min(args.chunk_size, bucket(len(ids)))
-        attention, traced = xla.attention, []
+        attention, kernel, traced = xla.attention, pallas_kernels.cpu.flash_attention, []
         if no_attention:  # every attention call returns its queries: same shapes, no attention work
             xla.attention = lambda q, k, v, spec, **kw: traced.append(q.shape) or q
+            pallas_kernels.cpu.flash_attention = lambda q, *args, **kw: traced.append(q.shape) or q
         clear_compiled()  # `extend`'s traces too: else the patched attention is never traced
         try:
             seconds = cpu_seconds(lambda: jax.block_until_ready(engine.prefill(
                 method, np.asarray([ids], np.int32), np.asarray([len(ids)]), chunk=chunk)), args.repeats)
             if no_attention and not traced:
-                raise RuntimeError("the 'no attention' prefill never traced duo_jax.attention.xla.attention: "
-                                   "the profile would time full attention under that name")
+                raise RuntimeError("the 'no attention' prefill traced no attention call: the profile would "
+                                   "time full attention under that name")
             return seconds
         finally:
-            xla.attention = attention
+            xla.attention, pallas_kernels.cpu.flash_attention = attention, kernel
             clear_compiled()
 
-    def ours_attention(length: int) -> float:
+    def ours_attention(length: int, impl: str) -> float:
         method = common.mode("full", model, pattern, args, length + 1).build(config, length + 1, model=model)
         capacity = engine.init_cache(method, 1)
         capacity = max(x.shape[1] for x in jax.tree.leaves(capacity) if x.ndim == 4)  # the retrieval slots
@@ -89,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(0)
         k, v = (jnp.asarray(rng.standard_normal((1, capacity, K, E)), dtype) for _ in range(2))
         q = jnp.asarray(rng.standard_normal((1, chunk, H, E)), dtype)
-        step = jax.jit(lambda q, k, v, start: xla.attention(
-            q, k, v, prefix_spec(1, chunk, q_offset=start, kv_len=start + chunk, num_keys=capacity)))
+        step = jax.jit(lambda q, k, v, start: attention_module.attend(
+            q, k, v, prefix_spec(1, chunk, q_offset=start, kv_len=start + chunk, num_keys=capacity), impl=impl))
 
         def run():
             for start in range(0, length, chunk):
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         "full": lambda n, ids: ours("full", ids),
         "duo": lambda n, ids: ours("duo", ids),
         "no attention": lambda n, ids: ours("full", ids, no_attention=True),
-        "attention": lambda n, ids: ours_attention(n),
+        "attention": lambda n, ids: ours_attention(n, "auto"),
+        "xla attention": lambda n, ids: ours_attention(n, "xla"),
         common.PEER: lambda n, ids: peer_forward(ids),
         f"{common.PEER} attention": lambda n, ids: peer_attention(n),
     }
@@ -135,12 +140,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for n, c in cpu.items():
-        rows.append([n, c["full"], c["duo"], c["no attention"], c["attention"], c["full"] - c["attention"],
+        rows.append([n, c["full"], c["duo"], c["no attention"], c["attention"], c["xla attention"],
+                     c["full"] - c["attention"],
                      c[common.PEER], c[f"{common.PEER} attention"], c[common.PEER] - c[f"{common.PEER} attention"],
                      common.ratio(c[common.PEER], c["full"]), common.ratio(c[common.PEER], c["duo"]),
                      common.ratio(c["full"], c["duo"]),
                      common.ratio(c[f"{common.PEER} attention"], c["attention"])])
-    headers = ["prompt", "full CPU-s", "duo CPU-s", "no attention CPU-s", "attention CPU-s", "full rest CPU-s",
+    headers = ["prompt", "full CPU-s", "duo CPU-s", "no attention CPU-s", "attention CPU-s", "xla attention CPU-s",
+               "full rest CPU-s",
                f"{common.PEER} CPU-s", f"{common.PEER} attention CPU-s", f"{common.PEER} rest CPU-s",
                f"full vs {common.PEER}", f"duo vs {common.PEER}", "duo vs full",
                f"attention vs {common.PEER}'s"]

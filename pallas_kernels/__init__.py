@@ -10,10 +10,11 @@
 
 `reference` holds dense pure-jnp versions of all three with explicit masks.
 `tpu` holds the same three functions for TPU (splash attention and Mosaic
-kernels), tested in TPU interpret mode on CPU.
+kernels), tested in TPU interpret mode on CPU. `cpu` holds flash attention for
+CPU, in C++ through XLA's FFI (Pallas has no CPU compiler), built on first use.
 """
 
-from pallas_kernels import reference, tpu
+from pallas_kernels import cpu, reference, tpu
 from pallas_kernels._common import check_block, check_qkv, check_window
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_attention import flash_attention
@@ -22,7 +23,7 @@ from pallas_kernels.lambda_attention import (causal_visited_blocks, lambda_atten
                                              lambda_visited_blocks)
 
 __all__ = [
-    "causal_visited_blocks", "check_block", "check_qkv", "check_window", "decode_attention",
+    "causal_visited_blocks", "check_block", "cpu", "check_qkv", "check_window", "decode_attention",
     "flash_attention", "lambda_attention", "lambda_visited_blocks", "paged_decode_attention",
     "paged_flash_attention", "reference", "tpu",
 ]

@@ -1,4 +1,4 @@
-"""duo_jax.attention.dispatch: "pallas", "xla" and "reference" agree and validate alike."""
+"""duo_jax.attention.dispatch: "pallas", "mosaic", "cpu", "xla" and "reference" agree and validate alike."""
 
 import jax
 import jax.numpy as jnp
@@ -7,12 +7,12 @@ import pytest
 from duo_jax import attention
 from tests.conftest import random_attention_inputs, rel_err
 
-IMPLS = ("pallas", "mosaic", "xla", "reference")
+IMPLS = ("pallas", "mosaic", "cpu", "xla", "reference")
 
 
-def test_auto_is_xla_on_cpu():
+def test_auto_is_the_cpu_kernel_on_cpu():
     if jax.default_backend() == "cpu":
-        assert attention.resolve_impl("auto") == "xla"
+        assert attention.resolve_impl("auto") == "cpu"  # (tests/test_cpu_kernels.py: "xla" without a compiler)
     assert attention.resolve_impl("pallas") == "pallas"
     with pytest.raises(ValueError, match="impl"):
         attention.resolve_impl("triton")

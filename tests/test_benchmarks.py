@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b", "methods", "infinigen_alpha", "call_overhead",
-           "train_memory", "generation_memory", "serving", "prefill_profile")
+           "train_memory", "generation_memory", "serving", "prefill_profile", "cpu_attention")
 
 common = importlib.import_module("common")
 
@@ -152,3 +152,14 @@ def test_gpu_dry_run_quantized(tmp_path, capsys):
     assert small["cache_bytes"]["full"] == 8192 * per_token
     assert small["decode_ms"]["full"] == pytest.approx(1e3 * (plan["weight_bytes"] + 8192 * per_token) / 3.03e12)
     assert large["fits"] == {"full": False, "duo": True}
+
+
+def test_cpu_attention_runs_end_to_end(tmp_path):
+    """The CPU attention benchmark at a tiny length: kernel, XLA path and torch (in its own process) timed, the
+    ratios in the table consistent with the medians."""
+    bench = importlib.import_module("cpu_attention")
+    assert bench.main(["--lengths", "64", "--chunks", "32", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "cpu_attention.json").read_text())
+    row = saved["table"]["rows"][0]
+    assert row[:2] == [64, 32] and all(x > 0 for x in row[2:])
+    assert row[7] == pytest.approx(row[4] / row[2]) and row[8] == pytest.approx(row[5] / row[2])

@@ -13,10 +13,17 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   when they are traced (chunked prefill, decode); and, unlike "pallas", causal attention over keys at explicit
   positions (DuoAttention's streaming heads: a ring of cached tokens + the chunk) through the own kernel's
   k_positions operand. Off TPU they run in Pallas's interpreter (tests).
+* "cpu": the C++ flash-attention kernel of `pallas_kernels.cpu` (XLA FFI, built on first use by the host's
+  compiler) for float32 queries over a contiguous cache or sequence under a causal mask with offsets and key
+  lengths: full attention's prefill chunks and decode steps, DuoAttention's retrieval heads, whole sequences.
+  Everything else (keys at explicit positions, Λ, sliding windows, quantized or paged caches, bf16) takes the
+  XLA path. It is forward only: a gradient through it is the XLA path's (`_cpu_attention`).
 * "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
-* "auto": "pallas" on GPU, "mosaic" on TPU, "xla" elsewhere. On a GPU whose JAX can no longer compile
-  Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one warning that
-  names the reason; "pallas" is then an error (`BackendError`) rather than a crash inside the compiler.
+* "auto": "pallas" on GPU, "mosaic" on TPU, "cpu" on CPU (and "xla" on other backends). On a GPU whose JAX can
+  no longer compile Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one
+  warning that names the reason; "pallas" is then an error (`BackendError`) rather than a crash inside the
+  compiler. Likewise on a CPU where the C++ kernel cannot be built (no compiler): "auto" is "xla" with one
+  warning, "cpu" an error.
 
 A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + scales, both of one kind) is read
 as codes and scales by the kernels that serve its spec, each dequantizing a key / value tile inside the kernel
@@ -54,6 +61,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+import pallas_kernels.cpu
 import pallas_kernels.tpu
 from duo_jax.errors import BackendError
 from pallas_kernels import _backend
@@ -64,25 +72,43 @@ from duo_jax.attention.pages import PagedKV
 from duo_jax.quant import QuantizedKV, dequantize
 from pallas_kernels import reference
 
-Impl = Literal["auto", "pallas", "mosaic", "xla", "reference"]
-IMPLS = ("auto", "pallas", "mosaic", "xla", "reference")
+Impl = Literal["auto", "pallas", "mosaic", "cpu", "xla", "reference"]
+IMPLS = ("auto", "pallas", "mosaic", "cpu", "xla", "reference")
 DECODE_BLOCK = 128  # split-K decode's key block (the cache capacity is a multiple of it)
 MAX_SPLITS = 16  # split-K decode's chunks of the cache (the last may be ragged: any capacity gets ~16)
 
 
 def resolve_impl(impl: str) -> str:
-    """Maps "auto" to "pallas" on GPU (or "xla" where Triton does not work), "mosaic" on TPU and "xla"
-    elsewhere."""
+    """Maps "auto" to "pallas" on GPU (or "xla" where Triton does not work), "mosaic" on TPU, "cpu" on CPU (or
+    "xla" where the C++ kernel cannot be built) and "xla" elsewhere."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
     on_gpu = backend in ("gpu", "cuda", "rocm")
-    resolved = impl if impl != "auto" else "pallas" if on_gpu else "mosaic" if backend == "tpu" else "xla"
+    resolved = impl if impl != "auto" else ("pallas" if on_gpu else "mosaic" if backend == "tpu"
+                                            else "cpu" if backend == "cpu" else "xla")
     if resolved == "pallas" and on_gpu and not _backend.exporting():
         reason = _backend.triton_unavailable()
         if reason is not None:
             return _triton_fallback(reason, forced=impl == "pallas")
+    if resolved == "cpu":
+        if backend != "cpu":
+            raise BackendError(f"impl='cpu' runs the C++ kernel of XLA:CPU, not on {backend}: use impl='auto'.")
+        if not pallas_kernels.cpu.available():
+            return _cpu_fallback(pallas_kernels.cpu.unavailable(), forced=impl == "cpu")
     return resolved
+
+
+@functools.cache
+def _cpu_fallback(reason: str, *, forced: bool) -> str:
+    """What "cpu" becomes where the C++ kernel cannot be built or loaded (warned once per reason)."""
+    if forced:
+        raise BackendError(f"impl='cpu' needs the C++ attention kernel, which cannot run here: {reason}. Install a "
+                           f"C++ compiler (g++), or use impl='auto' / impl='xla' (the XLA path).")
+    warnings.warn(f"the C++ CPU attention kernel cannot run here ({reason}): attention runs on the XLA path "
+                  f"(impl='xla'), about 2-3x slower on prefill. Installing a C++ compiler (g++) enables it.",
+                  RuntimeWarning, stacklevel=3)
+    return "xla"
 
 
 @functools.cache
@@ -105,6 +131,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Im
     impl = resolve_impl(impl)
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):
         return _kernels(q, k, v, spec, scale, impl)
+    if impl == "cpu" and _cpu_kernel_serves(q, k, v, spec):
+        return _cpu_attention(q, k, v, spec, scale)
     if impl == "reference":
         return reference.attention_reference(q, _values(k), _values(v), spec.dense(k.shape[1]), scale=scale)
     return xla.attention(q, k, v, spec, scale=scale)
@@ -153,6 +181,33 @@ def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
     if spec.is_lambda:  # (gate training: values, never a cache)
         return spec.causal and not quantized
     return spec.causal and (spec.q_positions.shape[1] > 1 or decode)
+
+
+def _cpu_kernel_serves(q, k, v, spec: MaskSpec) -> bool:
+    """Float32 values (no codes, no pages) at consecutive slots under a causal mask with offsets and key lengths."""
+    values = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
+    return (values and spec.causal and spec.k_positions is None and spec.window is None and not spec.is_lambda
+            and all(x.dtype == jnp.float32 for x in (q, k, v)) and q.shape[-1] % 8 == 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cpu_attention(q, k, v, spec: MaskSpec, scale):
+    """The C++ kernel forward; its gradient is the XLA path's (recomputed from q, k and v: training on CPU is
+    for tests and demonstrations, the kernel for inference)."""
+    return pallas_kernels.cpu.flash_attention(q, k, v, spec.q_positions[:, 0], spec.kv_len, scale=scale)
+
+
+def _cpu_attention_fwd(q, k, v, spec, scale):
+    return _cpu_attention(q, k, v, spec, scale), (q, k, v, spec)
+
+
+def _cpu_attention_bwd(scale, residuals, d_out):
+    q, k, v, spec = residuals
+    _, vjp = jax.vjp(lambda q, k, v: xla.attention(q, k, v, spec, scale=scale), q, k, v)
+    return (*vjp(d_out), None)
+
+
+_cpu_attention.defvjp(_cpu_attention_fwd, _cpu_attention_bwd)
 
 
 def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):

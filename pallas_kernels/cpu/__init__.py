@@ -1,0 +1,128 @@
+"""CPU kernels: flash attention in C++ through XLA's FFI (`flash_attention.cc`), forward only.
+
+Why our own, and why not Pallas: Pallas has no CPU compiler (only interpret mode), and XLA:CPU compiles the
+blocked online softmax of `duo_jax.attention.xla` as separate ops per key tile (a matmul, the mask, the row max,
+the exp, the row sum, a matmul), each a pass over an f32 [rows, keys] tile in memory and a runtime thunk of its
+own: on SmolLM2's prefill attention that path took 1.6-2.2x the time of torch's fused SDPA kernel (2-core host,
+2 threads). This kernel fuses a tile: scores, mask (on tiles that cross the causal edge or the filled length
+only), online softmax with a polynomial exp2 and the P.V product stay in registers and L1, each K / V block is
+read once for the G query heads of its KV head, and the (batch, KV head, query block) items are spread over
+XLA's own intra-op threads. Measured against both in `BENCHMARKS.md` ("CPU attention kernel").
+
+Semantics (the same as the flash kernels': `pallas_kernels.reference.flash_attention_reference`): query t of
+sequence b sits at position q_offset[b] + t, key slot s holds position s and is filled iff s < kv_len[b]; a query
+sees the filled slots at or before its position; one that sees none gives zeros. Slots past
+min(kv_len, last query position + 1) are never read. float32 only; other dtypes are the caller's to route
+elsewhere (`duo_jax.attention` takes the XLA path).
+
+The library is built on first use by the host's C++ compiler (`$CXX`, else g++, else c++) with -march=native
+against JAX's FFI headers, into a cache folder (`$DUO_JAX_CACHE`, default ~/.cache/duo-jax) keyed by the source,
+the command, the JAX version and the CPU, so a fresh machine builds once (~5 s) and later processes load it.
+Where that fails (no compiler), `unavailable()` says why and `available()` is False; the dispatch then takes the
+XLA path with one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = pathlib.Path(__file__).with_name("flash_attention.cc")
+TARGET = "duo_jax_cpu_flash_attention"
+BLOCK_Q, BLOCK_K = 64, 64  # queries per work item (times the G heads of a KV head: the tile's rows); keys per tile
+
+__all__ = ["available", "build_command", "flash_attention", "unavailable"]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build_command(output: str | os.PathLike) -> list[str]:
+    """The compiler command that builds the kernel library at `output`."""
+    return [_compiler() or "g++", "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
+            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(output)]
+
+
+def _cpu_signature() -> str:
+    try:  # -march=native code is for this CPU only: its flags are part of the cache key
+        flags = [line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
+        return flags[0] if flags else platform.processor()
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _library_path() -> pathlib.Path:
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(build_command("x")), jax.__version__,
+                                    platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
+    cache = pathlib.Path(os.environ.get("DUO_JAX_CACHE", pathlib.Path.home() / ".cache" / "duo-jax"))
+    return cache / "cpu_kernels" / f"flash_attention-{key}.so"
+
+
+@functools.cache
+def _load() -> tuple[bool, str | None]:
+    """Build (once per machine) and register the kernel: (True, None), or (False, why not)."""
+    if _compiler() is None:
+        return False, "no C++ compiler found ($CXX, g++ or c++)"
+    path = _library_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # build aside, then move in: atomic for
+            built = pathlib.Path(tmp) / path.name                  # processes building at the same time
+            result = subprocess.run(build_command(built), capture_output=True, text=True)
+            if result.returncode != 0:
+                return False, f"building it failed: {' '.join(build_command(path))}\n{result.stderr[-2000:]}"
+            os.replace(built, path)
+    try:
+        library = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.CpuFlashAttention), platform="cpu")
+    except Exception as error:  # noqa: BLE001 - any failure to load means the XLA path, with the reason
+        return False, f"loading {path} failed: {error}"
+    return True, None
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it on the first call)."""
+    return _load()[0]
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run here, or None when it can."""
+    return _load()[1]
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset, kv_len, *, scale: float | None = None,
+                    block_q: int = BLOCK_Q, block_k: int = BLOCK_K, num_threads: int = 0) -> jax.Array:
+    """Causal attention over a contiguous cache: q [B, T, H, E], k / v [B, S, Kh, E] float32 (H a multiple of Kh,
+    E a multiple of 8), q_offset / kv_len int32 [B] (or scalars) -> [B, T, H, E] float32. `num_threads` 0:
+    XLA's intra-op pool and the calling thread; n: at most n threads. Raises RuntimeError where the kernel cannot
+    be built (`unavailable`)."""
+    ok, why = _load()
+    if not ok:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {why}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != jnp.float32:
+            raise TypeError(f"the CPU attention kernel takes float32; {name} is {x.dtype}")
+    B, T, H, E = q.shape
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != E or H % k.shape[2] or E % 8:
+        raise ValueError(f"q [B, T, H, E] and k / v [B, S, Kh, E] with H % Kh == 0 and E % 8 == 0 expected, "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
+    scale = 1.0 / float(np.sqrt(E)) if scale is None else float(scale)
+    per_batch = [jnp.broadcast_to(jnp.asarray(x, jnp.int32).reshape(-1), (B,)) for x in (q_offset, kv_len)]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    return call(q, k, v, *per_batch, scale=np.float32(scale), block_q=np.int64(block_q), block_k=np.int64(block_k),
+                num_threads=np.int64(num_threads))

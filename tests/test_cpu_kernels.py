@@ -1,0 +1,121 @@
+"""pallas_kernels.cpu (the C++ flash-attention kernel through XLA's FFI) against float64 numpy, and how the
+dispatch picks it, differentiates it and falls back to the XLA path where it cannot be built."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels.cpu as cpu
+from duo_jax import attention
+from duo_jax.attention import dispatch, prefix_spec
+from duo_jax.errors import BackendError
+from tests.conftest import random_attention_inputs
+from tests.test_attention_xla import attention_np, mask_np
+
+# (B, T, H, Kh, E, S, q_offset, kv_len, block_q, block_k)
+CASES = [
+    (2, 37, 9, 3, 64, 300, [0, 150], [37, 187], 16, 64),  # GQA 3:1, ragged offsets
+    (2, 37, 9, 3, 64, 300, [5, 150], [20, 100], 16, 64),  # kv_len cuts into the chunk / lies before it
+    (2, 50, 4, 2, 32, 200, [-3, 10], [50, 0], 16, 48),  # rows with no visible key; an empty sequence
+    (1, 100, 6, 6, 64, 400, [250], [350], 32, 128),  # MHA: 6 row vectors
+    (2, 33, 8, 1, 16, 90, [0, 40], [33, 73], 8, 24),  # MQA, blocks not dividing anything
+    (1, 200, 9, 3, 64, 2176, [1000], [1200], 64, 64),  # a SmolLM2 chunk, T not a multiple of the block
+    (3, 1, 8, 2, 64, 512, [99, 0, 400], [100, 1, 401], 64, 64),  # decode steps
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}E{c[4]}S{c[5]}")
+@pytest.mark.parametrize("threads", [0, 1], ids=["pool", "one-thread"])
+def test_kernel_matches_float64(case, threads):
+    """Random inputs with NaN in the last slot (never filled here): a slot past kv_len must never be read."""
+    B, T, H, Kh, E, S, offsets, lengths, block_q, block_k = case
+    q, k, v, _ = random_attention_inputs(B, T, S, H, Kh, E, seed=len(CASES) * threads + T)
+    k, v = k.at[:, -1].set(jnp.nan), v.at[:, -1].set(jnp.nan)
+    offsets, lengths = jnp.asarray(offsets, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    out = jax.jit(lambda q, k, v, o, n: cpu.flash_attention(q, k, v, o, n, block_q=block_q, block_k=block_k,
+                                                             num_threads=threads))(q, k, v, offsets, lengths)
+    spec = prefix_spec(B, T, q_offset=offsets, kv_len=lengths, num_keys=S)
+    mask = mask_np(spec, S)
+    ref = attention_np(q, jnp.where(jnp.isnan(k), 0, k), jnp.where(jnp.isnan(v), 0, v), mask)
+    assert np.all(np.isfinite(np.asarray(out)))
+    assert np.max(np.abs(np.asarray(out) - ref)) <= 2e-5 * max(1.0, np.max(np.abs(ref)))
+    assert not np.any(np.asarray(out)[~mask.any(-1)]), "a query that sees no key gives zeros"
+
+
+def test_kernel_takes_the_scale():
+    q, k, v, _ = random_attention_inputs(1, 16, 40, 4, 2, 32, seed=3)
+    spec = prefix_spec(1, 16, q_offset=10, kv_len=26, num_keys=40)
+    out = cpu.flash_attention(q, k, v, 10, 26, scale=0.3)
+    ref = attention_np(q * (0.3 * np.sqrt(32)), k, v, mask_np(spec, 40))  # attention_np scales by 1/sqrt(E)
+    assert np.max(np.abs(np.asarray(out) - ref)) <= 2e-5 * np.max(np.abs(ref))
+
+
+def test_kernel_rejects_what_it_does_not_compute():
+    q, k, v, _ = random_attention_inputs(1, 4, 8, 4, 2, 16)
+    with pytest.raises(TypeError, match="float32"):
+        cpu.flash_attention(q.astype(jnp.bfloat16), k, v, 0, 4)
+    with pytest.raises(ValueError, match="H % Kh"):
+        cpu.flash_attention(q[..., :3, :], k, v, 0, 4)
+
+
+def _uses_kernel(fn, *args) -> bool:
+    return cpu.TARGET in str(jax.jit(fn).lower(*args).as_text())
+
+
+def test_auto_on_cpu_runs_the_kernel_where_it_serves():
+    """f32 causal attention over consecutive slots takes the kernel; bf16, windows, Λ and explicit key positions
+    take the XLA path."""
+    q, k, v, _ = random_attention_inputs(1, 24, 64, 4, 2, 16)
+    spec = prefix_spec(1, 24, q_offset=8, kv_len=32, num_keys=64)
+    assert _uses_kernel(lambda q: attention.attend(q, k, v, spec), q)
+    assert not _uses_kernel(lambda q: attention.attend(q, k, v, spec, impl="xla"), q)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    assert not _uses_kernel(lambda q: attention.attend(q, *bf16[1:], spec), bf16[0])
+    for rule in (dict(window=5), dict(sink=2, recent=4)):
+        other = prefix_spec(1, 24, q_offset=8, kv_len=32, num_keys=64, **rule)
+        assert not _uses_kernel(lambda q: attention.attend(q, k, v, other), q)
+    ring = attention.MaskSpec(spec.q_positions, spec.kv_len, jnp.broadcast_to(jnp.arange(64), (1, 64)))
+    assert not _uses_kernel(lambda q: attention.attend(q, k, v, ring), q)
+
+
+def test_gradients_through_the_kernel_are_the_xla_paths():
+    q, k, v, cotangent = random_attention_inputs(2, 20, 50, 6, 2, 16, seed=5)
+    spec = prefix_spec(2, 20, q_offset=jnp.array([10, 30]), kv_len=jnp.array([30, 50]), num_keys=50)
+
+    def grads(impl):
+        return jax.vjp(lambda q, k, v: attention.attend(q, k, v, spec, impl=impl), q, k, v)[1](cotangent)
+
+    for ours, xla_path in zip(grads("cpu"), grads("xla")):
+        assert np.max(np.abs(np.asarray(ours) - np.asarray(xla_path))) <= 1e-5 * np.max(np.abs(np.asarray(xla_path)))
+
+
+@pytest.fixture
+def no_kernel(monkeypatch, tmp_path):
+    """A machine whose compiler cannot build the kernel ($CXX is `false`), with an empty kernel cache."""
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("DUO_JAX_CACHE", str(tmp_path))
+    cpu._load.cache_clear()
+    dispatch._cpu_fallback.cache_clear()
+    yield
+    cpu._load.cache_clear()
+    dispatch._cpu_fallback.cache_clear()
+
+
+def test_a_failed_build_falls_back_to_xla_with_one_warning(no_kernel):
+    assert not cpu.available() and "building it failed" in cpu.unavailable()
+    q, k, v, _ = random_attention_inputs(1, 8, 16, 4, 2, 16)
+    spec = prefix_spec(1, 8, q_offset=4, kv_len=12, num_keys=16)
+    with pytest.warns(RuntimeWarning, match="XLA path"):
+        out = attention.attend(q, k, v, spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        attention.attend(q, k, v, spec)
+    ref = attention_np(q, k, v, mask_np(spec, 16))
+    assert np.max(np.abs(np.asarray(out) - ref)) <= 1e-5 * np.max(np.abs(ref))
+    with pytest.raises(BackendError, match="C\\+\\+ compiler"):
+        attention.attend(q, k, v, spec, impl="cpu")
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu.flash_attention(q, k, v, 4, 12)
