@@ -45,6 +45,32 @@ def test_kernel_matches_float64(case, threads):
     assert not np.any(np.asarray(out)[~mask.any(-1)]), "a query that sees no key gives zeros"
 
 
+@pytest.mark.parametrize("threads", [0, 1], ids=["pool", "one-thread"])
+@pytest.mark.parametrize("block_k", [64, 24], ids=lambda b: f"block_k{b}")
+def test_keys_at_explicit_positions_match_float64(threads, block_k):
+    """A streaming head's keys: a ring of cached positions in shuffled slots (some empty: -1) followed by the
+    chunk, per-sequence offsets, a key length short of the slots for one sequence; NaN in a slot past it."""
+    B, T, H, Kh, E, ring = 2, 40, 6, 2, 32, 100
+    rng = np.random.default_rng(11)
+    offsets = np.array([300, 150], np.int32)
+    positions = np.full((B, ring + T), -1, np.int32)
+    for b in range(B):
+        cached = np.concatenate([np.arange(16), np.arange(offsets[b] - 70, offsets[b])])  # sinks + recent tokens
+        slots = rng.permutation(ring)[:len(cached)]
+        positions[b, slots] = cached
+        positions[b, ring:] = offsets[b] + np.arange(T)
+    kv_len = np.array([ring + T, ring + T - 5], np.int32)  # the second sequence's last 5 chunk tokens are not real
+    q, k, v, _ = random_attention_inputs(B, T, ring + T, H, Kh, E, seed=12)
+    k, v = k.at[1, -1].set(jnp.nan), v.at[1, -1].set(jnp.nan)
+    out = jax.jit(lambda q, k, v: cpu.flash_attention(q, k, v, offsets, kv_len, k_positions=positions,
+                                                       block_k=block_k, num_threads=threads))(q, k, v)
+    spec = attention.MaskSpec(jnp.asarray(offsets[:, None] + np.arange(T), jnp.int32), jnp.asarray(kv_len),
+                              jnp.asarray(positions))
+    ref = attention_np(q, jnp.nan_to_num(k), jnp.nan_to_num(v), mask_np(spec, ring + T))
+    assert np.all(np.isfinite(np.asarray(out)))
+    assert np.max(np.abs(np.asarray(out) - ref)) <= 2e-5 * np.max(np.abs(ref))
+
+
 def test_kernel_takes_the_scale():
     q, k, v, _ = random_attention_inputs(1, 16, 40, 4, 2, 32, seed=3)
     spec = prefix_spec(1, 16, q_offset=10, kv_len=26, num_keys=40)
@@ -59,6 +85,8 @@ def test_kernel_rejects_what_it_does_not_compute():
         cpu.flash_attention(q.astype(jnp.bfloat16), k, v, 0, 4)
     with pytest.raises(ValueError, match="H % Kh"):
         cpu.flash_attention(q[..., :3, :], k, v, 0, 4)
+    with pytest.raises(ValueError, match="k_positions"):
+        cpu.flash_attention(q, k, v, 0, 4, k_positions=jnp.zeros((1, 7), jnp.int32))
 
 
 def _uses_kernel(fn, *args) -> bool:
@@ -66,8 +94,8 @@ def _uses_kernel(fn, *args) -> bool:
 
 
 def test_auto_on_cpu_runs_the_kernel_where_it_serves():
-    """f32 causal attention over consecutive slots takes the kernel; bf16, windows, Λ and explicit key positions
-    take the XLA path."""
+    """f32 causal attention over consecutive slots or keys at explicit positions takes the kernel; bf16, windows
+    and Λ take the XLA path."""
     q, k, v, _ = random_attention_inputs(1, 24, 64, 4, 2, 16)
     spec = prefix_spec(1, 24, q_offset=8, kv_len=32, num_keys=64)
     assert _uses_kernel(lambda q: attention.attend(q, k, v, spec), q)
@@ -78,7 +106,7 @@ def test_auto_on_cpu_runs_the_kernel_where_it_serves():
         other = prefix_spec(1, 24, q_offset=8, kv_len=32, num_keys=64, **rule)
         assert not _uses_kernel(lambda q: attention.attend(q, k, v, other), q)
     ring = attention.MaskSpec(spec.q_positions, spec.kv_len, jnp.broadcast_to(jnp.arange(64), (1, 64)))
-    assert not _uses_kernel(lambda q: attention.attend(q, k, v, ring), q)
+    assert _uses_kernel(lambda q: attention.attend(q, k, v, ring), q)
 
 
 def test_gradients_through_the_kernel_are_the_xla_paths():

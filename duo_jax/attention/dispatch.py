@@ -14,10 +14,11 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   positions (DuoAttention's streaming heads: a ring of cached tokens + the chunk) through the own kernel's
   k_positions operand. Off TPU they run in Pallas's interpreter (tests).
 * "cpu": the C++ flash-attention kernel of `pallas_kernels.cpu` (XLA FFI, built on first use by the host's
-  compiler) for float32 queries over a contiguous cache or sequence under a causal mask with offsets and key
-  lengths: full attention's prefill chunks and decode steps, DuoAttention's retrieval heads, whole sequences.
-  Everything else (keys at explicit positions, Λ, sliding windows, quantized or paged caches, bf16) takes the
-  XLA path. It is forward only: a gradient through it is the XLA path's (`_cpu_attention`).
+  compiler) for float32 causal attention with per-sequence offsets and key lengths, over a contiguous cache or
+  sequence (full attention's prefill chunks and decode steps, DuoAttention's retrieval heads, whole sequences)
+  or over keys at explicit positions (the streaming heads' ring + chunk, StreamingLLM, eviction caches).
+  Λ, sliding windows, quantized or paged caches and bf16 take the XLA path. It is forward only: a gradient
+  through it is the XLA path's (`_cpu_attention`).
 * "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
 * "auto": "pallas" on GPU, "mosaic" on TPU, "cpu" on CPU (and "xla" on other backends). On a GPU whose JAX can
   no longer compile Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one
@@ -184,9 +185,9 @@ def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
 
 
 def _cpu_kernel_serves(q, k, v, spec: MaskSpec) -> bool:
-    """Float32 values (no codes, no pages) at consecutive slots under a causal mask with offsets and key lengths."""
+    """Float32 values (no codes, no pages) under a causal mask with offsets, key lengths and key positions."""
     values = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
-    return (values and spec.causal and spec.k_positions is None and spec.window is None and not spec.is_lambda
+    return (values and spec.causal and spec.window is None and not spec.is_lambda
             and all(x.dtype == jnp.float32 for x in (q, k, v)) and q.shape[-1] % 8 == 0)
 
 
@@ -194,7 +195,8 @@ def _cpu_kernel_serves(q, k, v, spec: MaskSpec) -> bool:
 def _cpu_attention(q, k, v, spec: MaskSpec, scale):
     """The C++ kernel forward; its gradient is the XLA path's (recomputed from q, k and v: training on CPU is
     for tests and demonstrations, the kernel for inference)."""
-    return pallas_kernels.cpu.flash_attention(q, k, v, spec.q_positions[:, 0], spec.kv_len, scale=scale)
+    return pallas_kernels.cpu.flash_attention(q, k, v, spec.q_positions[:, 0], spec.kv_len,
+                                              k_positions=spec.k_positions, scale=scale)
 
 
 def _cpu_attention_fwd(q, k, v, spec, scale):

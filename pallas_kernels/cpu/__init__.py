@@ -9,11 +9,12 @@ only), online softmax with a polynomial exp2 and the P.V product stay in registe
 read once for the G query heads of its KV head, and the (batch, KV head, query block) items are spread over
 XLA's own intra-op threads. Measured against both in `BENCHMARKS.md` ("CPU attention kernel").
 
-Semantics (the same as the flash kernels': `pallas_kernels.reference.flash_attention_reference`): query t of
-sequence b sits at position q_offset[b] + t, key slot s holds position s and is filled iff s < kv_len[b]; a query
-sees the filled slots at or before its position; one that sees none gives zeros. Slots past
-min(kv_len, last query position + 1) are never read. float32 only; other dtypes are the caller's to route
-elsewhere (`duo_jax.attention` takes the XLA path).
+Semantics: query t of sequence b sits at position q_offset[b] + t; key slot s holds position s (a contiguous
+cache, as the flash kernels') or k_positions[b, s] (a ring of cached tokens followed by a chunk, an eviction
+cache; -1: empty) and is filled iff s < kv_len[b]; a query sees the filled slots whose position is at or before
+its own; one that sees none gives zeros. Slots past kv_len are never read, nor, over a contiguous cache, slots
+past the last query's position. float32 only; other dtypes are the caller's to route elsewhere
+(`duo_jax.attention` takes the XLA path).
 
 The library is built on first use by the host's C++ compiler (`$CXX`, else g++, else c++) with -march=native
 against JAX's FFI headers, into a cache folder (`$DUO_JAX_CACHE`, default ~/.cache/duo-jax) keyed by the source,
@@ -39,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("flash_attention.cc")
-TARGET = "duo_jax_cpu_flash_attention"
+TARGET = "duo_jax_cpu_flash_attention"  # slot = position
+TARGET_AT = "duo_jax_cpu_flash_attention_at"  # keys at explicit positions
 BLOCK_Q, BLOCK_K = 64, 64  # queries per work item (times the G heads of a KV head: the tile's rows); keys per tile
 
 __all__ = ["available", "build_command", "flash_attention", "unavailable"]
@@ -90,6 +92,7 @@ def _load() -> tuple[bool, str | None]:
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.CpuFlashAttention), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_AT, jax.ffi.pycapsule(library.CpuFlashAttentionAt), platform="cpu")
     except Exception as error:  # noqa: BLE001 - any failure to load means the XLA path, with the reason
         return False, f"loading {path} failed: {error}"
     return True, None
@@ -105,12 +108,13 @@ def unavailable() -> str | None:
     return _load()[1]
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset, kv_len, *, scale: float | None = None,
-                    block_q: int = BLOCK_Q, block_k: int = BLOCK_K, num_threads: int = 0) -> jax.Array:
-    """Causal attention over a contiguous cache: q [B, T, H, E], k / v [B, S, Kh, E] float32 (H a multiple of Kh,
-    E a multiple of 8), q_offset / kv_len int32 [B] (or scalars) -> [B, T, H, E] float32. `num_threads` 0:
-    XLA's intra-op pool and the calling thread; n: at most n threads. Raises RuntimeError where the kernel cannot
-    be built (`unavailable`)."""
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset, kv_len, *, k_positions=None,
+                    scale: float | None = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
+                    num_threads: int = 0) -> jax.Array:
+    """Causal attention: q [B, T, H, E], k / v [B, S, Kh, E] float32 (H a multiple of Kh, E a multiple of 8),
+    q_offset / kv_len int32 [B] (or scalars), k_positions None (slot = position) or int32 [B, S] (-1: empty) ->
+    [B, T, H, E] float32. `num_threads` 0: XLA's intra-op pool and the calling thread; n: at most n threads.
+    Raises RuntimeError where the kernel cannot be built (`unavailable`)."""
     ok, why = _load()
     if not ok:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {why}")
@@ -123,6 +127,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset, kv_len, 
                          f"got {q.shape}, {k.shape}, {v.shape}")
     scale = 1.0 / float(np.sqrt(E)) if scale is None else float(scale)
     per_batch = [jnp.broadcast_to(jnp.asarray(x, jnp.int32).reshape(-1), (B,)) for x in (q_offset, kv_len)]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-    return call(q, k, v, *per_batch, scale=np.float32(scale), block_q=np.int64(block_q), block_k=np.int64(block_k),
+    operands = [q, k, v, *per_batch]
+    if k_positions is not None:
+        if k_positions.shape != k.shape[:2]:
+            raise ValueError(f"k_positions must be [B, S] = {k.shape[:2]}, got {k_positions.shape}")
+        operands.append(jnp.asarray(k_positions, jnp.int32))
+    call = jax.ffi.ffi_call(TARGET if k_positions is None else TARGET_AT, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(*operands, scale=np.float32(scale), block_q=np.int64(block_q), block_k=np.int64(block_k),
                 num_threads=np.int64(num_threads))

@@ -1,11 +1,14 @@
 // CPU flash attention (forward, float32) as an XLA FFI custom call: pallas_kernels.cpu.flash_attention.
 //
 //   q [B, T, H, E], k / v [B, S, Kh, E] (GQA: query head h uses KV head h / (H / Kh)),
-//   q_offset int32 [B], kv_len int32 [B], attribute scale  ->  out [B, T, H, E].
+//   q_offset int32 [B], kv_len int32 [B], attribute scale  ->  out [B, T, H, E]            (CpuFlashAttention)
+//   the same and k_positions int32 [B, S]                    ->  out                         (CpuFlashAttentionAt)
 //
-// Query t of sequence b sits at position q_offset[b] + t; key slot s holds position s and is filled iff
-// s < kv_len[b]. A query at position p sees slot s iff s <= p and s < kv_len[b]; a query that sees no key
-// gives zeros. Slots past min(kv_len, last query position + 1) are never read.
+// Query t of sequence b sits at position q_offset[b] + t; key slot s holds position s (CpuFlashAttention) or
+// k_positions[b, s] (CpuFlashAttentionAt: a ring of cached tokens and a chunk, an eviction cache; -1 is an empty
+// slot) and is filled iff s < kv_len[b] (and its position is >= 0). A query at position p sees a filled slot iff
+// the slot's position is <= p; a query that sees no key gives zeros. Slots past kv_len are never read, nor, over a
+// contiguous cache, slots past the last query position.
 //
 // One work item is (b, KV head, block of `block_q` queries); its rows are the block's queries times the G
 // query heads of that KV head, so each K / V block is read once for all G heads. Everything is kept
@@ -77,6 +80,7 @@ inline vf exp2_neg(vf x) {
 struct Problem {
   const float *q, *k, *v;
   const int32_t *q_offset, *kv_len;
+  const int32_t* k_pos;                                       // [B, S] key positions, or nullptr: slot = position
   float* out;
   int64_t B, T, H, S, Kh, E, G;
   int block_q, block_k;
@@ -110,11 +114,14 @@ struct Scratch {
   }
 };
 
-// S^T[i][rows] = sum_e K[key0 + i][e] * Q^T[e][rows] for 8 keys and RT row vectors; when `mask` is set, scores of
-// keys at or past kv_len or after a row's position become -inf. Folds the tile's maxima into bmax[rows].
+constexpr int32_t kNever = std::numeric_limits<int32_t>::max();  // the position of a key no query sees
+
+// S^T[i][rows] = sum_e K_i[e] * Q^T[e][rows] for 8 keys and RT row vectors; when `mask` is set, scores of keys
+// whose position kp[i] is after a row's position become -inf (kNever: every row). Folds the tile's maxima into
+// bmax[rows].
 template <int RT>
 inline void qk_tile(const float* __restrict qt, int64_t R, const float* const* kr, int64_t E, float* __restrict s,
-                    float* __restrict bmax, bool mask, int64_t key0, int64_t kv_len, const int32_t* pos) {
+                    float* __restrict bmax, bool mask, const int32_t* kp, const int32_t* pos) {
   vf acc[8][RT] = {};
   for (int64_t e = 0; e < E; ++e) {
     vf qv[RT];
@@ -133,10 +140,7 @@ inline void qk_tile(const float* __restrict qt, int64_t R, const float* const* k
     for (int j = 0; j < RT; ++j) {
       const vi pj = *reinterpret_cast<const vi*>(pos + j * kLanes);
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
-        const int32_t key = static_cast<int32_t>(key0 + i);
-        acc[i][j] = key >= kv_len ? neg_inf : ((vi{} + key) > pj ? neg_inf : acc[i][j]);
-      }
+      for (int i = 0; i < 8; ++i) acc[i][j] = (vi{} + kp[i]) > pj ? neg_inf : acc[i][j];
     }
   }
 #pragma GCC unroll 4
@@ -197,7 +201,9 @@ void run_item(const Problem& p, Scratch& w, int64_t b, int64_t kh, int64_t qb) {
   const int64_t t0 = qb * p.block_q, nt = std::min<int64_t>(p.block_q, p.T - t0), rows = nt * G;
   const int64_t q_off = p.q_offset[b], kv_len = p.kv_len[b];
   const int64_t max_pos = q_off + t0 + nt - 1;
-  const int64_t s_end = std::min(kv_len, max_pos + 1);       // keys [0, s_end) are read, no others
+  const int32_t* k_pos = p.k_pos ? p.k_pos + b * p.S : nullptr;
+  // Keys [0, s_end) are read, no others: over a contiguous cache none past the last query's position.
+  const int64_t s_end = k_pos ? kv_len : std::min(kv_len, max_pos + 1);
   auto out_row = [&](int64_t r) { return p.out + ((b * p.T + t0 + r / G) * p.H + kh * G + r % G) * E; };
 
   if (s_end <= 0) {
@@ -224,21 +230,41 @@ void run_item(const Problem& p, Scratch& w, int64_t b, int64_t kh, int64_t qb) {
 
   for (int64_t s0 = 0; s0 < s_end; s0 += p.block_k) {
     const float* vb = v_base + s0 * kv_stride;
+    // Keys at explicit positions: the block's lowest and highest position, and whether it has an empty slot, so
+    // that a group skips a block it sees none of (a chunk's keys after its queries) and masks only where needed.
+    int32_t block_lo = kNever, block_hi = -1;
+    bool block_has_empty = false;
+    for (int64_t i = s0; k_pos && i < std::min(s0 + p.block_k, s_end); ++i) {
+      if (k_pos[i] < 0) {
+        block_has_empty = true;
+      } else {
+        block_lo = std::min(block_lo, k_pos[i]);
+        block_hi = std::max(block_hi, k_pos[i]);
+      }
+    }
     // One group of up to 3 row vectors at a time, so that its Q^T, S^T and O^T stay in L1 next to the K / V block.
     for_row_groups(RV, [&](auto rt, int64_t j0) {
       constexpr int RT = decltype(rt)::value;
-      // The group's keys in this block: up to its last row's position. Only tiles crossing the causal edge or
-      // kv_len are masked.
+      // The group's keys in this block: over a contiguous cache up to its last row's position. Only tiles with a
+      // key some row does not see (past a row's position, empty, or padding) are masked.
       const int64_t group_min_pos = w.pos[j0 * kLanes], group_max_pos = w.pos[(j0 + RT) * kLanes - 1];
-      const int64_t n = std::min<int64_t>({p.block_k, s_end - s0, group_max_pos + 1 - s0}), n8 = (n + 7) / 8 * 8;
-      if (n <= 0) return;                                     // the whole block is after these rows
-      const bool masked = s0 + n8 - 1 > group_min_pos || s0 + n8 > kv_len;
-      // Scores; keys past n in the last tile of 8 re-read key n - 1 and are masked.
+      const int64_t n = k_pos ? std::min<int64_t>(p.block_k, s_end - s0)
+                              : std::min<int64_t>({p.block_k, s_end - s0, group_max_pos + 1 - s0});
+      const int64_t n8 = (n + 7) / 8 * 8;
+      if (n <= 0 || (k_pos && block_lo > group_max_pos)) return;  // the whole block is after these rows
+      const bool masked = n8 > n || (k_pos ? block_has_empty || block_hi > group_min_pos : s0 + n - 1 > group_min_pos);
+      // Scores; keys past n in the last tile of 8 re-read key n - 1 and are masked (position kNever).
       for (int64_t st = 0; st < n8; st += 8) {
         const float* kr[8];
-        for (int i = 0; i < 8; ++i) kr[i] = k_base + (s0 + std::min<int64_t>(st + i, n - 1)) * kv_stride;
-        qk_tile<RT>(w.qt + j0 * kLanes, R, kr, E, w.s + st * R + j0 * kLanes, w.bmax + j0 * kLanes, masked, s0 + st,
-                    kv_len, w.pos + j0 * kLanes);
+        int32_t kp[8];
+        for (int i = 0; i < 8; ++i) {
+          const int64_t slot = s0 + std::min<int64_t>(st + i, n - 1);
+          kr[i] = k_base + slot * kv_stride;
+          const int32_t position = k_pos ? (k_pos[slot] < 0 ? kNever : k_pos[slot]) : static_cast<int32_t>(slot);
+          kp[i] = st + i < n ? position : kNever;
+        }
+        qk_tile<RT>(w.qt + j0 * kLanes, R, kr, E, w.s + st * R + j0 * kLanes, w.bmax + j0 * kLanes, masked, kp,
+                    w.pos + j0 * kLanes);
       }
       // Online softmax, all vertical over keys.
       for (int64_t j = j0; j < j0 + RT; ++j) {
@@ -289,10 +315,9 @@ struct Job {
   }
 };
 
-ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_len,
-                     ffi::ResultBuffer<ffi::F32> out, float scale, int64_t block_q, int64_t block_k,
-                     int64_t num_threads) {
+ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+               ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_len, const ffi::Buffer<ffi::S32>* k_positions,
+               ffi::ResultBuffer<ffi::F32> out, float scale, int64_t block_q, int64_t block_k, int64_t num_threads) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   const auto vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
@@ -303,17 +328,20 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   if (q_offset.element_count() != static_cast<size_t>(B) || kv_len.element_count() != static_cast<size_t>(B))
     return ffi::Error::InvalidArgument("cpu_attention: q_offset and kv_len must be [B]");
   if (block_q < 1 || block_k < 1) return ffi::Error::InvalidArgument("cpu_attention: bad block sizes");
+  if (k_positions && k_positions->element_count() != static_cast<size_t>(B * S))
+    return ffi::Error::InvalidArgument("cpu_attention: k_positions must be [B, S]");
   if (B * T * H == 0) return ffi::Error::Success();
 
   auto job = std::make_shared<Job>();
   Problem& p = job->p;
-  p = Problem{q.typed_data(), k.typed_data(), v.typed_data(), q_offset.typed_data(), kv_len.typed_data(),
+  p = Problem{q.typed_data(), k.typed_data(), v.typed_data(), q_offset.typed_data(), kv_len.typed_data(), nullptr,
               out->typed_data(), B, T, H, S, Kh, E, H / Kh, static_cast<int>(std::min(block_q, T)),
               static_cast<int>(block_k), static_cast<float>(1.4426950408889634 * scale)};
   // kv_len beyond S would read past the cache: clamp a copy.
   job->kv_len.assign(kv_len.typed_data(), kv_len.typed_data() + B);
   for (auto& x : job->kv_len) x = static_cast<int32_t>(std::clamp<int64_t>(x, 0, S));
   p.kv_len = job->kv_len.data();
+  p.k_pos = k_positions ? k_positions->typed_data() : nullptr;
 
   job->nqb = (T + p.block_q - 1) / p.block_q;
   const int64_t n = B * Kh * job->nqb;
@@ -322,7 +350,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   auto cost = [&](int64_t it) {                               // keys read by an item
     const int64_t qb = it % job->nqb, b = it / job->nqb / Kh;
     const int64_t last = std::min<int64_t>(T, (qb + 1) * p.block_q) - 1;
-    return std::min<int64_t>(p.kv_len[b], p.q_offset[b] + last + 1);
+    return p.k_pos ? p.kv_len[b] : std::min<int64_t>(p.kv_len[b], p.q_offset[b] + last + 1);
   };
   std::stable_sort(job->items.begin(), job->items.end(), [&](int64_t a, int64_t c) { return cost(a) > cost(c); });
 
@@ -332,6 +360,20 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   job->work();
   while (job->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
   return ffi::Error::Success();
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_len,
+                     ffi::ResultBuffer<ffi::F32> out, float scale, int64_t block_q, int64_t block_k,
+                     int64_t num_threads) {
+  return Run(pool, q, k, v, q_offset, kv_len, nullptr, out, scale, block_q, block_k, num_threads);
+}
+
+ffi::Error AttentionAt(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_len,
+                       ffi::Buffer<ffi::S32> k_positions, ffi::ResultBuffer<ffi::F32> out, float scale,
+                       int64_t block_q, int64_t block_k, int64_t num_threads) {
+  return Run(pool, q, k, v, q_offset, kv_len, &k_positions, out, scale, block_q, block_k, num_threads);
 }
 
 }  // namespace
@@ -344,6 +386,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v [B, S, Kh, E]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // q_offset [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_len [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [B, T, H, E]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int64_t>("num_threads"));  // 0: the XLA intra-op pool's size
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttentionAt, AttentionAt,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, H, E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [B, S, Kh, E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [B, S, Kh, E]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_offset [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_len [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // k_positions [B, S]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [B, T, H, E]
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("block_q")
