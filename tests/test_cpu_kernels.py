@@ -15,6 +15,10 @@ from duo_jax.errors import BackendError
 from tests.conftest import random_attention_inputs
 from tests.test_attention_xla import attention_np, mask_np
 
+# Without a C++ compiler the kernel cannot be built (the dispatch then takes the XLA path: the last test); with one,
+# a failed build is a failure here.
+needs_compiler = pytest.mark.skipif(cpu._compiler() is None, reason="no C++ compiler: the kernel cannot be built")
+
 # (B, T, H, Kh, E, S, q_offset, kv_len, block_q, block_k)
 CASES = [
     (2, 37, 9, 3, 64, 300, [0, 150], [37, 187], 16, 64),  # GQA 3:1, ragged offsets
@@ -27,6 +31,7 @@ CASES = [
 ]
 
 
+@needs_compiler
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}E{c[4]}S{c[5]}")
 @pytest.mark.parametrize("threads", [0, 1], ids=["pool", "one-thread"])
 def test_kernel_matches_float64(case, threads):
@@ -45,6 +50,7 @@ def test_kernel_matches_float64(case, threads):
     assert not np.any(np.asarray(out)[~mask.any(-1)]), "a query that sees no key gives zeros"
 
 
+@needs_compiler
 @pytest.mark.parametrize("threads", [0, 1], ids=["pool", "one-thread"])
 @pytest.mark.parametrize("block_k", [64, 24], ids=lambda b: f"block_k{b}")
 def test_keys_at_explicit_positions_match_float64(threads, block_k):
@@ -71,6 +77,7 @@ def test_keys_at_explicit_positions_match_float64(threads, block_k):
     assert np.max(np.abs(np.asarray(out) - ref)) <= 2e-5 * np.max(np.abs(ref))
 
 
+@needs_compiler
 def test_kernel_takes_the_scale():
     q, k, v, _ = random_attention_inputs(1, 16, 40, 4, 2, 32, seed=3)
     spec = prefix_spec(1, 16, q_offset=10, kv_len=26, num_keys=40)
@@ -79,6 +86,7 @@ def test_kernel_takes_the_scale():
     assert np.max(np.abs(np.asarray(out) - ref)) <= 2e-5 * np.max(np.abs(ref))
 
 
+@needs_compiler
 def test_kernel_rejects_what_it_does_not_compute():
     q, k, v, _ = random_attention_inputs(1, 4, 8, 4, 2, 16)
     with pytest.raises(TypeError, match="float32"):
@@ -93,6 +101,7 @@ def _uses_kernel(fn, *args) -> bool:
     return cpu.TARGET in str(jax.jit(fn).lower(*args).as_text())
 
 
+@needs_compiler
 def test_auto_on_cpu_runs_the_kernel_where_it_serves():
     """f32 causal attention over consecutive slots or keys at explicit positions takes the kernel; bf16, windows
     and Λ take the XLA path."""
@@ -109,6 +118,7 @@ def test_auto_on_cpu_runs_the_kernel_where_it_serves():
     assert _uses_kernel(lambda q: attention.attend(q, k, v, ring), q)
 
 
+@needs_compiler
 def test_gradients_through_the_kernel_are_the_xla_paths():
     q, k, v, cotangent = random_attention_inputs(2, 20, 50, 6, 2, 16, seed=5)
     spec = prefix_spec(2, 20, q_offset=jnp.array([10, 30]), kv_len=jnp.array([30, 50]), num_keys=50)
@@ -122,8 +132,11 @@ def test_gradients_through_the_kernel_are_the_xla_paths():
 
 @pytest.fixture
 def no_kernel(monkeypatch, tmp_path):
-    """A machine whose compiler cannot build the kernel ($CXX is `false`), with an empty kernel cache."""
-    monkeypatch.setenv("CXX", "false")
+    """A machine whose compiler cannot build the kernel ($CXX exits 1), with an empty kernel cache."""
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text("#!/bin/sh\necho 'broken-c++: cannot compile' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("DUO_JAX_CACHE", str(tmp_path))
     cpu._load.cache_clear()
     dispatch._cpu_fallback.cache_clear()
@@ -134,6 +147,7 @@ def no_kernel(monkeypatch, tmp_path):
 
 def test_a_failed_build_falls_back_to_xla_with_one_warning(no_kernel):
     assert not cpu.available() and "building it failed" in cpu.unavailable()
+    assert "cannot compile" in cpu.unavailable()  # the compiler's own words are passed on
     q, k, v, _ = random_attention_inputs(1, 8, 16, 4, 2, 16)
     spec = prefix_spec(1, 8, q_offset=4, kv_len=12, num_keys=16)
     with pytest.warns(RuntimeWarning, match="XLA path"):

@@ -82,13 +82,16 @@ def _load() -> tuple[bool, str | None]:
         return False, "no C++ compiler found ($CXX, g++ or c++)"
     path = _library_path()
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # build aside, then move in: atomic for
-            built = pathlib.Path(tmp) / path.name                  # processes building at the same time
-            result = subprocess.run(build_command(built), capture_output=True, text=True)
-            if result.returncode != 0:
-                return False, f"building it failed: {' '.join(build_command(path))}\n{result.stderr[-2000:]}"
-            os.replace(built, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # build aside, then move in: atomic for
+                built = pathlib.Path(tmp) / path.name                  # processes building at the same time
+                result = subprocess.run(build_command(built), capture_output=True, text=True)
+                if result.returncode != 0:
+                    return False, f"building it failed: {' '.join(build_command(path))}\n{result.stderr[-2000:]}"
+                os.replace(built, path)
+        except OSError as error:  # an unwritable cache folder ($DUO_JAX_CACHE picks another)
+            return False, f"building it in {path.parent} failed: {error}"
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.CpuFlashAttention), platform="cpu")
