@@ -3,13 +3,13 @@
 
 import importlib
 import json
-import os
 import pathlib
-import shutil
 import sys
 
 import numpy as np
 import pytest
+
+import pallas_kernels.cpu
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -156,8 +156,7 @@ def test_gpu_dry_run_quantized(tmp_path, capsys):
     assert large["fits"] == {"full": False, "duo": True}
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None and shutil.which("c++") is None,
-                    reason="no C++ compiler: the CPU kernel cannot be built")
+@pytest.mark.skipif(pallas_kernels.cpu._compiler() is None, reason="no C++ compiler: the CPU kernel cannot be built")
 def test_cpu_attention_runs_end_to_end(tmp_path):
     """The CPU attention benchmark at a tiny length: kernel, XLA path and torch (in its own process) timed, the
     ratios in the table consistent with the medians."""
