@@ -12,7 +12,9 @@ attention's does, so gate training differentiates Λ attention without a [T, S] 
 
 Why our own rather than a library: JAX's `dot_product_attention(implementation="xla")` materialises the
 whole [T, S] score matrix and has no notion of a dynamic number of filled slots; the Pallas kernels serve
-GPU (and TPU), and this is the path for everything else (CPU, and any backend without a kernel).
+GPU (and TPU), the C++ kernel (`pallas_kernels.cpu`) fp32 causal attention on CPU, and this is the path for
+everything else (bf16, Λ, sliding windows, quantized and paged caches on CPU; gradients; any backend without a
+kernel).
 
 Letters: B batch, T queries, S key slots, K KV heads, G query heads per KV head, E head dim.
 """
