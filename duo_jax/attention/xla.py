@@ -35,7 +35,7 @@ from duo_jax.quant import QuantizedKV, dequantize
 # Queries per block, and at most this many key slots per tile where tiles do not follow the query blocks
 # (`key_block`). A 512-token prefill chunk (`generate`'s default) is one query block over 512-slot tiles: SmolLM2's
 # attention over a 4k prompt took 0.73x the time of 256-query blocks over 256-slot tiles (fewer, larger XLA:CPU
-# ops per tile; `benchmarks/prefill_profile.py`).
+# ops per tile; ad-hoc interleaved runs of one layer's chunk schedule, the shape `benchmarks/cpu_attention.py` times).
 BLOCK_Q, BLOCK_K = 512, 512
 
 # Finite "minus infinity": keeps m - m_new free of inf - inf; masked probabilities are zeroed explicitly.
