@@ -41,11 +41,13 @@ fi
 
 case "$stage" in
 check)
-    $PY -m pytest -m gpu -q -ra tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" || true
-    $PY benchmarks/kernels.py --seq-lens 4096 8192 16384 32768 --out "$out/kernels_gpu.json" 2>&1 \
-        | tee "$out/kernels_gpu.log"
-    $PY benchmarks/paged_attention.py --capacities 4096 16384 65536 131072 --out "$out/paged_attention_gpu.json" \
-        2>&1 | tee "$out/paged_attention_gpu.log"
+    # Each part has its own time limit (seconds, from the environment), so one slow part leaves the others
+    # their turn inside a device call's 10 minutes.
+    timeout "${TESTS_S:-300}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" || true
+    timeout "${KERNELS_S:-200}" $PY benchmarks/kernels.py --seq-lens 4096 8192 16384 32768 \
+        --out "$out/kernels_gpu.json" 2>&1 | tee "$out/kernels_gpu.log" || true
+    timeout "${PAGED_S:-60}" $PY benchmarks/paged_attention.py --capacities 4096 16384 65536 131072 \
+        --out "$out/paged_attention_gpu.json" 2>&1 | tee "$out/paged_attention_gpu.log" || true
     ;;
 llama8b)
     $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 262144 524288 --max-prefill 131072 \
@@ -60,8 +62,8 @@ gates)
     steps=${3:-2000}
     run=$(mktemp -d)/gates
     if [ -f gates.tgz ]; then mkdir -p "$run" && tar xzf gates.tgz -C "$(dirname "$run")"; fi
-    $PY train_gates.py --model smollm2-135m --steps "$steps" --save-every 50 --out "$run" 2>&1 \
-        | tee -a "$out/gates.log" || true
+    timeout "${GATES_S:-540}" $PY train_gates.py --model smollm2-135m --steps "$steps" --save-every 50 \
+        --out "$run" 2>&1 | tee -a "$out/gates.log" || true
     tar czf "$out/gates.tgz" -C "$(dirname "$run")" gates
     ;;
 *)

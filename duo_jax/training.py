@@ -25,8 +25,9 @@ The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs 
   (multi-process with `jax.distributed.initialize()`, see `initialize_distributed`; each process loads only
   its devices' slices of the weights, `duo_jax.loading`). `memory_report`
   compiles the step from shapes and reads the per-device bytes (the CLI prints it before it starts).
-* **Padding.** Sequences of a batch are right-padded to a common length that is a multiple of the "seq"
-  axis. Padded positions come after every real token, so the causal and Λ masks already hide them from
+* **Padding.** Sequences of a batch are right-padded to a common bucketed length (`padded_length`: at most
+  four buckets per octave of length, each a multiple of the "seq" axis), so a run over 50 context lengths
+  compiles its step about a dozen times rather than once per length, for at most 25% padding. Padded positions come after every real token, so the causal and Λ masks already hide them from
   every real query; they are excluded from the loss (`supervise` is False there).
 * **Data.** `duo_jax.data.SampleStream`: step s uses samples s * batch_size ... (s + 1) * batch_size - 1,
   each a function of (seed, index) only, so the sample index is the whole data-loader state. The haystack
@@ -414,12 +415,21 @@ def sample_stream(tokenizer, cfg: TrainConfig) -> tuple[SampleStream, TrainConfi
     return stream, cfg, note
 
 
+def padded_length(longest: int, multiple: int) -> int:
+    """The length a step whose longest sequence has `longest` tokens is padded to: the next multiple of a
+    granularity of about 2^floor(log2 longest) / 4, rounded up to a multiple of `multiple`. That is at most
+    four buckets per octave of length (one compiled step each) and at most 25% padding, plus what
+    `multiple` itself forces."""
+    base = max(1, (1 << (longest.bit_length() - 1)) // 4)
+    granularity = -(-base // multiple) * multiple
+    return -(-longest // granularity) * granularity
+
+
 def make_batch(stream: SampleStream, first_sample: int, batch_size: int, multiple: int) -> tuple[Batch, int]:
-    """Samples first_sample ... first_sample + batch_size - 1, right-padded to a common length that is a
-    multiple of `multiple`; also returns the number of real (unpadded) tokens."""
+    """Samples first_sample ... first_sample + batch_size - 1, right-padded to their `padded_length` (a
+    multiple of `multiple`); also returns the number of real (unpadded) tokens."""
     samples = [stream[first_sample + b] for b in range(batch_size)]
-    longest = max(len(s.tokens) for s in samples)
-    T = -(-longest // multiple) * multiple
+    T = padded_length(max(len(s.tokens) for s in samples), multiple)
     tokens = np.zeros((batch_size, T), np.int32)
     supervise = np.zeros((batch_size, T), bool)
     for b, sample in enumerate(samples):

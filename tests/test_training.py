@@ -76,6 +76,16 @@ def test_defaults_calibrate_on_held_out_text_as_the_original():
     assert cfg.haystack == "paul_graham:calibration" and cfg.supervise == "qa"
 
 
+def test_padded_length_buckets_lengths_with_bounded_padding():
+    lengths = range(1000, 8193)
+    for multiple in (1, 8, 6):
+        padded = [training.padded_length(n, multiple) for n in lengths]
+        assert all(p % multiple == 0 and n <= p for n, p in zip(lengths, padded))
+        assert all(p - n < n / 4 + multiple for n, p in zip(lengths, padded))
+        assert len(set(padded)) <= 16  # about four buckets per octave over 1k-8k, one compiled step each
+    assert [training.padded_length(n, 1) for n in (1, 5, 17, 1024, 1025, 1300)] == [1, 5, 20, 1024, 1280, 1536]
+
+
 def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
     tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=(), add_bos=False)
     cfg = training.TrainConfig(haystack=str(write_haystack(tmp_path)), min_len=1, max_len=400, num_lengths=5,
@@ -85,7 +95,7 @@ def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
     batch, n_tokens = training.make_batch(stream, 6, 3, multiple=8)
     samples = [stream[i] for i in (6, 7, 8)]
     T = batch.tokens.shape[1]
-    assert T % 8 == 0 and T - 8 < max(len(s.tokens) for s in samples) <= T
+    assert T % 8 == 0 and T == training.padded_length(max(len(s.tokens) for s in samples), 8)
     assert n_tokens == sum(len(s.tokens) for s in samples)
     for b, s in enumerate(samples):
         np.testing.assert_array_equal(batch.tokens[b, :len(s.tokens)], s.tokens)
