@@ -10,9 +10,14 @@ pattern (configs/patterns/llama3-8b) at --sparsity, sink 64 / recent 256. Batch 
 Per context C and mode:
 - prefill: C - 1 random tokens in chunks, timed end to end (contexts up to --max-prefill only: beyond, a
   prefill takes longer than a device session allows);
-- decode: --decode-steps single-token steps at lengths just under C, median ms per step. The cache is
-  filled by the prefill when there was one; beyond --max-prefill it holds zeros, which costs the same: a step
-  reads the same bytes whatever they hold;
+- decode, two ways, at lengths just under C: "decode ms" is --decode-steps tokens generated on the device in
+  one `Engine.decode_loop` (a `lax.while_loop` with sampling inside: what `generate` runs), time / steps;
+  "host step ms" is the median of single `Engine.step` calls, each synchronised and its token brought back to
+  the host (what a caller that needs every step on the host pays). The cache is filled by the prefill when
+  there was one; beyond --max-prefill it holds zeros, which costs the same: a step reads the same bytes
+  whatever they hold;
+- with --profile, one more device loop per context and mode under `jax.profiler`, its GPU time per step split
+  by XLA op (the 15 costliest) into the JSON: what stands between a step and the roofline;
 - "largest context that fits": the first context whose cache or step runs out of device memory ends the
   mode's sweep; the one before it is reported.
 
@@ -40,6 +45,7 @@ import dataclasses
 import functools
 import gc
 import math
+import pathlib
 import statistics
 import sys
 import time
@@ -106,7 +112,7 @@ def roofline(config, *, weight_bytes: int, share: float, window: int, context: i
     return dict(decode_ms={m: 1e3 * (weight_bytes + kv[m]) / bandwidth for m in kv}, prefill_flops=flops)
 
 
-def measure_bandwidth(gib: float = 4.0) -> float:
+def measure_bandwidth(gib: float = 8.0) -> float:
     """HBM read bandwidth in bytes/s: the best of 10 jnp.sum over `gib` GiB of bf16."""
     import jax
     import jax.numpy as jnp
@@ -127,15 +133,48 @@ def is_oom(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
 
 
-def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: bool) -> dict:
+def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
+    """GPU time per decode step from a `jax.profiler` trace: the total, and the `top` costliest XLA ops (ms per
+    step, launches per step). Reads the device plane's "XLA Ops" line (or, without one, its busiest line)."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not files:
+        return {"error": f"no trace written under {trace_dir}"}
+    planes = [p for p in ProfileData.from_file(max(files, key=lambda f: pathlib.Path(f).stat().st_mtime)).planes
+              if p.name.startswith("/device:GPU")]
+    if not planes:
+        return {"error": "the trace has no GPU plane"}
+    lines = {line.name: list(line.events) for line in planes[0].lines}
+    name = "XLA Ops" if "XLA Ops" in lines else max(lines, key=lambda n: len(lines[n]))
+    totals, counts = {}, {}
+    for event in lines[name]:
+        totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns
+        counts[event.name] = counts.get(event.name, 0) + 1
+    ranked = sorted(totals, key=totals.get, reverse=True)[:top]
+    return {"line": name, "lines": {n: len(e) for n, e in lines.items()},
+            "gpu_ms_per_step": sum(totals.values()) / 1e6 / steps,
+            "launches_per_step": sum(counts.values()) / steps,
+            "top_ops": [{"op": op, "ms_per_step": totals[op] / 1e6 / steps, "per_step": counts[op] / steps}
+                        for op in ranked]}
+
+
+def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: bool,
+             profile_dir: str | None = None) -> dict:
     """Prefill (when asked) and decode timings of one mode at one context on the device, through the engine's
-    prefill driver and its compiled single-token step (the executables `generate` runs)."""
+    prefill driver, its device decode loop and its single-token step (the executables `generate` runs)."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from duo_jax.sampling import Sampling
+
     rng = np.random.default_rng(context)
     warmup = 3
-    start_length = context - warmup - steps - 1  # the decode steps end inside the cache
+    # Room for the host steps and three device loops (compile, timed, profiled) of `steps` tokens each.
+    start_length = context - warmup - 4 * steps - 8
     if prefill:
         tokens = rng.integers(0, engine.config.vocab_size, (1, start_length)).astype(np.int32)
         engine.prefill(method, tokens[:, :chunk], np.asarray([chunk]), chunk=chunk)  # compile outside the timing
@@ -156,7 +195,26 @@ def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: b
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         token.block_until_ready()
         times.append(time.perf_counter() - start)
-    out["decode_ms"] = 1e3 * statistics.median(times[warmup:])
+    out["host_step_ms"] = 1e3 * statistics.median(times[warmup:])
+
+    def device_loop():  # `steps` new tokens after `token`, in one executable
+        nonlocal cache, lengths
+        tokens, done, cache, lengths = engine.decode_loop(method, cache, lengths, token, jax.random.key(0),
+                                                          max_new_tokens=steps + 1, sampling=Sampling())
+        tokens.block_until_ready()
+        return int(done)
+
+    device_loop()  # compile
+    start = time.perf_counter()
+    done = device_loop()
+    out["decode_ms"] = 1e3 * (time.perf_counter() - start) / done
+    if profile_dir is not None:
+        try:
+            with jax.profiler.trace(profile_dir):
+                done = device_loop()
+            out["profile"] = gpu_op_times(profile_dir, done)
+        except Exception as e:  # noqa: BLE001 - a profile is a diagnostic: record why it failed, keep the timings
+            out["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     del cache
     gc.collect()
     return out
@@ -190,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--recent", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk (tokens)")
-    p.add_argument("--decode-steps", type=int, default=20, help="timed decode steps per context (median)")
+    p.add_argument("--decode-steps", type=int, default=32,
+                   help="decode tokens timed per context and mode (device loop), and host steps (median)")
     p.add_argument("--max-prefill", type=int, default=131072, help="largest context whose prefill is timed")
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help=f"HBM bandwidth for the roofline, TB/s (default: measured; dry run: {DRY_RUN_BANDWIDTH_TBS})")
@@ -198,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-dtype", choices=["int8", "int4"], default=None, help="quantized KV cache (default bf16)")
     p.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (default bf16)")
     p.add_argument("--dry-run", action="store_true", help="shapes only, on any backend: print the plan")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace one device loop per context and mode: GPU ms per step by XLA op, in the JSON")
     args = p.parse_args(argv)
 
     import jax
@@ -265,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             if mode in largest:  # already out of memory at a smaller context
                 continue
             try:
-                results[mode][context] = run_mode(engine, method, context, chunk=args.chunk_size,
-                                                  steps=args.decode_steps, prefill=context <= args.max_prefill)
+                results[mode][context] = run_mode(
+                    engine, method, context, chunk=args.chunk_size, steps=args.decode_steps,
+                    prefill=context <= args.max_prefill,
+                    profile_dir=f"{args.out}/trace_{mode}_{context}" if args.profile and args.out else None)
             except Exception as e:  # XLA reports device OOM as a runtime error
                 if not is_oom(e):
                     raise
@@ -284,15 +347,18 @@ def main(argv: list[str] | None = None) -> int:
                      common.ratio(full.get("decode_ms"), duo.get("decode_ms")),
                      common.ratio(roof["decode_ms"]["full"], full.get("decode_ms")),
                      common.ratio(roof["decode_ms"]["duo"], duo.get("decode_ms")),
+                     full.get("host_step_ms"), duo.get("host_step_ms"),
                      full.get("prefill_s"), duo.get("prefill_s"),
                      common.ratio(full.get("prefill_s"), duo.get("prefill_s"))])
     headers = ["context", "full decode ms", "duo decode ms", "decode speed-up", "full % roofline",
-               "duo % roofline", "full prefill s", "duo prefill s", "prefill speed-up"]
+               "duo % roofline", "full host step ms", "duo host step ms", "full prefill s", "duo prefill s",
+               "prefill speed-up"]
     notes = [f"device {jax.devices()[0].device_kind}, HBM bandwidth {bandwidth / 1e12:.2f} TB/s "
              f"({'given' if args.bandwidth_tbs else 'measured'}); paper (A100): decode {PAPER['decode']}x, "
              f"prefill {PAPER['prefill']}x",
              f"largest context that fits: full {largest['full']}, duo {largest['duo']} (of the contexts tried)",
-             "% roofline = roofline ms / measured ms"]
+             "% roofline = roofline ms / measured ms; decode ms: device loop (what generate runs), "
+             "host step ms: one synchronised Engine.step per token"]
 
     def plot(path):
         series = {f"{m} decode": [results[m].get(c, {}).get("decode_ms") for c in contexts] for m in results}

@@ -22,6 +22,7 @@ import functools
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 
 _target: str | None = None  # set by `lowering_for`
 
@@ -62,7 +63,6 @@ def triton_unavailable() -> str | None:
     returns the right values; otherwise why not (the exception, or the wrong result). Probed once per
     process, eagerly even when called while a jit is being traced."""
     try:
-        import jax.numpy as jnp
         from jax.experimental import pallas as pl
 
         def add_one(x_ref, o_ref):
@@ -77,6 +77,16 @@ def triton_unavailable() -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure means the backend cannot serve the kernels
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
     return None
+
+
+def fit_tiles(block_q: int, block_k: int, dtype, interpret: bool) -> tuple[int, int]:
+    """The (block_q, block_k) a compiled Triton kernel can hold: each program keeps its query tile and its
+    double-buffered key / value tiles in shared memory (227 KiB on an H100). 128 x 128 tiles of a 128-wide
+    head fit in 16-bit types; 32-bit types get at most 64 x 64, the same bytes (128 x 128 fp32 asked for
+    256-320 KiB and failed to compile on an H100, JAX 0.11.2). Elsewhere the blocks are returned as given."""
+    if interpret or backend() != "gpu" or jnp.dtype(dtype).itemsize < 4:
+        return block_q, block_k
+    return min(block_q, 64), min(block_k, 64)
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

@@ -359,12 +359,13 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
         _common.check_window(sink, recent)
     batch, seq_q, _, head_dim = q.shape
     seq_k = k.shape[1]
+    interpret = _backend.resolve_interpret(interpret)
+    block_q, block_k = _backend.fit_tiles(block_q, block_k, q.dtype, interpret)
     block_q = _common.fit_block(block_q, seq_q)
     block_k = _common.fit_block(block_k, seq_k)
     cfg = Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
                  scale=_common.default_scale(head_dim, scale),
-                 block_q=block_q, block_k=block_k,
-                 interpret=_backend.resolve_interpret(interpret), kv_quant=kv_quant)
+                 block_q=block_q, block_k=block_k, interpret=interpret, kv_quant=kv_quant)
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
 

@@ -158,10 +158,11 @@ def paged_flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
     batch, seq_q, _, head_dim = q.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     max_pages = block_tables.shape[1]
+    interpret = _backend.resolve_interpret(interpret)
+    block_q, block_k = _backend.fit_tiles(block_q, block_k, q.dtype, interpret)
     per_block = pages_per_block(page_size, _common.fit_block(block_k, max_pages * page_size))
     cfg = Config(seq_q=seq_q, causal=True, sink=None, recent=None, scale=_common.default_scale(head_dim, scale),
-                 block_q=_common.fit_block(block_q, seq_q), block_k=per_block * page_size,
-                 interpret=_backend.resolve_interpret(interpret))
+                 block_q=_common.fit_block(block_q, seq_q), block_k=per_block * page_size, interpret=interpret)
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, max_pages * page_size), max_pages * page_size)
     tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)  # "no page" entries: masked reads

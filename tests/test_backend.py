@@ -57,6 +57,19 @@ def test_flash_attention_lowers_to_triton(head_dim, warps):
     assert all(call["num_warps"] == warps for call in both)
 
 
+@pytest.mark.parametrize("dtype, tiles", [(jnp.bfloat16, 2), (jnp.float32, 4)])
+def test_fp32_kernels_take_tiles_that_fit_shared_memory(dtype, tiles):
+    # 128 x 128 fp32 tiles asked an H100 for 256-320 KiB of shared memory (it has 227): fp32 gets 64 x 64.
+    shapes = qkv(256, 256, 8, 2, 128, dtype)
+    forward = triton_kernels(cuda_module(lambda q, k, v: pallas_kernels.flash_attention(q, k, v), *shapes))
+    assert forward[0]["grid"] == (1, 8, tiles)
+    pages = jax.ShapeDtypeStruct((2, 32, 16, 128), dtype)
+    paged = lambda q, kp, vp, t: pallas_kernels.paged_flash_attention(q, kp, vp, t, q_offset=0, kv_len=256)  # noqa: E731
+    chunk = triton_kernels(cuda_module(paged, shapes[0], pages, pages, jax.ShapeDtypeStruct((1, 16), jnp.int32)))
+    assert chunk[0]["grid"] == (1, 8, tiles)
+    assert _backend.fit_tiles(128, 128, jnp.float32, interpret=True) == (128, 128)  # interpret mode: as asked
+
+
 @pytest.mark.parametrize("sink", [0, 64])
 def test_lambda_attention_lowers_to_triton(sink):
     shapes = qkv(1000, 1000, 8, 2, 128)

@@ -6,6 +6,7 @@ import json
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -126,6 +127,25 @@ def test_roofline_matches_hand_computed_figures():
         assert roof["decode_ms"]["full"] == pytest.approx(full_ms, abs=0.01)
         assert roof["prefill_flops"]["full"] > roof["prefill_flops"]["duo"]
     assert roof["decode_ms"]["duo"] == pytest.approx(8.14, abs=0.01)
+
+
+def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
+    """run_mode on a tiny engine (on CPU here): prefill, host steps and the device loop run through the engine,
+    the cache ends `4 * steps` + a few tokens short of the context, and a trace without a GPU plane is
+    recorded as such instead of failing the run."""
+    from conftest import tiny_config
+    from duo_jax.engine import Engine
+    from duo_jax.methods.registry import make_method
+    from duo_jax.model import init_params
+
+    gpu = importlib.import_module("gpu_llama8b")
+    config = tiny_config()
+    engine = Engine(init_params(config, jax.random.key(0)), config)
+    out = gpu.run_mode(engine, make_method("full", config, context=256), 256, chunk=64, steps=4, prefill=True,
+                       profile_dir=str(tmp_path / "trace"))
+    assert out["prefill_s"] > 0 and out["host_step_ms"] > 0 and out["decode_ms"] > 0
+    assert out["profile"] == {"error": "the trace has no GPU plane"}
+    assert np.isfinite(out["decode_ms"])
 
 
 def test_gpu_dry_run(tmp_path, capsys):
