@@ -44,10 +44,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import json
 import math
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 import common
@@ -258,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (default bf16)")
     p.add_argument("--dry-run", action="store_true", help="shapes only, on any backend: print the plan")
     p.add_argument("--profile", action="store_true",
-                   help="also trace one device loop per context and mode: GPU ms per step by XLA op, in the JSON")
+                   help="also trace one device loop per context and mode (into a temporary folder): GPU ms per "
+                        "step by XLA op, in the JSON")
     args = p.parse_args(argv)
 
     import jax
@@ -329,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[mode][context] = run_mode(
                     engine, method, context, chunk=args.chunk_size, steps=args.decode_steps,
                     prefill=context <= args.max_prefill,
-                    profile_dir=f"{args.out}/trace_{mode}_{context}" if args.profile and args.out else None)
+                    profile_dir=tempfile.mkdtemp(prefix=f"trace_{mode}_{context}_") if args.profile else None)
+                tqdm.write(f"{mode} at {context}: {json.dumps(results[mode][context])}")  # kept if a later one dies
             except Exception as e:  # XLA reports device OOM as a runtime error
                 if not is_oom(e):
                     raise

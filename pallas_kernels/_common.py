@@ -123,6 +123,20 @@ def kv_block_schedule(q_block, *, q_offset, kv_len, seq_q: int, block_q: int,
     return sink_end, band_start, end
 
 
+def unmasked_kv_blocks(q_block, *, q_offset, kv_len, seq_q: int, block_q: int, block_k: int, causal: bool,
+                       recent: int | None):
+    """Dense attention: how many leading KV blocks every row of query block `q_block` sees whole, so that
+    their tiles need no mask (blocks [0, n) of `kv_block_schedule`'s [0, end)). 0 for a Λ window, and for a
+    query block holding padded rows (those must see nothing)."""
+    if recent is not None:
+        return jnp.zeros_like(q_block)
+    first_row = q_block * block_q
+    keys = kv_len
+    if causal:  # The first row sees keys up to its own position.
+        keys = jnp.minimum(keys, q_offset + first_row + 1)
+    return jnp.where(first_row + block_q <= seq_q, lax.div(jnp.maximum(keys, 0), block_k), 0)
+
+
 def q_block_schedule(kv_block, *, q_offset, kv_len, num_q_blocks: int,
                      block_q: int, block_k: int, causal: bool, sink: int | None,
                      recent: int | None):

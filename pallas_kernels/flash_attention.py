@@ -113,15 +113,23 @@ def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *,
         q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
         block_q=block_q, block_k=cfg.block_k, **cfg.window)
 
-    def body(step, carry):
+    # Dense attention: the leading blocks every row sees whole skip the mask (the causal edge is masked).
+    unmasked = _common.unmasked_kv_blocks(q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
+                                          block_q=block_q, block_k=cfg.block_k, causal=cfg.causal,
+                                          recent=cfg.recent)
+
+    def body(step, carry, masked: bool):
         acc, m, l = carry  # [parts][bq, D / parts], [bq], [bq]
         kv_block = _visited_kv_block(step, sink_end, band_start)
         ks, vs = load_kv(kv_block)  # [parts][bk, D / parts]
         s = functools.reduce(operator.add, [_dot(q, k, "qd,kd->qk") for q, k in zip(qs, ks)]) * cfg.scale
-        mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
-        s = jnp.where(mask, s, _common.MASK_VALUE)
+        if masked:
+            mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
+            s = jnp.where(mask, s, _common.MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.exp(s - m_new[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
         correction = jnp.exp(m - m_new)  # Rescales what was summed under the old max.
         l = correction * l + p.sum(axis=-1)
         acc = tuple(correction[:, None] * a + _dot(p.astype(v.dtype), v, "qk,kd->qd") for a, v in zip(acc, vs))
@@ -130,7 +138,8 @@ def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *,
     init = (tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
             jnp.full((block_q,), _common.MASK_VALUE, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, sink_end + end - band_start, body, init)
+    carry = lax.fori_loop(0, unmasked, functools.partial(body, masked=False), init)
+    acc, m, l = lax.fori_loop(unmasked, sink_end + end - band_start, functools.partial(body, masked=True), carry)
 
     empty = l == 0.0  # Rows that see no key at all: output 0, lse +inf.
     out = [(a / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype) for a in acc]

@@ -72,3 +72,31 @@ def test_rejects_bad_arguments():
         flash_attention(q, k, v, block_k=0)
     with pytest.raises(ValueError, match="head_dim"):
         flash_attention(q, k[..., :32], v[..., :32])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_unmasked_blocks_are_exactly_the_wholly_visible_ones(causal):
+    """`_common.unmasked_kv_blocks` (the tiles the forward kernel leaves unmasked) against the mask itself:
+    every row of the query block sees each of those key blocks whole, and the next block is not whole (or
+    past the schedule's end), over random chunk offsets, key lengths and padded query blocks."""
+    import numpy as np
+
+    from pallas_kernels import _common
+
+    rng = np.random.default_rng(0)
+    bq, bk = 16, 32
+    for _ in range(40):
+        seq_q, q_offset = int(rng.integers(1, 70)), int(rng.integers(0, 90))
+        kv_len = int(rng.integers(0, q_offset + seq_q + 40))
+        for q_block in range(-(-seq_q // bq)):
+            n = int(_common.unmasked_kv_blocks(jnp.int32(q_block), q_offset=q_offset, kv_len=kv_len, seq_q=seq_q,
+                                               block_q=bq, block_k=bk, causal=causal, recent=None))
+            _, _, end = _common.kv_block_schedule(jnp.int32(q_block), q_offset=q_offset, kv_len=kv_len, seq_q=seq_q,
+                                                  block_q=bq, block_k=bk, causal=causal, sink=None, recent=None)
+            rows = q_block * bq + np.arange(bq)[:, None]
+            whole = [bool(np.all(_common.attention_mask(rows, j * bk + np.arange(bk)[None, :], q_offset=q_offset,
+                                                        kv_len=kv_len, seq_q=seq_q, causal=causal, sink=None,
+                                                        recent=None))) for j in range(int(end) + 1)]
+            assert n <= int(end) and all(whole[:n]) and not (n < int(end) and whole[n])
+    assert int(_common.unmasked_kv_blocks(jnp.int32(3), q_offset=0, kv_len=4096, seq_q=4096, block_q=128,
+                                          block_k=128, causal=True, recent=256)) == 0  # Λ: always masked
