@@ -56,13 +56,14 @@ def test_contiguous_cache_matches_float64(rule, blocks):
     assert not np.any(np.asarray(out)[2]), "a sequence with no keys attends to nothing"
 
 
-def test_explicit_key_positions_match_float64():
-    """A ring cache: slots hold arbitrary positions, -1 empty."""
+@pytest.mark.parametrize("block_k", [16, 64], ids=["tiles", "one-tile"])
+def test_explicit_key_positions_match_float64(block_k):
+    """A ring cache: slots hold arbitrary positions, -1 empty; in tiles, or all in one (no loop)."""
     B, T, S = 2, 5, 40
     q, k, v, _ = random_attention_inputs(B, T, S, 4, 4, 32, seed=3)
     k_positions = jnp.asarray(np.random.default_rng(0).integers(-1, 70, (B, S)), jnp.int32)
     spec = MaskSpec(jnp.array([[60], [30]]) + jnp.arange(T), jnp.array([S, 33]), k_positions, sink=4, recent=20)
-    out = jax.jit(xla.attention, static_argnames="block_k")(q, k, v, spec, block_k=16)
+    out = jax.jit(xla.attention, static_argnames="block_k")(q, k, v, spec, block_k=block_k)
     ref = attention_np(q, k, v, mask_np(spec, S))
     assert np.max(np.abs(np.asarray(out) - ref)) <= 1e-5 * np.max(np.abs(ref))
 

@@ -104,6 +104,19 @@ def test_decode_gets_many_splits_at_any_capacity(capacity):
     assert not [line for line in module.splitlines() if "stablehlo.pad" in line and f"x{capacity}x" in line]
 
 
+@pytest.mark.parametrize("kv_heads, splits", [(8, 16), (2, 64), (1, 64)])
+def test_decode_with_few_heads_gets_more_splits(kv_heads, splits):
+    """About 128 programs whatever the heads (a DuoAttention layer's few retrieval heads filled only half an
+    H100's SMs at 16 splits), capped by the cache's 64 blocks of 128."""
+    from duo_jax import attention
+
+    q = jax.ShapeDtypeStruct((1, 4 * kv_heads, 128), jnp.bfloat16)
+    k = v = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    calls = triton_kernels(cuda_module(lambda *a: attention.decode_attention(*a, impl="pallas"), q, k, v, lengths))
+    assert calls[0]["grid"] == (1, kv_heads, splits)
+
+
 def test_the_gpu_path_is_chosen_by_the_platform():
     """Traced for the local CPU the kernels run in interpret mode: plain HLO, no Triton call, no Mosaic."""
     shapes = qkv(128, 128, 4, 2, 64, jnp.float32)

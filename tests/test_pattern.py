@@ -116,15 +116,16 @@ def test_ties_are_broken_by_gate_then_a_fixed_pseudo_random_order():
 
 
 def test_zero_gate_ties_are_not_given_to_the_first_layers():
-    """SmolLM2's shipped gates: 53 of 90 are exactly 0, so at sparsity 0.5 eight zero-gate heads must be
-    retrieval heads. They follow the tie order, not the layer order (which would give layers 0-2 all eight)."""
+    """SmolLM2's shipped gates: 43 of 90 are exactly 0, so at sparsity 0.25 (68 retrieval heads) 21 zero-gate
+    heads must be retrieval heads. They follow the tie order, not the layer order (which would give them the
+    first layers)."""
     pattern = Pattern.for_model("smollm2-135m")
-    gates, mask = pattern.gates.ravel(), pattern.retrieval_mask(0.5).ravel()
-    assert mask.sum() == 45 and (gates > 0).sum() == 37 and mask[gates > 0].all()
+    gates, mask = pattern.gates.ravel(), pattern.retrieval_mask(0.25).ravel()
+    assert mask.sum() == 68 and (gates > 0).sum() == 47 and mask[gates > 0].all()
     tied = np.flatnonzero(gates == 0)
-    chosen = tied[np.argsort(pattern.tie_order()[tied])[:8]]
+    chosen = tied[np.argsort(pattern.tie_order()[tied])[:21]]
     np.testing.assert_array_equal(np.flatnonzero(mask & (gates == 0)), np.sort(chosen))
-    assert len(set(chosen // 3)) > 4  # spread over more than the first four layers
+    assert max(chosen // 3) > 12  # in layer order they would all sit in layers 0-9
 
 
 @pytest.mark.parametrize("sparsity", [-0.1, 1.5, float("nan"), float("inf"), "0.5", None, True, [0.5]])

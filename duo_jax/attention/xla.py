@@ -163,7 +163,17 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
 
     init = (jnp.full((B, K, G, T), _MASKED, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, E), jnp.float32))
-    m, l, acc = lax.fori_loop(0, _trip_count(ranges), body, init)
+    if k.shape[1] <= block_k:
+        # One tile holds every slot (a streaming head's ring + chunk, short sequences): score it under the
+        # mask, with no loop and no branch. On a GPU, XLA reads a loop's trip count and a branch's predicate
+        # back to the host: DuoAttention's streaming heads took this path in every layer of a Llama-3-8B
+        # decode step, 8.7 ms against full attention's 6.4 at 8k (H100; full's heads run one Triton kernel).
+        _, k_tile, v_tile, visible = _tile(spec, q_pos, k, v, 0, (0, 0, 0, 1), block_k)
+        s = jnp.einsum("bkxe,bske->bkxs", rows, k_tile, preferred_element_type=jnp.float32)
+        s = (s if folded else s * scale).reshape(B, K, G, T, -1)
+        m, l, acc = update(init, jnp.where(visible[:, None, None], s, _MASKED), v_tile, masked=True)
+    else:
+        m, l, acc = lax.fori_loop(0, _trip_count(ranges), body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a row with no visible key gives zeros
     lse = m + jnp.log(jnp.maximum(l, 1e-30))
     return jnp.einsum("bkgte->btkge", out).astype(q.dtype), lse
