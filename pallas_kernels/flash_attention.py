@@ -49,10 +49,17 @@ class Config:
     block_k: int
     interpret: bool
     kv_quant: str | None = None  # k / v are int8 codes with scales ("int8", "int4"): forward only
+    k_positions: bool = False  # keys at explicit positions (an int32 [B, S] operand): forward only
 
     @property
     def window(self) -> dict:
         return dict(causal=self.causal, sink=self.sink, recent=self.recent)
+
+    @property
+    def schedule_window(self) -> dict:
+        """The window the key-block schedule follows: keys at explicit positions give no causal cut-off
+        (any slot may hold an early position), so every block up to kv_len is visited."""
+        return dict(self.window, causal=self.causal and not self.k_positions)
 
     def compiler_params(self, head_dim: int):
         return _backend.compiler_params(
@@ -66,13 +73,14 @@ def _dot(a, b, contract: str):
     return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: Config):
+def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: Config, k_pos=None):
+    """The tile's mask; `k_pos` [bk]: the keys' positions when they are explicit (-1: empty slot)."""
     rows = q_block * cfg.block_q + lax.broadcasted_iota(
         jnp.int32, (cfg.block_q, cfg.block_k), 0)
     cols = kv_block * cfg.block_k + lax.broadcasted_iota(
         jnp.int32, (cfg.block_q, cfg.block_k), 1)
-    return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len,
-                                  seq_q=cfg.seq_q, **cfg.window)
+    return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
+                                  k_pos=None if k_pos is None else k_pos[None, :], **cfg.window)
 
 
 def _visited_kv_block(step, sink_end, band_start):
@@ -84,39 +92,44 @@ def _visited_kv_block(step, sink_end, band_start):
 
 
 def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
-                *refs,  # (k and v scales when quantized); outputs o, lse
+                *refs,  # (k and v scales when quantized), (key positions); outputs o, lse
                 cfg: Config):
-    if cfg.kv_quant is None:
-        (o_ref, lse_ref), k_scale_ref, v_scale_ref = refs, None, None
-    else:
-        k_scale_ref, v_scale_ref, o_ref, lse_ref = refs
+    refs = list(refs)
+    k_scale_ref, v_scale_ref = (None, None) if cfg.kv_quant is None else (refs.pop(0), refs.pop(0))
+    k_pos_ref = refs.pop(0) if cfg.k_positions else None
+    o_ref, lse_ref = refs
 
     def load_kv(kv_block):  # [parts][bk, D / parts] each
         kv_slice = pl.ds(kv_block * cfg.block_k, cfg.block_k)
         return (_common.load_tile(k_ref, k_scale_ref, kv_slice, cfg.kv_quant, q_ref.dtype),
                 _common.load_tile(v_ref, v_scale_ref, kv_slice, cfg.kv_quant, q_ref.dtype))
 
-    forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg)
+    load_positions = None if k_pos_ref is None else (
+        lambda kv_block: k_pos_ref[pl.ds(kv_block * cfg.block_k, cfg.block_k)])
+    forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg,
+                    load_positions=load_positions)
 
 
-def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *, cfg: Config):
+def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *, cfg: Config,
+                    load_positions=None):
     """One forward program (grid point (b, h, query block)): the query tile q_ref [bq, D] (quantized cache:
     [parts, bq, D / parts], int4's nibble halves on the leading dim) over the KV blocks its mask touches,
     `load_kv(kv_block)` giving block kv_block's keys and values as lists of parts [bk, D / parts] (a slice of
-    a contiguous cache, or pages read through a block table: `pallas_kernels.paged_attention`). Writes the
-    normalised output (o_ref shaped as q_ref) and the log-sum-exp (+inf for rows that see no key)."""
+    a contiguous cache, or pages read through a block table: `pallas_kernels.paged_attention`), and with
+    cfg.k_positions `load_positions(kv_block)` its keys' positions [bk]. Writes the normalised output (o_ref
+    shaped as q_ref) and the log-sum-exp (+inf for rows that see no key)."""
     qs = [q_ref[...]] if cfg.kv_quant is None else [q_ref[i] for i in range(q_ref.shape[0])]  # [parts][bq, D / parts]
     b, q_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q = cfg.block_q
     sink_end, band_start, end = _common.kv_block_schedule(
         q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
-        block_q=block_q, block_k=cfg.block_k, **cfg.window)
+        block_q=block_q, block_k=cfg.block_k, **cfg.schedule_window)
 
     # Dense attention: the leading blocks every row sees whole skip the mask (the causal edge is masked).
-    unmasked = _common.unmasked_kv_blocks(q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
-                                          block_q=block_q, block_k=cfg.block_k, causal=cfg.causal,
-                                          recent=cfg.recent)
+    unmasked = jnp.zeros_like(end) if cfg.k_positions else _common.unmasked_kv_blocks(
+        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q, block_q=block_q, block_k=cfg.block_k,
+        causal=cfg.causal, recent=cfg.recent)
 
     def body(step, carry, masked: bool):
         acc, m, l = carry  # [parts][bq, D / parts], [bq], [bq]
@@ -124,7 +137,8 @@ def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *,
         ks, vs = load_kv(kv_block)  # [parts][bk, D / parts]
         s = functools.reduce(operator.add, [_dot(q, k, "qd,kd->qk") for q, k in zip(qs, ks)]) * cfg.scale
         if masked:
-            mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
+            k_pos = None if load_positions is None else load_positions(kv_block)
+            mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg, k_pos)
             s = jnp.where(mask, s, _common.MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[:, None])
@@ -160,13 +174,17 @@ def _head_spec(block: int, head_dim: int, head_of, *, tiled: bool):
                         lambda b, h, i: (b, i if tiled else 0, head_of(h), 0))
 
 
-def _forward(q, k, v, q_offset, kv_len, cfg: Config, scales=()):
-    """o [B, T, Hq, D], lse [B, Hq, T]; with cfg.kv_quant, k / v are codes and `scales` their (k, v) scales."""
+def _forward(q, k, v, q_offset, kv_len, cfg: Config, scales=(), k_positions=None):
+    """o [B, T, Hq, D], lse [B, Hq, T]; with cfg.kv_quant, k / v are codes and `scales` their (k, v) scales;
+    with cfg.k_positions, `k_positions` int32 [B, S] holds each key slot's position."""
     seq_k_padded, group = k.shape[1], q.shape[2] // k.shape[2]
     kv_spec = _head_spec(seq_k_padded, k.shape[-1], lambda h: h // group, tiled=False)  # D, or D/2 int4 codes
     scale_spec = _head_spec(seq_k_padded, 1, lambda h: h // group, tiled=False)  # k and v scales [B, S, Hkv, 1]
-    return launch_forward(functools.partial(_fwd_kernel, cfg=cfg), q, [q_offset, kv_len], [k, v, *scales],
-                          [kv_spec, kv_spec] + [scale_spec] * len(scales), cfg, name="block_sparse_attention_fwd")
+    positions = [] if k_positions is None else [k_positions]
+    positions_spec = [pl.BlockSpec((None, seq_k_padded), lambda b, h, i: (b, 0))] * len(positions)
+    return launch_forward(functools.partial(_fwd_kernel, cfg=cfg), q, [q_offset, kv_len], [k, v, *scales, *positions],
+                          [kv_spec, kv_spec] + [scale_spec] * len(scales) + positions_spec, cfg,
+                          name="block_sparse_attention_fwd")
 
 
 def launch_forward(kernel, q, scalars: list, kv: list, kv_specs: list, cfg: Config, *, name: str):
@@ -354,11 +372,11 @@ _attention.defvjp(_attention_fwd, _backward)
 def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
                            recent: int | None, q_offset, kv_len, scale,
                            block_q: int, block_k: int, interpret: bool | None,
-                           k_scale=None, v_scale=None, kv_quant: str | None = None):
+                           k_scale=None, v_scale=None, kv_quant: str | None = None, k_positions=None):
     """Shared entry point of `flash_attention` and `lambda_attention`.
 
     Pads T and S up to the block sizes (padded queries and keys are masked),
-    runs the custom-VJP kernels (a quantized cache: the forward kernel alone)
+    runs the custom-VJP kernels (a quantized cache or keys at explicit positions: the forward kernel alone)
     and slices the padding off again.
     """
     _common.check_cache(q, k, v, k_scale, v_scale, kv_quant, q_ndim=4)
@@ -366,6 +384,10 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
     _common.check_block("block_k", block_k)
     if recent is not None:
         _common.check_window(sink, recent)
+    if k_positions is not None and (recent is not None or not causal
+                                    or tuple(k_positions.shape) != (k.shape[0], k.shape[1])):
+        raise ValueError(f"k_positions must be int32 [B, S] = {(k.shape[0], k.shape[1])} (got "
+                         f"{tuple(k_positions.shape)}), with causal attention and no Λ window")
     batch, seq_q, _, head_dim = q.shape
     seq_k = k.shape[1]
     interpret = _backend.resolve_interpret(interpret)
@@ -374,7 +396,8 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
     block_k = _common.fit_block(block_k, seq_k)
     cfg = Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
                  scale=_common.default_scale(head_dim, scale),
-                 block_q=block_q, block_k=block_k, interpret=interpret, kv_quant=kv_quant)
+                 block_q=block_q, block_k=block_k, interpret=interpret, kv_quant=kv_quant,
+                 k_positions=k_positions is not None)
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
 
@@ -382,9 +405,12 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
         extra = -x.shape[1] % block
         return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) if extra else x
 
-    if kv_quant is not None:  # inference over codes: no gradient to define
-        scales = tuple(pad(x, block_k) for x in (k_scale, v_scale))
-        o, _ = _forward(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg, scales)
+    if kv_quant is not None or k_positions is not None:  # inference over a cache: no gradient to define
+        scales = () if kv_quant is None else tuple(pad(x, block_k) for x in (k_scale, v_scale))
+        positions = None if k_positions is None else jnp.pad(  # padded slots are empty (-1)
+            k_positions.astype(jnp.int32), ((0, 0), (0, -seq_k % block_k)), constant_values=-1)
+        o, _ = _forward(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg, scales,
+                        positions)
     else:
         o = _attention(pad(q, block_q), pad(k, block_k), pad(v, block_k),
                        q_offset, kv_len, cfg)
@@ -396,7 +422,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                     scale: float | None = None, block_q: int = 128,
                     block_k: int = 128, interpret: bool | None = None,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                    kv_quant: str | None = None) -> jax.Array:
+                    kv_quant: str | None = None, k_positions: jax.Array | None = None) -> jax.Array:
     """Dense (causal) flash attention with Pallas forward and backward kernels.
 
     Args:
@@ -416,6 +442,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       kv_quant: None (k / v are values), "int8" or "int4": k / v are the cache's int8 codes, [B, S, Hkv, D]
         ("int8") or [B, S, Hkv, D/2] ("int4", two per byte, `_common.unpack_int4_halves`), and each tile is
         dequantized in the kernel (codes * scale, in q's dtype) before its dots. Forward only.
+      k_positions: None, or int32 [B, S]: the absolute position of each key slot (-1: empty), for keys not
+        stored in position order (DuoAttention's streaming heads: a ring of sink + recent tokens followed
+        by the chunk); causal then compares positions, and every key block up to kv_len is visited (none
+        is skipped or left unmasked). Queries stay at q_offset + i. Forward only.
 
     Returns:
       [B, T, Hq, D] like q. Queries that see no key get 0.
@@ -423,4 +453,4 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return block_sparse_attention(
         q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
         kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret, k_scale=k_scale, v_scale=v_scale, kv_quant=kv_quant)
+        interpret=interpret, k_scale=k_scale, v_scale=v_scale, kv_quant=kv_quant, k_positions=k_positions)

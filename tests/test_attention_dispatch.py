@@ -42,7 +42,7 @@ def test_decode_implementations_agree():
 
 
 def test_specs_without_a_kernel_fall_back_to_xla():
-    """Sliding windows and explicit key positions have no Pallas kernel: "pallas" still gives the right answer."""
+    """Sliding windows have no Pallas kernel: "pallas" still gives the right answer."""
     q, k, v, _ = random_attention_inputs(2, 8, 64, 4, 2, 32)
     spec = attention.prefix_spec(2, 8, q_offset=jnp.array([40, 9]), kv_len=jnp.array([48, 17]), num_keys=64, window=6)
     assert rel_err(attention.attend(q, k, v, spec, impl="pallas"),

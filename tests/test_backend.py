@@ -70,6 +70,24 @@ def test_fp32_kernels_take_tiles_that_fit_shared_memory(dtype, tiles):
     assert _backend.fit_tiles(128, 128, jnp.float32, interpret=True) == (128, 128)  # interpret mode: as asked
 
 
+@pytest.mark.parametrize("T", [1, 512])
+def test_keys_at_explicit_positions_lower_to_one_triton_kernel(T):
+    """A streaming head's decode step (T = 1) and prefill chunk over its ring + chunk (keys at explicit
+    positions) through the dispatch on "pallas": one Triton forward kernel, no XLA attention loop."""
+    from duo_jax import attention
+    from duo_jax.attention.masks import MaskSpec
+
+    S = 320 + T
+    q, k, v = qkv(T, S, 8, 2, 128)
+    spec = lambda: MaskSpec(jnp.full((1, T), 4000, jnp.int32) + jnp.arange(T), jnp.full((1,), S, jnp.int32),  # noqa: E731
+                            jnp.zeros((1, S), jnp.int32))
+    module = cuda_module(lambda q, k, v: attention.attend(q, k, v, spec(), impl="pallas"), q, k, v)
+    calls = triton_kernels(module)
+    assert [c["name"] for c in calls] == ["block_sparse_attention_fwd"]
+    assert calls[0]["grid"] == (1, 8, max(1, T // 128))
+    assert "stablehlo.while" not in module and "stablehlo.case" not in module
+
+
 @pytest.mark.parametrize("sink", [0, 64])
 def test_lambda_attention_lowers_to_triton(sink):
     shapes = qkv(1000, 1000, 8, 2, 128)

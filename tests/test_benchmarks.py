@@ -14,8 +14,8 @@ import pallas_kernels.cpu
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b", "methods", "infinigen_alpha", "call_overhead",
-           "train_memory", "generation_memory", "serving", "prefill_profile", "cpu_attention")
+SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b", "train_step", "methods", "infinigen_alpha",
+           "call_overhead", "train_memory", "generation_memory", "serving", "prefill_profile", "cpu_attention")
 
 common = importlib.import_module("common")
 
@@ -146,6 +146,21 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     assert out["prefill_s"] > 0 and out["host_step_ms"] > 0 and out["decode_ms"] > 0
     assert out["profile"] == {"error": "the trace has no GPU plane"}
     assert np.isfinite(out["decode_ms"])
+
+
+def test_train_step_times_the_training_step(tmp_path, monkeypatch):
+    """train_step on a tiny model's shapes (get_config patched): it compiles, times the steps, and writes the
+    row with tokens per step and XLA's memory estimate (no peak on CPU, which reports no memory stats)."""
+    from conftest import tiny_config
+    from duo_jax import config as config_lib
+
+    monkeypatch.setattr(config_lib, "get_config", lambda name: tiny_config())
+    bench = importlib.import_module("train_step")
+    assert bench.main(["--model", "tiny", "--seq-len", "100", "--steps", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "train_step_tiny.json").read_text())
+    row = dict(zip(result["table"]["headers"], result["table"]["rows"][0]))
+    assert row["tokens / step"] == 100 and row["step s"] > 0 and row["XLA estimate GiB / device"] is not None
+    assert len(result["step_seconds"]) == 3
 
 
 def test_gpu_dry_run(tmp_path, capsys):

@@ -96,7 +96,8 @@ def test_mixed_pattern_matches_reference(params, prompt, chunk):
 
 
 def test_pallas_kernels_in_the_engine_match_the_reference(params, prompt):
-    """Retrieval heads through the Pallas flash / split-K decode kernels (interpreted on CPU)."""
+    """Retrieval heads through the Pallas flash / split-K decode kernels, streaming heads through the flash
+    kernel over their ring's explicit positions (interpreted on CPU)."""
     kwargs = dict(sink=2, recent=5, chunk=7, decode_steps=4)
     _, kernels = run_engine(params, CONFIG, prompt, MIXED, impl="pallas", **kwargs)
     _, reference = run_engine(params, CONFIG, prompt, MIXED, impl="reference", **kwargs)

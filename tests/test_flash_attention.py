@@ -100,3 +100,38 @@ def test_unmasked_blocks_are_exactly_the_wholly_visible_ones(causal):
             assert n <= int(end) and all(whole[:n]) and not (n < int(end) and whole[n])
     assert int(_common.unmasked_kv_blocks(jnp.int32(3), q_offset=0, kv_len=4096, seq_q=4096, block_q=128,
                                           block_k=128, causal=True, recent=256)) == 0  # Λ: always masked
+
+
+@pytest.mark.parametrize("seq_q, block_k", [(1, 32), (24, 16)], ids=["decode", "chunk"])
+def test_keys_at_explicit_positions_match_float64(seq_q, block_k):
+    """k_positions (a streaming head's ring of shuffled positions with empty -1 slots, followed by the chunk's
+    own keys): against float64 numpy with the mask written out, GQA 2:1, ragged kv_len, a row of a sequence
+    whose keys are all empty getting zeros; S = 70 is not a multiple of the key block."""
+    import numpy as np
+
+    B, S, Hq, Hkv, D = 2, 70, 4, 2, 32
+    q, k, v, _ = random_attention_inputs(B, seq_q, S, Hq, Hkv, D, seed=5)
+    rng = np.random.default_rng(1)
+    q_offset = np.array([200, 90])
+    ring = S - seq_q
+    positions = np.stack([rng.permutation(np.arange(q_offset[b] - ring, q_offset[b])) for b in range(B)])
+    positions[0, rng.choice(ring, 9, replace=False)] = -1  # empty ring slots
+    positions[1, :] = -1  # sequence 1's ring is empty: its first query sees only itself
+    positions = np.concatenate([positions, q_offset[:, None] + np.arange(seq_q)], axis=1)
+    kv_len = np.array([S, S - 3]) if seq_q > 3 else np.array([S, S])  # sequence 1: its last 3 chunk keys unwritten
+    out = jax.jit(lambda q, k, v, off, n, pos: flash_attention(
+        q, k, v, q_offset=off, kv_len=n, k_positions=pos, block_q=16, block_k=block_k, interpret=True))(
+        q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32), jnp.asarray(positions, jnp.int32))
+
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    kn, vn = np.repeat(kn, Hq // Hkv, axis=2), np.repeat(vn, Hq // Hkv, axis=2)
+    mask = ((np.arange(S)[None, None, :] < kv_len[:, None, None]) & (positions[:, None, :] >= 0)
+            & (positions[:, None, :] <= (q_offset[:, None] + np.arange(seq_q))[:, :, None]))  # [B, T, S]
+    s = np.einsum("bthd,bshd->bhts", qn, kn) / np.sqrt(D)
+    s = np.where(mask[:, None], s, -np.inf)
+    p = np.exp(s - np.max(s, axis=-1, keepdims=True))
+    p = np.where(mask[:, None], p, 0.0)
+    expected = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), vn)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5 * np.abs(expected).max())
+    with pytest.raises(ValueError, match="k_positions must be int32"):
+        flash_attention(q, k, v, k_positions=jnp.zeros((B, S + 1), jnp.int32), interpret=True)

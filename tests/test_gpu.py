@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from duo_jax.attention import dispatch
+from duo_jax.attention.masks import MaskSpec
 from pallas_kernels import (_backend, decode_attention, flash_attention, lambda_attention, paged_decode_attention,
                             paged_flash_attention)
 
@@ -106,6 +107,27 @@ def test_flash_attention_chunk_against_a_cache(dtype):
     if dtype == jnp.float32:
         check_grads(fn, lambda q, k, v: dispatch.flash_attention(
             q, k, v, q_offset=jnp.asarray(q_offset), kv_len=jnp.asarray(kv_len), impl="reference"), args)
+
+
+@pytest.mark.parametrize("seq_q", [1, 2048], ids=["decode", "chunk"])
+def test_flash_attention_over_keys_at_explicit_positions(seq_q):
+    """A streaming head's ring (sink 64 + recent 256, shuffled positions, some slots empty) followed by the
+    chunk's own keys, bf16, through the dispatch on "pallas" (the flash kernel's k_positions operand)."""
+    needs_triton()
+    ring, B = 320, 2
+    S = ring + seq_q
+    q, k, v = inputs(B, seq_q, S, 32, 8, 128, jnp.bfloat16)
+    rng = np.random.default_rng(2)
+    q_offset = np.array([5000, 700])
+    positions = np.stack([rng.permutation(np.arange(o - ring, o)) for o in q_offset])
+    positions[1, rng.choice(ring, 100, replace=False)] = -1
+    positions = np.concatenate([positions, q_offset[:, None] + np.arange(seq_q)], axis=1).astype(np.int32)
+    spec = MaskSpec(jnp.asarray(q_offset[:, None] + np.arange(seq_q), jnp.int32), jnp.full((B,), S, jnp.int32),
+                    jnp.asarray(positions))
+    out = jax.jit(lambda q, k, v: dispatch.attend(q, k, v, spec, impl="pallas"))(
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)))
+    mask = (positions[:, None, :] >= 0) & (positions[:, None, :] <= (q_offset[:, None] + np.arange(seq_q))[:, :, None])
+    check(out, attention_f64(q, k, v, mask), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])

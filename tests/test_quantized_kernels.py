@@ -148,9 +148,8 @@ def test_prefill_kernels_check_their_cache_arguments():
 @pytest.mark.parametrize("impl", ["pallas", "mosaic"])
 def test_dispatch_hands_a_quantized_cache_to_the_kernels(impl):
     """One query over a contiguous quantized cache runs the decode kernel, a prefill chunk over it the flash
-    kernel's forward (each a pallas_call reading int8 codes); keys at explicit positions (a streaming head's
-    ring) the Mosaic flash kernel on "mosaic", the XLA path on "pallas" (the Triton kernel has no positions).
-    Each equals attention over the dequantized values."""
+    kernel's forward (each a pallas_call reading int8 codes), also over keys at explicit positions (a streaming
+    head's ring: the k_positions operand). Each equals attention over the dequantized values."""
     q, qk, qv, lengths, expected, _ = quantized_case("int4", (256, 70), 256, 4, 2, 16, seed=1)
     decode = MaskSpec(lengths[:, None] - 1, lengths)
     out = attention.attend(q[:, None], qk, qv, decode, impl=impl)[:, 0]
@@ -163,7 +162,7 @@ def test_dispatch_hands_a_quantized_cache_to_the_kernels(impl):
                         args.get("k_positions"))
         assert rel_err(attention.attend(q, qk, qv, spec, impl=impl), expected) <= 1e-5
         jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention.attend(q, k, v, spec, impl=impl))(q, qk, qv))  # noqa: B023
-        assert ("block_sparse_attention_fwd" in jaxpr) == (not positions or impl == "mosaic")
+        assert "block_sparse_attention_fwd" in jaxpr
 
 
 B, S, HQ, HKV, D = 2, 1024, 8, 2, 128

@@ -6,13 +6,14 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
 * "xla": the blocked online softmax of `duo_jax.attention.xla`, whose work follows the filled slots.
 * "pallas": the Pallas kernels of `pallas_kernels` (Triton on GPU, interpret mode on CPU: correct but slow,
   meant for tests) for the specs they implement: a contiguous cache under a causal mask (flash attention;
-  split-K decode for one query), or Λ over a whole sequence. Other specs (explicit key positions, sliding
-  windows) take the XLA path.
+  split-K decode for one query), Λ over a whole sequence, and causal attention over keys at explicit
+  positions (DuoAttention's streaming heads: a ring of cached tokens + the chunk, in prefill and decode;
+  StreamingLLM; eviction caches) through the flash kernel's k_positions operand, forward only. Sliding
+  windows take the XLA path.
 * "mosaic": the TPU kernels of `pallas_kernels.tpu` for the same specs: splash attention when the spec's
   offsets are Python ints (`MaskSpec.static_prefix`: gate training, whole sequences), our own Mosaic kernels
-  when they are traced (chunked prefill, decode); and, unlike "pallas", causal attention over keys at explicit
-  positions (DuoAttention's streaming heads: a ring of cached tokens + the chunk) through the own kernel's
-  k_positions operand. Off TPU they run in Pallas's interpreter (tests).
+  when they are traced (chunked prefill, decode) or keys sit at explicit positions. Off TPU they run in
+  Pallas's interpreter (tests).
 * "cpu": the C++ flash-attention kernel of `pallas_kernels.cpu` (XLA FFI, built on first use by the host's
   compiler) for float32 causal attention with per-sequence offsets and key lengths, over a contiguous cache or
   sequence (full attention's prefill chunks and decode steps, DuoAttention's retrieval heads, whole sequences)
@@ -184,8 +185,8 @@ def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
     quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
     if quantized and not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV) and k.kind == v.kind):
         return False  # the kernels take one kind of codes for both
-    if spec.k_positions is not None:  # the TPU kernel's k_positions operand (causal, no Λ)
-        return impl == "mosaic" and spec.causal and not spec.is_lambda
+    if spec.k_positions is not None:  # the flash kernels' k_positions operand (causal, no Λ)
+        return spec.causal and not spec.is_lambda
     decode = spec.q_positions.shape[1] == 1 and k.shape[1] % DECODE_BLOCK == 0
     if spec.is_lambda:  # (gate training: values, never a cache)
         return spec.causal and not quantized
@@ -229,9 +230,10 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
     q_offset, kv_len = spec.static_prefix or (spec.q_positions[:, 0], spec.kv_len)
     if isinstance(k, QuantizedKV):  # codes and scales, dequantized tile by tile in the kernel (never Λ)
         k, v, options = k.codes, v.codes, dict(options, k_scale=k.scale, v_scale=v.scale, kv_quant=k.kind)
-    if spec.k_positions is not None:  # "mosaic" only (`_kernels_serve`); a decode step is a chunk of one
+    if spec.k_positions is not None:  # a decode step is a chunk of one; the GPU kernel takes q's offset
+        queries = dict(q_positions=spec.q_positions) if impl == "mosaic" else dict(q_offset=spec.q_positions[:, 0])
         return kernels.flash_attention(q, k, v, causal=True, kv_len=kv_len, scale=scale,
-                                       q_positions=spec.q_positions, k_positions=spec.k_positions, **options)
+                                       k_positions=spec.k_positions, **queries, **options)
     if isinstance(k, PagedKV):  # pages read through the block tables (`_kernels_serve`)
         if q.shape[1] > 1:  # "pallas" only: a prefill chunk over pages
             return pallas_kernels.paged_flash_attention(q, k.pages, v.pages, k.block_tables,

@@ -106,8 +106,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         pltpu.InterpretParams = TPU interpret mode with those settings (see `_mosaic`).
       k_positions: None, or int32 [B, S]: the absolute position of each key slot (-1: empty),
         for keys not stored in position order (a ring cache + a chunk); the mask then compares
-        positions, and every key block up to kv_len is visited. TPU only (the GPU kernel has no
-        such argument).
+        positions, and every key block up to kv_len is visited (the GPU kernel likewise, forward
+        only).
       q_positions: with k_positions only: int32 [B, T], each query's position (default
         q_offset + i).
       k_scale, v_scale: with `kv_quant`, the codes' scales [B, S, Hkv, 1] (one per token and head).
