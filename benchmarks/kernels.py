@@ -24,6 +24,7 @@ cache), decode, and a streaming head's chunk and decode step over its ring of
 sink + recent cached tokens (keys at explicit positions, the own kernel).
 
   python benchmarks/kernels.py --out results/kernels.json
+  python benchmarks/kernels.py --sweep --seq-lens 32768 --out results/kernels_sweep.json   # GPU: launch tuning
   python benchmarks/kernels.py --cpu-smoke
   python benchmarks/kernels.py --tpu-export --seq-lens 4096 16384 --out results/tpu_export.json
 """
@@ -31,6 +32,7 @@ sink + recent cached tokens (keys at explicit positions, the own kernel).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import platform
@@ -71,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="on CPU: export the TPU kernels for TPU, record grids and blocks")
     parser.add_argument("--chunk", type=int, default=512,
                         help="--tpu-export: queries per chunked-prefill step")
+    parser.add_argument("--sweep", action="store_true",
+                        help="on GPU: forward times of flash and Λ over tiles x num_warps x num_stages at each T, "
+                             "against cuDNN, instead of the table above")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write results as JSON here")
     return parser.parse_args(argv)
 
@@ -236,12 +241,54 @@ def print_export_rows(rows: list[dict]) -> None:
             print(f"{head} | {launch['name']}: grid {launch['grid']}, blocks {launch['blocks']}")
 
 
+SWEEP_TILES = ((128, 128), (128, 64), (64, 64), (64, 128))
+SWEEP_LAUNCHES = ((4, 2), (8, 2), (4, 3), (8, 3))  # (num_warps, num_stages)
+
+
+def sweep(args) -> list[dict]:
+    """Forward ms of flash and Λ for every tile shape and launch in SWEEP_*, with cuDNN's causal forward at
+    the same T as the yardstick; a configuration that fails to compile is recorded with its error."""
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(0), 3)
+    rows = []
+    for seq_len in args.seq_lens:
+        q = jax.random.normal(keys[0], (args.batch, seq_len, args.num_heads, args.head_dim), dtype)
+        k, v = (jax.random.normal(key, (args.batch, seq_len, args.num_kv_heads, args.head_dim), dtype)
+                for key in keys[1:])
+        cudnn = median_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn")), q, k, v, reps=args.reps)
+        for (block_q, block_k), (warps, stages) in ((t, l) for t in SWEEP_TILES for l in SWEEP_LAUNCHES):
+            launch = dict(block_q=block_q, block_k=block_k, num_warps=warps, num_stages=stages)
+            row = {"seq_len": seq_len, **launch, "cudnn_ms": cudnn}
+            for name, attn in (("flash", pallas_kernels.flash_attention), ("lambda", functools.partial(
+                    pallas_kernels.lambda_attention, sink=args.sink, recent=args.recent))):
+                try:
+                    row[f"{name}_ms"] = median_ms(jax.jit(functools.partial(attn, **launch)), q, k, v, reps=args.reps)
+                except Exception as e:  # e.g. shared memory exceeded: record it, keep sweeping
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            rows.append(row)
+            flash, lam = row.get("flash_ms"), row.get("lambda_ms")
+            print(f"T={seq_len} tiles {block_q}x{block_k} warps {warps} stages {stages}: flash "
+                  f"{'-' if flash is None else f'{flash:.2f} ms ({cudnn / flash:.2f}x cuDNN)'}, Λ "
+                  f"{'-' if lam is None else f'{lam:.2f} ms ({cudnn / lam:.1f}x faster than cuDNN)'}", flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     backend = jax.default_backend()
     on_accelerator = backend not in ("cpu",)
     result = {"backend": backend, "device": str(jax.devices()[0]), "jax": jax.__version__,
               "python": platform.python_version(), "args": {k: str(v) for k, v in vars(args).items()}}
+    if args.sweep:
+        if backend != "gpu":
+            raise SystemExit("--sweep times Triton launches against cuDNN: it needs a GPU")
+        result["sweep"] = sweep(args)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+            print(f"\nwrote {args.out}")
+        return
 
     rows = []
     for seq_len in args.seq_lens:

@@ -50,6 +50,8 @@ class Config:
     interpret: bool
     kv_quant: str | None = None  # k / v are int8 codes with scales ("int8", "int4"): forward only
     k_positions: bool = False  # keys at explicit positions (an int32 [B, S] operand): forward only
+    num_warps: int | None = None  # Triton launch: None = 4 for head_dim <= 64, else 8
+    num_stages: int = 2
 
     @property
     def window(self) -> dict:
@@ -63,8 +65,8 @@ class Config:
 
     def compiler_params(self, head_dim: int):
         return _backend.compiler_params(
-            interpret=self.interpret, num_warps=4 if head_dim <= 64 else 8,
-            num_stages=2,
+            interpret=self.interpret, num_warps=self.num_warps or (4 if head_dim <= 64 else 8),
+            num_stages=self.num_stages,
             dimension_semantics=("parallel", "parallel", "parallel"))
 
 
@@ -372,7 +374,8 @@ _attention.defvjp(_attention_fwd, _backward)
 def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
                            recent: int | None, q_offset, kv_len, scale,
                            block_q: int, block_k: int, interpret: bool | None,
-                           k_scale=None, v_scale=None, kv_quant: str | None = None, k_positions=None):
+                           k_scale=None, v_scale=None, kv_quant: str | None = None, k_positions=None,
+                           num_warps: int | None = None, num_stages: int = 2):
     """Shared entry point of `flash_attention` and `lambda_attention`.
 
     Pads T and S up to the block sizes (padded queries and keys are masked),
@@ -397,7 +400,7 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
     cfg = Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
                  scale=_common.default_scale(head_dim, scale),
                  block_q=block_q, block_k=block_k, interpret=interpret, kv_quant=kv_quant,
-                 k_positions=k_positions is not None)
+                 k_positions=k_positions is not None, num_warps=num_warps, num_stages=num_stages)
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
 
@@ -422,7 +425,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                     scale: float | None = None, block_q: int = 128,
                     block_k: int = 128, interpret: bool | None = None,
                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                    kv_quant: str | None = None, k_positions: jax.Array | None = None) -> jax.Array:
+                    kv_quant: str | None = None, k_positions: jax.Array | None = None,
+                    num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
     """Dense (causal) flash attention with Pallas forward and backward kernels.
 
     Args:
@@ -446,6 +450,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
         stored in position order (DuoAttention's streaming heads: a ring of sink + recent tokens followed
         by the chunk); causal then compares positions, and every key block up to kv_len is visited (none
         is skipped or left unmasked). Queries stay at q_offset + i. Forward only.
+      num_warps, num_stages: the Triton launch of every kernel (GPU only; num_warps None = 4 for head_dim
+        <= 64, else 8), for tuning (`benchmarks/kernels.py --sweep`).
 
     Returns:
       [B, T, Hq, D] like q. Queries that see no key get 0.
@@ -453,4 +459,5 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return block_sparse_attention(
         q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
         kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret, k_scale=k_scale, v_scale=v_scale, kv_quant=kv_quant, k_positions=k_positions)
+        interpret=interpret, k_scale=k_scale, v_scale=v_scale, kv_quant=kv_quant, k_positions=k_positions,
+        num_warps=num_warps, num_stages=num_stages)

@@ -19,7 +19,8 @@ from pallas_kernels.flash_attention import block_sparse_attention
 def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int,
                      recent: int, q_offset=0, scale: float | None = None,
                      block_q: int = 128, block_k: int = 128,
-                     interpret: bool | None = None) -> jax.Array:
+                     interpret: bool | None = None, num_warps: int | None = None,
+                     num_stages: int = 2) -> jax.Array:
     """Streaming-head attention with the Λ mask, differentiable (custom VJP).
 
     Args:
@@ -32,6 +33,7 @@ def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int,
       scale: softmax scale, default 1 / sqrt(D).
       block_q, block_k: tile sizes; T and S need not be multiples of them.
       interpret: None = interpret mode exactly when running on CPU.
+      num_warps, num_stages: the Triton launch (GPU only), as `flash_attention`'s.
 
     Returns:
       [B, T, Hq, D] like q.
@@ -39,7 +41,7 @@ def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int,
     return block_sparse_attention(
         q, k, v, causal=True, sink=sink, recent=recent, q_offset=q_offset,
         kv_len=None, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret)
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
 def _visited_blocks(seq_len: int, block_q: int, block_k: int,

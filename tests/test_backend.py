@@ -57,6 +57,17 @@ def test_flash_attention_lowers_to_triton(head_dim, warps):
     assert all(call["num_warps"] == warps for call in both)
 
 
+def test_launch_parameters_reach_every_triton_kernel():
+    """num_warps / num_stages (what `benchmarks/kernels.py --sweep` tunes) go to the forward and both backward
+    kernels of flash and Λ attention."""
+    shapes = qkv(256, 256, 8, 2, 128)
+    for attn in (pallas_kernels.flash_attention, lambda *a, **kw: pallas_kernels.lambda_attention(
+            *a, sink=16, recent=64, **kw)):
+        calls = triton_kernels(cuda_module(loss_grads(lambda q, k, v: attn(q, k, v, num_warps=4, num_stages=3)),
+                                           *shapes))
+        assert len(calls) == 3 and all((c["num_warps"], c["num_stages"]) == (4, 3) for c in calls)
+
+
 @pytest.mark.parametrize("dtype, tiles", [(jnp.bfloat16, 2), (jnp.float32, 4)])
 def test_fp32_kernels_take_tiles_that_fit_shared_memory(dtype, tiles):
     # 128 x 128 fp32 tiles asked an H100 for 256-320 KiB of shared memory (it has 227): fp32 gets 64 x 64.
