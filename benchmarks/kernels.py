@@ -6,6 +6,9 @@ On GPU: forward and forward+backward times of
   * xla      - the dense masked jnp reference (skipped when its scores would not fit),
   * cudnn    - `jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")` (GPU only; without
                `implementation` JAX picks its XLA path, which runs out of memory past 8k),
+  * tokamax  - `tokamax.dot_product_attention(is_causal=True, implementation="mosaic")`, the maintained Mosaic GPU
+               (Hopper) flash attention of openxla/tokamax, when that package is importable (GPU only): a
+               candidate for the prefill's dense heads where our Triton kernel trails cuDNN,
 at Llama-3-8B head shapes (32 query / 8 KV heads, head_dim 128, bf16), with the
 Λ/causal visited-block ratio and the time ratios side by side: flash/Λ, cuDNN/Λ (how much faster Λ is than
 cuDNN's causal attention) and cuDNN/flash (our flash kernel's speed as a fraction of cuDNN's).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import pathlib
 import platform
@@ -115,6 +119,11 @@ def implementations(args, interpret: bool | None):
     if _backend.backend() == "gpu" and not interpret:
         impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                       implementation="cudnn")
+        if importlib.util.find_spec("tokamax") is not None:
+            import tokamax
+
+            impls["tokamax"] = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True,
+                                                                             implementation="mosaic")
     return impls
 
 
@@ -152,9 +161,10 @@ def _fmt(entry: dict, key: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    names = [n for n in ("lambda", "flash", "xla", "cudnn") if any(n in r for r in rows)]
+    names = [n for n in ("lambda", "flash", "xla", "cudnn", "tokamax") if any(n in r for r in rows)]
     phases = ("fwd_ms", "fwd_bwd_ms") if names else ()
-    ratios = [(a, b) for a, b in (("flash", "lambda"), ("cudnn", "lambda"), ("cudnn", "flash")) if a in names]
+    ratios = [(a, b) for a, b in (("flash", "lambda"), ("cudnn", "lambda"), ("cudnn", "flash"), ("cudnn", "tokamax"))
+              if a in names and b in names]
     header = ["T", "Λ blocks", "causal blocks", "Λ/causal"]
     for phase in phases:
         header += [f"{n} {phase}" for n in names] + [f"{a}/{b} {phase[:-3]}".replace("lambda", "Λ")
