@@ -12,8 +12,8 @@ Per context C and mode:
   prefill takes longer than a device session allows);
 - decode, two ways, at lengths just under C: "decode ms" is --decode-steps tokens generated on the device in
   one `Engine.decode_loop` (a `lax.while_loop` with sampling inside: what `generate` runs), time / steps;
-  "host step ms" is the median of single `Engine.step` calls, each synchronised and its token brought back to
-  the host (what a caller that needs every step on the host pays). The cache is filled by the prefill when
+  "host step ms" is the median of single `Engine.step` calls, each one dispatched from Python and waited for
+  (what a caller that needs every step on the host pays; the token stays on the device). The cache is filled by the prefill when
   there was one; beyond --max-prefill it holds zeros, which costs the same: a step reads the same bytes
   whatever they hold;
 - with --profile, one more device loop per context and mode under `jax.profiler`, its GPU time per step split

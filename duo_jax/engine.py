@@ -353,10 +353,12 @@ class Engine:
              all_logits: bool = False):
         """One token per sequence (tokens int [B]) through `method`'s cache, compiled once per batch size:
         (logits float32 [B, V] (or [B, 1, V] with all_logits), cache, lengths). For callers that need every
-        step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`)."""
+        step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`).
+        Tokens already on the device (e.g. the argmax of the last logits) stay there: no host round trip."""
         B = tokens.shape[0]
         run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, self.weights)
-        return run(self.params, cache, lengths, self.put_batch(np.asarray(tokens, np.int32)[:, None]),
+        tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
+        return run(self.params, cache, lengths, self.put_batch(tokens[:, None]),
                    self.put_batch(np.ones((B,), np.int32)), method.state())
 
     def decode_loop(self, method: Method, cache, lengths, token: jax.Array, key: jax.Array, *, max_new_tokens: int,

@@ -215,3 +215,29 @@ def test_the_step_refuses_stacked_weights():
     with pytest.raises(duo_jax.DuoJaxError, match="per-layer weights.*unstack_layers"):
         extend(duo_jax.init_params(CONFIG, jax.random.key(0)), method.init_cache(1, "float32"), jnp.zeros(1, jnp.int32),
                jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32), config=CONFIG, method=method)
+
+
+def test_a_step_on_device_tokens_makes_no_host_round_trip(params, monkeypatch):
+    """Engine.step fed the argmax of its own logits (a device array) never converts it to numpy (on a GPU that
+    is a device-to-host copy and a sync per step; on CPU no transfer guard can see it, so numpy is watched),
+    and gives the logits that host tokens give."""
+    from duo_jax import engine as engine_lib
+    from duo_jax.methods import make_method
+
+    class Numpy:  # numpy, refusing to convert device arrays
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def asarray(x, *args, **kwargs):
+            assert not isinstance(x, jax.Array), "Engine.step brought device tokens to the host"
+            return np.asarray(x, *args, **kwargs)
+
+    engine, method = engine_lib.Engine(params, CONFIG), make_method("full", CONFIG, context=32)
+    cache, lengths = method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32)
+    logits, cache, lengths = engine.step(method, cache, lengths, np.asarray([3]))
+    token = jnp.argmax(logits, axis=-1)
+    host_logits, _, _ = engine.step(method, jax.tree.map(jnp.copy, cache), lengths, np.asarray(token))
+    monkeypatch.setattr(engine_lib, "np", Numpy())
+    logits, cache, lengths = engine.step(method, cache, lengths, token)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(host_logits))
