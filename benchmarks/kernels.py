@@ -294,10 +294,7 @@ def main(argv=None) -> None:
         if backend != "gpu":
             raise SystemExit("--sweep times Triton launches against cuDNN: it needs a GPU")
         result["sweep"] = sweep(args)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2))
-            print(f"\nwrote {args.out}")
+        write(result, args.out)
         return
 
     rows = []
@@ -328,10 +325,14 @@ def main(argv=None) -> None:
               f"D={args.head_dim} {args.dtype}, sink {args.sink} recent {args.recent}):")
         print_export_rows(export_rows)
 
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.out}")
+    write(result, args.out)
+
+
+def write(result: dict, out: pathlib.Path | None) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

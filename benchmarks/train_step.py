@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     import duo_jax
-    from duo_jax import config as config_lib, gates as gates_lib, sharding, training
+    from duo_jax import config as config_lib, sharding, training
 
     config = config_lib.get_config(args.model)
     mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
@@ -46,11 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     params = duo_jax.init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
     report = training.memory_report(config, cfg, mesh, params, args.seq_len)
     print(report, flush=True)
-    params, specs = training.frozen_weights(params, mesh)
-    optimizer, _ = training.make_optimizer(cfg)
-    gates = training.replicate(gates_lib.init_gates(config, cfg.initial_value), mesh)
-    opt_state = training.replicate(optimizer.init(gates), mesh)
-    step_fn = training.run_train_step(config, cfg, mesh, specs)
+    params, state, step_fn, _ = training.prepare(params, config, cfg, mesh)
+    gates, opt_state = state["gates"], state["opt_state"]
 
     rng = np.random.default_rng(0)
     T = report.seq_len

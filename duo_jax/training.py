@@ -489,6 +489,16 @@ def _mismatches(saved: dict[str, Any], meta: dict[str, Any]) -> list[str]:
 # --- the loop ---------------------------------------------------------------------------------------
 
 
+def prepare(params: Params, config: ModelConfig, cfg: TrainConfig, mesh: Mesh):
+    """What a run starts from: the frozen weights laid out on `mesh` (`frozen_weights`), the initial state
+    {"gates", "opt_state"} (replicated), the jitted step (`run_train_step`) and the learning-rate schedule."""
+    optimizer, schedule = make_optimizer(cfg)
+    gates = replicate(gates_lib.init_gates(config, cfg.initial_value), mesh)
+    state = {"gates": gates, "opt_state": replicate(optimizer.init(gates), mesh)}
+    params, specs = frozen_weights(params, mesh)
+    return params, state, run_train_step(config, cfg, mesh, specs), schedule
+
+
 def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out: str | os.PathLike, mesh: Mesh, *,
           model_name: str, dtype: str, resume: bool = False, log: Callable[[str], None] = print,
           progress_bar: bool = True) -> Pattern:
@@ -508,11 +518,7 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     meta = cfg.meta(model_name, str(out), mesh, dtype)
     is_main = jax.process_index() == 0
 
-    optimizer, schedule = make_optimizer(cfg)
-    gates = replicate(gates_lib.init_gates(config, cfg.initial_value), mesh)
-    state = {"gates": gates, "opt_state": replicate(optimizer.init(gates), mesh)}
-    params, specs = frozen_weights(params, mesh)
-    step_fn = run_train_step(config, cfg, mesh, specs)
+    params, state, step_fn, schedule = prepare(params, config, cfg, mesh)
     log(f"mesh {format_mesh(mesh)}: weights sharded {sharding.axis_size(mesh, sharding.WEIGHT_AXES)} ways, "
         f"sequence parallelism: {sequence_parallelism(config, mesh)}")
 

@@ -30,6 +30,7 @@
 #include <numeric>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -376,33 +377,29 @@ ffi::Error AttentionAt(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   return Run(pool, q, k, v, q_offset, kv_len, &k_positions, out, scale, block_q, block_k, num_threads);
 }
 
+// The operands both entry points share, then (AttentionAt only) the key positions, then the output and attributes.
+auto BindInputs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, H, E]
+      .Arg<ffi::Buffer<ffi::F32>>()   // k [B, S, Kh, E]
+      .Arg<ffi::Buffer<ffi::F32>>()   // v [B, S, Kh, E]
+      .Arg<ffi::Buffer<ffi::S32>>()   // q_offset [B]
+      .Arg<ffi::Buffer<ffi::S32>>();  // kv_len [B]
+}
+
+template <typename Binding>
+auto BindOutputs(Binding binding) {
+  return std::move(binding).template Ret<ffi::Buffer<ffi::F32>>()  // out [B, T, H, E]
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("block_q")
+      .template Attr<int64_t>("block_k")
+      .template Attr<int64_t>("num_threads");  // 0: the XLA intra-op pool's size
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttention, Attention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, H, E]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [B, S, Kh, E]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [B, S, Kh, E]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_offset [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_len [B]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [B, T, H, E]
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Attr<int64_t>("num_threads"));  // 0: the XLA intra-op pool's size
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttention, Attention, BindOutputs(BindInputs()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttentionAt, AttentionAt,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, H, E]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [B, S, Kh, E]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [B, S, Kh, E]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_offset [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_len [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // k_positions [B, S]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [B, T, H, E]
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Attr<int64_t>("num_threads"));  // 0: the XLA intra-op pool's size
+                              BindOutputs(BindInputs().Arg<ffi::Buffer<ffi::S32>>()));  // + k_positions [B, S]
