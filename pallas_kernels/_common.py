@@ -124,17 +124,28 @@ def kv_block_schedule(q_block, *, q_offset, kv_len, seq_q: int, block_q: int,
 
 
 def unmasked_kv_blocks(q_block, *, q_offset, kv_len, seq_q: int, block_q: int, block_k: int, causal: bool,
-                       recent: int | None):
-    """Dense attention: how many leading KV blocks every row of query block `q_block` sees whole, so that
-    their tiles need no mask (blocks [0, n) of `kv_block_schedule`'s [0, end)). 0 for a Λ window, and for a
-    query block holding padded rows (those must see nothing)."""
-    if recent is not None:
-        return jnp.zeros_like(q_block)
+                       sink: int | None, recent: int | None, schedule):
+    """The visited KV blocks (`schedule` = `kv_block_schedule`'s (sink_end, band_start, end)) that every row
+    of query block `q_block` sees whole, so that their tiles need no mask: (sink_whole, lo, hi), the sink
+    blocks [0, sink_whole) and the band blocks [lo, hi) (band_start <= lo <= hi <= end). Dense attention:
+    the leading blocks before the causal edge. Λ: the sink blocks holding only sink keys, and the band blocks
+    every row sees within `recent` (with 128-wide tiles and recent 256, one of the band's three). None for
+    a query block holding padded rows (those must see nothing)."""
+    sink_end, band_start, end = schedule
     first_row = q_block * block_q
-    keys = kv_len
+    last_row = first_row + block_q - 1
+    keys = kv_len  # every row sees keys [0, keys) but for the Λ window
     if causal:  # The first row sees keys up to its own position.
         keys = jnp.minimum(keys, q_offset + first_row + 1)
-    return jnp.where(first_row + block_q <= seq_q, lax.div(jnp.maximum(keys, 0), block_k), 0)
+    hi = jnp.clip(lax.div(jnp.maximum(keys, 0), block_k), band_start, end)
+    lo = band_start
+    sink_whole = jnp.zeros_like(sink_end)
+    if recent is not None:  # the last row sees a non-sink key within recent - 1 positions
+        lo = jnp.maximum(band_start, cdiv(jnp.maximum(q_offset + last_row - recent + 1, 0), block_k))
+        sink_whole = jnp.minimum(lax.div(jnp.maximum(jnp.minimum(sink, keys), 0), block_k), sink_end)
+    padded = first_row + block_q > seq_q
+    lo = jnp.where(padded, band_start, jnp.minimum(lo, hi))
+    return jnp.where(padded, 0, sink_whole), lo, jnp.where(padded, band_start, hi)
 
 
 def q_block_schedule(kv_block, *, q_offset, kv_len, num_q_blocks: int,

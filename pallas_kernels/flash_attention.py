@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 
 import jax
@@ -52,6 +53,12 @@ class Config:
     k_positions: bool = False  # keys at explicit positions (an int32 [B, S] operand): forward only
     num_warps: int | None = None  # Triton launch: None = 4 for head_dim <= 64, else 8
     num_stages: int = 2
+
+    @property
+    def log2_scale(self) -> float:
+        """The softmax scale times log2(e): the kernels take exp2 of scaled scores (e^x = 2^(x log2 e); one
+        ex2 instruction on a GPU, where exp is a libdevice call), and keep the log-sum-exp in base 2."""
+        return self.scale * math.log2(math.e)
 
     @property
     def window(self) -> dict:
@@ -119,34 +126,35 @@ def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *,
     `load_kv(kv_block)` giving block kv_block's keys and values as lists of parts [bk, D / parts] (a slice of
     a contiguous cache, or pages read through a block table: `pallas_kernels.paged_attention`), and with
     cfg.k_positions `load_positions(kv_block)` its keys' positions [bk]. Writes the normalised output (o_ref
-    shaped as q_ref) and the log-sum-exp (+inf for rows that see no key)."""
+    shaped as q_ref) and the base-2 log-sum-exp of the scaled scores (+inf for rows that see no key)."""
     qs = [q_ref[...]] if cfg.kv_quant is None else [q_ref[i] for i in range(q_ref.shape[0])]  # [parts][bq, D / parts]
     b, q_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q = cfg.block_q
-    sink_end, band_start, end = _common.kv_block_schedule(
+    schedule = _common.kv_block_schedule(
         q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
         block_q=block_q, block_k=cfg.block_k, **cfg.schedule_window)
-
-    # Dense attention: the leading blocks every row sees whole skip the mask (the causal edge is masked).
-    unmasked = jnp.zeros_like(end) if cfg.k_positions else _common.unmasked_kv_blocks(
+    sink_end, band_start, end = schedule
+    # The tiles every row sees whole skip the mask: dense, the blocks before the causal edge; Λ, the whole
+    # sink blocks and the band's interior. Keys at explicit positions are always masked.
+    sink_whole, lo, hi = (0, band_start, band_start) if cfg.k_positions else _common.unmasked_kv_blocks(
         q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q, block_q=block_q, block_k=cfg.block_k,
-        causal=cfg.causal, recent=cfg.recent)
+        schedule=schedule, **cfg.window)
 
     def body(step, carry, masked: bool):
         acc, m, l = carry  # [parts][bq, D / parts], [bq], [bq]
         kv_block = _visited_kv_block(step, sink_end, band_start)
         ks, vs = load_kv(kv_block)  # [parts][bk, D / parts]
-        s = functools.reduce(operator.add, [_dot(q, k, "qd,kd->qk") for q, k in zip(qs, ks)]) * cfg.scale
+        s = functools.reduce(operator.add, [_dot(q, k, "qd,kd->qk") for q, k in zip(qs, ks)]) * cfg.log2_scale
         if masked:
             k_pos = None if load_positions is None else load_positions(kv_block)
             mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg, k_pos)
             s = jnp.where(mask, s, _common.MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[:, None])
+        p = jnp.exp2(s - m_new[:, None])
         if masked:
             p = jnp.where(mask, p, 0.0)
-        correction = jnp.exp(m - m_new)  # Rescales what was summed under the old max.
+        correction = jnp.exp2(m - m_new)  # Rescales what was summed under the old max.
         l = correction * l + p.sum(axis=-1)
         acc = tuple(correction[:, None] * a + _dot(p.astype(v.dtype), v, "qk,kd->qd") for a, v in zip(acc, vs))
         return acc, m_new, l
@@ -154,8 +162,15 @@ def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *,
     init = (tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
             jnp.full((block_q,), _common.MASK_VALUE, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    carry = lax.fori_loop(0, unmasked, functools.partial(body, masked=False), init)
-    acc, m, l = lax.fori_loop(unmasked, sink_end + end - band_start, functools.partial(body, masked=True), carry)
+    # Loop steps as `_visited_kv_block` maps them (the sink blocks, then the band), in runs of one kind.
+    band_step = lambda kv_block: sink_end + kv_block - band_start  # noqa: E731
+    runs = [(sink_whole, False), (band_step(lo), True)] if cfg.recent is not None else []  # (last step, masked)
+    runs += [(band_step(hi), False), (band_step(end), True)]
+    carry, first = init, 0
+    for last, masked in runs:
+        carry = lax.fori_loop(first, last, functools.partial(body, masked=masked), carry)
+        first = last
+    acc, m, l = carry
 
     empty = l == 0.0  # Rows that see no key at all: output 0, lse +inf.
     out = [(a / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype) for a in acc]
@@ -164,7 +179,7 @@ def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *,
     else:
         for i, o in enumerate(out):
             o_ref[i] = o
-    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
 def _head_spec(block: int, head_dim: int, head_of, *, tiled: bool):
@@ -177,7 +192,7 @@ def _head_spec(block: int, head_dim: int, head_of, *, tiled: bool):
 
 
 def _forward(q, k, v, q_offset, kv_len, cfg: Config, scales=(), k_positions=None):
-    """o [B, T, Hq, D], lse [B, Hq, T]; with cfg.kv_quant, k / v are codes and `scales` their (k, v) scales;
+    """o [B, T, Hq, D], base-2 lse [B, Hq, T]; with cfg.kv_quant, k / v are codes and `scales` their (k, v) scales;
     with cfg.k_positions, `k_positions` int32 [B, S] holds each key slot's position."""
     seq_k_padded, group = k.shape[1], q.shape[2] // k.shape[2]
     kv_spec = _head_spec(seq_k_padded, k.shape[-1], lambda h: h // group, tiled=False)  # D, or D/2 int4 codes
@@ -192,7 +207,7 @@ def _forward(q, k, v, q_offset, kv_len, cfg: Config, scales=(), k_positions=None
 def launch_forward(kernel, q, scalars: list, kv: list, kv_specs: list, cfg: Config, *, name: str):
     """The forward pallas_call over grid (batch, query head, query block): `kernel` gets the [B] scalar
     operands (whole), the query tile, then the KV operands with their specs (`kv_specs`), and writes the
-    output tile and the log-sum-exp. With cfg.kv_quant the query and output tiles are [parts, bq, D / parts]
+    output tile and the base-2 log-sum-exp. With cfg.kv_quant the query and output tiles are [parts, bq, D / parts]
     (`forward_program`). Returns (o like q, lse float32 [B, Hq, T])."""
     batch, seq_q_padded, num_heads, head_dim = q.shape
     num_q_blocks = seq_q_padded // cfg.block_q
@@ -246,9 +261,9 @@ def _dq_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
         kv_block = _visited_kv_block(step, sink_end, band_start)
         kv_slice = pl.ds(kv_block * block_k, block_k)
         k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]  # [bk, D]
-        s = _dot(q, k, "qd,kd->qk") * cfg.scale  # [bq, bk]
+        s = _dot(q, k, "qd,kd->qk") * cfg.log2_scale  # [bq, bk]
         mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
-        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+        p = jnp.where(mask, jnp.exp2(s - lse[:, None]), 0.0)
         dp = _dot(do, v, "qd,kd->qk")
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k, "qk,kd->qd")
@@ -275,9 +290,9 @@ def _dkv_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
         q_slice = pl.ds(q_block * block_q, block_q)
         q, do = q_ref[q_slice, :], do_ref[q_slice, :]  # [bq, D]
         lse, delta = lse_ref[q_slice], delta_ref[q_slice]  # [bq]
-        s = _dot(q, k, "qd,kd->qk") * cfg.scale  # [bq, bk]
+        s = _dot(q, k, "qd,kd->qk") * cfg.log2_scale  # [bq, bk]
         mask = _tile_mask(q_block, kv_block, q_offset, kv_len, cfg)
-        p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+        p = jnp.where(mask, jnp.exp2(s - lse[:, None]), 0.0)
         dv = dv + _dot(p.astype(do.dtype), do, "qk,qd->kd")
         dp = _dot(do, v, "qd,kd->qk")
         ds = p * (dp - delta[:, None])

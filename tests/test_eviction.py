@@ -1,6 +1,8 @@
 """H2O and TOVA against a float64 numpy simulation of their eviction rules on a tiny random model, with and
 without a sliding window on a layer."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +96,18 @@ def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, rec
     full = reference_logits(params, sequence, chunks, rule, budget=10_000)
     assert np.abs(full - ref).max() > 1e-2  # eviction really changed the result
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
+
+
+@pytest.mark.parametrize("rule, budget, recent", [("h2o", 6, 2), ("tova", 5, 0)])
+def test_whole_prompt_chunk_in_query_blocks_matches_the_reference(params, prompt, rule, budget, recent):
+    """One chunk holding the whole prompt (as the evaluations prefill H2O / TOVA), its probabilities taken 4
+    queries at a time (`attention_received`; the prompt is not a multiple of 4, so the last block is padded)."""
+    options = dict(kv_budget=budget) | (dict(recent=recent) if rule == "h2o" else {})
+    method = dataclasses.replace(make_method(rule, CONFIG, context=64, **options), query_block=4)
+    sequence, logits, chunks, _ = run_method(params, CONFIG, method, prompt, chunk=len(prompt), decode_steps=6)
+    assert chunks[0] == (0, len(prompt)) and len(prompt) % 4
+    ref = reference_logits(params, sequence, chunks, rule, budget, recent)
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
 
 
 @pytest.mark.parametrize("rule", ["h2o", "tova"])

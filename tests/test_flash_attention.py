@@ -2,9 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from pallas_kernels import flash_attention, reference
+from pallas_kernels import _common, flash_attention, reference
 from tests.conftest import random_attention_inputs, rel_err
 
 
@@ -74,32 +75,46 @@ def test_rejects_bad_arguments():
         flash_attention(q, k[..., :32], v[..., :32])
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_unmasked_blocks_are_exactly_the_wholly_visible_ones(causal):
-    """`_common.unmasked_kv_blocks` (the tiles the forward kernel leaves unmasked) against the mask itself:
-    every row of the query block sees each of those key blocks whole, and the next block is not whole (or
-    past the schedule's end), over random chunk offsets, key lengths and padded query blocks."""
-    import numpy as np
-
-    from pallas_kernels import _common
-
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (40, 50)), (True, (7, 20))],
+                         ids=["causal", "bidirectional", "lambda", "lambda-small-sink"])
+def test_unmasked_blocks_are_exactly_the_wholly_visible_ones(causal, window):
+    """`_common.unmasked_kv_blocks` (the tiles the forward kernel leaves unmasked) against the mask itself, over
+    random chunk offsets, key lengths and padded query blocks: every row of the query block sees each of those
+    key blocks whole, and they are all the whole blocks the schedule visits (a Λ band block that holds sink
+    keys may be whole through them: those are left masked, the only exception)."""
+    sink, recent = window or (None, None)
     rng = np.random.default_rng(0)
-    bq, bk = 16, 32
-    for _ in range(40):
-        seq_q, q_offset = int(rng.integers(1, 70)), int(rng.integers(0, 90))
-        kv_len = int(rng.integers(0, q_offset + seq_q + 40))
-        for q_block in range(-(-seq_q // bq)):
-            n = int(_common.unmasked_kv_blocks(jnp.int32(q_block), q_offset=q_offset, kv_len=kv_len, seq_q=seq_q,
-                                               block_q=bq, block_k=bk, causal=causal, recent=None))
-            _, _, end = _common.kv_block_schedule(jnp.int32(q_block), q_offset=q_offset, kv_len=kv_len, seq_q=seq_q,
-                                                  block_q=bq, block_k=bk, causal=causal, sink=None, recent=None)
-            rows = q_block * bq + np.arange(bq)[:, None]
-            whole = [bool(np.all(_common.attention_mask(rows, j * bk + np.arange(bk)[None, :], q_offset=q_offset,
-                                                        kv_len=kv_len, seq_q=seq_q, causal=causal, sink=None,
-                                                        recent=None))) for j in range(int(end) + 1)]
-            assert n <= int(end) and all(whole[:n]) and not (n < int(end) and whole[n])
-    assert int(_common.unmasked_kv_blocks(jnp.int32(3), q_offset=0, kv_len=4096, seq_q=4096, block_q=128,
-                                          block_k=128, causal=True, recent=256)) == 0  # Λ: always masked
+    for bq, bk in [(16, 32), (16, 16)]:
+        static = dict(block_q=bq, block_k=bk, causal=causal, sink=sink, recent=recent)
+
+        @jax.jit
+        def blocks(q_block, q_offset, kv_len, seq_q):
+            args = dict(static, q_offset=q_offset, kv_len=kv_len, seq_q=seq_q)
+            schedule = _common.kv_block_schedule(q_block, **args)
+            return schedule, _common.unmasked_kv_blocks(q_block, schedule=schedule, **args)
+
+        for _ in range(100):
+            seq_q, q_offset = int(rng.integers(1, 70)), int(rng.integers(0, 200))
+            kv_len = int(rng.integers(0, q_offset + seq_q + 40))
+            for q_block in range(-(-seq_q // bq)):
+                check_unmasked_blocks(*blocks(*map(jnp.int32, (q_block, q_offset, kv_len, seq_q))),
+                                      q_block, q_offset=q_offset, kv_len=kv_len, seq_q=seq_q, **static)
+
+
+def check_unmasked_blocks(schedule, unmasked, q_block, *, q_offset, kv_len, seq_q, block_q, block_k, causal, sink,
+                          recent):
+    sink_end, band_start, end = (int(x) for x in schedule)
+    sink_whole, lo, hi = (int(x) for x in unmasked)
+    assert 0 <= sink_whole <= sink_end and band_start <= lo <= hi <= end
+    rows = q_block * block_q + np.arange(block_q)[:, None]
+    visited = list(range(sink_end)) + list(range(band_start, end))
+    whole = {j for j in visited if np.all(_common.attention_mask(
+        rows, j * block_k + np.arange(block_k)[None, :], q_offset=q_offset, kv_len=kv_len, seq_q=seq_q,
+        causal=causal, sink=sink, recent=recent))}
+    unmasked = set(range(sink_whole)) | set(range(lo, hi))
+    assert unmasked <= whole
+    through_sinks = {j for j in whole - unmasked if j >= band_start and sink and j * block_k < sink}
+    assert whole - unmasked == through_sinks, (sink_end, band_start, end, sink_whole, lo, hi, sorted(whole))
 
 
 @pytest.mark.parametrize("seq_q, block_k", [(1, 32), (24, 16)], ids=["decode", "chunk"])

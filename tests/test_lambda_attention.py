@@ -17,6 +17,8 @@ CASES = {
     "recent_ge_T": (1, 48, 48, 2, 1, 64, 4, 64, 0, 16, 16),
     "head_dim128_batch2": (2, 80, 80, 2, 2, 128, 16, 24, 0, 32, 32),
     "q_offset_chunk": (1, 32, 96, 2, 1, 64, 8, 24, 64, 16, 16),
+    # whole sink blocks and whole band blocks, whose tiles the forward leaves unmasked; the last query block padded
+    "unmasked_tiles_chunk": (1, 72, 200, 4, 2, 64, 32, 56, 128, 16, 16),
 }
 
 

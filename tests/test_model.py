@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import duo_jax
-from duo_jax.attention import attention_probs
+from duo_jax.attention import attention_probs, attention_received
 from duo_jax.model import greedy_reference, rope_inv_freq
 from tests.conftest import tiny_config
 
@@ -102,18 +102,49 @@ def test_attention_probs_matches_float64_numpy():
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, H, E), (B, S, K, E), (B, S, K, E)))
     mask = rng.random((B, K, T, S)) < 0.6
     mask[0, 1, 2] = False  # a query that sees nothing returns zeros
-    heads_first = lambda x: jnp.swapaxes(jnp.asarray(x), 1, 2)  # noqa: E731  [B, K, S, E]
-    out = np.asarray(attention_probs(jnp.asarray(q), heads_first(k), heads_first(v), jnp.asarray(mask))[0])
-    ref = np.zeros((B, T, H, E))
+    k, v = np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2)  # [B, K, S, E]
+    out = np.asarray(attention_probs(*map(jnp.asarray, (q, k, v, mask)))[0])
+    np.testing.assert_allclose(out, masked_attention64(q, k, v, mask)[0], atol=1e-5)
+
+
+def masked_attention64(q, k, v, mask):
+    """float64 numpy: q [B, T, H, E], k / v [B, K, S, E], mask [B, K, T, S] -> (out [B, T, H, E], probs
+    [B, H, T, S]); a query that sees nothing gets zeros."""
+    (B, T, H, E), K, S = q.shape, k.shape[1], k.shape[2]
+    out, probs = np.zeros((B, T, H, E)), np.zeros((B, H, T, S))
     for b, h, t in np.ndindex(B, H, T):
         kv = h // (H // K)
         seen = mask[b, kv, t]
         if not seen.any():
             continue
-        s = k[b, seen, kv].astype(np.float64) @ q[b, t, h].astype(np.float64) / math.sqrt(E)
+        s = k[b, kv, seen].astype(np.float64) @ q[b, t, h].astype(np.float64) / math.sqrt(E)
         p = np.exp(s - s.max())
-        ref[b, t, h] = (p / p.sum()) @ v[b, seen, kv]
-    np.testing.assert_allclose(out, ref, atol=1e-5)
+        probs[b, h, t, seen] = p / p.sum()
+        out[b, t, h] = probs[b, h, t, seen] @ v[b, kv, seen]
+    return out, probs
+
+
+def test_attention_received_matches_float64_numpy():
+    """attention_probs' output and its probabilities summed over weighted queries, 4 queries at a time
+    (11 queries: the last block padded), with a mask built from positions as the scoring methods build it."""
+    rng = np.random.default_rng(1)
+    B, T, S, H, K, E = 2, 11, 9, 4, 2, 8
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, H, E), (B, K, S, E), (B, K, S, E)))
+    q_positions = np.arange(T)[None] + np.array([[0], [3]])  # [B, T]
+    k_positions = rng.integers(-1, 14, (B, K, S))  # -1: an empty slot
+    weights = (rng.random((B, T)) < 0.8).astype(np.float32)
+
+    def sees(positions):  # [B, Tb] -> [B, K, Tb, S]
+        keys = jnp.asarray(k_positions)[:, :, None]
+        return (keys >= 0) & (keys <= positions[:, None, :, None])
+
+    out, received = attention_received(*map(jnp.asarray, (q, k, v, q_positions)), sees, jnp.asarray(weights), block=4)
+    ref_out, probs = masked_attention64(q, k, v, np.asarray(sees(jnp.asarray(q_positions))))
+    ref_received = np.einsum("bhts,bt->bhs", probs, weights).reshape(B, K, H // K, S).sum(axis=2)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(received), ref_received, atol=1e-5)
+    dense = attention_received(*map(jnp.asarray, (q, k, v, q_positions)), sees, jnp.asarray(weights), block=T)
+    np.testing.assert_allclose(np.asarray(dense[1]), ref_received, atol=1e-5)
 
 
 def test_greedy_reference_matches_transformers_generate(tmp_path):

@@ -164,7 +164,7 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, 
     contiguous = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
     if (resolve_impl(impl) == "pallas" and contiguous and q.shape[1] == 1 and spec.causal
             and spec.k_positions is None and spec.window is None and not spec.is_lambda):
-        lengths = jnp.clip(jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1), 0, k.shape[1])
+        lengths = jnp.clip(spec.decode_lengths(), 0, k.shape[1])
         out, lse = pallas_kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
                                                    num_splits=decode_splits(k.shape[0], k.shape[2]), return_lse=True)
         return out[:, None], lse[:, None]
@@ -239,7 +239,7 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
             return pallas_kernels.paged_flash_attention(q, k.pages, v.pages, k.block_tables,
                                                         q_offset=spec.q_positions[:, 0], kv_len=spec.kv_len,
                                                         scale=scale)
-        lengths = jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1)
+        lengths = spec.decode_lengths()
         if impl == "pallas":
             options = dict(num_splits=decode_splits(q.shape[0], k.pages.shape[0]))
         return kernels.paged_decode_attention(q[:, 0], k.pages, v.pages, k.block_tables, lengths, scale=scale,
@@ -248,7 +248,7 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
         return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
                                         scale=scale, **options)
     if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
-        lengths = jnp.minimum(spec.kv_len, spec.q_positions[:, 0] + 1)
+        lengths = spec.decode_lengths()
         splits = decode_splits(q.shape[0], k.shape[2]) if impl == "pallas" else MIN_SPLITS  # TPU: sequential
         return kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
                                         num_splits=splits, **options)[:, None]

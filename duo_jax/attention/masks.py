@@ -64,6 +64,11 @@ class MaskSpec:
             mask = mask & ((k_pos < self.sink) | (q_pos - k_pos < self.recent))
         return mask
 
+    def decode_lengths(self) -> jax.Array:
+        """A causal step of one query per sequence over a contiguous cache: the keys it sees, int32 [B] (the
+        decode kernels' lengths): the filled slots up to and including its own position."""
+        return jnp.minimum(self.kv_len, self.q_positions[:, 0] + 1)
+
     def dense(self, num_keys: int) -> jax.Array:
         """The whole mask, bool [B, T, S]: for references and tests (O(T * S) memory)."""
         slots = jnp.arange(num_keys, dtype=jnp.int32)[None, :]

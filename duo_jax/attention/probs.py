@@ -3,11 +3,16 @@
 H2O, TOVA, SnapKV's window votes, HeadKV's head scores and InfiniGen's fetch need the softmax itself, which
 neither the Pallas kernels nor the blocked XLA path (`duo_jax.attention.xla`) return. They score small key
 sets (a budget of kept tokens, an observation window), so one dense masked softmax serves them all.
+
+`attention_received` is the one that meets a long query set: H2O and TOVA prefill a whole prompt in one
+chunk, and need only each key's attention summed over the queries, never the [T, S] probabilities. It runs
+the same softmax over blocks of queries, so its memory is O(block x S), not O(T x S).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,3 +36,31 @@ def attention_probs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
     probs = masked_softmax(scores, mask[:, :, None])
     out = jnp.einsum("bkgts,bkse->btkge", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, H, E).astype(q.dtype), probs
+
+
+def attention_received(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                       sees: Callable[[jax.Array], jax.Array], weights: jax.Array, *, block: int = 512):
+    """`attention_probs` with the probabilities summed over the queries, one block of `block` queries at a time.
+
+    q [B, T, H, E] at positions q_positions int32 [B, T]; keys k / v [B, K, S, E]; sees(positions [B, Tb]) ->
+    bool [B, K, Tb, S], the keys queries at those positions see; weights float32 [B, T] (0 for padding) ->
+    (out [B, T, H, E], received float32 [B, K, S] = sum over t and the group's heads g of
+    weights[b, t] * probs[b, k, g, t, s])."""
+    B, T, H, E = q.shape
+
+    def one(q, positions, weights):
+        out, probs = attention_probs(q, k, v, sees(positions))
+        return out, jnp.einsum("bkgts,bt->bks", probs, weights)
+
+    if T <= block:
+        return one(q, q_positions, weights)
+    blocks = -(-T // block)
+    pad = blocks * block - T  # padded queries weigh 0 and their rows are dropped
+
+    def split(x):  # [B, T, ...] -> [blocks, B, block, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape((B, blocks, block) + x.shape[2:]), 0, 1)
+
+    out, received = jax.lax.map(lambda xs: one(*xs), (split(q), split(q_positions), split(weights)))
+    out = jnp.swapaxes(out, 0, 1).reshape(B, blocks * block, H, E)[:, :T]
+    return out, jnp.sum(received, axis=0)

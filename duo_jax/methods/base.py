@@ -63,14 +63,16 @@ class Step:
         num_keys = jnp.full(key_positions.shape[:1], key_positions.shape[1], jnp.int32)
         return MaskSpec(self.positions, num_keys, key_positions, window=self.sliding_window)
 
-    def sees(self, key_positions: jax.Array) -> jax.Array:
+    def sees(self, key_positions: jax.Array, query_positions: jax.Array | None = None) -> jax.Array:
         """Which keys each new token sees, for the methods that score keys with a materialised mask
         (`duo_jax.attention.probs`): key_positions int32 [B, ..., S] (-1: empty; e.g. per KV head [B, K, S])
-        -> bool [B, ..., T, S]: filled, causal, and within this layer's sliding window (`MaskSpec.visible`)."""
-        B, T = self.positions.shape
+        -> bool [B, ..., T, S]: filled, causal, and within this layer's sliding window (`MaskSpec.visible`).
+        query_positions [B, T'] asks it for those queries instead of the step's (a block of them)."""
+        query_positions = self.positions if query_positions is None else query_positions
+        B, T = query_positions.shape
         extra = (1,) * (key_positions.ndim - 2)
         keys = key_positions[..., None, :]
-        return self.prefix_spec().visible(self.positions.reshape((B,) + extra + (T, 1)), keys, keys >= 0)
+        return self.prefix_spec().visible(query_positions.reshape((B,) + extra + (T, 1)), keys, keys >= 0)
 
     def still_visible(self, key_positions: jax.Array) -> jax.Array:
         """Which cached tokens a later query can still see: `within_future_window` after this step."""

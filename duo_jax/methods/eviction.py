@@ -14,7 +14,9 @@ A chunk larger than one token evicts once after the whole chunk, so a prefill wi
 prompt is exact and compresses once at its end (as the DuoAttention paper runs these baselines), while
 smaller chunks bound memory. Keys are cached after RoPE at absolute positions. The cache also holds each
 slot's position (int32) and score (float32), counted in its bytes. Attention probabilities are
-materialised (`duo_jax.attention.probs`), which is what these methods need and what flash kernels do not give.
+materialised (`duo_jax.attention.probs`), which is what these methods need and what flash kernels do not give,
+one block of queries at a time (`attention_received`), so a whole-prompt chunk costs O(block x (budget + T))
+memory, not O(T x (budget + T)).
 
 On a layer with a sliding window W (`Step.sliding_window`: Mistral's every layer, Qwen's windowed ones) the
 probabilities, and so H2O's accumulated scores and TOVA's, are those of the windowed attention (query p sees
@@ -35,11 +37,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from duo_jax.attention import attention_probs
+from duo_jax.attention import attention_probs, attention_received
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, check_windows
@@ -66,6 +69,7 @@ class _Eviction(Method):
     budget: int
     kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`)
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
+    query_block: int = 512  # queries whose probabilities are held at once (`attention_received`)
 
     def __post_init__(self):
         if self.windows is not None and len(self.windows) != self.num_layers:
@@ -95,9 +99,11 @@ class _Eviction(Method):
         return batch * self.num_kv_heads * sum(map(self.slots, range(self.num_layers))) * per_slot
 
     @abc.abstractmethod
-    def priority(self, positions: jax.Array, scores: jax.Array, probs: jax.Array, step: Step) -> jax.Array:
+    def priority(self, positions: jax.Array, scores: jax.Array, newest_probs: Callable[[], jax.Array],
+                 step: Step) -> jax.Array:
         """Keep priority [B, K, N + T] of each candidate (higher is kept first). positions [B, K, N + T]
-        (-1: empty), scores: H2O's accumulated attention, probs [B, K, G, T, N + T] of this step."""
+        (-1: empty), scores: H2O's accumulated attention, newest_probs() -> [B, K, G, N + T]: the attention
+        of this step's newest real query (computed only when called)."""
 
     def attend(self, layer, q, k, v, cache: EvictionLayerCache, step: Step, shared):
         check_windows(self, self.windows, layer, step)
@@ -116,14 +122,24 @@ class _Eviction(Method):
         keys, values = candidates(cache.k, k), candidates(cache.v, v)
         new_positions = jnp.broadcast_to(jnp.where(step.valid, step.positions, -1)[:, None], (B, K, T))
         positions = jnp.concatenate([cache.positions, new_positions], axis=2)
-        visible = step.sees(positions)  # [B, K, T, N + T]: causal, within the layer's window
-        out, probs = attention_probs(q, dequantize(keys), dequantize(values), visible)  # probs [B, K, G, T, N + T]
+        dense_keys, dense_values = dequantize(keys), dequantize(values)
+        # Causal, within the layer's window; over query blocks, so a whole-prompt chunk never holds [T, N + T].
+        out, received = attention_received(q, dense_keys, dense_values, step.positions,
+                                           lambda queries: step.sees(positions, queries),
+                                           step.valid.astype(jnp.float32), block=self.query_block)
         if rotation is not None:
             out = rotate(out, rotation.T)
-        received = jnp.einsum("bkgts,bt->bks", probs, step.valid.astype(jnp.float32))
+
+        def newest_probs():  # [B, K, G, N + T]
+            newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)[:, None]  # [B, 1]: the last real query
+            query = jnp.take_along_axis(q, newest[:, :, None, None], axis=1)
+            at = jnp.take_along_axis(step.positions, newest, axis=1)
+            return attention_probs(query, dense_keys, dense_values, step.sees(positions, at))[1][:, :, :, 0]
+
         scores = jnp.concatenate([cache.scores, jnp.zeros((B, K, T), jnp.float32)], axis=2) + received
         # Empty slots and the tokens out of every future query's window go first (and are dropped below).
-        priority = jnp.where(step.still_visible(positions), self.priority(positions, scores, probs, step), -jnp.inf)
+        priority = jnp.where(step.still_visible(positions),
+                             self.priority(positions, scores, newest_probs, step), -jnp.inf)
         kept_priority, kept = jax.lax.top_k(priority, self.slots(layer))  # [B, K, N]
 
         def take(x):  # codes and scales alike for a quantized cache
@@ -142,7 +158,7 @@ class H2O(_Eviction):
 
     name = "h2o"
 
-    def priority(self, positions, scores, probs, step):
+    def priority(self, positions, scores, newest_probs, step):
         is_recent = positions >= step.new_lengths[:, None, None] - self.recent
         return jnp.where(is_recent, jnp.inf, scores)
 
@@ -153,10 +169,8 @@ class TOVA(_Eviction):
 
     name = "tova"
 
-    def priority(self, positions, scores, probs, step):
-        newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)  # [B]: the last real query of this step
-        last = jnp.take_along_axis(probs, newest[:, None, None, None, None], axis=3)[:, :, :, 0]  # [B, K, G, S]
-        return jnp.broadcast_to(jnp.mean(last, axis=(1, 2))[:, None], positions.shape)
+    def priority(self, positions, scores, newest_probs, step):
+        return jnp.broadcast_to(jnp.mean(newest_probs(), axis=(1, 2))[:, None], positions.shape)
 
 
 @register("h2o", options=("kv_budget", "recent"), budget=kv_budget_only, quantized_kv=True,
