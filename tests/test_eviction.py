@@ -103,7 +103,7 @@ def test_whole_prompt_chunk_in_query_blocks_matches_the_reference(params, prompt
     """One chunk holding the whole prompt (as the evaluations prefill H2O / TOVA), its probabilities taken 4
     queries at a time (`attention_received`; the prompt is not a multiple of 4, so the last block is padded)."""
     options = dict(kv_budget=budget) | (dict(recent=recent) if rule == "h2o" else {})
-    method = dataclasses.replace(make_method(rule, CONFIG, context=64, **options), query_block=4)
+    method = dataclasses.replace(make_method(rule, CONFIG, context=64, **options), query_rows=4)
     sequence, logits, chunks, _ = run_method(params, CONFIG, method, prompt, chunk=len(prompt), decode_steps=6)
     assert chunks[0] == (0, len(prompt)) and len(prompt) % 4
     ref = reference_logits(params, sequence, chunks, rule, budget, recent)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from duo_jax.attention.xla import merge_blocks, query_blocks
+
 
 def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax over the last axis of fp32 `scores` where `mask` (broadcast) is True; rows with no True give 0."""
@@ -46,7 +48,7 @@ def attention_received(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: ja
     bool [B, K, Tb, S], the keys queries at those positions see; weights float32 [B, T] (0 for padding) ->
     (out [B, T, H, E], received float32 [B, K, S] = sum over t and the group's heads g of
     weights[b, t] * probs[b, k, g, t, s])."""
-    B, T, H, E = q.shape
+    T = q.shape[1]
 
     def one(q, positions, weights):
         out, probs = attention_probs(q, k, v, sees(positions))
@@ -54,13 +56,7 @@ def attention_received(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: ja
 
     if T <= block:
         return one(q, q_positions, weights)
-    blocks = -(-T // block)
-    pad = blocks * block - T  # padded queries weigh 0 and their rows are dropped
-
-    def split(x):  # [B, T, ...] -> [blocks, B, block, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.swapaxes(x.reshape((B, blocks, block) + x.shape[2:]), 0, 1)
-
-    out, received = jax.lax.map(lambda xs: one(*xs), (split(q), split(q_positions), split(weights)))
-    out = jnp.swapaxes(out, 0, 1).reshape(B, blocks * block, H, E)[:, :T]
-    return out, jnp.sum(received, axis=0)
+    # [blocks, B, block, ...]: padded queries weigh 0 and their rows are dropped
+    blocks = query_blocks(q, block, 0), query_blocks(q_positions, block, None), query_blocks(weights, block, 0.0)
+    out, received = jax.lax.map(lambda xs: one(*xs), blocks)
+    return merge_blocks(out, T), jnp.sum(received, axis=0)

@@ -205,7 +205,7 @@ def _backward_block(spec, q, q_pos, k, v, scale, block_k, out, lse, d_out, dk, d
     return lax.fori_loop(0, _trip_count(ranges), body, (dq, dk, dv))
 
 
-def _query_blocks(x, block_q: int, fill):
+def query_blocks(x, block_q: int, fill):
     """[B, T, ...] -> [nq, B, block_q, ...], padding T with `fill` (positions: the last one)."""
     B, T = x.shape[:2]
     nq = _cdiv(T, block_q)
@@ -217,7 +217,7 @@ def _query_blocks(x, block_q: int, fill):
     return jnp.moveaxis(x.reshape((B, nq, block_q) + x.shape[2:]), 1, 0)
 
 
-def _merge_blocks(x, T: int):
+def merge_blocks(x, T: int):
     """[nq, B, block_q, ...] -> [B, T, ...]."""
     x = jnp.moveaxis(x, 0, 1)
     return x.reshape((x.shape[0], -1) + x.shape[3:])[:, :T]
@@ -230,22 +230,22 @@ def _attention(q, k, v, spec, scale, block_q, block_k):
 
 def _attention_fwd(q, k, v, spec, scale, block_q, block_k):
     B, T, K, G, E = q.shape
-    q_blocks = _query_blocks(q, block_q, 0)
-    pos_blocks = _query_blocks(spec.q_positions, block_q, None)
+    q_blocks = query_blocks(q, block_q, 0)
+    pos_blocks = query_blocks(spec.q_positions, block_q, None)
 
     def one(args):
         return _forward_block(spec, args[0], args[1], k, v, scale, block_k)
 
     out, lse = lax.map(one, (q_blocks, pos_blocks))
-    out = _merge_blocks(out, T)
+    out = merge_blocks(out, T)
     return out, (q, k, v, spec, out, lse)
 
 
 def _attention_bwd(scale, block_q, block_k, residuals, d_out):
     q, k, v, spec, out, lse = residuals
     T = q.shape[1]
-    blocks = (_query_blocks(q, block_q, 0), _query_blocks(spec.q_positions, block_q, None),
-              _query_blocks(out, block_q, 0), _query_blocks(d_out, block_q, 0), lse)
+    blocks = (query_blocks(q, block_q, 0), query_blocks(spec.q_positions, block_q, None),
+              query_blocks(out, block_q, 0), query_blocks(d_out, block_q, 0), lse)
 
     def one(carry, args):
         q_b, pos_b, out_b, d_out_b, lse_b = args
@@ -255,7 +255,7 @@ def _attention_bwd(scale, block_q, block_k, residuals, d_out):
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     (dk, dv), dq = lax.scan(one, (zeros, zeros), blocks)
-    return _merge_blocks(dq, T).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return merge_blocks(dq, T).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -15,8 +15,8 @@ prompt is exact and compresses once at its end (as the DuoAttention paper runs t
 smaller chunks bound memory. Keys are cached after RoPE at absolute positions. The cache also holds each
 slot's position (int32) and score (float32), counted in its bytes. Attention probabilities are
 materialised (`duo_jax.attention.probs`), which is what these methods need and what flash kernels do not give,
-one block of queries at a time (`attention_received`), so a whole-prompt chunk costs O(block x (budget + T))
-memory, not O(T x (budget + T)).
+one block of `query_rows` / B queries at a time (`attention_received`), so a whole-prompt chunk of a batch costs
+O(query_rows x (budget + T)) memory, not O(B x T x (budget + T)).
 
 On a layer with a sliding window W (`Step.sliding_window`: Mistral's every layer, Qwen's windowed ones) the
 probabilities, and so H2O's accumulated scores and TOVA's, are those of the windowed attention (query p sees
@@ -69,7 +69,7 @@ class _Eviction(Method):
     budget: int
     kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`)
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
-    query_block: int = 512  # queries whose probabilities are held at once (`attention_received`)
+    query_rows: int = 1024  # query rows (over the batch) whose probabilities are held at once (`attention_received`)
 
     def __post_init__(self):
         if self.windows is not None and len(self.windows) != self.num_layers:
@@ -126,7 +126,7 @@ class _Eviction(Method):
         # Causal, within the layer's window; over query blocks, so a whole-prompt chunk never holds [T, N + T].
         out, received = attention_received(q, dense_keys, dense_values, step.positions,
                                            lambda queries: step.sees(positions, queries),
-                                           step.valid.astype(jnp.float32), block=self.query_block)
+                                           step.valid.astype(jnp.float32), block=max(1, self.query_rows // B))
         if rotation is not None:
             out = rotate(out, rotation.T)
 
