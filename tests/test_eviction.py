@@ -111,6 +111,24 @@ def test_whole_prompt_chunk_in_query_blocks_matches_the_reference(params, prompt
 
 
 @pytest.mark.parametrize("rule", ["h2o", "tova"])
+def test_whole_prompt_chunk_memory_follows_the_query_block(rule):
+    """A whole-prompt chunk's probabilities are held one block at a time: with 64 query rows the compiled step
+    needs a fraction of the temporary memory of one block holding every query (B x T x (budget + T) floats)."""
+    from duo_jax.engine import compiled_extend
+
+    config = tiny_config(max_position_embeddings=2048)
+    B, T = 2, 1024
+
+    def temp_bytes(rows):
+        method = dataclasses.replace(make_method(rule, config, context=T, kv_budget=64), query_rows=rows)
+        return compiled_extend(config, method, B, T, "float32").memory_analysis().temp_size_in_bytes
+
+    probs = B * config.num_heads * T * (64 + T) * 4  # one layer's probabilities, all queries at once
+    blocked, whole = temp_bytes(64), temp_bytes(B * T)
+    assert whole > probs and blocked < probs / 4, (blocked, whole, probs)
+
+
+@pytest.mark.parametrize("rule", ["h2o", "tova"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
     method = make_method(rule, CONFIG, context=64, kv_budget=32)
     sequence, logits, _, _ = run_method(params, CONFIG, method, prompt, chunk=5, decode_steps=6)
