@@ -129,8 +129,8 @@ def unmasked_kv_blocks(q_block, *, q_offset, kv_len, seq_q: int, block_q: int, b
     of query block `q_block` sees whole, so that their tiles need no mask: (sink_whole, lo, hi), the sink
     blocks [0, sink_whole) and the band blocks [lo, hi) (band_start <= lo <= hi <= end). Dense attention:
     the leading blocks before the causal edge. Λ: the sink blocks holding only sink keys, and the band blocks
-    every row sees within `recent` (with 128-wide tiles and recent 256, one of the band's three). None for
-    a query block holding padded rows (those must see nothing)."""
+    every row sees within `recent` (with 128-wide tiles and recent 256, one of the band's three). Empty ranges
+    for a query block holding padded rows (those must see nothing)."""
     sink_end, band_start, end = schedule
     first_row = q_block * block_q
     last_row = first_row + block_q - 1
