@@ -56,11 +56,11 @@ def attention_received(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: ja
 
     if T <= block:
         return one(q, q_positions, weights)
-    # [blocks, B, block, ...]: padded queries weigh 0 and their rows are dropped
     def step(received, xs):  # the sum is carried, not stacked per block
         out, block_received = one(*xs)
         return received + block_received, out
 
+    # [blocks, B, block, ...]: padded queries weigh 0 and their rows are dropped
     blocks = query_blocks(q, block, 0), query_blocks(q_positions, block, None), query_blocks(weights, block, 0.0)
     received, out = jax.lax.scan(step, jnp.zeros(k.shape[:3], jnp.float32), blocks)
     return merge_blocks(out, T), received
