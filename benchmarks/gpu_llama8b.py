@@ -99,12 +99,13 @@ def tree_bytes(tree) -> int:
 
 
 def roofline(config, *, weight_bytes: int, share: float, window: int, context: int, chunk: int,
-             bandwidth: float, kv_dtype: str | None = None) -> dict:
-    """Best-case decode ms per step (bytes / bandwidth) and prefill FLOPs, full and duo, at `context` tokens.
-    kv_dtype "int8" / "int4": a cached vector is its codes + its scale (`duo_jax.quant.kv_bytes_per_vector`)."""
+             bandwidth: float, kv_dtype: str | None = None, batch: int = 1) -> dict:
+    """Best-case decode ms per step (bytes / bandwidth) and prefill FLOPs, full and duo, at `context` tokens
+    for each of `batch` sequences. kv_dtype "int8" / "int4": a cached vector is its codes + its scale
+    (`duo_jax.quant.kv_bytes_per_vector`)."""
     from duo_jax.quant import kv_bytes_per_vector
 
-    kv_token = 2 * config.num_layers * config.num_kv_heads * kv_bytes_per_vector(config.head_dim, kv_dtype, 2)
+    kv_token = 2 * batch * config.num_layers * config.num_kv_heads * kv_bytes_per_vector(config.head_dim, kv_dtype, 2)
     kv = dict(full=context * kv_token, duo=share * context * kv_token + (1 - share) * window * kv_token)
     params = weight_bytes / 2
     attention = 2 * context**2 * config.num_heads * config.head_dim * config.num_layers  # causal
@@ -163,10 +164,11 @@ def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
                         for op in ranked]}
 
 
-def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: bool,
+def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: bool, batch: int = 1,
              profile_dir: str | None = None) -> dict:
     """Prefill (when asked) and decode timings of one mode at one context on the device, through the engine's
-    prefill driver, its device decode loop and its single-token step (the executables `generate` runs)."""
+    prefill driver, its device decode loop and its single-token step (the executables `generate` runs), for
+    `batch` sequences of the same length."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -178,19 +180,19 @@ def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: b
     # Room for the host steps and three device loops (compile, timed, profiled) of `steps` tokens each.
     start_length = context - warmup - 4 * steps - 8
     if prefill:
-        tokens = rng.integers(0, engine.config.vocab_size, (1, start_length)).astype(np.int32)
-        engine.prefill(method, tokens[:, :chunk], np.asarray([chunk]), chunk=chunk)  # compile outside the timing
+        tokens = rng.integers(0, engine.config.vocab_size, (batch, start_length)).astype(np.int32)
+        engine.prefill(method, tokens[:, :chunk], np.full(batch, chunk), chunk=chunk)  # compile outside the timing
         start = time.perf_counter()
-        logits, cache, lengths = engine.prefill(method, tokens, np.asarray([start_length]), chunk=chunk)
+        logits, cache, lengths = engine.prefill(method, tokens, np.full(batch, start_length), chunk=chunk)
         logits.block_until_ready()
         prefill_s = time.perf_counter() - start
     else:
-        cache = method.init_cache(1, jnp.bfloat16)
-        lengths = jnp.asarray([start_length], jnp.int32)  # a zero-filled cache: the same bytes move
+        cache = method.init_cache(batch, jnp.bfloat16)
+        lengths = jnp.full((batch,), start_length, jnp.int32)  # a zero-filled cache: the same bytes move
     out = dict(cache_bytes=tree_bytes(cache))
     if prefill:
         out["prefill_s"] = prefill_s
-    token, times = jnp.zeros((1,), jnp.int32), []
+    token, times = jnp.zeros((batch,), jnp.int32), []
     for _ in range(warmup + steps):
         start = time.perf_counter()
         logits, cache, lengths = engine.step(method, cache, lengths, token)
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=32,
                    help="decode tokens timed per context and mode (device loop), and host steps (median)")
     p.add_argument("--max-prefill", type=int, default=131072, help="largest context whose prefill is timed")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences decoded together, each at the context (above 1: zero-filled caches, no prefill)")
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help=f"HBM bandwidth for the roofline, TB/s (default: measured; dry run: {DRY_RUN_BANDWIDTH_TBS})")
     p.add_argument("--hbm-gib", type=float, default=80.0, help="dry run: device memory assumed for 'fits'")
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = tree_bytes(jax.eval_shape(lambda: model_params(config, args.weights)))
     formats = f"weights {args.weights or 'bf16'}, KV {args.kv_dtype or 'bf16'}"
     rooflines = functools.partial(roofline, config, weight_bytes=weight_bytes, share=share, window=window,
-                                  chunk=args.chunk_size, kv_dtype=args.kv_dtype)
+                                  chunk=args.chunk_size, kv_dtype=args.kv_dtype, batch=args.batch)
     if args.dry_run:
         bandwidth = (args.bandwidth_tbs or DRY_RUN_BANDWIDTH_TBS) * 1e12
         print(f"dry run on {jax.default_backend()}: {MODEL} shape, {formats}, weights {weight_bytes / 2**30:.2f} "
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         dry_run_checks(config, methods_at(contexts[0]), args.chunk_size, args.weights)
         rows, plan = [], {}
         for context in contexts:
-            sizes = {m: tree_bytes(jax.eval_shape(lambda m=method: m.init_cache(1, jax.numpy.bfloat16)))
+            sizes = {m: tree_bytes(jax.eval_shape(lambda m=method: m.init_cache(args.batch, jax.numpy.bfloat16)))
                      for m, method in methods_at(context).items()}
             roof = rooflines(context=context, bandwidth=bandwidth)
             fits = {m: weight_bytes + sizes[m] <= args.hbm_gib * 2**30 for m in sizes}
@@ -331,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 results[mode][context] = run_mode(
                     engine, method, context, chunk=args.chunk_size, steps=args.decode_steps,
-                    prefill=context <= args.max_prefill,
+                    prefill=context <= args.max_prefill and args.batch == 1, batch=args.batch,
                     profile_dir=tempfile.mkdtemp(prefix=f"trace_{mode}_{context}_") if args.profile else None)
                 tqdm.write(f"{mode} at {context}: {json.dumps(results[mode][context])}")  # kept if a later one dies
             except Exception as e:  # XLA reports device OOM as a runtime error
@@ -351,12 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                      common.ratio(full.get("decode_ms"), duo.get("decode_ms")),
                      common.ratio(roof["decode_ms"]["full"], full.get("decode_ms")),
                      common.ratio(roof["decode_ms"]["duo"], duo.get("decode_ms")),
+                     *(common.ratio(1e3 * args.batch, r.get("decode_ms")) for r in (full, duo)),
                      full.get("host_step_ms"), duo.get("host_step_ms"),
                      full.get("prefill_s"), duo.get("prefill_s"),
                      common.ratio(full.get("prefill_s"), duo.get("prefill_s"))])
     headers = ["context", "full decode ms", "duo decode ms", "decode speed-up", "full % roofline",
-               "duo % roofline", "full host step ms", "duo host step ms", "full prefill s", "duo prefill s",
-               "prefill speed-up"]
+               "duo % roofline", "full tokens/s", "duo tokens/s", "full host step ms", "duo host step ms",
+               "full prefill s", "duo prefill s", "prefill speed-up"]
     notes = [f"device {jax.devices()[0].device_kind}, HBM bandwidth {bandwidth / 1e12:.2f} TB/s "
              f"({'given' if args.bandwidth_tbs else 'measured'}); paper (A100): decode {PAPER['decode']}x, "
              f"prefill {PAPER['prefill']}x",
@@ -371,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         return report.line_plot(path, contexts, series, xlabel="context (tokens)", ylabel="ms per decode step",
                                  logx=True, title=f"Llama-3-8B shape, {formats}, {jax.devices()[0].device_kind}")
 
-    common.write_result(args.out, "gpu_llama8b", title=f"Llama-3-8B shape on one GPU, {formats}: duo vs full (batch 1)",
+    common.write_result(args.out, "gpu_llama8b",
+                        title=f"Llama-3-8B shape on one GPU, {formats}: duo vs full (batch {args.batch})",
                         headers=headers, rows=rows,
                         data=dict(args={k: str(v) for k, v in vars(args).items()}, results=data, largest=largest,
                                   bandwidth=bandwidth, weight_bytes=weight_bytes),

@@ -18,6 +18,9 @@
 #                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
+#   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
+#                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k / 32k as is
+#                                                # and without XLA's dot strength reduction, and batch 8 x 32k
 #
 # Measured on an H100 (2026-11-25): check ~6 min (the tests alone ~4 min), llama8b ~9 min.
 # Each stage writes its logs and JSON into OUT (flat, so a tool that brings back OUT's files gets them all).
@@ -27,8 +30,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|decode|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|decode|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -88,12 +91,28 @@ sweep)
     timeout "${SWEEP_S:-540}" $PY benchmarks/kernels.py --sweep --seq-lens 8192 32768 --reps 5 \
         --out "$out/kernels_sweep.json" 2>&1 | tee "$out/kernels_sweep.log" || true
     ;;
+decode)
+    # Issue 33's decode targets, most informative first. The second llama8b run compiles every executable with
+    # XLA's dot strength reduction off: in duo's decode step XLA turns the one-token k / v projections into a
+    # product written to memory plus column sums (BENCHMARKS.md, "Decode on one H100"); off, they stay dots.
+    timeout "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
+        -k "duo_decode or (engine_on_the_kernels and duo and not paged)" 2>&1 | tee "$out/gpu_tests.log" || true
+    timeout "${DECODE_S:-110}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 \
+        --decode-steps 32 --out "$out" 2>&1 | tee "$out/gpu_llama8b.log" || true
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dot_strength_reduction=false" timeout "${DECODE_S:-110}" \
+        $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 32 --profile \
+        --out "$out/no_strength_reduction" 2>&1 | tee "$out/gpu_llama8b_no_strength_reduction.log" || true
+    timeout "${BATCH_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --batch 8 --decode-steps 16 \
+        --out "$out/batch8" 2>&1 | tee "$out/gpu_llama8b_batch8.log" || true
+    # one archive: a device call brings back at most 8 files
+    tar czf /tmp/decode.tgz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/decode.tgz "$out/"
+    ;;
 train8b)
     timeout "${TRAIN_S:-540}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --out "$out" 2>&1 \
         | tee "$out/train_step.log" || true
     ;;
 *)
-    echo "unknown stage $stage (check, llama8b, quantized, gates, methods, train8b or sweep)" >&2
+    echo "unknown stage $stage (check, decode, llama8b, quantized, gates, methods, train8b or sweep)" >&2
     exit 2
     ;;
 esac

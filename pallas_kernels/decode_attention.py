@@ -48,14 +48,18 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs,  # inputs (+ scales w
 
 
 def split_attention(lengths_ref, q_ref, k_tile, v_tile, out_refs, *, scale: float, block_k: int,
-                    blocks_per_split: int):
+                    blocks_per_split: int, init=None, program=None):
     """One program's share of split-K decode: the G query rows of q_ref [parts, G, D / parts] over the keys
     of chunk program_id(2) of sequence program_id(0) (`blocks_per_split` blocks of `block_k`, stopping at the
     sequence's length), with `k_tile(i)` / `v_tile(i)` loading block i of the chunk as parts of [bk, D / parts]
     (a slice of a contiguous cache, a dequantized tile, pages read through a block table). Writes the
-    unnormalised output, running max and sum to out_refs (o, m, l) for `merge_splits`."""
+    unnormalised output, running max and sum to out_refs (o, m, l) for `merge_splits`. `init(qs)`, when
+    given, is the softmax state (acc parts, m, l) the loop starts from instead of the empty one: keys the
+    program has already scored (the new token of `duo_decode_attention`'s streaming heads). `program`: the
+    (sequence, split) program ids, read by a caller that runs this inside a `pl.when` (where the interpreter
+    cannot read them)."""
     o_ref, m_ref, l_ref = out_refs
-    b, split = pl.program_id(0), pl.program_id(2)
+    b, split = (pl.program_id(0), pl.program_id(2)) if program is None else program
     chunk_start = split * blocks_per_split * block_k
     keys_left = jnp.maximum(lengths_ref[b] - chunk_start, 0)  # valid keys in and past this chunk
     qs = [q_ref[i] for i in range(q_ref.shape[0])]  # the query's parts, each [G, D / parts]
@@ -78,10 +82,10 @@ def split_attention(lengths_ref, q_ref, k_tile, v_tile, out_refs, *, scale: floa
 
     num_blocks = jnp.minimum(_common.cdiv(keys_left, block_k), blocks_per_split)
     rows = qs[0].shape[0]
-    init = (tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
-            jnp.full((rows,), _common.MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    state = init(qs) if init is not None else (tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
+                                               jnp.full((rows,), _common.MASK_VALUE, jnp.float32),
+                                               jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, num_blocks, body, state)
     for i, a in enumerate(acc):  # Unnormalised; the reduction divides by the combined l.
         o_ref[i] = a
     m_ref[...] = m

@@ -17,7 +17,8 @@ import duo_jax
 from duo_jax.cache import make_layout
 from duo_jax.methods import DuoAttention
 from duo_jax.methods.duo import merge_heads, split_heads
-from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
+from duo_jax.engine import extend
+from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed, unstack_layers
 from duo_jax.quant import quantize_kv
 from tests.conftest import qkv_projection, run_method, tiny_config
 
@@ -102,6 +103,40 @@ def test_pallas_kernels_in_the_engine_match_the_reference(params, prompt):
     _, kernels = run_engine(params, CONFIG, prompt, MIXED, impl="pallas", **kwargs)
     _, reference = run_engine(params, CONFIG, prompt, MIXED, impl="reference", **kwargs)
     np.testing.assert_array_less(np.abs(kernels - reference).max(), 1e-4)
+
+
+def test_one_kernel_decode_in_the_engine_matches_the_reference(params, prompt):
+    """A ring tiled by a power-of-two block (4 + 12 slots): the mixed layers' decode steps run both partitions
+    in `duo_decode_attention` (interpreted on CPU), the one-kind layers their own kernels."""
+    kwargs = dict(sink=4, recent=12, chunk=8, decode_steps=6)
+    _, kernels = run_engine(params, CONFIG, prompt, MIXED, impl="pallas", **kwargs)
+    _, reference = run_engine(params, CONFIG, prompt, MIXED, impl="reference", **kwargs)
+    np.testing.assert_array_less(np.abs(kernels - reference).max(), 1e-4)
+    method = DuoAttention(make_layout(CONFIG, MIXED, sink=4, recent=12, context=64))
+    cache = method.init_cache(1, jnp.float32)
+    step = jax.make_jaxpr(lambda c: extend(unstack_layers(params), c, jnp.asarray([30], jnp.int32),
+                                           jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                                           config=CONFIG, method=method, impl="pallas"))(cache)
+    assert str(step).count("name=duo_decode_attention") == 2  # the two mixed layers
+
+
+def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
+    """A decode step exported for CUDA from this host: one Triton launch per layer (the mixed layers' both
+    partitions in `duo_decode_attention`), and no more gathers and scatters than today (the heads' reorder on the
+    activations, the ring writes): the counts fail the test when a change adds launches to every step."""
+    from tests.test_backend import TRITON, cuda_module
+
+    params = jax.eval_shape(lambda: unstack_layers(duo_jax.init_params(CONFIG, jax.random.key(0))))
+    ints, token = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    counts = {}
+    for name, mask in (("duo", MIXED), ("full", None)):
+        method = DuoAttention(make_layout(CONFIG, mask, sink=4, recent=12, context=256))
+        cache = jax.eval_shape(lambda m=method: m.init_cache(1, jnp.float32))
+        module = cuda_module(lambda p, c, l, t, n, m=method: extend(p, c, l, t, n, config=CONFIG, method=m,
+                                                                     impl="pallas"), params, cache, ints, token, ints)
+        counts[name] = [module.count(op) for op in (f"custom_call @{TRITON}", "stablehlo.gather", "stablehlo.scatter")]
+    assert counts["full"] == [CONFIG.num_layers, 6, 0]
+    assert counts["duo"][0] == CONFIG.num_layers and counts["duo"][1] <= 12 and counts["duo"][2] <= 12
 
 
 def test_sink_zero_and_streaming_only(params, prompt):

@@ -8,8 +8,9 @@ training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query
   meant for tests) for the specs they implement: a contiguous cache under a causal mask (flash attention;
   split-K decode for one query), Λ over a whole sequence, and causal attention over keys at explicit
   positions (DuoAttention's streaming heads: a ring of cached tokens + the chunk, in prefill and decode;
-  StreamingLLM; eviction caches) through the flash kernel's k_positions operand, forward only. Sliding
-  windows take the XLA path.
+  StreamingLLM; eviction caches) through the flash kernel's k_positions operand, forward only. DuoAttention's
+  decode step runs both partitions in one launch (`duo_decode`: retrieval heads over their cache, streaming
+  heads over their ring and the new token). Sliding windows take the XLA path.
 * "mosaic": the TPU kernels of `pallas_kernels.tpu` for the same specs: splash attention when the spec's
   offsets are Python ints (`MaskSpec.static_prefix`: gate training, whole sequences), our own Mosaic kernels
   when they are traced (chunked prefill, decode) or keys sit at explicit positions. Off TPU they run in
@@ -169,6 +170,25 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, 
                                                    num_splits=decode_splits(k.shape[0], k.shape[2]), return_lse=True)
         return out[:, None], lse[:, None]
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
+
+
+def duo_decode(q: jax.Array, k, v, lengths: jax.Array, ring_k, ring_v, ring_lengths: jax.Array, k_new: jax.Array,
+               v_new: jax.Array, *, impl: Impl = "auto", scale: float | None = None) -> jax.Array | None:
+    """DuoAttention's decode step over both partitions in one kernel, where one serves it: q [B, 1, H, E] with
+    its heads grouped by KV head in the caches' order (retrieval heads first), the retrieval cache k / v
+    [B, C, n, E] holding the new token (keys j < lengths [B] seen), the ring ring_k / ring_v [B, S, K - n, E]
+    (slots j < ring_lengths [B] seen) and the new token's k_new / v_new [B, 1, K - n, E] on the streaming heads.
+    Returns [B, 1, H, E], or None where no kernel serves it ("pallas" only, bf16 / fp32 values, both partitions
+    non-empty, a ring tiled by a power-of-two block): the caller then attends each partition with `attend`.
+    The new token counts on every row, so a padding row's output (never read) differs from `attend`'s."""
+    values = not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v, ring_k, ring_v))
+    if not (values and q.shape[1] == 1 and k.shape[2] and ring_k.shape[2] and k.shape[1] % DECODE_BLOCK == 0
+            and pallas_kernels.duo_decode.ring_block(ring_k.shape[1]) is not None and resolve_impl(impl) == "pallas"):
+        return None
+    out = pallas_kernels.duo_decode_attention(q[:, 0], k, v, lengths, ring_k, ring_v, ring_lengths, k_new[:, 0],
+                                              v_new[:, 0], scale=scale, block_k=DECODE_BLOCK,
+                                              num_splits=decode_splits(q.shape[0], k.shape[2]))
+    return out[:, None]
 
 
 def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:

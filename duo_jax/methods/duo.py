@@ -34,24 +34,34 @@ from duo_jax.pattern import Pattern
 from duo_jax.quant import as_stored, kv_rotation, rotate
 
 
-def split_heads(layout: CacheLayout, layer: int, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [B, T, N, E] over heads (KV heads, or query heads in groups of N / K) -> (the layer's retrieval heads,
-    its streaming heads), each in the model's order. The weights stay as loaded: heads are picked from the
-    activations (a few KB per token), so every method shares one copy of the weights."""
-    n, G = layout.num_retrieval[layer], x.shape[2] // layout.num_kv_heads
-    if layout.kv_order is not None:
-        x = jnp.take(x, _head_index(layout.kv_order[layer], G), axis=2)
-    return x[:, :, : n * G], x[:, :, n * G:]
+def cache_order(layout: CacheLayout, layer: int, x: jax.Array) -> jax.Array:
+    """x [B, T, N, E] over heads (KV heads, or query heads in groups of N / K) -> the same heads in the caches'
+    order: the layer's retrieval heads first, then its streaming heads, each in the model's order. The weights
+    stay as loaded: heads are picked from the activations (a few KB per token), so every method shares one copy
+    of the weights."""
+    if layout.kv_order is None:
+        return x
+    return jnp.take(x, _head_index(layout.kv_order[layer], x.shape[2] // layout.num_kv_heads), axis=2)
 
 
-def merge_heads(layout: CacheLayout, layer: int, retrieval: jax.Array, streaming: jax.Array) -> jax.Array:
-    """`split_heads`' inverse: the two groups' outputs [B, T, *, E] back in the model's head order."""
-    x = jnp.concatenate([retrieval, streaming], axis=2)
+def model_order(layout: CacheLayout, layer: int, x: jax.Array) -> jax.Array:
+    """`cache_order`'s inverse: outputs [B, T, N, E] back in the model's head order."""
     if layout.kv_order is None:
         return x
     index = _head_index(layout.kv_order[layer], x.shape[2] // layout.num_kv_heads)
     return jnp.take(x, np.argsort(index), axis=2)
 
+
+def split_heads(layout: CacheLayout, layer: int, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, N, E] over heads -> (the layer's retrieval heads, its streaming heads), each in the model's order."""
+    n = layout.num_retrieval[layer] * (x.shape[2] // layout.num_kv_heads)
+    x = cache_order(layout, layer, x)
+    return x[:, :, :n], x[:, :, n:]
+
+
+def merge_heads(layout: CacheLayout, layer: int, retrieval: jax.Array, streaming: jax.Array) -> jax.Array:
+    """`split_heads`' inverse: the two groups' outputs [B, T, *, E] back in the model's head order."""
+    return model_order(layout, layer, jnp.concatenate([retrieval, streaming], axis=2))
 
 
 def _head_index(kv_order: tuple[int, ...], group: int) -> np.ndarray:
@@ -158,14 +168,18 @@ class DuoAttention(Method):
                          StreamingWindow.build(step, self.layout.sink, self.layout.recent))
 
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
+        n = self.layout.num_retrieval[layer]
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
         rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
         if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
             q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
         if step.mesh is not None:  # the heads' split is per layer: gather them first, then pick locally
             q, k, v = (sharding.whole_over_model(x, step.mesh) for x in (q, k, v))
-        (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
-        if step.mesh is not None and kr.shape[2]:
+        q, k, v = (cache_order(self.layout, layer, x) for x in (q, k, v))
+        g = n * (q.shape[2] // self.layout.num_kv_heads)
+        qr, qs, kr, ks, vr, vs = q[:, :, :g], q[:, :, g:], k[:, :, :n], k[:, :, n:], v[:, :, :n], v[:, :, n:]
+        out = None
+        if step.mesh is not None and n:
             out_r, rk, rv = sharded_retrieval_attention(qr, kr, vr, cache.retrieval_k, cache.retrieval_v, step)
         else:
             if step.mesh is None:  # slot = position, and a step's positions follow each other: written in place
@@ -175,9 +189,19 @@ class DuoAttention(Method):
             else:
                 rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
                 rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
-            out_r = retrieval_attention(qr, rk, rv, step) if kr.shape[2] else qr
-        out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
-        out = merge_heads(self.layout, layer, out_r, out_s)
+            if step.is_decode and step.mesh is None and step.sliding_window is None:  # both partitions, one kernel
+                ring_lengths = jnp.minimum(step.lengths, self.layout.sink + self.layout.recent)
+                out = attention.duo_decode(q, rk, rv, step.new_lengths, cache.streaming_k, cache.streaming_v,
+                                           ring_lengths, ks, vs, impl=step.impl)
+            if out is None:
+                out_r = retrieval_attention(qr, rk, rv, step) if n else qr
+        if out is None:
+            out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
+            out = jnp.concatenate([out_r, out_s], axis=2)
+        else:
+            sk = write_slots(cache.streaming_k, shared.window.write_slots, ks)
+            sv = write_slots(cache.streaming_v, shared.window.write_slots, vs)
+        out = model_order(self.layout, layer, out)
         return (out if rotation is None else rotate(out, rotation.T)), DuoLayerCache(rk, rv, sk, sv)
 
 

@@ -1,0 +1,137 @@
+"""DuoAttention's decode step in one Pallas launch: retrieval heads over their cache, streaming heads over
+their ring plus the new token, forward only.
+
+A layer's KV heads are split in two caches: the first n (retrieval heads) hold every token in a contiguous
+cache [B, C, n, D], the new token already written; the other K - n (streaming heads) hold a ring
+[B, S, K - n, D] of sink + recent tokens, every filled slot of which the new token sees, and the new token
+itself, which is not in the ring yet (writing it first would evict a key the query still sees). The grid is
+split-K decode's (batch, KV head, split): a retrieval head's program takes one chunk of its cache
+(`decode_attention.split_attention`); a streaming head's program in split 0 takes the whole ring, its
+softmax starting from the new token's score, and its other splits are empty. One launch and one
+`merge_splits` serve both partitions, where two kernels would each need their own padding, launch and merge.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend
+from pallas_kernels import _common
+from pallas_kernels.decode_attention import group_queries, run_splits, split_attention
+
+
+def ring_block(size: int, largest: int = 128) -> int | None:
+    """The key block that tiles a ring of `size` slots exactly: the largest power of two <= `largest` that
+    divides it, or None when that is under 16 (Triton's smallest dot)."""
+    block = largest
+    while block >= 16:
+        if size % block == 0:
+            return block
+        block //= 2
+    return None
+
+
+def _kernel(lengths_ref, ring_lengths_ref, q_ref, k_ref, v_ref, ring_k_ref, ring_v_ref, k_new_ref, v_new_ref,
+            o_ref, m_ref, l_ref, *, scale: float, num_retrieval: int, block_k: int, blocks_per_split: int,
+            ring_block: int, ring_blocks: int):
+    b, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    out = (o_ref, m_ref, l_ref)
+
+    def rows(ref, size):
+        return lambda i: [ref[pl.ds(i * size, size), :]]
+
+    @pl.when(head < num_retrieval)
+    def _retrieval():
+        split_attention(lengths_ref, q_ref, rows(k_ref, block_k), rows(v_ref, block_k), out, scale=scale,
+                        block_k=block_k, blocks_per_split=blocks_per_split, program=(b, split))
+
+    @pl.when(head >= num_retrieval)
+    def _streaming():
+        def new_token(qs):  # split 0 scores the new token first; the other splits stay empty
+            (q,) = qs
+            first = split == 0
+            score = jnp.sum(q.astype(jnp.float32) * k_new_ref[...].astype(jnp.float32)[None, :], axis=-1) * scale
+            value = jnp.broadcast_to(v_new_ref[...].astype(jnp.float32)[None, :], q.shape)
+            return ((jnp.where(first, value, 0.0),), jnp.where(first, score, _common.MASK_VALUE),
+                    jnp.where(first, jnp.ones_like(score), 0.0))
+
+        # The ring is one chunk of `ring_blocks` blocks: split s > 0 starts past every filled slot.
+        split_attention(ring_lengths_ref, q_ref, rows(ring_k_ref, ring_block), rows(ring_v_ref, ring_block), out,
+                        scale=scale, block_k=ring_block, blocks_per_split=ring_blocks, init=new_token,
+                        program=(b, split))
+
+
+def duo_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, ring_k: jax.Array,
+                         ring_v: jax.Array, ring_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array, *,
+                         scale: float | None = None, block_k: int = 128, num_splits: int = 16,
+                         interpret: bool | None = None) -> jax.Array:
+    """One new token per sequence over a cache split by KV heads.
+
+    Args:
+      q: [B, Hq, D], the query heads grouped by KV head in the caches' order: the first n * G heads go with
+        the retrieval cache, the others with the ring (G = Hq / K, K = n + K_s).
+      k, v: [B, C, n, D] the retrieval heads' cache, the new token written; C a multiple of `block_k`.
+      lengths: int32 [B]; the retrieval heads see keys j < lengths[b].
+      ring_k, ring_v: [B, S, K_s, D] the streaming heads' ring (S tiled by `ring_block(S)`).
+      ring_lengths: int32 [B]; the streaming heads see ring slots j < ring_lengths[b] (<= S) and the new token.
+      k_new, v_new: [B, K_s, D] the new token's key and value on the streaming heads.
+      scale: softmax scale, default 1 / sqrt(D).
+      block_k, num_splits: the retrieval cache's key block and (at most) how many chunks it is split into.
+      interpret: None = interpret mode exactly when running on CPU.
+
+    Returns:
+      [B, Hq, D] like q.
+    """
+    batch, num_heads, head_dim = q.shape
+    capacity, num_retrieval = k.shape[1], k.shape[2]
+    size, num_streaming = ring_k.shape[1], ring_k.shape[2]
+    if num_retrieval == 0 or num_streaming == 0:
+        raise ValueError("duo_decode_attention needs retrieval and streaming heads; with one kind, use "
+                         "decode_attention (retrieval) or flash_attention with k_positions (streaming)")
+    for name, (key, value) in (("k / v", (k, v)), ("ring_k / ring_v", (ring_k, ring_v))):
+        if key.ndim != 4 or value.shape != key.shape or key.shape[0] != batch or key.shape[3] != head_dim:
+            raise ValueError(f"{name} must both be [B={batch}, slots, heads, D={head_dim}], got {key.shape} and "
+                             f"{value.shape}")
+    if k_new.shape != (batch, num_streaming, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(f"k_new / v_new must be [B, K_s, D] = {(batch, num_streaming, head_dim)}, got "
+                         f"{k_new.shape} and {v_new.shape}")
+    num_kv_heads = num_retrieval + num_streaming
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    ring_tile = ring_block(size)
+    if ring_tile is None:
+        raise ValueError(f"a ring of {size} slots has no power-of-two key block >= 16 (use the separate kernels)")
+    _common.check_block("block_k", block_k)
+    block_k = _common.fit_block(block_k, capacity)
+    if capacity % block_k:
+        raise ValueError(f"the retrieval cache's {capacity} slots are not a multiple of block_k={block_k}")
+    scale = _common.default_scale(head_dim, scale)
+    interpret = _backend.resolve_interpret(interpret)
+    lengths = jnp.minimum(_common.per_batch(lengths, batch, capacity), capacity)
+    ring_lengths = jnp.minimum(_common.per_batch(ring_lengths, batch, size), size)
+
+    num_blocks = capacity // block_k
+    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
+    num_splits = _common.cdiv(num_blocks, blocks_per_split)
+    q_dtype, q = q.dtype, group_queries(q, num_kv_heads, 1, interpret)
+    rows = q.shape[3]
+    last = num_retrieval - 1
+    cache_spec = pl.BlockSpec((None, blocks_per_split * block_k, None, head_dim),
+                              lambda b, h, s: (b, s, jnp.minimum(h, last), 0))
+    ring_spec = pl.BlockSpec((None, size, None, head_dim),
+                             lambda b, h, s: (b, 0, jnp.maximum(h - num_retrieval, 0), 0))
+    new_spec = pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, jnp.maximum(h - num_retrieval, 0), 0))
+    lengths_spec = pl.BlockSpec((batch,), lambda b, h, s: (0,))
+    in_specs = [lengths_spec, lengths_spec,
+                pl.BlockSpec((None, None, 1, rows, head_dim), lambda b, h, s: (b, h, 0, 0, 0)),
+                cache_spec, cache_spec, ring_spec, ring_spec, new_spec, new_spec]
+    kernel = functools.partial(_kernel, scale=scale, num_retrieval=num_retrieval, block_k=block_k,
+                               blocks_per_split=blocks_per_split, ring_block=ring_tile,
+                               ring_blocks=size // ring_tile)
+    return run_splits(kernel, in_specs, [lengths, ring_lengths, q, k, v, ring_k, ring_v, k_new, v_new], q,
+                      num_splits=num_splits, num_heads=num_heads, dtype=q_dtype, interpret=interpret,
+                      name="duo_decode_attention", return_lse=False)

@@ -1,0 +1,109 @@
+"""DuoAttention's one-launch decode kernel (interpret mode, and lowered for CUDA) against float64 numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _backend
+from pallas_kernels.duo_decode import duo_decode_attention, ring_block
+from tests.conftest import rel_err
+
+CASES = {
+    # name: (B, C, S, n, K_s, G, D, lengths, ring_lengths, block_k, num_splits)
+    "gqa_ragged": (3, 256, 48, 2, 3, 4, 64, (256, 97, 1), (48, 20, 0), 32, 4),
+    "one_retrieval_head_many_splits": (2, 128, 80, 1, 5, 2, 32, (128, 128), (80, 80), 16, 16),
+    "ring_at_capacity_single_split": (1, 64, 320, 3, 1, 1, 128, (40,), (320,), 64, 1),
+}
+
+
+def _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new):
+    """Float64: each query head over its own KV head's visible keys, written as one softmax over a key list."""
+    q, k, v, ring_k, ring_v, k_new, v_new = (np.asarray(x, np.float64)
+                                             for x in (q, k, v, ring_k, ring_v, k_new, v_new))
+    B, H, D = q.shape
+    n = k.shape[2]
+    G = H // (n + ring_k.shape[2])
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            kv = h // G
+            if kv < n:
+                keys, values = k[b, : lengths[b], kv], v[b, : lengths[b], kv]
+            else:
+                s = kv - n
+                keys = np.concatenate([ring_k[b, : ring_lengths[b], s], k_new[b, s][None]])
+                values = np.concatenate([ring_v[b, : ring_lengths[b], s], v_new[b, s][None]])
+            if not len(keys):
+                continue
+            scores = keys @ q[b, h] / np.sqrt(D)
+            p = np.exp(scores - scores.max())
+            out[b, h] = p @ values / p.sum()
+    return out
+
+
+def _inputs(B, C, S, n, K_s, G, D, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 7)
+    H = (n + K_s) * G
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
+    return (normal(keys[0], (B, H, D)), normal(keys[1], (B, C, n, D)), normal(keys[2], (B, C, n, D)),
+            normal(keys[3], (B, S, K_s, D)), normal(keys[4], (B, S, K_s, D)), normal(keys[5], (B, K_s, D)),
+            normal(keys[6], (B, K_s, D)))
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_float64(case):
+    B, C, S, n, K_s, G, D, lengths, ring_lengths, block_k, num_splits = case
+    q, k, v, ring_k, ring_v, k_new, v_new = _inputs(B, C, S, n, K_s, G, D)
+    lengths, ring_lengths = np.asarray(lengths, np.int32), np.asarray(ring_lengths, np.int32)
+    out = jax.jit(lambda *a: duo_decode_attention(*a, block_k=block_k, num_splits=num_splits, interpret=True))(
+        q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
+    expected = _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, expected) <= 1e-5
+    empty = np.repeat(np.arange(n + K_s) < n, G)[None, :] & (lengths[:, None] == 0)
+    assert bool(jnp.all(jnp.where(empty[..., None], out == 0.0, True)))  # a retrieval head with no key: zeros
+
+
+def test_bfloat16_matches_float64():
+    B, C, S, n, K_s, G, D = 2, 256, 64, 2, 2, 4, 128
+    q, k, v, ring_k, ring_v, k_new, v_new = (x.astype(jnp.bfloat16) for x in _inputs(B, C, S, n, K_s, G, D, seed=1))
+    lengths, ring_lengths = np.asarray([200, 256], np.int32), np.asarray([64, 33], np.int32)
+    out = duo_decode_attention(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new, interpret=True)
+    expected = _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
+    assert out.dtype == jnp.bfloat16 and rel_err(out.astype(jnp.float32), expected) <= 2e-2
+
+
+def test_ring_block():
+    assert [ring_block(s) for s in (320, 256, 48, 1024, 40, 7)] == [64, 128, 16, 128, None, None]
+
+
+def test_rejects_what_it_cannot_serve():
+    q, k, v, ring_k, ring_v, k_new, v_new = _inputs(1, 128, 40, 2, 2, 2, 32)
+    lengths = np.asarray([10], np.int32)
+    with pytest.raises(ValueError, match="power-of-two key block"):
+        duo_decode_attention(q, k, v, lengths, ring_k, ring_v, lengths, k_new, v_new, interpret=True)
+    with pytest.raises(ValueError, match="retrieval and streaming heads"):
+        duo_decode_attention(q, k[:, :, :0], v[:, :, :0], lengths, ring_k, ring_v, lengths, k_new, v_new,
+                             interpret=True)
+    with pytest.raises(ValueError, match="k_new / v_new"):
+        duo_decode_attention(q, k, v, lengths, ring_k[:, :32], ring_v[:, :32], lengths, k_new[:, :1], v_new,
+                             interpret=True)
+
+
+def test_lowers_to_one_triton_kernel():
+    """Exported for CUDA from this host: one Triton launch with the decode grid, no copy of either cache."""
+    from tests.test_backend import TRITON, cuda_module, triton_kernels
+
+    B, C, S, n, K_s, G, D = 1, 8192, 320, 2, 6, 4, 128
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    ints = jax.ShapeDtypeStruct((B,), jnp.int32)
+    module = cuda_module(lambda *a: duo_decode_attention(*a, num_splits=64), shape(B, (n + K_s) * G, D),
+                         shape(B, C, n, D), shape(B, C, n, D), ints, shape(B, S, K_s, D), shape(B, S, K_s, D), ints,
+                         shape(B, K_s, D), shape(B, K_s, D))
+    assert module.count(f"custom_call @{TRITON}") == 1
+    (launch,) = triton_kernels(module)
+    assert launch["name"].startswith("duo_decode_attention")
+    for cache in (f"{B}x{C}x{n}x{D}xbf16", f"{B}x{S}x{K_s}x{D}xbf16"):  # each cache appears only as an operand
+        assert module.count(cache) >= 1 and f"{B}x{S + 1}x" not in module and f"{B}x{C + 1}x" not in module
+    assert _backend.exporting() is False
