@@ -96,7 +96,7 @@ decode)
     # XLA's dot strength reduction off: in duo's decode step XLA turns the one-token k / v projections into a
     # product written to memory plus column sums (BENCHMARKS.md, "Decode on one H100"); off, they stay dots.
     timeout "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
-        -k "duo_decode or (engine_on_the_kernels and duo and not paged)" 2>&1 | tee "$out/gpu_tests.log" || true
+        -k "duo_decode or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
     timeout "${DECODE_S:-110}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 \
         --decode-steps 32 --out "$out" 2>&1 | tee "$out/gpu_llama8b.log" || true
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dot_strength_reduction=false" timeout "${DECODE_S:-110}" \

@@ -6,7 +6,7 @@ cache [B, C, n, D], the new token already written; the other K - n (streaming he
 [B, S, K - n, D] of sink + recent tokens, every filled slot of which the new token sees, and the new token
 itself, which is not in the ring yet (writing it first would evict a key the query still sees). The grid is
 split-K decode's (batch, KV head, split): a retrieval head's program takes one chunk of its cache
-(`decode_attention.split_attention`); a streaming head's program in split 0 takes the whole ring, its
+(`decode_attention.split_attention`), contiguous or in pages read through block tables (`paged_attention`); a streaming head's program in split 0 takes the whole ring, its
 softmax starting from the new token's score, and its other splits are empty. One launch and one
 `merge_splits` serve both partitions, where two kernels would each need their own padding, launch and merge.
 """
@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _backend
 from pallas_kernels import _common
 from pallas_kernels.decode_attention import group_queries, run_splits, split_attention
+from pallas_kernels.paged_attention import check_paged, pages_per_block, paged_tile, split_tables
 
 
 def ring_block(size: int, largest: int = 128) -> int | None:
@@ -35,19 +36,28 @@ def ring_block(size: int, largest: int = 128) -> int | None:
     return None
 
 
-def _kernel(lengths_ref, ring_lengths_ref, q_ref, k_ref, v_ref, ring_k_ref, ring_v_ref, k_new_ref, v_new_ref,
-            o_ref, m_ref, l_ref, *, scale: float, num_retrieval: int, block_k: int, blocks_per_split: int,
-            ring_block: int, ring_blocks: int):
+def _kernel(lengths_ref, ring_lengths_ref, q_ref, *refs, scale: float, num_retrieval: int, block_k: int,
+            blocks_per_split: int, ring_block: int, ring_blocks: int, pages_per_block: int | None):
+    # refs: the retrieval cache (k, v; or the split's page ids and the pools k, v), the ring (k, v), the new
+    # token (k, v), then the outputs (o, m, l)
+    *retrieval, ring_k_ref, ring_v_ref, k_new_ref, v_new_ref, o_ref, m_ref, l_ref = refs
     b, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     out = (o_ref, m_ref, l_ref)
 
     def rows(ref, size):
         return lambda i: [ref[pl.ds(i * size, size), :]]
 
+    if pages_per_block is None:
+        k_ref, v_ref = retrieval
+        k_tile, v_tile = rows(k_ref, block_k), rows(v_ref, block_k)
+    else:
+        tables_ref, k_ref, v_ref = retrieval
+        k_tile, v_tile = (functools.partial(paged_tile, tables_ref, ref, pages_per_block) for ref in (k_ref, v_ref))
+
     @pl.when(head < num_retrieval)
     def _retrieval():
-        split_attention(lengths_ref, q_ref, rows(k_ref, block_k), rows(v_ref, block_k), out, scale=scale,
-                        block_k=block_k, blocks_per_split=blocks_per_split, program=(b, split))
+        split_attention(lengths_ref, q_ref, k_tile, v_tile, out, scale=scale, block_k=block_k,
+                        blocks_per_split=blocks_per_split, program=(b, split))
 
     @pl.when(head >= num_retrieval)
     def _streaming():
@@ -67,32 +77,40 @@ def _kernel(lengths_ref, ring_lengths_ref, q_ref, k_ref, v_ref, ring_k_ref, ring
 
 def duo_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, ring_k: jax.Array,
                          ring_v: jax.Array, ring_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array, *,
-                         scale: float | None = None, block_k: int = 128, num_splits: int = 16,
-                         interpret: bool | None = None) -> jax.Array:
+                         block_tables: jax.Array | None = None, scale: float | None = None, block_k: int = 128,
+                         num_splits: int = 16, interpret: bool | None = None) -> jax.Array:
     """One new token per sequence over a cache split by KV heads.
 
     Args:
       q: [B, Hq, D], the query heads grouped by KV head in the caches' order: the first n * G heads go with
         the retrieval cache, the others with the ring (G = Hq / K, K = n + K_s).
-      k, v: [B, C, n, D] the retrieval heads' cache, the new token written; C a multiple of `block_k`.
+      k, v: [B, C, n, D] the retrieval heads' cache, the new token written; C a multiple of `block_k`. With
+        `block_tables`, their pools of pages instead: [n, N, P, D] (P a power of two).
       lengths: int32 [B]; the retrieval heads see keys j < lengths[b].
       ring_k, ring_v: [B, S, K_s, D] the streaming heads' ring (S tiled by `ring_block(S)`).
       ring_lengths: int32 [B]; the streaming heads see ring slots j < ring_lengths[b] (<= S) and the new token.
       k_new, v_new: [B, K_s, D] the new token's key and value on the streaming heads.
+      block_tables: int32 [B, M] for a paged retrieval cache (slot j of sequence b: page block_tables[b, j // P],
+        row j % P; `paged_attention`'s layout), or None for a contiguous one.
       scale: softmax scale, default 1 / sqrt(D).
-      block_k, num_splits: the retrieval cache's key block and (at most) how many chunks it is split into.
+      block_k, num_splits: the retrieval cache's key block (whole pages when paged) and (at most) how many
+        chunks it is split into.
       interpret: None = interpret mode exactly when running on CPU.
 
     Returns:
       [B, Hq, D] like q.
     """
     batch, num_heads, head_dim = q.shape
-    capacity, num_retrieval = k.shape[1], k.shape[2]
+    paged = block_tables is not None
+    num_retrieval = k.shape[0] if paged else k.shape[2]
     size, num_streaming = ring_k.shape[1], ring_k.shape[2]
     if num_retrieval == 0 or num_streaming == 0:
         raise ValueError("duo_decode_attention needs retrieval and streaming heads; with one kind, use "
                          "decode_attention (retrieval) or flash_attention with k_positions (streaming)")
-    for name, (key, value) in (("k / v", (k, v)), ("ring_k / ring_v", (ring_k, ring_v))):
+    if paged:
+        check_paged(q[:, : num_retrieval * (num_heads // (num_retrieval + num_streaming))], k, v, block_tables)
+    pairs = {"ring_k / ring_v": (ring_k, ring_v)} if paged else {"k / v": (k, v), "ring_k / ring_v": (ring_k, ring_v)}
+    for name, (key, value) in pairs.items():
         if key.ndim != 4 or value.shape != key.shape or key.shape[0] != batch or key.shape[3] != head_dim:
             raise ValueError(f"{name} must both be [B={batch}, slots, heads, D={head_dim}], got {key.shape} and "
                              f"{value.shape}")
@@ -106,32 +124,46 @@ def duo_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.
     if ring_tile is None:
         raise ValueError(f"a ring of {size} slots has no power-of-two key block >= 16 (use the separate kernels)")
     _common.check_block("block_k", block_k)
-    block_k = _common.fit_block(block_k, capacity)
-    if capacity % block_k:
-        raise ValueError(f"the retrieval cache's {capacity} slots are not a multiple of block_k={block_k}")
     scale = _common.default_scale(head_dim, scale)
     interpret = _backend.resolve_interpret(interpret)
+    last = num_retrieval - 1
+    if paged:
+        num_pages, page_size = k.shape[1], k.shape[2]
+        capacity = block_tables.shape[1] * page_size
+        per_block = pages_per_block(page_size, block_k)
+        tables, blocks_per_split, num_splits = split_tables(block_tables, num_pages, per_block, num_splits)
+        block_k = per_block * page_size
+        pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
+                                 lambda b, h, s: (jnp.minimum(h, last), 0, 0, 0))
+        tables_spec = pl.BlockSpec((None, None, tables.shape[2]), lambda b, h, s: (b, s, 0))  # this split's pages
+        retrieval_specs = [tables_spec, pool_spec, pool_spec]
+        retrieval = [tables, k, v]
+    else:
+        capacity = k.shape[1]
+        block_k, per_block = _common.fit_block(block_k, capacity), None
+        if capacity % block_k:
+            raise ValueError(f"the retrieval cache's {capacity} slots are not a multiple of block_k={block_k}")
+        num_blocks = capacity // block_k
+        blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
+        num_splits = _common.cdiv(num_blocks, blocks_per_split)
+        cache_spec = pl.BlockSpec((None, blocks_per_split * block_k, None, head_dim),
+                                  lambda b, h, s: (b, s, jnp.minimum(h, last), 0))
+        retrieval_specs, retrieval = [cache_spec, cache_spec], [k, v]
     lengths = jnp.minimum(_common.per_batch(lengths, batch, capacity), capacity)
     ring_lengths = jnp.minimum(_common.per_batch(ring_lengths, batch, size), size)
 
-    num_blocks = capacity // block_k
-    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
-    num_splits = _common.cdiv(num_blocks, blocks_per_split)
     q_dtype, q = q.dtype, group_queries(q, num_kv_heads, 1, interpret)
     rows = q.shape[3]
-    last = num_retrieval - 1
-    cache_spec = pl.BlockSpec((None, blocks_per_split * block_k, None, head_dim),
-                              lambda b, h, s: (b, s, jnp.minimum(h, last), 0))
     ring_spec = pl.BlockSpec((None, size, None, head_dim),
                              lambda b, h, s: (b, 0, jnp.maximum(h - num_retrieval, 0), 0))
     new_spec = pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, jnp.maximum(h - num_retrieval, 0), 0))
     lengths_spec = pl.BlockSpec((batch,), lambda b, h, s: (0,))
     in_specs = [lengths_spec, lengths_spec,
                 pl.BlockSpec((None, None, 1, rows, head_dim), lambda b, h, s: (b, h, 0, 0, 0)),
-                cache_spec, cache_spec, ring_spec, ring_spec, new_spec, new_spec]
+                *retrieval_specs, ring_spec, ring_spec, new_spec, new_spec]
     kernel = functools.partial(_kernel, scale=scale, num_retrieval=num_retrieval, block_k=block_k,
                                blocks_per_split=blocks_per_split, ring_block=ring_tile,
-                               ring_blocks=size // ring_tile)
-    return run_splits(kernel, in_specs, [lengths, ring_lengths, q, k, v, ring_k, ring_v, k_new, v_new], q,
+                               ring_blocks=size // ring_tile, pages_per_block=per_block)
+    return run_splits(kernel, in_specs, [lengths, ring_lengths, q, *retrieval, ring_k, ring_v, k_new, v_new], q,
                       num_splits=num_splits, num_heads=num_heads, dtype=q_dtype, interpret=interpret,
                       name="duo_decode_attention", return_lse=False)

@@ -58,17 +58,34 @@ def pages_per_block(page_size: int, block_k: int) -> int:
     return max(1, block_k // page_size)
 
 
+def paged_tile(tables_ref, ref, pages_per_block: int, i) -> list[jax.Array]:
+    """Key (or value) block i of a split-K program's split, [pages_per_block * P, D]: its pages' ids from the
+    split's run of table entries, then one gathered load of them from this KV head's pool ref [N, P, D]."""
+    pages = tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
+    return [ref[pages].reshape(pages_per_block * ref.shape[1], ref.shape[2])]
+
+
+def split_tables(block_tables: jax.Array, num_pages: int, per_block: int, num_splits: int):
+    """Block tables [B, M] cut into split-K's chunks of whole key blocks of `per_block` pages: (tables int32
+    [B, splits, pages per split], blocks per split, splits). Every entry is in the pool ("no page"s clipped,
+    page 0 padding the table to whole splits): a block may read a few entries past its sequence's length, whose
+    keys the length masks."""
+    batch, max_pages = block_tables.shape
+    num_blocks = _common.cdiv(max_pages, per_block)
+    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
+    num_splits = _common.cdiv(num_blocks, blocks_per_split)
+    pages_per_split = blocks_per_split * per_block
+    tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)
+    tables = jnp.pad(tables, ((0, 0), (0, num_splits * pages_per_split - max_pages)))
+    return tables.reshape(batch, num_splits, pages_per_split), blocks_per_split, num_splits
+
+
 def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                   scale: float, pages_per_block: int, blocks_per_split: int):
-    page_size, width = k_ref.shape[1], k_ref.shape[2]  # k_ref: this KV head's pool [N, P, D]
-    block_k = pages_per_block * page_size
-
-    def tile(ref, i):  # block i of this split: its pages' ids, then one gathered load of them
-        pages = tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
-        return (ref[pages].reshape(block_k, width),)
-
-    split_attention(lengths_ref, q_ref, functools.partial(tile, k_ref), functools.partial(tile, v_ref),
-                    (o_ref, m_ref, l_ref), scale=scale, block_k=block_k, blocks_per_split=blocks_per_split)
+    block_k = pages_per_block * k_ref.shape[1]  # k_ref: this KV head's pool [N, P, D]
+    split_attention(lengths_ref, q_ref, functools.partial(paged_tile, tables_ref, k_ref, pages_per_block),
+                    functools.partial(paged_tile, tables_ref, v_ref, pages_per_block), (o_ref, m_ref, l_ref),
+                    scale=scale, block_k=block_k, blocks_per_split=blocks_per_split)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
@@ -101,15 +118,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     lengths = jnp.minimum(_common.per_batch(lengths, batch, max_pages * page_size), max_pages * page_size)
 
     per_block = pages_per_block(page_size, block_k)
-    num_blocks = _common.cdiv(max_pages, per_block)
-    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
-    num_splits = _common.cdiv(num_blocks, blocks_per_split)
-    pages_per_split = blocks_per_split * per_block
-    # Every entry in the pool (clipped "no page"s, and page 0 padding the table to whole splits): a block may
-    # read a few entries past its sequence's length, whose keys the length masks.
-    tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)
-    tables = jnp.pad(tables, ((0, 0), (0, num_splits * pages_per_split - max_pages)))
-    tables = tables.reshape(batch, num_splits, pages_per_split)
+    tables, blocks_per_split, num_splits = split_tables(block_tables, num_pages, per_block, num_splits)
+    pages_per_split = tables.shape[2]
 
     q_dtype, q = q.dtype, group_queries(q, num_kv_heads, 1, interpret)
     rows = q.shape[3]

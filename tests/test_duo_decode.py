@@ -65,6 +65,24 @@ def test_matches_float64(case):
     assert bool(jnp.all(jnp.where(empty[..., None], out == 0.0, True)))  # a retrieval head with no key: zeros
 
 
+@pytest.mark.parametrize("page_size, block_k", [(16, 32), (32, 16)])
+def test_paged_retrieval_cache_matches_float64(page_size, block_k):
+    """The retrieval heads' cache in pages of a shared pool (each sequence's pages scattered, "no page" entries
+    past its length): the same attention as over the contiguous cache they hold."""
+    B, M, S, n, K_s, G, D = 2, 6, 48, 2, 3, 4, 64
+    q, k, v, ring_k, ring_v, k_new, v_new = _inputs(B, M * page_size, S, n, K_s, G, D, seed=2)
+    pages = np.random.default_rng(0).permutation(B * M + 3).astype(np.int32)[: B * M].reshape(B, M)
+    pool = lambda x: (jnp.zeros((n, B * M + 3, page_size, D), jnp.float32)  # noqa: E731
+                      .at[:, pages.reshape(-1)].set(x.reshape(B * M, page_size, n, D).transpose(2, 0, 1, 3)))
+    lengths, ring_lengths = np.asarray([M * page_size - 5, 17], np.int32), np.asarray([48, 7], np.int32)
+    tables = np.where(np.arange(M)[None, :] * page_size < lengths[:, None], pages, 10_000)  # past the length: none
+    out = jax.jit(lambda *a, t: duo_decode_attention(*a, block_tables=t, block_k=block_k, num_splits=3,
+                                                     interpret=True))(
+        q, pool(k), pool(v), lengths, ring_k, ring_v, ring_lengths, k_new, v_new, t=jnp.asarray(tables))
+    expected = _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
+    assert rel_err(out, expected) <= 1e-5
+
+
 def test_bfloat16_matches_float64():
     B, C, S, n, K_s, G, D = 2, 256, 64, 2, 2, 4, 128
     q, k, v, ring_k, ring_v, k_new, v_new = (x.astype(jnp.bfloat16) for x in _inputs(B, C, S, n, K_s, G, D, seed=1))
@@ -91,19 +109,26 @@ def test_rejects_what_it_cannot_serve():
                              interpret=True)
 
 
-def test_lowers_to_one_triton_kernel():
-    """Exported for CUDA from this host: one Triton launch with the decode grid, no copy of either cache."""
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_lowers_to_one_triton_kernel(paged):
+    """Exported for CUDA from this host: one Triton launch on the decode grid, neither cache copied or padded
+    (the ring + token of S + 1 slots never exists; pages are never gathered into a contiguous cache)."""
     from tests.test_backend import TRITON, cuda_module, triton_kernels
 
-    B, C, S, n, K_s, G, D = 1, 8192, 320, 2, 6, 4, 128
-    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
-    ints = jax.ShapeDtypeStruct((B,), jnp.int32)
-    module = cuda_module(lambda *a: duo_decode_attention(*a, num_splits=64), shape(B, (n + K_s) * G, D),
-                         shape(B, C, n, D), shape(B, C, n, D), ints, shape(B, S, K_s, D), shape(B, S, K_s, D), ints,
-                         shape(B, K_s, D), shape(B, K_s, D))
+    B, C, S, n, K_s, G, D, P = 2, 8192, 320, 2, 6, 4, 128, 16
+    shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
+    ints = shape(B, dtype=jnp.int32)
+    retrieval = shape(n, B * C // P, P, D) if paged else shape(B, C, n, D)
+    tables = {"block_tables": jnp.zeros((B, C // P), jnp.int32)} if paged else {}
+    module = cuda_module(lambda *a: duo_decode_attention(*a, num_splits=64, **tables), shape(B, (n + K_s) * G, D),
+                         retrieval, retrieval, ints, shape(B, S, K_s, D), shape(B, S, K_s, D), ints, shape(B, K_s, D),
+                         shape(B, K_s, D))
     assert module.count(f"custom_call @{TRITON}") == 1
     (launch,) = triton_kernels(module)
-    assert launch["name"].startswith("duo_decode_attention")
-    for cache in (f"{B}x{C}x{n}x{D}xbf16", f"{B}x{S}x{K_s}x{D}xbf16"):  # each cache appears only as an operand
-        assert module.count(cache) >= 1 and f"{B}x{S + 1}x" not in module and f"{B}x{C + 1}x" not in module
+    assert launch["name"].startswith("duo_decode_attention") and launch["grid"] == (B, n + K_s, 64)
+    assert f"{B}x{S + 1}x" not in module  # no ring + token copy
+    if paged:
+        assert f"{B}x{C}x{n}x{D}x" not in module  # no contiguous view of the pages
+    else:
+        assert f"{B}x{C}x{n}x{D}xbf16" in module
     assert _backend.exporting() is False

@@ -130,6 +130,22 @@ def test_paged_duo_gives_the_contiguous_caches_logits(engine, mask):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * np.abs(r).max())
 
 
+def xla_and_pallas_logits(engine, *, sink, recent, prompt_lengths, seed, steps=3) -> dict:
+    """Paged duo (pages of 4 in a pool of 40, random block tables) on "xla" and on "pallas": every position's
+    logits of random prompts and `steps` greedy tokens, by impl."""
+    rng = np.random.default_rng(seed)
+    method = paged(DuoAttention(make_layout(CONFIG, MASK, sink=sink, recent=recent, context=64)), page_size=4,
+                   num_pages=40)
+    prompts = [rng.integers(1, 128, n).tolist() for n in prompt_lengths]
+    tables = random_tables(rng, [len(p) + steps for p in prompts], 4, method.pages_per_sequence, 40)
+    logits = {}
+    for impl in ("xla", "pallas"):
+        cache = method.empty_cache(len(prompts), engine.dtype)
+        cache.block_tables = jnp.asarray(tables)
+        logits[impl] = all_logits(engine, method, prompts, cache, chunk=8, steps=steps, impl=impl)
+    return logits
+
+
 def test_paged_decode_through_the_kernel_gives_the_xla_paths_tokens(engine, monkeypatch):
     """The paged method with impl="pallas" (prefill chunks and decode steps read the pages in the paged Pallas
     kernels, in the interpreter here) gives the XLA path's logits and greedy tokens over random block tables;
@@ -140,20 +156,27 @@ def test_paged_decode_through_the_kernel_gives_the_xla_paths_tokens(engine, monk
     for name in ("paged_decode_attention", "paged_flash_attention"):
         kernel = getattr(pallas_kernels, name)
         monkeypatch.setattr(pallas_kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
-    rng = np.random.default_rng(2)
-    method = paged(DuoAttention(make_layout(CONFIG, MASK, sink=2, recent=5, context=64)), page_size=4, num_pages=40)
-    prompts = [rng.integers(1, 128, n).tolist() for n in (11, 4)]
-    steps = 3
-    tables = random_tables(rng, [len(p) + steps for p in prompts], 4, method.pages_per_sequence, 40)
-    logits = {}
-    for impl in ("xla", "pallas"):
-        cache = method.empty_cache(2, engine.dtype)
-        cache.block_tables = jnp.asarray(tables)
-        logits[impl] = all_logits(engine, method, prompts, cache, chunk=8, steps=steps, impl=impl)
+    logits = xla_and_pallas_logits(engine, sink=2, recent=5, prompt_lengths=(11, 4), seed=2)
     assert sorted(calls) == ["paged_decode_attention"] * 2 + ["paged_flash_attention"] * 2  # layers 0 and 1
     for x, p in zip(logits["xla"], logits["pallas"]):
         np.testing.assert_allclose(p, x, rtol=0, atol=1e-5 * np.abs(x).max())
         np.testing.assert_array_equal(p.argmax(-1), x.argmax(-1))
+
+
+def test_paged_duo_decode_in_one_kernel_gives_the_xla_paths_logits(engine, monkeypatch):
+    """A ring tiled by a power-of-two block (4 + 12 slots): decode steps of the layers with both kinds of heads
+    run `duo_decode_attention` over the pages and the ring (interpreted), with the XLA path's logits."""
+    import pallas_kernels
+
+    calls = []
+    kernel = pallas_kernels.duo_decode_attention
+    monkeypatch.setattr(pallas_kernels, "duo_decode_attention",
+                        lambda *a, **kw: calls.append(kw.get("block_tables") is not None) or kernel(*a, **kw))
+    logits = xla_and_pallas_logits(engine, sink=4, recent=12, prompt_lengths=(21, 6), seed=3)
+    mixed = sum(0 < n < CONFIG.num_kv_heads for n in MASK.sum(axis=1))
+    assert calls == [True] * mixed  # one trace of the jitted decode step, a launch per mixed layer
+    for x, p in zip(logits["xla"], logits["pallas"]):
+        np.testing.assert_allclose(p, x, rtol=0, atol=1e-5 * np.abs(x).max())
 
 
 def test_generate_runs_a_paged_method():

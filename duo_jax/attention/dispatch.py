@@ -176,18 +176,27 @@ def duo_decode(q: jax.Array, k, v, lengths: jax.Array, ring_k, ring_v, ring_leng
                v_new: jax.Array, *, impl: Impl = "auto", scale: float | None = None) -> jax.Array | None:
     """DuoAttention's decode step over both partitions in one kernel, where one serves it: q [B, 1, H, E] with
     its heads grouped by KV head in the caches' order (retrieval heads first), the retrieval cache k / v
-    [B, C, n, E] holding the new token (keys j < lengths [B] seen), the ring ring_k / ring_v [B, S, K - n, E]
-    (slots j < ring_lengths [B] seen) and the new token's k_new / v_new [B, 1, K - n, E] on the streaming heads.
+    [B, C, n, E] (or `PagedKV` pools read through their tables) holding the new token (keys j < lengths [B]
+    seen), the ring ring_k / ring_v [B, S, K - n, E] (slots j < ring_lengths [B] seen) and the new token's
+    k_new / v_new [B, 1, K - n, E] on the streaming heads.
     Returns [B, 1, H, E], or None where no kernel serves it ("pallas" only, bf16 / fp32 values, both partitions
-    non-empty, a ring tiled by a power-of-two block): the caller then attends each partition with `attend`.
-    The new token counts on every row, so a padding row's output (never read) differs from `attend`'s."""
-    values = not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v, ring_k, ring_v))
-    if not (values and q.shape[1] == 1 and k.shape[2] and ring_k.shape[2] and k.shape[1] % DECODE_BLOCK == 0
-            and pallas_kernels.duo_decode.ring_block(ring_k.shape[1]) is not None and resolve_impl(impl) == "pallas"):
+    non-empty, a ring tiled by a power-of-two block, pages of a power-of-two size): the caller then attends each
+    partition with `attend`. The new token counts on every row, so a padding row's output (never read) differs
+    from `attend`'s."""
+    paged = isinstance(k, PagedKV) and isinstance(v, PagedKV)
+    if paged and k.page_size & (k.page_size - 1) == 0:
+        retrieval = dict(k=k.pages, v=v.pages, block_tables=k.block_tables)
+    elif not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v)) and k.shape[1] % DECODE_BLOCK == 0:
+        retrieval = dict(k=k, v=v)
+    else:
         return None
-    out = pallas_kernels.duo_decode_attention(q[:, 0], k, v, lengths, ring_k, ring_v, ring_lengths, k_new[:, 0],
-                                              v_new[:, 0], scale=scale, block_k=DECODE_BLOCK,
-                                              num_splits=decode_splits(q.shape[0], k.shape[2]))
+    if (q.shape[1] != 1 or not k.shape[2] or not ring_k.shape[2] or isinstance(ring_k, (QuantizedKV, PagedKV))
+            or pallas_kernels.duo_decode.ring_block(ring_k.shape[1]) is None or resolve_impl(impl) != "pallas"):
+        return None
+    out = pallas_kernels.duo_decode_attention(q[:, 0], lengths=lengths, ring_k=ring_k, ring_v=ring_v,
+                                              ring_lengths=ring_lengths, k_new=k_new[:, 0], v_new=v_new[:, 0],
+                                              scale=scale, block_k=DECODE_BLOCK,
+                                              num_splits=decode_splits(q.shape[0], k.shape[2]), **retrieval)
     return out[:, None]
 
 

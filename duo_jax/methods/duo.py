@@ -1,7 +1,7 @@
 """DuoAttention: retrieval heads keep every token, streaming heads keep sinks + recent tokens.
 
 The split cache is `duo_jax.cache`; each layer's heads are split into its retrieval and streaming groups on
-the activations (`split_heads`), so the weights are used as loaded. For T new tokens per sequence:
+the activations (`cache_order`, `split_heads`), so the weights are used as loaded. For T new tokens per sequence:
 
   retrieval heads: keys written to the full cache, attention over every cached token up to the query;
   streaming heads: attention over the streaming cache (sinks + the last `recent` tokens before the chunk)
@@ -167,6 +167,23 @@ class DuoAttention(Method):
         return DuoShared(jnp.where(step.valid, step.positions, self.layout.capacity),
                          StreamingWindow.build(step, self.layout.sink, self.layout.recent))
 
+    def attend_partitions(self, q, qs, ks, vs, rk, rv, retrieval, streaming_k, streaming_v, step: Step,
+                          shared: DuoShared):
+        """Both partitions' attention once the retrieval cache rk / rv holds the new tokens: q [B, T, H, E] in the
+        caches' head order, qs / ks / vs its streaming heads' part and the new tokens' keys and values there,
+        `retrieval()` the retrieval heads' output. Returns (output [B, T, H, E] in the caches' head order, the
+        ring with the new tokens folded in). A decode step runs both in one kernel where one serves it
+        (`attention.duo_decode`), the ring written after it."""
+        if step.is_decode and step.mesh is None and step.sliding_window is None:
+            ring_lengths = jnp.minimum(step.lengths, self.layout.sink + self.layout.recent)
+            out = attention.duo_decode(q, rk, rv, step.new_lengths, streaming_k, streaming_v, ring_lengths, ks, vs,
+                                       impl=step.impl)
+            if out is not None:
+                return (out, write_slots(streaming_k, shared.window.write_slots, ks),
+                        write_slots(streaming_v, shared.window.write_slots, vs))
+        out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, streaming_k, streaming_v, step)
+        return jnp.concatenate([retrieval(), out_s], axis=2), sk, sv
+
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
         n = self.layout.num_retrieval[layer]
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
@@ -178,9 +195,9 @@ class DuoAttention(Method):
         q, k, v = (cache_order(self.layout, layer, x) for x in (q, k, v))
         g = n * (q.shape[2] // self.layout.num_kv_heads)
         qr, qs, kr, ks, vr, vs = q[:, :, :g], q[:, :, g:], k[:, :, :n], k[:, :, n:], v[:, :, :n], v[:, :, n:]
-        out = None
         if step.mesh is not None and n:
             out_r, rk, rv = sharded_retrieval_attention(qr, kr, vr, cache.retrieval_k, cache.retrieval_v, step)
+            retrieval = lambda: out_r  # noqa: E731
         else:
             if step.mesh is None:  # slot = position, and a step's positions follow each other: written in place
                 n_valid = step.new_lengths - step.lengths
@@ -189,18 +206,9 @@ class DuoAttention(Method):
             else:
                 rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
                 rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
-            if step.is_decode and step.mesh is None and step.sliding_window is None:  # both partitions, one kernel
-                ring_lengths = jnp.minimum(step.lengths, self.layout.sink + self.layout.recent)
-                out = attention.duo_decode(q, rk, rv, step.new_lengths, cache.streaming_k, cache.streaming_v,
-                                           ring_lengths, ks, vs, impl=step.impl)
-            if out is None:
-                out_r = retrieval_attention(qr, rk, rv, step) if n else qr
-        if out is None:
-            out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
-            out = jnp.concatenate([out_r, out_s], axis=2)
-        else:
-            sk = write_slots(cache.streaming_k, shared.window.write_slots, ks)
-            sv = write_slots(cache.streaming_v, shared.window.write_slots, vs)
+            retrieval = lambda: retrieval_attention(qr, rk, rv, step) if n else qr  # noqa: E731
+        out, sk, sv = self.attend_partitions(q, qs, ks, vs, rk, rv, retrieval, cache.streaming_k,
+                                             cache.streaming_v, step, shared)
         out = model_order(self.layout, layer, out)
         return (out if rotation is None else rotate(out, rotation.T)), DuoLayerCache(rk, rv, sk, sv)
 

@@ -40,7 +40,7 @@ from duo_jax.attention.pages import PagedKV
 from duo_jax.cache import CacheLayout
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.duo import DuoAttention, DuoShared, merge_heads, retrieval_attention, split_heads
+from duo_jax.methods.duo import DuoAttention, DuoShared, cache_order, model_order, retrieval_attention
 from duo_jax.model import apply_rotary
 
 DEFAULT_PAGE_SIZE = 128
@@ -187,14 +187,19 @@ class PagedDuo(Method):
     def attend(self, layer, q, k, v, view: PagedLayerView, step: Step, shared: DuoShared):
         cache, tables = view.layer, view.block_tables
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
-        pk, pv, out_r = cache.pages_k, cache.pages_v, qr
-        if kr.shape[2]:
+        q, k, v = (cache_order(self.layout, layer, x) for x in (q, k, v))
+        n = self.layout.num_retrieval[layer]
+        g = n * (q.shape[2] // self.layout.num_kv_heads)
+        qr, qs, kr, ks, vr, vs = q[:, :, :g], q[:, :, g:], k[:, :, :n], k[:, :, n:], v[:, :, :n], v[:, :, n:]
+        pk, pv = cache.pages_k, cache.pages_v
+        if n:
             pk = write_pages(pk, tables, step.positions, step.valid, kr)
             pv = write_pages(pv, tables, step.positions, step.valid, vr)
-            out_r = retrieval_attention(qr, PagedKV(pk, tables), PagedKV(pv, tables), step)
-        out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
-        return merge_heads(self.layout, layer, out_r, out_s), PagedLayerCache(pk, pv, sk, sv)
+        rk, rv = PagedKV(pk, tables), PagedKV(pv, tables)
+        out, sk, sv = DuoAttention(self.layout).attend_partitions(
+            q, qs, ks, vs, rk, rv, lambda: retrieval_attention(qr, rk, rv, step) if n else qr, cache.streaming_k,
+            cache.streaming_v, step, shared)
+        return model_order(self.layout, layer, out), PagedLayerCache(pk, pv, sk, sv)
 
 
 def paged(method: Method, *, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None) -> PagedDuo:
