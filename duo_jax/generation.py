@@ -136,8 +136,10 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
     number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
     split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention
-    then takes the XLA path (its partials are merged across devices), whatever `attention_impl`.
+    then takes the XLA path (its partials are merged across devices), whatever `attention_impl`. A mesh from
+    `jax.make_mesh` works as well, its axes Explicit or Auto (run as Auto: `sharding.auto_axes`).
     """
+    mesh = None if mesh is None else sharding.auto_axes(mesh)
     validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,
                      attention_impl=attention_impl)
