@@ -308,3 +308,11 @@ def test_a_scheduler_that_cannot_go_on_refuses_at_once_and_calls_on_fatal(monkey
         assert httpx.get(f"{running.url}/health").status_code == 503
     finally:
         running.stop()
+
+
+def test_the_default_host_allow_list_follows_the_bind_address():
+    from duo_jax.serve.protocol import default_hosts
+
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert "localhost" in default_hosts(host)
+    assert default_hosts("0.0.0.0") is None and default_hosts("192.168.1.5") is None

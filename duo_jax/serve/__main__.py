@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 
 import jax.numpy as jnp
 
 
-def default_hosts(host: str) -> list[str] | None:
-    """The Host names accepted by default: the local ones when bound to a loopback address, else any (None)."""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    return list(LOCAL_HOSTS) if loopback else None
-
-
 def main(argv=None) -> int:
     from duo_jax.serve.scheduler import MIXED
-    from duo_jax.serve.server import DEFAULT_MAX_REQUEST_BYTES, LOCAL_HOSTS
+    from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, LOCAL_HOSTS, default_hosts
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")

@@ -1,4 +1,4 @@
-"""The request bodies the server accepts, checked before anything is admitted: the fields of
+"""The request bodies the server accepts (and its request defaults: body size, Host names), checked before anything is admitted: the fields of
 `/v1/completions` and `/v1/chat/completions` as OpenAI defines them. A bad field is a `BadRequest` (HTTP 400)
 whose message names it and says what it takes; a field this server does not know, or an option it cannot
 honour (`n` > 1, logprobs, penalties, tools, a `response_format` other than text), is refused rather than
@@ -12,9 +12,24 @@ text parts ({"type": "text", "text": ...}, joined with newlines, as vLLM joins t
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 
 from duo_jax.errors import InvalidOption
 from duo_jax.sampling import Sampling, check_number, check_sampling
+
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 1M-token prompt as text or token ids fits
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def default_hosts(host: str) -> list[str] | None:
+    """The Host names the server accepts by default when bound to `host`: the local ones on a loopback
+    address (against DNS rebinding), else any (None)."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return list(LOCAL_HOSTS) if loopback else None
 
 
 class BadRequest(InvalidOption):

@@ -56,12 +56,10 @@ from starlette.routing import Route
 
 from duo_jax.chat import chat_prompts
 from duo_jax.errors import DuoJaxError
-from duo_jax.serve.protocol import BadRequest, Parsed, parse
+from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, BadRequest, Parsed, parse
 from duo_jax.serve.scheduler import Request, Scheduler, SchedulerClosed, find_stop
 
 log = logging.getLogger("duo_jax.serve")
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 1M-token prompt as text or token ids fits
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
