@@ -316,3 +316,21 @@ def test_the_default_host_allow_list_follows_the_bind_address():
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
         assert "localhost" in default_hosts(host)
     assert default_hosts("0.0.0.0") is None and default_hosts("192.168.1.5") is None
+
+
+def test_a_failing_step_ends_a_stream_with_an_error_event(guarded, monkeypatch):
+    server, running, client = guarded
+    scheduler, step, calls = server.scheduler, server.scheduler.step, []
+
+    def flaky():
+        if any(scheduler.running) and not calls:
+            calls.append(1)
+            raise RuntimeError("device lost")
+        return step()
+
+    monkeypatch.setattr(scheduler, "step", flaky)
+    with client.stream("POST", "/v1/completions", json={"prompt": "doomed", "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert "device lost" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
+    assert_serves(client)

@@ -104,14 +104,19 @@ print(json.dumps(result))
 """
 
 
-@pytest.fixture(scope="module")
-def sharded():
+def on_8_devices(script: str) -> dict:
+    """The JSON that `script` prints last, run in a process with 8 host CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    return on_8_devices(_SCRIPT)
 
 
 @pytest.mark.parametrize("method", ["full", "duo"])
@@ -196,12 +201,7 @@ print(json.dumps(result))
 
 def test_a_mesh_from_jax_make_mesh_works_with_explicit_or_auto_axes():
     """jax.make_mesh's default (Explicit) axes and Auto ones give the tokens of make_generation_mesh's mesh."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-c", _MAKE_MESH_SCRIPT], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = on_8_devices(_MAKE_MESH_SCRIPT)
     assert result["Explicit"] == result["Auto"] == result["project"]
 
 

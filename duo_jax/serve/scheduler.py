@@ -613,8 +613,8 @@ class Scheduler:
 
     def warm_up(self) -> None:
         """Compile what serving runs, before the first request waits for it: a step with every slot prefilling
-        a chunk, a decode step, a chunk alone on one row (split) and the sampler on both logits shapes, by
-        serving a few throwaway requests (sampled, so that the sampler's filtering is compiled). The counters
+        a chunk, a decode step, a chunk alone on one row (split), the sampler on both logits shapes and a prefix
+        reuse, by serving a few throwaway requests (sampled, so that the sampler's filtering is compiled). The counters
         start again from zero."""
         limit = min(self.method.max_tokens, self.engine.config.max_position_embeddings)
         n = min(self.chunk, limit - 2)
@@ -631,6 +631,9 @@ class Scheduler:
         self.run()
         self.inbox.put(Request([(i + 1) % vocab for i in range(n)], max_tokens=1, stop_at_eos=False))
         self.run()
+        if n + 1 < limit:  # a prompt that extends the first one reuses its prefix (when a whole reuse unit)
+            self.inbox.put(Request(requests[0].prompt + [0], max_tokens=1, stop_at_eos=False))
+            self.run()
         self.counters.clear()
 
     def pages_in_use(self) -> int:
