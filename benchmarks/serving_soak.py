@@ -8,7 +8,8 @@ subprocess), through the official `openai` client, `--concurrency` at a time:
              response_format, an unknown field), a wrong API key, a body over --max-request-bytes, a prompt
              over the context (large text, tokenized off the event loop)
 
-Recorded: requests/s over the run, time to first token of the streamed valid requests (p50 / p95), the
+Recorded: requests/s over the run, time to first token of the streamed valid requests (from the call to
+the first chunk carrying text; p50 / p95), the
 latency of /health polled during the run (p50 / max: whether the event loop stalls), outcomes by kind
 (expected refusals by status, and anything unexpected), and the server's resident memory (VmRSS) when warm
 (after warm-up and a first round of requests), at its peak during the run, and after it (idle a few
@@ -113,8 +114,10 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
             response = client.completions.create(model=args.model, prompt=text, stream=stream, **sampling, **extra)
         ttft = None
         if stream:
-            for chunk in response:
-                if ttft is None:
+            for chunk in response:  # the first chunk with text (a chat's first chunk holds only the role)
+                choice = chunk.choices[0] if chunk.choices else None
+                got = choice and (choice.delta.content if hasattr(choice, "delta") else choice.text)
+                if ttft is None and got:
                     ttft = time.perf_counter() - start
         return "ok", ttft
     if kind == "aborted":

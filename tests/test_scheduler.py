@@ -182,3 +182,25 @@ def test_prefix_reuse_survives_preemption(setup):
     assert peak <= 10 and s.counters["preemptions"] > 0
     for r, expected in zip(requests, solo + [solo[1]]):
         assert r.tokens == expected
+
+
+def test_serve_forever_calls_on_idle_when_work_runs_out_and_refuses_after_stop(setup):
+    """on_idle (the server's memory release) once per stretch of work; once stopped, submit raises at once."""
+    import threading
+
+    from duo_jax.serve.scheduler import SchedulerClosed
+
+    method, solo = setup
+    s, stop, idle = scheduler(method, num_pages=64), threading.Event(), []
+    thread = threading.Thread(target=s.serve_forever, args=(stop,), kwargs=dict(on_idle=lambda: idle.append(1)))
+    thread.start()
+    for _ in range(2):
+        request = s.submit(Request(PROMPTS[1], max_tokens=3, stop_at_eos=False))
+        assert request.done.wait(60) and request.tokens == solo[1][:3]
+        while len(idle) < _ + 1:
+            threading.Event().wait(0.01)
+    stop.set()
+    thread.join(60)
+    assert idle == [1, 1]
+    with pytest.raises(SchedulerClosed, match="shutting down"):
+        s.submit(Request(PROMPTS[1], max_tokens=3))

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import gc
 import hmac
 import json
 import logging
@@ -70,6 +72,25 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 def _error(message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None,
            code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+LARGE_BODY = 1 << 20  # bytes: after a request this large, freed memory is handed back at once
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the OS (a collection, then glibc's malloc_trim; elsewhere the collection
+    only): called after a large request and when the scheduler runs out of work, so that the resident size
+    goes back to its warm level instead of keeping the peak of a large prompt's parsing and tokenization."""
+    gc.collect()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.malloc_trim  # noqa: B018 (glibc only)
+except (OSError, AttributeError):
+    _libc = None
 
 
 class _TooLarge(Exception):
@@ -210,7 +231,7 @@ class Server:
             if self.warm:
                 self.scheduler.warm_up()
             self.ready = True
-            self.scheduler.serve_forever(self._stop)
+            self.scheduler.serve_forever(self._stop, on_idle=release_memory)
         except BaseException as e:
             self.failed = f"{type(e).__name__}: {e}"
             log.exception("the scheduler stopped; new requests get 503")
@@ -298,7 +319,10 @@ class Server:
         except DuoJaxError as e:
             return _error(str(e), param=getattr(e, "param", None))
         finally:
+            large = len(body) > LARGE_BODY
             del body
+            if large:
+                await anyio.to_thread.run_sync(release_memory)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{ident}"
         if parsed.stream:
             return StreamingResponse(self._events(job, tokens, ident, chat), media_type="text/event-stream")
