@@ -334,3 +334,26 @@ def test_a_failing_step_ends_a_stream_with_an_error_event(guarded, monkeypatch):
     assert lines[-1] == "data: [DONE]"
     assert "device lost" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
     assert_serves(client)
+
+
+def test_memory_is_released_once_after_a_burst():
+    """on_quiet (release_memory by default) runs once the API has been quiet for QUIET_S, not per request,
+    and not for /health polls."""
+    from duo_jax.serve import server as server_module
+
+    quiet = []
+    server = build(warm_up=False, on_quiet=lambda: quiet.append(time.monotonic()))
+    running = Running(server.app)
+    try:
+        for _ in range(3):
+            assert httpx.post(f"{running.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                              timeout=120).status_code == 200
+        end = time.monotonic()
+        time.sleep(server_module.QUIET_S + 0.5)
+        assert len(quiet) == 1 and quiet[0] - end >= server_module.QUIET_S * 0.9
+        httpx.get(f"{running.url}/health")
+        time.sleep(server_module.QUIET_S + 0.3)
+        assert len(quiet) == 1
+    finally:
+        running.stop()
+    server_module.release_memory()  # the real one runs (glibc or not)

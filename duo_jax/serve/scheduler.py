@@ -566,17 +566,15 @@ class Scheduler:
         while self.step() or not self.idle:
             pass
 
-    def serve_forever(self, stop: threading.Event, poll_s: float = 0.01, max_failures: int = 3,
-                      on_idle: Callable | None = None) -> None:
-        """Step while there is work; wait for requests when idle (calling `on_idle()` once each time the
-        work runs out); return once `stop` is set and the requests already submitted have finished (none is
-        dropped on shutdown).
+    def serve_forever(self, stop: threading.Event, poll_s: float = 0.01, max_failures: int = 3) -> None:
+        """Step while there is work; wait for requests when idle; return once `stop` is set and the requests
+        already submitted have finished (none is dropped on shutdown).
 
         Supervision: a step that raises fails the requests it was running (finish_reason "error", `error`
         says what failed; their pages freed) and the loop goes on with the queued ones. `max_failures` failed
         steps in a row (none served in between) mean the scheduler cannot go on: it closes (`submit` refuses
         at once), fails every request left, and raises, for its owner to exit."""
-        failures, busy = 0, False
+        failures = 0
         while True:
             try:
                 worked = self.step()
@@ -590,9 +588,6 @@ class Scheduler:
                                f"({type(e).__name__}: {e})")
                     raise
                 continue
-            if busy and not worked and on_idle is not None:
-                on_idle()
-            busy = worked
             if not worked:
                 if stop.is_set() and self.idle:
                     self.close("the server is shutting down")

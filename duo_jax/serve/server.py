@@ -74,13 +74,13 @@ def _error(message: str, status: int = 400, kind: str = "invalid_request_error",
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
-LARGE_BODY = 1 << 20  # bytes: after a request this large, freed memory is handed back at once
+QUIET_S = 1.0  # seconds without a /v1 request in flight before freed memory is handed back
 
 
 def release_memory() -> None:
     """Hand freed heap back to the OS (a collection, then glibc's malloc_trim; elsewhere the collection
-    only): called after a large request and when the scheduler runs out of work, so that the resident size
-    goes back to its warm level instead of keeping the peak of a large prompt's parsing and tokenization."""
+    only). `Guard` calls it once the API has been quiet for QUIET_S, so that the resident size goes back to
+    its warm level instead of keeping the peak of a burst or of a large prompt's parsing and tokenization."""
     gc.collect()
     if _libc is not None:
         _libc.malloc_trim(0)
@@ -110,8 +110,9 @@ class Guard:
     exception the routes let through (the connection stays open). `allowed_hosts` None: any Host."""
 
     def __init__(self, app, *, api_key: str | None = None, allowed_hosts=None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, on_quiet=release_memory):
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+        self.on_quiet, self.inflight, self._quiet, self._last = on_quiet, 0, None, 0.0  # /v1 requests in flight
         self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else {
             _host_name(h) for h in allowed_hosts}
 
@@ -148,6 +149,8 @@ class Guard:
                 raise _TooLarge
             return message
 
+        api = scope["path"].startswith("/v1/")
+        self.inflight += api
         try:
             await self.app(scope, counted, send_with_id)
         except _TooLarge:
@@ -159,6 +162,22 @@ class Guard:
             if not started:
                 await respond(500, f"internal error (request id {ident}); the server log has the details",
                               "server_error", ident)
+        finally:
+            self.inflight -= api
+            if api:
+                self._last = time.monotonic()
+                if not self.inflight and self.on_quiet is not None and (self._quiet is None or self._quiet.done()):
+                    self._quiet = asyncio.ensure_future(self._when_quiet())
+
+    async def _when_quiet(self) -> None:
+        """Call `on_quiet` (in a thread) once no /v1 request has been in flight for QUIET_S: once per burst. A
+        request in flight when it wakes ends the wait; that request's end starts the next one."""
+        while True:
+            await asyncio.sleep(max(self._last + QUIET_S - time.monotonic(), 0))
+            if self.inflight:
+                return
+            if time.monotonic() - self._last >= QUIET_S:
+                return await anyio.to_thread.run_sync(self.on_quiet)
 
     def _refusal(self, scope, headers) -> tuple[int, str, str] | None:
         """(status, message, kind) of a request refused before it is read, or None."""
@@ -191,11 +210,13 @@ def held_back(text: str, stops) -> int:
 class Server:
     """The routes over one scheduler; `app` is the ASGI application (the Starlette routes inside `Guard`).
     `warm_up`: compile the serving shapes before /health says ready. `on_fatal()`: called from the scheduler's
-    thread when the scheduler cannot go on. `allowed_origins`: CORS, off unless given."""
+    thread when the scheduler cannot go on. `allowed_origins`: CORS, off unless given. `on_quiet()`: run in a
+    thread after each burst of API requests (default: `release_memory`)."""
 
     def __init__(self, scheduler: Scheduler, model, name: str, *, warm_up: bool = True, on_fatal=None,
                  api_key: str | None = None, allowed_hosts=None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_origins=None):
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_origins=None,
+                 on_quiet=release_memory):
         self.scheduler, self.model, self.name = scheduler, model, name
         self.tokenizer = model.tokenizer
         self.started = time.time()
@@ -206,7 +227,7 @@ class Server:
         middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                                  allow_headers=["*"])] if allowed_origins else []
         middleware.append(Middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts,
-                                     max_request_bytes=max_request_bytes))
+                                     max_request_bytes=max_request_bytes, on_quiet=on_quiet))
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -231,7 +252,7 @@ class Server:
             if self.warm:
                 self.scheduler.warm_up()
             self.ready = True
-            self.scheduler.serve_forever(self._stop, on_idle=release_memory)
+            self.scheduler.serve_forever(self._stop)
         except BaseException as e:
             self.failed = f"{type(e).__name__}: {e}"
             log.exception("the scheduler stopped; new requests get 503")
@@ -319,10 +340,7 @@ class Server:
         except DuoJaxError as e:
             return _error(str(e), param=getattr(e, "param", None))
         finally:
-            large = len(body) > LARGE_BODY
             del body
-            if large:
-                await anyio.to_thread.run_sync(release_memory)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{ident}"
         if parsed.stream:
             return StreamingResponse(self._events(job, tokens, ident, chat), media_type="text/event-stream")
