@@ -31,6 +31,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -56,7 +57,8 @@ def start_server(args, port: int) -> subprocess.Popen:
                "--context", str(args.context), "--kv-memory-mb", str(args.kv_memory_mb), "--slots", str(args.slots),
                "--chunk", str(args.chunk), "--port", str(port), "--api-key", KEY,
                "--max-request-bytes", str(args.max_request_bytes)]
-    log = open(args.out / "serving_soak_server.log", "w")
+    args.server_log = tempfile.NamedTemporaryFile("w", prefix="serving_soak_server_", suffix=".log", delete=False)
+    log = args.server_log
     return subprocess.Popen(command, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONPATH=str(common.REPO)))
 
@@ -246,7 +248,7 @@ def main(argv=None) -> int:
              round(after), unexpected]]
     headers = ["requests", "concurrency", "req/s", "TTFT p50 ms", "TTFT p95 ms", "/health p50 ms",
                "/health max ms", "RSS warm MB", "RSS peak MB", "RSS after MB", "unexpected"]
-    notes = [f"server ready after {ready_s:.1f} s (load + warm-up); alive and healthy after the run: {alive}",
+    notes = [f"server log: {args.server_log.name}", f"server ready after {ready_s:.1f} s (load + warm-up); alive and healthy after the run: {alive}",
              f"outcomes: {dict(outcomes)}", f"RSS after / warm: {after / warm:.3f}"]
     common.write_result(args.out, f"serving_soak_{args.model}", title="Serving soak (HTTP, openai client)",
                         headers=headers, rows=rows, notes=notes,
@@ -254,7 +256,7 @@ def main(argv=None) -> int:
                                   ready_s=ready_s, wall_s=wall, ttft_s=ttfts, rss_mb=dict(warm=warm, peak=max(peak),
                                                                                           after=after),
                                   health_s=[h for h in health if np.isfinite(h)], alive=alive,
-                                  settings={k: v for k, v in vars(args).items() if k not in ("out", "texts")}))
+                                  settings={k: v for k, v in vars(args).items() if k not in ("out", "texts", "server_log")}))
     return 0 if unexpected == 0 and alive else 1
 
 

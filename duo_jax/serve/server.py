@@ -19,7 +19,8 @@ for them; the scheduler's thread then drains and stops).
 
 Supervision: a scheduler step that fails ends only the requests it was running (500, or an error event when
 streamed) and serving goes on; a scheduler that cannot go on (`Scheduler.serve_forever`) refuses new requests
-at once (503) and calls `on_fatal` (the CLI then exits non-zero, for a supervisor to restart it).
+at once (503) and calls `on_fatal` (the CLI then exits non-zero, for a supervisor to restart it). Once no /v1
+request has been in flight for QUIET_S, freed memory goes back to the OS (`release_memory`).
 
 `Guard`, the outermost layer, holds the security defaults: a Bearer `api_key` on /v1/* (when set), a Host
 allow-list (`allowed_hosts`, against DNS rebinding), `Content-Type: application/json` on every POST (so that
