@@ -232,7 +232,9 @@ def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(guarded, monkeyp
         assert error["type"] == "server_error" and error["code"] in head.decode() and error["code"] in error["message"]
 
 
-def test_a_failing_step_fails_only_its_requests(guarded, monkeypatch):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_failing_step_fails_only_its_requests(guarded, monkeypatch, stream):
+    """The request a failing step ran gets a 500 (streamed: an error event, then [DONE]); the next is served."""
     server, running, client = guarded
     scheduler, step, calls = server.scheduler, server.scheduler.step, []
 
@@ -243,8 +245,17 @@ def test_a_failing_step_fails_only_its_requests(guarded, monkeypatch):
         return step()
 
     monkeypatch.setattr(scheduler, "step", flaky)
-    response = post(client, {"prompt": "doomed", "max_tokens": 3})
-    assert response.status_code == 500 and "device lost" in response.json()["error"]["message"]
+    body = {"prompt": "doomed", "max_tokens": 3, "stream": stream}
+    if stream:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    else:
+        response = post(client, body)
+        assert response.status_code == 500
+        error = response.json()["error"]
+    assert "device lost" in error["message"] and error["type"] == "server_error"
     assert_serves(client)
     assert client.get("/health").status_code == 200 and scheduler.pages_in_use() == 0
 
@@ -316,24 +327,6 @@ def test_the_default_host_allow_list_follows_the_bind_address():
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
         assert "localhost" in default_hosts(host)
     assert default_hosts("0.0.0.0") is None and default_hosts("192.168.1.5") is None
-
-
-def test_a_failing_step_ends_a_stream_with_an_error_event(guarded, monkeypatch):
-    server, running, client = guarded
-    scheduler, step, calls = server.scheduler, server.scheduler.step, []
-
-    def flaky():
-        if any(scheduler.running) and not calls:
-            calls.append(1)
-            raise RuntimeError("device lost")
-        return step()
-
-    monkeypatch.setattr(scheduler, "step", flaky)
-    with client.stream("POST", "/v1/completions", json={"prompt": "doomed", "max_tokens": 3, "stream": True}) as r:
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    assert "device lost" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
-    assert_serves(client)
 
 
 def test_memory_is_released_once_after_a_burst():
