@@ -12,9 +12,10 @@ Recorded: requests/s over the run, time to first token of the streamed valid req
 the first chunk carrying text; p50 / p95), the
 latency of /health polled during the run (p50 / max: whether the event loop stalls), outcomes by kind
 (expected refusals by status, and anything unexpected), and the server's resident memory (VmRSS) when warm
-(after warm-up and a first round of requests), at its peak during the run, and after it (idle a few
-seconds). The run fails (exit 1) on any unexpected outcome: a 500, a hang, a refusal of a valid request, an
-invalid request accepted.
+(after warm-up, a first round of requests and a few idle seconds), at its peak during the run, and after it
+(idle as long). The host's load average before and after is noted (a shared machine's figures vary with it).
+The run fails (exit 1) on any unexpected outcome: a 500, a hang, a refusal of a valid request, an invalid
+request accepted.
 
     pip install openai
     python benchmarks/serving_soak.py                              # 300 requests, 8 at a time, smollm2-135m
@@ -39,6 +40,7 @@ import common
 import numpy as np
 
 KEY = "soak-key"
+IDLE_S = 5  # seconds idle before the warm and the after readings of resident memory
 
 
 def rss_mb(pid: int) -> float:
@@ -99,7 +101,8 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
 
     client = clients["ok"]
     if kind == "valid":
-        sampling = dict(temperature=rng.choice([0, 0, rng.uniform(0.1, 1.5)]), top_p=rng.choice([1, rng.uniform(0.5, 1)]),
+        sampling = dict(temperature=rng.choice([0, 0, rng.uniform(0.1, 1.5)]),
+                        top_p=rng.choice([1, rng.uniform(0.5, 1)]),
                         max_tokens=rng.randint(1, args.max_tokens), seed=rng.randint(0, 1000))
         top_k = rng.choice([0, rng.randint(1, 100), 50000])
         extra = {"extra_body": {"top_k": top_k}} if top_k else {}
@@ -196,7 +199,9 @@ def main(argv=None) -> int:
         rng = random.Random(args.seed)
         for _ in range(2 * args.slots):  # the warm round
             one("valid", rng, clients, args)
+        time.sleep(IDLE_S)  # idle as long as before the "after" reading (the server trims after a quiet second)
         warm = rss_mb(server.pid)
+        load = [os.getloadavg()[0]]
         kinds = (["valid"] * 60 + ["aborted"] * 10 + ["wrong_key"] * 3 + ["too_large"] * 3 + ["over_context"] * 4
                  + list(INVALID) * 3)
         plan = [rng.choice(kinds) for _ in range(args.requests)]
@@ -235,7 +240,8 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - start
         done.set()
         watcher.join()
-        time.sleep(5)
+        load.append(os.getloadavg()[0])
+        time.sleep(IDLE_S)
         after = rss_mb(server.pid)
         alive = server.poll() is None and httpx.get(f"{url}/health", timeout=10).status_code == 200
     finally:
@@ -248,15 +254,18 @@ def main(argv=None) -> int:
              round(after), unexpected]]
     headers = ["requests", "concurrency", "req/s", "TTFT p50 ms", "TTFT p95 ms", "/health p50 ms",
                "/health max ms", "RSS warm MB", "RSS peak MB", "RSS after MB", "unexpected"]
-    notes = [f"server log: {args.server_log.name}", f"server ready after {ready_s:.1f} s (load + warm-up); alive and healthy after the run: {alive}",
-             f"outcomes: {dict(outcomes)}", f"RSS after / warm: {after / warm:.3f}"]
+    notes = [f"server log: {args.server_log.name}",
+             f"server ready after {ready_s:.1f} s (load + warm-up); alive and healthy after the run: {alive}",
+             f"outcomes: {dict(outcomes)}", f"RSS after / warm: {after / warm:.3f}",
+             f"1-minute load average before / after the run: {load[0]:.1f} / {load[1]:.1f} (on {os.cpu_count()} CPUs)"]
     common.write_result(args.out, f"serving_soak_{args.model}", title="Serving soak (HTTP, openai client)",
                         headers=headers, rows=rows, notes=notes,
                         data=dict(outcomes=dict(outcomes), by_kind={k: dict(v) for k, v in by_kind.items()},
                                   ready_s=ready_s, wall_s=wall, ttft_s=ttfts, rss_mb=dict(warm=warm, peak=max(peak),
                                                                                           after=after),
                                   health_s=[h for h in health if np.isfinite(h)], alive=alive,
-                                  settings={k: v for k, v in vars(args).items() if k not in ("out", "texts", "server_log")}))
+                                  settings={k: v for k, v in vars(args).items()
+                                            if k not in ("out", "texts", "server_log")}))
     return 0 if unexpected == 0 and alive else 1
 
 

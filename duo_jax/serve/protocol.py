@@ -1,9 +1,9 @@
-"""The request bodies the server accepts (and its request defaults: body size, Host names), checked before anything is admitted: the fields of
-`/v1/completions` and `/v1/chat/completions` as OpenAI defines them. A bad field is a `BadRequest` (HTTP 400)
-whose message names it and says what it takes; a field this server does not know, or an option it cannot
-honour (`n` > 1, logprobs, penalties, tools, a `response_format` other than text), is refused rather than
-ignored. Sampling values are checked by `duo_jax.sampling.check_sampling`, as `infer.py` and `generate` check
-theirs.
+"""The request bodies the server accepts, checked before anything is admitted: the fields of `/v1/completions`
+and `/v1/chat/completions` as OpenAI defines them; and the server's request defaults (body size, Host names).
+A bad field is a `BadRequest` (HTTP 400) whose message names it and says what it takes; a field this server
+does not know, or an option it cannot honour (`n` > 1, logprobs, penalties, tools, a `response_format` other
+than text), is refused rather than ignored. Sampling values are checked by `duo_jax.sampling.check_sampling`,
+as `infer.py` and `generate` check theirs.
 
 Chat messages: role system, developer (rendered as system), user or assistant; content a string or a list of
 text parts ({"type": "text", "text": ...}, joined with newlines, as vLLM joins them).
