@@ -254,8 +254,8 @@ def main(argv=None) -> int:
              round(after), unexpected]]
     headers = ["requests", "concurrency", "req/s", "TTFT p50 ms", "TTFT p95 ms", "/health p50 ms",
                "/health max ms", "RSS warm MB", "RSS peak MB", "RSS after MB", "unexpected"]
-    notes = [f"server log: {args.server_log.name}",
-             f"server ready after {ready_s:.1f} s (load + warm-up); alive and healthy after the run: {alive}",
+    print(f"server log: {args.server_log.name}")
+    notes = [f"server ready after {ready_s:.1f} s (load + warm-up); alive and healthy after the run: {alive}",
              f"outcomes: {dict(outcomes)}", f"RSS after / warm: {after / warm:.3f}",
              f"1-minute load average before / after the run: {load[0]:.1f} / {load[1]:.1f} (on {os.cpu_count()} CPUs)"]
     common.write_result(args.out, f"serving_soak_{args.model}", title="Serving soak (HTTP, openai client)",
