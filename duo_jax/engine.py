@@ -270,6 +270,7 @@ class Engine:
 
     def __init__(self, params: Params, config: ModelConfig, mesh: Mesh | None = None):
         """`params` in either layout: per-layer weights are used as they are (off a mesh), stacked ones sliced."""
+        mesh = None if mesh is None else sharding.auto_axes(mesh)  # jax.make_mesh's Explicit axes run as Auto
         self.config, self.mesh = config, mesh
         if mesh is None:
             self.params = unstack_layers(params)

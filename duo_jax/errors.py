@@ -24,3 +24,11 @@ class WeightsNotFoundError(LoadError, FileNotFoundError):
 
 class BackendError(DuoJaxError):
     """An implementation asked for that this JAX or device cannot run."""
+
+
+class InvalidOption(DuoJaxError, ValueError):
+    """A bad value for a named option or request field (`param`: its name), e.g. a temperature of NaN."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -23,7 +23,7 @@ from duo_jax.loading import Model
 from duo_jax import methods
 from duo_jax.methods import Method, cache_nbytes
 from duo_jax.pattern import Pattern, exact_sparsity
-from duo_jax.sampling import Sampling, sample
+from duo_jax.sampling import Sampling, check_number, check_sampling, sample
 from duo_jax.tokenizer import require
 
 
@@ -76,10 +76,8 @@ def validate_options(*, sparsity: float, sink: int | None, recent: int | None, m
         raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
     if chunk_size <= 0:
         raise DuoJaxError(f"chunk_size must be positive, got {chunk_size}")
-    if max_new_tokens <= 0:
-        raise DuoJaxError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise DuoJaxError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    check_number("max_new_tokens", max_new_tokens, integer=True, minimum=1)
+    check_sampling(temperature, top_p, top_k)
     if attention_impl not in attention.IMPLS:
         raise DuoJaxError(f"attention_impl must be one of {', '.join(attention.IMPLS)}, got {attention_impl!r}")
 
@@ -138,8 +136,10 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
     number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
     split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention
-    then takes the XLA path (its partials are merged across devices), whatever `attention_impl`.
+    then takes the XLA path (its partials are merged across devices), whatever `attention_impl`. A mesh from
+    `jax.make_mesh` works as well, its axes Explicit or Auto (run as Auto: `sharding.auto_axes`).
     """
+    mesh = None if mesh is None else sharding.auto_axes(mesh)
     validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,
                      attention_impl=attention_impl)

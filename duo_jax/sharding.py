@@ -62,7 +62,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from duo_jax.errors import DuoJaxError
 from duo_jax.model import LayerParams, Params
@@ -182,6 +182,21 @@ def make_generation_mesh(*, data: int = 1, model: int = 1, devices=None) -> Mesh
         raise MeshError(f"mesh data={data},model={model} needs {data * model} devices but there are "
                         f"{len(devices)}; choose sizes whose product is {len(devices)}")
     return Mesh(np.asarray(devices).reshape(data, model), GENERATION_AXES)
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """`mesh` with every axis Auto (the same mesh when it already is). `jax.make_mesh` makes Explicit axes by
+    default, under which every op's output sharding is part of its type and must be resolvable without
+    collectives; generation places its arrays with `NamedSharding`s and sharding constraints and lets GSPMD
+    partition the rest (module docstring), which is what Auto axes mean. Manual axes (inside shard_map) are
+    refused."""
+    types = tuple(getattr(mesh, "axis_types", None) or ())
+    if all(t == AxisType.Auto for t in types):
+        return mesh
+    if any(t == AxisType.Manual for t in types):
+        raise MeshError(f"generation cannot run on a mesh with Manual axes ({mesh.axis_names}, {types}); build "
+                        "it with jax.make_mesh(..., axis_types=(AxisType.Auto,) * n) or make_generation_mesh")
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def check_generation_mesh(mesh: Mesh, num_heads: int, intermediate_size: int) -> None:

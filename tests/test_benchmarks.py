@@ -15,7 +15,7 @@ import pallas_kernels.cpu
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b", "train_step", "methods", "infinigen_alpha",
-           "call_overhead", "train_memory", "generation_memory", "serving", "prefill_profile", "cpu_attention")
+           "call_overhead", "train_memory", "generation_memory", "serving", "serving_soak", "prefill_profile", "cpu_attention")
 
 common = importlib.import_module("common")
 

@@ -180,12 +180,22 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
     (dict(recent=-5), DuoJaxError, "sink and recent must be >= 0"),
     (dict(max_new_tokens=250), DuoJaxError, "exceeds the model's context of 256"),
     (dict(context=32), DuoJaxError, "exceeds the cache capacity"),
-    (dict(max_new_tokens=0), DuoJaxError, "max_new_tokens must be positive"),
+    (dict(max_new_tokens=0), DuoJaxError, "max_new_tokens must be an integer >= 1"),
     (dict(top_p=0.0), DuoJaxError, "top_p"),
+    (dict(temperature=float("nan")), DuoJaxError, "temperature must be a finite number"),
+    (dict(top_k=1.5), DuoJaxError, "top_k must be an integer"),
 ])
 def test_bad_arguments_are_clear_errors(model, prompts, kwargs, error, message):
     with pytest.raises(error, match=message):
         generate(model, prompts[0], **kwargs)
+
+
+def test_a_top_k_at_or_above_the_vocabulary_is_no_limit(model, prompts):
+    """top_k >= the vocabulary keeps every token: the tokens of top_k 0 (no error from lax.top_k)."""
+    options = dict(max_new_tokens=4, temperature=1.0, seed=3, stop_at_eos=False)
+    free = generate(model, prompts[0], **options).tokens
+    assert generate(model, prompts[0], top_k=CONFIG.vocab_size, **options).tokens == free
+    assert generate(model, prompts[0], top_k=50_000, **options).tokens == free
 
 
 def test_bad_prompts_are_clear_errors(model):

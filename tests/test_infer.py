@@ -34,6 +34,13 @@ def test_generates_and_prints_stats(tmp_path):
     assert "KV cache" in result.stderr and "tok/s" in result.stderr
 
 
+def test_a_top_k_above_the_vocabulary_keeps_every_token():
+    """--top-k beyond the vocabulary is no limit (not a traceback from lax.top_k)."""
+    result = run_cli("--prompt", "Hi", "--max-new-tokens", "2", "--temperature", "1", "--top-k", "50000",
+                     "--no-chat")
+    assert result.returncode == 0, result.stderr
+
+
 def test_other_methods_from_the_command_line():
     result = run_cli("--prompt", "The capital of France is", "--max-new-tokens", "3", "--method", "headkv",
                      "--kv-budget", "40", "--scores", "default", "--no-chat")
@@ -65,6 +72,9 @@ def test_instruct_model_answers_through_its_chat_template(prompt):
     (["--prompt", "hi", "--pattern", str(ROOT / "configs/patterns/llama3-8b"), "--sparsity", "0.5"],
      "32x8 .* 30x3"),
     (["--prompt", "hi", "--sparsity", "1.5"], r"\[0, 1\]"),
+    (["--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0"),
+    (["--prompt", "hi", "--top-p", "0"], "top_p must be a finite number > 0 and <= 1"),
+    (["--prompt", "hi", "--top-k", "-1"], "top_k must be an integer >= 0"),
     (["--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context of 8192"),
     (["--prompt-file", "/nonexistent.txt"], "No such file"),
     (["--prompt", "hi", "--method", "h2o"], "needs kv_budget"),

@@ -182,3 +182,21 @@ def test_prefix_reuse_survives_preemption(setup):
     assert peak <= 10 and s.counters["preemptions"] > 0
     for r, expected in zip(requests, solo + [solo[1]]):
         assert r.tokens == expected
+
+
+def test_a_stopped_scheduler_refuses_at_once(setup):
+    """Once serve_forever has drained and returned, submit raises (a request would otherwise wait forever)."""
+    import threading
+
+    from duo_jax.serve.scheduler import SchedulerClosed
+
+    method, solo = setup
+    s, stop = scheduler(method, num_pages=64), threading.Event()
+    thread = threading.Thread(target=s.serve_forever, args=(stop,))
+    thread.start()
+    request = s.submit(Request(PROMPTS[1], max_tokens=3, stop_at_eos=False))
+    assert request.done.wait(60) and request.tokens == solo[1][:3]
+    stop.set()
+    thread.join(60)
+    with pytest.raises(SchedulerClosed, match="shutting down"):
+        s.submit(Request(PROMPTS[1], max_tokens=3))

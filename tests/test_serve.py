@@ -49,6 +49,8 @@ class Running:
         self.thread.start()
         while not self.server.started:
             time.sleep(0.05)
+        while httpx.get(f"{self.url}/health").status_code != 200:  # 503 "starting" while warm-up compiles
+            time.sleep(0.05)
 
     def stop(self):
         self.server.should_exit = True
@@ -131,7 +133,8 @@ def test_concurrent_completions_match_solo_generation(served):
 ])
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(served, body, status, message):
     running, model, solo = served
-    kwargs = dict(content=body) if isinstance(body, str) else dict(json=body)
+    kwargs = (dict(content=body, headers={"content-type": "application/json"}) if isinstance(body, str)
+              else dict(json=body))
     response = httpx.post(f"{running.url}/v1/completions", timeout=30, **kwargs)
     assert response.status_code == status and message in response.json()["error"]["message"]
     assert httpx.get(f"{running.url}/health").json() == {"status": "ok"}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from duo_jax import sharding
@@ -103,14 +104,19 @@ print(json.dumps(result))
 """
 
 
-@pytest.fixture(scope="module")
-def sharded():
+def on_8_devices(script: str) -> dict:
+    """The JSON that `script` prints last, run in a process with 8 host CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    return on_8_devices(_SCRIPT)
 
 
 @pytest.mark.parametrize("method", ["full", "duo"])
@@ -170,3 +176,40 @@ def test_infer_mesh_error_is_one_line():
                          capture_output=True, text=True, cwd=REPO, timeout=300,
                          env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
     assert run.returncode == 2 and run.stderr.startswith("error: mesh data=2,model=4 needs 8 devices"), run.stderr
+
+
+_MAKE_MESH_SCRIPT = r"""
+import json
+import jax
+from jax.sharding import AxisType
+import duo_jax
+from duo_jax import sharding
+from tests.conftest import tiny_config
+
+config = tiny_config(num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8)
+model = duo_jax.Model(config, duo_jax.init_params(config, jax.random.key(0), scale=0.1), None, "random")
+prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10], [11, 12, 13, 14]]
+options = dict(max_new_tokens=4, chunk_size=8, stop_at_eos=False)
+result = {"project": duo_jax.generate(model, prompts, mesh=sharding.make_generation_mesh(data=2, model=4),
+                                      **options).tokens}
+for kind in (AxisType.Explicit, AxisType.Auto):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind))
+    result[kind.name] = duo_jax.generate(model, prompts, mesh=mesh, **options).tokens
+print(json.dumps(result))
+"""
+
+
+def test_a_mesh_from_jax_make_mesh_works_with_explicit_or_auto_axes():
+    """jax.make_mesh's default (Explicit) axes and Auto ones give the tokens of make_generation_mesh's mesh."""
+    result = on_8_devices(_MAKE_MESH_SCRIPT)
+    assert result["Explicit"] == result["Auto"] == result["project"]
+
+
+def test_a_mesh_with_manual_axes_is_refused_by_name():
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), sharding.GENERATION_AXES,
+                axis_types=(AxisType.Manual, AxisType.Auto))
+    with pytest.raises(sharding.MeshError, match="Manual axes"):
+        sharding.auto_axes(mesh)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 
 def main(argv=None) -> int:
     from duo_jax.serve.scheduler import MIXED
+    from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, LOCAL_HOSTS, default_hosts
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
@@ -32,6 +34,17 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("DUO_JAX_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $DUO_JAX_API_KEY; unset: none)")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host names accepted ('*': any); default: the local names "
+                             f"({', '.join(LOCAL_HOSTS)}) when --host is a loopback address, else any")
+    parser.add_argument("--allowed-origins", default=None,
+                        help="comma-separated origins granted CORS (browser pages); default: none")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request body accepted (413 beyond, before reading it all)")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="report ready at once instead of compiling the serving shapes first")
     args = parser.parse_args(argv)
 
     try:
@@ -62,7 +75,16 @@ def main(argv=None) -> int:
         return 2
     print(f"serving {args.model} ({method.name}, {pages} pages of {args.page_size} tokens, {args.slots} slots) "
           f"on http://{args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(Server(scheduler, model, args.model).app, host=args.host, port=args.port, log_level="info")
+    hosts = default_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts.split(",")
+    server = Server(scheduler, model, args.model, warm_up=not args.no_warm_up, api_key=args.api_key or None,
+                    allowed_hosts=hosts, max_request_bytes=args.max_request_bytes,
+                    allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None)
+    web = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level="info"))
+    server.on_fatal = lambda: setattr(web, "should_exit", True)  # a supervisor restarts a process that exits
+    web.run()
+    if server.failed is not None:
+        print(f"error: the scheduler stopped ({server.failed})", file=sys.stderr)
+        return 1
     return 0
 
 

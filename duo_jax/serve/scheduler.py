@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import hashlib
 import itertools
 import math
@@ -64,7 +63,11 @@ import numpy as np
 from duo_jax.engine import Engine, compiled_extend, compiled_extend_row
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.paged import PagedDuo
-from duo_jax.sampling import Sampling, sample
+from duo_jax.sampling import Sampling, check_sampling, sample_rows
+
+
+class SchedulerClosed(DuoJaxError):
+    """The scheduler no longer takes requests (shut down, or failed for good); the message says why."""
 
 
 class PagePool:
@@ -182,7 +185,8 @@ class Request:
     on_token: Callable | None = None
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
-    finish_reason: str | None = None  # "stop" (EOS, a stop id or string), "length" or "cancelled"
+    finish_reason: str | None = None  # "stop" (EOS, a stop id or string), "length", "cancelled" or "error"
+    error: str | None = None  # with finish_reason "error": what failed
     preemptions: int = 0
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
@@ -204,11 +208,12 @@ class _Slot:
 MIXED = ("split", "padded")
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _sample_rows(logits, seeds, counts, sampling: Sampling):
-    """Row b's token sampled with key fold_in(key(seeds[b]), counts[b]): the same whatever the batch."""
-    return jax.vmap(lambda row, s, n: sample(row[None], jax.random.fold_in(jax.random.key(s), n), sampling)[0])(
-        logits, seeds, counts)
+@jax.jit
+def _sample_rows(logits, seeds, counts, temperature, top_p, top_k):
+    """Row b's token by its own rule, sampled with key fold_in(key(seeds[b]), counts[b]): the same whatever
+    the batch. The rules are runtime values: one executable per logits shape."""
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, counts)
+    return sample_rows(logits, keys, temperature, top_p, top_k)
 
 
 class Scheduler:
@@ -252,6 +257,8 @@ class Scheduler:
         # requests, finished, cancelled, tokens, prompt_tokens, prefix_tokens, prefix_hits, steps, preemptions,
         # calls (compiled calls), row_tokens (batch x T of every call)
         self.counters = collections.Counter()
+        self.closed: str | None = None  # why submit refuses (shut down, or failed for good); None while serving
+        self._lock = threading.Lock()
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -264,9 +271,7 @@ class Scheduler:
             raise DuoJaxError(f"prompt token ids must lie in [0, {config.vocab_size})")
         if request.max_tokens < 1:
             raise DuoJaxError(f"max_tokens must be positive, got {request.max_tokens}")
-        s = request.sampling
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-            raise DuoJaxError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        check_sampling(request.sampling.temperature, request.sampling.top_p, request.sampling.top_k)
         total = n + request.max_tokens
         limit = min(self.method.max_tokens, config.max_position_embeddings)
         if total > limit:
@@ -279,9 +284,13 @@ class Scheduler:
                               f"{self.pool.num_pages}")
 
     def submit(self, request: Request) -> Request:
-        """Queue a request (thread-safe); it runs from the next step on."""
+        """Queue a request (thread-safe); it runs from the next step on. SchedulerClosed once the scheduler
+        has stopped serving (shut down, or failed for good)."""
         self.check(request)
-        self.inbox.put(request)
+        with self._lock:
+            if self.closed is not None:
+                raise SchedulerClosed(self.closed)
+            self.inbox.put(request)
         return request
 
     def cancel(self, request: Request) -> None:
@@ -339,13 +348,16 @@ class Scheduler:
         self.counters["preemptions"] += 1
         self.queue.appendleft(request)
 
-    def _admit(self) -> None:
+    def _admit_inbox(self) -> None:
         while True:
             try:
                 self.queue.append(self.inbox.get_nowait())
                 self.counters["requests"] += 1
             except queue.Empty:
-                break
+                return
+
+    def _admit(self) -> None:
+        self._admit_inbox()
         self._cancel_requested()
         for b in range(self.slots):
             if not self.queue:
@@ -521,52 +533,108 @@ class Scheduler:
         return True
 
     def _sample(self, logits: jax.Array, rows: dict[int, int]) -> None:
-        """Sample the next token of each slot b in `rows` from its row rows[b] of `logits`, one call per
-        sampling rule over every row (a fixed shape: no compile when the batch's make-up changes; rows not in
-        the rule's group are ignored)."""
-        by_rule = collections.defaultdict(list)
-        for b in rows:
-            by_rule[self.running[b].request.sampling].append(b)
-        for sampling, group in by_rule.items():
-            seeds, counts = np.zeros(logits.shape[0], np.uint32), np.zeros(logits.shape[0], np.int32)
-            for b in group:
-                seeds[rows[b]], counts[rows[b]] = self.running[b].request.seed, len(self.running[b].request.tokens)
-            new = np.asarray(_sample_rows(logits, jnp.asarray(seeds), jnp.asarray(counts), sampling))
-            for b in group:
-                request, token = self.running[b].request, int(new[rows[b]])
-                request.tokens.append(token)
-                self.counters["tokens"] += 1
-                reason = None
-                if (request.stop_at_eos and token in self.eos_ids or token in request.stop_ids
-                        or request.stop and find_stop(self.detokenize(request.tokens), request.stop)[1]):
-                    reason = "stop"
-                elif len(request.tokens) >= request.max_tokens:
-                    reason = "length"
-                if request.on_token is not None:
-                    request.on_token(request, token)
-                if reason is not None:
-                    self._release(b)
-                    self._finish(request, reason)
+        """Sample the next token of each slot b in `rows` from its row rows[b] of `logits`: one call over every
+        row, each by its request's rule (a fixed shape and runtime rules: no compile when the batch's make-up
+        or the requests' options change; rows not in `rows` are ignored)."""
+        n = logits.shape[0]
+        seeds, counts = np.zeros(n, np.uint32), np.zeros(n, np.int32)
+        temperature, top_p, top_k = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32)
+        for b, i in rows.items():
+            request = self.running[b].request
+            seeds[i], counts[i] = request.seed, len(request.tokens)
+            temperature[i], top_p[i], top_k[i] = (request.sampling.temperature, request.sampling.top_p,
+                                                  min(request.sampling.top_k, np.iinfo(np.int32).max))
+        new = np.asarray(_sample_rows(logits, *map(jnp.asarray, (seeds, counts, temperature, top_p, top_k))))
+        for b, i in rows.items():
+            request, token = self.running[b].request, int(new[i])
+            request.tokens.append(token)
+            self.counters["tokens"] += 1
+            reason = None
+            if (request.stop_at_eos and token in self.eos_ids or token in request.stop_ids
+                    or request.stop and find_stop(self.detokenize(request.tokens), request.stop)[1]):
+                reason = "stop"
+            elif len(request.tokens) >= request.max_tokens:
+                reason = "length"
+            if request.on_token is not None:
+                request.on_token(request, token)
+            if reason is not None:
+                self._release(b)
+                self._finish(request, reason)
 
     def run(self) -> None:
         """Step until every submitted request has finished."""
         while self.step() or not self.idle:
             pass
 
-    def serve_forever(self, stop: threading.Event, poll_s: float = 0.01) -> None:
+    def serve_forever(self, stop: threading.Event, poll_s: float = 0.01, max_failures: int = 3) -> None:
         """Step while there is work; wait for requests when idle; return once `stop` is set and the requests
-        already submitted have finished (none is dropped on shutdown)."""
-        try:
-            while True:
-                if not self.step():
-                    if stop.is_set() and self.idle:
-                        return
-                    time.sleep(poll_s)
-        except Exception:  # a failed step: end every request (finish_reason "error") rather than leave it waiting
-            self._admit()
-            for request in [slot.request for slot in self.running if slot] + list(self.queue):
+        already submitted have finished (none is dropped on shutdown).
+
+        Supervision: a step that raises fails the requests it was running (finish_reason "error", `error`
+        says what failed; their pages freed) and the loop goes on with the queued ones. `max_failures` failed
+        steps in a row (none served in between) mean the scheduler cannot go on: it closes (`submit` refuses
+        at once), fails every request left, and raises, for its owner to exit."""
+        failures = 0
+        while True:
+            try:
+                worked = self.step()
+                failures = 0
+            except Exception as e:
+                failures += 1
+                error = f"the scheduler failed while serving this request ({type(e).__name__}: {e})"
+                self._fail([slot.request for slot in self.running if slot], error, release=True)
+                if failures >= max_failures:
+                    self.close(f"the scheduler stopped after {failures} failed steps in a row "
+                               f"({type(e).__name__}: {e})")
+                    raise
+                continue
+            if not worked:
+                if stop.is_set() and self.idle:
+                    self.close("the server is shutting down")
+                    return
+                time.sleep(poll_s)
+
+    def close(self, reason: str) -> None:
+        """Refuse new requests from now on (`reason`), and fail the ones not finished."""
+        with self._lock:
+            self.closed = reason
+        self._admit_inbox()
+        self._fail([slot.request for slot in self.running if slot] + list(self.queue), reason, release=True)
+        self.queue.clear()
+
+    def _fail(self, requests: list[Request], error: str, release: bool) -> None:
+        for b, slot in enumerate(self.running):
+            if release and slot is not None and slot.request in requests:
+                self._release(b)
+        for request in requests:
+            if not request.done.is_set():
+                request.error = error
                 self._finish(request, "error")
-            raise
+
+    def warm_up(self) -> None:
+        """Compile what serving runs, before the first request waits for it: a step with every slot prefilling
+        a chunk, a decode step, a chunk alone on one row (split), the sampler on both logits shapes and a prefix
+        reuse, by serving a few throwaway requests (sampled, so that the sampler's filtering is compiled). The counters
+        start again from zero."""
+        limit = min(self.method.max_tokens, self.engine.config.max_position_embeddings)
+        n = min(self.chunk, limit - 2)
+        vocab = self.engine.config.vocab_size
+        requests = [Request([(b * n + i) % vocab for i in range(n)], max_tokens=2, stop_at_eos=False,
+                            sampling=Sampling(1.0, 0.9, 8), seed=b) for b in range(self.slots)]
+        try:
+            for request in requests:
+                self.check(request)
+        except DuoJaxError:
+            return  # too small a pool or context for these shapes: the first requests compile them
+        for request in requests:
+            self.inbox.put(request)
+        self.run()
+        self.inbox.put(Request([(i + 1) % vocab for i in range(n)], max_tokens=1, stop_at_eos=False))
+        self.run()
+        if n + 1 < limit:  # a prompt that extends the first one reuses its prefix (when a whole reuse unit)
+            self.inbox.put(Request(requests[0].prompt + [0], max_tokens=1, stop_at_eos=False))
+            self.run()
+        self.counters.clear()
 
     def pages_in_use(self) -> int:
         return self.pool.num_pages - self.pool.num_free

@@ -1,16 +1,32 @@
 """An OpenAI-compatible HTTP server over the scheduler (Starlette; run by uvicorn in `duo_jax.serve.__main__`).
 
   POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p, top_k, seed, stop, stream
-  POST /v1/chat/completions   messages (rendered with the model's chat template), the same options
-  GET  /health                {"status": "ok"}
+  POST /v1/chat/completions   messages (rendered with the model's chat template), the same options,
+                              max_completion_tokens, response_format {"type": "text"}
+  GET  /v1/models             the one model served
+  GET  /health                200 {"status": "ok"} once warm-up has compiled the serving shapes; 503 with
+                              {"status": "starting"} before, {"status": "stopped"} after the scheduler stopped
   GET  /metrics               Prometheus text: requests, tokens, steps, preemptions, pages, queue
 
 The scheduler steps in a thread of its own; each HTTP request submits a `Request` whose tokens reach the
-handler through an asyncio queue, streamed as server-sent events (`stream: true`) or returned whole. A bad
-request gets a 4xx JSON error ({"error": {"message", "type"}}) and changes nothing else. On shutdown the
-server stops taking connections and the responses in flight finish (uvicorn waits for them; the scheduler's
-thread then drains and stops). Options that would change what is generated and that this server does not
-implement (`n` > 1, `logprobs`, penalties) are refused rather than ignored.
+handler through an asyncio queue, streamed as server-sent events (`stream: true`) or returned whole. Request
+bodies are checked before admission (`duo_jax.serve.protocol`): a bad one gets a 4xx JSON error
+({"error": {"message", "type", "param", "code"}}) and changes nothing else; JSON parsing, tokenization and
+chat-template rendering run in worker threads, off the event loop. Any unexpected exception is a 500 JSON error
+carrying the request id (also in every response's `x-request-id` header and in the log), on a connection that
+stays open. On shutdown the server stops taking connections and the responses in flight finish (uvicorn waits
+for them; the scheduler's thread then drains and stops).
+
+Supervision: a scheduler step that fails ends only the requests it was running (500, or an error event when
+streamed) and serving goes on; a scheduler that cannot go on (`Scheduler.serve_forever`) refuses new requests
+at once (503) and calls `on_fatal` (the CLI then exits non-zero, for a supervisor to restart it). Once no /v1
+request has been in flight for QUIET_S, freed memory goes back to the OS (`release_memory`).
+
+`Guard`, the outermost layer, holds the security defaults: a Bearer `api_key` on /v1/* (when set), a Host
+allow-list (`allowed_hosts`, against DNS rebinding), `Content-Type: application/json` on every POST (so that
+a web page cannot send a request without a CORS preflight, which this server never grants unless
+`allowed_origins` is given), and `max_request_bytes`, checked against Content-Length before the body is
+read and counted while it is read.
 
 `stop` (a string or a list of up to 4): the scheduler ends the request once its detokenized text contains
 one, and the text returned ends before it. Streamed, a chunk never shows text that could still turn out to
@@ -23,60 +39,167 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import gc
+import hmac
 import json
+import logging
 import threading
 import time
+import uuid
 
+import anyio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from duo_jax.chat import chat_prompts
 from duo_jax.errors import DuoJaxError
-from duo_jax.sampling import Sampling
-from duo_jax.serve.scheduler import Request, Scheduler, find_stop
+from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, BadRequest, Parsed, parse
+from duo_jax.serve.scheduler import Request, Scheduler, SchedulerClosed, find_stop
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "best_of", "suffix", "presence_penalty", "frequency_penalty",
-               "logit_bias", "tools")
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.kind = status, kind
+log = logging.getLogger("duo_jax.serve")
 
 
-def _error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _number(body: dict, name: str, kind, default):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise BadRequest(f"{name!r} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
-    return kind(value)
+def _error(message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
-def _request_options(body: dict) -> dict:
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, [], 0, 0.0):
-            raise BadRequest(f"{name!r} is not supported by this server")
-    if _number(body, "n", int, 1) != 1:
-        raise BadRequest("only n = 1 is supported")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be true or false, got {stream!r}")
-    sampling = Sampling(_number(body, "temperature", float, 1.0), _number(body, "top_p", float, 1.0),
-                        _number(body, "top_k", int, 0))
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
-        raise BadRequest("'stop' must be a non-empty string or a list of at most 4 of them")
-    return dict(max_tokens=_number(body, "max_tokens", int, 16), sampling=sampling,
-                seed=_number(body, "seed", int, 0) % (1 << 32), stop=tuple(stop), stream=stream)
+QUIET_S = 1.0  # seconds without a /v1 request in flight before freed memory is handed back
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the OS (a collection, then glibc's malloc_trim; elsewhere the collection
+    only). `Guard` calls it once the API has been quiet for QUIET_S, so that the resident size goes back to
+    its warm level instead of keeping the peak of a burst or of a large prompt's parsing and tokenization."""
+    gc.collect()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.malloc_trim  # noqa: B018 (glibc only)
+except (OSError, AttributeError):
+    _libc = None
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8000" -> "::1")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class Guard:
+    """ASGI middleware: request ids, the security checks (module docstring), and a JSON 500 for any
+    exception the routes let through (the connection stays open). `allowed_hosts` None: any Host."""
+
+    def __init__(self, app, *, api_key: str | None = None, allowed_hosts=None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, on_quiet=release_memory):
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+        self.on_quiet, self.inflight, self._quiet, self._last = on_quiet, 0, None, 0.0  # /v1 requests in flight
+        self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else {
+            _host_name(h) for h in allowed_hosts}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        ident = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = ident
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = dict(message, headers=list(message.get("headers", [])) + [
+                    (b"x-request-id", ident.encode())])
+            await send(message)
+
+        async def respond(status, message, kind, code=None):
+            await JSONResponse(error_body(message, kind, code=code), status_code=status)(scope, receive,
+                                                                                         send_with_id)
+
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            return await respond(*refusal)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_request_bytes:
+                raise _TooLarge
+            return message
+
+        api = scope["path"].startswith("/v1/")
+        self.inflight += api
+        try:
+            await self.app(scope, counted, send_with_id)
+        except _TooLarge:
+            if not started:
+                await respond(413, f"the body is over {self.max_request_bytes} bytes (--max-request-bytes)",
+                              "invalid_request_error", "request_too_large")
+        except Exception:
+            log.exception("request %s failed", ident)
+            if not started:
+                await respond(500, f"internal error (request id {ident}); the server log has the details",
+                              "server_error", ident)
+        finally:
+            self.inflight -= api
+            if api:
+                self._last = time.monotonic()
+                if not self.inflight and self.on_quiet is not None and (self._quiet is None or self._quiet.done()):
+                    self._quiet = asyncio.ensure_future(self._when_quiet())
+
+    async def _when_quiet(self) -> None:
+        """Call `on_quiet` (in a thread) once no /v1 request has been in flight for QUIET_S: once per burst. A
+        request in flight when it wakes ends the wait; that request's end starts the next one."""
+        while True:
+            await asyncio.sleep(max(self._last + QUIET_S - time.monotonic(), 0))
+            if self.inflight:
+                return
+            if time.monotonic() - self._last >= QUIET_S:
+                return await anyio.to_thread.run_sync(self.on_quiet)
+
+    def _refusal(self, scope, headers) -> tuple[int, str, str] | None:
+        """(status, message, kind) of a request refused before it is read, or None."""
+        if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
+            return 421, (f"Host {headers.get('host', '')!r} is not allowed (--allowed-hosts); allowed: "
+                         f"{', '.join(sorted(self.allowed_hosts))}"), "invalid_request_error"
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return 401, "a valid API key is required: send the header 'Authorization: Bearer <key>'", \
+                    "authentication_error"
+        if scope["method"] == "POST":
+            media = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media != "application/json":
+                return 415, (f"Content-Type must be application/json, got {media or 'none'!r}"), \
+                    "invalid_request_error"
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
+                return 413, (f"the body ({length} bytes) is over {self.max_request_bytes} bytes "
+                             "(--max-request-bytes)"), "invalid_request_error"
+        return None
 
 
 def held_back(text: str, stops) -> int:
@@ -86,36 +209,83 @@ def held_back(text: str, stops) -> int:
 
 
 class Server:
-    """The routes over one scheduler; `app` is the Starlette application."""
+    """The routes over one scheduler; `app` is the ASGI application (the Starlette routes inside `Guard`).
+    `warm_up`: compile the serving shapes before /health says ready. `on_fatal()`: called from the scheduler's
+    thread when the scheduler cannot go on. `allowed_origins`: CORS, off unless given. `on_quiet()`: run in a
+    thread after each burst of API requests (default: `release_memory`)."""
 
-    def __init__(self, scheduler: Scheduler, model, name: str):
+    def __init__(self, scheduler: Scheduler, model, name: str, *, warm_up: bool = True, on_fatal=None,
+                 api_key: str | None = None, allowed_hosts=None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_origins=None,
+                 on_quiet=release_memory):
         self.scheduler, self.model, self.name = scheduler, model, name
         self.tokenizer = model.tokenizer
         self.started = time.time()
+        self.warm, self.on_fatal = warm_up, on_fatal
+        self.ready, self.failed = False, None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                 allow_headers=["*"])] if allowed_origins else []
+        middleware.append(Middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts,
+                                     max_request_bytes=max_request_bytes, on_quiet=on_quiet))
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{name:path}", self.model_info, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ], lifespan=self.lifespan)
+        ], middleware=middleware, exception_handlers={HTTPException: self._http_error}, lifespan=self.lifespan)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self._stop.clear()
-        self._thread = threading.Thread(target=self.scheduler.serve_forever, args=(self._stop,), daemon=True,
-                                        name="duo-jax-scheduler")
+        self._thread = threading.Thread(target=self._schedule, daemon=True, name="duo-jax-scheduler")
         self._thread.start()
         yield
         self._stop.set()  # requests already submitted finish first (serve_forever drains)
         await asyncio.to_thread(self._thread.join)
 
+    def _schedule(self) -> None:
+        """The scheduler's thread: warm-up, then serving until shutdown or a failure it cannot get over."""
+        try:
+            if self.warm:
+                self.scheduler.warm_up()
+            self.ready = True
+            self.scheduler.serve_forever(self._stop)
+        except BaseException as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            log.exception("the scheduler stopped; new requests get 503")
+            if self.scheduler.closed is None:
+                self.scheduler.close(f"the scheduler stopped ({self.failed})")
+            if self.on_fatal is not None:
+                self.on_fatal()
+
     # --- routes ---------------------------------------------------------------------------------------
 
+    async def _http_error(self, request: HttpRequest, exc: HTTPException):
+        return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
+
     async def health(self, request: HttpRequest):
-        alive = self._thread is not None and self._thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "stopped"}, status_code=200 if alive else 503)
+        if self.scheduler.closed is not None or self._thread is None or not self._thread.is_alive():
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        if not self.ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    def _model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": int(self.started), "owned_by": "duo-jax",
+                "max_model_len": min(self.scheduler.method.max_tokens, self.model.config.max_position_embeddings)}
+
+    async def models(self, request: HttpRequest):
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_info(self, request: HttpRequest):
+        if request.path_params["name"] != self.name:
+            return _error(f"model {request.path_params['name']!r} is not served here (this server: "
+                          f"{self.name!r})", 404, "invalid_request_error", "model", "model_not_found")
+        return JSONResponse(self._model_card())
 
     async def metrics(self, request: HttpRequest):
         s, c = self.scheduler, self.scheduler.counters
@@ -152,36 +322,52 @@ class Server:
     # --- one generation -------------------------------------------------------------------------------
 
     async def _serve(self, http: HttpRequest, *, chat: bool):
+        ident = http.state.request_id
+        if self.scheduler.closed is not None:
+            return _error(f"the server is not taking requests: {self.scheduler.closed}", 503, "server_error")
+        body = await http.body()
         try:
-            body = await http.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error("the body is not JSON")
-        try:
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
-            if body.get("model") not in (None, self.name):
-                raise BadRequest(f"model {body['model']!r} is not served here (this server: {self.name!r})", 404,
-                                 "model_not_found")
-            options = _request_options(body)
-            prompt = self._prompt(body, chat)
-            stream = options.pop("stream")
+            # Parsing, tokenization and the chat template may take a while on a large body: off the event loop.
+            prompt, parsed = await anyio.to_thread.run_sync(self._prepare, body, chat)
             tokens: asyncio.Queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
-            job = Request(prompt, **options, on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t))
+            job = Request(prompt, max_tokens=parsed.max_tokens, sampling=parsed.sampling, seed=parsed.seed,
+                          stop=parsed.stop, on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t))
             self.scheduler.submit(job)
         except BadRequest as e:
-            return _error(str(e), e.status, e.kind)
+            return _error(str(e), e.status, e.kind, e.param)
+        except SchedulerClosed as e:
+            return _error(f"the server is not taking requests: {e}", 503, "server_error")
         except DuoJaxError as e:
-            return _error(str(e))
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{job.id}"
-        if stream:
+            return _error(str(e), param=getattr(e, "param", None))
+        finally:
+            del body
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{ident}"
+        if parsed.stream:
             return StreamingResponse(self._events(job, tokens, ident, chat), media_type="text/event-stream")
         if not await self._collect(http, job, tokens):
             return _error("the client disconnected", 499, "cancelled")
+        if job.finish_reason == "error":
+            return _error(f"{job.error} (request id {http.state.request_id})", 500, "server_error",
+                          code=http.state.request_id)
         text = self._text(job)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
                   else {"index": 0, "text": text, "logprobs": None})
         return JSONResponse(self._envelope(ident, chat, dict(choice, finish_reason=job.finish_reason), job))
+
+    def _prepare(self, body: bytes, chat: bool) -> tuple[list[int], Parsed]:
+        """(prompt token ids, the checked request) from a request body (in a worker thread)."""
+        try:
+            parsed = parse(json.loads(body), chat=chat, model=self.name)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the body is not JSON") from None
+        if self.tokenizer is None and (chat or isinstance(parsed.prompt, str)):
+            raise BadRequest("this model has no tokenizer: send the prompt as token ids",
+                             "messages" if chat else "prompt")
+        if chat:
+            return list(chat_prompts(self.model, [parsed.messages], True)[0]), parsed
+        prompt = parsed.prompt
+        return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt), parsed
 
     async def _collect(self, http: HttpRequest, job: Request, tokens: asyncio.Queue) -> bool:
         """Wait for the end of `job`; False (and the job cancelled) if the client disconnects first."""
@@ -206,23 +392,6 @@ class Server:
     def _text(self, job: Request) -> str:
         """The text of the job's tokens, ending before its first stop string."""
         return find_stop(self._decode(job.tokens), job.stop)[0]
-
-    def _prompt(self, body: dict, chat: bool) -> list[int]:
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list of {role, content} messages")
-            if self.tokenizer is None:
-                raise BadRequest("this model has no tokenizer")
-            return list(chat_prompts(self.model, [messages], True)[0])
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise BadRequest("this model has no tokenizer: send the prompt as token ids")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
 
     def _decode(self, ids) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
@@ -258,6 +427,10 @@ class Server:
         finally:
             if not job.done.is_set():
                 self.scheduler.cancel(job)
+        if job.finish_reason == "error":
+            yield f"data: {json.dumps(error_body(job.error, 'server_error'))}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         text = self._text(job)
         rest = text[len(sent):] if text.startswith(sent) else ""
         last = ({"index": 0, "delta": {"content": rest} if rest else {}, "finish_reason": job.finish_reason} if chat

@@ -1,0 +1,352 @@
+"""The server against requests meant to break it, over real HTTP (uvicorn on localhost): every bad field is a
+400 naming it and the next request is served; a failing scheduler step fails only its requests; a scheduler
+that cannot go on answers 503 at once and calls on_fatal; the security defaults (API key, Content-Type, Host
+allow-list, body limit read no further than needed); OpenAI's content parts, /v1/models,
+max_completion_tokens and response_format; tokenization off the event loop; one compiled sampler."""
+
+import json
+import socket
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+import duo_jax  # noqa: E402
+from duo_jax.cache import make_layout  # noqa: E402
+from duo_jax.engine import Engine  # noqa: E402
+from duo_jax.methods.duo import DuoAttention  # noqa: E402
+from duo_jax.methods.paged import paged  # noqa: E402
+from duo_jax.serve import Scheduler  # noqa: E402
+from duo_jax.serve import scheduler as scheduler_module  # noqa: E402
+from duo_jax.serve.server import Server  # noqa: E402
+from tests.test_serve import CHUNK, CONFIG, ChatTokenizer, Running  # noqa: E402
+
+KEY = "sesame"
+LIMIT = 4096
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def build(**options):
+    model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), ChatTokenizer(), "tiny")
+    method = DuoAttention(make_layout(CONFIG, np.array([[True, False], [False, True]]), sink=2, recent=5, context=64))
+    scheduler = Scheduler(Engine.of(model), paged(method, page_size=4, num_pages=40), slots=3, chunk=CHUNK,
+                          impl="xla", detokenize=model.tokenizer.decode)
+    return Server(scheduler, model, "tiny", **options)
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    server = build(api_key=KEY, allowed_hosts=["localhost", "127.0.0.1", "::1"], max_request_bytes=LIMIT)
+    running = Running(server.app)
+    with httpx.Client(base_url=running.url, headers=AUTH, timeout=120) as client:
+        yield server, running, client
+    running.stop()
+
+
+def post(client, body, path="/v1/completions", **kwargs):
+    return client.post(path, json=body, **kwargs)
+
+
+def assert_serves(client):
+    """A plain request still gets its tokens."""
+    response = post(client, {"prompt": "still here", "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_top_k_above_the_vocabulary_then_a_normal_request(guarded):
+    server, running, client = guarded
+    response = post(client, {"prompt": "Hi", "top_k": 50000, "temperature": 1, "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+    assert_serves(client)
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_sampling_values_share_one_compiled_sampler(guarded):
+    server, running, client = guarded
+    before = scheduler_module._sample_rows._cache_size()
+    for rule in [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=5), dict(temperature=0.2, top_k=9)]:
+        assert post(client, dict(rule, prompt="vary", max_tokens=2)).status_code == 200
+    assert scheduler_module._sample_rows._cache_size() == before
+
+
+BAD = [
+    ({"prompt": "hi", "temperature": float("nan")}, "temperature", "finite"),
+    ({"prompt": "hi", "temperature": float("inf")}, "temperature", "finite"),
+    ({"prompt": "hi", "top_p": 0}, "top_p", "> 0"),
+    ({"prompt": "hi", "top_k": 2.5}, "top_k", "integer"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"prompt": "hi", "seed": "x"}, "seed", "integer"),
+    ({"prompt": "hi", "stream": "yes"}, "stream", "true or false"),
+    ({"prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
+    ({"prompt": "hi", "frobnicate": 1}, "frobnicate", "unknown field"),
+    ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
+    ({"prompt": "hi", "stop": "\udc00"}, "stop[0]", "lone surrogate"),
+    ({"prompt": [[1, 2], [3]]}, "prompt", "one prompt"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "text parts"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "text parts"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", "text part"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "one of"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name", "not supported"),
+    ({"messages": "hi"}, "messages", "non-empty list"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format", "text"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 4},
+     "max_completion_tokens", "differ"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_a_bad_field_is_a_400_naming_it(guarded, body, param, message):
+    server, running, client = guarded
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    # json.dumps writes NaN / Infinity and lone surrogates as Python's json module (and JavaScript's) do.
+    response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"] and param.split("[")[0] in error["message"]
+    assert_serves(client)
+
+
+def test_content_parts_are_the_text_they_hold(guarded):
+    server, running, client = guarded
+    greedy = {"max_tokens": 4, "temperature": 0}
+    plain = post(client, dict(greedy, messages=[{"role": "user", "content": "hi\nthere"}]), "/v1/chat/completions")
+    parts = post(client, dict(greedy, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                             {"type": "text", "text": "there"}]}]),
+                 "/v1/chat/completions")
+    assert plain.status_code == parts.status_code == 200, parts.text
+    assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    assert parts.json()["usage"] == plain.json()["usage"]
+
+
+def test_max_completion_tokens_and_response_format_text(guarded):
+    server, running, client = guarded
+    body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+            "max_completion_tokens": 3, "temperature": 0, "response_format": {"type": "text"}}
+    response = post(client, body, "/v1/chat/completions")
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_models(guarded):
+    server, running, client = guarded
+    listing = client.get("/v1/models")
+    assert listing.status_code == 200 and [m["id"] for m in listing.json()["data"]] == ["tiny"]
+    assert client.get("/v1/models/tiny").json()["object"] == "model"
+    missing = client.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    unknown_route = client.get("/v1/nothing")
+    assert unknown_route.status_code == 404 and "error" in unknown_route.json()
+
+
+def test_api_key_is_required_on_v1_only(guarded):
+    server, running, client = guarded
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
+        response = httpx.post(f"{running.url}/v1/completions", json={"prompt": "hi"}, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{running.url}/v1/models").status_code == 401
+    assert httpx.get(f"{running.url}/health").status_code == 200
+
+
+def test_a_post_that_is_not_json_is_refused(guarded):
+    server, running, client = guarded
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}, {}):
+        response = client.post("/v1/completions", content=b'{"prompt": "hi"}', headers=headers)
+        assert response.status_code == 415 and "application/json" in response.json()["error"]["message"]
+    assert_serves(client)
+
+
+def test_the_host_header_must_be_local(guarded):
+    server, running, client = guarded
+    response = client.post("/v1/completions", json={"prompt": "hi"}, headers={"host": "evil.example"})
+    assert response.status_code == 421 and "evil.example" in response.json()["error"]["message"]
+    assert client.get("/health", headers={"host": "localhost:8000"}).status_code == 200
+
+
+def test_no_cors_unless_asked(guarded):
+    server, running, client = guarded
+    response = client.options("/v1/completions", headers={"origin": "https://evil.example",
+                                                          "access-control-request-method": "POST"})
+    assert "access-control-allow-origin" not in response.headers
+
+
+def raw(url: str, data: bytes, responses: int = 1) -> list[bytes]:
+    """The raw responses read from one connection after sending `data`."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(data)
+        got = b""
+        while got.count(b"HTTP/1.1 ") < responses or not got.endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    return [b"HTTP/1.1 " + part for part in got.split(b"HTTP/1.1 ")[1:]]
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(guarded):
+    """Content-Length over the limit: 413 while the client has sent none of the body. Without a length
+    (chunked), the count stops the read at the limit."""
+    server, running, client = guarded
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {100 * LIMIT}\r\n\r\n").encode()
+    (response,) = raw(running.url, head)
+    assert response.startswith(b"HTTP/1.1 413") and b"request_too_large" not in response.split(b"\r\n\r\n")[0]
+    assert b"max-request-bytes" in response
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(LIMIT // 512 + 2):
+            yield b"x" * 512
+        yield b'"}'
+
+    chunked = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+    assert_serves(client)
+
+
+def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(guarded, monkeypatch):
+    server, running, client = guarded
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server, "_prepare", broken)
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: 15\r\n\r\n{{\"prompt\": \"x\"}}").encode()
+    first, second = raw(running.url, request + request, responses=2)  # two requests, one connection
+    for response in (first, second):
+        assert response.startswith(b"HTTP/1.1 500") and b"connection: close" not in response.lower()
+        head, body = response.split(b"\r\n\r\n", 1)
+        error = json.loads(body)["error"]
+        assert error["type"] == "server_error" and error["code"] in head.decode() and error["code"] in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_failing_step_fails_only_its_requests(guarded, monkeypatch, stream):
+    """The request a failing step ran gets a 500 (streamed: an error event, then [DONE]); the next is served."""
+    server, running, client = guarded
+    scheduler, step, calls = server.scheduler, server.scheduler.step, []
+
+    def flaky():
+        if any(scheduler.running) and not calls:
+            calls.append(1)
+            raise RuntimeError("device lost")
+        return step()
+
+    monkeypatch.setattr(scheduler, "step", flaky)
+    body = {"prompt": "doomed", "max_tokens": 3, "stream": stream}
+    if stream:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    else:
+        response = post(client, body)
+        assert response.status_code == 500
+        error = response.json()["error"]
+    assert "device lost" in error["message"] and error["type"] == "server_error"
+    assert_serves(client)
+    assert client.get("/health").status_code == 200 and scheduler.pages_in_use() == 0
+
+
+def test_tokenization_runs_off_the_event_loop(guarded, monkeypatch):
+    server, running, client = guarded
+    encode = server.tokenizer.encode
+    monkeypatch.setattr(server.tokenizer, "encode", lambda text, **kw: time.sleep(2) or encode(text, **kw))
+    slow = threading.Thread(target=post, args=(client, {"prompt": "slow", "max_tokens": 1}))
+    slow.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert client.get("/health").status_code == 200
+    assert time.monotonic() - start < 1.0
+    slow.join()
+
+
+def test_health_is_starting_until_warm_up_is_done(monkeypatch):
+    server = build(allowed_hosts=None)
+    release = threading.Event()
+    monkeypatch.setattr(server.scheduler, "warm_up", lambda: release.wait(60))
+    import uvicorn  # started by hand: `Running` waits for /health 200
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    web = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
+    thread = threading.Thread(target=web.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    while not web.started:
+        time.sleep(0.02)
+    assert httpx.get(f"{url}/health").json() == {"status": "starting"}
+    release.set()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    web.should_exit = True
+    thread.join(30)
+
+
+def test_a_scheduler_that_cannot_go_on_refuses_at_once_and_calls_on_fatal(monkeypatch):
+    fatal = threading.Event()
+    server = build(warm_up=False, on_fatal=fatal.set)
+
+    def broken():
+        if scheduler.inbox.qsize() or any(scheduler.running) or scheduler.queue:
+            raise RuntimeError("the device is gone")
+        return False
+
+    scheduler = server.scheduler
+    monkeypatch.setattr(scheduler, "step", broken)
+    running = Running(server.app)
+    try:
+        first = httpx.post(f"{running.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert first.status_code == 500 and "the device is gone" in first.json()["error"]["message"]
+        assert fatal.wait(30)
+        start = time.monotonic()
+        refused = httpx.post(f"{running.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert refused.status_code == 503 and time.monotonic() - start < 5
+        assert httpx.get(f"{running.url}/health").status_code == 503
+    finally:
+        running.stop()
+
+
+def test_the_default_host_allow_list_follows_the_bind_address():
+    from duo_jax.serve.protocol import default_hosts
+
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert "localhost" in default_hosts(host)
+    assert default_hosts("0.0.0.0") is None and default_hosts("192.168.1.5") is None
+
+
+def test_memory_is_released_once_after_a_burst():
+    """on_quiet (release_memory by default) runs once the API has been quiet for QUIET_S, not per request,
+    and not for /health polls."""
+    from duo_jax.serve import server as server_module
+
+    quiet = []
+    server = build(warm_up=False, on_quiet=lambda: quiet.append(time.monotonic()))
+    running = Running(server.app)
+    try:
+        for _ in range(3):
+            assert httpx.post(f"{running.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                              timeout=120).status_code == 200
+        end = time.monotonic()
+        time.sleep(server_module.QUIET_S + 0.5)
+        assert len(quiet) == 1 and quiet[0] - end >= server_module.QUIET_S * 0.9
+        httpx.get(f"{running.url}/health")
+        time.sleep(server_module.QUIET_S + 0.3)
+        assert len(quiet) == 1
+    finally:
+        running.stop()
+    server_module.release_memory()  # the real one runs (glibc or not)
