@@ -105,7 +105,8 @@ decode)
     timeout "${BATCH_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --batch 8 --decode-steps 16 \
         --out "$out/batch8" 2>&1 | tee "$out/gpu_llama8b_batch8.log" || true
     # one archive: a device call brings back at most 8 files
-    tar czf /tmp/decode.tgz -C "$out" . && rm -rf "${out:?}"/* && mv /tmp/decode.tgz "$out/"
+    archive=$(mktemp -d)/decode.tgz
+    tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
 train8b)
     timeout "${TRAIN_S:-540}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --out "$out" 2>&1 \
