@@ -1,0 +1,123 @@
+"""Per-sample evaluations (LongBench, RULER): every sample generated once in every run, resumably.
+
+A **run** is one mode at one KV budget: ``full`` (no budget), or e.g. ``duo@0.25`` (`Run`); `make_runs`
+builds them from the modes and budgets a user asks for (None: duo's default budget, see
+`duo_jax.eval.modes`). A sample is generated alone (batch 1, greedy) by `generate_sample`, the run's mode
+built for its own length: the budget is the fraction of *that prompt's* tokens (`budget_tokens`), the
+cache holds prompt + new tokens, h2o / tova prefill the prompt in one chunk (`ModeSettings.one_chunk_prefill`).
+
+`PredictionStore` is the resumable record: one JSON line per finished sample, appended and flushed as soon as
+the sample is done, in ``<out>/predictions/<run>/<task>.jsonl`` (LongBench's pred.py layout, one folder per
+run). A killed evaluation started again with the same --out reads these files and generates only the
+samples that have no line yet; a line cut short by the kill is ignored (and regenerated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from duo_jax.errors import DuoJaxError
+from duo_jax.eval.modes import budget_tokens, check_modes, mode_settings
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One mode at one KV budget (a fraction of each prompt's tokens; None: full, or duo's default budget)."""
+
+    mode: str
+    kv_budget: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.mode if self.kv_budget is None else f"{self.mode}@{self.kv_budget:g}"
+
+
+def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None) -> list[Run]:
+    """Every mode at every budget; full once (it keeps every token at any budget)."""
+    budgets = list(dict.fromkeys(budgets or [None]))
+    for budget in budgets:
+        if budget is not None and not 0 < budget <= 1:
+            raise DuoJaxError(f"a KV budget is a fraction in (0, 1] of each prompt's tokens, got {budget}")
+    return [Run(m, None if m == "full" else b) for m in check_modes(modes) for b in (budgets if m != "full" else [None])]
+
+
+@dataclasses.dataclass
+class Settings:
+    """What every run shares: the head pattern / scores of the modes that need them and the windows."""
+
+    pattern: Pattern | None = None
+    scores: Pattern | None = None
+    sparsity: float = 0.5
+    sink: int = 64
+    recent: int = 256
+    chunk_size: int = 256
+    kv_dtype: str | None = None
+
+
+def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> dict:
+    """Generate greedily from one token-id prompt in `run`; returns the text and what it cost."""
+    from duo_jax import generate
+
+    length = len(ids)
+    context = length + max_new_tokens
+    mode = mode_settings(run.mode, model.config, settings.pattern, sparsity=settings.sparsity, sink=settings.sink,
+                         recent=settings.recent, context=context, kv_budget=budget_tokens(run.kv_budget, length),
+                         scores=settings.scores, kv_dtype=settings.kv_dtype)
+    out = generate(model, [list(ids)], max_new_tokens=max_new_tokens, context=context, chat=False,
+                   chunk_size=length if mode.one_chunk_prefill else settings.chunk_size, **mode.generate_kwargs())
+    text = out.text[0] if out.text is not None else " ".join(map(str, out.tokens[0]))
+    return dict(pred=text, prompt_tokens=length, new_tokens=len(out.tokens[0]), kv_budget_tokens=mode.kv_budget,
+                prefill_s=out.stats["prefill_s"], decode_s=out.stats["decode_s"], compile_s=out.stats["compile_s"],
+                cache_bytes=out.stats["cache_bytes"], full_cache_bytes=out.stats["full_cache_bytes"])
+
+
+class PredictionStore:
+    """The finished samples of one run and task: a JSON-lines file, one object per sample with its "id"."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.records: dict[str, dict] = {}
+        if self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a killed run
+                    continue
+                if isinstance(record, dict) and "id" in record:
+                    self.records[str(record["id"])] = record
+
+    def __contains__(self, sample_id: str) -> bool:
+        return str(sample_id) in self.records
+
+    def add(self, record: dict) -> None:
+        """Append `record` (it needs an "id") and flush it to disk at once."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = self.path.read_text(encoding="utf-8") if self.path.is_file() else ""
+        with self.path.open("a", encoding="utf-8") as f:
+            if text and not text.endswith("\n"):  # a line cut short by a kill: start a fresh one
+                f.write("\n")
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+        self.records[str(record["id"])] = record
+
+    def ordered(self, ids: Iterable[str]) -> list[dict]:
+        """The records of `ids` that are done, in that order."""
+        return [self.records[str(i)] for i in ids if str(i) in self.records]
+
+
+def seconds_per_1k_tokens(records: Sequence[dict[str, Any]]) -> float:
+    """Prefill + decode seconds per 1,000 prompt tokens over `records` (compilation excluded)."""
+    tokens = sum(r["prompt_tokens"] for r in records)
+    return 1000 * sum(r["prefill_s"] + r["decode_s"] for r in records) / tokens if tokens else float("nan")
+
+
+def timed(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), wall seconds)."""
+    start = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - start
