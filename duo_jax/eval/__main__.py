@@ -112,6 +112,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            help="chat template (never for trec, triviaqa, samsum, lsht, lcc, repobench-p); auto: "
                                 "for instruct / chat models")
 
+    ruler = tasks.add_parser("ruler", help="RULER's synthetic tasks (NIAH, variable tracking, word extraction, QA)",
+                             formatter_class=defaults)
+    _common(ruler, "ruler", budgets=True)
+    ruler.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096],
+                       help="sequence lengths in the model's tokens (prompt + tokens to generate)")
+    ruler.add_argument("--samples", type=int, default=10, help="samples per task and length")
+    ruler.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; QA only with --qa-data)")
+    ruler.add_argument("--seed", type=int, default=42, help="seed of every sample")
+    ruler.add_argument("--qa-data", default=None, metavar="DIR",
+                       help="folder with RULER's squad.json and hotpotqa.json for qa_1 / qa_2")
+    ruler.add_argument("--haystack", default="paul_graham:evaluation",
+                       help="the essay haystack: 'paul_graham:evaluation' (held out) or a folder of .txt files")
+    ruler.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                       help="chat template around the task text; auto: for instruct / chat models")
+
     args = parser.parse_args(argv)
     for budget in args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]:
         if budget is not None and not 0 < budget <= 1:
@@ -142,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from duo_jax.eval.niah import accuracy_table, run_niah
     from duo_jax.eval.passkey import run_passkey
     from duo_jax.eval.perplexity import perplexity_table, run_perplexity
+    from duo_jax.eval.samples import Settings
     from duo_jax.generation import resolve_pattern
 
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -155,16 +171,24 @@ def main(argv: list[str] | None = None) -> int:
         common = dict(pattern=pattern, scores=scores, kv_budget=args.kv_budget, kv_dtype=args.kv_dtype,
                       sparsity=args.sparsity,
                       sink=args.sink, recent=args.recent, chunk_size=args.chunk_size, out_dir=args.out)
+        settings = Settings(pattern=pattern, scores=scores, sparsity=args.sparsity, sink=args.sink,
+                            recent=args.recent, chunk_size=args.chunk_size, kv_dtype=args.kv_dtype)
+        chat = {"auto": None, "on": True, "off": False}[getattr(args, "chat", "auto")]
         if args.task == "longbench":
             from duo_jax.eval.longbench import run_longbench, tables
-            from duo_jax.eval.samples import Settings
 
-            settings = Settings(pattern=pattern, scores=scores, sparsity=args.sparsity, sink=args.sink,
-                                recent=args.recent, chunk_size=args.chunk_size, kv_dtype=args.kv_dtype)
             results = run_longbench(model, args.modes, data_dir=args.data, kv_budgets=args.kv_budget,
                                     settings=settings, tasks=args.tasks, longbench_e=args.longbench_e,
                                     max_length=args.max_length, limit=args.limit,
-                                    chat={"auto": None, "on": True, "off": False}[args.chat], out_dir=args.out)
+                                    chat=chat, out_dir=args.out)
+            table = tables(results)
+        elif args.task == "ruler":
+            from duo_jax.eval.ruler import run_ruler, tables
+
+            results = run_ruler(model, args.modes, lengths=args.lengths, samples=args.samples,
+                                kv_budgets=args.kv_budget, settings=settings, tasks=args.tasks, seed=args.seed,
+                                qa_data=args.qa_data, chat=chat,
+                                haystack=args.haystack, out_dir=args.out)
             table = tables(results)
         elif args.task == "niah":
             results = run_niah(model, args.modes, lengths=args.lengths, depths=args.depths, haystack=args.haystack,

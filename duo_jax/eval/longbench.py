@@ -29,19 +29,17 @@ task plus the average, as DuoAttention's Figure 7).
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Sequence
-
-import numpy as np
 
 from duo_jax.chat import chat_prompts, is_chat_model
 from duo_jax.data.haystack import DataError
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.longbench_metrics import METRICS, length_bucket_scores, sample_score, task_score
-from duo_jax.eval.samples import PredictionStore, Run, Settings, generate_sample, make_runs, seconds_per_1k_tokens
+from duo_jax.eval.samples import (PredictionStore, Run, Settings, budget_panel, generate_sample, make_runs, mean_score,
+                                  seconds_per_1k_tokens)
 from duo_jax.loading import Model
 
 DATA_URL = "https://huggingface.co/datasets/THUDM/LongBench"
@@ -250,18 +248,13 @@ def score_runs(out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[di
             records[task] = done
         results[run.name] = dict(mode=run.mode, kv_budget=run.kv_budget, tasks=tasks,
                                  categories=category_scores({t: v["score"] for t, v in tasks.items()}),
-                                 average=_mean([v["score"] for v in tasks.values()]), predictions=records)
+                                 average=mean_score([v["score"] for v in tasks.values()]), predictions=records)
     return dict(runs=results)
-
-
-def _mean(values: Sequence[float]) -> float:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return round(float(np.mean(values)), 2) if values else float("nan")
 
 
 def category_scores(task_scores: dict[str, float]) -> dict[str, float]:
     """{category: mean score of its evaluated tasks}, for the categories with at least one evaluated task."""
-    return {name: _mean([task_scores[t] for t in members if t in task_scores])
+    return {name: mean_score([task_scores[t] for t in members if t in task_scores])
             for name, members in CATEGORIES.items() if any(t in task_scores for t in members)}
 
 
@@ -284,16 +277,8 @@ def budget_figure(results: dict, path: str | Path) -> Path:
     """Score vs KV budget, one line per method (full: a dashed level), one panel per task plus the average."""
     runs = results["runs"].values()
     budgets = sorted({r["kv_budget"] for r in runs if r["kv_budget"] is not None})
-    panels = {}
-    for title in [*results["tasks"], "average"]:
-        def score(r):
-            return r["average"] if title == "average" else r["tasks"][title]["score"]
-        series = {}
-        for r in runs:
-            if r["kv_budget"] is not None:
-                series.setdefault(r["mode"], {})[r["kv_budget"]] = score(r)
-        levels = {r["mode"]: score(r) for r in runs if r["kv_budget"] is None}
-        panels[title] = ({m: [s.get(b) for b in budgets] for m, s in series.items()}, levels)
+    panels = {title: budget_panel(runs, budgets, lambda r, t=title: r["average"] if t == "average"
+                                  else r["tasks"][t]["score"]) for title in [*results["tasks"], "average"]}
     return report.budget_panels(path, budgets, panels, title=f"LongBench, {results['model']}")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
+import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -44,7 +44,7 @@ def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None) -> l
     for budget in budgets:
         if budget is not None and not 0 < budget <= 1:
             raise DuoJaxError(f"a KV budget is a fraction in (0, 1] of each prompt's tokens, got {budget}")
-    return [Run(m, None if m == "full" else b) for m in check_modes(modes) for b in (budgets if m != "full" else [None])]
+    return [Run(m, b) for m in check_modes(modes) for b in (budgets if m != "full" else [None])]
 
 
 @dataclasses.dataclass
@@ -117,7 +117,19 @@ def seconds_per_1k_tokens(records: Sequence[dict[str, Any]]) -> float:
     return 1000 * sum(r["prefill_s"] + r["decode_s"] for r in records) / tokens if tokens else float("nan")
 
 
-def timed(fn, *args, **kwargs):
-    """(fn(*args, **kwargs), wall seconds)."""
-    start = time.perf_counter()
-    return fn(*args, **kwargs), time.perf_counter() - start
+def mean_score(values: Sequence[float | None]) -> float:
+    """The mean of the finite scores, rounded to 2 decimals as the benchmarks report them (NaN for none)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return round(sum(values) / len(values), 2) if values else float("nan")
+
+
+def budget_panel(runs: Iterable[dict], budgets: Sequence[float], value) -> tuple[dict, dict]:
+    """One panel of `duo_jax.eval.report.budget_panels` from result runs (dicts with "mode", "kv_budget"):
+    ({mode: [value(run) per budget]}, {mode without a budget: value(run)})."""
+    series, levels = {}, {}
+    for run in runs:
+        if run["kv_budget"] is None:
+            levels[run["mode"]] = value(run)
+        else:
+            series.setdefault(run["mode"], {})[run["kv_budget"]] = value(run)
+    return {m: [s.get(b) for b in budgets] for m, s in series.items()}, levels
