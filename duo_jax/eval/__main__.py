@@ -54,6 +54,11 @@ def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                         help="quantize every mode's KV cache (absmax per token and head, bf16 scales; "
                              "duo_jax.quant; every mode has one) (default: --dtype)")
+    if budgets:
+        parser.add_argument("--decode-last", type=int, default=0, metavar="N",
+                            help="h2o / tova: prefill all but the prompt's last N tokens exactly, then decode those "
+                                 "one at a time with eviction (DuoAttention's appendix protocol: 50); 0: compress "
+                                 "once after the whole prompt")
     parser.add_argument("--out", default=f"results/{task}", help="folder for the JSON and PNG results")
 
 
@@ -131,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for budget in args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]:
         if budget is not None and not 0 < budget <= 1:
             parser.error(f"--kv-budget is a fraction in (0, 1] of the evaluated length, got {budget}")
+    if getattr(args, "decode_last", 0) < 0:
+        parser.error(f"--decode-last is a number of prompt tokens >= 0, got {args.decode_last}")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         parser.error(f"--limit must be at least 1, got {args.limit}")
     if getattr(args, "max_length", None) is not None and args.max_length < 2:
@@ -180,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_longbench(model, args.modes, data_dir=args.data, kv_budgets=args.kv_budget,
                                     settings=settings, tasks=args.tasks, longbench_e=args.longbench_e,
                                     max_length=args.max_length, limit=args.limit,
-                                    chat=chat, out_dir=args.out)
+                                    chat=chat, out_dir=args.out, decode_last=args.decode_last)
             table = tables(results)
         elif args.task == "ruler":
             from duo_jax.eval.ruler import run_ruler, tables
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_ruler(model, args.modes, lengths=args.lengths, samples=args.samples,
                                 kv_budgets=args.kv_budget, settings=settings, tasks=args.tasks, seed=args.seed,
                                 qa_data=args.qa_data, chat=chat,
-                                haystack=args.haystack, out_dir=args.out)
+                                haystack=args.haystack, out_dir=args.out, decode_last=args.decode_last)
             table = tables(results)
         elif args.task == "niah":
             results = run_niah(model, args.modes, lengths=args.lengths, depths=args.depths, haystack=args.haystack,

@@ -20,6 +20,10 @@ new tokens are v1's ``config/dataset2prompt.json`` / ``config/dataset2maxlen.jso
   (`CATEGORIES`) the mean of its tasks' scores; the average over all evaluated tasks (LongBench's "Avg");
   LongBench-E adds the 0-4k / 4-8k / 8k+ buckets.
 
+`decode_last` (``--decode-last 50``) runs h2o and tova under DuoAttention's appendix protocol (exact prefill,
+the prompt's last N tokens decoded one at a time with eviction; `duo_jax.eval.samples.Run`); the tables
+name the protocol of every h2o / tova row.
+
 Outputs in `out_dir`: ``predictions/<run>/<task>.jsonl`` (every prediction, written as it is made: a killed
 run resumes there), ``longbench.json`` (settings, every prediction, every score, timings),
 ``longbench.md`` (the tables) and ``longbench_budget.png`` (score vs KV budget per method, one panel per
@@ -39,7 +43,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.longbench_metrics import METRICS, length_bucket_scores, sample_score, task_score
 from duo_jax.eval.samples import (PredictionStore, Run, Settings, budget_panel, generate_sample, make_runs, mean_score,
-                                  seconds_per_1k_tokens)
+                                  protocol_legend, seconds_per_1k_tokens)
 from duo_jax.loading import Model
 
 DATA_URL = "https://huggingface.co/datasets/THUDM/LongBench"
@@ -188,7 +192,7 @@ def default_max_length(model: Model) -> int:
 def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, kv_budgets: Sequence[float] | None,
                   settings: Settings, tasks: Sequence[str] | None = None, longbench_e: bool = False,
                   max_length: int | None = None, limit: int | None = None, chat: bool | None = None,
-                  out_dir: str | Path, progress: bool = True) -> dict:
+                  out_dir: str | Path, decode_last: int = 0, progress: bool = True) -> dict:
     """Generate and score every sample of `tasks` in every run (`duo_jax.eval.samples.make_runs`), resuming
     from the predictions already in `out_dir`; writes the outputs listed in the module docstring."""
     from tqdm.auto import tqdm
@@ -196,7 +200,7 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
     if model.tokenizer is None:
         raise DuoJaxError("LongBench needs the model's tokenizer (none was found with the weights)")
     tasks = check_tasks(tasks, longbench_e)
-    runs = make_runs(modes, kv_budgets)
+    runs = make_runs(modes, kv_budgets, decode_last)
     max_length = default_max_length(model) if max_length is None else int(max_length)
     chat = is_chat_model(model) if chat is None else chat
     data = {t: load_task(data_dir, t, longbench_e=longbench_e, limit=limit) for t in tasks}  # all checked first
@@ -246,7 +250,8 @@ def score_runs(out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[di
             if longbench_e:
                 tasks[task]["by_length"] = length_bucket_scores(scores, [r["length"] for r in done])
             records[task] = done
-        results[run.name] = dict(mode=run.mode, kv_budget=run.kv_budget, tasks=tasks,
+        results[run.name] = dict(mode=run.mode, kv_budget=run.kv_budget, decode_last=run.decode_last,
+                                 protocol=run.protocol, tasks=tasks,
                                  categories=category_scores({t: v["score"] for t, v in tasks.items()}),
                                  average=mean_score([v["score"] for v in tasks.values()]), predictions=records)
     return dict(runs=results)
@@ -270,7 +275,7 @@ def tables(results: dict) -> str:
     if results.get("longbench_e"):
         rows = [[name, t, *r["tasks"][t]["by_length"].values()] for name, r in runs.items() for t in tasks]
         text += "\n\n" + report.markdown_table(["run", "task", "0-4k", "4-8k", "8k+"], rows)
-    return text
+    return text + protocol_legend(runs)
 
 
 def budget_figure(results: dict, path: str | Path) -> Path:

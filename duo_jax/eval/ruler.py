@@ -13,6 +13,10 @@ A task's score at a length is 100 x the mean over its samples (2 decimals); the 
 tasks per length, as RULER's tables report it. qa_1 / qa_2 run only with `qa_data` (RULER's squad.json /
 hotpotqa.json); otherwise they are skipped and the results say so.
 
+`decode_last` (``--decode-last 50``) runs h2o and tova under DuoAttention's appendix protocol (exact prefill,
+the prompt's last N tokens decoded one at a time with eviction; `duo_jax.eval.samples.Run`); the tables
+name the protocol of every h2o / tova row.
+
 Outputs in `out_dir`: ``predictions/<run>/<task>_<length>.jsonl`` (resumable, `duo_jax.eval.samples`),
 ``ruler.json`` (settings, every prompt's length and references, every prediction, every score),
 ``ruler.md`` (the tables) and ``ruler_budget.png`` (average score vs KV budget per method, one panel per
@@ -33,7 +37,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.modes import warn_if_calibrated_on
 from duo_jax.eval.samples import (PredictionStore, Settings, budget_panel, generate_sample, make_runs,
-                                  mean_score, seconds_per_1k_tokens)
+                                  mean_score, protocol_legend, seconds_per_1k_tokens)
 from duo_jax.loading import Model
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
@@ -81,7 +85,8 @@ def check_tasks(tasks: Sequence[str] | None, qa_data: str | Path | None) -> tupl
 def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DEFAULT_LENGTHS, samples: int = 10,
               kv_budgets: Sequence[float] | None, settings: Settings, tasks: Sequence[str] | None = None,
               seed: int = 42, qa_data: str | Path | None = None, chat: bool | None = None,
-              haystack: str = EVALUATION_HAYSTACK, out_dir: str | Path, progress: bool = True) -> dict:
+              haystack: str = EVALUATION_HAYSTACK, out_dir: str | Path, decode_last: int = 0,
+              progress: bool = True) -> dict:
     """Generate and score `samples` samples of every task at every length in every run, resuming from the
     predictions already in `out_dir`; writes the outputs listed in the module docstring."""
     from tqdm.auto import tqdm
@@ -94,7 +99,7 @@ def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DE
     if lengths[0] < 256:
         raise DuoJaxError(f"RULER lengths must be at least 256 tokens, got {lengths[0]}")
     tasks, notes = check_tasks(tasks, qa_data)
-    runs = make_runs(modes, kv_budgets)
+    runs = make_runs(modes, kv_budgets, decode_last)
     overlap = warn_if_calibrated_on(haystack, [r.mode for r in runs], settings.pattern, settings.scores)
     chat = is_chat_model(model) if chat is None else chat
     out_dir = Path(out_dir)
@@ -134,7 +139,8 @@ def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DE
             scores.setdefault(task, {})[length] = mean_score([100 * v for v in values])
             records[f"{task}_{length}"] = done
         average = {n: mean_score([scores[t][n] for t in tasks]) for n in lengths}
-        results["runs"][run.name] = dict(mode=run.mode, kv_budget=run.kv_budget, scores=scores, average=average,
+        results["runs"][run.name] = dict(mode=run.mode, kv_budget=run.kv_budget, decode_last=run.decode_last,
+                                         protocol=run.protocol, scores=scores, average=average,
                                          overall=mean_score(list(average.values())),
                                          s_per_1k_tokens=seconds_per_1k_tokens(sum(records.values(), [])),
                                          predictions=records)
@@ -152,6 +158,7 @@ def tables(results: dict) -> str:
                                   for name, r in runs.items()])
     rows = [[name, n, *[r["scores"][t][n] for t in tasks]] for n in lengths for name, r in runs.items()]
     text += "\n\n" + report.markdown_table(["run", "length", *tasks], rows)
+    text += protocol_legend(runs)
     for note in results["notes"]:
         text += f"\n\nNote: {note}"
     return text

@@ -21,30 +21,45 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from duo_jax.errors import DuoJaxError
-from duo_jax.eval.modes import budget_tokens, check_modes, mode_settings
+from duo_jax.eval.modes import ONE_CHUNK_PREFILL, budget_tokens, check_modes, mode_settings
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One mode at one KV budget (a fraction of each prompt's tokens; None: full, or duo's default budget)."""
+    """One mode at one KV budget (a fraction of each prompt's tokens; None: full, or duo's default budget).
+    decode_last > 0: the prompt's last `decode_last` tokens are decoded one at a time with eviction
+    (`duo_jax.generate`'s prompt_tail_steps; DuoAttention's appendix protocol for H2O / TOVA); its name then
+    ends in "+last<N>"."""
 
     mode: str
     kv_budget: float | None = None
+    decode_last: int = 0
 
     @property
     def name(self) -> str:
-        return self.mode if self.kv_budget is None else f"{self.mode}@{self.kv_budget:g}"
+        name = self.mode if self.kv_budget is None else f"{self.mode}@{self.kv_budget:g}"
+        return name + (f"+last{self.decode_last}" if self.decode_last else "")
+
+    @property
+    def protocol(self) -> str:
+        if self.decode_last:
+            return f"exact prefill, last {self.decode_last} prompt tokens decoded one at a time with eviction"
+        return "prefill" + (" in one chunk, compressed at its end" if self.mode in ONE_CHUNK_PREFILL else "")
 
 
-def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None) -> list[Run]:
-    """Every mode at every budget; full once (it keeps every token at any budget)."""
+def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None, decode_last: int = 0) -> list[Run]:
+    """Every mode at every budget; full once (it keeps every token at any budget). decode_last applies to the
+    modes evaluated with one-chunk prefill (h2o, tova)."""
     budgets = list(dict.fromkeys(budgets or [None]))
     for budget in budgets:
         if budget is not None and not 0 < budget <= 1:
             raise DuoJaxError(f"a KV budget is a fraction in (0, 1] of each prompt's tokens, got {budget}")
-    return [Run(m, b) for m in check_modes(modes) for b in (budgets if m != "full" else [None])]
+    if decode_last < 0:
+        raise DuoJaxError(f"decode_last is a number of prompt tokens >= 0, got {decode_last}")
+    return [Run(m, b, decode_last if m in ONE_CHUNK_PREFILL else 0)
+            for m in check_modes(modes) for b in (budgets if m != "full" else [None])]
 
 
 @dataclasses.dataclass
@@ -61,7 +76,8 @@ class Settings:
 
 
 def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> dict:
-    """Generate greedily from one token-id prompt in `run`; returns the text and what it cost."""
+    """Generate greedily from one token-id prompt in `run`; returns the text and what it cost. The mode's
+    budget is the run's fraction of the whole prompt, whichever protocol."""
     from duo_jax import generate
 
     length = len(ids)
@@ -70,7 +86,8 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
                          recent=settings.recent, context=context, kv_budget=budget_tokens(run.kv_budget, length),
                          scores=settings.scores, kv_dtype=settings.kv_dtype)
     out = generate(model, [list(ids)], max_new_tokens=max_new_tokens, context=context, chat=False,
-                   chunk_size=length if mode.one_chunk_prefill else settings.chunk_size, **mode.generate_kwargs())
+                   chunk_size=length if mode.one_chunk_prefill else settings.chunk_size,
+                   prompt_tail_steps=run.decode_last, **mode.generate_kwargs())
     text = out.text[0] if out.text is not None else " ".join(map(str, out.tokens[0]))
     return dict(pred=text, prompt_tokens=length, new_tokens=len(out.tokens[0]), kv_budget_tokens=mode.kv_budget,
                 prefill_s=out.stats["prefill_s"], decode_s=out.stats["decode_s"], compile_s=out.stats["compile_s"],
@@ -117,6 +134,12 @@ def seconds_per_1k_tokens(records: Sequence[dict[str, Any]]) -> float:
     return 1000 * sum(r["prefill_s"] + r["decode_s"] for r in records) / tokens if tokens else float("nan")
 
 
+def protocol_legend(runs: dict[str, dict]) -> str:
+    """Markdown lines naming the protocol of every h2o / tova run ("" when there is none)."""
+    lines = [f"- {name}: {r['protocol']}" for name, r in runs.items() if r["mode"] in ONE_CHUNK_PREFILL]
+    return "\n\nProtocols:\n" + "\n".join(lines) if lines else ""
+
+
 def mean_score(values: Sequence[float | None]) -> float:
     """The mean of the finite scores, rounded to 2 decimals as the benchmarks report them (NaN for none)."""
     values = [v for v in values if v is not None and math.isfinite(v)]
@@ -125,11 +148,13 @@ def mean_score(values: Sequence[float | None]) -> float:
 
 def budget_panel(runs: Iterable[dict], budgets: Sequence[float], value) -> tuple[dict, dict]:
     """One panel of `duo_jax.eval.report.budget_panels` from result runs (dicts with "mode", "kv_budget"):
-    ({mode: [value(run) per budget]}, {mode without a budget: value(run)})."""
+    ({label: [value(run) per budget]}, {label of a run without a budget: value(run)}); a run's label is its
+    mode, plus "+last<N>" for the decoded-tail protocol."""
     series, levels = {}, {}
     for run in runs:
+        label = run["mode"] + (f"+last{run['decode_last']}" if run.get("decode_last") else "")
         if run["kv_budget"] is None:
-            levels[run["mode"]] = value(run)
+            levels[label] = value(run)
         else:
-            series.setdefault(run["mode"], {})[run["kv_budget"]] = value(run)
+            series.setdefault(label, {})[run["kv_budget"]] = value(run)
     return {m: [s.get(b) for b in budgets] for m, s in series.items()}, levels
