@@ -63,8 +63,17 @@ def test_classification_count_retrieval_code():
     assert lm.retrieval("Paragraph 3", "Paragraph 3") == 1.0
     assert lm.retrieval("Paragraph 3 or Paragraph 4", "Paragraph 3") == 0.5
     assert lm.retrieval("", "Paragraph 3") == 0.0
-    # The first line without # ` or //; Indel ratio 2*9/20 = 90%.
+    # The first line without # ` or //; 9 of 10 characters match in order: 2*9/20 = 90% under both matchers.
     assert lm.code_sim("\n# comment\nx = foo(1)\n", "x = foo(2)") == pytest.approx(0.9)
+    assert lm.code_sim("x = foo(1)", "x = foo(2)", fuzzy="rapidfuzz") == pytest.approx(0.9)
+    # Where they part: difflib takes the longest block first ("bc", then "b": 2*3/11 = 55%), the Indel ratio
+    # the longest common subsequence ("bbcb": 2*4/11 = 73%) ...
+    assert lm.fuzz_ratio("bbcb", "bcabacb") == 55 and lm.fuzz_ratio("bbcb", "bcabacb", "rapidfuzz") == 73
+    # ... and difflib's autojunk ignores characters that fill over 1% of a string of 200+ characters.
+    long_a, long_b = "x" * 150 + "y" * 60, "y" * 60 + "x" * 150
+    assert lm.fuzz_ratio(long_a, long_b) == 0 and lm.fuzz_ratio(long_a, long_b, "rapidfuzz") == 71
+    with pytest.raises(duo_jax.DuoJaxError, match="unknown fuzzy"):
+        lm.fuzz_ratio("a", "b", "levenshtein")
     assert lm.code_sim("", "x = 1") == 0.0
     assert lm.code_sim("```\n// c", "x = 1") == 0.0  # no usable line
 

@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     longbench.add_argument("--max-length", type=int, default=None,
                            help="prompt tokens kept (middle truncation); default: the model's context - 600")
     longbench.add_argument("--limit", type=int, default=None, help="first N samples of each task")
+    longbench.add_argument("--fuzzy", choices=["difflib", "rapidfuzz"], default="difflib",
+                           help="code similarity's fuzz.ratio: difflib (fuzzywuzzy as LongBench installs it) or "
+                                "rapidfuzz (fuzzywuzzy with python-Levenshtein)")
     longbench.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
                            help="chat template (never for trec, triviaqa, samsum, lsht, lcc, repobench-p); auto: "
                                 "for instruct / chat models")
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_longbench(model, args.modes, data_dir=args.data, kv_budgets=args.kv_budget,
                                     settings=settings, tasks=args.tasks, longbench_e=args.longbench_e,
                                     max_length=args.max_length, limit=args.limit,
-                                    chat=chat, out_dir=args.out, decode_last=args.decode_last)
+                                    chat=chat, out_dir=args.out, decode_last=args.decode_last, fuzzy=args.fuzzy)
             table = tables(results)
         elif args.task == "ruler":
             from duo_jax.eval.ruler import run_ruler, tables

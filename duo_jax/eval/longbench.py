@@ -41,7 +41,7 @@ from duo_jax.chat import chat_prompts, is_chat_model
 from duo_jax.data.haystack import DataError
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.longbench_metrics import METRICS, length_bucket_scores, sample_score, task_score
+from duo_jax.eval.longbench_metrics import FUZZY, METRICS, length_bucket_scores, sample_score, task_score
 from duo_jax.eval.samples import (PredictionStore, Run, Settings, budget_panel, generate_sample, make_runs, mean_score,
                                   protocol_legend, seconds_per_1k_tokens)
 from duo_jax.loading import Model
@@ -192,7 +192,7 @@ def default_max_length(model: Model) -> int:
 def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, kv_budgets: Sequence[float] | None,
                   settings: Settings, tasks: Sequence[str] | None = None, longbench_e: bool = False,
                   max_length: int | None = None, limit: int | None = None, chat: bool | None = None,
-                  out_dir: str | Path, decode_last: int = 0, progress: bool = True) -> dict:
+                  out_dir: str | Path, decode_last: int = 0, fuzzy: str = "difflib", progress: bool = True) -> dict:
     """Generate and score every sample of `tasks` in every run (`duo_jax.eval.samples.make_runs`), resuming
     from the predictions already in `out_dir`; writes the outputs listed in the module docstring."""
     from tqdm.auto import tqdm
@@ -200,6 +200,8 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
     if model.tokenizer is None:
         raise DuoJaxError("LongBench needs the model's tokenizer (none was found with the weights)")
     tasks = check_tasks(tasks, longbench_e)
+    if fuzzy not in FUZZY:
+        raise DuoJaxError(f"unknown fuzzy matcher {fuzzy!r}: choose from {', '.join(FUZZY)}")
     runs = make_runs(modes, kv_budgets, decode_last)
     max_length = default_max_length(model) if max_length is None else int(max_length)
     chat = is_chat_model(model) if chat is None else chat
@@ -220,11 +222,11 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
                         record.update(id=str(sample["_id"]), answers=sample["answers"],
                                       all_classes=sample["all_classes"], length=sample["length"])
                         record["score"] = sample_score(task, record["pred"], sample["answers"],
-                                                       sample["all_classes"])
+                                                       sample["all_classes"], fuzzy)
                         store.add(record)
                     bar.update(1)
-    results = score_runs(out_dir, runs, data, longbench_e)
-    results.update(task="longbench", longbench_e=longbench_e, model=model.config.name, source=model.source,
+    results = score_runs(out_dir, runs, data, longbench_e, fuzzy)
+    results.update(task="longbench", longbench_e=longbench_e, fuzzy=fuzzy, model=model.config.name, source=model.source,
                    data_dir=str(data_dir), tasks=tasks, max_length=max_length, chat=chat, limit=limit,
                    chat_tasks=[t for t in tasks if uses_chat(t, chat)], kv_budgets=list(kv_budgets or [None]),
                    sparsity=settings.sparsity, sink=settings.sink, recent=settings.recent,
@@ -235,7 +237,8 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
     return results
 
 
-def score_runs(out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[dict]], longbench_e: bool) -> dict:
+def score_runs(out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[dict]], longbench_e: bool,
+               fuzzy: str = "difflib") -> dict:
     """The scores of every run from its stored predictions: {"runs": {name: {...}}}."""
     results = {}
     for run in runs:
@@ -244,7 +247,7 @@ def score_runs(out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[di
             store = PredictionStore(Path(out_dir) / "predictions" / run.name / f"{task}.jsonl")
             done = store.ordered(str(s["_id"]) for s in samples)
             # Rescored from the prediction, so stored lines and the current metric code always agree.
-            scores = [sample_score(task, r["pred"], r["answers"], r["all_classes"]) for r in done]
+            scores = [sample_score(task, r["pred"], r["answers"], r["all_classes"], fuzzy) for r in done]
             tasks[task] = dict(score=task_score(scores), samples=len(done),
                                s_per_1k_tokens=seconds_per_1k_tokens(done))
             if longbench_e:

@@ -15,9 +15,11 @@ Every metric takes ``(prediction, ground_truth, all_classes)`` and returns a flo
   share of the numbers in the prediction that equal it (0 when there is none).
 - `count`: the share of the numbers in the prediction that equal the ground truth.
 - `code_sim`: the first line of the prediction (after leading newlines) without a backtick, ``#`` or ``//``,
-  compared with the ground truth by fuzz.ratio / 100, here rapidfuzz's Indel ratio rounded to a whole
-  percent as fuzzywuzzy rounds it (0 when either string is empty, as fuzzywuzzy returns). docs/longbench.md
-  says how far this is from the pure-Python fuzzywuzzy LongBench pinned.
+  compared with the ground truth by fuzzywuzzy's fuzz.ratio / 100: a whole percent, 0 when either string is
+  empty. fuzzywuzzy, as LongBench's requirements install it (without python-Levenshtein), computes
+  difflib.SequenceMatcher's ratio: ``fuzzy="difflib"`` (the default) computes exactly that with the standard
+  library; ``fuzzy="rapidfuzz"`` the Indel ratio that fuzzywuzzy computes when python-Levenshtein is installed,
+  with the maintained rapidfuzz. They differ by 3 points on average on code lines (docs/longbench.md).
 
 `sample_score` applies the first-line rule of trec / triviaqa / samsum / lsht and takes the best score over
 the answers (starting from 0); `task_score` is LongBench's 100 x mean rounded to 2 decimals, and
@@ -132,19 +134,30 @@ def retrieval_zh(prediction: str, ground_truth: str, all_classes=None) -> float:
     return _retrieval(r"段落(\d+)", prediction, ground_truth)
 
 
-def fuzz_ratio(a: str, b: str) -> int:
-    """fuzzywuzzy's fuzz.ratio on rapidfuzz: the Indel similarity in whole percent, 0 for an empty string."""
-    from rapidfuzz import fuzz
+FUZZY = ("difflib", "rapidfuzz")
 
+
+def fuzz_ratio(a: str, b: str, fuzzy: str = "difflib") -> int:
+    """fuzzywuzzy's fuzz.ratio: the similarity of `a` and `b` in whole percent, 0 when either is empty;
+    fuzzy="difflib": SequenceMatcher's ratio (fuzzywuzzy without python-Levenshtein, as LongBench installs
+    it), "rapidfuzz": the Indel ratio (fuzzywuzzy with python-Levenshtein)."""
+    if fuzzy not in FUZZY:
+        raise DuoJaxError(f"unknown fuzzy matcher {fuzzy!r}: choose from {', '.join(FUZZY)}")
     if not a or not b:
         return 0
+    if fuzzy == "difflib":
+        from difflib import SequenceMatcher
+
+        return int(round(100 * SequenceMatcher(None, a, b).ratio()))
+    from rapidfuzz import fuzz
+
     return int(round(fuzz.ratio(a, b)))
 
 
-def code_sim(prediction: str, ground_truth: str, all_classes=None) -> float:
+def code_sim(prediction: str, ground_truth: str, all_classes=None, fuzzy: str = "difflib") -> float:
     line = next((ln for ln in prediction.lstrip("\n").split("\n")
                  if "`" not in ln and "#" not in ln and "//" not in ln), "")
-    return fuzz_ratio(line, ground_truth) / 100
+    return fuzz_ratio(line, ground_truth, fuzzy) / 100
 
 
 METRICS: dict[str, Callable[..., float]] = {
@@ -157,15 +170,17 @@ METRICS: dict[str, Callable[..., float]] = {
 }
 
 
-def sample_score(task: str, prediction: str, answers: Sequence[str], all_classes=None) -> float:
-    """A sample's score in [0, 1]: the first-line rule of FIRST_LINE_TASKS, then the best over `answers`."""
+def sample_score(task: str, prediction: str, answers: Sequence[str], all_classes=None, fuzzy: str = "difflib") -> float:
+    """A sample's score in [0, 1]: the first-line rule of FIRST_LINE_TASKS, then the best over `answers`;
+    `fuzzy`: code_sim's matcher (`fuzz_ratio`)."""
     if task not in METRICS:
         raise DuoJaxError(f"unknown LongBench task {task!r}: choose from {', '.join(METRICS)}")
     if task in FIRST_LINE_TASKS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     best = 0.0
     for answer in answers:
-        best = max(best, METRICS[task](prediction, answer, all_classes=all_classes))
+        options = dict(fuzzy=fuzzy) if METRICS[task] is code_sim else {}
+        best = max(best, METRICS[task](prediction, answer, all_classes=all_classes, **options))
     return best
 
 
