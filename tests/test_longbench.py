@@ -254,3 +254,11 @@ def test_decode_last_protocol(model, tmp_path):
     legend = samples.protocol_legend({r.name: dict(mode=r.mode, protocol=r.protocol) for r in runs})
     assert "h2o@0.5+last8: exact prefill, last 8 prompt tokens decoded one at a time" in legend
     assert "duo" not in legend
+
+
+def test_prompt_beyond_the_context_is_refused(model, tmp_path):
+    long = _sample(0, "Paul Graham writes about startups. " * 400, "Who writes?", ["Paul Graham"])
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(long) + "\n")
+    with pytest.raises(duo_jax.DuoJaxError, match="lower --max-length"):
+        longbench.run_longbench(model, ["full"], data_dir=tmp_path, tasks=["hotpotqa"], kv_budgets=None,
+                                settings=samples.Settings(), max_length=1000, out_dir=tmp_path / "out", progress=False)

@@ -436,7 +436,7 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int, *, seed: int
             text = text.replace("{answer_prefix}", "")
         elif kind == "variable_tracking":
             text, prefix, answers = _vt_text(r, size, args, icl=False)
-            text = icl + text
+            text = icl + "\n" + text  # variable_tracking.py: the example (ending in a newline), a newline, the task
         elif kind == "common_words_extraction":
             text, prefix, answers = _cwe_text(r, size, args, seed, length)
         elif kind == "freq_words_extraction":

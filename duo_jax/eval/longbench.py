@@ -213,6 +213,12 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
     with tqdm(total=total, desc="longbench", unit="sample", disable=not progress) as bar:
         for task in tasks:
             prompts[task] = [build_prompt(model, task, s, max_length, chat=chat) for s in data[task]]
+            context = model.config.max_position_embeddings
+            for sample, ids in zip(data[task], prompts[task]):
+                if len(ids) + MAX_NEW_TOKENS[task] > context:
+                    raise DuoJaxError(f"{task} sample {sample['_id']}: its prompt ({len(ids)} tokens after "
+                                      f"truncation to --max-length {max_length}) + {MAX_NEW_TOKENS[task]} new tokens "
+                                      f"exceed the model's context of {context}: lower --max-length")
             for run in runs:
                 store = PredictionStore(out_dir / "predictions" / run.name / f"{task}.jsonl")
                 bar.set_postfix_str(f"{run.name} / {task}")

@@ -98,6 +98,9 @@ def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DE
     lengths = sorted(set(int(n) for n in lengths))
     if lengths[0] < 256:
         raise DuoJaxError(f"RULER lengths must be at least 256 tokens, got {lengths[0]}")
+    if lengths[-1] > model.config.max_position_embeddings:
+        raise DuoJaxError(f"length {lengths[-1]} exceeds the model's context of "
+                          f"{model.config.max_position_embeddings} tokens: choose shorter --lengths")
     tasks, notes = check_tasks(tasks, qa_data)
     runs = make_runs(modes, kv_budgets, decode_last)
     overlap = warn_if_calibrated_on(haystack, [r.mode for r in runs], settings.pattern, settings.scores)
