@@ -223,10 +223,12 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
                 store = PredictionStore(out_dir / "predictions" / run.name / f"{task}.jsonl")
                 bar.set_postfix_str(f"{run.name} / {task}")
                 for sample, ids in zip(data[task], prompts[task]):
-                    if str(sample["_id"]) not in store:
+                    fingerprint = settings.fingerprint(model, ids, MAX_NEW_TOKENS[task])
+                    if not store.has(str(sample["_id"]), fingerprint):
                         record = generate_sample(model, run, ids, MAX_NEW_TOKENS[task], settings)
                         record.update(id=str(sample["_id"]), answers=sample["answers"],
-                                      all_classes=sample["all_classes"], length=sample["length"])
+                                      all_classes=sample["all_classes"], length=sample["length"],
+                                      fingerprint=fingerprint)
                         record["score"] = sample_score(task, record["pred"], sample["answers"],
                                                        sample["all_classes"], fuzzy)
                         store.add(record)

@@ -119,9 +119,11 @@ def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DE
                     store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
                     bar.set_postfix_str(f"{run.name} / {task} @ {length}")
                     for sample in prompts[task, length]:
-                        if str(sample.index) not in store:
+                        fingerprint = settings.fingerprint(model, sample.ids, sample.tokens_to_generate)
+                        if not store.has(str(sample.index), fingerprint):
                             record = generate_sample(model, run, sample.ids, sample.tokens_to_generate, settings)
-                            record.update(id=str(sample.index), outputs=sample.outputs, length=sample.length)
+                            record.update(id=str(sample.index), outputs=sample.outputs, length=sample.length,
+                                          fingerprint=fingerprint)
                             record["score"] = metric(task)(postprocess(record["pred"]), sample.outputs)
                             store.add(record)
                         bar.update(1)

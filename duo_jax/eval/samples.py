@@ -9,16 +9,21 @@ cache holds prompt + new tokens, h2o / tova prefill the prompt in one chunk (`Mo
 `PredictionStore` is the resumable record: one JSON line per finished sample, appended and flushed as soon as
 the sample is done, in ``<out>/predictions/<run>/<task>.jsonl`` (LongBench's pred.py layout, one folder per
 run). A killed evaluation started again with the same --out reads these files and generates only the
-samples that have no line yet; a line cut short by the kill is ignored (and regenerated).
+samples that have no line yet; a line cut short by the kill is ignored (and regenerated), and so is a line
+made from another prompt or other settings (`Settings.fingerprint`), so changed options never reuse a
+stale prediction.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval.modes import ONE_CHUNK_PREFILL, budget_tokens, check_modes, mode_settings
@@ -74,6 +79,18 @@ class Settings:
     chunk_size: int = 256
     kv_dtype: str | None = None
 
+    def fingerprint(self, model: Model, ids: Sequence[int], max_new_tokens: int) -> str:
+        """What a stored prediction was made from: the model, the prompt ids, the new tokens and these
+        settings. A stored prediction with another fingerprint is stale (an option or the data changed) and is
+        generated again, never reused."""
+        digest = hashlib.sha256()
+        digest.update(repr((model.config.name, model.source, max_new_tokens, self.sparsity, self.sink, self.recent,
+                            self.chunk_size, self.kv_dtype)).encode())
+        for pattern in (self.pattern, self.scores):
+            digest.update(b"-" if pattern is None else np.ascontiguousarray(pattern.gates, np.float32).tobytes())
+        digest.update(np.asarray(ids, np.int64).tobytes())
+        return digest.hexdigest()[:16]
+
 
 def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> dict:
     """Generate greedily from one token-id prompt in `run`; returns the text and what it cost. The mode's
@@ -109,11 +126,14 @@ class PredictionStore:
                 if isinstance(record, dict) and "id" in record:
                     self.records[str(record["id"])] = record
 
-    def __contains__(self, sample_id: str) -> bool:
-        return str(sample_id) in self.records
+    def has(self, sample_id: str, fingerprint: str) -> bool:
+        """Whether sample `sample_id` is stored with this `fingerprint` (`Settings.fingerprint`)."""
+        record = self.records.get(str(sample_id))
+        return record is not None and record.get("fingerprint") == fingerprint
 
     def add(self, record: dict) -> None:
-        """Append `record` (it needs an "id") and flush it to disk at once."""
+        """Append `record` (it needs an "id") and flush it to disk at once; it replaces an earlier line of
+        the same id (the last line of an id wins when the file is read)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         text = self.path.read_text(encoding="utf-8") if self.path.is_file() else ""
         with self.path.open("a", encoding="utf-8") as f:
