@@ -180,3 +180,13 @@ def test_end_to_end(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(ruler, "generate_sample", lambda *a: calls.append(a) or {})
     ruler.run_ruler(model, ["full", "duo"], **kwargs)  # everything is stored: nothing is generated again
     assert calls == []
+
+
+def test_cli_rejects_bad_options(capsys):
+    from duo_jax.eval.__main__ import main as eval_main
+
+    for argv, message in [(["ruler", "--decode-last", "-1"], "--decode-last"),
+                          (["ruler", "--kv-budget", "0.25", "0"], "--kv-budget is a fraction")]:
+        with pytest.raises(SystemExit):
+            eval_main(argv)
+        assert message in capsys.readouterr().err

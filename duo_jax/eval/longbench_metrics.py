@@ -19,7 +19,7 @@ Every metric takes ``(prediction, ground_truth, all_classes)`` and returns a flo
   empty. fuzzywuzzy, as LongBench's requirements install it (without python-Levenshtein), computes
   difflib.SequenceMatcher's ratio: ``fuzzy="difflib"`` (the default) computes exactly that with the standard
   library; ``fuzzy="rapidfuzz"`` the Indel ratio that fuzzywuzzy computes when python-Levenshtein is installed,
-  with the maintained rapidfuzz. They differ by 3 points on average on code lines (docs/longbench.md).
+  with the maintained rapidfuzz. docs/longbench.md measures how far apart they are.
 
 `sample_score` applies the first-line rule of trec / triviaqa / samsum / lsht and takes the best score over
 the answers (starting from 0); `task_score` is LongBench's 100 x mean rounded to 2 decimals, and
