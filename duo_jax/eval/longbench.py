@@ -43,7 +43,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.longbench_metrics import FUZZY, METRICS, length_bucket_scores, sample_score, task_score
 from duo_jax.eval.samples import (PredictionStore, Run, Settings, budget_panel, generate_sample, make_runs, mean_score,
-                                  protocol_legend, seconds_per_1k_tokens)
+                                  protocol_legend, sample_fingerprint, seconds_per_1k_tokens)
 from duo_jax.loading import Model
 
 DATA_URL = "https://huggingface.co/datasets/THUDM/LongBench"
@@ -223,7 +223,7 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
                 store = PredictionStore(out_dir / "predictions" / run.name / f"{task}.jsonl")
                 bar.set_postfix_str(f"{run.name} / {task}")
                 for sample, ids in zip(data[task], prompts[task]):
-                    fingerprint = settings.fingerprint(model, ids, MAX_NEW_TOKENS[task])
+                    fingerprint = sample_fingerprint(model, run, ids, MAX_NEW_TOKENS[task], settings)
                     if not store.has(str(sample["_id"]), fingerprint):
                         record = generate_sample(model, run, ids, MAX_NEW_TOKENS[task], settings)
                         record.update(id=str(sample["_id"]), answers=sample["answers"],

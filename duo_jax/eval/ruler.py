@@ -36,8 +36,8 @@ from duo_jax.data.haystack import EVALUATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.modes import warn_if_calibrated_on
-from duo_jax.eval.samples import (PredictionStore, Settings, budget_panel, generate_sample, make_runs,
-                                  mean_score, protocol_legend, seconds_per_1k_tokens)
+from duo_jax.eval.samples import (PredictionStore, Settings, budget_panel, generate_sample, make_runs, mean_score,
+                                  protocol_legend, sample_fingerprint, seconds_per_1k_tokens)
 from duo_jax.loading import Model
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
@@ -119,7 +119,8 @@ def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DE
                     store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
                     bar.set_postfix_str(f"{run.name} / {task} @ {length}")
                     for sample in prompts[task, length]:
-                        fingerprint = settings.fingerprint(model, sample.ids, sample.tokens_to_generate)
+                        fingerprint = sample_fingerprint(model, run, sample.ids, sample.tokens_to_generate,
+                                                         settings)
                         if not store.has(str(sample.index), fingerprint):
                             record = generate_sample(model, run, sample.ids, sample.tokens_to_generate, settings)
                             record.update(id=str(sample.index), outputs=sample.outputs, length=sample.length,

@@ -10,7 +10,7 @@ cache holds prompt + new tokens, h2o / tova prefill the prompt in one chunk (`Mo
 the sample is done, in ``<out>/predictions/<run>/<task>.jsonl`` (LongBench's pred.py layout, one folder per
 run). A killed evaluation started again with the same --out reads these files and generates only the
 samples that have no line yet; a line cut short by the kill is ignored (and regenerated), and so is a line
-made from another prompt or other settings (`Settings.fingerprint`), so changed options never reuse a
+made from another prompt or other settings (`sample_fingerprint`), so changed options never reuse a
 stale prediction.
 """
 
@@ -79,17 +79,30 @@ class Settings:
     chunk_size: int = 256
     kv_dtype: str | None = None
 
-    def fingerprint(self, model: Model, ids: Sequence[int], max_new_tokens: int) -> str:
-        """What a stored prediction was made from: the model, the prompt ids, the new tokens and these
-        settings. A stored prediction with another fingerprint is stale (an option or the data changed) and is
-        generated again, never reused."""
-        digest = hashlib.sha256()
-        digest.update(repr((model.config.name, model.source, max_new_tokens, self.sparsity, self.sink, self.recent,
-                            self.chunk_size, self.kv_dtype)).encode())
-        for pattern in (self.pattern, self.scores):
-            digest.update(b"-" if pattern is None else np.ascontiguousarray(pattern.gates, np.float32).tobytes())
-        digest.update(np.asarray(ids, np.int64).tobytes())
-        return digest.hexdigest()[:16]
+
+def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Settings):
+    """The run's mode built for a prompt of `length` tokens: budget = the run's fraction of the prompt."""
+    return mode_settings(run.mode, model.config, settings.pattern, sparsity=settings.sparsity, sink=settings.sink,
+                         recent=settings.recent, context=length + max_new_tokens,
+                         kv_budget=budget_tokens(run.kv_budget, length), scores=settings.scores,
+                         kv_dtype=settings.kv_dtype)
+
+
+def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int,
+                       settings: Settings) -> str:
+    """What a prediction is made from: the model, the prompt ids, the new tokens, the run's protocol and what
+    its mode was built with (its pattern / scores only where the mode uses them). A stored prediction with
+    another fingerprint is stale (an option or the data changed) and is generated again, never reused."""
+    mode = _mode(model, run, len(ids), max_new_tokens, settings)
+    digest = hashlib.sha256()
+    digest.update(repr((model.config.name, model.source, max_new_tokens, run.name,
+                        len(ids) if mode.one_chunk_prefill else settings.chunk_size)).encode())
+    for key, value in sorted(mode.options):
+        digest.update(key.encode())
+        digest.update(np.ascontiguousarray(value.gates, np.float32).tobytes() if isinstance(value, Pattern)
+                      else repr(value).encode())
+    digest.update(np.asarray(ids, np.int64).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> dict:
@@ -98,11 +111,8 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
     from duo_jax import generate
 
     length = len(ids)
-    context = length + max_new_tokens
-    mode = mode_settings(run.mode, model.config, settings.pattern, sparsity=settings.sparsity, sink=settings.sink,
-                         recent=settings.recent, context=context, kv_budget=budget_tokens(run.kv_budget, length),
-                         scores=settings.scores, kv_dtype=settings.kv_dtype)
-    out = generate(model, [list(ids)], max_new_tokens=max_new_tokens, context=context, chat=False,
+    mode = _mode(model, run, length, max_new_tokens, settings)
+    out = generate(model, [list(ids)], max_new_tokens=max_new_tokens, context=length + max_new_tokens, chat=False,
                    chunk_size=length if mode.one_chunk_prefill else settings.chunk_size,
                    prompt_tail_steps=run.decode_last, **mode.generate_kwargs())
     text = out.text[0] if out.text is not None else " ".join(map(str, out.tokens[0]))
@@ -127,7 +137,7 @@ class PredictionStore:
                     self.records[str(record["id"])] = record
 
     def has(self, sample_id: str, fingerprint: str) -> bool:
-        """Whether sample `sample_id` is stored with this `fingerprint` (`Settings.fingerprint`)."""
+        """Whether sample `sample_id` is stored with this `fingerprint` (`sample_fingerprint`)."""
         record = self.records.get(str(sample_id))
         return record is not None and record.get("fingerprint") == fingerprint
 
