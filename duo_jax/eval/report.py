@@ -230,7 +230,7 @@ def budget_panels(path: str | os.PathLike, budgets: Sequence[float],
     a dashed horizontal line."""
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
-    figure = _figure(3.2 * columns, 2.6 * rows + 0.4)
+    figure = _figure(max(4.8, 3.2 * columns), 2.8 * rows + 0.4)
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     x = [100 * b for b in budgets]
     for ax, (name, (series, levels)) in zip(axes, panels.items()):
@@ -244,10 +244,8 @@ def budget_panels(path: str | os.PathLike, budgets: Sequence[float],
         ax.grid(True, alpha=0.3)
     for ax in axes[len(panels):]:
         ax.set_axis_off()
-    handles, labels = axes[0].get_legend_handles_labels()
-    if handles:
-        figure.legend(handles, labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8,
-                      bbox_to_anchor=(0.5, 1.0 + 0.3 / rows))
-    figure.suptitle(title, y=1.0 + 0.6 / rows)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
+    figure.suptitle(title)
     figure.tight_layout()
     return _save(figure, path)
