@@ -266,3 +266,21 @@ def test_prompt_beyond_the_context_is_refused(model, tmp_path):
     with pytest.raises(duo_jax.DuoJaxError, match="lower --max-length"):
         longbench.run_longbench(model, ["full"], data_dir=tmp_path, tasks=["hotpotqa"], kv_budgets=None,
                                 settings=samples.Settings(), max_length=1000, out_dir=tmp_path / "out", progress=False)
+
+
+def test_longbench_e_scores_per_length_bucket(tmp_path):
+    """score_runs / tables from stored predictions (no generation): LongBench-E's buckets of `length`."""
+    data = {"hotpotqa": [_sample(0, "c", "q", ["Paris"], length=3000), _sample(1, "c", "q", ["Rome"], length=9000)]}
+    run = samples.Run("full")
+    store = samples.PredictionStore(tmp_path / "predictions" / "full" / "hotpotqa.jsonl")
+    for sample, pred in zip(data["hotpotqa"], ["Paris", "Milan"]):
+        store.add(dict(id=sample["_id"], pred=pred, answers=sample["answers"], all_classes=None,
+                       length=sample["length"], prompt_tokens=100, prefill_s=0.1, decode_s=0.1))
+    results = longbench.score_runs(tmp_path, [run], data, longbench_e=True)
+    task = results["runs"]["full"]["tasks"]["hotpotqa"]
+    assert task["score"] == 50.0 and task["samples"] == 2 and task["s_per_1k_tokens"] == pytest.approx(2.0)
+    assert task["by_length"]["0-4k"] == 100.0 and task["by_length"]["8k+"] == 0.0
+    assert np.isnan(task["by_length"]["4-8k"])
+    results.update(tasks=["hotpotqa"], longbench_e=True)
+    table = longbench.tables(results)
+    assert "| 0-4k" in table and "Multi-Doc QA" in table
