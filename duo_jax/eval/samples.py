@@ -112,7 +112,10 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
 
     length = len(ids)
     mode = _mode(model, run, length, max_new_tokens, settings)
-    out = generate(model, [list(ids)], max_new_tokens=max_new_tokens, context=length + max_new_tokens, chat=False,
+    # Full attention keeps every token whatever the capacity: generate's capacity buckets then let samples of
+    # similar lengths share compiled steps. Every other mode gets the capacity its budget was fitted to.
+    context = None if run.mode == "full" else length + max_new_tokens
+    out = generate(model, [list(ids)], max_new_tokens=max_new_tokens, context=context, chat=False,
                    chunk_size=length if mode.one_chunk_prefill else settings.chunk_size,
                    prompt_tail_steps=run.decode_last, **mode.generate_kwargs())
     text = out.text[0] if out.text is not None else " ".join(map(str, out.tokens[0]))
