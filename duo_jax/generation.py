@@ -111,7 +111,7 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
              chunk_size: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto",
              chat: bool | None = None, kv_dtype: str | None = None, mesh: Mesh | None = None,
-             **method_options) -> Generation:
+             prompt_tail_steps: int = 0, **method_options) -> Generation:
     """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
@@ -138,6 +138,9 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention
     then takes the XLA path (its partials are merged across devices), whatever `attention_impl`. A mesh from
     `jax.make_mesh` works as well, its axes Explicit or Auto (run as Auto: `sharding.auto_axes`).
+    prompt_tail_steps: the last N tokens of every prompt go through decode steps one at a time (the method
+    compresses after the prefill of the rest and at every step, as while generating) instead of the prefill:
+    DuoAttention's appendix protocol for H2O and TOVA (N = 50). Every prompt needs more than N tokens.
     """
     mesh = None if mesh is None else sharding.auto_axes(mesh)
     validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
@@ -179,6 +182,12 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     prepare_s = time.perf_counter() - start
 
     B, dtype = len(ids), model.params.dtype
+    tail = int(prompt_tail_steps)
+    if tail < 0 or (tail and tail >= min(len(p) for p in ids)):
+        raise DuoJaxError(f"prompt_tail_steps must lie in [0, shortest prompt = {min(len(p) for p in ids)}), "
+                          f"got {prompt_tail_steps}")
+    if tail and mesh is not None:
+        raise DuoJaxError("prompt_tail_steps is not supported on a device mesh; pass mesh=None")
     chunk = min(chunk_size, bucket(longest))
     padded = np.zeros((B, longest), np.int32)
     for b, p in enumerate(ids):
@@ -192,11 +201,17 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
         sharding.check_batch(mesh, B)
     start = time.perf_counter()
     compiled_extend(config, kv_method, B, chunk, engine.dtype, attention_impl, False, mesh, engine.weights)  # untimed
+    if tail:
+        compiled_extend(config, kv_method, B, 1, engine.dtype, attention_impl, False, mesh, engine.weights)
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    last_logits, cache, lengths = engine.prefill(kv_method, padded, prompt_lengths, chunk=chunk, impl=attention_impl)
+    last_logits, cache, lengths = engine.prefill(kv_method, padded, prompt_lengths - tail, chunk=chunk,
+                                                 impl=attention_impl)
     kv_method, cache = kv_method.after_prefill(cache, lengths)
+    for i in range(tail):  # the prompt's last tokens, one decode step each
+        column = np.array([p[len(p) - tail + i] for p in ids], np.int32)
+        last_logits, cache, lengths = engine.step(kv_method, cache, lengths, column, impl=attention_impl)
     token = _first_token(last_logits, jax.random.fold_in(key, 0), sampling)
     token.block_until_ready()
     prefill_s = time.perf_counter() - start

@@ -27,7 +27,8 @@ from duo_jax.eval.modes import MODES, check_kv_dtype_modes
 from duo_jax.quant import KV_DTYPES
 
 
-def _common(parser: argparse.ArgumentParser, task: str) -> None:
+def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -> None:
+    """The options every evaluation takes; budgets: --kv-budget takes several fractions (one run per budget)."""
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
     parser.add_argument("--pattern", default="default",
                         help="head pattern for mode duo: a folder / full_attention_heads.tsv, or 'default' "
@@ -35,9 +36,10 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
     parser.add_argument("--modes", "--methods", "--method", dest="modes", nargs="+", choices=MODES, metavar="MODE",
                         default=["full", "duo", "streaming"],
                         help=f"modes (KV-cache methods) to compare, from: {', '.join(MODES)}")
-    parser.add_argument("--kv-budget", type=float, default=None, metavar="F",
+    parser.add_argument("--kv-budget", type=float, default=None, metavar="F", nargs="+" if budgets else None,
                         help="tokens kept per KV head as a fraction F in (0, 1] of the evaluated length, for every "
-                             "mode but full (default: duo's budget at --sparsity)")
+                             "mode but full (default: duo's budget at --sparsity)"
+                             + ("; several: every mode at each" if budgets else ""))
     parser.add_argument("--scores", default="default",
                         help="HeadKV head scores for headkv / duo_headkv: a folder / .tsv from python -m "
                              "duo_jax.head_scores, or 'default' for the model's shipped ones")
@@ -52,6 +54,11 @@ def _common(parser: argparse.ArgumentParser, task: str) -> None:
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                         help="quantize every mode's KV cache (absmax per token and head, bf16 scales; "
                              "duo_jax.quant; every mode has one) (default: --dtype)")
+    if budgets:
+        parser.add_argument("--decode-last", type=int, default=0, metavar="N",
+                            help="h2o / tova: prefill all but the prompt's last N tokens exactly, then decode those "
+                                 "one at a time with eviction (DuoAttention's appendix protocol: 50); 0: compress "
+                                 "once after the whole prompt")
     parser.add_argument("--out", default=f"results/{task}", help="folder for the JSON and PNG results")
 
 
@@ -94,9 +101,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ppl.add_argument("--prefix", type=int, default=None,
                      help="prompt tokens per window; the rest is decoded one token per step after the method "
                           "compresses the prompt (default: the whole window is prompt)")
+    longbench = tasks.add_parser("longbench", help="LongBench (v1) / LongBench-E from LongBench's own files",
+                                 formatter_class=defaults)
+    _common(longbench, "longbench", budgets=True)
+    longbench.add_argument("--data", required=True, metavar="DIR",
+                           help="folder of LongBench's <task>.jsonl files (data.zip of "
+                                "huggingface.co/datasets/THUDM/LongBench, unzipped)")
+    longbench.add_argument("--tasks", nargs="+", default=None, help="tasks to run (default: all of them)")
+    longbench.add_argument("--e", "--longbench-e", dest="longbench_e", action="store_true",
+                           help="LongBench-E: the <task>_e.jsonl files, scores per length bucket")
+    longbench.add_argument("--max-length", type=int, default=None,
+                           help="prompt tokens kept (middle truncation); default: the model's context - 600")
+    longbench.add_argument("--limit", type=int, default=None, help="first N samples of each task")
+    longbench.add_argument("--fuzzy", choices=["difflib", "rapidfuzz"], default="difflib",
+                           help="code similarity's fuzz.ratio: difflib (fuzzywuzzy as LongBench installs it) or "
+                                "rapidfuzz (fuzzywuzzy with python-Levenshtein)")
+    longbench.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                           help="chat template (never for trec, triviaqa, samsum, lsht, lcc, repobench-p); auto: "
+                                "for instruct / chat models")
+
+    ruler = tasks.add_parser("ruler", help="RULER's synthetic tasks (NIAH, variable tracking, word extraction, QA)",
+                             formatter_class=defaults)
+    _common(ruler, "ruler", budgets=True)
+    ruler.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096],
+                       help="sequence lengths in the model's tokens (prompt + tokens to generate)")
+    ruler.add_argument("--samples", type=int, default=10, help="samples per task and length")
+    ruler.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; QA only with --qa-data)")
+    ruler.add_argument("--seed", type=int, default=42, help="seed of every sample")
+    ruler.add_argument("--qa-data", default=None, metavar="DIR",
+                       help="folder with RULER's squad.json and hotpotqa.json for qa_1 / qa_2")
+    ruler.add_argument("--haystack", default="paul_graham:evaluation",
+                       help="the essay haystack: 'paul_graham:evaluation' (held out) or a folder of .txt files")
+    ruler.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                       help="chat template around the task text; auto: for instruct / chat models")
+
     args = parser.parse_args(argv)
-    if args.kv_budget is not None and not 0 < args.kv_budget <= 1:
-        parser.error(f"--kv-budget is a fraction in (0, 1] of the evaluated length, got {args.kv_budget}")
+    for budget in args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]:
+        if budget is not None and not 0 < budget <= 1:
+            parser.error(f"--kv-budget is a fraction in (0, 1] of the evaluated length, got {budget}")
+    if getattr(args, "decode_last", 0) < 0:
+        parser.error(f"--decode-last is a number of prompt tokens >= 0, got {args.decode_last}")
+    if getattr(args, "limit", None) is not None and args.limit < 1:
+        parser.error(f"--limit must be at least 1, got {args.limit}")
+    if getattr(args, "max_length", None) is not None and args.max_length < 2:
+        parser.error(f"--max-length must be at least 2 tokens, got {args.max_length}")
     try:
         check_kv_dtype_modes(args.modes, args.kv_dtype)
     except DuoJaxError as e:
@@ -119,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from duo_jax.eval.niah import accuracy_table, run_niah
     from duo_jax.eval.passkey import run_passkey
     from duo_jax.eval.perplexity import perplexity_table, run_perplexity
+    from duo_jax.eval.samples import Settings
     from duo_jax.generation import resolve_pattern
 
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
@@ -132,7 +181,26 @@ def main(argv: list[str] | None = None) -> int:
         common = dict(pattern=pattern, scores=scores, kv_budget=args.kv_budget, kv_dtype=args.kv_dtype,
                       sparsity=args.sparsity,
                       sink=args.sink, recent=args.recent, chunk_size=args.chunk_size, out_dir=args.out)
-        if args.task == "niah":
+        settings = Settings(pattern=pattern, scores=scores, sparsity=args.sparsity, sink=args.sink,
+                            recent=args.recent, chunk_size=args.chunk_size, kv_dtype=args.kv_dtype)
+        chat = {"auto": None, "on": True, "off": False}[getattr(args, "chat", "auto")]
+        if args.task == "longbench":
+            from duo_jax.eval.longbench import run_longbench, tables
+
+            results = run_longbench(model, args.modes, data_dir=args.data, kv_budgets=args.kv_budget,
+                                    settings=settings, tasks=args.tasks, longbench_e=args.longbench_e,
+                                    max_length=args.max_length, limit=args.limit,
+                                    chat=chat, out_dir=args.out, decode_last=args.decode_last, fuzzy=args.fuzzy)
+            table = tables(results)
+        elif args.task == "ruler":
+            from duo_jax.eval.ruler import run_ruler, tables
+
+            results = run_ruler(model, args.modes, lengths=args.lengths, samples=args.samples,
+                                kv_budgets=args.kv_budget, settings=settings, tasks=args.tasks, seed=args.seed,
+                                qa_data=args.qa_data, chat=chat,
+                                haystack=args.haystack, out_dir=args.out, decode_last=args.decode_last)
+            table = tables(results)
+        elif args.task == "niah":
             results = run_niah(model, args.modes, lengths=args.lengths, depths=args.depths, haystack=args.haystack,
                                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **common)
             table = accuracy_table(results, results["lengths"])

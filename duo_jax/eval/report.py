@@ -220,3 +220,32 @@ def bar_plot(path: str | os.PathLike, groups: Sequence[str], series: Mapping[str
     axes.grid(True, axis="y", alpha=0.3)
     axes.legend()
     return _save(figure, path)
+
+
+def budget_panels(path: str | os.PathLike, budgets: Sequence[float],
+                  panels: Mapping[str, tuple[Mapping[str, Sequence[float]], Mapping[str, float]]], *,
+                  title: str, columns: int = 4) -> Path:
+    """Score against KV budget, one panel per entry of `panels` ({panel: (series, levels)}): each series a line
+    over `budgets` (fractions, drawn as percents), each level (a mode without a budget, e.g. full attention)
+    a dashed horizontal line."""
+    columns = max(1, min(columns, len(panels)))
+    rows = -(-len(panels) // columns)
+    figure = _figure(max(4.8, 3.2 * columns), 2.8 * rows + 0.4)
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    x = [100 * b for b in budgets]
+    for ax, (name, (series, levels)) in zip(axes, panels.items()):
+        for label, value in levels.items():
+            if value is not None and np.isfinite(value):
+                ax.axhline(value, linestyle="--", color="black", linewidth=1, label=label)
+        for label, ys in series.items():
+            ax.plot(x, [np.nan if y is None else y for y in ys], marker="o", label=label)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("KV budget (%)", fontsize=8)
+        ax.grid(True, alpha=0.3)
+    for ax in axes[len(panels):]:
+        ax.set_axis_off()
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return _save(figure, path)

@@ -1,0 +1,205 @@
+"""LongBench (v1) metrics, as THUDM/LongBench defines them (``metrics.py`` and ``eval.py`` of the v1 code).
+
+Every metric takes ``(prediction, ground_truth, all_classes)`` and returns a float in [0, 1]:
+
+- `qa_f1`: token F1 after SQuAD-style normalisation (lowercase, drop ASCII punctuation, drop the articles
+  a / an / the, collapse whitespace); `qa_f1_zh`: F1 over jieba words, each word lowercased and stripped of
+  ASCII and Chinese punctuation and whitespace, empty words dropped.
+- `rouge_l` / `rouge_zh`: ROUGE-L F of the `rouge` package (LongBench's); the Chinese variant first joins
+  jieba words with spaces. A hypothesis or reference the package rejects (empty, only dots) scores 0.
+- `classification`: LongBench's rule: the classes named in the prediction, minus those that are a proper
+  substring of the ground truth (removed while iterating, as the reference does, so a removal skips the next
+  candidate), give 1/len if the ground truth is among them, else 0. The reference's fallback to the closest
+  class never runs (its guard compares a list with 0), so it is not reproduced.
+- `retrieval` / `retrieval_zh`: the paragraph number of ``Paragraph N`` / ``段落N`` in the ground truth; the
+  share of the numbers in the prediction that equal it (0 when there is none).
+- `count`: the share of the numbers in the prediction that equal the ground truth.
+- `code_sim`: the first line of the prediction (after leading newlines) without a backtick, ``#`` or ``//``,
+  compared with the ground truth by fuzzywuzzy's fuzz.ratio / 100: a whole percent, 0 when either string is
+  empty. fuzzywuzzy, as LongBench's requirements install it (without python-Levenshtein), computes
+  difflib.SequenceMatcher's ratio: ``fuzzy="difflib"`` (the default) computes exactly that with the standard
+  library; ``fuzzy="rapidfuzz"`` the Indel ratio that fuzzywuzzy computes when python-Levenshtein is installed,
+  with the maintained rapidfuzz. docs/longbench.md measures how far apart they are.
+
+`sample_score` applies the first-line rule of trec / triviaqa / samsum / lsht and takes the best score over
+the answers (starting from 0); `task_score` is LongBench's 100 x mean rounded to 2 decimals, and
+`length_bucket_scores` LongBench-E's 0-4k / 4-8k / 8k+ split of it.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from typing import Callable, Sequence
+
+import numpy as np
+
+from duo_jax.errors import DuoJaxError
+
+_CHINESE_PUNCTUATION = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟"
+                        "〰〾〿–—‘’‛“”„‟…‧﹏.")
+_ASCII_PUNCTUATION = frozenset(string.punctuation)
+_ALL_PUNCTUATION = frozenset(string.punctuation + _CHINESE_PUNCTUATION)
+FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")  # eval.py keeps only the first line of these
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, drop ASCII punctuation, drop the articles a / an / the, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _ASCII_PUNCTUATION)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def normalize_zh_answer(text: str) -> str:
+    """Lowercase, drop ASCII and Chinese punctuation, drop all whitespace."""
+    return "".join("".join(ch for ch in text.lower() if ch not in _ALL_PUNCTUATION).split())
+
+
+def f1_tokens(prediction: Sequence[str], ground_truth: Sequence[str]) -> float:
+    """F1 of the multiset overlap of two token lists (0 when nothing is shared)."""
+    same = sum((Counter(prediction) & Counter(ground_truth)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(prediction), same / len(ground_truth)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _jieba_words(text: str) -> list[str]:
+    import logging
+
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)  # no "Building prefix dict" chatter on stderr
+    return list(jieba.cut(text, cut_all=False))
+
+
+def qa_f1(prediction: str, ground_truth: str, all_classes=None) -> float:
+    return f1_tokens(normalize_answer(prediction).split(), normalize_answer(ground_truth).split())
+
+
+def qa_f1_zh(prediction: str, ground_truth: str, all_classes=None) -> float:
+    def words(text):
+        return [w for w in (normalize_zh_answer(t) for t in _jieba_words(text)) if w]
+
+    return f1_tokens(words(prediction), words(ground_truth))
+
+
+def rouge_l(prediction: str, ground_truth: str, all_classes=None) -> float:
+    from rouge import Rouge
+
+    try:
+        return float(Rouge().get_scores([prediction], [ground_truth], avg=True)["rouge-l"]["f"])
+    except Exception:  # noqa: BLE001  (LongBench catches everything: empty hypothesis or reference, ...)
+        return 0.0
+
+
+def rouge_zh(prediction: str, ground_truth: str, all_classes=None) -> float:
+    return rouge_l(" ".join(_jieba_words(prediction)), " ".join(_jieba_words(ground_truth)))
+
+
+def classification(prediction: str, ground_truth: str, all_classes=None) -> float:
+    if all_classes is None:
+        raise DuoJaxError("classification scoring needs the sample's all_classes (LongBench's field)")
+    named = [c for c in all_classes if c in prediction]
+    i = 0
+    while i < len(named):  # the reference removes while iterating: each removal skips the next candidate
+        if named[i] in ground_truth and named[i] != ground_truth:
+            del named[i]
+        i += 1
+    return 1.0 / len(named) if ground_truth in named else 0.0
+
+
+def _share_equal(prediction: str, target: str) -> float:
+    numbers = re.findall(r"\d+", prediction)
+    return sum(n == str(target) for n in numbers) / len(numbers) if numbers else 0.0
+
+
+def count(prediction: str, ground_truth: str, all_classes=None) -> float:
+    return _share_equal(prediction, ground_truth)
+
+
+def _retrieval(pattern: str, prediction: str, ground_truth: str) -> float:
+    found = re.findall(pattern, ground_truth)
+    if not found:
+        raise DuoJaxError(f"a retrieval answer must name its paragraph ({pattern!r}), got {ground_truth!r}")
+    return _share_equal(prediction, found[0])
+
+
+def retrieval(prediction: str, ground_truth: str, all_classes=None) -> float:
+    return _retrieval(r"Paragraph (\d+)", prediction, ground_truth)
+
+
+def retrieval_zh(prediction: str, ground_truth: str, all_classes=None) -> float:
+    return _retrieval(r"段落(\d+)", prediction, ground_truth)
+
+
+FUZZY = ("difflib", "rapidfuzz")
+
+
+def fuzz_ratio(a: str, b: str, fuzzy: str = "difflib") -> int:
+    """fuzzywuzzy's fuzz.ratio: the similarity of `a` and `b` in whole percent, 0 when either is empty;
+    fuzzy="difflib": SequenceMatcher's ratio (fuzzywuzzy without python-Levenshtein, as LongBench installs
+    it), "rapidfuzz": the Indel ratio (fuzzywuzzy with python-Levenshtein)."""
+    if fuzzy not in FUZZY:
+        raise DuoJaxError(f"unknown fuzzy matcher {fuzzy!r}: choose from {', '.join(FUZZY)}")
+    if not a or not b:
+        return 0
+    if fuzzy == "difflib":
+        from difflib import SequenceMatcher
+
+        return int(round(100 * SequenceMatcher(None, a, b).ratio()))
+    from rapidfuzz import fuzz
+
+    return int(round(fuzz.ratio(a, b)))
+
+
+def code_sim(prediction: str, ground_truth: str, all_classes=None, fuzzy: str = "difflib") -> float:
+    line = next((ln for ln in prediction.lstrip("\n").split("\n")
+                 if "`" not in ln and "#" not in ln and "//" not in ln), "")
+    return fuzz_ratio(line, ground_truth, fuzzy) / 100
+
+
+METRICS: dict[str, Callable[..., float]] = {
+    "narrativeqa": qa_f1, "qasper": qa_f1, "multifieldqa_en": qa_f1, "multifieldqa_zh": qa_f1_zh,
+    "hotpotqa": qa_f1, "2wikimqa": qa_f1, "musique": qa_f1, "dureader": rouge_zh,
+    "gov_report": rouge_l, "qmsum": rouge_l, "multi_news": rouge_l, "vcsum": rouge_zh,
+    "trec": classification, "triviaqa": qa_f1, "samsum": rouge_l, "lsht": classification,
+    "passage_retrieval_en": retrieval, "passage_count": count, "passage_retrieval_zh": retrieval_zh,
+    "lcc": code_sim, "repobench-p": code_sim,
+}
+
+
+def sample_score(task: str, prediction: str, answers: Sequence[str], all_classes=None, fuzzy: str = "difflib") -> float:
+    """A sample's score in [0, 1]: the first-line rule of FIRST_LINE_TASKS, then the best over `answers`;
+    `fuzzy`: code_sim's matcher (`fuzz_ratio`)."""
+    if task not in METRICS:
+        raise DuoJaxError(f"unknown LongBench task {task!r}: choose from {', '.join(METRICS)}")
+    if task in FIRST_LINE_TASKS:
+        prediction = prediction.lstrip("\n").split("\n")[0]
+    best = 0.0
+    for answer in answers:
+        options = dict(fuzzy=fuzzy) if METRICS[task] is code_sim else {}
+        best = max(best, METRICS[task](prediction, answer, all_classes=all_classes, **options))
+    return best
+
+
+def task_score(scores: Sequence[float]) -> float:
+    """LongBench's task score: 100 x the mean sample score, rounded to 2 decimals (NaN for no samples)."""
+    return round(100 * float(np.mean(scores)), 2) if len(scores) else float("nan")
+
+
+LENGTH_BUCKETS = ("0-4k", "4-8k", "8k+")
+
+
+def length_bucket(length: int) -> str:
+    """LongBench-E's bucket of a sample's `length` field."""
+    return LENGTH_BUCKETS[0] if length < 4000 else LENGTH_BUCKETS[1] if length < 8000 else LENGTH_BUCKETS[2]
+
+
+def length_bucket_scores(scores: Sequence[float], lengths: Sequence[int]) -> dict[str, float]:
+    """{bucket: task_score of its samples} (NaN for an empty bucket, where LongBench's mean is NaN too)."""
+    groups: dict[str, list[float]] = {b: [] for b in LENGTH_BUCKETS}
+    for score, length in zip(scores, lengths):
+        groups[length_bucket(length)].append(score)
+    return {b: task_score(v) for b, v in groups.items()}

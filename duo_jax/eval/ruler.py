@@ -1,0 +1,187 @@
+"""RULER's synthetic tasks on any model duo-jax loads, in every KV-cache mode at every KV budget.
+
+Samples come from `duo_jax.data.ruler` (RULER's generators, lengths in the model's tokens, haystacks from the
+essays' evaluation half). Each is generated greedily with RULER's tokens to generate and scored as
+NVIDIA/RULER's ``scripts/eval/evaluate.py`` and ``scripts/eval/synthetic/constants.py`` score it: the
+prediction stripped, control characters turned into newlines (`postprocess`), then
+
+- `string_match_all` (every task but QA): the share of the references contained in the prediction,
+  case-insensitively;
+- `string_match_part` (qa_1, qa_2): 1 when any reference is contained.
+
+A task's score at a length is 100 x the mean over its samples (2 decimals); the headline is the mean over
+tasks per length, as RULER's tables report it. qa_1 / qa_2 run only with `qa_data` (RULER's squad.json /
+hotpotqa.json); otherwise they are skipped and the results say so.
+
+`decode_last` (``--decode-last 50``) runs h2o and tova under DuoAttention's appendix protocol (exact prefill,
+the prompt's last N tokens decoded one at a time with eviction; `duo_jax.eval.samples.Run`); the tables
+name the protocol of every h2o / tova row.
+
+Outputs in `out_dir`: ``predictions/<run>/<task>_<length>.jsonl`` (resumable, `duo_jax.eval.samples`),
+``ruler.json`` (settings, every prompt's length and references, every prediction, every score),
+``ruler.md`` (the tables) and ``ruler_budget.png`` (average score vs KV budget per method, one panel per
+length).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Sequence
+
+from duo_jax.chat import is_chat_model
+from duo_jax.data import ruler as data
+from duo_jax.data.haystack import EVALUATION_HAYSTACK
+from duo_jax.errors import DuoJaxError
+from duo_jax.eval import report
+from duo_jax.eval.modes import warn_if_calibrated_on
+from duo_jax.eval.samples import (PredictionStore, Settings, budget_panel, generate_sample, make_runs, mean_score,
+                                  protocol_legend, sample_fingerprint, seconds_per_1k_tokens)
+from duo_jax.loading import Model
+
+DEFAULT_LENGTHS = (1024, 2048, 4096)
+SYNTHETIC_TASKS = tuple(t for t in data.TASKS if t not in data.QA_TASKS)
+
+
+def postprocess(prediction: str) -> str:
+    """evaluate.py's postprocess_pred: strip, control characters to newlines, strip."""
+    return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """The share of `references` contained in `prediction` (case-insensitive)."""
+    if not references:
+        raise DuoJaxError("a RULER sample needs at least one reference")
+    return sum(r.lower() in prediction.lower() for r in references) / len(references)
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    """1 when any of `references` is contained in `prediction` (case-insensitive), else 0."""
+    return max((1.0 if r.lower() in prediction.lower() else 0.0) for r in references) if references else 0.0
+
+
+def metric(task: str):
+    return string_match_part if data.check_task(task)[0] == "qa" else string_match_all
+
+
+def check_tasks(tasks: Sequence[str] | None, qa_data: str | Path | None) -> tuple[list[str], list[str]]:
+    """(tasks to run, notes): the synthetic tasks by default, plus QA when `qa_data` is given; a QA task
+    asked for without data is skipped with a note."""
+    tasks = list(dict.fromkeys(tasks or [*SYNTHETIC_TASKS, *data.QA_TASKS]))
+    for task in tasks:
+        data.check_task(task)
+    notes = []
+    if qa_data is None and any(t in data.QA_TASKS for t in tasks):
+        skipped = [t for t in tasks if t in data.QA_TASKS]
+        notes.append(f"skipped {', '.join(skipped)}: RULER's QA tasks need SQuAD / HotpotQA, pass --qa-data DIR "
+                     f"({data.GET_QA})")
+        tasks = [t for t in tasks if t not in data.QA_TASKS]
+    if not tasks:
+        raise DuoJaxError("no RULER task left to run: " + "; ".join(notes))
+    return tasks, notes
+
+
+def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DEFAULT_LENGTHS, samples: int = 10,
+              kv_budgets: Sequence[float] | None, settings: Settings, tasks: Sequence[str] | None = None,
+              seed: int = 42, qa_data: str | Path | None = None, chat: bool | None = None,
+              haystack: str = EVALUATION_HAYSTACK, out_dir: str | Path, decode_last: int = 0,
+              progress: bool = True) -> dict:
+    """Generate and score `samples` samples of every task at every length in every run, resuming from the
+    predictions already in `out_dir`; writes the outputs listed in the module docstring."""
+    from tqdm.auto import tqdm
+
+    if model.tokenizer is None:
+        raise DuoJaxError("RULER needs the model's tokenizer (none was found with the weights)")
+    if samples < 1:
+        raise DuoJaxError(f"need at least one sample per task and length, got {samples}")
+    lengths = sorted(set(int(n) for n in lengths))
+    if lengths[0] < 256:
+        raise DuoJaxError(f"RULER lengths must be at least 256 tokens, got {lengths[0]}")
+    if lengths[-1] > model.config.max_position_embeddings:
+        raise DuoJaxError(f"length {lengths[-1]} exceeds the model's context of "
+                          f"{model.config.max_position_embeddings} tokens: choose shorter --lengths")
+    tasks, notes = check_tasks(tasks, qa_data)
+    runs = make_runs(modes, kv_budgets, decode_last)
+    overlap = warn_if_calibrated_on(haystack, [r.mode for r in runs], settings.pattern, settings.scores)
+    chat = is_chat_model(model) if chat is None else chat
+    out_dir = Path(out_dir)
+    start = time.perf_counter()
+    prompts = {}
+    with tqdm(total=len(runs) * len(tasks) * len(lengths) * samples, desc="ruler", unit="sample",
+              disable=not progress) as bar:
+        for length in lengths:
+            for task in tasks:
+                bar.set_postfix_str(f"preparing {task} @ {length}")
+                prompts[task, length] = [data.make_sample(task, model.tokenizer, length, i, seed=seed, chat=chat,
+                                                          haystack=haystack, qa_data=qa_data) for i in range(samples)]
+                for run in runs:
+                    store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
+                    bar.set_postfix_str(f"{run.name} / {task} @ {length}")
+                    for sample in prompts[task, length]:
+                        fingerprint = sample_fingerprint(model, run, sample.ids, sample.tokens_to_generate,
+                                                         settings)
+                        if not store.has(str(sample.index), fingerprint):
+                            record = generate_sample(model, run, sample.ids, sample.tokens_to_generate, settings)
+                            record.update(id=str(sample.index), outputs=sample.outputs, length=sample.length,
+                                          fingerprint=fingerprint)
+                            record["score"] = metric(task)(postprocess(record["pred"]), sample.outputs)
+                            store.add(record)
+                        bar.update(1)
+    results = dict(runs={}, task="ruler", model=model.config.name, source=model.source, tasks=tasks, notes=notes,
+                   lengths=lengths, samples=samples, seed=seed, chat=chat, haystack=haystack,
+                   calibration_overlap=overlap, kv_budgets=list(kv_budgets or [None]), sparsity=settings.sparsity,
+                   sink=settings.sink, recent=settings.recent, chunk_size=settings.chunk_size,
+                   kv_dtype=settings.kv_dtype, dtype=str(model.params.dtype),
+                   prompts={f"{t}_{n}": [dict(length=s.length, outputs=s.outputs, haystack_size=s.meta["haystack_size"])
+                                         for s in v] for (t, n), v in prompts.items()})
+    for run in runs:
+        scores, records = {}, {}
+        for (task, length), group in prompts.items():
+            store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
+            done = store.ordered(str(s.index) for s in group)
+            # Rescored from the prediction, so stored lines and the current metric code always agree.
+            values = [metric(task)(postprocess(r["pred"]), r["outputs"]) for r in done]
+            scores.setdefault(task, {})[length] = mean_score([100 * v for v in values])
+            records[f"{task}_{length}"] = done
+        average = {n: mean_score([scores[t][n] for t in tasks]) for n in lengths}
+        results["runs"][run.name] = dict(mode=run.mode, kv_budget=run.kv_budget, decode_last=run.decode_last,
+                                         protocol=run.protocol, scores=scores, average=average,
+                                         overall=mean_score(list(average.values())),
+                                         s_per_1k_tokens=seconds_per_1k_tokens(sum(records.values(), [])),
+                                         predictions=records)
+    results.update(wall_s=time.perf_counter() - start, machine=report.machine_info())
+    write_outputs(results, out_dir)
+    return results
+
+
+def tables(results: dict) -> str:
+    """Markdown: the average over tasks per length (RULER's headline) per run, then every task per length."""
+    lengths, tasks = results["lengths"], results["tasks"]
+    runs = results["runs"]
+    text = report.markdown_table(["run", *[f"avg @ {n}" for n in lengths], "overall", "s / 1k tokens"],
+                                 [[name, *[r["average"][n] for n in lengths], r["overall"], r["s_per_1k_tokens"]]
+                                  for name, r in runs.items()])
+    rows = [[name, n, *[r["scores"][t][n] for t in tasks]] for n in lengths for name, r in runs.items()]
+    text += "\n\n" + report.markdown_table(["run", "length", *tasks], rows)
+    text += protocol_legend(runs)
+    for note in results["notes"]:
+        text += f"\n\nNote: {note}"
+    return text
+
+
+def budget_figure(results: dict, path: str | Path) -> Path:
+    """Average score vs KV budget, one line per method (full: a dashed level), one panel per length."""
+    runs = results["runs"].values()
+    budgets = sorted({r["kv_budget"] for r in runs if r["kv_budget"] is not None})
+    panels = {f"{n} tokens": budget_panel(runs, budgets, lambda r, n=n: r["average"][n]) for n in results["lengths"]}
+    return report.budget_panels(path, budgets, panels, title=f"RULER, {results['model']}")
+
+
+def write_outputs(results: dict, out_dir: str | Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    paths = [budget_figure(results, out_dir / "ruler_budget.png"), out_dir / "ruler.md", out_dir / "ruler.json"]
+    results["files"] = [str(p) for p in paths]
+    paths[1].write_text(tables(results) + "\n", encoding="utf-8")
+    report.write_json(paths[2], results)
+    return paths

@@ -1,0 +1,193 @@
+"""Per-sample evaluations (LongBench, RULER): every sample generated once in every run, resumably.
+
+A **run** is one mode at one KV budget: ``full`` (no budget), or e.g. ``duo@0.25`` (`Run`); `make_runs`
+builds them from the modes and budgets a user asks for (None: duo's default budget, see
+`duo_jax.eval.modes`). A sample is generated alone (batch 1, greedy) by `generate_sample`, the run's mode
+built for its own length: the budget is the fraction of *that prompt's* tokens (`budget_tokens`), the
+cache holds prompt + new tokens, h2o / tova prefill the prompt in one chunk (`ModeSettings.one_chunk_prefill`).
+
+`PredictionStore` is the resumable record: one JSON line per finished sample, appended and flushed as soon as
+the sample is done, in ``<out>/predictions/<run>/<task>.jsonl`` (LongBench's pred.py layout, one folder per
+run). A killed evaluation started again with the same --out reads these files and generates only the
+samples that have no line yet; a line cut short by the kill is ignored (and regenerated), and so is a line
+made from another prompt or other settings (`sample_fingerprint`), so changed options never reuse a
+stale prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from duo_jax.errors import DuoJaxError
+from duo_jax.eval.modes import ONE_CHUNK_PREFILL, budget_tokens, check_modes, mode_settings
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One mode at one KV budget (a fraction of each prompt's tokens; None: full, or duo's default budget).
+    decode_last > 0: the prompt's last `decode_last` tokens are decoded one at a time with eviction
+    (`duo_jax.generate`'s prompt_tail_steps; DuoAttention's appendix protocol for H2O / TOVA); its name then
+    ends in "+last<N>"."""
+
+    mode: str
+    kv_budget: float | None = None
+    decode_last: int = 0
+
+    @property
+    def name(self) -> str:
+        name = self.mode if self.kv_budget is None else f"{self.mode}@{self.kv_budget:g}"
+        return name + (f"+last{self.decode_last}" if self.decode_last else "")
+
+    @property
+    def protocol(self) -> str:
+        if self.decode_last:
+            return f"exact prefill, last {self.decode_last} prompt tokens decoded one at a time with eviction"
+        return "prefill" + (" in one chunk, compressed at its end" if self.mode in ONE_CHUNK_PREFILL else "")
+
+
+def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None, decode_last: int = 0) -> list[Run]:
+    """Every mode at every budget; full once (it keeps every token at any budget). decode_last applies to the
+    modes evaluated with one-chunk prefill (h2o, tova)."""
+    budgets = list(dict.fromkeys(budgets or [None]))
+    for budget in budgets:
+        if budget is not None and not 0 < budget <= 1:
+            raise DuoJaxError(f"a KV budget is a fraction in (0, 1] of each prompt's tokens, got {budget}")
+    if decode_last < 0:
+        raise DuoJaxError(f"decode_last is a number of prompt tokens >= 0, got {decode_last}")
+    return [Run(m, b, decode_last if m in ONE_CHUNK_PREFILL else 0)
+            for m in check_modes(modes) for b in (budgets if m != "full" else [None])]
+
+
+@dataclasses.dataclass
+class Settings:
+    """What every run shares: the head pattern / scores of the modes that need them and the windows."""
+
+    pattern: Pattern | None = None
+    scores: Pattern | None = None
+    sparsity: float = 0.5
+    sink: int = 64
+    recent: int = 256
+    chunk_size: int = 256
+    kv_dtype: str | None = None
+
+
+def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Settings):
+    """The run's mode built for a prompt of `length` tokens: budget = the run's fraction of the prompt."""
+    return mode_settings(run.mode, model.config, settings.pattern, sparsity=settings.sparsity, sink=settings.sink,
+                         recent=settings.recent, context=length + max_new_tokens,
+                         kv_budget=budget_tokens(run.kv_budget, length), scores=settings.scores,
+                         kv_dtype=settings.kv_dtype)
+
+
+def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int,
+                       settings: Settings) -> str:
+    """What a prediction is made from: the model, the prompt ids, the new tokens, the run's protocol and what
+    its mode was built with (its pattern / scores only where the mode uses them). A stored prediction with
+    another fingerprint is stale (an option or the data changed) and is generated again, never reused."""
+    mode = _mode(model, run, len(ids), max_new_tokens, settings)
+    digest = hashlib.sha256()
+    digest.update(repr((model.config.name, model.source, max_new_tokens, run.name,
+                        len(ids) if mode.one_chunk_prefill else settings.chunk_size)).encode())
+    for key, value in sorted(mode.options):
+        digest.update(key.encode())
+        digest.update(np.ascontiguousarray(value.gates, np.float32).tobytes() if isinstance(value, Pattern)
+                      else repr(value).encode())
+    digest.update(np.asarray(ids, np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> dict:
+    """Generate greedily from one token-id prompt in `run`; returns the text and what it cost. The mode's
+    budget is the run's fraction of the whole prompt, whichever protocol."""
+    from duo_jax import generate
+
+    length = len(ids)
+    mode = _mode(model, run, length, max_new_tokens, settings)
+    # Full attention keeps every token whatever the capacity: generate's capacity buckets then let samples of
+    # similar lengths share compiled steps. Every other mode gets the capacity its budget was fitted to.
+    context = None if run.mode == "full" else length + max_new_tokens
+    out = generate(model, [list(ids)], max_new_tokens=max_new_tokens, context=context, chat=False,
+                   chunk_size=length if mode.one_chunk_prefill else settings.chunk_size,
+                   prompt_tail_steps=run.decode_last, **mode.generate_kwargs())
+    text = out.text[0] if out.text is not None else " ".join(map(str, out.tokens[0]))
+    return dict(pred=text, prompt_tokens=length, new_tokens=len(out.tokens[0]), kv_budget_tokens=mode.kv_budget,
+                prefill_s=out.stats["prefill_s"], decode_s=out.stats["decode_s"], compile_s=out.stats["compile_s"],
+                cache_bytes=out.stats["cache_bytes"], full_cache_bytes=out.stats["full_cache_bytes"])
+
+
+class PredictionStore:
+    """The finished samples of one run and task: a JSON-lines file, one object per sample with its "id"."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.records: dict[str, dict] = {}
+        if self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a killed run
+                    continue
+                if isinstance(record, dict) and "id" in record:
+                    self.records[str(record["id"])] = record
+
+    def has(self, sample_id: str, fingerprint: str) -> bool:
+        """Whether sample `sample_id` is stored with this `fingerprint` (`sample_fingerprint`)."""
+        record = self.records.get(str(sample_id))
+        return record is not None and record.get("fingerprint") == fingerprint
+
+    def add(self, record: dict) -> None:
+        """Append `record` (it needs an "id") and flush it to disk at once; it replaces an earlier line of
+        the same id (the last line of an id wins when the file is read)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = self.path.read_text(encoding="utf-8") if self.path.is_file() else ""
+        with self.path.open("a", encoding="utf-8") as f:
+            if text and not text.endswith("\n"):  # a line cut short by a kill: start a fresh one
+                f.write("\n")
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+        self.records[str(record["id"])] = record
+
+    def ordered(self, ids: Iterable[str]) -> list[dict]:
+        """The records of `ids` that are done, in that order."""
+        return [self.records[str(i)] for i in ids if str(i) in self.records]
+
+
+def seconds_per_1k_tokens(records: Sequence[dict[str, Any]]) -> float:
+    """Prefill + decode seconds per 1,000 prompt tokens over `records` (compilation excluded)."""
+    tokens = sum(r["prompt_tokens"] for r in records)
+    return 1000 * sum(r["prefill_s"] + r["decode_s"] for r in records) / tokens if tokens else float("nan")
+
+
+def protocol_legend(runs: dict[str, dict]) -> str:
+    """Markdown lines naming the protocol of every h2o / tova run ("" when there is none)."""
+    lines = [f"- {name}: {r['protocol']}" for name, r in runs.items() if r["mode"] in ONE_CHUNK_PREFILL]
+    return "\n\nProtocols:\n" + "\n".join(lines) if lines else ""
+
+
+def mean_score(values: Sequence[float | None]) -> float:
+    """The mean of the finite scores, rounded to 2 decimals as the benchmarks report them (NaN for none)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return round(sum(values) / len(values), 2) if values else float("nan")
+
+
+def budget_panel(runs: Iterable[dict], budgets: Sequence[float], value) -> tuple[dict, dict]:
+    """One panel of `duo_jax.eval.report.budget_panels` from result runs (dicts with "mode", "kv_budget"):
+    ({label: [value(run) per budget]}, {label of a run without a budget: value(run)}); a run's label is its
+    mode, plus "+last<N>" for the decoded-tail protocol."""
+    series, levels = {}, {}
+    for run in runs:
+        label = run["mode"] + (f"+last{run['decode_last']}" if run.get("decode_last") else "")
+        if run["kv_budget"] is None:
+            levels[label] = value(run)
+        else:
+            series.setdefault(label, {})[run["kv_budget"]] = value(run)
+    return {m: [s.get(b) for b in budgets] for m, s in series.items()}, levels

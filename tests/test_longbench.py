@@ -1,0 +1,286 @@
+"""LongBench (duo_jax.eval.longbench): the official metrics on hand-computed cases, LongBench's data format,
+prompt, truncation and chat rules, and a resumable end-to-end run on a tiny random model."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax.eval import longbench, longbench_metrics as lm, samples
+from duo_jax.eval.__main__ import main as eval_main
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern
+from tests.conftest import tiny_config
+
+CONFIG = tiny_config(vocab_size=2000, max_position_embeddings=1024)
+
+
+# --- metrics -------------------------------------------------------------------------------------------
+
+
+def test_qa_f1_normalisation_and_several_answers():
+    assert lm.qa_f1("The Eiffel Tower!", "eiffel tower") == 1.0  # case, punctuation, article
+    assert lm.qa_f1("Paris, France", "Paris") == pytest.approx(2 / 3)  # precision 1/2, recall 1
+    assert lm.qa_f1("", "Paris") == 0.0
+    assert lm.qa_f1("a an the", "the") == 0.0  # both normalise to nothing
+    # The best over the answers; the first-line rule applies to triviaqa only.
+    assert lm.sample_score("hotpotqa", "Paris", ["London", "Paris France"]) == pytest.approx(2 / 3)
+    assert lm.sample_score("triviaqa", "\nParis\nLondon", ["London"]) == 0.0
+    assert lm.sample_score("hotpotqa", "\nParis\nLondon", ["London"]) == pytest.approx(2 / 3)
+    assert lm.sample_score("hotpotqa", "anything", []) == 0.0
+
+
+def test_chinese_metrics():
+    # jieba: 我爱北京 -> 我 / 爱 / 北京; 北京。 -> 北京 / 。 (punctuation dropped after normalisation)
+    assert lm.qa_f1_zh("我爱北京", "北京") == pytest.approx(0.5)  # precision 1/3, recall 1
+    assert lm.qa_f1_zh("北京。", "北京") == 1.0
+    assert lm.qa_f1_zh("", "北京") == 0.0
+    assert lm.rouge_zh("我爱北京", "北京") == pytest.approx(0.5, abs=1e-6)  # LCS 1 of 3 and 1 words
+    assert lm.retrieval_zh("答案是段落5", "段落5") == 1.0
+    assert lm.retrieval_zh("段落5 或 段落6", "段落5") == 0.5
+
+
+def test_rouge_l():
+    assert lm.rouge_l("cat sat on mat", "cat is on mat") == pytest.approx(0.75, abs=1e-6)  # LCS 3 of 4 and 4
+    assert lm.rouge_l("cat on mat", "cat on mat") == pytest.approx(1.0, abs=1e-6)
+    assert lm.rouge_l("", "cat on mat") == 0.0  # the package rejects an empty hypothesis: LongBench scores 0
+    assert lm.rouge_l("...", "cat") == 0.0
+
+
+def test_classification_count_retrieval_code():
+    classes = ["LOC", "NUM", "DESC"]
+    assert lm.classification("NUM", "NUM", classes) == 1.0
+    assert lm.classification("LOC or NUM", "NUM", classes) == 0.5
+    assert lm.classification("no idea", "NUM", classes) == 0.0  # the reference's fallback never runs
+    # Removal while iterating: "a" (in "ab") is removed and "b" is skipped, so 2 classes stay named.
+    assert lm.classification("ab", "ab", ["a", "b", "ab"]) == 0.5
+    assert lm.sample_score("trec", "\nNUM\nLOC", ["NUM"], classes) == 1.0  # first line only
+    assert lm.count("There are 12 unique paragraphs", "12") == 1.0
+    assert lm.count("12 or 13", "12") == 0.5
+    assert lm.count("", "12") == 0.0
+    assert lm.retrieval("Paragraph 3", "Paragraph 3") == 1.0
+    assert lm.retrieval("Paragraph 3 or Paragraph 4", "Paragraph 3") == 0.5
+    assert lm.retrieval("", "Paragraph 3") == 0.0
+    # The first line without # ` or //; 9 of 10 characters match in order: 2*9/20 = 90% under both matchers.
+    assert lm.code_sim("\n# comment\nx = foo(1)\n", "x = foo(2)") == pytest.approx(0.9)
+    assert lm.code_sim("x = foo(1)", "x = foo(2)", fuzzy="rapidfuzz") == pytest.approx(0.9)
+    # Where they part: difflib takes the longest block first ("bc", then "b": 2*3/11 = 55%), the Indel ratio
+    # the longest common subsequence ("bbcb": 2*4/11 = 73%) ...
+    assert lm.fuzz_ratio("bbcb", "bcabacb") == 55 and lm.fuzz_ratio("bbcb", "bcabacb", "rapidfuzz") == 73
+    # ... and difflib's autojunk ignores characters that fill over 1% of a string of 200+ characters.
+    long_a, long_b = "x" * 150 + "y" * 60, "y" * 60 + "x" * 150
+    assert lm.fuzz_ratio(long_a, long_b) == 0 and lm.fuzz_ratio(long_a, long_b, "rapidfuzz") == 71
+    with pytest.raises(duo_jax.DuoJaxError, match="unknown fuzzy"):
+        lm.fuzz_ratio("a", "b", "levenshtein")
+    assert lm.code_sim("", "x = 1") == 0.0
+    assert lm.code_sim("```\n// c", "x = 1") == 0.0  # no usable line
+
+
+def test_task_scores_and_buckets():
+    assert lm.task_score([1.0, 0.5, 0.0]) == 50.0
+    assert lm.task_score([1 / 3]) == 33.33
+    assert lm.length_bucket_scores([1.0, 0.0, 0.5], [3999, 4000, 9000]) == {"0-4k": 100.0, "4-8k": 0.0, "8k+": 50.0}
+    assert longbench.category_scores({"hotpotqa": 10.0, "musique": 20.0, "lcc": 50.0}) == {
+        "Multi-Doc QA": 15.0, "Code": 50.0}
+    with pytest.raises(duo_jax.DuoJaxError, match="unknown LongBench task"):
+        lm.sample_score("nq", "x", ["x"])
+
+
+# --- data, prompts, truncation ---------------------------------------------------------------------------
+
+
+def _sample(i, context, question, answers, all_classes=None, language="en", length=100):
+    return dict(input=question, context=context, answers=answers, length=length, dataset="x",
+                language=language, all_classes=all_classes, _id=f"id{i}")
+
+
+def write_fixtures(folder, suffix=""):
+    """Small files in LongBench's exact format (one JSON object per line)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    essays = "Paul Graham writes about startups. " * 40
+    tasks = {
+        "hotpotqa": [_sample(0, "Passage 1:\nParis is the capital of France.\n" + essays,
+                             "What is the capital of France?", ["Paris"]),
+                     _sample(1, essays, "Who writes about startups?", ["Paul Graham"], length=5000)],
+        "trec": [_sample(0, "Question: Where is Paris?\nType: Location\n",
+                         "Question: How many people live in Paris?\nType:", ["Number of something"],
+                         all_classes=["Location", "Number of something"])],
+        "passage_retrieval_zh": [_sample(0, "段落1：北京。\n\n段落2：上海。", "上海", ["段落2"], language="zh")],
+    }
+    for task, rows in tasks.items():
+        (folder / f"{task}{suffix}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                                                      encoding="utf-8")
+    return list(tasks)
+
+
+def test_load_task_errors(tmp_path):
+    with pytest.raises(longbench.LongBenchDataError, match="huggingface.co/datasets/THUDM/LongBench"):
+        longbench.load_task(tmp_path / "nope", "hotpotqa")
+    with pytest.raises(longbench.LongBenchDataError, match="no hotpotqa.jsonl"):
+        longbench.load_task(tmp_path, "hotpotqa")
+    (tmp_path / "qasper.jsonl").write_text(json.dumps({"input": "q", "context": "c"}) + "\n")
+    with pytest.raises(longbench.LongBenchDataError, match="lacks field.*answers"):
+        longbench.load_task(tmp_path, "qasper")
+    (tmp_path / "musique.jsonl").write_text("{not json\n")
+    with pytest.raises(longbench.LongBenchDataError, match="not JSON"):
+        longbench.load_task(tmp_path, "musique")
+    with pytest.raises(duo_jax.DuoJaxError, match="unknown LongBench task.*nq"):
+        longbench.check_tasks(["hotpotqa", "nq"])
+    with pytest.raises(duo_jax.DuoJaxError, match="LongBench-E task.*musique"):
+        longbench.check_tasks(["musique"], longbench_e=True)
+    write_fixtures(tmp_path, "_e")
+    assert [s["_id"] for s in longbench.load_task(tmp_path, "hotpotqa", longbench_e=True, limit=1)] == ["id0"]
+
+
+class CharTokenizer:
+    """One token per character: truncation is checkable by hand."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_truncate_middle_keeps_both_ends():
+    tok = CharTokenizer()
+    assert longbench.truncate_middle(tok, "abcdefghij", 10) == "abcdefghij"  # fits: unchanged
+    assert longbench.truncate_middle(tok, "abcdefghij", 4) == "abij"
+    assert longbench.truncate_middle(tok, "abcdefghij", 5) == "abij"  # int(5 / 2) = 2 tokens each side
+
+
+class ChatTokenizer:
+    """The shared BPE test tokenizer with a chat template."""
+
+    chat_template = "{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}<bot>"
+    special_tokens = {}
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def encode(self, text, add_special_tokens=True):
+        return self.inner.encode(text)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.inner.decode(ids)
+
+
+def test_prompt_template_and_chat_rule(tokenizer, tmp_path):
+    write_fixtures(tmp_path)
+    model = Model(CONFIG, None, ChatTokenizer(tokenizer), "tiny-instruct")
+    hotpot = longbench.load_task(tmp_path, "hotpotqa")[0]
+    trec = longbench.load_task(tmp_path, "trec")[0]
+    expected = longbench.PROMPTS["hotpotqa"].format(**hotpot)
+    assert expected.endswith("Question: What is the capital of France?\nAnswer:")
+    wrapped = tokenizer.decode(longbench.build_prompt(model, "hotpotqa", hotpot, 10_000, chat=True))
+    assert wrapped == f"<user>{expected}</user><bot>"
+    raw = tokenizer.decode(longbench.build_prompt(model, "trec", trec, 10_000, chat=True))  # trec: never chat
+    assert raw == longbench.PROMPTS["trec"].format(**trec)
+    plain = tokenizer.decode(longbench.build_prompt(model, "hotpotqa", hotpot, 10_000, chat=False))
+    assert plain == expected
+    # Truncated in the middle before the chat wrapping: the instruction and the question survive.
+    ids = longbench.build_prompt(model, "hotpotqa", hotpot, 64, chat=True)
+    text = tokenizer.decode(ids)
+    assert text.startswith("<user>Answer the question") and text.endswith("France?\nAnswer:</user><bot>")
+    assert len(ids) < 64 + 16
+    assert longbench.MAX_NEW_TOKENS["gov_report"] == 512 and longbench.MAX_NEW_TOKENS["hotpotqa"] == 32
+    assert set(longbench.NO_CHAT_TASKS) == {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}
+
+
+# --- end to end --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
+
+
+def test_end_to_end_resumes(model, tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    tasks = write_fixtures(data)[:2]  # hotpotqa (2 samples), trec (no chat, first line, classification)
+    pattern = Pattern(np.random.default_rng(0).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
+    settings = samples.Settings(pattern=pattern, sink=4, recent=16, chunk_size=64)
+    kwargs = dict(data_dir=data, tasks=tasks, kv_budgets=[0.5], settings=settings, max_length=96,
+                  out_dir=tmp_path / "out", progress=False)
+    results = longbench.run_longbench(model, ["full", "duo"], **kwargs)
+    assert list(results["runs"]) == ["full", "duo@0.5"] and results["tasks"] == tasks
+    for run in results["runs"].values():
+        assert set(run["tasks"]) == set(tasks)
+        assert all(0 <= v["score"] <= 100 and v["samples"] >= 1 for v in run["tasks"].values())
+        assert set(run["categories"]) == {"Multi-Doc QA", "Few-shot Learning"}
+        assert run["average"] == pytest.approx(np.mean([v["score"] for v in run["tasks"].values()]), abs=0.01)
+    assert max(results["prompt_tokens"]["hotpotqa"]) <= 96  # truncated to --max-length
+    saved = json.loads((tmp_path / "out" / "longbench.json").read_text())
+    assert saved["runs"]["duo@0.5"]["predictions"]["hotpotqa"][0]["kv_budget_tokens"] >= 2
+    assert (tmp_path / "out" / "longbench_budget.png").stat().st_size > 1000
+    assert "average" in (tmp_path / "out" / "longbench.md").read_text()
+
+    # Killed mid-run: the last line of one file cut short. Only that sample is generated again.
+    path = tmp_path / "out" / "predictions" / "duo@0.5" / "hotpotqa.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[1][:20])
+    calls = []
+    real = samples.generate_sample
+    monkeypatch.setattr(longbench, "generate_sample", lambda *a: calls.append(a[1].name) or real(*a))
+    again = longbench.run_longbench(model, ["full", "duo"], **kwargs)
+    assert calls == ["duo@0.5"]
+    assert again["runs"]["duo@0.5"]["tasks"]["hotpotqa"]["samples"] == 2
+    # Another --max-length makes other prompts: every stored prediction is stale and made again, none reused.
+    calls.clear()
+    longbench.run_longbench(model, ["full"], **dict(kwargs, max_length=64))
+    longer = sum(n > 64 for v in results["prompt_tokens"].values() for n in v)  # the prompts 64 tokens change
+    assert longer >= 2 and calls == ["full"] * longer
+
+
+def test_cli_longbench(tmp_path, capsys, monkeypatch):
+    assert eval_main(["longbench", "--data", str(tmp_path / "missing"), "--model", str(tmp_path / "none")]) == 2
+    with pytest.raises(SystemExit):
+        eval_main(["longbench", "--data", str(tmp_path), "--kv-budget", "0.5", "1.5"])
+    assert "--kv-budget is a fraction" in capsys.readouterr().err
+
+
+def test_decode_last_protocol(model, tmp_path):
+    """DuoAttention's appendix protocol for H2O / TOVA: exact prefill, the prompt's last tokens decoded one at a
+    time. Under full attention it changes nothing; h2o / tova runs carry it in their name and legend."""
+    prompt = list(model.tokenizer.encode("Paul Graham writes about startups and essays. " * 8))
+    plain = duo_jax.generate(model, [prompt], max_new_tokens=6, chunk_size=32)
+    tail = duo_jax.generate(model, [prompt], max_new_tokens=6, chunk_size=32, prompt_tail_steps=7)
+    assert tail.tokens == plain.tokens
+    with pytest.raises(duo_jax.DuoJaxError, match="prompt_tail_steps"):
+        duo_jax.generate(model, [prompt[:5]], max_new_tokens=2, prompt_tail_steps=5)
+    runs = samples.make_runs(["full", "duo", "h2o", "tova"], [0.5], decode_last=8)
+    assert [r.name for r in runs] == ["full", "duo@0.5", "h2o@0.5+last8", "tova@0.5+last8"]
+    settings = samples.Settings(sink=4, recent=16, chunk_size=32)
+    record = samples.generate_sample(model, runs[2], prompt, 4, settings)
+    assert record["kv_budget_tokens"] == len(prompt) // 2 and isinstance(record["pred"], str)
+    legend = samples.protocol_legend({r.name: dict(mode=r.mode, protocol=r.protocol) for r in runs})
+    assert "h2o@0.5+last8: exact prefill, last 8 prompt tokens decoded one at a time" in legend
+    assert "duo" not in legend
+
+
+def test_prompt_beyond_the_context_is_refused(model, tmp_path):
+    long = _sample(0, "Paul Graham writes about startups. " * 400, "Who writes?", ["Paul Graham"])
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(long) + "\n")
+    with pytest.raises(duo_jax.DuoJaxError, match="lower --max-length"):
+        longbench.run_longbench(model, ["full"], data_dir=tmp_path, tasks=["hotpotqa"], kv_budgets=None,
+                                settings=samples.Settings(), max_length=1000, out_dir=tmp_path / "out", progress=False)
+
+
+def test_longbench_e_scores_per_length_bucket(tmp_path):
+    """score_runs / tables from stored predictions (no generation): LongBench-E's buckets of `length`."""
+    data = {"hotpotqa": [_sample(0, "c", "q", ["Paris"], length=3000), _sample(1, "c", "q", ["Rome"], length=9000)]}
+    run = samples.Run("full")
+    store = samples.PredictionStore(tmp_path / "predictions" / "full" / "hotpotqa.jsonl")
+    for sample, pred in zip(data["hotpotqa"], ["Paris", "Milan"]):
+        store.add(dict(id=sample["_id"], pred=pred, answers=sample["answers"], all_classes=None,
+                       length=sample["length"], prompt_tokens=100, prefill_s=0.1, decode_s=0.1))
+    results = longbench.score_runs(tmp_path, [run], data, longbench_e=True)
+    task = results["runs"]["full"]["tasks"]["hotpotqa"]
+    assert task["score"] == 50.0 and task["samples"] == 2 and task["s_per_1k_tokens"] == pytest.approx(2.0)
+    assert task["by_length"]["0-4k"] == 100.0 and task["by_length"]["8k+"] == 0.0
+    assert np.isnan(task["by_length"]["4-8k"])
+    results.update(tasks=["hotpotqa"], longbench_e=True)
+    table = longbench.tables(results)
+    assert "| 0-4k" in table and "Multi-Doc QA" in table

@@ -1,0 +1,192 @@
+"""RULER (duo_jax.data.ruler, duo_jax.eval.ruler): sample lengths in model tokens within RULER's tolerance,
+needle placement by depth, RULER's uniqueness rules, seeds, QA data, the metrics on hand-made cases, and an
+end-to-end run on a tiny random model."""
+
+import collections
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax.data import ruler as data
+from duo_jax.data.haystack import DataError
+from duo_jax.eval import ruler, samples
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern
+from tests.conftest import tiny_config
+
+CONFIG = tiny_config(vocab_size=2000, max_position_embeddings=1024)
+SYNTHETIC = [t for t in data.TASKS if t not in data.QA_TASKS]
+
+
+# --- metrics -------------------------------------------------------------------------------------------------
+
+
+def test_string_match_metrics():
+    assert ruler.string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert ruler.string_match_all("ABC-def", ["abc-DEF"]) == 1.0  # case-insensitive
+    assert ruler.string_match_all("", ["1"]) == 0.0
+    assert ruler.string_match_part("Paris or London", ["Rome", "london"]) == 1.0
+    assert ruler.string_match_part("Berlin", ["Rome", "London"]) == 0.0
+    assert ruler.postprocess("  12\x0034\t56 \n") == "12\n34\n56"
+    assert ruler.metric("qa_1") is ruler.string_match_part and ruler.metric("vt") is ruler.string_match_all
+    with pytest.raises(DataError, match="unknown RULER task"):
+        ruler.metric("niah_single_9")
+
+
+# --- generation ----------------------------------------------------------------------------------------------
+
+# At most this many tokens short of the length: one haystack unit (a noise sentence, a distractor needle of
+# UUIDs, a noise line of variable tracking; an essay word or a listed word otherwise), under the test tokenizer.
+TOLERANCE = collections.defaultdict(lambda: 16, niah_single_1=32, niah_multikey_2=48, niah_multikey_3=120, vt=32)
+
+
+@pytest.mark.parametrize("task", SYNTHETIC)
+def test_length_within_tolerance_and_seeded(tokenizer, task):
+    length = 1024 if task in ("vt", "cwe") else 640  # vt's one-shot example alone takes up to 500 tokens
+    sample = data.make_sample(task, tokenizer, length, 0)
+    assert sample.length == len(sample.ids) + data.TEMPLATES[data.TASKS[task][0]]["tokens_to_generate"]
+    assert length - TOLERANCE[task] <= sample.length <= length
+    assert sample.ids == list(tokenizer.encode(sample.input + sample.answer_prefix))
+    text = tokenizer.decode(sample.ids)
+    for answer in sample.outputs:
+        assert answer in text  # every reference is somewhere in the prompt
+    assert data.make_sample(task, tokenizer, length, 0).ids == sample.ids  # seeded
+    assert data.make_sample(task, tokenizer, length, 1).ids != sample.ids
+    assert data.make_sample(task, tokenizer, length, 0, seed=7).ids != sample.ids
+
+
+def test_templates_and_answer_prefix(tokenizer):
+    single = data.make_sample("niah_single_2", tokenizer, 512, 0)
+    assert single.input.startswith("A special magic number is hidden within the following text.")
+    assert single.input.endswith(f"What is the special magic number for {single.meta['queries'][0]} mentioned in "
+                                 "the provided text?")
+    assert single.answer_prefix == (f" The special magic number for {single.meta['queries'][0]} mentioned in the "
+                                    "provided text is")
+    multi = data.make_sample("niah_multiquery", tokenizer, 512, 0)
+    q = multi.meta["queries"]
+    assert multi.answer_prefix == (f" The special magic numbers for {q[0]}, {q[1]}, {q[2]}, and {q[3]} mentioned in "
+                                   "the provided text are")
+    assert len(multi.outputs) == 4
+    assert data.make_sample("niah_single_3", tokenizer, 512, 0).outputs[0].count("-") == 4  # a UUID
+    vt = data.make_sample("vt", tokenizer, 1024, 0)
+    assert vt.answer_prefix.startswith(" Answer: According to the chain(s) of variable assignment in the text "
+                                       "above, 5 variables are assigned the value ")
+
+
+@pytest.mark.parametrize("task", ["niah_single_2", "niah_multikey_1", "niah_multivalue"])
+def test_needles_sit_at_their_depths(tokenizer, task):
+    sample = data.make_sample(task, tokenizer, 1024, 3)
+    depths, positions = sample.meta["depths"], sample.meta["needle_token_positions"]
+    assert all(d in data.DEPTHS for d in depths) and len(set(depths)) == len(depths)  # sampled without repeats
+    # Each needle follows int(sentences * depth / 100) haystack sentences (RULER's depth: a share of sentences),
+    # which puts it near its depth in tokens too.
+    cuts = sorted(int(sample.meta["sentences"] * d / 100) for d in depths)
+    assert sample.meta["needle_sentence_index"] == cuts
+    context = sample.input.split("afterwards.\n", 1)[1]
+    for needle in sample.meta["needles"]:
+        before = context[:context.index(needle)]
+        for other in sample.meta["needles"]:
+            before = before.replace(other, "")
+        assert len(data.sentences(before)) in cuts
+    for depth, position in zip(sorted(depths), sorted(positions)):
+        assert abs(position - depth / 100) < 0.15, (depth, position)
+    # The needle sentences are verbatim and each key maps to its value.
+    for needle in sample.meta["needles"]:
+        assert needle in sample.input and needle.startswith("One of the special magic number")
+
+
+def test_sentences_split():
+    assert data.sentences('One. "Two!" Three? four a.b') == ["One.", '"Two!"', "Three?", "four a.b"]
+
+
+def test_variable_tracking_chain_and_uniqueness(tokenizer):
+    sample = data.make_sample("vt", tokenizer, 1024, 2)
+    names = sample.outputs
+    assert len(names) == 5 and len(set(names)) == 5 and all(re.fullmatch(r"[A-Z]{5}", n) for n in names)
+    value = re.search(rf"VAR {names[0]} = (\d{{5}})", sample.input).group(1)
+    for previous, name in zip(names, names[1:]):
+        assert f"VAR {name} = VAR {previous} " in sample.input
+    assert sample.answer_prefix.endswith(f"assigned the value {value}, they are: ")
+    # The one-shot example comes first, with its own (3-letter) names and value, and its answer.
+    example = sample.input[:sample.input.index("Memorize and track", 1)]
+    assert re.search(r"VAR [A-Z]{3} = \d{5}", example) and value not in example
+    assert not any(n in example for n in names)
+
+
+def test_word_extraction_answers(tokenizer):
+    cwe = data.make_sample("cwe", tokenizer, 1024, 0)
+    main = cwe.input.split("\n")[-2]  # the numbered list of the question (after the one-shot example)
+    counts = collections.Counter(re.findall(r"\d+\. (\S+)", main))
+    assert len(set(cwe.outputs)) == 10 and all(counts[w] == 6 for w in cwe.outputs)  # length < 4096: 6 repeats
+    assert all(n == 1 for w, n in counts.items() if w not in cwe.outputs)
+    fwe = data.make_sample("fwe", tokenizer, 1024, 0)
+    words = collections.Counter(fwe.input.split("coded words. ")[1].split("\nQuestion")[0].split())
+    top = [w for w, _ in words.most_common() if w != "..."][:3]
+    assert fwe.outputs == top and words.most_common(1)[0][0] == "..."
+    assert all(re.fullmatch(r"[a-z]{6}", w) for w in fwe.outputs)
+
+
+def test_qa_from_ruler_files(tokenizer, tmp_path):
+    paragraphs = [dict(context=f"Paragraph {i} says the code word is w{i}.",
+                       qas=[dict(question=f"What is code word {i}?", answers=[dict(text=f"w{i}")],
+                                 is_impossible=False)]) for i in range(40)]
+    (tmp_path / "squad.json").write_text(json.dumps(dict(data=[dict(paragraphs=paragraphs[:20]),
+                                                               dict(paragraphs=paragraphs[20:])])))
+    sample = data.make_sample("qa_1", tokenizer, 512, 5, qa_data=tmp_path)
+    assert sample.outputs == ["w5"] and "Paragraph 5 says the code word is w5." in sample.input
+    assert sample.input.endswith("Question: What is code word 5?") and sample.answer_prefix == " Answer:"
+    assert 512 - 40 <= sample.length <= 512
+    with pytest.raises(DataError, match="pass --qa-data"):
+        data.make_sample("qa_2", tokenizer, 512, 0)
+    with pytest.raises(DataError, match="no hotpotqa.json"):
+        data.make_sample("qa_2", tokenizer, 512, 0, qa_data=tmp_path)
+    tasks, notes = ruler.check_tasks(None, None)
+    assert tasks == SYNTHETIC and "qa_1, qa_2" in notes[0] and "--qa-data" in notes[0]
+
+
+def test_generation_errors(tokenizer):
+    with pytest.raises(DataError, match="unknown RULER task"):
+        data.make_sample("niah", tokenizer, 512, 0)
+    with pytest.raises(DataError, match="no room"):
+        data.make_sample("niah_single_1", tokenizer, 100, 0)
+    with pytest.raises(DataError, match="does not fit"):
+        data.make_sample("cwe", tokenizer, 200, 0)
+
+
+# --- end to end ----------------------------------------------------------------------------------------------
+
+
+def test_end_to_end(tokenizer, tmp_path, monkeypatch):
+    model = Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
+    pattern = Pattern(np.random.default_rng(0).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
+    settings = samples.Settings(pattern=pattern, sink=4, recent=16, chunk_size=64)
+    kwargs = dict(lengths=[320], samples=1, kv_budgets=[0.5], settings=settings, tasks=["niah_single_1", "qa_1"],
+                  out_dir=tmp_path, progress=False)
+    results = ruler.run_ruler(model, ["full", "duo"], **kwargs)
+    assert results["tasks"] == ["niah_single_1"] and "qa_1" in results["notes"][0]
+    assert list(results["runs"]) == ["full", "duo@0.5"]
+    for run in results["runs"].values():
+        assert set(run["scores"]) == {"niah_single_1"} and 0 <= run["average"][320] <= 100
+        record = run["predictions"]["niah_single_1_320"][0]
+        assert isinstance(record["pred"], str) and record["score"] in (0.0, 1.0)
+    assert all(p["length"] <= 320 for v in results["prompts"].values() for p in v)
+    assert (tmp_path / "ruler_budget.png").stat().st_size > 1000
+    assert "Note: skipped" in (tmp_path / "ruler.md").read_text()
+    calls = []
+    monkeypatch.setattr(ruler, "generate_sample", lambda *a: calls.append(a) or {})
+    ruler.run_ruler(model, ["full", "duo"], **kwargs)  # everything is stored: nothing is generated again
+    assert calls == []
+
+
+def test_cli_rejects_bad_options(capsys):
+    from duo_jax.eval.__main__ import main as eval_main
+
+    for argv, message in [(["ruler", "--decode-last", "-1"], "--decode-last"),
+                          (["ruler", "--kv-budget", "0.25", "0"], "--kv-budget is a fraction")]:
+        with pytest.raises(SystemExit):
+            eval_main(argv)
+        assert message in capsys.readouterr().err
