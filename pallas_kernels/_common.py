@@ -60,6 +60,13 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, q_ndim: int = 4) -> N
             f"number of key/value heads ({num_kv_heads}) for grouped-query attention.")
 
 
+def split_blocks(num_blocks: int, num_splits: int) -> tuple[int, int]:
+    """Split-K's chunks: `num_blocks` key blocks in at most `num_splits` chunks of whole blocks, the last one
+    possibly shorter, so any cache size gets about num_splits of them -> (blocks per chunk, chunks)."""
+    blocks_per_split = cdiv(num_blocks, min(num_splits, num_blocks))
+    return blocks_per_split, cdiv(num_blocks, blocks_per_split)
+
+
 def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 

@@ -195,8 +195,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     num_blocks = _common.cdiv(seq_k, block_k)
     # num_splits chunks of whole blocks; the last chunk may be shorter (its program stops at the cache's end,
     # since lengths <= S), so any cache size gets about num_splits programs and the cache is never padded.
-    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
-    num_splits = _common.cdiv(num_blocks, blocks_per_split)
+    blocks_per_split, num_splits = _common.split_blocks(num_blocks, num_splits)
     chunk = blocks_per_split * block_k
     cache = [k, v] + ([] if kv_quant is None else [k_scale, v_scale])
     if seq_k % block_k:  # a partial last block would be read past the end: pad (only caches not a multiple of block_k)

@@ -6,8 +6,9 @@ cache [B, C, n, D], the new token already written; the other K - n (streaming he
 [B, S, K - n, D] of sink + recent tokens, every filled slot of which the new token sees, and the new token
 itself, which is not in the ring yet (writing it first would evict a key the query still sees). The grid is
 split-K decode's (batch, KV head, split): a retrieval head's program takes one chunk of its cache
-(`decode_attention.split_attention`), contiguous or in pages read through block tables (`paged_attention`); a streaming head's program in split 0 takes the whole ring, its
-softmax starting from the new token's score, and its other splits are empty. One launch and one
+(`decode_attention.split_attention`), contiguous or in pages read through block tables (`paged_attention`);
+a streaming head's program in split 0 takes the whole ring, its softmax starting from the new token's score,
+and its other splits are empty. One launch and one
 `merge_splits` serve both partitions, where two kernels would each need their own padding, launch and merge.
 """
 
@@ -143,9 +144,7 @@ def duo_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.
         block_k, per_block = _common.fit_block(block_k, capacity), None
         if capacity % block_k:
             raise ValueError(f"the retrieval cache's {capacity} slots are not a multiple of block_k={block_k}")
-        num_blocks = capacity // block_k
-        blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
-        num_splits = _common.cdiv(num_blocks, blocks_per_split)
+        blocks_per_split, num_splits = _common.split_blocks(capacity // block_k, num_splits)
         cache_spec = pl.BlockSpec((None, blocks_per_split * block_k, None, head_dim),
                                   lambda b, h, s: (b, s, jnp.minimum(h, last), 0))
         retrieval_specs, retrieval = [cache_spec, cache_spec], [k, v]

@@ -72,8 +72,7 @@ def split_tables(block_tables: jax.Array, num_pages: int, per_block: int, num_sp
     keys the length masks."""
     batch, max_pages = block_tables.shape
     num_blocks = _common.cdiv(max_pages, per_block)
-    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
-    num_splits = _common.cdiv(num_blocks, blocks_per_split)
+    blocks_per_split, num_splits = _common.split_blocks(num_blocks, num_splits)
     pages_per_split = blocks_per_split * per_block
     tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)
     tables = jnp.pad(tables, ((0, 0), (0, num_splits * pages_per_split - max_pages)))

@@ -52,11 +52,16 @@ def model_order(layout: CacheLayout, layer: int, x: jax.Array) -> jax.Array:
     return jnp.take(x, np.argsort(index), axis=2)
 
 
+def partition(layout: CacheLayout, layer: int, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, N, E] over heads in the caches' order (`cache_order`) -> (the layer's retrieval heads, its
+    streaming heads)."""
+    n = layout.num_retrieval[layer] * (x.shape[2] // layout.num_kv_heads)
+    return x[:, :, :n], x[:, :, n:]
+
+
 def split_heads(layout: CacheLayout, layer: int, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [B, T, N, E] over heads -> (the layer's retrieval heads, its streaming heads), each in the model's order."""
-    n = layout.num_retrieval[layer] * (x.shape[2] // layout.num_kv_heads)
-    x = cache_order(layout, layer, x)
-    return x[:, :, :n], x[:, :, n:]
+    return partition(layout, layer, cache_order(layout, layer, x))
 
 
 def merge_heads(layout: CacheLayout, layer: int, retrieval: jax.Array, streaming: jax.Array) -> jax.Array:
@@ -193,8 +198,7 @@ class DuoAttention(Method):
         if step.mesh is not None:  # the heads' split is per layer: gather them first, then pick locally
             q, k, v = (sharding.whole_over_model(x, step.mesh) for x in (q, k, v))
         q, k, v = (cache_order(self.layout, layer, x) for x in (q, k, v))
-        g = n * (q.shape[2] // self.layout.num_kv_heads)
-        qr, qs, kr, ks, vr, vs = q[:, :, :g], q[:, :, g:], k[:, :, :n], k[:, :, n:], v[:, :, :n], v[:, :, n:]
+        (qr, qs), (kr, ks), (vr, vs) = (partition(self.layout, layer, x) for x in (q, k, v))
         if step.mesh is not None and n:
             out_r, rk, rv = sharded_retrieval_attention(qr, kr, vr, cache.retrieval_k, cache.retrieval_v, step)
             retrieval = lambda: out_r  # noqa: E731

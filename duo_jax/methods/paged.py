@@ -40,7 +40,8 @@ from duo_jax.attention.pages import PagedKV
 from duo_jax.cache import CacheLayout
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.duo import DuoAttention, DuoShared, cache_order, model_order, retrieval_attention
+from duo_jax.methods.duo import (DuoAttention, DuoShared, cache_order, model_order, partition,
+                                 retrieval_attention)
 from duo_jax.model import apply_rotary
 
 DEFAULT_PAGE_SIZE = 128
@@ -188,9 +189,8 @@ class PagedDuo(Method):
         cache, tables = view.layer, view.block_tables
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
         q, k, v = (cache_order(self.layout, layer, x) for x in (q, k, v))
+        (qr, qs), (kr, ks), (vr, vs) = (partition(self.layout, layer, x) for x in (q, k, v))
         n = self.layout.num_retrieval[layer]
-        g = n * (q.shape[2] // self.layout.num_kv_heads)
-        qr, qs, kr, ks, vr, vs = q[:, :, :g], q[:, :, g:], k[:, :, :n], k[:, :, n:], v[:, :, :n], v[:, :, n:]
         pk, pv = cache.pages_k, cache.pages_v
         if n:
             pk = write_pages(pk, tables, step.positions, step.valid, kr)

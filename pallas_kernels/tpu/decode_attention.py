@@ -136,8 +136,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
 
     block_k = _mosaic.tpu_block(block_k, seq_k)
     num_blocks = _common.cdiv(seq_k, block_k)
-    blocks_per_split = _common.cdiv(num_blocks, min(num_splits, num_blocks))
-    num_splits = _common.cdiv(num_blocks, blocks_per_split)
+    blocks_per_split, num_splits = _common.split_blocks(num_blocks, num_splits)
     # [B, S, Hkv, W] -> [B, S', Hkv * W]: free reshape (W = D, or D/2 for int4 codes; scales: W = 1); S' pads S
     # to whole blocks (a no-op for a cache of whole blocks). The last split may be shorter: its steps past the
     # cache map to the last valid block and are skipped, so any cache size gets about num_splits splits.
