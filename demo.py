@@ -28,8 +28,11 @@ CHUNK_SIZE = 256  # prefill chunk: on CPU, 256 beat 128 and 512 (measured at 4k 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pattern", default="default",
-                        help="DuoAttention head pattern: 'default' (the model's shipped one), a folder or a TSV")
+    parser.add_argument(
+        "--pattern",
+        default="default",
+        help="DuoAttention head pattern: 'default' (the model's shipped one), a folder or a TSV",
+    )
     parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of streaming heads in duo")
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS, help="context lengths (tokens)")
     parser.add_argument("--depths", type=float, nargs="+", default=DEPTHS, help="needle depths in [0, 1]")
@@ -47,12 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = duo_jax.load("smollm2-135m", dtype=jnp.float32)
         pattern = resolve_pattern(args.pattern, model.config)
-        print(f"SmolLM2-135M-Instruct, {model.config.num_layers} layers x {model.config.num_kv_heads} KV heads; "
-              f"pattern {args.pattern}: {pattern}\nNIAH: lengths {args.lengths}, depths {args.depths}, "
-              f"modes full / duo (sparsity {args.sparsity}, sink 64, recent 256) / streaming (same KV bytes as duo)")
-        results = run_niah(model, ["full", "duo", "streaming"], pattern=pattern, lengths=args.lengths,
-                           depths=args.depths, sparsity=args.sparsity, max_new_tokens=16, chunk_size=CHUNK_SIZE,
-                           out_dir=args.out)
+        print(
+            f"SmolLM2-135M-Instruct, {model.config.num_layers} layers x {model.config.num_kv_heads} KV heads; "
+            f"pattern {args.pattern}: {pattern}\nNIAH: lengths {args.lengths}, depths {args.depths}, "
+            f"modes full / duo (sparsity {args.sparsity}, sink 64, recent 256) / streaming (same KV bytes as duo)"
+        )
+        results = run_niah(
+            model,
+            ["full", "duo", "streaming"],
+            pattern=pattern,
+            lengths=args.lengths,
+            depths=args.depths,
+            sparsity=args.sparsity,
+            max_new_tokens=16,
+            chunk_size=CHUNK_SIZE,
+            out_dir=args.out,
+        )
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -63,8 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode, r in results["modes"].items():
         window = r["settings"][lengths[-1]]
-        rows.append([mode, *[report.human_bytes(r["cache_bytes"][n]) for n in lengths],
-                     "-" if window["sink"] is None else f"{window['sink']} + {window['recent']}"])
+        rows.append(
+            [
+                mode,
+                *[report.human_bytes(r["cache_bytes"][n]) for n in lengths],
+                "-" if window["sink"] is None else f"{window['sink']} + {window['recent']}",
+            ]
+        )
     print("\nKV cache per sequence (float32):\n")
     print(report.markdown_table(["mode", *[f"@ {n}" for n in lengths], f"streaming window @ {lengths[-1]}"], rows))
     longest, middle = lengths[-1], results["depths"][len(results["depths"]) // 2]

@@ -22,40 +22,73 @@ __all__ = ["generate", "main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
-    parser.add_argument("--method", choices=METHODS, default=None,
-                        help="KV-cache method (default: duo when --pattern is given, else full)")
-    parser.add_argument("--kv-budget", type=int, default=None,
-                        help="tokens kept (infinigen: fetched) per KV head on average; required by h2o, tova, "
-                             "snapkv, pyramidkv, headkv, duo_headkv, infinigen; duo picks its sparsity from it")
-    parser.add_argument("--scores", default=None,
-                        help="HeadKV head scores for headkv / duo_headkv: a folder / .tsv, or 'default' (the model's)")
-    parser.add_argument("--pattern", default=None,
-                        help="head pattern: a directory / full_attention_heads.tsv, or 'default' for the model's own; "
-                             "omitted: full attention")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default=None,
+        help="KV-cache method (default: duo when --pattern is given, else full)",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        help="tokens kept (infinigen: fetched) per KV head on average; required by h2o, tova, "
+        "snapkv, pyramidkv, headkv, duo_headkv, infinigen; duo picks its sparsity from it",
+    )
+    parser.add_argument(
+        "--scores",
+        default=None,
+        help="HeadKV head scores for headkv / duo_headkv: a folder / .tsv, or 'default' (the model's)",
+    )
+    parser.add_argument(
+        "--pattern",
+        default=None,
+        help="head pattern: a directory / full_attention_heads.tsv, or 'default' for the model's own; "
+        "omitted: full attention",
+    )
     parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of streaming heads (1.0: StreamingLLM)")
-    parser.add_argument("--sink", type=int, default=None,
-                        help="attention-sink tokens kept by streaming heads (duo: 64, streaming_llm: 4)")
+    parser.add_argument(
+        "--sink",
+        type=int,
+        default=None,
+        help="attention-sink tokens kept by streaming heads (duo: 64, streaming_llm: 4)",
+    )
     parser.add_argument("--recent", type=int, default=None, help="recent tokens kept by streaming heads (256)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="file holding the prompt text")
-    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                        help="wrap the prompt as one user message in the model's chat template (default: on for "
-                             "models with a template whose name says instruct / chat); --no-chat sends the raw text")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt as one user message in the model's chat template (default: on for "
+        "models with a template whose name says instruct / chat); --no-chat sends the raw text",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill step")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mesh", default=None,
-                        help="generate on a device mesh 'data=A,model=B' (A x B = the devices; one prompt: data=1): "
-                             "weights tensor-parallel over model, the retrieval cache split along its capacity; "
-                             "methods full and duo")
-    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                        help="weights and cache dtype; auto: float32 on CPU (no fast bf16 matmuls), else bfloat16")
-    parser.add_argument("--kv-dtype", choices=["int8", "int4"], default=None,
-                        help="quantized KV cache (every method; not with --mesh); default: the model's dtype")
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="generate on a device mesh 'data=A,model=B' (A x B = the devices; one prompt: data=1): "
+        "weights tensor-parallel over model, the retrieval cache split along its capacity; "
+        "methods full and duo",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="weights and cache dtype; auto: float32 on CPU (no fast bf16 matmuls), else bfloat16",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=["int8", "int4"],
+        default=None,
+        help="quantized KV cache (every method; not with --mesh); default: the model's dtype",
+    )
     parser.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (per output channel)")
     return parser
 
@@ -74,34 +107,68 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
     try:
-        validate_options(sparsity=args.sparsity, sink=args.sink, recent=args.recent,
-                         max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, attention_impl="auto")
-        mesh = None if args.mesh is None else sharding.make_generation_mesh(
-            **sharding.parse_mesh(args.mesh, sharding.GENERATION_AXES))
+        validate_options(
+            sparsity=args.sparsity,
+            sink=args.sink,
+            recent=args.recent,
+            max_new_tokens=args.max_new_tokens,
+            chunk_size=args.chunk_size,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            attention_impl="auto",
+        )
+        mesh = (
+            None
+            if args.mesh is None
+            else sharding.make_generation_mesh(**sharding.parse_mesh(args.mesh, sharding.GENERATION_AXES))
+        )
         text = args.prompt if args.prompt is not None else open(args.prompt_file).read()
         model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype), weights=args.weights)
         chat = is_chat_model(model) if args.chat is None else args.chat
-        options = {k: v for k, v in dict(kv_budget=args.kv_budget, scores=args.scores, kv_dtype=args.kv_dtype).items()
-                   if v is not None}
-        out = generate(model, text, method=args.method, pattern=args.pattern, sparsity=args.sparsity, sink=args.sink,
-                       recent=args.recent, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=chat,
-                       mesh=mesh, **options)
+        options = {
+            k: v
+            for k, v in dict(kv_budget=args.kv_budget, scores=args.scores, kv_dtype=args.kv_dtype).items()
+            if v is not None
+        }
+        out = generate(
+            model,
+            text,
+            method=args.method,
+            pattern=args.pattern,
+            sparsity=args.sparsity,
+            sink=args.sink,
+            recent=args.recent,
+            max_new_tokens=args.max_new_tokens,
+            chunk_size=args.chunk_size,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            chat=chat,
+            mesh=mesh,
+            **options,
+        )
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out.text[0] if chat else text + out.text[0])  # chat: the reply; raw: the prompt and its continuation
     s = out.stats
     heads = f"retrieval heads {s['retrieval_heads']}/{s['kv_heads']} | " if "retrieval_heads" in s else ""
-    print(f"\n{s['method']}{' | chat' if chat else ''} | prompt {s['prompt_tokens'][0]} tokens | "
-          f"prefill {s['prefill_s']:.2f} s | decode "
-          f"{s['decode_steps']} steps in {s['decode_s']:.2f} s ({s['decode_tokens_per_s']:.1f} tok/s) | "
-          f"compile {s['compile_s']:.1f} s\n{heads}KV cache {s['cache_bytes'] / 2**20:.2f} MiB "
-          f"(full attention: {s['full_cache_bytes'] / 2**20:.2f} MiB)", file=sys.stderr)
+    print(
+        f"\n{s['method']}{' | chat' if chat else ''} | prompt {s['prompt_tokens'][0]} tokens | "
+        f"prefill {s['prefill_s']:.2f} s | decode "
+        f"{s['decode_steps']} steps in {s['decode_s']:.2f} s ({s['decode_tokens_per_s']:.1f} tok/s) | "
+        f"compile {s['compile_s']:.1f} s\n{heads}KV cache {s['cache_bytes'] / 2**20:.2f} MiB "
+        f"(full attention: {s['full_cache_bytes'] / 2**20:.2f} MiB)",
+        file=sys.stderr,
+    )
     if "mesh" in s:
-        print(f"mesh {s['mesh']} | per device: weights {s['device_weight_bytes'] / 2**20:.2f} MiB, "
-              f"KV cache {s['device_cache_bytes'] / 2**20:.2f} MiB", file=sys.stderr)
+        print(
+            f"mesh {s['mesh']} | per device: weights {s['device_weight_bytes'] / 2**20:.2f} MiB, "
+            f"KV cache {s['device_cache_bytes'] / 2**20:.2f} MiB",
+            file=sys.stderr,
+        )
     return 0
 
 

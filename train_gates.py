@@ -27,17 +27,24 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", required=True, help="config name (see configs/), Hugging Face directory or .gguf file")
     add("--out", help="run folder (default: runs/gates/<model name>)")
     add("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the frozen weights (gates are fp32)")
-    add("--resume", action="store_true",
-        help="require a checkpoint to continue from (without it a run continues when there is one)")
+    add(
+        "--resume",
+        action="store_true",
+        help="require a checkpoint to continue from (without it a run continues when there is one)",
+    )
 
     group = parser.add_argument_group("objective")
     group.add_argument("--sink", type=int, default=128, help="attention-sink tokens of the streaming branch")
     group.add_argument("--recent", type=int, default=256, help="recent-window tokens of the streaming branch")
     group.add_argument("--reg-weight", type=float, default=0.05, help="weight of the L1 term mean |alpha|")
     group.add_argument("--initial-value", type=float, default=1.0, help="initial value of every gate")
-    group.add_argument("--impl", choices=("auto", "pallas", "mosaic", "cpu", "xla", "reference"), default="auto",
-                       help="attention implementation (auto: Pallas on GPU, Mosaic on TPU, the C++ kernel on CPU, "
-                            "the blocked XLA path elsewhere)")
+    group.add_argument(
+        "--impl",
+        choices=("auto", "pallas", "mosaic", "cpu", "xla", "reference"),
+        default="auto",
+        help="attention implementation (auto: Pallas on GPU, Mosaic on TPU, the C++ kernel on CPU, "
+        "the blocked XLA path elsewhere)",
+    )
 
     group = parser.add_argument_group("optimisation")
     group.add_argument("--steps", type=int, default=2000, help="optimiser steps")
@@ -49,33 +56,50 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (the last 2 are kept)")
 
     group = parser.add_argument_group("data")
-    group.add_argument("--haystack", default="paul_graham:calibration",
-                       help="paul_graham:calibration (the essays' half that evaluations do not use), paul_graham, "
-                            "austen, a directory of .txt files, or tfds:<name>")
-    group.add_argument("--min-len", type=int, default=1000,
-                       help="shortest context (raised, with a note, to what the passkeys need)")
+    group.add_argument(
+        "--haystack",
+        default="paul_graham:calibration",
+        help="paul_graham:calibration (the essays' half that evaluations do not use), paul_graham, "
+        "austen, a directory of .txt files, or tfds:<name>",
+    )
+    group.add_argument(
+        "--min-len", type=int, default=1000, help="shortest context (raised, with a note, to what the passkeys need)"
+    )
     group.add_argument("--max-len", type=int, help="longest context (default: the model's context length)")
     group.add_argument("--num-lengths", type=int, default=50, help="evenly spaced context lengths")
     group.add_argument("--num-passkeys", type=int, default=10, help="passkeys per sample")
     group.add_argument("--passkey-words", type=int, default=32, help="words per passkey")
     group.add_argument("--min-depth", type=float, default=0.05, help="shallowest passkey depth")
     group.add_argument("--max-depth", type=float, default=0.95, help="deepest passkey depth")
-    group.add_argument("--supervise", choices=("qa", "answers"), default="qa",
-                       help="positions the loss compares: every question/answer token (the original's labels), "
-                            "or the answer tokens only")
+    group.add_argument(
+        "--supervise",
+        choices=("qa", "answers"),
+        default="qa",
+        help="positions the loss compares: every question/answer token (the original's labels), "
+        "or the answer tokens only",
+    )
     group.add_argument("--seed", type=int, default=42, help="sample i depends only on (seed, i)")
 
     group = parser.add_argument_group("devices")
-    group.add_argument("--mesh", help="device mesh 'data=A,fsdp=B,seq=C', sizes of 1 may be left out (default: "
-                                      "seq=all devices). The batch is split over data x fsdp, the sequence over "
-                                      "seq, the frozen weights over fsdp x seq; attention over seq uses Ulysses "
-                                      "when seq divides the KV heads, else an all-gather of K/V")
-    group.add_argument("--distributed", action="store_true",
-                       help="run as one of several processes: jax.distributed.initialize() finds the others on "
-                            "Cloud TPU, SLURM, Open MPI and Kubernetes (automatic under SLURM / Open MPI with "
-                            "several tasks); elsewhere also pass the three options below to every process")
-    group.add_argument("--coordinator", metavar="HOST:PORT",
-                       help="address of process 0's coordinator, for a launch JAX cannot detect (implies --distributed)")
+    group.add_argument(
+        "--mesh",
+        help="device mesh 'data=A,fsdp=B,seq=C', sizes of 1 may be left out (default: "
+        "seq=all devices). The batch is split over data x fsdp, the sequence over "
+        "seq, the frozen weights over fsdp x seq; attention over seq uses Ulysses "
+        "when seq divides the KV heads, else an all-gather of K/V",
+    )
+    group.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run as one of several processes: jax.distributed.initialize() finds the others on "
+        "Cloud TPU, SLURM, Open MPI and Kubernetes (automatic under SLURM / Open MPI with "
+        "several tasks); elsewhere also pass the three options below to every process",
+    )
+    group.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="address of process 0's coordinator, for a launch JAX cannot detect (implies --distributed)",
+    )
     group.add_argument("--num-processes", type=int, help="number of processes of an explicit launch")
     group.add_argument("--process-id", type=int, help="this process's index (0 to --num-processes - 1)")
     return parser
@@ -95,25 +119,51 @@ def main(argv: list[str] | None = None) -> int:
         # before anything touches the devices
         training.initialize_distributed(args.distributed, args.coordinator, args.num_processes, args.process_id)
         mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
-        model = duo_jax.load(args.model, dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,
-                             shardings=lambda shapes: sharding.weight_shardings(shapes, mesh),  # this host's slices
-                             layout="stacked")  # the scanned layers' layout
+        model = duo_jax.load(
+            args.model,
+            dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,
+            shardings=lambda shapes: sharding.weight_shardings(shapes, mesh),  # this host's slices
+            layout="stacked",
+        )  # the scanned layers' layout
         tokenizer = require(model.tokenizer, "training on text samples")
         name = Path(args.model).stem if Path(args.model).exists() else args.model
         cfg = training.TrainConfig(
             objective=gates.Objective(sink=args.sink, recent=args.recent, reg_weight=args.reg_weight, impl=args.impl),
-            steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_ratio=args.warmup_ratio,
-            decay_ratio=args.decay_ratio, min_lr_ratio=args.min_lr_ratio, initial_value=args.initial_value,
-            haystack=args.haystack, min_len=args.min_len,
-            max_len=args.max_len or model.config.max_position_embeddings, num_lengths=args.num_lengths,
-            num_passkeys=args.num_passkeys, passkey_words=args.passkey_words, min_depth=args.min_depth,
-            max_depth=args.max_depth, supervise=args.supervise, seed=args.seed, save_every=args.save_every)
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            warmup_ratio=args.warmup_ratio,
+            decay_ratio=args.decay_ratio,
+            min_lr_ratio=args.min_lr_ratio,
+            initial_value=args.initial_value,
+            haystack=args.haystack,
+            min_len=args.min_len,
+            max_len=args.max_len or model.config.max_position_embeddings,
+            num_lengths=args.num_lengths,
+            num_passkeys=args.num_passkeys,
+            passkey_words=args.passkey_words,
+            min_depth=args.min_depth,
+            max_depth=args.max_depth,
+            supervise=args.supervise,
+            seed=args.seed,
+            save_every=args.save_every,
+        )
         out = Path(args.out or f"runs/gates/{name}")
         log = lambda message: print(message, file=sys.stderr)
         training.check_mesh(mesh, cfg.batch_size)
         log(str(training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)))
-        pattern = training.train(model.params, model.config, tokenizer, cfg, out, mesh, model_name=args.model,
-                                 dtype=args.dtype, resume=args.resume, log=log)
+        pattern = training.train(
+            model.params,
+            model.config,
+            tokenizer,
+            cfg,
+            out,
+            mesh,
+            model_name=args.model,
+            dtype=args.dtype,
+            resume=args.resume,
+            log=log,
+        )
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

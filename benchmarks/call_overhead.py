@@ -30,29 +30,64 @@ def main(argv: list[str] | None = None) -> int:
     model, pattern = common.load(args)
     rows, data = [], {}
     for mode in ("full", "duo"):
-        kwargs = dict(max_new_tokens=1, chunk_size=args.chunk_size, stop_at_eos=False, context=2048,
-                      **common.mode(mode, model, pattern, args, 2048).generate_kwargs())
+        kwargs = dict(
+            max_new_tokens=1,
+            chunk_size=args.chunk_size,
+            stop_at_eos=False,
+            context=2048,
+            **common.mode(mode, model, pattern, args, 2048).generate_kwargs(),
+        )
         calls = []
         for length in (args.prompt, args.prompt, args.other_prompt):
             ids = common.text_prompt(model, length)
             start = time.perf_counter()
             out = duo_jax.generate(model, [ids], **kwargs)
-            calls.append(dict(wall_s=time.perf_counter() - start, prefill_s=out.stats["prefill_s"],
-                              compile_s=out.stats["compile_s"], decode_s=out.stats["decode_s"],
-                              prepare_s=out.stats.get("prepare_s")))
+            calls.append(
+                dict(
+                    wall_s=time.perf_counter() - start,
+                    prefill_s=out.stats["prefill_s"],
+                    compile_s=out.stats["compile_s"],
+                    decode_s=out.stats["decode_s"],
+                    prepare_s=out.stats.get("prepare_s"),
+                )
+            )
         first, second, third = calls
         overhead = second["wall_s"] - second["prefill_s"] - second["decode_s"]
-        rows.append([mode, first["wall_s"], second["wall_s"], third["wall_s"], second["prefill_s"], overhead,
-                     common.ratio(first["wall_s"], second["wall_s"]),
-                     common.ratio(second["wall_s"], second["prefill_s"])])
+        rows.append(
+            [
+                mode,
+                first["wall_s"],
+                second["wall_s"],
+                third["wall_s"],
+                second["prefill_s"],
+                overhead,
+                common.ratio(first["wall_s"], second["wall_s"]),
+                common.ratio(second["wall_s"], second["prefill_s"]),
+            ]
+        )
         data[mode] = calls
-    headers = ["mode", "1st call s", "2nd call s", "3rd call (other length) s", "prefill s (2nd)",
-               "2nd: outside prefill + decode s", "1st / 2nd", "2nd / prefill"]
-    common.write_result(args.out, "call_overhead", title=f"generate(): per-call overhead, 1 new token after "
-                        f"{args.prompt} tokens", headers=headers, rows=rows,
-                        data=dict(args={k: str(v) for k, v in vars(args).items()}, calls=data),
-                        notes=[f"model {model.config.name} ({args.dtype}), context 2048, chunk {args.chunk_size}, "
-                               f"duo sparsity {args.sparsity}"])
+    headers = [
+        "mode",
+        "1st call s",
+        "2nd call s",
+        "3rd call (other length) s",
+        "prefill s (2nd)",
+        "2nd: outside prefill + decode s",
+        "1st / 2nd",
+        "2nd / prefill",
+    ]
+    common.write_result(
+        args.out,
+        "call_overhead",
+        title=f"generate(): per-call overhead, 1 new token after {args.prompt} tokens",
+        headers=headers,
+        rows=rows,
+        data=dict(args={k: str(v) for k, v in vars(args).items()}, calls=data),
+        notes=[
+            f"model {model.config.name} ({args.dtype}), context 2048, chunk {args.chunk_size}, "
+            f"duo sparsity {args.sparsity}"
+        ],
+    )
     return 0
 
 

@@ -18,7 +18,8 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -34,8 +35,12 @@ PEER = "hf"  # the Hugging Face transformers (PyTorch) column's name
 def parser(doc: str, name: str) -> argparse.ArgumentParser:
     """A parser whose description is the module docstring, with --out (default results/benchmarks/<name>)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=_Formatter)
-    p.add_argument("--out", type=pathlib.Path, default=REPO / "results" / "benchmarks" / name,
-                   help="folder for <name>.json and <name>.png")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=REPO / "results" / "benchmarks" / name,
+        help="folder for <name>.json and <name>.png",
+    )
     return p
 
 
@@ -46,20 +51,34 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def add_model_args(p: argparse.ArgumentParser, *, peer: bool = True) -> None:
     """--model / --pattern / --sparsity / --sink / --recent / --chunk-size / --dtype (and --no-peer)."""
     p.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
-    p.add_argument("--pattern", default="default",
-                   help="head pattern of duo: a folder / full_attention_heads.tsv, or 'default' (the model's own)")
+    p.add_argument(
+        "--pattern",
+        default="default",
+        help="head pattern of duo: a folder / full_attention_heads.tsv, or 'default' (the model's own)",
+    )
     p.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
     p.add_argument("--sink", type=int, default=64, help="duo: attention-sink tokens of a streaming head")
     p.add_argument("--recent", type=int, default=256, help="duo: recent tokens of a streaming head")
-    p.add_argument("--chunk-size", type=int, default=256,
-                   help="prompt tokens per prefill step (on CPU 256 beat 128 and 512 for SmolLM2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="ours and the peer's weights and cache (fp32: CPU has no fast bf16 matmuls)")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=256,
+        help="prompt tokens per prefill step (on CPU 256 beat 128 and 512 for SmolLM2)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="ours and the peer's weights and cache (fp32: CPU has no fast bf16 matmuls)",
+    )
     if peer:
         p.add_argument("--no-peer", action="store_true", help="skip the Hugging Face transformers peer")
-    p.add_argument("--single-thread", action="store_true",
-                   help="one CPU thread on both sides (XLA without its Eigen thread pool, torch.set_num_threads(1)): "
-                        "steadier numbers on a machine shared with other jobs; default: each library's own")
+    p.add_argument(
+        "--single-thread",
+        action="store_true",
+        help="one CPU thread on both sides (XLA without its Eigen thread pool, torch.set_num_threads(1)): "
+        "steadier numbers on a machine shared with other jobs; default: each library's own",
+    )
 
 
 def setup_threads(args: argparse.Namespace) -> None:
@@ -85,8 +104,16 @@ def mode(name: str, model, pattern, args: argparse.Namespace, context: int, kv_d
     quantized with `kv_dtype` "int8" / "int4")."""
     from duo_jax.eval.modes import mode_settings
 
-    return mode_settings(name, model.config, pattern, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
-                         context=context, kv_dtype=kv_dtype)
+    return mode_settings(
+        name,
+        model.config,
+        pattern,
+        sparsity=args.sparsity,
+        sink=args.sink,
+        recent=args.recent,
+        context=context,
+        kv_dtype=kv_dtype,
+    )
 
 
 def text_prompt(model, length: int) -> list[int]:
@@ -103,14 +130,20 @@ def text_prompt(model, length: int) -> list[int]:
 # --- timing ----------------------------------------------------------------------------------------------
 
 
-def run_generate(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int,
-                 context: int | None = None):
+def run_generate(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int, context: int | None = None):
     """One greedy `duo_jax.generate` of `new_tokens` tokens with a cache of `context` tokens (default: just
     enough); its `Generation` (stats: cache_bytes, the sum of the cache arrays' nbytes, prefill_s, ...)."""
     from duo_jax import generate
 
-    return generate(model, [list(ids)], max_new_tokens=new_tokens, chunk_size=chunk_size, stop_at_eos=False,
-                    context=context or len(ids) + new_tokens, **settings.generate_kwargs())
+    return generate(
+        model,
+        [list(ids)],
+        max_new_tokens=new_tokens,
+        chunk_size=chunk_size,
+        stop_at_eos=False,
+        context=context or len(ids) + new_tokens,
+        **settings.generate_kwargs(),
+    )
 
 
 def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_size: int) -> dict:
@@ -145,8 +178,15 @@ def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_siz
         steps.append(time.perf_counter() - start)
         tokens.append(int(token[0]))
     decode_ms = 1e3 * float(np.median(steps)) if steps else float("nan")
-    return dict(ttft_s=ttft_s, decode_ms=decode_ms, decode_ms_mean=1e3 * float(np.mean(steps)) if steps else float("nan"),
-                tokens_per_s=_per_s(decode_ms), compile_s=compile_s, cache_bytes=cache_nbytes(cache), tokens=tokens)
+    return dict(
+        ttft_s=ttft_s,
+        decode_ms=decode_ms,
+        decode_ms_mean=1e3 * float(np.mean(steps)) if steps else float("nan"),
+        tokens_per_s=_per_s(decode_ms),
+        compile_s=compile_s,
+        cache_bytes=cache_nbytes(cache),
+        tokens=tokens,
+    )
 
 
 class Peer:
@@ -186,14 +226,23 @@ class Peer:
         clock = Clock()
         with self.torch.inference_mode():
             start = time.perf_counter()
-            self.model.generate(self.torch.tensor([list(ids)]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                do_sample=False, streamer=clock, pad_token_id=0)
+            self.model.generate(
+                self.torch.tensor([list(ids)]),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                streamer=clock,
+                pad_token_id=0,
+            )
         token_times = np.asarray(clock.times[1:])  # one per new token
         steps = np.diff(token_times)
         decode_ms = 1e3 * float(np.median(steps)) if len(steps) else float("nan")
-        return dict(ttft_s=token_times[0] - start, decode_ms=decode_ms,
-                    decode_ms_mean=1e3 * float(np.mean(steps)) if len(steps) else float("nan"),
-                    tokens_per_s=_per_s(decode_ms))
+        return dict(
+            ttft_s=token_times[0] - start,
+            decode_ms=decode_ms,
+            decode_ms_mean=1e3 * float(np.mean(steps)) if len(steps) else float("nan"),
+            tokens_per_s=_per_s(decode_ms),
+        )
 
 
 def _per_s(ms: float) -> float:
@@ -210,9 +259,17 @@ def ratio(a: float | None, b: float | None) -> float:
     return a / b
 
 
-def write_result(out_dir: pathlib.Path, name: str, *, title: str, headers: Sequence[str],
-                 rows: Sequence[Sequence[Any]], data: dict, plot: Callable[[pathlib.Path], Any] | None = None,
-                 notes: Sequence[str] = ()) -> dict:
+def write_result(
+    out_dir: pathlib.Path,
+    name: str,
+    *,
+    title: str,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    data: dict,
+    plot: Callable[[pathlib.Path], Any] | None = None,
+    notes: Sequence[str] = (),
+) -> dict:
     """Print `title`, the machine, the table and `notes`; write <name>.json (table, data, machine, command)
     and, with `plot(path)`, <name>.png. Returns the JSON's content."""
     from duo_jax.eval import report
@@ -227,16 +284,24 @@ def write_result(out_dir: pathlib.Path, name: str, *, title: str, headers: Seque
     if plot is not None:
         files.append(plot(out_dir / f"{name}.png"))
     files.append(out_dir / f"{name}.json")
-    result = dict(benchmark=name, title=title, command=" ".join(["python"] + sys.argv), machine=machine,
-                  table=dict(headers=list(headers), rows=[list(r) for r in rows]), notes=list(notes),
-                  files=[str(f) for f in files], **data)
+    result = dict(
+        benchmark=name,
+        title=title,
+        command=" ".join(["python"] + sys.argv),
+        machine=machine,
+        table=dict(headers=list(headers), rows=[list(r) for r in rows]),
+        notes=list(notes),
+        files=[str(f) for f in files],
+        **data,
+    )
     report.write_json(files[-1], result)
     print(f"\nwrote {', '.join(str(f) for f in files)}")
     return result
 
 
-def run_workers(script: str, meshes: Sequence[str], axes: tuple[str, ...],
-                worker_args: Sequence[str]) -> list[dict] | None:
+def run_workers(
+    script: str, meshes: Sequence[str], axes: tuple[str, ...], worker_args: Sequence[str]
+) -> list[dict] | None:
     """The mesh specs (`duo_jax.sharding.parse_mesh` over `axes`) grouped by their device count n, each group
     run as `script --worker *worker_args --meshes ...` in a process with n host CPU devices; the JSON lines they
     print, or None (after printing the failing worker's stderr)."""
@@ -251,8 +316,12 @@ def run_workers(script: str, meshes: Sequence[str], axes: tuple[str, ...],
     results = []
     for n, specs in sorted(by_devices.items()):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-        run = subprocess.run([sys.executable, script, "--worker", *worker_args, "--meshes", *specs], env=env,
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            [sys.executable, script, "--worker", *worker_args, "--meshes", *specs],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if run.returncode:
             print(run.stderr[-3000:], file=sys.stderr)
             return None

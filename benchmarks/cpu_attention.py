@@ -45,11 +45,14 @@ def torch_times(lengths, repeats: int) -> dict:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, n, length, E, generator=g) for n in (H, KH, KH))
         for t in threads:
+
             def run(q=q, k=k, v=v, t=t):
                 torch.set_num_threads(t)
                 with torch.inference_mode():
                     torch.nn.functional.scaled_dot_product_attention(
-                        q, k.repeat_interleave(H // KH, 1), v.repeat_interleave(H // KH, 1), is_causal=True)
+                        q, k.repeat_interleave(H // KH, 1), v.repeat_interleave(H // KH, 1), is_causal=True
+                    )
+
             run()
             runs[(length, t)] = run
     times = {key: [] for key in runs}
@@ -72,8 +75,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(torch_times(args.lengths, args.repeats)))
         return 0
 
-    torch_run = subprocess.run([sys.executable, __file__, "--torch-worker", "--repeats", str(args.repeats),
-                                "--lengths", *map(str, args.lengths)], capture_output=True, text=True, check=True)
+    torch_run = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--torch-worker",
+            "--repeats",
+            str(args.repeats),
+            "--lengths",
+            *map(str, args.lengths),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     torch_ms = json.loads(torch_run.stdout.strip().splitlines()[-1])
 
     import jax
@@ -88,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = {
         "kernel": lambda q, k, v, start, spec: pallas_kernels.cpu.flash_attention(q, k, v, start, spec.kv_len),
         "kernel 1 thread": lambda q, k, v, start, spec: pallas_kernels.cpu.flash_attention(
-            q, k, v, start, spec.kv_len, num_threads=1),
+            q, k, v, start, spec.kv_len, num_threads=1
+        ),
         "xla": lambda q, k, v, start, spec: xla.attention(q, k, v, spec),
     }
     rng = np.random.default_rng(0)
@@ -98,13 +114,17 @@ def main(argv: list[str] | None = None) -> int:
         for chunk in args.chunks:
             q = jnp.asarray(rng.standard_normal((1, chunk, H, E)), jnp.float32)
             for name, attend in systems.items():
-                step = jax.jit(lambda q, k, v, start, attend=attend, chunk=chunk, slots=length + 128: attend(
-                    q, k, v, start, prefix_spec(1, chunk, q_offset=start, kv_len=start + chunk, num_keys=slots)))
+                step = jax.jit(
+                    lambda q, k, v, start, attend=attend, chunk=chunk, slots=length + 128: attend(
+                        q, k, v, start, prefix_spec(1, chunk, q_offset=start, kv_len=start + chunk, num_keys=slots)
+                    )
+                )
 
                 def run(step=step, q=q, k=k, v=v, length=length, chunk=chunk):
                     for start in range(0, length, chunk):
                         out = step(q, k, v, jnp.int32(start))
                     out.block_until_ready()
+
                 run()
                 runs[(length, chunk, name)] = run
     times = {key: [] for key in runs}
@@ -125,17 +145,34 @@ def main(argv: list[str] | None = None) -> int:
         peer, peer_one = torch_median[f"{length},{torch_threads}"], torch_median[f"{length},1"]
         for chunk in args.chunks:
             kernel, one, xla_ms = (ms[f"{length},{chunk},{n}"] for n in systems)
-            rows.append([length, chunk, kernel, one, xla_ms, peer, peer_one, xla_ms / kernel, peer / kernel,
-                         one / kernel])
-    headers = ["prompt", "chunk", "kernel ms", "kernel 1-thread ms", "xla ms", f"torch ms ({torch_threads} threads)",
-               "torch 1-thread ms", "kernel vs xla", "kernel vs torch", "kernel 2 threads vs 1"]
+            rows.append(
+                [length, chunk, kernel, one, xla_ms, peer, peer_one, xla_ms / kernel, peer / kernel, one / kernel]
+            )
+    headers = [
+        "prompt",
+        "chunk",
+        "kernel ms",
+        "kernel 1-thread ms",
+        "xla ms",
+        f"torch ms ({torch_threads} threads)",
+        "torch 1-thread ms",
+        "kernel vs xla",
+        "kernel vs torch",
+        "kernel 2 threads vs 1",
+    ]
     common.write_result(
-        args.out, "cpu_attention", title="CPU attention per layer: SmolLM2 prefill (9 / 3 heads, head dim 64, fp32)",
-        headers=headers, rows=rows,
+        args.out,
+        "cpu_attention",
+        title="CPU attention per layer: SmolLM2 prefill (9 / 3 heads, head dim 64, fp32)",
+        headers=headers,
+        rows=rows,
         data=dict(ms=ms, torch_ms=torch_median, other_processes_cpu_s_per_round=foreign, repeats=args.repeats),
-        notes=[f"median of {args.repeats} interleaved runs; CPU seconds other processes used per round: "
-               + " ".join(f"{x:.2f}" for x in foreign),
-               "ratios are speed-ups (> 1: the kernel is faster)"])
+        notes=[
+            f"median of {args.repeats} interleaved runs; CPU seconds other processes used per round: "
+            + " ".join(f"{x:.2f}" for x in foreign),
+            "ratios are speed-ups (> 1: the kernel is faster)",
+        ],
+    )
     return 0
 
 

@@ -18,8 +18,7 @@ import common
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__, "decode")
     common.add_model_args(p)
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192],
-                   help="prompt + generated tokens")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192], help="prompt + generated tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run (N)")
     args = p.parse_args(argv)
     if args.new_tokens < 2:
@@ -44,33 +43,63 @@ def main(argv: list[str] | None = None) -> int:
                     results[context][system] = peer.time(ids, new_tokens=args.new_tokens)
                 else:
                     settings = common.mode(system, model, pattern, args, context)
-                    results[context][system] = common.time_ours(model, ids, settings, new_tokens=args.new_tokens,
-                                                                chunk_size=args.chunk_size)
+                    results[context][system] = common.time_ours(
+                        model, ids, settings, new_tokens=args.new_tokens, chunk_size=args.chunk_size
+                    )
                 bar.update()
 
     ms = {c: {s: r[s]["decode_ms"] for s in systems} for c, r in results.items()}
     peer_ms = {c: ms[c].get(common.PEER) for c in ms}
-    rows = [[c, *[ms[c][s] for s in systems], *[1e3 / ms[c][s] for s in systems],
-             common.ratio(ms[c]["full"], ms[c]["duo"]),
-             common.ratio(peer_ms[c], ms[c]["full"]), common.ratio(peer_ms[c], ms[c]["duo"])]
-            for c in args.contexts]
-    headers = ["context", *[f"{s} ms/tok" for s in systems], *[f"{s} tok/s" for s in systems],
-               "duo vs full", f"full vs {common.PEER}", f"duo vs {common.PEER}"]
+    rows = [
+        [
+            c,
+            *[ms[c][s] for s in systems],
+            *[1e3 / ms[c][s] for s in systems],
+            common.ratio(ms[c]["full"], ms[c]["duo"]),
+            common.ratio(peer_ms[c], ms[c]["full"]),
+            common.ratio(peer_ms[c], ms[c]["duo"]),
+        ]
+        for c in args.contexts
+    ]
+    headers = [
+        "context",
+        *[f"{s} ms/tok" for s in systems],
+        *[f"{s} tok/s" for s in systems],
+        "duo vs full",
+        f"full vs {common.PEER}",
+        f"duo vs {common.PEER}",
+    ]
 
     def plot(path):
-        return report.line_plot(path, args.contexts, {s: [ms[c][s] for c in args.contexts] for s in systems},
-                                       xlabel="context (tokens)", ylabel="ms per new token", logx=True,
-                                       title=f"decode, {model.config.name} ({args.dtype}), batch 1")
+        return report.line_plot(
+            path,
+            args.contexts,
+            {s: [ms[c][s] for c in args.contexts] for s in systems},
+            xlabel="context (tokens)",
+            ylabel="ms per new token",
+            logx=True,
+            title=f"decode, {model.config.name} ({args.dtype}), batch 1",
+        )
 
-    notes = [f"model {model.config.name} ({args.dtype}), duo sparsity {args.sparsity} (sink {args.sink}, "
-             f"recent {args.recent}), {args.new_tokens} new tokens per run, prefill chunk {args.chunk_size}"
-             + (", single-threaded" if args.single_thread else "")]
+    notes = [
+        f"model {model.config.name} ({args.dtype}), duo sparsity {args.sparsity} (sink {args.sink}, "
+        f"recent {args.recent}), {args.new_tokens} new tokens per run, prefill chunk {args.chunk_size}"
+        + (", single-threaded" if args.single_thread else "")
+    ]
     if peer:
-        notes.append(f"peer: transformers {__import__('transformers').__version__}, attention {peer.attention}, "
-                     "dynamic cache")
-    common.write_result(args.out, "decode", title="Decode: ms per new token (batch 1, greedy)", headers=headers,
-                        rows=rows, data=dict(args={k: str(v) for k, v in vars(args).items()}, results=results),
-                        plot=plot, notes=notes)
+        notes.append(
+            f"peer: transformers {__import__('transformers').__version__}, attention {peer.attention}, dynamic cache"
+        )
+    common.write_result(
+        args.out,
+        "decode",
+        title="Decode: ms per new token (batch 1, greedy)",
+        headers=headers,
+        rows=rows,
+        data=dict(args={k: str(v) for k, v in vars(args).items()}, results=results),
+        plot=plot,
+        notes=notes,
+    )
     return 0
 
 

@@ -27,35 +27,53 @@ def _worker(model: str, context: int, sparsity: float, meshes: list[str], compil
     import jax.numpy as jnp
 
     import duo_jax
-    from duo_jax import config as config_lib, sharding
+    from duo_jax import config as config_lib
+    from duo_jax import sharding
     from duo_jax.engine import compiled_decode
-    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
+    from duo_jax.model import unstack_layers
     from duo_jax.pattern import Pattern
     from duo_jax.sampling import Sampling
 
     config = config_lib.get_config(model)
     stacked = jax.eval_shape(lambda: duo_jax.init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
     params = jax.eval_shape(unstack_layers, stacked)
-    methods = {"full": make_method("full", config, context=context),
-               "duo": make_method("duo", config, context=context, pattern=Pattern.for_model(config.name),
-                                  sparsity=sparsity, sink=64, recent=256)}
+    methods = {
+        "full": make_method("full", config, context=context),
+        "duo": make_method(
+            "duo",
+            config,
+            context=context,
+            pattern=Pattern.for_model(config.name),
+            sparsity=sparsity,
+            sink=64,
+            recent=256,
+        ),
+    }
     for spec in meshes:
         sizes = sharding.parse_mesh(spec, sharding.GENERATION_AXES)
         mesh = sharding.make_generation_mesh(**sizes)
         sharded = sharding.abstract(params, sharding.tensor_parallel_specs(params, mesh), mesh)
-        row = dict(mesh=sharding.format_mesh(mesh), devices=mesh.size, batch=sizes["data"],
-                   weights=sharding.device_bytes(sharded), full_weights=sharding.total_bytes(params))
+        row = dict(
+            mesh=sharding.format_mesh(mesh),
+            devices=mesh.size,
+            batch=sizes["data"],
+            weights=sharding.device_bytes(sharded),
+            full_weights=sharding.total_bytes(params),
+        )
         for name, method in methods.items():
             cache = method.cache_spec(sizes["data"], "bfloat16")
             placed = sharding.abstract(cache, sharding.cache_specs(method, cache, mesh), mesh)
             row[f"{name}_cache"], row[f"{name}_full_cache"] = sharding.device_bytes(placed), sharding.total_bytes(cache)
             if compile_step:
-                step = compiled_decode(config, method, sizes["data"], "bfloat16", "xla", Sampling(0.0, 1.0, 0), 16,
-                                       (), mesh)
+                step = compiled_decode(
+                    config, method, sizes["data"], "bfloat16", "xla", Sampling(0.0, 1.0, 0), 16, (), mesh
+                )
                 stats = step.memory_analysis()
-                row[f"{name}_step_arguments"], row[f"{name}_step_temp"] = (stats.argument_size_in_bytes,
-                                                                           stats.temp_size_in_bytes)
+                row[f"{name}_step_arguments"], row[f"{name}_step_temp"] = (
+                    stats.argument_size_in_bytes,
+                    stats.temp_size_in_bytes,
+                )
         print(json.dumps(row), flush=True)
 
 
@@ -65,8 +83,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="llama3-8b", help="a config name with a shipped pattern (only shapes are used)")
     p.add_argument("--context", type=int, default=32768, help="cache capacity in tokens")
     p.add_argument("--sparsity", type=float, default=0.5, help="DuoAttention's fraction of streaming heads")
-    p.add_argument("--meshes", nargs="+", default=DEFAULT_MESHES,
-                   help="meshes 'data=A,model=B'; one sequence per data slot")
+    p.add_argument(
+        "--meshes", nargs="+", default=DEFAULT_MESHES, help="meshes 'data=A,model=B'; one sequence per data slot"
+    )
     p.add_argument("--compile", action="store_true", help="also compile each decode step (slow for 8B shapes)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -76,8 +95,15 @@ def main(argv=None) -> int:
 
     from duo_jax import sharding
 
-    worker_args = ["--model", args.model, "--context", str(args.context), "--sparsity", str(args.sparsity),
-                   *(["--compile"] if args.compile else [])]
+    worker_args = [
+        "--model",
+        args.model,
+        "--context",
+        str(args.context),
+        "--sparsity",
+        str(args.sparsity),
+        *(["--compile"] if args.compile else []),
+    ]
     results = common.run_workers(__file__, args.meshes, sharding.GENERATION_AXES, worker_args)
     if results is None:
         return 1
@@ -88,20 +114,37 @@ def main(argv=None) -> int:
         headers += ["duo decode step: arguments GiB", "temp GiB"]
     rows = []
     for r in results:
-        rows.append([r["devices"], r["mesh"], r["batch"], gib(r["weights"]), gib(r["full_cache"]), gib(r["duo_cache"]),
-                     gib(r["weights"] + r["duo_cache"])])
+        rows.append(
+            [
+                r["devices"],
+                r["mesh"],
+                r["batch"],
+                gib(r["weights"]),
+                gib(r["full_cache"]),
+                gib(r["duo_cache"]),
+                gib(r["weights"] + r["duo_cache"]),
+            ]
+        )
         if args.compile:
             rows[-1] += [gib(r["duo_step_arguments"]), gib(r["duo_step_temp"])]
     first = results[0]
-    notes = [f"{args.model} shapes in bf16, per device, from the arrays' shardings; one {args.context}-token sequence "
-             f"per data slot. In full: weights {gib(first['full_weights'])} GiB (engine copy, LM head included), "
-             f"full cache {gib(first['full_full_cache'] / first['batch'])} GiB and duo cache "
-             f"{gib(first['duo_full_cache'] / first['batch'])} GiB per sequence (shipped pattern, sparsity "
-             f"{args.sparsity}, sink 64 + recent 256). Retrieval slots split over model, streaming partition "
-             "replicated over it, batch over data (duo_jax/sharding.py)."]
-    common.write_result(args.out, f"generation_memory_{args.model}", title=f"Sharded generation memory per device: "
-                        f"{args.model}, {args.context}-token cache", headers=headers, rows=rows,
-                        data=dict(results=results), notes=notes)
+    notes = [
+        f"{args.model} shapes in bf16, per device, from the arrays' shardings; one {args.context}-token sequence "
+        f"per data slot. In full: weights {gib(first['full_weights'])} GiB (engine copy, LM head included), "
+        f"full cache {gib(first['full_full_cache'] / first['batch'])} GiB and duo cache "
+        f"{gib(first['duo_full_cache'] / first['batch'])} GiB per sequence (shipped pattern, sparsity "
+        f"{args.sparsity}, sink 64 + recent 256). Retrieval slots split over model, streaming partition "
+        "replicated over it, batch over data (duo_jax/sharding.py)."
+    ]
+    common.write_result(
+        args.out,
+        f"generation_memory_{args.model}",
+        title=f"Sharded generation memory per device: {args.model}, {args.context}-token cache",
+        headers=headers,
+        rows=rows,
+        data=dict(results=results),
+        notes=notes,
+    )
     return 0
 
 

@@ -13,7 +13,8 @@ Per context C and mode:
 - decode, two ways, at lengths just under C: "decode ms" is --decode-steps tokens generated on the device in
   one `Engine.decode_loop` (a `lax.while_loop` with sampling inside: what `generate` runs), time / steps;
   "host step ms" is the median of single `Engine.step` calls, each one dispatched from Python and waited for
-  (what a caller that needs every step on the host pays; the token stays on the device). The cache is filled by the prefill when
+  (what a caller that needs every step on the host pays; the token stays on the device). The cache is filled by the
+  prefill when
   there was one; beyond --max-prefill it holds zeros, which costs the same: a step reads the same bytes
   whatever they hold;
 - with --profile, one more device loop per context and mode under `jax.profiler`, its GPU time per step split
@@ -75,13 +76,19 @@ def random_params(config, seed: int = 0):
 
     def layer(_):
         stacked = {f.name: getattr(shapes.layers, f.name) for f in dataclasses.fields(shapes.layers)}
-        fields = {name: (jnp.ones(shape[1:], jnp.bfloat16) if "norm" in name else normal(shape[1:]))
-                  for name, shape in stacked.items() if shape is not None}  # fields this family has
+        fields = {
+            name: (jnp.ones(shape[1:], jnp.bfloat16) if "norm" in name else normal(shape[1:]))
+            for name, shape in stacked.items()
+            if shape is not None
+        }  # fields this family has
         return LayerParams(**fields)
 
-    return Params(embed=normal(shapes.embed), layers=tuple(layer(l) for l in range(config.num_layers)),
-                  final_norm=jnp.ones(shapes.final_norm, jnp.bfloat16),
-                  lm_head=None if shapes.lm_head is None else normal(shapes.lm_head))
+    return Params(
+        embed=normal(shapes.embed),
+        layers=tuple(layer(l) for l in range(config.num_layers)),
+        final_norm=jnp.ones(shapes.final_norm, jnp.bfloat16),
+        lm_head=None if shapes.lm_head is None else normal(shapes.lm_head),
+    )
 
 
 def model_params(config, weights: str | None = None, seed: int = 0):
@@ -98,8 +105,18 @@ def tree_bytes(tree) -> int:
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def roofline(config, *, weight_bytes: int, share: float, window: int, context: int, chunk: int,
-             bandwidth: float, kv_dtype: str | None = None, batch: int = 1) -> dict:
+def roofline(
+    config,
+    *,
+    weight_bytes: int,
+    share: float,
+    window: int,
+    context: int,
+    chunk: int,
+    bandwidth: float,
+    kv_dtype: str | None = None,
+    batch: int = 1,
+) -> dict:
     """Best-case decode ms per step (bytes / bandwidth) and prefill FLOPs, full and duo, at `context` tokens
     for each of `batch` sequences. kv_dtype "int8" / "int4": a cached vector is its codes + its scale
     (`duo_jax.quant.kv_bytes_per_vector`)."""
@@ -110,8 +127,9 @@ def roofline(config, *, weight_bytes: int, share: float, window: int, context: i
     params = weight_bytes / 2
     attention = 2 * context**2 * config.num_heads * config.head_dim * config.num_layers  # causal
     streaming = 4 * context * (window + chunk) * config.num_heads * config.head_dim * config.num_layers
-    flops = dict(full=2 * params * context + attention,
-                 duo=2 * params * context + share * attention + (1 - share) * streaming)
+    flops = dict(
+        full=2 * params * context + attention, duo=2 * params * context + share * attention + (1 - share) * streaming
+    )
     return dict(decode_ms={m: 1e3 * (weight_bytes + kv[m]) / bandwidth for m in kv}, prefill_flops=flops)
 
 
@@ -146,8 +164,11 @@ def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
     files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     if not files:
         return {"error": f"no trace written under {trace_dir}"}
-    planes = [p for p in ProfileData.from_file(max(files, key=lambda f: pathlib.Path(f).stat().st_mtime)).planes
-              if p.name.startswith("/device:GPU")]
+    planes = [
+        p
+        for p in ProfileData.from_file(max(files, key=lambda f: pathlib.Path(f).stat().st_mtime)).planes
+        if p.name.startswith("/device:GPU")
+    ]
     if not planes:
         return {"error": "the trace has no GPU plane"}
     lines = {line.name: list(line.events) for line in planes[0].lines}
@@ -157,15 +178,28 @@ def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
         totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns
         counts[event.name] = counts.get(event.name, 0) + 1
     ranked = sorted(totals, key=totals.get, reverse=True)[:top]
-    return {"line": name, "lines": {n: len(e) for n, e in lines.items()},
-            "gpu_ms_per_step": sum(totals.values()) / 1e6 / steps,
-            "launches_per_step": sum(counts.values()) / steps,
-            "top_ops": [{"op": op, "ms_per_step": totals[op] / 1e6 / steps, "per_step": counts[op] / steps}
-                        for op in ranked]}
+    return {
+        "line": name,
+        "lines": {n: len(e) for n, e in lines.items()},
+        "gpu_ms_per_step": sum(totals.values()) / 1e6 / steps,
+        "launches_per_step": sum(counts.values()) / steps,
+        "top_ops": [
+            {"op": op, "ms_per_step": totals[op] / 1e6 / steps, "per_step": counts[op] / steps} for op in ranked
+        ],
+    }
 
 
-def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: bool, batch: int = 1,
-             profile_dir: str | None = None) -> dict:
+def run_mode(
+    engine,
+    method,
+    context: int,
+    *,
+    chunk: int,
+    steps: int,
+    prefill: bool,
+    batch: int = 1,
+    profile_dir: str | None = None,
+) -> dict:
     """Prefill (when asked) and decode timings of one mode at one context on the device, through the engine's
     prefill driver, its device decode loop and its single-token step (the executables `generate` runs), for
     `batch` sequences of the same length."""
@@ -203,8 +237,9 @@ def run_mode(engine, method, context: int, *, chunk: int, steps: int, prefill: b
 
     def device_loop():  # `steps` new tokens after `token`, in one executable
         nonlocal cache, lengths
-        tokens, done, cache, lengths = engine.decode_loop(method, cache, lengths, token, jax.random.key(0),
-                                                          max_new_tokens=steps + 1, sampling=Sampling())
+        tokens, done, cache, lengths = engine.decode_loop(
+            method, cache, lengths, token, jax.random.key(0), max_new_tokens=steps + 1, sampling=Sampling()
+        )
         tokens.block_until_ready()
         return int(done)
 
@@ -237,8 +272,9 @@ def dry_run_checks(config, methods: dict, chunk: int, weights: str | None) -> No
         ints = jax.ShapeDtypeStruct((1,), jnp.int32)
         for T in (chunk, 1):
             tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
-            logits, new_cache, _ = jax.eval_shape(functools.partial(extend, config=config, method=method),
-                                                  params, cache, ints, tokens, ints)
+            logits, new_cache, _ = jax.eval_shape(
+                functools.partial(extend, config=config, method=method), params, cache, ints, tokens, ints
+            )
             assert logits.shape == (1, config.vocab_size), logits.shape
             assert jax.tree.structure(new_cache) == jax.tree.structure(cache)
         print(f"  traced {name}: prefill chunk of {chunk} and a decode step, cache {tree_bytes(cache) / 2**30:.2f} GiB")
@@ -246,26 +282,46 @@ def dry_run_checks(config, methods: dict, chunk: int, weights: str | None) -> No
 
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__, "gpu_llama8b")
-    p.add_argument("--contexts", type=int, nargs="+",
-                   default=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576], help="contexts (tokens)")
+    p.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576],
+        help="contexts (tokens)",
+    )
     p.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--recent", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk (tokens)")
-    p.add_argument("--decode-steps", type=int, default=32,
-                   help="decode tokens timed per context and mode (device loop), and host steps (median)")
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=32,
+        help="decode tokens timed per context and mode (device loop), and host steps (median)",
+    )
     p.add_argument("--max-prefill", type=int, default=131072, help="largest context whose prefill is timed")
-    p.add_argument("--batch", type=int, default=1,
-                   help="sequences decoded together, each at the context (above 1: zero-filled caches, no prefill)")
-    p.add_argument("--bandwidth-tbs", type=float, default=None,
-                   help=f"HBM bandwidth for the roofline, TB/s (default: measured; dry run: {DRY_RUN_BANDWIDTH_TBS})")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences decoded together, each at the context (above 1: zero-filled caches, no prefill)",
+    )
+    p.add_argument(
+        "--bandwidth-tbs",
+        type=float,
+        default=None,
+        help=f"HBM bandwidth for the roofline, TB/s (default: measured; dry run: {DRY_RUN_BANDWIDTH_TBS})",
+    )
     p.add_argument("--hbm-gib", type=float, default=80.0, help="dry run: device memory assumed for 'fits'")
     p.add_argument("--kv-dtype", choices=["int8", "int4"], default=None, help="quantized KV cache (default bf16)")
     p.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (default bf16)")
     p.add_argument("--dry-run", action="store_true", help="shapes only, on any backend: print the plan")
-    p.add_argument("--profile", action="store_true",
-                   help="also trace one device loop per context and mode (into a temporary folder): GPU ms per "
-                        "step by XLA op, in the JSON")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace one device loop per context and mode (into a temporary folder): GPU ms per "
+        "step by XLA op, in the JSON",
+    )
     args = p.parse_args(argv)
 
     import jax
@@ -282,40 +338,89 @@ def main(argv: list[str] | None = None) -> int:
     contexts = sorted(set(args.contexts))
 
     def methods_at(context):
-        return {m: mode_settings(m, config, pattern, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
-                                 context=context, kv_dtype=args.kv_dtype).build(config, context)
-                for m in ("full", "duo")}
+        return {
+            m: mode_settings(
+                m,
+                config,
+                pattern,
+                sparsity=args.sparsity,
+                sink=args.sink,
+                recent=args.recent,
+                context=context,
+                kv_dtype=args.kv_dtype,
+            ).build(config, context)
+            for m in ("full", "duo")
+        }
 
     weight_bytes = tree_bytes(jax.eval_shape(lambda: model_params(config, args.weights)))
     formats = f"weights {args.weights or 'bf16'}, KV {args.kv_dtype or 'bf16'}"
-    rooflines = functools.partial(roofline, config, weight_bytes=weight_bytes, share=share, window=window,
-                                  chunk=args.chunk_size, kv_dtype=args.kv_dtype, batch=args.batch)
+    rooflines = functools.partial(
+        roofline,
+        config,
+        weight_bytes=weight_bytes,
+        share=share,
+        window=window,
+        chunk=args.chunk_size,
+        kv_dtype=args.kv_dtype,
+        batch=args.batch,
+    )
     if args.dry_run:
         bandwidth = (args.bandwidth_tbs or DRY_RUN_BANDWIDTH_TBS) * 1e12
-        print(f"dry run on {jax.default_backend()}: {MODEL} shape, {formats}, weights {weight_bytes / 2**30:.2f} "
-              f"GiB, duo sparsity {args.sparsity} (r = {share:.3f}), chunk {args.chunk_size}")
+        print(
+            f"dry run on {jax.default_backend()}: {MODEL} shape, {formats}, weights {weight_bytes / 2**30:.2f} "
+            f"GiB, duo sparsity {args.sparsity} (r = {share:.3f}), chunk {args.chunk_size}"
+        )
         dry_run_checks(config, methods_at(contexts[0]), args.chunk_size, args.weights)
         rows, plan = [], {}
         for context in contexts:
-            sizes = {m: tree_bytes(jax.eval_shape(lambda m=method: m.init_cache(args.batch, jax.numpy.bfloat16)))
-                     for m, method in methods_at(context).items()}
+            sizes = {
+                m: tree_bytes(jax.eval_shape(lambda m=method: m.init_cache(args.batch, jax.numpy.bfloat16)))
+                for m, method in methods_at(context).items()
+            }
             roof = rooflines(context=context, bandwidth=bandwidth)
             fits = {m: weight_bytes + sizes[m] <= args.hbm_gib * 2**30 for m in sizes}
             plan[context] = dict(cache_bytes=sizes, fits=fits, **roof)
-            rows.append([context, sizes["full"] / 2**30, sizes["duo"] / 2**30, fits["full"], fits["duo"],
-                         roof["decode_ms"]["full"], roof["decode_ms"]["duo"],
-                         roof["decode_ms"]["full"] / roof["decode_ms"]["duo"],
-                         roof["prefill_flops"]["full"] / roof["prefill_flops"]["duo"]])
-        headers = ["context", "full KV GiB", "duo KV GiB", f"full fits {args.hbm_gib:g} GiB",
-                   f"duo fits {args.hbm_gib:g} GiB", "roofline full ms", "roofline duo ms", "best decode speed-up",
-                   "best prefill speed-up"]
-        common.write_result(args.out, "gpu_llama8b_plan",
-                            title=f"Llama-3-8B plan, {formats} (dry run, nothing allocated)",
-                            headers=headers, rows=rows,
-                            data=dict(args={k: str(v) for k, v in vars(args).items()}, plan=plan,
-                                      weight_bytes=weight_bytes, bandwidth=bandwidth),
-                            notes=[f"roofline bandwidth {bandwidth / 1e12:.2f} TB/s (not measured: dry run); "
-                                   f"paper (A100): decode {PAPER['decode']}x, prefill {PAPER['prefill']}x"])
+            rows.append(
+                [
+                    context,
+                    sizes["full"] / 2**30,
+                    sizes["duo"] / 2**30,
+                    fits["full"],
+                    fits["duo"],
+                    roof["decode_ms"]["full"],
+                    roof["decode_ms"]["duo"],
+                    roof["decode_ms"]["full"] / roof["decode_ms"]["duo"],
+                    roof["prefill_flops"]["full"] / roof["prefill_flops"]["duo"],
+                ]
+            )
+        headers = [
+            "context",
+            "full KV GiB",
+            "duo KV GiB",
+            f"full fits {args.hbm_gib:g} GiB",
+            f"duo fits {args.hbm_gib:g} GiB",
+            "roofline full ms",
+            "roofline duo ms",
+            "best decode speed-up",
+            "best prefill speed-up",
+        ]
+        common.write_result(
+            args.out,
+            "gpu_llama8b_plan",
+            title=f"Llama-3-8B plan, {formats} (dry run, nothing allocated)",
+            headers=headers,
+            rows=rows,
+            data=dict(
+                args={k: str(v) for k, v in vars(args).items()},
+                plan=plan,
+                weight_bytes=weight_bytes,
+                bandwidth=bandwidth,
+            ),
+            notes=[
+                f"roofline bandwidth {bandwidth / 1e12:.2f} TB/s (not measured: dry run); "
+                f"paper (A100): decode {PAPER['decode']}x, prefill {PAPER['prefill']}x"
+            ],
+        )
         return 0
 
     if jax.default_backend() == "cpu":
@@ -334,9 +439,15 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 results[mode][context] = run_mode(
-                    engine, method, context, chunk=args.chunk_size, steps=args.decode_steps,
-                    prefill=context <= args.max_prefill and args.batch == 1, batch=args.batch,
-                    profile_dir=tempfile.mkdtemp(prefix=f"trace_{mode}_{context}_") if args.profile else None)
+                    engine,
+                    method,
+                    context,
+                    chunk=args.chunk_size,
+                    steps=args.decode_steps,
+                    prefill=context <= args.max_prefill and args.batch == 1,
+                    batch=args.batch,
+                    profile_dir=tempfile.mkdtemp(prefix=f"trace_{mode}_{context}_") if args.profile else None,
+                )
                 tqdm.write(f"{mode} at {context}: {json.dumps(results[mode][context])}")  # kept if a later one dies
             except Exception as e:  # XLA reports device OOM as a runtime error
                 if not is_oom(e):
@@ -351,37 +462,80 @@ def main(argv: list[str] | None = None) -> int:
         full, duo = results["full"].get(context, {}), results["duo"].get(context, {})
         roof = rooflines(context=context, bandwidth=bandwidth)
         data[context] = dict(full=full, duo=duo, **roof)
-        rows.append([context, full.get("decode_ms"), duo.get("decode_ms"),
-                     common.ratio(full.get("decode_ms"), duo.get("decode_ms")),
-                     common.ratio(roof["decode_ms"]["full"], full.get("decode_ms")),
-                     common.ratio(roof["decode_ms"]["duo"], duo.get("decode_ms")),
-                     *(common.ratio(1e3 * args.batch, r.get("decode_ms")) for r in (full, duo)),
-                     full.get("host_step_ms"), duo.get("host_step_ms"),
-                     full.get("prefill_s"), duo.get("prefill_s"),
-                     common.ratio(full.get("prefill_s"), duo.get("prefill_s"))])
-    headers = ["context", "full decode ms", "duo decode ms", "decode speed-up", "full % roofline",
-               "duo % roofline", "full tokens/s", "duo tokens/s", "full host step ms", "duo host step ms",
-               "full prefill s", "duo prefill s", "prefill speed-up"]
-    notes = [f"device {jax.devices()[0].device_kind}, HBM bandwidth {bandwidth / 1e12:.2f} TB/s "
-             f"({'given' if args.bandwidth_tbs else 'measured'}); paper (A100): decode {PAPER['decode']}x, "
-             f"prefill {PAPER['prefill']}x",
-             f"largest context that fits: full {largest['full']}, duo {largest['duo']} (of the contexts tried)",
-             "% roofline = roofline ms / measured ms; decode ms: device loop (what generate runs), "
-             "host step ms: one synchronised Engine.step per token"]
+        rows.append(
+            [
+                context,
+                full.get("decode_ms"),
+                duo.get("decode_ms"),
+                common.ratio(full.get("decode_ms"), duo.get("decode_ms")),
+                common.ratio(roof["decode_ms"]["full"], full.get("decode_ms")),
+                common.ratio(roof["decode_ms"]["duo"], duo.get("decode_ms")),
+                *(common.ratio(1e3 * args.batch, r.get("decode_ms")) for r in (full, duo)),
+                full.get("host_step_ms"),
+                duo.get("host_step_ms"),
+                full.get("prefill_s"),
+                duo.get("prefill_s"),
+                common.ratio(full.get("prefill_s"), duo.get("prefill_s")),
+            ]
+        )
+    headers = [
+        "context",
+        "full decode ms",
+        "duo decode ms",
+        "decode speed-up",
+        "full % roofline",
+        "duo % roofline",
+        "full tokens/s",
+        "duo tokens/s",
+        "full host step ms",
+        "duo host step ms",
+        "full prefill s",
+        "duo prefill s",
+        "prefill speed-up",
+    ]
+    notes = [
+        f"device {jax.devices()[0].device_kind}, HBM bandwidth {bandwidth / 1e12:.2f} TB/s "
+        f"({'given' if args.bandwidth_tbs else 'measured'}); paper (A100): decode {PAPER['decode']}x, "
+        f"prefill {PAPER['prefill']}x",
+        f"largest context that fits: full {largest['full']}, duo {largest['duo']} (of the contexts tried)",
+        "% roofline = roofline ms / measured ms; decode ms: device loop (what generate runs), "
+        "host step ms: one synchronised Engine.step per token",
+    ]
 
     def plot(path):
         series = {f"{m} decode": [results[m].get(c, {}).get("decode_ms") for c in contexts] for m in results}
-        series.update({f"{m} roofline": [rooflines(context=c, bandwidth=bandwidth)["decode_ms"][m] for c in contexts]
-                       for m in results})
-        return report.line_plot(path, contexts, series, xlabel="context (tokens)", ylabel="ms per decode step",
-                                 logx=True, title=f"Llama-3-8B shape, {formats}, {jax.devices()[0].device_kind}")
+        series.update(
+            {
+                f"{m} roofline": [rooflines(context=c, bandwidth=bandwidth)["decode_ms"][m] for c in contexts]
+                for m in results
+            }
+        )
+        return report.line_plot(
+            path,
+            contexts,
+            series,
+            xlabel="context (tokens)",
+            ylabel="ms per decode step",
+            logx=True,
+            title=f"Llama-3-8B shape, {formats}, {jax.devices()[0].device_kind}",
+        )
 
-    common.write_result(args.out, "gpu_llama8b",
-                        title=f"Llama-3-8B shape on one GPU, {formats}: duo vs full (batch {args.batch})",
-                        headers=headers, rows=rows,
-                        data=dict(args={k: str(v) for k, v in vars(args).items()}, results=data, largest=largest,
-                                  bandwidth=bandwidth, weight_bytes=weight_bytes),
-                        plot=plot, notes=notes)
+    common.write_result(
+        args.out,
+        "gpu_llama8b",
+        title=f"Llama-3-8B shape on one GPU, {formats}: duo vs full (batch {args.batch})",
+        headers=headers,
+        rows=rows,
+        data=dict(
+            args={k: str(v) for k, v in vars(args).items()},
+            results=data,
+            largest=largest,
+            bandwidth=bandwidth,
+            weight_bytes=weight_bytes,
+        ),
+        plot=plot,
+        notes=notes,
+    )
     return 0
 
 

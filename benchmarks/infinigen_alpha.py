@@ -16,7 +16,6 @@ next to full attention on the same tokens.
 
 from __future__ import annotations
 
-
 import common
 
 
@@ -43,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def decoded_ppl(settings) -> float:
         nll = engine_nll(model, tokens, settings, chunk_size=256, prefix=args.prefix)
-        return float(np.exp(nll[:, args.prefix - 1:].mean()))
+        return float(np.exp(nll[:, args.prefix - 1 :].mean()))
 
-    full = decoded_ppl(mode_settings("full", model.config, None, sparsity=0.5, sink=64, recent=256,
-                                     context=args.length))
+    full = decoded_ppl(
+        mode_settings("full", model.config, None, sparsity=0.5, sink=64, recent=256, context=args.length)
+    )
     rows, results = [["full attention", "-", "-", full, 1.0]], []
     for lookahead in (True, False):
         for alpha in args.alphas:
@@ -55,11 +55,17 @@ def main(argv: list[str] | None = None) -> int:
             speculation = "previous layer (original)" if lookahead else "this layer"
             rows.append(["infinigen", alpha, speculation, ppl, ppl / full])
             results.append(dict(alpha=alpha, lookahead=lookahead, decoded_ppl=ppl))
-    common.write_result(args.out, "infinigen_alpha", title=f"InfiniGen on {model.config.name}: decoded perplexity",
-                        headers=["method", "alpha", "speculation from", "ppl (decoded)", "ppl / full"], rows=rows,
-                        data=dict(args={k: str(v) for k, v in vars(args).items()}, full_ppl=full, results=results),
-                        notes=[f"{args.length} tokens, prefix {args.prefix}, at most {budget} tokens fetched per "
-                               "KV head per step, fp32"])
+    common.write_result(
+        args.out,
+        "infinigen_alpha",
+        title=f"InfiniGen on {model.config.name}: decoded perplexity",
+        headers=["method", "alpha", "speculation from", "ppl (decoded)", "ppl / full"],
+        rows=rows,
+        data=dict(args={k: str(v) for k, v in vars(args).items()}, full_ppl=full, results=results),
+        notes=[
+            f"{args.length} tokens, prefix {args.prefix}, at most {budget} tokens fetched per KV head per step, fp32"
+        ],
+    )
     return 0
 
 

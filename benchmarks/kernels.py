@@ -55,10 +55,12 @@ from pallas_kernels.tpu.launches import pallas_launches  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--seq-lens", type=int, nargs="+",
-                        default=[4096, 8192, 16384, 32768, 65536, 131072], help="sequence lengths T")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072], help="sequence lengths T"
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--num-heads", type=int, default=32, help="query heads")
     parser.add_argument("--num-kv-heads", type=int, default=8)
@@ -69,17 +71,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--block-q", type=int, default=128)
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
-    parser.add_argument("--xla-max-gib", type=float, default=16.0,
-                        help="skip the dense XLA reference when its fp32 scores exceed this")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="on CPU: also time a tiny shape in interpret mode")
-    parser.add_argument("--tpu-export", action="store_true",
-                        help="on CPU: export the TPU kernels for TPU, record grids and blocks")
-    parser.add_argument("--chunk", type=int, default=512,
-                        help="--tpu-export: queries per chunked-prefill step")
-    parser.add_argument("--sweep", action="store_true",
-                        help="on GPU: forward times of flash and Λ over tiles x num_warps x num_stages at each T, "
-                             "against cuDNN, instead of the table above")
+    parser.add_argument(
+        "--xla-max-gib", type=float, default=16.0, help="skip the dense XLA reference when its fp32 scores exceed this"
+    )
+    parser.add_argument("--cpu-smoke", action="store_true", help="on CPU: also time a tiny shape in interpret mode")
+    parser.add_argument(
+        "--tpu-export", action="store_true", help="on CPU: export the TPU kernels for TPU, record grids and blocks"
+    )
+    parser.add_argument("--chunk", type=int, default=512, help="--tpu-export: queries per chunked-prefill step")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="on GPU: forward times of flash and Λ over tiles x num_warps x num_stages at each T, "
+        "against cuDNN, instead of the table above",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write results as JSON here")
     return parser.parse_args(argv)
 
@@ -117,13 +122,13 @@ def implementations(args, interpret: bool | None):
         "xla": lambda q, k, v: reference.flash_attention_reference(q, k, v),
     }
     if _backend.backend() == "gpu" and not interpret:
-        impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                      implementation="cudnn")
+        impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         if importlib.util.find_spec("tokamax") is not None:
             import tokamax
 
-            impls["tokamax"] = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True,
-                                                                             implementation="mosaic")
+            impls["tokamax"] = lambda q, k, v: tokamax.dot_product_attention(
+                q, k, v, is_causal=True, implementation="mosaic"
+            )
     return impls
 
 
@@ -143,8 +148,10 @@ def time_all(args, seq_len: int, interpret: bool | None) -> dict:
             continue
         fwd, fwd_bwd = forward_and_grad(attn)
         try:
-            row[name] = {"fwd_ms": median_ms(fwd, q, k, v, reps=args.reps),
-                         "fwd_bwd_ms": median_ms(fwd_bwd, q, k, v, do, reps=args.reps)}
+            row[name] = {
+                "fwd_ms": median_ms(fwd, q, k, v, reps=args.reps),
+                "fwd_bwd_ms": median_ms(fwd_bwd, q, k, v, do, reps=args.reps),
+            }
         except Exception as e:  # e.g. out of memory at long T: record it, keep going.
             row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     return row
@@ -163,16 +170,17 @@ def _fmt(entry: dict, key: str) -> str:
 def print_table(rows: list[dict]) -> None:
     names = [n for n in ("lambda", "flash", "xla", "cudnn", "tokamax") if any(n in r for r in rows)]
     phases = ("fwd_ms", "fwd_bwd_ms") if names else ()
-    ratios = [(a, b) for a, b in (("flash", "lambda"), ("cudnn", "lambda"), ("cudnn", "flash"), ("cudnn", "tokamax"))
-              if a in names and b in names]
+    ratios = [
+        (a, b)
+        for a, b in (("flash", "lambda"), ("cudnn", "lambda"), ("cudnn", "flash"), ("cudnn", "tokamax"))
+        if a in names and b in names
+    ]
     header = ["T", "Λ blocks", "causal blocks", "Λ/causal"]
     for phase in phases:
-        header += [f"{n} {phase}" for n in names] + [f"{a}/{b} {phase[:-3]}".replace("lambda", "Λ")
-                                                     for a, b in ratios]
+        header += [f"{n} {phase}" for n in names] + [f"{a}/{b} {phase[:-3]}".replace("lambda", "Λ") for a, b in ratios]
     print(" | ".join(header))
     for r in rows:
-        cells = [str(r["seq_len"]), str(r["lambda_blocks"]), str(r["causal_blocks"]),
-                 f"{r['block_ratio']:.4f}"]
+        cells = [str(r["seq_len"]), str(r["lambda_blocks"]), str(r["causal_blocks"]), f"{r['block_ratio']:.4f}"]
         for phase in phases:
             cells += [_fmt(r.get(n, {}), phase) for n in names]
             for a, b in ratios:  # time of a / time of b: how many times faster b runs
@@ -190,6 +198,7 @@ def _with_vjp(attn):
     def fwd_bwd(q, k, v):
         out, vjp = jax.vjp(attn, q, k, v)
         return out, vjp(out)
+
     return fwd_bwd
 
 
@@ -199,27 +208,29 @@ def tpu_export_rows(args, seq_len: int) -> list[dict]:
     tpu = pallas_kernels.tpu
     q = jax.ShapeDtypeStruct((args.batch, seq_len, args.num_heads, args.head_dim), dtype)
     kv = jax.ShapeDtypeStruct((args.batch, seq_len, args.num_kv_heads, args.head_dim), dtype)
-    chunk = jax.ShapeDtypeStruct((args.batch, min(args.chunk, seq_len), args.num_heads,
-                                  args.head_dim), dtype)
+    chunk = jax.ShapeDtypeStruct((args.batch, min(args.chunk, seq_len), args.num_heads, args.head_dim), dtype)
     one = jax.ShapeDtypeStruct((args.batch, args.num_heads, args.head_dim), dtype)
     per_seq = jax.ShapeDtypeStruct((args.batch,), jnp.int32)
     ring = args.sink + args.recent  # a streaming head's cache: sinks + a ring of recent tokens
     window = dict(sink=args.sink, recent=args.recent, block_q=args.block_q, block_k=args.block_k)
     blocks = dict(block_q=args.block_q, block_k=args.block_k)
     cases = {
-        "lambda splash fwd+bwd": (_with_vjp(lambda q, k, v: tpu.lambda_attention(q, k, v, **window)),
-                                  (q, kv, kv)),
-        "causal splash fwd+bwd": (_with_vjp(lambda q, k, v: tpu.flash_attention(q, k, v, **blocks)),
-                                  (q, kv, kv)),
+        "lambda splash fwd+bwd": (_with_vjp(lambda q, k, v: tpu.lambda_attention(q, k, v, **window)), (q, kv, kv)),
+        "causal splash fwd+bwd": (_with_vjp(lambda q, k, v: tpu.flash_attention(q, k, v, **blocks)), (q, kv, kv)),
         "lambda own (traced q_offset) fwd+bwd": (
-            lambda q, k, v, off: _with_vjp(lambda q, k, v: tpu.lambda_attention(
-                q, k, v, q_offset=off, **window))(q, k, v), (q, kv, kv, per_seq)),
+            lambda q, k, v, off: _with_vjp(lambda q, k, v: tpu.lambda_attention(q, k, v, q_offset=off, **window))(
+                q, k, v
+            ),
+            (q, kv, kv, per_seq),
+        ),
         f"causal own chunk of {chunk.shape[1]} vs cache fwd": (
-            lambda q, k, v, off: tpu.flash_attention(q, k, v, q_offset=off,
-                                                     kv_len=off + q.shape[1], **blocks),
-            (chunk, kv, kv, per_seq)),
-        "decode own fwd": (lambda q, k, v, lengths: tpu.decode_attention(
-            q, k, v, lengths, block_k=args.block_k), (one, kv, kv, per_seq)),
+            lambda q, k, v, off: tpu.flash_attention(q, k, v, q_offset=off, kv_len=off + q.shape[1], **blocks),
+            (chunk, kv, kv, per_seq),
+        ),
+        "decode own fwd": (
+            lambda q, k, v, lengths: tpu.decode_attention(q, k, v, lengths, block_k=args.block_k),
+            (one, kv, kv, per_seq),
+        ),
     }
     for t in (chunk.shape[1], 1):  # streaming heads: [ring, new tokens] at explicit positions
         keys = jax.ShapeDtypeStruct((args.batch, ring + t, args.num_kv_heads, args.head_dim), dtype)
@@ -227,8 +238,14 @@ def tpu_export_rows(args, seq_len: int) -> list[dict]:
         step = "decode step" if t == 1 else f"chunk of {t}"
         cases[f"streaming own {step} vs ring of {ring} fwd"] = (
             lambda q, k, v, off, pos: tpu.flash_attention(q, k, v, q_offset=off, k_positions=pos, **blocks),
-            (jax.ShapeDtypeStruct((args.batch, t, args.num_heads, args.head_dim), dtype), keys, keys,
-             per_seq, positions))
+            (
+                jax.ShapeDtypeStruct((args.batch, t, args.num_heads, args.head_dim), dtype),
+                keys,
+                keys,
+                per_seq,
+                positions,
+            ),
+        )
     rows = []
     for name, (fn, shapes) in cases.items():
         with _backend.lowering_for("tpu"):
@@ -236,9 +253,15 @@ def tpu_export_rows(args, seq_len: int) -> list[dict]:
             module = jax.export.export(jax.jit(fn), platforms=["tpu"])(*shapes).mlir_module()
             seconds = time.perf_counter() - start
             launches = pallas_launches(fn, *shapes)
-        rows.append({"seq_len": seq_len, "kernel": name, "export_s": round(seconds, 2),
-                     "tpu_custom_calls": module.count("stablehlo.custom_call @tpu_custom_call"),
-                     "launches": launches})
+        rows.append(
+            {
+                "seq_len": seq_len,
+                "kernel": name,
+                "export_s": round(seconds, 2),
+                "tpu_custom_calls": module.count("stablehlo.custom_call @tpu_custom_call"),
+                "launches": launches,
+            }
+        )
     return rows
 
 
@@ -246,8 +269,7 @@ def print_export_rows(rows: list[dict]) -> None:
     print("T | kernel | Mosaic calls | export s | launch: grid, blocks (None = squeezed)")
     for r in rows:
         for i, launch in enumerate(r["launches"]):
-            head = (f"{r['seq_len']} | {r['kernel']} | {r['tpu_custom_calls']} | {r['export_s']}"
-                    if i == 0 else " | | |")
+            head = f"{r['seq_len']} | {r['kernel']} | {r['tpu_custom_calls']} | {r['export_s']}" if i == 0 else " | | |"
             print(f"{head} | {launch['name']}: grid {launch['grid']}, blocks {launch['blocks']}")
 
 
@@ -263,24 +285,35 @@ def sweep(args) -> list[dict]:
     rows = []
     for seq_len in args.seq_lens:
         q = jax.random.normal(keys[0], (args.batch, seq_len, args.num_heads, args.head_dim), dtype)
-        k, v = (jax.random.normal(key, (args.batch, seq_len, args.num_kv_heads, args.head_dim), dtype)
-                for key in keys[1:])
-        cudnn = median_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation="cudnn")), q, k, v, reps=args.reps)
+        k, v = (
+            jax.random.normal(key, (args.batch, seq_len, args.num_kv_heads, args.head_dim), dtype) for key in keys[1:]
+        )
+        cudnn = median_ms(
+            jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")),
+            q,
+            k,
+            v,
+            reps=args.reps,
+        )
         for (block_q, block_k), (warps, stages) in ((t, l) for t in SWEEP_TILES for l in SWEEP_LAUNCHES):
             launch = dict(block_q=block_q, block_k=block_k, num_warps=warps, num_stages=stages)
             row = {"seq_len": seq_len, **launch, "cudnn_ms": cudnn}
-            for name, attn in (("flash", pallas_kernels.flash_attention), ("lambda", functools.partial(
-                    pallas_kernels.lambda_attention, sink=args.sink, recent=args.recent))):
+            for name, attn in (
+                ("flash", pallas_kernels.flash_attention),
+                ("lambda", functools.partial(pallas_kernels.lambda_attention, sink=args.sink, recent=args.recent)),
+            ):
                 try:
                     row[f"{name}_ms"] = median_ms(jax.jit(functools.partial(attn, **launch)), q, k, v, reps=args.reps)
                 except Exception as e:  # e.g. shared memory exceeded: record it, keep sweeping
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             rows.append(row)
             flash, lam = row.get("flash_ms"), row.get("lambda_ms")
-            print(f"T={seq_len} tiles {block_q}x{block_k} warps {warps} stages {stages}: flash "
-                  f"{'-' if flash is None else f'{flash:.2f} ms ({cudnn / flash:.2f}x cuDNN)'}, Λ "
-                  f"{'-' if lam is None else f'{lam:.2f} ms ({cudnn / lam:.1f}x faster than cuDNN)'}", flush=True)
+            print(
+                f"T={seq_len} tiles {block_q}x{block_k} warps {warps} stages {stages}: flash "
+                f"{'-' if flash is None else f'{flash:.2f} ms ({cudnn / flash:.2f}x cuDNN)'}, Λ "
+                f"{'-' if lam is None else f'{lam:.2f} ms ({cudnn / lam:.1f}x faster than cuDNN)'}",
+                flush=True,
+            )
     return rows
 
 
@@ -288,8 +321,13 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     backend = jax.default_backend()
     on_accelerator = backend not in ("cpu",)
-    result = {"backend": backend, "device": str(jax.devices()[0]), "jax": jax.__version__,
-              "python": platform.python_version(), "args": {k: str(v) for k, v in vars(args).items()}}
+    result = {
+        "backend": backend,
+        "device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     if args.sweep:
         if backend != "gpu":
             raise SystemExit("--sweep times Triton launches against cuDNN: it needs a GPU")
@@ -303,16 +341,31 @@ def main(argv=None) -> None:
         if on_accelerator:
             row.update(time_all(args, seq_len, interpret=None))
         rows.append(row)
-        print(f"T={seq_len}: visited blocks Λ {row['lambda_blocks']} / causal "
-              f"{row['causal_blocks']} = {row['block_ratio']:.4f}", flush=True)
+        print(
+            f"T={seq_len}: visited blocks Λ {row['lambda_blocks']} / causal "
+            f"{row['causal_blocks']} = {row['block_ratio']:.4f}",
+            flush=True,
+        )
     result["rows"] = rows
     print()
     print_table(rows)
 
     if not on_accelerator and args.cpu_smoke:
-        smoke = argparse.Namespace(**{**vars(args), "batch": 1, "num_heads": 4, "num_kv_heads": 2,
-                                      "head_dim": 64, "dtype": "float32", "sink": 16,
-                                      "recent": 32, "block_q": 32, "block_k": 32, "reps": 1})
+        smoke = argparse.Namespace(
+            **{
+                **vars(args),
+                "batch": 1,
+                "num_heads": 4,
+                "num_kv_heads": 2,
+                "head_dim": 64,
+                "dtype": "float32",
+                "sink": 16,
+                "recent": 32,
+                "block_q": 32,
+                "block_k": 32,
+                "reps": 1,
+            }
+        )
         row = {"seq_len": 256, **block_ratio(smoke, 256), **time_all(smoke, 256, interpret=True)}
         result["cpu_smoke"] = row
         print("\nCPU smoke (interpret mode, B=1 T=256 Hq=4 Hkv=2 D=64 fp32, sink 16 recent 32):")
@@ -321,8 +374,10 @@ def main(argv=None) -> None:
     if not on_accelerator and args.tpu_export:
         export_rows = [row for seq_len in args.seq_lens for row in tpu_export_rows(args, seq_len)]
         result["tpu_export"] = export_rows
-        print(f"\nTPU export from {backend} (B={args.batch} Hq={args.num_heads} Hkv={args.num_kv_heads} "
-              f"D={args.head_dim} {args.dtype}, sink {args.sink} recent {args.recent}):")
+        print(
+            f"\nTPU export from {backend} (B={args.batch} Hq={args.num_heads} Hkv={args.num_kv_heads} "
+            f"D={args.head_dim} {args.dtype}, sink {args.sink} recent {args.recent}):"
+        )
         print_export_rows(export_rows)
 
     write(result, args.out)

@@ -38,14 +38,16 @@ def perplexity(model, pattern, args) -> tuple[list, list, dict]:
             settings = common.mode(name, model, pattern, args, args.length, kv_dtype=kv)
             nll = engine_nll(model, tokens, settings, chunk_size=args.chunk_size, prefix=args.prefix)
             prefill = float(np.exp(nll[:, : args.prefix - 1].mean()))
-            decoded = float(np.exp(nll[:, args.prefix - 1:].mean()))
+            decoded = float(np.exp(nll[:, args.prefix - 1 :].mean()))
             base = decoded if kv is None else base
             label = kv or args.dtype
             cache = settings.build(model.config, args.length).expected_cache_bytes(args.samples, itemsize)
-            results[f"{name}/{label}"] = dict(mode=name, kv_dtype=label, cache_bytes=cache, prefill_ppl=prefill,
-                                              decoded_ppl=decoded)
-            rows.append([name, label, f"{cache / 2**20:.2f}", f"{prefill:.3f}", f"{decoded:.3f}",
-                         f"{decoded / base - 1:+.2%}"])
+            results[f"{name}/{label}"] = dict(
+                mode=name, kv_dtype=label, cache_bytes=cache, prefill_ppl=prefill, decoded_ppl=decoded
+            )
+            rows.append(
+                [name, label, f"{cache / 2**20:.2f}", f"{prefill:.3f}", f"{decoded:.3f}", f"{decoded / base - 1:+.2%}"]
+            )
             print(rows[-1], flush=True)
     headers = ["mode", "KV cache", "cache MiB", "prompt ppl", "decoded ppl", "decoded vs unquantized"]
     return headers, rows, results
@@ -59,17 +61,39 @@ def niah(model, pattern, args) -> tuple[list, list, dict]:
     rows, results = [], {}
     for kv in KV_DTYPES:
         label = kv or args.dtype
-        grid = run_niah(model, list(MODES), pattern=pattern, lengths=lengths, depths=args.depths,
-                        sparsity=args.sparsity, sink=args.sink, recent=args.recent, chunk_size=args.chunk_size,
-                        kv_dtype=kv, progress=False)
+        grid = run_niah(
+            model,
+            list(MODES),
+            pattern=pattern,
+            lengths=lengths,
+            depths=args.depths,
+            sparsity=args.sparsity,
+            sink=args.sink,
+            recent=args.recent,
+            chunk_size=args.chunk_size,
+            kv_dtype=kv,
+            progress=False,
+        )
         for name in MODES:
             r = grid["modes"][name]
-            results[f"{name}/{label}"] = dict(mode=name, kv_dtype=label, accuracy=r["accuracy"],
-                                              accuracy_by_length=r["accuracy_by_length"],
-                                              accuracy_by_depth=r["accuracy_by_depth"],
-                                              cache_bytes=r["cache_bytes"], cells=r["cells"])
-            rows.append([name, label, *[f"{r['accuracy_by_length'][n]:.0%}" for n in lengths],
-                         f"{r['accuracy']:.0%}", f"{r['cache_bytes'][longest] / 2**20:.2f}"])
+            results[f"{name}/{label}"] = dict(
+                mode=name,
+                kv_dtype=label,
+                accuracy=r["accuracy"],
+                accuracy_by_length=r["accuracy_by_length"],
+                accuracy_by_depth=r["accuracy_by_depth"],
+                cache_bytes=r["cache_bytes"],
+                cells=r["cells"],
+            )
+            rows.append(
+                [
+                    name,
+                    label,
+                    *[f"{r['accuracy_by_length'][n]:.0%}" for n in lengths],
+                    f"{r['accuracy']:.0%}",
+                    f"{r['cache_bytes'][longest] / 2**20:.2f}",
+                ]
+            )
             print(rows[-1], flush=True)
     rows.sort(key=lambda row: MODES.index(row[0]))  # full's three KV dtypes, then duo's
     headers = ["mode", "KV cache", *[f"acc @ {n}" for n in lengths], "accuracy", f"cache MiB @ {longest}"]
@@ -91,15 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     model, pattern = common.load(args)
     if args.task == "perplexity":
         headers, rows, results = perplexity(model, pattern, args)
-        title = (f"KV-cache quantization: perplexity of {model.config.name}, {args.samples} x {args.length} tokens "
-                 f"({args.prefix} prompt, the rest decoded)")
+        title = (
+            f"KV-cache quantization: perplexity of {model.config.name}, {args.samples} x {args.length} tokens "
+            f"({args.prefix} prompt, the rest decoded)"
+        )
     else:
         headers, rows, results = niah(model, pattern, args)
-        title = (f"KV-cache quantization: NIAH of {model.config.name}, lengths {sorted(set(args.lengths))} x depths "
-                 f"{args.depths} (one batch per length; cache MiB per sequence)")
-    common.write_result(args.out, f"kv_quant_{args.task}" if args.task != "perplexity" else "kv_quant",
-                        title=title, headers=headers, rows=rows,
-                        data=dict(results=results, args={k: str(v) for k, v in vars(args).items()}))
+        title = (
+            f"KV-cache quantization: NIAH of {model.config.name}, lengths {sorted(set(args.lengths))} x depths "
+            f"{args.depths} (one batch per length; cache MiB per sequence)"
+        )
+    common.write_result(
+        args.out,
+        f"kv_quant_{args.task}" if args.task != "perplexity" else "kv_quant",
+        title=title,
+        headers=headers,
+        rows=rows,
+        data=dict(results=results, args={k: str(v) for k, v in vars(args).items()}),
+    )
     return 0
 
 

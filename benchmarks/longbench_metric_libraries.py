@@ -29,8 +29,12 @@ from benchmarks.common import parser  # noqa: E402
 
 
 def code_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    lines = [ln.strip() for f in sorted((REPO / "duo_jax").rglob("*.py")) for ln in f.read_text().splitlines()
-             if len(ln.strip()) > 8]
+    lines = [
+        ln.strip()
+        for f in sorted((REPO / "duo_jax").rglob("*.py"))
+        for ln in f.read_text().splitlines()
+        if len(ln.strip()) > 8
+    ]
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
@@ -55,26 +59,35 @@ def main(argv=None) -> int:
     exact = sum(fuzzywuzzy.ratio(a, b) == fuzz_ratio(a, b, "difflib") for a, b in pairs)
     print(f"fuzzywuzzy (as LongBench installs it) == duo-jax's difflib matcher on {exact} of {len(pairs)} pairs")
     diffs = [abs(fuzzywuzzy.ratio(a, b) - fuzz_ratio(a, b, "rapidfuzz")) / 100 for a, b in pairs]
-    print(f"code similarity on {len(pairs)} line pairs: |fuzzywuzzy (difflib) - rapidfuzz| mean "
-          f"{sum(diffs) / len(diffs):.4f}, max {max(diffs):.2f}, "
-          f"identical in {sum(d == 0 for d in diffs) / len(diffs):.1%}"
-          f"; mean score {sum(fuzzywuzzy.ratio(a, b) for a, b in pairs) / len(pairs) / 100:.4f} vs "
-          f"{sum(fuzz_ratio(a, b, 'rapidfuzz') for a, b in pairs) / len(pairs) / 100:.4f}")
+    print(
+        f"code similarity on {len(pairs)} line pairs: |fuzzywuzzy (difflib) - rapidfuzz| mean "
+        f"{sum(diffs) / len(diffs):.4f}, max {max(diffs):.2f}, "
+        f"identical in {sum(d == 0 for d in diffs) / len(diffs):.1%}"
+        f"; mean score {sum(fuzzywuzzy.ratio(a, b) for a, b in pairs) / len(pairs) / 100:.4f} vs "
+        f"{sum(fuzz_ratio(a, b, 'rapidfuzz') for a, b in pairs) / len(pairs) / 100:.4f}"
+    )
 
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rougeL"])
-    english = [("the cat sat on the mat", "the cat is on the mat"), ("cat sat on mat", "cat is on mat"),
-               ("Founders should talk to users. Then they build.", "Talk to users, then build what they want.")]
+    english = [
+        ("the cat sat on the mat", "the cat is on the mat"),
+        ("cat sat on mat", "cat is on mat"),
+        ("Founders should talk to users. Then they build.", "Talk to users, then build what they want."),
+    ]
     for hyp, ref in english:
-        print(f"rouge-L {hyp!r} vs {ref!r}: rouge {rouge_l(hyp, ref):.4f}, "
-              f"rouge-score {scorer.score(ref, hyp)['rougeL'].fmeasure:.4f}")
+        print(
+            f"rouge-L {hyp!r} vs {ref!r}: rouge {rouge_l(hyp, ref):.4f}, "
+            f"rouge-score {scorer.score(ref, hyp)['rougeL'].fmeasure:.4f}"
+        )
     hyp, ref = "我爱北京天安门", "我爱北京"
     import jieba
 
     segmented = " ".join(jieba.cut(hyp)), " ".join(jieba.cut(ref))
-    print(f"rouge-L (Chinese, jieba) {hyp} vs {ref}: rouge {rouge_zh(hyp, ref):.4f}, "
-          f"rouge-score {scorer.score(segmented[1], segmented[0])['rougeL'].fmeasure:.4f}")
+    print(
+        f"rouge-L (Chinese, jieba) {hyp} vs {ref}: rouge {rouge_zh(hyp, ref):.4f}, "
+        f"rouge-score {scorer.score(segmented[1], segmented[0])['rougeL'].fmeasure:.4f}"
+    )
     return 0
 
 

@@ -24,17 +24,39 @@ import time
 
 import common
 
-ALL_MODES = ["full", "duo", "streaming", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "headkv",
-             "duo_headkv", "infinigen"]
+ALL_MODES = [
+    "full",
+    "duo",
+    "streaming",
+    "streaming_llm",
+    "h2o",
+    "tova",
+    "snapkv",
+    "pyramidkv",
+    "headkv",
+    "duo_headkv",
+    "infinigen",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__, "methods")
     common.add_model_args(p, peer=False)
-    p.add_argument("--modes", nargs="+", default=ALL_MODES, choices=ALL_MODES, metavar="MODE",
-                   help=f"modes, from: {', '.join(ALL_MODES)}")
-    p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5],
-                   help="KV budgets: tokens per KV head as a fraction of the evaluated length")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=ALL_MODES,
+        choices=ALL_MODES,
+        metavar="MODE",
+        help=f"modes, from: {', '.join(ALL_MODES)}",
+    )
+    p.add_argument(
+        "--budgets",
+        type=float,
+        nargs="+",
+        default=[0.25, 0.5],
+        help="KV budgets: tokens per KV head as a fraction of the evaluated length",
+    )
     p.add_argument("--scores", default="default", help="HeadKV head scores (headkv, duo_headkv)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="NIAH context lengths")
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="NIAH needle depths")
@@ -52,24 +74,51 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from duo_jax.eval import report
-    from duo_jax.methods.headkv import resolve_scores
     from duo_jax.eval.niah import run_niah, score_matrix
     from duo_jax.eval.perplexity import run_perplexity
+    from duo_jax.methods.headkv import resolve_scores
 
     model, pattern = common.load(args)
     scores = resolve_scores(args.scores, model.config) if {"headkv", "duo_headkv"} & set(args.modes) else None
-    shared = dict(pattern=pattern, scores=scores, sparsity=args.sparsity, sink=args.sink, recent=args.recent,
-                  chunk_size=args.chunk_size)
+    shared = dict(
+        pattern=pattern,
+        scores=scores,
+        sparsity=args.sparsity,
+        sink=args.sink,
+        recent=args.recent,
+        chunk_size=args.chunk_size,
+    )
     tasks = {
         "niah": lambda mode, budget, out: run_niah(
-            model, [mode], kv_budget=budget, lengths=args.lengths, depths=args.depths,
-            max_new_tokens=args.max_new_tokens, out_dir=out, progress=False, **shared),
+            model,
+            [mode],
+            kv_budget=budget,
+            lengths=args.lengths,
+            depths=args.depths,
+            max_new_tokens=args.max_new_tokens,
+            out_dir=out,
+            progress=False,
+            **shared,
+        ),
         "perplexity": lambda mode, budget, out: run_perplexity(
-            model, [mode], kv_budget=budget, length=args.ppl_length, samples=1, prefix=args.ppl_prefix,
-            out_dir=out, progress=False, **shared),
+            model,
+            [mode],
+            kv_budget=budget,
+            length=args.ppl_length,
+            samples=1,
+            prefix=args.ppl_prefix,
+            out_dir=out,
+            progress=False,
+            **shared,
+        ),
     }
-    runs = [(task, mode, None if mode == "full" else budget)
-            for task in tasks if task not in args.skip for budget in args.budgets for mode in args.modes]
+    runs = [
+        (task, mode, None if mode == "full" else budget)
+        for task in tasks
+        if task not in args.skip
+        for budget in args.budgets
+        for mode in args.modes
+    ]
     runs = list(dict.fromkeys(runs))  # full: once per task
     results: dict = {}
     start = time.perf_counter()
@@ -96,8 +145,12 @@ def main(argv: list[str] | None = None) -> int:
                 by_length = {str(k): v for k, v in niah["accuracy_by_length"].items()}
                 cache = {str(k): v for k, v in niah["cache_bytes"].items()}
                 full_cache = {str(k): v for k, v in niah["full_cache_bytes"].items()}
-                row += [*[by_length.get(str(n)) for n in args.lengths], niah["accuracy"],
-                        report.human_bytes(cache[longest]), f"{cache[longest] / full_cache[longest]:.1%}"]
+                row += [
+                    *[by_length.get(str(n)) for n in args.lengths],
+                    niah["accuracy"],
+                    report.human_bytes(cache[longest]),
+                    f"{cache[longest] / full_cache[longest]:.1%}",
+                ]
                 name = f"{mode} @ {row[1]}"
                 heatmaps[name] = score_matrix(niah["cells"], args.lengths, args.depths)
                 titles[name] = f"{name}: {niah['accuracy']:.0%}"
@@ -110,21 +163,44 @@ def main(argv: list[str] | None = None) -> int:
                 row += [None, None]
             if mode != "full" or budget == args.budgets[0]:
                 rows.append(row)
-    headers = ["mode", "budget", *[f"NIAH @ {n}" for n in args.lengths], "NIAH", f"KV @ {max(args.lengths)}",
-               "of full", f"ppl (decoded {args.ppl_length - args.ppl_prefix})", "ppl / full"]
+    headers = [
+        "mode",
+        "budget",
+        *[f"NIAH @ {n}" for n in args.lengths],
+        "NIAH",
+        f"KV @ {max(args.lengths)}",
+        "of full",
+        f"ppl (decoded {args.ppl_length - args.ppl_prefix})",
+        "ppl / full",
+    ]
 
     def plot(path: pathlib.Path):
-        return report.grid_heatmaps(path, heatmaps, args.lengths, args.depths, titles,
-                                    columns=len(args.modes)) if heatmaps else None
+        return (
+            report.grid_heatmaps(path, heatmaps, args.lengths, args.depths, titles, columns=len(args.modes))
+            if heatmaps
+            else None
+        )
 
-    notes = [f"model {model.config.name} ({args.dtype}); budget = tokens per KV head as a share of the evaluated "
-             f"length (NIAH: the prompt, perplexity: the {args.ppl_length}-token window); duo: pattern "
-             f"{args.pattern}, window {args.sink}+{args.recent} (shrunk to half the budget when larger); "
-             f"wall {time.perf_counter() - start:.0f} s (resumed runs count only what ran now)"]
-    data = dict(args={k: str(v) for k, v in vars(args).items()},
-                results=[dict(task=t, mode=m, budget=b, result=r) for (t, m, b), r in results.items()])
-    common.write_result(args.out, "methods", title="KV-cache methods at equal budgets", headers=headers,
-                        rows=rows, data=data, plot=plot, notes=notes)
+    notes = [
+        f"model {model.config.name} ({args.dtype}); budget = tokens per KV head as a share of the evaluated "
+        f"length (NIAH: the prompt, perplexity: the {args.ppl_length}-token window); duo: pattern "
+        f"{args.pattern}, window {args.sink}+{args.recent} (shrunk to half the budget when larger); "
+        f"wall {time.perf_counter() - start:.0f} s (resumed runs count only what ran now)"
+    ]
+    data = dict(
+        args={k: str(v) for k, v in vars(args).items()},
+        results=[dict(task=t, mode=m, budget=b, result=r) for (t, m, b), r in results.items()],
+    )
+    common.write_result(
+        args.out,
+        "methods",
+        title="KV-cache methods at equal budgets",
+        headers=headers,
+        rows=rows,
+        data=data,
+        plot=plot,
+        notes=notes,
+    )
     return 0
 
 

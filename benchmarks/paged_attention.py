@@ -38,8 +38,9 @@ from duo_jax.methods.paged import gather_pages  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--capacities", type=int, nargs="+", default=[4096, 16384, 65536], help="M * P per sequence")
     p.add_argument("--length", type=int, default=1024, help="tokens each sequence holds")
     p.add_argument("--batch", type=int, default=4)
@@ -87,8 +88,9 @@ def measure(fn, inputs, reps: int) -> dict:
         jax.block_until_ready(compiled(*inputs))
         times.append(time.perf_counter() - start)
     memory = compiled.memory_analysis()
-    return dict(ms=1e3 * statistics.median(times),
-                temp_mib=None if memory is None else memory.temp_size_in_bytes / 2**20)
+    return dict(
+        ms=1e3 * statistics.median(times), temp_mib=None if memory is None else memory.temp_size_in_bytes / 2**20
+    )
 
 
 def main(argv=None) -> None:
@@ -98,17 +100,33 @@ def main(argv=None) -> None:
         inputs = case(args, capacity)
         a, b = gathered(*inputs), in_place(*inputs)
         err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-        row = dict(capacity=capacity, gathered=measure(gathered, inputs, args.reps),
-                   in_place=measure(in_place, inputs, args.reps), max_abs_diff=err)
+        row = dict(
+            capacity=capacity,
+            gathered=measure(gathered, inputs, args.reps),
+            in_place=measure(in_place, inputs, args.reps),
+            max_abs_diff=err,
+        )
         rows.append(row)
-        print(f"capacity {capacity:>6}: gathered {row['gathered']['ms']:8.2f} ms, temp "
-              f"{row['gathered']['temp_mib']:8.1f} MiB | in place {row['in_place']['ms']:8.2f} ms, temp "
-              f"{row['in_place']['temp_mib']:8.1f} MiB | max |diff| {err:.2e}", flush=True)
+        print(
+            f"capacity {capacity:>6}: gathered {row['gathered']['ms']:8.2f} ms, temp "
+            f"{row['gathered']['temp_mib']:8.1f} MiB | in place {row['in_place']['ms']:8.2f} ms, temp "
+            f"{row['in_place']['temp_mib']:8.1f} MiB | max |diff| {err:.2e}",
+            flush=True,
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, rows=rows,
-                                            device=jax.devices()[0].device_kind, jax=jax.__version__,
-                                            machine=platform.machine()), indent=1))
+        args.out.write_text(
+            json.dumps(
+                dict(
+                    args={k: str(v) for k, v in vars(args).items()},
+                    rows=rows,
+                    device=jax.devices()[0].device_kind,
+                    jax=jax.__version__,
+                    machine=platform.machine(),
+                ),
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

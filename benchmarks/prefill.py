@@ -20,12 +20,20 @@ def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__, "prefill")
     common.add_model_args(p)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths (tokens)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per system and length, interleaved across systems; the median TTFT is reported")
-    p.add_argument("--settle", type=float, default=1.0,
-                   help="seconds of idle before every timed run: torch's OpenMP threads keep spinning a while "
-                        "after a forward and slowed the run after the peer's (ours at 2k: 0.89x -> 0.99x the "
-                        "peer with 1 s)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per system and length, interleaved across systems; the median TTFT is reported",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds of idle before every timed run: torch's OpenMP threads keep spinning a while "
+        "after a forward and slowed the run after the peer's (ours at 2k: 0.89x -> 0.99x the "
+        "peer with 1 s)",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -53,33 +61,64 @@ def main(argv: list[str] | None = None) -> int:
                         runs[length][system].append(peer.time(ids, new_tokens=1)["ttft_s"])
                     else:
                         settings = common.mode(system, model, pattern, args, length + 1)
-                        runs[length][system].append(common.time_ours(model, ids, settings, new_tokens=1,
-                                                                     chunk_size=args.chunk_size)["ttft_s"])
+                        runs[length][system].append(
+                            common.time_ours(model, ids, settings, new_tokens=1, chunk_size=args.chunk_size)["ttft_s"]
+                        )
                     bar.update()
 
     ttft = {n: {s: float(np.median(r[s])) for s in systems} for n, r in runs.items()}
-    rows = [[n, *[ttft[n][s] for s in systems], *[n / ttft[n][s] for s in systems],
-             common.ratio(ttft[n]["full"], ttft[n]["duo"]),
-             common.ratio(ttft[n].get(common.PEER), ttft[n]["full"]),
-             common.ratio(ttft[n].get(common.PEER), ttft[n]["duo"])] for n in args.lengths]
-    headers = ["prompt", *[f"{s} TTFT s" for s in systems], *[f"{s} tok/s" for s in systems],
-               "duo vs full", f"full vs {common.PEER}", f"duo vs {common.PEER}"]
+    rows = [
+        [
+            n,
+            *[ttft[n][s] for s in systems],
+            *[n / ttft[n][s] for s in systems],
+            common.ratio(ttft[n]["full"], ttft[n]["duo"]),
+            common.ratio(ttft[n].get(common.PEER), ttft[n]["full"]),
+            common.ratio(ttft[n].get(common.PEER), ttft[n]["duo"]),
+        ]
+        for n in args.lengths
+    ]
+    headers = [
+        "prompt",
+        *[f"{s} TTFT s" for s in systems],
+        *[f"{s} tok/s" for s in systems],
+        "duo vs full",
+        f"full vs {common.PEER}",
+        f"duo vs {common.PEER}",
+    ]
 
     def plot(path):
-        return report.line_plot(path, args.lengths, {s: [ttft[n][s] for n in args.lengths] for s in systems},
-                                       xlabel="prompt (tokens)", ylabel="time to first token (s)", logx=True,
-                                       logy=True, title=f"prefill, {model.config.name} ({args.dtype}), batch 1")
+        return report.line_plot(
+            path,
+            args.lengths,
+            {s: [ttft[n][s] for n in args.lengths] for s in systems},
+            xlabel="prompt (tokens)",
+            ylabel="time to first token (s)",
+            logx=True,
+            logy=True,
+            title=f"prefill, {model.config.name} ({args.dtype}), batch 1",
+        )
 
-    notes = [f"model {model.config.name} ({args.dtype}), duo sparsity {args.sparsity} (sink {args.sink}, "
-             f"recent {args.recent}), ours chunked by {args.chunk_size}, median of {args.repeats} run(s), "
-             f"{args.settle:g} s idle before each"
-             + (", single-threaded" if args.single_thread else "")]
+    notes = [
+        f"model {model.config.name} ({args.dtype}), duo sparsity {args.sparsity} (sink {args.sink}, "
+        f"recent {args.recent}), ours chunked by {args.chunk_size}, median of {args.repeats} run(s), "
+        f"{args.settle:g} s idle before each" + (", single-threaded" if args.single_thread else "")
+    ]
     if peer:
-        notes.append(f"peer: transformers {__import__('transformers').__version__}, attention {peer.attention}, "
-                     "one forward over the prompt")
-    common.write_result(args.out, "prefill", title="Prefill: time to first token (batch 1)", headers=headers,
-                        rows=rows, data=dict(args={k: str(v) for k, v in vars(args).items()}, ttft_s=ttft, runs_s=runs),
-                        plot=plot, notes=notes)
+        notes.append(
+            f"peer: transformers {__import__('transformers').__version__}, attention {peer.attention}, "
+            "one forward over the prompt"
+        )
+    common.write_result(
+        args.out,
+        "prefill",
+        title="Prefill: time to first token (batch 1)",
+        headers=headers,
+        rows=rows,
+        data=dict(args={k: str(v) for k, v in vars(args).items()}, ttft_s=ttft, runs_s=runs),
+        plot=plot,
+        notes=notes,
+    )
     return 0
 
 

@@ -75,11 +75,17 @@ def main(argv: list[str] | None = None) -> int:
             pallas_kernels.cpu.flash_attention = lambda q, *args, **kw: traced.append(q.shape) or q
         clear_compiled()  # `extend`'s traces too: else the patched attention is never traced
         try:
-            seconds = cpu_seconds(lambda: jax.block_until_ready(engine.prefill(
-                method, np.asarray([ids], np.int32), np.asarray([len(ids)]), chunk=chunk)), args.repeats)
+            seconds = cpu_seconds(
+                lambda: jax.block_until_ready(
+                    engine.prefill(method, np.asarray([ids], np.int32), np.asarray([len(ids)]), chunk=chunk)
+                ),
+                args.repeats,
+            )
             if no_attention and not traced:
-                raise RuntimeError("the 'no attention' prefill traced no attention call: the profile would "
-                                   "time full attention under that name")
+                raise RuntimeError(
+                    "the 'no attention' prefill traced no attention call: the profile would "
+                    "time full attention under that name"
+                )
             return seconds
         finally:
             xla.attention, pallas_kernels.cpu.flash_attention = attention, kernel
@@ -93,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(0)
         k, v = (jnp.asarray(rng.standard_normal((1, capacity, K, E)), dtype) for _ in range(2))
         q = jnp.asarray(rng.standard_normal((1, chunk, H, E)), dtype)
-        step = jax.jit(lambda q, k, v, start: attention_module.attend(
-            q, k, v, prefix_spec(1, chunk, q_offset=start, kv_len=start + chunk, num_keys=capacity), impl=impl))
+        step = jax.jit(
+            lambda q, k, v, start: attention_module.attend(
+                q, k, v, prefix_spec(1, chunk, q_offset=start, kv_len=start + chunk, num_keys=capacity), impl=impl
+            )
+        )
 
         def run():
             for start in range(0, length, chunk):
@@ -115,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         def run():
             with torch.inference_mode():
                 torch.nn.functional.scaled_dot_product_attention(
-                    q, k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1), is_causal=True)
+                    q, k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1), is_causal=True
+                )
 
         return L * cpu_seconds(run, args.repeats)
 
@@ -140,23 +150,52 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for n, c in cpu.items():
-        rows.append([n, c["full"], c["duo"], c["no attention"], c["attention"], c["xla attention"],
-                     c["full"] - c["attention"],
-                     c[common.PEER], c[f"{common.PEER} attention"], c[common.PEER] - c[f"{common.PEER} attention"],
-                     common.ratio(c[common.PEER], c["full"]), common.ratio(c[common.PEER], c["duo"]),
-                     common.ratio(c["full"], c["duo"]),
-                     common.ratio(c[f"{common.PEER} attention"], c["attention"])])
-    headers = ["prompt", "full CPU-s", "duo CPU-s", "no attention CPU-s", "attention CPU-s", "xla attention CPU-s",
-               "full rest CPU-s",
-               f"{common.PEER} CPU-s", f"{common.PEER} attention CPU-s", f"{common.PEER} rest CPU-s",
-               f"full vs {common.PEER}", f"duo vs {common.PEER}", "duo vs full",
-               f"attention vs {common.PEER}'s"]
+        rows.append(
+            [
+                n,
+                c["full"],
+                c["duo"],
+                c["no attention"],
+                c["attention"],
+                c["xla attention"],
+                c["full"] - c["attention"],
+                c[common.PEER],
+                c[f"{common.PEER} attention"],
+                c[common.PEER] - c[f"{common.PEER} attention"],
+                common.ratio(c[common.PEER], c["full"]),
+                common.ratio(c[common.PEER], c["duo"]),
+                common.ratio(c["full"], c["duo"]),
+                common.ratio(c[f"{common.PEER} attention"], c["attention"]),
+            ]
+        )
+    headers = [
+        "prompt",
+        "full CPU-s",
+        "duo CPU-s",
+        "no attention CPU-s",
+        "attention CPU-s",
+        "xla attention CPU-s",
+        "full rest CPU-s",
+        f"{common.PEER} CPU-s",
+        f"{common.PEER} attention CPU-s",
+        f"{common.PEER} rest CPU-s",
+        f"full vs {common.PEER}",
+        f"duo vs {common.PEER}",
+        "duo vs full",
+        f"attention vs {common.PEER}'s",
+    ]
     common.write_result(
-        args.out, "prefill_profile", title=f"Prefill profile, {args.model} {args.dtype}, one CPU thread, "
-        f"chunks of {args.chunk_size} (process CPU seconds, min of {args.repeats})", headers=headers, rows=rows,
-        data=dict(cpu_seconds={str(n): c for n, c in cpu.items()}, chunk_size=args.chunk_size,
-                  peer_attention=peer.attention),
-        notes=["ratios are speed-ups (> 1: the first named is faster)"])
+        args.out,
+        "prefill_profile",
+        title=f"Prefill profile, {args.model} {args.dtype}, one CPU thread, "
+        f"chunks of {args.chunk_size} (process CPU seconds, min of {args.repeats})",
+        headers=headers,
+        rows=rows,
+        data=dict(
+            cpu_seconds={str(n): c for n, c in cpu.items()}, chunk_size=args.chunk_size, peer_attention=peer.attention
+        ),
+        notes=["ratios are speed-ups (> 1: the first named is faster)"],
+    )
     return 0
 
 

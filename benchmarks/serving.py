@@ -50,8 +50,8 @@ def prompts(model, args) -> list[list[int]]:
     stride = 997  # not a multiple of any page size: no two prompts share a page
     end = args.max_len + stride * args.requests
     text = haystack_tokens(model.tokenizer, EVALUATION_HAYSTACK, end + args.shared_prefix)
-    head = ([] if bos_id(model.tokenizer) is None else [bos_id(model.tokenizer)]) + text[end:][:args.shared_prefix]
-    return [head + text[i * stride: i * stride + n - len(head)] for i, n in enumerate(lengths)]
+    head = ([] if bos_id(model.tokenizer) is None else [bos_id(model.tokenizer)]) + text[end:][: args.shared_prefix]
+    return [head + text[i * stride : i * stride + n - len(head)] for i, n in enumerate(lengths)]
 
 
 def drive(scheduler, requests, arrivals, policy: str) -> dict:
@@ -76,7 +76,7 @@ def drive(scheduler, requests, arrivals, policy: str) -> dict:
         arrived = [i for i in pending if arrivals[i] <= now]
         if policy == "static":
             full_batch = len(arrived) >= scheduler.slots or len(arrived) == len(pending)
-            arrived = arrived[:scheduler.slots] if scheduler.idle and arrived and full_batch else []
+            arrived = arrived[: scheduler.slots] if scheduler.idle and arrived and full_batch else []
         for i in arrived:
             scheduler.submit(requests[i])
             pending.remove(i)
@@ -89,11 +89,20 @@ def drive(scheduler, requests, arrivals, policy: str) -> dict:
     tpot = [(last[r.id] - first[r.id]) / (len(r.tokens) - 1) for r in requests if len(r.tokens) > 1]
     tokens = sum(len(r.tokens) for r in requests)
     wall = max(last.values()) - start - min(arrivals)
-    return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, ttft_s=_percentiles(ttft, (50, 90, 99)),
-                tpot_ms=_percentiles([1e3 * t for t in tpot], (50, 90)), peak_pages=peak,
-                steps=scheduler.counters["steps"], calls=scheduler.counters["calls"],
-                row_tokens=scheduler.counters["row_tokens"], preemptions=scheduler.counters["preemptions"],
-                prompt_tokens=scheduler.counters["prompt_tokens"], prefix_tokens=scheduler.counters["prefix_tokens"])
+    return dict(
+        wall_s=wall,
+        tokens=tokens,
+        tokens_per_s=tokens / wall,
+        ttft_s=_percentiles(ttft, (50, 90, 99)),
+        tpot_ms=_percentiles([1e3 * t for t in tpot], (50, 90)),
+        peak_pages=peak,
+        steps=scheduler.counters["steps"],
+        calls=scheduler.counters["calls"],
+        row_tokens=scheduler.counters["row_tokens"],
+        preemptions=scheduler.counters["preemptions"],
+        prompt_tokens=scheduler.counters["prompt_tokens"],
+        prefix_tokens=scheduler.counters["prefix_tokens"],
+    )
 
 
 def warm_up(scheduler, ids: list[int]) -> None:
@@ -103,7 +112,7 @@ def warm_up(scheduler, ids: list[int]) -> None:
     from duo_jax.serve import Request
 
     unit = scheduler.reuse_unit
-    prompt = lambda i: ((ids[i:] + ids[:i]) * (unit // len(ids) + 2))[:unit + 1]
+    prompt = lambda i: ((ids[i:] + ids[:i]) * (unit // len(ids) + 2))[: unit + 1]
     for i in range(scheduler.slots):
         scheduler.submit(Request(prompt(i), max_tokens=2, stop_at_eos=False))
     scheduler.run()
@@ -130,11 +139,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--methods", nargs="+", choices=("full", "duo"), default=["full", "duo"])
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    p.add_argument("--mixed", nargs="+", choices=("split", "padded"), default=["split"],
-                   help="continuous: how mixed steps run (the scheduler's `mixed`); two: both, side by side")
+    p.add_argument(
+        "--mixed",
+        nargs="+",
+        choices=("split", "padded"),
+        default=["split"],
+        help="continuous: how mixed steps run (the scheduler's `mixed`); two: both, side by side",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shared-prefix", type=int, default=0,
-                   help="tokens every prompt starts with (a shared document): exercises prefix reuse")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens every prompt starts with (a shared document): exercises prefix reuse",
+    )
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     args = p.parse_args(argv)
     if not 1 <= args.min_len <= args.max_len or args.requests < 1 or args.max_new_tokens < 2 or args.rate <= 0:
@@ -154,46 +172,94 @@ def main(argv: list[str] | None = None) -> int:
     context = max(map(len, ids)) + args.max_new_tokens
     itemsize = np.dtype(args.dtype).itemsize
     results, rows = {}, []
-    headers = ["method", "policy", "slots", "tok/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "TPOT p50 ms",
-               "TPOT p90 ms", "steps", "calls", "row tokens", "peak pages", "paged MiB at peak", "contiguous MiB",
-               "prefilled", "reused"]
-    notes = [f"model {model.config.name} ({args.dtype}); {args.requests} requests, prompts {args.min_len}-"
-             f"{args.max_len} tokens (longest {max(map(len, ids))}), {args.max_new_tokens} new tokens each, "
-             f"{args.rate} requests/s; chunk {args.chunk_size}, pages of {args.page_size}; duo sparsity "
-             f"{args.sparsity} (sink {args.sink}, recent {args.recent}); shared prefix {args.shared_prefix} tokens, "
-             f"prefix cache {'off' if args.no_prefix_cache else 'on'}"]
+    headers = [
+        "method",
+        "policy",
+        "slots",
+        "tok/s",
+        "TTFT p50 s",
+        "TTFT p90 s",
+        "TTFT p99 s",
+        "TPOT p50 ms",
+        "TPOT p90 ms",
+        "steps",
+        "calls",
+        "row tokens",
+        "peak pages",
+        "paged MiB at peak",
+        "contiguous MiB",
+        "prefilled",
+        "reused",
+    ]
+    notes = [
+        f"model {model.config.name} ({args.dtype}); {args.requests} requests, prompts {args.min_len}-"
+        f"{args.max_len} tokens (longest {max(map(len, ids))}), {args.max_new_tokens} new tokens each, "
+        f"{args.rate} requests/s; chunk {args.chunk_size}, pages of {args.page_size}; duo sparsity "
+        f"{args.sparsity} (sink {args.sink}, recent {args.recent}); shared prefix {args.shared_prefix} tokens, "
+        f"prefix cache {'off' if args.no_prefix_cache else 'on'}"
+    ]
 
     def write():  # after every run (the table so far), so a long sweep that is stopped keeps what it measured
-        common.write_result(args.out, "serving", title="Serving: continuous batching vs one-by-one vs static batches",
-                            headers=headers, rows=rows, notes=notes,
-                            data=dict(args={k: str(v) for k, v in vars(args).items() if k != "out"},
-                                      prompt_lengths=list(map(len, ids)), results=results))
+        common.write_result(
+            args.out,
+            "serving",
+            title="Serving: continuous batching vs one-by-one vs static batches",
+            headers=headers,
+            rows=rows,
+            notes=notes,
+            data=dict(
+                args={k: str(v) for k, v in vars(args).items() if k != "out"},
+                prompt_lengths=list(map(len, ids)),
+                results=results,
+            ),
+        )
 
     for name in args.methods:
         contiguous = common.mode(name, model, pattern, args, context).build(model.config, context, model=model)
         base = paged(contiguous, page_size=args.page_size)
-        runs = [(policy, mixed) for policy in args.policies
-                for mixed in (args.mixed[:1] if policy == "one-by-one" else args.mixed)]  # one slot: never mixed
+        runs = [
+            (policy, mixed)
+            for policy in args.policies
+            for mixed in (args.mixed[:1] if policy == "one-by-one" else args.mixed)
+        ]  # one slot: never mixed
         for policy, mixed in runs:
             slots = 1 if policy == "one-by-one" else args.slots
             method = dataclasses.replace(base, num_pages=slots * base.pages_per_sequence)  # never short
             warm_up(Scheduler(engine, method, slots=slots, chunk=args.chunk_size, mixed=mixed), ids[0])
-            scheduler = Scheduler(engine, method, slots=slots, chunk=args.chunk_size, mixed=mixed,
-                                  prefix_cache=not args.no_prefix_cache)
+            scheduler = Scheduler(
+                engine, method, slots=slots, chunk=args.chunk_size, mixed=mixed, prefix_cache=not args.no_prefix_cache
+            )
             if policy != "one-by-one" and len(args.mixed) > 1:
                 policy = f"{policy}-{mixed}"
             requests = [Request(list(x), max_tokens=args.max_new_tokens, stop_at_eos=False) for x in ids]
             print(f"{name} / {policy}: {args.requests} requests...", file=sys.stderr, flush=True)
             r = drive(scheduler, requests, arrivals, policy)
-            r["paged_bytes_at_peak"] = dataclasses.replace(method, num_pages=max(r["peak_pages"], 1)) \
-                .expected_cache_bytes(slots, itemsize)
+            r["paged_bytes_at_peak"] = dataclasses.replace(
+                method, num_pages=max(r["peak_pages"], 1)
+            ).expected_cache_bytes(slots, itemsize)
             r["contiguous_bytes"] = contiguous.expected_cache_bytes(slots, itemsize)
             results[f"{name}/{policy}"] = r
-            rows.append([name, policy, slots, r["tokens_per_s"], r["ttft_s"]["p50"], r["ttft_s"]["p90"],
-                         r["ttft_s"]["p99"], r["tpot_ms"]["p50"], r["tpot_ms"]["p90"], r["steps"], r["calls"],
-                         r["row_tokens"], r["peak_pages"],
-                         r["paged_bytes_at_peak"] / 2**20, r["contiguous_bytes"] / 2**20, r["prompt_tokens"],
-                         r["prefix_tokens"]])
+            rows.append(
+                [
+                    name,
+                    policy,
+                    slots,
+                    r["tokens_per_s"],
+                    r["ttft_s"]["p50"],
+                    r["ttft_s"]["p90"],
+                    r["ttft_s"]["p99"],
+                    r["tpot_ms"]["p50"],
+                    r["tpot_ms"]["p90"],
+                    r["steps"],
+                    r["calls"],
+                    r["row_tokens"],
+                    r["peak_pages"],
+                    r["paged_bytes_at_peak"] / 2**20,
+                    r["contiguous_bytes"] / 2**20,
+                    r["prompt_tokens"],
+                    r["prefix_tokens"],
+                ]
+            )
             write()
     return 0
 

@@ -55,14 +55,38 @@ def free_port() -> int:
 
 
 def start_server(args, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "duo_jax.serve", "--model", args.model, "--pattern", args.pattern,
-               "--context", str(args.context), "--kv-memory-mb", str(args.kv_memory_mb), "--slots", str(args.slots),
-               "--chunk", str(args.chunk), "--port", str(port), "--api-key", KEY,
-               "--max-request-bytes", str(args.max_request_bytes)]
+    command = [
+        sys.executable,
+        "-m",
+        "duo_jax.serve",
+        "--model",
+        args.model,
+        "--pattern",
+        args.pattern,
+        "--context",
+        str(args.context),
+        "--kv-memory-mb",
+        str(args.kv_memory_mb),
+        "--slots",
+        str(args.slots),
+        "--chunk",
+        str(args.chunk),
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        "--max-request-bytes",
+        str(args.max_request_bytes),
+    ]
     args.server_log = tempfile.NamedTemporaryFile("w", prefix="serving_soak_server_", suffix=".log", delete=False)
     log = args.server_log
-    return subprocess.Popen(command, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONPATH=str(common.REPO)))
+    return subprocess.Popen(
+        command,
+        cwd=common.REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(common.REPO)),
+    )
 
 
 def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> float:
@@ -87,8 +111,10 @@ INVALID = {
     "unknown_role": ("chat", dict(messages=[{"role": "wizard", "content": "hi"}])),
     "content_number": ("chat", dict(messages=[{"role": "user", "content": 5}])),
     "lone_surrogate": ("completion", dict(prompt="\ud800")),
-    "json_format": ("chat", dict(messages=[{"role": "user", "content": "hi"}],
-                                 response_format={"type": "json_object"})),
+    "json_format": (
+        "chat",
+        dict(messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}),
+    ),
     "unknown_field": ("completion", dict(prompt="Hi", extra_body={"frobnicate": 1})),
 }
 
@@ -101,9 +127,12 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
 
     client = clients["ok"]
     if kind == "valid":
-        sampling = dict(temperature=rng.choice([0, 0, rng.uniform(0.1, 1.5)]),
-                        top_p=rng.choice([1, rng.uniform(0.5, 1)]),
-                        max_tokens=rng.randint(1, args.max_tokens), seed=rng.randint(0, 1000))
+        sampling = dict(
+            temperature=rng.choice([0, 0, rng.uniform(0.1, 1.5)]),
+            top_p=rng.choice([1, rng.uniform(0.5, 1)]),
+            max_tokens=rng.randint(1, args.max_tokens),
+            seed=rng.randint(0, 1000),
+        )
         top_k = rng.choice([0, rng.randint(1, 100), 50000])
         extra = {"extra_body": {"top_k": top_k}} if top_k else {}
         if rng.random() < 0.3:
@@ -113,8 +142,9 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
         start = time.perf_counter()
         if rng.random() < 0.5:
             content = text if rng.random() < 0.5 else [{"type": "text", "text": text}]
-            response = client.chat.completions.create(model=args.model, messages=[{"role": "user", "content": content}],
-                                                      stream=stream, **sampling, **extra)
+            response = client.chat.completions.create(
+                model=args.model, messages=[{"role": "user", "content": content}], stream=stream, **sampling, **extra
+            )
         else:
             response = client.completions.create(model=args.model, prompt=text, stream=stream, **sampling, **extra)
         ttft = None
@@ -126,8 +156,9 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
                     ttft = time.perf_counter() - start
         return "ok", ttft
     if kind == "aborted":
-        with client.completions.create(model=args.model, prompt=rng.choice(args.texts), max_tokens=64,
-                                       stream=True) as response:
+        with client.completions.create(
+            model=args.model, prompt=rng.choice(args.texts), max_tokens=64, stream=True
+        ) as response:
             next(iter(response))
         return "aborted", None
     if kind == "wrong_key":
@@ -144,8 +175,9 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
         return "UNEXPECTED accepted", None
     if kind == "over_context":
         try:
-            client.completions.create(model=args.model, prompt="lorem ipsum " * (args.max_request_bytes // 16),
-                                      max_tokens=2)
+            client.completions.create(
+                model=args.model, prompt="lorem ipsum " * (args.max_request_bytes // 16), max_tokens=2
+            )
         except openai.BadRequestError:
             return "refused 400", None
         return "UNEXPECTED accepted", None
@@ -154,9 +186,12 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
     if kind in RAW:  # what the openai client will not encode (NaN, lone surrogates), as other clients send it
         import httpx
 
-        response = httpx.post(f"{client.base_url}{'chat/completions' if endpoint == 'chat' else 'completions'}",
-                              content=json.dumps(dict(body, model=args.model)), timeout=args.timeout,
-                              headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
+        response = httpx.post(
+            f"{client.base_url}{'chat/completions' if endpoint == 'chat' else 'completions'}",
+            content=json.dumps(dict(body, model=args.model)),
+            timeout=args.timeout,
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
         return ("refused 400" if response.status_code == 400 else f"UNEXPECTED {response.status_code}"), None
     try:
         if endpoint == "chat":
@@ -187,23 +222,37 @@ def main(argv=None) -> int:
     import httpx
     import openai
 
-    args.texts = ["The capital of France is", "Write a haiku about the sea.", "Once upon a time, in a small town,",
-                  "List three prime numbers:", "def fibonacci(n):", "The best thing about long context models is"]
+    args.texts = [
+        "The capital of France is",
+        "Write a haiku about the sea.",
+        "Once upon a time, in a small town,",
+        "List three prime numbers:",
+        "def fibonacci(n):",
+        "The best thing about long context models is",
+    ]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(args, port)
     try:
         ready_s = wait_ready(url, server, 900)
-        clients = {name: openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=args.timeout, max_retries=0)
-                   for name, key in (("ok", KEY), ("wrong", "not-the-key"))}
+        clients = {
+            name: openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=args.timeout, max_retries=0)
+            for name, key in (("ok", KEY), ("wrong", "not-the-key"))
+        }
         rng = random.Random(args.seed)
         for _ in range(2 * args.slots):  # the warm round
             one("valid", rng, clients, args)
         time.sleep(IDLE_S)  # idle as long as before the "after" reading (the server trims after a quiet second)
         warm = rss_mb(server.pid)
         load = [os.getloadavg()[0]]
-        kinds = (["valid"] * 60 + ["aborted"] * 10 + ["wrong_key"] * 3 + ["too_large"] * 3 + ["over_context"] * 4
-                 + list(INVALID) * 3)
+        kinds = (
+            ["valid"] * 60
+            + ["aborted"] * 10
+            + ["wrong_key"] * 3
+            + ["too_large"] * 3
+            + ["over_context"] * 4
+            + list(INVALID) * 3
+        )
         plan = [rng.choice(kinds) for _ in range(args.requests)]
         seeds = [rng.randrange(1 << 30) for _ in plan]
         peak, health, done = [warm], [], threading.Event()
@@ -224,8 +273,9 @@ def main(argv=None) -> int:
         outcomes, ttfts, by_kind = collections.Counter(), [], collections.defaultdict(collections.Counter)
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-            futures = {pool.submit(one, kind, random.Random(seed), clients, args): kind
-                       for kind, seed in zip(plan, seeds)}
+            futures = {
+                pool.submit(one, kind, random.Random(seed), clients, args): kind for kind, seed in zip(plan, seeds)
+            }
             for future in concurrent.futures.as_completed(futures):
                 try:
                     outcome, ttft = future.result()
@@ -249,23 +299,60 @@ def main(argv=None) -> int:
         server.wait(60)
     unexpected = sum(n for o, n in outcomes.items() if o.startswith("UNEXPECTED"))
     ms = lambda xs, q: float(np.percentile(xs, q) * 1e3) if xs else float("nan")  # noqa: E731
-    rows = [[len(plan), args.concurrency, round(len(plan) / wall, 2), round(ms(ttfts, 50)), round(ms(ttfts, 95)),
-             round(ms(health, 50)), round(max(health) * 1e3) if health else None, round(warm), round(max(peak)),
-             round(after), unexpected]]
-    headers = ["requests", "concurrency", "req/s", "TTFT p50 ms", "TTFT p95 ms", "/health p50 ms",
-               "/health max ms", "RSS warm MB", "RSS peak MB", "RSS after MB", "unexpected"]
+    rows = [
+        [
+            len(plan),
+            args.concurrency,
+            round(len(plan) / wall, 2),
+            round(ms(ttfts, 50)),
+            round(ms(ttfts, 95)),
+            round(ms(health, 50)),
+            round(max(health) * 1e3) if health else None,
+            round(warm),
+            round(max(peak)),
+            round(after),
+            unexpected,
+        ]
+    ]
+    headers = [
+        "requests",
+        "concurrency",
+        "req/s",
+        "TTFT p50 ms",
+        "TTFT p95 ms",
+        "/health p50 ms",
+        "/health max ms",
+        "RSS warm MB",
+        "RSS peak MB",
+        "RSS after MB",
+        "unexpected",
+    ]
     print(f"server log: {args.server_log.name}")
-    notes = [f"server ready after {ready_s:.1f} s (load + warm-up); alive and healthy after the run: {alive}",
-             f"outcomes: {dict(outcomes)}", f"RSS after / warm: {after / warm:.3f}",
-             f"1-minute load average before / after the run: {load[0]:.1f} / {load[1]:.1f} (on {os.cpu_count()} CPUs)"]
-    common.write_result(args.out, f"serving_soak_{args.model}", title="Serving soak (HTTP, openai client)",
-                        headers=headers, rows=rows, notes=notes,
-                        data=dict(outcomes=dict(outcomes), by_kind={k: dict(v) for k, v in by_kind.items()},
-                                  ready_s=ready_s, wall_s=wall, ttft_s=ttfts, rss_mb=dict(warm=warm, peak=max(peak),
-                                                                                          after=after),
-                                  health_s=[h for h in health if np.isfinite(h)], alive=alive,
-                                  settings={k: v for k, v in vars(args).items()
-                                            if k not in ("out", "texts", "server_log")}))
+    notes = [
+        f"server ready after {ready_s:.1f} s (load + warm-up); alive and healthy after the run: {alive}",
+        f"outcomes: {dict(outcomes)}",
+        f"RSS after / warm: {after / warm:.3f}",
+        f"1-minute load average before / after the run: {load[0]:.1f} / {load[1]:.1f} (on {os.cpu_count()} CPUs)",
+    ]
+    common.write_result(
+        args.out,
+        f"serving_soak_{args.model}",
+        title="Serving soak (HTTP, openai client)",
+        headers=headers,
+        rows=rows,
+        notes=notes,
+        data=dict(
+            outcomes=dict(outcomes),
+            by_kind={k: dict(v) for k, v in by_kind.items()},
+            ready_s=ready_s,
+            wall_s=wall,
+            ttft_s=ttfts,
+            rss_mb=dict(warm=warm, peak=max(peak), after=after),
+            health_s=[h for h in health if np.isfinite(h)],
+            alive=alive,
+            settings={k: v for k, v in vars(args).items() if k not in ("out", "texts", "server_log")},
+        ),
+    )
     return 0 if unexpected == 0 and alive else 1
 
 

@@ -31,7 +31,8 @@ def _worker(model: str, seq_len: int, meshes: list[str]) -> None:
     import jax.numpy as jnp
 
     import duo_jax
-    from duo_jax import config as config_lib, sharding, training
+    from duo_jax import config as config_lib
+    from duo_jax import sharding, training
 
     config = config_lib.get_config(model)
     params = jax.eval_shape(lambda: duo_jax.init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
@@ -40,12 +41,25 @@ def _worker(model: str, seq_len: int, meshes: list[str]) -> None:
         mesh = sharding.make_mesh(**sizes)
         cfg = training.TrainConfig(batch_size=sizes["data"] * sizes["fsdp"], max_len=seq_len)
         report = training.memory_report(config, cfg, mesh, params, seq_len)
-        print(json.dumps(dict(mesh=sharding.format_mesh(mesh), devices=mesh.size, batch=cfg.batch_size,
-                              attention=training.sequence_parallelism(config, mesh), seq_len=report.seq_len,
-                              weights=report.weights, gates=report.gates, optimizer=report.optimizer,
-                              batch_bytes=report.batch, temp=report.temp, total=report.total,
-                              full_weights=sharding.total_bytes(dataclasses.replace(params, lm_head=None)))),
-              flush=True)
+        print(
+            json.dumps(
+                dict(
+                    mesh=sharding.format_mesh(mesh),
+                    devices=mesh.size,
+                    batch=cfg.batch_size,
+                    attention=training.sequence_parallelism(config, mesh),
+                    seq_len=report.seq_len,
+                    weights=report.weights,
+                    gates=report.gates,
+                    optimizer=report.optimizer,
+                    batch_bytes=report.batch,
+                    temp=report.temp,
+                    total=report.total,
+                    full_weights=sharding.total_bytes(dataclasses.replace(params, lm_head=None)),
+                )
+            ),
+            flush=True,
+        )
 
 
 def main(argv=None) -> int:
@@ -53,8 +67,12 @@ def main(argv=None) -> int:
     p.set_defaults(out=common.REPO / "benchmarks" / "results")
     p.add_argument("--model", default="llama3-8b", help="a config name (only its shapes are used)")
     p.add_argument("--seq-len", type=int, default=32768, help="tokens per training sample")
-    p.add_argument("--meshes", nargs="+", default=DEFAULT_MESHES,
-                   help="meshes 'data=A,fsdp=B,seq=C'; the batch is data x fsdp samples")
+    p.add_argument(
+        "--meshes",
+        nargs="+",
+        default=DEFAULT_MESHES,
+        help="meshes 'data=A,fsdp=B,seq=C'; the batch is data x fsdp samples",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -63,23 +81,54 @@ def main(argv=None) -> int:
 
     from duo_jax import sharding
 
-    results = common.run_workers(__file__, args.meshes, sharding.MESH_AXES,
-                                 ["--model", args.model, "--seq-len", str(args.seq_len)])
+    results = common.run_workers(
+        __file__, args.meshes, sharding.MESH_AXES, ["--model", args.model, "--seq-len", str(args.seq_len)]
+    )
     if results is None:
         return 1
 
     gib = lambda b: round(b / 2**30, 3)
-    headers = ["devices", "mesh", "batch", "seq attention", "weights GiB", "gates + optimiser GiB", "batch GiB",
-               "step temp GiB", "total GiB", *(f"fits {c} GiB" for c in CHIPS_GIB)]
-    rows = [[r["devices"], r["mesh"], r["batch"], r["attention"], gib(r["weights"]), gib(r["gates"] + r["optimizer"]),
-             gib(r["batch_bytes"]), gib(r["temp"]), gib(r["total"]),
-             *("yes" if r["total"] <= c * 2**30 else "no" for c in CHIPS_GIB)] for r in results]
-    notes = [f"{args.model} shapes in bf16 (weights without the LM head, which gate training never reads: "
-             f"{gib(results[0]['full_weights'])} GiB in full), {args.seq_len}-token samples, one sample per "
-             "data x fsdp slot; compiled for host CPU devices (memory analysis of the CPU executable)."]
-    common.write_result(args.out, f"train_memory_{args.model}", title=f"Gate-training step memory per device: "
-                        f"{args.model}, {args.seq_len} tokens per sample", headers=headers, rows=rows,
-                        data=dict(results=results), notes=notes)
+    headers = [
+        "devices",
+        "mesh",
+        "batch",
+        "seq attention",
+        "weights GiB",
+        "gates + optimiser GiB",
+        "batch GiB",
+        "step temp GiB",
+        "total GiB",
+        *(f"fits {c} GiB" for c in CHIPS_GIB),
+    ]
+    rows = [
+        [
+            r["devices"],
+            r["mesh"],
+            r["batch"],
+            r["attention"],
+            gib(r["weights"]),
+            gib(r["gates"] + r["optimizer"]),
+            gib(r["batch_bytes"]),
+            gib(r["temp"]),
+            gib(r["total"]),
+            *("yes" if r["total"] <= c * 2**30 else "no" for c in CHIPS_GIB),
+        ]
+        for r in results
+    ]
+    notes = [
+        f"{args.model} shapes in bf16 (weights without the LM head, which gate training never reads: "
+        f"{gib(results[0]['full_weights'])} GiB in full), {args.seq_len}-token samples, one sample per "
+        "data x fsdp slot; compiled for host CPU devices (memory analysis of the CPU executable)."
+    ]
+    common.write_result(
+        args.out,
+        f"train_memory_{args.model}",
+        title=f"Gate-training step memory per device: {args.model}, {args.seq_len} tokens per sample",
+        headers=headers,
+        rows=rows,
+        data=dict(results=results),
+        notes=notes,
+    )
     return 0
 
 

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     import duo_jax
-    from duo_jax import config as config_lib, sharding, training
+    from duo_jax import config as config_lib
+    from duo_jax import sharding, training
 
     config = config_lib.get_config(args.model)
     mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     T = report.seq_len
     tokens = rng.integers(0, config.vocab_size, (cfg.batch_size, T)).astype(np.int32)
     supervise = np.zeros((cfg.batch_size, T), bool)
-    supervise[:, -min(T, 512):] = True  # a question-and-answer span at the end, as the passkey samples have
+    supervise[:, -min(T, 512) :] = True  # a question-and-answer span at the end, as the passkey samples have
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (cfg.batch_size, T)).copy()
     batch = training.shard_batch(training.Batch(tokens, positions, supervise), mesh)
 
@@ -70,18 +71,46 @@ def main(argv: list[str] | None = None) -> int:
     peak = stats.get("peak_bytes_in_use")
     gib = lambda b: None if b is None else round(b / 2**30, 2)
     tokens_per_step = cfg.batch_size * T
-    row = [args.model, sharding.format_mesh(mesh), tokens_per_step, round(times[0], 1), round(step_s, 3),
-           round(tokens_per_step / step_s), round(2000 * step_s / 60, 1), gib(report.total), gib(peak)]
-    headers = ["model", "mesh", "tokens / step", "first step s (compiles)", "step s", "tokens / s",
-               "2,000 steps, min", "XLA estimate GiB / device", "peak GiB (device 0)"]
-    notes = [f"{jax.devices()[0].device_kind} x {mesh.size}, JAX {jax.__version__}; random bf16 weights and tokens; "
-             f"median of {args.steps} steps after the compiling one"]
-    common.write_result(args.out, f"train_step_{args.model}", title=f"Gate-training step: {args.model}, "
-                        f"{T} tokens per sample", headers=headers, rows=[row],
-                        data=dict(args={k: str(v) for k, v in vars(args).items()}, step_seconds=times,
-                                  memory_report=dict(weights=report.weights, temp=report.temp, total=report.total),
-                                  peak_bytes=peak),
-                        notes=notes)
+    row = [
+        args.model,
+        sharding.format_mesh(mesh),
+        tokens_per_step,
+        round(times[0], 1),
+        round(step_s, 3),
+        round(tokens_per_step / step_s),
+        round(2000 * step_s / 60, 1),
+        gib(report.total),
+        gib(peak),
+    ]
+    headers = [
+        "model",
+        "mesh",
+        "tokens / step",
+        "first step s (compiles)",
+        "step s",
+        "tokens / s",
+        "2,000 steps, min",
+        "XLA estimate GiB / device",
+        "peak GiB (device 0)",
+    ]
+    notes = [
+        f"{jax.devices()[0].device_kind} x {mesh.size}, JAX {jax.__version__}; random bf16 weights and tokens; "
+        f"median of {args.steps} steps after the compiling one"
+    ]
+    common.write_result(
+        args.out,
+        f"train_step_{args.model}",
+        title=f"Gate-training step: {args.model}, {T} tokens per sample",
+        headers=headers,
+        rows=[row],
+        data=dict(
+            args={k: str(v) for k, v in vars(args).items()},
+            step_seconds=times,
+            memory_report=dict(weights=report.weights, temp=report.temp, total=report.total),
+            peak_bytes=peak,
+        ),
+        notes=notes,
+    )
     return 0
 
 

@@ -40,30 +40,63 @@ def main(argv: list[str] | None = None) -> int:
     decode_loop = Engine.decode_loop
 
     def measured(self, method, cache, *a, **k):  # the moment the cache is full and the weights are in use
-        live.append(dict(live_bytes=sum(x.nbytes for x in jax.live_arrays()),
-                         cache_bytes=sum(x.nbytes for x in jax.tree.leaves(cache))))
+        live.append(
+            dict(
+                live_bytes=sum(x.nbytes for x in jax.live_arrays()),
+                cache_bytes=sum(x.nbytes for x in jax.tree.leaves(cache)),
+            )
+        )
         return decode_loop(self, method, cache, *a, **k)
 
     Engine.decode_loop = measured
     ids = common.text_prompt(model, args.prompt)
     rows, calls = [], []
     for call in (1, 2):
-        out = duo_jax.generate(model, [ids], max_new_tokens=args.new_tokens, chunk_size=args.chunk_size,
-                               stop_at_eos=False)
+        out = duo_jax.generate(
+            model, [ids], max_new_tokens=args.new_tokens, chunk_size=args.chunk_size, stop_at_eos=False
+        )
         m = live[-1]
         extra = m["live_bytes"] - weights - m["cache_bytes"]
-        calls.append(dict(m, weights_bytes=weights, extra_bytes=extra, prepare_s=out.stats.get("prepare_s"),
-                          peak_rss_bytes=rss()))
-        rows.append([call, weights / 2**20, m["cache_bytes"] / 2**20, m["live_bytes"] / 2**20, extra / 2**20,
-                     common.ratio(extra, weights), out.stats.get("prepare_s"), rss() / 2**20])
-    headers = ["call", "weights MiB", "cache MiB", "live device MiB at decode", "live - weights - cache MiB",
-               "(live - weights - cache) / weights", "prepare s", "peak RSS MiB (process)"]
-    common.write_result(args.out, "weights_memory", title=f"generate(): live device memory beyond weights + cache, "
-                        f"{args.prompt}-token prompt, {args.new_tokens} new tokens", headers=headers, rows=rows,
-                        data=dict(args={k: str(v) for k, v in vars(args).items()}, calls=calls,
-                                  peak_rss_after_load_bytes=rss_loaded),
-                        notes=[f"model {model.config.name} ({args.dtype}), full attention, chunk {args.chunk_size}; "
-                               f"peak RSS after loading: {rss_loaded / 2**20:.0f} MiB"])
+        calls.append(
+            dict(
+                m, weights_bytes=weights, extra_bytes=extra, prepare_s=out.stats.get("prepare_s"), peak_rss_bytes=rss()
+            )
+        )
+        rows.append(
+            [
+                call,
+                weights / 2**20,
+                m["cache_bytes"] / 2**20,
+                m["live_bytes"] / 2**20,
+                extra / 2**20,
+                common.ratio(extra, weights),
+                out.stats.get("prepare_s"),
+                rss() / 2**20,
+            ]
+        )
+    headers = [
+        "call",
+        "weights MiB",
+        "cache MiB",
+        "live device MiB at decode",
+        "live - weights - cache MiB",
+        "(live - weights - cache) / weights",
+        "prepare s",
+        "peak RSS MiB (process)",
+    ]
+    common.write_result(
+        args.out,
+        "weights_memory",
+        title=f"generate(): live device memory beyond weights + cache, "
+        f"{args.prompt}-token prompt, {args.new_tokens} new tokens",
+        headers=headers,
+        rows=rows,
+        data=dict(args={k: str(v) for k, v in vars(args).items()}, calls=calls, peak_rss_after_load_bytes=rss_loaded),
+        notes=[
+            f"model {model.config.name} ({args.dtype}), full attention, chunk {args.chunk_size}; "
+            f"peak RSS after loading: {rss_loaded / 2**20:.0f} MiB"
+        ],
+    )
     return 0
 
 

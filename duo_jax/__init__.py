@@ -8,7 +8,23 @@ from duo_jax.model import LayerParams, Params, forward, hidden_states, init_para
 from duo_jax.pattern import Pattern, PatternError
 
 __all__ = [
-    "ConfigError", "DuoJaxError", "Generation", "LayerParams", "LoadError", "Model", "ModelConfig", "Params",
-    "Pattern", "PatternError", "RopeScaling", "WeightsNotFoundError", "forward", "generate", "get_config",
-    "hidden_states", "init_params", "load", "named_configs",
+    "ConfigError",
+    "DuoJaxError",
+    "Generation",
+    "LayerParams",
+    "LoadError",
+    "Model",
+    "ModelConfig",
+    "Params",
+    "Pattern",
+    "PatternError",
+    "RopeScaling",
+    "WeightsNotFoundError",
+    "forward",
+    "generate",
+    "get_config",
+    "hidden_states",
+    "init_params",
+    "load",
+    "named_configs",
 ]

@@ -9,7 +9,8 @@ streaming heads, each group in the model's order), the cache holds
       slots [sink, sink + recent): a ring buffer, token at position p >= sink in slot sink + (p - sink) % recent
 
 Layers keep their own arrays, so memory is exact whatever the per-layer split. Keys are cached after RoPE at
-their absolute positions (`duo_jax.methods.duo` reads and writes it). The capacity C is the context asked for rounded up to `CAPACITY_BLOCK` tokens
+their absolute positions (`duo_jax.methods.duo` reads and writes it). The capacity C is the context asked for rounded
+up to `CAPACITY_BLOCK` tokens
 (the kernels' key block). How many tokens each sequence holds lives outside the cache, in `lengths` [B].
 
 With `kv_dtype` "int8" or "int4" each of the four arrays is a `duo_jax.quant.QuantizedKV` of the same logical
@@ -68,8 +69,15 @@ def round_capacity(tokens: int) -> int:
     return -(-tokens // CAPACITY_BLOCK) * CAPACITY_BLOCK
 
 
-def make_layout(config: ModelConfig, retrieval_mask: np.ndarray | None, *, sink: int, recent: int,
-                context: int, kv_dtype: str | None = None) -> CacheLayout:
+def make_layout(
+    config: ModelConfig,
+    retrieval_mask: np.ndarray | None,
+    *,
+    sink: int,
+    recent: int,
+    context: int,
+    kv_dtype: str | None = None,
+) -> CacheLayout:
     """Layout for a [layers, kv_heads] retrieval mask (None: every head is a retrieval head)."""
     if sink < 0 or recent < 0:
         raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
@@ -80,8 +88,16 @@ def make_layout(config: ModelConfig, retrieval_mask: np.ndarray | None, *, sink:
         num_retrieval = tuple(int(n) for n in mask.sum(axis=1))
         order = np.stack([np.concatenate([np.flatnonzero(m), np.flatnonzero(~m)]) for m in mask])
         kv_order = None if (order == np.arange(mask.shape[1])).all() else tuple(map(tuple, order.tolist()))
-    return CacheLayout(num_retrieval, config.num_kv_heads, config.head_dim, sink, recent, round_capacity(context),
-                       kv_order, check_kv_dtype(kv_dtype))
+    return CacheLayout(
+        num_retrieval,
+        config.num_kv_heads,
+        config.head_dim,
+        sink,
+        recent,
+        round_capacity(context),
+        kv_order,
+        check_kv_dtype(kv_dtype),
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -104,17 +120,23 @@ def init_cache(layout: CacheLayout, batch: int, dtype) -> tuple[DuoLayerCache, .
             return kv_zeros((batch, slots, heads, E), layout.kv_dtype, dtype)
         return jnp.zeros((batch, slots, heads, E), dtype)
 
-    return tuple(DuoLayerCache(zeros(layout.capacity, n), zeros(layout.capacity, n),
-                               zeros(layout.streaming_slots, layout.num_kv_heads - n),
-                               zeros(layout.streaming_slots, layout.num_kv_heads - n))
-                 for n in layout.num_retrieval)
+    return tuple(
+        DuoLayerCache(
+            zeros(layout.capacity, n),
+            zeros(layout.capacity, n),
+            zeros(layout.streaming_slots, layout.num_kv_heads - n),
+            zeros(layout.streaming_slots, layout.num_kv_heads - n),
+        )
+        for n in layout.num_retrieval
+    )
 
 
 def expected_cache_bytes(layout: CacheLayout, batch: int, bytes_per_elem: int) -> int:
     """batch * 2 * v * sum_l(n_l * capacity + (K - n_l) * (sink + recent)), v the bytes of one head's key:
     E * bytes_per_elem (the model's dtype), E + 2 (int8 codes + bf16 scale) or E / 2 + 2 (int4)."""
-    per_layer = sum(n * layout.capacity + (layout.num_kv_heads - n) * layout.streaming_slots
-                    for n in layout.num_retrieval)
+    per_layer = sum(
+        n * layout.capacity + (layout.num_kv_heads - n) * layout.streaming_slots for n in layout.num_retrieval
+    )
     return batch * 2 * kv_bytes_per_vector(layout.head_dim, layout.kv_dtype, bytes_per_elem) * per_layer
 
 
@@ -139,8 +161,9 @@ def streaming_slot_positions(lengths: jax.Array, sink: int, recent: int) -> jax.
     return jnp.concatenate([sink_pos, ring_pos], axis=1).astype(jnp.int32)
 
 
-def streaming_write_slots(positions: jax.Array, valid: jax.Array, new_lengths: jax.Array, sink: int,
-                          recent: int) -> jax.Array:
+def streaming_write_slots(
+    positions: jax.Array, valid: jax.Array, new_lengths: jax.Array, sink: int, recent: int
+) -> jax.Array:
     """Slot for each new token at `positions` [B, T] in the streaming partition, or an out-of-range slot
     (dropped on write) for padding and for tokens already pushed out of the ring by later ones in the chunk."""
     keep = valid & ((positions < sink) | (positions >= new_lengths[:, None] - recent))

@@ -19,8 +19,9 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any
 
 from duo_jax.errors import DuoJaxError
 from duo_jax.tokenizer import require
@@ -34,18 +35,22 @@ def is_chat_model(model) -> bool:
     """Whether `generate` applies the chat template by default: the model has a template and one of its names
     (named config's Hugging Face repo, GGUF general.name / finetune / file name, config.json's _name_or_path,
     directory name) says "instruct" or "chat"."""
-    return (getattr(model.tokenizer, "chat_template", None) is not None  # None too for duck-typed tokenizers
-            and any(_CHAT_NAME.search(name) for name in model.names))
+    return (
+        getattr(model.tokenizer, "chat_template", None) is not None  # None too for duck-typed tokenizers
+        and any(_CHAT_NAME.search(name) for name in model.names)
+    )
 
 
-def render(template: str, messages: Sequence[Message], *, add_generation_prompt: bool = True,
-           **special_tokens: str) -> str:
+def render(
+    template: str, messages: Sequence[Message], *, add_generation_prompt: bool = True, **special_tokens: str
+) -> str:
     """The prompt text of conversation `messages` under chat `template`; special_tokens: bos_token, eos_token."""
     import jinja2
 
     try:
-        return _compile(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **special_tokens)
+        return _compile(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **special_tokens
+        )
     except jinja2.TemplateError as e:
         raise DuoJaxError(f"the model's chat template rejected the conversation: {e}") from None
 
@@ -58,6 +63,7 @@ def _compile(template: str):
 
     class GenerationBlock(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; renders its body."""
+
         tags = {"generation"}
 
         def parse(self, parser):
@@ -71,8 +77,9 @@ def _compile(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:
@@ -114,8 +121,13 @@ def chat_prompts(model, prompts, chat: bool | None):
         return prompts
     tokenizer = require(model.tokenizer, "chat")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise DuoJaxError("this model ships no chat template (GGUF tokenizer.chat_template, chat_template.jinja or "
-                          "tokenizer_config.json); pass chat=False (--no-chat) to send the raw text")
-    return [p if c is None else tokenizer.encode(render(tokenizer.chat_template, c, **tokenizer.special_tokens),
-                                                 add_special_tokens=False)
-            for p, c in zip(batch, conversations)]
+        raise DuoJaxError(
+            "this model ships no chat template (GGUF tokenizer.chat_template, chat_template.jinja or "
+            "tokenizer_config.json); pass chat=False (--no-chat) to send the raw text"
+        )
+    return [
+        p
+        if c is None
+        else tokenizer.encode(render(tokenizer.chat_template, c, **tokenizer.special_tokens), add_special_tokens=False)
+        for p, c in zip(batch, conversations)
+    ]

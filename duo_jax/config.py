@@ -59,29 +59,45 @@ class ModelConfig:
     name: str = ""
 
     def __post_init__(self):
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config field {field} must be a positive integer, got {value!r}")
-        for field, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
-                           ("eos_token_id", self.eos_token_ids)):
+        for field, ids in (
+            ("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
+            ("eos_token_id", self.eos_token_ids),
+        ):
             if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size for i in ids):
                 raise ConfigError(f"{field} {ids!r} is not a token id of the {self.vocab_size}-token vocabulary")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
-                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1
+        ):
             raise ConfigError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         if self.window_layers is not None:
             layers = tuple(self.window_layers)
-            if any(not isinstance(l, int) or isinstance(l, bool) for l in layers) or list(layers) != sorted(set(layers)) \
-                    or not layers or not 0 <= layers[0] <= layers[-1] < self.num_layers:
-                raise ConfigError(f"window_layers must be distinct ascending layer indices in [0, {self.num_layers}), "
-                                  f"at least one, got {self.window_layers!r}")
+            if (
+                any(not isinstance(l, int) or isinstance(l, bool) for l in layers)
+                or list(layers) != sorted(set(layers))
+                or not layers
+                or not 0 <= layers[0] <= layers[-1] < self.num_layers
+            ):
+                raise ConfigError(
+                    f"window_layers must be distinct ascending layer indices in [0, {self.num_layers}), "
+                    f"at least one, got {self.window_layers!r}"
+                )
             # canonical: no window means no windowed layers, and every layer is None (equal configs compare equal)
             if self.sliding_window is None or len(layers) == self.num_layers:
                 layers = None
@@ -121,15 +137,18 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], name: str = "") -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (Llama 2/3/3.1/3.2, Mistral, SmolLM2, Qwen2/2.5, Qwen3)."""
         model_type = hf.get("model_type", "llama")
         if model_type not in _SUPPORTED_ARCHITECTURES:
             raise ConfigError(
-                f"model_type {model_type!r} is not supported; duo-jax runs {', '.join(_SUPPORTED_ARCHITECTURES)}")
+                f"model_type {model_type!r} is not supported; duo-jax runs {', '.join(_SUPPORTED_ARCHITECTURES)}"
+            )
         if hf.get("mlp_bias") or (hf.get("attention_bias") and model_type in ("llama", "mistral")):
-            raise ConfigError("mlp_bias and Llama's attention_bias (a bias on o_proj too) are not supported; "
-                              "q/k/v biases are (Qwen2, Qwen3)")
+            raise ConfigError(
+                "mlp_bias and Llama's attention_bias (a bias on o_proj too) are not supported; "
+                "q/k/v biases are (Qwen2, Qwen3)"
+            )
         window_layers = None
         if model_type in ("qwen2", "qwen3"):
             hf, window_layers = _qwen_windows(hf)
@@ -138,10 +157,17 @@ class ModelConfig:
         try:
             num_heads = hf["num_attention_heads"]
             hidden = hf["hidden_size"]
-            if not hf.get("head_dim") and isinstance(hidden, int) and isinstance(num_heads, int) \
-                    and num_heads > 0 and hidden % num_heads:
-                raise ConfigError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({num_heads}) "
-                                  "and no head_dim is given: the head size is undefined")
+            if (
+                not hf.get("head_dim")
+                and isinstance(hidden, int)
+                and isinstance(num_heads, int)
+                and num_heads > 0
+                and hidden % num_heads
+            ):
+                raise ConfigError(
+                    f"hidden_size ({hidden}) is not divisible by num_attention_heads ({num_heads}) "
+                    "and no head_dim is given: the head size is undefined"
+                )
             rope = _read_rope(hf)
             eos = hf.get("eos_token_id")
             return cls(
@@ -187,17 +213,23 @@ def _qwen_windows(hf: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...] |
         first = hf.get("max_window_layers", 28)
         if not isinstance(first, int) or isinstance(first, bool):
             raise ConfigError(f"max_window_layers must be an integer, got {first!r}")
-        kinds = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                 for i in range(layers)]
-    if not isinstance(kinds, (list, tuple)) or len(kinds) != layers \
-            or not set(kinds) <= {"full_attention", "sliding_attention"}:
-        raise ConfigError(f"layer_types must list 'full_attention' or 'sliding_attention' for each of the "
-                          f"{layers} layers, got {kinds!r}")
+        kinds = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    if (
+        not isinstance(kinds, (list, tuple))
+        or len(kinds) != layers
+        or not set(kinds) <= {"full_attention", "sliding_attention"}
+    ):
+        raise ConfigError(
+            f"layer_types must list 'full_attention' or 'sliding_attention' for each of the "
+            f"{layers} layers, got {kinds!r}"
+        )
     windowed = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
     if windowed and window is None:
-        raise ConfigError("layer_types marks sliding-attention layers but the config has no window "
-                          "(use_sliding_window is false or sliding_window is null); transformers cannot run it "
-                          "either: set use_sliding_window and sliding_window, or mark every layer full_attention")
+        raise ConfigError(
+            "layer_types marks sliding-attention layers but the config has no window "
+            "(use_sliding_window is false or sliding_window is null); transformers cannot run it "
+            "either: set use_sliding_window and sliding_window, or mark every layer full_attention"
+        )
     return dict(hf, sliding_window=window if windowed else None), windowed or None
 
 
@@ -236,8 +268,10 @@ def read_named(name: str) -> dict[str, Any]:
     """The raw JSON entry of a named config: `hf_repo`, `config`, and optional `gguf` / `pattern` / `scores`."""
     path = CONFIGS_DIR / f"{name}.json"
     if not path.is_file():
-        raise ConfigError(f"unknown model name {name!r}; known names: {', '.join(named_configs())} "
-                          "(or pass a path to a Hugging Face directory or a .gguf file)")
+        raise ConfigError(
+            f"unknown model name {name!r}; known names: {', '.join(named_configs())} "
+            "(or pass a path to a Hugging Face directory or a .gguf file)"
+        )
     return json.loads(path.read_text())
 
 

@@ -20,20 +20,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from duo_jax import sharding
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
-from duo_jax.model import (Params, decoder_layer, embed, param_shapes, quantize_weights, rope_inv_freq, rotary,
-                           unembed, unstack_layers, weight_format, weights_memo)
+from duo_jax.model import (
+    Params,
+    decoder_layer,
+    embed,
+    param_shapes,
+    quantize_weights,
+    rope_inv_freq,
+    rotary,
+    unembed,
+    unstack_layers,
+    weight_format,
+    weights_memo,
+)
 from duo_jax.sampling import Sampling, sample
 
 
@@ -52,10 +63,23 @@ def capacity_bucket(tokens: int, block: int = 128) -> int:
     return (3 * power // 4 if power >= 4 and 3 * power // 4 >= blocks else power) * block
 
 
-@functools.partial(jax.jit, static_argnames=("config", "method", "all_logits", "impl", "mesh"),
-                   donate_argnames=("cache",))
-def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid: jax.Array, state=None, *,
-           config: ModelConfig, method: Method, all_logits: bool = False, impl: str = "auto", mesh: Mesh | None = None):
+@functools.partial(
+    jax.jit, static_argnames=("config", "method", "all_logits", "impl", "mesh"), donate_argnames=("cache",)
+)
+def extend(
+    params: Params,
+    cache,
+    lengths: jax.Array,
+    tokens: jax.Array,
+    n_valid: jax.Array,
+    state=None,
+    *,
+    config: ModelConfig,
+    method: Method,
+    all_logits: bool = False,
+    impl: str = "auto",
+    mesh: Mesh | None = None,
+):
     """Feed tokens [B, T] at positions lengths[b] + t, of which the first n_valid[b] are real (rest padding).
 
     `params` have per-layer layers (`duo_jax.model.unstack_layers`; an `Engine`'s `.params`); `cache` from
@@ -68,12 +92,22 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     """
     B, T = tokens.shape
     if not isinstance(params.layers, tuple):
-        raise DuoJaxError("the engine's steps take per-layer weights: pass an Engine's .params, or "
-                          "duo_jax.model.unstack_layers(params), or load with layout='per_layer' (the default)")
+        raise DuoJaxError(
+            "the engine's steps take per-layer weights: pass an Engine's .params, or "
+            "duo_jax.model.unstack_layers(params), or load with layout='per_layer' (the default)"
+        )
     positions, inv_freq = lengths[:, None] + jnp.arange(T, dtype=jnp.int32), rope_inv_freq(config)
-    step = Step(positions=positions, valid=jnp.arange(T)[None, :] < n_valid[:, None], lengths=lengths,
-                new_lengths=lengths + n_valid, inv_freq=inv_freq, rope=rotary(positions, inv_freq), impl=impl,
-                state=state, mesh=mesh)
+    step = Step(
+        positions=positions,
+        valid=jnp.arange(T)[None, :] < n_valid[:, None],
+        lengths=lengths,
+        new_lengths=lengths + n_valid,
+        inv_freq=inv_freq,
+        rope=rotary(positions, inv_freq),
+        impl=impl,
+        state=state,
+        mesh=mesh,
+    )
     shared = method.begin_step(step)
 
     x = embed(params, tokens)  # [B, T, D]
@@ -81,6 +115,7 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
     new_cache = []
     previous = [None]  # the attention input of the layer before (`Method.prepare`)
     for l, layer in enumerate(params.layers):
+
         def attend(q, k, v, h, l=l, layer=layer):
             extra = method.prepare(l, q, previous[0], layer, config, step)  # the method's per-layer hook
             previous[0] = h
@@ -106,8 +141,19 @@ def extend(params: Params, cache, lengths: jax.Array, tokens: jax.Array, n_valid
 
 
 @functools.partial(jax.jit, static_argnames=("config", "method", "impl"), donate_argnames=("cache",))
-def extend_row(params: Params, cache, row: jax.Array, lengths: jax.Array, tokens: jax.Array, n_valid: jax.Array,
-               state=None, *, config: ModelConfig, method: Method, impl: str = "auto"):
+def extend_row(
+    params: Params,
+    cache,
+    row: jax.Array,
+    lengths: jax.Array,
+    tokens: jax.Array,
+    n_valid: jax.Array,
+    state=None,
+    *,
+    config: ModelConfig,
+    method: Method,
+    impl: str = "auto",
+):
     """`extend` for one sequence of a batched cache: tokens [1, T] and n_valid [1] fed to sequence `row` (an
     int32 scalar, an argument: one executable serves every row) of `cache` [B, ...] at lengths[row].
 
@@ -118,16 +164,32 @@ def extend_row(params: Params, cache, row: jax.Array, lengths: jax.Array, tokens
     """
     part = method.take_row(cache, row)
     length = jax.lax.dynamic_slice_in_dim(lengths, row, 1)
-    logits, part, length = extend(params, part, length, tokens, n_valid, state, config=config, method=method,
-                                  impl=impl)
+    logits, part, length = extend(params, part, length, tokens, n_valid, state, config=config, method=method, impl=impl)
     return logits, method.put_row(cache, row, part), jax.lax.dynamic_update_slice_in_dim(lengths, length, row, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl", "mesh"),
-                   donate_argnames=("cache",))
-def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax.Array, limit: jax.Array,
-           state=None, *, config: ModelConfig, method: Method, sampling: Sampling, max_tokens: int, eos_ids: tuple[int, ...] = (),
-           impl: str = "auto", mesh: Mesh | None = None):
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl", "mesh"),
+    donate_argnames=("cache",),
+)
+def decode(
+    params: Params,
+    cache,
+    lengths: jax.Array,
+    token: jax.Array,
+    key: jax.Array,
+    limit: jax.Array,
+    state=None,
+    *,
+    config: ModelConfig,
+    method: Method,
+    sampling: Sampling,
+    max_tokens: int,
+    eos_ids: tuple[int, ...] = (),
+    impl: str = "auto",
+    mesh: Mesh | None = None,
+):
     """Decode on the device: one `lax.while_loop` of `extend` steps with sampling inside, no host round trip.
 
     `token` int32 [B] is each sequence's first new token (sampled from the prefill's logits); the loop runs
@@ -148,8 +210,9 @@ def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax
 
     def step_once(carry):
         step, cache, lengths, token, done, tokens = carry
-        logits, cache, lengths = extend(params, cache, lengths, token[:, None], ones, state, config=config,
-                                        method=method, impl=impl, mesh=mesh)
+        logits, cache, lengths = extend(
+            params, cache, lengths, token[:, None], ones, state, config=config, method=method, impl=impl, mesh=mesh
+        )
         token = sample(logits, jax.random.fold_in(key, step + 1), sampling)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step + 1, axis=1)
         return step + 1, cache, lengths, token, done | jnp.isin(token, eos), tokens
@@ -163,8 +226,9 @@ def decode(params: Params, cache, lengths: jax.Array, token: jax.Array, key: jax
 def _abstract_params(config: ModelConfig, dtype: str, mesh: Mesh | None = None, weights: str | None = None) -> Params:
     """The engine's weights as `ShapeDtypeStruct`s in their format (`weights`: None or "int8",
     `duo_jax.model.quantize_weights`), with their tensor-parallel shardings on `mesh`."""
-    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
-                           is_leaf=lambda s: isinstance(s, tuple))
+    stacked = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config), is_leaf=lambda s: isinstance(s, tuple)
+    )
     params = jax.eval_shape(lambda p: unstack_layers(quantize_weights(p, weights)), stacked)
     return params if mesh is None else sharding.abstract(params, sharding.tensor_parallel_specs(params, mesh), mesh)
 
@@ -180,9 +244,17 @@ def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, 
     return cache, *ints, _abstract(method.state())
 
 
-def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str,
-                    impl: str = "auto", all_logits: bool = False, mesh: Mesh | None = None,
-                    weights: str | None = None):
+def compiled_extend(
+    config: ModelConfig,
+    method: Method,
+    batch: int,
+    chunk: int,
+    dtype: str,
+    impl: str = "auto",
+    all_logits: bool = False,
+    mesh: Mesh | None = None,
+    weights: str | None = None,
+):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows. `method`
     is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it.
     However the arguments are passed (by position or keyword), one shape is one executable."""
@@ -191,21 +263,42 @@ def compiled_extend(config: ModelConfig, method: Method, batch: int, chunk: int,
 
 @functools.lru_cache(maxsize=64)
 def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weights):
-    cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch, chunk),
-                                                              (batch,))
-    return extend.lower(_abstract_params(config, dtype, mesh, weights), cache, lengths, tokens, n_valid, state,
-                        config=config, method=method, all_logits=all_logits, impl=impl, mesh=mesh).compile()
+    cache, lengths, tokens, n_valid, state = _abstract_inputs(
+        method, batch, dtype, mesh, (batch,), (batch, chunk), (batch,)
+    )
+    return extend.lower(
+        _abstract_params(config, dtype, mesh, weights),
+        cache,
+        lengths,
+        tokens,
+        n_valid,
+        state,
+        config=config,
+        method=method,
+        all_logits=all_logits,
+        impl=impl,
+        mesh=mesh,
+    ).compile()
 
 
 compiled_extend.cache_clear = _compiled_extend.cache_clear
 
 
-def compiled_extend_row(config: ModelConfig, method: Method, batch: int, chunk: int, dtype: str, impl: str = "auto",
-                        weights: str | None = None):
+def compiled_extend_row(
+    config: ModelConfig,
+    method: Method,
+    batch: int,
+    chunk: int,
+    dtype: str,
+    impl: str = "auto",
+    weights: str | None = None,
+):
     """`extend_row` compiled once per (batch, chunk): the row is an argument, never a recompile. One device only."""
     if not hasattr(method, "take_row"):
-        raise DuoJaxError(f"{method.name!r} cannot run one row of a batched cache (no take_row / put_row; the "
-                          "paged methods can: duo_jax.methods.paged)")
+        raise DuoJaxError(
+            f"{method.name!r} cannot run one row of a batched cache (no take_row / put_row; the "
+            "paged methods can: duo_jax.methods.paged)"
+        )
     return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weights)
 
 
@@ -213,13 +306,32 @@ def compiled_extend_row(config: ModelConfig, method: Method, batch: int, chunk: 
 def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weights):
     cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, None, (batch,), (1, chunk), (1,))
     row = jax.ShapeDtypeStruct((), jnp.int32)
-    return extend_row.lower(_abstract_params(config, dtype, None, weights), cache, row, lengths, tokens, n_valid,
-                            state, config=config, method=method, impl=impl).compile()
+    return extend_row.lower(
+        _abstract_params(config, dtype, None, weights),
+        cache,
+        row,
+        lengths,
+        tokens,
+        n_valid,
+        state,
+        config=config,
+        method=method,
+        impl=impl,
+    ).compile()
 
 
-def compiled_decode(config: ModelConfig, method: Method, batch: int, dtype: str, impl: str, sampling: Sampling,
-                    max_tokens: int, eos_ids: tuple[int, ...], mesh: Mesh | None = None,
-                    weights: str | None = None):
+def compiled_decode(
+    config: ModelConfig,
+    method: Method,
+    batch: int,
+    dtype: str,
+    impl: str,
+    sampling: Sampling,
+    max_tokens: int,
+    eos_ids: tuple[int, ...],
+    mesh: Mesh | None = None,
+    weights: str | None = None,
+):
     """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
     return _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, tuple(eos_ids), mesh, weights)
 
@@ -230,9 +342,22 @@ def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, e
     key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
         key, limit = (sharding.abstract(x, P(), mesh) for x in (key, limit))
-    return decode.lower(_abstract_params(config, dtype, mesh, weights), cache, lengths, token, key, limit, state,
-                        config=config, method=method, sampling=sampling, max_tokens=max_tokens, eos_ids=eos_ids,
-                        impl=impl, mesh=mesh).compile()
+    return decode.lower(
+        _abstract_params(config, dtype, mesh, weights),
+        cache,
+        lengths,
+        token,
+        key,
+        limit,
+        state,
+        config=config,
+        method=method,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        eos_ids=eos_ids,
+        impl=impl,
+        mesh=mesh,
+    ).compile()
 
 
 def clear_compiled() -> None:
@@ -287,11 +412,14 @@ class Engine:
 
     def prepared_from(self, params: Params, config: ModelConfig) -> bool:
         leaves = jax.tree.leaves(params)
-        return config == self.config and len(leaves) == len(self._source) and all(
-            ref() is x for ref, x in zip(self._source, leaves))
+        return (
+            config == self.config
+            and len(leaves) == len(self._source)
+            and all(ref() is x for ref, x in zip(self._source, leaves))
+        )
 
     @classmethod
-    def of(cls, model, mesh: Mesh | None = None) -> "Engine":
+    def of(cls, model, mesh: Mesh | None = None) -> Engine:
         """The engine of `model`'s weights (on `mesh`). One over the model's own arrays (per-layer weights, no
         mesh) costs nothing to build and is built per call; one holding a copy (stacked weights, or placed on a
         mesh) is built on the weights' first use, then reused while they live (`duo_jax.model.weights_memo`,
@@ -318,8 +446,18 @@ class Engine:
         specs = sharding.cache_specs(method, method.cache_spec(batch, self.dtype), self.mesh)
         return jax.jit(lambda: method.init_cache(batch, self.dtype), out_shardings=sharding.named(specs, self.mesh))()
 
-    def prefill(self, method: Method, tokens: np.ndarray, prompt_lengths: np.ndarray, *, chunk: int,
-                impl: str = "auto", on_chunk: ChunkCallback | None = None, cache=None, lengths=None):
+    def prefill(
+        self,
+        method: Method,
+        tokens: np.ndarray,
+        prompt_lengths: np.ndarray,
+        *,
+        chunk: int,
+        impl: str = "auto",
+        on_chunk: ChunkCallback | None = None,
+        cache=None,
+        lengths=None,
+    ):
         """Run prompts through `method`'s cache in chunks of `chunk` tokens: the one prefill driver.
 
         tokens int [B, >= max(prompt_lengths)] (padding after each prompt), prompt_lengths int [B]. Starts
@@ -335,23 +473,30 @@ class Engine:
         padded[:, : min(tokens.shape[1], padded.shape[1])] = tokens[:, : padded.shape[1]]
         if cache is None:
             cache, lengths = self.init_cache(method, B), self.put_batch(np.zeros((B,), np.int32))
-        step = compiled_extend(self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh,
-                               self.weights)
+        step = compiled_extend(
+            self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh, self.weights
+        )
         state = method.state()
         last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
         for start in range(0, longest, chunk):
             n_valid = np.clip(prompt_lengths - start, 0, chunk).astype(np.int32)
-            logits, cache, lengths = step(self.params, cache, lengths, self.put_batch(padded[:, start:start + chunk]),
-                                          self.put_batch(n_valid), state)
+            logits, cache, lengths = step(
+                self.params,
+                cache,
+                lengths,
+                self.put_batch(padded[:, start : start + chunk]),
+                self.put_batch(n_valid),
+                state,
+            )
             if on_chunk is not None:
                 on_chunk(logits, start, n_valid)
-                logits = jnp.take_along_axis(logits, jnp.asarray(np.maximum(n_valid - 1, 0))[:, None, None],
-                                             axis=1)[:, 0]
+                logits = jnp.take_along_axis(logits, jnp.asarray(np.maximum(n_valid - 1, 0))[:, None, None], axis=1)[
+                    :, 0
+                ]
             last = jnp.where(jnp.asarray(n_valid > 0)[:, None], logits, last)
         return last, cache, lengths
 
-    def step(self, method: Method, cache, lengths, tokens: jax.Array, *, impl: str = "auto",
-             all_logits: bool = False):
+    def step(self, method: Method, cache, lengths, tokens: jax.Array, *, impl: str = "auto", all_logits: bool = False):
         """One token per sequence (tokens int [B]) through `method`'s cache, compiled once per batch size:
         (logits float32 [B, V] (or [B, 1, V] with all_logits), cache, lengths). For callers that need every
         step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`).
@@ -359,15 +504,42 @@ class Engine:
         B = tokens.shape[0]
         run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, self.weights)
         tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
-        return run(self.params, cache, lengths, self.put_batch(tokens[:, None]),
-                   self.put_batch(np.ones((B,), np.int32)), method.state())
+        return run(
+            self.params,
+            cache,
+            lengths,
+            self.put_batch(tokens[:, None]),
+            self.put_batch(np.ones((B,), np.int32)),
+            method.state(),
+        )
 
-    def decode_loop(self, method: Method, cache, lengths, token: jax.Array, key: jax.Array, *, max_new_tokens: int,
-                    sampling: Sampling, eos_ids: tuple[int, ...] = (), impl: str = "auto"):
+    def decode_loop(
+        self,
+        method: Method,
+        cache,
+        lengths,
+        token: jax.Array,
+        key: jax.Array,
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        eos_ids: tuple[int, ...] = (),
+        impl: str = "auto",
+    ):
         """`decode` on this engine's weights, compiled per (batch, bucket(max_new_tokens), sampling, EOS ids):
         (tokens int32 [B, bucket], steps, cache, lengths); `token` is each sequence's first new token."""
-        run = compiled_decode(self.config, method, token.shape[0], self.dtype, impl, sampling,
-                              bucket(max_new_tokens), tuple(eos_ids), self.mesh, self.weights)
+        run = compiled_decode(
+            self.config,
+            method,
+            token.shape[0],
+            self.dtype,
+            impl,
+            sampling,
+            bucket(max_new_tokens),
+            tuple(eos_ids),
+            self.mesh,
+            self.weights,
+        )
         limit = jnp.asarray(max_new_tokens - 1, jnp.int32)
         if self.mesh is not None:
             token = self.put_batch(token)

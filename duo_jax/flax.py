@@ -8,7 +8,8 @@ its `__call__` is `duo_jax.forward`, its gate objective is `duo_jax.gates.loss` 
 
 Layout. Layers are stacked on a leading axis L (`duo_jax.model.LAYOUTS`: "stacked"), as `lax.scan` takes them
 (the NNX idiom for scanned layers, as `nnx.vmap`-created ones; `from_pretrained` loads them so, `from_model`
-stacks a per-layer model, a copy): `model.layers` is one `DecoderLayers` module whose variables are [L, ...], with submodules `attention` (wq, wk, wv, wo, the optional q/k/v biases and q/k norms,
+stacks a per-layer model, a copy): `model.layers` is one `DecoderLayers` module whose variables are [L, ...], with
+submodules `attention` (wq, wk, wv, wo, the optional q/k/v biases and q/k norms,
 and `gate`) and `mlp`. The gates are one `Gate` variable of shape [L, K] (layers x KV heads) rather than one
 per layer: it is exactly the array `duo_jax.gates` scans over and `duo_jax.pattern.Pattern` stores, so
 training, saving and writing a pattern need no stacking or splitting. `generate` runs the engine, whose steps
@@ -34,8 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from duo_jax import gates as gates_lib
-from duo_jax import generation
-from duo_jax import methods
+from duo_jax import generation, methods
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model, load
@@ -106,11 +106,14 @@ def _initial_gates(config: ModelConfig, gates: Pattern | float | Any | None) -> 
         gates = np.full((config.num_layers, config.num_kv_heads), gates)
     values = np.asarray(gates, np.float32)
     if values.shape != (config.num_layers, config.num_kv_heads):
-        raise PatternError(f"gates must have shape [layers, kv_heads] = {(config.num_layers, config.num_kv_heads)}"
-                           f" for model {config.name!r}, got {values.shape}")
+        raise PatternError(
+            f"gates must have shape [layers, kv_heads] = {(config.num_layers, config.num_kv_heads)}"
+            f" for model {config.name!r}, got {values.shape}"
+        )
     if not ((values >= 0) & (values <= 1)).all():
-        raise DuoJaxError(f"gates must lie in [0, 1] (training clamps them there), got values in "
-                          f"[{values.min()}, {values.max()}]")
+        raise DuoJaxError(
+            f"gates must lie in [0, 1] (training clamps them there), got values in [{values.min()}, {values.max()}]"
+        )
     return jnp.asarray(values)
 
 
@@ -121,12 +124,22 @@ class CausalLM(nnx.Module):
     `from_model` or `from_pretrained`; `to_params()` gives the `Params` back (the same arrays).
     """
 
-    def __init__(self, config: ModelConfig, params: Params, gates: Pattern | float | Any | None = None, *,
-                 tokenizer=None, source: str = "", names: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Params,
+        gates: Pattern | float | Any | None = None,
+        *,
+        tokenizer=None,
+        source: str = "",
+        names: tuple[str, ...] = (),
+    ):
         """`params` with stacked layers (`duo_jax.model.stack_layers`)."""
         if isinstance(params.layers, tuple):
-            raise DuoJaxError("CausalLM holds its layers stacked: pass duo_jax.model.stack_layers(params), or use "
-                              "CausalLM.from_model, which stacks them")
+            raise DuoJaxError(
+                "CausalLM holds its layers stacked: pass duo_jax.model.stack_layers(params), or use "
+                "CausalLM.from_model, which stacks them"
+            )
         self.config = config
         self.embed = nnx.Param(params.embed)
         self.layers = DecoderLayers(params.layers, _initial_gates(config, gates))
@@ -135,23 +148,34 @@ class CausalLM(nnx.Module):
         self.tokenizer, self.source, self.names = tokenizer, source, tuple(names)
 
     @classmethod
-    def from_model(cls, model: Model, gates: Pattern | float | Any | None = None) -> "CausalLM":
+    def from_model(cls, model: Model, gates: Pattern | float | Any | None = None) -> CausalLM:
         """Wrap a loaded `Model`: its arrays, not copies, when its layers are stacked (`duo_jax.load(...,
         layout="stacked")`); weights loaded per layer (the default) are stacked, a copy of the layers' weights.
         gates: None (all 1), a number, a Pattern, [L, K]."""
-        return cls(model.config, stack_layers(model.params), gates, tokenizer=model.tokenizer, source=model.source,
-                   names=model.names)
+        return cls(
+            model.config,
+            stack_layers(model.params),
+            gates,
+            tokenizer=model.tokenizer,
+            source=model.source,
+            names=model.names,
+        )
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *,
-                        path: str | os.PathLike | None = None, gates=None) -> "CausalLM":
+    def from_pretrained(
+        cls, name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None, gates=None
+    ) -> CausalLM:
         """`duo_jax.load(name_or_path, dtype, path=path, layout="stacked")` wrapped by `from_model`."""
         return cls.from_model(load(name_or_path, dtype, path=path, layout="stacked"), gates)
 
     def to_params(self) -> Params:
         """The weights as the functional core's `Params`: the very arrays this module holds."""
-        return Params(embed=_array(self.embed), layers=self.layers.to_params(), final_norm=_array(self.final_norm),
-                      lm_head=_array(self.lm_head))
+        return Params(
+            embed=_array(self.embed),
+            layers=self.layers.to_params(),
+            final_norm=_array(self.final_norm),
+            lm_head=_array(self.lm_head),
+        )
 
     def to_model(self) -> Model:
         """A `duo_jax.loading.Model` over the same arrays and tokenizer (what `duo_jax.generate` takes)."""
@@ -166,8 +190,13 @@ class CausalLM(nnx.Module):
         """Dense causal forward pass: tokens int32 [B, T] -> logits float32 [B, T, V] (`duo_jax.forward`)."""
         return forward(self.to_params(), self.config, tokens)
 
-    def gate_loss(self, tokens: jax.Array, positions: jax.Array, supervise: jax.Array,
-                  objective: gates_lib.Objective = gates_lib.Objective()) -> tuple[jax.Array, gates_lib.LossTerms]:
+    def gate_loss(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        supervise: jax.Array,
+        objective: gates_lib.Objective = gates_lib.Objective(),
+    ) -> tuple[jax.Array, gates_lib.LossTerms]:
         """`duo_jax.gates.loss` of this module's gates and weights: (loss, LossTerms)."""
         return gates_lib.loss(self.gates, self.to_params(), self.config, tokens, positions, supervise, objective)
 
@@ -193,8 +222,14 @@ class CausalLM(nnx.Module):
         return generation.generate(self.to_model(), prompts, pattern=pattern, method=method, **options)
 
 
-def train_step(model: CausalLM, optimizer: nnx.Optimizer, tokens: jax.Array, positions: jax.Array,
-               supervise: jax.Array, objective: gates_lib.Objective = gates_lib.Objective()) -> gates_lib.LossTerms:
+def train_step(
+    model: CausalLM,
+    optimizer: nnx.Optimizer,
+    tokens: jax.Array,
+    positions: jax.Array,
+    supervise: jax.Array,
+    objective: gates_lib.Objective = gates_lib.Objective(),
+) -> gates_lib.LossTerms:
     """One gate-training step in place: the gradient of `CausalLM.gate_loss` with respect to the gates,
     `optimizer.update` (an `nnx.Optimizer(model, tx, wrt=Gate)`), then the gates clamped to [0, 1].
 
@@ -203,8 +238,10 @@ def train_step(model: CausalLM, optimizer: nnx.Optimizer, tokens: jax.Array, pos
     hand back a copy of every weight each step).
     """
     if optimizer.wrt is not Gate:
-        raise DuoJaxError(f"train_step trains the gates only; build the optimizer with nnx.Optimizer(model, tx, "
-                          f"wrt=Gate), not wrt={optimizer.wrt!r}")
+        raise DuoJaxError(
+            f"train_step trains the gates only; build the optimizer with nnx.Optimizer(model, tx, "
+            f"wrt=Gate), not wrt={optimizer.wrt!r}"
+        )
     graphdef, weights, trained = nnx.split((model, optimizer), WEIGHTS, ...)
     trained, terms = _gate_step(graphdef, weights, trained, tokens, positions, supervise, objective)
     nnx.update((model, optimizer), trained)
@@ -214,8 +251,9 @@ def train_step(model: CausalLM, optimizer: nnx.Optimizer, tokens: jax.Array, pos
 @functools.partial(jax.jit, static_argnames=("graphdef", "objective"))
 def _gate_step(graphdef, weights, trained, tokens, positions, supervise, objective):
     model, optimizer = nnx.merge(graphdef, weights, trained)
-    grad_fn = nnx.value_and_grad(lambda m: m.gate_loss(tokens, positions, supervise, objective),
-                                 argnums=nnx.DiffState(0, Gate), has_aux=True)
+    grad_fn = nnx.value_and_grad(
+        lambda m: m.gate_loss(tokens, positions, supervise, objective), argnums=nnx.DiffState(0, Gate), has_aux=True
+    )
     (_, terms), grads = grad_fn(model)
     optimizer.update(model, grads)
     model.clamp_gates()
@@ -247,9 +285,11 @@ def restore_gates(model: CausalLM, directory: str | os.PathLike) -> None:
         shapes = {tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(saved)}
         expected = tuple(model.gates.shape)
         if shapes and shapes != {expected}:
-            raise DuoJaxError(f"the gate checkpoint at {directory} holds gates of shape(s) {sorted(shapes)}, but "
-                              f"this model's are {expected} (layers x KV heads): restore into the model it was saved "
-                              "from")
+            raise DuoJaxError(
+                f"the gate checkpoint at {directory} holds gates of shape(s) {sorted(shapes)}, but "
+                f"this model's are {expected} (layers x KV heads): restore into the model it was saved "
+                "from"
+            )
         restored = checkpointer.restore(directory, abstract)
     finally:
         checkpointer.close()

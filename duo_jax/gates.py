@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +57,17 @@ from jax.ad_checkpoint import checkpoint_name
 
 from duo_jax import attention
 from duo_jax.config import ModelConfig
-from duo_jax.model import (LayerParams, Params, apply_rotary, decoder_layer, embed, rms_norm, rope_inv_freq,
-                           rotary, scan_layers)
+from duo_jax.model import (
+    LayerParams,
+    Params,
+    apply_rotary,
+    decoder_layer,
+    embed,
+    rms_norm,
+    rope_inv_freq,
+    rotary,
+    scan_layers,
+)
 
 # q [B, T, H, E], k / v [B, T, K, E] -> [B, T, H, E]
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -80,18 +89,21 @@ class Objective:
     reg_weight: float = 0.05
     impl: attention.Impl = "auto"
 
-    def full_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
-                       window: int | None = None) -> jax.Array:
+    def full_attention(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0, window: int | None = None
+    ) -> jax.Array:
         """Causal attention (within the layer's sliding `window`, the model's); query i sits at position
         q_offset + i of the keys (a sequence shard's offset)."""
         return attention.flash_attention(q, k, v, causal=True, q_offset=q_offset, window=window, impl=self.impl)
 
-    def streaming_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0,
-                            window: int | None = None) -> jax.Array:
+    def streaming_attention(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset=0, window: int | None = None
+    ) -> jax.Array:
         """Λ attention (and the layer's sliding `window`: a sink further back than it is not seen, as in the
         engine's streaming heads); query i sits at position q_offset + i of the keys."""
-        return attention.lambda_attention(q, k, v, sink=self.sink, recent=self.recent, q_offset=q_offset,
-                                          window=window, impl=self.impl)
+        return attention.lambda_attention(
+            q, k, v, sink=self.sink, recent=self.recent, q_offset=q_offset, window=window, impl=self.impl
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -114,12 +126,18 @@ def clamp(gates: jax.Array) -> jax.Array:
     return jnp.clip(gates, 0.0, 1.0)
 
 
-def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, tokens: jax.Array,
-                        positions: jax.Array, objective: Objective, *,
-                        wrap_attention: Callable[[AttentionFn], AttentionFn] = lambda f: f,
-                        layer_weights: Callable[[LayerParams], LayerParams] = lambda layer: layer,
-                        embed_tokens: Callable[[Params, jax.Array], jax.Array] = embed,
-                        ) -> tuple[jax.Array, jax.Array]:
+def gated_hidden_states(
+    params: Params,
+    config: ModelConfig,
+    gates: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    objective: Objective,
+    *,
+    wrap_attention: Callable[[AttentionFn], AttentionFn] = lambda f: f,
+    layer_weights: Callable[[LayerParams], LayerParams] = lambda layer: layer,
+    embed_tokens: Callable[[Params, jax.Array], jax.Array] = embed,
+) -> tuple[jax.Array, jax.Array]:
     """Final normed hidden states of the teacher (full attention) and the gated student.
 
     tokens int32 [B, T] at absolute `positions` int32 [B, T]; gates float32 [L, K].
@@ -129,8 +147,9 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
     layer inside the scanned body (an all-gather of FSDP shards), `embed_tokens(params, tokens)` embeds.
     """
     if gates.shape != (config.num_layers, config.num_kv_heads):
-        raise ValueError(f"gates must have shape [layers, kv_heads] = {(config.num_layers, config.num_kv_heads)}, "
-                         f"got {gates.shape}")
+        raise ValueError(
+            f"gates must have shape [layers, kv_heads] = {(config.num_layers, config.num_kv_heads)}, got {gates.shape}"
+        )
     rope = rotary(positions, rope_inv_freq(config))
     eps = config.rms_norm_eps
 
@@ -152,24 +171,35 @@ def gated_hidden_states(params: Params, config: ModelConfig, gates: jax.Array, t
         def student_attend(q, k, v, h):  # per head, the teacher's full output mixed with its own streaming one
             streaming = streaming_attention(*rotate(q, k), v)  # [B, T, H, E]
             alpha = jnp.repeat(gate, config.group_size)[None, None, :, None]  # [1, 1, H, 1], float32
-            mixed = (alpha * jax.lax.stop_gradient(full).astype(jnp.float32)
-                     + (1.0 - alpha) * streaming.astype(jnp.float32))
+            mixed = alpha * jax.lax.stop_gradient(full).astype(jnp.float32) + (1.0 - alpha) * streaming.astype(
+                jnp.float32
+            )
             return mixed.astype(x_student.dtype), None
 
         x_student, _ = decoder_layer(x_student, layer, config, student_attend)
         return (x_teacher, x_student), None
 
     def make_body(window):  # the layers of one window run (`scan_layers`), their body rematerialised
-        return jax.checkpoint(functools.partial(layer_step, window=window),
-                              policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED))
+        return jax.checkpoint(
+            functools.partial(layer_step, window=window),
+            policy=jax.checkpoint_policies.save_only_these_names(REMAT_SAVED),
+        )
 
     x = embed_tokens(params, tokens)  # [B, T, D]
     (x_teacher, x_student), _ = scan_layers(make_body, (x, x), config, params.layers, gates)
     return rms_norm(x_teacher, params.final_norm, eps), rms_norm(x_student, params.final_norm, eps)
 
 
-def distill_terms(gates: jax.Array, params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                  supervise: jax.Array, objective: Objective, **hooks) -> tuple[jax.Array, jax.Array]:
+def distill_terms(
+    gates: jax.Array,
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    supervise: jax.Array,
+    objective: Objective,
+    **hooks,
+) -> tuple[jax.Array, jax.Array]:
     """The distillation term's sum and count over the positions in hand (a shard, or everything).
 
     supervise bool [B, T]: the positions the loss compares (padding is False). Returns float32 scalars
@@ -188,8 +218,15 @@ def l1_term(gates: jax.Array) -> jax.Array:
     return jnp.mean(jnp.abs(gates))
 
 
-def loss(gates: jax.Array, params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-         supervise: jax.Array, objective: Objective) -> tuple[jax.Array, LossTerms]:
+def loss(
+    gates: jax.Array,
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    supervise: jax.Array,
+    objective: Objective,
+) -> tuple[jax.Array, LossTerms]:
     """The objective on one device: (loss, LossTerms); differentiate with respect to `gates` (argument 0).
 
     Sequences with no supervised position contribute nothing (the count is floored at 1).

@@ -13,14 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from duo_jax import attention, sharding
+from duo_jax import attention, methods, sharding
 from duo_jax.cache import CAPACITY_BLOCK, full_cache_bytes
 from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
 from duo_jax.engine import Engine, bucket, capacity_bucket, compiled_decode, compiled_extend
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model
-from duo_jax import methods
 from duo_jax.methods import Method, cache_nbytes
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.sampling import Sampling, check_number, check_sampling, sample
@@ -58,18 +57,32 @@ def _prompt_ids(model: Model, prompts) -> list[list[int]]:
         raise DuoJaxError("no prompts given")
     ids = []
     for prompt in prompts:
-        ids.append(require(model.tokenizer, "a text prompt").encode(prompt) if isinstance(prompt, str)
-                   else [int(t) for t in prompt])
+        ids.append(
+            require(model.tokenizer, "a text prompt").encode(prompt)
+            if isinstance(prompt, str)
+            else [int(t) for t in prompt]
+        )
         if not ids[-1]:
             raise DuoJaxError("a prompt is empty; every prompt needs at least one token")
         if min(ids[-1]) < 0 or max(ids[-1]) >= model.config.vocab_size:
-            raise DuoJaxError(f"prompt token ids must lie in [0, {model.config.vocab_size}), "
-                              f"got {min(ids[-1])}..{max(ids[-1])}")
+            raise DuoJaxError(
+                f"prompt token ids must lie in [0, {model.config.vocab_size}), got {min(ids[-1])}..{max(ids[-1])}"
+            )
     return ids
 
 
-def validate_options(*, sparsity: float, sink: int | None, recent: int | None, max_new_tokens: int,
-                     chunk_size: int, temperature: float, top_p: float, top_k: int, attention_impl: str) -> None:
+def validate_options(
+    *,
+    sparsity: float,
+    sink: int | None,
+    recent: int | None,
+    max_new_tokens: int,
+    chunk_size: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    attention_impl: str,
+) -> None:
     """Clear errors for bad generation options, before any model work (the CLIs call it before loading)."""
     exact_sparsity(sparsity)
     if (sink or 0) < 0 or (recent or 0) < 0:
@@ -82,9 +95,18 @@ def validate_options(*, sparsity: float, sink: int | None, recent: int | None, m
         raise DuoJaxError(f"attention_impl must be one of {', '.join(attention.IMPLS)}, got {attention_impl!r}")
 
 
-def build_method(config: ModelConfig, method: str | Method | None, *, context: int, pattern=None,
-                 sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, model=None,
-                 **options) -> Method:
+def build_method(
+    config: ModelConfig,
+    method: str | Method | None,
+    *,
+    context: int,
+    pattern=None,
+    sparsity: float = 0.5,
+    sink: int | None = None,
+    recent: int | None = None,
+    model=None,
+    **options,
+) -> Method:
     """The KV-cache method generate() runs: a `Method`, or a registered name (`duo_jax.methods.METHODS`) with
     its options. method=None means "duo" when a pattern is given and "full" otherwise. `sink` / `recent` go
     to the method's own window options (StreamingLLM's `start` is `sink`); a method without windows (full)
@@ -93,8 +115,9 @@ def build_method(config: ModelConfig, method: str | Method | None, *, context: i
         return method
     spec = methods.entry(method or ("full" if pattern is None else "duo"))
     if spec.takes_pattern:
-        options.update(pattern=resolve_pattern(pattern if pattern is not None else "default", config),
-                       sparsity=sparsity)
+        options.update(
+            pattern=resolve_pattern(pattern if pattern is not None else "default", config), sparsity=sparsity
+        )
     elif pattern is not None:
         raise DuoJaxError(f"method {spec.name!r} takes no head pattern")
     for name, value in dict(sink=sink, recent=recent).items():
@@ -106,12 +129,30 @@ def build_method(config: ModelConfig, method: str | Method | None, *, context: i
 _first_token = jax.jit(sample, static_argnums=2)  # from the prefill's logits; the rest are sampled on the device
 
 
-def generate(model: Model, prompts, *, method: str | Method | None = None, pattern: Pattern | str | None = None,
-             sparsity: float = 0.5, sink: int | None = None, recent: int | None = None, max_new_tokens: int = 128,
-             chunk_size: int = 512, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             stop_at_eos: bool = True, context: int | None = None, attention_impl: str = "auto",
-             chat: bool | None = None, kv_dtype: str | None = None, mesh: Mesh | None = None,
-             prompt_tail_steps: int = 0, **method_options) -> Generation:
+def generate(
+    model: Model,
+    prompts,
+    *,
+    method: str | Method | None = None,
+    pattern: Pattern | str | None = None,
+    sparsity: float = 0.5,
+    sink: int | None = None,
+    recent: int | None = None,
+    max_new_tokens: int = 128,
+    chunk_size: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+    context: int | None = None,
+    attention_impl: str = "auto",
+    chat: bool | None = None,
+    kv_dtype: str | None = None,
+    mesh: Mesh | None = None,
+    prompt_tail_steps: int = 0,
+    **method_options,
+) -> Generation:
     """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
@@ -143,23 +184,36 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     DuoAttention's appendix protocol for H2O and TOVA (N = 50). Every prompt needs more than N tokens.
     """
     mesh = None if mesh is None else sharding.auto_axes(mesh)
-    validate_options(sparsity=sparsity, sink=sink, recent=recent, max_new_tokens=max_new_tokens,
-                     chunk_size=chunk_size, temperature=temperature, top_p=top_p, top_k=top_k,
-                     attention_impl=attention_impl)
+    validate_options(
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        attention_impl=attention_impl,
+    )
     config = model.config
     ids = _prompt_ids(model, chat_prompts(model, prompts, chat))
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
     if context is not None and needed > context:
-        raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
-                          f"cache capacity context={context}; raise context or shorten the prompt")
+        raise DuoJaxError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
+            f"cache capacity context={context}; raise context or shorten the prompt"
+        )
     if kv_dtype is not None and kv_dtype != jnp.dtype(model.params.dtype).name:
         if isinstance(method, Method):
-            raise DuoJaxError("kv_dtype is a method option: build the method with it (make_method(..., "
-                              "kv_dtype=...)) rather than passing both")
+            raise DuoJaxError(
+                "kv_dtype is a method option: build the method with it (make_method(..., "
+                "kv_dtype=...)) rather than passing both"
+            )
         if mesh is not None:
-            raise DuoJaxError("a quantized KV cache on a device mesh is not supported yet: use kv_dtype=None "
-                              "with mesh=, or no mesh")
+            raise DuoJaxError(
+                "a quantized KV cache on a device mesh is not supported yet: use kv_dtype=None with mesh=, or no mesh"
+            )
         method_options["kv_dtype"] = kv_dtype
     # Default capacity: a bucket (`capacity_bucket`) so that varied requests share compiled shapes, never
     # beyond the model's context.
@@ -167,16 +221,29 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     if mesh is not None:  # every `model` device holds a whole number of the retrieval slots
         step = math.lcm(CAPACITY_BLOCK, mesh.shape[sharding.MODEL])
         capacity = -(-capacity // step) * step
-    kv_method = build_method(config, method, context=capacity, pattern=pattern, sparsity=sparsity, sink=sink,
-                             recent=recent, model=model, **method_options)
+    kv_method = build_method(
+        config,
+        method,
+        context=capacity,
+        pattern=pattern,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        model=model,
+        **method_options,
+    )
     if kv_method.max_tokens is not None and needed > kv_method.max_tokens:
-        raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
-                          f"{kv_method.name} cache's capacity of {kv_method.max_tokens} tokens; build the method "
-                          "with a larger context or shorten the prompt")
+        raise DuoJaxError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
+            f"{kv_method.name} cache's capacity of {kv_method.max_tokens} tokens; build the method "
+            "with a larger context or shorten the prompt"
+        )
     if kv_method.absolute_positions and needed > config.max_position_embeddings:
-        raise DuoJaxError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
-                          f"model's context of {config.max_position_embeddings} tokens; shorten the prompt, "
-                          "lower max_new_tokens, or use method='streaming_llm' (re-indexed positions)")
+        raise DuoJaxError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
+            f"model's context of {config.max_position_embeddings} tokens; shorten the prompt, "
+            "lower max_new_tokens, or use method='streaming_llm' (re-indexed positions)"
+        )
     start = time.perf_counter()
     engine = Engine.of(model, mesh)  # weights prepared (and placed on the mesh) on the model's first call only
     prepare_s = time.perf_counter() - start
@@ -184,8 +251,9 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     B, dtype = len(ids), model.params.dtype
     tail = int(prompt_tail_steps)
     if tail < 0 or (tail and tail >= min(len(p) for p in ids)):
-        raise DuoJaxError(f"prompt_tail_steps must lie in [0, shortest prompt = {min(len(p) for p in ids)}), "
-                          f"got {prompt_tail_steps}")
+        raise DuoJaxError(
+            f"prompt_tail_steps must lie in [0, shortest prompt = {min(len(p) for p in ids)}), got {prompt_tail_steps}"
+        )
     if tail and mesh is not None:
         raise DuoJaxError("prompt_tail_steps is not supported on a device mesh; pass mesh=None")
     chunk = min(chunk_size, bucket(longest))
@@ -206,8 +274,9 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    last_logits, cache, lengths = engine.prefill(kv_method, padded, prompt_lengths - tail, chunk=chunk,
-                                                 impl=attention_impl)
+    last_logits, cache, lengths = engine.prefill(
+        kv_method, padded, prompt_lengths - tail, chunk=chunk, impl=attention_impl
+    )
     kv_method, cache = kv_method.after_prefill(cache, lengths)
     for i in range(tail):  # the prompt's last tokens, one decode step each
         column = np.array([p[len(p) - tail + i] for p in ids], np.int32)
@@ -217,14 +286,32 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
     prefill_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    compiled_decode(config, kv_method, B, engine.dtype, attention_impl, sampling, bucket(max_new_tokens), eos_ids,
-                    mesh, engine.weights)
+    compiled_decode(
+        config,
+        kv_method,
+        B,
+        engine.dtype,
+        attention_impl,
+        sampling,
+        bucket(max_new_tokens),
+        eos_ids,
+        mesh,
+        engine.weights,
+    )
     compile_s += time.perf_counter() - start
 
     start = time.perf_counter()
-    tokens, steps, cache, lengths = engine.decode_loop(kv_method, cache, lengths, token, key,
-                                                       max_new_tokens=max_new_tokens, sampling=sampling,
-                                                       eos_ids=eos_ids, impl=attention_impl)
+    tokens, steps, cache, lengths = engine.decode_loop(
+        kv_method,
+        cache,
+        lengths,
+        token,
+        key,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos_ids=eos_ids,
+        impl=attention_impl,
+    )
     steps = int(steps)  # the one host sync of the decode
     generated = np.asarray(tokens)[:, : steps + 1]  # [B, N]
     decode_s = time.perf_counter() - start
@@ -238,12 +325,24 @@ def generate(model: Model, prompts, *, method: str | Method | None = None, patte
         text = [model.tokenizer.decode(row) for row in out]
     bytes_per_elem = jnp.dtype(dtype).itemsize
     stats = dict(
-        method=kv_method.name, prompt_tokens=[len(p) for p in ids], prepare_s=prepare_s, compile_s=compile_s,
-        prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps, decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
-        cache_bytes=cache_nbytes(cache), expected_cache_bytes=kv_method.expected_cache_bytes(B, bytes_per_elem),
-        full_cache_bytes=full_cache_bytes(config, B, capacity, bytes_per_elem), chunk_size=chunk)
+        method=kv_method.name,
+        prompt_tokens=[len(p) for p in ids],
+        prepare_s=prepare_s,
+        compile_s=compile_s,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_steps=steps,
+        decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
+        cache_bytes=cache_nbytes(cache),
+        expected_cache_bytes=kv_method.expected_cache_bytes(B, bytes_per_elem),
+        full_cache_bytes=full_cache_bytes(config, B, capacity, bytes_per_elem),
+        chunk_size=chunk,
+    )
     if mesh is not None:  # what one device holds, from the arrays' shardings
-        stats.update(mesh=sharding.format_mesh(mesh), device_weight_bytes=sharding.device_bytes(engine.params),
-                     device_cache_bytes=sharding.device_bytes(cache))
+        stats.update(
+            mesh=sharding.format_mesh(mesh),
+            device_weight_bytes=sharding.device_bytes(engine.params),
+            device_cache_bytes=sharding.device_bytes(cache),
+        )
     stats.update(kv_method.stats())
     return Generation(out, text, stats)

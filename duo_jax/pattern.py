@@ -58,12 +58,14 @@ class Pattern:
         except (TypeError, ValueError) as e:
             raise PatternError(f"pattern gates must be a 2-D array of numbers: {e}") from None
         if gates.ndim != 2 or 0 in gates.shape:
-            raise PatternError(f"pattern gates must be a non-empty 2-D array [layers, kv_heads], "
-                               f"got shape {gates.shape}")
+            raise PatternError(
+                f"pattern gates must be a non-empty 2-D array [layers, kv_heads], got shape {gates.shape}"
+            )
         if not np.isfinite(gates).all():
             layer, head = np.argwhere(~np.isfinite(gates))[0]
-            raise PatternError(f"pattern gate of layer {layer}, KV head {head} is {gates[layer, head]}; "
-                               "gates must be finite")
+            raise PatternError(
+                f"pattern gate of layer {layer}, KV head {head} is {gates[layer, head]}; gates must be finite"
+            )
         if self.meta is not None and not isinstance(self.meta, dict):
             raise PatternError(f"pattern meta must be a dict or None, got {type(self.meta).__name__}")
         np.clip(gates, 0.0, 1.0, out=gates)
@@ -82,16 +84,18 @@ class Pattern:
         return self.gates.shape[1]
 
     def __repr__(self) -> str:
-        return (f"Pattern({self.num_layers}x{self.num_kv_heads}, mean gate {self.gates.mean():.3f}, "
-                f"{(self.gates > 0.5).mean():.0%} of gates > 0.5)")
+        return (
+            f"Pattern({self.num_layers}x{self.num_kv_heads}, mean gate {self.gates.mean():.3f}, "
+            f"{(self.gates > 0.5).mean():.0%} of gates > 0.5)"
+        )
 
     @classmethod
-    def full(cls, num_layers: int, num_kv_heads: int) -> "Pattern":
+    def full(cls, num_layers: int, num_kv_heads: int) -> Pattern:
         """Every gate 1.0: every head is a retrieval head (plain full attention)."""
         return cls(np.ones((num_layers, num_kv_heads), dtype=np.float32))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Pattern":
+    def load(cls, path: str | Path) -> Pattern:
         """Read a pattern folder (`full_attention_heads.tsv` plus optional `config.json`) or the TSV file itself.
 
         Given the TSV file, a `config.json` beside it is read as `meta`. Gates are clipped to [0, 1]: the
@@ -105,12 +109,13 @@ class Pattern:
         elif path.is_file():
             tsv = path
         else:
-            raise PatternError(f"pattern path {path} does not exist; pass a folder holding {GATES_FILE} "
-                               "or the TSV file itself")
+            raise PatternError(
+                f"pattern path {path} does not exist; pass a folder holding {GATES_FILE} or the TSV file itself"
+            )
         return cls(_read_gates(tsv), _read_meta(tsv.parent / META_FILE))
 
     @classmethod
-    def for_model(cls, name: str, key: str = "pattern") -> "Pattern | None":
+    def for_model(cls, name: str, key: str = "pattern") -> Pattern | None:
         """The default pattern of a named model, checked against its config; None when it names none.
 
         `configs/<name>.json` names its pattern with `"pattern": "patterns/<name>"`, relative to the configs folder
@@ -141,7 +146,8 @@ class Pattern:
         if self.gates.shape != (config.num_layers, config.num_kv_heads):
             raise PatternError(
                 f"pattern has shape {self.num_layers}x{self.num_kv_heads} (layers x kv_heads) but model "
-                f"{config.name or '(unnamed)'!r} has {config.num_layers}x{config.num_kv_heads}")
+                f"{config.name or '(unnamed)'!r} has {config.num_layers}x{config.num_kv_heads}"
+            )
 
     def tie_order(self) -> np.ndarray:
         """int [num_layers * num_kv_heads]: each head's rank (row-major) among exactly tied gates, lower wins:
@@ -204,14 +210,16 @@ def _read_gates(tsv: Path) -> np.ndarray:
                 value = float(field)
             except ValueError:
                 raise PatternError(
-                    f"pattern file {tsv}, line {line_no}, column {column}: {field!r} is not a number") from None
+                    f"pattern file {tsv}, line {line_no}, column {column}: {field!r} is not a number"
+                ) from None
             if not math.isfinite(value):
                 raise PatternError(f"pattern file {tsv}, line {line_no}, column {column}: gate {field} is not finite")
             row.append(value)
         if rows and len(row) != len(rows[0]):
             raise PatternError(
                 f"pattern file {tsv}, line {line_no}: ragged rows, {len(row)} gates but line 1 has {len(rows[0])}; "
-                "every layer needs one gate per KV head")
+                "every layer needs one gate per KV head"
+            )
         rows.append(row)
     return np.array(rows, dtype=np.float32)
 

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 from duo_jax.cache import CAPACITY_BLOCK
 from duo_jax.config import ModelConfig, get_config
-from duo_jax.errors import DuoJaxError
 from duo_jax.engine import compiled_extend
+from duo_jax.errors import DuoJaxError
 from duo_jax.methods import Method, make_method
 from duo_jax.model import param_shapes, quantize_weights
 from duo_jax.pattern import Pattern
@@ -45,8 +45,9 @@ def tree_bytes(tree) -> int:
 
 def weight_bytes(config: ModelConfig, dtype: str, weights: str | None) -> int:
     """Bytes of the model's weights as loaded (`duo_jax.load(..., dtype, weights=...)`)."""
-    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
-                           is_leaf=lambda s: isinstance(s, tuple))
+    stacked = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config), is_leaf=lambda s: isinstance(s, tuple)
+    )
     return tree_bytes(jax.eval_shape(lambda p: quantize_weights(p, weights), stacked))
 
 
@@ -56,8 +57,10 @@ def _method(name: str, config: ModelConfig, capacity: int, options: dict) -> Met
 
 def _step_temp(config: ModelConfig, method: Method, dtype: str, weights: str | None, chunk: int) -> int:
     """Temp bytes of the larger of the compiled decode step and prefill chunk (XLA memory analysis)."""
-    return max(compiled_extend(config, method, 1, t, dtype, weights=weights).memory_analysis().temp_size_in_bytes
-               for t in (1, chunk))
+    return max(
+        compiled_extend(config, method, 1, t, dtype, weights=weights).memory_analysis().temp_size_in_bytes
+        for t in (1, chunk)
+    )
 
 
 def _largest(budget: int, fixed: int, per_token: float) -> int:
@@ -67,9 +70,20 @@ def _largest(budget: int, fixed: int, per_token: float) -> int:
     return int((budget - fixed) // per_token) // CAPACITY_BLOCK * CAPACITY_BLOCK
 
 
-def plan(config: ModelConfig, *, hbm_bytes: int, sparsity: float = 0.5, kv_dtype: str | None = None,
-         weights: str | None = None, dtype: str = "bfloat16", pattern: Pattern | None = None, sink: int = 64,
-         recent: int = 256, chunk: int = 512, temp: bool = True) -> dict:
+def plan(
+    config: ModelConfig,
+    *,
+    hbm_bytes: int,
+    sparsity: float = 0.5,
+    kv_dtype: str | None = None,
+    weights: str | None = None,
+    dtype: str = "bfloat16",
+    pattern: Pattern | None = None,
+    sink: int = 64,
+    recent: int = 256,
+    chunk: int = 512,
+    temp: bool = True,
+) -> dict:
     """Weights, cache per token, temp memory and the largest context for "full" and "duo" (batch 1).
 
     pattern: duo's head pattern (default: the model's shipped one; only how many heads it makes retrieval
@@ -84,12 +98,24 @@ def plan(config: ModelConfig, *, hbm_bytes: int, sparsity: float = 0.5, kv_dtype
             raise DuoJaxError(f"model {config.name!r} ships no head pattern; pass pattern= (a Pattern)")
     pattern.validate(config)
     w_bytes = weight_bytes(config, dtype, weights)
-    out = dict(model=config.name, hbm_bytes=int(hbm_bytes), dtype=dtype, weights=weights or dtype,
-               kv_dtype=kv_dtype or dtype, sparsity=sparsity, sink=sink, recent=recent, chunk=chunk,
-               backend=jax.default_backend(), weight_bytes=w_bytes,
-               max_position_embeddings=config.max_position_embeddings)
-    options = {"full": dict(kv_dtype=kv_dtype),
-               "duo": dict(kv_dtype=kv_dtype, pattern=pattern, sparsity=sparsity, sink=sink, recent=recent)}
+    out = dict(
+        model=config.name,
+        hbm_bytes=int(hbm_bytes),
+        dtype=dtype,
+        weights=weights or dtype,
+        kv_dtype=kv_dtype or dtype,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        chunk=chunk,
+        backend=jax.default_backend(),
+        weight_bytes=w_bytes,
+        max_position_embeddings=config.max_position_embeddings,
+    )
+    options = {
+        "full": dict(kv_dtype=kv_dtype),
+        "duo": dict(kv_dtype=kv_dtype, pattern=pattern, sparsity=sparsity, sink=sink, recent=recent),
+    }
     low = max(2 * chunk, 1024)  # at least the XLA path's key tile (512), so only the context changes
     high = 2 * low
     for name, opts in options.items():
@@ -105,10 +131,16 @@ def plan(config: ModelConfig, *, hbm_bytes: int, sparsity: float = 0.5, kv_dtype
         if best:  # the layout at the answer, measured, not extrapolated
             at = tree_bytes(_method(name, config, best, opts).cache_spec(1, dtype))
             assert at == round(fixed + per_token * best), (name, at, fixed + per_token * best)
-        out.update({f"{name}_cache_bytes_per_token": per_token, f"{name}_cache_fixed_bytes": int(fixed),
-                    f"{name}_temp_bytes": int(temps[0]), f"{name}_temp_bytes_per_token": temp_per_token,
-                    f"{name}_max_context": best,
-                    f"{name}_max_context_no_temp": _largest(budget, fixed, per_token)})
+        out.update(
+            {
+                f"{name}_cache_bytes_per_token": per_token,
+                f"{name}_cache_fixed_bytes": int(fixed),
+                f"{name}_temp_bytes": int(temps[0]),
+                f"{name}_temp_bytes_per_token": temp_per_token,
+                f"{name}_max_context": best,
+                f"{name}_max_context_no_temp": _largest(budget, fixed, per_token),
+            }
+        )
         out[f"max_context_{name}"] = best
     return out
 
@@ -130,10 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         config = get_config(args.model)
-        result = plan(config, hbm_bytes=int(args.hbm_gib * GIB), sparsity=args.sparsity, kv_dtype=args.kv_dtype,
-                      weights=args.weights, dtype=args.dtype,
-                      pattern=None if args.pattern is None else Pattern.load(args.pattern), sink=args.sink,
-                      recent=args.recent, chunk=args.chunk, temp=not args.no_temp)
+        result = plan(
+            config,
+            hbm_bytes=int(args.hbm_gib * GIB),
+            sparsity=args.sparsity,
+            kv_dtype=args.kv_dtype,
+            weights=args.weights,
+            dtype=args.dtype,
+            pattern=None if args.pattern is None else Pattern.load(args.pattern),
+            sink=args.sink,
+            recent=args.recent,
+            chunk=args.chunk,
+            temp=not args.no_temp,
+        )
     except DuoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -141,15 +182,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     r = result
-    print(f"{r['model']} on {args.hbm_gib:g} GiB: weights {r['weights']}, KV {r['kv_dtype']}, duo sparsity "
-          f"{r['sparsity']} (sink {r['sink']}, recent {r['recent']}); "
-          + ("temp not measured (--no-temp)" if args.no_temp else f"temp compiled for {r['backend']}"))
+    print(
+        f"{r['model']} on {args.hbm_gib:g} GiB: weights {r['weights']}, KV {r['kv_dtype']}, duo sparsity "
+        f"{r['sparsity']} (sink {r['sink']}, recent {r['recent']}); "
+        + ("temp not measured (--no-temp)" if args.no_temp else f"temp compiled for {r['backend']}")
+    )
     print(f"  weights: {r['weight_bytes'] / GIB:.2f} GiB")
     for name in ("full", "duo"):
-        print(f"  {name:4s}: cache {r[f'{name}_cache_bytes_per_token'] / 1024:.2f} KiB/token + "
-              f"{r[f'{name}_cache_fixed_bytes'] / 2**20:.1f} MiB fixed; temp {r[f'{name}_temp_bytes'] / GIB:.2f} GiB "
-              f"(+{r[f'{name}_temp_bytes_per_token']:.0f} B/token); largest context {r[f'{name}_max_context']:,} "
-              f"tokens ({r[f'{name}_max_context_no_temp']:,} without temp)")
+        print(
+            f"  {name:4s}: cache {r[f'{name}_cache_bytes_per_token'] / 1024:.2f} KiB/token + "
+            f"{r[f'{name}_cache_fixed_bytes'] / 2**20:.1f} MiB fixed; temp {r[f'{name}_temp_bytes'] / GIB:.2f} GiB "
+            f"(+{r[f'{name}_temp_bytes_per_token']:.0f} B/token); largest context {r[f'{name}_max_context']:,} "
+            f"tokens ({r[f'{name}_max_context_no_temp']:,} without temp)"
+        )
     print(f"  (the model was trained for {r['max_position_embeddings']:,} positions)")
     return 0
 

@@ -108,12 +108,12 @@ def quantize_kv(x: jax.Array, kind: str, dtype=None) -> QuantizedKV:
     """x [..., E] -> absmax codes along E, one scale per [...] (dequantizing to `dtype`, default x's)."""
     qmax = QMAX[check_kv_dtype(kind)]
     if kind == "int4" and x.shape[-1] % 2:
-        raise DuoJaxError("int4 packs two codes per byte along the head dimension, which must be even; "
-                          f"got {x.shape[-1]}")
+        raise DuoJaxError(
+            f"int4 packs two codes per byte along the head dimension, which must be even; got {x.shape[-1]}"
+        )
     scale = absmax_scale(x, -1, qmax, KV_SCALE_DTYPE)
     codes = _codes(x, scale, qmax)
-    return QuantizedKV(pack_int4(codes) if kind == "int4" else codes, scale, kind,
-                       jnp.dtype(dtype or x.dtype).name)
+    return QuantizedKV(pack_int4(codes) if kind == "int4" else codes, scale, kind, jnp.dtype(dtype or x.dtype).name)
 
 
 def kv_rotation(head_dim: int) -> np.ndarray:
@@ -142,8 +142,12 @@ def rotate(x: jax.Array, rotation: np.ndarray) -> jax.Array:
 def kv_zeros(shape: tuple[int, ...], kind: str, dtype) -> QuantizedKV:
     """An empty quantized cache array of logical `shape` [..., E]."""
     last = shape[-1] // 2 if kind == "int4" else shape[-1]
-    return QuantizedKV(jnp.zeros(shape[:-1] + (last,), jnp.int8), jnp.zeros(shape[:-1] + (1,), KV_SCALE_DTYPE),
-                       kind, jnp.dtype(dtype).name)
+    return QuantizedKV(
+        jnp.zeros(shape[:-1] + (last,), jnp.int8),
+        jnp.zeros(shape[:-1] + (1,), KV_SCALE_DTYPE),
+        kind,
+        jnp.dtype(dtype).name,
+    )
 
 
 def kv_bytes_per_vector(head_dim: int, kv_dtype: str | None, bytes_per_elem: int) -> int:
@@ -216,4 +220,3 @@ def take_rows(w, rows: jax.Array) -> jax.Array:
     if not isinstance(w, QuantizedWeight):
         return w[rows]
     return (w.codes[rows].astype(jnp.float32) * w.scale[rows].astype(jnp.float32)).astype(w.dtype)
-

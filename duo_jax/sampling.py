@@ -30,8 +30,9 @@ class Sampling:
     top_k: int = 0
 
 
-def check_number(name: str, value, *, integer: bool = False, minimum=None, maximum=None,
-                 above: bool = False, hint: str = ""):
+def check_number(
+    name: str, value, *, integer: bool = False, minimum=None, maximum=None, above: bool = False, hint: str = ""
+):
     """`value` if it is a finite number (an int when `integer`; bools are not numbers) in range
     (`above`: strictly greater than `minimum`); else InvalidOption naming `name`."""
     kinds = int if integer else (int, float)
@@ -40,17 +41,23 @@ def check_number(name: str, value, *, integer: bool = False, minimum=None, maxim
     need = f"{name} must be {'an integer' if integer else 'a finite number'}{low}{high}{hint}"
     if isinstance(value, bool) or not isinstance(value, kinds) or not integer and not math.isfinite(value):
         raise InvalidOption(f"{need}, got {value!r}", name)
-    if (minimum is not None and (value <= minimum if above else value < minimum)
-            or maximum is not None and value > maximum):
+    if (
+        minimum is not None
+        and (value <= minimum if above else value < minimum)
+        or maximum is not None
+        and value > maximum
+    ):
         raise InvalidOption(f"{need}, got {value!r}", name)
     return value
 
 
 def check_sampling(temperature=0.0, top_p=1.0, top_k=0) -> Sampling:
     """A `Sampling` from user-given values, or InvalidOption naming the bad one and its range."""
-    return Sampling(float(check_number("temperature", temperature, minimum=0, hint=" (0: greedy)")),
-                    float(check_number("top_p", top_p, minimum=0, maximum=1, above=True)),
-                    int(check_number("top_k", top_k, integer=True, minimum=0, hint=" (0: no top-k)")))
+    return Sampling(
+        float(check_number("temperature", temperature, minimum=0, hint=" (0: greedy)")),
+        float(check_number("top_p", top_p, minimum=0, maximum=1, above=True)),
+        int(check_number("top_k", top_k, integer=True, minimum=0, hint=" (0: no top-k)")),
+    )
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
@@ -79,8 +86,9 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
 
 
-def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                top_k: jax.Array) -> jax.Array:
+def sample_rows(
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array
+) -> jax.Array:
     """Next token int32 [B]: row b by its own rule (temperature[b] 0: greedy) and key keys[b]. The values are
     runtime arrays (no compile per value); a batch of greedy rows skips the sort."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -62,7 +62,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from duo_jax.errors import DuoJaxError
 from duo_jax.model import LayerParams, Params
@@ -78,7 +79,7 @@ class MeshError(DuoJaxError, ValueError):
 
 
 def parse_mesh(spec: str, axes: tuple[str, ...] = MESH_AXES) -> dict[str, int]:
-    """"data=2,fsdp=2,seq=2" -> {"data": 2, "fsdp": 2, "seq": 2}; axes left out have size 1. `axes`: the
+    """ "data=2,fsdp=2,seq=2" -> {"data": 2, "fsdp": 2, "seq": 2}; axes left out have size 1. `axes`: the
     training mesh's (default) or the generation mesh's (`GENERATION_AXES`)."""
     sizes: dict[str, int] = {}
     for part in spec.split(","):
@@ -86,9 +87,11 @@ def parse_mesh(spec: str, axes: tuple[str, ...] = MESH_AXES) -> dict[str, int]:
         name = name.strip()
         if name not in axes or name in sizes or not value.strip().isdigit() or int(value) < 1:
             example = ",".join(f"{a}=2" for a in axes)
-            raise MeshError(f"bad mesh {spec!r}: expected comma-separated 'axis=N' with axes {axes} "
-                            "(each at most once, sizes of 1 may be left out) and positive integers, "
-                            f"e.g. {example!r}")
+            raise MeshError(
+                f"bad mesh {spec!r}: expected comma-separated 'axis=N' with axes {axes} "
+                "(each at most once, sizes of 1 may be left out) and positive integers, "
+                f"e.g. {example!r}"
+            )
         sizes[name] = int(value)
     return {name: sizes.get(name, 1) for name in axes}
 
@@ -97,8 +100,10 @@ def make_mesh(*, data: int = 1, fsdp: int = 1, seq: int = 1, devices=None) -> Me
     """A ("data", "fsdp", "seq") mesh over `devices` (default: every device of every process)."""
     devices = jax.devices() if devices is None else list(devices)
     if data * fsdp * seq != len(devices):
-        raise MeshError(f"mesh data={data},fsdp={fsdp},seq={seq} needs {data * fsdp * seq} devices but there are "
-                        f"{len(devices)}; choose sizes whose product is {len(devices)}")
+        raise MeshError(
+            f"mesh data={data},fsdp={fsdp},seq={seq} needs {data * fsdp * seq} devices but there are "
+            f"{len(devices)}; choose sizes whose product is {len(devices)}"
+        )
     return Mesh(np.asarray(devices).reshape(data, fsdp, seq), MESH_AXES)
 
 
@@ -127,8 +132,10 @@ def weight_specs(params: Params, mesh: Mesh) -> Params:
     """The `PartitionSpec` of every weight (arrays or `jax.ShapeDtypeStruct`s) on `mesh`; see the module
     docstring. The final norm is replicated (a vector, used once)."""
     if isinstance(params.layers, tuple):
-        raise MeshError("weight_specs lays out stacked layers (gate training scans them): pass "
-                        "duo_jax.model.stack_layers(params), or load with layout='stacked'")
+        raise MeshError(
+            "weight_specs lays out stacked layers (gate training scans them): pass "
+            "duo_jax.model.stack_layers(params), or load with layout='stacked'"
+        )
     n = axis_size(mesh, WEIGHT_AXES)
     layers = jax.tree.map(lambda x: _spec(x.ndim, _split_axis(x.shape, n, 1)), params.layers)
     embed_axis = 1 if params.embed.shape[1] % n == 0 and n > 1 else None
@@ -137,8 +144,9 @@ def weight_specs(params: Params, mesh: Mesh) -> Params:
 
 
 def weight_shardings(params: Params, mesh: Mesh) -> Params:
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), weight_specs(params, mesh),
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), weight_specs(params, mesh), is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def shard_params(params: Params, mesh: Mesh) -> Params:
@@ -157,8 +165,7 @@ def _gather(x: jax.Array, spec: P, skip: int = 0) -> jax.Array:
 def gather_layer(layer: LayerParams, specs: LayerParams) -> LayerParams:
     """Inside shard_map: one layer's whole weights from the local slices of the stacked ones (`specs`:
     their `weight_specs`, whose leading layer axis the scan has removed)."""
-    return jax.tree.map(lambda x, spec: _gather(x, spec, skip=1), layer, specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda x, spec: _gather(x, spec, skip=1), layer, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def embed_tokens(embed: jax.Array, spec: P, tokens: jax.Array) -> jax.Array:
@@ -179,8 +186,10 @@ def make_generation_mesh(*, data: int = 1, model: int = 1, devices=None) -> Mesh
     """A ("data", "model") mesh for generation over `devices` (default: every device)."""
     devices = jax.devices() if devices is None else list(devices)
     if data * model != len(devices):
-        raise MeshError(f"mesh data={data},model={model} needs {data * model} devices but there are "
-                        f"{len(devices)}; choose sizes whose product is {len(devices)}")
+        raise MeshError(
+            f"mesh data={data},model={model} needs {data * model} devices but there are "
+            f"{len(devices)}; choose sizes whose product is {len(devices)}"
+        )
     return Mesh(np.asarray(devices).reshape(data, model), GENERATION_AXES)
 
 
@@ -194,27 +203,35 @@ def auto_axes(mesh: Mesh) -> Mesh:
     if all(t == AxisType.Auto for t in types):
         return mesh
     if any(t == AxisType.Manual for t in types):
-        raise MeshError(f"generation cannot run on a mesh with Manual axes ({mesh.axis_names}, {types}); build "
-                        "it with jax.make_mesh(..., axis_types=(AxisType.Auto,) * n) or make_generation_mesh")
+        raise MeshError(
+            f"generation cannot run on a mesh with Manual axes ({mesh.axis_names}, {types}); build "
+            "it with jax.make_mesh(..., axis_types=(AxisType.Auto,) * n) or make_generation_mesh"
+        )
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def check_generation_mesh(mesh: Mesh, num_heads: int, intermediate_size: int) -> None:
     """The tensor-parallel split needs `model` to divide the query heads and the MLP width."""
     if tuple(mesh.axis_names) != GENERATION_AXES:
-        raise MeshError(f"generation needs a mesh with axes {GENERATION_AXES} (`make_generation_mesh`), "
-                        f"got {tuple(mesh.axis_names)}")
+        raise MeshError(
+            f"generation needs a mesh with axes {GENERATION_AXES} (`make_generation_mesh`), "
+            f"got {tuple(mesh.axis_names)}"
+        )
     m = mesh.shape[MODEL]
     if num_heads % m or intermediate_size % m:
-        raise MeshError(f"model={m} must divide the query heads ({num_heads}) and the MLP width "
-                        f"({intermediate_size}); choose a model axis that divides both")
+        raise MeshError(
+            f"model={m} must divide the query heads ({num_heads}) and the MLP width "
+            f"({intermediate_size}); choose a model axis that divides both"
+        )
 
 
 def check_batch(mesh: Mesh, batch: int) -> None:
     """The batch is split over `data`: it must be a multiple of it."""
     if batch % mesh.shape[DATA]:
-        raise MeshError(f"a batch of {batch} sequences does not split over data={mesh.shape[DATA]}; pass a "
-                        f"multiple of {mesh.shape[DATA]} prompts or a data axis that divides {batch}")
+        raise MeshError(
+            f"a batch of {batch} sequences does not split over data={mesh.shape[DATA]}; pass a "
+            f"multiple of {mesh.shape[DATA]} prompts or a data axis that divides {batch}"
+        )
 
 
 # The axis of each per-layer weight (layers unstacked, as the engine holds them) that `model` splits.
@@ -231,11 +248,23 @@ def tensor_parallel_specs(params: Params, mesh: Mesh) -> Params:
     """The `PartitionSpec` of every weight of `params` (layers unstacked: a tuple of `LayerParams`, arrays or
     `ShapeDtypeStruct`s) on a generation mesh; see the module docstring."""
     m = mesh.shape[MODEL]
-    layers = tuple(LayerParams(**{f.name: None if getattr(layer, f.name) is None else
-                                  _tp_spec(getattr(layer, f.name), _TP_AXIS.get(f.name), m)
-                                  for f in dataclasses.fields(layer)}) for layer in params.layers)
-    return Params(embed=_tp_spec(params.embed, 0, m), layers=layers, final_norm=P(),
-                  lm_head=None if params.lm_head is None else _tp_spec(params.lm_head, 0, m))
+    layers = tuple(
+        LayerParams(
+            **{
+                f.name: None
+                if getattr(layer, f.name) is None
+                else _tp_spec(getattr(layer, f.name), _TP_AXIS.get(f.name), m)
+                for f in dataclasses.fields(layer)
+            }
+        )
+        for layer in params.layers
+    )
+    return Params(
+        embed=_tp_spec(params.embed, 0, m),
+        layers=layers,
+        final_norm=P(),
+        lm_head=None if params.lm_head is None else _tp_spec(params.lm_head, 0, m),
+    )
 
 
 def named(specs: Any, mesh: Mesh) -> Any:
@@ -246,8 +275,12 @@ def named(specs: Any, mesh: Mesh) -> Any:
 def abstract(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """`ShapeDtypeStruct`s of `tree`'s arrays placed as `specs` say on `mesh` (to compile for, or to count
     bytes per device without allocating)."""
-    return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
-                        tree, specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+        tree,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
 
 
 def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
@@ -256,16 +289,19 @@ def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
     retrieval or streaming heads) are replicated: there is nothing to split, and XLA returns them so."""
     specs = method.cache_partition()
     if specs is None:
-        raise MeshError(f"method {method.name!r} does not run on a device mesh yet; use 'full' or 'duo' "
-                        "(or generate without mesh=)")
+        raise MeshError(
+            f"method {method.name!r} does not run on a device mesh yet; use 'full' or 'duo' (or generate without mesh=)"
+        )
 
     def check(x, spec: P) -> P:
         for dim, names in zip(x.shape, spec):
             n = axis_size(mesh, names if isinstance(names, tuple) else (names,)) if names is not None else 1
             if dim % n:
                 what = "batch" if names == DATA else "cache capacity"
-                raise MeshError(f"the {what} ({dim}) is not a multiple of the mesh's {names} axis ({n}); "
-                                f"choose a {what} that it divides (or a smaller {names} axis)")
+                raise MeshError(
+                    f"the {what} ({dim}) is not a multiple of the mesh's {names} axis ({n}); "
+                    f"choose a {what} that it divides (or a smaller {names} axis)"
+                )
         return spec if math.prod(x.shape) else P()
 
     return jax.tree.map(check, cache, specs)
@@ -312,4 +348,3 @@ def device_bytes(tree: Any) -> int:
 def total_bytes(tree: Any) -> int:
     """Bytes of `tree`'s leaves in full (every shard once)."""
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-

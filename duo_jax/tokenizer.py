@@ -4,18 +4,22 @@ with the model's chat template when it ships one (rendered by `duo_jax.chat`).""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from duo_jax.errors import LoadError
 
 # llama.cpp's pre-tokenizer names (GGUF `tokenizer.ggml.pre`) -> the split regex its vocabulary was
 # trained with, as the model's own tokenizer.json writes it. Qwen's differs from Llama 3's in one place:
 # every digit is its own piece (\p{N}, not \p{N}{1,3}); its tokenizer.json also NFC-normalises first.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 _NFC = {"qwen2"}
 # Pre-tokenizers without a split regex of their own: GPT-2's byte-level regex, SmolLM's digit splitting.
@@ -29,17 +33,27 @@ class Tokenizer:
     (bos_token, eos_token), as transformers passes them.
     """
 
-    def __init__(self, backend, *, bos_id: int | None, eos_ids: Sequence[int], add_bos: bool,
-                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None):
+    def __init__(
+        self,
+        backend,
+        *,
+        bos_id: int | None,
+        eos_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ):
         self.backend = backend  # a `tokenizers.Tokenizer`
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
         self.add_bos = add_bos
         self.chat_template = chat_template
         if special_tokens is None:
-            special_tokens = {name: backend.id_to_token(i) for name, i in
-                              (("bos_token", bos_id), ("eos_token", self.eos_ids[0] if self.eos_ids else None))
-                              if i is not None and backend.id_to_token(i) is not None}
+            special_tokens = {
+                name: backend.id_to_token(i)
+                for name, i in (("bos_token", bos_id), ("eos_token", self.eos_ids[0] if self.eos_ids else None))
+                if i is not None and backend.id_to_token(i) is not None
+            }
         self.special_tokens = special_tokens
 
     @property
@@ -56,7 +70,7 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     @classmethod
-    def from_file(cls, path: Path, *, bos_id: int | None, eos_ids: Sequence[int]) -> "Tokenizer":
+    def from_file(cls, path: Path, *, bos_id: int | None, eos_ids: Sequence[int]) -> Tokenizer:
         """A `tokenizer.json`; BOS is added when its post-processor adds it (Llama) and not otherwise.
 
         The chat template comes from `chat_template.jinja` next to it, else from `tokenizer_config.json`
@@ -80,8 +94,13 @@ class Tokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if (path.parent / "chat_template.jinja").is_file():
             template = (path.parent / "chat_template.jinja").read_text()
-        tokenizer = cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
-                        chat_template=template if isinstance(template, str) else None)
+        tokenizer = cls(
+            backend,
+            bos_id=bos_id,
+            eos_ids=eos_ids,
+            add_bos=add_bos,
+            chat_template=template if isinstance(template, str) else None,
+        )
         for name in ("bos_token", "eos_token"):
             token = tokenizer_config.get(name)
             token = token.get("content") if isinstance(token, dict) else token
@@ -90,7 +109,7 @@ class Tokenizer:
         return tokenizer
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict) -> "Tokenizer | None":
+    def from_gguf_fields(cls, fields: dict) -> Tokenizer | None:
         """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) from GGUF metadata; None for other kinds.
 
         The pre-tokenizer is the one `tokenizer.ggml.pre` names; a name duo-jax does not know is an error,
@@ -103,9 +122,11 @@ class Tokenizer:
             return None
         pre = fields.get("tokenizer.ggml.pre")
         if pre not in _SPLITS and pre not in _OTHER_PRE:
-            raise LoadError(f"the GGUF's BPE pre-tokenizer (tokenizer.ggml.pre) is {pre!r}, which duo-jax does "
-                            f"not know (it knows {', '.join([*_SPLITS, *_OTHER_PRE])}); load the model's Hugging "
-                            "Face directory, whose tokenizer.json states its pre-tokenizer, instead")
+            raise LoadError(
+                f"the GGUF's BPE pre-tokenizer (tokenizer.ggml.pre) is {pre!r}, which duo-jax does "
+                f"not know (it knows {', '.join([*_SPLITS, *_OTHER_PRE])}); load the model's Hugging "
+                "Face directory, whose tokenizer.json states its pre-tokenizer, instead"
+            )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
         vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -113,7 +134,8 @@ class Tokenizer:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
         if pre in _SPLITS:
             backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level])
+                [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level]
+            )
         elif pre == "smollm":  # SmolLM's tokenizer.json: every digit its own token, then GPT-2 splitting
             backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         else:  # gpt-2
@@ -124,20 +146,27 @@ class Tokenizer:
         # Control tokens (type 3) are matched whole and skipped on decode, as in the original tokenizer;
         # user-defined ones (type 4, e.g. Qwen3's <think>) are matched whole and kept on decode.
         token_types = fields.get("tokenizer.ggml.token_type", [])
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                    for i, kind in enumerate(token_types) if kind == 3])
-        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                            for i, kind in enumerate(token_types) if kind == 4])
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(token_types) if kind == 3]
+        )
+        backend.add_tokens(
+            [AddedToken(tokens[i], special=False, normalized=False) for i, kind in enumerate(token_types) if kind == 4]
+        )
         eos = fields.get("tokenizer.ggml.eos_token_id")
-        return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
-                   eos_ids=() if eos is None else (eos,),
-                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=fields.get("tokenizer.chat_template"))
+        return cls(
+            backend,
+            bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_ids=() if eos is None else (eos,),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=fields.get("tokenizer.chat_template"),
+        )
 
 
 def require(tokenizer: Tokenizer | None, what: str) -> Tokenizer:
     """The tokenizer, or a clear error when the model was loaded without one."""
     if tokenizer is None:
-        raise LoadError(f"{what} needs a tokenizer, but this model has none (no tokenizer.json next to the "
-                        "weights, or a GGUF tokenizer kind duo-jax cannot build); pass token ids instead")
+        raise LoadError(
+            f"{what} needs a tokenizer, but this model has none (no tokenizer.json next to the "
+            "weights, or a GGUF tokenizer kind duo-jax cannot build); pass token ids instead"
+        )
     return tokenizer

@@ -27,7 +27,8 @@ The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs 
   compiles the step from shapes and reads the per-device bytes (the CLI prints it before it starts).
 * **Padding.** Sequences of a batch are right-padded to a common bucketed length (`padded_length`: at most
   four buckets per octave of length, each a multiple of the "seq" axis), so a run over 50 context lengths
-  compiles its step about a dozen times rather than once per length, for at most 25% padding. Padded positions come after every real token, so the causal and Λ masks already hide them from
+  compiles its step about a dozen times rather than once per length, for at most 25% padding. Padded positions come
+  after every real token, so the causal and Λ masks already hide them from
   every real query; they are excluded from the loss (`supervise` is False there).
 * **Data.** `duo_jax.data.SampleStream`: step s uses samples s * batch_size ... (s + 1) * batch_size - 1,
   each a function of (seed, index) only, so the sample index is the whole data-loader state. The haystack
@@ -51,15 +52,17 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from duo_jax import gates as gates_lib
 from duo_jax import sharding
@@ -110,37 +113,64 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise TrainingError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.objective.sink < 0 or self.objective.recent < 1:
-            raise TrainingError(f"the streaming window needs sink >= 0 and recent >= 1, got sink="
-                                f"{self.objective.sink}, recent={self.objective.recent}")
-        if not (self.lr > 0 and 0 < self.warmup_ratio <= 1 and 0 < self.decay_ratio <= 1
-                and 0 <= self.min_lr_ratio <= 1 and 0 <= self.initial_value <= 1):
-            raise TrainingError("need lr > 0, warmup and decay ratios in (0, 1], min_lr_ratio and initial_value "
-                                f"in [0, 1]; got lr={self.lr}, warmup_ratio={self.warmup_ratio}, decay_ratio="
-                                f"{self.decay_ratio}, min_lr_ratio={self.min_lr_ratio}, initial_value={self.initial_value}")
+            raise TrainingError(
+                f"the streaming window needs sink >= 0 and recent >= 1, got sink="
+                f"{self.objective.sink}, recent={self.objective.recent}"
+            )
+        if not (
+            self.lr > 0
+            and 0 < self.warmup_ratio <= 1
+            and 0 < self.decay_ratio <= 1
+            and 0 <= self.min_lr_ratio <= 1
+            and 0 <= self.initial_value <= 1
+        ):
+            raise TrainingError(
+                "need lr > 0, warmup and decay ratios in (0, 1], min_lr_ratio and initial_value "
+                f"in [0, 1]; got lr={self.lr}, warmup_ratio={self.warmup_ratio}, decay_ratio="
+                f"{self.decay_ratio}, min_lr_ratio={self.min_lr_ratio}, initial_value={self.initial_value}"
+            )
 
     def meta(self, model_name: str, output_dir: str, mesh: Mesh, dtype: str) -> dict[str, Any]:
         """The run's arguments under the original's `config.json` key names (plus duo-jax's own)."""
         return {
-            "model_name": model_name, "dataset_name": self.haystack, "dataset_format": "multiple_passkey",
-            "lr": self.lr, "num_steps": self.steps, "batch_size": self.batch_size, "max_length": self.max_len,
-            "context_length_min": self.min_len, "context_length_max": self.max_len,
-            "context_lengths_num_intervals": self.num_lengths, "num_passkeys": self.num_passkeys,
-            "passkey_length": self.passkey_words, "min_needle_depth_ratio": self.min_depth,
-            "max_needle_depth_ratio": self.max_depth, "output_dir": output_dir,
-            "sink_size": self.objective.sink, "recent_size": self.objective.recent,
-            "reg_weight": self.objective.reg_weight, "initial_value": self.initial_value,
-            "save_steps": self.save_every, "seed": self.seed, "supervision": "distill",
-            "streaming_attn_implementation": self.objective.impl, "supervise": self.supervise,
-            "warmup_ratio": self.warmup_ratio, "decay_ratio": self.decay_ratio, "min_lr_ratio": self.min_lr_ratio,
-            "dtype": dtype, "mesh": format_mesh(mesh),
+            "model_name": model_name,
+            "dataset_name": self.haystack,
+            "dataset_format": "multiple_passkey",
+            "lr": self.lr,
+            "num_steps": self.steps,
+            "batch_size": self.batch_size,
+            "max_length": self.max_len,
+            "context_length_min": self.min_len,
+            "context_length_max": self.max_len,
+            "context_lengths_num_intervals": self.num_lengths,
+            "num_passkeys": self.num_passkeys,
+            "passkey_length": self.passkey_words,
+            "min_needle_depth_ratio": self.min_depth,
+            "max_needle_depth_ratio": self.max_depth,
+            "output_dir": output_dir,
+            "sink_size": self.objective.sink,
+            "recent_size": self.objective.recent,
+            "reg_weight": self.objective.reg_weight,
+            "initial_value": self.initial_value,
+            "save_steps": self.save_every,
+            "seed": self.seed,
+            "supervision": "distill",
+            "streaming_attn_implementation": self.objective.impl,
+            "supervise": self.supervise,
+            "warmup_ratio": self.warmup_ratio,
+            "decay_ratio": self.decay_ratio,
+            "min_lr_ratio": self.min_lr_ratio,
+            "dtype": dtype,
+            "mesh": format_mesh(mesh),
         }
 
 
 # --- optimiser --------------------------------------------------------------------------------------
 
 
-def lr_schedule(lr: float, steps: int, warmup_ratio: float = 0.2, decay_ratio: float = 0.2,
-                min_ratio: float = 0.1) -> optax.Schedule:
+def lr_schedule(
+    lr: float, steps: int, warmup_ratio: float = 0.2, decay_ratio: float = 0.2, min_ratio: float = 0.1
+) -> optax.Schedule:
     """The learning rate at optimiser step `count` (0-based); see the module docstring."""
     warmup = max(1.0, steps * warmup_ratio)
     decay = max(1.0, steps * decay_ratio)
@@ -167,8 +197,10 @@ def check_mesh(mesh: Mesh, batch_size: int) -> None:
     """TrainingError unless the batch splits over the "data" x "fsdp" devices."""
     n = sharding.axis_size(mesh, sharding.BATCH_AXES)
     if batch_size % n:
-        raise TrainingError(f"the batch of {batch_size} does not split over the 'data' x 'fsdp' mesh axes "
-                            f"({format_mesh(mesh)}: {n} ways); use a batch size that is a multiple of {n}")
+        raise TrainingError(
+            f"the batch of {batch_size} does not split over the 'data' x 'fsdp' mesh axes "
+            f"({format_mesh(mesh)}: {n} ways); use a batch size that is a multiple of {n}"
+        )
 
 
 def sequence_parallelism(config: ModelConfig, mesh: Mesh) -> str:
@@ -218,7 +250,7 @@ def all_gather_kv(axis_name: str) -> Callable[[gates_lib.AttentionFn], gates_lib
     return wrap
 
 
-_SEQUENCE_WRAPPERS = {"none": lambda axis: (lambda f: f), "ulysses": ulysses, "all-gather": all_gather_kv}
+_SEQUENCE_WRAPPERS = {"none": lambda axis: lambda f: f, "ulysses": ulysses, "all-gather": all_gather_kv}
 
 
 def _shard_map(f, mesh: Mesh, in_specs, out_specs):
@@ -226,6 +258,7 @@ def _shard_map(f, mesh: Mesh, in_specs, out_specs):
     if hasattr(jax, "shard_map"):
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     from jax.experimental.shard_map import shard_map
+
     return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
@@ -254,17 +287,20 @@ def sharded_loss_and_grad(config: ModelConfig, objective: gates_lib.Objective, m
     """
     n_devices = mesh.size
     wrap = _SEQUENCE_WRAPPERS[sequence_parallelism(config, mesh)]("seq")
-    hooks = dict(wrap_attention=wrap,
-                 layer_weights=lambda layer: sharding.gather_layer(layer, param_specs.layers),
-                 embed_tokens=lambda params, tokens: sharding.embed_tokens(params.embed, param_specs.embed, tokens))
+    hooks = dict(
+        wrap_attention=wrap,
+        layer_weights=lambda layer: sharding.gather_layer(layer, param_specs.layers),
+        embed_tokens=lambda params, tokens: sharding.embed_tokens(params.embed, param_specs.embed, tokens),
+    )
 
     def local(gates, params, batch: Batch):
         count = jax.lax.psum(jnp.sum(batch.supervise.astype(jnp.float32)), MESH_AXES)
         count = jnp.maximum(count, 1.0)
 
         def local_objective(g):
-            total, _ = gates_lib.distill_terms(g, params, config, batch.tokens, batch.positions, batch.supervise,
-                                               objective, **hooks)
+            total, _ = gates_lib.distill_terms(
+                g, params, config, batch.tokens, batch.positions, batch.supervise, objective, **hooks
+            )
             distill = total / count
             return distill + objective.reg_weight * gates_lib.l1_term(g) / n_devices, distill
 
@@ -274,12 +310,18 @@ def sharded_loss_and_grad(config: ModelConfig, objective: gates_lib.Objective, m
         return grads, gates_lib.LossTerms(loss=distill + objective.reg_weight * l1, distill=distill, l1=l1)
 
     data_spec = P(sharding.BATCH_AXES, "seq")
-    return _shard_map(local, mesh, in_specs=(P(), param_specs, Batch(data_spec, data_spec, data_spec)),
-                      out_specs=(P(), P()))
+    return _shard_map(
+        local, mesh, in_specs=(P(), param_specs, Batch(data_spec, data_spec, data_spec)), out_specs=(P(), P())
+    )
 
 
-def make_train_step(config: ModelConfig, objective: gates_lib.Objective, optimizer: optax.GradientTransformation,
-                    mesh: Mesh, param_specs: Params):
+def make_train_step(
+    config: ModelConfig,
+    objective: gates_lib.Objective,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    param_specs: Params,
+):
     """A jitted step (gates, opt_state, params, batch) -> (gates, opt_state, LossTerms); gates and
     optimiser state are donated. Gates are clamped to [0, 1] after the update. `params` are laid out as
     `param_specs` says (see `sharded_loss_and_grad`)."""
@@ -306,8 +348,16 @@ def run_train_step(config: ModelConfig, cfg: TrainConfig, mesh: Mesh, param_spec
 @functools.lru_cache(maxsize=8)
 def _train_step(config, objective, optimiser, mesh, spec_leaves, spec_treedef):
     lr, steps, warmup_ratio, decay_ratio, min_lr_ratio = optimiser
-    optimizer, _ = make_optimizer(TrainConfig(objective=objective, lr=lr, steps=steps, warmup_ratio=warmup_ratio,
-                                              decay_ratio=decay_ratio, min_lr_ratio=min_lr_ratio))
+    optimizer, _ = make_optimizer(
+        TrainConfig(
+            objective=objective,
+            lr=lr,
+            steps=steps,
+            warmup_ratio=warmup_ratio,
+            decay_ratio=decay_ratio,
+            min_lr_ratio=min_lr_ratio,
+        )
+    )
     return make_train_step(config, objective, optimizer, mesh, jax.tree.unflatten(spec_treedef, spec_leaves))
 
 
@@ -330,9 +380,11 @@ class MemoryReport:
 
     def __str__(self) -> str:
         gib = lambda n: "unknown" if n is None else f"{n / 2**30:.3f} GiB"
-        return (f"per-device memory of a {self.seq_len}-token step: weights {gib(self.weights)}, gates "
-                f"{gib(self.gates)}, optimiser state {gib(self.optimizer)}, batch {gib(self.batch)}, step "
-                f"temporaries {gib(self.temp)}; total {gib(self.total)}")
+        return (
+            f"per-device memory of a {self.seq_len}-token step: weights {gib(self.weights)}, gates "
+            f"{gib(self.gates)}, optimiser state {gib(self.optimizer)}, batch {gib(self.batch)}, step "
+            f"temporaries {gib(self.temp)}; total {gib(self.total)}"
+        )
 
 
 def memory_report(config: ModelConfig, cfg: TrainConfig, mesh: Mesh, params: Params, seq_len: int) -> MemoryReport:
@@ -349,14 +401,23 @@ def memory_report(config: ModelConfig, cfg: TrainConfig, mesh: Mesh, params: Par
     opt_state = jax.tree.map(lambda x: abstract(x, replicated), jax.eval_shape(optimizer.init, gates))
     T = -(-seq_len // mesh.shape["seq"]) * mesh.shape["seq"]
     shape = (cfg.batch_size, T)
-    batch = Batch(*(abstract(jax.ShapeDtypeStruct(shape, dtype), batch_sharding(mesh))
-                    for dtype in (jnp.int32, jnp.int32, jnp.bool_)))
+    batch = Batch(
+        *(
+            abstract(jax.ShapeDtypeStruct(shape, dtype), batch_sharding(mesh))
+            for dtype in (jnp.int32, jnp.int32, jnp.bool_)
+        )
+    )
     step = run_train_step(config, cfg, mesh, specs)
     analysis = step.lower(gates, opt_state, params, batch).compile().memory_analysis()
     temp = analysis.temp_size_in_bytes if analysis is not None else None
-    return MemoryReport(weights=sharding.device_bytes(params), gates=sharding.device_bytes(gates),
-                        optimizer=sharding.device_bytes(opt_state), batch=sharding.device_bytes(batch), temp=temp,
-                        seq_len=T)
+    return MemoryReport(
+        weights=sharding.device_bytes(params),
+        gates=sharding.device_bytes(gates),
+        optimizer=sharding.device_bytes(opt_state),
+        batch=sharding.device_bytes(batch),
+        temp=temp,
+        seq_len=T,
+    )
 
 
 def replicate(tree, mesh: Mesh):
@@ -397,21 +458,33 @@ def sample_stream(tokenizer, cfg: TrainConfig) -> tuple[SampleStream, TrainConfi
     """The run's `SampleStream`, the config with `min_len` raised to what the passkeys need, and a note
     saying so (None when nothing was raised). TrainingError when even `max_len` is too short."""
     bos_id = tokenizer.bos_id if getattr(tokenizer, "add_bos", False) else None
-    needed = min_context_len(tokenizer, num_passkeys=cfg.num_passkeys, passkey_words=cfg.passkey_words,
-                             bos_id=bos_id)
+    needed = min_context_len(tokenizer, num_passkeys=cfg.num_passkeys, passkey_words=cfg.passkey_words, bos_id=bos_id)
     note = None
     if needed > cfg.max_len:
-        raise TrainingError(f"{cfg.num_passkeys} passkeys of {cfg.passkey_words} words need contexts of at least "
-                            f"{needed} tokens but the longest allowed is {cfg.max_len}; raise --max-len or "
-                            "lower --num-passkeys / --passkey-words")
+        raise TrainingError(
+            f"{cfg.num_passkeys} passkeys of {cfg.passkey_words} words need contexts of at least "
+            f"{needed} tokens but the longest allowed is {cfg.max_len}; raise --max-len or "
+            "lower --num-passkeys / --passkey-words"
+        )
     if cfg.min_len < needed:
-        note = (f"--min-len {cfg.min_len} is too short for {cfg.num_passkeys} passkeys of {cfg.passkey_words} "
-                f"words ({needed} tokens at worst with this tokenizer): the lengths start at {needed}")
+        note = (
+            f"--min-len {cfg.min_len} is too short for {cfg.num_passkeys} passkeys of {cfg.passkey_words} "
+            f"words ({needed} tokens at worst with this tokenizer): the lengths start at {needed}"
+        )
         cfg = dataclasses.replace(cfg, min_len=needed)
     lengths = context_lengths(cfg.min_len, cfg.max_len, cfg.num_lengths)
-    stream = SampleStream(tokenizer, haystack_tokens(tokenizer, cfg.haystack, cfg.max_len), lengths, cfg.seed,
-                          num_passkeys=cfg.num_passkeys, passkey_words=cfg.passkey_words, min_depth=cfg.min_depth,
-                          max_depth=cfg.max_depth, bos_id=bos_id, supervise=cfg.supervise)
+    stream = SampleStream(
+        tokenizer,
+        haystack_tokens(tokenizer, cfg.haystack, cfg.max_len),
+        lengths,
+        cfg.seed,
+        num_passkeys=cfg.num_passkeys,
+        passkey_words=cfg.passkey_words,
+        min_depth=cfg.min_depth,
+        max_depth=cfg.max_depth,
+        bos_id=bos_id,
+        supervise=cfg.supervise,
+    )
     return stream, cfg, note
 
 
@@ -433,8 +506,8 @@ def make_batch(stream: SampleStream, first_sample: int, batch_size: int, multipl
     tokens = np.zeros((batch_size, T), np.int32)
     supervise = np.zeros((batch_size, T), bool)
     for b, sample in enumerate(samples):
-        tokens[b, :len(sample.tokens)] = sample.tokens
-        supervise[b, :len(sample.tokens)] = sample.supervise
+        tokens[b, : len(sample.tokens)] = sample.tokens
+        supervise[b, : len(sample.tokens)] = sample.supervise
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (batch_size, T)).copy()
     return Batch(tokens, positions, supervise), sum(len(s.tokens) for s in samples)
 
@@ -454,14 +527,16 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, state, progress: dict[str, Any]) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        progress=ocp.args.JsonSave(progress)))
+        self.manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress))
+        )
 
     def restore(self, step: int, like) -> tuple[Any, dict[str, Any]]:
         """The arrays, restored with the shapes, dtypes and shardings of `like`, and the JSON item."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                      progress=ocp.args.JsonRestore()))
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), progress=ocp.args.JsonRestore())
+        )
         return restored["state"], restored["progress"]
 
     def close(self) -> None:
@@ -499,9 +574,20 @@ def prepare(params: Params, config: ModelConfig, cfg: TrainConfig, mesh: Mesh):
     return params, state, run_train_step(config, cfg, mesh, specs), schedule
 
 
-def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out: str | os.PathLike, mesh: Mesh, *,
-          model_name: str, dtype: str, resume: bool = False, log: Callable[[str], None] = print,
-          progress_bar: bool = True) -> Pattern:
+def train(
+    params: Params,
+    config: ModelConfig,
+    tokenizer,
+    cfg: TrainConfig,
+    out: str | os.PathLike,
+    mesh: Mesh,
+    *,
+    model_name: str,
+    dtype: str,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    progress_bar: bool = True,
+) -> Pattern:
     """Train the gates of a frozen model and write the run folder `out`; returns the final pattern.
 
     Continues from the latest checkpoint in `out/checkpoints` when there is one (TrainingError when its
@@ -519,8 +605,10 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     is_main = jax.process_index() == 0
 
     params, state, step_fn, schedule = prepare(params, config, cfg, mesh)
-    log(f"mesh {format_mesh(mesh)}: weights sharded {sharding.axis_size(mesh, sharding.WEIGHT_AXES)} ways, "
-        f"sequence parallelism: {sequence_parallelism(config, mesh)}")
+    log(
+        f"mesh {format_mesh(mesh)}: weights sharded {sharding.axis_size(mesh, sharding.WEIGHT_AXES)} ways, "
+        f"sequence parallelism: {sequence_parallelism(config, mesh)}"
+    )
 
     checkpoints = Checkpoints(out / CHECKPOINT_DIR)
     start, next_sample, history = 0, 0, []  # next_sample: the data loader's whole state
@@ -531,8 +619,10 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
         state, progress = checkpoints.restore(latest, state)
         mismatches = _mismatches(progress["meta"], meta)
         if mismatches:
-            raise TrainingError(f"{out} holds a run with other arguments ({'; '.join(mismatches)}); "
-                                "pass the same arguments to resume it, or use another --out")
+            raise TrainingError(
+                f"{out} holds a run with other arguments ({'; '.join(mismatches)}); "
+                "pass the same arguments to resume it, or use another --out"
+            )
         start, next_sample = progress["step"], progress["next_sample"]
         if (out / LOSS_FILE).is_file():
             history = [h for h in json.loads((out / LOSS_FILE).read_text()) if h["step"] < start]
@@ -554,10 +644,20 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
         if not all(math.isfinite(v) for v in terms.values()):
             raise TrainingError(f"step {step}: the loss is not finite ({terms})")
         seconds = time.perf_counter() - tic
-        history.append({"step": step, **terms, "lr": float(schedule(step)), "seq_len": host_batch.tokens.shape[1],
-                        "tokens": n_tokens, "seconds": round(seconds, 4), "tokens_per_s": n_tokens / seconds})
-        bar.set_postfix(loss=f"{terms['loss']:.4f}", l1=f"{terms['l1']:.3f}", tok_s=f"{n_tokens / seconds:.0f}",
-                        refresh=False)
+        history.append(
+            {
+                "step": step,
+                **terms,
+                "lr": float(schedule(step)),
+                "seq_len": host_batch.tokens.shape[1],
+                "tokens": n_tokens,
+                "seconds": round(seconds, 4),
+                "tokens_per_s": n_tokens / seconds,
+            }
+        )
+        bar.set_postfix(
+            loss=f"{terms['loss']:.4f}", l1=f"{terms['l1']:.3f}", tok_s=f"{n_tokens / seconds:.0f}", refresh=False
+        )
         bar.update(1)
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save(step + 1)
@@ -568,8 +668,9 @@ def train(params: Params, config: ModelConfig, tokenizer, cfg: TrainConfig, out:
     return Pattern(fetch(state["gates"]), meta)
 
 
-def initialize_distributed(requested: bool, coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+def initialize_distributed(
+    requested: bool, coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
     """`jax.distributed.initialize` (JAX's multi-controller runtime: every process runs the same program on
     the global mesh; on CPU its collectives are Gloo's) when `requested`, when `coordinator` is given, or when
     this process was launched as one of several (SLURM or Open MPI with more than one task, or a JAX
@@ -580,20 +681,29 @@ def initialize_distributed(requested: bool, coordinator: str | None = None, num_
     host) pass all three: `coordinator` "host:port" of process 0, `num_processes`, `process_id` (0-based)."""
     explicit = (coordinator, num_processes, process_id)
     if any(v is not None for v in explicit) and any(v is None for v in explicit):
-        raise TrainingError("an explicit multi-process launch needs all of --coordinator HOST:PORT, "
-                            "--num-processes N and --process-id I (or none of them, to let JAX detect the "
-                            "cluster: Cloud TPU, SLURM, Open MPI, Kubernetes)")
+        raise TrainingError(
+            "an explicit multi-process launch needs all of --coordinator HOST:PORT, "
+            "--num-processes N and --process-id I (or none of them, to let JAX detect the "
+            "cluster: Cloud TPU, SLURM, Open MPI, Kubernetes)"
+        )
     if process_id is not None and not 0 <= process_id < num_processes:
-        raise TrainingError(f"--process-id {process_id} is not in [0, {num_processes}) (--num-processes "
-                            f"{num_processes}); number the processes 0 to {num_processes - 1}")
+        raise TrainingError(
+            f"--process-id {process_id} is not in [0, {num_processes}) (--num-processes "
+            f"{num_processes}); number the processes 0 to {num_processes - 1}"
+        )
     env = os.environ
-    launched = ("JAX_COORDINATOR_ADDRESS" in env or int(env.get("SLURM_NTASKS", "1")) > 1
-                or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
+    launched = (
+        "JAX_COORDINATOR_ADDRESS" in env
+        or int(env.get("SLURM_NTASKS", "1")) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    )
     if not (requested or launched or coordinator is not None) or jax.distributed.is_initialized():
         return
     try:
         jax.distributed.initialize(coordinator, num_processes, process_id)
     except ValueError as e:  # JAX could not detect the cluster
-        raise TrainingError(f"jax.distributed.initialize failed: {e}; outside Cloud TPU / SLURM / Open MPI / "
-                            "Kubernetes pass --coordinator HOST:PORT (process 0's), --num-processes N and "
-                            "--process-id I to every process") from None
+        raise TrainingError(
+            f"jax.distributed.initialize failed: {e}; outside Cloud TPU / SLURM / Open MPI / "
+            "Kubernetes pass --coordinator HOST:PORT (process 0's), --num-processes N and "
+            "--process-id I to every process"
+        ) from None

@@ -21,12 +21,23 @@ from pallas_kernels._common import check_block, check_qkv, check_window
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.duo_decode import duo_decode_attention
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.lambda_attention import causal_visited_blocks, lambda_attention, lambda_visited_blocks
 from pallas_kernels.paged_attention import paged_decode_attention, paged_flash_attention
-from pallas_kernels.lambda_attention import (causal_visited_blocks, lambda_attention,
-                                             lambda_visited_blocks)
 
 __all__ = [
-    "causal_visited_blocks", "check_block", "cpu", "check_qkv", "check_window", "decode_attention", "duo_decode",
-    "duo_decode_attention", "flash_attention", "lambda_attention", "lambda_visited_blocks", "paged_decode_attention",
-    "paged_flash_attention", "reference", "tpu",
+    "causal_visited_blocks",
+    "check_block",
+    "cpu",
+    "check_qkv",
+    "check_window",
+    "decode_attention",
+    "duo_decode",
+    "duo_decode_attention",
+    "flash_attention",
+    "lambda_attention",
+    "lambda_visited_blocks",
+    "paged_decode_attention",
+    "paged_flash_attention",
+    "reference",
+    "tpu",
 ]

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +71,11 @@ def triton_unavailable() -> str | None:
 
         with jax.ensure_compile_time_eval():
             x = jnp.arange(16 * 16, dtype=jnp.float32).reshape(16, 16)
-            out = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                 compiler_params=_triton_params_cls()(num_warps=1, num_stages=1))(x)
+            out = pl.pallas_call(
+                add_one,
+                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                compiler_params=_triton_params_cls()(num_warps=1, num_stages=1),
+            )(x)
             if not bool(jnp.all(out == x + 1.0)):
                 return "a probe kernel compiled through Triton but returned wrong values"
     except Exception as e:  # noqa: BLE001 - any failure means the backend cannot serve the kernels
@@ -99,21 +103,24 @@ def resolve_interpret(interpret: bool | None) -> bool:
 def _triton_params_cls():
     try:  # JAX >= 0.6: jax.experimental.pallas.triton.CompilerParams.
         from jax.experimental.pallas import triton as pltriton
+
         return pltriton.CompilerParams
     except (ImportError, AttributeError):  # Older JAX.
         from jax.experimental.pallas import gpu as plgpu
+
         return plgpu.TritonCompilerParams
 
 
 def _tpu_params_cls():
     from jax.experimental.pallas import tpu as pltpu
+
     cls = getattr(pltpu, "CompilerParams", None)
     return cls if cls is not None else pltpu.TPUCompilerParams
 
 
-def compiler_params(*, interpret: bool, num_warps: int, num_stages: int,
-                    dimension_semantics: tuple[str, ...] | None = None
-                    ) -> Any:
+def compiler_params(
+    *, interpret: bool, num_warps: int, num_stages: int, dimension_semantics: tuple[str, ...] | None = None
+) -> Any:
     """Compiler params for a ``pallas_call`` on the current backend (or None)."""
     if interpret:
         return None
@@ -122,6 +129,5 @@ def compiler_params(*, interpret: bool, num_warps: int, num_stages: int,
         return _triton_params_cls()(num_warps=num_warps, num_stages=num_stages)
     if platform == "tpu":
         cls = _tpu_params_cls()
-        return cls() if dimension_semantics is None else cls(
-            dimension_semantics=dimension_semantics)
+        return cls() if dimension_semantics is None else cls(dimension_semantics=dimension_semantics)
     return None

@@ -11,8 +11,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 # Finite "minus infinity" for masked logits: keeps m - m_new and s - m free of
 # inf - inf; masked probabilities are zeroed explicitly with jnp.where anyway.
@@ -36,28 +36,25 @@ def check_window(sink: int, recent: int) -> None:
     if not isinstance(sink, (int, np.integer)) or sink < 0:
         raise ValueError(f"sink must be an integer >= 0, got {sink!r}.")
     if not isinstance(recent, (int, np.integer)) or recent < 1:
-        raise ValueError(
-            f"recent must be an integer >= 1 (a query always sees itself), got {recent!r}.")
+        raise ValueError(f"recent must be an integer >= 1 (a query always sees itself), got {recent!r}.")
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, *, q_ndim: int = 4) -> None:
     """q [B, T, Hq, D] (or [B, Hq, D] when q_ndim == 3), k and v [B, S, Hkv, D]."""
     if q.ndim != q_ndim or k.ndim != 4 or v.ndim != 4:
         q_layout = "[B, T, Hq, D]" if q_ndim == 4 else "[B, Hq, D]"
-        raise ValueError(
-            f"expected q {q_layout} and k, v [B, S, Hkv, D]; "
-            f"got q {q.shape}, k {k.shape}, v {v.shape}.")
+        raise ValueError(f"expected q {q_layout} and k, v [B, S, Hkv, D]; got q {q.shape}, k {k.shape}, v {v.shape}.")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}.")
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     if k.shape[0] != batch or k.shape[-1] != head_dim:
-        raise ValueError(
-            f"q and k/v disagree on batch or head_dim: q {q.shape}, k {k.shape}.")
+        raise ValueError(f"q and k/v disagree on batch or head_dim: q {q.shape}, k {k.shape}.")
     num_kv_heads = k.shape[2]
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"the number of query heads ({num_q_heads}) must be a multiple of the "
-            f"number of key/value heads ({num_kv_heads}) for grouped-query attention.")
+            f"number of key/value heads ({num_kv_heads}) for grouped-query attention."
+        )
 
 
 def split_blocks(num_blocks: int, num_splits: int) -> tuple[int, int]:
@@ -82,8 +79,19 @@ def fit_block(block: int, length: int) -> int:
     return min(block, max(16, 1 << max(length - 1, 0).bit_length()))
 
 
-def attention_mask(rows, cols, *, q_offset, kv_len, seq_q: int, causal: bool,
-                   sink: int | None, recent: int | None, q_pos=None, k_pos=None):
+def attention_mask(
+    rows,
+    cols,
+    *,
+    q_offset,
+    kv_len,
+    seq_q: int,
+    causal: bool,
+    sink: int | None,
+    recent: int | None,
+    q_pos=None,
+    k_pos=None,
+):
     """Which (query row, key column) pairs attend; rows [bq, 1], cols [1, bk].
 
     Query row i sits at absolute position q_offset + i, or at q_pos (like rows)
@@ -105,9 +113,18 @@ def attention_mask(rows, cols, *, q_offset, kv_len, seq_q: int, causal: bool,
     return mask
 
 
-def kv_block_schedule(q_block, *, q_offset, kv_len, seq_q: int, block_q: int,
-                      block_k: int, causal: bool, sink: int | None,
-                      recent: int | None):
+def kv_block_schedule(
+    q_block,
+    *,
+    q_offset,
+    kv_len,
+    seq_q: int,
+    block_q: int,
+    block_k: int,
+    causal: bool,
+    sink: int | None,
+    recent: int | None,
+):
     """KV blocks that query block `q_block` visits: [0, sink_end) ∪ [band_start, end).
 
     Returns (sink_end, band_start, end), with sink_end <= band_start <= end, so
@@ -130,8 +147,19 @@ def kv_block_schedule(q_block, *, q_offset, kv_len, seq_q: int, block_q: int,
     return sink_end, band_start, end
 
 
-def unmasked_kv_blocks(q_block, *, q_offset, kv_len, seq_q: int, block_q: int, block_k: int, causal: bool,
-                       sink: int | None, recent: int | None, schedule):
+def unmasked_kv_blocks(
+    q_block,
+    *,
+    q_offset,
+    kv_len,
+    seq_q: int,
+    block_q: int,
+    block_k: int,
+    causal: bool,
+    sink: int | None,
+    recent: int | None,
+    schedule,
+):
     """The visited KV blocks (`schedule` = `kv_block_schedule`'s (sink_end, band_start, end)) that every row
     of query block `q_block` sees whole, so that their tiles need no mask: (sink_whole, lo, hi), the sink
     blocks [0, sink_whole) and the band blocks [lo, hi) (band_start <= lo <= hi <= end). Dense attention:
@@ -155,9 +183,18 @@ def unmasked_kv_blocks(q_block, *, q_offset, kv_len, seq_q: int, block_q: int, b
     return jnp.where(padded, 0, sink_whole), lo, jnp.where(padded, band_start, hi)
 
 
-def q_block_schedule(kv_block, *, q_offset, kv_len, num_q_blocks: int,
-                     block_q: int, block_k: int, causal: bool, sink: int | None,
-                     recent: int | None):
+def q_block_schedule(
+    kv_block,
+    *,
+    q_offset,
+    kv_len,
+    num_q_blocks: int,
+    block_q: int,
+    block_k: int,
+    causal: bool,
+    sink: int | None,
+    recent: int | None,
+):
     """Query blocks [start, end) that can see some key of block `kv_block`."""
     first_key = kv_block * block_k
     start = jnp.zeros_like(first_key)
@@ -215,8 +252,9 @@ def load_tile(ref, scale_ref, rows, kv_quant: str | None, dtype) -> list[jax.Arr
     return dequantize_tile(ref[rows, :], None if scale_ref is None else scale_ref[rows, :], kv_quant, dtype)
 
 
-def check_cache(q: jax.Array, k: jax.Array, v: jax.Array, k_scale, v_scale, kv_quant: str | None, *,
-                q_ndim: int) -> None:
+def check_cache(
+    q: jax.Array, k: jax.Array, v: jax.Array, k_scale, v_scale, kv_quant: str | None, *, q_ndim: int
+) -> None:
     """Checks a kernel's cache arguments: q [B, T, Hq, D] (q_ndim 4) or [B, Hq, D] (3, decode) and k / v
     [B, S, Hkv, D] values when `kv_quant` is None (no scales), else int8 codes [B, S, Hkv, D] ("int8") or
     [B, S, Hkv, D/2] ("int4") with scales [B, S, Hkv, 1]."""
@@ -232,8 +270,10 @@ def check_cache(q: jax.Array, k: jax.Array, v: jax.Array, k_scale, v_scale, kv_q
         raise ValueError(f"int4 codes pack two elements per byte: head_dim must be even, got {head_dim}.")
     for name, codes, scales in (("k", k, k_scale), ("v", v, v_scale)):
         if codes.dtype != jnp.int8 or codes.ndim != 4 or codes.shape[-1] != head_dim // parts:
-            raise ValueError(f"{kv_quant} {name} codes must be int8 [B, S, Hkv, {head_dim // parts}] for q "
-                             f"{q.shape}, got {codes.dtype} {codes.shape}.")
+            raise ValueError(
+                f"{kv_quant} {name} codes must be int8 [B, S, Hkv, {head_dim // parts}] for q "
+                f"{q.shape}, got {codes.dtype} {codes.shape}."
+            )
         if scales.shape != codes.shape[:-1] + (1,):
             raise ValueError(f"{name}_scale must be [B, S, Hkv, 1] = {codes.shape[:-1] + (1,)}, got {scales.shape}.")
     values = [jax.ShapeDtypeStruct(x.shape[:-1] + (head_dim,), q.dtype) for x in (k, v)]

@@ -28,12 +28,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend
-from pallas_kernels import _common
+from pallas_kernels import _backend, _common
 
 
-def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs,  # inputs (+ scales when quantized), outputs
-                  scale: float, block_k: int, blocks_per_split: int, kv_quant: str | None):
+def _split_kernel(
+    lengths_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,  # inputs (+ scales when quantized), outputs
+    scale: float,
+    block_k: int,
+    blocks_per_split: int,
+    kv_quant: str | None,
+):
     if kv_quant is None:
         (o_ref, m_ref, l_ref), k_scale_ref, v_scale_ref = refs, None, None
     else:
@@ -43,12 +51,31 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs,  # inputs (+ scales w
     def tile(ref, scale_ref, i):  # keys or values [bk, D / parts] per part, dequantized when quantized
         return _common.load_tile(ref, scale_ref, pl.ds(i * block_k, block_k), kv_quant, dtype)
 
-    split_attention(lengths_ref, q_ref, lambda i: tile(k_ref, k_scale_ref, i), lambda i: tile(v_ref, v_scale_ref, i),
-                    (o_ref, m_ref, l_ref), scale=scale, block_k=block_k, blocks_per_split=blocks_per_split)
+    split_attention(
+        lengths_ref,
+        q_ref,
+        lambda i: tile(k_ref, k_scale_ref, i),
+        lambda i: tile(v_ref, v_scale_ref, i),
+        (o_ref, m_ref, l_ref),
+        scale=scale,
+        block_k=block_k,
+        blocks_per_split=blocks_per_split,
+    )
 
 
-def split_attention(lengths_ref, q_ref, k_tile, v_tile, out_refs, *, scale: float, block_k: int,
-                    blocks_per_split: int, init=None, program=None):
+def split_attention(
+    lengths_ref,
+    q_ref,
+    k_tile,
+    v_tile,
+    out_refs,
+    *,
+    scale: float,
+    block_k: int,
+    blocks_per_split: int,
+    init=None,
+    program=None,
+):
     """One program's share of split-K decode: the G query rows of q_ref [parts, G, D / parts] over the keys
     of chunk program_id(2) of sequence program_id(0) (`blocks_per_split` blocks of `block_k`, stopping at the
     sequence's length), with `k_tile(i)` / `v_tile(i)` loading block i of the chunk as parts of [bk, D / parts]
@@ -66,8 +93,13 @@ def split_attention(lengths_ref, q_ref, k_tile, v_tile, out_refs, *, scale: floa
 
     def body(i, carry):
         acc, m, l = carry  # [parts][G, D / parts], [G], [G]
-        s = functools.reduce(operator.add, [jnp.einsum("gd,kd->gk", q, k, preferred_element_type=jnp.float32)
-                                            for q, k in zip(qs, k_tile(i))]) * scale
+        s = (
+            functools.reduce(
+                operator.add,
+                [jnp.einsum("gd,kd->gk", q, k, preferred_element_type=jnp.float32) for q, k in zip(qs, k_tile(i))],
+            )
+            * scale
+        )
         cols = i * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         mask = cols < keys_left
         s = jnp.where(mask, s, _common.MASK_VALUE)
@@ -75,16 +107,23 @@ def split_attention(lengths_ref, q_ref, k_tile, v_tile, out_refs, *, scale: floa
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = correction * l + p.sum(axis=-1)
-        acc = tuple(correction[:, None] * a + jnp.einsum("gk,kd->gd", p.astype(v.dtype), v,
-                                                         preferred_element_type=jnp.float32)
-                    for a, v in zip(acc, v_tile(i)))
+        acc = tuple(
+            correction[:, None] * a + jnp.einsum("gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            for a, v in zip(acc, v_tile(i))
+        )
         return acc, m_new, l
 
     num_blocks = jnp.minimum(_common.cdiv(keys_left, block_k), blocks_per_split)
     rows = qs[0].shape[0]
-    state = init(qs) if init is not None else (tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
-                                               jnp.full((rows,), _common.MASK_VALUE, jnp.float32),
-                                               jnp.zeros((rows,), jnp.float32))
+    state = (
+        init(qs)
+        if init is not None
+        else (
+            tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
+            jnp.full((rows,), _common.MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+        )
+    )
     acc, m, l = lax.fori_loop(0, num_blocks, body, state)
     for i, a in enumerate(acc):  # Unnormalised; the reduction divides by the combined l.
         o_ref[i] = a
@@ -105,8 +144,19 @@ def group_queries(q: jax.Array, num_kv_heads: int, parts: int, interpret: bool) 
     return q
 
 
-def run_splits(kernel, in_specs: list, args: list, q: jax.Array, *, num_splits: int, num_heads: int, dtype,
-               interpret: bool, name: str, return_lse: bool):
+def run_splits(
+    kernel,
+    in_specs: list,
+    args: list,
+    q: jax.Array,
+    *,
+    num_splits: int,
+    num_heads: int,
+    dtype,
+    interpret: bool,
+    name: str,
+    return_lse: bool,
+):
     """Launches a split-K program `kernel` (one `split_attention` per program) over grid (batch, KV head, split)
     with grouped queries q [B, Hkv, parts, G', D / parts] (`group_queries`) among its inputs, then merges the
     splits (`merge_splits`). Its outputs: o float32 [B, Hkv, splits, parts, G', D / parts], m, l float32
@@ -118,13 +168,19 @@ def run_splits(kernel, in_specs: list, args: list, q: jax.Array, *, num_splits: 
         kernel,
         grid=(batch, num_kv_heads, num_splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, parts, rows, width), lambda b, h, s: (b, h, s, 0, 0, 0)),
-                   stats_spec, stats_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, parts, rows, width), jnp.float32),
-                   stats, stats],
+        out_specs=[
+            pl.BlockSpec((None, None, None, parts, rows, width), lambda b, h, s: (b, h, s, 0, 0, 0)),
+            stats_spec,
+            stats_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, parts, rows, width), jnp.float32),
+            stats,
+            stats,
+        ],
         compiler_params=_backend.compiler_params(
-            interpret=interpret, num_warps=4, num_stages=2,
-            dimension_semantics=("parallel", "parallel", "parallel")),
+            interpret=interpret, num_warps=4, num_stages=2, dimension_semantics=("parallel", "parallel", "parallel")
+        ),
         interpret=interpret,
         name=name,
     )(*args)
@@ -148,12 +204,21 @@ def merge_splits(o, m, l, *, num_heads: int, dtype, return_lse: bool):
     return out, lse[:, :, :group].reshape(batch, num_heads)
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     lengths: jax.Array, *, scale: float | None = None,
-                     block_k: int = 128, num_splits: int = 16,
-                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                     kv_quant: str | None = None,
-                     interpret: bool | None = None, return_lse: bool = False):
+def decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    block_k: int = 128,
+    num_splits: int = 16,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    kv_quant: str | None = None,
+    interpret: bool | None = None,
+    return_lse: bool = False,
+):
     """Single-token attention over a KV cache, split along the keys.
 
     Args:
@@ -212,7 +277,18 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         kv_spec,  # k
         kv_spec,  # v
     ] + ([] if kv_quant is None else [scale_spec, scale_spec])
-    kernel = functools.partial(_split_kernel, scale=scale, block_k=block_k, blocks_per_split=blocks_per_split,
-                               kv_quant=kv_quant)
-    return run_splits(kernel, in_specs, [lengths, q, *cache], q, num_splits=num_splits, num_heads=num_heads,
-                      dtype=q_dtype, interpret=interpret, name="decode_attention_split", return_lse=return_lse)
+    kernel = functools.partial(
+        _split_kernel, scale=scale, block_k=block_k, blocks_per_split=blocks_per_split, kv_quant=kv_quant
+    )
+    return run_splits(
+        kernel,
+        in_specs,
+        [lengths, q, *cache],
+        q,
+        num_splits=num_splits,
+        num_heads=num_heads,
+        dtype=q_dtype,
+        interpret=interpret,
+        name="decode_attention_split",
+        return_lse=return_lse,
+    )

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend
-from pallas_kernels import _common
+from pallas_kernels import _backend, _common
 from pallas_kernels.decode_attention import group_queries, run_splits, split_attention
-from pallas_kernels.paged_attention import check_paged, pages_per_block, paged_tile, split_tables
+from pallas_kernels.paged_attention import check_paged, paged_tile, pages_per_block, split_tables
 
 
 def ring_block(size: int, largest: int = 128) -> int | None:
@@ -37,8 +36,19 @@ def ring_block(size: int, largest: int = 128) -> int | None:
     return None
 
 
-def _kernel(lengths_ref, ring_lengths_ref, q_ref, *refs, scale: float, num_retrieval: int, block_k: int,
-            blocks_per_split: int, ring_block: int, ring_blocks: int, pages_per_block: int | None):
+def _kernel(
+    lengths_ref,
+    ring_lengths_ref,
+    q_ref,
+    *refs,
+    scale: float,
+    num_retrieval: int,
+    block_k: int,
+    blocks_per_split: int,
+    ring_block: int,
+    ring_blocks: int,
+    pages_per_block: int | None,
+):
     # refs: the retrieval cache (k, v; or the split's page ids and the pools k, v), the ring (k, v), the new
     # token (k, v), then the outputs (o, m, l)
     *retrieval, ring_k_ref, ring_v_ref, k_new_ref, v_new_ref, o_ref, m_ref, l_ref = refs
@@ -57,8 +67,17 @@ def _kernel(lengths_ref, ring_lengths_ref, q_ref, *refs, scale: float, num_retri
 
     @pl.when(head < num_retrieval)
     def _retrieval():
-        split_attention(lengths_ref, q_ref, k_tile, v_tile, out, scale=scale, block_k=block_k,
-                        blocks_per_split=blocks_per_split, program=(b, split))
+        split_attention(
+            lengths_ref,
+            q_ref,
+            k_tile,
+            v_tile,
+            out,
+            scale=scale,
+            block_k=block_k,
+            blocks_per_split=blocks_per_split,
+            program=(b, split),
+        )
 
     @pl.when(head >= num_retrieval)
     def _streaming():
@@ -67,19 +86,44 @@ def _kernel(lengths_ref, ring_lengths_ref, q_ref, *refs, scale: float, num_retri
             first = split == 0
             score = jnp.sum(q.astype(jnp.float32) * k_new_ref[...].astype(jnp.float32)[None, :], axis=-1) * scale
             value = jnp.broadcast_to(v_new_ref[...].astype(jnp.float32)[None, :], q.shape)
-            return ((jnp.where(first, value, 0.0),), jnp.where(first, score, _common.MASK_VALUE),
-                    jnp.where(first, jnp.ones_like(score), 0.0))
+            return (
+                (jnp.where(first, value, 0.0),),
+                jnp.where(first, score, _common.MASK_VALUE),
+                jnp.where(first, jnp.ones_like(score), 0.0),
+            )
 
         # The ring is one chunk of `ring_blocks` blocks: split s > 0 starts past every filled slot.
-        split_attention(ring_lengths_ref, q_ref, rows(ring_k_ref, ring_block), rows(ring_v_ref, ring_block), out,
-                        scale=scale, block_k=ring_block, blocks_per_split=ring_blocks, init=new_token,
-                        program=(b, split))
+        split_attention(
+            ring_lengths_ref,
+            q_ref,
+            rows(ring_k_ref, ring_block),
+            rows(ring_v_ref, ring_block),
+            out,
+            scale=scale,
+            block_k=ring_block,
+            blocks_per_split=ring_blocks,
+            init=new_token,
+            program=(b, split),
+        )
 
 
-def duo_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, ring_k: jax.Array,
-                         ring_v: jax.Array, ring_lengths: jax.Array, k_new: jax.Array, v_new: jax.Array, *,
-                         block_tables: jax.Array | None = None, scale: float | None = None, block_k: int = 128,
-                         num_splits: int = 16, interpret: bool | None = None) -> jax.Array:
+def duo_decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    ring_k: jax.Array,
+    ring_v: jax.Array,
+    ring_lengths: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    *,
+    block_tables: jax.Array | None = None,
+    scale: float | None = None,
+    block_k: int = 128,
+    num_splits: int = 16,
+    interpret: bool | None = None,
+) -> jax.Array:
     """One new token per sequence over a cache split by KV heads.
 
     Args:
@@ -106,18 +150,23 @@ def duo_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.
     num_retrieval = k.shape[0] if paged else k.shape[2]
     size, num_streaming = ring_k.shape[1], ring_k.shape[2]
     if num_retrieval == 0 or num_streaming == 0:
-        raise ValueError("duo_decode_attention needs retrieval and streaming heads; with one kind, use "
-                         "decode_attention (retrieval) or flash_attention with k_positions (streaming)")
+        raise ValueError(
+            "duo_decode_attention needs retrieval and streaming heads; with one kind, use "
+            "decode_attention (retrieval) or flash_attention with k_positions (streaming)"
+        )
     if paged:
         check_paged(q[:, : num_retrieval * (num_heads // (num_retrieval + num_streaming))], k, v, block_tables)
     pairs = {"ring_k / ring_v": (ring_k, ring_v)} if paged else {"k / v": (k, v), "ring_k / ring_v": (ring_k, ring_v)}
     for name, (key, value) in pairs.items():
         if key.ndim != 4 or value.shape != key.shape or key.shape[0] != batch or key.shape[3] != head_dim:
-            raise ValueError(f"{name} must both be [B={batch}, slots, heads, D={head_dim}], got {key.shape} and "
-                             f"{value.shape}")
+            raise ValueError(
+                f"{name} must both be [B={batch}, slots, heads, D={head_dim}], got {key.shape} and {value.shape}"
+            )
     if k_new.shape != (batch, num_streaming, head_dim) or v_new.shape != k_new.shape:
-        raise ValueError(f"k_new / v_new must be [B, K_s, D] = {(batch, num_streaming, head_dim)}, got "
-                         f"{k_new.shape} and {v_new.shape}")
+        raise ValueError(
+            f"k_new / v_new must be [B, K_s, D] = {(batch, num_streaming, head_dim)}, got "
+            f"{k_new.shape} and {v_new.shape}"
+        )
     num_kv_heads = num_retrieval + num_streaming
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
@@ -134,8 +183,9 @@ def duo_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.
         per_block = pages_per_block(page_size, block_k)
         tables, blocks_per_split, num_splits = split_tables(block_tables, num_pages, per_block, num_splits)
         block_k = per_block * page_size
-        pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
-                                 lambda b, h, s: (jnp.minimum(h, last), 0, 0, 0))
+        pool_spec = pl.BlockSpec(
+            (None, num_pages, page_size, head_dim), lambda b, h, s: (jnp.minimum(h, last), 0, 0, 0)
+        )
         tables_spec = pl.BlockSpec((None, None, tables.shape[2]), lambda b, h, s: (b, s, 0))  # this split's pages
         retrieval_specs = [tables_spec, pool_spec, pool_spec]
         retrieval = [tables, k, v]
@@ -145,24 +195,47 @@ def duo_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.
         if capacity % block_k:
             raise ValueError(f"the retrieval cache's {capacity} slots are not a multiple of block_k={block_k}")
         blocks_per_split, num_splits = _common.split_blocks(capacity // block_k, num_splits)
-        cache_spec = pl.BlockSpec((None, blocks_per_split * block_k, None, head_dim),
-                                  lambda b, h, s: (b, s, jnp.minimum(h, last), 0))
+        cache_spec = pl.BlockSpec(
+            (None, blocks_per_split * block_k, None, head_dim), lambda b, h, s: (b, s, jnp.minimum(h, last), 0)
+        )
         retrieval_specs, retrieval = [cache_spec, cache_spec], [k, v]
     lengths = jnp.minimum(_common.per_batch(lengths, batch, capacity), capacity)
     ring_lengths = jnp.minimum(_common.per_batch(ring_lengths, batch, size), size)
 
     q_dtype, q = q.dtype, group_queries(q, num_kv_heads, 1, interpret)
     rows = q.shape[3]
-    ring_spec = pl.BlockSpec((None, size, None, head_dim),
-                             lambda b, h, s: (b, 0, jnp.maximum(h - num_retrieval, 0), 0))
+    ring_spec = pl.BlockSpec((None, size, None, head_dim), lambda b, h, s: (b, 0, jnp.maximum(h - num_retrieval, 0), 0))
     new_spec = pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, jnp.maximum(h - num_retrieval, 0), 0))
     lengths_spec = pl.BlockSpec((batch,), lambda b, h, s: (0,))
-    in_specs = [lengths_spec, lengths_spec,
-                pl.BlockSpec((None, None, 1, rows, head_dim), lambda b, h, s: (b, h, 0, 0, 0)),
-                *retrieval_specs, ring_spec, ring_spec, new_spec, new_spec]
-    kernel = functools.partial(_kernel, scale=scale, num_retrieval=num_retrieval, block_k=block_k,
-                               blocks_per_split=blocks_per_split, ring_block=ring_tile,
-                               ring_blocks=size // ring_tile, pages_per_block=per_block)
-    return run_splits(kernel, in_specs, [lengths, ring_lengths, q, *retrieval, ring_k, ring_v, k_new, v_new], q,
-                      num_splits=num_splits, num_heads=num_heads, dtype=q_dtype, interpret=interpret,
-                      name="duo_decode_attention", return_lse=False)
+    in_specs = [
+        lengths_spec,
+        lengths_spec,
+        pl.BlockSpec((None, None, 1, rows, head_dim), lambda b, h, s: (b, h, 0, 0, 0)),
+        *retrieval_specs,
+        ring_spec,
+        ring_spec,
+        new_spec,
+        new_spec,
+    ]
+    kernel = functools.partial(
+        _kernel,
+        scale=scale,
+        num_retrieval=num_retrieval,
+        block_k=block_k,
+        blocks_per_split=blocks_per_split,
+        ring_block=ring_tile,
+        ring_blocks=size // ring_tile,
+        pages_per_block=per_block,
+    )
+    return run_splits(
+        kernel,
+        in_specs,
+        [lengths, ring_lengths, q, *retrieval, ring_k, ring_v, k_new, v_new],
+        q,
+        num_splits=num_splits,
+        num_heads=num_heads,
+        dtype=q_dtype,
+        interpret=interpret,
+        name="duo_decode_attention",
+        return_lse=False,
+    )

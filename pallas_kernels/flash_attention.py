@@ -34,16 +34,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend
-from pallas_kernels import _common
+from pallas_kernels import _backend, _common
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Static description of one attention call (hashable: a custom_vjp nondiff arg)."""
-    seq_q: int            # True number of queries; the arrays may be padded past it.
+
+    seq_q: int  # True number of queries; the arrays may be padded past it.
     causal: bool
-    sink: int | None      # Λ window; None for dense attention.
+    sink: int | None  # Λ window; None for dense attention.
     recent: int | None
     scale: float
     block_q: int
@@ -72,9 +72,11 @@ class Config:
 
     def compiler_params(self, head_dim: int):
         return _backend.compiler_params(
-            interpret=self.interpret, num_warps=self.num_warps or (4 if head_dim <= 64 else 8),
+            interpret=self.interpret,
+            num_warps=self.num_warps or (4 if head_dim <= 64 else 8),
             num_stages=self.num_stages,
-            dimension_semantics=("parallel", "parallel", "parallel"))
+            dimension_semantics=("parallel", "parallel", "parallel"),
+        )
 
 
 def _dot(a, b, contract: str):
@@ -84,12 +86,17 @@ def _dot(a, b, contract: str):
 
 def _tile_mask(q_block, kv_block, q_offset, kv_len, cfg: Config, k_pos=None):
     """The tile's mask; `k_pos` [bk]: the keys' positions when they are explicit (-1: empty slot)."""
-    rows = q_block * cfg.block_q + lax.broadcasted_iota(
-        jnp.int32, (cfg.block_q, cfg.block_k), 0)
-    cols = kv_block * cfg.block_k + lax.broadcasted_iota(
-        jnp.int32, (cfg.block_q, cfg.block_k), 1)
-    return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
-                                  k_pos=None if k_pos is None else k_pos[None, :], **cfg.window)
+    rows = q_block * cfg.block_q + lax.broadcasted_iota(jnp.int32, (cfg.block_q, cfg.block_k), 0)
+    cols = kv_block * cfg.block_k + lax.broadcasted_iota(jnp.int32, (cfg.block_q, cfg.block_k), 1)
+    return _common.attention_mask(
+        rows,
+        cols,
+        q_offset=q_offset,
+        kv_len=kv_len,
+        seq_q=cfg.seq_q,
+        k_pos=None if k_pos is None else k_pos[None, :],
+        **cfg.window,
+    )
 
 
 def _visited_kv_block(step, sink_end, band_start):
@@ -100,9 +107,15 @@ def _visited_kv_block(step, sink_end, band_start):
 # ------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
-                *refs,  # (k and v scales when quantized), (key positions); outputs o, lse
-                cfg: Config):
+def _fwd_kernel(
+    q_offset_ref,
+    kv_len_ref,
+    q_ref,
+    k_ref,
+    v_ref,  # inputs
+    *refs,  # (k and v scales when quantized), (key positions); outputs o, lse
+    cfg: Config,
+):
     refs = list(refs)
     k_scale_ref, v_scale_ref = (None, None) if cfg.kv_quant is None else (refs.pop(0), refs.pop(0))
     k_pos_ref = refs.pop(0) if cfg.k_positions else None
@@ -110,17 +123,18 @@ def _fwd_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref,  # inputs
 
     def load_kv(kv_block):  # [parts][bk, D / parts] each
         kv_slice = pl.ds(kv_block * cfg.block_k, cfg.block_k)
-        return (_common.load_tile(k_ref, k_scale_ref, kv_slice, cfg.kv_quant, q_ref.dtype),
-                _common.load_tile(v_ref, v_scale_ref, kv_slice, cfg.kv_quant, q_ref.dtype))
+        return (
+            _common.load_tile(k_ref, k_scale_ref, kv_slice, cfg.kv_quant, q_ref.dtype),
+            _common.load_tile(v_ref, v_scale_ref, kv_slice, cfg.kv_quant, q_ref.dtype),
+        )
 
-    load_positions = None if k_pos_ref is None else (
-        lambda kv_block: k_pos_ref[pl.ds(kv_block * cfg.block_k, cfg.block_k)])
-    forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg,
-                    load_positions=load_positions)
+    load_positions = (
+        None if k_pos_ref is None else (lambda kv_block: k_pos_ref[pl.ds(kv_block * cfg.block_k, cfg.block_k)])
+    )
+    forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg, load_positions=load_positions)
 
 
-def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *, cfg: Config,
-                    load_positions=None):
+def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *, cfg: Config, load_positions=None):
     """One forward program (grid point (b, h, query block)): the query tile q_ref [bq, D] (quantized cache:
     [parts, bq, D / parts], int4's nibble halves on the leading dim) over the KV blocks its mask touches,
     `load_kv(kv_block)` giving block kv_block's keys and values as lists of parts [bk, D / parts] (a slice of
@@ -132,14 +146,31 @@ def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *,
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q = cfg.block_q
     schedule = _common.kv_block_schedule(
-        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
-        block_q=block_q, block_k=cfg.block_k, **cfg.schedule_window)
+        q_block,
+        q_offset=q_offset,
+        kv_len=kv_len,
+        seq_q=cfg.seq_q,
+        block_q=block_q,
+        block_k=cfg.block_k,
+        **cfg.schedule_window,
+    )
     sink_end, band_start, end = schedule
     # The tiles every row sees whole skip the mask: dense, the blocks before the causal edge; Λ, the whole
     # sink blocks and the band's interior. Keys at explicit positions are always masked.
-    sink_whole, lo, hi = (0, band_start, band_start) if cfg.k_positions else _common.unmasked_kv_blocks(
-        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q, block_q=block_q, block_k=cfg.block_k,
-        schedule=schedule, **cfg.window)
+    sink_whole, lo, hi = (
+        (0, band_start, band_start)
+        if cfg.k_positions
+        else _common.unmasked_kv_blocks(
+            q_block,
+            q_offset=q_offset,
+            kv_len=kv_len,
+            seq_q=cfg.seq_q,
+            block_q=block_q,
+            block_k=cfg.block_k,
+            schedule=schedule,
+            **cfg.window,
+        )
+    )
 
     def body(step, carry, masked: bool):
         acc, m, l = carry  # [parts][bq, D / parts], [bq], [bq]
@@ -159,9 +190,11 @@ def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *,
         acc = tuple(correction[:, None] * a + _dot(p.astype(v.dtype), v, "qk,kd->qd") for a, v in zip(acc, vs))
         return acc, m_new, l
 
-    init = (tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
-            jnp.full((block_q,), _common.MASK_VALUE, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
+    init = (
+        tuple(jnp.zeros(q.shape, jnp.float32) for q in qs),
+        jnp.full((block_q,), _common.MASK_VALUE, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
     # Loop steps as `_visited_kv_block` maps them (the sink blocks, then the band), in runs of one kind.
     band_step = lambda kv_block: sink_end + kv_block - band_start  # noqa: E731
     runs = [(sink_whole, False), (band_step(lo), True)] if cfg.recent is not None else []  # (last step, masked)
@@ -187,8 +220,7 @@ def _head_spec(block: int, head_dim: int, head_of, *, tiled: bool):
 
     tiled: the i-th [block, D] tile; otherwise the whole [L, D] axis (block = L).
     """
-    return pl.BlockSpec((None, block, None, head_dim),
-                        lambda b, h, i: (b, i if tiled else 0, head_of(h), 0))
+    return pl.BlockSpec((None, block, None, head_dim), lambda b, h, i: (b, i if tiled else 0, head_of(h), 0))
 
 
 def _forward(q, k, v, q_offset, kv_len, cfg: Config, scales=(), k_positions=None):
@@ -199,9 +231,15 @@ def _forward(q, k, v, q_offset, kv_len, cfg: Config, scales=(), k_positions=None
     scale_spec = _head_spec(seq_k_padded, 1, lambda h: h // group, tiled=False)  # k and v scales [B, S, Hkv, 1]
     positions = [] if k_positions is None else [k_positions]
     positions_spec = [pl.BlockSpec((None, seq_k_padded), lambda b, h, i: (b, 0))] * len(positions)
-    return launch_forward(functools.partial(_fwd_kernel, cfg=cfg), q, [q_offset, kv_len], [k, v, *scales, *positions],
-                          [kv_spec, kv_spec] + [scale_spec] * len(scales) + positions_spec, cfg,
-                          name="block_sparse_attention_fwd")
+    return launch_forward(
+        functools.partial(_fwd_kernel, cfg=cfg),
+        q,
+        [q_offset, kv_len],
+        [k, v, *scales, *positions],
+        [kv_spec, kv_spec] + [scale_spec] * len(scales) + positions_spec,
+        cfg,
+        name="block_sparse_attention_fwd",
+    )
 
 
 def launch_forward(kernel, q, scalars: list, kv: list, kv_specs: list, cfg: Config, *, name: str):
@@ -244,18 +282,27 @@ def launch_forward(kernel, q, scalars: list, kv: list, kv_specs: list, cfg: Conf
 #   dK = scale dS^T Q.
 
 
-def _dq_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-               delta_ref,  # inputs
-               dq_ref,  # output
-               *, cfg: Config):
+def _dq_kernel(
+    q_offset_ref,
+    kv_len_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,  # inputs
+    dq_ref,  # output
+    *,
+    cfg: Config,
+):
     b, q_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_k = cfg.block_k
     q, do = q_ref[...], do_ref[...]  # [bq, D]
     lse, delta = lse_ref[...], delta_ref[...]  # [bq]
     sink_end, band_start, end = _common.kv_block_schedule(
-        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q,
-        block_q=cfg.block_q, block_k=block_k, **cfg.window)
+        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q, block_q=cfg.block_q, block_k=block_k, **cfg.window
+    )
 
     def body(step, dq):
         kv_block = _visited_kv_block(step, sink_end, band_start)
@@ -268,22 +315,38 @@ def _dq_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k, "qk,kd->qd")
 
-    dq = lax.fori_loop(0, sink_end + end - band_start, body,
-                       jnp.zeros(q.shape, jnp.float32))
+    dq = lax.fori_loop(0, sink_end + end - band_start, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_offset_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref,  # inputs
-                dk_ref, dv_ref,  # outputs
-                *, cfg: Config, num_q_blocks: int):
+def _dkv_kernel(
+    q_offset_ref,
+    kv_len_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,  # inputs
+    dk_ref,
+    dv_ref,  # outputs
+    *,
+    cfg: Config,
+    num_q_blocks: int,
+):
     b, kv_block = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q = cfg.block_q
     k, v = k_ref[...], v_ref[...]  # [bk, D]
     start, end = _common.q_block_schedule(
-        kv_block, q_offset=q_offset, kv_len=kv_len, num_q_blocks=num_q_blocks,
-        block_q=block_q, block_k=cfg.block_k, **cfg.window)
+        kv_block,
+        q_offset=q_offset,
+        kv_len=kv_len,
+        num_q_blocks=num_q_blocks,
+        block_q=block_q,
+        block_k=cfg.block_k,
+        **cfg.window,
+    )
 
     def body(q_block, carry):
         dk, dv = carry  # [bk, D]
@@ -313,8 +376,7 @@ def _backward(cfg: Config, residuals, do):
     num_q_blocks = seq_q_padded // cfg.block_q
     num_kv_blocks = seq_k_padded // cfg.block_k
     # delta = rowsum(dO * O) [B, H, T]; a cheap elementwise pass, left to XLA.
-    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32),
-                       o.astype(jnp.float32))
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
 
     q_head, kv_head = (lambda h: h), (lambda h: h // group)
     scalar_spec = pl.BlockSpec((batch,), lambda b, h, i: (0,))
@@ -326,7 +388,8 @@ def _backward(cfg: Config, residuals, do):
         functools.partial(_dq_kernel, cfg=cfg),
         grid=(batch, num_heads, num_q_blocks),
         in_specs=[
-            scalar_spec, scalar_spec,
+            scalar_spec,
+            scalar_spec,
             _head_spec(cfg.block_q, head_dim, q_head, tiled=True),  # q
             _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # k
             _head_spec(seq_k_padded, head_dim, kv_head, tiled=False),  # v
@@ -342,13 +405,13 @@ def _backward(cfg: Config, residuals, do):
     )(q_offset, kv_len, q, k, v, do, lse, delta)
 
     # dk, dv per *query* head [B, S, Hq, D], summed over each GQA group below.
-    per_q_head = jax.ShapeDtypeStruct((batch, seq_k_padded, num_heads, head_dim),
-                                      jnp.float32)
+    per_q_head = jax.ShapeDtypeStruct((batch, seq_k_padded, num_heads, head_dim), jnp.float32)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
         grid=(batch, num_heads, num_kv_blocks),
         in_specs=[
-            scalar_spec, scalar_spec,
+            scalar_spec,
+            scalar_spec,
             _head_spec(seq_q_padded, head_dim, q_head, tiled=False),  # q
             _head_spec(cfg.block_k, head_dim, kv_head, tiled=True),  # k
             _head_spec(cfg.block_k, head_dim, kv_head, tiled=True),  # v
@@ -386,11 +449,27 @@ def _attention_fwd(q, k, v, q_offset, kv_len, cfg: Config):
 _attention.defvjp(_attention_fwd, _backward)
 
 
-def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
-                           recent: int | None, q_offset, kv_len, scale,
-                           block_q: int, block_k: int, interpret: bool | None,
-                           k_scale=None, v_scale=None, kv_quant: str | None = None, k_positions=None,
-                           num_warps: int | None = None, num_stages: int = 2):
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    sink: int | None,
+    recent: int | None,
+    q_offset,
+    kv_len,
+    scale,
+    block_q: int,
+    block_k: int,
+    interpret: bool | None,
+    k_scale=None,
+    v_scale=None,
+    kv_quant: str | None = None,
+    k_positions=None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
     """Shared entry point of `flash_attention` and `lambda_attention`.
 
     Pads T and S up to the block sizes (padded queries and keys are masked),
@@ -402,20 +481,33 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
     _common.check_block("block_k", block_k)
     if recent is not None:
         _common.check_window(sink, recent)
-    if k_positions is not None and (recent is not None or not causal
-                                    or tuple(k_positions.shape) != (k.shape[0], k.shape[1])):
-        raise ValueError(f"k_positions must be int32 [B, S] = {(k.shape[0], k.shape[1])} (got "
-                         f"{tuple(k_positions.shape)}), with causal attention and no Λ window")
+    if k_positions is not None and (
+        recent is not None or not causal or tuple(k_positions.shape) != (k.shape[0], k.shape[1])
+    ):
+        raise ValueError(
+            f"k_positions must be int32 [B, S] = {(k.shape[0], k.shape[1])} (got "
+            f"{tuple(k_positions.shape)}), with causal attention and no Λ window"
+        )
     batch, seq_q, _, head_dim = q.shape
     seq_k = k.shape[1]
     interpret = _backend.resolve_interpret(interpret)
     block_q, block_k = _backend.fit_tiles(block_q, block_k, q.dtype, interpret)
     block_q = _common.fit_block(block_q, seq_q)
     block_k = _common.fit_block(block_k, seq_k)
-    cfg = Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent,
-                 scale=_common.default_scale(head_dim, scale),
-                 block_q=block_q, block_k=block_k, interpret=interpret, kv_quant=kv_quant,
-                 k_positions=k_positions is not None, num_warps=num_warps, num_stages=num_stages)
+    cfg = Config(
+        seq_q=seq_q,
+        causal=causal,
+        sink=sink,
+        recent=recent,
+        scale=_common.default_scale(head_dim, scale),
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+        kv_quant=kv_quant,
+        k_positions=k_positions is not None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
 
@@ -425,23 +517,38 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None,
 
     if kv_quant is not None or k_positions is not None:  # inference over a cache: no gradient to define
         scales = () if kv_quant is None else tuple(pad(x, block_k) for x in (k_scale, v_scale))
-        positions = None if k_positions is None else jnp.pad(  # padded slots are empty (-1)
-            k_positions.astype(jnp.int32), ((0, 0), (0, -seq_k % block_k)), constant_values=-1)
-        o, _ = _forward(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg, scales,
-                        positions)
+        positions = (
+            None
+            if k_positions is None
+            else jnp.pad(  # padded slots are empty (-1)
+                k_positions.astype(jnp.int32), ((0, 0), (0, -seq_k % block_k)), constant_values=-1
+            )
+        )
+        o, _ = _forward(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg, scales, positions)
     else:
-        o = _attention(pad(q, block_q), pad(k, block_k), pad(v, block_k),
-                       q_offset, kv_len, cfg)
+        o = _attention(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg)
     return o[:, :seq_q]
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                    causal: bool = True, q_offset=0, kv_len=None,
-                    scale: float | None = None, block_q: int = 128,
-                    block_k: int = 128, interpret: bool | None = None,
-                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                    kv_quant: str | None = None, k_positions: jax.Array | None = None,
-                    num_warps: int | None = None, num_stages: int = 2) -> jax.Array:
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    q_offset=0,
+    kv_len=None,
+    scale: float | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
+    interpret: bool | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    kv_quant: str | None = None,
+    k_positions: jax.Array | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
     """Dense (causal) flash attention with Pallas forward and backward kernels.
 
     Args:
@@ -472,7 +579,22 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       [B, T, Hq, D] like q. Queries that see no key get 0.
     """
     return block_sparse_attention(
-        q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
-        kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret, k_scale=k_scale, v_scale=v_scale, kv_quant=kv_quant, k_positions=k_positions,
-        num_warps=num_warps, num_stages=num_stages)
+        q,
+        k,
+        v,
+        causal=causal,
+        sink=None,
+        recent=None,
+        q_offset=q_offset,
+        kv_len=kv_len,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_quant=kv_quant,
+        k_positions=k_positions,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

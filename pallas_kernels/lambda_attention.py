@@ -16,11 +16,21 @@ from pallas_kernels import _common
 from pallas_kernels.flash_attention import block_sparse_attention
 
 
-def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int,
-                     recent: int, q_offset=0, scale: float | None = None,
-                     block_q: int = 128, block_k: int = 128,
-                     interpret: bool | None = None, num_warps: int | None = None,
-                     num_stages: int = 2) -> jax.Array:
+def lambda_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    sink: int,
+    recent: int,
+    q_offset=0,
+    scale: float | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
+    interpret: bool | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
     """Streaming-head attention with the Λ mask, differentiable (custom VJP).
 
     Args:
@@ -39,22 +49,40 @@ def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int,
       [B, T, Hq, D] like q.
     """
     return block_sparse_attention(
-        q, k, v, causal=True, sink=sink, recent=recent, q_offset=q_offset,
-        kv_len=None, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+        q,
+        k,
+        v,
+        causal=True,
+        sink=sink,
+        recent=recent,
+        q_offset=q_offset,
+        kv_len=None,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
-def _visited_blocks(seq_len: int, block_q: int, block_k: int,
-                    sink: int | None, recent: int | None) -> int:
+def _visited_blocks(seq_len: int, block_q: int, block_k: int, sink: int | None, recent: int | None) -> int:
     q_blocks = jnp.arange(_common.cdiv(seq_len, block_q), dtype=jnp.int32)
     sink_end, band_start, end = _common.kv_block_schedule(
-        q_blocks, q_offset=0, kv_len=seq_len, seq_q=seq_len, block_q=block_q,
-        block_k=block_k, causal=True, sink=sink, recent=recent)
+        q_blocks,
+        q_offset=0,
+        kv_len=seq_len,
+        seq_q=seq_len,
+        block_q=block_q,
+        block_k=block_k,
+        causal=True,
+        sink=sink,
+        recent=recent,
+    )
     return int(jnp.sum(sink_end + end - band_start))
 
 
-def lambda_visited_blocks(seq_len: int, sink: int, recent: int, block_q: int,
-                          block_k: int) -> int:
+def lambda_visited_blocks(seq_len: int, sink: int, recent: int, block_q: int, block_k: int) -> int:
     """(query block, KV block) pairs the Λ kernel visits for T == S self-attention.
 
     Computed with the kernel's own block schedule; equals the number of tiles

@@ -36,8 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend
-from pallas_kernels import _common
+from pallas_kernels import _backend, _common
 from pallas_kernels.decode_attention import group_queries, run_splits, split_attention
 from pallas_kernels.flash_attention import Config, forward_program, launch_forward
 
@@ -45,12 +44,16 @@ from pallas_kernels.flash_attention import Config, forward_program, launch_forwa
 def check_paged(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array) -> None:
     """q [B, Hq, D], k_pages / v_pages [Hkv, N, P, D] (Hq a multiple of Hkv), block_tables [B, M]."""
     if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape or block_tables.ndim != 2:
-        raise ValueError("expected q [B, Hq, D], k_pages and v_pages [Hkv, N, P, D] of one shape and "
-                         f"block_tables [B, M]; got q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}, "
-                         f"block_tables {block_tables.shape}.")
+        raise ValueError(
+            "expected q [B, Hq, D], k_pages and v_pages [Hkv, N, P, D] of one shape and "
+            f"block_tables [B, M]; got q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}, "
+            f"block_tables {block_tables.shape}."
+        )
     if q.shape[0] != block_tables.shape[0] or q.shape[2] != k_pages.shape[3] or q.shape[1] % k_pages.shape[0]:
-        raise ValueError(f"q {q.shape} does not fit pages {k_pages.shape} and block_tables {block_tables.shape}: "
-                         "batch, head_dim and the query heads (a multiple of the KV heads) must agree.")
+        raise ValueError(
+            f"q {q.shape} does not fit pages {k_pages.shape} and block_tables {block_tables.shape}: "
+            "batch, head_dim and the query heads (a multiple of the KV heads) must agree."
+        )
 
 
 def pages_per_block(page_size: int, block_k: int) -> int:
@@ -79,17 +82,46 @@ def split_tables(block_tables: jax.Array, num_pages: int, per_block: int, num_sp
     return tables.reshape(batch, num_splits, pages_per_split), blocks_per_split, num_splits
 
 
-def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                  scale: float, pages_per_block: int, blocks_per_split: int):
+def _paged_kernel(
+    lengths_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    *,
+    scale: float,
+    pages_per_block: int,
+    blocks_per_split: int,
+):
     block_k = pages_per_block * k_ref.shape[1]  # k_ref: this KV head's pool [N, P, D]
-    split_attention(lengths_ref, q_ref, functools.partial(paged_tile, tables_ref, k_ref, pages_per_block),
-                    functools.partial(paged_tile, tables_ref, v_ref, pages_per_block), (o_ref, m_ref, l_ref),
-                    scale=scale, block_k=block_k, blocks_per_split=blocks_per_split)
+    split_attention(
+        lengths_ref,
+        q_ref,
+        functools.partial(paged_tile, tables_ref, k_ref, pages_per_block),
+        functools.partial(paged_tile, tables_ref, v_ref, pages_per_block),
+        (o_ref, m_ref, l_ref),
+        scale=scale,
+        block_k=block_k,
+        blocks_per_split=blocks_per_split,
+    )
 
 
-def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                           lengths: jax.Array, *, scale: float | None = None, block_k: int = 128,
-                           num_splits: int = 16, interpret: bool | None = None, return_lse: bool = False):
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    block_k: int = 128,
+    num_splits: int = 16,
+    interpret: bool | None = None,
+    return_lse: bool = False,
+):
     """Single-token attention over paged caches, split along each sequence's pages.
 
     Args:
@@ -130,16 +162,25 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         pool_spec,  # k_pages
         pool_spec,  # v_pages
     ]
-    kernel = functools.partial(_paged_kernel, scale=scale, pages_per_block=per_block,
-                               blocks_per_split=blocks_per_split)
-    return run_splits(kernel, in_specs, [lengths, tables, q, k_pages, v_pages], q, num_splits=num_splits,
-                      num_heads=num_heads, dtype=q_dtype, interpret=interpret,
-                      name="paged_decode_attention_split", return_lse=return_lse)
+    kernel = functools.partial(_paged_kernel, scale=scale, pages_per_block=per_block, blocks_per_split=blocks_per_split)
+    return run_splits(
+        kernel,
+        in_specs,
+        [lengths, tables, q, k_pages, v_pages],
+        q,
+        num_splits=num_splits,
+        num_heads=num_heads,
+        dtype=q_dtype,
+        interpret=interpret,
+        name="paged_decode_attention_split",
+        return_lse=return_lse,
+    )
 
 
-def _paged_flash_kernel(q_offset_ref, kv_len_ref, q_ref, tables_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                        cfg: Config, pages_per_block: int):
-    page_size, width = k_ref.shape[1], k_ref.shape[2]  # k_ref: this query head's KV head's pool [N, P, D]
+def _paged_flash_kernel(
+    q_offset_ref, kv_len_ref, q_ref, tables_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: Config, pages_per_block: int
+):
+    width = k_ref.shape[2]  # k_ref: this query head's KV head's pool [N, P, D]
 
     def load_kv(kv_block):  # key block kv_block: its pages' ids, then one gathered load of each pool
         pages = tables_ref[pl.ds(kv_block * pages_per_block, pages_per_block)]
@@ -148,9 +189,19 @@ def _paged_flash_kernel(q_offset_ref, kv_len_ref, q_ref, tables_ref, k_ref, v_re
     forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg)
 
 
-def paged_flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array, *,
-                          q_offset, kv_len, scale: float | None = None, block_q: int = 128,
-                          block_k: int = 128, interpret: bool | None = None) -> jax.Array:
+def paged_flash_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    *,
+    q_offset,
+    kv_len,
+    scale: float | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
+    interpret: bool | None = None,
+) -> jax.Array:
     """Causal attention of a chunk of queries over paged caches (chunked prefill), forward only.
 
     q [B, T, Hq, D]: query i of sequence b at position q_offset[b] + i; k_pages / v_pages [Hkv, N, P, D];
@@ -170,8 +221,16 @@ def paged_flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
     interpret = _backend.resolve_interpret(interpret)
     block_q, block_k = _backend.fit_tiles(block_q, block_k, q.dtype, interpret)
     per_block = pages_per_block(page_size, _common.fit_block(block_k, max_pages * page_size))
-    cfg = Config(seq_q=seq_q, causal=True, sink=None, recent=None, scale=_common.default_scale(head_dim, scale),
-                 block_q=_common.fit_block(block_q, seq_q), block_k=per_block * page_size, interpret=interpret)
+    cfg = Config(
+        seq_q=seq_q,
+        causal=True,
+        sink=None,
+        recent=None,
+        scale=_common.default_scale(head_dim, scale),
+        block_q=_common.fit_block(block_q, seq_q),
+        block_k=per_block * page_size,
+        interpret=interpret,
+    )
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, max_pages * page_size), max_pages * page_size)
     tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)  # "no page" entries: masked reads
@@ -181,8 +240,15 @@ def paged_flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, i: (h // group, 0, 0, 0))
     tables_spec = pl.BlockSpec((None, tables.shape[1]), lambda b, h, i: (b, 0))
     kernel = functools.partial(_paged_flash_kernel, cfg=cfg, pages_per_block=per_block)
-    o, _ = launch_forward(kernel, q_padded, [q_offset, kv_len], [tables, k_pages, v_pages],
-                          [tables_spec, pool_spec, pool_spec], cfg, name="paged_flash_attention_fwd")
+    o, _ = launch_forward(
+        kernel,
+        q_padded,
+        [q_offset, kv_len],
+        [tables, k_pages, v_pages],
+        [tables_spec, pool_spec, pool_spec],
+        cfg,
+        name="paged_flash_attention_fwd",
+    )
     return o[:, :seq_q]
 
 

@@ -31,8 +31,18 @@ def _release_executables():
 
 def tiny_config(**overrides) -> ModelConfig:
     """2 layers, hidden 64, GQA 4 query / 2 KV heads: small enough to compile in seconds."""
-    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=512, name="tiny")
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        name="tiny",
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -87,8 +97,9 @@ def run_method(params, config, method, prompt, *, chunk, decode_steps, impl="aut
     engine = Engine(params, config)
     logits = []
     keep = lambda out, start, n_valid: logits.extend(np.asarray(out[0, : n_valid[0]]))  # noqa: E731
-    _, cache, lengths = engine.prefill(method, np.asarray([prompt], np.int32), np.asarray([len(prompt)]),
-                                       chunk=chunk, impl=impl, on_chunk=keep)
+    _, cache, lengths = engine.prefill(
+        method, np.asarray([prompt], np.int32), np.asarray([len(prompt)]), chunk=chunk, impl=impl, on_chunk=keep
+    )
     method, cache = method.after_prefill(cache, lengths)
     sequence = list(prompt)
     for _ in range(decode_steps):

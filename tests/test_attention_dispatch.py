@@ -28,8 +28,10 @@ def test_lambda_implementations_agree():
 
 def test_flash_implementations_agree():
     q, k, v, _ = random_attention_inputs(2, 16, 48, 4, 2, 64)
-    outs = [attention.flash_attention(q, k, v, q_offset=jnp.array([24, 3]), kv_len=jnp.array([40, 19]), impl=impl)
-            for impl in IMPLS]
+    outs = [
+        attention.flash_attention(q, k, v, q_offset=jnp.array([24, 3]), kv_len=jnp.array([40, 19]), impl=impl)
+        for impl in IMPLS
+    ]
     assert rel_err(outs[0], outs[2]) <= 1e-5 and rel_err(outs[1], outs[2]) <= 1e-5
 
 
@@ -45,8 +47,10 @@ def test_specs_without_a_kernel_fall_back_to_xla():
     """Sliding windows have no Pallas kernel: "pallas" still gives the right answer."""
     q, k, v, _ = random_attention_inputs(2, 8, 64, 4, 2, 32)
     spec = attention.prefix_spec(2, 8, q_offset=jnp.array([40, 9]), kv_len=jnp.array([48, 17]), num_keys=64, window=6)
-    assert rel_err(attention.attend(q, k, v, spec, impl="pallas"),
-                   attention.attend(q, k, v, spec, impl="reference")) <= 1e-5
+    assert (
+        rel_err(attention.attend(q, k, v, spec, impl="pallas"), attention.attend(q, k, v, spec, impl="reference"))
+        <= 1e-5
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -74,8 +78,10 @@ def test_engine_with_mosaic_kernels_matches_xla():
     params = __import__("duo_jax").init_params(config, jax.random.key(0), scale=0.2)
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, 20).tolist()
     gates = np.array([[0.9, 0.1], [0.2, 0.8]])
-    for method in (make_method("full", config, context=128),
-                   make_method("duo", config, context=128, pattern=Pattern(gates), sparsity=0.5, sink=2, recent=6)):
+    for method in (
+        make_method("full", config, context=128),
+        make_method("duo", config, context=128, pattern=Pattern(gates), sparsity=0.5, sink=2, recent=6),
+    ):
         ours, logits, _, _ = run_method(params, config, method, prompt, chunk=8, decode_steps=4, impl="mosaic")
         ref, ref_logits, _, _ = run_method(params, config, method, prompt, chunk=8, decode_steps=4, impl="xla")
         assert ours == ref
@@ -95,25 +101,26 @@ def test_extend_exported_for_tpu_attends_through_mosaic(chunk, method_name):
     from jax import export
 
     from duo_jax.engine import extend
-    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
-    from duo_jax.model import init_params
+    from duo_jax.model import init_params, unstack_layers
     from duo_jax.pattern import Pattern
     from pallas_kernels._backend import lowering_for
     from tests.conftest import tiny_config
 
     config = tiny_config(num_layers=2, head_dim=128)
     if method_name == "duo":  # one retrieval and one streaming KV head per layer
-        method = make_method("duo", config, context=256, pattern=Pattern([[0.9, 0.1], [0.2, 0.8]]), sparsity=0.5,
-                             sink=4, recent=60)
+        method = make_method(
+            "duo", config, context=256, pattern=Pattern([[0.9, 0.1], [0.2, 0.8]]), sparsity=0.5, sink=4, recent=60
+        )
     else:
         method = make_method("full", config, context=256)
     params = jax.eval_shape(lambda: unstack_layers(init_params(config, jax.random.key(0))))
     ints = jax.ShapeDtypeStruct((1,), jnp.int32)
     step = jax.jit(functools.partial(extend, config=config, method=method))
     with lowering_for("tpu"):
-        exported = export.export(step, platforms=["tpu"])(params, method.cache_spec(1, jnp.float32), ints,
-                                                          jax.ShapeDtypeStruct((1, chunk), jnp.int32), ints)
+        exported = export.export(step, platforms=["tpu"])(
+            params, method.cache_spec(1, jnp.float32), ints, jax.ShapeDtypeStruct((1, chunk), jnp.int32), ints
+        )
     module = exported.mlir_module()
     kernels = re.findall(r'kernel_name = "([^"]+)"', module)
     per_layer = 2 if method_name == "duo" else 1
@@ -189,8 +196,9 @@ def test_gate_training_step_exported_for_tpu_attends_through_mosaic(seq):
         optimizer, _ = training.make_optimizer(training.TrainConfig(objective=objective))
         step = training.make_train_step(config, objective, optimizer, mesh, sharding.weight_specs(params, mesh))
         with lowering_for("tpu"):
-            return export.export(step, platforms=["tpu"])(gate_shape, jax.eval_shape(optimizer.init, gate_shape),
-                                                          params, batch).mlir_module()
+            return export.export(step, platforms=["tpu"])(
+                gate_shape, jax.eval_shape(optimizer.init, gate_shape), params, batch
+            ).mlir_module()
 
     module = lowered("auto")
     kernels = re.findall(r'kernel_name = "([^"]+)"', module)
@@ -223,7 +231,8 @@ def test_gate_loss_and_gradients_with_mosaic_kernels_match_xla():
     def loss_and_grad(impl):
         objective = gates.Objective(sink=2, recent=8, impl=impl)
         fn = lambda a: jax.value_and_grad(gates.loss, has_aux=True)(  # noqa: E731
-            a, params, config, tokens, positions, supervise, objective)
+            a, params, config, tokens, positions, supervise, objective
+        )
         return fn, jax.jit(fn)(alpha)
 
     fn, ((_, ours), grad) = loss_and_grad("mosaic")

@@ -37,8 +37,14 @@ def attention_np(q, k, v, mask):
     return np.einsum("bkgts,bske->btkge", p, v).reshape(B, T, H, E)
 
 
-RULES = [dict(), dict(causal=False), dict(window=9), dict(sink=4, recent=11), dict(sink=0, recent=5),
-         dict(sink=3, recent=7, window=12)]
+RULES = [
+    dict(),
+    dict(causal=False),
+    dict(window=9),
+    dict(sink=4, recent=11),
+    dict(sink=0, recent=5),
+    dict(sink=3, recent=7, window=12),
+]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: ",".join(f"{k}={v}" for k, v in r.items()) or "causal")
@@ -96,7 +102,9 @@ def test_blocks_outside_the_schedule_are_never_read():
     spec = prefix_spec(B, T, q_offset=offset, kv_len=filled, num_keys=S, sink=16, recent=32)
     poison = np.ones(S, bool)
     poison[:16] = False  # the sink block
-    poison[(offset - 32 + 1) // block * block: -(-filled // block) * block] = False  # the band's blocks to the last filled one
+    poison[(offset - 32 + 1) // block * block : -(-filled // block) * block] = (
+        False  # the band's blocks to the last filled one
+    )
     k = jnp.where(jnp.asarray(poison)[None, :, None, None], jnp.nan, k)
     v = jnp.where(jnp.asarray(poison)[None, :, None, None], jnp.nan, v)
     out = xla.attention(q, k, v, spec, block_q=16, block_k=block)
@@ -107,6 +115,7 @@ def test_blocks_outside_the_schedule_are_never_read():
 
 def test_temp_memory_does_not_grow_with_capacity():
     """XLA's memory analysis of a 64-token chunk: the same temp bytes for a 1k- and a 16k-slot cache."""
+
     def temp_bytes(capacity):
         q = jax.ShapeDtypeStruct((1, 64, 8, 64), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((1, capacity, 2, 64), jnp.bfloat16)

@@ -19,8 +19,8 @@ def cuda_module(fn, *args) -> str:
     """The StableHLO module of jit(fn) exported for CUDA, traced with the kernels set up for a GPU."""
     with _backend.lowering_for("gpu"):
         exported = jax.export.export(
-            jax.jit(fn), platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+            jax.jit(fn), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+        )(*args)
     return exported.mlir_module()
 
 
@@ -31,14 +31,23 @@ def triton_kernels(module: str) -> list[dict]:
         if f"custom_call @{TRITON}" not in line:
             continue
         field = lambda name: re.search(rf"\b{name} = (\"?[\w.]+\"?)", line).group(1).strip('"')  # noqa: E731
-        calls.append(dict(name=field("name"), num_warps=int(field("num_warps")), num_stages=int(field("num_stages")),
-                          grid=tuple(int(field(f"grid_{a}")) for a in "xyz")))
+        calls.append(
+            dict(
+                name=field("name"),
+                num_warps=int(field("num_warps")),
+                num_stages=int(field("num_stages")),
+                grid=tuple(int(field(f"grid_{a}")) for a in "xyz"),
+            )
+        )
     return calls
 
 
 def qkv(T, S, Hq, Hkv, D, dtype=jnp.bfloat16):
-    return (jax.ShapeDtypeStruct((1, T, Hq, D), dtype), jax.ShapeDtypeStruct((1, S, Hkv, D), dtype),
-            jax.ShapeDtypeStruct((1, S, Hkv, D), dtype))
+    return (
+        jax.ShapeDtypeStruct((1, T, Hq, D), dtype),
+        jax.ShapeDtypeStruct((1, S, Hkv, D), dtype),
+        jax.ShapeDtypeStruct((1, S, Hkv, D), dtype),
+    )
 
 
 def loss_grads(attention):
@@ -61,10 +70,13 @@ def test_launch_parameters_reach_every_triton_kernel():
     """num_warps / num_stages (what `benchmarks/kernels.py --sweep` tunes) go to the forward and both backward
     kernels of flash and Λ attention."""
     shapes = qkv(256, 256, 8, 2, 128)
-    for attn in (pallas_kernels.flash_attention, lambda *a, **kw: pallas_kernels.lambda_attention(
-            *a, sink=16, recent=64, **kw)):
-        calls = triton_kernels(cuda_module(loss_grads(lambda q, k, v: attn(q, k, v, num_warps=4, num_stages=3)),
-                                           *shapes))
+    for attn in (
+        pallas_kernels.flash_attention,
+        lambda *a, **kw: pallas_kernels.lambda_attention(*a, sink=16, recent=64, **kw),
+    ):
+        calls = triton_kernels(
+            cuda_module(loss_grads(lambda q, k, v: attn(q, k, v, num_warps=4, num_stages=3)), *shapes)
+        )
         assert len(calls) == 3 and all((c["num_warps"], c["num_stages"]) == (4, 3) for c in calls)
 
 
@@ -90,8 +102,11 @@ def test_keys_at_explicit_positions_lower_to_one_triton_kernel(T):
 
     S = 320 + T
     q, k, v = qkv(T, S, 8, 2, 128)
-    spec = lambda: MaskSpec(jnp.full((1, T), 4000, jnp.int32) + jnp.arange(T), jnp.full((1,), S, jnp.int32),  # noqa: E731
-                            jnp.zeros((1, S), jnp.int32))
+    spec = lambda: MaskSpec(
+        jnp.full((1, T), 4000, jnp.int32) + jnp.arange(T),
+        jnp.full((1,), S, jnp.int32),  # noqa: E731
+        jnp.zeros((1, S), jnp.int32),
+    )
     module = cuda_module(lambda q, k, v: attention.attend(q, k, v, spec(), impl="pallas"), q, k, v)
     calls = triton_kernels(module)
     assert [c["name"] for c in calls] == ["block_sparse_attention_fwd"]

@@ -14,8 +14,22 @@ import pallas_kernels.cpu
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-SCRIPTS = ("decode", "prefill", "memory", "gpu_llama8b", "train_step", "methods", "infinigen_alpha",
-           "call_overhead", "train_memory", "generation_memory", "serving", "serving_soak", "prefill_profile", "cpu_attention")
+SCRIPTS = (
+    "decode",
+    "prefill",
+    "memory",
+    "gpu_llama8b",
+    "train_step",
+    "methods",
+    "infinigen_alpha",
+    "call_overhead",
+    "train_memory",
+    "generation_memory",
+    "serving",
+    "serving_soak",
+    "prefill_profile",
+    "cpu_attention",
+)
 
 common = importlib.import_module("common")
 
@@ -31,10 +45,23 @@ def test_write_result(tmp_path, capsys):
 
     rows = [[2048, 10.0, 5.0, 2.0], [4096, 20.0, float("nan"), None]]
     common.write_result(
-        tmp_path / "out", "demo_bench", title="A title", headers=["context", "full ms", "duo ms", "speed-up"],
-        rows=rows, data=dict(results={2048: {"full": 10.0}}), notes=["a note"],
-        plot=lambda path: report.line_plot(path, [2048, 4096], {"full": [10.0, 20.0], "duo": [5.0, None]},
-                                           xlabel="context", ylabel="ms", title="t", logx=True))
+        tmp_path / "out",
+        "demo_bench",
+        title="A title",
+        headers=["context", "full ms", "duo ms", "speed-up"],
+        rows=rows,
+        data=dict(results={2048: {"full": 10.0}}),
+        notes=["a note"],
+        plot=lambda path: report.line_plot(
+            path,
+            [2048, 4096],
+            {"full": [10.0, 20.0], "duo": [5.0, None]},
+            xlabel="context",
+            ylabel="ms",
+            title="t",
+            logx=True,
+        ),
+    )
     printed = capsys.readouterr().out
     assert "A title" in printed and "| context | full ms | duo ms | speed-up |" in printed and "a note" in printed
     assert "JAX" in printed  # the machine line
@@ -74,13 +101,24 @@ def test_time_ours_is_generates_loop():
 def test_bar_plot_and_heatmaps(tmp_path):
     from duo_jax.eval import report
 
-    assert report.bar_plot(tmp_path / "bars.png", ["2k", "4k"], {"full": [1.0, 2.0], "duo": [0.5, None]},
-                           ylabel="GiB", title="t").stat().st_size > 1000
+    assert (
+        report.bar_plot(
+            tmp_path / "bars.png", ["2k", "4k"], {"full": [1.0, 2.0], "duo": [0.5, None]}, ylabel="GiB", title="t"
+        )
+        .stat()
+        .st_size
+        > 1000
+    )
     scores = np.array([[1.0, 0.0], [0.5, np.nan]])
-    assert report.grid_heatmaps(tmp_path / "maps.png", {"full": scores, "duo": scores}, [1024, 2048],
-                                [0.0, 1.0]).stat().st_size > 1000
-    wrapped = report.grid_heatmaps(tmp_path / "rows.png", {m: scores for m in "abcde"}, [1024, 2048], [0.0, 1.0],
-                                   columns=2)  # 3 rows of 2, the last panel blank
+    assert (
+        report.grid_heatmaps(tmp_path / "maps.png", {"full": scores, "duo": scores}, [1024, 2048], [0.0, 1.0])
+        .stat()
+        .st_size
+        > 1000
+    )
+    wrapped = report.grid_heatmaps(
+        tmp_path / "rows.png", {m: scores for m in "abcde"}, [1024, 2048], [0.0, 1.0], columns=2
+    )  # 3 rows of 2, the last panel blank
     one_row = report.grid_heatmaps(tmp_path / "row.png", {m: scores for m in "abcde"}, [1024, 2048], [0.0, 1.0])
     import matplotlib.image
 
@@ -122,8 +160,9 @@ def test_roofline_matches_hand_computed_figures():
     config = duo_jax.get_config("llama3-8b")
     weight_bytes = 2 * 8_030_261_248  # Llama-3-8B's parameter count
     for context, full_ms in ((8192, 5.65), (32768, 6.72), (131072, 10.97)):
-        roof = gpu.roofline(config, weight_bytes=weight_bytes, share=0.5, window=320, context=context, chunk=2048,
-                            bandwidth=3.03e12)
+        roof = gpu.roofline(
+            config, weight_bytes=weight_bytes, share=0.5, window=320, context=context, chunk=2048, bandwidth=3.03e12
+        )
         assert roof["decode_ms"]["full"] == pytest.approx(full_ms, abs=0.01)
         assert roof["prefill_flops"]["full"] > roof["prefill_flops"]["duo"]
     assert roof["decode_ms"]["duo"] == pytest.approx(8.14, abs=0.01)
@@ -134,6 +173,7 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     the cache ends `4 * steps` + a few tokens short of the context, and a trace without a GPU plane is
     recorded as such instead of failing the run."""
     from conftest import tiny_config
+
     from duo_jax.engine import Engine
     from duo_jax.methods.registry import make_method
     from duo_jax.model import init_params
@@ -141,8 +181,15 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     gpu = importlib.import_module("gpu_llama8b")
     config = tiny_config()
     engine = Engine(init_params(config, jax.random.key(0)), config)
-    out = gpu.run_mode(engine, make_method("full", config, context=256), 256, chunk=64, steps=4, prefill=True,
-                       profile_dir=str(tmp_path / "trace"))
+    out = gpu.run_mode(
+        engine,
+        make_method("full", config, context=256),
+        256,
+        chunk=64,
+        steps=4,
+        prefill=True,
+        profile_dir=str(tmp_path / "trace"),
+    )
     assert out["prefill_s"] > 0 and out["host_step_ms"] > 0 and out["decode_ms"] > 0
     assert out["profile"] == {"error": "the trace has no GPU plane"}
     assert np.isfinite(out["decode_ms"])
@@ -152,6 +199,7 @@ def test_train_step_times_the_training_step(tmp_path, monkeypatch):
     """train_step on a tiny model's shapes (get_config patched): it compiles, times the steps, and writes the
     row with tokens per step and XLA's memory estimate (no peak on CPU, which reports no memory stats)."""
     from conftest import tiny_config
+
     from duo_jax import config as config_lib
 
     monkeypatch.setattr(config_lib, "get_config", lambda name: tiny_config())
@@ -179,8 +227,25 @@ def test_gpu_dry_run_quantized(tmp_path, capsys):
     """int4 KV + int8 weights: the cache is its codes + bf16 scales (66 B per head vector, so 33 KiB per token
     of Llama-3-8B), the roofline reads those bytes, and duo 75% reaches 4M tokens on 80 GiB where full does not."""
     gpu = importlib.import_module("gpu_llama8b")
-    assert gpu.main(["--dry-run", "--kv-dtype", "int4", "--weights", "int8", "--sparsity", "0.75", "--contexts",
-                     "8192", "4194304", "--out", str(tmp_path)]) == 0
+    assert (
+        gpu.main(
+            [
+                "--dry-run",
+                "--kv-dtype",
+                "int4",
+                "--weights",
+                "int8",
+                "--sparsity",
+                "0.75",
+                "--contexts",
+                "8192",
+                "4194304",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "weights int8, KV int4" in capsys.readouterr().out
     plan = json.loads((tmp_path / "gpu_llama8b_plan.json").read_text())
     assert 8.03e9 < plan["weight_bytes"] < 0.51 * 2 * 8_030_261_248  # int8 codes + per-channel scales

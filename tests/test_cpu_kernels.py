@@ -40,8 +40,9 @@ def test_kernel_matches_float64(case, threads):
     q, k, v, _ = random_attention_inputs(B, T, S, H, Kh, E, seed=len(CASES) * threads + T)
     k, v = k.at[:, -1].set(jnp.nan), v.at[:, -1].set(jnp.nan)
     offsets, lengths = jnp.asarray(offsets, jnp.int32), jnp.asarray(lengths, jnp.int32)
-    out = jax.jit(lambda q, k, v, o, n: cpu.flash_attention(q, k, v, o, n, block_q=block_q, block_k=block_k,
-                                                             num_threads=threads))(q, k, v, offsets, lengths)
+    out = jax.jit(
+        lambda q, k, v, o, n: cpu.flash_attention(q, k, v, o, n, block_q=block_q, block_k=block_k, num_threads=threads)
+    )(q, k, v, offsets, lengths)
     spec = prefix_spec(B, T, q_offset=offsets, kv_len=lengths, num_keys=S)
     mask = mask_np(spec, S)
     ref = attention_np(q, jnp.where(jnp.isnan(k), 0, k), jnp.where(jnp.isnan(v), 0, v), mask)
@@ -62,16 +63,20 @@ def test_keys_at_explicit_positions_match_float64(threads, block_k):
     positions = np.full((B, ring + T), -1, np.int32)
     for b in range(B):
         cached = np.concatenate([np.arange(16), np.arange(offsets[b] - 70, offsets[b])])  # sinks + recent tokens
-        slots = rng.permutation(ring)[:len(cached)]
+        slots = rng.permutation(ring)[: len(cached)]
         positions[b, slots] = cached
         positions[b, ring:] = offsets[b] + np.arange(T)
     kv_len = np.array([ring + T, ring + T - 5], np.int32)  # the second sequence's last 5 chunk tokens are not real
     q, k, v, _ = random_attention_inputs(B, T, ring + T, H, Kh, E, seed=12)
     k, v = k.at[1, -1].set(jnp.nan), v.at[1, -1].set(jnp.nan)
-    out = jax.jit(lambda q, k, v: cpu.flash_attention(q, k, v, offsets, kv_len, k_positions=positions,
-                                                       block_k=block_k, num_threads=threads))(q, k, v)
-    spec = attention.MaskSpec(jnp.asarray(offsets[:, None] + np.arange(T), jnp.int32), jnp.asarray(kv_len),
-                              jnp.asarray(positions))
+    out = jax.jit(
+        lambda q, k, v: cpu.flash_attention(
+            q, k, v, offsets, kv_len, k_positions=positions, block_k=block_k, num_threads=threads
+        )
+    )(q, k, v)
+    spec = attention.MaskSpec(
+        jnp.asarray(offsets[:, None] + np.arange(T), jnp.int32), jnp.asarray(kv_len), jnp.asarray(positions)
+    )
     ref = attention_np(q, jnp.nan_to_num(k), jnp.nan_to_num(v), mask_np(spec, ring + T))
     assert np.all(np.isfinite(np.asarray(out)))
     assert np.max(np.abs(np.asarray(out) - ref)) <= 2e-5 * np.max(np.abs(ref))

@@ -16,9 +16,17 @@ import pytest
 import duo_jax
 from duo_jax import data_wheels
 from duo_jax.errors import ConfigError, LoadError
-from tests.test_loading import CASE, hf_dir  # noqa: F401 (a fixture)
+from tests.test_loading import CASE
+from tests.test_model import write_random_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf")
+    write_random_hf_model(directory, *CASE)
+    return directory
 
 
 def _copy(hf_dir, tmp_path) -> Path:
@@ -32,15 +40,18 @@ def _header_len(path: Path) -> int:
 
 def _truncate_at(fraction_of_data):
     """Cut model.safetensors `fraction_of_data` of the way into its tensor data (0: right after the header)."""
+
     def damage(path: Path):
         raw, start = path.read_bytes(), 8 + _header_len(path)
-        path.write_bytes(raw[:start + int(fraction_of_data * (len(raw) - start))])
+        path.write_bytes(raw[: start + int(fraction_of_data * (len(raw) - start))])
+
     return damage
 
 
 def _cut(n_bytes):
     def damage(path: Path):
         path.write_bytes(path.read_bytes()[:n_bytes])
+
     return damage
 
 
@@ -48,6 +59,7 @@ def _header_len_plus(delta):
     def damage(path: Path):
         raw = path.read_bytes()
         path.write_bytes(struct.pack("<Q", _header_len(path) + delta) + raw[8:])
+
     return damage
 
 
@@ -60,11 +72,12 @@ def _edit_header(old: bytes, new: bytes):
         end = 8 + _header_len(path)
         assert old in raw[8:end]
         path.write_bytes(raw[:8] + raw[8:end].replace(old, new, 1) + raw[end:])
+
     return damage
 
 
 def _shift_first_offset(path: Path):
-    header = json.loads(path.read_bytes()[8:8 + _header_len(path)])
+    header = json.loads(path.read_bytes()[8 : 8 + _header_len(path)])
     name = next(n for n, info in header.items() if n != "__metadata__" and info["data_offsets"][0] == 0)
     _edit_header(f'"{name}":{{"dtype":"F32","shape":'.encode(), f'"{name}":{{"dtype":"F16","shape":'.encode())(path)
 
@@ -81,7 +94,7 @@ SAFETENSORS_DAMAGE = {
     "header length too small": (_header_len_plus(-3), r"not valid JSON|bytes follow the last tensor"),
     "unknown dtype string": (_edit_header(b'"F32"', b'"F33"'), r"dtype 'F33', which duo-jax does not load"),
     "dtype that contradicts the offsets": (_shift_first_offset, r"needs \d+ bytes but its data_offsets span"),
-    "header not JSON": (_edit_header(b'{"', b'[{'), r"not valid JSON"),
+    "header not JSON": (_edit_header(b'{"', b"[{"), r"not valid JSON"),
 }
 
 
@@ -120,19 +133,28 @@ def _edit_config(**changes):
                 config.pop(key, None)
             else:
                 config[key] = value
+
     return damage
 
 
 CONFIG_DAMAGE = {
     "missing key": (_edit_config(num_hidden_layers=None), r"lacks the required key 'num_hidden_layers'"),
-    "hidden size not divisible by heads": (_edit_config(hidden_size=66, head_dim=None),
-                                           r"hidden_size \(66\) is not divisible by num_attention_heads \(4\)"),
+    "hidden size not divisible by heads": (
+        _edit_config(hidden_size=66, head_dim=None),
+        r"hidden_size \(66\) is not divisible by num_attention_heads \(4\)",
+    ),
     "kv heads do not divide heads": (_edit_config(num_key_value_heads=3), r"multiple of num_kv_heads \(3\)"),
     "odd head_dim": (_edit_config(head_dim=15), r"head_dim must be even"),
-    "number written as a string": (_edit_config(intermediate_size="112"), r"intermediate_size must be a positive "
-                                                                          r"integer, got '112'"),
-    "eos id outside the vocabulary": (_edit_config(eos_token_id=500), r"eos_token_id \(500,\) is not a token id of "
-                                                                      r"the 128-token vocabulary"),
+    "number written as a string": (
+        _edit_config(intermediate_size="112"),
+        r"intermediate_size must be a positive "
+        r"integer, got '112'",
+    ),
+    "eos id outside the vocabulary": (
+        _edit_config(eos_token_id=500),
+        r"eos_token_id \(500,\) is not a token id of "
+        r"the 128-token vocabulary",
+    ),
     "negative layer count": (_edit_config(num_hidden_layers=-2), r"num_layers must be a positive integer"),
 }
 
@@ -163,16 +185,24 @@ def test_tokenizer_of_another_model(tmp_path, hf_dir):
     vocab_size = CASE[1]["vocab_size"]
     vocab = {f"t{i}": i for i in range(vocab_size + 72)}
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(directory / "tokenizer.json"))
-    with pytest.raises(LoadError, match=rf"tokenizer\.json: the tokenizer has {vocab_size + 72} tokens but the "
-                                        rf"weights' vocabulary \(vocab_size\) has {vocab_size}"):
+    with pytest.raises(
+        LoadError,
+        match=rf"tokenizer\.json: the tokenizer has {vocab_size + 72} tokens but the "
+        rf"weights' vocabulary \(vocab_size\) has {vocab_size}",
+    ):
         duo_jax.load(directory)
 
 
 def test_cli_prints_one_line_error_and_exits_2(tmp_path, hf_dir):
     directory = _copy(hf_dir, tmp_path)
     _truncate_at(0.5)(directory / "model.safetensors")
-    result = subprocess.run([sys.executable, str(ROOT / "infer.py"), "--model", str(directory), "--prompt", "hi"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "infer.py"), "--model", str(directory), "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith(f"error: {directory / 'model.safetensors'}: the file is truncated")

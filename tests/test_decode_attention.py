@@ -8,7 +8,6 @@ from pallas_kernels import decode_attention, reference
 from tests.conftest import random_decode_inputs as _inputs
 from tests.conftest import rel_err
 
-
 CASES = {
     # name: (S, Hq, Hkv, D, lengths, block_k, num_splits)
     "ragged_gqa_splits": (300, 4, 2, 64, (300, 1, 0, 157), 32, 4),
@@ -24,8 +23,11 @@ def test_matches_reference(case):
     seq_k, hq, hkv, head_dim, lengths, block_k, num_splits = case
     lengths = jnp.asarray(lengths, jnp.int32)
     q, k, v = _inputs(len(lengths), seq_k, hq, hkv, head_dim)
-    kernel = jax.jit(lambda q, k, v, lengths: decode_attention(
-        q, k, v, lengths, block_k=block_k, num_splits=num_splits, interpret=True))
+    kernel = jax.jit(
+        lambda q, k, v, lengths: decode_attention(
+            q, k, v, lengths, block_k=block_k, num_splits=num_splits, interpret=True
+        )
+    )
     out = kernel(q, k, v, lengths)
     out_ref = reference.decode_attention_reference(q, k, v, lengths)
     assert out.shape == q.shape
@@ -65,9 +67,11 @@ def test_partial_decode_returns_the_lse_that_merges_shards():
     outs, lses = [], []
     for i in range(2):
         offset = i * half
-        spec = MaskSpec(jnp.asarray(positions - offset, jnp.int32)[:, None],
-                        jnp.asarray(np.clip(positions + 1 - offset, 0, half), jnp.int32))
-        out, lse = partial(q[:, None], k[:, offset:offset + half], v[:, offset:offset + half], spec)
+        spec = MaskSpec(
+            jnp.asarray(positions - offset, jnp.int32)[:, None],
+            jnp.asarray(np.clip(positions + 1 - offset, 0, half), jnp.int32),
+        )
+        out, lse = partial(q[:, None], k[:, offset : offset + half], v[:, offset : offset + half], spec)
         out, lse = np.asarray(out[:, 0], np.float64), np.asarray(lse[:, 0], np.float64)
         for b in range(B):
             seen = slice(offset, min(positions[b] + 1, offset + half))

@@ -19,8 +19,7 @@ CASES = {
 
 def _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new):
     """Float64: each query head over its own KV head's visible keys, written as one softmax over a key list."""
-    q, k, v, ring_k, ring_v, k_new, v_new = (np.asarray(x, np.float64)
-                                             for x in (q, k, v, ring_k, ring_v, k_new, v_new))
+    q, k, v, ring_k, ring_v, k_new, v_new = (np.asarray(x, np.float64) for x in (q, k, v, ring_k, ring_v, k_new, v_new))
     B, H, D = q.shape
     n = k.shape[2]
     G = H // (n + ring_k.shape[2])
@@ -46,9 +45,15 @@ def _inputs(B, C, S, n, K_s, G, D, seed=0):
     keys = jax.random.split(jax.random.key(seed), 7)
     H = (n + K_s) * G
     normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
-    return (normal(keys[0], (B, H, D)), normal(keys[1], (B, C, n, D)), normal(keys[2], (B, C, n, D)),
-            normal(keys[3], (B, S, K_s, D)), normal(keys[4], (B, S, K_s, D)), normal(keys[5], (B, K_s, D)),
-            normal(keys[6], (B, K_s, D)))
+    return (
+        normal(keys[0], (B, H, D)),
+        normal(keys[1], (B, C, n, D)),
+        normal(keys[2], (B, C, n, D)),
+        normal(keys[3], (B, S, K_s, D)),
+        normal(keys[4], (B, S, K_s, D)),
+        normal(keys[5], (B, K_s, D)),
+        normal(keys[6], (B, K_s, D)),
+    )
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -57,7 +62,8 @@ def test_matches_float64(case):
     q, k, v, ring_k, ring_v, k_new, v_new = _inputs(B, C, S, n, K_s, G, D)
     lengths, ring_lengths = np.asarray(lengths, np.int32), np.asarray(ring_lengths, np.int32)
     out = jax.jit(lambda *a: duo_decode_attention(*a, block_k=block_k, num_splits=num_splits, interpret=True))(
-        q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
+        q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new
+    )
     expected = _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, expected) <= 1e-5
@@ -72,13 +78,16 @@ def test_paged_retrieval_cache_matches_float64(page_size, block_k):
     B, M, S, n, K_s, G, D = 2, 6, 48, 2, 3, 4, 64
     q, k, v, ring_k, ring_v, k_new, v_new = _inputs(B, M * page_size, S, n, K_s, G, D, seed=2)
     pages = np.random.default_rng(0).permutation(B * M + 3).astype(np.int32)[: B * M].reshape(B, M)
-    pool = lambda x: (jnp.zeros((n, B * M + 3, page_size, D), jnp.float32)  # noqa: E731
-                      .at[:, pages.reshape(-1)].set(x.reshape(B * M, page_size, n, D).transpose(2, 0, 1, 3)))
+    pool = lambda x: (
+        jnp.zeros((n, B * M + 3, page_size, D), jnp.float32)  # noqa: E731
+        .at[:, pages.reshape(-1)]
+        .set(x.reshape(B * M, page_size, n, D).transpose(2, 0, 1, 3))
+    )
     lengths, ring_lengths = np.asarray([M * page_size - 5, 17], np.int32), np.asarray([48, 7], np.int32)
     tables = np.where(np.arange(M)[None, :] * page_size < lengths[:, None], pages, 10_000)  # past the length: none
-    out = jax.jit(lambda *a, t: duo_decode_attention(*a, block_tables=t, block_k=block_k, num_splits=3,
-                                                     interpret=True))(
-        q, pool(k), pool(v), lengths, ring_k, ring_v, ring_lengths, k_new, v_new, t=jnp.asarray(tables))
+    out = jax.jit(
+        lambda *a, t: duo_decode_attention(*a, block_tables=t, block_k=block_k, num_splits=3, interpret=True)
+    )(q, pool(k), pool(v), lengths, ring_k, ring_v, ring_lengths, k_new, v_new, t=jnp.asarray(tables))
     expected = _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
     assert rel_err(out, expected) <= 1e-5
 
@@ -102,11 +111,13 @@ def test_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match="power-of-two key block"):
         duo_decode_attention(q, k, v, lengths, ring_k, ring_v, lengths, k_new, v_new, interpret=True)
     with pytest.raises(ValueError, match="retrieval and streaming heads"):
-        duo_decode_attention(q, k[:, :, :0], v[:, :, :0], lengths, ring_k, ring_v, lengths, k_new, v_new,
-                             interpret=True)
+        duo_decode_attention(
+            q, k[:, :, :0], v[:, :, :0], lengths, ring_k, ring_v, lengths, k_new, v_new, interpret=True
+        )
     with pytest.raises(ValueError, match="k_new / v_new"):
-        duo_decode_attention(q, k, v, lengths, ring_k[:, :32], ring_v[:, :32], lengths, k_new[:, :1], v_new,
-                             interpret=True)
+        duo_decode_attention(
+            q, k, v, lengths, ring_k[:, :32], ring_v[:, :32], lengths, k_new[:, :1], v_new, interpret=True
+        )
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -120,9 +131,18 @@ def test_lowers_to_one_triton_kernel(paged):
     ints = shape(B, dtype=jnp.int32)
     retrieval = shape(n, B * C // P, P, D) if paged else shape(B, C, n, D)
     tables = {"block_tables": jnp.zeros((B, C // P), jnp.int32)} if paged else {}
-    module = cuda_module(lambda *a: duo_decode_attention(*a, num_splits=64, **tables), shape(B, (n + K_s) * G, D),
-                         retrieval, retrieval, ints, shape(B, S, K_s, D), shape(B, S, K_s, D), ints, shape(B, K_s, D),
-                         shape(B, K_s, D))
+    module = cuda_module(
+        lambda *a: duo_decode_attention(*a, num_splits=64, **tables),
+        shape(B, (n + K_s) * G, D),
+        retrieval,
+        retrieval,
+        ints,
+        shape(B, S, K_s, D),
+        shape(B, S, K_s, D),
+        ints,
+        shape(B, K_s, D),
+        shape(B, K_s, D),
+    )
     assert module.count(f"custom_call @{TRITON}") == 1
     (launch,) = triton_kernels(module)
     assert launch["name"].startswith("duo_decode_attention") and launch["grid"] == (B, n + K_s, 64)

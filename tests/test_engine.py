@@ -15,9 +15,9 @@ import pytest
 
 import duo_jax
 from duo_jax.cache import make_layout
+from duo_jax.engine import extend
 from duo_jax.methods import DuoAttention
 from duo_jax.methods.duo import merge_heads, split_heads
-from duo_jax.engine import extend
 from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed, unstack_layers
 from duo_jax.quant import quantize_kv
 from tests.conftest import qkv_projection, run_method, tiny_config
@@ -49,8 +49,9 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
     x = params.embed[jnp.asarray(tokens)][None]
     for l in range(config.num_layers):
         layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
-                                 rope_inv_freq(config))
+        q, k, v = qkv_projection(
+            rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, rope_inv_freq(config)
+        )
         if kv_dtype is not None:
             i = np.arange(k.shape[-1])
             signs = (-1.0) ** np.vectorize(lambda n: bin(n).count("1"))(i[:, None] & i[None, :])
@@ -67,8 +68,9 @@ def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, d
     """DuoAttention with a raw [L, K] retrieval mask through `run_method`: (sequence, logits at every position)."""
     layout = make_layout(config, retrieval_mask, sink=sink, recent=recent, context=len(prompt) + decode_steps)
     method = DuoAttention(layout)
-    sequence, logits, _, _ = run_method(params, config, method, prompt, chunk=chunk, decode_steps=decode_steps,
-                                        impl=impl)
+    sequence, logits, _, _ = run_method(
+        params, config, method, prompt, chunk=chunk, decode_steps=decode_steps, impl=impl
+    )
     return sequence, logits
 
 
@@ -85,8 +87,9 @@ def prompt():
 @pytest.mark.parametrize("chunk", [1, 7, 23])
 def test_mixed_pattern_matches_reference(params, prompt, chunk):
     sink, recent, steps = 2, 5, 20
-    sequence, logits = run_engine(params, CONFIG, prompt, MIXED, sink=sink, recent=recent, chunk=chunk,
-                                  decode_steps=steps)
+    sequence, logits = run_engine(
+        params, CONFIG, prompt, MIXED, sink=sink, recent=recent, chunk=chunk, decode_steps=steps
+    )
     starts = [(i // chunk) * chunk if i < len(prompt) else i for i in range(len(sequence))]
     ref = reference_logits(params, CONFIG, sequence, MIXED, sink, recent, starts)
     assert np.abs(ref).max() > 1.0
@@ -114,9 +117,18 @@ def test_one_kernel_decode_in_the_engine_matches_the_reference(params, prompt):
     np.testing.assert_array_less(np.abs(kernels - reference).max(), 1e-4)
     method = DuoAttention(make_layout(CONFIG, MIXED, sink=4, recent=12, context=64))
     cache = method.init_cache(1, jnp.float32)
-    step = jax.make_jaxpr(lambda c: extend(unstack_layers(params), c, jnp.asarray([30], jnp.int32),
-                                           jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
-                                           config=CONFIG, method=method, impl="pallas"))(cache)
+    step = jax.make_jaxpr(
+        lambda c: extend(
+            unstack_layers(params),
+            c,
+            jnp.asarray([30], jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.ones((1,), jnp.int32),
+            config=CONFIG,
+            method=method,
+            impl="pallas",
+        )
+    )(cache)
     assert str(step).count("name=duo_decode_attention") == 2  # the two mixed layers
 
 
@@ -151,8 +163,14 @@ def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
     for name, mask in (("duo", MIXED), ("full", None)):
         method = DuoAttention(make_layout(CONFIG, mask, sink=4, recent=12, context=256))
         cache = jax.eval_shape(lambda m=method: m.init_cache(1, jnp.float32))
-        module = cuda_module(lambda p, c, l, t, n, m=method: extend(p, c, l, t, n, config=CONFIG, method=m,
-                                                                     impl="pallas"), params, cache, ints, token, ints)
+        module = cuda_module(
+            lambda p, c, l, t, n, m=method: extend(p, c, l, t, n, config=CONFIG, method=m, impl="pallas"),
+            params,
+            cache,
+            ints,
+            token,
+            ints,
+        )
         counts[name] = [module.count(op) for op in (f"custom_call @{TRITON}", "stablehlo.gather", "stablehlo.scatter")]
     assert counts["full"] == [CONFIG.num_layers, 6, 0]
     assert counts["duo"][0] == CONFIG.num_layers and counts["duo"][1] <= 12 and counts["duo"][2] <= 12
@@ -163,7 +181,8 @@ def test_sink_zero_and_streaming_only(params, prompt):
     sequence, logits = run_engine(params, CONFIG, prompt, mask, sink=0, recent=3, chunk=4, decode_steps=6)
     starts = [(i // 4) * 4 if i < len(prompt) else i for i in range(len(sequence))]
     np.testing.assert_array_less(
-        np.abs(logits - reference_logits(params, CONFIG, sequence, mask, 0, 3, starts)).max(), 1e-4)
+        np.abs(logits - reference_logits(params, CONFIG, sequence, mask, 0, 3, starts)).max(), 1e-4
+    )
 
 
 def test_full_attention_matches_forward(params, prompt):
@@ -206,8 +225,9 @@ def test_weights_are_prepared_once_per_model(params, prompt):
     live = lambda: sum(x.nbytes for x in jax.live_arrays())  # noqa: E731
     before = live()
     again = duo_jax.generate(model, prompt, **kwargs)
-    duo = duo_jax.generate(model, prompt, pattern=duo_jax.Pattern(MIXED.astype(float)), sparsity=0.5, sink=2,
-                           recent=5, **kwargs)
+    duo = duo_jax.generate(
+        model, prompt, pattern=duo_jax.Pattern(MIXED.astype(float)), sparsity=0.5, sink=2, recent=5, **kwargs
+    )
     assert Engine.of(model) is engine and again.tokens == first.tokens
     assert again.stats["prepare_s"] < 0.01 and duo.stats["prepare_s"] < 0.01
     assert live() - before < weights / 4
@@ -267,8 +287,15 @@ def test_the_step_refuses_stacked_weights():
 
     method = make_method("full", CONFIG, context=128)
     with pytest.raises(duo_jax.DuoJaxError, match="per-layer weights.*unstack_layers"):
-        extend(duo_jax.init_params(CONFIG, jax.random.key(0)), method.init_cache(1, "float32"), jnp.zeros(1, jnp.int32),
-               jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32), config=CONFIG, method=method)
+        extend(
+            duo_jax.init_params(CONFIG, jax.random.key(0)),
+            method.init_cache(1, "float32"),
+            jnp.zeros(1, jnp.int32),
+            jnp.zeros((1, 1), jnp.int32),
+            jnp.ones(1, jnp.int32),
+            config=CONFIG,
+            method=method,
+        )
 
 
 def test_a_step_on_device_tokens_makes_no_host_round_trip(params, monkeypatch):

@@ -12,11 +12,19 @@ import pytest
 
 import duo_jax
 from duo_jax.cache import round_capacity
+from duo_jax.data import CalibrationOverlapWarning
 from duo_jax.eval import report
 from duo_jax.eval.__main__ import main as eval_main
-from duo_jax.data import CalibrationOverlapWarning
-from duo_jax.eval.modes import (MODES, budget_tokens, check_modes, fit_window, mode_settings, num_retrieval_heads,
-                                streaming_budget, warn_if_calibrated_on)
+from duo_jax.eval.modes import (
+    MODES,
+    budget_tokens,
+    check_modes,
+    fit_window,
+    mode_settings,
+    num_retrieval_heads,
+    streaming_budget,
+    warn_if_calibrated_on,
+)
 from duo_jax.eval.niah import accuracy_table, aggregate, run_niah, score_matrix
 from duo_jax.eval.passkey import passkey_depths, run_passkey
 from duo_jax.eval.perplexity import bucket_edges, bucket_stats, evaluate_perplexity
@@ -47,10 +55,12 @@ def _layout_bytes(settings, config, context):
 
 
 def test_aggregate_and_score_matrix():
-    cells = [dict(length=100, depth=0.0, correct=True, score=1.0),
-             dict(length=100, depth=1.0, correct=False, score=0.25),
-             dict(length=200, depth=0.0, correct=True, score=0.75),
-             dict(length=200, depth=0.0, correct=False, score=0.25)]  # the same cell twice: averaged
+    cells = [
+        dict(length=100, depth=0.0, correct=True, score=1.0),
+        dict(length=100, depth=1.0, correct=False, score=0.25),
+        dict(length=200, depth=0.0, correct=True, score=0.75),
+        dict(length=200, depth=0.0, correct=False, score=0.25),
+    ]  # the same cell twice: averaged
     assert aggregate(cells) == 0.5
     assert aggregate(cells, "length") == {100: 0.5, 200: 0.5}
     assert aggregate(cells, "depth") == {0.0: 2 / 3, 1.0: 0.0}
@@ -70,17 +80,23 @@ def test_passkey_depths():
 # --- the modes and the streaming budget -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [CONFIG, tiny_config(num_layers=5, num_kv_heads=3, num_heads=6),
-                                    duo_jax.get_config("smollm2-135m"), duo_jax.get_config("llama3-8b")],
-                         ids=["tiny", "odd", "smollm2", "llama3"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        CONFIG,
+        tiny_config(num_layers=5, num_kv_heads=3, num_heads=6),
+        duo_jax.get_config("smollm2-135m"),
+        duo_jax.get_config("llama3-8b"),
+    ],
+    ids=["tiny", "odd", "smollm2", "llama3"],
+)
 @pytest.mark.parametrize("sparsity", [0.25, 0.5, 0.75])
 @pytest.mark.parametrize("context", [300, 1000, 4096])
 def test_streaming_budget_matches_duo_bytes(config, sparsity, context):
     sink, recent = 4, 60
     gates = Pattern(np.random.default_rng(1).random((config.num_layers, config.num_kv_heads)))
     duo = mode_settings("duo", config, gates, sparsity=sparsity, sink=sink, recent=recent, context=context)
-    streaming = mode_settings("streaming", config, gates, sparsity=sparsity, sink=sink, recent=recent,
-                              context=context)
+    streaming = mode_settings("streaming", config, gates, sparsity=sparsity, sink=sink, recent=recent, context=context)
     assert streaming.sink == sink and streaming.retrieval_mask().sum() == 0
     heads = config.num_layers * config.num_kv_heads
     r = num_retrieval_heads(config, sparsity) / heads
@@ -144,8 +160,9 @@ def test_duo_and_duo_headkv_meet_the_budget(fraction):
     duo_slots = _layout_bytes(duo, config, context) / slot_bytes
     assert abs(duo_slots - heads * budget) <= capacity - (duo.sink + duo.recent)
     scores = Pattern(np.random.default_rng(2).random((config.num_layers, config.num_kv_heads)))
-    composed = mode_settings("duo_headkv", config, gates, sparsity=0.5, sink=64, recent=256, context=context,
-                             kv_budget=budget, scores=scores)
+    composed = mode_settings(
+        "duo_headkv", config, gates, sparsity=0.5, sink=64, recent=256, context=context, kv_budget=budget, scores=scores
+    )
     retrieval = num_retrieval_heads(config, 0.5)
     per_head = dict(composed.options)["kv_budget"]
     window = composed.sink + composed.recent
@@ -159,8 +176,17 @@ def test_every_mode_needs_what_it_uses():
     infinigen = mode_settings("infinigen", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=100, kv_budget=20)
     assert infinigen.generate_kwargs() == {"method": "infinigen", "kv_budget": 20}  # it calibrates when built
     with pytest.raises(duo_jax.DuoJaxError, match="cannot meet"):
-        mode_settings("duo_headkv", CONFIG, Pattern.full(2, 2), sparsity=1.0, sink=4, recent=8, context=100,
-                      kv_budget=40, scores=Pattern.full(2, 2))  # no retrieval head to hold the rest
+        mode_settings(
+            "duo_headkv",
+            CONFIG,
+            Pattern.full(2, 2),
+            sparsity=1.0,
+            sink=4,
+            recent=8,
+            context=100,
+            kv_budget=40,
+            scores=Pattern.full(2, 2),
+        )  # no retrieval head to hold the rest
 
 
 # --- the evaluation loops ----------------------------------------------------------------------------------
@@ -184,8 +210,19 @@ def test_calibration_overlap_warnings():
 
 
 def test_niah_end_to_end(model, pattern, tmp_path):
-    results = run_niah(model, ["full", "duo", "streaming"], pattern=pattern, lengths=[256, 200], depths=[1.0, 0.0],
-                       sink=4, recent=16, max_new_tokens=6, chunk_size=64, out_dir=tmp_path, progress=False)
+    results = run_niah(
+        model,
+        ["full", "duo", "streaming"],
+        pattern=pattern,
+        lengths=[256, 200],
+        depths=[1.0, 0.0],
+        sink=4,
+        recent=16,
+        max_new_tokens=6,
+        chunk_size=64,
+        out_dir=tmp_path,
+        progress=False,
+    )
     assert results["haystack"] == "paul_graham:evaluation" and results["calibration_overlap"] == []
     assert results["lengths"] == [200, 256] and results["depths"] == [0.0, 1.0]
     for mode, r in results["modes"].items():
@@ -206,8 +243,21 @@ def test_niah_end_to_end(model, pattern, tmp_path):
 
 def test_niah_every_mode_at_a_budget(model, pattern, tmp_path):
     scores = Pattern(np.random.default_rng(3).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
-    results = run_niah(model, MODES, pattern=pattern, scores=scores, kv_budget=0.5, lengths=[128], depths=[0.5],
-                       sink=4, recent=16, max_new_tokens=3, chunk_size=32, out_dir=tmp_path, progress=False)
+    results = run_niah(
+        model,
+        MODES,
+        pattern=pattern,
+        scores=scores,
+        kv_budget=0.5,
+        lengths=[128],
+        depths=[0.5],
+        sink=4,
+        recent=16,
+        max_new_tokens=3,
+        chunk_size=32,
+        out_dir=tmp_path,
+        progress=False,
+    )
     assert list(results["modes"]) == list(MODES) and results["kv_budget"] == 0.5
     full_bytes = results["modes"]["full"]["cache_bytes"][128]
     for mode, r in results["modes"].items():
@@ -265,9 +315,21 @@ def test_perplexity_with_prefix_equals_full_when_the_budget_covers_all(model, mo
 
 def test_passkey_end_to_end(model, tmp_path):
     """With an int8 KV cache (the grid loop NIAH shares; `test_niah_end_to_end` runs it unquantized)."""
-    results = run_passkey(model, ["full", "streaming"], pattern=None, lengths=[200], depths_per_length=2,
-                          sink=4, recent=16, max_new_tokens=4, chunk_size=64, batch_size=1, out_dir=tmp_path,
-                          kv_dtype="int8", progress=False)
+    results = run_passkey(
+        model,
+        ["full", "streaming"],
+        pattern=None,
+        lengths=[200],
+        depths_per_length=2,
+        sink=4,
+        recent=16,
+        max_new_tokens=4,
+        chunk_size=64,
+        batch_size=1,
+        out_dir=tmp_path,
+        kv_dtype="int8",
+        progress=False,
+    )
     assert results["kv_dtype"] == "int8" and results["modes"]["streaming"]["settings"][200]["kv_dtype"] == "int8"
     L, K, E = CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim  # int8: E codes + a 2-byte scale per slot
     assert results["modes"]["full"]["cache_bytes"][200] == 2 * L * K * 256 * (E + 2)  # capacity: 204 -> 256
@@ -296,8 +358,17 @@ def test_bucket_edges_and_stats():
 def test_perplexity_full_matches_forward(model, pattern):
     tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 100)).astype(np.int32)
     edges = [0, 32, 64, 100]
-    results = evaluate_perplexity(model, tokens, ["full", "duo", "streaming"], pattern=pattern, sink=4, recent=8,
-                                  chunk_size=24, edges=edges, progress=False)
+    results = evaluate_perplexity(
+        model,
+        tokens,
+        ["full", "duo", "streaming"],
+        pattern=pattern,
+        sink=4,
+        recent=8,
+        chunk_size=24,
+        edges=edges,
+        progress=False,
+    )
     # Independently: the dense model's logits, log-softmax in numpy (float64), NLL of each next token.
     logits = np.asarray(duo_jax.forward(model.params, CONFIG, jnp.asarray(tokens)), np.float64)[:, :-1]
     log_probs = logits - logits.max(-1, keepdims=True)
@@ -305,7 +376,7 @@ def test_perplexity_full_matches_forward(model, pattern):
     nll = -np.take_along_axis(log_probs, tokens[:, 1:, None].astype(int), axis=-1)[..., 0]  # token p at p - 1
     full = results["modes"]["full"]
     for bucket, (a, b) in zip(full["buckets"], zip(edges[:-1], edges[1:])):
-        expected = nll[:, max(a, 1) - 1:b - 1]
+        expected = nll[:, max(a, 1) - 1 : b - 1]
         assert bucket["tokens"] == expected.size
         assert abs(bucket["nll"] - expected.mean()) < 1e-4
     assert abs(full["nll"] - nll.mean()) < 1e-4
@@ -340,14 +411,16 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["niah", "--kv-budget", "1.5"], "--kv-budget is a fraction"),
-    (["niah", "--modes", "full", "h2o2"], "invalid choice"),
-    (["perplexity", "--length", "512", "--prefix", "512"], "--prefix must lie"),
-    (["niah", "--kv-dtype", "int2"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["niah", "--kv-budget", "1.5"], "--kv-budget is a fraction"),
+        (["niah", "--modes", "full", "h2o2"], "invalid choice"),
+        (["perplexity", "--length", "512", "--prefix", "512"], "--prefix must lie"),
+        (["niah", "--kv-dtype", "int2"], "invalid choice"),
+    ],
+)
 def test_cli_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         eval_main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
-

@@ -37,8 +37,10 @@ def reference_logits(params, tokens, chunks, rule, budget, recent=0, config=CONF
     for l in range(config.num_layers):
         window = config.layer_window(l) or T + 1
         layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = (np.asarray(a[0], np.float64) for a in
-                   qkv_projection(rms_norm(x, layer.attn_norm, 1e-5), layer, positions, rope_inv_freq(config)))
+        q, k, v = (
+            np.asarray(a[0], np.float64)
+            for a in qkv_projection(rms_norm(x, layer.attn_norm, 1e-5), layer, positions, rope_inv_freq(config))
+        )
         out = np.zeros_like(q)
         kept = [[] for _ in range(K)]
         score = [dict() for _ in range(K)]
@@ -85,8 +87,9 @@ def prompt():
     return np.random.default_rng(2).integers(0, CONFIG.vocab_size, 17).tolist()
 
 
-@pytest.mark.parametrize("rule, chunk, budget, recent", [("h2o", 1, 6, 2), ("h2o", 4, 6, 3), ("tova", 3, 5, 0),
-                                                         ("tova", 1, 4, 0)])
+@pytest.mark.parametrize(
+    "rule, chunk, budget, recent", [("h2o", 1, 6, 2), ("h2o", 4, 6, 3), ("tova", 3, 5, 0), ("tova", 1, 4, 0)]
+)
 def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, recent):
     options = dict(kv_budget=budget) | (dict(recent=recent) if rule == "h2o" else {})
     method = make_method(rule, CONFIG, context=64, **options)
@@ -136,8 +139,9 @@ def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
     np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
 
 
-@pytest.mark.parametrize("rule, chunk, budget, recent", [("h2o", 1, 3, 1), ("h2o", 4, 6, 2), ("tova", 3, 3, 0),
-                                                         ("tova", 1, 6, 0)])
+@pytest.mark.parametrize(
+    "rule, chunk, budget, recent", [("h2o", 1, 3, 1), ("h2o", 4, 6, 2), ("tova", 3, 3, 0), ("tova", 1, 6, 0)]
+)
 def test_windowed_layer_matches_the_eviction_reference(params, prompt, rule, chunk, budget, recent):
     """Layer 1 with a 5-token window: the scores are the windowed attention's and the tokens out of every
     later window go first, so the layer keeps at most 4 tokens (budget 6: exactly the window's, budget 3: the
@@ -163,18 +167,21 @@ def test_windowed_layer_matches_the_eviction_reference(params, prompt, rule, chu
 def test_generate_with_eviction_methods(params, prompt):
     model = duo_jax.Model(CONFIG, params, None, "random")
     for rule in ("h2o", "tova"):
-        out = generate(model, [prompt, prompt[:9]], method=rule, kv_budget=6, max_new_tokens=5, chunk_size=4,
-                       stop_at_eos=False)
-        alone = generate(model, prompt[:9], method=rule, kv_budget=6, max_new_tokens=5, chunk_size=4,
-                         stop_at_eos=False)
+        out = generate(
+            model, [prompt, prompt[:9]], method=rule, kv_budget=6, max_new_tokens=5, chunk_size=4, stop_at_eos=False
+        )
+        alone = generate(model, prompt[:9], method=rule, kv_budget=6, max_new_tokens=5, chunk_size=4, stop_at_eos=False)
         assert out.tokens[1] == alone.tokens[0] and out.stats["method"] == rule
 
 
-@pytest.mark.parametrize("name, options, message", [
-    ("h2o", {}, "needs kv_budget"),
-    ("tova", {"recent": 3, "kv_budget": 4}, "does not take recent"),
-    ("h2o", {"kv_budget": 4, "recent": 5}, r"recent window must lie in \[0, kv_budget=4\]"),
-])
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("h2o", {}, "needs kv_budget"),
+        ("tova", {"recent": 3, "kv_budget": 4}, "does not take recent"),
+        ("h2o", {"kv_budget": 4, "recent": 5}, r"recent window must lie in \[0, kv_budget=4\]"),
+    ],
+)
 def test_errors(name, options, message):
     with pytest.raises(DuoJaxError, match=message):
         make_method(name, CONFIG, context=32, **options)

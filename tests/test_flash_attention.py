@@ -8,7 +8,6 @@ import pytest
 from pallas_kernels import _common, flash_attention, reference
 from tests.conftest import random_attention_inputs, rel_err
 
-
 CASES = {
     # name: (batch, T, S, Hq, Hkv, D, causal, q_offset, kv_len, block_q, block_k)
     "causal_ragged_gqa": (1, 100, 100, 4, 2, 64, True, 0, None, 32, 32),
@@ -28,12 +27,12 @@ def test_matches_reference_forward_and_grad(case):
 
     @jax.jit  # q_offset and kv_len are traced.
     def kernel(q, k, v, q_offset, kv_len):
-        return flash_attention(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len,
-                               block_q=block_q, block_k=block_k, interpret=True)
+        return flash_attention(
+            q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, block_q=block_q, block_k=block_k, interpret=True
+        )
 
     def ref(q, k, v, q_offset, kv_len):
-        return reference.flash_attention_reference(q, k, v, causal=causal, q_offset=q_offset,
-                                                   kv_len=kv_len)
+        return reference.flash_attention_reference(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len)
 
     out, out_ref = kernel(q, k, v, q_offset, kv_len), ref(q, k, v, q_offset, kv_len)
     assert rel_err(out, out_ref) <= 1e-5
@@ -60,8 +59,7 @@ def test_bfloat16_forward():
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     out = flash_attention(q, k, v, block_q=32, block_k=32, interpret=True)
     assert out.dtype == jnp.bfloat16
-    assert rel_err(out.astype(jnp.float32), reference.flash_attention_reference(q, k, v)
-                    .astype(jnp.float32)) <= 2e-2
+    assert rel_err(out.astype(jnp.float32), reference.flash_attention_reference(q, k, v).astype(jnp.float32)) <= 2e-2
 
 
 def test_rejects_bad_arguments():
@@ -75,8 +73,11 @@ def test_rejects_bad_arguments():
         flash_attention(q, k[..., :32], v[..., :32])
 
 
-@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (40, 50)), (True, (7, 20))],
-                         ids=["causal", "bidirectional", "lambda", "lambda-small-sink"])
+@pytest.mark.parametrize(
+    "causal, window",
+    [(True, None), (False, None), (True, (40, 50)), (True, (7, 20))],
+    ids=["causal", "bidirectional", "lambda", "lambda-small-sink"],
+)
 def test_unmasked_blocks_are_exactly_the_wholly_visible_ones(causal, window):
     """`_common.unmasked_kv_blocks` (the tiles the forward kernel leaves unmasked) against the mask itself, over
     random chunk offsets, key lengths and padded query blocks: every row of the query block sees each of those
@@ -97,20 +98,40 @@ def test_unmasked_blocks_are_exactly_the_wholly_visible_ones(causal, window):
             seq_q, q_offset = int(rng.integers(1, 70)), int(rng.integers(0, 200))
             kv_len = int(rng.integers(0, q_offset + seq_q + 40))
             for q_block in range(-(-seq_q // bq)):
-                check_unmasked_blocks(*blocks(*map(jnp.int32, (q_block, q_offset, kv_len, seq_q))),
-                                      q_block, q_offset=q_offset, kv_len=kv_len, seq_q=seq_q, **static)
+                check_unmasked_blocks(
+                    *blocks(*map(jnp.int32, (q_block, q_offset, kv_len, seq_q))),
+                    q_block,
+                    q_offset=q_offset,
+                    kv_len=kv_len,
+                    seq_q=seq_q,
+                    **static,
+                )
 
 
-def check_unmasked_blocks(schedule, unmasked, q_block, *, q_offset, kv_len, seq_q, block_q, block_k, causal, sink,
-                          recent):
+def check_unmasked_blocks(
+    schedule, unmasked, q_block, *, q_offset, kv_len, seq_q, block_q, block_k, causal, sink, recent
+):
     sink_end, band_start, end = (int(x) for x in schedule)
     sink_whole, lo, hi = (int(x) for x in unmasked)
     assert 0 <= sink_whole <= sink_end and band_start <= lo <= hi <= end
     rows = q_block * block_q + np.arange(block_q)[:, None]
     visited = list(range(sink_end)) + list(range(band_start, end))
-    whole = {j for j in visited if np.all(_common.attention_mask(
-        rows, j * block_k + np.arange(block_k)[None, :], q_offset=q_offset, kv_len=kv_len, seq_q=seq_q,
-        causal=causal, sink=sink, recent=recent))}
+    whole = {
+        j
+        for j in visited
+        if np.all(
+            _common.attention_mask(
+                rows,
+                j * block_k + np.arange(block_k)[None, :],
+                q_offset=q_offset,
+                kv_len=kv_len,
+                seq_q=seq_q,
+                causal=causal,
+                sink=sink,
+                recent=recent,
+            )
+        )
+    }
     unmasked = set(range(sink_whole)) | set(range(lo, hi))
     assert unmasked <= whole
     through_sinks = {j for j in whole - unmasked if j >= band_start and sink and j * block_k < sink}
@@ -134,14 +155,19 @@ def test_keys_at_explicit_positions_match_float64(seq_q, block_k):
     positions[1, :] = -1  # sequence 1's ring is empty: its first query sees only itself
     positions = np.concatenate([positions, q_offset[:, None] + np.arange(seq_q)], axis=1)
     kv_len = np.array([S, S - 3]) if seq_q > 3 else np.array([S, S])  # sequence 1: its last 3 chunk keys unwritten
-    out = jax.jit(lambda q, k, v, off, n, pos: flash_attention(
-        q, k, v, q_offset=off, kv_len=n, k_positions=pos, block_q=16, block_k=block_k, interpret=True))(
-        q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32), jnp.asarray(positions, jnp.int32))
+    out = jax.jit(
+        lambda q, k, v, off, n, pos: flash_attention(
+            q, k, v, q_offset=off, kv_len=n, k_positions=pos, block_q=16, block_k=block_k, interpret=True
+        )
+    )(q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32), jnp.asarray(positions, jnp.int32))
 
     qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
     kn, vn = np.repeat(kn, Hq // Hkv, axis=2), np.repeat(vn, Hq // Hkv, axis=2)
-    mask = ((np.arange(S)[None, None, :] < kv_len[:, None, None]) & (positions[:, None, :] >= 0)
-            & (positions[:, None, :] <= (q_offset[:, None] + np.arange(seq_q))[:, :, None]))  # [B, T, S]
+    mask = (
+        (np.arange(S)[None, None, :] < kv_len[:, None, None])
+        & (positions[:, None, :] >= 0)
+        & (positions[:, None, :] <= (q_offset[:, None] + np.arange(seq_q))[:, :, None])
+    )  # [B, T, S]
     s = np.einsum("bthd,bshd->bhts", qn, kn) / np.sqrt(D)
     s = np.where(mask[:, None], s, -np.inf)
     p = np.exp(s - np.max(s, axis=-1, keepdims=True))

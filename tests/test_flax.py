@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 import duo_jax
-from duo_jax import gates as gates_lib, sharding, training
+from duo_jax import gates as gates_lib
+from duo_jax import sharding, training
 from duo_jax.errors import DuoJaxError
 from duo_jax.flax import WEIGHTS, CausalLM, Gate, restore_gates, save_gates, train_step
 from duo_jax.loading import Model
@@ -35,8 +36,9 @@ def same_arrays(a, b) -> bool:
     return len(leaves_a) == len(leaves_b) and all(x is y for x, y in zip(leaves_a, leaves_b))
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(tie_word_embeddings=True, qkv_bias=True, qk_norm=True)],
-                         ids=["llama", "tied-bias-qknorm"])
+@pytest.mark.parametrize(
+    "overrides", [{}, dict(tie_word_embeddings=True, qkv_bias=True, qk_norm=True)], ids=["llama", "tied-bias-qknorm"]
+)
 def test_logits_equal_forward_on_the_same_arrays(overrides):
     model = tiny_model(**overrides)
     lm = CausalLM.from_model(model)
@@ -96,8 +98,9 @@ def test_one_optimizer_step_on_the_gates_equals_the_functional_trainer(tmp_path)
     optimizer = nnx.Optimizer(lm, tx, wrt=Gate)
     for i in range(2):  # the second step checks that the optimiser's state (moments, count) was kept
         alpha, opt_state, terms = step(alpha, opt_state, frozen, batch)
-        nnx_terms = train_step(lm, optimizer, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(supervise),
-                               OBJECTIVE)
+        nnx_terms = train_step(
+            lm, optimizer, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(supervise), OBJECTIVE
+        )
         np.testing.assert_allclose(lm.gates, alpha, atol=1e-6, rtol=0, err_msg=f"step {i}")
         if i == 0:
             assert np.abs(np.asarray(alpha) - gates0).max() > 0.01  # the step moved the gates ...

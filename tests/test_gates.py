@@ -38,8 +38,9 @@ def lambda_reference(params, config, tokens, positions, windows=None):
     x = embed(params, tokens)
     for l in range(config.num_layers):
         layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
-                                 rope_inv_freq(config))
+        q, k, v = qkv_projection(
+            rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, rope_inv_freq(config)
+        )
         window = None if windows is None else windows[l]
         layer_mask = mask if window is None else mask & (i - j < window)
         x = x + output_projection(attention_reference(q, k, v, layer_mask), layer)
@@ -49,21 +50,20 @@ def lambda_reference(params, config, tokens, positions, windows=None):
 
 def test_all_gates_one_is_the_full_model(setup):
     config, params, tokens, positions = setup
-    teacher, student = hidden_states(params, config, gates.init_gates(config), tokens, positions,
-                                                 OBJECTIVE)
+    teacher, student = hidden_states(params, config, gates.init_gates(config), tokens, positions, OBJECTIVE)
     full = rms_norm(dense_hidden_states(params, config, tokens), params.final_norm, config.rms_norm_eps)
     np.testing.assert_allclose(teacher, full, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(student, teacher)
-    value, terms = loss(gates.init_gates(config), params, config, tokens, positions,
-                              jnp.ones(tokens.shape, bool), OBJECTIVE)
+    value, terms = loss(
+        gates.init_gates(config), params, config, tokens, positions, jnp.ones(tokens.shape, bool), OBJECTIVE
+    )
     assert float(terms.distill) == 0.0 and float(terms.l1) == 1.0
     assert float(value) == pytest.approx(OBJECTIVE.reg_weight)
 
 
 def test_all_gates_zero_is_the_lambda_masked_model(setup):
     config, params, tokens, positions = setup
-    teacher, student = hidden_states(params, config, gates.init_gates(config, 0.0), tokens,
-                                                 positions, OBJECTIVE)
+    teacher, student = hidden_states(params, config, gates.init_gates(config, 0.0), tokens, positions, OBJECTIVE)
     reference = lambda_reference(params, config, tokens, positions)
     np.testing.assert_allclose(student, reference, atol=1e-5, rtol=1e-5)
     assert np.abs(np.asarray(student) - np.asarray(teacher)).max() > 1e-2  # the Λ mask does change the model
@@ -110,7 +110,8 @@ def test_bf16_weights_keep_fp32_gates_and_gradients(setup):
     config, params, tokens, positions = setup
     params16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
     (value, terms), grad = jax.jit(jax.value_and_grad(gates.loss, has_aux=True), static_argnums=(2, 6))(
-        gates.init_gates(config, 0.5), params16, config, tokens, positions, jnp.ones(tokens.shape, bool), OBJECTIVE)
+        gates.init_gates(config, 0.5), params16, config, tokens, positions, jnp.ones(tokens.shape, bool), OBJECTIVE
+    )
     assert grad.dtype == jnp.float32 and value.dtype == jnp.float32
     assert np.isfinite(np.asarray(grad)).all() and float(terms.distill) > 0
 

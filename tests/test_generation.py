@@ -37,8 +37,17 @@ def test_full_attention_is_plain_greedy_decoding(model, prompts):
 
 def test_sparsity_zero_is_full_attention(model, prompts):
     full = generate(model, prompts[0], max_new_tokens=10, chunk_size=8, stop_at_eos=False)
-    duo = generate(model, prompts[0], pattern=Pattern(GATES), sparsity=0.0, sink=1, recent=2, max_new_tokens=10,
-                   chunk_size=8, stop_at_eos=False)
+    duo = generate(
+        model,
+        prompts[0],
+        pattern=Pattern(GATES),
+        sparsity=0.0,
+        sink=1,
+        recent=2,
+        max_new_tokens=10,
+        chunk_size=8,
+        stop_at_eos=False,
+    )
     assert duo.tokens == full.tokens
 
 
@@ -63,22 +72,26 @@ def test_batch_of_different_lengths_equals_each_alone(model, prompts, pattern):
 
 def test_stops_at_eos(model, prompts):
     first = generate(model, prompts[1], max_new_tokens=6, stop_at_eos=False).tokens[0]
-    eos_model = duo_jax.Model(CONFIG.__class__(**{**vars(CONFIG), "eos_token_ids": (first[2],)}), model.params,
-                              None, "random")
+    eos_model = duo_jax.Model(
+        CONFIG.__class__(**{**vars(CONFIG), "eos_token_ids": (first[2],)}), model.params, None, "random"
+    )
     out = generate(eos_model, prompts[1], max_new_tokens=6)
     assert out.tokens[0] == first[: first.index(first[2]) + 1]
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(model, prompts):
     greedy = generate(model, prompts[0], max_new_tokens=8, stop_at_eos=False).tokens
-    assert generate(model, prompts[0], max_new_tokens=8, temperature=1.0, top_k=1, seed=3,
-                    stop_at_eos=False).tokens == greedy
+    assert (
+        generate(model, prompts[0], max_new_tokens=8, temperature=1.0, top_k=1, seed=3, stop_at_eos=False).tokens
+        == greedy
+    )
     a = generate(model, prompts[0], max_new_tokens=8, temperature=2.0, seed=1, stop_at_eos=False).tokens
     b = generate(model, prompts[0], max_new_tokens=8, temperature=2.0, seed=1, stop_at_eos=False).tokens
     c = generate(model, prompts[0], max_new_tokens=8, temperature=2.0, seed=2, stop_at_eos=False).tokens
     assert a == b and a != c
-    nucleus = generate(model, prompts[0], max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=5,
-                       stop_at_eos=False).tokens
+    nucleus = generate(
+        model, prompts[0], max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=5, stop_at_eos=False
+    ).tokens
     assert nucleus == greedy  # the smallest nucleus is the argmax token
 
 
@@ -87,7 +100,8 @@ def test_calls_inside_one_bucket_compile_nothing(model):
     128-slot capacity: after a warm-up, 20 calls of random sizes compile nothing."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
     rng = np.random.default_rng(5)
     generate(model, [1] * 40, max_new_tokens=20, chunk_size=256, stop_at_eos=False)  # warm-up: compiles
     before = len(compiles)
@@ -105,8 +119,8 @@ def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
     import jax.numpy as jnp
 
     from duo_jax.engine import extend
-    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
+    from duo_jax.model import unstack_layers
     from duo_jax.sampling import sample
 
     method = make_method("full", CONFIG, context=max(map(len, prompts)) + max_new_tokens)
@@ -114,15 +128,29 @@ def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
     B, T = len(prompts), max(map(len, prompts))
     padded = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
-        padded[b, :len(p)] = p
+        padded[b, : len(p)] = p
     cache = method.init_cache(B, jnp.float32)
-    logits, cache, lengths = extend(params, cache, jnp.zeros((B,), jnp.int32), jnp.asarray(padded),
-                                    jnp.asarray([len(p) for p in prompts]), config=CONFIG, method=method)
+    logits, cache, lengths = extend(
+        params,
+        cache,
+        jnp.zeros((B,), jnp.int32),
+        jnp.asarray(padded),
+        jnp.asarray([len(p) for p in prompts]),
+        config=CONFIG,
+        method=method,
+    )
     key = jax.random.key(seed)
     rows = [np.asarray(sample(logits, jax.random.fold_in(key, 0), sampling))]
     while len(rows) < max_new_tokens and not np.isin(np.stack(rows, 1), eos_ids).any(axis=1).all():
-        logits, cache, lengths = extend(params, cache, lengths, jnp.asarray(rows[-1])[:, None],
-                                        jnp.ones((B,), jnp.int32), config=CONFIG, method=method)
+        logits, cache, lengths = extend(
+            params,
+            cache,
+            lengths,
+            jnp.asarray(rows[-1])[:, None],
+            jnp.ones((B,), jnp.int32),
+            config=CONFIG,
+            method=method,
+        )
         rows.append(np.asarray(sample(logits, jax.random.fold_in(key, len(rows)), sampling)))
     out = []
     for row in np.stack(rows, 1).tolist():
@@ -150,8 +178,8 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
     import jax.numpy as jnp
 
     from duo_jax.engine import decode, extend
-    from duo_jax.model import unstack_layers
     from duo_jax.methods import make_method
+    from duo_jax.model import unstack_layers
     from duo_jax.sampling import Sampling
 
     method = make_method("full", CONFIG, context=64)
@@ -159,11 +187,28 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
 
     @jax.jit
     def my_generate(params, prompt):
-        logits, cache, lengths = extend(params, method.init_cache(1, jnp.float32), jnp.zeros((1,), jnp.int32), prompt,
-                                        jnp.full((1,), prompt.shape[1], jnp.int32), config=CONFIG, method=method)
+        logits, cache, lengths = extend(
+            params,
+            method.init_cache(1, jnp.float32),
+            jnp.zeros((1,), jnp.int32),
+            prompt,
+            jnp.full((1,), prompt.shape[1], jnp.int32),
+            config=CONFIG,
+            method=method,
+        )
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        tokens, steps, _, _ = decode(params, cache, lengths, first, jax.random.key(0), jnp.int32(9), config=CONFIG,
-                                     method=method, sampling=Sampling(), max_tokens=16)
+        tokens, steps, _, _ = decode(
+            params,
+            cache,
+            lengths,
+            first,
+            jax.random.key(0),
+            jnp.int32(9),
+            config=CONFIG,
+            method=method,
+            sampling=Sampling(),
+            max_tokens=16,
+        )
         return tokens[:, :10], steps
 
     tokens, steps = my_generate(params, jnp.asarray([prompts[0]]))
@@ -171,20 +216,23 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
     assert np.asarray(tokens)[0].tolist() == generate(model, prompts[0], max_new_tokens=10, stop_at_eos=False).tokens[0]
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    (dict(pattern=Pattern(GATES), sparsity=1.5), PatternError, r"\[0, 1\]"),
-    (dict(pattern=Pattern(GATES), sparsity=-0.1), PatternError, r"\[0, 1\]"),
-    (dict(pattern=Pattern(np.ones((4, 2)))), PatternError, "4x2.*3x2"),
-    (dict(chunk_size=0), DuoJaxError, "chunk_size must be positive"),
-    (dict(sink=-1), DuoJaxError, "sink and recent must be >= 0"),
-    (dict(recent=-5), DuoJaxError, "sink and recent must be >= 0"),
-    (dict(max_new_tokens=250), DuoJaxError, "exceeds the model's context of 256"),
-    (dict(context=32), DuoJaxError, "exceeds the cache capacity"),
-    (dict(max_new_tokens=0), DuoJaxError, "max_new_tokens must be an integer >= 1"),
-    (dict(top_p=0.0), DuoJaxError, "top_p"),
-    (dict(temperature=float("nan")), DuoJaxError, "temperature must be a finite number"),
-    (dict(top_k=1.5), DuoJaxError, "top_k must be an integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(pattern=Pattern(GATES), sparsity=1.5), PatternError, r"\[0, 1\]"),
+        (dict(pattern=Pattern(GATES), sparsity=-0.1), PatternError, r"\[0, 1\]"),
+        (dict(pattern=Pattern(np.ones((4, 2)))), PatternError, "4x2.*3x2"),
+        (dict(chunk_size=0), DuoJaxError, "chunk_size must be positive"),
+        (dict(sink=-1), DuoJaxError, "sink and recent must be >= 0"),
+        (dict(recent=-5), DuoJaxError, "sink and recent must be >= 0"),
+        (dict(max_new_tokens=250), DuoJaxError, "exceeds the model's context of 256"),
+        (dict(context=32), DuoJaxError, "exceeds the cache capacity"),
+        (dict(max_new_tokens=0), DuoJaxError, "max_new_tokens must be an integer >= 1"),
+        (dict(top_p=0.0), DuoJaxError, "top_p"),
+        (dict(temperature=float("nan")), DuoJaxError, "temperature must be a finite number"),
+        (dict(top_k=1.5), DuoJaxError, "top_k must be an integer"),
+    ],
+)
 def test_bad_arguments_are_clear_errors(model, prompts, kwargs, error, message):
     with pytest.raises(error, match=message):
         generate(model, prompts[0], **kwargs)

@@ -20,11 +20,19 @@ import pytest
 
 from duo_jax.attention import dispatch
 from duo_jax.attention.masks import MaskSpec
-from pallas_kernels import (_backend, decode_attention, flash_attention, lambda_attention, paged_decode_attention,
-                            paged_flash_attention)
+from pallas_kernels import (
+    _backend,
+    decode_attention,
+    flash_attention,
+    lambda_attention,
+    paged_decode_attention,
+    paged_flash_attention,
+)
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run with pytest -m gpu)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run with pytest -m gpu)"),
+]
 
 TOL = {jnp.float32: 5e-3, jnp.bfloat16: 3e-2}
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -89,7 +97,8 @@ def test_triton_backend_runs_on_this_jax():
     """Records whether Pallas's Triton backend still compiles and runs on this JAX (deprecated in 0.11);
     where it does not, `impl="auto"` falls back to XLA (test below)."""
     assert _backend.triton_unavailable() is None, (
-        f"JAX {jax.__version__}: Pallas's Triton backend does not run: {_backend.triton_unavailable()}")
+        f"JAX {jax.__version__}: Pallas's Triton backend does not run: {_backend.triton_unavailable()}"
+    )
     assert dispatch.resolve_impl("auto") == "pallas"
 
 
@@ -100,13 +109,21 @@ def test_flash_attention_chunk_against_a_cache(dtype):
     needs_triton()
     q, k, v = inputs(2, 512, 2048, 16, 4, 128, dtype)
     q_offset, kv_len = np.array([888, 1000]), np.array([1400, 1512])
-    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=jnp.asarray(q_offset),
-                                                 kv_len=jnp.asarray(kv_len)))
+    fn = jax.jit(
+        lambda q, k, v: flash_attention(
+            q, k, v, causal=True, q_offset=jnp.asarray(q_offset), kv_len=jnp.asarray(kv_len)
+        )
+    )
     args = [jnp.asarray(x, dtype) for x in (q, k, v)]
     check(fn(*args), attention_f64(q, k, v, positions_mask(512, 2048, q_offset, kv_len)), dtype)
     if dtype == jnp.float32:
-        check_grads(fn, lambda q, k, v: dispatch.flash_attention(
-            q, k, v, q_offset=jnp.asarray(q_offset), kv_len=jnp.asarray(kv_len), impl="reference"), args)
+        check_grads(
+            fn,
+            lambda q, k, v: dispatch.flash_attention(
+                q, k, v, q_offset=jnp.asarray(q_offset), kv_len=jnp.asarray(kv_len), impl="reference"
+            ),
+            args,
+        )
 
 
 @pytest.mark.parametrize("seq_q", [1, 2048], ids=["decode", "chunk"])
@@ -122,10 +139,14 @@ def test_flash_attention_over_keys_at_explicit_positions(seq_q):
     positions = np.stack([rng.permutation(np.arange(o - ring, o)) for o in q_offset])
     positions[1, rng.choice(ring, 100, replace=False)] = -1
     positions = np.concatenate([positions, q_offset[:, None] + np.arange(seq_q)], axis=1).astype(np.int32)
-    spec = MaskSpec(jnp.asarray(q_offset[:, None] + np.arange(seq_q), jnp.int32), jnp.full((B,), S, jnp.int32),
-                    jnp.asarray(positions))
+    spec = MaskSpec(
+        jnp.asarray(q_offset[:, None] + np.arange(seq_q), jnp.int32),
+        jnp.full((B,), S, jnp.int32),
+        jnp.asarray(positions),
+    )
     out = jax.jit(lambda q, k, v: dispatch.attend(q, k, v, spec, impl="pallas"))(
-        *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)))
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    )
     mask = (positions[:, None, :] >= 0) & (positions[:, None, :] <= (q_offset[:, None] + np.arange(seq_q))[:, :, None])
     check(out, attention_f64(q, k, v, mask), jnp.bfloat16)
 
@@ -140,8 +161,9 @@ def test_lambda_attention_streaming_heads(dtype):
     args = [jnp.asarray(x, dtype) for x in (q, k, v)]
     check(fn(*args), attention_f64(q, k, v, positions_mask(T, T, 0, T, sink, recent)), dtype)
     if dtype == jnp.float32:
-        check_grads(fn, lambda q, k, v: dispatch.lambda_attention(q, k, v, sink=sink, recent=recent,
-                                                                  impl="reference"), args)
+        check_grads(
+            fn, lambda q, k, v: dispatch.lambda_attention(q, k, v, sink=sink, recent=recent, impl="reference"), args
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
@@ -168,9 +190,13 @@ def test_duo_decode_attention_both_partitions(dtype):
     q, k, v = inputs(3, 1, 4224, 32, 2, 128, dtype)
     _, ring_k, ring_v = inputs(3, 1, 321, 32, 6, 128, dtype, seed=1)  # slot 320: the new token
     fn = jax.jit(lambda *a: duo_decode_attention(*a, num_splits=64))
-    out = fn(*(jnp.asarray(x, dtype) for x in (q[:, 0], k, v)), jnp.asarray(lengths, jnp.int32),
-             *(jnp.asarray(x[:, :320], dtype) for x in (ring_k, ring_v)), jnp.asarray(ring_lengths, jnp.int32),
-             *(jnp.asarray(x[:, 320], dtype) for x in (ring_k, ring_v)))
+    out = fn(
+        *(jnp.asarray(x, dtype) for x in (q[:, 0], k, v)),
+        jnp.asarray(lengths, jnp.int32),
+        *(jnp.asarray(x[:, :320], dtype) for x in (ring_k, ring_v)),
+        jnp.asarray(ring_lengths, jnp.int32),
+        *(jnp.asarray(x[:, 320], dtype) for x in (ring_k, ring_v)),
+    )
     retrieval = attention_f64(q[:, :, :8], k, v, positions_mask(1, 4224, lengths - 1, lengths))
     seen = (np.arange(321)[None, :] < ring_lengths[:, None]) | (np.arange(321)[None, :] == 320)
     streaming = attention_f64(q[:, :, 8:], ring_k, ring_v, seen[:, None, :])
@@ -210,7 +236,7 @@ def paged(k, v, page_size, seed=0):
     B, S, K, E = k.shape
     M = S // page_size
     N = B * M + 3
-    tables = rng.permutation(N)[:B * M].reshape(B, M).astype(np.int32)
+    tables = rng.permutation(N)[: B * M].reshape(B, M).astype(np.int32)
     pools = []
     for x in (k, v):
         pool = rng.standard_normal((K, N, page_size, E))
@@ -242,8 +268,11 @@ def test_paged_flash_attention_chunk(dtype, T=512, S=2048, page_size=16, q_offse
     q_offset, kv_len = np.array(q_offset), np.array(kv_len)
     q, k, v = inputs(2, T, S, 16, 4, 128, dtype)
     kp, vp, tables = paged(k, v, page_size)
-    fn = jax.jit(lambda q, kp, vp, t: paged_flash_attention(q, kp, vp, t, q_offset=jnp.asarray(q_offset),
-                                                             kv_len=jnp.asarray(kv_len)))
+    fn = jax.jit(
+        lambda q, kp, vp, t: paged_flash_attention(
+            q, kp, vp, t, q_offset=jnp.asarray(q_offset), kv_len=jnp.asarray(kv_len)
+        )
+    )
     out = fn(*(jnp.asarray(x, dtype) for x in (q, kp, vp)), jnp.asarray(tables))
     check(out, attention_f64(q, k, v, positions_mask(T, S, q_offset, kv_len)), dtype)
 
@@ -277,8 +306,15 @@ def _engine_logits(method_name, impl):
     from duo_jax.methods import DuoAttention, make_method
     from tests.conftest import run_method, tiny_config
 
-    config = tiny_config(num_layers=3, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=128,
-                         vocab_size=512, max_position_embeddings=1024)
+    config = tiny_config(
+        num_layers=3,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        vocab_size=512,
+        max_position_embeddings=1024,
+    )
     params = duo_jax.init_params(config, jax.random.key(0), scale=0.2)
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, 200).tolist()
     force = np.random.default_rng(1).integers(0, config.vocab_size, 16)
@@ -291,6 +327,5 @@ def _engine_logits(method_name, impl):
             method = paged(method, page_size=16)
     else:
         method = make_method(method_name, config, context=256)
-    _, logits, _, _ = run_method(params, config, method, prompt, chunk=64, decode_steps=16, impl=impl,
-                                 force=force)
+    _, logits, _, _ = run_method(params, config, method, prompt, chunk=64, decode_steps=16, impl=impl, force=force)
     return logits

@@ -10,7 +10,13 @@ import pytest
 
 from duo_jax import data_wheels
 from duo_jax.data import (
-    CALIBRATION_HAYSTACK, EVALUATION_HAYSTACK, DataError, encode, haystack_tokens, load_haystack, overlaps,
+    CALIBRATION_HAYSTACK,
+    EVALUATION_HAYSTACK,
+    DataError,
+    encode,
+    haystack_tokens,
+    load_haystack,
+    overlaps,
 )
 from duo_jax.data import haystack as haystack_module
 
@@ -92,9 +98,11 @@ def test_tfds_without_the_package(monkeypatch):
 
 
 def test_tfds_reads_the_longest_text_feature_offline(monkeypatch):
-    examples = [{"book_title": b"One", "book_text": b"The first book.", "year": 1},
-                {"book_title": b"Two", "book_text": b"The second book.", "year": 2},
-                {"book_title": b"Three", "book_text": b"The third book.", "year": 3}]
+    examples = [
+        {"book_title": b"One", "book_text": b"The first book.", "year": 1},
+        {"book_title": b"Two", "book_text": b"The second book.", "year": 2},
+        {"book_title": b"Three", "book_text": b"The third book.", "year": 3},
+    ]
     calls = []
 
     def load(name, split, download):
@@ -129,7 +137,7 @@ def test_haystack_tokens_cycles_and_caches(tokenizer):
     n = len(whole) + 1000
     ids = haystack_tokens(counting, "paul_graham", n)
     assert isinstance(ids, list) and len(ids) == n
-    assert ids[:len(whole)] == whole and ids[len(whole):] == whole[:1000]
+    assert ids[: len(whole)] == whole and ids[len(whole) :] == whole[:1000]
     assert haystack_tokens(counting, "paul_graham", 500) == whole[:500]
     assert counting.calls == 1  # tokenized once per (tokenizer, source)
     with pytest.raises(DataError, match="n_tokens"):

@@ -11,8 +11,17 @@ import pytest
 import duo_jax
 from duo_jax.data import DataError, encode, haystack_tokens, make_needle_prompt
 from duo_jax.errors import DuoJaxError
-from duo_jax.head_scores import (REASONING, RETRIEVAL, ScoringNeedle, answer_span, load_scores, main,
-                                 needle_attention_score, prompt_scores, score_heads)
+from duo_jax.head_scores import (
+    REASONING,
+    RETRIEVAL,
+    ScoringNeedle,
+    answer_span,
+    load_scores,
+    main,
+    needle_attention_score,
+    prompt_scores,
+    score_heads,
+)
 from duo_jax.methods.headkv import make_headkv
 from duo_jax.model import rope_inv_freq
 from tests.conftest import tiny_config
@@ -40,10 +49,11 @@ def test_needles_and_answer_spans(tokenizer):
         ids = encode(tokenizer, needle.needle)
         assert needle.answer in tokenizer.decode(ids[start:end].tolist())
         # The span is tight: dropping either end token loses part of the answer.
-        assert needle.answer not in tokenizer.decode(ids[start + 1:end].tolist())
-        assert needle.answer not in tokenizer.decode(ids[start:end - 1].tolist())
-    assert REASONING.distractor not in tokenizer.decode(encode(tokenizer, REASONING.needle)[slice(
-        *answer_span(tokenizer, REASONING))].tolist())
+        assert needle.answer not in tokenizer.decode(ids[start + 1 : end].tolist())
+        assert needle.answer not in tokenizer.decode(ids[start : end - 1].tolist())
+    assert REASONING.distractor not in tokenizer.decode(
+        encode(tokenizer, REASONING.needle)[slice(*answer_span(tokenizer, REASONING))].tolist()
+    )
     with pytest.raises(DataError, match="not part of the needle"):
         ScoringNeedle("x", "a b c", "d", "q", "{context}")
 
@@ -80,7 +90,7 @@ def reference_scores(params, tokens, start, end, n):
         gate = m @ w.w_gate
         x = x + (gate / (1 + np.exp(-gate)) * (m @ w.w_up)) @ w.w_down
     logits = rms64(x, p.final_norm, CONFIG.rms_norm_eps) @ (p.embed if p.lm_head is None else p.lm_head).T
-    return scores, logits[T - 1 - n: T - 1].argmax(-1)
+    return scores, logits[T - 1 - n : T - 1].argmax(-1)
 
 
 def test_prompt_scores_match_the_float64_reference(params):
@@ -106,12 +116,25 @@ def test_score_heads_on_a_tiny_model(params, tokenizer, tmp_path):
     assert sum(map(sum, method.budgets)) == pytest.approx(4 * 16, abs=2)
     # One prompt alone gives that prompt's scores, per KV head the mean of its query heads.
     alone = score_heads(params, CONFIG, tokenizer, needle=RETRIEVAL, lengths=[150], depths=[0.5], min_accuracy=0.0)
-    prompt = make_needle_prompt(tokenizer, haystack_tokens(tokenizer, "paul_graham:calibration", 150), 150, 0.5,
-                                needle=RETRIEVAL.needle, question=RETRIEVAL.question, template=RETRIEVAL.template)
+    prompt = make_needle_prompt(
+        tokenizer,
+        haystack_tokens(tokenizer, "paul_graham:calibration", 150),
+        150,
+        0.5,
+        needle=RETRIEVAL.needle,
+        question=RETRIEVAL.question,
+        template=RETRIEVAL.template,
+    )
     start, end = answer_span(tokenizer, RETRIEVAL)
     answer = encode(tokenizer, RETRIEVAL.needle)[start:end]
-    direct, _ = prompt_scores(params, jnp.asarray(np.concatenate([prompt.tokens, answer])[None]),
-                              prompt.needle_start + start, prompt.needle_start + end, config=CONFIG, n=len(answer))
+    direct, _ = prompt_scores(
+        params,
+        jnp.asarray(np.concatenate([prompt.tokens, answer])[None]),
+        prompt.needle_start + start,
+        prompt.needle_start + end,
+        config=CONFIG,
+        n=len(answer),
+    )
     np.testing.assert_allclose(alone.gates, np.asarray(direct).reshape(2, 2, 2).mean(-1), atol=1e-6)
 
 

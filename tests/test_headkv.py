@@ -34,8 +34,7 @@ def test_matches_the_float64_reference(params):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (44, 37)]
     continuations = rng.integers(0, CONFIG.vocab_size, (2, 6)).tolist()
-    method = make_headkv(CONFIG, context=64, scores=duo_jax.Pattern(SCORES), kv_budget=16, beta=1.25,
-                         window=WINDOW)
+    method = make_headkv(CONFIG, context=64, scores=duo_jax.Pattern(SCORES), kv_budget=16, beta=1.25, window=WINDOW)
     assert method.budgets == ((16, 4), (7, 13)) and (method.kernel, method.pooling) == (7, "max")
     _, cache, decode = check_against_reference(params, method, prompts, continuations, 7, "max")
     assert decode.name == "headkv"
@@ -44,13 +43,16 @@ def test_matches_the_float64_reference(params):
     assert [layer.k.shape[1] for layer in cache] == [32, 32]
 
 
-@pytest.mark.parametrize("scores, options, message", [
-    (np.ones((3, 2)), {}, "shape 3x2.*2x2"),
-    (-SCORES, {}, "non-negative"),
-    (np.zeros((2, 2)), {}, "positive sum"),
-    (SCORES, dict(beta=0.5), "beta must be >= 1"),
-    (SCORES, dict(kv_budget=4), "at least the observation window"),
-])
+@pytest.mark.parametrize(
+    "scores, options, message",
+    [
+        (np.ones((3, 2)), {}, "shape 3x2.*2x2"),
+        (-SCORES, {}, "non-negative"),
+        (np.zeros((2, 2)), {}, "positive sum"),
+        (SCORES, dict(beta=0.5), "beta must be >= 1"),
+        (SCORES, dict(kv_budget=4), "at least the observation window"),
+    ],
+)
 def test_bad_options_are_clear_errors(scores, options, message):
     with pytest.raises(DuoJaxError, match=message):
         make_headkv(CONFIG, context=64, scores=scores, **dict(dict(kv_budget=16), **options))
@@ -67,8 +69,18 @@ def test_duo_with_headkv_retrieval_heads_matches_the_float64_reference(window_la
     pattern = duo_jax.Pattern([[0.9, 0.8], [0.1, 0.2], [0.3, 0.7]])
     scores = np.array([[0.5, 0.1], [0.9, 0.9], [0.2, 0.3]])  # the streaming heads' scores do not count
     sink, recent, chunk = 2, 5, 8
-    method = make_duo_headkv(config, context=64, pattern=pattern, sparsity=0.5, scores=scores, kv_budget=14,
-                             beta=2.0, sink=sink, recent=recent, window=WINDOW)
+    method = make_duo_headkv(
+        config,
+        context=64,
+        pattern=pattern,
+        sparsity=0.5,
+        scores=scores,
+        kv_budget=14,
+        beta=2.0,
+        sink=sink,
+        recent=recent,
+        window=WINDOW,
+    )
     assert method.budgets == ((11, 5), (), (8,))  # b = 8, pool 4 * 3 = 12 by shares 5/9, 1/9, 3/9
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (45, 38)]
@@ -82,8 +94,19 @@ def test_duo_with_headkv_retrieval_heads_matches_the_float64_reference(window_la
     for b, (prompt, cont) in enumerate(zip(prompts, continuations)):
         P = len(prompt)
         starts = [(i // chunk) * chunk for i in range(P)] + [P] * 3 + list(range(P + 3, P + len(cont)))
-        ref, kept = reference_logits(params, config, prompt + cont, P, budgets.tolist(), kernel=7, pooling="max",
-                                     streaming=~mask, sink=sink, recent=recent, chunk_starts=starts)
+        ref, kept = reference_logits(
+            params,
+            config,
+            prompt + cont,
+            P,
+            budgets.tolist(),
+            kernel=7,
+            pooling="max",
+            streaming=~mask,
+            sink=sink,
+            recent=recent,
+            chunk_starts=starts,
+        )
         for l in range(3):
             positions = np.asarray(cache[l].retrieval.positions[b])
             bounds = np.cumsum((0,) + decode.head_slots[l])

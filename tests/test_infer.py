@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "infer.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "infer.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
 
 
 def test_infer_generate_is_duo_jax_generate():
@@ -25,8 +26,21 @@ def test_infer_generate_is_duo_jax_generate():
 def test_generates_and_prints_stats(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The capital of France is")
-    result = run_cli("--prompt-file", str(prompt), "--max-new-tokens", "4", "--pattern", "default",
-                     "--sparsity", "0.5", "--sink", "4", "--recent", "8", "--no-chat")
+    result = run_cli(
+        "--prompt-file",
+        str(prompt),
+        "--max-new-tokens",
+        "4",
+        "--pattern",
+        "default",
+        "--sparsity",
+        "0.5",
+        "--sink",
+        "4",
+        "--recent",
+        "8",
+        "--no-chat",
+    )
     if "ships no default pattern" in result.stderr:  # before the SmolLM2 pattern is trained
         result = run_cli("--prompt-file", str(prompt), "--max-new-tokens", "4", "--no-chat")
     assert result.returncode == 0, result.stderr
@@ -36,14 +50,24 @@ def test_generates_and_prints_stats(tmp_path):
 
 def test_a_top_k_above_the_vocabulary_keeps_every_token():
     """--top-k beyond the vocabulary is no limit (not a traceback from lax.top_k)."""
-    result = run_cli("--prompt", "Hi", "--max-new-tokens", "2", "--temperature", "1", "--top-k", "50000",
-                     "--no-chat")
+    result = run_cli("--prompt", "Hi", "--max-new-tokens", "2", "--temperature", "1", "--top-k", "50000", "--no-chat")
     assert result.returncode == 0, result.stderr
 
 
 def test_other_methods_from_the_command_line():
-    result = run_cli("--prompt", "The capital of France is", "--max-new-tokens", "3", "--method", "headkv",
-                     "--kv-budget", "40", "--scores", "default", "--no-chat")
+    result = run_cli(
+        "--prompt",
+        "The capital of France is",
+        "--max-new-tokens",
+        "3",
+        "--method",
+        "headkv",
+        "--kv-budget",
+        "40",
+        "--scores",
+        "default",
+        "--no-chat",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is") and "headkv |" in result.stderr
 
@@ -65,23 +89,28 @@ def test_instruct_model_answers_through_its_chat_template(prompt):
     assert "| chat |" in result.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "llama3-8b", "--prompt", "hi"], "weights for 'llama3-8b'"),
-    (["--prompt", "hi", "--chunk-size", "0"], "chunk_size must be positive"),
-    (["--prompt", "hi", "--sink", "-1"], "sink and recent must be >= 0"),
-    (["--prompt", "hi", "--pattern", str(ROOT / "configs/patterns/llama3-8b"), "--sparsity", "0.5"],
-     "32x8 .* 30x3"),
-    (["--prompt", "hi", "--sparsity", "1.5"], r"\[0, 1\]"),
-    (["--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0"),
-    (["--prompt", "hi", "--top-p", "0"], "top_p must be a finite number > 0 and <= 1"),
-    (["--prompt", "hi", "--top-k", "-1"], "top_k must be an integer >= 0"),
-    (["--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context of 8192"),
-    (["--prompt-file", "/nonexistent.txt"], "No such file"),
-    (["--prompt", "hi", "--method", "h2o"], "needs kv_budget"),
-    (["--prompt", "hi", "--mesh", "model=1", "--kv-dtype", "int4"], "quantized KV cache on a device mesh"),
-    (["--prompt", "hi", "--method", "infinigen"], "needs a positive kv_budget"),
-    (["--prompt", "hi", "--method", "headkv", "--kv-budget", "64", "--scores", "/nonexistent"], "nonexistent"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "llama3-8b", "--prompt", "hi"], "weights for 'llama3-8b'"),
+        (["--prompt", "hi", "--chunk-size", "0"], "chunk_size must be positive"),
+        (["--prompt", "hi", "--sink", "-1"], "sink and recent must be >= 0"),
+        (
+            ["--prompt", "hi", "--pattern", str(ROOT / "configs/patterns/llama3-8b"), "--sparsity", "0.5"],
+            "32x8 .* 30x3",
+        ),
+        (["--prompt", "hi", "--sparsity", "1.5"], r"\[0, 1\]"),
+        (["--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0"),
+        (["--prompt", "hi", "--top-p", "0"], "top_p must be a finite number > 0 and <= 1"),
+        (["--prompt", "hi", "--top-k", "-1"], "top_k must be an integer >= 0"),
+        (["--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context of 8192"),
+        (["--prompt-file", "/nonexistent.txt"], "No such file"),
+        (["--prompt", "hi", "--method", "h2o"], "needs kv_budget"),
+        (["--prompt", "hi", "--mesh", "model=1", "--kv-dtype", "int4"], "quantized KV cache on a device mesh"),
+        (["--prompt", "hi", "--method", "infinigen"], "needs a positive kv_budget"),
+        (["--prompt", "hi", "--method", "headkv", "--kv-budget", "64", "--scores", "/nonexistent"], "nonexistent"),
+    ],
+)
 def test_errors_are_one_line_with_status_2(args, message):
     result = run_cli(*args)
     assert result.returncode == 2

@@ -59,7 +59,7 @@ def test_skew_is_orthogonal_and_keeps_the_top_query_and_key_channels(params, sam
         for h in range(K):
             a = A[l, h].astype(np.float64)
             np.testing.assert_allclose(a.T @ a, np.eye(E), atol=1e-5)
-            Q = q[:, h * G:(h + 1) * G].reshape(-1, E).astype(np.float64)
+            Q = q[:, h * G : (h + 1) * G].reshape(-1, E).astype(np.float64)
             keys = k[:, h].astype(np.float64)
             np.testing.assert_allclose((Q @ a) @ (keys @ a).T, Q @ keys.T, atol=1e-4 * np.abs(Q @ keys.T).max())
             expected = top_columns(Q @ a, 4) | (top_columns(keys @ a, 4) if rule == "qk" else set())
@@ -71,8 +71,9 @@ def test_skew_is_orthogonal_and_keeps_the_top_query_and_key_channels(params, sam
 def test_defaults_are_the_authors_llama_rules(params, sample):
     method = InfiniGen.calibrate(params, CONFIG, sample, context=64, kv_budget=6, partial_ratio=0.25)
     assert (method.alpha, method.dense_layers, method.lookahead) == (5.0, 2, True)
-    np.testing.assert_array_equal(method.channel_mask, skew(params, CONFIG, sample, partial_ratio=0.25,
-                                                            channel_rule="qk")[1])
+    np.testing.assert_array_equal(
+        method.channel_mask, skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule="qk")[1]
+    )
     with pytest.raises(duo_jax.DuoJaxError, match="channel_rule"):
         skew(params, CONFIG, sample, channel_rule="k")
     with pytest.raises(duo_jax.DuoJaxError, match="dense_layers"):
@@ -102,7 +103,8 @@ def test_recalibration_of_the_same_shape_compiles_nothing(params, prompt, skewed
     _, alone, _, _ = run_method(params, CONFIG, other, prompt, chunk=8, decode_steps=6)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
     _, logits, _, _ = run_method(params, CONFIG, first, prompt, chunk=8, decode_steps=6)
     _, again, _, _ = run_method(params, CONFIG, other, prompt, chunk=8, decode_steps=6)
     assert not compiles
@@ -144,8 +146,10 @@ def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_l
         window = config.layer_window(l) or T + 1
         layer = jax.tree.map(lambda w: w[l], params.layers)
         attention_input = rms_norm(x, layer.attn_norm, 1e-5)
-        q, k, v = (np.asarray(a[0], np.float64) for a in
-                   qkv_projection(attention_input, layer, positions, rope_inv_freq(config)))
+        q, k, v = (
+            np.asarray(a[0], np.float64)
+            for a in qkv_projection(attention_input, layer, positions, rope_inv_freq(config))
+        )
         source = attention_input if previous_input is None else previous_input
         q_spec = np.asarray(qkv_projection(source, layer, positions, rope_inv_freq(config))[0][0], np.float64)
         previous_input = attention_input
@@ -159,7 +163,7 @@ def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_l
                 for h in range(K):
                     a, ch = A[l, h].astype(np.float64), np.flatnonzero(mask[l, h])
                     kp = (k[first:i, h] @ a)[:, ch]
-                    qp = (q_spec[i, h * G:(h + 1) * G] @ a)[:, ch]
+                    qp = (q_spec[i, h * G : (h + 1) * G] @ a)[:, ch]
                     head_scores.append((qp @ kp.T / math.sqrt(E)).max(axis=0))  # [i]
                 counts = [int(np.sum(s >= s.max() - alpha)) for s in head_scores]
                 n = int(min(int(np.mean(counts)), budget))
@@ -175,17 +179,19 @@ def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_l
     return np.asarray(unembed(params, config, x)[0]), kept_counts
 
 
-@pytest.mark.parametrize("offload, budget, rules", [("device", 5, AUTHORS_LLAMA), ("host", 6, SINGLE_QUERY_RULES),
-                                                   ("device", 6, dict(AUTHORS_LLAMA, alpha=2.0))])
+@pytest.mark.parametrize(
+    "offload, budget, rules",
+    [("device", 5, AUTHORS_LLAMA), ("host", 6, SINGLE_QUERY_RULES), ("device", 6, dict(AUTHORS_LLAMA, alpha=2.0))],
+)
 def test_decode_matches_the_speculation_reference(params, prompt, sample, offload, budget, rules):
     if offload == "host" and not host_offload_supported():
         pytest.skip("no pinned_host memory on this backend")
     A, mask = skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule=rules["channel_rule"])
-    method = InfiniGen.from_skew(A, mask, context=64, kv_budget=budget, alpha=rules["alpha"],
-                                 dense_layers=rules["dense_layers"], offload=offload)
+    method = InfiniGen.from_skew(
+        A, mask, context=64, kv_budget=budget, alpha=rules["alpha"], dense_layers=rules["dense_layers"], offload=offload
+    )
     sequence, logits, _, cache = run_method(params, CONFIG, method, prompt, chunk=8, decode_steps=8)
-    ref, counts = reference_logits(params, sequence, PROMPT_LEN, A, mask, budget, rules["alpha"],
-                                   rules["dense_layers"])
+    ref, counts = reference_logits(params, sequence, PROMPT_LEN, A, mask, budget, rules["alpha"], rules["dense_layers"])
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
     assert min(counts) < PROMPT_LEN  # the selection really dropped tokens ...
     full, _ = reference_logits(params, sequence, PROMPT_LEN, A, mask, 10_000, 1e9, 0)
@@ -209,8 +215,7 @@ def test_windowed_layers_match_the_speculation_reference(params, prompt, sample)
 def test_default_instance_decodes_as_the_authors_rules(params, prompt, sample):
     """Built with no options, InfiniGen decodes as the float64 reference of the original's rules; the rules
     duo-jax had before (every layer speculating, alpha 4, |QA| channels) give other logits."""
-    method = InfiniGen.calibrate(params, CONFIG, sample, context=64, kv_budget=5, partial_ratio=0.25,
-                                 offload="device")
+    method = InfiniGen.calibrate(params, CONFIG, sample, context=64, kv_budget=5, partial_ratio=0.25, offload="device")
     sequence, logits, _, _ = run_method(params, CONFIG, method, prompt, chunk=8, decode_steps=8)
     A, mask = skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule="qk")
     ref, _ = reference_logits(params, sequence, PROMPT_LEN, A, mask, 5, 5.0, 2)
@@ -226,8 +231,9 @@ def test_generate_with_a_calibrated_instance():
     config = tiny_config()
     params = duo_jax.init_params(config, jax.random.key(7), scale=0.2)
     prompts = [np.arange(1, 30).tolist(), np.arange(5, 17).tolist()]
-    method = InfiniGen.calibrate(params, config, np.arange(40) % config.vocab_size, context=64, kv_budget=6,
-                                 offload="device")
+    method = InfiniGen.calibrate(
+        params, config, np.arange(40) % config.vocab_size, context=64, kv_budget=6, offload="device"
+    )
     model = duo_jax.Model(config, params, None, "random")
     batch = generate(model, prompts, method=method, max_new_tokens=6, chunk_size=8, stop_at_eos=False)
     alone = generate(model, prompts[1], method=method, max_new_tokens=6, chunk_size=8, stop_at_eos=False)
@@ -245,11 +251,11 @@ def test_generate_checks_the_instance_capacity():
 
     config = tiny_config()
     params = duo_jax.init_params(config, jax.random.key(7), scale=0.2)
-    method = InfiniGen.calibrate(params, config, np.arange(40) % config.vocab_size, context=64, kv_budget=6,
-                                 offload="device")  # capacity rounds up to 128 tokens
+    method = InfiniGen.calibrate(
+        params, config, np.arange(40) % config.vocab_size, context=64, kv_budget=6, offload="device"
+    )  # capacity rounds up to 128 tokens
     with pytest.raises(DuoJaxError, match="capacity of 128 tokens"):
-        generate(duo_jax.Model(config, params, None, "random"), list(range(1, 120)), method=method,
-                 max_new_tokens=20)
+        generate(duo_jax.Model(config, params, None, "random"), list(range(1, 120)), method=method, max_new_tokens=20)
 
 
 def test_generate_calibrates_by_name(tokenizer):

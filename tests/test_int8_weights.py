@@ -2,8 +2,6 @@
 dequantized weights (exact) and the fp32 weights (a stated bound), through forward, the
 engine and the loader."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,16 +53,26 @@ def test_tied_embeddings_bf16(tokens):
     params = duo_jax.init_params(config, jax.random.key(3), jnp.bfloat16, scale=0.1)
     q = quantize_weights(params)
     assert q.lm_head is None and q.dtype == jnp.bfloat16
-    np.testing.assert_allclose(duo_jax.forward(q, config, tokens), duo_jax.forward(dequantized(q), config, tokens),
-                               atol=0.05, rtol=0.02)  # bf16 activations: rounding of one vs the other order
+    np.testing.assert_allclose(
+        duo_jax.forward(q, config, tokens), duo_jax.forward(dequantized(q), config, tokens), atol=0.05, rtol=0.02
+    )  # bf16 activations: rounding of one vs the other order
 
 
 def test_generate_over_int8_weights_is_greedy_decoding_of_them(params):
     model = duo_jax.Model(CONFIG, quantize_weights(params), None, "random")
     prompt = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 29).tolist()
     gates = np.array([[0.9, 0.1], [0.05, 0.8]])
-    out = duo_jax.generate(model, prompt, pattern=Pattern(gates), sparsity=0.0, sink=2, recent=4,
-                           max_new_tokens=8, chunk_size=8, stop_at_eos=False)  # heads split per layer, all retrieval
+    out = duo_jax.generate(
+        model,
+        prompt,
+        pattern=Pattern(gates),
+        sparsity=0.0,
+        sink=2,
+        recent=4,
+        max_new_tokens=8,
+        chunk_size=8,
+        stop_at_eos=False,
+    )  # heads split per layer, all retrieval
     assert out.tokens == [greedy_reference(model.params, CONFIG, prompt, 8)]
 
 
@@ -76,8 +84,11 @@ def test_load_int8(tmp_path):
     int8 = duo_jax.load(tmp_path, jnp.float32, weights="int8")
     assert isinstance(int8.params.lm_head, QuantizedWeight)
     tokens = jnp.arange(12)[None] % plain.config.vocab_size
-    np.testing.assert_allclose(duo_jax.forward(int8.params, int8.config, tokens),
-                               duo_jax.forward(quantize_weights(plain.params), plain.config, tokens), atol=1e-6)
+    np.testing.assert_allclose(
+        duo_jax.forward(int8.params, int8.config, tokens),
+        duo_jax.forward(quantize_weights(plain.params), plain.config, tokens),
+        atol=1e-6,
+    )
     nbytes = lambda p: sum(x.nbytes for x in jax.tree.leaves(p))  # noqa: E731
     assert nbytes(int8.params) < 0.3 * nbytes(plain.params)
     with pytest.raises(DuoJaxError, match="weights must be"):

@@ -5,10 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import causal_visited_blocks, lambda_attention, lambda_visited_blocks
-from pallas_kernels import reference
+from pallas_kernels import causal_visited_blocks, lambda_attention, lambda_visited_blocks, reference
 from tests.conftest import random_attention_inputs, rel_err
-
 
 CASES = {
     # name: (batch, T, S, Hq, Hkv, D, sink, recent, q_offset, block_q, block_k)
@@ -28,12 +26,12 @@ def test_matches_reference_forward_and_grad(case):
     q, k, v, cotangent = random_attention_inputs(batch, seq_q, seq_k, hq, hkv, head_dim)
 
     def kernel(q, k, v):
-        return lambda_attention(q, k, v, sink=sink, recent=recent, q_offset=q_offset,
-                                block_q=block_q, block_k=block_k, interpret=True)
+        return lambda_attention(
+            q, k, v, sink=sink, recent=recent, q_offset=q_offset, block_q=block_q, block_k=block_k, interpret=True
+        )
 
     def ref(q, k, v):
-        return reference.lambda_attention_reference(q, k, v, sink=sink, recent=recent,
-                                                    q_offset=q_offset)
+        return reference.lambda_attention_reference(q, k, v, sink=sink, recent=recent, q_offset=q_offset)
 
     assert rel_err(kernel(q, k, v), ref(q, k, v)) <= 1e-5
 
@@ -63,14 +61,17 @@ def _blocks_touched(seq_len, sink, recent, block_q, block_k):
     return int(tiles.sum())
 
 
-@pytest.mark.parametrize("seq_len,sink,recent,block_q,block_k", [
-    (1000, 128, 256, 128, 128),
-    (1000, 100, 200, 64, 32),
-    (777, 0, 50, 32, 64),
-    (300, 5, 1, 16, 16),
-    (512, 64, 600, 64, 64),  # recent >= T: every causal tile.
-    (2048, 300, 256, 128, 128),  # sink blocks overlap the band early on.
-])
+@pytest.mark.parametrize(
+    "seq_len,sink,recent,block_q,block_k",
+    [
+        (1000, 128, 256, 128, 128),
+        (1000, 100, 200, 64, 32),
+        (777, 0, 50, 32, 64),
+        (300, 5, 1, 16, 16),
+        (512, 64, 600, 64, 64),  # recent >= T: every causal tile.
+        (2048, 300, 256, 128, 128),  # sink blocks overlap the band early on.
+    ],
+)
 def test_visited_blocks_equal_touched_tiles(seq_len, sink, recent, block_q, block_k):
     visited = lambda_visited_blocks(seq_len, sink, recent, block_q, block_k)
     assert visited == _blocks_touched(seq_len, sink, recent, block_q, block_k)
@@ -103,8 +104,7 @@ def test_skipped_blocks_are_never_read():
     v = v.at[:, 16:64].set(jnp.nan)
 
     def loss(q, k, v):
-        out = lambda_attention(q, k, v, sink=8, recent=16, q_offset=80, block_q=16, block_k=16,
-                               interpret=True)
+        out = lambda_attention(q, k, v, sink=8, recent=16, q_offset=80, block_q=16, block_k=16, interpret=True)
         return jnp.sum(out * cotangent)
 
     value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)

@@ -76,8 +76,11 @@ def test_missing_tensor_is_named(tmp_path, hf_dir):
     from safetensors.numpy import save_file
 
     shutil.copy(hf_dir / "config.json", tmp_path)
-    tensors = {n: np.array(w) for n, w in safetensors_tensors(hf_dir / "model.safetensors")
-               if n != "model.layers.1.mlp.up_proj.weight"}
+    tensors = {
+        n: np.array(w)
+        for n, w in safetensors_tensors(hf_dir / "model.safetensors")
+        if n != "model.layers.1.mlp.up_proj.weight"
+    }
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(LoadError, match=r"missing, e\.g\. model\.layers\.1\.mlp\.up_proj\.weight"):
         duo_jax.load(tmp_path)
@@ -157,18 +160,28 @@ def test_a_block_reads_only_the_bytes_that_hold_it(tmp_path, monkeypatch):
     cuts a head's inner dimension)."""
     from duo_jax import loading
 
-    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                  max_position_embeddings=256, num_attention_heads=4, num_key_value_heads=2,
-                  tie_word_embeddings=False)
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     write_random_hf_model(tmp_path, transformers.Qwen2Config, fields)  # q / k / v biases
-    model = duo_jax.load(tmp_path, dtype=jnp.float32, layout="stacked")  # equal to transformers' (test_model, test_qwen_gguf)
+    model = duo_jax.load(
+        tmp_path, dtype=jnp.float32, layout="stacked"
+    )  # equal to transformers' (test_model, test_qwen_gguf)
     builder = loading._ParamsBuilder(model.config, np.float32, str(tmp_path))
     for name, tensor in safetensors_tensors(tmp_path / "model.safetensors"):
         builder.put(name, tensor)
     reads = []
     read = loading._SafetensorsTensor.__getitem__
-    monkeypatch.setattr(loading._SafetensorsTensor, "__getitem__",
-                        lambda self, index: reads.append(read(self, index)) or reads[-1])
+    monkeypatch.setattr(
+        loading._SafetensorsTensor, "__getitem__", lambda self, index: reads.append(read(self, index)) or reads[-1]
+    )
     head_inner_axis = dict(wq=3, wk=3, wv=3, wo=2, bq=2, bk=2, bv=2)  # E, of [L, D, H, E], [L, H, E, D], [L, H, E]
     rng = np.random.default_rng(0)
     assert {"bq", "lm_head"} <= set(builder.shapes)
@@ -207,8 +220,9 @@ def test_layouts_hold_the_same_weights_and_compute_the_same(hf_dir):
     np.testing.assert_allclose(duo_jax.forward(per_layer.params, per_layer.config, tokens), ref, rtol=1e-5, atol=1e-5)
     # int8 per layer keeps a scale per output channel as stacked int8 does (the shapes say which axes were
     # reduced; `tests/test_int8_weights.py` checks the numbers)
-    assert (jax.eval_shape(quantize_weights, per_layer.params)
-            == jax.eval_shape(lambda p: unstack_layers(quantize_weights(p)), stacked.params))
+    assert jax.eval_shape(quantize_weights, per_layer.params) == jax.eval_shape(
+        lambda p: unstack_layers(quantize_weights(p)), stacked.params
+    )
     with pytest.raises(duo_jax.DuoJaxError, match="layout must be one of"):
         duo_jax.load(hf_dir, layout="scanned")
     with pytest.raises(LoadError, match="layout='stacked'"):

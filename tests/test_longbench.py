@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import duo_jax
-from duo_jax.eval import longbench, longbench_metrics as lm, samples
+from duo_jax.eval import longbench, samples
+from duo_jax.eval import longbench_metrics as lm
 from duo_jax.eval.__main__ import main as eval_main
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
@@ -83,7 +84,9 @@ def test_task_scores_and_buckets():
     assert lm.task_score([1 / 3]) == 33.33
     assert lm.length_bucket_scores([1.0, 0.0, 0.5], [3999, 4000, 9000]) == {"0-4k": 100.0, "4-8k": 0.0, "8k+": 50.0}
     assert longbench.category_scores({"hotpotqa": 10.0, "musique": 20.0, "lcc": 50.0}) == {
-        "Multi-Doc QA": 15.0, "Code": 50.0}
+        "Multi-Doc QA": 15.0,
+        "Code": 50.0,
+    }
     with pytest.raises(duo_jax.DuoJaxError, match="unknown LongBench task"):
         lm.sample_score("nq", "x", ["x"])
 
@@ -92,8 +95,16 @@ def test_task_scores_and_buckets():
 
 
 def _sample(i, context, question, answers, all_classes=None, language="en", length=100):
-    return dict(input=question, context=context, answers=answers, length=length, dataset="x",
-                language=language, all_classes=all_classes, _id=f"id{i}")
+    return dict(
+        input=question,
+        context=context,
+        answers=answers,
+        length=length,
+        dataset="x",
+        language=language,
+        all_classes=all_classes,
+        _id=f"id{i}",
+    )
 
 
 def write_fixtures(folder, suffix=""):
@@ -101,17 +112,27 @@ def write_fixtures(folder, suffix=""):
     folder.mkdir(parents=True, exist_ok=True)
     essays = "Paul Graham writes about startups. " * 40
     tasks = {
-        "hotpotqa": [_sample(0, "Passage 1:\nParis is the capital of France.\n" + essays,
-                             "What is the capital of France?", ["Paris"]),
-                     _sample(1, essays, "Who writes about startups?", ["Paul Graham"], length=5000)],
-        "trec": [_sample(0, "Question: Where is Paris?\nType: Location\n",
-                         "Question: How many people live in Paris?\nType:", ["Number of something"],
-                         all_classes=["Location", "Number of something"])],
+        "hotpotqa": [
+            _sample(
+                0, "Passage 1:\nParis is the capital of France.\n" + essays, "What is the capital of France?", ["Paris"]
+            ),
+            _sample(1, essays, "Who writes about startups?", ["Paul Graham"], length=5000),
+        ],
+        "trec": [
+            _sample(
+                0,
+                "Question: Where is Paris?\nType: Location\n",
+                "Question: How many people live in Paris?\nType:",
+                ["Number of something"],
+                all_classes=["Location", "Number of something"],
+            )
+        ],
         "passage_retrieval_zh": [_sample(0, "段落1：北京。\n\n段落2：上海。", "上海", ["段落2"], language="zh")],
     }
     for task, rows in tasks.items():
-        (folder / f"{task}{suffix}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-                                                      encoding="utf-8")
+        (folder / f"{task}{suffix}.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+        )
     return list(tasks)
 
 
@@ -202,8 +223,15 @@ def test_end_to_end_resumes(model, tmp_path, monkeypatch):
     tasks = write_fixtures(data)[:2]  # hotpotqa (2 samples), trec (no chat, first line, classification)
     pattern = Pattern(np.random.default_rng(0).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
     settings = samples.Settings(pattern=pattern, sink=4, recent=16, chunk_size=64)
-    kwargs = dict(data_dir=data, tasks=tasks, kv_budgets=[0.5], settings=settings, max_length=96,
-                  out_dir=tmp_path / "out", progress=False)
+    kwargs = dict(
+        data_dir=data,
+        tasks=tasks,
+        kv_budgets=[0.5],
+        settings=settings,
+        max_length=96,
+        out_dir=tmp_path / "out",
+        progress=False,
+    )
     results = longbench.run_longbench(model, ["full", "duo"], **kwargs)
     assert list(results["runs"]) == ["full", "duo@0.5"] and results["tasks"] == tasks
     for run in results["runs"].values():
@@ -264,8 +292,17 @@ def test_prompt_beyond_the_context_is_refused(model, tmp_path):
     long = _sample(0, "Paul Graham writes about startups. " * 400, "Who writes?", ["Paul Graham"])
     (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(long) + "\n")
     with pytest.raises(duo_jax.DuoJaxError, match="lower --max-length"):
-        longbench.run_longbench(model, ["full"], data_dir=tmp_path, tasks=["hotpotqa"], kv_budgets=None,
-                                settings=samples.Settings(), max_length=1000, out_dir=tmp_path / "out", progress=False)
+        longbench.run_longbench(
+            model,
+            ["full"],
+            data_dir=tmp_path,
+            tasks=["hotpotqa"],
+            kv_budgets=None,
+            settings=samples.Settings(),
+            max_length=1000,
+            out_dir=tmp_path / "out",
+            progress=False,
+        )
 
 
 def test_longbench_e_scores_per_length_bucket(tmp_path):
@@ -274,8 +311,18 @@ def test_longbench_e_scores_per_length_bucket(tmp_path):
     run = samples.Run("full")
     store = samples.PredictionStore(tmp_path / "predictions" / "full" / "hotpotqa.jsonl")
     for sample, pred in zip(data["hotpotqa"], ["Paris", "Milan"]):
-        store.add(dict(id=sample["_id"], pred=pred, answers=sample["answers"], all_classes=None,
-                       length=sample["length"], prompt_tokens=100, prefill_s=0.1, decode_s=0.1))
+        store.add(
+            dict(
+                id=sample["_id"],
+                pred=pred,
+                answers=sample["answers"],
+                all_classes=None,
+                length=sample["length"],
+                prompt_tokens=100,
+                prefill_s=0.1,
+                decode_s=0.1,
+            )
+        )
     results = longbench.score_runs(tmp_path, [run], data, longbench_e=True)
     task = results["runs"]["full"]["tasks"]["hotpotqa"]
     assert task["score"] == 50.0 and task["samples"] == 2 and task["s_per_1k_tokens"] == pytest.approx(2.0)

@@ -14,22 +14,59 @@ from duo_jax.attention import attention_probs, attention_received
 from duo_jax.model import greedy_reference, rope_inv_freq
 from tests.conftest import tiny_config
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=2, max_position_embeddings=256,
-            rms_norm_eps=1e-5)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 
 HF_CASES = {
-    "llama-gqa-llama3-rope-untied": (transformers.LlamaConfig, dict(
-        TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32})),
-    "llama-mha-tied": (transformers.LlamaConfig, dict(
-        TINY, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0)),
-    "llama-linear-rope": (transformers.LlamaConfig, dict(
-        TINY, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "linear", "factor": 4.0})),
-    "mistral": (transformers.MistralConfig, dict(
-        TINY, num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=None,
-        tie_word_embeddings=False, rope_theta=1e6)),
+    "llama-gqa-llama3-rope-untied": (
+        transformers.LlamaConfig,
+        dict(
+            TINY,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "llama-mha-tied": (
+        transformers.LlamaConfig,
+        dict(TINY, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0),
+    ),
+    "llama-linear-rope": (
+        transformers.LlamaConfig,
+        dict(
+            TINY,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        dict(
+            TINY,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            rope_theta=1e6,
+        ),
+    ),
 }
 
 
@@ -153,9 +190,10 @@ def test_greedy_reference_matches_transformers_generate(tmp_path):
     model = duo_jax.load(tmp_path, dtype=jnp.float32)
     prompt = [5, 17, 99, 3, 64, 20, 7]
     with torch.no_grad():
-        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                               pad_token_id=0)
-    assert greedy_reference(model.params, model.config, prompt, 12) == hf[0, len(prompt):].tolist()
+        hf = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0
+        )
+    assert greedy_reference(model.params, model.config, prompt, 12) == hf[0, len(prompt) :].tolist()
 
 
 def test_init_params_shapes_and_sliding_window():

@@ -14,14 +14,33 @@ from duo_jax.pattern import Pattern
 from tests.test_model import TINY, hf_logits, write_random_hf_model
 
 FAMILIES = {
-    "qwen2": (transformers.Qwen2Config, dict(TINY, num_attention_heads=4, num_key_value_heads=2,
-                                             tie_word_embeddings=False, rope_theta=1e6)),
-    "qwen3": (transformers.Qwen3Config, dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                             tie_word_embeddings=False, rope_theta=1e6)),
-    "llama3.2": (transformers.LlamaConfig, dict(
-        TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32})),
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6),
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        dict(
+            TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, rope_theta=1e6
+        ),
+    ),
+    "llama3.2": (
+        transformers.LlamaConfig,
+        dict(
+            TINY,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
 }
 
 
@@ -53,13 +72,22 @@ def test_generate_matches_transformers_greedy(family):
     _, hf_model, model = family
     prompt = np.random.default_rng(2).integers(0, TINY["vocab_size"], 23).tolist()
     with torch.no_grad():
-        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                               pad_token_id=0)
-    expected = hf[0, len(prompt):].tolist()
+        hf = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0
+        )
+    expected = hf[0, len(prompt) :].tolist()
     assert generate(model, prompt, max_new_tokens=10, chunk_size=8, stop_at_eos=False).tokens[0] == expected
     # DuoAttention with reordered heads (biases move with their heads) and windows covering the sequence
     gates = np.random.default_rng(3).random((model.config.num_layers, model.config.num_kv_heads))
-    duo = generate(model, prompt, pattern=Pattern(gates), sparsity=0.5, sink=4, recent=64, max_new_tokens=10,
-                   chunk_size=8, stop_at_eos=False)
+    duo = generate(
+        model,
+        prompt,
+        pattern=Pattern(gates),
+        sparsity=0.5,
+        sink=4,
+        recent=64,
+        max_new_tokens=10,
+        chunk_size=8,
+        stop_at_eos=False,
+    )
     assert duo.tokens[0] == expected
-

@@ -83,7 +83,8 @@ checkpoints.close()
 restored_equal = all(y.sharding == x.sharding and all(np.array_equal(np.asarray(a.data), np.asarray(b.data))
                                                      for a, b in zip(x.addressable_shards, y.addressable_shards))
                      for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(restored)))
-print(json.dumps({"seconds": time.perf_counter() - start, "read": sharded_reads, "held": held, "total": sum(x.nbytes for x in jax.tree.leaves(plain)),
+print(json.dumps({"seconds": time.perf_counter() - start, "read": sharded_reads, "held": held,
+                  "total": sum(x.nbytes for x in jax.tree.leaves(plain)),
                   "equal": bool(equal), "restored_equal": restored_equal,
                   "files": sorted(p.name for p in (root / "weights" / "0" / "state").iterdir())}))
 """
@@ -97,9 +98,34 @@ def _free_port() -> int:
 
 def test_two_processes_train_like_one_device(tmp_path, tiny_checkpoint):
     model, haystack = tiny_checkpoint
-    args = ["--model", model, "--dtype", "fp32", "--steps", 2, "--save-every", 1, "--sink", 8, "--recent", 16,
-            "--min-len", 160, "--max-len", 160, "--num-lengths", 1, "--num-passkeys", 2, "--passkey-words", 4,
-            "--haystack", haystack, "--batch-size", 2]
+    args = [
+        "--model",
+        model,
+        "--dtype",
+        "fp32",
+        "--steps",
+        2,
+        "--save-every",
+        1,
+        "--sink",
+        8,
+        "--recent",
+        16,
+        "--min-len",
+        160,
+        "--max-len",
+        160,
+        "--num-lengths",
+        1,
+        "--num-passkeys",
+        2,
+        "--passkey-words",
+        4,
+        "--haystack",
+        haystack,
+        "--batch-size",
+        2,
+    ]
     args = list(map(str, args))
     root = tmp_path / "multi"
     root.mkdir()
@@ -107,15 +133,28 @@ def test_two_processes_train_like_one_device(tmp_path, tiny_checkpoint):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     port = str(_free_port())
     multi = args + ["--mesh", "fsdp=2,seq=2", "--out", str(root / "run")]
-    processes = [subprocess.Popen([sys.executable, "-c", _PROCESS, str(i), port, str(root), json.dumps(multi)],
-                                  cwd=REPO, env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in range(2)]
-    single = subprocess.run([sys.executable, str(REPO / "train_gates.py"), *args, "--mesh", "seq=1", "--out",
-                             str(tmp_path / "single")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROCESS, str(i), port, str(root), json.dumps(multi)],
+            cwd=REPO,
+            env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    single = subprocess.run(
+        [sys.executable, str(REPO / "train_gates.py"), *args, "--mesh", "seq=1", "--out", str(tmp_path / "single")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     outputs = [p.communicate(timeout=300) for p in processes]
-    for p, (out, err) in zip(processes, outputs):
+    for p, (_, err) in zip(processes, outputs):
         assert p.returncode == 0, err[-3000:]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
 
@@ -141,6 +180,10 @@ def test_an_incomplete_explicit_launch_is_refused(capsys):
     for extra in (["--coordinator", "localhost:1"], ["--num-processes", "2", "--process-id", "0"]):
         assert train_gates.main(["--model", "tiny", *extra]) == 2
         assert "needs all of --coordinator HOST:PORT, --num-processes N and --process-id I" in capsys.readouterr().err
-    assert train_gates.main(["--model", "tiny", "--coordinator", "localhost:1", "--num-processes", "2",
-                             "--process-id", "2"]) == 2
+    assert (
+        train_gates.main(
+            ["--model", "tiny", "--coordinator", "localhost:1", "--num-processes", "2", "--process-id", "2"]
+        )
+        == 2
+    )
     assert "--process-id 2 is not in [0, 2)" in capsys.readouterr().err

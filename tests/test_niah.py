@@ -4,11 +4,24 @@ import numpy as np
 import pytest
 
 from duo_jax.data import (
-    DataError, grid, haystack_tokens, make_needle_prompt, make_passkey_prompt, score_contains,
-    score_needle, score_passkey,
+    DataError,
+    grid,
+    haystack_tokens,
+    make_needle_prompt,
+    make_passkey_prompt,
+    score_contains,
+    score_needle,
+    score_passkey,
 )
-from duo_jax.data.niah import NEEDLE, NEEDLE_SEPARATOR, NEEDLE_TEMPLATE, PASSKEY_SEPARATOR, PASSKEY_TEMPLATE, QUESTION
-from duo_jax.data.niah import SENTENCE_SNAP
+from duo_jax.data.niah import (
+    NEEDLE,
+    NEEDLE_SEPARATOR,
+    NEEDLE_TEMPLATE,
+    PASSKEY_SEPARATOR,
+    PASSKEY_TEMPLATE,
+    QUESTION,
+    SENTENCE_SNAP,
+)
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +33,7 @@ def _check_placement(tokenizer, prompt, template, separator, needle_text, contex
     """Exact length, the needle decoding at needle_start, and the needle at `depth` of the haystack part."""
     assert prompt.tokens.dtype == np.int32 and len(prompt.tokens) == prompt.context_len == context_len
     needle_len = len(tokenizer.encode(needle_text))
-    assert tokenizer.decode(prompt.tokens[prompt.needle_start:prompt.needle_start + needle_len]) == needle_text
+    assert tokenizer.decode(prompt.tokens[prompt.needle_start : prompt.needle_start + needle_len]) == needle_text
 
     prefix_text, suffix_text = template.split("{context}")
     prefix, suffix = bos + len(tokenizer.encode(prefix_text)), len(tokenizer.encode(suffix_text))
@@ -31,8 +44,8 @@ def _check_placement(tokenizer, prompt, template, separator, needle_text, contex
     if depth in (0.0, 1.0):
         assert before == depth * hay_len
     # The same in characters: the decoded haystack before the needle is about `depth` of all of it.
-    hay_before = prompt.tokens[prefix:prefix + before]
-    hay_after = prompt.tokens[prompt.needle_start + needle_len + sep:context_len - suffix]
+    hay_before = prompt.tokens[prefix : prefix + before]
+    hay_after = prompt.tokens[prompt.needle_start + needle_len + sep : context_len - suffix]
     assert len(hay_before) + len(hay_after) == hay_len
     chars_before = len(tokenizer.decode(hay_before))
     assert abs(chars_before / (chars_before + len(tokenizer.decode(hay_after))) - depth) < 0.06
@@ -52,16 +65,31 @@ def test_needle_prompt_length_and_depth(tokenizer, haystack, context_len, depth)
     assert f"\n\n{NEEDLE}\n\n" in text
     if depth == 0.5:  # snapped to the end of a sentence
         prefix = len(tokenizer.encode(template.split("{context}")[0]))
-        assert tokenizer.decode(prompt.tokens[prefix + before - 1:prefix + before]).rstrip(" ")[-1] in ".!?\n"
+        assert tokenizer.decode(prompt.tokens[prefix + before - 1 : prefix + before]).rstrip(" ")[-1] in ".!?\n"
 
 
 def test_needle_prompt_options(tokenizer, haystack):
-    prompt = make_needle_prompt(tokenizer, haystack, 1000, 0.3, needle="The magic number is 42.",
-                                question="What is the magic number?", template="{context}\nQ: {question}\nA:",
-                                bos_id=2000)  # outside the 2000-token vocabulary
+    prompt = make_needle_prompt(
+        tokenizer,
+        haystack,
+        1000,
+        0.3,
+        needle="The magic number is 42.",
+        question="What is the magic number?",
+        template="{context}\nQ: {question}\nA:",
+        bos_id=2000,
+    )  # outside the 2000-token vocabulary
     assert prompt.tokens[0] == 2000 and (prompt.tokens == 2000).sum() == 1 and len(prompt.tokens) == 1000
-    _check_placement(tokenizer, prompt, "{context}\nQ: What is the magic number?\nA:", NEEDLE_SEPARATOR,
-                     "The magic number is 42.", 1000, 0.3, bos=1)
+    _check_placement(
+        tokenizer,
+        prompt,
+        "{context}\nQ: What is the magic number?\nA:",
+        NEEDLE_SEPARATOR,
+        "The magic number is 42.",
+        1000,
+        0.3,
+        bos=1,
+    )
     assert tokenizer.decode(prompt.tokens[1:]).endswith("\nQ: What is the magic number?\nA:")
 
 
@@ -89,7 +117,13 @@ def test_passkey_prompt_is_deterministic_per_rng(tokenizer):
 
 def test_grid():
     assert list(grid([1000, 2000], [0.0, 0.5, 1.0])) == [
-        (1000, 0.0), (1000, 0.5), (1000, 1.0), (2000, 0.0), (2000, 0.5), (2000, 1.0)]
+        (1000, 0.0),
+        (1000, 0.5),
+        (1000, 1.0),
+        (2000, 0.0),
+        (2000, 0.5),
+        (2000, 1.0),
+    ]
     with pytest.raises(DataError, match="depth"):
         grid([1000], [0.5, 1.2])
 

@@ -67,16 +67,19 @@ def test_paged_attention_matches_float64_with_random_tables():
     valid = positions < new_lengths[:, None]
     chunk_k = np.take_along_axis(keys, np.minimum(positions, M * P - 1)[:, :, None, None], axis=1)
     chunk_v = np.take_along_axis(values, np.minimum(positions, M * P - 1)[:, :, None, None], axis=1)
-    pk = write_pages(jnp.asarray(pool_k), jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(valid),
-                     jnp.asarray(chunk_k))
-    pv = write_pages(jnp.asarray(pool_v), jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(valid),
-                     jnp.asarray(chunk_v))
+    pk = write_pages(
+        jnp.asarray(pool_k), jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(valid), jnp.asarray(chunk_k)
+    )
+    pv = write_pages(
+        jnp.asarray(pool_v), jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(valid), jnp.asarray(chunk_v)
+    )
     unused = np.setdiff1d(np.arange(N), tables)
     np.testing.assert_array_equal(np.asarray(pk)[:, unused], pool_k[:, unused])  # nothing written outside the tables
     q = rng.standard_normal((B, chunk, H, E)).astype(np.float32)
     spec = MaskSpec(jnp.asarray(positions, jnp.int32), jnp.asarray(new_lengths, jnp.int32))
-    out = attention.attend(jnp.asarray(q), gather_pages(pk, jnp.asarray(tables)), gather_pages(pv, jnp.asarray(tables)),
-                           spec, impl="xla")
+    out = attention.attend(
+        jnp.asarray(q), gather_pages(pk, jnp.asarray(tables)), gather_pages(pv, jnp.asarray(tables)), spec, impl="xla"
+    )
     ref = reference_attention(q, keys, values, positions, new_lengths)
     np.testing.assert_allclose(np.asarray(out)[valid], ref[valid], rtol=1e-5, atol=1e-5)
 
@@ -99,8 +102,9 @@ def all_logits(engine, method, prompts, cache, *, chunk, steps, impl="xla"):
         for b in range(B):
             seen[b].extend(np.asarray(out[b, : n_valid[b]]))
 
-    last, cache, lens = engine.prefill(method, padded, lengths, chunk=chunk, impl=impl, on_chunk=keep,
-                                       cache=cache, lengths=jnp.zeros((B,), jnp.int32))
+    last, cache, lens = engine.prefill(
+        method, padded, lengths, chunk=chunk, impl=impl, on_chunk=keep, cache=cache, lengths=jnp.zeros((B,), jnp.int32)
+    )
     token = jnp.argmax(last, -1).astype(jnp.int32)
     for _ in range(steps):
         out, cache, lens = engine.step(method, cache, lens, token, impl=impl)
@@ -134,8 +138,9 @@ def xla_and_pallas_logits(engine, *, sink, recent, prompt_lengths, seed, steps=3
     """Paged duo (pages of 4 in a pool of 40, random block tables) on "xla" and on "pallas": every position's
     logits of random prompts and `steps` greedy tokens, by impl."""
     rng = np.random.default_rng(seed)
-    method = paged(DuoAttention(make_layout(CONFIG, MASK, sink=sink, recent=recent, context=64)), page_size=4,
-                   num_pages=40)
+    method = paged(
+        DuoAttention(make_layout(CONFIG, MASK, sink=sink, recent=recent, context=64)), page_size=4, num_pages=40
+    )
     prompts = [rng.integers(1, 128, n).tolist() for n in prompt_lengths]
     tables = random_tables(rng, [len(p) + steps for p in prompts], 4, method.pages_per_sequence, 40)
     logits = {}
@@ -170,8 +175,11 @@ def test_paged_duo_decode_in_one_kernel_gives_the_xla_paths_logits(engine, monke
 
     calls = []
     kernel = pallas_kernels.duo_decode_attention
-    monkeypatch.setattr(pallas_kernels, "duo_decode_attention",
-                        lambda *a, **kw: calls.append(kw.get("block_tables") is not None) or kernel(*a, **kw))
+    monkeypatch.setattr(
+        pallas_kernels,
+        "duo_decode_attention",
+        lambda *a, **kw: calls.append(kw.get("block_tables") is not None) or kernel(*a, **kw),
+    )
     logits = xla_and_pallas_logits(engine, sink=4, recent=12, prompt_lengths=(21, 6), seed=3)
     mixed = sum(0 < n < CONFIG.num_kv_heads for n in MASK.sum(axis=1))
     assert calls == [True] * mixed  # one trace of the jitted decode step, a launch per mixed layer

@@ -79,8 +79,9 @@ def test_gpu_paged_kernel_matches_float64(hq, hkv, dtype):
     """Blocks of 2 pages, 2 splits (a table padded to whole splits): ragged lengths 0 / 1 / a page boundary /
     mid-page / full, and the log-sum-exp for merging shards."""
     q, kp, vp, tables, lengths = random_case(hq, hkv, dtype)
-    out, lse = pallas_kernels.paged_decode_attention(q, kp, vp, tables, lengths, block_k=8, num_splits=2,
-                                                     return_lse=True)
+    out, lse = pallas_kernels.paged_decode_attention(
+        q, kp, vp, tables, lengths, block_k=8, num_splits=2, return_lse=True
+    )
     ref, ref_lse = numpy_paged_attention(q, kp, vp, tables, lengths)
     check_close(out, ref, dtype)
     assert out.dtype == dtype
@@ -114,25 +115,29 @@ def decode_spec(lengths):
     return MaskSpec(jnp.maximum(lengths - 1, 0)[:, None], lengths)
 
 
-@pytest.mark.parametrize("impl,dtype", [("pallas", jnp.float32), ("mosaic", jnp.bfloat16), ("xla", jnp.float32),
-                                        ("reference", jnp.float32)])
+@pytest.mark.parametrize(
+    "impl,dtype", [("pallas", jnp.float32), ("mosaic", jnp.bfloat16), ("xla", jnp.float32), ("reference", jnp.float32)]
+)
 def test_dispatch_reads_pages_for_decode(impl, dtype, monkeypatch):
     """`attend` over PagedKV: each impl's path (the kernel it names, checked by counting calls) gives float64
     (head dim 128: what JAX's TPU kernel needs)."""
     calls = []
     for module in (pallas_kernels, tpu):
         kernel = module.paged_decode_attention
-        monkeypatch.setattr(module, "paged_decode_attention",
-                            lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw))
+        monkeypatch.setattr(
+            module, "paged_decode_attention", lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw)
+        )
     q, kp, vp, tables, lengths = random_case(4, 2, dtype, seed=3, e=128)
     out = attention.attend(q[:, None], PagedKV(kp, tables), PagedKV(vp, tables), decode_spec(lengths), impl=impl)
     check_close(out[:, 0], numpy_paged_attention(q, kp, vp, tables, lengths)[0], dtype)
     assert len(calls) == (impl in ("pallas", "mosaic"))
 
 
-@pytest.mark.parametrize("impl,page_size,dtype", [("pallas", 3, jnp.float32), ("mosaic", 4, jnp.float32),
-                                                 ("mosaic", 4, jnp.bfloat16)], ids=["pallas-p3", "mosaic-fp32",
-                                                                                    "mosaic-e16"])
+@pytest.mark.parametrize(
+    "impl,page_size,dtype",
+    [("pallas", 3, jnp.float32), ("mosaic", 4, jnp.float32), ("mosaic", 4, jnp.bfloat16)],
+    ids=["pallas-p3", "mosaic-fp32", "mosaic-e16"],
+)
 def test_dispatch_takes_the_xla_path_where_a_kernel_cannot_serve(impl, page_size, dtype, monkeypatch):
     """A page size Triton cannot tile (3), an fp32 pool on TPU (JAX's kernel would round it to bf16), a head dim
     (16) Mosaic cannot tile: the XLA path, exact."""
@@ -160,9 +165,13 @@ def numpy_paged_chunk(q, k_pages, v_pages, tables, q_offset, kv_len):
     """float64 reference for a chunk q [B, T, Hq, E]: query t at q_offset + t sees slots <= its position and
     < kv_len (zeros where it sees none)."""
     q_offset, kv_len = np.asarray(q_offset), np.asarray(kv_len)
-    return np.stack([numpy_paged_attention(q[:, t], k_pages, v_pages, tables,
-                                           np.minimum(q_offset + t + 1, kv_len))[0]
-                     for t in range(q.shape[1])], axis=1)
+    return np.stack(
+        [
+            numpy_paged_attention(q[:, t], k_pages, v_pages, tables, np.minimum(q_offset + t + 1, kv_len))[0]
+            for t in range(q.shape[1])
+        ],
+        axis=1,
+    )
 
 
 def random_chunk(T, hq, seed):
@@ -180,8 +189,9 @@ def test_gpu_paged_flash_kernel_matches_float64(hq, dtype):
     """Chunked prefill over pages: query blocks of 2 (3 per chunk of 5, the last padded), key blocks of 2 pages."""
     q, kp, vp, tables, q_offset, kv_len = random_chunk(5, hq, seed=6)
     q, kp, vp = (x.astype(dtype) for x in (q, kp, vp))
-    out = pallas_kernels.paged_flash_attention(q, kp, vp, tables, q_offset=q_offset, kv_len=kv_len, block_q=2,
-                                               block_k=8)
+    out = pallas_kernels.paged_flash_attention(
+        q, kp, vp, tables, q_offset=q_offset, kv_len=kv_len, block_q=2, block_k=8
+    )
     check_close(out, numpy_paged_chunk(q, kp, vp, tables, q_offset, kv_len), dtype)
     assert out.dtype == dtype and not np.asarray(out[0]).any()  # the empty sequence's queries: zeros
 
@@ -192,13 +202,13 @@ def test_dispatch_reads_pages_for_a_prefill_chunk(impl, monkeypatch):
     "xla" (and on TPU, for "mosaic"); both give float64."""
     calls = []
     kernel = pallas_kernels.paged_flash_attention
-    monkeypatch.setattr(pallas_kernels, "paged_flash_attention",
-                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(pallas_kernels, "paged_flash_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     q, kp, vp, tables, q_offset, kv_len = random_chunk(5, 4, seed=7)
     positions = q_offset[:, None] + jnp.arange(5, dtype=jnp.int32)
     out = attention.attend(q, PagedKV(kp, tables), PagedKV(vp, tables), MaskSpec(positions, kv_len), impl=impl)
-    np.testing.assert_allclose(np.asarray(out), numpy_paged_chunk(q, kp, vp, tables, q_offset, kv_len),
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(out), numpy_paged_chunk(q, kp, vp, tables, q_offset, kv_len), rtol=0, atol=1e-5
+    )
     assert len(calls) == (impl == "pallas")
 
 
@@ -208,9 +218,13 @@ LB, LH, LK, LE, LP, LM, LN = 2, 8, 2, 128, 16, 64, 80  # C = LM * LP = 1024 slot
 
 
 def lowering_args(dtype=jnp.bfloat16, T=1):
-    return (jax.ShapeDtypeStruct((LB, T, LH, LE), dtype), jax.ShapeDtypeStruct((LK, LN, LP, LE), dtype),
-            jax.ShapeDtypeStruct((LK, LN, LP, LE), dtype), jax.ShapeDtypeStruct((LB, LM), jnp.int32),
-            jax.ShapeDtypeStruct((LB,), jnp.int32))
+    return (
+        jax.ShapeDtypeStruct((LB, T, LH, LE), dtype),
+        jax.ShapeDtypeStruct((LK, LN, LP, LE), dtype),
+        jax.ShapeDtypeStruct((LK, LN, LP, LE), dtype),
+        jax.ShapeDtypeStruct((LB, LM), jnp.int32),
+        jax.ShapeDtypeStruct((LB,), jnp.int32),
+    )
 
 
 def paged_decode(impl):
@@ -219,13 +233,15 @@ def paged_decode(impl):
         if q.shape[1] > 1:  # a chunk ending at each sequence's length
             spec = MaskSpec(lengths[:, None] - q.shape[1] + jnp.arange(q.shape[1], dtype=jnp.int32), lengths)
         return attention.attend(q, PagedKV(kp, tables), PagedKV(vp, tables), spec, impl=impl)
+
     return fn
 
 
 def shapes(module: str) -> set[tuple[int, ...]]:
     """Every array shape in a StableHLO (tensor<2x8x64xbf16>) or HLO (bf16[2,8,64]) module."""
-    mlir = {tuple(int(d) for d in m.split("x")) for m in re.findall(r"tensor<((?:\d+x)+)", module)
-            for m in [m.rstrip("x")]}
+    mlir = {
+        tuple(int(d) for d in m.split("x")) for m in re.findall(r"tensor<((?:\d+x)+)", module) for m in [m.rstrip("x")]
+    }
     hlo = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"[a-z]\d*\[([\d,]+)\]", module)}
     return mlir | hlo
 
@@ -239,8 +255,11 @@ def assert_no_gathered_cache(module: str):
     assert not gathered & found, f"a gathered copy of the pool {gathered & found} in the module"
 
 
-@pytest.mark.parametrize("T,name,grid_y", [(1, "paged_decode_attention_split", LK),
-                                           (64, "paged_flash_attention_fwd", LH)], ids=["decode", "prefill"])
+@pytest.mark.parametrize(
+    "T,name,grid_y",
+    [(1, "paged_decode_attention_split", LK), (64, "paged_flash_attention_fwd", LH)],
+    ids=["decode", "prefill"],
+)
 def test_gpu_lowering_reads_pages_in_one_triton_kernel(T, name, grid_y):
     """Decode and a prefill chunk over pages lowered for CUDA from this host: one Triton kernel (grid batch x
     KV heads x splits; batch x query heads x query blocks) whose operands are the pools themselves, and no

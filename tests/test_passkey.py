@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 
 from duo_jax.data import (
-    DataError, SampleStream, context_lengths, haystack_tokens, make_sample, min_context_len,
+    DataError,
+    SampleStream,
+    context_lengths,
+    haystack_tokens,
+    make_sample,
+    min_context_len,
 )
 from duo_jax.data.passkey import BOOK_PREFIX, BOOK_SUFFIX, NATO_ALPHABET, NEEDLE_TEMPLATE, ORDINALS
 
@@ -49,19 +54,21 @@ def test_sample_layout_length_and_supervision(tokenizer, haystack, context_len):
     text = tokenizer.decode(sample.tokens)
     assert text.startswith(BOOK_PREFIX)
     for ordinal, passkey in zip(ORDINALS, sample.passkeys):
-        assert (f"Based on the content of the book, what is the {ordinal} passkey to the vault?\n"
-                f"Passkey: {passkey}\n\n") in text
+        assert (
+            f"Based on the content of the book, what is the {ordinal} passkey to the vault?\nPasskey: {passkey}\n\n"
+        ) in text
     assert text.endswith(f"Passkey: {sample.passkeys[-1]}\n\n")
 
 
 def test_needles_sit_at_their_depths(tokenizer, haystack):
     sample = make_sample(tokenizer, haystack, 8000, np.random.default_rng(3))
     head = len(tokenizer.encode(BOOK_PREFIX))
-    needles = [tokenizer.encode(NEEDLE_TEMPLATE.format(ordinal=o, passkey=p))
-               for o, p in zip(ORDINALS, sample.passkeys)]
+    needles = [
+        tokenizer.encode(NEEDLE_TEMPLATE.format(ordinal=o, passkey=p)) for o, p in zip(ORDINALS, sample.passkeys)
+    ]
     starts = [_find(sample.tokens, n) for n in needles]
     hay_len = _find(sample.tokens, tokenizer.encode(BOOK_SUFFIX)) - head - sum(map(len, needles))
-    assert sample.tokens[head:head + 50].tolist() == haystack[:50]  # the haystack is used from its start
+    assert sample.tokens[head : head + 50].tolist() == haystack[:50]  # the haystack is used from its start
     for k, (start, depth) in enumerate(zip(starts, sample.depths)):
         haystack_before = start - head - sum(len(n) for n in needles[:k])
         assert haystack_before == round(depth * hay_len)
@@ -69,8 +76,9 @@ def test_needles_sit_at_their_depths(tokenizer, haystack):
 
 def test_qa_supervision_is_the_default_and_covers_everything_after_the_context(tokenizer, haystack):
     sample = make_sample(tokenizer, haystack, 6000, np.random.default_rng(1))  # supervise="qa", the original's
-    assert np.array_equal(sample.supervise,
-                          make_sample(tokenizer, haystack, 6000, np.random.default_rng(1), supervise="qa").supervise)
+    assert np.array_equal(
+        sample.supervise, make_sample(tokenizer, haystack, 6000, np.random.default_rng(1), supervise="qa").supervise
+    )
     context_end = _find(sample.tokens, tokenizer.encode(BOOK_SUFFIX)) + len(tokenizer.encode(BOOK_SUFFIX))
     assert not sample.supervise[:context_end].any() and sample.supervise[context_end:].all()
     assert tokenizer.decode(sample.tokens[context_end:]).startswith("Based on the content of the book, what is")
@@ -83,8 +91,16 @@ def test_qa_supervision_is_the_default_and_covers_everything_after_the_context(t
 
 
 def test_bos_and_fewer_shorter_passkeys(tokenizer, haystack):
-    sample = make_sample(tokenizer, haystack, 1000, np.random.default_rng(0), num_passkeys=3, passkey_words=5,
-                         bos_id=2000, supervise="answers")  # outside the 2000-token vocabulary
+    sample = make_sample(
+        tokenizer,
+        haystack,
+        1000,
+        np.random.default_rng(0),
+        num_passkeys=3,
+        passkey_words=5,
+        bos_id=2000,
+        supervise="answers",
+    )  # outside the 2000-token vocabulary
     assert sample.tokens[0] == 2000 and (sample.tokens == 2000).sum() == 1 and len(sample.tokens) == 1000
     assert len(sample.passkeys) == 3 and all(len(p.split()) == 5 for p in sample.passkeys)
     runs = _runs(sample.supervise)

@@ -108,8 +108,9 @@ def test_ties_are_broken_by_gate_then_a_fixed_pseudo_random_order():
     np.testing.assert_array_equal(mask, pattern.retrieval_mask(0.5))  # deterministic
     # A larger gate always wins, whatever the tie order.
     gates = np.array([[0.9, 0.2, 0.2], [0.2, 0.9, 0.1]])
-    np.testing.assert_array_equal(Pattern(gates).retrieval_mask(0.5),
-                                  np.array([[1, 1, 0], [0, 1, 0]], dtype=bool))  # 0.9, 0.9, then one 0.2 of three
+    np.testing.assert_array_equal(
+        Pattern(gates).retrieval_mask(0.5), np.array([[1, 1, 0], [0, 1, 0]], dtype=bool)
+    )  # 0.9, 0.9, then one 0.2 of three
     for sparsity in (0.3, 0.5, 0.7):
         mask = Pattern(gates).retrieval_mask(sparsity)
         assert gates[mask].min() >= gates[~mask].max()
@@ -158,14 +159,17 @@ def test_validate_against_model_config():
         Pattern.full(32, 8).validate(config)
 
 
-@pytest.mark.parametrize("text, problem", [
-    ("", "is empty"),
-    ("\n\n", "is empty"),
-    ("0.1\t0.2\n0.3\n", "line 2: ragged rows"),
-    ("0.1\t0.2\n0.3\tabc\n", r"line 2, column 2: 'abc' is not a number"),
-    ("0.1\t0.2\n\n0.3\t0.4\n", "line 2: empty line"),
-    ("0.1\tnan\n", "is not finite"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("", "is empty"),
+        ("\n\n", "is empty"),
+        ("0.1\t0.2\n0.3\n", "line 2: ragged rows"),
+        ("0.1\t0.2\n0.3\tabc\n", r"line 2, column 2: 'abc' is not a number"),
+        ("0.1\t0.2\n\n0.3\t0.4\n", "line 2: empty line"),
+        ("0.1\tnan\n", "is not finite"),
+    ],
+)
 def test_malformed_tsv(tmp_path, text, problem):
     path = write(tmp_path, text)
     with pytest.raises(PatternError, match=problem) as info:

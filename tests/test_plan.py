@@ -22,20 +22,36 @@ PATTERN = Pattern(np.array([[0.9, 0.1], [0.2, 0.3], [0.05, 0.8]]))
 @pytest.mark.parametrize("kv_dtype, weights", [(None, None), ("int4", "int8")])
 def test_planner_figures_equal_bytes_of_built_arrays(kv_dtype, weights):
     hbm = 3 * 2**20
-    r = plan.plan(CONFIG, hbm_bytes=hbm, sparsity=0.5, kv_dtype=kv_dtype, weights=weights, dtype="float32",
-                  pattern=PATTERN, sink=4, recent=12, chunk=16, temp=False)
+    r = plan.plan(
+        CONFIG,
+        hbm_bytes=hbm,
+        sparsity=0.5,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        dtype="float32",
+        pattern=PATTERN,
+        sink=4,
+        recent=12,
+        chunk=16,
+        temp=False,
+    )
     params = quantize_weights(duo_jax.init_params(CONFIG, jax.random.key(0)), weights)
     built_weights = sum(x.nbytes for x in jax.tree.leaves(params))
     assert r["weight_bytes"] == built_weights
-    options = {"full": dict(kv_dtype=kv_dtype),
-               "duo": dict(kv_dtype=kv_dtype, pattern=PATTERN, sparsity=0.5, sink=4, recent=12)}
+    options = {
+        "full": dict(kv_dtype=kv_dtype),
+        "duo": dict(kv_dtype=kv_dtype, pattern=PATTERN, sparsity=0.5, sink=4, recent=12),
+    }
     for name, opts in options.items():
+
         def built(capacity):
             return cache_nbytes(make_method(name, CONFIG, context=capacity, **opts).init_cache(1, jnp.float32))
 
         best = r[f"max_context_{name}"]
         assert best > 0 and best % CAPACITY_BLOCK == 0
-        assert built(3 * CAPACITY_BLOCK) - built(2 * CAPACITY_BLOCK) == r[f"{name}_cache_bytes_per_token"] * CAPACITY_BLOCK
+        assert (
+            built(3 * CAPACITY_BLOCK) - built(2 * CAPACITY_BLOCK) == r[f"{name}_cache_bytes_per_token"] * CAPACITY_BLOCK
+        )
         assert built_weights + built(best) <= hbm < built_weights + built(best + CAPACITY_BLOCK)
     assert r["max_context_duo"] > r["max_context_full"]
 
@@ -47,21 +63,45 @@ def test_largest_context_fits_with_the_temp_of_the_step_compiled_at_that_context
     from duo_jax.engine import compiled_extend
 
     hbm = 3 * 2**20
-    r = plan.plan(CONFIG, hbm_bytes=hbm, sparsity=0.5, kv_dtype="int4", weights="int8", dtype="float32",
-                  pattern=PATTERN, sink=4, recent=12, chunk=16)
+    r = plan.plan(
+        CONFIG,
+        hbm_bytes=hbm,
+        sparsity=0.5,
+        kv_dtype="int4",
+        weights="int8",
+        dtype="float32",
+        pattern=PATTERN,
+        sink=4,
+        recent=12,
+        chunk=16,
+    )
     method = make_method("full", CONFIG, context=r["max_context_full"], kv_dtype="int4")
     assert r["full_temp_bytes"] > 0
     assert r["full_temp_bytes_per_token"] <= r["full_cache_bytes_per_token"] / CONFIG.num_layers
-    temp = max(compiled_extend(CONFIG, method, 1, t, "float32", weights="int8").memory_analysis().temp_size_in_bytes
-               for t in (1, 16))
+    temp = max(
+        compiled_extend(CONFIG, method, 1, t, "float32", weights="int8").memory_analysis().temp_size_in_bytes
+        for t in (1, 16)
+    )
     assert r["weight_bytes"] + cache_nbytes(method.init_cache(1, jnp.float32)) + temp <= hbm
     assert r["max_context_full"] < r["full_max_context_no_temp"]
     assert 0 < r["max_context_duo"] < r["duo_max_context_no_temp"]
 
 
 def test_cli_json_llama3_8b_passes_4m_tokens_with_int4_kv_and_int8_weights(capsys):
-    argv = ["--model", "llama3-8b", "--hbm-gib", "80", "--sparsity", "0.75", "--kv-dtype", "int4", "--weights",
-            "int8", "--no-temp", "--json"]
+    argv = [
+        "--model",
+        "llama3-8b",
+        "--hbm-gib",
+        "80",
+        "--sparsity",
+        "0.75",
+        "--kv-dtype",
+        "int4",
+        "--weights",
+        "int8",
+        "--no-temp",
+        "--json",
+    ]
     assert plan.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     # By hand: int4 codes + a bf16 scale = 66 bytes per head vector; 32 layers x 8 KV heads x K and V.

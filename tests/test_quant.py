@@ -27,9 +27,9 @@ def test_kv_round_trip_is_within_half_a_step(kind, dtype):
     scale = np.asarray(q.scale.astype(jnp.float32), np.float64)
     exact = np.abs(x).max(-1, keepdims=True) / quant.QMAX[kind]
     # The stored scale is the exact one rounded up to bf16: at most one bf16 step (2^-7 relative) above.
-    assert np.all(scale >= exact) and np.all(scale <= exact * (1 + 2.0 ** -7))
+    assert np.all(scale >= exact) and np.all(scale <= exact * (1 + 2.0**-7))
     err = np.abs(np.asarray(q.dequantize().astype(jnp.float32), np.float64) - x)
-    slack = 0.5 if dtype == jnp.float32 else 0.5 + 2.0 ** -8 * quant.QMAX[kind]  # bf16 output rounding
+    slack = 0.5 if dtype == jnp.float32 else 0.5 + 2.0**-8 * quant.QMAX[kind]  # bf16 output rounding
     assert np.all(err <= slack * scale + 1e-12)
     # Rounding (not truncating): the worst error reaches almost half a step, and the mean is about a quarter.
     ratio = err / np.where(scale > 0, scale, 1)
@@ -78,8 +78,9 @@ def test_int8_weight_einsum_matches_float64_per_output_channel():
     bound = 0.5 * scale[None] * np.abs(x).sum(-1)[..., None, None] + 1e-4
     assert np.all(np.abs(got - want) <= bound)
     assert np.abs(got - want).max() > 1e-3  # it really is quantized
-    np.testing.assert_allclose(quant.einsum("btd,dhe->bthe", jnp.asarray(x, jnp.float32), q.dequantize()), got,
-                               rtol=1e-5, atol=1e-5)  # the same as the dequantized weight
+    np.testing.assert_allclose(
+        quant.einsum("btd,dhe->bthe", jnp.asarray(x, jnp.float32), q.dequantize()), got, rtol=1e-5, atol=1e-5
+    )  # the same as the dequantized weight
     rows = jnp.asarray([[0, 5], [23, 5]])
     np.testing.assert_array_equal(quant.take_rows(q, rows), q.dequantize()[rows])
 

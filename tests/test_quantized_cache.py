@@ -12,12 +12,12 @@ import pytest
 
 import duo_jax
 from duo_jax import attention
-from duo_jax.attention import MaskSpec
-from duo_jax.errors import DuoJaxError
-from duo_jax.attention import xla
+from duo_jax.attention import MaskSpec, xla
 from duo_jax.cache import make_layout
+from duo_jax.errors import DuoJaxError
 from duo_jax.methods import DuoAttention, InfiniGen, cache_nbytes, entry, make_method, registry
-from duo_jax.methods.infinigen import host_offload_supported as infinigen_host_offload, skew
+from duo_jax.methods.infinigen import host_offload_supported as infinigen_host_offload
+from duo_jax.methods.infinigen import skew
 from duo_jax.pattern import Pattern
 from duo_jax.quant import QuantizedKV, quantize_kv
 from tests import test_engine
@@ -37,19 +37,33 @@ def infinigen_skew():
 
 
 def methods(kv_dtype, context=200):
-    return {"full": make_method("full", CONFIG, context=context, kv_dtype=kv_dtype),
-            "duo": make_method("duo", CONFIG, context=context, pattern=Pattern(GATES), sparsity=0.5, sink=3,
-                               recent=7, kv_dtype=kv_dtype),
-            "streaming_llm": make_method("streaming_llm", CONFIG, context=context, start=2, recent=9,
-                                         kv_dtype=kv_dtype),
-            "h2o": make_method("h2o", CONFIG, context=context, kv_budget=24, kv_dtype=kv_dtype),
-            "tova": make_method("tova", CONFIG, context=context, kv_budget=24, kv_dtype=kv_dtype),
-            "snapkv": make_method("snapkv", CONFIG, context=context, kv_budget=16, window=4, kv_dtype=kv_dtype),
-            "duo_headkv": make_method("duo_headkv", CONFIG, context=context, pattern=Pattern(GATES), sparsity=0.5,
-                                      sink=3, recent=7, scores=SCORES, kv_budget=14, beta=2.0, window=4,
-                                      kv_dtype=kv_dtype),
-            "infinigen": InfiniGen.from_skew(*infinigen_skew(), context=context, kv_budget=12, offload="device",
-                                             kv_dtype=kv_dtype)}
+    return {
+        "full": make_method("full", CONFIG, context=context, kv_dtype=kv_dtype),
+        "duo": make_method(
+            "duo", CONFIG, context=context, pattern=Pattern(GATES), sparsity=0.5, sink=3, recent=7, kv_dtype=kv_dtype
+        ),
+        "streaming_llm": make_method("streaming_llm", CONFIG, context=context, start=2, recent=9, kv_dtype=kv_dtype),
+        "h2o": make_method("h2o", CONFIG, context=context, kv_budget=24, kv_dtype=kv_dtype),
+        "tova": make_method("tova", CONFIG, context=context, kv_budget=24, kv_dtype=kv_dtype),
+        "snapkv": make_method("snapkv", CONFIG, context=context, kv_budget=16, window=4, kv_dtype=kv_dtype),
+        "duo_headkv": make_method(
+            "duo_headkv",
+            CONFIG,
+            context=context,
+            pattern=Pattern(GATES),
+            sparsity=0.5,
+            sink=3,
+            recent=7,
+            scores=SCORES,
+            kv_budget=14,
+            beta=2.0,
+            window=4,
+            kv_dtype=kv_dtype,
+        ),
+        "infinigen": InfiniGen.from_skew(
+            *infinigen_skew(), context=context, kv_budget=12, offload="device", kv_dtype=kv_dtype
+        ),
+    }
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -66,15 +80,17 @@ def test_cache_bytes_include_the_scales_exactly(kv_dtype):
     # By hand: duo keeps 3 retrieval heads x 256 slots and 3 streaming heads x 10 slots, K and V, batch 2.
     duo = methods(kv_dtype)["duo"]
     assert duo.expected_cache_bytes(2, 2) == 2 * 2 * (codes + 2) * (3 * 256 + 3 * 10)
-    assert duo.expected_cache_bytes(2, 2) < make_method("duo", CONFIG, context=200, pattern=Pattern(GATES),
-                                                        sparsity=0.5, sink=3, recent=7).expected_cache_bytes(2, 2)
+    assert duo.expected_cache_bytes(2, 2) < make_method(
+        "duo", CONFIG, context=200, pattern=Pattern(GATES), sparsity=0.5, sink=3, recent=7
+    ).expected_cache_bytes(2, 2)
     assert E == 16
     # h2o / tova by hand: 24 slots per KV head (2 x 3 layers), K and V, plus an int32 position and fp32 score.
     assert methods(kv_dtype)["h2o"].expected_cache_bytes(2, 2) == 2 * 3 * 2 * 24 * (2 * (codes + 2) + 8)
     # duo_headkv's prefill cache by hand: duo's, plus the retrieval heads' query ring in bf16 (window 4, the
     # 3 retrieval KV heads' 2 query heads each).
-    assert methods(kv_dtype)["duo_headkv"].expected_cache_bytes(2, 2) == 2 * (2 * (codes + 2) * (3 * 256 + 3 * 10)
-                                                                             + 4 * 3 * 2 * E * 2)
+    assert methods(kv_dtype)["duo_headkv"].expected_cache_bytes(2, 2) == 2 * (
+        2 * (codes + 2) * (3 * 256 + 3 * 10) + 4 * 3 * 2 * E * 2
+    )
     # infinigen by hand: 256 slots x 2 KV heads x 3 layers of quantized K and V, plus the partial keys in bf16
     # (its one speculating layer, W channels).
     infinigen = methods(kv_dtype)["infinigen"]
@@ -87,8 +103,9 @@ def test_every_method_takes_kv_dtype_and_the_registry_refuses_one_without(monkey
     with pytest.raises(DuoJaxError, match="kv_dtype must be"):
         make_method("full", CONFIG, context=64, kv_dtype="int2")
     # a method registered without the capability (none is now) is refused with the list of those that have it
-    monkeypatch.setitem(registry._ENTRIES, "plain", dataclasses.replace(entry("full"), name="plain",
-                                                                       quantized_kv=False))
+    monkeypatch.setitem(
+        registry._ENTRIES, "plain", dataclasses.replace(entry("full"), name="plain", quantized_kv=False)
+    )
     with pytest.raises(DuoJaxError, match="'plain' does not support a quantized KV cache.*full, duo"):
         make_method("plain", CONFIG, context=64, kv_dtype="int8")
 
@@ -101,9 +118,14 @@ def test_attention_over_a_quantized_cache_is_attention_over_its_values(kind):
     q, k, v, _ = random_attention_inputs(2, 5, 96, 4, 2, 16, seed=3)
     qk, qv = quantize_kv(k, kind), quantize_kv(v, kind)
     positions = jnp.asarray([[40, 41, 42, 43, 44], [90, 91, 92, 93, 94]], jnp.int32)
-    for spec in (MaskSpec(positions, jnp.asarray([45, 95], jnp.int32)),
-                 MaskSpec(positions, jnp.asarray([96, 96], jnp.int32),
-                          jnp.asarray(np.random.default_rng(0).permutation(96)[None].repeat(2, 0), jnp.int32))):
+    for spec in (
+        MaskSpec(positions, jnp.asarray([45, 95], jnp.int32)),
+        MaskSpec(
+            positions,
+            jnp.asarray([96, 96], jnp.int32),
+            jnp.asarray(np.random.default_rng(0).permutation(96)[None].repeat(2, 0), jnp.int32),
+        ),
+    ):
         want = attention.attend(q, qk.dequantize(), qv.dequantize(), spec, impl="reference")
         for impl in ("xla", "pallas"):
             np.testing.assert_allclose(attention.attend(q, qk, qv, spec, impl=impl), want, rtol=2e-5, atol=2e-5)
@@ -145,20 +167,32 @@ def model():
 BOUNDS = {"int8": 0.02, "int4": 0.3}
 
 
-@pytest.mark.parametrize("name, kv_dtype", [("duo", "int8"), ("duo", "int4"), ("streaming_llm", "int8"),
-                                            ("h2o", "int8"), ("snapkv", "int8"), ("duo_headkv", "int8"),
-                                            ("duo_headkv", "int4")])
+@pytest.mark.parametrize(
+    "name, kv_dtype",
+    [
+        ("duo", "int8"),
+        ("duo", "int4"),
+        ("streaming_llm", "int8"),
+        ("h2o", "int8"),
+        ("snapkv", "int8"),
+        ("duo_headkv", "int8"),
+        ("duo_headkv", "int4"),
+    ],
+)
 def test_quantized_cache_decodes_close_to_the_fp32_cache(model, name, kv_dtype):
     prompt = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 37).tolist()
     seq, logits, _, _ = run_method(model.params, CONFIG, methods(None, 64)[name], prompt, chunk=16, decode_steps=8)
-    q_seq, q_logits, _, cache = run_method(model.params, CONFIG, methods(kv_dtype, 64)[name], prompt, chunk=16,
-                                           decode_steps=8, force=seq[len(prompt):])
+    q_seq, q_logits, _, cache = run_method(
+        model.params, CONFIG, methods(kv_dtype, 64)[name], prompt, chunk=16, decode_steps=8, force=seq[len(prompt) :]
+    )
     if kv_dtype == "int8":
         assert q_seq == seq
     leaves = jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, QuantizedKV))
     assert any(isinstance(x, QuantizedKV) for x in leaves)  # every K / V array; besides: int32 positions, h2o's
-    assert all(isinstance(x, QuantizedKV) or x.dtype == jnp.int32 or x.shape[-1] != CONFIG.head_dim  # scores,
-               for x in leaves)  # infinigen's partial keys (W < E channels)
+    assert all(
+        isinstance(x, QuantizedKV) or x.dtype == jnp.int32 or x.shape[-1] != CONFIG.head_dim  # scores,
+        for x in leaves
+    )  # infinigen's partial keys (W < E channels)
     if name in ("snapkv", "duo_headkv"):  # the compressed decode cache (prefix 33 > 12 kept + a window of 4)
         decode = methods(kv_dtype, 64)[name].compressed(len(prompt))
         unquantized = methods(None, 64)[name].compressed(len(prompt)).expected_cache_bytes(1, 4)
@@ -176,11 +210,13 @@ def test_quantized_infinigen_decodes_close_to_the_fp32_cache(model, kv_budget, b
     perturbed lookahead query ranks another token 12th (measured: 3.8% at 1 of the 8 steps; a discrete choice of
     the method, not quantization noise)."""
     prompt = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 37).tolist()
-    fp32, int8 = (dataclasses.replace(methods(kv_dtype, 64)["infinigen"], kv_budget=kv_budget)
-                  for kv_dtype in (None, "int8"))
+    fp32, int8 = (
+        dataclasses.replace(methods(kv_dtype, 64)["infinigen"], kv_budget=kv_budget) for kv_dtype in (None, "int8")
+    )
     seq, logits, _, _ = run_method(model.params, CONFIG, fp32, prompt, chunk=16, decode_steps=8)
-    q_seq, q_logits, _, cache = run_method(model.params, CONFIG, int8, prompt, chunk=16, decode_steps=8,
-                                           force=seq[len(prompt):])
+    q_seq, q_logits, _, cache = run_method(
+        model.params, CONFIG, int8, prompt, chunk=16, decode_steps=8, force=seq[len(prompt) :]
+    )
     assert q_seq == seq
     assert isinstance(cache[0].k, QuantizedKV) and isinstance(cache[2].v, QuantizedKV)
     assert cache[2].partial_k.dtype == jnp.float32  # the speculation's partial keys stay in the model's dtype

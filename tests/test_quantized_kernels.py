@@ -35,8 +35,9 @@ def quantized_case(kind, batch_lengths, seq_k, hq, hkv, head_dim, seed=0):
     qk, qv = quantize_kv(k, kind), quantize_kv(v, kind)
     lengths = jnp.asarray(batch_lengths, jnp.int32)
     mask = np.arange(seq_k)[None, None, :] < np.asarray(lengths)[:, None, None]
-    expected = numpy_attention(q[:, None], numpy_dequantize(qk.codes, qk.scale, kind),
-                               numpy_dequantize(qv.codes, qv.scale, kind), mask)[:, 0]
+    expected = numpy_attention(
+        q[:, None], numpy_dequantize(qk.codes, qk.scale, kind), numpy_dequantize(qv.codes, qv.scale, kind), mask
+    )[:, 0]
     exact = numpy_attention(q[:, None], k, v, mask)[:, 0]
     return q, qk, qv, lengths, expected, exact
 
@@ -57,10 +58,12 @@ def test_decode_kernel_reads_codes_and_scales(case):
     q, qk, qv, lengths, expected, exact = quantized_case(kind, lengths, seq_k, hq, hkv, head_dim)
     if kernel == "gpu":  # the GPU kernel in the Pallas interpreter
         run = lambda q, kc, vc, ks, vs, n: pallas_kernels.decode_attention(  # noqa: E731
-            q, kc, vc, n, k_scale=ks, v_scale=vs, kv_quant=kind, block_k=32, num_splits=splits, interpret=True)
+            q, kc, vc, n, k_scale=ks, v_scale=vs, kv_quant=kind, block_k=32, num_splits=splits, interpret=True
+        )
     else:  # the Mosaic kernel in TPU interpret mode
         run = lambda q, kc, vc, ks, vs, n: tpu.decode_attention(  # noqa: E731
-            q, kc, vc, n, k_scale=ks, v_scale=vs, kv_quant=kind, num_splits=splits)
+            q, kc, vc, n, k_scale=ks, v_scale=vs, kv_quant=kind, num_splits=splits
+        )
     out = jax.jit(run)(q, qk.codes, qv.codes, qk.scale, qv.scale, lengths)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, expected) <= 1e-5
@@ -92,12 +95,17 @@ def prefill_case(kind, seq_q, seq_k, offsets, lengths, seed=0, positions=False):
     k = k * jnp.linspace(0.2, 3.0, 16)  # uneven channels: the codes' scales differ by token and head
     qk, qv = quantize_kv(k, kind), quantize_kv(v, kind)
     q_pos = np.asarray(offsets)[:, None] + np.arange(seq_q)[None]
-    k_pos = np.stack([np.random.default_rng(seed + b).permutation(seq_k) if positions else np.arange(seq_k)
-                      for b in range(len(offsets))])
+    k_pos = np.stack(
+        [
+            np.random.default_rng(seed + b).permutation(seq_k) if positions else np.arange(seq_k)
+            for b in range(len(offsets))
+        ]
+    )
     filled = np.arange(seq_k)[None, None] < np.asarray(lengths)[:, None, None]
     mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & filled
-    expected = numpy_attention(q, numpy_dequantize(qk.codes, qk.scale, kind),
-                               numpy_dequantize(qv.codes, qv.scale, kind), mask)
+    expected = numpy_attention(
+        q, numpy_dequantize(qk.codes, qk.scale, kind), numpy_dequantize(qv.codes, qv.scale, kind), mask
+    )
     exact = numpy_attention(q, k, v, mask)
     args = dict(q_offset=jnp.asarray(offsets, jnp.int32), kv_len=jnp.asarray(lengths, jnp.int32))
     if positions:
@@ -119,14 +127,15 @@ PREFILL_CASES = {
 @pytest.mark.parametrize("case", PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
 def test_prefill_kernel_reads_codes_and_scales(case):
     kernel, kind, seq_q, seq_k, positions = case
-    q, qk, qv, expected, exact, args = prefill_case(kind, seq_q, seq_k, (130, 30, 0), (150, 45, 0),
-                                                    positions=positions)
+    q, qk, qv, expected, exact, args = prefill_case(kind, seq_q, seq_k, (130, 30, 0), (150, 45, 0), positions=positions)
     if kernel == "gpu":  # the GPU kernel in the Pallas interpreter
         run = lambda q, kc, vc, ks, vs, args: pallas_kernels.flash_attention(  # noqa: E731
-            q, kc, vc, k_scale=ks, v_scale=vs, kv_quant=kind, block_q=16, block_k=32, interpret=True, **args)
+            q, kc, vc, k_scale=ks, v_scale=vs, kv_quant=kind, block_q=16, block_k=32, interpret=True, **args
+        )
     else:  # the Mosaic kernel in TPU interpret mode (traced offsets: the own kernel, never splash)
         run = lambda q, kc, vc, ks, vs, args: tpu.flash_attention(  # noqa: E731
-            q, kc, vc, k_scale=ks, v_scale=vs, kv_quant=kind, **args)
+            q, kc, vc, k_scale=ks, v_scale=vs, kv_quant=kind, **args
+        )
     out = jax.jit(run)(q, qk.codes, qv.codes, qk.scale, qv.scale, args)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, expected) <= 1e-5
@@ -158,8 +167,9 @@ def test_dispatch_hands_a_quantized_cache_to_the_kernels(impl):
     assert "pallas_call" in jaxpr and "decode_attention_split" in jaxpr
     for positions in (False, True):
         q, qk, qv, expected, _, args = prefill_case("int8", 5, 96, (40, 90), (45, 96), seed=3, positions=positions)
-        spec = MaskSpec(args.get("q_positions", args["q_offset"][:, None] + jnp.arange(5)), args["kv_len"],
-                        args.get("k_positions"))
+        spec = MaskSpec(
+            args.get("q_positions", args["q_offset"][:, None] + jnp.arange(5)), args["kv_len"], args.get("k_positions")
+        )
         assert rel_err(attention.attend(q, qk, qv, spec, impl=impl), expected) <= 1e-5
         jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention.attend(q, k, v, spec, impl=impl))(q, qk, qv))  # noqa: B023
         assert "block_sparse_attention_fwd" in jaxpr
@@ -178,10 +188,13 @@ def test_quantized_decode_lowers_to_one_kernel_reading_codes(kind):
     scales = jax.ShapeDtypeStruct((B, S, HKV, 1), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
     dense = f"{B}x{S}x{HKV}x{D}x"
-    for kernels, lower in ((pallas_kernels, lambda fn, *a: cuda_module(fn, *a)),
-                           (tpu, lambda fn, *a: _export(fn, *a)[0])):
+    for kernels, lower in (
+        (pallas_kernels, lambda fn, *a: cuda_module(fn, *a)),
+        (tpu, lambda fn, *a: _export(fn, *a)[0]),
+    ):
         fn = lambda q, kc, vc, ks, vs, n: kernels.decode_attention(  # noqa: E731,B023
-            q, kc, vc, n, k_scale=ks, v_scale=vs, kv_quant=kind)
+            q, kc, vc, n, k_scale=ks, v_scale=vs, kv_quant=kind
+        )
         module = lower(fn, q, codes, codes, scales, scales, lengths)
         call = f"custom_call @{TRITON}" if kernels is pallas_kernels else "custom_call @tpu_custom_call"
         assert module.count(call) == 1
@@ -200,10 +213,13 @@ def test_quantized_prefill_lowers_to_one_kernel_reading_codes(kind):
     codes = jax.ShapeDtypeStruct((B, S, HKV, width), jnp.int8)
     scales = jax.ShapeDtypeStruct((B, S, HKV, 1), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((B,), jnp.int32)
-    for kernels, lower in ((pallas_kernels, lambda fn, *a: cuda_module(fn, *a)),
-                           (tpu, lambda fn, *a: _export(fn, *a)[0])):
+    for kernels, lower in (
+        (pallas_kernels, lambda fn, *a: cuda_module(fn, *a)),
+        (tpu, lambda fn, *a: _export(fn, *a)[0]),
+    ):
         fn = lambda q, kc, vc, ks, vs, o, n: kernels.flash_attention(  # noqa: E731,B023
-            q, kc, vc, q_offset=o, kv_len=n, k_scale=ks, v_scale=vs, kv_quant=kind)
+            q, kc, vc, q_offset=o, kv_len=n, k_scale=ks, v_scale=vs, kv_quant=kind
+        )
         module = lower(fn, q, codes, codes, scales, scales, offsets, offsets)
         call = f"custom_call @{TRITON}" if kernels is pallas_kernels else "custom_call @tpu_custom_call"
         assert module.count(call) == 1 and f"{B}x{S}x{HKV}x{width}xi8" in module  # the codes go in

@@ -31,9 +31,15 @@ CORPUS = [
 ] * 20
 # Strings on which Qwen's split (one piece per digit, letters with one leading non-letter, NFC) matters.
 TEXTS = [
-    "12345 apples and 3.14159 pies", "I'VE seen it; you've got it. They'RE here", "naïve café über ÜNÏCÖDÉ",
-    "cafe\u0301 na\u0131ve", "我想在apple工作1314151天", "<|im_start|>user\nhi 2024<|im_end|>",
-    "<think>\n\n</think>\n\n999 bottles", "  indented\n\n\tcode = x+1 // 42 ...", "won't it's DON'T",
+    "12345 apples and 3.14159 pies",
+    "I'VE seen it; you've got it. They'RE here",
+    "naïve café über ÜNÏCÖDÉ",
+    "cafe\u0301 na\u0131ve",
+    "我想在apple工作1314151天",
+    "<|im_start|>user\nhi 2024<|im_end|>",
+    "<think>\n\n</think>\n\n999 bottles",
+    "  indented\n\n\tcode = x+1 // 42 ...",
+    "won't it's DON'T",
 ]
 
 
@@ -42,8 +48,12 @@ def _trained_bpe() -> tuple[dict[str, int], list[str]]:
     difference in how text is split shows in the tokens."""
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=CONTROL + USER_DEFINED, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=CONTROL + USER_DEFINED,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(CORPUS, trainer)
     model = json.loads(backend.model.__getstate__())
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
@@ -59,12 +69,17 @@ def _tokenizer_fields(vocab: dict[str, int], merges: list[str], pre: str = "qwen
     """GGUF tokenizer metadata as llama.cpp's converter writes it: ids 0..V-1, [PADi] unused rows."""
     by_id = {i: t for t, i in vocab.items()}
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(VOCAB)]
-    kinds = [3 if t in CONTROL else 4 if t in USER_DEFINED else 1 if i in by_id else 5
-             for i, t in enumerate(tokens)]
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": kinds, "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.bos_token_id": vocab["<|endoftext|>"], "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"],
-            "tokenizer.ggml.add_bos_token": False}
+    kinds = [3 if t in CONTROL else 4 if t in USER_DEFINED else 1 if i in by_id else 5 for i, t in enumerate(tokens)]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": kinds,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": vocab["<|endoftext|>"],
+        "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"],
+        "tokenizer.ggml.add_bos_token": False,
+    }
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -101,10 +116,19 @@ def write_gguf(path, hf_model, arch: str, tokenizer_fields: dict) -> None:
     writer.add_eos_token_id(tokenizer_fields["tokenizer.ggml.eos_token_id"])
     writer.add_add_bos_token(False)
     names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    layer = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for name, w in hf_model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:  # no output tensor: the embedding is used
             continue
@@ -125,10 +149,29 @@ def write_gguf(path, hf_model, arch: str, tokenizer_fields: dict) -> None:
 
 
 FAMILIES = {
-    "qwen2": (transformers.Qwen2Config, dict(TINY, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-                                             tie_word_embeddings=False, rope_theta=1e6)),
-    "qwen3": (transformers.Qwen3Config, dict(TINY, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-                                             head_dim=24, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(
+            TINY,
+            vocab_size=VOCAB,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=1e6,
+        ),
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        dict(
+            TINY,
+            vocab_size=VOCAB,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+        ),
+    ),
 }
 
 
@@ -140,22 +183,33 @@ def loaded(request, tmp_path_factory, bpe):
     hf_model = write_random_hf_model(directory, config_cls, fields)
     path = directory / f"tiny-{request.param}.gguf"
     write_gguf(path, hf_model, request.param, _tokenizer_fields(*bpe))
-    return (request.param, hf_model, duo_jax.load(directory, dtype=jnp.float32),
-            duo_jax.load(path, dtype=jnp.float32), path)
+    return (
+        request.param,
+        hf_model,
+        duo_jax.load(directory, dtype=jnp.float32),
+        duo_jax.load(path, dtype=jnp.float32),
+        path,
+    )
 
 
 def test_gguf_matches_safetensors_and_transformers(loaded):
     family, hf_model, from_dir, from_gguf, _ = loaded
     g = from_gguf.config  # the GGUF stores eps as float32 and the tokenizer's BOS / EOS ids
-    assert g == dataclasses.replace(from_dir.config, name=g.name, rms_norm_eps=g.rms_norm_eps,
-                                    bos_token_id=g.bos_token_id, eos_token_ids=g.eos_token_ids)
+    assert g == dataclasses.replace(
+        from_dir.config,
+        name=g.name,
+        rms_norm_eps=g.rms_norm_eps,
+        bos_token_id=g.bos_token_id,
+        eos_token_ids=g.eos_token_ids,
+    )
     assert g.rms_norm_eps == pytest.approx(from_dir.config.rms_norm_eps, rel=1e-7)
     assert from_gguf.config.qkv_bias == (family == "qwen2") and from_gguf.config.qk_norm == (family == "qwen3")
     jax.tree.map(np.testing.assert_array_equal, from_gguf.params, from_dir.params)
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 40)).astype(np.int32)
     ours = np.asarray(duo_jax.forward(from_gguf.params, from_gguf.config, jnp.asarray(tokens)))
     np.testing.assert_array_less(
-        np.abs(ours - np.asarray(duo_jax.forward(from_dir.params, from_dir.config, jnp.asarray(tokens)))).max(), 1e-6)
+        np.abs(ours - np.asarray(duo_jax.forward(from_dir.params, from_dir.config, jnp.asarray(tokens)))).max(), 1e-6
+    )
     ref = hf_logits(hf_model, tokens)
     assert np.abs(ref).max() > 1.0
     np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)

@@ -19,14 +19,35 @@ from tests.test_model import TINY, write_random_hf_model
 from tests.test_training import VOCAB, tiny_tokenizer, write_haystack
 
 FAMILIES = {
-    "qwen2": (transformers.Qwen2Config, dict(TINY, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-                                             tie_word_embeddings=False, rope_theta=1e6)),
-    "qwen3": (transformers.Qwen3Config, dict(TINY, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-                                             head_dim=24, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(
+            TINY,
+            vocab_size=VOCAB,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=1e6,
+        ),
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        dict(
+            TINY,
+            vocab_size=VOCAB,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+        ),
+    ),
 }
 # Qwen3 with a sliding window shorter than the sequences on layer 1 only (layers >= max_window_layers)
-FAMILIES["qwen3-window"] = (transformers.Qwen3Config, dict(FAMILIES["qwen3"][1], use_sliding_window=True,
-                                                           sliding_window=8, max_window_layers=1))
+FAMILIES["qwen3-window"] = (
+    transformers.Qwen3Config,
+    dict(FAMILIES["qwen3"][1], use_sliding_window=True, sliding_window=8, max_window_layers=1),
+)
 NEW_TOKENS = 6
 
 
@@ -45,9 +66,15 @@ def checkpoints(tmp_path_factory):
 def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():  # an explicit mask: transformers would mask the prompt's pad-id tokens otherwise
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_every_kind_of_method_generates_on_qwen3(checkpoints):
@@ -60,18 +87,31 @@ def test_every_kind_of_method_generates_on_qwen3(checkpoints):
     L, K = model.config.num_layers, model.config.num_kv_heads
     gates = Pattern(np.random.default_rng(6).random((L, K)))
     scores = Pattern(np.random.default_rng(7).random((L, K)))
-    options = {"full": {}, "duo": dict(pattern=gates, sparsity=0.5, sink=4, recent=64),
-               "streaming_llm": dict(start=4, recent=64), "h2o": dict(kv_budget=64), "snapkv": dict(kv_budget=64),
-               "duo_headkv": dict(pattern=gates, sparsity=0.5, sink=4, recent=64, scores=scores, kv_budget=64)}
+    options = {
+        "full": {},
+        "duo": dict(pattern=gates, sparsity=0.5, sink=4, recent=64),
+        "streaming_llm": dict(start=4, recent=64),
+        "h2o": dict(kv_budget=64),
+        "snapkv": dict(kv_budget=64),
+        "duo_headkv": dict(pattern=gates, sparsity=0.5, sink=4, recent=64, scores=scores, kv_budget=64),
+    }
     assert set(options) <= set(METHODS) and not any(entry(name).needs_model for name in options)
     for name in options:
-        out = generate(model, prompt, method=name, max_new_tokens=NEW_TOKENS, chunk_size=8, stop_at_eos=False,
-                       context=64, **options[name])
+        out = generate(
+            model,
+            prompt,
+            method=name,
+            max_new_tokens=NEW_TOKENS,
+            chunk_size=8,
+            stop_at_eos=False,
+            context=64,
+            **options[name],
+        )
         assert out.tokens[0] == expected, name
-    infinigen = InfiniGen.calibrate(model.params, model.config, np.asarray(prompt, np.int32), context=64,
-                                    kv_budget=64)
-    out = generate(model, prompt, method=infinigen, max_new_tokens=NEW_TOKENS, chunk_size=8, stop_at_eos=False,
-                   context=64)
+    infinigen = InfiniGen.calibrate(model.params, model.config, np.asarray(prompt, np.int32), context=64, kv_budget=64)
+    out = generate(
+        model, prompt, method=infinigen, max_new_tokens=NEW_TOKENS, chunk_size=8, stop_at_eos=False, context=64
+    )
     assert out.tokens[0] == expected
 
 
@@ -96,7 +136,7 @@ def test_head_scores_match_transformers_attention(checkpoints, family):
                 ref[layer, head] += p[top][(top >= start) & (top < end)].sum() / n
     assert ref.max() > 0.05
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(predicted), out.logits[0, T - 1 - n:T - 1].argmax(-1).numpy())
+    np.testing.assert_array_equal(np.asarray(predicted), out.logits[0, T - 1 - n : T - 1].argmax(-1).numpy())
 
 
 def test_train_gates_on_qwen3_writes_a_pattern_that_drives_generate(checkpoints, tmp_path):
@@ -105,15 +145,48 @@ def test_train_gates_on_qwen3_writes_a_pattern_that_drives_generate(checkpoints,
     directory, hf_model, model = checkpoints["qwen3-window"]
     assert model.config.window_runs() == ((0, 1, None), (1, 2, 8))
     out = tmp_path / "run"
-    status = train_gates.main(["--model", str(directory), "--out", str(out), "--dtype", "fp32", "--steps", "3",
-                               "--sink", "2", "--recent", "6", "--min-len", "1", "--max-len", "200",
-                               "--num-lengths", "1", "--num-passkeys", "2", "--passkey-words", "4",
-                               "--haystack", str(write_haystack(tmp_path / "hay"))])
+    status = train_gates.main(
+        [
+            "--model",
+            str(directory),
+            "--out",
+            str(out),
+            "--dtype",
+            "fp32",
+            "--steps",
+            "3",
+            "--sink",
+            "2",
+            "--recent",
+            "6",
+            "--min-len",
+            "1",
+            "--max-len",
+            "200",
+            "--num-lengths",
+            "1",
+            "--num-passkeys",
+            "2",
+            "--passkey-words",
+            "4",
+            "--haystack",
+            str(write_haystack(tmp_path / "hay")),
+        ]
+    )
     assert status == 0
     pattern = Pattern.load(out)
     pattern.validate(model.config)
     assert pattern.gates.shape == (2, 2) and pattern.gates.min() < 1.0  # the gates moved
     prompt = np.random.default_rng(9).integers(0, VOCAB, 19).tolist()
-    duo = generate(model, prompt, pattern=out, sparsity=0.5, sink=4, recent=64, max_new_tokens=NEW_TOKENS,
-                   chunk_size=8, stop_at_eos=False)
+    duo = generate(
+        model,
+        prompt,
+        pattern=out,
+        sparsity=0.5,
+        sink=4,
+        recent=64,
+        max_new_tokens=NEW_TOKENS,
+        chunk_size=8,
+        stop_at_eos=False,
+    )
     assert duo.tokens[0] == hf_greedy(hf_model, prompt)

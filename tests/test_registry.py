@@ -14,8 +14,18 @@ CONFIG = tiny_config()
 
 
 def test_every_method_is_registered_by_its_module():
-    assert METHODS == ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "headkv", "duo_headkv",
-                       "infinigen")
+    assert METHODS == (
+        "full",
+        "duo",
+        "streaming_llm",
+        "h2o",
+        "tova",
+        "snapkv",
+        "pyramidkv",
+        "headkv",
+        "duo_headkv",
+        "infinigen",
+    )
     assert entry("duo").takes_pattern and entry("duo_headkv").takes_pattern and not entry("h2o").takes_pattern
     assert entry("streaming_llm").windows == {"sink": "start", "recent": "recent"}
     assert entry("infinigen").needs_model
@@ -36,8 +46,9 @@ def test_a_new_method_is_one_registration():
         model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), None, "random")
         prompt = np.arange(1, 20).tolist()
         out = duo_jax.generate(model, prompt, method="sinks_only", sink=3, max_new_tokens=4, stop_at_eos=False)
-        same = duo_jax.generate(model, prompt, method="streaming_llm", sink=3, recent=1, max_new_tokens=4,
-                                stop_at_eos=False)
+        same = duo_jax.generate(
+            model, prompt, method="streaming_llm", sink=3, recent=1, max_new_tokens=4, stop_at_eos=False
+        )
         assert out.tokens == same.tokens and out.stats["method"] == "streaming_llm"
         with pytest.raises(DuoJaxError, match="does not take recent"):
             duo_jax.generate(model, prompt, method="sinks_only", recent=3, max_new_tokens=4)

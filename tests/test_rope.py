@@ -8,9 +8,14 @@ import pytest
 from duo_jax.config import get_config
 from duo_jax.model import apply_rope, rope_angles, rope_inv_freq
 
-POSITIONS = np.concatenate([np.arange(0, 70), [4095, 4096, 4097, 2**24 - 1, 2**24, 2**24 + 1, 2**31 - 1],
-                            np.random.default_rng(0).integers(0, 4_194_304, 300),
-                            np.random.default_rng(1).integers(0, 2**31 - 1, 50)])
+POSITIONS = np.concatenate(
+    [
+        np.arange(0, 70),
+        [4095, 4096, 4097, 2**24 - 1, 2**24, 2**24 + 1, 2**31 - 1],
+        np.random.default_rng(0).integers(0, 4_194_304, 300),
+        np.random.default_rng(1).integers(0, 2**31 - 1, 50),
+    ]
+)
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-8b-1048k", "llama2-7b-32k", "smollm2-135m"])

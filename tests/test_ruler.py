@@ -62,19 +62,24 @@ def test_length_within_tolerance_and_seeded(tokenizer, task):
 def test_templates_and_answer_prefix(tokenizer):
     single = data.make_sample("niah_single_2", tokenizer, 512, 0)
     assert single.input.startswith("A special magic number is hidden within the following text.")
-    assert single.input.endswith(f"What is the special magic number for {single.meta['queries'][0]} mentioned in "
-                                 "the provided text?")
-    assert single.answer_prefix == (f" The special magic number for {single.meta['queries'][0]} mentioned in the "
-                                    "provided text is")
+    assert single.input.endswith(
+        f"What is the special magic number for {single.meta['queries'][0]} mentioned in the provided text?"
+    )
+    assert single.answer_prefix == (
+        f" The special magic number for {single.meta['queries'][0]} mentioned in the provided text is"
+    )
     multi = data.make_sample("niah_multiquery", tokenizer, 512, 0)
     q = multi.meta["queries"]
-    assert multi.answer_prefix == (f" The special magic numbers for {q[0]}, {q[1]}, {q[2]}, and {q[3]} mentioned in "
-                                   "the provided text are")
+    assert multi.answer_prefix == (
+        f" The special magic numbers for {q[0]}, {q[1]}, {q[2]}, and {q[3]} mentioned in the provided text are"
+    )
     assert len(multi.outputs) == 4
     assert data.make_sample("niah_single_3", tokenizer, 512, 0).outputs[0].count("-") == 4  # a UUID
     vt = data.make_sample("vt", tokenizer, 1024, 0)
-    assert vt.answer_prefix.startswith(" Answer: According to the chain(s) of variable assignment in the text "
-                                       "above, 5 variables are assigned the value ")
+    assert vt.answer_prefix.startswith(
+        " Answer: According to the chain(s) of variable assignment in the text "
+        "above, 5 variables are assigned the value "
+    )
 
 
 @pytest.mark.parametrize("task", ["niah_single_2", "niah_multikey_1", "niah_multivalue"])
@@ -88,7 +93,7 @@ def test_needles_sit_at_their_depths(tokenizer, task):
     assert sample.meta["needle_sentence_index"] == cuts
     context = sample.input.split("afterwards.\n", 1)[1]
     for needle in sample.meta["needles"]:
-        before = context[:context.index(needle)]
+        before = context[: context.index(needle)]
         for other in sample.meta["needles"]:
             before = before.replace(other, "")
         assert len(data.sentences(before)) in cuts
@@ -112,7 +117,7 @@ def test_variable_tracking_chain_and_uniqueness(tokenizer):
         assert f"VAR {name} = VAR {previous} " in sample.input
     assert sample.answer_prefix.endswith(f"assigned the value {value}, they are: ")
     # The one-shot example comes first, with its own (3-letter) names and value, and its answer.
-    example = sample.input[:sample.input.index("Memorize and track", 1)]
+    example = sample.input[: sample.input.index("Memorize and track", 1)]
     assert re.search(r"VAR [A-Z]{3} = \d{5}", example) and value not in example
     assert not any(n in example for n in names)
 
@@ -131,11 +136,16 @@ def test_word_extraction_answers(tokenizer):
 
 
 def test_qa_from_ruler_files(tokenizer, tmp_path):
-    paragraphs = [dict(context=f"Paragraph {i} says the code word is w{i}.",
-                       qas=[dict(question=f"What is code word {i}?", answers=[dict(text=f"w{i}")],
-                                 is_impossible=False)]) for i in range(40)]
-    (tmp_path / "squad.json").write_text(json.dumps(dict(data=[dict(paragraphs=paragraphs[:20]),
-                                                               dict(paragraphs=paragraphs[20:])])))
+    paragraphs = [
+        dict(
+            context=f"Paragraph {i} says the code word is w{i}.",
+            qas=[dict(question=f"What is code word {i}?", answers=[dict(text=f"w{i}")], is_impossible=False)],
+        )
+        for i in range(40)
+    ]
+    (tmp_path / "squad.json").write_text(
+        json.dumps(dict(data=[dict(paragraphs=paragraphs[:20]), dict(paragraphs=paragraphs[20:])]))
+    )
     sample = data.make_sample("qa_1", tokenizer, 512, 5, qa_data=tmp_path)
     assert sample.outputs == ["w5"] and "Paragraph 5 says the code word is w5." in sample.input
     assert sample.input.endswith("Question: What is code word 5?") and sample.answer_prefix == " Answer:"
@@ -164,8 +174,15 @@ def test_end_to_end(tokenizer, tmp_path, monkeypatch):
     model = Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
     pattern = Pattern(np.random.default_rng(0).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
     settings = samples.Settings(pattern=pattern, sink=4, recent=16, chunk_size=64)
-    kwargs = dict(lengths=[320], samples=1, kv_budgets=[0.5], settings=settings, tasks=["niah_single_1", "qa_1"],
-                  out_dir=tmp_path, progress=False)
+    kwargs = dict(
+        lengths=[320],
+        samples=1,
+        kv_budgets=[0.5],
+        settings=settings,
+        tasks=["niah_single_1", "qa_1"],
+        out_dir=tmp_path,
+        progress=False,
+    )
     results = ruler.run_ruler(model, ["full", "duo"], **kwargs)
     assert results["tasks"] == ["niah_single_1"] and "qa_1" in results["notes"][0]
     assert list(results["runs"]) == ["full", "duo@0.5"]
@@ -185,8 +202,10 @@ def test_end_to_end(tokenizer, tmp_path, monkeypatch):
 def test_cli_rejects_bad_options(capsys):
     from duo_jax.eval.__main__ import main as eval_main
 
-    for argv, message in [(["ruler", "--decode-last", "-1"], "--decode-last"),
-                          (["ruler", "--kv-budget", "0.25", "0"], "--kv-budget is a fraction")]:
+    for argv, message in [
+        (["ruler", "--decode-last", "-1"], "--decode-last"),
+        (["ruler", "--kv-budget", "0.25", "0"], "--kv-budget is a fraction"),
+    ]:
         with pytest.raises(SystemExit):
             eval_main(argv)
         assert message in capsys.readouterr().err

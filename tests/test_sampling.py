@@ -15,8 +15,15 @@ LOGITS = jax.random.normal(jax.random.key(0), (6, V)) * 3
 
 
 def rows(temperature, top_p, top_k, keys):
-    return np.asarray(sample_rows(LOGITS, keys, jnp.asarray(temperature, jnp.float32),
-                                  jnp.asarray(top_p, jnp.float32), jnp.asarray(top_k, jnp.int32)))
+    return np.asarray(
+        sample_rows(
+            LOGITS,
+            keys,
+            jnp.asarray(temperature, jnp.float32),
+            jnp.asarray(top_p, jnp.float32),
+            jnp.asarray(top_k, jnp.int32),
+        )
+    )
 
 
 def test_per_row_rules():
@@ -37,17 +44,28 @@ def test_a_top_k_at_or_above_the_vocabulary_is_no_limit():
 
 
 def test_the_filter_keeps_the_top_k_and_the_nucleus():
-    masked = np.asarray(filtered_logits(LOGITS, jnp.ones(6), jnp.asarray([1, 1, 1, 0.5, 0.5, 1e-6]),
-                                        jnp.asarray([3, 0, V + 1, 0, 5, 0])))
+    masked = np.asarray(
+        filtered_logits(
+            LOGITS, jnp.ones(6), jnp.asarray([1, 1, 1, 0.5, 0.5, 1e-6]), jnp.asarray([3, 0, V + 1, 0, 5, 0])
+        )
+    )
     kept = np.isfinite(masked).sum(-1)
     assert kept[0] == 3 and kept[1] == kept[2] == V and 1 <= kept[3] < V and kept[4] <= 5 and kept[5] == 1
 
 
-@pytest.mark.parametrize("values, field", [
-    (dict(temperature=float("nan")), "temperature"), (dict(temperature=-1), "temperature"),
-    (dict(temperature=True), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_p=float("inf")), "top_p"), (dict(top_k=-1), "top_k"), (dict(top_k=2.0), "top_k"),
-])
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=-1), "temperature"),
+        (dict(temperature=True), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=float("inf")), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.0), "top_k"),
+    ],
+)
 def test_check_sampling_names_the_field(values, field):
     with pytest.raises(InvalidOption, match=f"^{field} must be") as e:
         check_sampling(**values)

@@ -29,14 +29,17 @@ def setup(request):
     """(contiguous method, each prompt's solo greedy tokens)."""
     mask = np.array([[True, False], [False, True]]) if request.param == "duo" else None
     method = DuoAttention(make_layout(CONFIG, mask, sink=2, recent=5, context=64))
-    solo = [duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK,
-                             stop_at_eos=False).tokens[0] for p in PROMPTS]
+    solo = [
+        duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK, stop_at_eos=False).tokens[0]
+        for p in PROMPTS
+    ]
     return method, solo
 
 
 def scheduler(method, num_pages, slots=3):
-    return Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=num_pages), slots=slots, chunk=CHUNK,
-                     impl="xla")
+    return Scheduler(
+        Engine.of(MODEL), paged(method, page_size=4, num_pages=num_pages), slots=slots, chunk=CHUNK, impl="xla"
+    )
 
 
 def assert_no_page_leaked(s):
@@ -118,8 +121,9 @@ def test_int8_weights_are_served_as_generate_runs_them():
 
     model = duo_jax.Model(CONFIG, quantize_weights(MODEL.params), None, "random")
     method = DuoAttention(make_layout(CONFIG, None, sink=0, recent=0, context=64))
-    alone = duo_jax.generate(model, PROMPTS[0], method=method, max_new_tokens=5, chunk_size=CHUNK,
-                             stop_at_eos=False).tokens[0]
+    alone = duo_jax.generate(
+        model, PROMPTS[0], method=method, max_new_tokens=5, chunk_size=CHUNK, stop_at_eos=False
+    ).tokens[0]
     s = Scheduler(Engine.of(model), paged(method, page_size=4, num_pages=16), slots=2, chunk=CHUNK, impl="xla")
     request = s.submit(Request(PROMPTS[0], max_tokens=5, stop_at_eos=False))
     s.run()
@@ -134,8 +138,14 @@ PREFIXED = [SHARED + TAILS[0], SHARED + TAILS[1], SHARED[:17] + TAILS[2], SHARED
 
 def run_prefixed(method, prefix_cache, num_pages=64):
     """A alone for 4 steps (its prompt registered), then B, C, D join it; once all end, E (= B) comes."""
-    s = Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=num_pages), slots=3, chunk=CHUNK,
-                  impl="xla", prefix_cache=prefix_cache)
+    s = Scheduler(
+        Engine.of(MODEL),
+        paged(method, page_size=4, num_pages=num_pages),
+        slots=3,
+        chunk=CHUNK,
+        impl="xla",
+        prefix_cache=prefix_cache,
+    )
     requests = [s.submit(Request(PREFIXED[0], max_tokens=NEW, stop_at_eos=False))]
     for _ in range(4):
         s.step()
@@ -160,8 +170,10 @@ def test_prefix_reuse_gives_the_tokens_of_no_reuse_with_fewer_pages(setup):
     reuse 24 tokens of A (D's own last token is fed again), C 16 (two units of 8 of its 17 shared tokens), E
     (= B) 32 of B's pages, still registered after B ended."""
     method, _ = setup
-    solo = [duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK,
-                             stop_at_eos=False).tokens[0] for p in PREFIXED]
+    solo = [
+        duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK, stop_at_eos=False).tokens[0]
+        for p in PREFIXED
+    ]
     shared, requests, peak = run_prefixed(method, True)
     alone, plain, peak_plain = run_prefixed(method, False)
     for r, q, expected in zip(requests, plain, solo + [solo[1]]):
@@ -176,8 +188,10 @@ def test_prefix_reuse_survives_preemption(setup):
     """A pool too small for the shared-prefix requests at once: preempted requests are recomputed (reusing
     what is still registered), reference counts stay exact, and all get their solo tokens."""
     method, _ = setup
-    solo = [duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK,
-                             stop_at_eos=False).tokens[0] for p in PREFIXED]
+    solo = [
+        duo_jax.generate(MODEL, p, method=method, max_new_tokens=NEW, chunk_size=CHUNK, stop_at_eos=False).tokens[0]
+        for p in PREFIXED
+    ]
     s, requests, peak = run_prefixed(method, True, num_pages=10)  # the pool of the test above: no compile
     assert peak <= 10 and s.counters["preemptions"] > 0
     for r, expected in zip(requests, solo + [solo[1]]):

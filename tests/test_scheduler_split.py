@@ -34,15 +34,20 @@ def method_of(name):
 @functools.cache
 def solo(name):
     """Each prompt's greedy tokens from `generate` alone."""
-    return [duo_jax.generate(MODEL, p, method=method_of(name), max_new_tokens=NEW, chunk_size=CHUNK,
-                             stop_at_eos=False).tokens[0] for p in PROMPTS]
+    return [
+        duo_jax.generate(
+            MODEL, p, method=method_of(name), max_new_tokens=NEW, chunk_size=CHUNK, stop_at_eos=False
+        ).tokens[0]
+        for p in PROMPTS
+    ]
 
 
 def serve(method, mixed):
     """Request 0 alone for 3 steps (it decodes from step 2), then 1 and 2 join (prefilling while 0 decodes);
     3 joins after 3 more steps. Returns (the scheduler, the requests)."""
-    s = Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=48), slots=3, chunk=CHUNK, impl="xla",
-                  mixed=mixed)
+    s = Scheduler(
+        Engine.of(MODEL), paged(method, page_size=4, num_pages=48), slots=3, chunk=CHUNK, impl="xla", mixed=mixed
+    )
     requests = [s.submit(Request(PROMPTS[0], max_tokens=NEW, stop_at_eos=False))]
     for _ in range(3):
         s.step()
@@ -72,8 +77,9 @@ def test_split_mixed_steps_give_the_padded_and_solo_tokens_with_fewer_positions(
 def test_a_short_pool_preempts_under_split_and_all_complete():
     """10 pages of 4 tokens: prefilling requests wait their turn, growing ones preempt the newest; the tokens
     are still the solo ones and every page comes back."""
-    s = Scheduler(Engine.of(MODEL), paged(method_of("duo"), page_size=4, num_pages=10), slots=3, chunk=CHUNK,
-                  impl="xla")
+    s = Scheduler(
+        Engine.of(MODEL), paged(method_of("duo"), page_size=4, num_pages=10), slots=3, chunk=CHUNK, impl="xla"
+    )
     requests = [s.submit(Request(p, max_tokens=NEW, stop_at_eos=False)) for p in PROMPTS]
     while s.step() or not s.idle:
         assert s.pages_in_use() == sum(len(slot.pages) for slot in s.running if slot) <= 10
@@ -90,8 +96,9 @@ def test_rows_fed_nothing_are_unchanged_and_extend_row_changes_its_row_only():
     fill = compiled_extend(CONFIG, method, 2, CHUNK, engine.dtype, "xla")
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 128, (2, CHUNK)), jnp.int32)
     cache = dataclasses.replace(method.empty_cache(2, engine.dtype), block_tables=jnp.asarray(tables))
-    _, cache, lengths = fill(engine.params, cache, jnp.zeros(2, jnp.int32), tokens, jnp.asarray([8, 8], jnp.int32),
-                             None)
+    _, cache, lengths = fill(
+        engine.params, cache, jnp.zeros(2, jnp.int32), tokens, jnp.asarray([8, 8], jnp.int32), None
+    )
     before = jax.tree.map(np.array, cache)
 
     # A T = 1 step feeding row 1 only: row 0's streaming rows and pages stay as they were.
@@ -106,12 +113,19 @@ def test_rows_fed_nothing_are_unchanged_and_extend_row_changes_its_row_only():
 
     # A chunk for row 0 alone: row 1 and its pages unchanged, row 0's as `extend` at batch 1 gives them.
     row = compiled_extend_row(CONFIG, method, 2, CHUNK, engine.dtype, "xla")
-    logits, after, new_lengths = row(engine.params, after, jnp.asarray(0, jnp.int32), new_lengths, tokens[1:],
-                                     jnp.asarray([5], jnp.int32), None)
+    logits, after, new_lengths = row(
+        engine.params, after, jnp.asarray(0, jnp.int32), new_lengths, tokens[1:], jnp.asarray([5], jnp.int32), None
+    )
     assert logits.shape == (1, CONFIG.vocab_size) and np.asarray(new_lengths).tolist() == [13, 9]
     alone = compiled_extend(CONFIG, method, 1, CHUNK, engine.dtype, "xla")
-    expected, part, _ = alone(engine.params, method.take_row(jax.tree.map(jnp.asarray, before), 0),
-                              jnp.asarray([8], jnp.int32), tokens[1:], jnp.asarray([5], jnp.int32), None)
+    expected, part, _ = alone(
+        engine.params,
+        method.take_row(jax.tree.map(jnp.asarray, before), 0),
+        jnp.asarray([8], jnp.int32),
+        tokens[1:],
+        jnp.asarray([5], jnp.int32),
+        None,
+    )
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected))
     for old, new, ref in zip(before.layers, after.layers, part.layers):
         np.testing.assert_array_equal(old.streaming_k[1], new.streaming_k[1])
@@ -122,5 +136,6 @@ def test_rows_fed_nothing_are_unchanged_and_extend_row_changes_its_row_only():
 
 def test_unknown_mixed_policy_is_refused():
     with pytest.raises(DuoJaxError, match="mixed"):
-        Scheduler(Engine.of(MODEL), paged(method_of("full"), page_size=4, num_pages=8), slots=2, chunk=CHUNK,
-                  mixed="ragged")
+        Scheduler(
+            Engine.of(MODEL), paged(method_of("full"), page_size=4, num_pages=8), slots=2, chunk=CHUNK, mixed="ragged"
+        )

@@ -62,8 +62,14 @@ class Running:
 def served():
     model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), ChatTokenizer(), "tiny")
     method = DuoAttention(make_layout(CONFIG, np.array([[True, False], [False, True]]), sink=2, recent=5, context=64))
-    scheduler = Scheduler(Engine.of(model), paged(method, page_size=4, num_pages=40), slots=3, chunk=CHUNK,
-                          impl="xla", detokenize=model.tokenizer.decode)
+    scheduler = Scheduler(
+        Engine.of(model),
+        paged(method, page_size=4, num_pages=40),
+        slots=3,
+        chunk=CHUNK,
+        impl="xla",
+        detokenize=model.tokenizer.decode,
+    )
     server = Server(scheduler, model, "tiny")
     running = Running(server.app)
     running.scheduler = scheduler
@@ -104,13 +110,15 @@ def test_concurrent_completions_match_solo_generation(served):
         plain = pool.submit(complete, running.url, dict(greedy, prompt=texts[0], model="tiny"))
         by_ids = pool.submit(complete, running.url, dict(greedy, prompt=ids[1]))
         streamed = pool.submit(stream, running.url, "/v1/completions", dict(greedy, prompt=texts[2]))
-        chat = pool.submit(stream, running.url, "/v1/chat/completions",
-                           dict(greedy, messages=[{"role": "user", "content": texts[0]}]))
+        chat = pool.submit(
+            stream, running.url, "/v1/chat/completions", dict(greedy, messages=[{"role": "user", "content": texts[0]}])
+        )
         plain, by_ids, (streamed, last), (chat_text, chat_last) = (f.result() for f in (plain, by_ids, streamed, chat))
     assert plain.status_code == 200 and by_ids.status_code == 200
     assert plain.json()["choices"][0]["text"] == solo(ids[0])
-    assert plain.json()["usage"] == dict(prompt_tokens=len(ids[0]), completion_tokens=NEW,
-                                         total_tokens=len(ids[0]) + NEW)
+    assert plain.json()["usage"] == dict(
+        prompt_tokens=len(ids[0]), completion_tokens=NEW, total_tokens=len(ids[0]) + NEW
+    )
     assert by_ids.json()["choices"][0]["text"] == solo(ids[1])
     assert streamed == solo(ids[2]) and last["choices"][0]["finish_reason"] == "length"
     chat_ids = model.tokenizer.encode(f"<user>{texts[0]}\n<assistant>")
@@ -119,22 +127,26 @@ def test_concurrent_completions_match_solo_generation(served):
     assert "duo_jax_requests_finished_total 4" in metrics and "duo_jax_pages_in_use 0" in metrics
 
 
-@pytest.mark.parametrize("body, status, message", [
-    ("{not json", 400, "not JSON"),
-    ({"max_tokens": 4}, 400, "'prompt'"),
-    ({"prompt": "hi", "max_tokens": 500}, 400, "exceeds"),
-    ({"prompt": "hi", "max_tokens": "four"}, 400, "integer"),
-    ({"prompt": "hi", "n": 2}, 400, "n = 1"),
-    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
-    ({"prompt": "hi", "stop": [""]}, 400, "'stop'"),
-    ({"prompt": [1, 99999]}, 400, "token ids"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "model": "gpt-4"}, 404, "not served"),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ("{not json", 400, "not JSON"),
+        ({"max_tokens": 4}, 400, "'prompt'"),
+        ({"prompt": "hi", "max_tokens": 500}, 400, "exceeds"),
+        ({"prompt": "hi", "max_tokens": "four"}, 400, "integer"),
+        ({"prompt": "hi", "n": 2}, 400, "n = 1"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "'stop'"),
+        ({"prompt": "hi", "stop": [""]}, 400, "'stop'"),
+        ({"prompt": [1, 99999]}, 400, "token ids"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "not served"),
+    ],
+)
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(served, body, status, message):
     running, model, solo = served
-    kwargs = (dict(content=body, headers={"content-type": "application/json"}) if isinstance(body, str)
-              else dict(json=body))
+    kwargs = (
+        dict(content=body, headers={"content-type": "application/json"}) if isinstance(body, str) else dict(json=body)
+    )
     response = httpx.post(f"{running.url}/v1/completions", timeout=30, **kwargs)
     assert response.status_code == status and message in response.json()["error"]["message"]
     assert httpx.get(f"{running.url}/health").json() == {"status": "ok"}
@@ -152,7 +164,7 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(served):
     ids = model.tokenizer.encode("It was a bright cold day")
     text = solo(ids)
     assert len(text) >= 6
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     expected = text[: text.find(stop)]
     body = dict(prompt=ids, max_tokens=NEW, temperature=0, stop=["never in it \x00", stop])
     plain = complete(running.url, body).json()
@@ -175,8 +187,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(served, monkeypatc
     step = running.scheduler.step
     monkeypatch.setattr(running.scheduler, "step", lambda: time.sleep(0.1) or step())
     cancelled, tokens = metric(running.url, "cancelled_total"), metric(running.url, "generated_tokens_total")
-    body = dict(prompt=model.tokenizer.encode("A client that leaves early"), max_tokens=50, temperature=0,
-                stream=True)
+    body = dict(prompt=model.tokenizer.encode("A client that leaves early"), max_tokens=50, temperature=0, stream=True)
     with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()  # held: closing it (even by garbage collection) closes the connection
         first = next(line for line in lines if line)

@@ -34,8 +34,14 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 def build(**options):
     model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), ChatTokenizer(), "tiny")
     method = DuoAttention(make_layout(CONFIG, np.array([[True, False], [False, True]]), sink=2, recent=5, context=64))
-    scheduler = Scheduler(Engine.of(model), paged(method, page_size=4, num_pages=40), slots=3, chunk=CHUNK,
-                          impl="xla", detokenize=model.tokenizer.decode)
+    scheduler = Scheduler(
+        Engine.of(model),
+        paged(method, page_size=4, num_pages=40),
+        slots=3,
+        chunk=CHUNK,
+        impl="xla",
+        detokenize=model.tokenizer.decode,
+    )
     return Server(scheduler, model, "tiny", **options)
 
 
@@ -92,15 +98,24 @@ BAD = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "text parts"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "text parts"),
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "text parts"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]", "text part"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0]",
+        "text part",
+    ),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "one of"),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name", "not supported"),
     ({"messages": "hi"}, "messages", "non-empty list"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "response_format", "text"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 4},
-     "max_completion_tokens", "differ"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        "response_format",
+        "text",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 4},
+        "max_completion_tokens",
+        "differ",
+    ),
 ]
 
 
@@ -120,9 +135,14 @@ def test_content_parts_are_the_text_they_hold(guarded):
     server, running, client = guarded
     greedy = {"max_tokens": 4, "temperature": 0}
     plain = post(client, dict(greedy, messages=[{"role": "user", "content": "hi\nthere"}]), "/v1/chat/completions")
-    parts = post(client, dict(greedy, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"},
-                                                                             {"type": "text", "text": "there"}]}]),
-                 "/v1/chat/completions")
+    parts = post(
+        client,
+        dict(
+            greedy,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
+        ),
+        "/v1/chat/completions",
+    )
     assert plain.status_code == parts.status_code == 200, parts.text
     assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
     assert parts.json()["usage"] == plain.json()["usage"]
@@ -130,8 +150,12 @@ def test_content_parts_are_the_text_they_hold(guarded):
 
 def test_max_completion_tokens_and_response_format_text(guarded):
     server, running, client = guarded
-    body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
-            "max_completion_tokens": 3, "temperature": 0, "response_format": {"type": "text"}}
+    body = {
+        "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        "max_completion_tokens": 3,
+        "temperature": 0,
+        "response_format": {"type": "text"},
+    }
     response = post(client, body, "/v1/chat/completions")
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 3
@@ -175,8 +199,9 @@ def test_the_host_header_must_be_local(guarded):
 
 def test_no_cors_unless_asked(guarded):
     server, running, client = guarded
-    response = client.options("/v1/completions", headers={"origin": "https://evil.example",
-                                                          "access-control-request-method": "POST"})
+    response = client.options(
+        "/v1/completions", headers={"origin": "https://evil.example", "access-control-request-method": "POST"}
+    )
     assert "access-control-allow-origin" not in response.headers
 
 
@@ -198,8 +223,10 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(guarded):
     """Content-Length over the limit: 413 while the client has sent none of the body. Without a length
     (chunked), the count stops the read at the limit."""
     server, running, client = guarded
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {100 * LIMIT}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {100 * LIMIT}\r\n\r\n"
+    ).encode()
     (response,) = raw(running.url, head)
     assert response.startswith(b"HTTP/1.1 413") and b"request_too_large" not in response.split(b"\r\n\r\n")[0]
     assert b"max-request-bytes" in response
@@ -222,8 +249,10 @@ def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(guarded, monkeyp
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(server, "_prepare", broken)
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: 15\r\n\r\n{{\"prompt\": \"x\"}}").encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f'Content-Type: application/json\r\nContent-Length: 15\r\n\r\n{{"prompt": "x"}}'
+    ).encode()
     first, second = raw(running.url, request + request, responses=2)  # two requests, one connection
     for response in (first, second):
         assert response.startswith(b"HTTP/1.1 500") and b"connection: close" not in response.lower()
@@ -339,8 +368,12 @@ def test_memory_is_released_once_after_a_burst():
     running = Running(server.app)
     try:
         for _ in range(3):
-            assert httpx.post(f"{running.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
-                              timeout=120).status_code == 200
+            assert (
+                httpx.post(
+                    f"{running.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=120
+                ).status_code
+                == 200
+            )
         end = time.monotonic()
         time.sleep(server_module.QUIET_S + 0.5)
         assert len(quiet) == 1 and quiet[0] - end >= server_module.QUIET_S * 0.9

@@ -106,10 +106,10 @@ print(json.dumps(result))
 
 def on_8_devices(script: str) -> dict:
     """The JSON that `script` prints last, run in a process with 8 host CPU devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+    )
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -172,9 +172,14 @@ def test_parse_generation_mesh():
 
 
 def test_infer_mesh_error_is_one_line():
-    run = subprocess.run([sys.executable, str(REPO / "infer.py"), "--mesh", "data=2,model=4", "--prompt", "hi"],
-                         capture_output=True, text=True, cwd=REPO, timeout=300,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+    run = subprocess.run(
+        [sys.executable, str(REPO / "infer.py"), "--mesh", "data=2,model=4", "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+    )
     assert run.returncode == 2 and run.stderr.startswith("error: mesh data=2,model=4 needs 8 devices"), run.stderr
 
 
@@ -209,7 +214,10 @@ def test_a_mesh_with_manual_axes_is_refused_by_name():
     import jax
     from jax.sharding import AxisType, Mesh
 
-    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), sharding.GENERATION_AXES,
-                axis_types=(AxisType.Manual, AxisType.Auto))
+    mesh = Mesh(
+        np.asarray(jax.devices()[:1]).reshape(1, 1),
+        sharding.GENERATION_AXES,
+        axis_types=(AxisType.Manual, AxisType.Auto),
+    )
     with pytest.raises(sharding.MeshError, match="Manual axes"):
         sharding.auto_axes(mesh)

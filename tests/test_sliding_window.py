@@ -26,11 +26,26 @@ from tests.conftest import qkv_projection, run_method
 from tests.test_model import TINY, hf_logits, write_random_hf_model
 
 WINDOW = 8
-FIELDS = dict(TINY, num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-              tie_word_embeddings=False, rope_theta=1e6)
+FIELDS = dict(
+    TINY,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=WINDOW,
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+)
 # Qwen2 with the window on layers >= max_window_layers only: layer 0 attends to everything, layer 1 within WINDOW.
-QWEN_FIELDS = dict(TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6,
-                   use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+QWEN_FIELDS = dict(
+    TINY,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+    use_sliding_window=True,
+    sliding_window=WINDOW,
+    max_window_layers=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +76,13 @@ def test_mistral_gguf_reads_the_window(tmp_path):
     from_dir, from_gguf = duo_jax.load(tmp_path, dtype=jnp.float32), duo_jax.load(path, dtype=jnp.float32)
     g = from_gguf.config
     assert g.sliding_window == WINDOW and g.layer_windows() == (WINDOW, WINDOW)
-    assert g == dataclasses.replace(from_dir.config, name=g.name, rms_norm_eps=g.rms_norm_eps,
-                                    bos_token_id=g.bos_token_id, eos_token_ids=g.eos_token_ids)
+    assert g == dataclasses.replace(
+        from_dir.config,
+        name=g.name,
+        rms_norm_eps=g.rms_norm_eps,
+        bos_token_id=g.bos_token_id,
+        eos_token_ids=g.eos_token_ids,
+    )
     jax.tree.map(np.testing.assert_array_equal, from_gguf.params, from_dir.params)
     tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 3 * WINDOW)).astype(np.int32)
     ours = np.asarray(duo_jax.forward(from_gguf.params, g, jnp.asarray(tokens)))
@@ -76,18 +96,20 @@ def test_forward_matches_transformers(models, prompt):
     assert np.abs(ref).max() > 1.0
     np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
     # the window matters: without it the logits past the window differ
-    unwindowed = duo_jax.forward(model.params, dataclasses.replace(model.config, sliding_window=None),
-                                 jnp.asarray([prompt]))
-    assert np.abs(np.asarray(unwindowed)[0, WINDOW + 1:] - ref[WINDOW + 1:]).max() > 1e-2
+    unwindowed = duo_jax.forward(
+        model.params, dataclasses.replace(model.config, sliding_window=None), jnp.asarray([prompt])
+    )
+    assert np.abs(np.asarray(unwindowed)[0, WINDOW + 1 :] - ref[WINDOW + 1 :]).max() > 1e-2
 
 
 def test_generate_matches_transformers_greedy(models, prompt):
     hf_model, model = models
     with torch.no_grad():
-        hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                               pad_token_id=0)
+        hf = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0
+        )
     out = generate(model, prompt, max_new_tokens=10, chunk_size=7, stop_at_eos=False)
-    assert out.tokens[0] == hf[0, len(prompt):].tolist()
+    assert out.tokens[0] == hf[0, len(prompt) :].tolist()
 
 
 # --- every method on a windowed model ---------------------------------------------------------------------
@@ -103,12 +125,23 @@ def build(name, model, budget, *, window=4, alpha=1e9):
     grid = np.random.default_rng(5).uniform(0.1, 1.0, (config.num_layers, config.num_kv_heads))
     if name == "infinigen":
         sample = np.random.default_rng(6).integers(0, config.vocab_size, 24)
-        return InfiniGen.calibrate(model.params, config, sample, context=64, kv_budget=budget, alpha=alpha,
-                                   partial_ratio=0.25, offload="device", dense_layers=1)
-    options = {"snapkv": dict(window=window), "pyramidkv": dict(window=window, beta=4.0),
-               "headkv": dict(window=window, scores=grid),
-               "duo_headkv": dict(window=window, scores=grid, pattern=Pattern(grid), sparsity=0.5, sink=4,
-                                  recent=64)}.get(name, {})
+        return InfiniGen.calibrate(
+            model.params,
+            config,
+            sample,
+            context=64,
+            kv_budget=budget,
+            alpha=alpha,
+            partial_ratio=0.25,
+            offload="device",
+            dense_layers=1,
+        )
+    options = {
+        "snapkv": dict(window=window),
+        "pyramidkv": dict(window=window, beta=4.0),
+        "headkv": dict(window=window, scores=grid),
+        "duo_headkv": dict(window=window, scores=grid, pattern=Pattern(grid), sparsity=0.5, sink=4, recent=64),
+    }.get(name, {})
     return make_method(name, config, context=64, kv_budget=budget, **options)
 
 
@@ -119,8 +152,9 @@ def full_runs(models, qwen):
     runs = {}
     for family, (_, model) in (("mistral", models), ("qwen2", qwen)):
         full = make_method("full", model.config, context=64)
-        runs[family] = (model, prompt) + run_method(model.params, model.config, full, prompt, chunk=8,
-                                                    decode_steps=6)[:2]
+        runs[family] = (model, prompt) + run_method(model.params, model.config, full, prompt, chunk=8, decode_steps=6)[
+            :2
+        ]
     return runs
 
 
@@ -137,8 +171,10 @@ def test_budget_covering_the_sequence_is_full_attention(full_runs, family, name)
     np.testing.assert_array_less(np.abs(logits - expected).max(), 1e-4)
 
 
-@pytest.mark.parametrize("name, budget", [("h2o", WINDOW - 1), ("tova", WINDOW - 1), ("snapkv", WINDOW - 1),
-                                          ("infinigen", WINDOW - 1), ("h2o", 3)])
+@pytest.mark.parametrize(
+    "name, budget",
+    [("h2o", WINDOW - 1), ("tova", WINDOW - 1), ("snapkv", WINDOW - 1), ("infinigen", WINDOW - 1), ("h2o", 3)],
+)
 def test_a_budget_of_the_window_is_exact(full_runs, name, budget):
     """On the model whose every layer is windowed, a query sees at most WINDOW - 1 earlier tokens, so a budget
     of WINDOW - 1 (below the 29-token prompt) loses nothing: the methods drop the tokens out of every future
@@ -146,8 +182,15 @@ def test_a_budget_of_the_window_is_exact(full_runs, name, budget):
     InfiniGen fetches all it sees). A method that kept an old token by its score instead of a visible one
     would change the logits; a smaller budget does."""
     model, prompt, tokens, expected = full_runs["mistral"]
-    sequence, logits, _, _ = run_method(model.params, model.config, build(name, model, budget), prompt,
-                                        chunk=8, decode_steps=6, force=tokens[len(prompt):])
+    sequence, logits, _, _ = run_method(
+        model.params,
+        model.config,
+        build(name, model, budget),
+        prompt,
+        chunk=8,
+        decode_steps=6,
+        force=tokens[len(prompt) :],
+    )
     error = np.abs(logits - expected).max()
     if budget >= WINDOW - 1:
         np.testing.assert_array_less(error, 1e-4)
@@ -185,8 +228,15 @@ QWEN_RULES = [  # config.json keys as written by older transformers (no layer_ty
 
 @pytest.mark.parametrize("config_cls", [transformers.Qwen2Config, transformers.Qwen3Config])
 def test_qwen_layer_windows_read_as_transformers_reads_them(config_cls):
-    base = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
-                num_key_value_heads=2, sliding_window=4)
+    base = dict(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
     model_type = config_cls.model_type
     seen = set()
     for rule in QWEN_RULES:
@@ -204,8 +254,17 @@ def test_qwen_layer_windows_read_as_transformers_reads_them(config_cls):
 
 
 def test_window_layers_are_checked_and_canonical():
-    config = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=4, num_heads=2,
-                         num_kv_heads=2, head_dim=4, sliding_window=4, window_layers=(1, 3))
+    config = ModelConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=4,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=4,
+        sliding_window=4,
+        window_layers=(1, 3),
+    )
     assert config.window_runs() == ((0, 1, None), (1, 2, 4), (2, 3, None), (3, 4, 4))
     every = dataclasses.replace(config, window_layers=(0, 1, 2, 3))
     assert every.window_layers is None and every == dataclasses.replace(config, window_layers=None)
@@ -231,8 +290,10 @@ def test_qwen_layer_window_forward_matches_transformers(qwen):
     assert np.abs(ref).max() > 1.0
     np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
     # the rule matters: the window on every layer, or on none, gives other logits
-    for other in (dataclasses.replace(model.config, window_layers=None),
-                  dataclasses.replace(model.config, sliding_window=None)):
+    for other in (
+        dataclasses.replace(model.config, window_layers=None),
+        dataclasses.replace(model.config, sliding_window=None),
+    ):
         logits = np.asarray(duo_jax.forward(model.params, other, jnp.asarray(tokens)))
         assert np.abs(logits - ref).max() > 1e-2
 
@@ -245,16 +306,23 @@ def test_qwen_layer_window_engine_matches_transformers(qwen):
     hf_model, model = qwen
     prompt = np.random.default_rng(2).integers(0, TINY["vocab_size"], 29).tolist()
     with torch.no_grad():
-        hf = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                               max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-    expected = hf[0, len(prompt):].tolist()
+        hf = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    expected = hf[0, len(prompt) :].tolist()
     method = make_method("full", model.config, context=64)
     sequence, logits, _, _ = run_method(model.params, model.config, method, prompt, chunk=5, decode_steps=8)
-    assert sequence[len(prompt):] == expected
+    assert sequence[len(prompt) :] == expected
     ref = hf_logits(hf_model, np.asarray([sequence[:-1]]))[0]
     np.testing.assert_array_less(np.abs(logits[: len(ref)] - ref).max(), 1e-4)
-    out = generate(model, prompt, method="streaming_llm", sink=4, recent=64, max_new_tokens=8, chunk_size=7,
-                   stop_at_eos=False)
+    out = generate(
+        model, prompt, method="streaming_llm", sink=4, recent=64, max_new_tokens=8, chunk_size=7, stop_at_eos=False
+    )
     assert out.tokens[0] == expected
 
 
@@ -271,8 +339,9 @@ def duo_reference(params, config, tokens, retrieval, *, sink, recent, windows):
         full = (j <= i) & (True if window is None else i - j < window)
         streaming = full & ((j < sink) | (i - j <= recent))
         layer = layer_at(params, l)
-        q, k, v = qkv_projection(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions,
-                                 rope_inv_freq(config))
+        q, k, v = qkv_projection(
+            rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, rope_inv_freq(config)
+        )
         out_full, out_streaming = (attention_reference(q, k, v, jnp.asarray(mask)[None]) for mask in (full, streaming))
         per_head = np.repeat(retrieval[l], config.group_size)[None, None, :, None]  # [1, 1, H, 1]
         x = x + output_projection(jnp.where(per_head, out_full, out_streaming), layer)
@@ -293,6 +362,5 @@ def test_duo_heads_keep_each_layers_window(qwen):
     _, logits, _, _ = run_method(model.params, model.config, duo, prompt, chunk=1, decode_steps=0)
     ref = duo_reference(model.params, model.config, prompt, retrieval, sink=2, recent=10, windows=[None, WINDOW])
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
-    unwindowed = duo_reference(model.params, model.config, prompt, retrieval, sink=2, recent=10,
-                               windows=[None, None])
+    unwindowed = duo_reference(model.params, model.config, prompt, retrieval, sink=2, recent=10, windows=[None, None])
     assert np.abs(unwindowed - ref).max() > 1e-2  # with recent > window, the window is what hides keys

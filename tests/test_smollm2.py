@@ -18,9 +18,11 @@ import transformers
 import duo_jax
 from duo_jax.model import greedy_reference
 
-PROMPT = ("Once upon a time, in a small village at the foot of the mountains, there lived an old clockmaker. "
-          "Every morning he opened his shop at 7 o'clock and wound all 112 of the clocks, one after another, "
-          "until the whole room was ticking like a heartbeat. The villagers said")
+PROMPT = (
+    "Once upon a time, in a small village at the foot of the mountains, there lived an old clockmaker. "
+    "Every morning he opened his shop at 7 o'clock and wound all 112 of the clocks, one after another, "
+    "until the whole room was ticking like a heartbeat. The villagers said"
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def test_logits_and_greedy_continuation_match_transformers(ours, theirs):
     logits = np.asarray(duo_jax.forward(ours.params, ours.config, jnp.asarray([ids], jnp.int32)))
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits.numpy()
-        ref_tokens = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        ref_tokens = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :].tolist()
     assert np.abs(ref).max() > 10
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-3)
     assert greedy_reference(ours.params, ours.config, ids, 16) == ref_tokens
@@ -93,5 +95,6 @@ def test_generating_holds_one_copy_of_the_weights(ours, monkeypatch):
         duo_jax.generate(ours, [ids], max_new_tokens=2, chunk_size=128, stop_at_eos=False)
         engine, during, cache = seen[-1]
         assert 0 < during - before - cache < weights / 4, (during - before - cache) / weights
-        assert not engine.copied and all(a is b for a, b in zip(jax.tree.leaves(engine.params),
-                                                                jax.tree.leaves(ours.params)))
+        assert not engine.copied and all(
+            a is b for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(ours.params))
+        )

@@ -64,20 +64,40 @@ def reference_selection(q, k, budgets, window, kernel, pooling, sliding=None):
         first = max(i - W + 1, 0)
         for h in range(H):
             probs = np.zeros(i + 1)
-            probs[first:] = softmax64(k[first: i + 1, h // G] @ q[i, h] / math.sqrt(E))
+            probs[first:] = softmax64(k[first : i + 1, h // G] @ q[i, h] / math.sqrt(E))
             votes[h // G] += probs[:prefix]
     pad = kernel // 2
     padded = np.pad(votes, ((0, 0), (pad, pad)), constant_values=-np.inf if pooling == "max" else 0.0)
-    windows = np.stack([padded[:, j: j + kernel] for j in range(prefix)], axis=-1)  # [K, kernel, prefix]
+    windows = np.stack([padded[:, j : j + kernel] for j in range(prefix)], axis=-1)  # [K, kernel, prefix]
     pooled = windows.max(axis=1) if pooling == "max" else windows.sum(axis=1) / kernel
     visible = np.arange(prefix) > P - W
     window_tokens = set(range(max(prefix, P - W + 1), P))
-    return [set(j for j in np.argsort(-np.where(visible, pooled[h], -np.inf), kind="stable")[: budgets[h]].tolist()
-                if visible[j]) | window_tokens for h in range(K)]
+    return [
+        set(
+            j
+            for j in np.argsort(-np.where(visible, pooled[h], -np.inf), kind="stable")[: budgets[h]].tolist()
+            if visible[j]
+        )
+        | window_tokens
+        for h in range(K)
+    ]
 
 
-def reference_logits(params, config, tokens, prompt_len, budgets, *, window=WINDOW, kernel=5, pooling="avg",
-                     streaming=None, sink=0, recent=0, chunk_starts=None):
+def reference_logits(
+    params,
+    config,
+    tokens,
+    prompt_len,
+    budgets,
+    *,
+    window=WINDOW,
+    kernel=5,
+    pooling="avg",
+    streaming=None,
+    sink=0,
+    recent=0,
+    chunk_starts=None,
+):
     """Logits [T, V] of one sequence and the kept positions [L][K] (sets), all float64; each layer within its
     sliding window (`config.layer_window`).
 
@@ -133,8 +153,16 @@ def run_engine(params, config, method, prompts, continuations, *, chunk=8, first
 
     def feed(tokens, n_valid, m):
         nonlocal cache, lengths
-        out, cache, lengths = extend(prepared, cache, lengths, jnp.asarray(tokens, jnp.int32),
-                                     jnp.asarray(n_valid, jnp.int32), config=config, method=m, all_logits=True)
+        out, cache, lengths = extend(
+            prepared,
+            cache,
+            lengths,
+            jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(n_valid, jnp.int32),
+            config=config,
+            method=m,
+            all_logits=True,
+        )
         for b in range(B):
             logits[b].extend(np.asarray(out[b, : n_valid[b]]))
 
@@ -142,7 +170,7 @@ def run_engine(params, config, method, prompts, continuations, *, chunk=8, first
         n_valid = np.clip(lens - start, 0, chunk)
         tokens = np.zeros((B, chunk), np.int32)
         for b, p in enumerate(prompts):
-            tokens[b, : n_valid[b]] = p[start:start + n_valid[b]]
+            tokens[b, : n_valid[b]] = p[start : start + n_valid[b]]
         feed(tokens, n_valid, method)
     prefill_bytes = cache_nbytes(cache)
     assert prefill_bytes == method.expected_cache_bytes(B, 4)
@@ -151,7 +179,7 @@ def run_engine(params, config, method, prompts, continuations, *, chunk=8, first
     cont = np.asarray(continuations)
     feed(cont[:, :first], [first] * B, decode)
     for t in range(first, cont.shape[1]):
-        feed(cont[:, t:t + 1], [1] * B, decode)
+        feed(cont[:, t : t + 1], [1] * B, decode)
     return [np.stack(l) for l in logits], cache, decode, prefill_bytes
 
 
@@ -180,8 +208,9 @@ def sequences():
 def check_against_reference(params, method, prompts, continuations, kernel, pooling):
     logits, cache, decode, _ = run_engine(params, CONFIG, method, prompts, continuations)
     for b, (prompt, cont) in enumerate(zip(prompts, continuations)):
-        ref, kept = reference_logits(params, CONFIG, prompt + cont, len(prompt), method.budgets, kernel=kernel,
-                                     pooling=pooling)
+        ref, kept = reference_logits(
+            params, CONFIG, prompt + cont, len(prompt), method.budgets, kernel=kernel, pooling=pooling
+        )
         assert kept_sets(cache, decode, b) == kept
         for l, row in enumerate(method.budgets):  # the budget binds: each head keeps exactly budget + window
             assert [len(s) for s in kept[l]] == [n + WINDOW for n in row]
@@ -189,27 +218,34 @@ def check_against_reference(params, method, prompts, continuations, kernel, pool
     return logits, cache, decode
 
 
-@pytest.mark.parametrize("make, options", [
-    (make_snapkv, dict(kernel=5, pooling="avg")),
-    (make_pyramidkv, dict(kernel=7, pooling="max", beta=4.0)),
-])
+@pytest.mark.parametrize(
+    "make, options",
+    [
+        (make_snapkv, dict(kernel=5, pooling="avg")),
+        (make_pyramidkv, dict(kernel=7, pooling="max", beta=4.0)),
+    ],
+)
 def test_matches_the_float64_reference(params, sequences, make, options):
     prompts, continuations = sequences
     method = make(CONFIG, context=64, kv_budget=16, window=WINDOW, **options)
     if make is make_pyramidkv:
         assert method.budgets == ((18, 18), (2, 2))  # k = 10: top 10 / 4 -> 2, bottom 20 - 2
-    logits, _, decode = check_against_reference(params, method, prompts, continuations, options["kernel"],
-                                                options["pooling"])
+    logits, _, decode = check_against_reference(
+        params, method, prompts, continuations, options["kernel"], options["pooling"]
+    )
     assert decode.name == method.name
     # The compression matters: full attention gives clearly different logits after the prompt.
     full, _, _, _ = run_engine(params, CONFIG, make_method("full", CONFIG, context=64), prompts, continuations)
     assert np.abs(full[0][45:] - logits[0][45:]).max() > 1e-2
 
 
-@pytest.mark.parametrize("make, options", [
-    (make_snapkv, dict(kernel=5, pooling="avg")),
-    (make_headkv, dict(kernel=7, pooling="max", scores=np.array([[0.9, 0.1], [0.3, 0.7]]), beta=1.25)),
-])
+@pytest.mark.parametrize(
+    "make, options",
+    [
+        (make_snapkv, dict(kernel=5, pooling="avg")),
+        (make_headkv, dict(kernel=7, pooling="max", scores=np.array([[0.9, 0.1], [0.3, 0.7]]), beta=1.25)),
+    ],
+)
 def test_windowed_layer_matches_the_float64_reference(params, sequences, make, options):
     """Layer 1 with a 20-token window (layer 0 none), the prompts 45 and 38 tokens: layer 1's votes are the
     windowed attention's, and each head keeps its budget's best among the 13 visible prefix tokens
@@ -221,14 +257,16 @@ def test_windowed_layer_matches_the_float64_reference(params, sequences, make, o
     logits, cache, decode, _ = run_engine(params, config, method, prompts, continuations)
     for b, (prompt, cont) in enumerate(zip(prompts, continuations)):
         P = len(prompt)
-        ref, kept = reference_logits(params, config, prompt + cont, P, method.budgets, kernel=options["kernel"],
-                                     pooling=options["pooling"])
+        ref, kept = reference_logits(
+            params, config, prompt + cont, P, method.budgets, kernel=options["kernel"], pooling=options["pooling"]
+        )
         assert kept_sets(cache, decode, b) == kept
         for n, heads in zip(method.budgets[1], kept[1]):
             assert P - 20 < min(heads) and len(heads) == min(n, 13) + WINDOW
         np.testing.assert_array_less(np.abs(logits[b] - ref).max(), 1e-4)
-    unwindowed, _, _, _ = run_engine(params, CONFIG, make(CONFIG, context=64, kv_budget=16, window=WINDOW,
-                                                          **options), prompts, continuations)
+    unwindowed, _, _, _ = run_engine(
+        params, CONFIG, make(CONFIG, context=64, kv_budget=16, window=WINDOW, **options), prompts, continuations
+    )
     assert np.abs(unwindowed[0] - logits[0]).max() > 1e-2  # the window changed the result
 
 
@@ -236,8 +274,9 @@ def test_budget_covering_the_prompt_is_full_attention(params, sequences):
     prompts, continuations = sequences
     method = make_snapkv(CONFIG, context=64, kv_budget=45, window=WINDOW)
     logits, cache, decode, prefill_bytes = run_engine(params, CONFIG, method, prompts, continuations)
-    full, _, full_method, _ = run_engine(params, CONFIG, make_method("full", CONFIG, context=64), prompts,
-                                         continuations)
+    full, _, full_method, _ = run_engine(
+        params, CONFIG, make_method("full", CONFIG, context=64), prompts, continuations
+    )
     for ours, theirs in zip(logits, full):
         np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4)
     assert kept_sets(cache, decode, 1) == [[set(range(38))] * 2] * 2
@@ -291,7 +330,8 @@ def test_generate_compresses_and_decode_does_not_recompile(params):
     kwargs = dict(method=method, chunk_size=8, stop_at_eos=False, context=100)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
     short = generate(model, prompt, max_new_tokens=17, **kwargs)
     before = len(compiles)
     long = generate(model, prompt, max_new_tokens=32, **kwargs)  # the same token-buffer bucket (32)
@@ -301,13 +341,16 @@ def test_generate_compresses_and_decode_does_not_recompile(params):
     assert long.stats["cache_bytes"] == long.stats["expected_cache_bytes"]
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(kv_budget=4), "at least the observation window"),
-    (dict(kv_budget=None), "needs kv_budget"),
-    (dict(kv_budget=40, kernel=4), "positive odd number"),
-    (dict(kv_budget=40, pooling="mean"), "pooling must be one of"),
-    (dict(kv_budget=40, window=0), "at least 1 token"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(kv_budget=4), "at least the observation window"),
+        (dict(kv_budget=None), "needs kv_budget"),
+        (dict(kv_budget=40, kernel=4), "positive odd number"),
+        (dict(kv_budget=40, pooling="mean"), "pooling must be one of"),
+        (dict(kv_budget=40, window=0), "at least 1 token"),
+    ],
+)
 def test_bad_options_are_clear_errors(options, message):
     with pytest.raises(DuoJaxError, match=message):
         make_snapkv(CONFIG, context=64, **dict(dict(window=WINDOW), **options))

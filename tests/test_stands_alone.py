@@ -13,8 +13,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # This file names the paths it looks for, so it does not scan itself.
-MACHINE_PATH = re.compile("|".join([r"/" + "work/", r"/" + "tmp/", r"\b" + "shared/", r"/" + "home/", r"/" + "root/",
-                                    r"/" + "Users/", r"/" + "opt/", r"/" + "mnt/", r"[A-Z]:\\" + r"\\Users"]))
+MACHINE_PATH = re.compile(
+    "|".join(
+        [
+            r"/" + "work/",
+            r"/" + "tmp/",
+            r"\b" + "shared/",
+            r"/" + "home/",
+            r"/" + "root/",
+            r"/" + "Users/",
+            r"/" + "opt/",
+            r"/" + "mnt/",
+            r"[A-Z]:\\" + r"\\Users",
+        ]
+    )
+)
 
 
 def _tracked_files() -> list[Path]:

@@ -72,22 +72,34 @@ def test_reindexing_differs_from_absolute_positions_and_outlives_the_context(par
     assert len(streaming.tokens[0]) == 40  # 80 tokens on a model trained for 64
     assert streaming.stats["cache_bytes"] == StreamingLLM(2, 2, 16, START, RECENT).expected_cache_bytes(1, 4)
     with pytest.raises(DuoJaxError, match="exceeds the model's context of 64.*streaming_llm"):
-        generate(duo_jax.Model(CONFIG, params, None, "random"), prompt, method="full", **{
-            k: v for k, v in kwargs.items() if k not in ("sink", "recent")})
+        generate(
+            duo_jax.Model(CONFIG, params, None, "random"),
+            prompt,
+            method="full",
+            **{k: v for k, v in kwargs.items() if k not in ("sink", "recent")},
+        )
     short = dict(kwargs, max_new_tokens=10)
-    absolute = generate(duo_jax.Model(CONFIG, params, None, "random"), prompt[:30],
-                        pattern=duo_jax.Pattern.full(2, 2), sparsity=1.0, **short)
+    absolute = generate(
+        duo_jax.Model(CONFIG, params, None, "random"),
+        prompt[:30],
+        pattern=duo_jax.Pattern.full(2, 2),
+        sparsity=1.0,
+        **short,
+    )
     reindexed = generate(duo_jax.Model(CONFIG, params, None, "random"), prompt[:30], method="streaming_llm", **short)
     assert absolute.tokens != reindexed.tokens
 
 
-@pytest.mark.parametrize("name, options, message", [
-    ("h3o", {}, "unknown method 'h3o'"),
-    ("streaming_llm", {"sparsity": 0.5}, "does not take sparsity"),
-    ("streaming_llm", {"start": -1}, "start and recent must be >= 0"),
-    ("duo", {}, "needs a head pattern"),
-    ("full", {"recent": 3}, "does not take recent"),
-])
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("h3o", {}, "unknown method 'h3o'"),
+        ("streaming_llm", {"sparsity": 0.5}, "does not take sparsity"),
+        ("streaming_llm", {"start": -1}, "start and recent must be >= 0"),
+        ("duo", {}, "needs a head pattern"),
+        ("full", {"recent": 3}, "does not take recent"),
+    ],
+)
 def test_method_errors(name, options, message):
     with pytest.raises(DuoJaxError, match=message):
         make_method(name, CONFIG, context=32, **options)
@@ -101,8 +113,7 @@ def test_kv_budget_sets_comparable_windows():
     # duo at context 1000 with 64 + 256 windows: half the heads full gives (1000 + 320) / 2 = 660 per head.
     assert duo_sparsity_for_budget(660, context=1000, window=320) == pytest.approx(0.5)
     assert duo_sparsity_for_budget(100, context=1000, window=320) == 1.0
-    duo = make_method("duo", CONFIG, context=1000, pattern=duo_jax.Pattern(np.arange(4.0).reshape(2, 2)),
-                      kv_budget=660)
+    duo = make_method("duo", CONFIG, context=1000, pattern=duo_jax.Pattern(np.arange(4.0).reshape(2, 2)), kv_budget=660)
     assert sum(duo.layout.num_retrieval) == 2
     with pytest.raises(DuoJaxError, match="kv_budget"):
         make_method("streaming_llm", CONFIG, context=64, kv_budget=0)

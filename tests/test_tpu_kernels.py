@@ -73,14 +73,14 @@ def test_flash_attention(case):
 
     def kernel(q, k, v):
         call = lambda q, k, v, q_offset, kv_len: tpu.flash_attention(  # noqa: E731
-            q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len)
+            q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len
+        )
         if traced:  # q_offset and kv_len enter the jit as arrays.
             return jax.jit(call)(q, k, v, q_offset, kv_len)
         return call(q, k, v, q_offset, kv_len)
 
     def ref(q, k, v):
-        return reference.flash_attention_reference(q, k, v, causal=causal, q_offset=q_offset,
-                                                   kv_len=kv_len)
+        return reference.flash_attention_reference(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len)
 
     if causal:
         mask = reference.causal_mask(seq_q, seq_k, q_offset, kv_len)
@@ -112,12 +112,12 @@ def test_lambda_attention(case):
 
     def kernel(q, k, v):
         call = lambda q, k, v, q_offset: tpu.lambda_attention(  # noqa: E731
-            q, k, v, sink=sink, recent=recent, q_offset=q_offset)
+            q, k, v, sink=sink, recent=recent, q_offset=q_offset
+        )
         return jax.jit(call)(q, k, v, q_offset) if traced else call(q, k, v, q_offset)
 
     def ref(q, k, v):
-        return reference.lambda_attention_reference(q, k, v, sink=sink, recent=recent,
-                                                    q_offset=q_offset)
+        return reference.lambda_attention_reference(q, k, v, sink=sink, recent=recent, q_offset=q_offset)
 
     mask = reference.lambda_mask(seq_q, seq_k, sink=sink, recent=recent, q_offset=q_offset)
     mask = np.broadcast_to(np.asarray(mask), (batch, seq_q, seq_k))
@@ -153,7 +153,7 @@ def ring_and_chunk_positions(lengths, ring: int, sink: int, chunk: int, rng):
     for length in lengths:
         held = [p for p in range(length) if p < sink or p >= length - (ring - sink)]
         slots = np.full(ring, -1)
-        slots[rng.permutation(ring)[:len(held)]] = held
+        slots[rng.permutation(ring)[: len(held)]] = held
         rows.append(np.concatenate([slots, length + np.arange(chunk)]))
     return np.asarray(rows, np.int32)
 
@@ -170,8 +170,7 @@ def test_attention_over_keys_at_explicit_positions():
     q_pos = k_pos[:, 200:].copy()
     q_pos[1] = rng.permutation(q_pos[1])  # the dispatch's specs have consecutive queries; the kernel need not
     mask = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
-    attn = jax.jit(lambda q, k, v, q_pos, k_pos: tpu.flash_attention(q, k, v, q_positions=q_pos,
-                                                                     k_positions=k_pos))
+    attn = jax.jit(lambda q, k, v, q_pos, k_pos: tpu.flash_attention(q, k, v, q_positions=q_pos, k_positions=k_pos))
     (launch,) = pallas_launches(attn, q, k, v, q_pos, k_pos)
     assert launch["grid"] == [2, 2, 1, 2] and launch["blocks"][3:5] == [[None, 128, 1], [None, 1, 128]]
 
@@ -204,8 +203,7 @@ def test_decode_attention(case):
     # NaN in whole blocks past each sequence's length: they must be skipped, not read.
     past = (jnp.arange(seq_k) // 128 * 128)[None, :] >= lengths[:, None]  # block starts at/past len
     v = jnp.where(past[:, :, None, None], jnp.nan, v)
-    kernel = jax.jit(lambda q, k, v, lengths: tpu.decode_attention(q, k, v, lengths,
-                                                                   num_splits=num_splits))
+    kernel = jax.jit(lambda q, k, v, lengths: tpu.decode_attention(q, k, v, lengths, num_splits=num_splits))
     out = kernel(q, k, v, lengths)
     assert out.shape == q.shape and bool(jnp.all(jnp.isfinite(out)))
     assert rel_err(out, reference.decode_attention_reference(q, k, jnp.nan_to_num(v), lengths)) <= 1e-5
@@ -220,12 +218,18 @@ def test_bfloat16_forward():
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     lengths = jnp.array([200, 77], jnp.int32)
     outs = {
-        "splash": (tpu.lambda_attention(q, k, v, sink=4, recent=64),
-                   reference.lambda_attention_reference(q, k, v, sink=4, recent=64)),
-        "own": (jax.jit(tpu.flash_attention)(q, k, v, q_offset=jnp.zeros((2,), jnp.int32)),
-                reference.flash_attention_reference(q, k, v)),
-        "decode": (tpu.decode_attention(q[:, -1], k, v, lengths),
-                   reference.decode_attention_reference(q[:, -1], k, v, lengths)),
+        "splash": (
+            tpu.lambda_attention(q, k, v, sink=4, recent=64),
+            reference.lambda_attention_reference(q, k, v, sink=4, recent=64),
+        ),
+        "own": (
+            jax.jit(tpu.flash_attention)(q, k, v, q_offset=jnp.zeros((2,), jnp.int32)),
+            reference.flash_attention_reference(q, k, v),
+        ),
+        "decode": (
+            tpu.decode_attention(q[:, -1], k, v, lengths),
+            reference.decode_attention_reference(q[:, -1], k, v, lengths),
+        ),
     }
     for name, (out, ref) in outs.items():
         assert out.dtype == jnp.bfloat16, name
@@ -243,22 +247,24 @@ def test_static_steps_cover_every_schedule():
         seq_q, seq_k = (int(n) for n in rng.integers(1, 2000, 2))
         sink = int(rng.choice([0, int(rng.integers(1, 600))]))
         recent = int(rng.integers(1, 1500))
-        window = dict(causal=True, sink=sink, recent=recent) if rng.random() < 0.7 else \
-            dict(causal=bool(rng.random() < 0.5), sink=None, recent=None)
-        cfg = _Config(seq_q=seq_q, scale=1.0, block_q=block_q, block_k=block_k, group=1,
-                      interpret=True, **window)
+        window = (
+            dict(causal=True, sink=sink, recent=recent)
+            if rng.random() < 0.7
+            else dict(causal=bool(rng.random() < 0.5), sink=None, recent=None)
+        )
+        cfg = _Config(seq_q=seq_q, scale=1.0, block_q=block_q, block_k=block_k, group=1, interpret=True, **window)
         num_q, num_k = -(-seq_q // block_q), -(-seq_k // block_k)
         q_offset = jnp.asarray(rng.integers(-50, 2000, (64, 1)), jnp.int32)
         kv_len = jnp.asarray(rng.integers(0, seq_k + 1, (64, 1)), jnp.int32)
         blocks = jnp.arange(16)[None]  # a fixed shape (eager ops compile once); T, S < 2048
         sink_end, band_start, end = _common.kv_block_schedule(
-            blocks, q_offset=q_offset, kv_len=kv_len, seq_q=seq_q, block_q=block_q,
-            block_k=block_k, **window)
+            blocks, q_offset=q_offset, kv_len=kv_len, seq_q=seq_q, block_q=block_q, block_k=block_k, **window
+        )
         count = jnp.where(blocks < num_q, sink_end + end - band_start, 0)
         assert int(jnp.max(count)) <= cfg.kv_steps(num_k), cfg
         start, stop = _common.q_block_schedule(
-            blocks, q_offset=q_offset, kv_len=kv_len, num_q_blocks=num_q,
-            block_q=block_q, block_k=block_k, **window)
+            blocks, q_offset=q_offset, kv_len=kv_len, num_q_blocks=num_q, block_q=block_q, block_k=block_k, **window
+        )
         count = jnp.where(blocks < num_k, stop - start, 0)
         assert int(jnp.max(count)) <= cfg.q_steps(num_q), cfg
 
@@ -270,14 +276,14 @@ def test_splash_mask_tiles_equal_the_mask_function():
 
     for causal, sink, recent in ((True, None, None), (False, None, None), (True, 0, 9), (True, 5, 17)):
         for q_offset, kv_len in ((0, 96), (13, 70), (40, 0)):
-            mask = DuoMask((64, 96), q_offset=q_offset, kv_len=kv_len, causal=causal, sink=sink,
-                           recent=recent)
+            mask = DuoMask((64, 96), q_offset=q_offset, kv_len=kv_len, causal=causal, sink=sink, recent=recent)
             for block_q, block_k in ((1, 1), (2, 2), (2, 3), (3, 5), (16, 32)):
                 for q0 in range(0, 64, block_q):
                     for k0 in range(0, 96, block_k):
                         rows, cols = slice(q0, min(q0 + block_q, 64)), slice(k0, min(k0 + block_k, 96))
-                        expected = mask.mask_function(np.arange(rows.start, rows.stop)[:, None],
-                                                      np.arange(cols.start, cols.stop)[None, :])
+                        expected = mask.mask_function(
+                            np.arange(rows.start, rows.stop)[:, None], np.arange(cols.start, cols.stop)[None, :]
+                        )
                         assert np.array_equal(mask[rows, cols], expected), (mask.params, rows, cols)
 
 
@@ -318,9 +324,14 @@ def test_dispatch():
     q, k, v, _ = random_attention_inputs(2, 64, 64, 2, 1, 64)
 
     def names(fn):
-        return {"splash" if launch["name"].startswith("splash_")
-                else "own" if launch["name"].startswith("tpu_block_sparse_") else launch["name"]
-                for launch in pallas_launches(fn, q, k, v)}
+        return {
+            "splash"
+            if launch["name"].startswith("splash_")
+            else "own"
+            if launch["name"].startswith("tpu_block_sparse_")
+            else launch["name"]
+            for launch in pallas_launches(fn, q, k, v)
+        }
 
     assert names(lambda q, k, v: tpu.flash_attention(q, k, v)) == {"splash"}
     assert names(lambda q, k, v: tpu.lambda_attention(q, k, v, sink=4, recent=16)) == {"splash"}
@@ -354,8 +365,7 @@ T, S, HQ, HKV, D = 384, 640, 8, 2, 128  # T != S: any [T, S] tensor in the modul
 
 def _export(fn, *args):
     with _backend.lowering_for("tpu"):
-        return export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module(), \
-            pallas_launches(fn, *args)
+        return export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module(), pallas_launches(fn, *args)
 
 
 def _assert_mosaic_only(module: str, launches: list[dict], count: int):
@@ -372,6 +382,7 @@ def _vjp(attn):
     def fwd_bwd(q, k, v):
         out, vjp = jax.vjp(attn, q, k, v)
         return out, vjp(out)
+
     return fwd_bwd
 
 
@@ -387,16 +398,21 @@ def test_export_prefill_lowers_to_mosaic(kind):
             if kind == "splash_lambda":
                 return tpu.lambda_attention(q, k, v, sink=64, recent=128, q_offset=q_offset)
             return tpu.flash_attention(q, k, v, q_offset=q_offset)
+
         module, launches = _export(_vjp(attn), q, kv, kv)
     else:
+
         def step(q, k, v, q_offset):
             if kind == "own_lambda":
                 attn = lambda q, k, v: tpu.lambda_attention(  # noqa: E731
-                    q, k, v, sink=64, recent=128, q_offset=q_offset)
+                    q, k, v, sink=64, recent=128, q_offset=q_offset
+                )
             else:
                 attn = lambda q, k, v: tpu.flash_attention(  # noqa: E731
-                    q, k, v, q_offset=q_offset, kv_len=q_offset + T)
+                    q, k, v, q_offset=q_offset, kv_len=q_offset + T
+                )
             return _vjp(attn)(q, k, v)
+
         module, launches = _export(step, q, kv, kv, offsets)
     _assert_mosaic_only(module, launches, count=3)  # forward, dq, dk/dv
     assert all(launch["scalar_prefetch"] >= 1 for launch in launches)
@@ -413,9 +429,9 @@ def test_export_decode_lowers_to_mosaic():
     q = jax.ShapeDtypeStruct((4, HQ, D), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((4, S, HKV, D), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
-    module, launches = _export(lambda q, k, v, lengths: tpu.decode_attention(q, k, v, lengths,
-                                                                             num_splits=2),
-                               q, kv, kv, lengths)
+    module, launches = _export(
+        lambda q, k, v, lengths: tpu.decode_attention(q, k, v, lengths, num_splits=2), q, kv, kv, lengths
+    )
     _assert_mosaic_only(module, launches, count=1)
     (launch,) = launches
     assert launch["grid"] == [4, 2, 3]  # batch, splits, blocks per split (640 keys / 128)
@@ -431,16 +447,38 @@ def test_benchmark_records_tpu_export(tmp_path, capsys):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     kernels = importlib.import_module("kernels")
     out = tmp_path / "tpu_export.json"
-    kernels.main(["--tpu-export", "--seq-lens", "512", "--num-heads", "4", "--num-kv-heads", "2",
-                  "--head-dim", "128", "--sink", "16", "--recent", "64", "--chunk", "128",
-                  "--out", str(out)])
+    kernels.main(
+        [
+            "--tpu-export",
+            "--seq-lens",
+            "512",
+            "--num-heads",
+            "4",
+            "--num-kv-heads",
+            "2",
+            "--head-dim",
+            "128",
+            "--sink",
+            "16",
+            "--recent",
+            "64",
+            "--chunk",
+            "128",
+            "--out",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())["tpu_export"]
     calls = {row["kernel"]: row["tpu_custom_calls"] for row in rows}
-    assert calls == {"lambda splash fwd+bwd": 3, "causal splash fwd+bwd": 3,
-                     "lambda own (traced q_offset) fwd+bwd": 3,
-                     "causal own chunk of 128 vs cache fwd": 1, "decode own fwd": 1,
-                     "streaming own chunk of 128 vs ring of 80 fwd": 1,
-                     "streaming own decode step vs ring of 80 fwd": 1}
+    assert calls == {
+        "lambda splash fwd+bwd": 3,
+        "causal splash fwd+bwd": 3,
+        "lambda own (traced q_offset) fwd+bwd": 3,
+        "causal own chunk of 128 vs cache fwd": 1,
+        "decode own fwd": 1,
+        "streaming own chunk of 128 vs ring of 80 fwd": 1,
+        "streaming own decode step vs ring of 80 fwd": 1,
+    }
     decode = next(row for row in rows if row["kernel"] == "decode own fwd")["launches"][0]
     assert decode["grid"] == [1, 4, 1]  # 512 keys: 4 splits of one 128-key block
     streaming = next(row for row in rows if row["kernel"].startswith("streaming own decode"))["launches"][0]

@@ -19,15 +19,34 @@ SCRIPT = str(REPO / "train_gates.py")
 
 
 def run_cli(*args, env=None, **kwargs):
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          env=env, timeout=300, **kwargs)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def test_help_lists_the_flags():
     result = run_cli("--help")
     assert result.returncode == 0
-    for flag in ("--model", "--out", "--steps", "--max-len", "--mesh", "--resume", "--dtype", "--haystack",
-                 "--num-passkeys", "--passkey-words", "--save-every", "--distributed"):
+    for flag in (
+        "--model",
+        "--out",
+        "--steps",
+        "--max-len",
+        "--mesh",
+        "--resume",
+        "--dtype",
+        "--haystack",
+        "--num-passkeys",
+        "--passkey-words",
+        "--save-every",
+        "--distributed",
+    ):
         assert flag in result.stdout
 
 
@@ -46,8 +65,16 @@ def test_missing_weights_exit_2_with_one_line(tmp_path):
 def tiny_checkpoint(tmp_path_factory):
     """A random tiny Llama saved by transformers, with a BPE tokenizer.json, and a haystack folder."""
     root = tmp_path_factory.mktemp("tiny")
-    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     write_random_hf_model(root / "model", transformers.LlamaConfig, fields)
     tiny_tokenizer().save(str(root / "model" / "tokenizer.json"))
     return root / "model", write_haystack(root / "hay")
@@ -55,9 +82,32 @@ def tiny_checkpoint(tmp_path_factory):
 
 def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
     model, haystack = tiny_checkpoint
-    args = ["--model", model, "--dtype", "fp32", "--steps", 30, "--save-every", 5, "--sink", 8, "--recent", 16,
-            "--min-len", 1, "--max-len", 512, "--num-lengths", 1, "--num-passkeys", 2, "--passkey-words", 4,
-            "--haystack", haystack]
+    args = [
+        "--model",
+        model,
+        "--dtype",
+        "fp32",
+        "--steps",
+        30,
+        "--save-every",
+        5,
+        "--sink",
+        8,
+        "--recent",
+        16,
+        "--min-len",
+        1,
+        "--max-len",
+        512,
+        "--num-lengths",
+        1,
+        "--num-passkeys",
+        2,
+        "--passkey-words",
+        4,
+        "--haystack",
+        haystack,
+    ]
     killed, straight = tmp_path / "killed", tmp_path / "straight"
 
     command = [sys.executable, SCRIPT, *map(str, args), "--out", str(killed)]

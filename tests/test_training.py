@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import duo_jax
 from duo_jax import gates, sharding, training
@@ -21,8 +22,10 @@ from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
-_WORDS = ("the a of and to in is was that it for on with as by at from this be are or an have not but had his her "
-          "they we you one all book story long very words").split()
+_WORDS = (
+    "the a of and to in is was that it for on with as by at from this be are or an have not but had his her "
+    "they we you one all book story long very words"
+).split()
 
 
 def prose(n_words: int, seed: int) -> str:
@@ -34,10 +37,13 @@ def tiny_tokenizer() -> Backend:
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    templates = ("Remember this sequence of words, it's the first second passkey to the vault: Based on the "
-                 "content of the book, what is the passkey? This is a very long story book: <book> </book>.\n\n")
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    templates = (
+        "Remember this sequence of words, it's the first second passkey to the vault: Based on the "
+        "content of the book, what is the passkey? This is a very long story book: <book> </book>.\n\n"
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     backend.train_from_iterator([prose(2000, 0), " ".join(NATO_ALPHABET) * 5, templates * 20], trainer)
     return backend
 
@@ -88,8 +94,15 @@ def test_padded_length_buckets_lengths_with_bounded_padding():
 
 def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
     tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=(), add_bos=False)
-    cfg = training.TrainConfig(haystack=str(write_haystack(tmp_path)), min_len=1, max_len=400, num_lengths=5,
-                               num_passkeys=2, passkey_words=4, batch_size=3)
+    cfg = training.TrainConfig(
+        haystack=str(write_haystack(tmp_path)),
+        min_len=1,
+        max_len=400,
+        num_lengths=5,
+        num_passkeys=2,
+        passkey_words=4,
+        batch_size=3,
+    )
     stream, cfg, note = training.sample_stream(tokenizer, cfg)
     assert note is not None and "the lengths start at" in note and cfg.min_len > 1
     batch, n_tokens = training.make_batch(stream, 6, 3, multiple=8)
@@ -98,11 +111,11 @@ def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
     assert T % 8 == 0 and T == training.padded_length(max(len(s.tokens) for s in samples), 8)
     assert n_tokens == sum(len(s.tokens) for s in samples)
     for b, s in enumerate(samples):
-        np.testing.assert_array_equal(batch.tokens[b, :len(s.tokens)], s.tokens)
-        np.testing.assert_array_equal(batch.supervise[b, :len(s.tokens)], s.supervise)
-        assert not batch.supervise[b, len(s.tokens):].any()
+        np.testing.assert_array_equal(batch.tokens[b, : len(s.tokens)], s.tokens)
+        np.testing.assert_array_equal(batch.supervise[b, : len(s.tokens)], s.supervise)
+        assert not batch.supervise[b, len(s.tokens) :].any()
         qa = np.flatnonzero(s.supervise)  # the default supervision: the whole question-and-answer span
-        assert s.supervise[qa[0]:].all() and len(s.tokens) - qa[0] == len(qa)
+        assert s.supervise[qa[0] :].all() and len(s.tokens) - qa[0] == len(qa)
     np.testing.assert_array_equal(batch.positions, np.broadcast_to(np.arange(T), (3, T)))
     with pytest.raises(training.TrainingError, match="raise --max-len"):
         training.sample_stream(tokenizer, dataclasses.replace(cfg, min_len=10, max_len=20))
@@ -125,7 +138,8 @@ rng = np.random.default_rng(0)
 tokens = rng.integers(0, 128, (B, T)).astype(np.int32)
 supervise = rng.random((B, T)) < 0.4
 positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-padded = training.Batch(np.pad(tokens, ((0, 0), (0, 3))), np.broadcast_to(np.arange(64, dtype=np.int32), (B, 64)).copy(),
+padded = training.Batch(np.pad(tokens, ((0, 0), (0, 3))),
+                        np.broadcast_to(np.arange(64, dtype=np.int32), (B, 64)).copy(),
                         np.pad(supervise, ((0, 0), (0, 3))))
 single = jax.jit(jax.value_and_grad(gates.loss, has_aux=True), static_argnums=(2, 6))
 result = {}
@@ -172,10 +186,12 @@ def test_sharded_loss_and_grads_equal_single_device():
     """FSDP weights (gathered per layer), data and sequence shards (Ulysses, all-gather KV, the latter with a
     sliding window): the loss and gate gradients of one device, to float32 rounding; per-device weight bytes
     1/8 on fsdp=8."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert "multiple of 8" in result.pop("error")
@@ -185,8 +201,10 @@ def test_sharded_loss_and_grads_equal_single_device():
     assert size["lm_head"] and size["helper"] == size["per_device"][0]
     assert size["per_device"] == [(size["total"] - replicated) // 8 + replicated] * 8
 
-    expected_attention = {"kv8": {"data=1,fsdp=8,seq=1": "none", "data=2,fsdp=2,seq=2": "ulysses"},
-                          "kv2": {"data=1,fsdp=1,seq=8": "all-gather"}}
+    expected_attention = {
+        "kv8": {"data=1,fsdp=8,seq=1": "none", "data=2,fsdp=2,seq=2": "ulysses"},
+        "kv2": {"data=1,fsdp=1,seq=8": "all-gather"},
+    }
     for name, runs in result.items():
         single = runs.pop("single")
         grad = np.asarray(single["grad"])
@@ -196,8 +214,9 @@ def test_sharded_loss_and_grads_equal_single_device():
             where = f"{name} {mesh}"
             np.testing.assert_allclose(sharded["loss"], single["loss"], rtol=1e-5, err_msg=where)
             np.testing.assert_allclose(sharded["distill"], single["distill"], rtol=1e-5, err_msg=where)
-            np.testing.assert_allclose(np.asarray(sharded["grad"]), grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(),
-                                       err_msg=where)
+            np.testing.assert_allclose(
+                np.asarray(sharded["grad"]), grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(), err_msg=where
+            )
 
 
 # --- learning ---------------------------------------------------------------------------------------
@@ -211,8 +230,9 @@ def _train_steps(params, config, objective, cfg, tokens, n):
     alpha = training.replicate(gates.init_gates(config), mesh)
     opt_state = optimizer.init(alpha)
     T = tokens.shape[1]
-    batch = training.Batch(tokens, np.broadcast_to(np.arange(T, dtype=np.int32), tokens.shape).copy(),
-                           np.ones(tokens.shape, bool))
+    batch = training.Batch(
+        tokens, np.broadcast_to(np.arange(T, dtype=np.int32), tokens.shape).copy(), np.ones(tokens.shape, bool)
+    )
     history = []
     for _ in range(n):
         alpha, opt_state, terms = step(alpha, opt_state, params, training.shard_batch(batch, mesh))
@@ -232,7 +252,7 @@ def test_gates_of_silenced_heads_go_to_zero(tiny_model):
     silenced = [(0, 1), (1, 0)]  # (layer, KV head)
     wo = params.layers.wo
     for layer, kv_head in silenced:
-        wo = wo.at[layer, kv_head * config.group_size:(kv_head + 1) * config.group_size].set(0.0)
+        wo = wo.at[layer, kv_head * config.group_size : (kv_head + 1) * config.group_size].set(0.0)
     params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, wo=wo))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (1, 48)).astype(np.int32)
     cfg = training.TrainConfig(steps=40, lr=0.05)
@@ -265,14 +285,33 @@ def test_train_writes_the_run_folder_and_continues_it(tmp_path):
     config = tiny_config(vocab_size=VOCAB)
     params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
     tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=(), add_bos=False)
-    cfg = training.TrainConfig(objective=gates.Objective(sink=8, recent=16), steps=5, save_every=2,
-                               haystack=str(write_haystack(tmp_path / "hay")), min_len=1, max_len=300,
-                               num_lengths=2, num_passkeys=2, passkey_words=4)
+    cfg = training.TrainConfig(
+        objective=gates.Objective(sink=8, recent=16),
+        steps=5,
+        save_every=2,
+        haystack=str(write_haystack(tmp_path / "hay")),
+        min_len=1,
+        max_len=300,
+        num_lengths=2,
+        num_passkeys=2,
+        passkey_words=4,
+    )
     out = tmp_path / "run"
     mesh = sharding.make_mesh()
     messages = []
-    run = lambda cfg, **kw: training.train(params, config, tokenizer, cfg, out, mesh, model_name="tiny",
-                                           dtype="fp32", log=messages.append, progress_bar=False, **kw)
+    run = lambda cfg, **kw: training.train(
+        params,
+        config,
+        tokenizer,
+        cfg,
+        out,
+        mesh,
+        model_name="tiny",
+        dtype="fp32",
+        log=messages.append,
+        progress_bar=False,
+        **kw,
+    )
     pattern = run(cfg)
     assert any("the lengths start at" in m for m in messages)
 
@@ -292,8 +331,18 @@ def test_train_writes_the_run_folder_and_continues_it(tmp_path):
     with pytest.raises(training.TrainingError, match="other arguments.*num_steps: 5 -> 6"):
         run(dataclasses.replace(cfg, steps=6))
     with pytest.raises(training.TrainingError, match="nothing to resume"):
-        training.train(params, config, tokenizer, cfg, tmp_path / "empty", mesh, model_name="tiny", dtype="fp32",
-                       resume=True, progress_bar=False)
+        training.train(
+            params,
+            config,
+            tokenizer,
+            cfg,
+            tmp_path / "empty",
+            mesh,
+            model_name="tiny",
+            dtype="fp32",
+            resume=True,
+            progress_bar=False,
+        )
 
 
 _RESUME_SCRIPT = r"""
@@ -312,7 +361,8 @@ model = duo_jax.load(root / "model", dtype=np.float32, shardings=lambda shapes: 
                      layout="stacked")
 config, params = model.config, model.params
 plain = duo_jax.load(root / "model", dtype=np.float32, layout="stacked").params
-for x, y, spec in zip(jax.tree.leaves(params), jax.tree.leaves(plain), jax.tree.leaves(sharding.weight_specs(plain, mesh))):
+specs = sharding.weight_specs(plain, mesh)
+for x, y, spec in zip(jax.tree.leaves(params), jax.tree.leaves(plain), jax.tree.leaves(specs)):
     assert x.sharding.spec == spec and np.array_equal(np.asarray(x), np.asarray(y))
     if spec != jax.sharding.PartitionSpec():  # loaded straight into 1/4 slices (fsdp x seq)
         assert all(s.data.size * 4 == x.size for s in x.addressable_shards)
@@ -350,13 +400,28 @@ def test_killed_sharded_run_resumes_bit_identically(tmp_path):
 
     from tests.test_model import write_random_hf_model
 
-    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     write_random_hf_model(tmp_path / "model", transformers.LlamaConfig, fields)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    run = lambda phase: subprocess.run([sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path), phase], env=env, cwd=REPO,
-                                       capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+    )
+    run = lambda phase: subprocess.run(
+        [sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path), phase],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     killed = run("kill")
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert len(json.loads((tmp_path / "killed" / "loss.json").read_text())) == 4

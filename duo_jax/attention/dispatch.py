@@ -37,7 +37,8 @@ and what the kernels do not serve take the XLA path, which dequantizes one key t
 reach a kernel as if they were values.
 
 A paged cache (k / v a `duo_jax.attention.pages.PagedKV`: a pool of pages [K, N, P, E] and block tables [B, M],
-the same tables for both: the kernels take k's) is read in place, never copied into a contiguous [B, M * P, K, E] cache. "pallas" (power-of-two page sizes)
+the same tables for both: the kernels take k's) is read in place, never copied into a contiguous [B, M * P, K, E]
+cache. "pallas" (power-of-two page sizes)
 runs our Triton kernels of `pallas_kernels.paged_attention`: split-K for one query per sequence (decode), the
 flash program for a chunk (chunked prefill over pages). "mosaic" runs JAX's TPU paged attention for decode,
 for bfloat16 pools only (it rounds keys and values to bfloat16 inside) and head dims that are multiples of
@@ -56,9 +57,8 @@ same dispatch, for callers that attend over a whole sequence (gate training, hea
 from __future__ import annotations
 
 import functools
-from typing import Literal
-
 import warnings
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -66,14 +66,13 @@ import jax.numpy as jnp
 import pallas_kernels
 import pallas_kernels.cpu
 import pallas_kernels.tpu
-from duo_jax.errors import BackendError
-from pallas_kernels import _backend
-from pallas_kernels._backend import backend as pallas_backend
 from duo_jax.attention import xla
 from duo_jax.attention.masks import MaskSpec, prefix_spec
 from duo_jax.attention.pages import PagedKV
+from duo_jax.errors import BackendError
 from duo_jax.quant import QuantizedKV, dequantize
-from pallas_kernels import reference
+from pallas_kernels import _backend, reference
+from pallas_kernels._backend import backend as pallas_backend
 
 Impl = Literal["auto", "pallas", "mosaic", "cpu", "xla", "reference"]
 IMPLS = ("auto", "pallas", "mosaic", "cpu", "xla", "reference")
@@ -96,8 +95,11 @@ def resolve_impl(impl: str) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
     on_gpu = backend in ("gpu", "cuda", "rocm")
-    resolved = impl if impl != "auto" else ("pallas" if on_gpu else "mosaic" if backend == "tpu"
-                                            else "cpu" if backend == "cpu" else "xla")
+    resolved = (
+        impl
+        if impl != "auto"
+        else ("pallas" if on_gpu else "mosaic" if backend == "tpu" else "cpu" if backend == "cpu" else "xla")
+    )
     if resolved == "pallas" and on_gpu and not _backend.exporting():
         reason = _backend.triton_unavailable()
         if reason is not None:
@@ -114,11 +116,16 @@ def resolve_impl(impl: str) -> str:
 def _cpu_fallback(reason: str, *, forced: bool) -> str:
     """What "cpu" becomes where the C++ kernel cannot be built or loaded (warned once per reason)."""
     if forced:
-        raise BackendError(f"impl='cpu' needs the C++ attention kernel, which cannot run here: {reason}. Install a "
-                           f"C++ compiler (g++), or use impl='auto' / impl='xla' (the XLA path).")
-    warnings.warn(f"the C++ CPU attention kernel cannot run here ({reason}): attention runs on the XLA path "
-                  f"(impl='xla'), about 2-3x slower on prefill. Installing a C++ compiler (g++) enables it.",
-                  RuntimeWarning, stacklevel=3)
+        raise BackendError(
+            f"impl='cpu' needs the C++ attention kernel, which cannot run here: {reason}. Install a "
+            f"C++ compiler (g++), or use impl='auto' / impl='xla' (the XLA path)."
+        )
+    warnings.warn(
+        f"the C++ CPU attention kernel cannot run here ({reason}): attention runs on the XLA path "
+        f"(impl='xla'), about 2-3x slower on prefill. Installing a C++ compiler (g++) enables it.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return "xla"
 
 
@@ -126,17 +133,23 @@ def _cpu_fallback(reason: str, *, forced: bool) -> str:
 def _triton_fallback(reason: str, *, forced: bool) -> str:
     """What "pallas" on a GPU without a working Triton backend becomes (warned once per reason)."""
     if forced:
-        raise BackendError(f"impl='pallas' needs Pallas's Triton backend, which does not work with this JAX "
-                           f"({jax.__version__}) on this GPU: {reason}. Use impl='auto' (falls back to the "
-                           f"XLA path) or impl='xla'.")
-    warnings.warn(f"Pallas's Triton backend does not work with this JAX ({jax.__version__}) on this GPU "
-                  f"({reason}): attention runs on the XLA path (impl='xla') instead of the Pallas kernels.",
-                  RuntimeWarning, stacklevel=3)
+        raise BackendError(
+            f"impl='pallas' needs Pallas's Triton backend, which does not work with this JAX "
+            f"({jax.__version__}) on this GPU: {reason}. Use impl='auto' (falls back to the "
+            f"XLA path) or impl='xla'."
+        )
+    warnings.warn(
+        f"Pallas's Triton backend does not work with this JAX ({jax.__version__}) on this GPU "
+        f"({reason}): attention runs on the XLA path (impl='xla') instead of the Pallas kernels.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return "xla"
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto",
-           scale: float | None = None) -> jax.Array:
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto", scale: float | None = None
+) -> jax.Array:
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
@@ -154,8 +167,9 @@ def _values(x) -> jax.Array:
     return x.contiguous() if isinstance(x, PagedKV) else dequantize(x)
 
 
-def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto",
-                   scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+def attend_partial(
+    q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto", scale: float | None = None
+) -> tuple[jax.Array, jax.Array]:
     """`attend` over one shard of the keys: (out [B, T, H, E], log-sum-exp float32 [B, T, H]), to be merged
     with the other shards' (`duo_jax.sharding.merge_partials`). A decode step (one query per sequence) over a
     contiguous cache runs the Pallas split-K kernel where `impl` resolves to "pallas" (it returns its
@@ -163,17 +177,44 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, 
     theirs yet)."""
     pallas_kernels.check_qkv(q, k, v)
     contiguous = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
-    if (resolve_impl(impl) == "pallas" and contiguous and q.shape[1] == 1 and spec.causal
-            and spec.k_positions is None and spec.window is None and not spec.is_lambda):
+    if (
+        resolve_impl(impl) == "pallas"
+        and contiguous
+        and q.shape[1] == 1
+        and spec.causal
+        and spec.k_positions is None
+        and spec.window is None
+        and not spec.is_lambda
+    ):
         lengths = jnp.clip(spec.decode_lengths(), 0, k.shape[1])
-        out, lse = pallas_kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
-                                                   num_splits=decode_splits(k.shape[0], k.shape[2]), return_lse=True)
+        out, lse = pallas_kernels.decode_attention(
+            q[:, 0],
+            k,
+            v,
+            lengths,
+            scale=scale,
+            block_k=DECODE_BLOCK,
+            num_splits=decode_splits(k.shape[0], k.shape[2]),
+            return_lse=True,
+        )
         return out[:, None], lse[:, None]
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
 
 
-def duo_decode(q: jax.Array, k, v, lengths: jax.Array, ring_k, ring_v, ring_lengths: jax.Array, k_new: jax.Array,
-               v_new: jax.Array, *, impl: Impl = "auto", scale: float | None = None) -> jax.Array | None:
+def duo_decode(
+    q: jax.Array,
+    k,
+    v,
+    lengths: jax.Array,
+    ring_k,
+    ring_v,
+    ring_lengths: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    *,
+    impl: Impl = "auto",
+    scale: float | None = None,
+) -> jax.Array | None:
     """DuoAttention's decode step over both partitions in one kernel, where one serves it: q [B, 1, H, E] with
     its heads grouped by KV head in the caches' order (retrieval heads first), the retrieval cache k / v
     [B, C, n, E] (or `PagedKV` pools read through their tables) holding the new token (keys j < lengths [B]
@@ -190,13 +231,28 @@ def duo_decode(q: jax.Array, k, v, lengths: jax.Array, ring_k, ring_v, ring_leng
         retrieval = dict(k=k, v=v)
     else:
         return None
-    if (q.shape[1] != 1 or not k.shape[2] or not ring_k.shape[2] or isinstance(ring_k, (QuantizedKV, PagedKV))
-            or pallas_kernels.duo_decode.ring_block(ring_k.shape[1]) is None or resolve_impl(impl) != "pallas"):
+    if (
+        q.shape[1] != 1
+        or not k.shape[2]
+        or not ring_k.shape[2]
+        or isinstance(ring_k, (QuantizedKV, PagedKV))
+        or pallas_kernels.duo_decode.ring_block(ring_k.shape[1]) is None
+        or resolve_impl(impl) != "pallas"
+    ):
         return None
-    out = pallas_kernels.duo_decode_attention(q[:, 0], lengths=lengths, ring_k=ring_k, ring_v=ring_v,
-                                              ring_lengths=ring_lengths, k_new=k_new[:, 0], v_new=v_new[:, 0],
-                                              scale=scale, block_k=DECODE_BLOCK,
-                                              num_splits=decode_splits(q.shape[0], k.shape[2]), **retrieval)
+    out = pallas_kernels.duo_decode_attention(
+        q[:, 0],
+        lengths=lengths,
+        ring_k=ring_k,
+        ring_v=ring_v,
+        ring_lengths=ring_lengths,
+        k_new=k_new[:, 0],
+        v_new=v_new[:, 0],
+        scale=scale,
+        block_k=DECODE_BLOCK,
+        num_splits=decode_splits(q.shape[0], k.shape[2]),
+        **retrieval,
+    )
     return out[:, None]
 
 
@@ -204,13 +260,19 @@ def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
     if spec.window is not None:
         return False
     if isinstance(k, PagedKV) or isinstance(v, PagedKV):  # the paged kernels (module docstring)
-        if not (isinstance(k, PagedKV) and isinstance(v, PagedKV) and spec.causal and spec.k_positions is None
-                and not spec.is_lambda):
+        if not (
+            isinstance(k, PagedKV)
+            and isinstance(v, PagedKV)
+            and spec.causal
+            and spec.k_positions is None
+            and not spec.is_lambda
+        ):
             return False
         if impl == "pallas":  # Triton's power-of-two tensor shapes: a key block is [pages, P, E]
             return k.page_size & (k.page_size - 1) == 0
-        return (spec.q_positions.shape[1] == 1 and k.dtype == jnp.bfloat16
-                and k.shape[-1] % pallas_kernels.tpu.LANES == 0)
+        return (
+            spec.q_positions.shape[1] == 1 and k.dtype == jnp.bfloat16 and k.shape[-1] % pallas_kernels.tpu.LANES == 0
+        )
     quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
     if quantized and not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV) and k.kind == v.kind):
         return False  # the kernels take one kind of codes for both
@@ -225,16 +287,23 @@ def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
 def _cpu_kernel_serves(q, k, v, spec: MaskSpec) -> bool:
     """Float32 values (no codes, no pages) under a causal mask with offsets, key lengths and key positions."""
     values = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
-    return (values and spec.causal and spec.window is None and not spec.is_lambda
-            and all(x.dtype == jnp.float32 for x in (q, k, v)) and q.shape[-1] % 8 == 0)
+    return (
+        values
+        and spec.causal
+        and spec.window is None
+        and not spec.is_lambda
+        and all(x.dtype == jnp.float32 for x in (q, k, v))
+        and q.shape[-1] % 8 == 0
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _cpu_attention(q, k, v, spec: MaskSpec, scale):
     """The C++ kernel forward; its gradient is the XLA path's (recomputed from q, k and v: training on CPU is
     for tests and demonstrations, the kernel for inference)."""
-    return pallas_kernels.cpu.flash_attention(q, k, v, spec.q_positions[:, 0], spec.kv_len,
-                                              k_positions=spec.k_positions, scale=scale)
+    return pallas_kernels.cpu.flash_attention(
+        q, k, v, spec.q_positions[:, 0], spec.kv_len, k_positions=spec.k_positions, scale=scale
+    )
 
 
 def _cpu_attention_fwd(q, k, v, spec, scale):
@@ -261,57 +330,83 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
         k, v, options = k.codes, v.codes, dict(options, k_scale=k.scale, v_scale=v.scale, kv_quant=k.kind)
     if spec.k_positions is not None:  # a decode step is a chunk of one; the GPU kernel takes q's offset
         queries = dict(q_positions=spec.q_positions) if impl == "mosaic" else dict(q_offset=spec.q_positions[:, 0])
-        return kernels.flash_attention(q, k, v, causal=True, kv_len=kv_len, scale=scale,
-                                       k_positions=spec.k_positions, **queries, **options)
+        return kernels.flash_attention(
+            q, k, v, causal=True, kv_len=kv_len, scale=scale, k_positions=spec.k_positions, **queries, **options
+        )
     if isinstance(k, PagedKV):  # pages read through the block tables (`_kernels_serve`)
         if q.shape[1] > 1:  # "pallas" only: a prefill chunk over pages
-            return pallas_kernels.paged_flash_attention(q, k.pages, v.pages, k.block_tables,
-                                                        q_offset=spec.q_positions[:, 0], kv_len=spec.kv_len,
-                                                        scale=scale)
+            return pallas_kernels.paged_flash_attention(
+                q, k.pages, v.pages, k.block_tables, q_offset=spec.q_positions[:, 0], kv_len=spec.kv_len, scale=scale
+            )
         lengths = spec.decode_lengths()
         if impl == "pallas":
             options = dict(num_splits=decode_splits(q.shape[0], k.pages.shape[0]))
-        return kernels.paged_decode_attention(q[:, 0], k.pages, v.pages, k.block_tables, lengths, scale=scale,
-                                              **options)[:, None]
+        return kernels.paged_decode_attention(
+            q[:, 0], k.pages, v.pages, k.block_tables, lengths, scale=scale, **options
+        )[:, None]
     if spec.is_lambda:  # the Λ kernel sees every key slot (gate training: no cache)
-        return kernels.lambda_attention(q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset,
-                                        scale=scale, **options)
+        return kernels.lambda_attention(
+            q, k, v, sink=spec.sink, recent=spec.recent, q_offset=q_offset, scale=scale, **options
+        )
     if q.shape[1] == 1:  # split-K over the cache, skipping blocks past each sequence's length
         lengths = spec.decode_lengths()
         splits = decode_splits(q.shape[0], k.shape[2]) if impl == "pallas" else MIN_SPLITS  # TPU: sequential
-        return kernels.decode_attention(q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK,
-                                        num_splits=splits, **options)[:, None]
-    return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len, scale=scale,
-                                   **options)
+        return kernels.decode_attention(
+            q[:, 0], k, v, lengths, scale=scale, block_k=DECODE_BLOCK, num_splits=splits, **options
+        )[:, None]
+    return kernels.flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len, scale=scale, **options)
 
 
 # --- the kernels' signatures over the dispatch ---------------------------------------------------------
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset=0, kv_len=None,
-                    window: int | None = None, scale: float | None = None, impl: Impl = "auto") -> jax.Array:
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    q_offset=0,
+    kv_len=None,
+    window: int | None = None,
+    scale: float | None = None,
+    impl: Impl = "auto",
+) -> jax.Array:
     """Dense (causal) attention. q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D].
 
     Query i sits at position q_offset + i (int, int32 scalar or [B]); keys j >= kv_len (None = S, int, int32
     scalar or [B]) are masked, and with a sliding `window` keys j <= position - window too (the XLA path).
     """
-    spec = prefix_spec(q.shape[0], q.shape[1], q_offset=q_offset, kv_len=kv_len, num_keys=k.shape[1],
-                       causal=causal, window=window)
+    spec = prefix_spec(
+        q.shape[0], q.shape[1], q_offset=q_offset, kv_len=kv_len, num_keys=k.shape[1], causal=causal, window=window
+    )
     return attend(q, k, v, spec, impl=impl, scale=scale)
 
 
-def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int, recent: int, q_offset=0,
-                     window: int | None = None, scale: float | None = None, impl: Impl = "auto") -> jax.Array:
+def lambda_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    sink: int,
+    recent: int,
+    q_offset=0,
+    window: int | None = None,
+    scale: float | None = None,
+    impl: Impl = "auto",
+) -> jax.Array:
     """Streaming heads' attention: position p sees key j iff j <= p and (j < sink or p - j < recent), and
     p - j < window with a sliding `window` (the model's; then the XLA path)."""
     pallas_kernels.check_window(sink, recent)
-    spec = prefix_spec(q.shape[0], q.shape[1], q_offset=q_offset, num_keys=k.shape[1], window=window, sink=sink,
-                       recent=recent)
+    spec = prefix_spec(
+        q.shape[0], q.shape[1], q_offset=q_offset, num_keys=k.shape[1], window=window, sink=sink, recent=recent
+    )
     return attend(q, k, v, spec, impl=impl, scale=scale)
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-                     scale: float | None = None, impl: Impl = "auto") -> jax.Array:
+def decode_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float | None = None, impl: Impl = "auto"
+) -> jax.Array:
     """One query per sequence over a cache: q [B, Hq, D], k/v [B, S, Hkv, D]; sequence b sees keys j < lengths[b]."""
     pallas_kernels.check_qkv(q, k, v, q_ndim=3)
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), (q.shape[0],))

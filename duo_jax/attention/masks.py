@@ -44,8 +44,9 @@ class MaskSpec:
         if (self.sink is None) != (self.recent is None):
             raise ValueError("Λ needs both sink and recent (or neither).")
         if self.sink is not None and (self.sink < 0 or self.recent < 1):
-            raise ValueError(f"Λ needs sink >= 0 and recent >= 1 (a query sees itself), got sink={self.sink}, "
-                             f"recent={self.recent}.")
+            raise ValueError(
+                f"Λ needs sink >= 0 and recent >= 1 (a query sees itself), got sink={self.sink}, recent={self.recent}."
+            )
         if self.window is not None and self.window < 1:
             raise ValueError(f"sliding window must be >= 1, got {self.window}.")
 
@@ -77,8 +78,18 @@ class MaskSpec:
         return self.visible(self.q_positions[:, :, None], k_pos[:, None, :], filled[:, None, :])
 
 
-def prefix_spec(batch: int, num_queries: int, *, q_offset=0, kv_len=None, num_keys: int, causal: bool = True,
-                window: int | None = None, sink: int | None = None, recent: int | None = None) -> MaskSpec:
+def prefix_spec(
+    batch: int,
+    num_queries: int,
+    *,
+    q_offset=0,
+    kv_len=None,
+    num_keys: int,
+    causal: bool = True,
+    window: int | None = None,
+    sink: int | None = None,
+    recent: int | None = None,
+) -> MaskSpec:
     """A contiguous cache: query t at position q_offset + t (int, scalar or [B]); keys j < kv_len
     (None: all `num_keys`). Python-int q_offset and kv_len are also kept as `static_prefix`."""
     static = None
@@ -88,10 +99,10 @@ def prefix_spec(batch: int, num_queries: int, *, q_offset=0, kv_len=None, num_ke
     q_positions = offset[:, None] + jnp.arange(num_queries, dtype=jnp.int32)[None, :]
     kv_len = num_keys if kv_len is None else kv_len
     kv_len = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32).reshape(-1), (batch,))
-    return MaskSpec(q_positions, kv_len, None, causal=causal, window=window, sink=sink, recent=recent,
-                    static_prefix=static)
+    return MaskSpec(
+        q_positions, kv_len, None, causal=causal, window=window, sink=sink, recent=recent, static_prefix=static
+    )
 
 
 def _python_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-

@@ -40,8 +40,16 @@ def attention_probs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
     return out.reshape(B, T, H, E).astype(q.dtype), probs
 
 
-def attention_received(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                       sees: Callable[[jax.Array], jax.Array], weights: jax.Array, *, block: int = 512):
+def attention_received(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    sees: Callable[[jax.Array], jax.Array],
+    weights: jax.Array,
+    *,
+    block: int = 512,
+):
     """`attention_probs` with the probabilities summed over the queries, one block of `block` queries at a time.
 
     q [B, T, H, E] at positions q_positions int32 [B, T]; keys k / v [B, K, S, E]; sees(positions [B, Tb]) ->
@@ -56,6 +64,7 @@ def attention_received(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: ja
 
     if T <= block:
         return one(q, q_positions, weights)
+
     def step(received, xs):  # the sum is carried, not stacked per block
         out, block_received = one(*xs)
         return received + block_received, out

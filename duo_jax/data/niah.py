@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,16 +36,20 @@ NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dol
 QUESTION = "What is the best thing to do in San Francisco?"
 # A template holds `{context}` once and may hold `{question}`. This one primes the answer as DuoAttention's
 # NIAH evaluation does, so it goes with this needle.
-NEEDLE_TEMPLATE = ("This is a very long story book: <book> {context} </book>.\n\n"
-                   "Question: {question}\n\nAnswer: The best thing to do in San Francisco is")
+NEEDLE_TEMPLATE = (
+    "This is a very long story book: <book> {context} </book>.\n\n"
+    "Question: {question}\n\nAnswer: The best thing to do in San Francisco is"
+)
 NEEDLE_SEPARATOR = "\n\n"
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 PASSKEY_NEEDLE = "The pass key is {passkey}. Remember it. {passkey} is the pass key."
 PASSKEY_QUESTION = "What is the pass key?"
-PASSKEY_TEMPLATE = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
-                    "them. I will quiz you about the important information there.\n{context}\n"
-                    f"{PASSKEY_QUESTION} The pass key is")
+PASSKEY_TEMPLATE = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+    "them. I will quiz you about the important information there.\n{context}\n"
+    f"{PASSKEY_QUESTION} The pass key is"
+)
 PASSKEY_SEPARATOR = "\n"
 
 SENTENCE_SNAP = 16  # how many tokens the needle may move to sit at a sentence end
@@ -52,7 +57,8 @@ NEEDLE_PASS_FRACTION = 0.5  # score_contains: share of the needle's key words a 
 
 STOP_WORDS = frozenset(
     "a an and are as at be by for from has have he her his i in is it its of on or she that the their them "
-    "they this to was were will with you your do does did what which who".split())
+    "they this to was were will with you your do does did what which who".split()
+)
 
 
 @dataclass
@@ -75,30 +81,62 @@ class NeedlePrompt:
     depth: float
 
 
-def make_needle_prompt(tokenizer: Any, haystack_ids: Sequence[int], context_len: int, depth: float, *,
-                       needle: str = NEEDLE, question: str = QUESTION, template: str = NEEDLE_TEMPLATE,
-                       bos_id: int | None = None) -> NeedlePrompt:
+def make_needle_prompt(
+    tokenizer: Any,
+    haystack_ids: Sequence[int],
+    context_len: int,
+    depth: float,
+    *,
+    needle: str = NEEDLE,
+    question: str = QUESTION,
+    template: str = NEEDLE_TEMPLATE,
+    bos_id: int | None = None,
+) -> NeedlePrompt:
     """A NIAH prompt of exactly `context_len` tokens with `needle` at `depth` of the haystack part.
 
     `template` must contain ``{context}`` once and may contain ``{question}``. Raises DataError for a depth
     outside [0, 1], a context too short for the prompt without haystack, or a haystack that is too short.
     """
-    return _build_prompt(tokenizer, haystack_ids, context_len, depth, needle=needle, answer=needle,
-                         question=question, template=template.replace("{question}", question),
-                         separator=NEEDLE_SEPARATOR, bos_id=bos_id)
+    return _build_prompt(
+        tokenizer,
+        haystack_ids,
+        context_len,
+        depth,
+        needle=needle,
+        answer=needle,
+        question=question,
+        template=template.replace("{question}", question),
+        separator=NEEDLE_SEPARATOR,
+        bos_id=bos_id,
+    )
 
 
-def make_passkey_prompt(tokenizer: Any, context_len: int, depth: float, rng: np.random.Generator, *,
-                        digits: int = 5, bos_id: int | None = None) -> NeedlePrompt:
+def make_passkey_prompt(
+    tokenizer: Any,
+    context_len: int,
+    depth: float,
+    rng: np.random.Generator,
+    *,
+    digits: int = 5,
+    bos_id: int | None = None,
+) -> NeedlePrompt:
     """A passkey-retrieval prompt of exactly `context_len` tokens; the passkey is a random `digits`-digit
     number drawn from `rng` and is the prompt's `answer`."""
     if digits < 1:
         raise DataError(f"digits must be >= 1, got {digits}")
-    passkey = str(rng.integers(10 ** (digits - 1), 10 ** digits))
-    return _build_prompt(tokenizer, _filler_ids(tokenizer, context_len), context_len, depth,
-                         needle=PASSKEY_NEEDLE.format(passkey=passkey), answer=passkey,
-                         question=PASSKEY_QUESTION, template=PASSKEY_TEMPLATE, separator=PASSKEY_SEPARATOR,
-                         bos_id=bos_id)
+    passkey = str(rng.integers(10 ** (digits - 1), 10**digits))
+    return _build_prompt(
+        tokenizer,
+        _filler_ids(tokenizer, context_len),
+        context_len,
+        depth,
+        needle=PASSKEY_NEEDLE.format(passkey=passkey),
+        answer=passkey,
+        question=PASSKEY_QUESTION,
+        template=PASSKEY_TEMPLATE,
+        separator=PASSKEY_SEPARATOR,
+        bos_id=bos_id,
+    )
 
 
 def grid(lengths: Iterable[int], depths: Iterable[float]) -> Iterator[tuple[int, float]]:
@@ -142,8 +180,19 @@ def score_contains(generated: str, answer: str, *, question: str = "") -> bool:
     return score_needle(generated, answer, question=question) >= NEEDLE_PASS_FRACTION
 
 
-def _build_prompt(tokenizer: Any, haystack_ids: Sequence[int], context_len: int, depth: float, *, needle: str,
-                  answer: str, question: str, template: str, separator: str, bos_id: int | None) -> NeedlePrompt:
+def _build_prompt(
+    tokenizer: Any,
+    haystack_ids: Sequence[int],
+    context_len: int,
+    depth: float,
+    *,
+    needle: str,
+    answer: str,
+    question: str,
+    template: str,
+    separator: str,
+    bos_id: int | None,
+) -> NeedlePrompt:
     _check_depth(depth)
     if template.count("{context}") != 1:
         raise DataError(f"the template must contain '{{context}}' exactly once: {template!r}")
@@ -155,17 +204,27 @@ def _build_prompt(tokenizer: Any, haystack_ids: Sequence[int], context_len: int,
     fixed = len(prefix) + 2 * len(sep) + len(needle_ids) + len(suffix)
     hay_len = context_len - fixed
     if hay_len < 1:
-        raise DataError(f"context_len={context_len} tokens is too small: the prompt without its haystack "
-                        f"already takes {fixed} tokens")
+        raise DataError(
+            f"context_len={context_len} tokens is too small: the prompt without its haystack "
+            f"already takes {fixed} tokens"
+        )
     if len(haystack_ids) < hay_len:
-        raise DataError(f"the haystack has {len(haystack_ids)} tokens but this prompt needs {hay_len}: "
-                        f"pass haystack_tokens(tokenizer, source, {context_len})")
+        raise DataError(
+            f"the haystack has {len(haystack_ids)} tokens but this prompt needs {hay_len}: "
+            f"pass haystack_tokens(tokenizer, source, {context_len})"
+        )
     hay = np.asarray(haystack_ids[:hay_len], dtype=np.int32)
 
     cut = _sentence_end_near(tokenizer, hay, round(depth * hay_len))
     tokens = np.concatenate([prefix, hay[:cut], sep, needle_ids, sep, hay[cut:], suffix]).astype(np.int32)
-    return NeedlePrompt(tokens=tokens, needle_start=len(prefix) + cut + len(sep), answer=answer,
-                        question=question, context_len=context_len, depth=float(depth))
+    return NeedlePrompt(
+        tokens=tokens,
+        needle_start=len(prefix) + cut + len(sep),
+        answer=answer,
+        question=question,
+        context_len=context_len,
+        depth=float(depth),
+    )
 
 
 def _sentence_end_near(tokenizer: Any, hay: np.ndarray, target: int) -> int:
@@ -174,8 +233,7 @@ def _sentence_end_near(tokenizer: Any, hay: np.ndarray, target: int) -> int:
     if target in (0, len(hay)):
         return target
     candidates = range(max(1, target - SENTENCE_SNAP), min(len(hay), target + SENTENCE_SNAP) + 1)
-    ends = [c for c in candidates
-            if tokenizer.decode([int(hay[c - 1])]).rstrip(" ").endswith((".", "!", "?", "\n"))]
+    ends = [c for c in candidates if tokenizer.decode([int(hay[c - 1])]).rstrip(" ").endswith((".", "!", "?", "\n"))]
     return min(ends, key=lambda c: (abs(c - target), c)) if ends else target
 
 

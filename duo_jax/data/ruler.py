@@ -41,8 +41,9 @@ import random
 import re
 import string
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,39 +53,53 @@ TEMPLATES = {
     "niah": dict(
         tokens_to_generate=128,
         template="Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize "
-                 "it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special "
-                 "magic {type_needle_v} for {query} mentioned in the provided text?",
-        answer_prefix=" The special magic {type_needle_v} for {query} mentioned in the provided text are"),
+        "it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special "
+        "magic {type_needle_v} for {query} mentioned in the provided text?",
+        answer_prefix=" The special magic {type_needle_v} for {query} mentioned in the provided text are",
+    ),
     "variable_tracking": dict(
         tokens_to_generate=30,
         template="Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-                 "Question: Find all variables that are assigned the value {query} in the text above.",
+        "Question: Find all variables that are assigned the value {query} in the text above.",
         answer_prefix=" Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
-                      "variables are assigned the value {query}, they are: "),
+        "variables are assigned the value {query}, they are: ",
+    ),
     "common_words_extraction": dict(
         tokens_to_generate=120,
         template="Below is a numbered list of words. In these words, some appear more often than others. Memorize "
-                 "the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the "
-                 "above list?",
-        answer_prefix=" Answer: The top 10 words that appear most often in the list are:"),
+        "the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the "
+        "above list?",
+        answer_prefix=" Answer: The top 10 words that appear most often in the list are:",
+    ),
     "freq_words_extraction": dict(
         tokens_to_generate=50,
         template="Read the following coded text and track the frequency of each coded word. Find the three most "
-                 "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please "
-                 "ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",
-        answer_prefix=" Answer: According to the coded text above, the three most frequently appeared words are:"),
+        "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please "
+        "ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",
+        answer_prefix=" Answer: According to the coded text above, the three most frequently appeared words are:",
+    ),
     "qa": dict(
         tokens_to_generate=32,
         template="Answer the question based on the given documents. Only give me the answer and do not output any "
-                 "other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the "
-                 "given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
-        answer_prefix=" Answer:"),
+        "other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the "
+        "given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
+        answer_prefix=" Answer:",
+    ),
 }
 
 
 def _niah(haystack, k, v, num_k=1, num_v=1, num_q=1):
-    return ("niah", dict(type_haystack=haystack, type_needle_k=k, type_needle_v=v, num_needle_k=num_k,
-                         num_needle_v=num_v, num_needle_q=num_q))
+    return (
+        "niah",
+        dict(
+            type_haystack=haystack,
+            type_needle_k=k,
+            type_needle_v=v,
+            num_needle_k=num_k,
+            num_needle_v=num_v,
+            num_needle_q=num_q,
+        ),
+    )
 
 
 TASKS = {  # scripts/synthetic.yaml
@@ -104,8 +119,10 @@ TASKS = {  # scripts/synthetic.yaml
 }
 QA_TASKS = ("qa_1", "qa_2")
 QA_FILES = {"squad": "squad.json", "hotpotqa": "hotpotqa.json"}
-GET_QA = ("RULER's scripts/data/synthetic/json/download_qa_dataset.sh fetches them: SQuAD v2.0 dev-v2.0.json as "
-          "squad.json, HotpotQA hotpot_dev_distractor_v1.json as hotpotqa.json")
+GET_QA = (
+    "RULER's scripts/data/synthetic/json/download_qa_dataset.sh fetches them: SQuAD v2.0 dev-v2.0.json as "
+    "squad.json, HotpotQA hotpot_dev_distractor_v1.json as hotpotqa.json"
+)
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int)]
@@ -142,8 +159,10 @@ def _wonderwords() -> tuple[list[str], list[str], list[str]]:
     try:
         from wonderwords import random_word
     except ImportError as e:
-        raise DataError("RULER's word keys come from the wonderwords package: pip install wonderwords "
-                        "(or pip install duo-jax[eval])") from e
+        raise DataError(
+            "RULER's word keys come from the wonderwords package: pip install wonderwords "
+            "(or pip install duo-jax[eval])"
+        ) from e
     return tuple(random_word._get_words_from_text_file(f"{kind}list.txt") for kind in ("noun", "adjective", "verb"))
 
 
@@ -182,7 +201,7 @@ def sentences(text: str) -> list[str]:
 def random_value(rng: random.Random, kind: str) -> str:
     """niah.py's generate_random: a 7-digit number, an adjective-noun word or a version-4 UUID."""
     if kind == "numbers":
-        return str(rng.randint(10 ** 6, 10 ** 7 - 1))
+        return str(rng.randint(10**6, 10**7 - 1))
     if kind == "words":
         return random_key_word(rng)
     if kind == "uuids":
@@ -212,7 +231,7 @@ def _niah_text(rng: random.Random, size: int, args: dict, seed: int, haystack_so
         cuts = [0] + sorted(int(len(sents) * (d / 100)) for d in depths) + [len(sents)]
         pieces = []
         for i in range(1, len(cuts)):
-            pieces.append(" ".join(sents[cuts[i - 1]:cuts[i]]))
+            pieces.append(" ".join(sents[cuts[i - 1] : cuts[i]]))
             if i - 1 < len(needles):
                 pieces.append(needles[i - 1])
         context = " ".join(pieces)
@@ -221,8 +240,14 @@ def _niah_text(rng: random.Random, size: int, args: dict, seed: int, haystack_so
         if args["type_haystack"] == "noise":
             lines = [NOISE] * size
         else:  # "needle": distractor needles with their own random keys and values
-            lines = [NEEDLE.format(type_needle_v=args["type_needle_v"], key=random_value(rng, args["type_needle_k"]),
-                                   value=random_value(rng, args["type_needle_v"])) for _ in range(size)]
+            lines = [
+                NEEDLE.format(
+                    type_needle_v=args["type_needle_v"],
+                    key=random_value(rng, args["type_needle_k"]),
+                    value=random_value(rng, args["type_needle_v"]),
+                )
+                for _ in range(size)
+            ]
         for index, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
             lines.insert(index, needle)
         context = "\n".join(lines)
@@ -237,8 +262,12 @@ def _niah_text(rng: random.Random, size: int, args: dict, seed: int, haystack_so
         template, prefix = (_singular(t) for t in (template, prefix))
         type_v = type_v[:-1]
     meta.update(keys=keys, queries=queries, needles=needles)
-    return (template.format(type_needle_v=type_v, context=context, query=query, answer_prefix="{answer_prefix}"),
-            prefix.format(type_needle_v=type_v, query=query), answers, meta)
+    return (
+        template.format(type_needle_v=type_v, context=context, query=query, answer_prefix="{answer_prefix}"),
+        prefix.format(type_needle_v=type_v, query=query),
+        answers,
+        meta,
+    )
 
 
 def _singular(text: str) -> str:
@@ -254,11 +283,13 @@ def _vt_chains(rng: random.Random, num_chains: int, num_hops: int, icl: bool):
         names.append("".join(rng.choices(string.ascii_uppercase, k=letters)))
     variables, chains = [], []
     for i in range(0, len(names), num_hops + 1):
-        chain_vars = names[i:i + num_hops + 1]
+        chain_vars = names[i : i + num_hops + 1]
         variables.append(chain_vars)
         first = "12345" if icl else str(rng.randint(10000, 99998))  # numpy's randint(10000, 99999): high exclusive
-        chains.append([f"VAR {chain_vars[0]} = {first}"]
-                      + [f"VAR {chain_vars[j + 1]} = VAR {chain_vars[j]} " for j in range(num_hops)])
+        chains.append(
+            [f"VAR {chain_vars[0]} = {first}"]
+            + [f"VAR {chain_vars[j + 1]} = VAR {chain_vars[j]} " for j in range(num_hops)]
+        )
     return variables, chains
 
 
@@ -277,17 +308,20 @@ def _vt_text(rng: random.Random, size: int, args: dict, icl: bool):
 
 def _randomize_icl(rng: random.Random, example: str, num_hops: int) -> str:
     """variable_tracking.py's randomize_icl: new names for the example's answer variables, a new value."""
-    for name in example.strip().split()[-num_hops - 1:]:
+    for name in example.strip().split()[-num_hops - 1 :]:
         example = example.replace(name, "".join(rng.choices(string.ascii_uppercase, k=len(name))))
     return example.replace("12345", str(rng.randint(10000, 99998)))
 
 
-def _cwe_example(rng: random.Random, seed: int, num_words: int, common_repeats: int, uncommon_repeats: int,
-                 num_common: int):
+def _cwe_example(
+    rng: random.Random, seed: int, num_words: int, common_repeats: int, uncommon_repeats: int, num_common: int
+):
     words = common_words(seed)
     if num_words > len(words):
-        raise DataError(f"common words extraction needs {num_words} distinct words, more than wonderwords' "
-                        f"{len(words)} (RULER falls back to its english_words.json here): use a shorter length")
+        raise DataError(
+            f"common words extraction needs {num_words} distinct words, more than wonderwords' "
+            f"{len(words)} (RULER falls back to its english_words.json here): use a shorter length"
+        )
     full = rng.sample(words, num_words)
     common, uncommon = full[:num_common], full[num_common:]
     listed = common * common_repeats + uncommon * uncommon_repeats
@@ -302,8 +336,12 @@ def _cwe_text(rng: random.Random, size: int, args: dict, seed: int, length: int)
     else:
         shot_args, main_repeats = (40, 10, 3), (args["freq_cw"], args["freq_ucw"])
     shot_context, shot_answer = _cwe_example(rng, seed, *shot_args, args["num_cw"])
-    shot = (spec["template"].format(context=shot_context) + spec["answer_prefix"] + " "
-            + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_answer)))
+    shot = (
+        spec["template"].format(context=shot_context)
+        + spec["answer_prefix"]
+        + " "
+        + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_answer))
+    )
     context, answer = _cwe_example(rng, seed, size, *main_repeats, args["num_cw"])
     return shot + "\n" + spec["template"].format(context=context), spec["answer_prefix"], answer
 
@@ -343,20 +381,29 @@ def read_qa(folder: str, dataset: str) -> tuple[list[dict], list[str]]:
                 for qa in p["qas"]:
                     if not qa["is_impossible"]:
                         own = index[p["context"]]
-                        questions.append(dict(query=qa["question"], outputs=[a["text"] for a in qa["answers"]],
-                                              context=[own], more_context=[i for i in more if i != own]))
+                        questions.append(
+                            dict(
+                                query=qa["question"],
+                                outputs=[a["text"] for a in qa["answers"]],
+                                context=[own],
+                                more_context=[i for i in more if i != own],
+                            )
+                        )
         return questions, docs
     docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
     index = {c: i for i, c in enumerate(docs)}
-    return [dict(query=d["question"], outputs=[d["answer"]], context=[index[f"{t}\n{''.join(p)}"]
-                                                                      for t, p in d["context"]]) for d in data], docs
+    return [
+        dict(query=d["question"], outputs=[d["answer"]], context=[index[f"{t}\n{''.join(p)}"] for t, p in d["context"]])
+        for d in data
+    ], docs
 
 
 def _qa_text(rng: random.Random, size: int, args: dict, seed: int, index: int, qa_data: str):
     questions, docs = read_qa(qa_data, args["dataset"])
     if index >= len(questions):
-        raise DataError(f"{QA_FILES[args['dataset']]} has {len(questions)} answerable questions, sample {index} "
-                        "asked for")
+        raise DataError(
+            f"{QA_FILES[args['dataset']]} has {len(questions)} answerable questions, sample {index} asked for"
+        )
     q = questions[index]
     own, more = q["context"], q.get("more_context", [])
     if size < len(docs):
@@ -400,21 +447,33 @@ def fit(build: Callable[[int], tuple[list[int], Any]], budget: int, low: int, hi
         else:
             high = mid - 1
     if best is None:
-        raise DataError(f"the prompt does not fit in {budget} tokens even with the smallest haystack: use a "
-                        "longer length")
+        raise DataError(
+            f"the prompt does not fit in {budget} tokens even with the smallest haystack: use a longer length"
+        )
     return best
 
 
-def make_sample(task: str, tokenizer: Any, length: int, index: int, *, seed: int = 42, chat: bool = False,
-                haystack: str = EVALUATION_HAYSTACK, qa_data: str | Path | None = None) -> RulerSample:
+def make_sample(
+    task: str,
+    tokenizer: Any,
+    length: int,
+    index: int,
+    *,
+    seed: int = 42,
+    chat: bool = False,
+    haystack: str = EVALUATION_HAYSTACK,
+    qa_data: str | Path | None = None,
+) -> RulerSample:
     """Sample `index` of RULER task `task` at `length` tokens (prompt + tokens to generate); see the module
     docstring. chat: wrap the task text in the tokenizer's chat template (the answer prefix follows it)."""
     kind, args = check_task(task)
     spec = TEMPLATES[kind]
     budget = length - spec["tokens_to_generate"]
     if budget < 1:
-        raise DataError(f"length {length} leaves no room for a prompt beside {task}'s {spec['tokens_to_generate']} "
-                        "tokens to generate")
+        raise DataError(
+            f"length {length} leaves no room for a prompt beside {task}'s {spec['tokens_to_generate']} "
+            "tokens to generate"
+        )
     if kind == "qa" and qa_data is None:
         raise DataError(f"RULER's {task} needs its QA data: pass --qa-data DIR ({GET_QA})")
 
@@ -423,9 +482,11 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int, *, seed: int
 
     icl = ""
     if kind == "variable_tracking":  # a one-shot example of at most 500 tokens, as variable_tracking.py builds
+
         def build_icl(size):
             text, prefix, answer = _vt_text(rng("example"), size, args, icl=True)
             return list(tokenizer.encode(text + prefix)), text + prefix + " " + " ".join(answer) + "\n"
+
         icl = _randomize_icl(rng("example names"), fit(build_icl, 500, args["num_hops"] + 1, 500)[2], args["num_hops"])
 
     def build(size):
@@ -446,18 +507,28 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int, *, seed: int
         return prompt_ids(tokenizer, text, prefix, chat), (text, prefix, answers, meta)
 
     high = max(16, 3 * budget)  # no haystack unit is shorter than a third of a token
-    low = {"niah": max(args.get("num_needle_k", 1), args.get("num_needle_q", 1)) * args.get("num_needle_v", 1),
-           "variable_tracking": args.get("num_hops", 0) + 1,
-           "common_words_extraction": args.get("num_cw", 0) + 1}.get(kind, 1)  # what the generator needs at least
+    low = {
+        "niah": max(args.get("num_needle_k", 1), args.get("num_needle_q", 1)) * args.get("num_needle_v", 1),
+        "variable_tracking": args.get("num_hops", 0) + 1,
+        "common_words_extraction": args.get("num_cw", 0) + 1,
+    }.get(kind, 1)  # what the generator needs at least
     size, ids, (text, prefix, answers, meta) = fit(build, budget, low, high)
     if kind == "niah":
         meta["needle_token_positions"] = _needle_positions(tokenizer, text, meta["needles"])
-    return RulerSample(task=task, index=index, ids=ids, outputs=[str(a) for a in answers],
-                       length=len(ids) + spec["tokens_to_generate"], tokens_to_generate=spec["tokens_to_generate"],
-                       input=text, answer_prefix=prefix, meta=dict(meta, haystack_size=size))
+    return RulerSample(
+        task=task,
+        index=index,
+        ids=ids,
+        outputs=[str(a) for a in answers],
+        length=len(ids) + spec["tokens_to_generate"],
+        tokens_to_generate=spec["tokens_to_generate"],
+        input=text,
+        answer_prefix=prefix,
+        meta=dict(meta, haystack_size=size),
+    )
 
 
 def _needle_positions(tokenizer: Any, text: str, needles: Sequence[str]) -> list[float]:
     """Each needle's start as a fraction of the task text's tokens (a depth as NIAH heat maps draw it)."""
     total = max(1, len(encode(tokenizer, text)))
-    return [len(encode(tokenizer, text[:text.index(n)])) / total for n in needles]
+    return [len(encode(tokenizer, text[: text.index(n)])) / total for n in needles]

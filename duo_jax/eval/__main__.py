@@ -30,57 +30,101 @@ from duo_jax.quant import KV_DTYPES
 def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -> None:
     """The options every evaluation takes; budgets: --kv-budget takes several fractions (one run per budget)."""
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
-    parser.add_argument("--pattern", default="default",
-                        help="head pattern for mode duo: a folder / full_attention_heads.tsv, or 'default' "
-                             "for the model's shipped one")
-    parser.add_argument("--modes", "--methods", "--method", dest="modes", nargs="+", choices=MODES, metavar="MODE",
-                        default=["full", "duo", "streaming"],
-                        help=f"modes (KV-cache methods) to compare, from: {', '.join(MODES)}")
-    parser.add_argument("--kv-budget", type=float, default=None, metavar="F", nargs="+" if budgets else None,
-                        help="tokens kept per KV head as a fraction F in (0, 1] of the evaluated length, for every "
-                             "mode but full (default: duo's budget at --sparsity)"
-                             + ("; several: every mode at each" if budgets else ""))
-    parser.add_argument("--scores", default="default",
-                        help="HeadKV head scores for headkv / duo_headkv: a folder / .tsv from python -m "
-                             "duo_jax.head_scores, or 'default' for the model's shipped ones")
+    parser.add_argument(
+        "--pattern",
+        default="default",
+        help="head pattern for mode duo: a folder / full_attention_heads.tsv, or 'default' for the model's shipped one",
+    )
+    parser.add_argument(
+        "--modes",
+        "--methods",
+        "--method",
+        dest="modes",
+        nargs="+",
+        choices=MODES,
+        metavar="MODE",
+        default=["full", "duo", "streaming"],
+        help=f"modes (KV-cache methods) to compare, from: {', '.join(MODES)}",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        type=float,
+        default=None,
+        metavar="F",
+        nargs="+" if budgets else None,
+        help="tokens kept per KV head as a fraction F in (0, 1] of the evaluated length, for every "
+        "mode but full (default: duo's budget at --sparsity)" + ("; several: every mode at each" if budgets else ""),
+    )
+    parser.add_argument(
+        "--scores",
+        default="default",
+        help="HeadKV head scores for headkv / duo_headkv: a folder / .tsv from python -m "
+        "duo_jax.head_scores, or 'default' for the model's shipped ones",
+    )
     parser.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
     parser.add_argument("--sink", type=int, default=64, help="attention-sink tokens of a streaming head")
-    parser.add_argument("--recent", type=int, default=256,
-                        help="recent tokens of duo's streaming heads (streaming mode: widened to duo's budget)")
-    parser.add_argument("--chunk-size", type=int, default=256,
-                        help="prompt tokens per prefill step (on CPU 256 beat 128 and 512 for SmolLM2)")
-    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                        help="weights and cache dtype; auto: float32 on CPU, bfloat16 elsewhere")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                        help="quantize every mode's KV cache (absmax per token and head, bf16 scales; "
-                             "duo_jax.quant; every mode has one) (default: --dtype)")
+    parser.add_argument(
+        "--recent",
+        type=int,
+        default=256,
+        help="recent tokens of duo's streaming heads (streaming mode: widened to duo's budget)",
+    )
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=256,
+        help="prompt tokens per prefill step (on CPU 256 beat 128 and 512 for SmolLM2)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="weights and cache dtype; auto: float32 on CPU, bfloat16 elsewhere",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=None,
+        help="quantize every mode's KV cache (absmax per token and head, bf16 scales; "
+        "duo_jax.quant; every mode has one) (default: --dtype)",
+    )
     if budgets:
-        parser.add_argument("--decode-last", type=int, default=0, metavar="N",
-                            help="h2o / tova: prefill all but the prompt's last N tokens exactly, then decode those "
-                                 "one at a time with eviction (DuoAttention's appendix protocol: 50); 0: compress "
-                                 "once after the whole prompt")
+        parser.add_argument(
+            "--decode-last",
+            type=int,
+            default=0,
+            metavar="N",
+            help="h2o / tova: prefill all but the prompt's last N tokens exactly, then decode those "
+            "one at a time with eviction (DuoAttention's appendix protocol: 50); 0: compress "
+            "once after the whole prompt",
+        )
     parser.add_argument("--out", default=f"results/{task}", help="folder for the JSON and PNG results")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m duo_jax.eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m duo_jax.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     tasks = parser.add_subparsers(dest="task", required=True)
     defaults = argparse.ArgumentDefaultsHelpFormatter
 
     niah = tasks.add_parser("niah", help="needle in a haystack: depth x length heat maps", formatter_class=defaults)
     _common(niah, "niah")
     niah.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
-    niah.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                      help="needle depths in [0, 1]")
-    niah.add_argument("--haystack", default="paul_graham:evaluation",
-                      help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a "
-                           "folder of .txt files")
+    niah.add_argument(
+        "--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]"
+    )
+    niah.add_argument(
+        "--haystack",
+        default="paul_graham:evaluation",
+        help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a folder of .txt files",
+    )
     niah.add_argument("--max-new-tokens", type=int, default=32)
     niah.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: all depths)")
 
-    passkey = tasks.add_parser("passkey", help="numeric passkey retrieval accuracy per length",
-                               formatter_class=defaults)
+    passkey = tasks.add_parser(
+        "passkey", help="numeric passkey retrieval accuracy per length", formatter_class=defaults
+    )
     _common(passkey, "passkey")
     passkey.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
     passkey.add_argument("--depths-per-length", type=int, default=5, help="passkey depths, evenly spaced in [0, 1]")
@@ -91,49 +135,98 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     ppl = tasks.add_parser("perplexity", help="perplexity per position bucket on long text", formatter_class=defaults)
     _common(ppl, "perplexity")
-    ppl.add_argument("--source", default="paul_graham:evaluation",
-                     help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a "
-                          "folder of .txt files")
+    ppl.add_argument(
+        "--source",
+        default="paul_graham:evaluation",
+        help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a folder of .txt files",
+    )
     ppl.add_argument("--length", type=int, default=4096, help="tokens per window")
     ppl.add_argument("--samples", type=int, default=2, help="windows (consecutive, one batch)")
-    ppl.add_argument("--bucket-edges", type=int, nargs="+", default=None,
-                     help="position bucket edges from 0 to --length; None: doubling buckets 0 512 1024 ... length")
-    ppl.add_argument("--prefix", type=int, default=None,
-                     help="prompt tokens per window; the rest is decoded one token per step after the method "
-                          "compresses the prompt (default: the whole window is prompt)")
-    longbench = tasks.add_parser("longbench", help="LongBench (v1) / LongBench-E from LongBench's own files",
-                                 formatter_class=defaults)
+    ppl.add_argument(
+        "--bucket-edges",
+        type=int,
+        nargs="+",
+        default=None,
+        help="position bucket edges from 0 to --length; None: doubling buckets 0 512 1024 ... length",
+    )
+    ppl.add_argument(
+        "--prefix",
+        type=int,
+        default=None,
+        help="prompt tokens per window; the rest is decoded one token per step after the method "
+        "compresses the prompt (default: the whole window is prompt)",
+    )
+    longbench = tasks.add_parser(
+        "longbench", help="LongBench (v1) / LongBench-E from LongBench's own files", formatter_class=defaults
+    )
     _common(longbench, "longbench", budgets=True)
-    longbench.add_argument("--data", required=True, metavar="DIR",
-                           help="folder of LongBench's <task>.jsonl files (data.zip of "
-                                "huggingface.co/datasets/THUDM/LongBench, unzipped)")
+    longbench.add_argument(
+        "--data",
+        required=True,
+        metavar="DIR",
+        help="folder of LongBench's <task>.jsonl files (data.zip of huggingface.co/datasets/THUDM/LongBench, unzipped)",
+    )
     longbench.add_argument("--tasks", nargs="+", default=None, help="tasks to run (default: all of them)")
-    longbench.add_argument("--e", "--longbench-e", dest="longbench_e", action="store_true",
-                           help="LongBench-E: the <task>_e.jsonl files, scores per length bucket")
-    longbench.add_argument("--max-length", type=int, default=None,
-                           help="prompt tokens kept (middle truncation); default: the model's context - 600")
+    longbench.add_argument(
+        "--e",
+        "--longbench-e",
+        dest="longbench_e",
+        action="store_true",
+        help="LongBench-E: the <task>_e.jsonl files, scores per length bucket",
+    )
+    longbench.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="prompt tokens kept (middle truncation); default: the model's context - 600",
+    )
     longbench.add_argument("--limit", type=int, default=None, help="first N samples of each task")
-    longbench.add_argument("--fuzzy", choices=["difflib", "rapidfuzz"], default="difflib",
-                           help="code similarity's fuzz.ratio: difflib (fuzzywuzzy as LongBench installs it) or "
-                                "rapidfuzz (fuzzywuzzy with python-Levenshtein)")
-    longbench.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
-                           help="chat template (never for trec, triviaqa, samsum, lsht, lcc, repobench-p); auto: "
-                                "for instruct / chat models")
+    longbench.add_argument(
+        "--fuzzy",
+        choices=["difflib", "rapidfuzz"],
+        default="difflib",
+        help="code similarity's fuzz.ratio: difflib (fuzzywuzzy as LongBench installs it) or "
+        "rapidfuzz (fuzzywuzzy with python-Levenshtein)",
+    )
+    longbench.add_argument(
+        "--chat",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="chat template (never for trec, triviaqa, samsum, lsht, lcc, repobench-p); auto: "
+        "for instruct / chat models",
+    )
 
-    ruler = tasks.add_parser("ruler", help="RULER's synthetic tasks (NIAH, variable tracking, word extraction, QA)",
-                             formatter_class=defaults)
+    ruler = tasks.add_parser(
+        "ruler", help="RULER's synthetic tasks (NIAH, variable tracking, word extraction, QA)", formatter_class=defaults
+    )
     _common(ruler, "ruler", budgets=True)
-    ruler.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096],
-                       help="sequence lengths in the model's tokens (prompt + tokens to generate)")
+    ruler.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[1024, 2048, 4096],
+        help="sequence lengths in the model's tokens (prompt + tokens to generate)",
+    )
     ruler.add_argument("--samples", type=int, default=10, help="samples per task and length")
     ruler.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; QA only with --qa-data)")
     ruler.add_argument("--seed", type=int, default=42, help="seed of every sample")
-    ruler.add_argument("--qa-data", default=None, metavar="DIR",
-                       help="folder with RULER's squad.json and hotpotqa.json for qa_1 / qa_2")
-    ruler.add_argument("--haystack", default="paul_graham:evaluation",
-                       help="the essay haystack: 'paul_graham:evaluation' (held out) or a folder of .txt files")
-    ruler.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
-                       help="chat template around the task text; auto: for instruct / chat models")
+    ruler.add_argument(
+        "--qa-data",
+        default=None,
+        metavar="DIR",
+        help="folder with RULER's squad.json and hotpotqa.json for qa_1 / qa_2",
+    )
+    ruler.add_argument(
+        "--haystack",
+        default="paul_graham:evaluation",
+        help="the essay haystack: 'paul_graham:evaluation' (held out) or a folder of .txt files",
+    )
+    ruler.add_argument(
+        "--chat",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="chat template around the task text; auto: for instruct / chat models",
+    )
 
     args = parser.parse_args(argv)
     for budget in args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]:
@@ -163,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     import duo_jax
     from duo_jax import methods
     from duo_jax.eval import report
-    from duo_jax.methods.headkv import resolve_scores
     from duo_jax.eval.niah import accuracy_table, run_niah
     from duo_jax.eval.passkey import run_passkey
     from duo_jax.eval.perplexity import perplexity_table, run_perplexity
     from duo_jax.eval.samples import Settings
     from duo_jax.generation import resolve_pattern
+    from duo_jax.methods.headkv import resolve_scores
 
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     start = time.perf_counter()
@@ -178,40 +271,101 @@ def main(argv: list[str] | None = None) -> int:
         needs_pattern = any(spec.takes_pattern for spec in specs)
         pattern = resolve_pattern(args.pattern, model.config) if needs_pattern else None
         scores = resolve_scores(args.scores, model.config) if any("scores" in s.options for s in specs) else None
-        common = dict(pattern=pattern, scores=scores, kv_budget=args.kv_budget, kv_dtype=args.kv_dtype,
-                      sparsity=args.sparsity,
-                      sink=args.sink, recent=args.recent, chunk_size=args.chunk_size, out_dir=args.out)
-        settings = Settings(pattern=pattern, scores=scores, sparsity=args.sparsity, sink=args.sink,
-                            recent=args.recent, chunk_size=args.chunk_size, kv_dtype=args.kv_dtype)
+        common = dict(
+            pattern=pattern,
+            scores=scores,
+            kv_budget=args.kv_budget,
+            kv_dtype=args.kv_dtype,
+            sparsity=args.sparsity,
+            sink=args.sink,
+            recent=args.recent,
+            chunk_size=args.chunk_size,
+            out_dir=args.out,
+        )
+        settings = Settings(
+            pattern=pattern,
+            scores=scores,
+            sparsity=args.sparsity,
+            sink=args.sink,
+            recent=args.recent,
+            chunk_size=args.chunk_size,
+            kv_dtype=args.kv_dtype,
+        )
         chat = {"auto": None, "on": True, "off": False}[getattr(args, "chat", "auto")]
         if args.task == "longbench":
             from duo_jax.eval.longbench import run_longbench, tables
 
-            results = run_longbench(model, args.modes, data_dir=args.data, kv_budgets=args.kv_budget,
-                                    settings=settings, tasks=args.tasks, longbench_e=args.longbench_e,
-                                    max_length=args.max_length, limit=args.limit,
-                                    chat=chat, out_dir=args.out, decode_last=args.decode_last, fuzzy=args.fuzzy)
+            results = run_longbench(
+                model,
+                args.modes,
+                data_dir=args.data,
+                kv_budgets=args.kv_budget,
+                settings=settings,
+                tasks=args.tasks,
+                longbench_e=args.longbench_e,
+                max_length=args.max_length,
+                limit=args.limit,
+                chat=chat,
+                out_dir=args.out,
+                decode_last=args.decode_last,
+                fuzzy=args.fuzzy,
+            )
             table = tables(results)
         elif args.task == "ruler":
             from duo_jax.eval.ruler import run_ruler, tables
 
-            results = run_ruler(model, args.modes, lengths=args.lengths, samples=args.samples,
-                                kv_budgets=args.kv_budget, settings=settings, tasks=args.tasks, seed=args.seed,
-                                qa_data=args.qa_data, chat=chat,
-                                haystack=args.haystack, out_dir=args.out, decode_last=args.decode_last)
+            results = run_ruler(
+                model,
+                args.modes,
+                lengths=args.lengths,
+                samples=args.samples,
+                kv_budgets=args.kv_budget,
+                settings=settings,
+                tasks=args.tasks,
+                seed=args.seed,
+                qa_data=args.qa_data,
+                chat=chat,
+                haystack=args.haystack,
+                out_dir=args.out,
+                decode_last=args.decode_last,
+            )
             table = tables(results)
         elif args.task == "niah":
-            results = run_niah(model, args.modes, lengths=args.lengths, depths=args.depths, haystack=args.haystack,
-                               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **common)
+            results = run_niah(
+                model,
+                args.modes,
+                lengths=args.lengths,
+                depths=args.depths,
+                haystack=args.haystack,
+                max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size,
+                **common,
+            )
             table = accuracy_table(results, results["lengths"])
         elif args.task == "passkey":
-            results = run_passkey(model, args.modes, lengths=args.lengths, depths_per_length=args.depths_per_length,
-                                  digits=args.digits, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                  batch_size=args.batch_size, **common)
+            results = run_passkey(
+                model,
+                args.modes,
+                lengths=args.lengths,
+                depths_per_length=args.depths_per_length,
+                digits=args.digits,
+                seed=args.seed,
+                max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size,
+                **common,
+            )
             table = accuracy_table(results, results["lengths"])
         else:
-            results = run_perplexity(model, args.modes, source=args.source, length=args.length, samples=args.samples,
-                                     edges=args.bucket_edges, prefix=args.prefix, **common)
+            results = run_perplexity(
+                model,
+                args.modes,
+                source=args.source,
+                length=args.length,
+                samples=args.samples,
+                edges=args.bucket_edges,
+                prefix=args.prefix,
+                **common,
+            )
             table = perplexity_table(results)
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

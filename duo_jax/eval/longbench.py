@@ -34,25 +34,37 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from duo_jax.chat import chat_prompts, is_chat_model
 from duo_jax.data.haystack import DataError
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.longbench_metrics import FUZZY, METRICS, length_bucket_scores, sample_score, task_score
-from duo_jax.eval.samples import (PredictionStore, Run, Settings, budget_panel, generate_sample, make_runs, mean_score,
-                                  protocol_legend, sample_fingerprint, seconds_per_1k_tokens)
+from duo_jax.eval.samples import (
+    PredictionStore,
+    Run,
+    Settings,
+    budget_panel,
+    generate_sample,
+    make_runs,
+    mean_score,
+    protocol_legend,
+    sample_fingerprint,
+    seconds_per_1k_tokens,
+)
 from duo_jax.loading import Model
 
 DATA_URL = "https://huggingface.co/datasets/THUDM/LongBench"
-GET_DATA = (f"download data.zip from {DATA_URL} (resolve/main/data.zip), unzip it and pass its data/ folder as "
-            "--data DIR")
+GET_DATA = (
+    f"download data.zip from {DATA_URL} (resolve/main/data.zip), unzip it and pass its data/ folder as --data DIR"
+)
 
 PROMPTS = {
     "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
-    "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
+    "qasper": 'You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:',  # noqa: E501
     "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
     "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答：",
     "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
@@ -68,20 +80,50 @@ PROMPTS = {
     "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
     "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
     "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",  # noqa: E501
-    "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: ",  # noqa: E501
-    "passage_retrieval_zh": "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是\"段落1\"，\"段落2\"等格式\n\n答案是：",
+    "passage_retrieval_en": 'Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ',  # noqa: E501
+    "passage_retrieval_zh": '以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：',
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
 MAX_NEW_TOKENS = {
-    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64, "hotpotqa": 32, "2wikimqa": 32,
-    "musique": 32, "dureader": 128, "gov_report": 512, "qmsum": 512, "multi_news": 512, "vcsum": 512, "trec": 64,
-    "triviaqa": 32, "samsum": 128, "lsht": 64, "passage_count": 32, "passage_retrieval_en": 32,
-    "passage_retrieval_zh": 32, "lcc": 64, "repobench-p": 64,
+    "narrativeqa": 128,
+    "qasper": 128,
+    "multifieldqa_en": 64,
+    "multifieldqa_zh": 64,
+    "hotpotqa": 32,
+    "2wikimqa": 32,
+    "musique": 32,
+    "dureader": 128,
+    "gov_report": 512,
+    "qmsum": 512,
+    "multi_news": 512,
+    "vcsum": 512,
+    "trec": 64,
+    "triviaqa": 32,
+    "samsum": 128,
+    "lsht": 64,
+    "passage_count": 32,
+    "passage_retrieval_en": 32,
+    "passage_retrieval_zh": 32,
+    "lcc": 64,
+    "repobench-p": 64,
 }
 TASKS = tuple(PROMPTS)  # LongBench's 21 tasks, in pred.py's order
-E_TASKS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
-           "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")  # LongBench-E's 13
+E_TASKS = (
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)  # LongBench-E's 13
 NO_CHAT_TASKS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 CATEGORIES = {
     "Single-Doc QA": ("narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh"),
@@ -109,8 +151,10 @@ def check_tasks(tasks: Sequence[str] | None, longbench_e: bool = False) -> list[
     tasks = list(dict.fromkeys(tasks or allowed))
     unknown = [t for t in tasks if t not in allowed]
     if unknown:
-        raise DuoJaxError(f"unknown LongBench{'-E' if longbench_e else ''} task(s) {', '.join(unknown)}: choose "
-                          f"from {', '.join(allowed)}")
+        raise DuoJaxError(
+            f"unknown LongBench{'-E' if longbench_e else ''} task(s) {', '.join(unknown)}: choose "
+            f"from {', '.join(allowed)}"
+        )
     return tasks
 
 
@@ -133,12 +177,15 @@ def load_task(data_dir: str | Path, task: str, *, longbench_e: bool = False, lim
         try:
             sample = json.loads(line)
         except json.JSONDecodeError as e:
-            raise LongBenchDataError(f"{path}:{number} is not JSON ({e}): LongBench files hold one JSON object "
-                                     f"per line; {GET_DATA}") from None
+            raise LongBenchDataError(
+                f"{path}:{number} is not JSON ({e}): LongBench files hold one JSON object per line; {GET_DATA}"
+            ) from None
         missing = [f for f in FIELDS if f not in sample]
         if missing:
-            raise LongBenchDataError(f"{path}:{number} lacks field(s) {', '.join(missing)} (LongBench's fields: "
-                                     f"{', '.join(FIELDS)}); {GET_DATA}")
+            raise LongBenchDataError(
+                f"{path}:{number} lacks field(s) {', '.join(missing)} (LongBench's fields: "
+                f"{', '.join(FIELDS)}); {GET_DATA}"
+            )
         if not isinstance(sample["answers"], list) or not all(isinstance(a, str) for a in sample["answers"]):
             raise LongBenchDataError(f"{path}:{number}: 'answers' must be a list of strings")
         samples.append(sample)
@@ -189,10 +236,23 @@ def default_max_length(model: Model) -> int:
     return max(2, model.config.max_position_embeddings - DEFAULT_MARGIN)
 
 
-def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, kv_budgets: Sequence[float] | None,
-                  settings: Settings, tasks: Sequence[str] | None = None, longbench_e: bool = False,
-                  max_length: int | None = None, limit: int | None = None, chat: bool | None = None,
-                  out_dir: str | Path, decode_last: int = 0, fuzzy: str = "difflib", progress: bool = True) -> dict:
+def run_longbench(
+    model: Model,
+    modes: Sequence[str],
+    *,
+    data_dir: str | Path,
+    kv_budgets: Sequence[float] | None,
+    settings: Settings,
+    tasks: Sequence[str] | None = None,
+    longbench_e: bool = False,
+    max_length: int | None = None,
+    limit: int | None = None,
+    chat: bool | None = None,
+    out_dir: str | Path,
+    decode_last: int = 0,
+    fuzzy: str = "difflib",
+    progress: bool = True,
+) -> dict:
     """Generate and score every sample of `tasks` in every run (`duo_jax.eval.samples.make_runs`), resuming
     from the predictions already in `out_dir`; writes the outputs listed in the module docstring."""
     from tqdm.auto import tqdm
@@ -216,9 +276,11 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
             context = model.config.max_position_embeddings
             for sample, ids in zip(data[task], prompts[task]):
                 if len(ids) + MAX_NEW_TOKENS[task] > context:
-                    raise DuoJaxError(f"{task} sample {sample['_id']}: its prompt ({len(ids)} tokens after "
-                                      f"truncation to --max-length {max_length}) + {MAX_NEW_TOKENS[task]} new tokens "
-                                      f"exceed the model's context of {context}: lower --max-length")
+                    raise DuoJaxError(
+                        f"{task} sample {sample['_id']}: its prompt ({len(ids)} tokens after "
+                        f"truncation to --max-length {max_length}) + {MAX_NEW_TOKENS[task]} new tokens "
+                        f"exceed the model's context of {context}: lower --max-length"
+                    )
             for run in runs:
                 store = PredictionStore(out_dir / "predictions" / run.name / f"{task}.jsonl")
                 bar.set_postfix_str(f"{run.name} / {task}")
@@ -226,27 +288,49 @@ def run_longbench(model: Model, modes: Sequence[str], *, data_dir: str | Path, k
                     fingerprint = sample_fingerprint(model, run, ids, MAX_NEW_TOKENS[task], settings)
                     if not store.has(str(sample["_id"]), fingerprint):
                         record = generate_sample(model, run, ids, MAX_NEW_TOKENS[task], settings)
-                        record.update(id=str(sample["_id"]), answers=sample["answers"],
-                                      all_classes=sample["all_classes"], length=sample["length"],
-                                      fingerprint=fingerprint)
-                        record["score"] = sample_score(task, record["pred"], sample["answers"],
-                                                       sample["all_classes"], fuzzy)
+                        record.update(
+                            id=str(sample["_id"]),
+                            answers=sample["answers"],
+                            all_classes=sample["all_classes"],
+                            length=sample["length"],
+                            fingerprint=fingerprint,
+                        )
+                        record["score"] = sample_score(
+                            task, record["pred"], sample["answers"], sample["all_classes"], fuzzy
+                        )
                         store.add(record)
                     bar.update(1)
     results = score_runs(out_dir, runs, data, longbench_e, fuzzy)
-    results.update(task="longbench", longbench_e=longbench_e, fuzzy=fuzzy, model=model.config.name, source=model.source,
-                   data_dir=str(data_dir), tasks=tasks, max_length=max_length, chat=chat, limit=limit,
-                   chat_tasks=[t for t in tasks if uses_chat(t, chat)], kv_budgets=list(kv_budgets or [None]),
-                   sparsity=settings.sparsity, sink=settings.sink, recent=settings.recent,
-                   chunk_size=settings.chunk_size, kv_dtype=settings.kv_dtype, dtype=str(model.params.dtype),
-                   prompt_tokens={t: [len(p) for p in v] for t, v in prompts.items()},
-                   wall_s=time.perf_counter() - start, machine=report.machine_info())
+    results.update(
+        task="longbench",
+        longbench_e=longbench_e,
+        fuzzy=fuzzy,
+        model=model.config.name,
+        source=model.source,
+        data_dir=str(data_dir),
+        tasks=tasks,
+        max_length=max_length,
+        chat=chat,
+        limit=limit,
+        chat_tasks=[t for t in tasks if uses_chat(t, chat)],
+        kv_budgets=list(kv_budgets or [None]),
+        sparsity=settings.sparsity,
+        sink=settings.sink,
+        recent=settings.recent,
+        chunk_size=settings.chunk_size,
+        kv_dtype=settings.kv_dtype,
+        dtype=str(model.params.dtype),
+        prompt_tokens={t: [len(p) for p in v] for t, v in prompts.items()},
+        wall_s=time.perf_counter() - start,
+        machine=report.machine_info(),
+    )
     write_outputs(results, out_dir)
     return results
 
 
-def score_runs(out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[dict]], longbench_e: bool,
-               fuzzy: str = "difflib") -> dict:
+def score_runs(
+    out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[dict]], longbench_e: bool, fuzzy: str = "difflib"
+) -> dict:
     """The scores of every run from its stored predictions: {"runs": {name: {...}}}."""
     results = {}
     for run in runs:
@@ -256,22 +340,30 @@ def score_runs(out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[di
             done = store.ordered(str(s["_id"]) for s in samples)
             # Rescored from the prediction, so stored lines and the current metric code always agree.
             scores = [sample_score(task, r["pred"], r["answers"], r["all_classes"], fuzzy) for r in done]
-            tasks[task] = dict(score=task_score(scores), samples=len(done),
-                               s_per_1k_tokens=seconds_per_1k_tokens(done))
+            tasks[task] = dict(score=task_score(scores), samples=len(done), s_per_1k_tokens=seconds_per_1k_tokens(done))
             if longbench_e:
                 tasks[task]["by_length"] = length_bucket_scores(scores, [r["length"] for r in done])
             records[task] = done
-        results[run.name] = dict(mode=run.mode, kv_budget=run.kv_budget, decode_last=run.decode_last,
-                                 protocol=run.protocol, tasks=tasks,
-                                 categories=category_scores({t: v["score"] for t, v in tasks.items()}),
-                                 average=mean_score([v["score"] for v in tasks.values()]), predictions=records)
+        results[run.name] = dict(
+            mode=run.mode,
+            kv_budget=run.kv_budget,
+            decode_last=run.decode_last,
+            protocol=run.protocol,
+            tasks=tasks,
+            categories=category_scores({t: v["score"] for t, v in tasks.items()}),
+            average=mean_score([v["score"] for v in tasks.values()]),
+            predictions=records,
+        )
     return dict(runs=results)
 
 
 def category_scores(task_scores: dict[str, float]) -> dict[str, float]:
     """{category: mean score of its evaluated tasks}, for the categories with at least one evaluated task."""
-    return {name: mean_score([task_scores[t] for t in members if t in task_scores])
-            for name, members in CATEGORIES.items() if any(t in task_scores for t in members)}
+    return {
+        name: mean_score([task_scores[t] for t in members if t in task_scores])
+        for name, members in CATEGORIES.items()
+        if any(t in task_scores for t in members)
+    }
 
 
 def tables(results: dict) -> str:
@@ -293,15 +385,22 @@ def budget_figure(results: dict, path: str | Path) -> Path:
     """Score vs KV budget, one line per method (full: a dashed level), one panel per task plus the average."""
     runs = results["runs"].values()
     budgets = sorted({r["kv_budget"] for r in runs if r["kv_budget"] is not None})
-    panels = {title: budget_panel(runs, budgets, lambda r, t=title: r["average"] if t == "average"
-                                  else r["tasks"][t]["score"]) for title in [*results["tasks"], "average"]}
+    panels = {
+        title: budget_panel(
+            runs, budgets, lambda r, t=title: r["average"] if t == "average" else r["tasks"][t]["score"]
+        )
+        for title in [*results["tasks"], "average"]
+    }
     return report.budget_panels(path, budgets, panels, title=f"LongBench, {results['model']}")
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
-    paths = [budget_figure(results, out_dir / "longbench_budget.png"), out_dir / "longbench.md",
-             out_dir / "longbench.json"]
+    paths = [
+        budget_figure(results, out_dir / "longbench_budget.png"),
+        out_dir / "longbench.md",
+        out_dir / "longbench.json",
+    ]
     results["files"] = [str(p) for p in paths]
     paths[1].write_text(tables(results) + "\n", encoding="utf-8")
     report.write_json(paths[2], results)

@@ -31,14 +31,16 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from duo_jax.errors import DuoJaxError
 
-_CHINESE_PUNCTUATION = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟"
-                        "〰〾〿–—‘’‛“”„‟…‧﹏.")
+_CHINESE_PUNCTUATION = (
+    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟"
+    "〰〾〿–—‘’‛“”„‟…‧﹏."
+)
 _ASCII_PUNCTUATION = frozenset(string.punctuation)
 _ALL_PUNCTUATION = frozenset(string.punctuation + _CHINESE_PUNCTUATION)
 FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")  # eval.py keeps only the first line of these
@@ -155,18 +157,34 @@ def fuzz_ratio(a: str, b: str, fuzzy: str = "difflib") -> int:
 
 
 def code_sim(prediction: str, ground_truth: str, all_classes=None, fuzzy: str = "difflib") -> float:
-    line = next((ln for ln in prediction.lstrip("\n").split("\n")
-                 if "`" not in ln and "#" not in ln and "//" not in ln), "")
+    line = next(
+        (ln for ln in prediction.lstrip("\n").split("\n") if "`" not in ln and "#" not in ln and "//" not in ln), ""
+    )
     return fuzz_ratio(line, ground_truth, fuzzy) / 100
 
 
 METRICS: dict[str, Callable[..., float]] = {
-    "narrativeqa": qa_f1, "qasper": qa_f1, "multifieldqa_en": qa_f1, "multifieldqa_zh": qa_f1_zh,
-    "hotpotqa": qa_f1, "2wikimqa": qa_f1, "musique": qa_f1, "dureader": rouge_zh,
-    "gov_report": rouge_l, "qmsum": rouge_l, "multi_news": rouge_l, "vcsum": rouge_zh,
-    "trec": classification, "triviaqa": qa_f1, "samsum": rouge_l, "lsht": classification,
-    "passage_retrieval_en": retrieval, "passage_count": count, "passage_retrieval_zh": retrieval_zh,
-    "lcc": code_sim, "repobench-p": code_sim,
+    "narrativeqa": qa_f1,
+    "qasper": qa_f1,
+    "multifieldqa_en": qa_f1,
+    "multifieldqa_zh": qa_f1_zh,
+    "hotpotqa": qa_f1,
+    "2wikimqa": qa_f1,
+    "musique": qa_f1,
+    "dureader": rouge_zh,
+    "gov_report": rouge_l,
+    "qmsum": rouge_l,
+    "multi_news": rouge_l,
+    "vcsum": rouge_zh,
+    "trec": classification,
+    "triviaqa": qa_f1,
+    "samsum": rouge_l,
+    "lsht": classification,
+    "passage_retrieval_en": retrieval,
+    "passage_count": count,
+    "passage_retrieval_zh": retrieval_zh,
+    "lcc": code_sim,
+    "repobench-p": code_sim,
 }
 
 

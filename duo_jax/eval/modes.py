@@ -26,7 +26,8 @@ The budget is a number of cached tokens per KV head on average (the methods' `kv
   (`fit_window`), so that some heads can still be retrieval heads.
 
 duo_headkv (DuoAttention whose retrieval heads keep HeadKV budgets) keeps the pattern at `sparsity`, duo's
-window on its streaming heads (fitted the same way), and gives its retrieval heads (N*budget - (N - R)*S) / R tokens each on
+window on its streaming heads (fitted the same way), and gives its retrieval heads (N*budget - (N - R)*S) / R tokens
+each on
 average, so its total matches the budget too. h2o and tova prefill the whole prompt in one chunk (exact
 attention, one eviction at its end, as the DuoAttention paper runs them); the others use the evaluation's chunk.
 What each mode really stores is measured (``cache_bytes`` in the results), not assumed.
@@ -45,15 +46,16 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from duo_jax import methods
 from duo_jax.cache import round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.data.haystack import CalibrationOverlapWarning, overlaps
 from duo_jax.errors import DuoJaxError
-from duo_jax import methods
 from duo_jax.generation import build_method
 from duo_jax.methods import Method
 from duo_jax.methods.duo import fit_window, num_retrieval_heads  # noqa: F401  (re-exported: duo's budget rules)
@@ -114,8 +116,15 @@ class ModeSettings:
 
     def describe(self) -> dict:
         """JSON-friendly summary (no gates)."""
-        return dict(name=self.name, method=self.method, sparsity=None if self.pattern is None else self.sparsity,
-                    sink=self.sink, recent=self.recent, kv_budget=self.kv_budget, kv_dtype=self.option("kv_dtype"))
+        return dict(
+            name=self.name,
+            method=self.method,
+            sparsity=None if self.pattern is None else self.sparsity,
+            sink=self.sink,
+            recent=self.recent,
+            kv_budget=self.kv_budget,
+            kv_dtype=self.option("kv_dtype"),
+        )
 
 
 def streaming_budget(config: ModelConfig, sparsity: float, context: int, *, sink: int, recent: int) -> int:
@@ -132,8 +141,7 @@ def check_modes(names: Sequence[str]) -> list[str]:
     names = list(dict.fromkeys(names))
     unknown = [n for n in names if n not in MODES]
     if unknown or not names:
-        raise DuoJaxError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}" if unknown
-                          else "no modes given")
+        raise DuoJaxError(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}" if unknown else "no modes given")
     return names
 
 
@@ -145,14 +153,26 @@ def check_kv_dtype_modes(modes: Sequence[str], kv_dtype: str | None) -> str | No
     refused = [m for m in check_modes(modes) if m != "streaming" and not methods.entry(m).quantized_kv]
     if refused:
         able = [m for m in MODES if m == "streaming" or methods.entry(m).quantized_kv]
-        raise DuoJaxError(f"mode(s) {', '.join(refused)} have no quantized KV cache (kv_dtype={kv_dtype!r}); "
-                          f"evaluate them without --kv-dtype, or choose modes from {', '.join(able)}")
+        raise DuoJaxError(
+            f"mode(s) {', '.join(refused)} have no quantized KV cache (kv_dtype={kv_dtype!r}); "
+            f"evaluate them without --kv-dtype, or choose modes from {', '.join(able)}"
+        )
     return kv_dtype
 
 
-def mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sparsity: float, sink: int,
-                  recent: int, context: int, kv_budget: int | None = None,
-                  scores: Pattern | None = None, kv_dtype: str | None = None) -> ModeSettings:
+def mode_settings(
+    name: str,
+    config: ModelConfig,
+    pattern: Pattern | None,
+    *,
+    sparsity: float,
+    sink: int,
+    recent: int,
+    context: int,
+    kv_budget: int | None = None,
+    scores: Pattern | None = None,
+    kv_dtype: str | None = None,
+) -> ModeSettings:
     """The settings of mode `name` for prompts whose prompt + generated tokens fit in `context`.
 
     kv_budget: tokens per KV head (None: duo's budget, see the module docstring); each method meets it by its
@@ -161,13 +181,32 @@ def mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sp
     kv_dtype: "int8" / "int4" for a quantized cache (`check_kv_dtype_modes`), None for the model's dtype.
     """
     quantized = () if check_kv_dtype_modes([name], kv_dtype) is None else (("kv_dtype", kv_dtype),)
-    settings = _mode_settings(name, config, pattern, sparsity=sparsity, sink=sink, recent=recent, context=context,
-                              kv_budget=kv_budget, scores=scores)
+    settings = _mode_settings(
+        name,
+        config,
+        pattern,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        context=context,
+        kv_budget=kv_budget,
+        scores=scores,
+    )
     return dataclasses.replace(settings, options=settings.options + quantized)
 
 
-def _mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, sparsity: float, sink: int,
-                   recent: int, context: int, kv_budget: int | None, scores: Pattern | None) -> ModeSettings:
+def _mode_settings(
+    name: str,
+    config: ModelConfig,
+    pattern: Pattern | None,
+    *,
+    sparsity: float,
+    sink: int,
+    recent: int,
+    context: int,
+    kv_budget: int | None,
+    scores: Pattern | None,
+) -> ModeSettings:
     if sink < 0 or recent < 1:
         raise DuoJaxError(f"need sink >= 0 and recent >= 1, got sink={sink}, recent={recent}")
     check_modes([name])
@@ -176,8 +215,9 @@ def _mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, s
     spec = None if name == "streaming" else methods.entry(name)
     if spec is not None and spec.takes_pattern:
         if pattern is None:
-            raise DuoJaxError(f"mode {name!r} needs a head pattern: pass --pattern PATH (or 'default' for the "
-                              "model's shipped one)")
+            raise DuoJaxError(
+                f"mode {name!r} needs a head pattern: pass --pattern PATH (or 'default' for the model's shipped one)"
+            )
         pattern.validate(config)
     duo_budget = streaming_budget(config, sparsity, context, sink=sink, recent=recent)
     budget = duo_budget if kv_budget is None else int(kv_budget)
@@ -185,14 +225,29 @@ def _mode_settings(name: str, config: ModelConfig, pattern: Pattern | None, *, s
         raise DuoJaxError(f"a KV budget of {budget} token(s) per head is too small (need >= 2)")
     if spec is None:  # StreamingLLM at absolute positions: every head a streaming head of duo's kind
         streaming_sink = min(sink, budget - 1)
-        options = dict(pattern=Pattern.full(config.num_layers, config.num_kv_heads), sparsity=1.0,
-                       sink=streaming_sink, recent=budget - streaming_sink)
+        options = dict(
+            pattern=Pattern.full(config.num_layers, config.num_kv_heads),
+            sparsity=1.0,
+            sink=streaming_sink,
+            recent=budget - streaming_sink,
+        )
         return ModeSettings("streaming", "duo", tuple(options.items()), budget)
     if "scores" in spec.options and scores is None:
-        raise DuoJaxError(f"mode {name!r} needs HeadKV head scores: pass --scores PATH (written by "
-                          "python -m duo_jax.head_scores), or 'default' for the model's shipped ones")
-    options = spec.budget(config, budget, context=context, sink=sink, recent=recent, sparsity=sparsity,
-                          pattern=pattern, scores=scores, fitted=kv_budget is not None)
+        raise DuoJaxError(
+            f"mode {name!r} needs HeadKV head scores: pass --scores PATH (written by "
+            "python -m duo_jax.head_scores), or 'default' for the model's shipped ones"
+        )
+    options = spec.budget(
+        config,
+        budget,
+        context=context,
+        sink=sink,
+        recent=recent,
+        sparsity=sparsity,
+        pattern=pattern,
+        scores=scores,
+        fitted=kv_budget is not None,
+    )
     return ModeSettings(name, name, tuple(options.items()), budget)
 
 
@@ -211,14 +266,18 @@ def calibration_sources(modes: Sequence[str], pattern: Pattern | None, scores: P
     return sources
 
 
-def warn_if_calibrated_on(evaluated: str, modes: Sequence[str], pattern: Pattern | None,
-                          scores: Pattern | None) -> list[str]:
+def warn_if_calibrated_on(
+    evaluated: str, modes: Sequence[str], pattern: Pattern | None, scores: Pattern | None
+) -> list[str]:
     """Warn (`CalibrationOverlapWarning`) for each calibrated input of `modes` fitted on text that `evaluated`
     (a haystack source) shares; returns the warnings (results record them)."""
-    found = [f"{what} was calibrated on {source!r}, which shares text with the evaluated {evaluated!r}: the "
-             f"result is not held out (evaluate on 'paul_graham:evaluation' with inputs calibrated on "
-             f"'paul_graham:calibration')"
-             for what, source in calibration_sources(modes, pattern, scores).items() if overlaps(source, evaluated)]
+    found = [
+        f"{what} was calibrated on {source!r}, which shares text with the evaluated {evaluated!r}: the "
+        f"result is not held out (evaluate on 'paul_graham:evaluation' with inputs calibrated on "
+        f"'paul_graham:calibration')"
+        for what, source in calibration_sources(modes, pattern, scores).items()
+        if overlaps(source, evaluated)
+    ]
     for message in found:
         warnings.warn(message, CalibrationOverlapWarning, stacklevel=3)
     return found

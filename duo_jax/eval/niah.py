@@ -4,7 +4,8 @@ For every context length, the prompts of all depths are built once (`duo_jax.dat
 evaluation half of the Paul Graham essays by default, the San Francisco needle) and generated in one
 batched `duo_jax.generate` call per mode (greedy). A cell is scored on the generated answer: ``score`` = the
 share of the needle's key words found (`score_needle`), ``correct`` = `score_contains` (at least half of
-them). Each mode gets a depth x length heat map of ``score`` (green found, red missed, as DuoAttention's Fig. 5) and all modes one side-by-side
+them). Each mode gets a depth x length heat map of ``score`` (green found, red missed, as DuoAttention's Fig. 5) and
+all modes one side-by-side
 figure; everything measured goes to ``niah.json``.
 
 `evaluate_grid` is the loop shared with the passkey evaluation (`duo_jax.eval.passkey`).
@@ -13,8 +14,9 @@ figure; everything measured goes to ``niah.json``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,8 +24,7 @@ from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.data.niah import NeedlePrompt, make_needle_prompt, score_contains, score_needle
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import (budget_tokens, check_kv_dtype_modes, check_modes, mode_settings,
-                                warn_if_calibrated_on)
+from duo_jax.eval.modes import budget_tokens, check_kv_dtype_modes, check_modes, mode_settings, warn_if_calibrated_on
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -46,8 +47,9 @@ def aggregate(cells: Sequence[dict], key: str | None = None) -> float | dict:
     return {k: float(np.mean(v)) for k, v in groups.items()}
 
 
-def score_matrix(cells: Sequence[dict], lengths: Sequence[int], depths: Sequence[float],
-                 field: str = "score") -> np.ndarray:
+def score_matrix(
+    cells: Sequence[dict], lengths: Sequence[int], depths: Sequence[float], field: str = "score"
+) -> np.ndarray:
     """[depths, lengths] of cell[field] (NaN where no cell was run); a depth with several cells is averaged."""
     total = np.zeros((len(depths), len(lengths)))
     count = np.zeros_like(total)
@@ -61,12 +63,25 @@ def score_matrix(cells: Sequence[dict], lengths: Sequence[int], depths: Sequence
         return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
-def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
-                  prompts_for: Callable[[int], list[NeedlePrompt]], *, pattern: Pattern | None,
-                  sparsity: float, sink: int, recent: int, max_new_tokens: int, chunk_size: int,
-                  score: Callable[[str, NeedlePrompt], float], batch_size: int | None = None,
-                  kv_budget: float | None = None, scores: Pattern | None = None, kv_dtype: str | None = None,
-                  progress: bool = True) -> dict:
+def evaluate_grid(
+    model: Model,
+    modes: Sequence[str],
+    lengths: Iterable[int],
+    prompts_for: Callable[[int], list[NeedlePrompt]],
+    *,
+    pattern: Pattern | None,
+    sparsity: float,
+    sink: int,
+    recent: int,
+    max_new_tokens: int,
+    chunk_size: int,
+    score: Callable[[str, NeedlePrompt], float],
+    batch_size: int | None = None,
+    kv_budget: float | None = None,
+    scores: Pattern | None = None,
+    kv_dtype: str | None = None,
+    progress: bool = True,
+) -> dict:
     """Generate the answer of every prompt in every mode; returns {"modes": {mode: result}}.
 
     prompts_for(length) gives the prompts of one context length (all exactly `length` tokens); they are
@@ -87,34 +102,56 @@ def evaluate_grid(model: Model, modes: Sequence[str], lengths: Iterable[int],
     lengths = list(lengths)
     prompts = {n: prompts_for(n) for n in lengths}
     total = len(modes) * sum(len(p) for p in prompts.values())
-    results = {m: dict(settings={}, cache_bytes={}, full_cache_bytes={}, prefill_s=0.0, decode_s=0.0,
-                       compile_s=0.0, cells=[]) for m in modes}
+    results = {
+        m: dict(settings={}, cache_bytes={}, full_cache_bytes={}, prefill_s=0.0, decode_s=0.0, compile_s=0.0, cells=[])
+        for m in modes
+    }
     with tqdm(total=total, desc="generating", unit="prompt", disable=not progress) as bar:
         for length in lengths:
             batch = batch_size or len(prompts[length])
             context = length + max_new_tokens
             for mode in modes:
-                settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink,
-                                         recent=recent, context=context, kv_budget=budget_tokens(kv_budget, length),
-                                         scores=scores, kv_dtype=kv_dtype)
+                settings = mode_settings(
+                    mode,
+                    model.config,
+                    pattern,
+                    sparsity=sparsity,
+                    sink=sink,
+                    recent=recent,
+                    context=context,
+                    kv_budget=budget_tokens(kv_budget, length),
+                    scores=scores,
+                    kv_dtype=kv_dtype,
+                )
                 result = results[mode]
                 result["settings"][length] = settings.describe()
                 bar.set_postfix_str(f"{mode} @ {length}")
                 for start in range(0, len(prompts[length]), batch):
-                    group = prompts[length][start:start + batch]
-                    out = generate(model, [p.tokens.tolist() for p in group], max_new_tokens=max_new_tokens,
-                                   chunk_size=length if settings.one_chunk_prefill else chunk_size,
-                                   context=context, **settings.generate_kwargs())
+                    group = prompts[length][start : start + batch]
+                    out = generate(
+                        model,
+                        [p.tokens.tolist() for p in group],
+                        max_new_tokens=max_new_tokens,
+                        chunk_size=length if settings.one_chunk_prefill else chunk_size,
+                        context=context,
+                        **settings.generate_kwargs(),
+                    )
                     result["cache_bytes"][length] = out.stats["cache_bytes"] // len(group)  # per sequence
                     result["full_cache_bytes"][length] = out.stats["full_cache_bytes"] // len(group)
                     for key in ("prefill_s", "decode_s", "compile_s"):
                         result[key] += out.stats[key]
                     texts = out.text if out.text is not None else [" ".join(map(str, t)) for t in out.tokens]
                     for prompt, text in zip(group, texts):
-                        result["cells"].append(dict(
-                            length=length, depth=prompt.depth, answer=prompt.answer, generated=text,
-                            score=float(score(text, prompt)),
-                            correct=bool(score_contains(text, prompt.answer, question=prompt.question))))
+                        result["cells"].append(
+                            dict(
+                                length=length,
+                                depth=prompt.depth,
+                                answer=prompt.answer,
+                                generated=text,
+                                score=float(score(text, prompt)),
+                                correct=bool(score_contains(text, prompt.answer, question=prompt.question)),
+                            )
+                        )
                     bar.update(len(group))
     for result in results.values():
         result["accuracy"] = aggregate(result["cells"])
@@ -129,15 +166,27 @@ def accuracy_table(results: dict, lengths: Sequence[int]) -> str:
     rows = []
     for mode, r in results["modes"].items():
         by_length = r["accuracy_by_length"]
-        rows.append([mode, *[by_length.get(n) for n in lengths], r["accuracy"],
-                     report.human_bytes(r["cache_bytes"][longest]),
-                     f"{r['cache_bytes'][longest] / r['full_cache_bytes'][longest]:.1%}"])
+        rows.append(
+            [
+                mode,
+                *[by_length.get(n) for n in lengths],
+                r["accuracy"],
+                report.human_bytes(r["cache_bytes"][longest]),
+                f"{r['cache_bytes'][longest] / r['full_cache_bytes'][longest]:.1%}",
+            ]
+        )
     headers = ["mode", *[f"acc @ {n}" for n in lengths], "accuracy", f"KV cache @ {longest}", "of full"]
     return report.markdown_table(headers, rows)
 
 
-def write_outputs(results: dict, out_dir: str | Path, task: str, lengths: Sequence[int], depths: Sequence[float],
-                  other_files: Sequence[Path] = ()) -> list[Path]:
+def write_outputs(
+    results: dict,
+    out_dir: str | Path,
+    task: str,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    other_files: Sequence[Path] = (),
+) -> list[Path]:
     """Write a heat map <task>_<mode>.png per mode, <task>_modes.png, then <task>.json (listing these and
     `other_files` under "files"); return the paths."""
     out_dir = Path(out_dir)
@@ -145,8 +194,11 @@ def write_outputs(results: dict, out_dir: str | Path, task: str, lengths: Sequen
     for mode, r in results["modes"].items():
         matrices[mode] = score_matrix(r["cells"], lengths, depths)
         titles[mode] = f"{mode}: accuracy {r['accuracy']:.0%}"
-        paths.append(report.grid_heatmap(out_dir / f"{task}_{mode}.png", matrices[mode], lengths, depths,
-                                         f"{task.upper()} {titles[mode]}"))
+        paths.append(
+            report.grid_heatmap(
+                out_dir / f"{task}_{mode}.png", matrices[mode], lengths, depths, f"{task.upper()} {titles[mode]}"
+            )
+        )
     paths.append(report.grid_heatmaps(out_dir / f"{task}_modes.png", matrices, lengths, depths, titles))
     paths.append(out_dir / f"{task}.json")
     results["files"] = [str(p) for p in paths]
@@ -154,11 +206,26 @@ def write_outputs(results: dict, out_dir: str | Path, task: str, lengths: Sequen
     return paths
 
 
-def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, lengths: Sequence[int] = DEFAULT_LENGTHS,
-             depths: Sequence[float] = DEFAULT_DEPTHS, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
-             max_new_tokens: int = 32, chunk_size: int = 512, haystack: str = EVALUATION_HAYSTACK,
-             batch_size: int | None = None, kv_budget: float | None = None, scores: Pattern | None = None,
-             kv_dtype: str | None = None, out_dir: str | Path | None = None, progress: bool = True) -> dict:
+def run_niah(
+    model: Model,
+    modes: Sequence[str],
+    *,
+    pattern: Pattern | None,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    sparsity: float = 0.5,
+    sink: int = 64,
+    recent: int = 256,
+    max_new_tokens: int = 32,
+    chunk_size: int = 512,
+    haystack: str = EVALUATION_HAYSTACK,
+    batch_size: int | None = None,
+    kv_budget: float | None = None,
+    scores: Pattern | None = None,
+    kv_dtype: str | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
     """The NIAH grid in every mode; writes niah.json and the heat maps into `out_dir` when given.
     kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's);
     kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype)."""
@@ -173,17 +240,44 @@ def run_niah(model: Model, modes: Sequence[str], *, pattern: Pattern | None, len
         return [make_needle_prompt(model.tokenizer, hay, length, depth, bos_id=bos) for depth in depths]
 
     start = time.perf_counter()
-    results = evaluate_grid(model, modes, lengths, prompts_for, pattern=pattern, sparsity=sparsity, sink=sink,
-                            recent=recent, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-                            score=lambda text, p: score_needle(text, p.answer, question=p.question),
-                            batch_size=batch_size, kv_budget=kv_budget, scores=scores, kv_dtype=kv_dtype,
-                            progress=progress)
-    results = dict(task="niah", model=model.config.name, source=model.source, haystack=haystack,
-                   calibration_overlap=overlap,
-                   lengths=lengths, depths=depths, sparsity=sparsity, sink=sink, recent=recent, kv_budget=kv_budget,
-                   kv_dtype=kv_dtype,
-                   max_new_tokens=max_new_tokens, chunk_size=chunk_size, dtype=str(model.params.dtype),
-                   wall_s=time.perf_counter() - start, machine=report.machine_info(), **results)
+    results = evaluate_grid(
+        model,
+        modes,
+        lengths,
+        prompts_for,
+        pattern=pattern,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        score=lambda text, p: score_needle(text, p.answer, question=p.question),
+        batch_size=batch_size,
+        kv_budget=kv_budget,
+        scores=scores,
+        kv_dtype=kv_dtype,
+        progress=progress,
+    )
+    results = dict(
+        task="niah",
+        model=model.config.name,
+        source=model.source,
+        haystack=haystack,
+        calibration_overlap=overlap,
+        lengths=lengths,
+        depths=depths,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        kv_budget=kv_budget,
+        kv_dtype=kv_dtype,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        dtype=str(model.params.dtype),
+        wall_s=time.perf_counter() - start,
+        machine=report.machine_info(),
+        **results,
+    )
     if out_dir is not None:
         write_outputs(results, out_dir, "niah", lengths, depths)
     return results

@@ -11,8 +11,8 @@ the side-by-side heat maps and passkey_accuracy.png (accuracy against length, on
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -33,12 +33,27 @@ def passkey_depths(n: int) -> list[float]:
     return [0.5] if n == 1 else [float(d) for d in np.linspace(0.0, 1.0, n)]
 
 
-def run_passkey(model: Model, modes: Sequence[str], *, pattern: Pattern | None,
-                lengths: Sequence[int] = DEFAULT_LENGTHS, depths_per_length: int = 5, digits: int = 5,
-                seed: int = 0, sparsity: float = 0.5, sink: int = 64, recent: int = 256, max_new_tokens: int = 12,
-                chunk_size: int = 512, batch_size: int | None = None, kv_budget: float | None = None,
-                scores: Pattern | None = None, kv_dtype: str | None = None, out_dir: str | Path | None = None,
-                progress: bool = True) -> dict:
+def run_passkey(
+    model: Model,
+    modes: Sequence[str],
+    *,
+    pattern: Pattern | None,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    depths_per_length: int = 5,
+    digits: int = 5,
+    seed: int = 0,
+    sparsity: float = 0.5,
+    sink: int = 64,
+    recent: int = 256,
+    max_new_tokens: int = 12,
+    chunk_size: int = 512,
+    batch_size: int | None = None,
+    kv_budget: float | None = None,
+    scores: Pattern | None = None,
+    kv_dtype: str | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
     """Passkey accuracy per length in every mode; writes passkey.json and the figures into `out_dir` when given.
     kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's);
     kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype)."""
@@ -49,24 +64,56 @@ def run_passkey(model: Model, modes: Sequence[str], *, pattern: Pattern | None,
 
     def prompts_for(length):
         rng = np.random.default_rng([seed, length])
-        return [make_passkey_prompt(model.tokenizer, length, depth, rng, digits=digits, bos_id=bos)
-                for depth in depths]
+        return [make_passkey_prompt(model.tokenizer, length, depth, rng, digits=digits, bos_id=bos) for depth in depths]
 
     start = time.perf_counter()
-    results = evaluate_grid(model, modes, lengths, prompts_for, pattern=pattern, sparsity=sparsity, sink=sink,
-                            recent=recent, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-                            score=lambda text, p: float(score_passkey(text, p.answer)),
-                            batch_size=batch_size, kv_budget=kv_budget, scores=scores, kv_dtype=kv_dtype,
-                            progress=progress)
-    results = dict(task="passkey", model=model.config.name, source=model.source, lengths=lengths, depths=depths,
-                   digits=digits, seed=seed, sparsity=sparsity, sink=sink, recent=recent, kv_budget=kv_budget,
-                   kv_dtype=kv_dtype,
-                   max_new_tokens=max_new_tokens, chunk_size=chunk_size, dtype=str(model.params.dtype),
-                   wall_s=time.perf_counter() - start, machine=report.machine_info(), **results)
+    results = evaluate_grid(
+        model,
+        modes,
+        lengths,
+        prompts_for,
+        pattern=pattern,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        score=lambda text, p: float(score_passkey(text, p.answer)),
+        batch_size=batch_size,
+        kv_budget=kv_budget,
+        scores=scores,
+        kv_dtype=kv_dtype,
+        progress=progress,
+    )
+    results = dict(
+        task="passkey",
+        model=model.config.name,
+        source=model.source,
+        lengths=lengths,
+        depths=depths,
+        digits=digits,
+        seed=seed,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        kv_budget=kv_budget,
+        kv_dtype=kv_dtype,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        dtype=str(model.params.dtype),
+        wall_s=time.perf_counter() - start,
+        machine=report.machine_info(),
+        **results,
+    )
     if out_dir is not None:
-        plot = report.line_plot(Path(out_dir) / "passkey_accuracy.png", lengths,
-                         {m: [r["accuracy_by_length"][n] for n in lengths] for m, r in results["modes"].items()},
-                         xlabel="context length (tokens)", ylabel="accuracy", logx=True,
-                         title=f"passkey retrieval, {model.config.name}")
+        plot = report.line_plot(
+            Path(out_dir) / "passkey_accuracy.png",
+            lengths,
+            {m: [r["accuracy_by_length"][n] for n in lengths] for m, r in results["modes"].items()},
+            xlabel="context length (tokens)",
+            ylabel="accuracy",
+            logx=True,
+            title=f"passkey retrieval, {model.config.name}",
+        )
         write_outputs(results, out_dir, "passkey", lengths, depths, [plot])
     return results

@@ -22,8 +22,8 @@ The negative log-likelihood of token p (predicted from tokens < p, p >= 1) is av
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,14 @@ from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.engine import Engine
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import (ModeSettings, budget_tokens, check_kv_dtype_modes, check_modes, mode_settings,
-                                warn_if_calibrated_on)
+from duo_jax.eval.modes import (
+    ModeSettings,
+    budget_tokens,
+    check_kv_dtype_modes,
+    check_modes,
+    mode_settings,
+    warn_if_calibrated_on,
+)
 from duo_jax.eval.niah import bos_id
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
@@ -56,8 +62,9 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
 
 
-def engine_nll(model: Model, tokens: np.ndarray, settings: ModeSettings, *, chunk_size: int,
-               prefix: int | None = None) -> np.ndarray:
+def engine_nll(
+    model: Model, tokens: np.ndarray, settings: ModeSettings, *, chunk_size: int, prefix: int | None = None
+) -> np.ndarray:
     """NLL of every token but the first: tokens int [B, T] -> float64 [B, T - 1] (entry t is token t + 1),
     teacher-forced through the engine with the KV-cache method of `settings`: the first `prefix` tokens
     (default: all) in prefill chunks (`Engine.prefill`, every chunk's logits), the rest one decode step per
@@ -70,11 +77,11 @@ def engine_nll(model: Model, tokens: np.ndarray, settings: ModeSettings, *, chun
     method = settings.build(model.config, context=T, model=model)
     chunk = P if settings.one_chunk_prefill else min(chunk_size, P)
     targets = np.zeros((B, max(-(-P // chunk) * chunk, T) + 1), np.int32)  # targets[:, p]: token p + 1
-    targets[:, :T - 1] = tokens[:, 1:]
+    targets[:, : T - 1] = tokens[:, 1:]
     nll = []
 
     def score(logits, start, n_valid):
-        piece = np.asarray(token_nll(logits, jnp.asarray(targets[:, start:start + logits.shape[1]])))
+        piece = np.asarray(token_nll(logits, jnp.asarray(targets[:, start : start + logits.shape[1]])))
         nll.append(piece[:, : int(n_valid[0])])
 
     _, cache, lengths = engine.prefill(method, tokens[:, :P], np.full((B,), P), chunk=chunk, on_chunk=score)
@@ -82,7 +89,7 @@ def engine_nll(model: Model, tokens: np.ndarray, settings: ModeSettings, *, chun
         method, cache = method.after_prefill(cache, lengths)
         for position in range(P, T):
             logits, cache, lengths = engine.step(method, cache, lengths, jnp.asarray(tokens[:, position]))
-            nll.append(np.asarray(token_nll(logits[:, None], jnp.asarray(targets[:, position:position + 1]))))
+            nll.append(np.asarray(token_nll(logits[:, None], jnp.asarray(targets[:, position : position + 1]))))
     return np.concatenate(nll, axis=1)[:, : T - 1].astype(np.float64)
 
 
@@ -110,11 +117,23 @@ def text_windows(model: Model, source: str, length: int, samples: int) -> np.nda
     return ids
 
 
-def evaluate_perplexity(model: Model, tokens: np.ndarray, modes: Sequence[str], *, pattern: Pattern | None,
-                        sparsity: float = 0.5, sink: int = 64, recent: int = 256, chunk_size: int = 512,
-                        edges: Sequence[int] | None = None, prefix: int | None = None,
-                        kv_budget: float | None = None, scores: Pattern | None = None, kv_dtype: str | None = None,
-                        progress: bool = True) -> dict:
+def evaluate_perplexity(
+    model: Model,
+    tokens: np.ndarray,
+    modes: Sequence[str],
+    *,
+    pattern: Pattern | None,
+    sparsity: float = 0.5,
+    sink: int = 64,
+    recent: int = 256,
+    chunk_size: int = 512,
+    edges: Sequence[int] | None = None,
+    prefix: int | None = None,
+    kv_budget: float | None = None,
+    scores: Pattern | None = None,
+    kv_dtype: str | None = None,
+    progress: bool = True,
+) -> dict:
     """Per-bucket NLL / perplexity of token windows [B, T] in every mode: {"modes": {mode: {...}}}.
     prefix: prompt tokens (the rest is decoded; None: all prompt); kv_budget: a fraction of T kept per KV
     head by every mode but full (None: duo's budget); `scores`: HeadKV scores for headkv / duo_headkv;
@@ -132,18 +151,34 @@ def evaluate_perplexity(model: Model, tokens: np.ndarray, modes: Sequence[str], 
         raise DuoJaxError(f"bucket edges must rise strictly from 0 to the window length {T}, got {edges}")
     results = {}
     for mode in tqdm(modes, desc="perplexity", unit="mode", disable=not progress):
-        settings = mode_settings(mode, model.config, pattern, sparsity=sparsity, sink=sink, recent=recent,
-                                 context=T, kv_budget=budget_tokens(kv_budget, T), scores=scores, kv_dtype=kv_dtype)
+        settings = mode_settings(
+            mode,
+            model.config,
+            pattern,
+            sparsity=sparsity,
+            sink=sink,
+            recent=recent,
+            context=T,
+            kv_budget=budget_tokens(kv_budget, T),
+            scores=scores,
+            kv_dtype=kv_dtype,
+        )
         start = time.perf_counter()
         nll = engine_nll(model, tokens, settings, chunk_size=chunk_size, prefix=prefix)
         if prefix is not None and prefix < T:
-            decoded = float(nll[:, prefix - 1:].mean())  # entry t is token t + 1: tokens prefix .. T - 1
+            decoded = float(nll[:, prefix - 1 :].mean())  # entry t is token t + 1: tokens prefix .. T - 1
             extra = dict(decoded_nll=decoded, decoded_ppl=float(np.exp(decoded)))
         else:
             extra = {}
         mean = float(nll.mean())
-        results[mode] = dict(settings=settings.describe(), nll=mean, ppl=float(np.exp(mean)),
-                             buckets=bucket_stats(nll, edges), seconds=time.perf_counter() - start, **extra)
+        results[mode] = dict(
+            settings=settings.describe(),
+            nll=mean,
+            ppl=float(np.exp(mean)),
+            buckets=bucket_stats(nll, edges),
+            seconds=time.perf_counter() - start,
+            **extra,
+        )
     return dict(edges=edges, modes=results)
 
 
@@ -153,8 +188,10 @@ def perplexity_table(results: dict) -> str:
     decoded = all("decoded_ppl" in r for r in results["modes"].values())
     headers = ["mode", *[f"[{_k(a)}, {_k(b)})" for a, b in zip(edges[:-1], edges[1:])], "all"]
     headers += ["decoded tokens"] if decoded else []
-    rows = [[mode, *[b["ppl"] for b in r["buckets"]], r["ppl"], *([r["decoded_ppl"]] if decoded else [])]
-            for mode, r in results["modes"].items()]
+    rows = [
+        [mode, *[b["ppl"] for b in r["buckets"]], r["ppl"], *([r["decoded_ppl"]] if decoded else [])]
+        for mode, r in results["modes"].items()
+    ]
     return report.markdown_table(headers, rows)
 
 
@@ -162,11 +199,26 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
 
 
-def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | None, source: str = EVALUATION_HAYSTACK,
-                   length: int = 4096, samples: int = 2, sparsity: float = 0.5, sink: int = 64, recent: int = 256,
-                   chunk_size: int = 512, edges: Sequence[int] | None = None, prefix: int | None = None,
-                   kv_budget: float | None = None, scores: Pattern | None = None, kv_dtype: str | None = None,
-                   out_dir: str | Path | None = None, progress: bool = True) -> dict:
+def run_perplexity(
+    model: Model,
+    modes: Sequence[str],
+    *,
+    pattern: Pattern | None,
+    source: str = EVALUATION_HAYSTACK,
+    length: int = 4096,
+    samples: int = 2,
+    sparsity: float = 0.5,
+    sink: int = 64,
+    recent: int = 256,
+    chunk_size: int = 512,
+    edges: Sequence[int] | None = None,
+    prefix: int | None = None,
+    kv_budget: float | None = None,
+    scores: Pattern | None = None,
+    kv_dtype: str | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
     """Perplexity of `samples` windows of `length` tokens of `source`; writes perplexity.json and
     perplexity.png (perplexity per bucket, one line per mode) into `out_dir` when given. kv_dtype: "int8" /
     "int4" quantizes every mode's KV cache (None: the model's dtype)."""
@@ -177,22 +229,53 @@ def run_perplexity(model: Model, modes: Sequence[str], *, pattern: Pattern | Non
     start = time.perf_counter()
     overlap = warn_if_calibrated_on(source, check_modes(modes), pattern, scores)
     tokens = text_windows(model, source, length, samples)
-    results = evaluate_perplexity(model, tokens, modes, pattern=pattern, sparsity=sparsity, sink=sink,
-                                  recent=recent, chunk_size=chunk_size, edges=edges, prefix=prefix,
-                                  kv_budget=kv_budget, scores=scores, kv_dtype=kv_dtype, progress=progress)
-    results = dict(task="perplexity", model=model.config.name, source_text=source, calibration_overlap=overlap,
-                   length=length, samples=samples,
-                   sparsity=sparsity, sink=sink, recent=recent, chunk_size=chunk_size, prefix=prefix,
-                   kv_budget=kv_budget, kv_dtype=kv_dtype,
-                   dtype=str(model.params.dtype), wall_s=time.perf_counter() - start,
-                   machine=report.machine_info(), **results)
+    results = evaluate_perplexity(
+        model,
+        tokens,
+        modes,
+        pattern=pattern,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        chunk_size=chunk_size,
+        edges=edges,
+        prefix=prefix,
+        kv_budget=kv_budget,
+        scores=scores,
+        kv_dtype=kv_dtype,
+        progress=progress,
+    )
+    results = dict(
+        task="perplexity",
+        model=model.config.name,
+        source_text=source,
+        calibration_overlap=overlap,
+        length=length,
+        samples=samples,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        chunk_size=chunk_size,
+        prefix=prefix,
+        kv_budget=kv_budget,
+        kv_dtype=kv_dtype,
+        dtype=str(model.params.dtype),
+        wall_s=time.perf_counter() - start,
+        machine=report.machine_info(),
+        **results,
+    )
     if out_dir is not None:
         out_dir = Path(out_dir)
         mids = [(b["start"] + b["end"]) / 2 for b in next(iter(results["modes"].values()))["buckets"]]
-        plot = report.line_plot(out_dir / "perplexity.png", mids,
-                                {m: [b["ppl"] for b in r["buckets"]] for m, r in results["modes"].items()},
-                                xlabel="token position (bucket middle)", ylabel="perplexity", logx=True,
-                                title=f"{model.config.name} on {source}, {samples} x {length} tokens")
+        plot = report.line_plot(
+            out_dir / "perplexity.png",
+            mids,
+            {m: [b["ppl"] for b in r["buckets"]] for m, r in results["modes"].items()},
+            xlabel="token position (bucket middle)",
+            ylabel="perplexity",
+            logx=True,
+            title=f"{model.config.name} on {source}, {samples} x {length} tokens",
+        )
         results["files"] = [str(plot), str(out_dir / "perplexity.json")]
         report.write_json(out_dir / "perplexity.json", results)
     return results

@@ -10,11 +10,11 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
-
 
 # --- tables --------------------------------------------------------------------------------------------
 
@@ -42,8 +42,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     def line(row):
         return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
 
-    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                     + [line(row) for row in cells[1:]])
+    return "\n".join(
+        [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(row) for row in cells[1:]]
+    )
 
 
 def human_bytes(n: float) -> str:
@@ -90,9 +91,15 @@ def machine_info() -> dict:
     import jax
 
     device = jax.devices()[0]
-    info = dict(platform=platform.platform(), python=platform.python_version(), cpu_count=os.cpu_count(),
-                processor=platform.processor() or platform.machine(), jax=jax.__version__,
-                backend=jax.default_backend(), device=getattr(device, "device_kind", str(device)))
+    info = dict(
+        platform=platform.platform(),
+        python=platform.python_version(),
+        cpu_count=os.cpu_count(),
+        processor=platform.processor() or platform.machine(),
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        device=getattr(device, "device_kind", str(device)),
+    )
     if os.environ.get("XLA_FLAGS"):
         info["xla_flags"] = os.environ["XLA_FLAGS"]
     torch = sys.modules.get("torch")  # reported when a peer loaded it, never imported for this
@@ -131,8 +138,9 @@ def _save(figure, path: str | os.PathLike) -> Path:
     return path
 
 
-def _draw_grid(axes, scores: np.ndarray, lengths: Sequence[int], depths: Sequence[float], title: str,
-               ylabel: bool = True):
+def _draw_grid(
+    axes, scores: np.ndarray, lengths: Sequence[int], depths: Sequence[float], title: str, ylabel: bool = True
+):
     """One depth x length heat map on `axes`: score 1 green, 0 red (as DuoAttention's Fig. 5), each cell's
     score written in it when the grid is small enough to read."""
     scores = np.asarray(scores, float)
@@ -154,8 +162,9 @@ def _short_length(n: int) -> str:
     return f"{n / 1024:g}k" if n >= 1024 and n % 128 == 0 else str(n)
 
 
-def grid_heatmap(path: str | os.PathLike, scores: np.ndarray, lengths: Sequence[int], depths: Sequence[float],
-                 title: str) -> Path:
+def grid_heatmap(
+    path: str | os.PathLike, scores: np.ndarray, lengths: Sequence[int], depths: Sequence[float], title: str
+) -> Path:
     """A NIAH heat map: `scores` [depths, lengths] in [0, 1] (NaN for a cell not run) -> PNG at `path`."""
     figure = _figure(2.0 + 0.9 * len(lengths), 1.5 + 0.45 * len(depths))
     image = _draw_grid(figure.add_subplot(), scores, lengths, depths, title)
@@ -163,8 +172,14 @@ def grid_heatmap(path: str | os.PathLike, scores: np.ndarray, lengths: Sequence[
     return _save(figure, path)
 
 
-def grid_heatmaps(path: str | os.PathLike, scores: Mapping[str, np.ndarray], lengths: Sequence[int],
-                  depths: Sequence[float], titles: Mapping[str, str] | None = None, columns: int | None = None) -> Path:
+def grid_heatmaps(
+    path: str | os.PathLike,
+    scores: Mapping[str, np.ndarray],
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    titles: Mapping[str, str] | None = None,
+    columns: int | None = None,
+) -> Path:
     """The heat maps of several modes side by side (one panel each, one shared colour bar), wrapped into
     rows of `columns` panels (default: one row)."""
     titles = titles or {}
@@ -175,15 +190,24 @@ def grid_heatmaps(path: str | os.PathLike, scores: Mapping[str, np.ndarray], len
     image = None
     for i, (ax, (name, matrix)) in enumerate(zip(axes, scores.items())):
         image = _draw_grid(ax, matrix, lengths, depths, titles.get(name, name), ylabel=i % columns == 0)
-    for ax in axes[len(scores):]:
+    for ax in axes[len(scores) :]:
         ax.set_axis_off()
     figure.colorbar(image, ax=list(axes), label="score")
     return _save(figure, path)
 
 
-def line_plot(path: str | os.PathLike, x: Sequence[float], series: Mapping[str, Sequence[float]], *, xlabel: str,
-              ylabel: str, title: str, logx: bool = False, logy: bool = False,
-              xticklabels: Sequence[str] | None = None) -> Path:
+def line_plot(
+    path: str | os.PathLike,
+    x: Sequence[float],
+    series: Mapping[str, Sequence[float]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+    logy: bool = False,
+    xticklabels: Sequence[str] | None = None,
+) -> Path:
     """One line with markers per series over a shared x axis."""
     figure = _figure(6.4, 4.0)
     axes = figure.add_subplot()
@@ -203,8 +227,15 @@ def line_plot(path: str | os.PathLike, x: Sequence[float], series: Mapping[str, 
     return _save(figure, path)
 
 
-def bar_plot(path: str | os.PathLike, groups: Sequence[str], series: Mapping[str, Sequence[float]], *,
-             ylabel: str, title: str, logy: bool = False) -> Path:
+def bar_plot(
+    path: str | os.PathLike,
+    groups: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    *,
+    ylabel: str,
+    title: str,
+    logy: bool = False,
+) -> Path:
     """Grouped bars: one group per entry of `groups`, one bar per series in each."""
     figure = _figure(max(6.4, 1.2 * len(groups) * max(1, len(series)) / 2), 4.0)
     axes = figure.add_subplot()
@@ -222,9 +253,14 @@ def bar_plot(path: str | os.PathLike, groups: Sequence[str], series: Mapping[str
     return _save(figure, path)
 
 
-def budget_panels(path: str | os.PathLike, budgets: Sequence[float],
-                  panels: Mapping[str, tuple[Mapping[str, Sequence[float]], Mapping[str, float]]], *,
-                  title: str, columns: int = 4) -> Path:
+def budget_panels(
+    path: str | os.PathLike,
+    budgets: Sequence[float],
+    panels: Mapping[str, tuple[Mapping[str, Sequence[float]], Mapping[str, float]]],
+    *,
+    title: str,
+    columns: int = 4,
+) -> Path:
     """Score against KV budget, one panel per entry of `panels` ({panel: (series, levels)}): each series a line
     over `budgets` (fractions, drawn as percents), each level (a mode without a budget, e.g. full attention)
     a dashed horizontal line."""
@@ -242,7 +278,7 @@ def budget_panels(path: str | os.PathLike, budgets: Sequence[float],
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("KV budget (%)", fontsize=8)
         ax.grid(True, alpha=0.3)
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_axis_off()
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)

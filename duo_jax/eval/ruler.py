@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from duo_jax.chat import is_chat_model
 from duo_jax.data import ruler as data
@@ -36,8 +36,17 @@ from duo_jax.data.haystack import EVALUATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.modes import warn_if_calibrated_on
-from duo_jax.eval.samples import (PredictionStore, Settings, budget_panel, generate_sample, make_runs, mean_score,
-                                  protocol_legend, sample_fingerprint, seconds_per_1k_tokens)
+from duo_jax.eval.samples import (
+    PredictionStore,
+    Settings,
+    budget_panel,
+    generate_sample,
+    make_runs,
+    mean_score,
+    protocol_legend,
+    sample_fingerprint,
+    seconds_per_1k_tokens,
+)
 from duo_jax.loading import Model
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
@@ -74,19 +83,32 @@ def check_tasks(tasks: Sequence[str] | None, qa_data: str | Path | None) -> tupl
     notes = []
     if qa_data is None and any(t in data.QA_TASKS for t in tasks):
         skipped = [t for t in tasks if t in data.QA_TASKS]
-        notes.append(f"skipped {', '.join(skipped)}: RULER's QA tasks need SQuAD / HotpotQA, pass --qa-data DIR "
-                     f"({data.GET_QA})")
+        notes.append(
+            f"skipped {', '.join(skipped)}: RULER's QA tasks need SQuAD / HotpotQA, pass --qa-data DIR ({data.GET_QA})"
+        )
         tasks = [t for t in tasks if t not in data.QA_TASKS]
     if not tasks:
         raise DuoJaxError("no RULER task left to run: " + "; ".join(notes))
     return tasks, notes
 
 
-def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DEFAULT_LENGTHS, samples: int = 10,
-              kv_budgets: Sequence[float] | None, settings: Settings, tasks: Sequence[str] | None = None,
-              seed: int = 42, qa_data: str | Path | None = None, chat: bool | None = None,
-              haystack: str = EVALUATION_HAYSTACK, out_dir: str | Path, decode_last: int = 0,
-              progress: bool = True) -> dict:
+def run_ruler(
+    model: Model,
+    modes: Sequence[str],
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    samples: int = 10,
+    kv_budgets: Sequence[float] | None,
+    settings: Settings,
+    tasks: Sequence[str] | None = None,
+    seed: int = 42,
+    qa_data: str | Path | None = None,
+    chat: bool | None = None,
+    haystack: str = EVALUATION_HAYSTACK,
+    out_dir: str | Path,
+    decode_last: int = 0,
+    progress: bool = True,
+) -> dict:
     """Generate and score `samples` samples of every task at every length in every run, resuming from the
     predictions already in `out_dir`; writes the outputs listed in the module docstring."""
     from tqdm.auto import tqdm
@@ -99,8 +121,10 @@ def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DE
     if lengths[0] < 256:
         raise DuoJaxError(f"RULER lengths must be at least 256 tokens, got {lengths[0]}")
     if lengths[-1] > model.config.max_position_embeddings:
-        raise DuoJaxError(f"length {lengths[-1]} exceeds the model's context of "
-                          f"{model.config.max_position_embeddings} tokens: choose shorter --lengths")
+        raise DuoJaxError(
+            f"length {lengths[-1]} exceeds the model's context of "
+            f"{model.config.max_position_embeddings} tokens: choose shorter --lengths"
+        )
     tasks, notes = check_tasks(tasks, qa_data)
     runs = make_runs(modes, kv_budgets, decode_last)
     overlap = warn_if_calibrated_on(haystack, [r.mode for r in runs], settings.pattern, settings.scores)
@@ -108,33 +132,59 @@ def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DE
     out_dir = Path(out_dir)
     start = time.perf_counter()
     prompts = {}
-    with tqdm(total=len(runs) * len(tasks) * len(lengths) * samples, desc="ruler", unit="sample",
-              disable=not progress) as bar:
+    with tqdm(
+        total=len(runs) * len(tasks) * len(lengths) * samples, desc="ruler", unit="sample", disable=not progress
+    ) as bar:
         for length in lengths:
             for task in tasks:
                 bar.set_postfix_str(f"preparing {task} @ {length}")
-                prompts[task, length] = [data.make_sample(task, model.tokenizer, length, i, seed=seed, chat=chat,
-                                                          haystack=haystack, qa_data=qa_data) for i in range(samples)]
+                prompts[task, length] = [
+                    data.make_sample(
+                        task, model.tokenizer, length, i, seed=seed, chat=chat, haystack=haystack, qa_data=qa_data
+                    )
+                    for i in range(samples)
+                ]
                 for run in runs:
                     store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
                     bar.set_postfix_str(f"{run.name} / {task} @ {length}")
                     for sample in prompts[task, length]:
-                        fingerprint = sample_fingerprint(model, run, sample.ids, sample.tokens_to_generate,
-                                                         settings)
+                        fingerprint = sample_fingerprint(model, run, sample.ids, sample.tokens_to_generate, settings)
                         if not store.has(str(sample.index), fingerprint):
                             record = generate_sample(model, run, sample.ids, sample.tokens_to_generate, settings)
-                            record.update(id=str(sample.index), outputs=sample.outputs, length=sample.length,
-                                          fingerprint=fingerprint)
+                            record.update(
+                                id=str(sample.index),
+                                outputs=sample.outputs,
+                                length=sample.length,
+                                fingerprint=fingerprint,
+                            )
                             record["score"] = metric(task)(postprocess(record["pred"]), sample.outputs)
                             store.add(record)
                         bar.update(1)
-    results = dict(runs={}, task="ruler", model=model.config.name, source=model.source, tasks=tasks, notes=notes,
-                   lengths=lengths, samples=samples, seed=seed, chat=chat, haystack=haystack,
-                   calibration_overlap=overlap, kv_budgets=list(kv_budgets or [None]), sparsity=settings.sparsity,
-                   sink=settings.sink, recent=settings.recent, chunk_size=settings.chunk_size,
-                   kv_dtype=settings.kv_dtype, dtype=str(model.params.dtype),
-                   prompts={f"{t}_{n}": [dict(length=s.length, outputs=s.outputs, haystack_size=s.meta["haystack_size"])
-                                         for s in v] for (t, n), v in prompts.items()})
+    results = dict(
+        runs={},
+        task="ruler",
+        model=model.config.name,
+        source=model.source,
+        tasks=tasks,
+        notes=notes,
+        lengths=lengths,
+        samples=samples,
+        seed=seed,
+        chat=chat,
+        haystack=haystack,
+        calibration_overlap=overlap,
+        kv_budgets=list(kv_budgets or [None]),
+        sparsity=settings.sparsity,
+        sink=settings.sink,
+        recent=settings.recent,
+        chunk_size=settings.chunk_size,
+        kv_dtype=settings.kv_dtype,
+        dtype=str(model.params.dtype),
+        prompts={
+            f"{t}_{n}": [dict(length=s.length, outputs=s.outputs, haystack_size=s.meta["haystack_size"]) for s in v]
+            for (t, n), v in prompts.items()
+        },
+    )
     for run in runs:
         scores, records = {}, {}
         for (task, length), group in prompts.items():
@@ -145,11 +195,17 @@ def run_ruler(model: Model, modes: Sequence[str], *, lengths: Sequence[int] = DE
             scores.setdefault(task, {})[length] = mean_score([100 * v for v in values])
             records[f"{task}_{length}"] = done
         average = {n: mean_score([scores[t][n] for t in tasks]) for n in lengths}
-        results["runs"][run.name] = dict(mode=run.mode, kv_budget=run.kv_budget, decode_last=run.decode_last,
-                                         protocol=run.protocol, scores=scores, average=average,
-                                         overall=mean_score(list(average.values())),
-                                         s_per_1k_tokens=seconds_per_1k_tokens(sum(records.values(), [])),
-                                         predictions=records)
+        results["runs"][run.name] = dict(
+            mode=run.mode,
+            kv_budget=run.kv_budget,
+            decode_last=run.decode_last,
+            protocol=run.protocol,
+            scores=scores,
+            average=average,
+            overall=mean_score(list(average.values())),
+            s_per_1k_tokens=seconds_per_1k_tokens(sum(records.values(), [])),
+            predictions=records,
+        )
     results.update(wall_s=time.perf_counter() - start, machine=report.machine_info())
     write_outputs(results, out_dir)
     return results
@@ -159,9 +215,10 @@ def tables(results: dict) -> str:
     """Markdown: the average over tasks per length (RULER's headline) per run, then every task per length."""
     lengths, tasks = results["lengths"], results["tasks"]
     runs = results["runs"]
-    text = report.markdown_table(["run", *[f"avg @ {n}" for n in lengths], "overall", "s / 1k tokens"],
-                                 [[name, *[r["average"][n] for n in lengths], r["overall"], r["s_per_1k_tokens"]]
-                                  for name, r in runs.items()])
+    text = report.markdown_table(
+        ["run", *[f"avg @ {n}" for n in lengths], "overall", "s / 1k tokens"],
+        [[name, *[r["average"][n] for n in lengths], r["overall"], r["s_per_1k_tokens"]] for name, r in runs.items()],
+    )
     rows = [[name, n, *[r["scores"][t][n] for t in tasks]] for n in lengths for name, r in runs.items()]
     text += "\n\n" + report.markdown_table(["run", "length", *tasks], rows)
     text += protocol_legend(runs)

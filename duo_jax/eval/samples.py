@@ -20,8 +20,9 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -63,8 +64,11 @@ def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None, deco
             raise DuoJaxError(f"a KV budget is a fraction in (0, 1] of each prompt's tokens, got {budget}")
     if decode_last < 0:
         raise DuoJaxError(f"decode_last is a number of prompt tokens >= 0, got {decode_last}")
-    return [Run(m, b, decode_last if m in ONE_CHUNK_PREFILL else 0)
-            for m in check_modes(modes) for b in (budgets if m != "full" else [None])]
+    return [
+        Run(m, b, decode_last if m in ONE_CHUNK_PREFILL else 0)
+        for m in check_modes(modes)
+        for b in (budgets if m != "full" else [None])
+    ]
 
 
 @dataclasses.dataclass
@@ -82,25 +86,44 @@ class Settings:
 
 def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Settings):
     """The run's mode built for a prompt of `length` tokens: budget = the run's fraction of the prompt."""
-    return mode_settings(run.mode, model.config, settings.pattern, sparsity=settings.sparsity, sink=settings.sink,
-                         recent=settings.recent, context=length + max_new_tokens,
-                         kv_budget=budget_tokens(run.kv_budget, length), scores=settings.scores,
-                         kv_dtype=settings.kv_dtype)
+    return mode_settings(
+        run.mode,
+        model.config,
+        settings.pattern,
+        sparsity=settings.sparsity,
+        sink=settings.sink,
+        recent=settings.recent,
+        context=length + max_new_tokens,
+        kv_budget=budget_tokens(run.kv_budget, length),
+        scores=settings.scores,
+        kv_dtype=settings.kv_dtype,
+    )
 
 
-def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int,
-                       settings: Settings) -> str:
+def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> str:
     """What a prediction is made from: the model, the prompt ids, the new tokens, the run's protocol and what
     its mode was built with (its pattern / scores only where the mode uses them). A stored prediction with
     another fingerprint is stale (an option or the data changed) and is generated again, never reused."""
     mode = _mode(model, run, len(ids), max_new_tokens, settings)
     digest = hashlib.sha256()
-    digest.update(repr((model.config.name, model.source, max_new_tokens, run.name,
-                        len(ids) if mode.one_chunk_prefill else settings.chunk_size)).encode())
+    digest.update(
+        repr(
+            (
+                model.config.name,
+                model.source,
+                max_new_tokens,
+                run.name,
+                len(ids) if mode.one_chunk_prefill else settings.chunk_size,
+            )
+        ).encode()
+    )
     for key, value in sorted(mode.options):
         digest.update(key.encode())
-        digest.update(np.ascontiguousarray(value.gates, np.float32).tobytes() if isinstance(value, Pattern)
-                      else repr(value).encode())
+        digest.update(
+            np.ascontiguousarray(value.gates, np.float32).tobytes()
+            if isinstance(value, Pattern)
+            else repr(value).encode()
+        )
     digest.update(np.asarray(ids, np.int64).tobytes())
     return digest.hexdigest()[:16]
 
@@ -115,13 +138,28 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
     # Full attention keeps every token whatever the capacity: generate's capacity buckets then let samples of
     # similar lengths share compiled steps. Every other mode gets the capacity its budget was fitted to.
     context = None if run.mode == "full" else length + max_new_tokens
-    out = generate(model, [list(ids)], max_new_tokens=max_new_tokens, context=context, chat=False,
-                   chunk_size=length if mode.one_chunk_prefill else settings.chunk_size,
-                   prompt_tail_steps=run.decode_last, **mode.generate_kwargs())
+    out = generate(
+        model,
+        [list(ids)],
+        max_new_tokens=max_new_tokens,
+        context=context,
+        chat=False,
+        chunk_size=length if mode.one_chunk_prefill else settings.chunk_size,
+        prompt_tail_steps=run.decode_last,
+        **mode.generate_kwargs(),
+    )
     text = out.text[0] if out.text is not None else " ".join(map(str, out.tokens[0]))
-    return dict(pred=text, prompt_tokens=length, new_tokens=len(out.tokens[0]), kv_budget_tokens=mode.kv_budget,
-                prefill_s=out.stats["prefill_s"], decode_s=out.stats["decode_s"], compile_s=out.stats["compile_s"],
-                cache_bytes=out.stats["cache_bytes"], full_cache_bytes=out.stats["full_cache_bytes"])
+    return dict(
+        pred=text,
+        prompt_tokens=length,
+        new_tokens=len(out.tokens[0]),
+        kv_budget_tokens=mode.kv_budget,
+        prefill_s=out.stats["prefill_s"],
+        decode_s=out.stats["decode_s"],
+        compile_s=out.stats["compile_s"],
+        cache_bytes=out.stats["cache_bytes"],
+        full_cache_bytes=out.stats["full_cache_bytes"],
+    )
 
 
 class PredictionStore:

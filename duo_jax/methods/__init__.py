@@ -26,7 +26,7 @@ decorated with `registry.register(name, options=..., summary=...)`, imported bel
 from __future__ import annotations
 
 # The method modules register themselves on import (order: the listing above).
-from duo_jax.methods import duo, streaming_llm, eviction, snapkv, headkv, infinigen  # noqa: F401,I001
+from duo_jax.methods import duo, eviction, headkv, infinigen, snapkv, streaming_llm  # noqa: F401,I001
 from duo_jax.methods.base import Method, Step, cache_nbytes
 from duo_jax.methods.duo import DuoAttention, duo_sparsity_for_budget
 from duo_jax.methods.eviction import H2O, TOVA
@@ -37,5 +37,18 @@ from duo_jax.methods.streaming_llm import StreamingLLM
 METHODS = names()
 QUANTIZED_KV_METHODS = tuple(m for m in METHODS if entry(m).quantized_kv)  # kv_dtype="int8" / "int4" (`duo_jax.quant`)
 
-__all__ = ["H2O", "InfiniGen", "METHODS", "QUANTIZED_KV_METHODS", "TOVA", "DuoAttention", "Method", "Step",
-           "StreamingLLM", "cache_nbytes", "duo_sparsity_for_budget", "entry", "make_method"]
+__all__ = [
+    "H2O",
+    "InfiniGen",
+    "METHODS",
+    "QUANTIZED_KV_METHODS",
+    "TOVA",
+    "DuoAttention",
+    "Method",
+    "Step",
+    "StreamingLLM",
+    "cache_nbytes",
+    "duo_sparsity_for_budget",
+    "entry",
+    "make_method",
+]

@@ -91,14 +91,16 @@ def within_future_window(key_positions: jax.Array, lengths: jax.Array, window: i
     return filled & (key_positions > lengths.reshape(lengths.shape + (1,) * (key_positions.ndim - 1)) - window)
 
 
-def check_windows(method: "Method", windows: tuple[int | None, ...] | None, layer: int, step: Step) -> None:
+def check_windows(method: Method, windows: tuple[int | None, ...] | None, layer: int, step: Step) -> None:
     """DuoJaxError unless the sliding window the engine gives layer `layer` is the one `method` was built for
     (`windows`, from `ModelConfig.layer_windows`; None: no window anywhere): SnapKV's compression after prefill,
     outside the layer loop, selects within the windows it keeps; H2O / TOVA size each layer's cache by it."""
     own = None if windows is None else windows[layer]
     if own != step.sliding_window:
-        raise DuoJaxError(f"method {method.name!r} was built for sliding window {own} on layer {layer} but the "
-                          f"model has {step.sliding_window}: build it with this model's config (make_method)")
+        raise DuoJaxError(
+            f"method {method.name!r} was built for sliding window {own} on layer {layer} but the "
+            f"model has {step.sliding_window}: build it with this model's config (make_method)"
+        )
 
 
 class Method(abc.ABC):
@@ -141,8 +143,15 @@ class Method(abc.ABC):
         """Values all layers of one step share (masks, write slots). Default: nothing."""
         return None
 
-    def prepare(self, layer: int, q: jax.Array, previous_input: jax.Array | None, weights: LayerParams,
-                config: ModelConfig, step: Step) -> dict:
+    def prepare(
+        self,
+        layer: int,
+        q: jax.Array,
+        previous_input: jax.Array | None,
+        weights: LayerParams,
+        config: ModelConfig,
+        step: Step,
+    ) -> dict:
         """The per-layer hook: extra keyword arguments for this layer's `attend`, computed by the engine just
         before it from what the layer loop has in hand: the layer's query q [B, T, H, E] (before RoPE), the
         previous layer's normed attention input [B, T, D] (None at layer 0), this layer's weights (project
@@ -151,8 +160,9 @@ class Method(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, step: Step,
-               shared: Any) -> tuple[jax.Array, LayerCache]:
+    def attend(
+        self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, step: Step, shared: Any
+    ) -> tuple[jax.Array, LayerCache]:
         """Attention of the new tokens for one layer, and that layer's updated cache.
 
         q [B, T, H, E], k / v [B, T, K, E] before RoPE (a method rotates them where it needs to).
@@ -164,7 +174,7 @@ class Method(abc.ABC):
         """Tokens per sequence the cache can hold (prompt + generated); None when unbounded (a ring)."""
         return getattr(self, "capacity", None)
 
-    def after_prefill(self, cache: tuple[LayerCache, ...], lengths: jax.Array) -> tuple["Method", tuple]:
+    def after_prefill(self, cache: tuple[LayerCache, ...], lengths: jax.Array) -> tuple[Method, tuple]:
         """Called once between prefill and decode: the method and cache decoding continues with (a method
         that compresses its cache after prefill, like SnapKV, returns a smaller one). Default: unchanged."""
         return self, cache

@@ -23,8 +23,16 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from duo_jax import attention, sharding
-from duo_jax.cache import (CacheLayout, DuoLayerCache, expected_cache_bytes, init_cache, make_layout,
-                           round_capacity, streaming_slot_positions, streaming_write_slots)
+from duo_jax.cache import (
+    CacheLayout,
+    DuoLayerCache,
+    expected_cache_bytes,
+    init_cache,
+    make_layout,
+    round_capacity,
+    streaming_slot_positions,
+    streaming_write_slots,
+)
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, concat_slots, write_run, write_slots
@@ -93,15 +101,18 @@ def sharded_retrieval_attention(q, k, v, cache_k, cache_v, step: Step):
         local_positions = positions - offset  # slot of each token in this device's slice
         slots = jnp.where(valid & (local_positions >= 0) & (local_positions < size), local_positions, size)
         cache_k, cache_v = write_slots(cache_k, slots, k), write_slots(cache_v, slots, v)
-        spec = attention.MaskSpec(local_positions, jnp.clip(new_lengths - offset, 0, size),
-                                  window=step.sliding_window)
+        spec = attention.MaskSpec(local_positions, jnp.clip(new_lengths - offset, 0, size), window=step.sliding_window)
         out, lse = attention.attend_partial(q, cache_k, cache_v, spec, impl=step.impl)
         return sharding.merge_partials(out, lse, sharding.MODEL), cache_k, cache_v
 
     batch, cache = P(sharding.DATA), P(sharding.DATA, sharding.MODEL)
-    return jax.shard_map(local, mesh=step.mesh, in_specs=(batch, batch, batch, cache, cache, batch, batch, batch),
-                         out_specs=(batch, cache, cache), check_vma=False)(
-        q, k, v, cache_k, cache_v, step.positions, step.valid, step.new_lengths)
+    return jax.shard_map(
+        local,
+        mesh=step.mesh,
+        in_specs=(batch, batch, batch, cache, cache, batch, batch, batch),
+        out_specs=(batch, cache, cache),
+        check_vma=False,
+    )(q, k, v, cache_k, cache_v, step.positions, step.valid, step.new_lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +123,12 @@ class StreamingWindow:
     write_slots: jax.Array  # int32 [B, T]: ring slot of each new token (out of range: not kept)
 
     @classmethod
-    def build(cls, step: Step, sink: int, recent: int) -> "StreamingWindow":
+    def build(cls, step: Step, sink: int, recent: int) -> StreamingWindow:
         # Keys are [cache slots, chunk]. The cache holds only sinks and tokens within `recent` of the
         # chunk start, so "j <= i" over filled slots is exactly the Λ-with-chunk rule.
-        key_positions = jnp.concatenate([streaming_slot_positions(step.lengths, sink, recent),
-                                         jnp.where(step.valid, step.positions, -1)], axis=1)
+        key_positions = jnp.concatenate(
+            [streaming_slot_positions(step.lengths, sink, recent), jnp.where(step.valid, step.positions, -1)], axis=1
+        )
         write = streaming_write_slots(step.positions, step.valid, step.new_lengths, sink, recent)
         return cls(key_positions, write)
 
@@ -160,8 +172,13 @@ class DuoAttention(Method):
 
     def stats(self) -> dict:
         layout = self.layout
-        return dict(retrieval_heads=sum(layout.num_retrieval), kv_heads=layout.num_layers * layout.num_kv_heads,
-                    capacity=layout.capacity, sink=layout.sink, recent=layout.recent)
+        return dict(
+            retrieval_heads=sum(layout.num_retrieval),
+            kv_heads=layout.num_layers * layout.num_kv_heads,
+            capacity=layout.capacity,
+            sink=layout.sink,
+            recent=layout.recent,
+        )
 
     def cache_partition(self) -> tuple[DuoLayerCache, ...]:
         """Batch over `data`; retrieval slots over `model`, streaming partition replicated over it."""
@@ -169,11 +186,14 @@ class DuoAttention(Method):
         return tuple(DuoLayerCache(retrieval, retrieval, streaming, streaming) for _ in self.layout.num_retrieval)
 
     def begin_step(self, step: Step) -> DuoShared:
-        return DuoShared(jnp.where(step.valid, step.positions, self.layout.capacity),
-                         StreamingWindow.build(step, self.layout.sink, self.layout.recent))
+        return DuoShared(
+            jnp.where(step.valid, step.positions, self.layout.capacity),
+            StreamingWindow.build(step, self.layout.sink, self.layout.recent),
+        )
 
-    def attend_partitions(self, q, qs, ks, vs, rk, rv, retrieval, streaming_k, streaming_v, step: Step,
-                          shared: DuoShared):
+    def attend_partitions(
+        self, q, qs, ks, vs, rk, rv, retrieval, streaming_k, streaming_v, step: Step, shared: DuoShared
+    ):
         """Both partitions' attention once the retrieval cache rk / rv holds the new tokens: q [B, T, H, E] in the
         caches' head order, qs / ks / vs its streaming heads' part and the new tokens' keys and values there,
         `retrieval()` the retrieval heads' output. Returns (output [B, T, H, E] in the caches' head order, the
@@ -181,11 +201,15 @@ class DuoAttention(Method):
         (`attention.duo_decode`), the ring written after it."""
         if step.is_decode and step.mesh is None and step.sliding_window is None:
             ring_lengths = jnp.minimum(step.lengths, self.layout.sink + self.layout.recent)
-            out = attention.duo_decode(q, rk, rv, step.new_lengths, streaming_k, streaming_v, ring_lengths, ks, vs,
-                                       impl=step.impl)
+            out = attention.duo_decode(
+                q, rk, rv, step.new_lengths, streaming_k, streaming_v, ring_lengths, ks, vs, impl=step.impl
+            )
             if out is not None:
-                return (out, write_slots(streaming_k, shared.window.write_slots, ks),
-                        write_slots(streaming_v, shared.window.write_slots, vs))
+                return (
+                    out,
+                    write_slots(streaming_k, shared.window.write_slots, ks),
+                    write_slots(streaming_v, shared.window.write_slots, vs),
+                )
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, streaming_k, streaming_v, step)
         return jnp.concatenate([retrieval(), out_s], axis=2), sk, sv
 
@@ -211,8 +235,9 @@ class DuoAttention(Method):
                 rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
                 rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
             retrieval = lambda: retrieval_attention(qr, rk, rv, step) if n else qr  # noqa: E731
-        out, sk, sv = self.attend_partitions(q, qs, ks, vs, rk, rv, retrieval, cache.streaming_k,
-                                             cache.streaming_v, step, shared)
+        out, sk, sv = self.attend_partitions(
+            q, qs, ks, vs, rk, rv, retrieval, cache.streaming_k, cache.streaming_v, step, shared
+        )
         out = model_order(self.layout, layer, out)
         return (out if rotation is None else rotate(out, rotation.T)), DuoLayerCache(rk, rv, sk, sv)
 
@@ -231,8 +256,18 @@ def fit_window(budget: int, sink: int, recent: int) -> tuple[int, int]:
     return int(sink * scale), max(1, int(recent * scale))
 
 
-def duo_budget(config: ModelConfig, kv_budget: int, *, context: int, sink: int, recent: int, sparsity: float,
-               pattern=None, fitted: bool = True, **inputs) -> dict:
+def duo_budget(
+    config: ModelConfig,
+    kv_budget: int,
+    *,
+    context: int,
+    sink: int,
+    recent: int,
+    sparsity: float,
+    pattern=None,
+    fitted: bool = True,
+    **inputs,
+) -> dict:
     """duo at a budget: its window fitted to the budget (`fit_window`) and the sparsity that meets it
     (`duo_sparsity_for_budget`); unfitted (the budget is duo's own), the given sparsity and window."""
     if fitted:
@@ -241,11 +276,25 @@ def duo_budget(config: ModelConfig, kv_budget: int, *, context: int, sink: int, 
     return dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent)
 
 
-@register("duo", options=("pattern", "sparsity", "sink", "recent", "kv_budget"), takes_pattern=True,
-          budget=duo_budget, quantized_kv=True,
-          summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent")
-def make_duo(config: ModelConfig, *, context: int, pattern=None, sparsity: float = 0.5, sink: int = 64,
-             recent: int = 256, kv_budget: int | None = None, kv_dtype: str | None = None) -> DuoAttention:
+@register(
+    "duo",
+    options=("pattern", "sparsity", "sink", "recent", "kv_budget"),
+    takes_pattern=True,
+    budget=duo_budget,
+    quantized_kv=True,
+    summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent",
+)
+def make_duo(
+    config: ModelConfig,
+    *,
+    context: int,
+    pattern=None,
+    sparsity: float = 0.5,
+    sink: int = 64,
+    recent: int = 256,
+    kv_budget: int | None = None,
+    kv_dtype: str | None = None,
+) -> DuoAttention:
     """`pattern` (a `Pattern` validated against the model) binarised at `sparsity`; with `kv_budget` (average
     tokens per KV head at `context`), the sparsity whose mix r * C + (1 - r) * (sink + recent) meets it (C:
     `context` rounded up to the capacity block) instead."""
@@ -253,8 +302,11 @@ def make_duo(config: ModelConfig, *, context: int, pattern=None, sparsity: float
         raise DuoJaxError("method 'duo' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
     if kv_budget is not None:
         sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
-    return DuoAttention(make_layout(config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent,
-                                    context=context, kv_dtype=kv_dtype))
+    return DuoAttention(
+        make_layout(
+            config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent, context=context, kv_dtype=kv_dtype
+        )
+    )
 
 
 def num_retrieval_heads(config: ModelConfig, sparsity: float) -> int:

@@ -48,8 +48,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, check_windows
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rotary
-from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
-                           rotate)
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
 
 
 @jax.tree_util.register_dataclass
@@ -99,8 +98,9 @@ class _Eviction(Method):
         return batch * self.num_kv_heads * sum(map(self.slots, range(self.num_layers))) * per_slot
 
     @abc.abstractmethod
-    def priority(self, positions: jax.Array, scores: jax.Array, newest_probs: Callable[[], jax.Array],
-                 step: Step) -> jax.Array:
+    def priority(
+        self, positions: jax.Array, scores: jax.Array, newest_probs: Callable[[], jax.Array], step: Step
+    ) -> jax.Array:
         """Keep priority [B, K, N + T] of each candidate (higher is kept first). positions [B, K, N + T]
         (-1: empty), scores: H2O's accumulated attention, newest_probs() -> [B, K, G, N + T]: the attention
         of this step's newest real query (computed only when called)."""
@@ -124,9 +124,15 @@ class _Eviction(Method):
         positions = jnp.concatenate([cache.positions, new_positions], axis=2)
         dense_keys, dense_values = dequantize(keys), dequantize(values)
         # Causal, within the layer's window; over query blocks, so a whole-prompt chunk never holds [T, N + T].
-        out, received = attention_received(q, dense_keys, dense_values, step.positions,
-                                           lambda queries: step.sees(positions, queries),
-                                           step.valid.astype(jnp.float32), block=max(1, self.query_rows // B))
+        out, received = attention_received(
+            q,
+            dense_keys,
+            dense_values,
+            step.positions,
+            lambda queries: step.sees(positions, queries),
+            step.valid.astype(jnp.float32),
+            block=max(1, self.query_rows // B),
+        )
         if rotation is not None:
             out = rotate(out, rotation.T)
 
@@ -138,16 +144,19 @@ class _Eviction(Method):
 
         scores = jnp.concatenate([cache.scores, jnp.zeros((B, K, T), jnp.float32)], axis=2) + received
         # Empty slots and the tokens out of every future query's window go first (and are dropped below).
-        priority = jnp.where(step.still_visible(positions),
-                             self.priority(positions, scores, newest_probs, step), -jnp.inf)
+        priority = jnp.where(
+            step.still_visible(positions), self.priority(positions, scores, newest_probs, step), -jnp.inf
+        )
         kept_priority, kept = jax.lax.top_k(priority, self.slots(layer))  # [B, K, N]
 
         def take(x):  # codes and scales alike for a quantized cache
-            return jax.tree.map(lambda a: jnp.take_along_axis(a, kept.reshape(kept.shape + (1,) * (a.ndim - 3)),
-                                                              axis=2), x)
+            return jax.tree.map(
+                lambda a: jnp.take_along_axis(a, kept.reshape(kept.shape + (1,) * (a.ndim - 3)), axis=2), x
+            )
 
-        return out, EvictionLayerCache(take(keys), take(values),
-                                       jnp.where(kept_priority > -jnp.inf, take(positions), -1), take(scores))
+        return out, EvictionLayerCache(
+            take(keys), take(values), jnp.where(kept_priority > -jnp.inf, take(positions), -1), take(scores)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,24 +182,48 @@ class TOVA(_Eviction):
         return jnp.broadcast_to(jnp.mean(newest_probs(), axis=(1, 2))[:, None], positions.shape)
 
 
-@register("h2o", options=("kv_budget", "recent"), budget=kv_budget_only, quantized_kv=True,
-          summary="H2O: heavy hitters by accumulated attention + the recent newest tokens, kv_budget per head")
-def make_h2o(config: ModelConfig, *, context: int, kv_budget: int | None = None, recent: int | None = None,
-             kv_dtype: str | None = None) -> H2O:
+@register(
+    "h2o",
+    options=("kv_budget", "recent"),
+    budget=kv_budget_only,
+    quantized_kv=True,
+    summary="H2O: heavy hitters by accumulated attention + the recent newest tokens, kv_budget per head",
+)
+def make_h2o(
+    config: ModelConfig,
+    *,
+    context: int,
+    kv_budget: int | None = None,
+    recent: int | None = None,
+    kv_dtype: str | None = None,
+) -> H2O:
     """`recent` defaults to kv_budget // 2 (the paper's equal split)."""
     if kv_budget is None:
         raise DuoJaxError("method 'h2o' needs kv_budget (tokens kept per KV head)")
     recent = int(kv_budget) // 2 if recent is None else recent
     if not 0 <= recent <= kv_budget:
         raise DuoJaxError(f"h2o's recent window must lie in [0, kv_budget={kv_budget}], got {recent}")
-    return H2O(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype,
-               config.layer_windows(), recent=recent)
+    return H2O(
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        int(kv_budget),
+        kv_dtype,
+        config.layer_windows(),
+        recent=recent,
+    )
 
 
-@register("tova", options=("kv_budget",), budget=kv_budget_only, quantized_kv=True,
-          summary="TOVA: the tokens the newest query attends to most (layer-wide), kv_budget per head")
+@register(
+    "tova",
+    options=("kv_budget",),
+    budget=kv_budget_only,
+    quantized_kv=True,
+    summary="TOVA: the tokens the newest query attends to most (layer-wide), kv_budget per head",
+)
 def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None, kv_dtype: str | None = None) -> TOVA:
     if kv_budget is None:
         raise DuoJaxError("method 'tova' needs kv_budget (tokens kept per KV head)")
-    return TOVA(config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype,
-                config.layer_windows())
+    return TOVA(
+        config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype, config.layer_windows()
+    )

@@ -44,12 +44,21 @@ from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacit
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, check_windows, write_slots
-from duo_jax.methods.duo import (DuoAttention, StreamingWindow, fit_window, merge_heads, num_retrieval_heads,
-                                 split_heads)
+from duo_jax.methods.duo import DuoAttention, StreamingWindow, fit_window, merge_heads, num_retrieval_heads, split_heads
 from duo_jax.methods.registry import register
-from duo_jax.methods.snapkv import (CompressedLayerCache, CompressedShared, SnapKV, base_budget, compress_layer,
-                                    check_selection, compressed_attention, compressed_nbytes, decode_shape,
-                                    empty_compressed, kv_array)
+from duo_jax.methods.snapkv import (
+    CompressedLayerCache,
+    CompressedShared,
+    SnapKV,
+    base_budget,
+    check_selection,
+    compress_layer,
+    compressed_attention,
+    compressed_nbytes,
+    decode_shape,
+    empty_compressed,
+    kv_array,
+)
 from duo_jax.model import apply_rotary
 from duo_jax.pattern import Pattern
 from duo_jax.quant import kv_bytes_per_vector, kv_rotation, rotate
@@ -71,8 +80,10 @@ def headkv_budgets(scores, base: int, beta: float) -> np.ndarray:
 def _score_grid(config: ModelConfig, scores: Pattern | np.ndarray) -> np.ndarray:
     grid = scores.gates if isinstance(scores, Pattern) else np.asarray(scores)
     if grid.shape != (config.num_layers, config.num_kv_heads):
-        raise DuoJaxError(f"head scores have shape {'x'.join(map(str, grid.shape))} but the model has "
-                          f"{config.num_layers}x{config.num_kv_heads} (layers x kv_heads)")
+        raise DuoJaxError(
+            f"head scores have shape {'x'.join(map(str, grid.shape))} but the model has "
+            f"{config.num_layers}x{config.num_kv_heads} (layers x kv_heads)"
+        )
     return grid
 
 
@@ -80,8 +91,18 @@ def headkv_budget(config: ModelConfig, kv_budget: int, *, scores=None, **inputs)
     return dict(kv_budget=kv_budget, scores=scores)
 
 
-def duo_headkv_budget(config: ModelConfig, kv_budget: int, *, sink: int, recent: int, sparsity: float,
-                      pattern=None, scores=None, fitted: bool = True, **inputs) -> dict:
+def duo_headkv_budget(
+    config: ModelConfig,
+    kv_budget: int,
+    *,
+    sink: int,
+    recent: int,
+    sparsity: float,
+    pattern=None,
+    scores=None,
+    fitted: bool = True,
+    **inputs,
+) -> dict:
     """The pattern at `sparsity`, duo's window on the streaming heads (fitted to the budget as duo's), and the
     rest of N * budget shared by the R retrieval heads: (N * budget - (N - R) * window) / R tokens each."""
     if fitted:
@@ -90,25 +111,49 @@ def duo_headkv_budget(config: ModelConfig, kv_budget: int, *, sink: int, recent:
     retrieval = num_retrieval_heads(config, sparsity)
     per_retrieval = (heads * kv_budget - (heads - retrieval) * (sink + recent)) // max(retrieval, 1)
     if retrieval == 0 or per_retrieval < 1:
-        raise DuoJaxError(f"duo_headkv at sparsity {sparsity} with a window of {sink + recent} cannot meet a "
-                          f"budget of {kv_budget} tokens per head: lower the sparsity or the window")
-    return dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent,
-                scores=scores, kv_budget=per_retrieval)
+        raise DuoJaxError(
+            f"duo_headkv at sparsity {sparsity} with a window of {sink + recent} cannot meet a "
+            f"budget of {kv_budget} tokens per head: lower the sparsity or the window"
+        )
+    return dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent, scores=scores, kv_budget=per_retrieval)
 
 
-@register("headkv", options=("kv_budget", "scores", "beta", "window", "kernel", "pooling"), budget=headkv_budget,
-          quantized_kv=True,
-          summary="HeadKV: SnapKV with per-head budgets from head scores (scores=PATH, 'default' or a Pattern)")
-def make_headkv(config: ModelConfig, *, context: int, scores=None, kv_budget: int | None = None,
-                beta: float = 1.2, window: int = 8, kernel: int = 7, pooling: str = "max",
-                kv_dtype: str | None = None) -> SnapKV:
+@register(
+    "headkv",
+    options=("kv_budget", "scores", "beta", "window", "kernel", "pooling"),
+    budget=headkv_budget,
+    quantized_kv=True,
+    summary="HeadKV: SnapKV with per-head budgets from head scores (scores=PATH, 'default' or a Pattern)",
+)
+def make_headkv(
+    config: ModelConfig,
+    *,
+    context: int,
+    scores=None,
+    kv_budget: int | None = None,
+    beta: float = 1.2,
+    window: int = 8,
+    kernel: int = 7,
+    pooling: str = "max",
+    kv_dtype: str | None = None,
+) -> SnapKV:
     """HeadKV with `kv_budget` tokens per KV head on average (window included) shared out by `scores`
     ([layers, kv_heads]: a `Pattern` from `duo_jax.head_scores.score_heads`, a path to one, or 'default')."""
     scores = _required_scores(scores, config, "headkv")
     budgets = headkv_budgets(_score_grid(config, scores), base_budget(kv_budget, window), beta)
-    return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context),
-                  tuple(map(tuple, budgets.tolist())), window, kernel, pooling, name="headkv", kv_dtype=kv_dtype,
-                  windows=config.layer_windows())
+    return SnapKV(
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        round_capacity(context),
+        tuple(map(tuple, budgets.tolist())),
+        window,
+        kernel,
+        pooling,
+        name="headkv",
+        kv_dtype=kv_dtype,
+        windows=config.layer_windows(),
+    )
 
 
 # --- DuoAttention with HeadKV inside its retrieval heads ------------------------------------------------
@@ -142,21 +187,30 @@ class DuoCompressedKV(Method):
     def init_cache(self, batch: int, dtype) -> tuple[DuoCompressedLayerCache, ...]:
         E, K, kv_dtype = self.layout.head_dim, self.layout.num_kv_heads, self.layout.kv_dtype
         streaming = lambda n: kv_array((batch, self.layout.streaming_slots, K - n, E), dtype, kv_dtype)  # noqa: E731
-        return tuple(DuoCompressedLayerCache(empty_compressed(batch, slots, self.room, E, dtype, kv_dtype),
-                                             streaming(n), streaming(n))
-                     for slots, n in zip(self.head_slots, self.layout.num_retrieval))
+        return tuple(
+            DuoCompressedLayerCache(
+                empty_compressed(batch, slots, self.room, E, dtype, kv_dtype), streaming(n), streaming(n)
+            )
+            for slots, n in zip(self.head_slots, self.layout.num_retrieval)
+        )
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        E, K, S, kv_dtype = (self.layout.head_dim, self.layout.num_kv_heads, self.layout.streaming_slots,
-                             self.layout.kv_dtype)
+        E, K, S, kv_dtype = (
+            self.layout.head_dim,
+            self.layout.num_kv_heads,
+            self.layout.streaming_slots,
+            self.layout.kv_dtype,
+        )
         vector = kv_bytes_per_vector(E, kv_dtype, bytes_per_elem)
-        return sum(compressed_nbytes(batch, slots, self.room, E, bytes_per_elem, kv_dtype)
-                   + batch * 2 * (K - n) * S * vector
-                   for slots, n in zip(self.head_slots, self.layout.num_retrieval))
+        return sum(
+            compressed_nbytes(batch, slots, self.room, E, bytes_per_elem, kv_dtype) + batch * 2 * (K - n) * S * vector
+            for slots, n in zip(self.head_slots, self.layout.num_retrieval)
+        )
 
     def begin_step(self, step: Step):
-        return CompressedShared.build(step, self.room), StreamingWindow.build(step, self.layout.sink,
-                                                                              self.layout.recent)
+        return CompressedShared.build(step, self.room), StreamingWindow.build(
+            step, self.layout.sink, self.layout.recent
+        )
 
     def attend(self, layer, q, k, v, cache: DuoCompressedLayerCache, step: Step, shared):
         retrieval_shared, window = shared
@@ -167,8 +221,9 @@ class DuoCompressedKV(Method):
         (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
         out_r, retrieval = qr, cache.retrieval
         if kr.shape[2]:
-            out_r, retrieval = compressed_attention(qr, kr, vr, retrieval, self.head_slots[layer], step,
-                                                    retrieval_shared)
+            out_r, retrieval = compressed_attention(
+                qr, kr, vr, retrieval, self.head_slots[layer], step, retrieval_shared
+            )
         out_s, sk, sv = window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
         out = merge_heads(self.layout, layer, out_r, out_s)
         return (out if rotation is None else rotate(out, rotation.T)), DuoCompressedLayerCache(retrieval, sk, sv)
@@ -211,8 +266,10 @@ class DuoHeadKV(Method):
 
     def init_cache(self, batch: int, dtype) -> tuple[DuoPrefillLayerCache, ...]:
         G, E = self.num_heads // self.layout.num_kv_heads, self.layout.head_dim
-        return tuple(DuoPrefillLayerCache(layer, jnp.zeros((batch, self.window, n * G, E), dtype))
-                     for layer, n in zip(self.duo.init_cache(batch, dtype), self.layout.num_retrieval))
+        return tuple(
+            DuoPrefillLayerCache(layer, jnp.zeros((batch, self.window, n * G, E), dtype))
+            for layer, n in zip(self.duo.init_cache(batch, dtype), self.layout.num_retrieval)
+        )
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         G = self.num_heads // self.layout.num_kv_heads
@@ -244,8 +301,9 @@ class DuoHeadKV(Method):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _compress_retrieval(method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple[DuoPrefillLayerCache, ...],
-                        lengths: jax.Array):
+def _compress_retrieval(
+    method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple[DuoPrefillLayerCache, ...], lengths: jax.Array
+):
     """The retrieval heads' full caches -> their kept tokens; the streaming caches carry over."""
     empty = decode.init_cache(lengths.shape[0], cache[0].queries.dtype)  # the model's dtype
     out = []
@@ -253,20 +311,46 @@ def _compress_retrieval(method: DuoHeadKV, decode: DuoCompressedKV, cache: tuple
     for layer, new, slots, sliding_window in zip(cache, empty, decode.head_slots, windows):
         retrieval = new.retrieval
         if slots:
-            retrieval = compress_layer(layer.queries, layer.duo.retrieval_k, layer.duo.retrieval_v, lengths,
-                                       retrieval, slots, window=method.window, kernel=method.kernel,
-                                       pooling=method.pooling, sliding_window=sliding_window)
+            retrieval = compress_layer(
+                layer.queries,
+                layer.duo.retrieval_k,
+                layer.duo.retrieval_v,
+                lengths,
+                retrieval,
+                slots,
+                window=method.window,
+                kernel=method.kernel,
+                pooling=method.pooling,
+                sliding_window=sliding_window,
+            )
         out.append(DuoCompressedLayerCache(retrieval, layer.duo.streaming_k, layer.duo.streaming_v))
     return tuple(out)
 
 
-@register("duo_headkv", options=("pattern", "sparsity", "sink", "recent", "scores", "kv_budget", "beta", "window",
-                               "kernel", "pooling"), takes_pattern=True, budget=duo_headkv_budget, quantized_kv=True,
-          summary="duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head)")
-def make_duo_headkv(config: ModelConfig, *, context: int, pattern: Pattern | None = None, sparsity: float = 0.5,
-                    scores=None, kv_budget: int | None = None, beta: float = 1.2, sink: int = 64,
-                    recent: int = 256, window: int = 8, kernel: int = 7, pooling: str = "max",
-                    kv_dtype: str | None = None) -> DuoHeadKV:
+@register(
+    "duo_headkv",
+    options=("pattern", "sparsity", "sink", "recent", "scores", "kv_budget", "beta", "window", "kernel", "pooling"),
+    takes_pattern=True,
+    budget=duo_headkv_budget,
+    quantized_kv=True,
+    summary="duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head)",
+)
+def make_duo_headkv(
+    config: ModelConfig,
+    *,
+    context: int,
+    pattern: Pattern | None = None,
+    sparsity: float = 0.5,
+    scores=None,
+    kv_budget: int | None = None,
+    beta: float = 1.2,
+    sink: int = 64,
+    recent: int = 256,
+    window: int = 8,
+    kernel: int = 7,
+    pooling: str = "max",
+    kv_dtype: str | None = None,
+) -> DuoHeadKV:
     """DuoAttention (`pattern` binarised at `sparsity`, streaming heads `sink` + `recent`) whose retrieval heads
     keep `kv_budget` tokens each on average (window included), shared out among the retrieval heads by their
     HeadKV `scores` (the formula of `headkv_budgets` over the retrieval heads only); `kv_dtype` "int8" / "int4"
@@ -291,8 +375,10 @@ def resolve_scores(scores, config: ModelConfig) -> Pattern | None:
     elif str(scores) == "default":
         resolved = Pattern.for_model(config.name, key="scores")
         if resolved is None:
-            raise DuoJaxError(f"model {config.name!r} ships no HeadKV head scores; write them with "
-                              "python -m duo_jax.head_scores and pass --scores PATH")
+            raise DuoJaxError(
+                f"model {config.name!r} ships no HeadKV head scores; write them with "
+                "python -m duo_jax.head_scores and pass --scores PATH"
+            )
     else:
         resolved = Pattern.load(scores)
     if resolved is not None:
@@ -305,6 +391,8 @@ def _required_scores(scores, config: ModelConfig, name: str):
         return scores
     resolved = resolve_scores(scores, config)
     if resolved is None:
-        raise DuoJaxError(f"method {name!r} needs head scores: scores=PATH (written by python -m "
-                          "duo_jax.head_scores), 'default' (the model's shipped ones) or a Pattern")
+        raise DuoJaxError(
+            f"method {name!r} needs head scores: scores=PATH (written by python -m "
+            "duo_jax.head_scores), 'default' (the model's shipped ones) or a Pattern"
+        )
     return resolved

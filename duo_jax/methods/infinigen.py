@@ -95,17 +95,26 @@ from duo_jax.data.haystack import CALIBRATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.registry import kv_budget_only, register
-from duo_jax.model import (Params, apply_rotary, decoder_layer, embed, layer_at, project_qkv, rope_inv_freq, rotary,
-                           weights_memo)
-from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
-                           rotate)
+from duo_jax.model import (
+    Params,
+    apply_rotary,
+    decoder_layer,
+    embed,
+    layer_at,
+    project_qkv,
+    rope_inv_freq,
+    rotary,
+    weights_memo,
+)
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_offload_supported() -> bool:
     """Whether the default device has a `pinned_host` memory and runs host computations (compute_on)."""
     try:
         import jax.experimental.compute_on  # noqa: F401  (the import is the check)
+
         kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
     except Exception:  # noqa: BLE001 - a backend without memory kinds
         return False
@@ -138,14 +147,14 @@ def _layer_qk(params: Params, config: ModelConfig, tokens) -> list[tuple[np.ndar
     x = embed(params, tokens)
     out = []
     for l in range(config.num_layers):
-        x, (q, k) = decoder_layer(x, layer_at(params, l), config,
-                                  functools.partial(attend, window=config.layer_window(l)))
+        x, (q, k) = decoder_layer(
+            x, layer_at(params, l), config, functools.partial(attend, window=config.layer_window(l))
+        )
         out.append((np.asarray(q, np.float32), np.asarray(k, np.float32)))
     return out
 
 
-def skew(params: Params, config: ModelConfig, sample_tokens, *, partial_ratio: float = 0.2,
-         channel_rule: str = "qk"):
+def skew(params: Params, config: ModelConfig, sample_tokens, *, partial_ratio: float = 0.2, channel_rule: str = "qk"):
     """(A float32 [L, K, E, E], channel mask bool [L, K, E]) from the dense model on `sample_tokens`.
 
     A[l, k] = V of the SVD of the group's stacked rotated queries Q [T*G, E] (float64). With c =
@@ -162,7 +171,7 @@ def skew(params: Params, config: ModelConfig, sample_tokens, *, partial_ratio: f
     mask = np.zeros((L, K, E), bool)
     for l, (q, k) in enumerate(_layer_qk(params, config, sample_tokens)):
         for h in range(K):
-            Q = q[:, h * G:(h + 1) * G].reshape(-1, E).astype(np.float64)
+            Q = q[:, h * G : (h + 1) * G].reshape(-1, E).astype(np.float64)
             _, _, vt = np.linalg.svd(Q, full_matrices=Q.shape[0] < E)
             A[l, h] = vt.T
             mask[l, h, top(Q @ vt.T)] = True
@@ -171,15 +180,24 @@ def skew(params: Params, config: ModelConfig, sample_tokens, *, partial_ratio: f
     return A, mask
 
 
-def skew_on_text(params: Params, config: ModelConfig, tokenizer, *, sample_length: int = 512,
-                 partial_ratio: float = 0.2, channel_rule: str = "qk"):
+def skew_on_text(
+    params: Params,
+    config: ModelConfig,
+    tokenizer,
+    *,
+    sample_length: int = 512,
+    partial_ratio: float = 0.2,
+    channel_rule: str = "qk",
+):
     """`skew` on the first `sample_length` tokens of the calibration half of the Paul Graham essays
     (`duo_jax.data.haystack.CALIBRATION_HAYSTACK`, disjoint from the text evaluations run on)."""
     from duo_jax.data.haystack import CALIBRATION_HAYSTACK, haystack_tokens
 
     if tokenizer is None:
-        raise DuoJaxError("InfiniGen calibrates on text and needs the model's tokenizer; without one, build it "
-                          "with InfiniGen.calibrate(params, config, sample_tokens, ...)")
+        raise DuoJaxError(
+            "InfiniGen calibrates on text and needs the model's tokenizer; without one, build it "
+            "with InfiniGen.calibrate(params, config, sample_tokens, ...)"
+        )
     tokens = np.asarray(haystack_tokens(tokenizer, CALIBRATION_HAYSTACK, sample_length), np.int32)
     return skew(params, config, tokens, partial_ratio=partial_ratio, channel_rule=channel_rule)
 
@@ -229,7 +247,7 @@ class InfiniGen(Method):
             raise DuoJaxError("InfiniGen skew data does not match its shapes")
         if not 0 <= self.dense_layers <= L:
             raise DuoJaxError(f"dense_layers must lie in [0, {L}] (the model's layers), got {self.dense_layers}")
-        if not self.channel_mask[self.dense_layers:].any(axis=-1).all():
+        if not self.channel_mask[self.dense_layers :].any(axis=-1).all():
             raise DuoJaxError("every head of a speculating layer needs at least one partial channel")
         object.__setattr__(self, "widths", _widths(self.channel_mask, self.dense_layers))
         if self.offload not in ("auto", "host", "device"):
@@ -243,19 +261,37 @@ class InfiniGen(Method):
     # --- construction -------------------------------------------------------------------------------
 
     @classmethod
-    def from_skew(cls, A: np.ndarray, channel_mask: np.ndarray, *, context: int, kv_budget: int,
-                  **options) -> "InfiniGen":
+    def from_skew(
+        cls, A: np.ndarray, channel_mask: np.ndarray, *, context: int, kv_budget: int, **options
+    ) -> InfiniGen:
         """From `skew`'s output; `options`: alpha, offload, lookahead, dense_layers, kv_dtype."""
         A, channel_mask = np.asarray(A, np.float32), np.asarray(channel_mask, bool)
         if channel_mask.shape != A.shape[:-1]:
             raise DuoJaxError(f"channel mask {channel_mask.shape} does not match skew matrices {A.shape}")
         L, K, E, _ = A.shape
-        return cls(L, K, E, round_capacity(context), int(kv_budget),
-                   InfiniGenState(jnp.asarray(A), jnp.asarray(channel_mask)), **options)
+        return cls(
+            L,
+            K,
+            E,
+            round_capacity(context),
+            int(kv_budget),
+            InfiniGenState(jnp.asarray(A), jnp.asarray(channel_mask)),
+            **options,
+        )
 
     @classmethod
-    def calibrate(cls, params: Params, config: ModelConfig, sample_tokens, *, context: int, kv_budget: int,
-                  partial_ratio: float = 0.2, channel_rule: str = "qk", **options) -> "InfiniGen":
+    def calibrate(
+        cls,
+        params: Params,
+        config: ModelConfig,
+        sample_tokens,
+        *,
+        context: int,
+        kv_budget: int,
+        partial_ratio: float = 0.2,
+        channel_rule: str = "qk",
+        **options,
+    ) -> InfiniGen:
         """Skew on `sample_tokens` (`params` in either layout) and build the method."""
         A, mask = skew(params, config, sample_tokens, partial_ratio=partial_ratio, channel_rule=channel_rule)
         return cls.from_skew(A, mask, context=context, kv_budget=kv_budget, **options)
@@ -280,13 +316,15 @@ class InfiniGen(Method):
 
     def init_cache(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
         full = (batch, self.capacity, self.num_kv_heads, self.head_dim)
-        place = ((lambda x: jax.device_put(x, jax.memory.Space.Host)) if self.host_offload else (lambda x: x))
+        place = (lambda x: jax.device_put(x, jax.memory.Space.Host)) if self.host_offload else (lambda x: x)
+
         def zeros():  # the full K or V: in the model's dtype, or quantized
             return jnp.zeros(full, dtype) if self.kv_dtype is None else kv_zeros(full, self.kv_dtype, dtype)
 
-        return tuple(InfiniGenLayerCache(place(zeros()), place(zeros()),
-                                         jnp.zeros(full[:3] + (self.widths[l],), dtype))
-                     for l in range(self.num_layers))
+        return tuple(
+            InfiniGenLayerCache(place(zeros()), place(zeros()), jnp.zeros(full[:3] + (self.widths[l],), dtype))
+            for l in range(self.num_layers)
+        )
 
     def cache_spec(self, batch: int, dtype) -> tuple[InfiniGenLayerCache, ...]:
         if not self.host_offload:
@@ -300,14 +338,19 @@ class InfiniGen(Method):
         `duo_jax.quant.kv_bytes_per_vector`: E * bytes, or codes + scale) plus the partial keys (W_l channels in the
         model's dtype, 0 on a dense layer)."""
         vector = kv_bytes_per_vector(self.head_dim, self.kv_dtype, bytes_per_elem)
-        return (batch * self.capacity * self.num_kv_heads
-                * (2 * vector * self.num_layers + sum(self.widths) * bytes_per_elem))
+        return (
+            batch
+            * self.capacity
+            * self.num_kv_heads
+            * (2 * vector * self.num_layers + sum(self.widths) * bytes_per_elem)
+        )
 
     # --- host / device helpers ----------------------------------------------------------------------
 
     def _host_write(self, full, rows: jax.Array, new):
         """full [B, C, K, E] with rows (flat row indices [N], out of range: dropped) set to new [..., E] (N rows,
         already in the cache's form: `as_stored`). A quantized cache writes codes and scales alike."""
+
         def write(full, new):  # one array: [B, C, K, W] rows <- [..., W]
             flat = full.reshape(-1, full.shape[-1])
             return flat.at[rows].set(new.reshape(-1, full.shape[-1]), mode="drop").reshape(full.shape)
@@ -315,6 +358,7 @@ class InfiniGen(Method):
         if not self.host_offload:
             return jax.tree.map(write, full, new)
         from jax.experimental.compute_on import compute_on
+
         rows, new = jax.device_put((rows, new), jax.memory.Space.Host)
         with compute_on("device_host"):
             out = jax.tree.map(write, full, new)
@@ -323,12 +367,14 @@ class InfiniGen(Method):
     def _host_gather(self, full, rows: jax.Array) -> jax.Array:
         """Rows [N] (in range) of full [B, C, K, E] as a device array [N, E] in the model's dtype: only these rows
         move (a quantized cache's codes and scales, dequantized on the device)."""
+
         def gather(full):
             return full.reshape(-1, full.shape[-1]).at[rows].get(mode="promise_in_bounds")
 
         if not self.host_offload:
             return dequantize(jax.tree.map(gather, full))
         from jax.experimental.compute_on import compute_on
+
         rows = jax.device_put(rows, jax.memory.Space.Host)
         with compute_on("device_host"):
             picked = jax.tree.map(gather, full)
@@ -344,8 +390,9 @@ class InfiniGen(Method):
         layer l-1's attention input (layer 0: its own query)."""
         if not (self.lookahead and step.is_decode):
             return {}
-        return {"lookahead_q": q if previous_input is None else
-                project_qkv(previous_input, weights, config.rms_norm_eps)[0]}
+        return {
+            "lookahead_q": q if previous_input is None else project_qkv(previous_input, weights, config.rms_norm_eps)[0]
+        }
 
     def attend(self, layer, q, k, v, cache: InfiniGenLayerCache, step: Step, shared, lookahead_q=None):
         B, T, H, E = q.shape
@@ -355,8 +402,11 @@ class InfiniGen(Method):
         index, weight = partial_channels(step.state.channel_mask[layer], self.widths[layer])  # [K, W]
         q = apply_rotary(q, step.rope)
         k = apply_rotary(k, step.rope)
-        skew_q = lambda x: jnp.einsum("btkge,kef->btkgf", x.reshape(B, -1, K, G, E),  # noqa: E731
-                                      A.astype(x.dtype)).reshape(B, -1, H, E)
+        skew_q = lambda x: jnp.einsum(
+            "btkge,kef->btkgf",
+            x.reshape(B, -1, K, G, E),  # noqa: E731
+            A.astype(x.dtype),
+        ).reshape(B, -1, H, E)
         qs = skew_q(q)
         ks = jnp.einsum("btke,kef->btkf", k, A.astype(k.dtype))
         kp = jnp.take_along_axis(ks, index[None, None], axis=-1)  # [B, T, K, W]: the speculation's, unquantized
@@ -387,8 +437,9 @@ class InfiniGen(Method):
         spec = qs if lookahead_q is None else skew_q(apply_rotary(lookahead_q, step.rope))
         qp = jnp.take_along_axis(spec[:, 0].reshape(B, K, G, E), index[None, :, None], axis=-1)
         qp = qp * weight.astype(qp.dtype)[None, :, None]  # [B, K, G, W], padding channels zeroed
-        approx = jnp.einsum("bkgc,bskc->bkgs", qp, cache.partial_k.astype(qp.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(E)
+        approx = jnp.einsum(
+            "bkgc,bskc->bkgs", qp, cache.partial_k.astype(qp.dtype), preferred_element_type=jnp.float32
+        ) / math.sqrt(E)
         # The cached tokens the query sees: every one, or those within the layer's sliding window. Tokens out
         # of the window are never speculated on, counted or fetched.
         slot_positions = jnp.where(jnp.arange(C)[None, :] < step.lengths[:, None], jnp.arange(C)[None, :], -1)
@@ -425,23 +476,47 @@ def partial_channels(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]
     return index, jnp.take_along_axis(mask, index, axis=-1).astype(jnp.float32)
 
 
-@register("infinigen", options=("kv_budget", "alpha", "partial_ratio", "channel_rule", "dense_layers", "offload",
-                                "lookahead"),
-          needs_model=True, budget=kv_budget_only, calibrated_on=CALIBRATION_HAYSTACK, quantized_kv=True,
-          summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
-                  "(calibrated on the calibration essays)")
-def make_infinigen(config: ModelConfig, *, context: int, model, kv_budget: int | None = None,
-                   alpha: float = LLAMA_ALPHA, partial_ratio: float = 0.2, channel_rule: str = "qk",
-                   dense_layers: int = DENSE_LAYERS, offload: str = "auto", lookahead: bool = True,
-                   kv_dtype: str | None = None) -> InfiniGen:
+@register(
+    "infinigen",
+    options=("kv_budget", "alpha", "partial_ratio", "channel_rule", "dense_layers", "offload", "lookahead"),
+    needs_model=True,
+    budget=kv_budget_only,
+    calibrated_on=CALIBRATION_HAYSTACK,
+    quantized_kv=True,
+    summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
+    "(calibrated on the calibration essays)",
+)
+def make_infinigen(
+    config: ModelConfig,
+    *,
+    context: int,
+    model,
+    kv_budget: int | None = None,
+    alpha: float = LLAMA_ALPHA,
+    partial_ratio: float = 0.2,
+    channel_rule: str = "qk",
+    dense_layers: int = DENSE_LAYERS,
+    offload: str = "auto",
+    lookahead: bool = True,
+    kv_dtype: str | None = None,
+) -> InfiniGen:
     """InfiniGen for `model` with the authors' Llama rules by default, skewed on a sample of the calibration
     essays (`skew_on_text`, once per set of weights and rules: later builds reuse it); `kv_budget`: tokens
     fetched per KV head and step; `kv_dtype` "int8" / "int4" quantizes the full K / V (not the partial keys)."""
     if kv_budget is None:
         raise DuoJaxError("method 'infinigen' needs a positive kv_budget (tokens fetched per KV head)")
     A, mask = _skew_of(model, partial_ratio, channel_rule)
-    return InfiniGen.from_skew(A, mask, context=context, kv_budget=int(kv_budget), alpha=alpha,
-                               dense_layers=dense_layers, offload=offload, lookahead=lookahead, kv_dtype=kv_dtype)
+    return InfiniGen.from_skew(
+        A,
+        mask,
+        context=context,
+        kv_budget=int(kv_budget),
+        alpha=alpha,
+        dense_layers=dense_layers,
+        offload=offload,
+        lookahead=lookahead,
+        kv_dtype=kv_dtype,
+    )
 
 
 def _skew_of(model, partial_ratio: float, channel_rule: str):
@@ -449,6 +524,7 @@ def _skew_of(model, partial_ratio: float, channel_rule: str):
     memo = weights_memo(model.params)
     key = ("infinigen skew", id(model.tokenizer), float(partial_ratio), channel_rule)
     if key not in memo:
-        memo[key] = skew_on_text(model.params, model.config, model.tokenizer, partial_ratio=partial_ratio,
-                                 channel_rule=channel_rule)
+        memo[key] = skew_on_text(
+            model.params, model.config, model.tokenizer, partial_ratio=partial_ratio, channel_rule=channel_rule
+        )
     return memo[key]

@@ -40,8 +40,7 @@ from duo_jax.attention.pages import PagedKV
 from duo_jax.cache import CacheLayout
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.duo import (DuoAttention, DuoShared, cache_order, model_order, partition,
-                                 retrieval_attention)
+from duo_jax.methods.duo import DuoAttention, DuoShared, cache_order, model_order, partition, retrieval_attention
 from duo_jax.model import apply_rotary
 
 DEFAULT_PAGE_SIZE = 128
@@ -73,8 +72,9 @@ class PagedLayerView:
     layer: PagedLayerCache
 
 
-def write_pages(pool: jax.Array, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
-                new: jax.Array) -> jax.Array:
+def write_pages(
+    pool: jax.Array, block_tables: jax.Array, positions: jax.Array, valid: jax.Array, new: jax.Array
+) -> jax.Array:
     """pool [n, N, P, E] with new [B, T, n, E] written at `positions` [B, T] through `block_tables` [B, M];
     invalid tokens, positions past M pages and unassigned table entries (N) are dropped."""
     n, N, P = pool.shape[:3]
@@ -108,8 +108,9 @@ class PagedDuo(Method):
 
     def __post_init__(self):
         if self.page_size < 1 or self.layout.capacity % self.page_size:
-            raise DuoJaxError(f"page_size must be positive and divide the capacity {self.layout.capacity}, "
-                              f"got {self.page_size}")
+            raise DuoJaxError(
+                f"page_size must be positive and divide the capacity {self.layout.capacity}, got {self.page_size}"
+            )
         if self.num_pages is not None and self.num_pages < 1:
             raise DuoJaxError(f"num_pages must be positive, got {self.num_pages}")
 
@@ -127,19 +128,25 @@ class PagedDuo(Method):
     def _cache(self, batch: int, dtype, block_tables) -> PagedCache:
         layout, N, E = self.layout, self.pool_pages(batch), self.layout.head_dim
         S = layout.streaming_slots
-        layers = tuple(PagedLayerCache(jnp.zeros((n, N, self.page_size, E), dtype),
-                                       jnp.zeros((n, N, self.page_size, E), dtype),
-                                       jnp.zeros((batch, S, layout.num_kv_heads - n, E), dtype),
-                                       jnp.zeros((batch, S, layout.num_kv_heads - n, E), dtype))
-                       for n in layout.num_retrieval)
+        layers = tuple(
+            PagedLayerCache(
+                jnp.zeros((n, N, self.page_size, E), dtype),
+                jnp.zeros((n, N, self.page_size, E), dtype),
+                jnp.zeros((batch, S, layout.num_kv_heads - n, E), dtype),
+                jnp.zeros((batch, S, layout.num_kv_heads - n, E), dtype),
+            )
+            for n in layout.num_retrieval
+        )
         return PagedCache(jnp.asarray(block_tables, jnp.int32), layers)
 
     def init_cache(self, batch: int, dtype) -> PagedCache:
         """Every sequence its own M pages, in order (needs a pool of at least batch * M pages)."""
         M, N = self.pages_per_sequence, self.pool_pages(batch)
         if N < batch * M:
-            raise DuoJaxError(f"a pool of {N} pages cannot give {batch} sequences {M} pages each; "
-                              "use empty_cache and hand out pages as sequences grow (duo_jax.serve)")
+            raise DuoJaxError(
+                f"a pool of {N} pages cannot give {batch} sequences {M} pages each; "
+                "use empty_cache and hand out pages as sequences grow (duo_jax.serve)"
+            )
         return self._cache(batch, dtype, np.arange(batch * M).reshape(batch, M))
 
     def empty_cache(self, batch: int, dtype) -> PagedCache:
@@ -159,24 +166,38 @@ class PagedDuo(Method):
         """Sequence b's cache at batch 1 (b an int32 scalar, may be traced): its block-table row and streaming
         rows, and every layer's pools whole (they are shared: no copy)."""
         row = lambda x: jax.lax.dynamic_slice_in_dim(x, b, 1, axis=0)
-        return PagedCache(row(cache.block_tables), tuple(
-            PagedLayerCache(layer.pages_k, layer.pages_v, row(layer.streaming_k), row(layer.streaming_v))
-            for layer in cache.layers))
+        return PagedCache(
+            row(cache.block_tables),
+            tuple(
+                PagedLayerCache(layer.pages_k, layer.pages_v, row(layer.streaming_k), row(layer.streaming_v))
+                for layer in cache.layers
+            ),
+        )
 
     def put_row(self, cache: PagedCache, b: jax.Array, part: PagedCache) -> PagedCache:
         """`cache` with sequence b's streaming rows and the pools taken from `part` (a `take_row` after a step;
         steps never change the block tables)."""
         put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, b, axis=0)
-        return PagedCache(cache.block_tables, tuple(
-            PagedLayerCache(new.pages_k, new.pages_v, put(old.streaming_k, new.streaming_k),
-                            put(old.streaming_v, new.streaming_v))
-            for old, new in zip(cache.layers, part.layers)))
+        return PagedCache(
+            cache.block_tables,
+            tuple(
+                PagedLayerCache(
+                    new.pages_k,
+                    new.pages_v,
+                    put(old.streaming_k, new.streaming_k),
+                    put(old.streaming_v, new.streaming_v),
+                )
+                for old, new in zip(cache.layers, part.layers)
+            ),
+        )
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         """2 * E * bytes * sum_l(n_l * N * P + batch * (K - n_l) * (sink + recent)) + the block tables."""
         layout, N = self.layout, self.pool_pages(batch)
-        per_layer = sum(n * N * self.page_size + batch * (layout.num_kv_heads - n) * layout.streaming_slots
-                        for n in layout.num_retrieval)
+        per_layer = sum(
+            n * N * self.page_size + batch * (layout.num_kv_heads - n) * layout.streaming_slots
+            for n in layout.num_retrieval
+        )
         return 2 * layout.head_dim * bytes_per_elem * per_layer + 4 * batch * self.pages_per_sequence
 
     def stats(self) -> dict:
@@ -197,8 +218,18 @@ class PagedDuo(Method):
             pv = write_pages(pv, tables, step.positions, step.valid, vr)
         rk, rv = PagedKV(pk, tables), PagedKV(pv, tables)
         out, sk, sv = DuoAttention(self.layout).attend_partitions(
-            q, qs, ks, vs, rk, rv, lambda: retrieval_attention(qr, rk, rv, step) if n else qr, cache.streaming_k,
-            cache.streaming_v, step, shared)
+            q,
+            qs,
+            ks,
+            vs,
+            rk,
+            rv,
+            lambda: retrieval_attention(qr, rk, rv, step) if n else qr,
+            cache.streaming_k,
+            cache.streaming_v,
+            step,
+            shared,
+        )
         return model_order(self.layout, layer, out), PagedLayerCache(pk, pv, sk, sv)
 
 
@@ -207,13 +238,14 @@ def paged(method: Method, *, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int 
     tokens, `num_pages` per layer pool (None: every sequence its own pages). The capacity (tokens per sequence
     at most) is the method's, rounded up to whole pages."""
     if not isinstance(method, DuoAttention):
-        raise DuoJaxError(f"only full attention and duo have a paged cache; {method.name!r} keeps its contiguous "
-                          "cache")
+        raise DuoJaxError(f"only full attention and duo have a paged cache; {method.name!r} keeps its contiguous cache")
     if page_size < 1:
         raise DuoJaxError(f"page_size must be positive, got {page_size}")
     if method.layout.kv_dtype is not None:
-        raise DuoJaxError(f"a paged cache of {method.layout.kv_dtype} KV is not supported yet: build the method "
-                          "with kv_dtype=None to page it")
+        raise DuoJaxError(
+            f"a paged cache of {method.layout.kv_dtype} KV is not supported yet: build the method "
+            "with kv_dtype=None to page it"
+        )
     capacity = -(-method.layout.capacity // page_size) * page_size
     return PagedDuo(dataclasses.replace(method.layout, capacity=capacity), page_size, num_pages)
 

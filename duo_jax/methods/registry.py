@@ -11,7 +11,7 @@ evaluation's equal-budget comparison) needs to know of it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
@@ -38,9 +38,18 @@ class MethodEntry:
 _ENTRIES: dict[str, MethodEntry] = {}
 
 
-def register(name: str, *, options: tuple[str, ...], summary: str, windows: dict[str, str] | None = None,
-             takes_pattern: bool = False, needs_model: bool = False, budget: Callable | None = None,
-             calibrated_on: str | None = None, quantized_kv: bool = False) -> Callable:
+def register(
+    name: str,
+    *,
+    options: tuple[str, ...],
+    summary: str,
+    windows: dict[str, str] | None = None,
+    takes_pattern: bool = False,
+    needs_model: bool = False,
+    budget: Callable | None = None,
+    calibrated_on: str | None = None,
+    quantized_kv: bool = False,
+) -> Callable:
     """Decorator: register `build` as method `name`. `windows` defaults to the window options the method
     has among its options (sink / recent under their own names)."""
 
@@ -48,8 +57,9 @@ def register(name: str, *, options: tuple[str, ...], summary: str, windows: dict
         if name in _ENTRIES:
             raise DuoJaxError(f"KV-cache method {name!r} is registered twice")
         own = {w: w for w in ("sink", "recent") if w in options} if windows is None else dict(windows)
-        _ENTRIES[name] = MethodEntry(name, build, tuple(options), summary, own, takes_pattern, needs_model, budget,
-                                     calibrated_on, quantized_kv)
+        _ENTRIES[name] = MethodEntry(
+            name, build, tuple(options), summary, own, takes_pattern, needs_model, budget, calibrated_on, quantized_kv
+        )
         return build
 
     return decorate
@@ -74,8 +84,10 @@ def make_method(name: str, config: ModelConfig, *, context: int, model=None, **o
     kv_dtype = check_kv_dtype(options.pop("kv_dtype", None))
     if kv_dtype is not None and not e.quantized_kv:
         supported = ", ".join(n for n, x in _ENTRIES.items() if x.quantized_kv)
-        raise DuoJaxError(f"method {name!r} does not support a quantized KV cache (kv_dtype={kv_dtype!r}); use one "
-                          f"of {supported}, or kv_dtype=None")
+        raise DuoJaxError(
+            f"method {name!r} does not support a quantized KV cache (kv_dtype={kv_dtype!r}); use one "
+            f"of {supported}, or kv_dtype=None"
+        )
     if e.quantized_kv:
         options["kv_dtype"] = kv_dtype
     unknown = set(options) - set(e.options) - ({"kv_dtype"} if e.quantized_kv else set())

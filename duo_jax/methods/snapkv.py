@@ -78,8 +78,7 @@ from duo_jax.methods.base import Method, Step, check_windows, concat_slots, with
 from duo_jax.methods.duo import retrieval_attention
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rotary
-from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
-                           rotate)
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
 
 POOLINGS = ("max", "avg")
 
@@ -95,8 +94,9 @@ def window_positions(lengths: jax.Array, window: int) -> jax.Array:
     return (s + window * jnp.floor_divide(lengths[:, None] - 1 - s, window)).astype(jnp.int32)
 
 
-def window_votes(queries: jax.Array, keys: jax.Array, lengths: jax.Array, window: int,
-                 sliding_window: int | None = None) -> jax.Array:
+def window_votes(
+    queries: jax.Array, keys: jax.Array, lengths: jax.Array, window: int, sliding_window: int | None = None
+) -> jax.Array:
     """Step 2 of the selection: queries [B, w, H, E] (the window ring), keys [B, C, K, E] -> votes
     float32 [B, K, C], zero outside each prompt's prefix (j >= lengths - window). With the layer's
     `sliding_window` W, query p's softmax runs over the keys p - W < j <= p only."""
@@ -107,7 +107,8 @@ def window_votes(queries: jax.Array, keys: jax.Array, lengths: jax.Array, window
     query_positions = window_positions(lengths, w)
     # [B, w, C]: causal within the window (`MaskSpec.visible`); an empty ring slot (negative position) sees none
     visible = MaskSpec(query_positions, lengths, window=sliding_window).visible(
-        query_positions[:, :, None], jnp.arange(C)[None, None, :], jnp.ones((1, 1, C), bool))
+        query_positions[:, :, None], jnp.arange(C)[None, None, :], jnp.ones((1, 1, C), bool)
+    )
     votes = jnp.sum(masked_softmax(scores, visible[:, None, None]), axis=(2, 3))
     prefix = jnp.arange(C)[None, :] < (lengths - window)[:, None]  # [B, C]
     return jnp.where(prefix[:, None, :], votes, 0.0)
@@ -121,8 +122,18 @@ def pool_votes(votes: jax.Array, kernel: int, pooling: str) -> jax.Array:
     return jax.lax.reduce_window(votes, 0.0, jax.lax.add, (1, 1, kernel), (1, 1, 1), pad) / kernel
 
 
-def kept_positions(queries, keys, lengths, *, selected: tuple[int, ...], window: int, window_slots: int,
-                   kernel: int, pooling: str, sliding_window: int | None = None) -> jax.Array:
+def kept_positions(
+    queries,
+    keys,
+    lengths,
+    *,
+    selected: tuple[int, ...],
+    window: int,
+    window_slots: int,
+    kernel: int,
+    pooling: str,
+    sliding_window: int | None = None,
+) -> jax.Array:
     """The positions one layer keeps: for each KV head h, its `selected[h]` best-voted prefix tokens, then the
     last `window_slots` prompt tokens (the observation window, or fewer slots when every prompt is shorter).
     queries [B, window, H, E] (the ring), keys [B, C, K, E], lengths [B]
@@ -175,7 +186,7 @@ class CompressedShared:
     new_key_positions: jax.Array  # int32 [B, T]: position of each new token, -1 for padding
 
     @classmethod
-    def build(cls, step: Step, room: int) -> "CompressedShared":
+    def build(cls, step: Step, room: int) -> CompressedShared:
         keep = step.valid & (step.positions >= step.new_lengths[:, None] - room)
         return cls(jnp.where(keep, step.positions % room, room), jnp.where(step.valid, step.positions, -1))
 
@@ -185,25 +196,33 @@ def kv_array(shape: tuple[int, ...], dtype, kv_dtype: str | None):
     return jnp.zeros(shape, dtype) if kv_dtype is None else kv_zeros(shape, kv_dtype, dtype)
 
 
-def empty_compressed(batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, dtype,
-                     kv_dtype: str | None = None) -> CompressedLayerCache:
+def empty_compressed(
+    batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, dtype, kv_dtype: str | None = None
+) -> CompressedLayerCache:
     """One layer's empty decode cache for len(head_slots) KV heads."""
     n, K, E = sum(head_slots), len(head_slots), head_dim
-    return CompressedLayerCache(kv_array((batch, n, E), dtype, kv_dtype), kv_array((batch, n, E), dtype, kv_dtype),
-                                jnp.full((batch, n), -1, jnp.int32), kv_array((batch, room, K, E), dtype, kv_dtype),
-                                kv_array((batch, room, K, E), dtype, kv_dtype), jnp.full((batch, room), -1, jnp.int32))
+    return CompressedLayerCache(
+        kv_array((batch, n, E), dtype, kv_dtype),
+        kv_array((batch, n, E), dtype, kv_dtype),
+        jnp.full((batch, n), -1, jnp.int32),
+        kv_array((batch, room, K, E), dtype, kv_dtype),
+        kv_array((batch, room, K, E), dtype, kv_dtype),
+        jnp.full((batch, room), -1, jnp.int32),
+    )
 
 
-def compressed_nbytes(batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, bytes_per_elem: int,
-                      kv_dtype: str | None = None) -> int:
+def compressed_nbytes(
+    batch: int, head_slots: tuple[int, ...], room: int, head_dim: int, bytes_per_elem: int, kv_dtype: str | None = None
+) -> int:
     """Size of one layer's decode cache: batch * [sum(head_slots) * (2 V + 4) + room * (2 K V + 4)], V the bytes
     of one key (`duo_jax.quant.kv_bytes_per_vector`: E bytes, or codes + scale when quantized)."""
     kv = 2 * kv_bytes_per_vector(head_dim, check_kv_dtype(kv_dtype), bytes_per_elem)
     return batch * (sum(head_slots) * (kv + 4) + room * (len(head_slots) * kv + 4))
 
 
-def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple[int, ...], step: Step,
-                         shared: CompressedShared):
+def compressed_attention(
+    q, k, v, cache: CompressedLayerCache, head_slots: tuple[int, ...], step: Step, shared: CompressedShared
+):
     """New tokens over one layer's decode cache: q [B, T, H, E] and k [B, T, K, E] after RoPE, v [B, T, K, E].
 
     Each KV head sees its kept prompt tokens, the tokens generated so far and the chunk up to the query (within
@@ -220,8 +239,9 @@ def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple
     uniform = len(set(head_slots)) == 1
     if uniform:
         n = head_slots[0]
-        prompt_scores = jnp.einsum("btkge,bkne->bkgtn", q, kept_k.reshape(B, K, n, E),
-                                   preferred_element_type=jnp.float32)
+        prompt_scores = jnp.einsum(
+            "btkge,bkne->bkgtn", q, kept_k.reshape(B, K, n, E), preferred_element_type=jnp.float32
+        )
         prompt_mask = step.sees(cache.positions.reshape(B, K, n))[:, :, None]  # [B, K, 1, T, n]
     else:
         prompt_scores = jnp.einsum("btkge,bne->bkgtn", q, kept_k, preferred_element_type=jnp.float32)
@@ -236,9 +256,16 @@ def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple
     new_scores = jnp.einsum("btkge,bske->bkgts", q, keys, preferred_element_type=jnp.float32)
 
     n_prompt = prompt_scores.shape[-1]
-    probs = masked_softmax(jnp.concatenate([prompt_scores, new_scores], axis=-1) / math.sqrt(E),
-                           jnp.concatenate([jnp.broadcast_to(prompt_mask, prompt_scores.shape),
-                                            jnp.broadcast_to(new_mask[:, None, None], new_scores.shape)], -1))
+    probs = masked_softmax(
+        jnp.concatenate([prompt_scores, new_scores], axis=-1) / math.sqrt(E),
+        jnp.concatenate(
+            [
+                jnp.broadcast_to(prompt_mask, prompt_scores.shape),
+                jnp.broadcast_to(new_mask[:, None, None], new_scores.shape),
+            ],
+            -1,
+        ),
+    )
     prompt_probs, new_probs = probs[..., :n_prompt].astype(values.dtype), probs[..., n_prompt:].astype(values.dtype)
     if uniform:
         out = jnp.einsum("bkgtn,bkne->btkge", prompt_probs, kept_v.reshape(B, K, head_slots[0], E))
@@ -249,34 +276,58 @@ def compressed_attention(q, k, v, cache: CompressedLayerCache, head_slots: tuple
     batch = jnp.arange(B)[:, None]
     new_positions = cache.new_positions.at[batch, shared.write_slots].set(shared.new_key_positions, mode="drop")
     return out.reshape(B, T, H, E), dataclasses.replace(
-        cache, new_k=write_slots(cache.new_k, shared.write_slots, k),
-        new_v=write_slots(cache.new_v, shared.write_slots, v), new_positions=new_positions)
+        cache,
+        new_k=write_slots(cache.new_k, shared.write_slots, k),
+        new_v=write_slots(cache.new_v, shared.write_slots, v),
+        new_positions=new_positions,
+    )
 
 
-def compress_layer(queries, keys, values, lengths, empty: CompressedLayerCache, head_slots: tuple[int, ...], *,
-                   window: int, kernel: int, pooling: str, sliding_window: int | None = None) -> CompressedLayerCache:
+def compress_layer(
+    queries,
+    keys,
+    values,
+    lengths,
+    empty: CompressedLayerCache,
+    head_slots: tuple[int, ...],
+    *,
+    window: int,
+    kernel: int,
+    pooling: str,
+    sliding_window: int | None = None,
+) -> CompressedLayerCache:
     """One layer's prefill cache (queries [B, window, H, E], keys / values [B, C, K, E]) -> its decode cache:
     the kept tokens gathered into `empty` (from `empty_compressed`), the ring left empty. `sliding_window`:
     the layer's (`kept_positions`)."""
     # Every head ends with the same window slots: the whole window, or all of its slots when the prompts are
     # shorter than the window (then no head selects anything; see `SnapKV.compressed`).
     window_slots = min(window, head_slots[0])
-    positions = kept_positions(queries, dequantize(keys), lengths, selected=tuple(n - window_slots for n in head_slots),
-                               window=window, window_slots=window_slots, kernel=kernel, pooling=pooling,
-                               sliding_window=sliding_window)
+    positions = kept_positions(
+        queries,
+        dequantize(keys),
+        lengths,
+        selected=tuple(n - window_slots for n in head_slots),
+        window=window,
+        window_slots=window_slots,
+        kernel=kernel,
+        pooling=pooling,
+        sliding_window=sliding_window,
+    )
     owner = jnp.asarray(np.repeat(np.arange(len(head_slots)), head_slots))[None, :]  # [1, N]
     batch = jnp.arange(lengths.shape[0])[:, None]
     filled = (positions >= 0)[..., None]
 
     def take(x):  # codes and scales alike for a quantized cache
-        return jax.tree.map(lambda a: jnp.where(filled, a[batch, jnp.maximum(positions, 0), owner], 0).astype(a.dtype),
-                            x)
+        return jax.tree.map(
+            lambda a: jnp.where(filled, a[batch, jnp.maximum(positions, 0), owner], 0).astype(a.dtype), x
+        )
 
     return dataclasses.replace(empty, k=take(keys), v=take(values), positions=positions)
 
 
-def decode_shape(budgets: tuple[tuple[int, ...], ...], window: int, capacity: int,
-                 longest: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+def decode_shape(
+    budgets: tuple[tuple[int, ...], ...], window: int, capacity: int, longest: int
+) -> tuple[tuple[tuple[int, ...], ...], int]:
     """(head_slots [L][heads], room) of the decode cache after prompts of at most `longest` tokens: each head's
     budget + window, capped by the prompts' length rounded up to `CAPACITY_BLOCK`; room for the tokens after
     the prompts: the capacity minus the longest prompt rounded down to `CAPACITY_BLOCK`."""
@@ -297,12 +348,15 @@ class CompressedKV(Method):
     kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`)
 
     def init_cache(self, batch: int, dtype) -> tuple[CompressedLayerCache, ...]:
-        return tuple(empty_compressed(batch, slots, self.room, self.head_dim, dtype, self.kv_dtype)
-                     for slots in self.head_slots)
+        return tuple(
+            empty_compressed(batch, slots, self.room, self.head_dim, dtype, self.kv_dtype) for slots in self.head_slots
+        )
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        return sum(compressed_nbytes(batch, slots, self.room, self.head_dim, bytes_per_elem, self.kv_dtype)
-                   for slots in self.head_slots)
+        return sum(
+            compressed_nbytes(batch, slots, self.room, self.head_dim, bytes_per_elem, self.kv_dtype)
+            for slots in self.head_slots
+        )
 
     def begin_step(self, step: Step) -> CompressedShared:
         return CompressedShared.build(step, self.room)
@@ -368,8 +422,12 @@ class SnapKV(Method):
     def init_cache(self, batch: int, dtype) -> tuple[PrefillLayerCache, ...]:
         kv = (batch, self.capacity, self.num_kv_heads, self.head_dim)
         ring = (batch, self.window, self.num_heads, self.head_dim)
-        return tuple(PrefillLayerCache(kv_array(kv, dtype, self.kv_dtype), kv_array(kv, dtype, self.kv_dtype),
-                                       jnp.zeros(ring, dtype)) for _ in range(self.num_layers))
+        return tuple(
+            PrefillLayerCache(
+                kv_array(kv, dtype, self.kv_dtype), kv_array(kv, dtype, self.kv_dtype), jnp.zeros(ring, dtype)
+            )
+            for _ in range(self.num_layers)
+        )
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         """batch * L * (2 C K V + window H E bytes), V the bytes of one key (`duo_jax.quant.kv_bytes_per_vector`)."""
@@ -380,8 +438,10 @@ class SnapKV(Method):
 
     def begin_step(self, step: Step) -> PrefillShared:
         in_window = step.valid & (step.positions >= step.new_lengths[:, None] - self.window)
-        return PrefillShared(jnp.where(step.valid, step.positions, self.capacity),
-                             jnp.where(in_window, step.positions % self.window, self.window))
+        return PrefillShared(
+            jnp.where(step.valid, step.positions, self.capacity),
+            jnp.where(in_window, step.positions % self.window, self.window),
+        )
 
     def attend(self, layer, q, k, v, cache: PrefillLayerCache, step: Step, shared: PrefillShared):
         check_windows(self, self.windows, layer, step)
@@ -419,9 +479,21 @@ def _compress(method: SnapKV, decode: CompressedKV, cache: tuple[PrefillLayerCac
     """The prefill cache -> the decode cache, layer by layer."""
     empty = decode.init_cache(lengths.shape[0], cache[0].queries.dtype)  # the model's dtype
     windows = method.windows or (None,) * method.num_layers
-    return tuple(compress_layer(layer.queries, layer.k, layer.v, lengths, new, slots, window=method.window,
-                                kernel=method.kernel, pooling=method.pooling, sliding_window=sliding_window)
-                 for layer, new, slots, sliding_window in zip(cache, empty, decode.head_slots, windows))
+    return tuple(
+        compress_layer(
+            layer.queries,
+            layer.k,
+            layer.v,
+            lengths,
+            new,
+            slots,
+            window=method.window,
+            kernel=method.kernel,
+            pooling=method.pooling,
+            sliding_window=sliding_window,
+        )
+        for layer, new, slots, sliding_window in zip(cache, empty, decode.head_slots, windows)
+    )
 
 
 # --- budgets ------------------------------------------------------------------------------------------
@@ -436,16 +508,39 @@ def base_budget(kv_budget, window: int) -> int:
     return int(kv_budget) - window
 
 
-@register("snapkv", options=("kv_budget", "window", "kernel", "pooling"), budget=kv_budget_only, quantized_kv=True,
-          summary="SnapKV: exact prefill, then per KV head the kv_budget tokens the last window queries vote for")
-def make_snapkv(config: ModelConfig, *, context: int, kv_budget: int | None = None, window: int = 32,
-                kernel: int = 5, pooling: str = "avg", kv_dtype: str | None = None) -> SnapKV:
+@register(
+    "snapkv",
+    options=("kv_budget", "window", "kernel", "pooling"),
+    budget=kv_budget_only,
+    quantized_kv=True,
+    summary="SnapKV: exact prefill, then per KV head the kv_budget tokens the last window queries vote for",
+)
+def make_snapkv(
+    config: ModelConfig,
+    *,
+    context: int,
+    kv_budget: int | None = None,
+    window: int = 32,
+    kernel: int = 5,
+    pooling: str = "avg",
+    kv_dtype: str | None = None,
+) -> SnapKV:
     """SnapKV: every KV head keeps `kv_budget` prompt tokens, the last `window` included (the original's
     max_capacity_prompt). Defaults are the SnapKV release's: window 32, average pooling over 5 tokens."""
     budget = base_budget(kv_budget, window)
     budgets = ((budget,) * config.num_kv_heads,) * config.num_layers
-    return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
-                  window, kernel, pooling, kv_dtype=kv_dtype, windows=config.layer_windows())
+    return SnapKV(
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        round_capacity(context),
+        budgets,
+        window,
+        kernel,
+        pooling,
+        kv_dtype=kv_dtype,
+        windows=config.layer_windows(),
+    )
 
 
 def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: int | None = None) -> list[int]:
@@ -471,17 +566,41 @@ def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: i
     return budgets.tolist()
 
 
-@register("pyramidkv", options=("kv_budget", "window", "kernel", "pooling", "beta"), budget=kv_budget_only,
-          quantized_kv=True,
-          summary="PyramidKV: SnapKV with per-layer budgets shrinking bottom to top (beta 20), kv_budget on average")
-def make_pyramidkv(config: ModelConfig, *, context: int, kv_budget: int | None = None, beta: float = 20.0,
-                   window: int = 32, kernel: int = 5, pooling: str = "avg", kv_dtype: str | None = None) -> SnapKV:
+@register(
+    "pyramidkv",
+    options=("kv_budget", "window", "kernel", "pooling", "beta"),
+    budget=kv_budget_only,
+    quantized_kv=True,
+    summary="PyramidKV: SnapKV with per-layer budgets shrinking bottom to top (beta 20), kv_budget on average",
+)
+def make_pyramidkv(
+    config: ModelConfig,
+    *,
+    context: int,
+    kv_budget: int | None = None,
+    beta: float = 20.0,
+    window: int = 32,
+    kernel: int = 5,
+    pooling: str = "avg",
+    kv_dtype: str | None = None,
+) -> SnapKV:
     """PyramidKV: SnapKV selection, `kv_budget` tokens per KV head on average (window included), spread over
     the layers by `pyramid_budgets` (beta 20 as the paper); after a prompt whose prefix is shorter than the
     bottom layer's budget, the surplus moves to the upper layers (`SnapKV.prompt_budgets`; with a batch of
     prompts, the longest one's prefix)."""
     budget = base_budget(kv_budget, window)
     budgets = tuple((b,) * config.num_kv_heads for b in pyramid_budgets(config.num_layers, budget, beta))
-    return SnapKV(config.num_heads, config.num_kv_heads, config.head_dim, round_capacity(context), budgets,
-                  window, kernel, pooling, name="pyramidkv", pyramid_beta=float(beta), kv_dtype=kv_dtype,
-                  windows=config.layer_windows())
+    return SnapKV(
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        round_capacity(context),
+        budgets,
+        window,
+        kernel,
+        pooling,
+        name="pyramidkv",
+        pyramid_beta=float(beta),
+        kv_dtype=kv_dtype,
+        windows=config.layer_windows(),
+    )

@@ -21,8 +21,7 @@ from duo_jax.methods.base import Method, Step, concat_slots, write_slots
 from duo_jax.methods.duo import StreamingWindow
 from duo_jax.methods.registry import register
 from duo_jax.model import Rotary, apply_rotary, rotary
-from duo_jax.quant import (as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros,
-                           rotate)
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
 
 
 @jax.tree_util.register_dataclass
@@ -93,8 +92,9 @@ class StreamingLLM(Method):
         keys = apply_rotary(keys, shared.key_rope)
         out = shared.window.attend(q, keys, values, step)
         out = out if rotation is None else rotate(out, rotation.T)
-        return out, StreamingLayerCache(write_slots(cache.k, shared.window.write_slots, k),
-                                        write_slots(cache.v, shared.window.write_slots, v))
+        return out, StreamingLayerCache(
+            write_slots(cache.k, shared.window.write_slots, k), write_slots(cache.v, shared.window.write_slots, v)
+        )
 
 
 def streaming_llm_budget(config: ModelConfig, kv_budget: int, **inputs) -> dict:
@@ -103,11 +103,23 @@ def streaming_llm_budget(config: ModelConfig, kv_budget: int, **inputs) -> dict:
     return dict(start=start, recent=kv_budget - start)
 
 
-@register("streaming_llm", options=("start", "recent", "kv_budget"), windows={"sink": "start", "recent": "recent"},
-          budget=streaming_llm_budget, quantized_kv=True,
-          summary="StreamingLLM: every head keeps start sinks + recent tokens, positions re-indexed")
-def make_streaming_llm(config: ModelConfig, *, context: int, start: int = 4, recent: int = 256,
-                       kv_budget: int | None = None, kv_dtype: str | None = None) -> StreamingLLM:
+@register(
+    "streaming_llm",
+    options=("start", "recent", "kv_budget"),
+    windows={"sink": "start", "recent": "recent"},
+    budget=streaming_llm_budget,
+    quantized_kv=True,
+    summary="StreamingLLM: every head keeps start sinks + recent tokens, positions re-indexed",
+)
+def make_streaming_llm(
+    config: ModelConfig,
+    *,
+    context: int,
+    start: int = 4,
+    recent: int = 256,
+    kv_budget: int | None = None,
+    kv_dtype: str | None = None,
+) -> StreamingLLM:
     """`start` attention sinks + `recent` tokens per head (recent = kv_budget - start when a budget is given)."""
     if kv_budget is not None:
         recent = kv_budget - start

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 
 
 def main(argv=None) -> int:
-    from duo_jax.serve.scheduler import MIXED
     from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, LOCAL_HOSTS, default_hosts
+    from duo_jax.serve.scheduler import MIXED
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
-    parser.add_argument("--pattern", default=None, help="DuoAttention head pattern ('default': the model's); "
-                                                        "none: full attention")
+    parser.add_argument(
+        "--pattern", default=None, help="DuoAttention head pattern ('default': the model's); none: full attention"
+    )
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--sink", type=int, default=64)
     parser.add_argument("--recent", type=int, default=256)
@@ -26,25 +27,45 @@ def main(argv=None) -> int:
     parser.add_argument("--slots", type=int, default=8, help="sequences per step")
     parser.add_argument("--chunk", type=int, default=128, help="prefill tokens per sequence per step")
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no shared pages)")
-    parser.add_argument("--prefix-snapshots", type=int, default=32,
-                        help="streaming-head states kept for prefix reuse (duo; least recently used dropped)")
-    parser.add_argument("--mixed", default="split", choices=MIXED,
-                        help="steps with prefill beside decode: split (a decode step, then one prompt chunk alone) "
-                             "or padded (one [slots, chunk] step)")
+    parser.add_argument(
+        "--prefix-snapshots",
+        type=int,
+        default=32,
+        help="streaming-head states kept for prefix reuse (duo; least recently used dropped)",
+    )
+    parser.add_argument(
+        "--mixed",
+        default="split",
+        choices=MIXED,
+        help="steps with prefill beside decode: split (a decode step, then one prompt chunk alone) "
+        "or padded (one [slots, chunk] step)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("DUO_JAX_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $DUO_JAX_API_KEY; unset: none)")
-    parser.add_argument("--allowed-hosts", default=None,
-                        help="comma-separated Host names accepted ('*': any); default: the local names "
-                             f"({', '.join(LOCAL_HOSTS)}) when --host is a loopback address, else any")
-    parser.add_argument("--allowed-origins", default=None,
-                        help="comma-separated origins granted CORS (browser pages); default: none")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="largest request body accepted (413 beyond, before reading it all)")
-    parser.add_argument("--no-warm-up", action="store_true",
-                        help="report ready at once instead of compiling the serving shapes first")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("DUO_JAX_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $DUO_JAX_API_KEY; unset: none)",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host names accepted ('*': any); default: the local names "
+        f"({', '.join(LOCAL_HOSTS)}) when --host is a loopback address, else any",
+    )
+    parser.add_argument(
+        "--allowed-origins", default=None, help="comma-separated origins granted CORS (browser pages); default: none"
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted (413 beyond, before reading it all)",
+    )
+    parser.add_argument(
+        "--no-warm-up", action="store_true", help="report ready at once instead of compiling the serving shapes first"
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -62,23 +83,48 @@ def main(argv=None) -> int:
 
     try:
         model = duo_jax.load(args.model, getattr(jnp, args.dtype))
-        method = build_method(model.config, None, context=args.context, pattern=args.pattern,
-                              sparsity=args.sparsity, sink=args.sink, recent=args.recent)
-        pages = pages_for_memory(paged(method, page_size=args.page_size), int(args.kv_memory_mb * 2**20),
-                                 model.params.dtype)
+        method = build_method(
+            model.config,
+            None,
+            context=args.context,
+            pattern=args.pattern,
+            sparsity=args.sparsity,
+            sink=args.sink,
+            recent=args.recent,
+        )
+        pages = pages_for_memory(
+            paged(method, page_size=args.page_size), int(args.kv_memory_mb * 2**20), model.params.dtype
+        )
         method = paged(method, page_size=args.page_size, num_pages=pages)
-        scheduler = Scheduler(Engine.of(model), method, slots=args.slots, chunk=args.chunk, mixed=args.mixed,
-                              prefix_cache=not args.no_prefix_cache, prefix_snapshots=args.prefix_snapshots,
-                              detokenize=None if model.tokenizer is None else model.tokenizer.decode)
+        scheduler = Scheduler(
+            Engine.of(model),
+            method,
+            slots=args.slots,
+            chunk=args.chunk,
+            mixed=args.mixed,
+            prefix_cache=not args.no_prefix_cache,
+            prefix_snapshots=args.prefix_snapshots,
+            detokenize=None if model.tokenizer is None else model.tokenizer.decode,
+        )
     except DuoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"serving {args.model} ({method.name}, {pages} pages of {args.page_size} tokens, {args.slots} slots) "
-          f"on http://{args.host}:{args.port}", file=sys.stderr)
+    print(
+        f"serving {args.model} ({method.name}, {pages} pages of {args.page_size} tokens, {args.slots} slots) "
+        f"on http://{args.host}:{args.port}",
+        file=sys.stderr,
+    )
     hosts = default_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts.split(",")
-    server = Server(scheduler, model, args.model, warm_up=not args.no_warm_up, api_key=args.api_key or None,
-                    allowed_hosts=hosts, max_request_bytes=args.max_request_bytes,
-                    allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None)
+    server = Server(
+        scheduler,
+        model,
+        args.model,
+        warm_up=not args.no_warm_up,
+        api_key=args.api_key or None,
+        allowed_hosts=hosts,
+        max_request_bytes=args.max_request_bytes,
+        allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
+    )
     web = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level="info"))
     server.on_fatal = lambda: setattr(web, "should_exit", True)  # a supervisor restarts a process that exits
     web.run()

@@ -17,7 +17,6 @@ import ipaddress
 from duo_jax.errors import InvalidOption
 from duo_jax.sampling import Sampling, check_number, check_sampling
 
-
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 1M-token prompt as text or token ids fits
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
@@ -35,19 +34,42 @@ def default_hosts(host: str) -> list[str] | None:
 class BadRequest(InvalidOption):
     """A request the server refuses: HTTP `status`, OpenAI error `kind`, and the field at fault (`param`)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message, param)
         self.status, self.kind = status, kind
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Options this server does not implement, with the values that ask for nothing (accepted).
-INERT = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
-         "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-         "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none")}
-COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-          "stream", "stream_options", "n", "user", "metadata", "store", *INERT}
+INERT = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+}
+COMMON = {
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "metadata",
+    "store",
+    *INERT,
+}
 FIELDS = {False: COMMON | {"prompt"}, True: COMMON | {"messages", "response_format", "parallel_tool_calls"}}
 
 
@@ -71,8 +93,9 @@ def text(value, name: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise BadRequest(f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape): send valid "
-                         "Unicode text", name) from None
+        raise BadRequest(
+            f"{name} holds a lone surrogate (an unpaired \\ud800-\\udfff escape): send valid Unicode text", name
+        ) from None
     return value
 
 
@@ -92,11 +115,13 @@ def parse(body, *, chat: bool, model: str) -> Parsed:
         raise BadRequest("the body must be a JSON object")
     unknown = sorted(set(body) - FIELDS[chat])
     if unknown:
-        raise BadRequest(f"unknown field {unknown[0]!r}; this endpoint takes {', '.join(sorted(FIELDS[chat]))}",
-                         unknown[0])
+        raise BadRequest(
+            f"unknown field {unknown[0]!r}; this endpoint takes {', '.join(sorted(FIELDS[chat]))}", unknown[0]
+        )
     if body.get("model") not in (None, model):
-        raise BadRequest(f"model {body['model']!r} is not served here (this server: {model!r})", "model", 404,
-                         "model_not_found")
+        raise BadRequest(
+            f"model {body['model']!r} is not served here (this server: {model!r})", "model", 404, "model_not_found"
+        )
     for name, inert in INERT.items():
         value = body.get(name)
         if not any(value is v or value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert):
@@ -108,19 +133,26 @@ def parse(body, *, chat: bool, model: str) -> Parsed:
         raise BadRequest(f"'stream' must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise BadRequest("'stream_options' takes only {\"include_usage\": bool} (usage comes in the last chunk)",
-                         "stream_options")
+        raise BadRequest(
+            "'stream_options' takes only {\"include_usage\": bool} (usage comes in the last chunk)", "stream_options"
+        )
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise BadRequest("'response_format' supports only {\"type\": \"text\"}: this server does not constrain "
-                         "output to JSON", "response_format")
+        raise BadRequest(
+            '\'response_format\' supports only {"type": "text"}: this server does not constrain output to JSON',
+            "response_format",
+        )
     limits = [name for name in ("max_tokens", "max_completion_tokens") if body.get(name) is not None]
     max_tokens = [_option(body, name, 16, integer=True, minimum=1) for name in limits] or [16]
     if len(set(max_tokens)) > 1:
         raise BadRequest("'max_tokens' and 'max_completion_tokens' differ: send one", "max_completion_tokens")
     try:
-        sampling = check_sampling(*(body[name] if body.get(name) is not None else default
-                                    for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0))))
+        sampling = check_sampling(
+            *(
+                body[name] if body.get(name) is not None else default
+                for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0))
+            )
+        )
     except InvalidOption as e:
         raise BadRequest(str(e), e.param) from None
     stop = body.get("stop")
@@ -158,8 +190,9 @@ def _messages(messages) -> list[dict]:
             raise BadRequest(f"{name} must be an object {{role, content}}", name)
         extra = sorted(set(message) - {"role", "content"})
         if extra:
-            raise BadRequest(f"{name}.{extra[0]} is not supported (a message takes role and content)",
-                             f"{name}.{extra[0]}")
+            raise BadRequest(
+                f"{name}.{extra[0]} is not supported (a message takes role and content)", f"{name}.{extra[0]}"
+            )
         role = message.get("role")
         if role not in ROLES:
             raise BadRequest(f"{name}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{name}.role")
@@ -171,13 +204,19 @@ def _content(content, name: str) -> str:
     if isinstance(content, str):
         return text(content, name)
     if not isinstance(content, list) or not content:
-        raise BadRequest(f"{name} must be a string or a non-empty list of text parts "
-                         f"[{{\"type\": \"text\", \"text\": ...}}], got {content!r:.40}", name)
+        raise BadRequest(
+            f"{name} must be a string or a non-empty list of text parts "
+            f'[{{"type": "text", "text": ...}}], got {content!r:.40}',
+            name,
+        )
     parts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or set(part) - {"type", "text"}:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise BadRequest(f"{name}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}} (this server "
-                             f"reads text only), got {kind!r}", f"{name}[{j}]")
+            raise BadRequest(
+                f'{name}[{j}] must be a text part {{"type": "text", "text": ...}} (this server '
+                f"reads text only), got {kind!r}",
+                f"{name}[{j}]",
+            )
         parts.append(text(part.get("text"), f"{name}[{j}].text"))
     return "\n".join(parts)

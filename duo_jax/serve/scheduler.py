@@ -54,7 +54,7 @@ import math
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +138,7 @@ def page_digests(tokens: list[int], page_size: int) -> list[bytes]:
     name stands for every token up to the page's end."""
     out, parent = [], b""
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        parent = hashlib.sha256(parent + np.asarray(tokens[start: start + page_size], np.int64).tobytes()).digest()
+        parent = hashlib.sha256(parent + np.asarray(tokens[start : start + page_size], np.int64).tobytes()).digest()
         out.append(parent)
     return out
 
@@ -162,8 +162,9 @@ def find_stop(text: str, stops) -> tuple[str, bool]:
 
 def pages_for_memory(method: PagedDuo, memory_bytes: int, dtype) -> int:
     """How many pages fit `memory_bytes` of retrieval K/V (every layer's pool together)."""
-    per_page = 2 * method.page_size * method.layout.head_dim * jnp.dtype(dtype).itemsize * sum(
-        method.layout.num_retrieval)
+    per_page = (
+        2 * method.page_size * method.layout.head_dim * jnp.dtype(dtype).itemsize * sum(method.layout.num_retrieval)
+    )
     return max(1, memory_bytes // max(per_page, 1))
 
 
@@ -222,12 +223,24 @@ class Scheduler:
     shared prompt prefixes (module docstring), keeping at most `prefix_snapshots` streaming-head states;
     `detokenize(ids) -> str` serves requests' `stop` strings."""
 
-    def __init__(self, engine: Engine, method: PagedDuo, *, slots: int, chunk: int = 64, impl: str = "auto",
-                 mixed: str = "split", prefix_cache: bool = True, prefix_snapshots: int = 32,
-                 detokenize: Callable | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        method: PagedDuo,
+        *,
+        slots: int,
+        chunk: int = 64,
+        impl: str = "auto",
+        mixed: str = "split",
+        prefix_cache: bool = True,
+        prefix_snapshots: int = 32,
+        detokenize: Callable | None = None,
+    ):
         if not isinstance(method, PagedDuo) or method.num_pages is None:
-            raise DuoJaxError("the scheduler needs a paged method with a pool size: "
-                              "duo_jax.methods.paged.paged(method, num_pages=...)")
+            raise DuoJaxError(
+                "the scheduler needs a paged method with a pool size: "
+                "duo_jax.methods.paged.paged(method, num_pages=...)"
+            )
         if slots < 1 or chunk < 1:
             raise DuoJaxError(f"slots and chunk must be positive, got {slots}, {chunk}")
         if mixed not in MIXED:
@@ -275,13 +288,14 @@ class Scheduler:
         total = n + request.max_tokens
         limit = min(self.method.max_tokens, config.max_position_embeddings)
         if total > limit:
-            raise DuoJaxError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the "
-                              f"{limit} tokens a sequence can hold")
+            raise DuoJaxError(
+                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the "
+                f"{limit} tokens a sequence can hold"
+            )
         if request.stop and self.detokenize is None:
             raise DuoJaxError("stop strings need a tokenizer: build the Scheduler with detokenize=")
         if self._pages(total - 1) > self.pool.num_pages:
-            raise DuoJaxError(f"the request needs {self._pages(total - 1)} pages; the pool has "
-                              f"{self.pool.num_pages}")
+            raise DuoJaxError(f"the request needs {self._pages(total - 1)} pages; the pool has {self.pool.num_pages}")
 
     def submit(self, request: Request) -> Request:
         """Queue a request (thread-safe); it runs from the next step on. SchedulerClosed once the scheduler
@@ -371,11 +385,17 @@ class Scheduler:
                     return  # first come, first served: wait for pages
                 self.queue.popleft()
                 self.pool.share(shared)
-                slot = _Slot(request, next(self._admissions), fed=reused, pages=list(shared), digests=digests,
-                             registered=len(shared))
+                slot = _Slot(
+                    request,
+                    next(self._admissions),
+                    fed=reused,
+                    pages=list(shared),
+                    digests=digests,
+                    registered=len(shared),
+                )
                 self.running[b] = slot
                 if reused:
-                    self.tables[b, :len(shared)] = shared
+                    self.tables[b, : len(shared)] = shared
                     self.lengths[b] = reused
                     self._tables_changed = True
                     self.counters["prefix_hits"] += 1
@@ -405,9 +425,13 @@ class Scheduler:
         return tuple((layer.streaming_k, layer.streaming_v) for layer in self.cache.layers)
 
     def _set_streaming(self, arrays) -> None:
-        self.cache = dataclasses.replace(self.cache, layers=tuple(
-            dataclasses.replace(layer, streaming_k=k, streaming_v=v) for layer, (k, v) in zip(self.cache.layers,
-                                                                                              arrays)))
+        self.cache = dataclasses.replace(
+            self.cache,
+            layers=tuple(
+                dataclasses.replace(layer, streaming_k=k, streaming_v=v)
+                for layer, (k, v) in zip(self.cache.layers, arrays)
+            ),
+        )
 
     def _remember_prefix(self, b: int, fed_before: int) -> None:
         """Register slot b's prompt pages written so far; snapshot its streaming state at a reuse boundary."""
@@ -417,8 +441,12 @@ class Scheduler:
             self.pool.register(slot.pages[slot.registered], slot.digests[slot.registered])
             slot.registered += 1
         fed = slot.fed
-        if (self._streaming and self.prefix_snapshots and fed_before < fed <= len(slot.request.prompt)
-                and fed % self.reuse_unit == 0):
+        if (
+            self._streaming
+            and self.prefix_snapshots
+            and fed_before < fed <= len(slot.request.prompt)
+            and fed % self.reuse_unit == 0
+        ):
             key = slot.digests[fed // P - 1]
             if key not in self.snapshots:
                 self.snapshots[key] = _streaming_rows(self._streaming_arrays(), b)
@@ -479,7 +507,7 @@ class Scheduler:
         tokens, n_valid = np.zeros((batch, T), np.int32), np.zeros(batch, np.int32)
         for b, n in feed.items():
             slot, i = self.running[b], 0 if row is not None else b
-            tokens[i, :n] = slot.request.sequence[slot.fed: slot.fed + n]
+            tokens[i, :n] = slot.request.sequence[slot.fed : slot.fed + n]
             n_valid[i] = n
         if self._tables_changed:
             self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(self.tables.copy()))
@@ -542,16 +570,24 @@ class Scheduler:
         for b, i in rows.items():
             request = self.running[b].request
             seeds[i], counts[i] = request.seed, len(request.tokens)
-            temperature[i], top_p[i], top_k[i] = (request.sampling.temperature, request.sampling.top_p,
-                                                  min(request.sampling.top_k, np.iinfo(np.int32).max))
+            temperature[i], top_p[i], top_k[i] = (
+                request.sampling.temperature,
+                request.sampling.top_p,
+                min(request.sampling.top_k, np.iinfo(np.int32).max),
+            )
         new = np.asarray(_sample_rows(logits, *map(jnp.asarray, (seeds, counts, temperature, top_p, top_k))))
         for b, i in rows.items():
             request, token = self.running[b].request, int(new[i])
             request.tokens.append(token)
             self.counters["tokens"] += 1
             reason = None
-            if (request.stop_at_eos and token in self.eos_ids or token in request.stop_ids
-                    or request.stop and find_stop(self.detokenize(request.tokens), request.stop)[1]):
+            if (
+                request.stop_at_eos
+                and token in self.eos_ids
+                or token in request.stop_ids
+                or request.stop
+                and find_stop(self.detokenize(request.tokens), request.stop)[1]
+            ):
                 reason = "stop"
             elif len(request.tokens) >= request.max_tokens:
                 reason = "length"
@@ -584,8 +620,9 @@ class Scheduler:
                 error = f"the scheduler failed while serving this request ({type(e).__name__}: {e})"
                 self._fail([slot.request for slot in self.running if slot], error, release=True)
                 if failures >= max_failures:
-                    self.close(f"the scheduler stopped after {failures} failed steps in a row "
-                               f"({type(e).__name__}: {e})")
+                    self.close(
+                        f"the scheduler stopped after {failures} failed steps in a row ({type(e).__name__}: {e})"
+                    )
                     raise
                 continue
             if not worked:
@@ -619,8 +656,16 @@ class Scheduler:
         limit = min(self.method.max_tokens, self.engine.config.max_position_embeddings)
         n = min(self.chunk, limit - 2)
         vocab = self.engine.config.vocab_size
-        requests = [Request([(b * n + i) % vocab for i in range(n)], max_tokens=2, stop_at_eos=False,
-                            sampling=Sampling(1.0, 0.9, 8), seed=b) for b in range(self.slots)]
+        requests = [
+            Request(
+                [(b * n + i) % vocab for i in range(n)],
+                max_tokens=2,
+                stop_at_eos=False,
+                sampling=Sampling(1.0, 0.9, 8),
+                seed=b,
+            )
+            for b in range(self.slots)
+        ]
         try:
             for request in requests:
                 self.check(request)

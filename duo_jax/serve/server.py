@@ -65,13 +65,19 @@ from duo_jax.serve.scheduler import Request, Scheduler, SchedulerClosed, find_st
 log = logging.getLogger("duo_jax.serve")
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _error(message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
+def _error(
+    message: str,
+    status: int = 400,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
@@ -102,7 +108,7 @@ def _host_name(host: str) -> str:
     """The name in a Host header, without its port ("[::1]:8000" -> "::1")."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
+        return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
@@ -110,12 +116,20 @@ class Guard:
     """ASGI middleware: request ids, the security checks (module docstring), and a JSON 500 for any
     exception the routes let through (the connection stays open). `allowed_hosts` None: any Host."""
 
-    def __init__(self, app, *, api_key: str | None = None, allowed_hosts=None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, on_quiet=release_memory):
+    def __init__(
+        self,
+        app,
+        *,
+        api_key: str | None = None,
+        allowed_hosts=None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        on_quiet=release_memory,
+    ):
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
         self.on_quiet, self.inflight, self._quiet, self._last = on_quiet, 0, None, 0.0  # /v1 requests in flight
-        self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else {
-            _host_name(h) for h in allowed_hosts}
+        self.allowed_hosts = (
+            None if allowed_hosts is None or "*" in allowed_hosts else {_host_name(h) for h in allowed_hosts}
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -129,13 +143,11 @@ class Guard:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message = dict(message, headers=list(message.get("headers", [])) + [
-                    (b"x-request-id", ident.encode())])
+                message = dict(message, headers=list(message.get("headers", [])) + [(b"x-request-id", ident.encode())])
             await send(message)
 
         async def respond(status, message, kind, code=None):
-            await JSONResponse(error_body(message, kind, code=code), status_code=status)(scope, receive,
-                                                                                         send_with_id)
+            await JSONResponse(error_body(message, kind, code=code), status_code=status)(scope, receive, send_with_id)
 
         refusal = self._refusal(scope, headers)
         if refusal is not None:
@@ -156,13 +168,18 @@ class Guard:
             await self.app(scope, counted, send_with_id)
         except _TooLarge:
             if not started:
-                await respond(413, f"the body is over {self.max_request_bytes} bytes (--max-request-bytes)",
-                              "invalid_request_error", "request_too_large")
+                await respond(
+                    413,
+                    f"the body is over {self.max_request_bytes} bytes (--max-request-bytes)",
+                    "invalid_request_error",
+                    "request_too_large",
+                )
         except Exception:
             log.exception("request %s failed", ident)
             if not started:
-                await respond(500, f"internal error (request id {ident}); the server log has the details",
-                              "server_error", ident)
+                await respond(
+                    500, f"internal error (request id {ident}); the server log has the details", "server_error", ident
+                )
         finally:
             self.inflight -= api
             if api:
@@ -183,29 +200,41 @@ class Guard:
     def _refusal(self, scope, headers) -> tuple[int, str, str] | None:
         """(status, message, kind) of a request refused before it is read, or None."""
         if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
-            return 421, (f"Host {headers.get('host', '')!r} is not allowed (--allowed-hosts); allowed: "
-                         f"{', '.join(sorted(self.allowed_hosts))}"), "invalid_request_error"
+            return (
+                421,
+                (
+                    f"Host {headers.get('host', '')!r} is not allowed (--allowed-hosts); allowed: "
+                    f"{', '.join(sorted(self.allowed_hosts))}"
+                ),
+                "invalid_request_error",
+            )
         if self.api_key is not None and scope["path"].startswith("/v1/"):
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return 401, "a valid API key is required: send the header 'Authorization: Bearer <key>'", \
-                    "authentication_error"
+                return (
+                    401,
+                    "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                )
         if scope["method"] == "POST":
             media = headers.get("content-type", "").split(";")[0].strip().lower()
             if media != "application/json":
-                return 415, (f"Content-Type must be application/json, got {media or 'none'!r}"), \
-                    "invalid_request_error"
+                return 415, (f"Content-Type must be application/json, got {media or 'none'!r}"), "invalid_request_error"
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
-                return 413, (f"the body ({length} bytes) is over {self.max_request_bytes} bytes "
-                             "(--max-request-bytes)"), "invalid_request_error"
+                return (
+                    413,
+                    (f"the body ({length} bytes) is over {self.max_request_bytes} bytes (--max-request-bytes)"),
+                    "invalid_request_error",
+                )
         return None
 
 
 def held_back(text: str, stops) -> int:
     """How many characters at the end of `text` could begin one of `stops` (not to be shown yet)."""
-    return max((k for stop in stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
-                if text.endswith(stop[:k])), default=0)
+    return max(
+        (k for stop in stops for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), default=0
+    )
 
 
 class Server:
@@ -214,10 +243,20 @@ class Server:
     thread when the scheduler cannot go on. `allowed_origins`: CORS, off unless given. `on_quiet()`: run in a
     thread after each burst of API requests (default: `release_memory`)."""
 
-    def __init__(self, scheduler: Scheduler, model, name: str, *, warm_up: bool = True, on_fatal=None,
-                 api_key: str | None = None, allowed_hosts=None,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_origins=None,
-                 on_quiet=release_memory):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model,
+        name: str,
+        *,
+        warm_up: bool = True,
+        on_fatal=None,
+        api_key: str | None = None,
+        allowed_hosts=None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        allowed_origins=None,
+        on_quiet=release_memory,
+    ):
         self.scheduler, self.model, self.name = scheduler, model, name
         self.tokenizer = model.tokenizer
         self.started = time.time()
@@ -225,18 +264,33 @@ class Server:
         self.ready, self.failed = False, None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                                 allow_headers=["*"])] if allowed_origins else []
-        middleware.append(Middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts,
-                                     max_request_bytes=max_request_bytes, on_quiet=on_quiet))
-        self.app = Starlette(routes=[
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{name:path}", self.model_info, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-        ], middleware=middleware, exception_handlers={HTTPException: self._http_error}, lifespan=self.lifespan)
+        middleware = (
+            [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])]
+            if allowed_origins
+            else []
+        )
+        middleware.append(
+            Middleware(
+                Guard,
+                api_key=api_key,
+                allowed_hosts=allowed_hosts,
+                max_request_bytes=max_request_bytes,
+                on_quiet=on_quiet,
+            )
+        )
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{name:path}", self.model_info, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ],
+            middleware=middleware,
+            exception_handlers={HTTPException: self._http_error},
+            lifespan=self.lifespan,
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -275,16 +329,26 @@ class Server:
         return JSONResponse({"status": "ok"})
 
     def _model_card(self) -> dict:
-        return {"id": self.name, "object": "model", "created": int(self.started), "owned_by": "duo-jax",
-                "max_model_len": min(self.scheduler.method.max_tokens, self.model.config.max_position_embeddings)}
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "duo-jax",
+            "max_model_len": min(self.scheduler.method.max_tokens, self.model.config.max_position_embeddings),
+        }
 
     async def models(self, request: HttpRequest):
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model_info(self, request: HttpRequest):
         if request.path_params["name"] != self.name:
-            return _error(f"model {request.path_params['name']!r} is not served here (this server: "
-                          f"{self.name!r})", 404, "invalid_request_error", "model", "model_not_found")
+            return _error(
+                f"model {request.path_params['name']!r} is not served here (this server: {self.name!r})",
+                404,
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return JSONResponse(self._model_card())
 
     async def metrics(self, request: HttpRequest):
@@ -294,16 +358,28 @@ class Server:
             ("requests_total", "counter", "requests accepted", c["requests"]),
             ("requests_finished_total", "counter", "requests finished", c["finished"]),
             ("generated_tokens_total", "counter", "tokens generated", c["tokens"]),
-            ("prompt_tokens_total", "counter", "prompt tokens prefilled (recomputed ones included)",
-             c["prompt_tokens"]),
+            (
+                "prompt_tokens_total",
+                "counter",
+                "prompt tokens prefilled (recomputed ones included)",
+                c["prompt_tokens"],
+            ),
             ("steps_total", "counter", "scheduler steps run", c["steps"]),
             ("step_calls_total", "counter", "compiled calls run (a split mixed step makes two)", c["calls"]),
-            ("step_row_tokens_total", "counter", "positions computed: batch x T of every call, padding included",
-             c["row_tokens"]),
+            (
+                "step_row_tokens_total",
+                "counter",
+                "positions computed: batch x T of every call, padding included",
+                c["row_tokens"],
+            ),
             ("preemptions_total", "counter", "requests preempted for pages", c["preemptions"]),
             ("cancelled_total", "counter", "requests cancelled (client gone)", c["cancelled"]),
-            ("prefix_reused_tokens_total", "counter", "prompt tokens not prefilled: shared prefix pages",
-             c["prefix_tokens"]),
+            (
+                "prefix_reused_tokens_total",
+                "counter",
+                "prompt tokens not prefilled: shared prefix pages",
+                c["prefix_tokens"],
+            ),
             ("requests_running", "gauge", "requests in a slot", sum(1 for slot in s.running if slot)),
             ("requests_queued", "gauge", "requests waiting for a slot or pages", len(s.queue) + s.inbox.qsize()),
             ("pages_in_use", "gauge", "KV pages held by requests", s.pages_in_use()),
@@ -331,8 +407,14 @@ class Server:
             prompt, parsed = await anyio.to_thread.run_sync(self._prepare, body, chat)
             tokens: asyncio.Queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
-            job = Request(prompt, max_tokens=parsed.max_tokens, sampling=parsed.sampling, seed=parsed.seed,
-                          stop=parsed.stop, on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t))
+            job = Request(
+                prompt,
+                max_tokens=parsed.max_tokens,
+                sampling=parsed.sampling,
+                seed=parsed.seed,
+                stop=parsed.stop,
+                on_token=lambda r, t: loop.call_soon_threadsafe(tokens.put_nowait, t),
+            )
             self.scheduler.submit(job)
         except BadRequest as e:
             return _error(str(e), e.status, e.kind, e.param)
@@ -348,11 +430,15 @@ class Server:
         if not await self._collect(http, job, tokens):
             return _error("the client disconnected", 499, "cancelled")
         if job.finish_reason == "error":
-            return _error(f"{job.error} (request id {http.state.request_id})", 500, "server_error",
-                          code=http.state.request_id)
+            return _error(
+                f"{job.error} (request id {http.state.request_id})", 500, "server_error", code=http.state.request_id
+            )
         text = self._text(job)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                  else {"index": 0, "text": text, "logprobs": None})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}}
+            if chat
+            else {"index": 0, "text": text, "logprobs": None}
+        )
         return JSONResponse(self._envelope(ident, chat, dict(choice, finish_reason=job.finish_reason), job))
 
     def _prepare(self, body: bytes, chat: bool) -> tuple[list[int], Parsed]:
@@ -362,8 +448,9 @@ class Server:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BadRequest("the body is not JSON") from None
         if self.tokenizer is None and (chat or isinstance(parsed.prompt, str)):
-            raise BadRequest("this model has no tokenizer: send the prompt as token ids",
-                             "messages" if chat else "prompt")
+            raise BadRequest(
+                "this model has no tokenizer: send the prompt as token ids", "messages" if chat else "prompt"
+            )
         if chat:
             return list(chat_prompts(self.model, [parsed.messages], True)[0]), parsed
         prompt = parsed.prompt
@@ -371,6 +458,7 @@ class Server:
 
     async def _collect(self, http: HttpRequest, job: Request, tokens: asyncio.Queue) -> bool:
         """Wait for the end of `job`; False (and the job cancelled) if the client disconnects first."""
+
         async def disconnected():
             while (await http.receive())["type"] != "http.disconnect":
                 pass
@@ -397,12 +485,19 @@ class Server:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     def _envelope(self, ident: str, chat: bool, choice: dict, job: Request | None = None, chunk: bool = False):
-        out = {"id": ident, "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat
-                                                                                          else ""),
-               "created": int(time.time()), "model": self.name, "choices": [choice]}
+        out = {
+            "id": ident,
+            "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else ""),
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": [choice],
+        }
         if job is not None:
-            out["usage"] = {"prompt_tokens": len(job.prompt), "completion_tokens": len(job.tokens),
-                            "total_tokens": len(job.prompt) + len(job.tokens)}
+            out["usage"] = {
+                "prompt_tokens": len(job.prompt),
+                "completion_tokens": len(job.tokens),
+                "total_tokens": len(job.prompt) + len(job.tokens),
+            }
         return out
 
     async def _events(self, job: Request, tokens: asyncio.Queue, ident: str, chat: bool):
@@ -418,12 +513,17 @@ class Server:
                 ids.append(token)
                 text, stopped = find_stop(self._decode(ids), job.stop)
                 if not stopped:
-                    text = text[:len(text) - held_back(text, job.stop)]
+                    text = text[: len(text) - held_back(text, job.stop)]
                 if text.endswith("\ufffd") or len(text) <= len(sent) or not text.startswith(sent):
                     continue
-                delta, sent = text[len(sent):], text
-                yield self._event(ident, chat, {"index": 0, "delta": {"content": delta}, "finish_reason": None}
-                                  if chat else {"index": 0, "text": delta, "logprobs": None, "finish_reason": None})
+                delta, sent = text[len(sent) :], text
+                yield self._event(
+                    ident,
+                    chat,
+                    {"index": 0, "delta": {"content": delta}, "finish_reason": None}
+                    if chat
+                    else {"index": 0, "text": delta, "logprobs": None, "finish_reason": None},
+                )
         finally:
             if not job.done.is_set():
                 self.scheduler.cancel(job)
@@ -432,9 +532,12 @@ class Server:
             yield "data: [DONE]\n\n"
             return
         text = self._text(job)
-        rest = text[len(sent):] if text.startswith(sent) else ""
-        last = ({"index": 0, "delta": {"content": rest} if rest else {}, "finish_reason": job.finish_reason} if chat
-                else {"index": 0, "text": rest, "logprobs": None, "finish_reason": job.finish_reason})
+        rest = text[len(sent) :] if text.startswith(sent) else ""
+        last = (
+            {"index": 0, "delta": {"content": rest} if rest else {}, "finish_reason": job.finish_reason}
+            if chat
+            else {"index": 0, "text": rest, "logprobs": None, "finish_reason": job.finish_reason}
+        )
         yield self._event(ident, chat, last, job)
         yield "data: [DONE]\n\n"
 

@@ -56,8 +56,19 @@ def _compiler() -> str | None:
 
 def build_command(output: str | os.PathLike) -> list[str]:
     """The compiler command that builds the kernel library at `output`."""
-    return [_compiler() or "g++", "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(output)]
+    return [
+        _compiler() or "g++",
+        "-O3",
+        "-march=native",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-w",
+        f"-I{jax.ffi.include_dir()}",
+        str(SOURCE),
+        "-o",
+        str(output),
+    ]
 
 
 def _cpu_signature() -> str:
@@ -69,8 +80,11 @@ def _cpu_signature() -> str:
 
 
 def _library_path() -> pathlib.Path:
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(build_command("x")), jax.__version__,
-                                    platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\n".join(
+            [SOURCE.read_text(), " ".join(build_command("x")), jax.__version__, platform.machine(), _cpu_signature()]
+        ).encode()
+    ).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("DUO_JAX_CACHE", pathlib.Path.home() / ".cache" / "duo-jax"))
     return cache / "cpu_kernels" / f"flash_attention-{key}.so"
 
@@ -85,7 +99,7 @@ def _load() -> tuple[bool, str | None]:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # build aside, then move in: atomic for
-                built = pathlib.Path(tmp) / path.name                  # processes building at the same time
+                built = pathlib.Path(tmp) / path.name  # processes building at the same time
                 result = subprocess.run(build_command(built), capture_output=True, text=True)
                 if result.returncode != 0:
                     return False, f"building it failed: {' '.join(build_command(path))}\n{result.stderr[-2000:]}"
@@ -111,9 +125,19 @@ def unavailable() -> str | None:
     return _load()[1]
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset, kv_len, *, k_positions=None,
-                    scale: float | None = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
-                    num_threads: int = 0) -> jax.Array:
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offset,
+    kv_len,
+    *,
+    k_positions=None,
+    scale: float | None = None,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    num_threads: int = 0,
+) -> jax.Array:
     """Causal attention: q [B, T, H, E], k / v [B, S, Kh, E] float32 (H a multiple of Kh, E a multiple of 8),
     q_offset / kv_len int32 [B] (or scalars), k_positions None (slot = position) or int32 [B, S] (-1: empty) ->
     [B, T, H, E] float32. `num_threads` 0: XLA's intra-op pool and the calling thread; n: at most n threads.
@@ -126,8 +150,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset, kv_len, 
             raise TypeError(f"the CPU attention kernel takes float32; {name} is {x.dtype}")
     B, T, H, E = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != E or H % k.shape[2] or E % 8:
-        raise ValueError(f"q [B, T, H, E] and k / v [B, S, Kh, E] with H % Kh == 0 and E % 8 == 0 expected, "
-                         f"got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"q [B, T, H, E] and k / v [B, S, Kh, E] with H % Kh == 0 and E % 8 == 0 expected, "
+            f"got {q.shape}, {k.shape}, {v.shape}"
+        )
     scale = 1.0 / float(np.sqrt(E)) if scale is None else float(scale)
     per_batch = [jnp.broadcast_to(jnp.asarray(x, jnp.int32).reshape(-1), (B,)) for x in (q_offset, kv_len)]
     operands = [q, k, v, *per_batch]
@@ -135,7 +161,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset, kv_len, 
         if k_positions.shape != k.shape[:2]:
             raise ValueError(f"k_positions must be [B, S] = {k.shape[:2]}, got {k_positions.shape}")
         operands.append(jnp.asarray(k_positions, jnp.int32))
-    call = jax.ffi.ffi_call(TARGET if k_positions is None else TARGET_AT, jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                            vmap_method="sequential")
-    return call(*operands, scale=np.float32(scale), block_q=np.int64(block_q), block_k=np.int64(block_k),
-                num_threads=np.int64(num_threads))
+    call = jax.ffi.ffi_call(
+        TARGET if k_positions is None else TARGET_AT,
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(
+        *operands,
+        scale=np.float32(scale),
+        block_q=np.int64(block_q),
+        block_k=np.int64(block_k),
+        num_threads=np.int64(num_threads),
+    )

@@ -59,8 +59,10 @@ def check_tpu_block(name: str, value: int) -> None:
     """Sequence blocks are multiples of 128: a lane tile, so a block is also legal as the last dim
     of a [.., block] row (TPU tiles a block's last two dims by (8, 128))."""
     if not isinstance(value, (int, np.integer)) or value <= 0 or value % LANES:
-        raise ValueError(f"{name} must be a positive multiple of {LANES} on TPU "
-                         f"(the (8, 128) tiling of a block's last two dims), got {value!r}.")
+        raise ValueError(
+            f"{name} must be a positive multiple of {LANES} on TPU "
+            f"(the (8, 128) tiling of a block's last two dims), got {value!r}."
+        )
 
 
 def tpu_block(block: int, length: int) -> int:

@@ -67,15 +67,16 @@ from pallas_kernels.tpu import _mosaic
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """Static description of one call (hashable: a custom_vjp nondiff arg)."""
-    seq_q: int            # True number of queries; the arrays are padded past it.
+
+    seq_q: int  # True number of queries; the arrays are padded past it.
     causal: bool
-    sink: int | None      # Λ window; None for dense attention.
+    sink: int | None  # Λ window; None for dense attention.
     recent: int | None
     scale: float
     block_q: int
     block_k: int
-    group: int            # Query heads per KV head.
-    interpret: object     # See `_mosaic.interpret_mode`.
+    group: int  # Query heads per KV head.
+    interpret: object  # See `_mosaic.interpret_mode`.
     positions: bool = False  # Explicit query and key positions (two operands), not q_offset + i and j.
     kv_quant: str | None = None  # k / v are int8 codes with scales ("int8", "int4"): forward only
 
@@ -103,8 +104,7 @@ class _Config:
         return min(num_q_blocks, _common.cdiv(self.block_k + self.recent - 1, self.block_q) + 1)
 
     def params(self):
-        return _mosaic.compiler_params(("parallel", "parallel", "parallel", "arbitrary"),
-                                       self.interpret)
+        return _mosaic.compiler_params(("parallel", "parallel", "parallel", "arbitrary"), self.interpret)
 
 
 def _dot(a, b, contract: str):
@@ -112,8 +112,7 @@ def _dot(a, b, contract: str):
     return jnp.einsum(contract, a, b, preferred_element_type=jnp.float32)
 
 
-def _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *,
-               keys_major: bool = False):
+def _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *, keys_major: bool = False):
     """[bq, bk] mask of one tile ([bk, bq] when keys_major: the dk/dv kernel's orientation); pos:
     None, or the tile's (query positions, key positions), a [bq, 1] column and a [1, bk] row
     (a [1, bq] row and a [bk, 1] column when keys_major)."""
@@ -121,8 +120,9 @@ def _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *,
     shape, q_axis = ((cfg.block_k, cfg.block_q), 1) if keys_major else ((cfg.block_q, cfg.block_k), 0)
     rows = q_block * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     cols = kv_block * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-    return _common.attention_mask(rows, cols, q_offset=q_offset, kv_len=kv_len,
-                                  seq_q=cfg.seq_q, q_pos=q_pos, k_pos=k_pos, **cfg.window)
+    return _common.attention_mask(
+        rows, cols, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q, q_pos=q_pos, k_pos=k_pos, **cfg.window
+    )
 
 
 def _kv_visit(q_block, step, q_offset, kv_len, cfg: _Config, num_kv_blocks: int):
@@ -131,8 +131,14 @@ def _kv_visit(q_block, step, q_offset, kv_len, cfg: _Config, num_kv_blocks: int)
     Steps past the schedule repeat its last block (no new DMA); an empty schedule points at block 0.
     """
     sink_end, band_start, end = _common.kv_block_schedule(
-        q_block, q_offset=q_offset, kv_len=kv_len, seq_q=cfg.seq_q, block_q=cfg.block_q,
-        block_k=cfg.block_k, **cfg.schedule)
+        q_block,
+        q_offset=q_offset,
+        kv_len=kv_len,
+        seq_q=cfg.seq_q,
+        block_q=cfg.block_q,
+        block_k=cfg.block_k,
+        **cfg.schedule,
+    )
     count = sink_end + end - band_start
     clamped = jnp.clip(step, 0, jnp.maximum(count - 1, 0))
     block = jnp.where(clamped < sink_end, clamped, clamped - sink_end + band_start)
@@ -142,14 +148,19 @@ def _kv_visit(q_block, step, q_offset, kv_len, cfg: _Config, num_kv_blocks: int)
 def _q_visit(kv_block, step, q_offset, kv_len, cfg: _Config, num_q_blocks: int):
     """(Query block that KV block `kv_block` meets at inner step `step`, whether the step is real)."""
     start, end = _common.q_block_schedule(
-        kv_block, q_offset=q_offset, kv_len=kv_len, num_q_blocks=num_q_blocks,
-        block_q=cfg.block_q, block_k=cfg.block_k, **cfg.schedule)
+        kv_block,
+        q_offset=q_offset,
+        kv_len=kv_len,
+        num_q_blocks=num_q_blocks,
+        block_q=cfg.block_q,
+        block_k=cfg.block_k,
+        **cfg.schedule,
+    )
     block = start + jnp.clip(step, 0, jnp.maximum(end - start - 1, 0))
     return jnp.clip(block, 0, num_q_blocks - 1), step < end - start
 
 
-def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *,
-                   keys_major: bool = False):
+def _probabilities(a, b, lse, q_block, kv_block, q_offset, kv_len, pos, cfg: _Config, *, keys_major: bool = False):
     """P = exp(scale q k^T - lse), zero where masked: a = q, b = k gives [bq, bk] (lse a column);
     keys_major, a = k, b = q gives P^T [bk, bq] (lse a row), so every matmul here is A B or A B^T."""
     s = _dot(a, b, "ad,bd->ab") * cfg.scale
@@ -167,10 +178,16 @@ def _split_positions(refs, cfg: _Config):
 # ------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
-                q_ref, k_ref, v_ref,  # inputs
-                *refs,  # (k, v scales when quantized; query and key positions when cfg.positions); outputs o,
-                cfg: _Config, num_kv_blocks: int):  # lse; scratch
+def _fwd_kernel(
+    q_offset_ref,
+    kv_len_ref,  # scalar prefetch
+    q_ref,
+    k_ref,
+    v_ref,  # inputs
+    *refs,  # (k, v scales when quantized; query and key positions when cfg.positions); outputs o,
+    cfg: _Config,
+    num_kv_blocks: int,
+):  # lse; scratch
     (k_scale_ref, v_scale_ref), refs = (refs[:2], refs[2:]) if cfg.kv_quant else ((None, None), refs)
     pos, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_positions(refs, cfg)
     parts = _common.kv_parts(cfg.kv_quant)
@@ -190,9 +207,14 @@ def _fwd_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     @pl.when(real)
     def _accumulate():
         tile = lambda ref, scale_ref: _common.dequantize_tile(  # noqa: E731  [parts][bk, D / parts]
-            ref[...], None if scale_ref is None else scale_ref[...], cfg.kv_quant, q_ref.dtype)
-        s = functools.reduce(operator.add, [_dot(q[...], k, "qd,kd->qk")
-                                            for q, k in zip(q_parts, tile(k_ref, k_scale_ref))]) * cfg.scale
+            ref[...], None if scale_ref is None else scale_ref[...], cfg.kv_quant, q_ref.dtype
+        )
+        s = (
+            functools.reduce(
+                operator.add, [_dot(q[...], k, "qd,kd->qk") for q, k in zip(q_parts, tile(k_ref, k_scale_ref))]
+            )
+            * cfg.scale
+        )
         mask = _tile_mask(q_block, kv_block, q_offset, kv_len, pos, cfg)
         s = jnp.where(mask, s, _common.MASK_VALUE)
         m = m_scr[...]
@@ -217,6 +239,7 @@ def _specs(cfg: _Config, head_dim: int, num_q_blocks: int, num_kv_blocks: int):
     """BlockSpecs for grid (b, h, i, t): query tiles at block i, KV tiles at the visited block, and
     with cfg.positions the query positions' [bq, 1] column of block i and the key positions' [1, bk]
     row of the visited block ([B, T, 1] and [B, 1, S] operands; `positions`: [] or both)."""
+
     def kv_map(b, h, i, t, q_offset_ref, kv_len_ref):
         block, _ = _kv_visit(i, t, q_offset_ref[b], kv_len_ref[b], cfg, num_kv_blocks)
         return b, lax.div(h, cfg.group), block, 0  # lax.div: `//` lowers through sign
@@ -228,8 +251,14 @@ def _specs(cfg: _Config, head_dim: int, num_q_blocks: int, num_kv_blocks: int):
     q_tile = pl.BlockSpec((None, None, cfg.block_q, head_dim), lambda b, h, i, t, *_: (b, h, i, 0))
     stats = pl.BlockSpec((None, None, cfg.block_q, 1), lambda b, h, i, t, *_: (b, h, i, 0))
     kv_tile = pl.BlockSpec((None, None, cfg.block_k, head_dim), kv_map)
-    positions = [pl.BlockSpec((None, cfg.block_q, 1), lambda b, h, i, t, *_: (b, i, 0)),
-                 pl.BlockSpec((None, 1, cfg.block_k), row_map)] if cfg.positions else []
+    positions = (
+        [
+            pl.BlockSpec((None, cfg.block_q, 1), lambda b, h, i, t, *_: (b, i, 0)),
+            pl.BlockSpec((None, 1, cfg.block_k), row_map),
+        ]
+        if cfg.positions
+        else []
+    )
     return q_tile, stats, kv_tile, positions
 
 
@@ -252,8 +281,9 @@ def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config, scales=()):
     q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
     parts, acc = _common.kv_parts(cfg.kv_quant), (cfg.block_q, head_dim)
     if cfg.kv_quant is not None:  # codes' and scales' tiles at the same blocks as K / V's; q, o, acc in parts
-        code_tile, scale_tile = (pl.BlockSpec((None, None, cfg.block_k, width), kv_tile.index_map)
-                                 for width in (k.shape[-1], 1))
+        code_tile, scale_tile = (
+            pl.BlockSpec((None, None, cfg.block_k, width), kv_tile.index_map) for width in (k.shape[-1], 1)
+        )
         kv_tile = [code_tile, code_tile, scale_tile, scale_tile]
         width = head_dim // parts  # [B, H, T, D] -> [B, H, parts, T, D / parts]
         q = jnp.swapaxes(q.reshape(batch, num_heads, seq_q_padded, parts, width), 2, 3)
@@ -266,15 +296,19 @@ def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config, scales=()):
         grid=(batch, num_heads, num_q_blocks, cfg.kv_steps(num_kv_blocks)),
         in_specs=[q_tile, *kv_tile, *positions],
         out_specs=[q_tile, stats],
-        scratch_shapes=[pltpu.VMEM((cfg.block_q, 1), jnp.float32),
-                        pltpu.VMEM((cfg.block_q, 1), jnp.float32),
-                        pltpu.VMEM(acc, jnp.float32)],
+        scratch_shapes=[
+            pltpu.VMEM((cfg.block_q, 1), jnp.float32),
+            pltpu.VMEM((cfg.block_q, 1), jnp.float32),
+            pltpu.VMEM(acc, jnp.float32),
+        ],
     )
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, num_kv_blocks=num_kv_blocks),
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, num_heads, seq_q_padded, 1), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, num_heads, seq_q_padded, 1), jnp.float32),
+        ],
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_fwd",
@@ -289,10 +323,19 @@ def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config, scales=()):
 #   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ = scale dS K,  dK = scale dS^T Q.
 
 
-def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
-               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs
-               *refs,  # (positions); output dq; scratch
-               cfg: _Config, num_kv_blocks: int):
+def _dq_kernel(
+    q_offset_ref,
+    kv_len_ref,  # scalar prefetch
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,  # inputs
+    *refs,  # (positions); output dq; scratch
+    cfg: _Config,
+    num_kv_blocks: int,
+):
     pos, (dq_ref, dq_scr) = _split_positions(refs, cfg)
     b, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
@@ -305,8 +348,7 @@ def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     @pl.when(real)
     def _accumulate():
         k = k_ref[...]
-        p = _probabilities(q_ref[...], k, lse_ref[...], q_block, kv_block, q_offset, kv_len,
-                           pos, cfg)
+        p = _probabilities(q_ref[...], k, lse_ref[...], q_block, kv_block, q_offset, kv_len, pos, cfg)
         dp = _dot(do_ref[...], v_ref[...], "qd,kd->qk")
         ds = p * (dp - delta_ref[...])
         dq_scr[...] += _dot(ds.astype(k.dtype), k, "qk,kd->qd")
@@ -316,10 +358,19 @@ def _dq_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
         dq_ref[...] = (dq_scr[...] * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,  # inputs
-                *refs,  # (positions, keys-major); outputs dk, dv; scratch
-                cfg: _Config, num_q_blocks: int):
+def _dkv_kernel(
+    q_offset_ref,
+    kv_len_ref,  # scalar prefetch
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,  # inputs
+    *refs,  # (positions, keys-major); outputs dk, dv; scratch
+    cfg: _Config,
+    num_q_blocks: int,
+):
     pos, (dk_ref, dv_ref, dk_scr, dv_scr) = _split_positions(refs, cfg)
     b, kv_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
@@ -333,8 +384,7 @@ def _dkv_kernel(q_offset_ref, kv_len_ref,  # scalar prefetch
     @pl.when(real)
     def _accumulate():  # Keys-major: P^T and dS^T [bk, bq], lse and delta rows [1, bq].
         q, k, do = q_ref[...], k_ref[...], do_ref[...]
-        p_t = _probabilities(k, q, lse_ref[...], q_block, kv_block, q_offset, kv_len,
-                             pos, cfg, keys_major=True)
+        p_t = _probabilities(k, q, lse_ref[...], q_block, kv_block, q_offset, kv_len, pos, cfg, keys_major=True)
         dv_scr[...] += _dot(p_t.astype(do.dtype), do, "kq,qd->kd")
         dp_t = _dot(v_ref[...], do, "kd,qd->kq")
         ds_t = p_t * (dp_t - delta_ref[...])
@@ -364,7 +414,8 @@ def _backward(cfg: _Config, residuals, do):
             grid=(batch, num_heads, num_q_blocks, cfg.kv_steps(num_kv_blocks)),
             in_specs=[q_tile, kv_tile, kv_tile, q_tile, stats, stats, *positions],
             out_specs=q_tile,
-            scratch_shapes=[scratch(cfg.block_q)]),
+            scratch_shapes=[scratch(cfg.block_q)],
+        ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
@@ -382,29 +433,31 @@ def _backward(cfg: _Config, residuals, do):
 
     q_visited = pl.BlockSpec((None, None, cfg.block_q, head_dim), q_map)
     stats_visited = pl.BlockSpec((None, None, 1, cfg.block_q), row_map)
-    kv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim),
-                          lambda b, h, j, t, *_: (b, lax.div(h, cfg.group), j, 0))
+    kv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim), lambda b, h, j, t, *_: (b, lax.div(h, cfg.group), j, 0))
     dkv_own = pl.BlockSpec((None, None, cfg.block_k, head_dim), lambda b, h, j, t, *_: (b, h, j, 0))
-    positions_own = [  # the visited query block's positions (a row), this key block's (a column)
-        pl.BlockSpec((None, 1, cfg.block_q), lambda *args: (args[0], 0, q_map(*args)[2])),
-        pl.BlockSpec((None, cfg.block_k, 1), lambda b, h, j, t, *_: (b, j, 0)),
-    ] if cfg.positions else []
+    positions_own = (
+        [  # the visited query block's positions (a row), this key block's (a column)
+            pl.BlockSpec((None, 1, cfg.block_q), lambda *args: (args[0], 0, q_map(*args)[2])),
+            pl.BlockSpec((None, cfg.block_k, 1), lambda b, h, j, t, *_: (b, j, 0)),
+        ]
+        if cfg.positions
+        else []
+    )
     per_q_head = jax.ShapeDtypeStruct((batch, num_heads, seq_k_padded, head_dim), jnp.float32)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, num_q_blocks=num_q_blocks),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, num_heads, num_kv_blocks, cfg.q_steps(num_q_blocks)),
-            in_specs=[q_visited, kv_own, kv_own, q_visited, stats_visited, stats_visited,
-                      *positions_own],
+            in_specs=[q_visited, kv_own, kv_own, q_visited, stats_visited, stats_visited, *positions_own],
             out_specs=[dkv_own, dkv_own],
-            scratch_shapes=[scratch(cfg.block_k), scratch(cfg.block_k)]),
+            scratch_shapes=[scratch(cfg.block_k), scratch(cfg.block_k)],
+        ),
         out_shape=[per_q_head, per_q_head],
         compiler_params=cfg.params(),
         interpret=cfg.interpret,
         name="tpu_block_sparse_attention_dkv",
-    )(q_offset, kv_len, q, k, v, do, rows(lse), rows(delta),
-      *_position_operands(pos, keys_major=True))
+    )(q_offset, kv_len, q, k, v, do, rows(lse), rows(delta), *_position_operands(pos, keys_major=True))
 
     def sum_groups(x):  # [B, Hkv * G, S, D] -> [B, Hkv, S, D]
         x = x.reshape(batch, num_kv_heads, cfg.group, seq_k_padded, head_dim)
@@ -426,9 +479,24 @@ def _attention_fwd(q, k, v, q_offset, kv_len, pos, cfg: _Config):
 _attention.defvjp(_attention_fwd, _backward)
 
 
-def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None,
-                           q_offset, kv_len, scale: float, block_q: int, block_k: int, interpret,
-                           positions=None, scales=None, kv_quant: str | None = None):
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    sink: int | None,
+    recent: int | None,
+    q_offset,
+    kv_len,
+    scale: float,
+    block_q: int,
+    block_k: int,
+    interpret,
+    positions=None,
+    scales=None,
+    kv_quant: str | None = None,
+):
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; q_offset and kv_len int32 [B];
     positions None (query i at q_offset + i, key j at j) or (q_positions int32 [B, T],
     k_positions int32 [B, S], -1: an empty slot); q_offset is then unused. With `kv_quant`, k / v
@@ -439,18 +507,28 @@ def block_sparse_attention(q, k, v, *, causal: bool, sink: int | None, recent: i
     """
     batch, seq_q, num_heads, head_dim = q.shape
     seq_k = k.shape[1]
-    cfg = _Config(seq_q=seq_q, causal=causal, sink=sink, recent=recent, scale=scale,
-                  block_q=_mosaic.tpu_block(block_q, seq_q),
-                  block_k=_mosaic.tpu_block(block_k, seq_k),
-                  group=num_heads // k.shape[2], interpret=interpret,
-                  positions=positions is not None, kv_quant=kv_quant)
+    cfg = _Config(
+        seq_q=seq_q,
+        causal=causal,
+        sink=sink,
+        recent=recent,
+        scale=scale,
+        block_q=_mosaic.tpu_block(block_q, seq_q),
+        block_k=_mosaic.tpu_block(block_k, seq_k),
+        group=num_heads // k.shape[2],
+        interpret=interpret,
+        positions=positions is not None,
+        kv_quant=kv_quant,
+    )
     kv_len = jnp.minimum(kv_len, seq_k)
     q = _mosaic.pad_axis(_mosaic.heads_major(q), 2, cfg.block_q)
     k, v = (_mosaic.pad_axis(_mosaic.heads_major(x), 2, cfg.block_k) for x in (k, v))
     if positions is not None:  # padded key slots are empty (-1), as well as past kv_len
         q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in positions)
-        positions = (_mosaic.pad_axis(q_pos, 1, cfg.block_q),
-                     jnp.pad(k_pos, ((0, 0), (0, k.shape[2] - seq_k)), constant_values=-1))
+        positions = (
+            _mosaic.pad_axis(q_pos, 1, cfg.block_q),
+            jnp.pad(k_pos, ((0, 0), (0, k.shape[2] - seq_k)), constant_values=-1),
+        )
     if kv_quant is not None:  # inference over codes: no gradient to define
         scales = tuple(_mosaic.pad_axis(_mosaic.heads_major(x), 2, cfg.block_k) for x in scales)
         o, _ = _forward(q, k, v, q_offset, kv_len, positions, cfg, scales)

@@ -45,9 +45,17 @@ from pallas_kernels import _common
 from pallas_kernels.tpu import _mosaic
 
 
-def _split_kernel(lengths_ref,  # scalar prefetch
-                  q_ref, k_ref, v_ref, *refs,  # inputs (+ scales when quantized), outputs, scratch
-                  scale: float, block_k: int, blocks_per_split: int, kv_quant: str | None):
+def _split_kernel(
+    lengths_ref,  # scalar prefetch
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,  # inputs (+ scales when quantized), outputs, scratch
+    scale: float,
+    block_k: int,
+    blocks_per_split: int,
+    kv_quant: str | None,
+):
     if kv_quant is None:
         (o_ref, m_ref, l_ref, m_scr, l_scr, acc_scr), k_scale_ref, v_scale_ref = refs, None, None
     else:
@@ -76,9 +84,16 @@ def _split_kernel(lengths_ref,  # scalar prefetch
         mask = cols < lengths_ref[b]
         for h in range(num_kv_heads):  # static: KV head h and its G query heads
             ks, vs = head_tile(k_ref, k_scale_ref, h), head_tile(v_ref, v_scale_ref, h)
-            s = functools.reduce(operator.add, [
-                jnp.einsum("gd,kd->gk", q_ref[h, i], k, preferred_element_type=jnp.float32)
-                for i, k in enumerate(ks)]) * scale
+            s = (
+                functools.reduce(
+                    operator.add,
+                    [
+                        jnp.einsum("gd,kd->gk", q_ref[h, i], k, preferred_element_type=jnp.float32)
+                        for i, k in enumerate(ks)
+                    ],
+                )
+                * scale
+            )
             s = jnp.where(mask, s, _common.MASK_VALUE)
             m = m_scr[h]  # [G, 1]
             m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
@@ -87,7 +102,8 @@ def _split_kernel(lengths_ref,  # scalar prefetch
             l_scr[h] = correction * l_scr[h] + p.sum(axis=-1, keepdims=True)
             for i, v in enumerate(vs):
                 acc_scr[h, i] = correction * acc_scr[h, i] + jnp.einsum(
-                    "gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+                    "gk,kd->gd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
+                )
             m_scr[h] = m_new
 
     @pl.when(step == pl.num_programs(2) - 1)
@@ -97,10 +113,20 @@ def _split_kernel(lengths_ref,  # scalar prefetch
         l_ref[...] = l_scr[...]
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-                     scale: float | None = None, block_k: int = 128, num_splits: int = 16,
-                     k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                     kv_quant: str | None = None, interpret=None) -> jax.Array:
+def decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    block_k: int = 128,
+    num_splits: int = 16,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    kv_quant: str | None = None,
+    interpret=None,
+) -> jax.Array:
     """Single-token attention over a KV cache on TPU, split along the keys.
 
     Args:
@@ -153,21 +179,29 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     q = jnp.swapaxes(q.reshape(batch, num_kv_heads, group, parts, width), 2, 3)
     kv_tiles = [pl.BlockSpec((None, block_k, x.shape[-1]), kv_map) for x in cache]
     per_split = lambda *shape: pl.BlockSpec(  # noqa: E731
-        (None, None, num_kv_heads) + shape, lambda b, split, step, _: (b, split) + (0,) * (1 + len(shape)))
+        (None, None, num_kv_heads) + shape, lambda b, split, step, _: (b, split) + (0,) * (1 + len(shape))
+    )
     partial_out = lambda *shape: jax.ShapeDtypeStruct(  # noqa: E731
-        (batch, num_splits, num_kv_heads) + shape, jnp.float32)
+        (batch, num_splits, num_kv_heads) + shape, jnp.float32
+    )
     o, m, l = pl.pallas_call(
-        functools.partial(_split_kernel, scale=scale, block_k=block_k,
-                          blocks_per_split=blocks_per_split, kv_quant=kv_quant),
+        functools.partial(
+            _split_kernel, scale=scale, block_k=block_k, blocks_per_split=blocks_per_split, kv_quant=kv_quant
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(batch, num_splits, blocks_per_split),
-            in_specs=[pl.BlockSpec((None, num_kv_heads, parts, group, width),
-                                   lambda b, split, step, _: (b, 0, 0, 0, 0))] + kv_tiles,
+            in_specs=[
+                pl.BlockSpec((None, num_kv_heads, parts, group, width), lambda b, split, step, _: (b, 0, 0, 0, 0))
+            ]
+            + kv_tiles,
             out_specs=[per_split(parts, group, width), per_split(group, 1), per_split(group, 1)],
-            scratch_shapes=[pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
-                            pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
-                            pltpu.VMEM((num_kv_heads, parts, group, width), jnp.float32)]),
+            scratch_shapes=[
+                pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
+                pltpu.VMEM((num_kv_heads, group, 1), jnp.float32),
+                pltpu.VMEM((num_kv_heads, parts, group, width), jnp.float32),
+            ],
+        ),
         out_shape=[partial_out(parts, group, width), partial_out(group, 1), partial_out(group, 1)],
         compiler_params=_mosaic.compiler_params(("parallel", "parallel", "arbitrary"), interpret),
         interpret=interpret,

@@ -30,8 +30,7 @@ def _static_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _every_query_sees_a_key(*, seq_q: int, q_offset: int, kv_len: int, sink: int | None,
-                            recent: int | None) -> bool:
+def _every_query_sees_a_key(*, seq_q: int, q_offset: int, kv_len: int, sink: int | None, recent: int | None) -> bool:
     if kv_len < 1 or q_offset < 0:
         return False
     if recent is None or sink > 0:  # Key 0 is visible to every query.
@@ -40,27 +39,44 @@ def _every_query_sees_a_key(*, seq_q: int, q_offset: int, kv_len: int, sink: int
     return q_offset + seq_q - kv_len < recent
 
 
-def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | None, q_offset,
-                     kv_len, scale: float | None, block_q: int, block_k: int,
-                     interpret, q_positions=None, k_positions=None, k_scale=None, v_scale=None,
-                     kv_quant: str | None = None) -> jax.Array:
+def masked_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    sink: int | None,
+    recent: int | None,
+    q_offset,
+    kv_len,
+    scale: float | None,
+    block_q: int,
+    block_k: int,
+    interpret,
+    q_positions=None,
+    k_positions=None,
+    k_scale=None,
+    v_scale=None,
+    kv_quant: str | None = None,
+) -> jax.Array:
     """Checks the arguments and runs splash attention or the own kernel (see the module docstring)."""
     _common.check_cache(q, k, v, k_scale, v_scale, kv_quant, q_ndim=4)
     positions = None
     if k_positions is not None:
         if tuple(k_positions.shape) != k.shape[:2]:
-            raise ValueError(f"k_positions must be int32 [B, S] = {k.shape[:2]} (one position per key "
-                             f"slot), got shape {tuple(k_positions.shape)}.")
+            raise ValueError(
+                f"k_positions must be int32 [B, S] = {k.shape[:2]} (one position per key "
+                f"slot), got shape {tuple(k_positions.shape)}."
+            )
         if q_positions is None:
-            q_positions = (_common.per_batch(q_offset, q.shape[0], 0)[:, None]
-                           + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :])
+            q_positions = (
+                _common.per_batch(q_offset, q.shape[0], 0)[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+            )
         if tuple(q_positions.shape) != q.shape[:2]:
-            raise ValueError(f"q_positions must be int32 [B, T] = {q.shape[:2]}, got shape "
-                             f"{tuple(q_positions.shape)}.")
+            raise ValueError(f"q_positions must be int32 [B, T] = {q.shape[:2]}, got shape {tuple(q_positions.shape)}.")
         positions = (q_positions, k_positions)
     elif q_positions is not None:
-        raise ValueError("q_positions goes with k_positions (keys at explicit positions); without "
-                         "them, pass q_offset.")
+        raise ValueError("q_positions goes with k_positions (keys at explicit positions); without them, pass q_offset.")
     _mosaic.check_tpu_block("block_q", block_q)
     _mosaic.check_tpu_block("block_k", block_k)
     if recent is not None:
@@ -69,26 +85,52 @@ def masked_attention(q, k, v, *, causal: bool, sink: int | None, recent: int | N
     seq_k = k.shape[1]
     scale = _common.default_scale(head_dim, scale)
     interpret = _mosaic.interpret_mode(interpret)
-    window = dict(causal=causal, sink=sink, recent=recent, scale=scale, block_q=block_q,
-                  block_k=block_k, interpret=interpret)
+    window = dict(
+        causal=causal, sink=sink, recent=recent, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret
+    )
     static_len = seq_k if kv_len is None else kv_len
-    if (positions is None and kv_quant is None and splash.available() and _static_int(q_offset)
-            and _static_int(static_len)
-            and _every_query_sees_a_key(seq_q=seq_q, q_offset=int(q_offset),
-                                        kv_len=min(int(static_len), seq_k), sink=sink,
-                                        recent=recent)):
-        return splash.splash_attention(q, k, v, q_offset=int(q_offset),
-                                       kv_len=min(int(static_len), seq_k), **window)
-    return block_sparse_attention(q, k, v, q_offset=_common.per_batch(q_offset, batch, 0),
-                                  kv_len=_common.per_batch(kv_len, batch, seq_k),
-                                  positions=positions, scales=(k_scale, v_scale), kv_quant=kv_quant, **window)
+    if (
+        positions is None
+        and kv_quant is None
+        and splash.available()
+        and _static_int(q_offset)
+        and _static_int(static_len)
+        and _every_query_sees_a_key(
+            seq_q=seq_q, q_offset=int(q_offset), kv_len=min(int(static_len), seq_k), sink=sink, recent=recent
+        )
+    ):
+        return splash.splash_attention(q, k, v, q_offset=int(q_offset), kv_len=min(int(static_len), seq_k), **window)
+    return block_sparse_attention(
+        q,
+        k,
+        v,
+        q_offset=_common.per_batch(q_offset, batch, 0),
+        kv_len=_common.per_batch(kv_len, batch, seq_k),
+        positions=positions,
+        scales=(k_scale, v_scale),
+        kv_quant=kv_quant,
+        **window,
+    )
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                    q_offset=0, kv_len=None, scale: float | None = None, block_q: int = 128,
-                    block_k: int = 128, interpret=None, q_positions=None,
-                    k_positions=None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                    kv_quant: str | None = None) -> jax.Array:
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    q_offset=0,
+    kv_len=None,
+    scale: float | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
+    interpret=None,
+    q_positions=None,
+    k_positions=None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    kv_quant: str | None = None,
+) -> jax.Array:
     """Dense (causal) flash attention on TPU, differentiable (custom VJP).
 
     Args:
@@ -119,7 +161,22 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     Returns:
       [B, T, Hq, D] like q. Queries that see no key get 0.
     """
-    return masked_attention(q, k, v, causal=causal, sink=None, recent=None, q_offset=q_offset,
-                            kv_len=kv_len, scale=scale, block_q=block_q, block_k=block_k,
-                            interpret=interpret, q_positions=q_positions, k_positions=k_positions,
-                            k_scale=k_scale, v_scale=v_scale, kv_quant=kv_quant)
+    return masked_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        sink=None,
+        recent=None,
+        q_offset=q_offset,
+        kv_len=kv_len,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+        q_positions=q_positions,
+        k_positions=k_positions,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_quant=kv_quant,
+    )

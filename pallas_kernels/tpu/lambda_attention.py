@@ -14,9 +14,19 @@ import jax
 from pallas_kernels.tpu.flash_attention import masked_attention
 
 
-def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int, recent: int,
-                     q_offset=0, scale: float | None = None, block_q: int = 128,
-                     block_k: int = 128, interpret=None) -> jax.Array:
+def lambda_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    sink: int,
+    recent: int,
+    q_offset=0,
+    scale: float | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
+    interpret=None,
+) -> jax.Array:
     """Streaming-head attention with the Λ mask on TPU, differentiable (custom VJP).
 
     Args:
@@ -34,6 +44,17 @@ def lambda_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sink: int, rec
     Returns:
       [B, T, Hq, D] like q.
     """
-    return masked_attention(q, k, v, causal=True, sink=sink, recent=recent, q_offset=q_offset,
-                            kv_len=None, scale=scale, block_q=block_q, block_k=block_k,
-                            interpret=interpret)
+    return masked_attention(
+        q,
+        k,
+        v,
+        causal=True,
+        sink=sink,
+        recent=recent,
+        q_offset=q_offset,
+        kv_len=None,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+    )

@@ -7,7 +7,8 @@ bodies) are walked; a `pallas_call` under `vmap` reports its batched grid.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -31,13 +32,14 @@ def _walk(jaxpr, found: list[dict]) -> None:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             grid_mapping = eqn.params["grid_mapping"]
-            found.append({
-                "name": str(eqn.params.get("name", "")),
-                "grid": [int(g) for g in grid_mapping.grid],
-                "blocks": [[_block_dim(d) for d in bm.block_shape]
-                           for bm in grid_mapping.block_mappings],
-                "scalar_prefetch": int(getattr(grid_mapping, "num_index_operands", 0)),
-            })
+            found.append(
+                {
+                    "name": str(eqn.params.get("name", "")),
+                    "grid": [int(g) for g in grid_mapping.grid],
+                    "blocks": [[_block_dim(d) for d in bm.block_shape] for bm in grid_mapping.block_mappings],
+                    "scalar_prefetch": int(getattr(grid_mapping, "num_index_operands", 0)),
+                }
+            )
         for sub in _sub_jaxprs(eqn.params):
             _walk(sub, found)
 

@@ -46,9 +46,17 @@ def compute_block_pages(max_pages: int, page_size: int, block_k: int) -> int:
     return max(d for d in range(1, most + 1) if max_pages % d == 0)
 
 
-def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                           lengths: jax.Array, *, scale: float | None = None, block_k: int = 512,
-                           interpret=None) -> jax.Array:
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    block_k: int = 512,
+    interpret=None,
+) -> jax.Array:
     """q [B, Hq, D] over pages [Hkv, N, P, D] through block_tables int32 [B, M]; sequence b sees its slots
     j < lengths[b] (clipped to M * P; 0 gives zeros). Same contract as the GPU kernel
     (`pallas_kernels.paged_decode_attention`), without `return_lse`."""
@@ -65,13 +73,26 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)
     interpret = _mosaic.interpret_mode(interpret)
     if not interpret and head_dim % _mosaic.LANES:
-        raise ValueError(f"JAX's TPU paged attention needs a head dim that is a multiple of {_mosaic.LANES} "
-                         f"on TPU, got {head_dim}; use the XLA path (duo_jax.attention.attend, impl='xla').")
-    mode = contextlib.nullcontext() if not interpret else pltpu.force_tpu_interpret_mode(
-        interpret if isinstance(interpret, pltpu.InterpretParams) else pltpu.InterpretParams())
+        raise ValueError(
+            f"JAX's TPU paged attention needs a head dim that is a multiple of {_mosaic.LANES} "
+            f"on TPU, got {head_dim}; use the XLA path (duo_jax.attention.attend, impl='xla')."
+        )
+    mode = (
+        contextlib.nullcontext()
+        if not interpret
+        else pltpu.force_tpu_interpret_mode(
+            interpret if isinstance(interpret, pltpu.InterpretParams) else pltpu.InterpretParams()
+        )
+    )
     with mode:
-        out = paged_attention((q.astype(jnp.float32) * scale).astype(q.dtype), k_pages, v_pages, lengths, tables,
-                              pages_per_compute_block=compute_block_pages(max_pages, page_size, block_k))
+        out = paged_attention(
+            (q.astype(jnp.float32) * scale).astype(q.dtype),
+            k_pages,
+            v_pages,
+            lengths,
+            tables,
+            pages_per_compute_block=compute_block_pages(max_pages, page_size, block_k),
+        )
     return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros_like(out))
 
 
