@@ -10,8 +10,10 @@ tokenizer's special tokens and ``add_generation_prompt=True``; the result is tok
 tokens (the template writes them). Written here on jinja2 rather than called from transformers so that
 transformers stays a test-only dependency.
 
-`chat_prompts` is what `generate(..., chat=)` calls: chat is on by default for a model that has a template
-and whose name says it is an instruct / chat model (`is_chat_model`). Token-id prompts are never wrapped.
+`chat_prompts` is what `generate(..., chat=)` calls. Its rule is the one Hugging Face's text-generation
+pipeline and vLLM follow: a plain string is completion text, a conversation (a list of messages) gets the
+template, and chat=True wraps plain strings as one user message each. Token-id prompts are never wrapped.
+`is_chat_model` is the default of the command lines (`infer.py`, the evaluations), which print what they chose.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _CHAT_NAME = re.compile(r"instruct|chat", re.IGNORECASE)
 
 
 def is_chat_model(model) -> bool:
-    """Whether `generate` applies the chat template by default: the model has a template and one of its names
+    """Whether the command lines apply the chat template by default: the model has a template and one of its names
     (named config's Hugging Face repo, GGUF general.name / finetune / file name, config.json's _name_or_path,
     directory name) says "instruct" or "chat"."""
     return (
@@ -101,9 +103,9 @@ def _conversation(prompt) -> list[Message] | None:
 
 
 def chat_prompts(model, prompts, chat: bool | None):
-    """`prompts` for `generate` with chat applied: each text or conversation becomes the token ids of its
-    rendered template; token-id prompts pass unchanged. chat=None: on when `is_chat_model(model)` (a
-    conversation always needs it); False: texts pass unchanged."""
+    """`prompts` for `generate` with chat applied: each conversation (and, with chat=True, each text) becomes
+    the token ids of its rendered template; token-id prompts pass unchanged. chat=None: conversations get the
+    template, texts are completion text; chat=False: texts pass unchanged and conversations are an error."""
     # A batch is a list of texts, conversations or token-id lists; anything else is one prompt.
     is_batch = isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (str, list, tuple))
     batch = list(prompts) if is_batch else [prompts]
@@ -117,7 +119,7 @@ def chat_prompts(model, prompts, chat: bool | None):
         if has_messages:
             raise DuoJaxError("chat messages need the chat template; pass chat=True (or leave chat unset)")
         return prompts
-    if chat is None and not (has_messages or is_chat_model(model)):
+    if chat is None and not has_messages:
         return prompts
     tokenizer = require(model.tokenizer, "chat")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -125,9 +127,10 @@ def chat_prompts(model, prompts, chat: bool | None):
             "this model ships no chat template (GGUF tokenizer.chat_template, chat_template.jinja or "
             "tokenizer_config.json); pass chat=False (--no-chat) to send the raw text"
         )
+    wrap = [c is not None and (chat or not isinstance(p, str)) for p, c in zip(batch, conversations)]
     return [
         p
-        if c is None
+        if not w
         else tokenizer.encode(render(tokenizer.chat_template, c, **tokenizer.special_tokens), add_special_tokens=False)
-        for p, c in zip(batch, conversations)
+        for p, c, w in zip(batch, conversations, wrap)
     ]

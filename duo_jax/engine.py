@@ -223,13 +223,15 @@ def decode(
     return tokens, steps, cache, lengths
 
 
-def _abstract_params(config: ModelConfig, dtype: str, mesh: Mesh | None = None, weights: str | None = None) -> Params:
-    """The engine's weights as `ShapeDtypeStruct`s in their format (`weights`: None or "int8",
+def _abstract_params(
+    config: ModelConfig, dtype: str, mesh: Mesh | None = None, weight_format: str | None = None
+) -> Params:
+    """The engine's weights as `ShapeDtypeStruct`s in their format (`weight_format`: None or "int8",
     `duo_jax.model.quantize_weights`), with their tensor-parallel shardings on `mesh`."""
     stacked = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config), is_leaf=lambda s: isinstance(s, tuple)
     )
-    params = jax.eval_shape(lambda p: unstack_layers(quantize_weights(p, weights)), stacked)
+    params = jax.eval_shape(lambda p: unstack_layers(quantize_weights(p, weight_format)), stacked)
     return params if mesh is None else sharding.abstract(params, sharding.tensor_parallel_specs(params, mesh), mesh)
 
 
@@ -253,21 +255,21 @@ def compiled_extend(
     impl: str = "auto",
     all_logits: bool = False,
     mesh: Mesh | None = None,
-    weights: str | None = None,
+    weight_format: str | None = None,
 ):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows. `method`
     is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it.
     However the arguments are passed (by position or keyword), one shape is one executable."""
-    return _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weights)
+    return _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weights):
+def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format):
     cache, lengths, tokens, n_valid, state = _abstract_inputs(
         method, batch, dtype, mesh, (batch,), (batch, chunk), (batch,)
     )
     return extend.lower(
-        _abstract_params(config, dtype, mesh, weights),
+        _abstract_params(config, dtype, mesh, weight_format),
         cache,
         lengths,
         tokens,
@@ -291,7 +293,7 @@ def compiled_extend_row(
     chunk: int,
     dtype: str,
     impl: str = "auto",
-    weights: str | None = None,
+    weight_format: str | None = None,
 ):
     """`extend_row` compiled once per (batch, chunk): the row is an argument, never a recompile. One device only."""
     if not hasattr(method, "take_row"):
@@ -299,15 +301,15 @@ def compiled_extend_row(
             f"{method.name!r} cannot run one row of a batched cache (no take_row / put_row; the "
             "paged methods can: duo_jax.methods.paged)"
         )
-    return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weights)
+    return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format)
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weights):
+def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format):
     cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, None, (batch,), (1, chunk), (1,))
     row = jax.ShapeDtypeStruct((), jnp.int32)
     return extend_row.lower(
-        _abstract_params(config, dtype, None, weights),
+        _abstract_params(config, dtype, None, weight_format),
         cache,
         row,
         lengths,
@@ -330,20 +332,22 @@ def compiled_decode(
     max_tokens: int,
     eos_ids: tuple[int, ...],
     mesh: Mesh | None = None,
-    weights: str | None = None,
+    weight_format: str | None = None,
 ):
     """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
-    return _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, tuple(eos_ids), mesh, weights)
+    return _compiled_decode(
+        config, method, batch, dtype, impl, sampling, max_tokens, tuple(eos_ids), mesh, weight_format
+    )
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, eos_ids, mesh, weights):
+def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, eos_ids, mesh, weight_format):
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
     key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
         key, limit = (sharding.abstract(x, P(), mesh) for x in (key, limit))
     return decode.lower(
-        _abstract_params(config, dtype, mesh, weights),
+        _abstract_params(config, dtype, mesh, weight_format),
         cache,
         lengths,
         token,
@@ -404,7 +408,7 @@ class Engine:
             specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack_layers, params), mesh)
             self.params = jax.jit(unstack_layers, out_shardings=sharding.named(specs, mesh))(params)
         self.dtype = jnp.dtype(params.dtype).name
-        self.weights = weight_format(params)  # None, or "int8" (`duo_jax.load(..., weights="int8")`)
+        self.weight_format = weight_format(params)  # None, or "int8" (`duo_jax.load(..., weights="int8")`)
         # Whether `params` is a copy of the weights (rather than the very arrays it was built from).
         self.copied = any(a is not b for a, b in zip(jax.tree.leaves(self.params), jax.tree.leaves(params)))
         # Weak references: the engine must not keep the weights it was prepared from alive.
@@ -418,12 +422,18 @@ class Engine:
             and all(ref() is x for ref, x in zip(self._source, leaves))
         )
 
+    def serves(self, params: Params, config: ModelConfig, mesh: Mesh | None = None) -> bool:
+        """Whether this engine runs `params` / `config` on `mesh` (what `generate(engine=...)` checks)."""
+        mesh = None if mesh is None else sharding.auto_axes(mesh)
+        return self.prepared_from(params, config) and self.mesh == mesh
+
     @classmethod
     def of(cls, model, mesh: Mesh | None = None) -> Engine:
         """The engine of `model`'s weights (on `mesh`). One over the model's own arrays (per-layer weights, no
         mesh) costs nothing to build and is built per call; one holding a copy (stacked weights, or placed on a
-        mesh) is built on the weights' first use, then reused while they live (`duo_jax.model.weights_memo`,
-        which must not hold the model's own arrays)."""
+        mesh) is built on the weights' first use, then kept while they live (`duo_jax.model.weights_memo`). A
+        caller that wants to own the engine builds `Engine(model.params, model.config, mesh)` and passes it
+        (`generate(engine=)`)."""
         memo = weights_memo(model.params)
         engine = memo.get(("engine", mesh))
         if engine is None or not engine.prepared_from(model.params, model.config):
@@ -474,7 +484,7 @@ class Engine:
         if cache is None:
             cache, lengths = self.init_cache(method, B), self.put_batch(np.zeros((B,), np.int32))
         step = compiled_extend(
-            self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh, self.weights
+            self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh, self.weight_format
         )
         state = method.state()
         last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
@@ -502,7 +512,7 @@ class Engine:
         step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`).
         Tokens already on the device (e.g. the argmax of the last logits) stay there: no host round trip."""
         B = tokens.shape[0]
-        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, self.weights)
+        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, self.weight_format)
         tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
         return run(
             self.params,
@@ -538,7 +548,7 @@ class Engine:
             bucket(max_new_tokens),
             tuple(eos_ids),
             self.mesh,
-            self.weights,
+            self.weight_format,
         )
         limit = jnp.asarray(max_new_tokens - 1, jnp.int32)
         if self.mesh is not None:

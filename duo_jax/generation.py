@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jax.sharding import Mesh
 
 from duo_jax import attention, methods, sharding
 from duo_jax.cache import CAPACITY_BLOCK, full_cache_bytes
-from duo_jax.chat import chat_prompts
+from duo_jax.chat import chat_prompts, is_chat_model
 from duo_jax.config import ModelConfig
 from duo_jax.engine import Engine, bucket, capacity_bucket, compiled_decode, compiled_extend
 from duo_jax.errors import DuoJaxError
@@ -129,7 +130,23 @@ def build_method(
 _first_token = jax.jit(sample, static_argnums=2)  # from the prefill's logits; the rest are sampled on the device
 
 
-def generate(
+@dataclasses.dataclass(frozen=True)
+class GenerationPlan:
+    """What one `generate` call runs, decided and checked before any device work (`plan_generation`)."""
+
+    ids: list[list[int]]  # the prompts' token ids (chat template applied)
+    method: Method  # the KV-cache method, built for `capacity`
+    capacity: int  # tokens per sequence the retrieval cache holds
+    chunk: int  # prompt tokens per prefill step
+    tail_steps: int  # the prompts' last tokens run as decode steps (`prompt_tail_steps`)
+    max_new_tokens: int
+    sampling: Sampling
+    eos_ids: tuple[int, ...]  # stop tokens (empty: never stop early)
+    attention_impl: str
+    mesh: Mesh | None
+
+
+def plan_generation(
     model: Model,
     prompts,
     *,
@@ -143,7 +160,6 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    seed: int = 0,
     stop_at_eos: bool = True,
     context: int | None = None,
     attention_impl: str = "auto",
@@ -152,37 +168,9 @@ def generate(
     mesh: Mesh | None = None,
     prompt_tail_steps: int = 0,
     **method_options,
-) -> Generation:
-    """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
-
-    prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
-    or a conversation (a list of {"role", "content"} messages), or a list of conversations.
-    chat: wrap text prompts (each one user message) and conversations in the model's chat template
-    (`duo_jax.chat`); None: on for models with a template whose name says instruct / chat. Token ids are
-    never wrapped.
-    method: a name of `duo_jax.methods.METHODS` ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv",
-    "pyramidkv", "headkv", "duo_headkv", "infinigen": calibrated here on the calibration essays; pass a built
-    `InfiniGen` to reuse one), or a built `Method`; None: "duo" when a pattern is given, else "full".
-    method_options: that method's options (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
-    pattern: a `Pattern`, a path to one, or "default" (the model's own); binarised at `sparsity` (the
-    fraction of streaming heads; 1 is StreamingLLM with absolute positions).
-    sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
-    streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
-    tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
-    to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
-    attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
-    kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
-    token and head, `duo_jax.quant`; methods full, duo, streaming_llm, h2o, tova, snapkv,
-    pyramidkv and headkv).
-    mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
-    number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
-    split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention
-    then takes the XLA path (its partials are merged across devices), whatever `attention_impl`. A mesh from
-    `jax.make_mesh` works as well, its axes Explicit or Auto (run as Auto: `sharding.auto_axes`).
-    prompt_tail_steps: the last N tokens of every prompt go through decode steps one at a time (the method
-    compresses after the prefill of the rest and at every step, as while generating) instead of the prefill:
-    DuoAttention's appendix protocol for H2O and TOVA (N = 50). Every prompt needs more than N tokens.
-    """
+) -> GenerationPlan:
+    """`generate`'s options checked, its prompts tokenized and its method built: everything `run_generation`
+    needs, with a clear error for anything that cannot run. Arguments as `generate`."""
     mesh = None if mesh is None else sharding.auto_axes(mesh)
     validate_options(
         sparsity=sparsity,
@@ -196,6 +184,13 @@ def generate(
         attention_impl=attention_impl,
     )
     config = model.config
+    if chat is None and is_chat_model(model) and _has_text(prompts):
+        warnings.warn(
+            f"generate() treats a plain-string prompt as completion text, without {config.name}'s chat template; "
+            "pass chat=True or a list of messages for the template, chat=False to silence this warning",
+            FutureWarning,
+            stacklevel=3,
+        )
     ids = _prompt_ids(model, chat_prompts(model, prompts, chat))
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
@@ -219,8 +214,8 @@ def generate(
     # beyond the model's context.
     capacity = context or max(needed, min(capacity_bucket(needed), config.max_position_embeddings))
     if mesh is not None:  # every `model` device holds a whole number of the retrieval slots
-        step = math.lcm(CAPACITY_BLOCK, mesh.shape[sharding.MODEL])
-        capacity = -(-capacity // step) * step
+        multiple = math.lcm(CAPACITY_BLOCK, mesh.shape[sharding.MODEL])
+        capacity = -(-capacity // multiple) * multiple
     kv_method = build_method(
         config,
         method,
@@ -244,44 +239,58 @@ def generate(
             f"model's context of {config.max_position_embeddings} tokens; shorten the prompt, "
             "lower max_new_tokens, or use method='streaming_llm' (re-indexed positions)"
         )
-    start = time.perf_counter()
-    engine = Engine.of(model, mesh)  # weights prepared (and placed on the mesh) on the model's first call only
-    prepare_s = time.perf_counter() - start
-
-    B, dtype = len(ids), model.params.dtype
     tail = int(prompt_tail_steps)
-    if tail < 0 or (tail and tail >= min(len(p) for p in ids)):
-        raise DuoJaxError(
-            f"prompt_tail_steps must lie in [0, shortest prompt = {min(len(p) for p in ids)}), got {prompt_tail_steps}"
-        )
+    shortest = min(len(p) for p in ids)
+    if tail < 0 or (tail and tail >= shortest):
+        raise DuoJaxError(f"prompt_tail_steps must lie in [0, shortest prompt = {shortest}), got {prompt_tail_steps}")
     if tail and mesh is not None:
         raise DuoJaxError("prompt_tail_steps is not supported on a device mesh; pass mesh=None")
-    chunk = min(chunk_size, bucket(longest))
+    if mesh is not None:
+        sharding.check_batch(mesh, len(ids))
+    return GenerationPlan(
+        ids=ids,
+        method=kv_method,
+        capacity=capacity,
+        chunk=min(chunk_size, bucket(longest)),
+        tail_steps=tail,
+        max_new_tokens=max_new_tokens,
+        sampling=Sampling(float(temperature), float(top_p), int(top_k)),
+        eos_ids=tuple(config.eos_token_ids) if stop_at_eos else (),
+        attention_impl=attention_impl,
+        mesh=mesh,
+    )
+
+
+def _has_text(prompts) -> bool:
+    """Whether `prompts` (one prompt or a batch) holds a plain-string prompt."""
+    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and any(isinstance(p, str) for p in prompts))
+
+
+def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: int = 0) -> Generation:
+    """Run `plan` (from `plan_generation`) on `engine` (the engine of `model`'s weights, on the plan's mesh):
+    compile the shapes it needs, prefill, then decode every new token in one device loop."""
+    config, kv_method, impl, mesh = model.config, plan.method, plan.attention_impl, plan.mesh
+    ids, chunk, tail = plan.ids, plan.chunk, plan.tail_steps
+    B, longest = len(ids), max(len(p) for p in ids)
     padded = np.zeros((B, longest), np.int32)
     for b, p in enumerate(ids):
         padded[b, : len(p)] = p
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
     key = jax.random.key(seed)
-    sampling = Sampling(float(temperature), float(top_p), int(top_k))
-    eos_ids = tuple(config.eos_token_ids) if stop_at_eos else ()
 
-    if mesh is not None:
-        sharding.check_batch(mesh, B)
     start = time.perf_counter()
-    compiled_extend(config, kv_method, B, chunk, engine.dtype, attention_impl, False, mesh, engine.weights)  # untimed
+    compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, engine.weight_format)  # untimed
     if tail:
-        compiled_extend(config, kv_method, B, 1, engine.dtype, attention_impl, False, mesh, engine.weights)
+        compiled_extend(config, kv_method, B, 1, engine.dtype, impl, False, mesh, engine.weight_format)
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    last_logits, cache, lengths = engine.prefill(
-        kv_method, padded, prompt_lengths - tail, chunk=chunk, impl=attention_impl
-    )
+    last_logits, cache, lengths = engine.prefill(kv_method, padded, prompt_lengths - tail, chunk=chunk, impl=impl)
     kv_method, cache = kv_method.after_prefill(cache, lengths)
     for i in range(tail):  # the prompt's last tokens, one decode step each
         column = np.array([p[len(p) - tail + i] for p in ids], np.int32)
-        last_logits, cache, lengths = engine.step(kv_method, cache, lengths, column, impl=attention_impl)
-    token = _first_token(last_logits, jax.random.fold_in(key, 0), sampling)
+        last_logits, cache, lengths = engine.step(kv_method, cache, lengths, column, impl=impl)
+    token = _first_token(last_logits, jax.random.fold_in(key, 0), plan.sampling)
     token.block_until_ready()
     prefill_s = time.perf_counter() - start
 
@@ -291,12 +300,12 @@ def generate(
         kv_method,
         B,
         engine.dtype,
-        attention_impl,
-        sampling,
-        bucket(max_new_tokens),
-        eos_ids,
+        impl,
+        plan.sampling,
+        bucket(plan.max_new_tokens),
+        plan.eos_ids,
         mesh,
-        engine.weights,
+        engine.weight_format,
     )
     compile_s += time.perf_counter() - start
 
@@ -307,10 +316,10 @@ def generate(
         lengths,
         token,
         key,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        eos_ids=eos_ids,
-        impl=attention_impl,
+        max_new_tokens=plan.max_new_tokens,
+        sampling=plan.sampling,
+        eos_ids=plan.eos_ids,
+        impl=impl,
     )
     steps = int(steps)  # the one host sync of the decode
     generated = np.asarray(tokens)[:, : steps + 1]  # [B, N]
@@ -318,16 +327,15 @@ def generate(
 
     out = []
     for row in generated.tolist():
-        hits = [i for i, t in enumerate(row) if t in eos_ids]
+        hits = [i for i, t in enumerate(row) if t in plan.eos_ids]
         out.append(row[: hits[0] + 1] if hits else row)
     text = None
     if model.tokenizer is not None:
         text = [model.tokenizer.decode(row) for row in out]
-    bytes_per_elem = jnp.dtype(dtype).itemsize
+    bytes_per_elem = jnp.dtype(model.params.dtype).itemsize
     stats = dict(
         method=kv_method.name,
         prompt_tokens=[len(p) for p in ids],
-        prepare_s=prepare_s,
         compile_s=compile_s,
         prefill_s=prefill_s,
         decode_s=decode_s,
@@ -335,7 +343,7 @@ def generate(
         decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
         cache_bytes=cache_nbytes(cache),
         expected_cache_bytes=kv_method.expected_cache_bytes(B, bytes_per_elem),
-        full_cache_bytes=full_cache_bytes(config, B, capacity, bytes_per_elem),
+        full_cache_bytes=full_cache_bytes(config, B, plan.capacity, bytes_per_elem),
         chunk_size=chunk,
     )
     if mesh is not None:  # what one device holds, from the arrays' shardings
@@ -346,3 +354,97 @@ def generate(
         )
     stats.update(kv_method.stats())
     return Generation(out, text, stats)
+
+
+def generate(
+    model: Model,
+    prompts,
+    *,
+    method: str | Method | None = None,
+    pattern: Pattern | str | None = None,
+    sparsity: float = 0.5,
+    sink: int | None = None,
+    recent: int | None = None,
+    max_new_tokens: int = 128,
+    chunk_size: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+    context: int | None = None,
+    attention_impl: str = "auto",
+    chat: bool | None = None,
+    kv_dtype: str | None = None,
+    mesh: Mesh | None = None,
+    prompt_tail_steps: int = 0,
+    engine: Engine | None = None,
+    **method_options,
+) -> Generation:
+    """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
+
+    prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
+    or a conversation (a list of {"role", "content"} messages), or a list of conversations.
+    chat: None (default): conversations get the model's chat template (`duo_jax.chat`), a plain string is
+    completion text, as in Hugging Face's text-generation pipeline and vLLM; True: plain strings are wrapped
+    too (each one user message); False: no template (conversations are then an error). Token ids are never
+    wrapped.
+    method: a name of `duo_jax.methods.METHODS` (`duo_jax.methods.describe()` lists them), or a built `Method`;
+    None: "duo" when a pattern is given, else "full".
+    method_options: that method's options (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
+    pattern: a `Pattern`, a path to one, or "default" (the model's own); binarised at `sparsity` (the
+    fraction of streaming heads; 1 is StreamingLLM with absolute positions).
+    sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
+    streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
+    tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
+    to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
+    attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
+    kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
+    token and head, `duo_jax.quant`; the methods of `duo_jax.methods.QUANTIZED_KV_METHODS`).
+    mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
+    number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
+    split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention
+    then takes the XLA path (its partials are merged across devices), whatever `attention_impl`. A mesh from
+    `jax.make_mesh` works as well, its axes Explicit or Auto (run as Auto: `sharding.auto_axes`).
+    prompt_tail_steps: the last N tokens of every prompt go through decode steps one at a time (the method
+    compresses after the prefill of the rest and at every step, as while generating) instead of the prefill:
+    DuoAttention's appendix protocol for H2O and TOVA (N = 50). Every prompt needs more than N tokens.
+    engine: the `Engine` to run on, built and held by the caller (`Engine(model.params, model.config, mesh)`);
+    None: `Engine.of(model, mesh)`, which keeps an engine holding a copy of the weights while they live.
+
+    `generate` is `plan_generation` (checks and planning), then `run_generation` (the device work).
+    """
+    plan = plan_generation(
+        model,
+        prompts,
+        method=method,
+        pattern=pattern,
+        sparsity=sparsity,
+        sink=sink,
+        recent=recent,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_at_eos=stop_at_eos,
+        context=context,
+        attention_impl=attention_impl,
+        chat=chat,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
+        prompt_tail_steps=prompt_tail_steps,
+        **method_options,
+    )
+    start = time.perf_counter()
+    if engine is None:
+        engine = Engine.of(model, plan.mesh)  # weights prepared (and placed on the mesh) on their first use only
+    elif not engine.serves(model.params, model.config, plan.mesh):
+        raise DuoJaxError(
+            "engine= was built from other weights, another config or another mesh than this call's; build it "
+            "with Engine(model.params, model.config, mesh) or leave engine=None"
+        )
+    prepare_s = time.perf_counter() - start
+    out = run_generation(model, engine, plan, seed=seed)
+    out.stats = dict(prepare_s=prepare_s, **out.stats)
+    return out

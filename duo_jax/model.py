@@ -134,14 +134,17 @@ def scan_layers(make_body: Callable, carry, config: ModelConfig, layers: LayerPa
     return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *outputs)
 
 
-# id of a set of weights' first query projection -> what was computed from those weights (`weights_memo`).
+# The one cache of what is derived from a set of weights: id of their first query weight -> a dict.
+# Bounded by what is alive: an entry lives exactly as long as those weights (a finaliser drops it).
 _MEMOS: dict[int, dict] = {}
 
 
 def weights_memo(params: Params) -> dict:
-    """A dict for what is computed once per set of weights (an engine's prepared copy, InfiniGen's skew): the
-    same dict while the weights live, dropped when they are garbage-collected. Nothing in it may hold the
-    first layer's query weights (`layer_at(params, 0).wq` / the stacked `params.layers.wq`), which keep it."""
+    """The dict for what is computed once per set of weights: `Engine.of`'s engine holding a copy of them (key
+    ("engine", mesh)) and InfiniGen's skew matrices. The same dict while the weights live, dropped when they are
+    garbage-collected. Nothing in it may hold the first layer's query weights (`layer_at(params, 0).wq` / the
+    stacked `params.layers.wq`), which keep it; a caller that wants to own its engine builds one
+    (`duo_jax.engine.Engine`) and passes it (`generate(engine=)`)."""
     anchor = jax.tree.leaves(params.layers[0].wq if isinstance(params.layers, tuple) else params.layers.wq)[0]
     memo = _MEMOS.get(id(anchor))
     if memo is None:

@@ -574,6 +574,44 @@ def prepare(params: Params, config: ModelConfig, cfg: TrainConfig, mesh: Mesh):
     return params, state, run_train_step(config, cfg, mesh, specs), schedule
 
 
+def resume_point(
+    checkpoints: Checkpoints, out: Path, state: dict, meta: dict, *, required: bool
+) -> tuple[dict, int, int, list[dict[str, Any]]]:
+    """Where a run in `out` starts: (state, first step, next sample, loss history). From the latest checkpoint
+    when there is one (TrainingError when it was written with other arguments than `meta`), else from `state`
+    at step 0 (TrainingError when `required`: --resume with nothing to resume)."""
+    latest = checkpoints.latest_step()
+    if latest is None:
+        if required:
+            raise TrainingError(f"nothing to resume: no checkpoint in {out / CHECKPOINT_DIR}")
+        return state, 0, 0, []
+    state, progress = checkpoints.restore(latest, state)
+    mismatches = _mismatches(progress["meta"], meta)
+    if mismatches:
+        raise TrainingError(
+            f"{out} holds a run with other arguments ({'; '.join(mismatches)}); "
+            "pass the same arguments to resume it, or use another --out"
+        )
+    start = progress["step"]
+    history = []
+    if (out / LOSS_FILE).is_file():
+        history = [h for h in json.loads((out / LOSS_FILE).read_text()) if h["step"] < start]
+    return state, start, progress["next_sample"], history
+
+
+def run_step(
+    step_fn, state: dict, params: Params, host_batch: Batch, mesh: Mesh, step: int
+) -> tuple[dict, dict[str, float], float]:
+    """One optimizer step on `host_batch`: the new state, the loss terms on the host, and the step's seconds.
+    TrainingError when the loss is not finite."""
+    tic = time.perf_counter()
+    gates, opt_state, terms = step_fn(state["gates"], state["opt_state"], params, shard_batch(host_batch, mesh))
+    terms = {f.name: float(fetch(getattr(terms, f.name))) for f in dataclasses.fields(terms)}
+    if not all(math.isfinite(v) for v in terms.values()):
+        raise TrainingError(f"step {step}: the loss is not finite ({terms})")
+    return {"gates": gates, "opt_state": opt_state}, terms, time.perf_counter() - tic
+
+
 def train(
     params: Params,
     config: ModelConfig,
@@ -611,21 +649,8 @@ def train(
     )
 
     checkpoints = Checkpoints(out / CHECKPOINT_DIR)
-    start, next_sample, history = 0, 0, []  # next_sample: the data loader's whole state
-    latest = checkpoints.latest_step()
-    if latest is None and resume:
-        raise TrainingError(f"nothing to resume: no checkpoint in {out / CHECKPOINT_DIR}")
-    if latest is not None:
-        state, progress = checkpoints.restore(latest, state)
-        mismatches = _mismatches(progress["meta"], meta)
-        if mismatches:
-            raise TrainingError(
-                f"{out} holds a run with other arguments ({'; '.join(mismatches)}); "
-                "pass the same arguments to resume it, or use another --out"
-            )
-        start, next_sample = progress["step"], progress["next_sample"]
-        if (out / LOSS_FILE).is_file():
-            history = [h for h in json.loads((out / LOSS_FILE).read_text()) if h["step"] < start]
+    state, start, next_sample, history = resume_point(checkpoints, out, state, meta, required=resume)
+    if start:
         log(f"resuming {out} at step {start} of {cfg.steps}")
 
     def save(step: int) -> None:
@@ -635,15 +660,9 @@ def train(
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress_bar and is_main), dynamic_ncols=True)
     for step in range(start, cfg.steps):
-        tic = time.perf_counter()
         host_batch, n_tokens = make_batch(stream, next_sample, cfg.batch_size, mesh.shape["seq"])
         next_sample += cfg.batch_size
-        gates, opt_state, terms = step_fn(state["gates"], state["opt_state"], params, shard_batch(host_batch, mesh))
-        state = {"gates": gates, "opt_state": opt_state}
-        terms = {f.name: float(fetch(getattr(terms, f.name))) for f in dataclasses.fields(terms)}
-        if not all(math.isfinite(v) for v in terms.values()):
-            raise TrainingError(f"step {step}: the loss is not finite ({terms})")
-        seconds = time.perf_counter() - tic
+        state, terms, seconds = run_step(step_fn, state, params, host_batch, mesh, step)
         history.append(
             {
                 "step": step,

@@ -1,6 +1,7 @@
 """Chat templates render exactly as transformers' `apply_chat_template`, and generate() applies them by rule."""
 
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -132,9 +133,13 @@ def test_chat_prompts_rule(tmp_path):
         add_special_tokens=False,
     )
     assert rendered[0] == 1 and 2 in rendered  # <s> ... </s> written by the template
-    assert chat_prompts(model, "hello world", None) == [rendered]  # an instruct name: on by default
+    assert is_chat_model(model)
+    assert chat_prompts(model, "hello world", None) == "hello world"  # a plain string is completion text
+    assert chat_prompts(model, "hello world", True) == [rendered]
     assert chat_prompts(model, ["hello world", [3, 4]], True) == [rendered, [3, 4]]  # ids pass unchanged
     assert chat_prompts(model, [{"role": "user", "content": "hello world"}], None) == [rendered]
+    conversation = [{"role": "user", "content": "hello world"}]
+    assert chat_prompts(model, ["hello world", conversation], None) == ["hello world", rendered]  # each by its kind
     assert chat_prompts(model, "hello world", False) == "hello world"
     assert chat_prompts(model, [3, 4], None) == [3, 4]
     base = _tiny_chat_model(tmp_path, names=("tiny-base",))
@@ -156,7 +161,25 @@ def test_generate_with_chat_is_generate_on_the_rendered_ids(tmp_path):
     model = _tiny_chat_model(tmp_path)
     ids = chat_prompts(model, "hello world", True)[0]
     kwargs = dict(max_new_tokens=4, stop_at_eos=False)
-    assert generate(model, "hello world", **kwargs).tokens == generate(model, [ids], chat=False, **kwargs).tokens
+    assert generate(model, "hello world", chat=True, **kwargs).tokens == generate(model, [ids], **kwargs).tokens
+    conversation = [{"role": "user", "content": "hello world"}]
+    assert generate(model, conversation, **kwargs).tokens == generate(model, [ids], **kwargs).tokens
     raw = generate(model, "hello world", chat=False, **kwargs)
     assert raw.stats["prompt_tokens"] == [2] and len(ids) > 2
     assert np.all(np.asarray(raw.tokens) < 16)
+
+
+def test_plain_string_is_completion_text_as_the_server_sends_it(tmp_path):
+    """generate(model, text) runs the text's own tokens, as /v1/completions does, even on an instruct model;
+    on such a model it warns once that chat=True (or messages) gets the template."""
+    model = _tiny_chat_model(tmp_path)
+    kwargs = dict(max_new_tokens=4, stop_at_eos=False)
+    with pytest.warns(FutureWarning, match="completion text.*chat=True"):
+        default = generate(model, "hello world", **kwargs)
+    raw = model.tokenizer.encode("hello world")
+    assert default.stats["prompt_tokens"] == [len(raw)] == [2]
+    assert default.tokens == generate(model, [raw], **kwargs).tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit choice, or a model that is not a chat model: no warning
+        generate(model, "hello world", chat=False, **kwargs)
+        generate(_tiny_chat_model(tmp_path, names=("tiny-base",)), "hello world", **kwargs)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import duo_jax
+from duo_jax.engine import Engine
 from duo_jax.errors import DuoJaxError, LoadError
-from duo_jax.generation import generate
+from duo_jax.generation import generate, plan_generation
 from duo_jax.model import greedy_reference
 from duo_jax.pattern import Pattern, PatternError
 from tests.conftest import tiny_config
@@ -253,3 +254,23 @@ def test_bad_prompts_are_clear_errors(model):
         generate(model, [5, 900])
     with pytest.raises(LoadError, match="needs a tokenizer"):
         generate(model, "hello")
+
+
+def test_a_caller_owned_engine_runs_the_same_generation(model, prompts):
+    """generate(engine=) runs on the caller's engine: the same tokens; an engine of other weights is refused."""
+    engine = Engine(model.params, CONFIG)
+    kwargs = dict(max_new_tokens=6, chunk_size=8, stop_at_eos=False, pattern=Pattern(GATES), sparsity=0.5)
+    own = generate(model, prompts[1], engine=engine, **kwargs)
+    assert own.tokens == generate(model, prompts[1], **kwargs).tokens
+    other = Engine(duo_jax.init_params(CONFIG, jax.random.key(7), scale=0.2), CONFIG)
+    with pytest.raises(DuoJaxError, match="engine= was built from other weights"):
+        generate(model, prompts[1], engine=other, **kwargs)
+
+
+def test_plan_checks_and_plans_before_any_device_work(model, prompts):
+    """plan_generation decides what generate runs: capacity bucket, chunk, method; bad options fail there."""
+    plan = plan_generation(model, prompts, max_new_tokens=20, chunk_size=16, pattern=Pattern(GATES), sparsity=0.5)
+    assert plan.ids == prompts and plan.method.name == "duo" and plan.chunk == 16
+    assert plan.capacity >= max(map(len, prompts)) + 20 and plan.eos_ids == tuple(CONFIG.eos_token_ids)
+    with pytest.raises(DuoJaxError, match="prompt_tail_steps must lie in"):
+        plan_generation(model, prompts, prompt_tail_steps=17)
