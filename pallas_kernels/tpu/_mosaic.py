@@ -70,7 +70,7 @@ def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def heads_major(x: jax.Array) -> jax.Array:
-    """[B, L, H, D] -> [B, H, L, D] (a copy: see the module docstring)."""
+    """[B, L, H, D] -> [B, H, L, D] (a copy: docs/kernels.md)."""
     return jnp.swapaxes(x, 1, 2)
 
 
