@@ -1,17 +1,10 @@
 """Chat templates: a conversation rendered into an instruct model's prompt, exactly as transformers renders it.
 
-Instruct / chat models are trained on conversations wrapped in role markers (SmolLM2: ``<|im_start|>user ...
-<|im_end|>``); the wrapping ships with the model as a Jinja template: GGUF metadata
-``tokenizer.chat_template``, or a Hugging Face directory's ``chat_template.jinja`` / ``tokenizer_config.json``
-``chat_template`` (read by `duo_jax.tokenizer`). `render` runs it in the environment transformers'
-``apply_chat_template`` builds (a sandboxed Jinja environment with trim_blocks and lstrip_blocks, the loop
-controls extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that does not escape HTML), with the
-tokenizer's special tokens and ``add_generation_prompt=True``; the result is tokenized without adding special
-tokens (the template writes them). Written here on jinja2 rather than called from transformers so that
-transformers stays a test-only dependency.
-
-`chat_prompts` is what `generate(..., chat=)` calls: chat is on by default for a model that has a template
-and whose name says it is an instruct / chat model (`is_chat_model`). Token-id prompts are never wrapped.
+`render` runs the model's Jinja chat template (from its GGUF metadata or Hugging Face files, read by
+`duo_jax.tokenizer`) in the environment transformers' ``apply_chat_template`` builds, with
+``add_generation_prompt=True``; the result is tokenized without adding special tokens. `chat_prompts` is what
+`generate(..., chat=)` calls: chat is on by default for a model with a template whose name says instruct / chat
+(`is_chat_model`); token-id prompts are never wrapped. Design: docs/engine.md, "Chat templates".
 """
 
 from __future__ import annotations
