@@ -99,8 +99,9 @@ def key_block(spec: MaskSpec, num_keys: int, block_q: int, block_k: int) -> int:
     """The key tile for `spec` over `num_keys` slots. Over a contiguous cache (slot = position) the causal
     boundary of a query block falls on a tile boundary when tiles are as long as query blocks and start at
     multiples of it (chunks start at multiples of the chunk size): a block then scores its visible tiles and one
-    diagonal tile, nothing past it (docs/attention.md, "Key tiles"). Slots holding arbitrary positions (a ring, an
-    eviction cache, DuoAttention's streaming keys + chunk) are all visited: `balanced_block`."""
+    diagonal tile, nothing past it (docs/attention.md, "Block sizes and key tiles"). Slots holding arbitrary
+    positions (a ring, an eviction cache, DuoAttention's streaming keys + chunk) are all visited:
+    `balanced_block`."""
     if spec.k_positions is None and spec.causal and block_q > 1:
         return min(num_keys, block_q)
     return balanced_block(num_keys, block_k)
