@@ -1,20 +1,16 @@
 """DuoAttention's split KV cache: a retrieval partition (every token) and a streaming partition (sinks + ring).
 
-Per layer l with n_l retrieval heads out of K (`CacheLayout.kv_order[l]` lists them first, then the
-streaming heads, each group in the model's order), the cache holds
+Per layer l with n_l retrieval heads out of K (`CacheLayout.kv_order[l]` lists them first, then the streaming
+heads, each group in the model's order), `init_cache` builds
 
   retrieval_k[l], retrieval_v[l]: [B, C, n_l, E]            token at position p in slot p (C = capacity)
   streaming_k[l], streaming_v[l]: [B, sink + recent, K - n_l, E]
       slots [0, sink): the first `sink` tokens (attention sinks)
       slots [sink, sink + recent): a ring buffer, token at position p >= sink in slot sink + (p - sink) % recent
 
-Layers keep their own arrays, so memory is exact whatever the per-layer split. Keys are cached after RoPE at
-their absolute positions (`duo_jax.methods.duo` reads and writes it). The capacity C is the context asked for rounded
-up to `CAPACITY_BLOCK` tokens
-(the kernels' key block). How many tokens each sequence holds lives outside the cache, in `lengths` [B].
-
-With `kv_dtype` "int8" or "int4" each of the four arrays is a `duo_jax.quant.QuantizedKV` of the same logical
-shape: codes (int4: two per byte) and one bf16 scale per token and head, quantized on write.
+Keys are cached after RoPE at their absolute positions; C is a multiple of `CAPACITY_BLOCK`; how many tokens each
+sequence holds lives outside the cache, in `lengths` [B]. With `kv_dtype` "int8" / "int4" each array is a
+`duo_jax.quant.QuantizedKV` of the same logical shape. Design: docs/engine.md, "The DuoAttention cache".
 """
 
 from __future__ import annotations

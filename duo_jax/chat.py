@@ -1,19 +1,11 @@
 """Chat templates: a conversation rendered into an instruct model's prompt, exactly as transformers renders it.
 
-Instruct / chat models are trained on conversations wrapped in role markers (SmolLM2: ``<|im_start|>user ...
-<|im_end|>``); the wrapping ships with the model as a Jinja template: GGUF metadata
-``tokenizer.chat_template``, or a Hugging Face directory's ``chat_template.jinja`` / ``tokenizer_config.json``
-``chat_template`` (read by `duo_jax.tokenizer`). `render` runs it in the environment transformers'
-``apply_chat_template`` builds (a sandboxed Jinja environment with trim_blocks and lstrip_blocks, the loop
-controls extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` that does not escape HTML), with the
-tokenizer's special tokens and ``add_generation_prompt=True``; the result is tokenized without adding special
-tokens (the template writes them). Written here on jinja2 rather than called from transformers so that
-transformers stays a test-only dependency.
-
-`chat_prompts` is what `generate(..., chat=)` calls. Its rule is the one Hugging Face's text-generation
-pipeline and vLLM follow: a plain string is completion text, a conversation (a list of messages) gets the
-template, and chat=True wraps plain strings as one user message each. Token-id prompts are never wrapped.
-`is_chat_model` is the default of the command lines (`infer.py`, the evaluations), which print what they chose.
+`render` runs the model's Jinja chat template (from its GGUF metadata or Hugging Face files, read by
+`duo_jax.tokenizer`) in the environment transformers' ``apply_chat_template`` builds, with
+``add_generation_prompt=True``; the result is tokenized without adding special tokens. `chat_prompts` is what
+`generate(..., chat=)` calls, with the rule of Hugging Face's text-generation pipeline and vLLM: a plain string is
+completion text, a conversation gets the template, chat=True wraps plain strings too; token-id prompts are never
+wrapped. `is_chat_model` is the command lines' default. Design: docs/engine.md, "Chat templates".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The engine: a model's weights in the steps' layout, and the compiled steps every KV-cache method runs on them.
 
-`extend` runs T new tokens per sequence through the model. Everything but attention is the model's own
-(`duo_jax.model`); per layer, the method (`duo_jax.methods`) attends the new tokens to its cache and returns
-the updated cache. The layers are unrolled (not scanned) because a method's per-layer caches may differ in
-shape (DuoAttention's layers each have their own number of retrieval heads). `decode` is a `lax.while_loop` of
-`extend` steps with sampling and EOS inside: one compiled call per generation.
-
-`Engine` holds what those steps need that is not a shape: the weights in the layout the steps take (per layer:
-the loaded arrays themselves by default, see `Engine`; shared by every method: no method reorders weights,
-DuoAttention splits heads on the activations), and `prefill`, the one chunked-prefill driver that `generate`,
-the evaluations, the benchmarks and the tests run. `extend_row` is `extend` for one row of a batched cache (a
-scheduler's prefill of one sequence beside a decoding batch). Executables are compiled per shape bucket
-(`compiled_extend`, `compiled_extend_row`, `compiled_decode`, keyed by config, method spec, batch, chunk and
-dtype; weights and method state are arguments, never constants).
+`extend` runs T new tokens per sequence through the model, the method (`duo_jax.methods`) attending them to its
+cache layer by layer (layers unrolled: a method's per-layer caches may differ in shape); `extend_row` does it for
+one row of a batched cache; `decode` is a `lax.while_loop` of `extend` steps with sampling and EOS inside, one
+compiled call per generation. `Engine` holds the weights in the layout the steps take and `prefill`, the one
+chunked-prefill driver. Executables are compiled per shape bucket (`compiled_extend`, `compiled_extend_row`,
+`compiled_decode`); weights and method state are arguments, never constants. Design: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -386,7 +379,7 @@ class Engine:
     `duo_jax.generate` runs.
 
     The steps take per-layer weights (`duo_jax.model.LAYOUTS`; slicing a stacked weight inside the compiled
-    step copies it on every call on CPU: measured 3.5x slower decode steps). Weights loaded per layer (the
+    step copies it on every call on CPU: docs/engine.md, "Weight layouts"). Weights loaded per layer (the
     default of `duo_jax.load`) are used as they are: `params` holds the model's own arrays, there is one copy
     of the weights and nothing to prepare. Stacked weights (`load(..., layout="stacked")`, the Flax front,
     gate training) are sliced into a per-layer copy once per set of weights (kept while they live and reused by

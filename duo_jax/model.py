@@ -1,17 +1,11 @@
 """The Llama / Mistral / Qwen decoder as pure functions over a parameter pytree.
 
-One model covers Llama 2 / 3 / 3.1 / 3.2, Mistral, Qwen2 / Qwen3 and SmolLM2: the differences are config
-switches (GQA vs MHA, RoPE scaling, tied embeddings, q/k/v biases, q/k norms, a sliding window on every
-layer or on some). `decoder_layer` is the one layer body every path runs (with its own attention passed in);
-`forward` is full causal attention, tested against Hugging Face transformers, and the reference every cached
-path is tested against.
-
-Two layouts of the layers (`LAYOUTS`), chosen when the weights are loaded (`duo_jax.load(..., layout=)`):
-"per_layer" (`Params.layers` a tuple of `LayerParams`, one per layer: what the engine's unrolled steps take;
-the default) and "stacked" (one `LayerParams` whose arrays have a leading layer axis L: what `lax.scan` takes,
-for gate training with its per-layer FSDP gather and the Flax front). `scan_layers` runs a layer body over
-either (a scan per run of layers sharing a sliding window, or a Python loop); `stack_layers` /
-`unstack_layers` convert, which is a copy of the weights.
+Llama 2 / 3 / 3.1 / 3.2, Mistral, Qwen2 / Qwen3 and SmolLM2 differ only in config switches. `decoder_layer` is
+the one layer body every path runs (its attention passed in); `forward` is full causal attention, tested against
+Hugging Face transformers and the reference every cached path is tested against. Layers come in two layouts
+(`LAYOUTS`): "per_layer" (`Params.layers` a tuple of `LayerParams`: what the engine's steps take; the default) and
+"stacked" (one `LayerParams` with a leading layer axis: what `lax.scan` takes); `scan_layers` runs a layer body
+over either, `stack_layers` / `unstack_layers` convert (a copy). Design: docs/engine.md.
 
 Dimension letters used in einsum strings and shape comments:
   B batch, T query positions, S key positions, D model width (hidden_size), F MLP width,
@@ -308,12 +302,10 @@ class Rotary:
 def rotary(positions: jax.Array, inv_freq: np.ndarray) -> Rotary:
     """The `Rotary` table at `positions` [B, T] (int), from `rope_angles`.
 
-    On XLA:CPU the table is held in memory once: left to itself, XLA fuses the whole angle computation (its
-    exact range reduction, sin and cos) into every layer's rotation, for every head and both halves of the
-    head dim (measured on SmolLM2 prefill: 4 ms a layer for the queries of a 1024-token chunk, ~6% of the
-    prefill). `lax.optimization_barrier` does not stop that fusion there; a conditional does, so the table
-    passes through one whose other branch (taken only for non-finite angles, which int32 positions never give)
-    returns NaN. Other platforms compute it as written."""
+    On XLA:CPU the table is held in memory once: left to itself, XLA fuses the whole angle computation into
+    every layer's rotation (docs/engine.md, "RoPE"). `lax.optimization_barrier` does not stop that fusion there;
+    a conditional does, so the table passes through one whose other branch (taken only for non-finite angles,
+    which int32 positions never give) returns NaN. Other platforms compute it as written."""
     angles = rope_angles(positions, inv_freq)  # [B, T, E/2]
     table = (jnp.cos(angles), jnp.sin(angles))
 

@@ -1,21 +1,11 @@
 """DuoAttention patterns: one gate value (alpha) per layer and KV head, and their binarisation.
 
-A gate near 1 marks a *retrieval head* (attends to every past token), a gate near 0 a *streaming head*
-(attention sinks plus a recent window). On disk a pattern uses the original DuoAttention format, a folder with
-
-- `full_attention_heads.tsv`: one row per layer, one tab-separated gate per KV head, written by
-  `numpy.savetxt(fmt="%.18e", delimiter="\\t")`;
-- `config.json` (optional): the training arguments of the run that produced the gates.
-
-Deployment binarises the gates with one global quantile over every layer and head together
-(`Pattern.retrieval_mask`). The original keeps the heads with `alpha >= quantile(alpha, sparsity)`; duo-jax keeps
-exactly `floor((1 - sparsity) * N + 1/2)` heads with the largest gates instead, so the cache size depends
-only on the sparsity. Both choose the same heads unless gates tie at the threshold. Ties are common: training
-clips gates to [0, 1], so many end at exactly 0 (57 of SmolLM2's 90 heads). The original's deployment adds
-uniform noise of 1e-6 to the gates before the quantile, i.e. breaks exact ties at random; duo-jax breaks them
-in a fixed pseudo-random order of the heads (`tie_order`: a permutation of the N heads drawn with numpy's
-PCG64 from seed 0), deterministic and not biased toward any layer (breaking them by position made twelve
-zero-gate heads of SmolLM2's layers 0-3 retrieval heads at sparsity 0.5).
+A gate near 1 marks a *retrieval head* (attends to every past token), a gate near 0 a *streaming head* (attention
+sinks plus a recent window). On disk a pattern is the original DuoAttention format: a folder with
+`full_attention_heads.tsv` (one row per layer, one tab-separated gate per KV head) and an optional `config.json`
+(the training arguments). `Pattern.retrieval_mask(sparsity)` keeps exactly `floor((1 - sparsity) * N + 1/2)` of
+the N heads, those with the largest gates, exact ties broken by the fixed order `tie_order`, so the cache size
+depends only on the sparsity. Design: docs/training.md, "Patterns".
 """
 
 from __future__ import annotations
@@ -151,7 +141,7 @@ class Pattern:
 
     def tie_order(self) -> np.ndarray:
         """int [num_layers * num_kv_heads]: each head's rank (row-major) among exactly tied gates, lower wins:
-        `np.random.default_rng(0).permutation(N)`, fixed for a given N (see the module docstring)."""
+        `np.random.default_rng(0).permutation(N)`, fixed for a given N (docs/training.md, "Patterns")."""
         return np.random.default_rng(0).permutation(self.gates.size)
 
     def retrieval_mask(self, sparsity: float) -> np.ndarray:

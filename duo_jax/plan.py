@@ -2,19 +2,11 @@
 
     python -m duo_jax.plan --model llama3-8b --hbm-gib 80 --sparsity 0.75 --kv-dtype int4 --weights int8 [--json]
 
-Every figure comes from the real layouts, nothing is allocated: the weights are `jax.eval_shape` of the loaded
-`Params` (int8 ones through `duo_jax.model.quantize_weights`), the cache is the method's own `cache_spec` (the
-arrays `init_cache` builds: codes and scales when quantized), and the temp memory is XLA's memory analysis of
-the compiled steps `generate` runs (`duo_jax.engine.compiled_extend`: one decode step and one prefill
-chunk, compiled from abstract shapes for this machine's backend). Caches are linear in the capacity (duo: its
-retrieval heads; its streaming heads are a constant), and so is temp memory if anything grows with the
-context, so each is measured at two capacities and the largest capacity C (a multiple of
-`duo_jax.cache.CAPACITY_BLOCK`) with weights + cache(C) + temp(C) <= HBM is solved for, then checked on the
-layouts at C. (With a bf16 cache XLA:CPU's steps copy part of it, 63.6 KB of temp per token for Llama-3-8B's
-full attention; with an int4 one, nothing: the slope is measured, not assumed.) The temp figure is the
-backend's: XLA:CPU converts bf16 weights to fp32 for its dots (a weights-sized temp a GPU does not have), so
-on a CPU host `max_context_*_no_temp` (weights + cache only) is the figure to read for a GPU, and the temp
-should be measured where the model will run.
+Every figure comes from the real layouts, nothing is allocated: weights are `jax.eval_shape` of the loaded
+`Params`, the cache is the method's own `cache_spec`, temp memory is XLA's memory analysis of the compiled steps
+`generate` runs, for this machine's backend. Each is measured at two capacities and the largest capacity C (a
+multiple of `duo_jax.cache.CAPACITY_BLOCK`) with weights + cache(C) + temp(C) <= HBM is solved for, then checked
+at C. Design: docs/quantization.md, "The memory planner".
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Absmax quantization: int8 / int4 KV-cache blocks and int8 weights, with the scales kept beside the codes.
 
-KV cache (`QuantizedKV`): each token's key (or value) of each head is quantized along the head dimension E
-with one scale, `scale = max|x| / qmax` (qmax 127 for int8, 7 for int4), codes `round(x / scale)` in [-qmax,
-qmax], symmetric (int4's -8 is unused). int4 codes are packed two per byte: byte j of a head holds element j
-in its low nibble and element j + E/2 in its high nibble (the halves RoPE rotates together), so unpacking is
-two shifts and one concatenation. Scales are bfloat16, [..., 1] beside the codes: 2 bytes per token and head
-(E=128: 1.6% of an int8 block, 3% of an int4 one; fp32 would double that for nothing: a bf16 scale's rounding,
-at most 2^-8 relative, is far below the quantization step itself, 1/127 or 1/7 of the absmax). The scale is
-rounded *up* to bf16, so no code is clipped and every element is within half a step of its value:
-|x - dequantize(quantize(x))| <= scale / 2 (tests check it against float64). Methods store keys and values through
-an orthonormal rotation (`kv_rotation`) before quantizing, which spreads outlier channels over the head
-dimension. A `QuantizedKV` stands in for the cache array it replaces: `.shape` and `.dtype` are those of the
-dequantized array (the model's dtype), and attention dequantizes it one key tile at a time: the blocked XLA
-loop (`duo_jax.attention.xla`), and the Pallas / Mosaic decode and prefill (flash) kernels, which read the codes
-and scales and unpack int4 with the same `pallas_kernels._common.unpack_int4_halves` as `unpack_int4` here.
-
-Weights (`QuantizedWeight`): int8 per output channel, the absmax over the axes a matmul contracts; the scale
-keeps the weight's rank with size 1 on those axes (so slicing or permuting an output axis takes codes and
-scales alike, and a contracted axis leaves the scales alone).
-`einsum` is the one matmul of the model: it multiplies by the int8 codes converted to the activation's dtype
-(exact: |code| <= 127) with fp32 accumulation, then scales the output channels.
-
-Why not a library: qwix (Google's successor of AQT) quantizes by intercepting Flax modules' dot_generals, and
-AQT (aqtp) by replacing a module's `dot_general`; duo-jax's model is plain functions over dataclass pytrees
-with no modules to intercept, and its KV cache is its own pytree, so either would mean adopting Flax for ~100
-lines of absmax arithmetic. MaxText's KV quantization is the design followed here (absmax along the head
-dimension, per token and head, int4 packed).
+`quantize_kv` stores each token's key (or value) of each head as codes `round(x / scale)` in [-qmax, qmax] with
+one bf16 scale `max|x| / qmax` rounded up (qmax 127 for int8, 7 for int4; int4 packed two per byte, element j low
+and j + E/2 high), so |x - dequantize(quantize(x))| <= scale / 2. A `QuantizedKV` stands in for the cache array it
+replaces (`.shape` and `.dtype` are the dequantized array's); attention reads it one tile at a time. Methods store
+keys and values through `kv_rotation`. `QuantizedWeight` is int8 per output channel; `einsum` is the model's one
+matmul over either. Design: docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -119,12 +99,12 @@ def quantize_kv(x: jax.Array, kind: str, dtype=None) -> QuantizedKV:
 def kv_rotation(head_dim: int) -> np.ndarray:
     """The orthonormal [E, E] matrix R that quantized caches store keys and values through (k R, v R).
 
-    Per-token absmax wastes int4's 15 levels when a few channels carry outliers (SmolLM2's keys: 20% round-trip
-    error; after R: 10%, the floor of Gaussian-like data). Attention is unchanged in exact arithmetic: the
-    query is rotated the same way, (q R)(k R)^T = q k^T, and the output rotated back, (p v R) R^T = p v, so
-    the cache is read tile by tile as before (QuaRot's incoherence processing). A Sylvester Hadamard matrix
-    / sqrt(E) when E is a power of two (every supported model's head dimension), else a fixed random
-    orthogonal one."""
+    Per-token absmax wastes int4's 15 levels when a few channels carry outliers; the rotation spreads them over
+    the head dimension (BENCHMARKS.md, "Quantized KV cache: the quality cost"). Attention is unchanged in exact
+    arithmetic: the query is rotated the same way, (q R)(k R)^T = q k^T, and the output rotated back,
+    (p v R) R^T = p v, so the cache is read tile by tile as before (QuaRot's incoherence processing). A
+    Sylvester Hadamard matrix / sqrt(E) when E is a power of two (every supported model's head dimension), else
+    a fixed random orthogonal one."""
     if head_dim & (head_dim - 1) == 0:
         h = np.ones((1, 1))
         while h.shape[0] < head_dim:

@@ -1,56 +1,11 @@
 """Device meshes and weight sharding: JAX's own SPMD runtime (`Mesh`, `NamedSharding`, `shard_map`).
 
-One mesh with three axes, used by gate training (`duo_jax.training`) and meant for generation too:
-
-* ``data``: plain data parallelism. The batch is split over it; the weights are replicated (the axis to
-  put across slow links, e.g. between TPU slices).
-* ``fsdp``: fully sharded data parallelism (ZeRO-3). The batch is split over it as well, and every frozen
-  weight is stored 1/n per device.
-* ``seq``: sequence parallelism. Each device holds a contiguous slice of every sequence.
-
-Frozen weights are sharded over ``fsdp`` *and* ``seq`` (`WEIGHT_AXES`): devices of the sequence axis need
-the same layer at the same time, exactly as those of the fsdp axis do, so they can share its storage too
-(MaxText's rules shard the weights' embed dimension over its fsdp and sequence axes alike). Each stacked
-weight [L, ...] is split along its largest non-layer axis that the fsdp x seq devices divide (replicated
-when none does, e.g. a norm of odd width); the embedding [V, D] along D.
-
-Where the gathering happens, and why by hand: inside `shard_map`, `gather_layer` all-gathers one layer's
-weights in the body of the scanned (and rematerialised) layer, so at any time a device holds its 1/n of
-every layer plus one (two, with the backward pass's recomputation) gathered layer: weight memory falls as
-1/n. The alternative, letting GSPMD place the gathers from sharding constraints, leaves the choice of where
-to all-gather to the partitioner, which may hoist the gather of the whole stacked weight out of the loop;
-an explicit collective has the memory it says, and the compiled step's memory analysis
-(`benchmarks/train_memory.py`) confirms it. The embedding is looked up in the local D-slice of the table
-for every peer's tokens and the rows exchanged with one all-to-all (`embed_tokens`), never gathering the
-[V, D] table.
-
-Generation (`duo_jax.engine`, `generate(mesh=...)`) runs on a second mesh, ("data", "model")
-(`make_generation_mesh`):
-
-* ``data``: the batch (and every cache array's batch axis) is split over it; weights are replicated.
-* ``model``: tensor parallelism (Megatron's split) on the engine's prepared per-layer weights,
-  `tensor_parallel_specs`: query heads of wq / wo, KV heads of wk / wv (replicated when `model` does not
-  divide them), the MLP's intermediate dimension (w_gate / w_up by column, w_down by row) and the
-  vocabulary of the embedding and LM head (replicated when `model` does not divide it). Norms are
-  replicated. These are plain `NamedSharding`s on the `Engine`'s arrays, placed once; GSPMD partitions the
-  matmuls and inserts the all-reduces after wo and w_down, so a device holds 1/model of those weights and
-  never gathers them. The attention's activations are pinned head-split around the method
-  (`split_heads_over_model`): left free, GSPMD's cost model all-gathered wk / wv / wo instead (seen in the
-  compiled HLO of the tiny test model).
-* The KV cache under DuoAttention (and full attention, its every-head-retrieval case): the retrieval partition
-  [B, C, n_l, E] is split along its capacity C over ``model`` (device i holds positions [i C / m, (i + 1) C /
-  m); `generate` rounds C up to a multiple of lcm(128, m)), the streaming partition [B, sink + recent, K -
-  n_l, E] is replicated over ``model``; both are split over ``data`` by batch. Why the capacity and not the
-  heads: each layer keeps its own number of retrieval heads n_l (from 0 to K, set by the pattern), which no
-  fixed mesh size divides in general; splitting heads would leave devices idle or force counts per layer to
-  multiples of the mesh. Every layer has the same capacity, so splitting it works for any pattern. Each device
-  writes the chunk's tokens that fall into its slots and attends its queries (all of the layer's retrieval
-  heads) to its slice of keys inside `shard_map`, giving a partial (out, log-sum-exp); `merge_partials`
-  combines them across ``model`` (an all-reduce of [B, T, heads, E] activations, never of the cache). The
-  price: the streaming partition (sink + recent tokens per head, small) is held and attended on every
-  ``model`` device, and short sequences fill device 0's slots first, so a decode step's retrieval work is
-  balanced only once the context fills the capacity (memory is balanced from the start: slots are reserved per
-  device).
+Gate training runs on a ("data", "fsdp", "seq") mesh (`make_mesh`): the batch split over data x fsdp, each
+sequence over seq, frozen weights stored 1/n over fsdp x seq (`weight_specs`) and gathered one layer at a time
+inside the scanned layer (`gather_layer`, `embed_tokens`). Generation runs on a ("data", "model") mesh
+(`make_generation_mesh`): the batch over data, tensor-parallel weights over model (`tensor_parallel_specs`), the
+retrieval cache split along its capacity over model with partial results merged by `merge_partials`.
+Design: docs/training.md.
 """
 
 from __future__ import annotations
@@ -197,7 +152,7 @@ def auto_axes(mesh: Mesh) -> Mesh:
     """`mesh` with every axis Auto (the same mesh when it already is). `jax.make_mesh` makes Explicit axes by
     default, under which every op's output sharding is part of its type and must be resolvable without
     collectives; generation places its arrays with `NamedSharding`s and sharding constraints and lets GSPMD
-    partition the rest (module docstring), which is what Auto axes mean. Manual axes (inside shard_map) are
+    partition the rest (docs/training.md), which is what Auto axes mean. Manual axes (inside shard_map) are
     refused."""
     types = tuple(getattr(mesh, "axis_types", None) or ())
     if all(t == AxisType.Auto for t in types):
@@ -246,7 +201,7 @@ def _tp_spec(x, axis: int | None, m: int) -> P:
 
 def tensor_parallel_specs(params: Params, mesh: Mesh) -> Params:
     """The `PartitionSpec` of every weight of `params` (layers unstacked: a tuple of `LayerParams`, arrays or
-    `ShapeDtypeStruct`s) on a generation mesh; see the module docstring."""
+    `ShapeDtypeStruct`s) on a generation mesh (docs/training.md)."""
     m = mesh.shape[MODEL]
     layers = tuple(
         LayerParams(

@@ -1,47 +1,12 @@
 """Training DuoAttention gates: optimiser and schedule, the sharded train step, data, checkpoints, outputs.
 
-The objective itself (gated forward, loss) is `duo_jax.gates`. This module runs it:
-
-* **Optimiser.** AdamW (weight decay 0) on the float32 gates only, clamped to [0, 1] after every update.
-  Learning-rate factor at step s (0-based) of N, as the original's `LambdaLR`:
-  ``min(1, max((s + 1) / W, floor), max((N - s) / Dc, floor))`` with W = N * warmup_ratio and
-  Dc = N * decay_ratio (both 0.2) and floor 0.1: linear warm-up from 0.1 * lr, constant, linear decay
-  floored at 0.1 * lr.
-* **Sharding.** One `shard_map` over a ("data", "fsdp", "seq") mesh (`duo_jax.sharding`: the batch is
-  split over data x fsdp, each sequence over "seq" in contiguous slices, the frozen weights over fsdp x seq
-  and gathered one layer at a time inside the scanned layer; gates and optimiser state replicated).
-  Attention over "seq" (`sequence_parallelism`, chosen automatically and printed):
-  - *Ulysses* (DeepSpeed) when the "seq" size n divides the KV heads: an all-to-all turns sequence shards
-    into head shards (the whole sequence for K/n KV heads and their query heads), attention runs locally,
-    the inverse all-to-all restores sequence shards. Per device and layer: q, k, v and output of T x H/n
-    heads, the same bytes as its own sequence shard.
-  - *all-gather K/V* otherwise (SmolLM2's 3 KV heads, or n above Llama-3-8B's 8): each device keeps its
-    T/n queries, all-gathers K and V, and attends at its offset in the sequence. Per device and layer it
-    holds 2 x T x K x E elements of K/V (the whole sequence's; 128 MiB for Llama-3-8B at 32k tokens in
-    bf16), recomputed rather than kept for the backward pass. A ring (ppermute of K/V blocks with an
-    online-softmax merge) would hold 2 x 2 x T/n x K x E instead; not built yet.
-  Each device differentiates its share of the loss; the gate gradients are summed with one `psum`. The
-  same code runs on one device (a 1 x 1 x 1 mesh), on host CPU devices, on a GPU node or a TPU pod
-  (multi-process with `jax.distributed.initialize()`, see `initialize_distributed`; each process loads only
-  its devices' slices of the weights, `duo_jax.loading`). `memory_report`
-  compiles the step from shapes and reads the per-device bytes (the CLI prints it before it starts).
-* **Padding.** Sequences of a batch are right-padded to a common bucketed length (`padded_length`: at most
-  four buckets per octave of length, each a multiple of the "seq" axis), so a run over 50 context lengths
-  compiles its step about a dozen times rather than once per length, for at most 25% padding. Padded positions come
-  after every real token, so the causal and Λ masks already hide them from
-  every real query; they are excluded from the loss (`supervise` is False there).
-* **Data.** `duo_jax.data.SampleStream`: step s uses samples s * batch_size ... (s + 1) * batch_size - 1,
-  each a function of (seed, index) only, so the sample index is the whole data-loader state. The haystack
-  defaults to the calibration half of the essays (`duo_jax.data.CALIBRATION_HAYSTACK`; evaluations run on
-  the other half) and the loss to every question / answer token (``supervise="qa"``, as the original).
-* **Checkpoints.** Orbax, every `save_every` steps and at the end, the last two kept: gates, optimiser
-  state, the completed step and next sample index, and the run's arguments (a resumed run must use the
-  same ones). Resuming replays exactly the same computation, so the final gates are bit-identical to those
-  of an uninterrupted run (on the same mesh and backend). With several processes, all of them save and
-  restore together, each writing and reading the shards it holds (orbax's multi-process checkpointing).
-* **Outputs** in the run folder: `full_attention_heads.tsv` + `config.json` (the original's pattern format,
-  `duo_jax.pattern.Pattern.save`), `loss.json` (per step: loss, distill, l1, lr, tokens, tokens/s),
-  `gates.png`; all rewritten at every checkpoint, so a partial run is readable.
+The objective (gated forward, loss) is `duo_jax.gates`; this module runs it. `train` trains the float32 gates of a
+`TrainConfig` run on a ("data", "fsdp", "seq") mesh (`duo_jax.sharding`) with AdamW and `lr_schedule`, clamping
+them to [0, 1] after every update; each step's samples are a function of (seed, index) only, and checkpoints
+(orbax) hold gates, optimiser state and the next sample index, so a resumed run ends with the gates of an
+uninterrupted one (same mesh and backend). `memory_report` compiles the step from shapes and reads its per-device
+bytes. Outputs in the run folder: the pattern (`full_attention_heads.tsv` + `config.json`), `loss.json`,
+`gates.png`. Design: docs/training.md.
 """
 
 from __future__ import annotations
@@ -86,7 +51,7 @@ class TrainingError(DuoJaxError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Every hyper-parameter of a gate-training run (defaults: the original's, see ALGORITHMS.md)."""
+    """Every hyper-parameter of a gate-training run (defaults: the original DuoAttention recipe)."""
 
     objective: gates_lib.Objective = gates_lib.Objective()
     steps: int = 2000
@@ -171,7 +136,9 @@ class TrainConfig:
 def lr_schedule(
     lr: float, steps: int, warmup_ratio: float = 0.2, decay_ratio: float = 0.2, min_ratio: float = 0.1
 ) -> optax.Schedule:
-    """The learning rate at optimiser step `count` (0-based); see the module docstring."""
+    """The learning rate at optimiser step s = `count` (0-based) of N = `steps`, as the original's `LambdaLR`:
+    lr * min(1, max((s + 1) / W, min_ratio), max((N - s) / Dc, min_ratio)), W = N * warmup_ratio,
+    Dc = N * decay_ratio."""
     warmup = max(1.0, steps * warmup_ratio)
     decay = max(1.0, steps * decay_ratio)
 

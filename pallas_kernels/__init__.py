@@ -1,19 +1,11 @@
-"""Pallas attention kernels for duo-jax (GPU via Triton, CPU via interpret mode).
+"""Pallas attention kernels for duo-jax: Triton on GPU, interpret mode on CPU.
 
-* `lambda_attention`: streaming heads' Λ mask (sinks + recent window),
-  block-sparse, forward and backward kernels.
-* `flash_attention`: dense (causal) attention with q_offset / kv_len, forward
-  and backward kernels.
-* `decode_attention`: split-K single-token attention over a cache, forward only.
-* `duo_decode_attention`: DuoAttention's decode step, retrieval heads over their cache and streaming heads over
-  their ring + the new token, in one launch, forward only.
-* `paged_decode_attention`, `paged_flash_attention`: decode and a prefill chunk over
-  pages of a pool read through block tables, forward only.
-
-`reference` holds dense pure-jnp versions of all three with explicit masks.
-`tpu` holds the same three functions for TPU (splash attention and Mosaic
-kernels), tested in TPU interpret mode on CPU. `cpu` holds flash attention for
-CPU, in C++ through XLA's FFI (Pallas has no CPU compiler), built on first use.
+`flash_attention` (causal, with q_offset / kv_len, forward and backward), `lambda_attention` (the streaming
+heads' Λ mask, forward and backward), `decode_attention` (split-K, one query per sequence), `duo_decode_attention`
+(both DuoAttention partitions of a decode step in one launch) and `paged_decode_attention` /
+`paged_flash_attention` (pages read through block tables); all but the first two are forward only. `reference`
+holds dense jnp versions, `tpu` the same kernels for TPU (Mosaic), `cpu` causal flash attention in C++ for CPU.
+Design: docs/kernels.md.
 """
 
 from pallas_kernels import cpu, duo_decode, reference, tpu

@@ -1,18 +1,9 @@
 """Backend selection for the Pallas kernels: interpret mode and compiler params.
 
-* CPU: there is no Pallas compiler, kernels run with ``interpret=True``.
-* GPU: Triton, chosen on purpose. Since JAX 0.10 a ``pallas_call`` with no
-  compiler params lowers through Mosaic GPU on NVIDIA; these kernels are written
-  in the Triton style (one program per query tile, an in-kernel loop over the
-  key tiles), so we always pass Triton compiler params. JAX 0.11 deprecates
-  Pallas's Triton backend: `triton_unavailable` compiles and runs one tiny
-  Triton kernel on the GPU, once per process, and says why it could not, so
-  that ``impl="auto"`` falls back to XLA where the backend is gone.
-* TPU: these kernels index the head axis in the middle of ``[B, T, H, D]``
-  arrays and keep a whole sequence of K/V per program, which Mosaic TPU does
-  not tile well; the TPU kernels are `pallas_kernels.tpu` (splash attention and
-  our own Mosaic kernels), which ``duo_jax.attention`` picks on TPU. `backend`
-  and `lowering_for` serve both sets.
+On CPU the kernels run in interpret mode; on GPU they always lower through Triton (they are written in its style),
+and `triton_unavailable` says, once per process, why a probe kernel could not run where JAX no longer supports
+that backend; TPU has its own kernels (`pallas_kernels.tpu`). `backend` and `lowering_for` (lowering for a platform
+that is not present) serve both sets. Design: docs/kernels.md, "Backends".
 """
 
 from __future__ import annotations
@@ -85,9 +76,8 @@ def triton_unavailable() -> str | None:
 
 def fit_tiles(block_q: int, block_k: int, dtype, interpret: bool) -> tuple[int, int]:
     """The (block_q, block_k) a compiled Triton kernel can hold: each program keeps its query tile and its
-    double-buffered key / value tiles in shared memory (227 KiB on an H100). 128 x 128 tiles of a 128-wide
-    head fit in 16-bit types; 32-bit types get at most 64 x 64, the same bytes (128 x 128 fp32 asked for
-    256-320 KiB and failed to compile on an H100, JAX 0.11.2). Elsewhere the blocks are returned as given."""
+    double-buffered key / value tiles in shared memory, so 32-bit types get at most 64 x 64 tiles, the bytes of
+    16-bit types' 128 x 128 (docs/kernels.md, "Tile sizes on a GPU"). Elsewhere the blocks are returned as given."""
     if interpret or backend() != "gpu" or jnp.dtype(dtype).itemsize < 4:
         return block_q, block_k
     return min(block_q, 64), min(block_k, 64)

@@ -1,21 +1,10 @@
 """Split-K decode attention (flash-decoding) in Pallas, forward only.
 
-One new token per sequence attends to its cache: q [B, Hq, D], k and v
-[B, S, Hkv, D], `lengths` [B] valid keys per sequence. The grid is
-(batch, KV head, split): each program takes the G = Hq / Hkv query heads that
-share one KV head (so a KV tile is loaded once per group) and one contiguous
-chunk of the cache, and returns a partial (o, m, l) for it. A cheap jnp
-reduction then combines the splits with the usual log-sum-exp rescaling.
-Splitting S keeps the GPU busy when B * Hkv alone is too small a grid.
-The program's loop (`split_attention`), the launch and the merge (`run_splits`) are
-shared with the paged kernel (`pallas_kernels.paged_attention`), which differs
-only in how it loads a key tile.
-
-A quantized cache (`kv_quant` "int8" / "int4": int8 codes plus one scale per token and head, the layout of
-`duo_jax.quant.QuantizedKV`) is read as it is stored: each program loads a tile of codes and its scales and
-dequantizes it in registers (`_common.dequantize_tile`), so the kernel moves the quantized bytes, not the
-values. int4's two nibble halves are dotted with the matching halves of the query and accumulate into two
-halves of the output (`_common.kv_parts`), so nothing is concatenated inside the kernel.
+One new token per sequence attends to its cache: q [B, Hq, D], k and v [B, S, Hkv, D], `lengths` [B] valid keys
+per sequence. The grid is (batch, KV head, split); each program returns a partial (o, m, l) over one chunk of the
+cache, merged with log-sum-exp rescaling. `split_attention` and `run_splits` are shared with the paged kernel. A
+quantized cache (`kv_quant` "int8" / "int4", the layout of `duo_jax.quant.QuantizedKV`) is read as stored and
+dequantized per tile. Design: docs/kernels.md, "Split-K decode (GPU)".
 """
 
 from __future__ import annotations

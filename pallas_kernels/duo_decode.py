@@ -1,15 +1,10 @@
 """DuoAttention's decode step in one Pallas launch: retrieval heads over their cache, streaming heads over
 their ring plus the new token, forward only.
 
-A layer's KV heads are split in two caches: the first n (retrieval heads) hold every token in a contiguous
-cache [B, C, n, D], the new token already written; the other K - n (streaming heads) hold a ring
-[B, S, K - n, D] of sink + recent tokens, every filled slot of which the new token sees, and the new token
-itself, which is not in the ring yet (writing it first would evict a key the query still sees). The grid is
-split-K decode's (batch, KV head, split): a retrieval head's program takes one chunk of its cache
-(`decode_attention.split_attention`), contiguous or in pages read through block tables (`paged_attention`);
-a streaming head's program in split 0 takes the whole ring, its softmax starting from the new token's score,
-and its other splits are empty. One launch and one
-`merge_splits` serve both partitions, where two kernels would each need their own padding, launch and merge.
+The first n KV heads (retrieval) hold every token in a contiguous or paged cache [B, C, n, D], the new token
+already written; the other K - n (streaming) hold a ring [B, S, K - n, D] of sink + recent tokens, and the new
+token's keys and values come separately (not in the ring yet). One split-K grid and one merge serve both.
+Design: docs/kernels.md, "DuoAttention's decode step in one launch".
 """
 
 from __future__ import annotations

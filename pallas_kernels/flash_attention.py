@@ -1,25 +1,10 @@
 """Block-sparse flash attention in Pallas: forward and backward kernels.
 
-One implementation serves both dense causal attention (`flash_attention`) and
-the streaming heads' Λ-shaped attention (`lambda_attention.py`): a query block
-only loops over the KV blocks its mask touches (see `_common.kv_block_schedule`),
-so Λ attention costs O(T * (sink + recent)) instead of O(T^2).
-
-Layout: q [B, T, Hq, D], k and v [B, S, Hkv, D], Hq = G * Hkv (GQA: query head
-h reads KV head h // G). Softmax statistics are kept in float32.
-
-Kernels follow the Triton style (as in jax.experimental.pallas.ops.gpu.attention):
-the grid is (batch, head, block); each program keeps one tile resident and loops
-over the tiles of the other sequence with `lax.fori_loop`, with loop bounds
-computed from the program ids. Backward: dq in one kernel (grid over query
-blocks), dk and dv in another (grid over key blocks); no atomics.
-
-Over a quantized cache (`flash_attention(..., kv_quant="int8" / "int4")`: int8 codes plus one scale per token
-and head, the layout of `duo_jax.quant.QuantizedKV`; chunked prefill) the forward kernel reads the codes and
-scales and dequantizes each key / value tile in registers (`_common.load_tile`, the decode kernel's), with
-float32 accumulation; int4's nibble halves are dotted with the matching halves of the query and accumulate
-into two halves of the output (the query and output carry the halves on a leading dim), as in
-`decode_attention`. Forward only: a quantized cache is read at inference, never differentiated.
+One implementation serves dense causal attention (`flash_attention`) and the streaming heads' Λ-shaped attention
+(`lambda_attention.py`): a query block loops only over the key blocks its mask touches
+(`_common.kv_block_schedule`). Layout: q [B, T, Hq, D], k and v [B, S, Hkv, D], Hq = G * Hkv (query head h reads
+KV head h // G); softmax statistics in float32. Over a quantized cache (`kv_quant`) or keys at explicit positions
+(`k_positions`) it is forward only. Design: docs/kernels.md, "Flash and Λ attention (GPU)".
 """
 
 from __future__ import annotations

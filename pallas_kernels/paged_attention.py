@@ -1,31 +1,10 @@
 """Attention over a paged cache in Pallas (Triton on GPU), forward only: decode and chunked prefill.
 
-The tokens of B sequences live in pages of a pool shared by the batch: k_pages and v_pages [Hkv, N, P, D]
-(head-major: one head's page is P * D contiguous elements), block_tables int32 [B, M] (slot s of sequence b is
-page block_tables[b, s // P], row s % P). The kernels read the pages where they are: no [B, M * P, Hkv, D]
-copy of the sequences' caches is ever built. A key block is `pages_per_block` pages, loaded with one gathered
-load (`ref[pages]`, a vector of page ids: the idiom of JAX's GPU `paged_attention` op) and viewed as
-[pages_per_block * P, D]; table entries are clipped into the pool ("no page" entries past a length read some
-page, which the length masks).
-
-* `paged_decode_attention`: one query per sequence, q [B, Hq, D]. The grid is (batch, KV head, split), as in
-  the contiguous split-K kernel (`decode_attention`), whose loop, launch and log-sum-exp merge this one shares
-  (`split_attention`, `run_splits`); only the loading of a key tile differs. Each program sees the whole pool
-  of its KV head and its split's run of table entries; the G query heads of a group share every page load. A
-  split stops at its sequence's length, so pages past it are not read, except within the last block.
-* `paged_flash_attention`: a chunk of queries per sequence (chunked prefill of a newcomer whose earlier
-  chunks, or reused prefix, are in pages), q [B, T, Hq, D]. The flash kernel's program
-  (`flash_attention.forward_program`: grid batch x query head x query block, key blocks past the length or the
-  causal edge skipped) with its key blocks loaded through the table.
-
-What differs from JAX's `jax.experimental.pallas.ops.gpu.paged_attention` (decode only): our pool is
-[Hkv, N, P, D] per layer with the head picked by the grid (JAX vmaps over the batch and loads q blocks of 16
-heads), the splits are the ragged whole-block chunks of our contiguous kernel (JAX needs pages_per_sequence %
-k_splits == 0), lengths 0 give zeros, and the per-split statistics leave the kernel in float32 for an exact
-merge and an optional log-sum-exp.
-
-Triton wants power-of-two tensor shapes: P and D must be powers of two (pages_per_block is one); the
-dispatch (`duo_jax.attention`) takes the XLA path for other page sizes.
+k_pages and v_pages [Hkv, N, P, D] (head-major pools shared by the batch), block_tables int32 [B, M] (slot s of
+sequence b is page block_tables[b, s // P], row s % P); the pages are read where they are, entries past a length
+clipped into the pool and masked. `paged_decode_attention` takes one query per sequence (q [B, Hq, D]),
+`paged_flash_attention` a chunk (q [B, T, Hq, D]). P and D must be powers of two (Triton's tensor shapes).
+Design: docs/kernels.md, "Paged attention (GPU)".
 """
 
 from __future__ import annotations

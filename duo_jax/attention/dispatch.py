@@ -1,57 +1,15 @@
 """The one place that picks an attention implementation.
 
-`attend(q, k, v, spec, impl=...)` is every attention call of the model, the engine's methods and gate
-training; `spec` (`duo_jax.attention.masks.MaskSpec`) says which keys each query sees. `impl`:
-
-* "xla": the blocked online softmax of `duo_jax.attention.xla`, whose work follows the filled slots.
-* "pallas": the Pallas kernels of `pallas_kernels` (Triton on GPU, interpret mode on CPU: correct but slow,
-  meant for tests) for the specs they implement: a contiguous cache under a causal mask (flash attention;
-  split-K decode for one query), Λ over a whole sequence, and causal attention over keys at explicit
-  positions (DuoAttention's streaming heads: a ring of cached tokens + the chunk, in prefill and decode;
-  StreamingLLM; eviction caches) through the flash kernel's k_positions operand, forward only. DuoAttention's
-  decode step runs both partitions in one launch (`duo_decode`: retrieval heads over their cache, streaming
-  heads over their ring and the new token). Sliding windows take the XLA path.
-* "mosaic": the TPU kernels of `pallas_kernels.tpu` for the same specs: splash attention when the spec's
-  offsets are Python ints (`MaskSpec.static_prefix`: gate training, whole sequences), our own Mosaic kernels
-  when they are traced (chunked prefill, decode) or keys sit at explicit positions. Off TPU they run in
-  Pallas's interpreter (tests).
-* "cpu": the C++ flash-attention kernel of `pallas_kernels.cpu` (XLA FFI, built on first use by the host's
-  compiler) for float32 causal attention with per-sequence offsets and key lengths, over a contiguous cache or
-  sequence (full attention's prefill chunks and decode steps, DuoAttention's retrieval heads, whole sequences)
-  or over keys at explicit positions (the streaming heads' ring + chunk, StreamingLLM, eviction caches).
-  Λ, sliding windows, quantized or paged caches and bf16 take the XLA path. It is forward only: a gradient
-  through it is the XLA path's (`_cpu_attention`).
-* "reference": dense jnp with the whole mask materialised (`spec.dense`), for tests.
-* "auto": "pallas" on GPU, "mosaic" on TPU, "cpu" on CPU (and "xla" on other backends). On a GPU whose JAX can
-  no longer compile Pallas kernels through Triton (JAX 0.11 deprecates that backend), "auto" is "xla", with one
-  warning that names the reason; "pallas" is then an error (`BackendError`) rather than a crash inside the
-  compiler. Likewise on a CPU where the C++ kernel cannot be built (no compiler): "auto" is "xla" with one
-  warning, "cpu" an error.
-
-A quantized cache (k / v a `duo_jax.quant.QuantizedKV`: int8 or int4 codes + scales, both of one kind) is read
-as codes and scales by the kernels that serve its spec, each dequantizing a key / value tile inside the kernel
-(`kv_quant=`): one query per sequence over a contiguous cache (decode) runs the split-K decode kernel of the
-chosen `impl`, a prefill chunk over it the flash kernel's forward (Triton or Mosaic), and on "mosaic" keys at
-explicit positions (the streaming heads' quantized ring + chunk) the Mosaic flash kernel. Sliding windows, Λ
-and what the kernels do not serve take the XLA path, which dequantizes one key tile at a time. Codes never
-reach a kernel as if they were values.
-
-A paged cache (k / v a `duo_jax.attention.pages.PagedKV`: a pool of pages [K, N, P, E] and block tables [B, M],
-the same tables for both: the kernels take k's) is read in place, never copied into a contiguous [B, M * P, K, E]
-cache. "pallas" (power-of-two page sizes)
-runs our Triton kernels of `pallas_kernels.paged_attention`: split-K for one query per sequence (decode), the
-flash program for a chunk (chunked prefill over pages). "mosaic" runs JAX's TPU paged attention for decode,
-for bfloat16 pools only (it rounds keys and values to bfloat16 inside) and head dims that are multiples of
-128 (which its blocks need on TPU). Every other case (prefill chunks on TPU, sliding windows, fp32 pools on
-TPU, other page sizes on GPU, CPU) takes the XLA path, which gathers one key tile of slots at a time through
-the tables.
-
-The kernels take a query offset rather than per-query positions for a contiguous cache, so that mapping
-assumes what every caller builds: consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t).
-With explicit key positions the TPU kernel also takes the query positions as they are.
-
-`flash_attention`, `lambda_attention` and `decode_attention` are the kernels' own signatures over the
-same dispatch, for callers that attend over a whole sequence (gate training, head scoring) and for tests.
+`attend(q, k, v, spec, impl=...)` is every attention call of the model, the methods and gate training: q [B, T, H,
+E], k / v [B, S, K, E] (arrays, `duo_jax.quant.QuantizedKV` codes or `duo_jax.attention.pages.PagedKV` pages),
+`spec` a `duo_jax.attention.masks.MaskSpec`. `impl` is one of `IMPLS`: a kernel serves the specs it implements and
+everything else takes the XLA path (`duo_jax.attention.xla`), so every impl gives the same result up to rounding.
+"auto" resolves per backend (`resolve_impl`); where the kernel of that backend cannot run it falls back to "xla"
+with one warning, and asking for that impl by name raises `BackendError`. Callers pass consecutive query
+positions (q_positions[:, t] = q_positions[:, 0] + t). `attend_partial` (one shard of the keys) and `duo_decode`
+(both DuoAttention partitions in one launch) are the variants; `flash_attention`, `lambda_attention` and
+`decode_attention` are the kernels' signatures over the same dispatch. Which impl serves which spec, cache and
+device: docs/attention.md.
 """
 
 from __future__ import annotations
@@ -82,9 +40,8 @@ DECODE_PROGRAMS = 128  # ... or more, for a grid (batch x KV heads x splits) of 
 
 
 def decode_splits(batch: int, num_kv_heads: int) -> int:
-    """Split-K decode's number of key chunks. On an H100 (132 SMs), Llama-3-8B's 8 KV heads x 16 splits read
-    a 128k cache at 2.8 TB/s, while DuoAttention's layers of 2-6 retrieval heads at 16 splits averaged
-    1.8 TB/s: half the SMs had no program. Fewer heads (or sequences) therefore get more splits."""
+    """Split-K decode's number of key chunks: at least MIN_SPLITS, more when batch x KV heads is small, so that the
+    grid has about DECODE_PROGRAMS programs and layers with few retrieval heads still fill the GPU."""
     return max(MIN_SPLITS, -(-DECODE_PROGRAMS // (batch * num_kv_heads)))
 
 
@@ -122,7 +79,7 @@ def _cpu_fallback(reason: str, *, forced: bool) -> str:
         )
     warnings.warn(
         f"the C++ CPU attention kernel cannot run here ({reason}): attention runs on the XLA path "
-        f"(impl='xla'), about 2-3x slower on prefill. Installing a C++ compiler (g++) enables it.",
+        f"(impl='xla'), which is slower on CPU. Install a C++ compiler (g++) to enable the kernel.",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -259,7 +216,7 @@ def duo_decode(
 def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
     if spec.window is not None:
         return False
-    if isinstance(k, PagedKV) or isinstance(v, PagedKV):  # the paged kernels (module docstring)
+    if isinstance(k, PagedKV) or isinstance(v, PagedKV):  # the paged kernels (docs/attention.md)
         if not (
             isinstance(k, PagedKV)
             and isinstance(v, PagedKV)

@@ -10,10 +10,6 @@ position pk) is visible from a query at position pq iff its slot is filled and
     causal:          pk <= pq
     sliding window:  pq - pk < window                       (Mistral-style local attention)
     Λ (sink, recent): pk < sink  or  pq - pk < recent       (DuoAttention's streaming heads, StreamingLLM)
-
-DuoAttention's chunk window (a streaming head sees j < sink or j >= c - recent for a chunk starting at c)
-needs no rule of its own: the streaming partition holds exactly those tokens, and its slots carry their
-positions, so "filled and causal" over the ring + chunk is that rule.
 """
 
 from __future__ import annotations

@@ -10,11 +10,7 @@ Entries of a table past a sequence's length may name any page, or N ("no page", 
 reads clip them into the pool and the key lengths mask what they read. The attention paths never build the
 [B, M * P, K, E] view: the Pallas / Mosaic decode kernels follow the tables themselves, and the blocked XLA
 path (`duo_jax.attention.xla`) reads one key tile of slots at a time through `read`. `contiguous` builds the
-whole view, for the dense reference only.
-
-Why head-major: it is the layout of JAX's TPU paged attention (`jax.experimental.pallas.ops.tpu.
-paged_attention`), which then reads our pool as it is, and a GPU program that loads one head's page reads one
-contiguous run of memory.
+whole view, for the dense reference only. Why head-major: docs/attention.md, "Paged caches".
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Attention compiled by XLA whose work and memory follow the tokens held, not the cache's capacity.
 
-A blocked online softmax (flash attention written in `lax`): queries in blocks of `block_q`, and for each
-query block a loop over only the key blocks its `MaskSpec` can see, with a trip count computed at run
-time from the positions and key lengths. A 512-token chunk against a 128k-slot cache that holds 4k tokens
-visits 4k keys; Λ (sink + recent) and sliding windows visit their sink blocks and their band only. Scores
-exist one [T_block, block_k] tile at a time, in fp32 (`preferred_element_type`), and the cache is read in
-its own dtype block by block: nothing upcasts or scores the empty part of a cache.
-
-The backward pass (a `custom_vjp`) walks the same blocks again from the saved log-sum-exp, as flash
-attention's does, so gate training differentiates Λ attention without a [T, S] matrix either.
-
-Why our own rather than a library: JAX's `dot_product_attention(implementation="xla")` materialises the
-whole [T, S] score matrix and has no notion of a dynamic number of filled slots; the Pallas kernels serve
-GPU (and TPU), the C++ kernel (`pallas_kernels.cpu`) fp32 causal attention on CPU, and this is the path for
-everything else (bf16, Λ, sliding windows, quantized and paged caches on CPU; gradients; any backend without a
-kernel).
+`attention(q, k, v, spec)` is a blocked online softmax (flash attention written in `lax`): for each block of
+queries it visits only the key blocks `spec` can see, a trip count computed at run time from the positions and key
+lengths, and scores one tile at a time in fp32, reading the cache in its own dtype (codes dequantized, pages
+gathered, one tile at a time). Its `custom_vjp` walks the same blocks from the saved log-sum-exp, so gradients
+(gate training's Λ attention) need no [T, S] matrix either; `attention_with_lse` returns the log-sum-exp of one
+shard of the keys for merging. It serves every spec, cache kind and backend: the dispatch's fallback
+(docs/attention.md, "The XLA path").
 
 Letters: B batch, T queries, S key slots, K KV heads, G query heads per KV head, E head dim.
 """
@@ -33,9 +25,7 @@ from duo_jax.attention.pages import PagedKV
 from duo_jax.quant import QuantizedKV, dequantize
 
 # Queries per block, and at most this many key slots per tile where tiles do not follow the query blocks
-# (`key_block`). A 512-token prefill chunk (`generate`'s default) is one query block over 512-slot tiles: SmolLM2's
-# attention over a 4k prompt took 0.73x the time of 256-query blocks over 256-slot tiles (fewer, larger XLA:CPU
-# ops per tile; ad-hoc interleaved runs of one layer's chunk schedule, the shape `benchmarks/cpu_attention.py` times).
+# (`key_block`): a 512-token prefill chunk (`generate`'s default) is one query block (docs/attention.md).
 BLOCK_Q, BLOCK_K = 512, 512
 
 # Finite "minus infinity": keeps m - m_new free of inf - inf; masked probabilities are zeroed explicitly.
@@ -72,7 +62,7 @@ def _slice_keys(x, first, size: int) -> jax.Array:
     this tile converted), gathered through the block tables when x is a `PagedKV` (only this tile's rows of
     the pool are read: the pages are never copied whole into a contiguous cache). The barrier keeps the slice
     inside the loop: XLA:CPU computes bf16 ops in f32 and would otherwise hoist the convert of the whole
-    loop-invariant cache out of the loop (measured: temp memory growing with the capacity)."""
+    loop-invariant cache out of the loop, so temp memory would grow with the capacity."""
     x, first = lax.optimization_barrier((x, first))
     if isinstance(x, PagedKV):
         return x.read(first, size)
@@ -99,9 +89,8 @@ def _tile(spec: MaskSpec, q_pos, k, v, i, ranges, block_k: int):
 
 
 def balanced_block(num_keys: int, block_k: int) -> int:
-    """The key block for `num_keys` slots: as many blocks as `block_k` needs, of equal size (rounded up to 8).
-    A plain min(block_k, S) made DuoAttention's streaming keys (sink + recent + chunk = 576 slots) two blocks of
-    512, the second shifted back over the first: 1024 slots scored for 576."""
+    """The key block for `num_keys` slots: as many blocks as `block_k` needs, of equal size (rounded up to 8), so
+    that a last block shifted back over the previous one scores few slots twice."""
     blocks = _cdiv(num_keys, block_k)
     return min(num_keys, _cdiv(_cdiv(num_keys, blocks), 8) * 8)
 
@@ -110,9 +99,9 @@ def key_block(spec: MaskSpec, num_keys: int, block_q: int, block_k: int) -> int:
     """The key tile for `spec` over `num_keys` slots. Over a contiguous cache (slot = position) the causal
     boundary of a query block falls on a tile boundary when tiles are as long as query blocks and start at
     multiples of it (chunks start at multiples of the chunk size): a block then scores its visible tiles and one
-    diagonal tile, nothing past it (SmolLM2 1k prefill in one chunk: 1.9x the causal work with 512-query blocks
-    over 384-slot tiles, 1.25x with 256 / 256). Slots holding arbitrary positions (a ring, an eviction cache,
-    DuoAttention's streaming keys + chunk) are all visited: `balanced_block`."""
+    diagonal tile, nothing past it (docs/attention.md, "Block sizes and key tiles"). Slots holding arbitrary
+    positions (a ring, an eviction cache, DuoAttention's streaming keys + chunk) are all visited:
+    `balanced_block`."""
     if spec.k_positions is None and spec.causal and block_q > 1:
         return min(num_keys, block_q)
     return balanced_block(num_keys, block_k)
@@ -128,8 +117,8 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
     B, T, K, G, E = q.shape
     ranges = _key_blocks(spec, q_pos, block_k)
     # The query heads of a KV head and the block's queries as the rows of one matrix, [B, K, G*T, E], laid out
-    # once: each tile is then one [G*T, E] x [E, bk] matmul per (b, k). Contracting the [B, T, K, G, E] layout
-    # in place made XLA:CPU re-lay the queries out every tile (measured 1.6x slower on SmolLM2 prefill chunks).
+    # once: each tile is then one [G*T, E] x [E, bk] matmul per (b, k); contracting the [B, T, K, G, E] layout
+    # in place makes XLA:CPU re-lay the queries out every tile.
     rows = jnp.einsum("btkge->bkgte", q).reshape(B, K, G * T, E)
     # fp32 queries take the scale once here rather than every score of every tile (rounding q * scale to a
     # narrower dtype would change the scores, so bf16 queries are scaled after the matmul).
@@ -163,7 +152,7 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
         _, k_tile, v_tile, visible = _tile(spec, q_pos, k, v, i, ranges, block_k)
         s = scores(k_tile)
         # Tiles every query of the block sees whole (all but the causal diagonal, the ragged end and a window's
-        # edge) skip the mask: together with the folded scale, 1.13x less attention time on SmolLM2 prefill.
+        # edge) skip the mask.
         return lax.cond(
             jnp.all(visible),
             lambda c: update(c, s, v_tile, masked=False),
@@ -178,9 +167,7 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
     )
     if k.shape[1] <= block_k:
         # One tile holds every slot (a streaming head's ring + chunk, short sequences): score it under the
-        # mask, with no loop and no branch. On a GPU, XLA reads a loop's trip count and a branch's predicate
-        # back to the host: DuoAttention's streaming heads took this path in every layer of a Llama-3-8B
-        # decode step, 8.7 ms against full attention's 6.4 at 8k (H100; full's heads run one Triton kernel).
+        # mask, with no loop and no branch, which on a GPU would read a trip count or predicate back to the host.
         _, k_tile, v_tile, visible = _tile(spec, q_pos, k, v, 0, (0, 0, 0, 1), block_k)
         m, l, acc = update(init, jnp.where(visible[:, None, None], scores(k_tile), _MASKED), v_tile, masked=True)
     else:

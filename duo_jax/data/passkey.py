@@ -1,35 +1,11 @@
 """DuoAttention's training data: multi-passkey retrieval samples in a long haystack.
 
-One sample (all ids, no padding; ``[BOS]`` only when `bos_id` is given)::
-
-    [BOS] BOOK_PREFIX  hay[:c1]  needle_1  hay[c1:c2]  needle_2 ... needle_n  hay[cn:]  BOOK_SUFFIX
-          question_1 answer_1 "\\n\\n"  question_2 answer_2 "\\n\\n" ... question_n answer_n "\\n\\n"
-
-- ``needle_k`` = ``"\\n\\nRemember this sequence of words, it's the {ordinal} passkey to the vault: {passkey}\\n\\n"``,
-  tokenized on its own and inserted between haystack tokens ``c_k = round(depth_k * H)``, where ``H`` is
-  the number of haystack tokens in the sample and ``depth_1 <= ... <= depth_n`` are uniform random in
-  ``[min_depth, max_depth]``. So exactly ``c_k`` haystack tokens precede needle ``k``.
-- ``question_k answer_k "\\n\\n"`` spells
-  ``"Based on the content of the book, what is the {ordinal} passkey to the vault?\\nPasskey: {passkey}\\n\\n"``.
-- A passkey is `passkey_words` words drawn uniformly (with replacement) from the 26 NATO-alphabet words,
-  joined with single spaces.
-- ``BOOK_PREFIX`` / ``BOOK_SUFFIX`` wrap the context as the original implementation does, so that
-  "the book" of the questions exists.
-
-Length: the haystack is cut so that the sample has exactly `context_len` tokens.
-
-Supervision (``Sample.supervise``) marks token *positions* whose hidden states the distillation loss
-compares (no shift: position t is marked when token t is marked):
-
-- ``"qa"`` (default): every token after the context (questions, answers and separators), which is what the
-  original implementation's labels mark. It includes the last token of each ``"Passkey:"``, whose hidden
-  state retrieves the passkey's first word.
-- ``"answers"``: the answer tokens themselves, i.e. the tokens of ``" {passkey}"`` after each
-  ``"Passkey:"``; the question and the trailing ``"\\n\\n"`` are not supervised. The hidden state at an answer
-  token predicts the next answer word (and, at the last one, the ``"\\n\\n"``), so this supervises
-  retrieving every passkey word but the first. The answer span is found by tokenizing the question alone
-  and question + answer together: it starts at the first token where the two differ, so it is exactly the
-  answer's tokens whenever the tokenizer does not merge across the ``": "`` boundary.
+`make_sample` builds one sample of exactly `context_len` token ids: n needles, each a passkey of `passkey_words`
+NATO-alphabet words, inserted at sorted random depths in [min_depth, max_depth] of a haystack wrapped as "the
+book" (`BOOK_PREFIX` / `BOOK_SUFFIX`), then one question and answer per passkey (`QUESTION_TEMPLATE`). Its
+`supervise` mask marks the positions whose hidden states the distillation loss compares: `"qa"` (default) every
+token after the context, `"answers"` the answer tokens only. `SampleStream` makes sample i a function of (seed, i)
+only. The exact format: docs/training.md, "The training samples".
 """
 
 from __future__ import annotations
@@ -106,7 +82,7 @@ class Sample:
 
     tokens: int32 [T] token ids, T == context_len.
     supervise: bool [T], True at the positions whose hidden states the distillation loss compares (see
-        the module docstring: the answer tokens themselves by default).
+        the module docstring and docs/training.md, "The training samples").
     context_len: the requested total length, equal to T.
     passkeys: the passkeys in insertion (and question) order.
     depths: their sorted depths, each the fraction of the sample's haystack tokens that precede it.

@@ -1,47 +1,11 @@
 """Continuous batching: a host loop that runs many requests through a fixed number of slots of one paged cache.
 
-Every step runs the engine's compiled `extend` over the slots; how a step mixes prefill and decode is the
-scheduler's `mixed` policy (below). Between steps the scheduler
-  * admits queued requests into free slots (FIFO) when the pool has the pages their tokens so far need;
-  * feeds running requests their next tokens: up to `chunk` prompt tokens (chunked prefill), or the last
-    sampled token (decode): newcomers prefill while the others decode;
-  * hands out pages as sequences grow (`PagePool`, one page per `page_size` tokens, the same page index in
-    every layer's pool) and, when the pool is empty, preempts the most recently admitted request: its pages
-    are freed and it goes back to the front of the queue with the tokens it has, to be fed again (recompute:
-    its prompt in chunks, its generated tokens one by one, as the first time) when pages free up. No request
-    writes a page it does not hold, so none corrupts another;
-  * samples each request's next token with its own options (`Sampling`, a seed: the key of its n-th token
-    is fold_in(key(seed), n), so its tokens do not depend on what it is batched with) and stops it at
-    `max_tokens`, at EOS (unless `stop_at_eos=False`), at one of its `stop_ids`, when its detokenized text
-    contains one of its `stop` strings (the scheduler's `detokenize`), or when `cancel` is called (a client
-    that went away), freeing its pages.
-
-Mixed steps (some slots prefill while others decode), `mixed=`:
-  "split" (the default; JetStream's interleaving): a decode step [slots, 1] in which the prefilling slots feed
-      nothing (n_valid 0: their cache rows and lengths are left as they are), then one chunk [1, chunk] of the
-      oldest prefilling request alone, on its row of the cache (`duo_jax.engine.extend_row`: the page pools
-      shared, the slot index an argument). The other prefilling requests wait their turn: a decoding slot's
-      token costs one position, and prefill runs one request at a time. A step where nobody decodes feeds
-      every prefilling slot its chunk, each alone at [1, chunk], or in one [slots, chunk] step when every slot
-      prefills (SmolLM2 on CPU: a [4, 256] step costs four [1, 256] ones, however few of its rows are real).
-  "padded": one step [slots, chunk] while any slot prefills: every slot runs a row of `chunk` positions, so
-      a decoding slot's token costs `chunk` positions of compute (on a compute-bound CPU as much as real ones).
-A step where nobody prefills is [slots, 1] under both. `counters["row_tokens"]` adds up batch x T of every
-compiled call (the positions computed, padding included). Steps over a ragged token budget, as vLLM runs them
-(decode tokens and prefill chunks packed into one row), are not built.
-
-Prefix reuse (`prefix_cache=True`, vLLM's automatic prefix caching adapted to DuoAttention): every full page of
-a prompt is named by a digest of its tokens chained with its prefix's digest (sha256(parent digest, tokens)),
-and once written it is registered under that name. A request admitted later whose prompt starts with the same
-pages shares them (reference counts; no copy: a sequence only writes past its shared prefix, so a shared page
-is never written again) and starts feeding at the end of the shared prefix instead of position 0. Pages whose
-last user ended go back to the free pages but keep their content and name until the pool hands them out again
-(oldest first), so a later request can still find them. DuoAttention's streaming heads keep no pages: their
-sink + ring state at the end of a shared prefix is a snapshot of the slot's streaming rows taken when the
-prefix was prefilled (at most `prefix_snapshots` kept, least recently used dropped), copied into the new
-request's slot. Outputs depend on the chunk boundaries (streaming heads see the ring plus the causal chunk), so
-a prefix is reused only up to a multiple of lcm(page_size, chunk) and at most up to the prompt's last token:
-the rest is fed in the very chunks a request alone feeds, and sharing gives the tokens no sharing gives.
+`Scheduler.submit` queues a `Request`; `step` admits queued requests into free slots when the `PagePool` has their
+pages, feeds each running request its next prompt chunk or sampled token through the engine's compiled `extend`
+(prefill beside decode as the `mixed` policy says), samples, and finishes requests at their stop conditions or on
+`cancel`, freeing their pages; `run` and `serve_forever` loop over it. When pages run out the most recently
+admitted request is preempted and recomputed later. A request's tokens depend only on its prompt, options and
+seed, not on what it is batched with or on prefix reuse (`prefix_cache`). Design: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -219,8 +183,8 @@ def _sample_rows(logits, seeds, counts, temperature, top_p, top_k):
 
 class Scheduler:
     """Continuous batching of `Request`s over `method`'s paged cache with `slots` sequences per step.
-    `mixed`: how a step runs prefill beside decode, "split" or "padded" (module docstring). `prefix_cache`: reuse
-    shared prompt prefixes (module docstring), keeping at most `prefix_snapshots` streaming-head states;
+    `mixed`: how a step runs prefill beside decode, "split" or "padded" (docs/serving.md). `prefix_cache`: reuse
+    shared prompt prefixes (docs/serving.md), keeping at most `prefix_snapshots` streaming-head states;
     `detokenize(ids) -> str` serves requests' `stop` strings."""
 
     def __init__(

@@ -1,38 +1,10 @@
 """An OpenAI-compatible HTTP server over the scheduler (Starlette; run by uvicorn in `duo_jax.serve.__main__`).
 
-  POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p, top_k, seed, stop, stream
-  POST /v1/chat/completions   messages (rendered with the model's chat template), the same options,
-                              max_completion_tokens, response_format {"type": "text"}
-  GET  /v1/models             the one model served
-  GET  /health                200 {"status": "ok"} once warm-up has compiled the serving shapes; 503 with
-                              {"status": "starting"} before, {"status": "stopped"} after the scheduler stopped
-  GET  /metrics               Prometheus text: requests, tokens, steps, preemptions, pages, queue
-
-The scheduler steps in a thread of its own; each HTTP request submits a `Request` whose tokens reach the
-handler through an asyncio queue, streamed as server-sent events (`stream: true`) or returned whole. Request
-bodies are checked before admission (`duo_jax.serve.protocol`): a bad one gets a 4xx JSON error
-({"error": {"message", "type", "param", "code"}}) and changes nothing else; JSON parsing, tokenization and
-chat-template rendering run in worker threads, off the event loop. Any unexpected exception is a 500 JSON error
-carrying the request id (also in every response's `x-request-id` header and in the log), on a connection that
-stays open. On shutdown the server stops taking connections and the responses in flight finish (uvicorn waits
-for them; the scheduler's thread then drains and stops).
-
-Supervision: a scheduler step that fails ends only the requests it was running (500, or an error event when
-streamed) and serving goes on; a scheduler that cannot go on (`Scheduler.serve_forever`) refuses new requests
-at once (503) and calls `on_fatal` (the CLI then exits non-zero, for a supervisor to restart it). Once no /v1
-request has been in flight for QUIET_S, freed memory goes back to the OS (`release_memory`).
-
-`Guard`, the outermost layer, holds the security defaults: a Bearer `api_key` on /v1/* (when set), a Host
-allow-list (`allowed_hosts`, against DNS rebinding), `Content-Type: application/json` on every POST (so that
-a web page cannot send a request without a CORS preflight, which this server never grants unless
-`allowed_origins` is given), and `max_request_bytes`, checked against Content-Length before the body is
-read and counted while it is read.
-
-`stop` (a string or a list of up to 4): the scheduler ends the request once its detokenized text contains
-one, and the text returned ends before it. Streamed, a chunk never shows text that could still turn out to
-begin a stop string: a tail that is a prefix of one is held back until the next tokens settle it. A client
-that disconnects (mid-stream, or while waiting for a whole response) cancels its request: the scheduler frees
-its pages before its next step.
+`Server(...).app` serves POST /v1/completions and /v1/chat/completions (whole or streamed as server-sent events), GET
+/v1/models, /health (200 once warm-up has compiled the serving shapes, else 503) and /metrics (Prometheus). Bad
+bodies get a 4xx JSON error and change nothing; unexpected failures a 500 carrying the request id. The scheduler
+steps in a thread of its own; a client that disconnects cancels its request. `Guard` holds the security defaults
+(API key, Host allow-list, JSON content type, request size). Design: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -113,7 +85,7 @@ def _host_name(host: str) -> str:
 
 
 class Guard:
-    """ASGI middleware: request ids, the security checks (module docstring), and a JSON 500 for any
+    """ASGI middleware: request ids, the security checks (docs/serving.md), and a JSON 500 for any
     exception the routes let through (the connection stays open). `allowed_hosts` None: any Host."""
 
     def __init__(

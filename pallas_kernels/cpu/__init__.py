@@ -1,26 +1,11 @@
 """CPU kernels: flash attention in C++ through XLA's FFI (`flash_attention.cc`), forward only.
 
-Why our own, and why not Pallas: Pallas has no CPU compiler (only interpret mode), and XLA:CPU compiles the
-blocked online softmax of `duo_jax.attention.xla` as separate ops per key tile (a matmul, the mask, the row max,
-the exp, the row sum, a matmul), each a pass over an f32 [rows, keys] tile in memory and a runtime thunk of its
-own: on SmolLM2's prefill attention that path took 1.6-2.2x the time of torch's fused SDPA kernel (2-core host,
-2 threads). This kernel fuses a tile: scores, mask (on tiles that cross the causal edge or the filled length
-only), online softmax with a polynomial exp2 and the P.V product stay in registers and L1, each K / V block is
-read once for the G query heads of its KV head, and the (batch, KV head, query block) items are spread over
-XLA's own intra-op threads. Measured against both in `BENCHMARKS.md` ("CPU attention kernel").
-
 Semantics: query t of sequence b sits at position q_offset[b] + t; key slot s holds position s (a contiguous
 cache, as the flash kernels') or k_positions[b, s] (a ring of cached tokens followed by a chunk, an eviction
 cache; -1: empty) and is filled iff s < kv_len[b]; a query sees the filled slots whose position is at or before
-its own; one that sees none gives zeros. Slots past kv_len are never read, nor, over a contiguous cache, slots
-past the last query's position. float32 only; other dtypes are the caller's to route elsewhere
-(`duo_jax.attention` takes the XLA path).
-
-The library is built on first use by the host's C++ compiler (`$CXX`, else g++, else c++) with -march=native
-against JAX's FFI headers, into a cache folder (`$DUO_JAX_CACHE`, default ~/.cache/duo-jax) keyed by the source,
-the command, the JAX version and the CPU, so a fresh machine builds once (~5 s) and later processes load it.
-Where that fails (no compiler), `unavailable()` says why and `available()` is False; the dispatch then takes the
-XLA path with one warning.
+its own; one that sees none gives zeros. float32 only. The library is built on first use by the host's C++
+compiler into a cache folder (`$DUO_JAX_CACHE`); where that fails `available()` is False and `unavailable()` says
+why. Design: docs/kernels.md, "The CPU kernel".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """TPU (Mosaic) attention kernels, with the signatures of the GPU kernels one level up.
 
-* `flash_attention`: dense (causal) attention with q_offset / kv_len, forward
-  and backward.
-* `lambda_attention`: streaming heads' Λ mask (sinks + recent window), forward
-  and backward.
-* `decode_attention`: split-K single-token attention over a contiguous
-  [B, S, Hkv, D] cache, forward only.
-* `paged_decode_attention`: the same over pages [Hkv, N, P, D] through block
-  tables: JAX's TPU paged attention (`jax.experimental.pallas.ops.tpu`), adapted.
-
-Static masks run JAX's splash attention (`splash`); traced per-sequence offsets
-and lengths, and decode, run our own scalar-prefetch Mosaic kernels
-(`block_sparse`, `decode_attention`). ``interpret=None`` runs them in TPU
-interpret mode off TPU (how they are tested on CPU) and compiles them on TPU.
+`flash_attention` and `lambda_attention` (forward and backward), `decode_attention` (split-K over a contiguous
+cache) and `paged_decode_attention` (JAX's TPU paged attention, adapted). Static masks run JAX's splash attention
+(`splash`), traced offsets, lengths and positions our own scalar-prefetch kernels (`block_sparse`,
+`decode_attention`). ``interpret=None`` runs them in TPU interpret mode off TPU and compiles them on TPU.
+Design: docs/kernels.md, "TPU kernels".
 """
 
 from pallas_kernels.tpu._mosaic import LANES

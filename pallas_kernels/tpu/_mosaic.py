@@ -1,21 +1,10 @@
 """What every TPU kernel here shares: interpret mode, Mosaic compiler params, layouts.
 
-* Interpret mode, the ``interpret`` argument of every kernel here:
-  None runs TPU interpret mode (``pltpu.InterpretParams``: TPU memory spaces,
-  DMAs and semaphores simulated on CPU, uninitialised VMEM filled with NaN so a
-  read before a write shows) whenever the kernels are not lowered for a TPU,
-  and compiles them with Mosaic on a TPU (or inside
-  `pallas_kernels._backend.lowering_for("tpu")`). False compiles; a
-  ``pltpu.InterpretParams`` is TPU interpret mode with those settings; True is
-  JAX's generic Pallas interpreter, as for any ``pallas_call``: no TPU memory
-  model, but it works under ``jax.checkpoint`` (gate training's remat), where
-  TPU interpret mode fails (its callbacks are effects remat cannot
-  partial-evaluate). JAX versions without ``InterpretParams`` use True.
-* Layout: TPU blocks tile their last two dims by (8, 128) or take them whole,
-  so a [B, T, H, D] array cannot be cut into one head's [block, D] tiles. The
-  prefill kernels transpose to [B, H, T, D] (`heads_major`), which costs one
-  extra HBM read and write of each operand per call; decode views the cache as
-  [B, S, H * D] instead (free) and slices heads inside the kernel.
+``interpret``: None runs TPU interpret mode off TPU and compiles with Mosaic on a TPU (or inside
+`pallas_kernels._backend.lowering_for("tpu")`); False compiles; a ``pltpu.InterpretParams`` is TPU interpret mode
+with those settings; True is JAX's generic Pallas interpreter, which works under ``jax.checkpoint``. Prefill
+kernels work on [B, H, T, D] (`heads_major`), decode on the cache viewed as [B, S, H * D]. Design:
+docs/kernels.md, "Interpret mode and layout".
 """
 
 from __future__ import annotations
@@ -81,7 +70,7 @@ def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def heads_major(x: jax.Array) -> jax.Array:
-    """[B, L, H, D] -> [B, H, L, D] (a copy: see the module docstring)."""
+    """[B, L, H, D] -> [B, H, L, D] (a copy: docs/kernels.md)."""
     return jnp.swapaxes(x, 1, 2)
 
 

@@ -1,51 +1,10 @@
 """Block-sparse causal / Λ attention as our own Mosaic TPU kernels (forward and backward).
 
-Why not splash attention here: splash's mask is a static function of (query
-index, key index), fixed when the kernel is built on the host. Chunked prefill
-needs a *traced*, per-sequence query offset and key length (`q_offset`,
-`kv_len` as int32 [B], one value per sequence of the batch), and splash's
-segment ids cannot express a per-sequence causal shift. JAX's TPU ragged paged
-attention serves ragged prefill, but forward only and over a paged cache whose
-K and V heads are interleaved in one page array, not our contiguous
-[B, S, Hkv, D] K and V. So this module writes the TPU flash pattern itself:
-
-* q_offset and kv_len are *scalar-prefetched* into SMEM; the block index maps
-  read them to fetch, for query block i, only the KV blocks its mask touches
-  (`_common.kv_block_schedule`: the sink blocks and the diagonal band for Λ,
-  blocks up to the last position / kv_len for causal). The KV grid axis has a
-  static length (the widest schedule); steps past a block's schedule repeat the
-  last block index, so Pallas issues no new DMA, and `pl.when` skips the math.
-* The KV axis is the innermost, "arbitrary" grid axis; the online-softmax state
-  (m, l, acc) lives in VMEM scratch across it (the pattern of JAX's own TPU
-  flash attention). Softmax statistics are float32.
-* Backward: dq over the same grid; dk and dv with the roles swapped (grid over
-  KV blocks, inner axis over the query blocks that see them,
-  `_common.q_block_schedule`), per query head, summed over each GQA group.
-  With sink > 0 every query block sees the sink blocks, so the dk/dv inner axis
-  is as long as the number of query blocks; steps outside a block's schedule
-  cost only the grid overhead.
-* Explicit positions (``q_positions`` int32 [B, T], ``k_positions`` int32
-  [B, S], -1 for an empty key slot): DuoAttention's streaming heads attend over
-  a ring of sink + recent cached tokens followed by the chunk, whose slots hold
-  positions out of order. The positions come in as two more blocked operands
-  (per tile a [block_q, 1] column of query positions and a [1, block_k] row of
-  key positions; transposed in the keys-major dk/dv kernel), the mask compares
-  them, and the schedules visit every block up to kv_len (any slot may hold any
-  position; the ring is short).
-* Layout [B, H, T, D] (the wrapper transposes; see `_mosaic`). Statistics
-  (lse, delta) are [B, H, T, 1] columns, blocks [block_q, 1] (a legal TPU block:
-  the last dim whole); dk/dv read them as [B, H, 1, T] rows (a free reshape)
-  because that kernel works keys-major, on P^T [block_k, block_q], as splash's
-  does: every matmul is then A B or A B^T, never A^T B.
-* A quantized cache (``kv_quant`` "int8" / "int4": int8 codes and one scale per
-  token and head, the layout of `duo_jax.quant.QuantizedKV`; chunked prefill
-  and the streaming heads' ring): the forward kernel DMAs tiles of codes
-  [block_k, D or D/2] and of scales [block_k, 1] (two more operands, heads-major
-  like K and V) and dequantizes them in VMEM (`_common.dequantize_tile`, the
-  decode kernels'), float32 accumulation. int4's nibble halves are dotted with
-  the matching halves of the query, which with the output and the accumulator
-  carries them on a leading dim ([parts, block_q, D/2]). Forward only: a
-  quantized cache is read at inference, never differentiated.
+For what splash attention cannot take: traced, per-sequence ``q_offset`` / ``kv_len`` (int32 [B], chunked
+prefill), queries and keys at explicit positions (``q_positions`` [B, T], ``k_positions`` [B, S], -1 empty) and
+a quantized cache (``kv_quant``, forward only). Offsets and lengths are scalar-prefetched so each query block
+fetches only the key blocks its mask touches (`_common.kv_block_schedule`). Layout [B, H, T, D] (the wrapper
+transposes). Design: docs/kernels.md, "Own block-sparse kernels (traced masks)".
 """
 
 from __future__ import annotations

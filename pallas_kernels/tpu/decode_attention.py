@@ -1,33 +1,9 @@
 """Split-K decode attention as our own Mosaic TPU kernel, forward only.
 
-One new token per sequence attends to its cache: q [B, Hq, D], k and v
-[B, S, Hkv, D], `lengths` [B] valid keys per sequence.
-
-Why not JAX's TPU paged attention: ``paged_attention`` wants K and V as
-[Hkv, pages, page_size, D] and ``ragged_paged_attention`` one page array with
-K and V heads interleaved, [pages, page_size, 2 * Hkv, D]. Our cache is two
-contiguous [B, S, Hkv, D] arrays; either layout would cost a copy of the whole
-cache at every decode step, more memory traffic than the attention itself.
-
-So this kernel reads the cache in place, viewed as [B, S, Hkv * D] (a free
-reshape): a [block_k, Hkv * D] tile is legal on TPU (its last dim is whole),
-and the kernel slices each KV head's [block_k, D] columns itself (whole lane
-tiles at head_dim 128, half tiles at 64). Queries come as [Hkv, G, D] and the
-softmax state as [Hkv, G, *], so a KV head's G query rows are a leading-dim
-index, never an unaligned sublane slice. `lengths` is scalar-prefetched; the block index map clamps every block
-at or past a sequence's length to its last valid block, so those grid steps
-issue no DMA, and `pl.when` skips their math. The grid is
-(batch, split, block): splits are independent ("parallel", so a megacore TPU
-shares them between its cores) and each returns a partial (o, m, l); a cheap
-jnp reduction combines them with log-sum-exp rescaling.
-
-A quantized cache (`kv_quant` "int8" / "int4", the layout of `duo_jax.quant.QuantizedKV`) is read in place
-the same way: codes viewed as [B, S, Hkv * D] (or [B, S, Hkv * D/2] for int4) and scales as [B, S, Hkv]
-(both free reshapes), so a grid step DMAs the quantized bytes; the kernel picks KV head h's scale column
-with a masked lane sum and dequantizes the tile in VMEM (`_common.dequantize_tile`). int4's two nibble halves
-are dotted with the matching halves of the query and accumulate into two halves of the output, each on a
-leading dim. Tested in TPU interpret mode and lowered for TPU from a CPU host (`jax.export`); Mosaic's own
-compilation (layouts of int8 lane slices) happens only on a TPU and has not run here.
+One new token per sequence attends to its cache: q [B, Hq, D], k and v [B, S, Hkv, D], `lengths` [B] valid keys
+per sequence. The cache is read in place, viewed as [B, S, Hkv * D]; a quantized cache (`kv_quant`, the layout of
+`duo_jax.quant.QuantizedKV`) likewise, dequantized per tile. Splits run as a "parallel" grid axis and merge with
+log-sum-exp rescaling. Design: docs/kernels.md, "Split-K decode (TPU)".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Dense (causal) flash attention on TPU: splash attention, or our own Mosaic kernel.
 
-`flash_attention` has the signature and semantics of the GPU kernel
-(`pallas_kernels.flash_attention`), and `masked_attention` is the one place that
-chooses between the two TPU implementations, for it and for
-`lambda_attention`:
-
-* splash attention (`splash.py`) when the mask is static: ``q_offset`` and
-  ``kv_len`` are Python ints, and every query sees at least one key (splash
-  leaves a row with no key undefined);
-* otherwise the own scalar-prefetch kernel (`block_sparse.py`): traced or
-  per-sequence [B] offsets and lengths, as in chunked prefill, and queries
-  and keys at explicit positions (``k_positions``: a streaming head's ring +
-  chunk), and a quantized cache (``kv_quant``: codes + scales, dequantized per
-  tile in the kernel; splash attention reads values only).
+`flash_attention` has the signature and semantics of the GPU kernel (`pallas_kernels.flash_attention`);
+`masked_attention` is the one place that chooses, for it and for `lambda_attention`: splash attention when
+``q_offset`` and ``kv_len`` are Python ints and every query sees a key, otherwise the own kernel
+(`block_sparse.py`: traced or per-sequence offsets and lengths, explicit positions, quantized caches).
 """
 
 from __future__ import annotations

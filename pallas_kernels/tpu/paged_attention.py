@@ -1,31 +1,9 @@
 """Decode attention over a paged cache on TPU: JAX's maintained paged attention kernel, adapted to our call.
 
-`jax.experimental.pallas.ops.tpu.paged_attention` takes q [B, Hq, D], k_pages / v_pages [Hkv, N, P, D],
-lengths [B] and page_indices [B, M]: our pool's layout (`duo_jax.attention.pages.PagedKV` is head-major for
-this reason), so the pages go in as they are and the kernel DMAs each sequence's pages from HBM itself. What
-the adaptation does around the call, and why:
-
-* The softmax scale: JAX's kernel computes q . k unscaled, so q is scaled first (in float32, then q's dtype).
-* Table entries past a sequence's length may be "no page" (N); the kernel DMAs whole compute blocks of
-  pages, so entries are clipped into the pool (what they read is masked by the length).
-* M must be a multiple of the pages per compute block: the block is the largest divisor of M within
-  `block_k` tokens.
-* Head dim: the kernel's q / statistics blocks are [G, D], which Mosaic tiles only for D a multiple of 128;
-  compiled for TPU, other head dims are an error here (the dispatch takes the XLA path for them).
-* Length 0: JAX's kernel skips such sequences and leaves their output unwritten; we return zeros for them
-  (as every other kernel here does).
-* Precision: JAX's kernel rounds every key and value tile to bfloat16 after loading it (its
-  `MultiPageAsyncCopyDescriptor._maybe_dequantize`), whatever the pool's dtype. Exact for a bfloat16 pool;
-  an fp32 pool gets bfloat16-precision attention, so the dispatch (`duo_jax.attention`) hands this kernel
-  bfloat16 pools only and takes the XLA path for others.
-
-JAX's ragged paged attention (`ops.tpu.ragged_paged_attention`, in this JAX too) would also serve prefill
-chunks, but it takes K and V interleaved in one pool [N, P, 2 * Hkv, D]; feeding it our separate pools would
-copy both whole pools every step, so prefill chunks over pages take the XLA path on TPU.
-
-``interpret=None`` runs it in TPU interpret mode off TPU (`_mosaic.interpret_mode`; JAX's op has no
-interpret argument, so the call is traced under `force_tpu_interpret_mode`) and compiles it with Mosaic on a
-TPU. The kernel returns no log-sum-exp, so sharded decode over pages (`attend_partial`) takes the XLA path.
+q [B, Hq, D], k_pages / v_pages [Hkv, N, P, D], lengths [B], block tables [B, M]: our pool goes in as it is.
+Around the call q is scaled, "no page" entries are clipped into the pool, and sequences of length 0 give zeros.
+The kernel rounds keys and values to bfloat16 and, compiled, needs head dims that are multiples of 128; the
+dispatch hands it only such pools. Design: docs/kernels.md, "Paged decode (TPU)".
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """Causal and Λ attention through JAX's splash attention (forward and backward).
 
-Splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) is the
-maintained TPU flash kernel: block-sparse over a mask, with a fused or split
-backward. We use it wherever its contract holds, i.e. when the mask is a
-*static* function of (query index, key index): a Python-int ``q_offset`` and
-key length. Traced or per-sequence offsets and lengths (chunked prefill) go to
-`block_sparse.py` instead.
-
-* The mask is `DuoMask`, a computable mask (a subclass of splash's
-  ``_ComputableMask``, as MaxText defines its own): the kernel evaluates
-  ``mask_function`` on its tile's indices; no [T, S] array is stored. Splash
-  still classifies every (query block, key block) tile on the host once per
-  shape (cached per process) by asking the mask for it; `DuoMask` answers the
-  tiles that are all visible or all hidden from their corners, so only the
-  diagonal tiles are evaluated (6.9 s for a 128k-token Λ mask with 512 x 512
-  blocks on a shared 2-core CPU, BENCHMARKS.md, instead of minutes). A caller
-  that cannot afford even that passes q_offset as an int32 array: the own
-  kernel has no host pass.
-* GQA and batch: the multi-head kernel (``make_splash_mha_single_device``)
-  takes K and V with fewer heads than Q and reads KV head h // G for query
-  head h, so the batch is folded into the heads ([B * Hq, T, D] queries against
-  [B * Hkv, S, D] keys; b * Hq + h maps to b * Hkv + h // G) and one launch
-  serves everything. The MQA variant would need ``jax.vmap`` over batch and KV
-  heads, and TPU interpret mode (JAX 0.10) fails on a vmapped kernel that
-  declares dimension semantics, so that path could not be tested here.
-* Splash has no softmax-scale argument: q is multiplied by it first.
-* Layout: splash wants [heads, T, D]; we transpose [B, T, H, D] around it and
-  pad T and S to the block sizes (padded keys are masked by the mask function).
+Used where the mask is a static function of (query index, key index): a Python-int ``q_offset`` and key length;
+traced or per-sequence ones go to `block_sparse.py`. `DuoMask` is a computable mask that answers tiles all visible
+or all hidden from their corners; the batch is folded into the heads so one multi-head launch serves everything;
+q is scaled first (splash has no scale argument). Design: docs/kernels.md, "Splash attention (static masks)".
 """
 
 from __future__ import annotations
@@ -72,8 +49,8 @@ class DuoMask(_ComputableMask if _ComputableMask is not None else object):
 
     def __getitem__(self, idx) -> np.ndarray:
         """The mask of one tile, as splash's host pass asks for it. A tile in which every query sees
-        every key, or none, is answered from its corners without evaluating the function, which
-        makes that pass about 10x faster (most tiles of a long Λ or causal mask are one or the other)."""
+        every key, or none, is answered from its corners without evaluating the function (most tiles of
+        a long Λ or causal mask are one or the other)."""
         q_slice, kv_slice = idx if isinstance(idx, tuple) and len(idx) == 2 else (None, None)
         if not all(
             isinstance(x, slice)
