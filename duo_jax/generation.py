@@ -403,7 +403,7 @@ def generate(
     token and head, `duo_jax.quant`; the methods of `duo_jax.methods.QUANTIZED_KV_METHODS`).
     mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
     number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
-    split over `model` (`duo_jax.sharding` says why); methods "full" and "duo" only. Retrieval attention
+    split over `model` (docs/training.md, "The generation mesh"); methods "full" and "duo" only. Retrieval attention
     then takes the XLA path (its partials are merged across devices), whatever `attention_impl`. A mesh from
     `jax.make_mesh` works as well, its axes Explicit or Auto (run as Auto: `sharding.auto_axes`).
     prompt_tail_steps: the last N tokens of every prompt go through decode steps one at a time (the method

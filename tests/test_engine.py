@@ -276,7 +276,7 @@ def test_one_shape_is_one_executable_however_it_is_asked_for():
     method = make_method("full", CONFIG, context=32)
     first = compiled_extend(CONFIG, method, 1, 8, "float32")
     assert compiled_extend(CONFIG, method, 1, 8, "float32", "auto", False, None, None) is first
-    assert compiled_extend(CONFIG, method, 1, 8, "float32", weights=None, impl="auto") is first
+    assert compiled_extend(CONFIG, method, 1, 8, "float32", weight_format=None, impl="auto") is first
 
 
 def test_the_step_refuses_stacked_weights():
