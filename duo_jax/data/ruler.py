@@ -1,35 +1,10 @@
 """RULER's synthetic tasks (NVIDIA/RULER), generated as its scripts generate them, at a length in model tokens.
 
-Sources reproduced: ``scripts/synthetic.yaml`` (the task configurations `TASKS`), ``scripts/data/synthetic/
-constants.py`` (templates, answer prefixes, tokens to generate: `TEMPLATES`), ``scripts/data/synthetic/niah.py``,
-``variable_tracking.py``, ``common_words_extraction.py``, ``freq_words_extraction.py`` and ``qa.py`` (the
-generators), ``scripts/data/prepare.py`` (template + answer prefix) and ``scripts/eval/synthetic/constants.py``
-(`string_match_all` / `string_match_part`, in `duo_jax.eval.ruler`).
-
-`make_sample(task, tokenizer, length, index, seed=..., chat=...)` returns a `RulerSample`: the prompt's token
-ids, the reference answers and the metadata (needle depths, haystack size). Every random draw of a sample
-comes from one `random.Random` seeded by (seed, task, length, index), so a sample is the same whatever else
-is generated; RULER's fixed-seed shuffles (``random.Random(seed).shuffle``) use `seed` itself, as there.
-
-**Length.** RULER's rule: prompt tokens + the task's tokens to generate <= `length`, with the largest
-haystack that fits. RULER estimates the haystack size once per task by a binary search and steps down by a
-fixed increment per sample; here every sample runs the binary search itself (`fit`), so a sample is at most
-`length` and short of it by less than one haystack unit (one essay word, one noise sentence, one distractor
-needle, one listed word, one document) - never more than RULER's own slack. Tokens are counted with the
-model's tokenizer on exactly the ids the model receives: the special tokens, the chat template (for a chat
-model the task text is the user message and RULER's answer prefix follows the assistant header, as RULER's
-chat templates place it) and the answer prefix.
-
-**Haystacks.** "essay" is the evaluation half of the Paul Graham essays shipped with duo-jax
-(`duo_jax.data.EVALUATION_HAYSTACK`; RULER downloads all essays), never the calibration half; "noise" and
-"needle" are RULER's. RULER splits the essay into sentences with NLTK's Punkt; here a sentence ends at
-``.``, ``!`` or ``?`` followed by whitespace (no NLTK data to download), which differs only around
-abbreviations. Keys that are words are RULER's adjective-noun pairs of the ``wonderwords`` lists; common
-words (cwe) its nouns + adjectives + verbs (RULER falls back to its own english_words.json beyond those,
-which a length that large here refuses with a clear error).
-
-QA (qa_1: SQuAD, qa_2: HotpotQA) reads RULER's input files from a folder (`qa_data`): ``squad.json`` (SQuAD
-v2.0 dev) and ``hotpotqa.json`` (HotpotQA dev distractor), the files RULER's download_qa_dataset.sh fetches.
+`make_sample(task, tokenizer, length, index, seed=..., chat=...)` returns a `RulerSample`: the prompt's token ids
+(at most `length` tokens with the task's tokens to generate, the largest haystack that fits), the reference
+answers and the metadata (needle depths, haystack size). A sample depends only on (seed, task, length, index).
+`TASKS` and `TEMPLATES` are RULER's task configurations and templates; QA tasks read RULER's input files from
+`qa_data`. What is reproduced from which of RULER's files, and the deviations: docs/ruler.md.
 """
 
 from __future__ import annotations
@@ -464,8 +439,8 @@ def make_sample(
     haystack: str = EVALUATION_HAYSTACK,
     qa_data: str | Path | None = None,
 ) -> RulerSample:
-    """Sample `index` of RULER task `task` at `length` tokens (prompt + tokens to generate); see the module
-    docstring. chat: wrap the task text in the tokenizer's chat template (the answer prefix follows it)."""
+    """Sample `index` of RULER task `task` at `length` tokens (prompt + tokens to generate; docs/ruler.md,
+    "Length"). chat: wrap the task text in the tokenizer's chat template (the answer prefix follows it)."""
     kind, args = check_task(task)
     spec = TEMPLATES[kind]
     budget = length - spec["tokens_to_generate"]

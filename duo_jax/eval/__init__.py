@@ -1,12 +1,7 @@
-"""Evaluation of DuoAttention against full attention and StreamingLLM at the same KV budget.
-
-- `duo_jax.eval.niah.run_niah`: needle in a haystack over depths x context lengths, heat maps per mode;
-- `duo_jax.eval.passkey.run_passkey`: numeric passkey retrieval accuracy per length;
-- `duo_jax.eval.perplexity.run_perplexity`: perplexity per position bucket on long text;
-- `duo_jax.eval.modes`: the compared modes and the budget matching of the streaming mode;
-- `duo_jax.eval.report`: Markdown tables, JSON and figures (shared with `benchmarks/`).
-
-Command line: ``python -m duo_jax.eval {niah,passkey,perplexity} --help``.
+"""Evaluations that compare KV-cache methods on one model at the same KV budget: `niah`, `passkey`, `perplexity`,
+`longbench` and `ruler` (one module each, `run_<task>`), over the modes of `modes`, with the resumable per-sample
+runs of `samples` and the tables and figures of `report` (shared with `benchmarks/`). Command line:
+``python -m duo_jax.eval TASK --help``; design: docs/evaluation.md.
 """
 
 from duo_jax.eval.modes import MODES, ModeSettings, mode_settings, streaming_budget

@@ -1,19 +1,11 @@
-"""Compare KV-cache methods on one model at the same KV budget: full attention, DuoAttention, StreamingLLM,
-H2O, TOVA, SnapKV, PyramidKV, HeadKV, DuoAttention + HeadKV, InfiniGen.
+"""Compare KV-cache methods on one model at the same KV budget: full attention, DuoAttention, all-streaming heads
+and every other method of the registry, one task per subcommand. Each prints a table and writes JSON and PNG
+results to --out (default results/<task>).
 
-    python -m duo_jax.eval niah --model smollm2-135m --lengths 1024 2048 4096 --depths 0 0.5 1
     python -m duo_jax.eval niah --modes full duo h2o snapkv --kv-budget 0.25
-    python -m duo_jax.eval passkey --lengths 1024 2048 4096 --depths-per-length 5
-    python -m duo_jax.eval perplexity --source austen --length 4096 --samples 2
     python -m duo_jax.eval perplexity --length 4096 --prefix 3584 --modes full h2o tova --kv-budget 0.25
-    python -m duo_jax.eval niah --modes full duo --kv-dtype int4 --lengths 1024 2048
 
-The budget (tokens kept per KV head on average) is duo's by default; --kv-budget F gives every mode but full
-F x the evaluated length (duo_jax/eval/modes.py says how each mode meets it). --pattern "default" is the
-model's shipped head pattern (configs/patterns/), --scores "default" its HeadKV head scores
-(configs/scores/); pass a folder or a full_attention_heads.tsv to use others. --kv-dtype int8 / int4
-quantizes every mode's KV cache (every method has a quantized cache). Results (JSON, PNG) go to
---out (default results/<task>).
+Modes, budgets (--kv-budget, --kv-dtype, --pattern, --scores) and outputs: docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """LongBench (v1) on any model duo-jax loads, in every KV-cache mode at every KV budget.
 
-Reproduces THUDM/LongBench's v1 ``pred.py`` (prompts, truncation, chat rule, generation lengths) and
-``eval.py`` (post-processing, metrics: `duo_jax.eval.longbench_metrics`); the prompt templates and maximum
-new tokens are v1's ``config/dataset2prompt.json`` / ``config/dataset2maxlen.json``.
-
-- **Data** (`load_task`): LongBench's own files, ``<task>.jsonl`` (LongBench-E: ``<task>_e.jsonl``) in one
-  folder, one JSON object per line with ``input``, ``context``, ``answers``, ``length``, ``all_classes``,
-  ``language`` and ``_id``. Nothing is downloaded; a missing folder, file or field is a `LongBenchDataError`
-  that says where the files come from.
-- **Prompt** (`build_prompt`): the task's template filled with the sample; its token ids (with the
-  tokenizer's special tokens, as ``tokenizer(prompt)``) longer than `max_length` are cut in the middle: the
-  text of the first ``int(max_length / 2)`` tokens + the text of the last as many (special tokens
-  skipped). Then, for a chat model (`duo_jax.chat.is_chat_model`), the model's chat template wraps it, except
-  for trec, triviaqa, samsum, lsht, lcc and repobench-p (`NO_CHAT_TASKS`), which are tokenized raw.
-- **Generation**: greedy, `MAX_NEW_TOKENS[task]` new tokens, one sample at a time (`duo_jax.eval.samples`).
-  samsum: LongBench also stops at a newline token; here the newline is cut by eval.py's first-line rule
-  instead, which scores the same unless the first token is itself a newline (docs/longbench.md).
-- **Scores**: a sample's best metric over its answers; per task 100 x mean (2 decimals); per category
-  (`CATEGORIES`) the mean of its tasks' scores; the average over all evaluated tasks (LongBench's "Avg");
-  LongBench-E adds the 0-4k / 4-8k / 8k+ buckets.
-
-`decode_last` (``--decode-last 50``) runs h2o and tova under DuoAttention's appendix protocol (exact prefill,
-the prompt's last N tokens decoded one at a time with eviction; `duo_jax.eval.samples.Run`); the tables
-name the protocol of every h2o / tova row.
-
-Outputs in `out_dir`: ``predictions/<run>/<task>.jsonl`` (every prediction, written as it is made: a killed
-run resumes there), ``longbench.json`` (settings, every prediction, every score, timings),
-``longbench.md`` (the tables) and ``longbench_budget.png`` (score vs KV budget per method, one panel per
-task plus the average, as DuoAttention's Figure 7).
+Reproduces THUDM/LongBench's v1 ``pred.py`` (prompts, middle truncation, chat rule, generation lengths: `PROMPTS`,
+`MAX_NEW_TOKENS`, `build_prompt`) and ``eval.py`` (post-processing and metrics: `duo_jax.eval.longbench_metrics`)
+over LongBench's own ``<task>.jsonl`` files (`load_task`; nothing is downloaded). `run_longbench` generates every
+sample greedily in every run, resumably (`duo_jax.eval.samples`), and writes ``longbench.json``, ``longbench.md``
+and ``longbench_budget.png``. What is reproduced from where, the deviations and the outputs: docs/longbench.md.
 """
 
 from __future__ import annotations
@@ -222,7 +199,7 @@ def uses_chat(task: str, chat: bool) -> bool:
 
 
 def build_prompt(model: Model, task: str, sample: dict, max_length: int, *, chat: bool) -> list[int]:
-    """The token ids LongBench feeds the model for `sample` of `task` (module docstring); `chat`: whether the
+    """The token ids LongBench feeds the model for `sample` of `task` (docs/longbench.md); `chat`: whether the
     model is treated as a chat model (`duo_jax.chat.chat_prompts` then wraps the prompt)."""
     if max_length < 2:
         raise DuoJaxError(f"--max-length must be at least 2 tokens, got {max_length}")
@@ -254,7 +231,7 @@ def run_longbench(
     progress: bool = True,
 ) -> dict:
     """Generate and score every sample of `tasks` in every run (`duo_jax.eval.samples.make_runs`), resuming
-    from the predictions already in `out_dir`; writes the outputs listed in the module docstring."""
+    from the predictions already in `out_dir`; the outputs: docs/longbench.md, "What the numbers mean"."""
     from tqdm.auto import tqdm
 
     if model.tokenizer is None:

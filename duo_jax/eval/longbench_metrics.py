@@ -1,29 +1,10 @@
 """LongBench (v1) metrics, as THUDM/LongBench defines them (``metrics.py`` and ``eval.py`` of the v1 code).
 
-Every metric takes ``(prediction, ground_truth, all_classes)`` and returns a float in [0, 1]:
-
-- `qa_f1`: token F1 after SQuAD-style normalisation (lowercase, drop ASCII punctuation, drop the articles
-  a / an / the, collapse whitespace); `qa_f1_zh`: F1 over jieba words, each word lowercased and stripped of
-  ASCII and Chinese punctuation and whitespace, empty words dropped.
-- `rouge_l` / `rouge_zh`: ROUGE-L F of the `rouge` package (LongBench's); the Chinese variant first joins
-  jieba words with spaces. A hypothesis or reference the package rejects (empty, only dots) scores 0.
-- `classification`: LongBench's rule: the classes named in the prediction, minus those that are a proper
-  substring of the ground truth (removed while iterating, as the reference does, so a removal skips the next
-  candidate), give 1/len if the ground truth is among them, else 0. The reference's fallback to the closest
-  class never runs (its guard compares a list with 0), so it is not reproduced.
-- `retrieval` / `retrieval_zh`: the paragraph number of ``Paragraph N`` / ``段落N`` in the ground truth; the
-  share of the numbers in the prediction that equal it (0 when there is none).
-- `count`: the share of the numbers in the prediction that equal the ground truth.
-- `code_sim`: the first line of the prediction (after leading newlines) without a backtick, ``#`` or ``//``,
-  compared with the ground truth by fuzzywuzzy's fuzz.ratio / 100: a whole percent, 0 when either string is
-  empty. fuzzywuzzy, as LongBench's requirements install it (without python-Levenshtein), computes
-  difflib.SequenceMatcher's ratio: ``fuzzy="difflib"`` (the default) computes exactly that with the standard
-  library; ``fuzzy="rapidfuzz"`` the Indel ratio that fuzzywuzzy computes when python-Levenshtein is installed,
-  with the maintained rapidfuzz. docs/longbench.md measures how far apart they are.
-
-`sample_score` applies the first-line rule of trec / triviaqa / samsum / lsht and takes the best score over
-the answers (starting from 0); `task_score` is LongBench's 100 x mean rounded to 2 decimals, and
-`length_bucket_scores` LongBench-E's 0-4k / 4-8k / 8k+ split of it.
+Every metric takes ``(prediction, ground_truth, all_classes)`` and returns a float in [0, 1]: `qa_f1`,
+`qa_f1_zh`, `rouge_l`, `rouge_zh`, `classification`, `retrieval`, `retrieval_zh`, `count` and `code_sim`
+(``fuzzy="difflib"``, the default, or ``"rapidfuzz"``). `sample_score` applies eval.py's first-line rule and takes
+the best score over the answers; `task_score` is LongBench's 100 x mean rounded to 2 decimals and
+`length_bucket_scores` LongBench-E's split by length. Each metric's rule and the libraries: docs/longbench.md.
 """
 
 from __future__ import annotations
@@ -77,10 +58,13 @@ def _jieba_words(text: str) -> list[str]:
 
 
 def qa_f1(prediction: str, ground_truth: str, all_classes=None) -> float:
+    """Token F1 after SQuAD-style normalisation (`normalize_answer`)."""
     return f1_tokens(normalize_answer(prediction).split(), normalize_answer(ground_truth).split())
 
 
 def qa_f1_zh(prediction: str, ground_truth: str, all_classes=None) -> float:
+    """F1 over jieba words, each normalised by `normalize_zh_answer`, empty words dropped."""
+
     def words(text):
         return [w for w in (normalize_zh_answer(t) for t in _jieba_words(text)) if w]
 
@@ -88,6 +72,7 @@ def qa_f1_zh(prediction: str, ground_truth: str, all_classes=None) -> float:
 
 
 def rouge_l(prediction: str, ground_truth: str, all_classes=None) -> float:
+    """ROUGE-L F of the `rouge` package (LongBench's); 0 for whatever the package rejects."""
     from rouge import Rouge
 
     try:
@@ -97,10 +82,13 @@ def rouge_l(prediction: str, ground_truth: str, all_classes=None) -> float:
 
 
 def rouge_zh(prediction: str, ground_truth: str, all_classes=None) -> float:
+    """`rouge_l` over jieba words joined with spaces."""
     return rouge_l(" ".join(_jieba_words(prediction)), " ".join(_jieba_words(ground_truth)))
 
 
 def classification(prediction: str, ground_truth: str, all_classes=None) -> float:
+    """1/n when the ground truth is among the n classes the prediction names, minus those that are a proper
+    substring of the ground truth (removed as LongBench removes them); else 0."""
     if all_classes is None:
         raise DuoJaxError("classification scoring needs the sample's all_classes (LongBench's field)")
     named = [c for c in all_classes if c in prediction]
@@ -118,6 +106,7 @@ def _share_equal(prediction: str, target: str) -> float:
 
 
 def count(prediction: str, ground_truth: str, all_classes=None) -> float:
+    """The share of the numbers in the prediction that equal the ground truth (0 when there is none)."""
     return _share_equal(prediction, ground_truth)
 
 
@@ -129,10 +118,12 @@ def _retrieval(pattern: str, prediction: str, ground_truth: str) -> float:
 
 
 def retrieval(prediction: str, ground_truth: str, all_classes=None) -> float:
+    """`count` against the paragraph number of the ground truth's ``Paragraph N``."""
     return _retrieval(r"Paragraph (\d+)", prediction, ground_truth)
 
 
 def retrieval_zh(prediction: str, ground_truth: str, all_classes=None) -> float:
+    """`count` against the paragraph number of the ground truth's ``段落N``."""
     return _retrieval(r"段落(\d+)", prediction, ground_truth)
 
 
@@ -157,6 +148,8 @@ def fuzz_ratio(a: str, b: str, fuzzy: str = "difflib") -> int:
 
 
 def code_sim(prediction: str, ground_truth: str, all_classes=None, fuzzy: str = "difflib") -> float:
+    """`fuzz_ratio` / 100 of the prediction's first line (after leading newlines) without a backtick, ``#`` or
+    ``//``, against the ground truth."""
     line = next(
         (ln for ln in prediction.lstrip("\n").split("\n") if "`" not in ln and "#" not in ln and "//" not in ln), ""
     )

@@ -1,45 +1,10 @@
 """The attention modes an evaluation compares, each at the same KV-cache budget where that is the point.
 
-- ``full``: every head is a retrieval head (``pattern=None``): the reference.
-- ``duo``: DuoAttention: the pattern binarised at `sparsity` (the fraction of streaming heads); retrieval
-  heads keep every token, streaming heads keep ``sink + recent``.
-- ``streaming``: StreamingLLM, every head a streaming head (a pattern at sparsity 1, absolute positions),
-  with its window widened to the budget.
-- the engine's other methods (`duo_jax.methods`): ``streaming_llm`` (re-indexed positions), ``h2o``, ``tova``,
-  ``snapkv``, ``pyramidkv``, ``headkv``, ``duo_headkv`` and ``infinigen``, each at the budget.
-
-The budget is a number of cached tokens per KV head on average (the methods' `kv_budget`):
-
-- by default, **duo's budget**. With N = layers x KV heads heads of which R are retrieval heads (r = R / N), a
-  cache of capacity C tokens (the context rounded up to `duo_jax.cache.CAPACITY_BLOCK`) and duo's window
-  S = sink + recent, duo stores R*C + (N - R)*S token slots per K and per V, i.e. on average per head
-
-      budget = r*C + (1 - r)*S   tokens,
-
-  rounded down to a whole token (`streaming_budget`). The streaming mode keeps duo's `sink` and uses
-  ``recent = budget - sink``, so its cache is never larger than duo's and smaller by less than N slots
-  (exactly equal whenever N divides R*C + (N - R)*S, e.g. SmolLM2-135M (N = 90) at sparsity 0.5). R depends
-  only on the sparsity (`Pattern.retrieval_mask` keeps exactly round((1 - s) * N) heads).
-- with ``kv_budget=F`` (0 < F <= 1), **F x the evaluated length** in tokens (the prompt for NIAH / passkey,
-  the window for perplexity). duo then picks the sparsity at which r*C + (1 - r)*S meets it
-  (`duo_jax.methods.duo_sparsity_for_budget`), shrinking its window S to half the budget when S is larger
-  (`fit_window`), so that some heads can still be retrieval heads.
-
-duo_headkv (DuoAttention whose retrieval heads keep HeadKV budgets) keeps the pattern at `sparsity`, duo's
-window on its streaming heads (fitted the same way), and gives its retrieval heads (N*budget - (N - R)*S) / R tokens
-each on
-average, so its total matches the budget too. h2o and tova prefill the whole prompt in one chunk (exact
-attention, one eviction at its end, as the DuoAttention paper runs them); the others use the evaluation's chunk.
-What each mode really stores is measured (``cache_bytes`` in the results), not assumed.
-
-``kv_dtype`` ("int8" / "int4", `duo_jax.quant`) quantizes every mode's cache, full attention's included, for the
-modes whose method has the registry capability `quantized_kv` (``streaming`` is duo's; every method has it
-now); a mode without it would be refused (`check_kv_dtype_modes`). The budget stays in tokens: a quantized mode
-stores the same tokens in fewer bytes.
-
-Evaluations run on the evaluation half of the essays by default (`duo_jax.data.EVALUATION_HAYSTACK`), and
-`warn_if_calibrated_on` warns when a mode's calibration (the DuoAttention pattern's training text, the HeadKV
-scores' haystack, InfiniGen's skew sample) shares text with what is evaluated.
+The modes are ``full`` (the reference), ``duo``, ``streaming`` (every head a streaming head) and every other method
+of the registry. `mode_settings` builds a mode for a context and a budget: duo's by default (`streaming_budget`),
+or a fraction of the evaluated length (`budget_tokens`). `check_modes` and `check_kv_dtype_modes` validate the
+requested modes; `warn_if_calibrated_on` warns when a mode's calibration shares text with what is evaluated. How
+each mode meets the budget, exactly: docs/evaluation.md, "Modes and budgets".
 """
 
 from __future__ import annotations
@@ -64,7 +29,7 @@ from duo_jax.quant import check_kv_dtype
 
 # The registered methods, plus "streaming": duo with every head a streaming head (absolute positions).
 MODES = ("full", "duo", "streaming", *(m for m in methods.METHODS if m not in ("full", "duo")))
-ONE_CHUNK_PREFILL = ("h2o", "tova")  # exact prefill, evict once at its end (see the module docstring)
+ONE_CHUNK_PREFILL = ("h2o", "tova")  # exact prefill, evict once at its end (docs/evaluation.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +93,7 @@ class ModeSettings:
 
 
 def streaming_budget(config: ModelConfig, sparsity: float, context: int, *, sink: int, recent: int) -> int:
-    """Tokens per head that give an all-streaming cache the bytes of duo's at `context` (module docstring):
+    """Tokens per head that give an all-streaming cache the bytes of duo's at `context` (docs/evaluation.md):
     floor((R*C + (N - R)*(sink + recent)) / N), C = round_capacity(context)."""
     heads = config.num_layers * config.num_kv_heads
     retrieval = num_retrieval_heads(config, sparsity)
@@ -175,7 +140,7 @@ def mode_settings(
 ) -> ModeSettings:
     """The settings of mode `name` for prompts whose prompt + generated tokens fit in `context`.
 
-    kv_budget: tokens per KV head (None: duo's budget, see the module docstring); each method meets it by its
+    kv_budget: tokens per KV head (None: duo's budget, docs/evaluation.md); each method meets it by its
     own rule (`duo_jax.methods.registry`: `entry(name).budget`). `pattern` is needed by the methods built on
     one (duo, duo_headkv: a resolved `Pattern`), `scores` (HeadKV head scores) by headkv and duo_headkv.
     kv_dtype: "int8" / "int4" for a quantized cache (`check_kv_dtype_modes`), None for the model's dtype.

@@ -1,14 +1,9 @@
 """Needle in a haystack, compared across attention modes (full / duo / streaming / the other KV methods) in one run.
 
-For every context length, the prompts of all depths are built once (`duo_jax.data.make_needle_prompt`: the
-evaluation half of the Paul Graham essays by default, the San Francisco needle) and generated in one
-batched `duo_jax.generate` call per mode (greedy). A cell is scored on the generated answer: ``score`` = the
-share of the needle's key words found (`score_needle`), ``correct`` = `score_contains` (at least half of
-them). Each mode gets a depth x length heat map of ``score`` (green found, red missed, as DuoAttention's Fig. 5) and
-all modes one side-by-side
-figure; everything measured goes to ``niah.json``.
-
-`evaluate_grid` is the loop shared with the passkey evaluation (`duo_jax.eval.passkey`).
+`run_niah` builds the prompts of every depth once per context length (`duo_jax.data.make_needle_prompt`),
+generates them greedily in one batched `duo_jax.generate` call per mode, scores each cell (``score``: the share of
+the needle's key words found; ``correct``: `score_contains`) and writes ``niah.json`` and the heat maps.
+`evaluate_grid` is the loop shared with the passkey evaluation. Design and outputs: docs/evaluation.md.
 """
 
 from __future__ import annotations

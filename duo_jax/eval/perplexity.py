@@ -1,22 +1,11 @@
 """Perplexity on long text per position bucket, compared across attention modes in one run.
 
-The text (the evaluation half of the Paul Graham essays by default, Jane Austen's novels with
-``source="austen"``, or a folder of .txt files; see `duo_jax.data.load_haystack`) is tokenized and cut
-into `samples` consecutive windows of `length` tokens (with the tokenizer's BOS first when it adds one). Each
-window is teacher-forced through the engine exactly as generation prefills a prompt (`Engine.prefill`, the one
-prefill driver, over chunks of `chunk_size` tokens, every chunk's logits kept), the mode's cache carried from
-chunk to chunk. So on a streaming
-head a token sees the sinks, the `recent` tokens before its chunk and its chunk up to itself: between
-`recent` and ``recent + chunk_size - 1`` recent tokens (a smaller chunk is closer to token-by-token decoding).
-
-With `prefix` P, the first P tokens are the prompt and the rest is decoded: the method compresses after the
-prompt (`Method.after_prefill`: SnapKV, PyramidKV, HeadKV select what they keep there) and every later
-token goes through a one-token decode step, as in generation. That is what compares methods that act after
-prefill or per decode step (H2O and TOVA evict one token per step); h2o and tova prefill the prompt in one
-chunk (see `duo_jax.eval.modes`).
-
-The negative log-likelihood of token p (predicted from tokens < p, p >= 1) is averaged per position bucket
-[edge_i, edge_{i+1}); a bucket's perplexity is exp(mean NLL). Windows share one batch.
+`evaluate_perplexity` cuts the text of a haystack source into `samples` windows of `length` tokens and
+teacher-forces them through the engine as generation prefills a prompt (`Engine.prefill`, chunks of `chunk_size`,
+the mode's cache carried from chunk to chunk); with `prefix` P the first P tokens are the prompt and the rest is
+decoded one token per step after the method compresses the prompt. The negative log-likelihood is averaged per
+position bucket (`bucket_edges`, `bucket_stats`); a bucket's perplexity is exp(mean NLL). Design:
+docs/evaluation.md, "Perplexity".
 """
 
 from __future__ import annotations
@@ -68,7 +57,7 @@ def engine_nll(
     """NLL of every token but the first: tokens int [B, T] -> float64 [B, T - 1] (entry t is token t + 1),
     teacher-forced through the engine with the KV-cache method of `settings`: the first `prefix` tokens
     (default: all) in prefill chunks (`Engine.prefill`, every chunk's logits), the rest one decode step per
-    token (module docstring)."""
+    token (docs/evaluation.md, "Perplexity")."""
     B, T = tokens.shape
     P = T if prefix is None else prefix
     if not 1 <= P <= T:

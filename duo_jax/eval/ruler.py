@@ -1,26 +1,10 @@
 """RULER's synthetic tasks on any model duo-jax loads, in every KV-cache mode at every KV budget.
 
-Samples come from `duo_jax.data.ruler` (RULER's generators, lengths in the model's tokens, haystacks from the
-essays' evaluation half). Each is generated greedily with RULER's tokens to generate and scored as
-NVIDIA/RULER's ``scripts/eval/evaluate.py`` and ``scripts/eval/synthetic/constants.py`` score it: the
-prediction stripped, control characters turned into newlines (`postprocess`), then
-
-- `string_match_all` (every task but QA): the share of the references contained in the prediction,
-  case-insensitively;
-- `string_match_part` (qa_1, qa_2): 1 when any reference is contained.
-
-A task's score at a length is 100 x the mean over its samples (2 decimals); the headline is the mean over
-tasks per length, as RULER's tables report it. qa_1 / qa_2 run only with `qa_data` (RULER's squad.json /
-hotpotqa.json); otherwise they are skipped and the results say so.
-
-`decode_last` (``--decode-last 50``) runs h2o and tova under DuoAttention's appendix protocol (exact prefill,
-the prompt's last N tokens decoded one at a time with eviction; `duo_jax.eval.samples.Run`); the tables
-name the protocol of every h2o / tova row.
-
-Outputs in `out_dir`: ``predictions/<run>/<task>_<length>.jsonl`` (resumable, `duo_jax.eval.samples`),
-``ruler.json`` (settings, every prompt's length and references, every prediction, every score),
-``ruler.md`` (the tables) and ``ruler_budget.png`` (average score vs KV budget per method, one panel per
-length).
+`run_ruler` generates the samples of `duo_jax.data.ruler` greedily in every run (`duo_jax.eval.samples`,
+resumable from `out_dir`) and scores them as RULER's evaluation scripts do (`postprocess`, then
+`string_match_all`, or `string_match_part` for QA); `write_outputs` writes ``ruler.json``, ``ruler.md`` and
+``ruler_budget.png``. qa_1 / qa_2 run only with `qa_data` and are otherwise skipped, and the results say so.
+Metrics, outputs and what the numbers mean: docs/ruler.md.
 """
 
 from __future__ import annotations
@@ -110,7 +94,7 @@ def run_ruler(
     progress: bool = True,
 ) -> dict:
     """Generate and score `samples` samples of every task at every length in every run, resuming from the
-    predictions already in `out_dir`; writes the outputs listed in the module docstring."""
+    predictions already in `out_dir` (``predictions/<run>/<task>_<length>.jsonl``); the outputs: docs/ruler.md."""
     from tqdm.auto import tqdm
 
     if model.tokenizer is None:

@@ -1,17 +1,11 @@
 """Per-sample evaluations (LongBench, RULER): every sample generated once in every run, resumably.
 
-A **run** is one mode at one KV budget: ``full`` (no budget), or e.g. ``duo@0.25`` (`Run`); `make_runs`
-builds them from the modes and budgets a user asks for (None: duo's default budget, see
-`duo_jax.eval.modes`). A sample is generated alone (batch 1, greedy) by `generate_sample`, the run's mode
-built for its own length: the budget is the fraction of *that prompt's* tokens (`budget_tokens`), the
-cache holds prompt + new tokens, h2o / tova prefill the prompt in one chunk (`ModeSettings.one_chunk_prefill`).
-
-`PredictionStore` is the resumable record: one JSON line per finished sample, appended and flushed as soon as
-the sample is done, in ``<out>/predictions/<run>/<task>.jsonl`` (LongBench's pred.py layout, one folder per
-run). A killed evaluation started again with the same --out reads these files and generates only the
-samples that have no line yet; a line cut short by the kill is ignored (and regenerated), and so is a line
-made from another prompt or other settings (`sample_fingerprint`), so changed options never reuse a
-stale prediction.
+A `Run` is one mode at one KV budget (``full``, or e.g. ``duo@0.25``; `make_runs` builds them from the modes and
+budgets asked for). `generate_sample` generates one sample alone (batch 1, greedy), the run's mode built for that
+prompt's own length; `PredictionStore` records one JSON line per finished sample under
+``<out>/predictions/<run>/`` and tells which samples a restarted evaluation still has to generate
+(`sample_fingerprint`: a line made from another prompt or other settings does not count). Design:
+docs/evaluation.md, "Runs and resuming".
 """
 
 from __future__ import annotations
