@@ -45,10 +45,10 @@ import jax.numpy as jnp
 from duo_jax.attention import attention_probs, attention_received
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, check_windows
+from duo_jax.methods.base import Method, Step, check_windows, kv_rotation_for
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rotary
-from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
 
 @jax.tree_util.register_dataclass
@@ -109,9 +109,8 @@ class _Eviction(Method):
         check_windows(self, self.windows, layer, step)
         q = apply_rotary(q, step.rope)
         k = apply_rotary(k, step.rope)
-        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, self.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         B, T = step.positions.shape
         K = self.num_kv_heads
 
@@ -133,8 +132,7 @@ class _Eviction(Method):
             step.valid.astype(jnp.float32),
             block=max(1, self.query_rows // B),
         )
-        if rotation is not None:
-            out = rotate(out, rotation.T)
+        out = rotation.back(out)
 
         def newest_probs():  # [B, K, G, N + T]
             newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)[:, None]  # [B, 1]: the last real query

@@ -43,7 +43,7 @@ import numpy as np
 from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, check_windows, write_slots
+from duo_jax.methods.base import Method, Step, check_windows, kv_rotation_for, write_slots
 from duo_jax.methods.duo import DuoAttention, StreamingWindow, fit_window, merge_heads, num_retrieval_heads, split_heads
 from duo_jax.methods.registry import register
 from duo_jax.methods.snapkv import (
@@ -61,7 +61,7 @@ from duo_jax.methods.snapkv import (
 )
 from duo_jax.model import apply_rotary
 from duo_jax.pattern import Pattern
-from duo_jax.quant import kv_bytes_per_vector, kv_rotation, rotate
+from duo_jax.quant import kv_bytes_per_vector
 
 
 def headkv_budgets(scores, base: int, beta: float) -> np.ndarray:
@@ -215,9 +215,8 @@ class DuoCompressedKV(Method):
     def attend(self, layer, q, k, v, cache: DuoCompressedLayerCache, step: Step, shared):
         retrieval_shared, window = shared
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.layout.kv_dtype, self.layout.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
         out_r, retrieval = qr, cache.retrieval
         if kr.shape[2]:
@@ -226,7 +225,7 @@ class DuoCompressedKV(Method):
             )
         out_s, sk, sv = window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
         out = merge_heads(self.layout, layer, out_r, out_s)
-        return (out if rotation is None else rotate(out, rotation.T)), DuoCompressedLayerCache(retrieval, sk, sv)
+        return rotation.back(out), DuoCompressedLayerCache(retrieval, sk, sv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +284,7 @@ class DuoHeadKV(Method):
         check_windows(self, self.windows, layer, step)
         out, duo_cache = self.duo.attend(layer, q, k, v, cache.duo, step, duo_shared)
         q = apply_rotary(q, step.rope)
-        if self.layout.kv_dtype is not None:  # the keys are stored rotated (k R): the votes read q R alike
-            q = rotate(q, kv_rotation(self.layout.head_dim))
+        (q,) = kv_rotation_for(self.layout.kv_dtype, self.layout.head_dim).into(q)  # votes: q R (k R)^T when quantized
         retrieval_q = split_heads(self.layout, layer, q)[0]
         return out, DuoPrefillLayerCache(duo_cache, write_slots(cache.queries, query_slots, retrieval_q))
 

@@ -93,7 +93,7 @@ from duo_jax.cache import round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.data.haystack import CALIBRATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, kv_rotation_for, write_slots
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import (
     Params,
@@ -106,7 +106,7 @@ from duo_jax.model import (
     rotary,
     weights_memo,
 )
-from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
 
 @functools.cache
@@ -410,10 +410,9 @@ class InfiniGen(Method):
         qs = skew_q(q)
         ks = jnp.einsum("btke,kef->btkf", k, A.astype(k.dtype))
         kp = jnp.take_along_axis(ks, index[None, None], axis=-1)  # [B, T, K, W]: the speculation's, unquantized
-        rotation = None if self.kv_dtype is None else kv_rotation(E)
-        exact_q, stored_k, stored_v = qs, ks, v
-        if rotation is not None:  # the quantized full cache holds k A R and v R; exact attention reads q A R
-            exact_q, stored_k, stored_v = rotate(qs, rotation), rotate(ks, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, E)
+        # The quantized full cache holds k A R and v R; exact attention reads q A R.
+        exact_q, stored_k, stored_v = rotation.into(qs, ks, v)
         stored_k, stored_v = as_stored(stored_k, cache.k), as_stored(stored_v, cache.v)  # quantized once, here
 
         # Write this step's tokens (slot = absolute position; padding and overflow dropped).
@@ -424,12 +423,11 @@ class InfiniGen(Method):
         new_v = self._host_write(cache.v, rows, stored_v)
         new_partial = write_slots(cache.partial_k, slots, kp)
         new_cache = InfiniGenLayerCache(new_k, new_v, new_partial)
-        unrotate = (lambda out: out) if rotation is None else (lambda out: rotate(out, rotation.T))  # noqa: E731
 
         if not step.is_decode or layer < self.dense_layers:  # exact attention to every cached token and the new
             keys, values = self._to_device(new_k), self._to_device(new_v)
             out = attention.attend(exact_q, keys, values, step.prefix_spec(), impl=step.impl)
-            return unrotate(out), new_cache
+            return rotation.back(out), new_cache
 
         # Decode: speculate with the partial query against the partial keys of the cached tokens. The query is
         # this layer's projection of the previous layer's attention input (`prepare`'s lookahead_q), so the
@@ -460,7 +458,7 @@ class InfiniGen(Method):
         values = jnp.concatenate([sel_v.astype(v.dtype), jnp.swapaxes(dequantize(stored_v), 1, 2).astype(v.dtype)], 2)
         mask = jnp.concatenate([keep, jnp.ones((B, K, 1), bool)], axis=2)[:, :, None]  # [B, K, 1, N + 1]
         out, _ = attention_probs(exact_q, keys, values, mask)
-        return unrotate(out), new_cache
+        return rotation.back(out), new_cache
 
 
 def _widths(channel_mask: np.ndarray, dense_layers: int) -> tuple[int, ...]:
@@ -483,8 +481,7 @@ def partial_channels(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]
     budget=kv_budget_only,
     calibrated_on=CALIBRATION_HAYSTACK,
     quantized_kv=True,
-    summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
-    "(calibrated on the calibration essays)",
+    summary="InfiniGen: skewed partial keys pick the tokens each decode step fetches (calibrated on the model)",
 )
 def make_infinigen(
     config: ModelConfig,

@@ -74,11 +74,19 @@ from duo_jax.attention import MaskSpec, masked_softmax
 from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, check_windows, concat_slots, within_future_window, write_slots
+from duo_jax.methods.base import (
+    Method,
+    Step,
+    check_windows,
+    concat_slots,
+    kv_rotation_for,
+    within_future_window,
+    write_slots,
+)
 from duo_jax.methods.duo import retrieval_attention
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rotary
-from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
 POOLINGS = ("max", "avg")
 
@@ -363,11 +371,10 @@ class CompressedKV(Method):
 
     def attend(self, layer, q, k, v, cache: CompressedLayerCache, step: Step, shared: CompressedShared):
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, self.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         out, cache = compressed_attention(q, k, v, cache, self.head_slots[layer], step, shared)
-        return (out if rotation is None else rotate(out, rotation.T)), cache
+        return rotation.back(out), cache
 
 
 # --- the prefill method -------------------------------------------------------------------------------
@@ -446,13 +453,12 @@ class SnapKV(Method):
     def attend(self, layer, q, k, v, cache: PrefillLayerCache, step: Step, shared: PrefillShared):
         check_windows(self, self.windows, layer, step)
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R; the ring holds q R (votes: q R (k R)^T)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, self.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R; the ring holds q R (votes: q R (k R)^T)
         keys = write_slots(cache.k, shared.kv_slots, k)
         values = write_slots(cache.v, shared.kv_slots, v)
         out = retrieval_attention(q, keys, values, step)
-        out = out if rotation is None else rotate(out, rotation.T)
+        out = rotation.back(out)
         return out, PrefillLayerCache(keys, values, write_slots(cache.queries, shared.query_slots, q))
 
     def prompt_budgets(self, longest: int) -> tuple[tuple[int, ...], ...]:
