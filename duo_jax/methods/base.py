@@ -264,7 +264,7 @@ def write_slots(cache, slots: jax.Array, new: jax.Array):
     A quantized cache (`duo_jax.quant.QuantizedKV`) quantizes `new` and writes its codes and scales.
 
     16-bit floats are scattered as their bits: XLA:CPU computes a bf16 scatter in f32, converting the whole
-    cache there and back on every write (measured: temp memory growing with the capacity)."""
+    cache there and back on every write (temporary memory grows with the capacity)."""
     if isinstance(cache, QuantizedKV):
         new = as_stored(new, cache)
         return jax.tree.map(lambda c, n: write_slots(c, slots, n), cache, new)
@@ -285,7 +285,7 @@ def write_run(cache, start: jax.Array, new: jax.Array, n_valid: jax.Array):
 
     Each sequence reads the T-slot window it writes into, merges the new tokens in, and writes the window back
     with a `dynamic_update_slice`, which XLA updates in place whatever the dtype; XLA:CPU's bf16 scatter (even
-    as uint16 bits) made a cache-sized copy per layer (measured: temp memory growing with the capacity).
+    as uint16 bits) makes a cache-sized copy per layer (temporary memory grows with the capacity).
     Needs T <= S (else `write_slots`)."""
     if isinstance(cache, QuantizedKV):
         new = as_stored(new, cache)

@@ -1,34 +1,10 @@
-"""HeadKV / HeadKV-R2: per-head KV budgets from head importance scores, SnapKV selection inside each head.
+"""HeadKV / HeadKV-R2: per-head KV budgets from head importance scores, SnapKV's selection inside each head.
 
-Budgets (the paper's allocation, on KV heads). With scores S[l, h] >= 0 for L layers and K KV heads
-(`duo_jax.head_scores`: retrieval needles give HeadKV-R, retrieval-reasoning needles HeadKV-R2), normalised to
-sum 1, and a base budget b per head (`kv_budget` minus the observation window):
-
-  pool      B = (b / beta) * L * K
-  head l, h keeps round(S[l, h] * B + b - b / beta) prompt tokens plus the last `window` prompt tokens.
-
-So every head keeps b - b / beta tokens and the pool is shared out in proportion to the scores; the total is
-L * K * b up to the rounding. Which tokens: `duo_jax.methods.snapkv` (votes of the observation window, pooled,
-top budget per head); the decode cache holds exactly each head's tokens, heads of different budgets packed
-one after another (`CompressedKV`).
-
-Defaults follow the paper's setup: window (alpha) 8, max-pooling over 7 tokens. The original computes the
-scores and budgets per query head and repeats K/V per query head; here they are per KV head (a KV head's
-score is the mean over its query heads), which is what a GQA cache can hold. The original also raises the
-normalised scores to a power `temp` (1 in its scripts), left out here.
-
-`DuoHeadKV` composes this with DuoAttention: the head pattern splits the heads into retrieval heads and
-streaming heads (sink + recent tokens, as `duo`), and only the retrieval heads, which DuoAttention would keep
-whole, are compressed after prefill, with HeadKV budgets shared among them (their average is `kv_budget`).
-
-Sliding windows: as SnapKV's (`duo_jax.methods.snapkv`: votes under each layer's window, tokens out of every
-later query's window never kept), and as DuoAttention's on the streaming heads (Λ within the window).
-
-Quantized (`kv_dtype` "int8" / "int4", `duo_jax.quant`): every partition holds codes + scales, as duo's and
-SnapKV's do: the prefill cache (duo's split cache), the retrieval heads' kept tokens and their ring of new
-tokens, and the streaming heads' sink + recent. Keys and values are stored through `quant.kv_rotation` (the
-query ring holds the rotated queries, so the votes q R (k R)^T are unchanged); compression moves codes and
-scales together. The query ring stays in the model's dtype (it is not K / V).
+`headkv_budgets` shares a budget out over the heads by their scores (`duo_jax.head_scores`); `make_headkv`
+builds a `SnapKV` with those budgets. `DuoHeadKV` (`duo_headkv`) composes this with DuoAttention: streaming
+heads keep sink + recent tokens, and only the retrieval heads are compressed after prefill, with HeadKV budgets
+shared among them. The allocation, the deviations from the original, sliding windows and quantized caches:
+docs/methods.md, "HeadKV and duo_headkv".
 """
 
 from __future__ import annotations
@@ -352,7 +328,7 @@ def make_duo_headkv(
     """DuoAttention (`pattern` binarised at `sparsity`, streaming heads `sink` + `recent`) whose retrieval heads
     keep `kv_budget` tokens each on average (window included), shared out among the retrieval heads by their
     HeadKV `scores` (the formula of `headkv_budgets` over the retrieval heads only); `kv_dtype` "int8" / "int4"
-    quantizes every partition (the module docstring)."""
+    quantizes every partition (docs/methods.md, "HeadKV and duo_headkv")."""
     scores = _required_scores(scores, config, "duo_headkv")
     if pattern is None:
         raise DuoJaxError("method 'duo_headkv' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
