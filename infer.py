@@ -14,19 +14,23 @@ import argparse
 import sys
 
 from duo_jax.generation import generate, validate_options
-from duo_jax.methods import METHODS
+from duo_jax.methods import METHODS, describe
 
 __all__ = ["generate", "main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        epilog=f"KV-cache methods (--method):\n{describe()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
     parser.add_argument(
         "--method",
         choices=METHODS,
         default=None,
-        help="KV-cache method (default: duo when --pattern is given, else full)",
+        help="KV-cache method, listed below (default: duo when --pattern is given, else full)",
     )
     parser.add_argument(
         "--kv-budget",

@@ -288,12 +288,8 @@ def compiled_extend_row(
     impl: str = "auto",
     weight_format: str | None = None,
 ):
-    """`extend_row` compiled once per (batch, chunk): the row is an argument, never a recompile. One device only."""
-    if not hasattr(method, "take_row"):
-        raise DuoJaxError(
-            f"{method.name!r} cannot run one row of a batched cache (no take_row / put_row; the "
-            "paged methods can: duo_jax.methods.paged)"
-        )
+    """`extend_row` compiled once per (batch, chunk): the row is an argument, never a recompile. One device only.
+    A method without rows (`Method.take_row`'s default: every one but the paged ones) raises DuoJaxError."""
     return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format)
 
 

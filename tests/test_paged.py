@@ -209,3 +209,15 @@ def test_paged_refuses_what_it_cannot_hold():
         paged(duo, page_size=0)
     with pytest.raises(DuoJaxError, match="cannot give"):
         paged(duo, page_size=16, num_pages=5).init_cache(2, jnp.float32)
+
+
+def test_only_paged_methods_run_one_row_of_a_batch():
+    """`Method.take_row` / `put_row` default to an error: only the paged methods serve one row of a batched cache
+    (the server's continuous batching)."""
+    from duo_jax.engine import compiled_extend_row
+
+    for method in (make_method("full", CONFIG, context=64), make_method("h2o", CONFIG, context=64, kv_budget=8)):
+        with pytest.raises(DuoJaxError, match=f"'{method.name}' cannot run one row of a batched cache"):
+            compiled_extend_row(CONFIG, method, 2, 4, "float32")
+        with pytest.raises(DuoJaxError, match="cannot run one row"):
+            method.put_row(None, 0, None)

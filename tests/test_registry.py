@@ -54,3 +54,21 @@ def test_a_new_method_is_one_registration():
             duo_jax.generate(model, prompt, method="sinks_only", recent=3, max_new_tokens=4)
     finally:
         del registry._ENTRIES["sinks_only"]
+
+
+def test_the_method_lists_come_from_the_registry():
+    """`describe()` (infer.py's --method help) has a line per registered method with its summary, and the docs
+    that list the methods by hand (README's table, docs/methods.md's sections) name every one."""
+    from pathlib import Path
+
+    import infer
+    from duo_jax.methods import describe
+
+    lines = describe().splitlines()
+    assert [line.split()[0] for line in lines] == list(METHODS)
+    assert all(entry(name).summary in line for name, line in zip(METHODS, lines))
+    assert describe() in infer._parser().format_help()
+    root = Path(__file__).resolve().parent.parent
+    readme, methods_md = (root / "README.md").read_text(), (root / "docs" / "methods.md").read_text()
+    for name in METHODS:
+        assert f"| `{name}` |" in readme and f"\n## {name}\n" in methods_md, name

@@ -1,12 +1,9 @@
-"""The interface every KV-cache method implements, and the per-step context the engine hands it.
+"""The interface every KV-cache method implements (`Method`), and the per-step context the engine hands it (`Step`).
 
-A method is a static, hashable spec (shapes, windows, budgets, rules) plus an optional `state` of arrays. It
-decides three things: how its cache is laid out (`init_cache`), what attention reads from it
-for new tokens (`attend`), and what is kept or evicted as tokens arrive (also `attend`, which returns the
-updated cache). The engine (`duo_jax.engine.extend`) owns everything else: embeddings, projections, norms,
-MLPs, the LM head and the unrolled loop over layers. Methods are frozen dataclasses: hashable, so a method
-is a static argument of the jitted step and its fields (windows, budgets, layouts) are compile-time constants;
-arrays go in `state()`, an argument of the step.
+A method decides how its cache is laid out (`init_cache`) and what attention reads from it and keeps of it as
+tokens arrive (`attend`, which returns the updated cache). The engine (`duo_jax.engine.extend`) owns everything
+else: embeddings, projections, norms, MLPs, the LM head and the loop over layers. docs/adding-a-method.md walks
+through one method end to end.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import numpy as np
 
 from duo_jax.attention import MaskSpec
 from duo_jax.errors import DuoJaxError
-from duo_jax.quant import QuantizedKV, as_stored
+from duo_jax.quant import QuantizedKV, as_stored, kv_rotation, rotate
 
 if TYPE_CHECKING:
     from duo_jax.config import ModelConfig
@@ -104,7 +101,29 @@ def check_windows(method: Method, windows: tuple[int | None, ...] | None, layer:
 
 
 class Method(abc.ABC):
-    """Base class of KV-cache methods (subclasses are frozen dataclasses)."""
+    """Base class of KV-cache methods.
+
+    A method is a frozen dataclass: hashable, so it is a static argument of the jitted step and its fields
+    (windows, budgets, layouts) are compile-time constants; its arrays go in `state()`, an argument of the step.
+
+    A method must write (abstract):
+      init_cache            an empty cache: one pytree per layer
+      attend                one layer's attention over the new tokens, and that layer's updated cache
+      expected_cache_bytes  the cache's size by formula (tests check it against the arrays)
+    and set the class attribute `name`. Everything else has a default:
+      state                 the method's arrays (None)
+      cache_spec            `init_cache`'s shapes, without allocating (`jax.eval_shape` of it)
+      cache_partition       the cache's layout on a generation mesh (None: no mesh)
+      layer_caches / with_layer_caches   per-layer views of the step's cache (the cache is the per-layer tuple)
+      begin_step            values all layers of a step share (None)
+      prepare               extra keyword arguments for one layer's `attend` ({})
+      max_tokens            tokens per sequence the cache holds (the `capacity` field, else None: unbounded)
+      after_prefill         the method and cache decoding continues with (unchanged)
+      stats                 what `generate` reports of the method ({})
+      take_row / put_row    one sequence's part of a batched cache, for the server's continuous batching
+                            (raise `DuoJaxError`: only the paged methods implement them)
+      absolute_positions    True: positions are absolute, so a sequence cannot outgrow the model's context
+    """
 
     name = "method"
     absolute_positions = True  # positions are absolute: a sequence cannot outgrow the model's context
@@ -187,6 +206,47 @@ class Method(abc.ABC):
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         """The cache's size by formula (tests check it against the arrays)."""
 
+    def take_row(self, cache, row: jax.Array):
+        """Sequence `row`'s cache at batch 1 (row an int32 scalar, may be traced), which `extend` can step: how
+        the server's scheduler prefills one sequence while the batch's other rows wait
+        (`duo_jax.engine.extend_row`). Default: the method cannot run one row of a batched cache (DuoJaxError)."""
+        raise _no_rows(self)
+
+    def put_row(self, cache, row: jax.Array, part):
+        """`cache` with sequence `row` replaced by `part` (a `take_row` after a step): `take_row`'s inverse.
+        Default: DuoJaxError, as `take_row`."""
+        raise _no_rows(self)
+
+
+def _no_rows(method: Method) -> DuoJaxError:
+    return DuoJaxError(
+        f"{method.name!r} cannot run one row of a batched cache (no take_row / put_row; the "
+        "paged methods can: duo_jax.methods.paged)"
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KVRotation:
+    """How a quantized cache stores keys and values: through the orthonormal `duo_jax.quant.kv_rotation` R
+    (k R, v R), which spreads outlier channels before quantizing. Attention is unchanged when the queries are
+    rotated alike and the output rotated back: (q R)(k R)^T = q k^T, (p v R) R^T = p v. Without a quantized
+    cache (`matrix` None) both directions are the identity. Build it with `kv_rotation_for`."""
+
+    matrix: np.ndarray | None  # R [E, E]; None: no rotation
+
+    def into(self, *xs: jax.Array) -> tuple[jax.Array, ...]:
+        """Each x [..., E] in the stored basis: x R (the arrays unchanged without a rotation)."""
+        return xs if self.matrix is None else tuple(rotate(x, self.matrix) for x in xs)
+
+    def back(self, x: jax.Array) -> jax.Array:
+        """x [..., E] back from the stored basis: x R^T (x unchanged without a rotation)."""
+        return x if self.matrix is None else rotate(x, self.matrix.T)
+
+
+def kv_rotation_for(kv_dtype: str | None, head_dim: int) -> KVRotation:
+    """The rotation a cache of `kv_dtype` (None: the model's dtype, not rotated) stores keys and values through."""
+    return KVRotation(None if kv_dtype is None else kv_rotation(head_dim))
+
 
 def cache_nbytes(cache) -> int:
     """Bytes held by a cache: the sum of its arrays' sizes."""
@@ -204,7 +264,7 @@ def write_slots(cache, slots: jax.Array, new: jax.Array):
     A quantized cache (`duo_jax.quant.QuantizedKV`) quantizes `new` and writes its codes and scales.
 
     16-bit floats are scattered as their bits: XLA:CPU computes a bf16 scatter in f32, converting the whole
-    cache there and back on every write (measured: temp memory growing with the capacity)."""
+    cache there and back on every write (temporary memory grows with the capacity)."""
     if isinstance(cache, QuantizedKV):
         new = as_stored(new, cache)
         return jax.tree.map(lambda c, n: write_slots(c, slots, n), cache, new)
@@ -225,7 +285,7 @@ def write_run(cache, start: jax.Array, new: jax.Array, n_valid: jax.Array):
 
     Each sequence reads the T-slot window it writes into, merges the new tokens in, and writes the window back
     with a `dynamic_update_slice`, which XLA updates in place whatever the dtype; XLA:CPU's bf16 scatter (even
-    as uint16 bits) made a cache-sized copy per layer (measured: temp memory growing with the capacity).
+    as uint16 bits) makes a cache-sized copy per layer (temporary memory grows with the capacity).
     Needs T <= S (else `write_slots`)."""
     if isinstance(cache, QuantizedKV):
         new = as_stored(new, cache)

@@ -35,11 +35,11 @@ from duo_jax.cache import (
 )
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, concat_slots, write_run, write_slots
+from duo_jax.methods.base import Method, Step, concat_slots, kv_rotation_for, write_run, write_slots
 from duo_jax.methods.registry import register
 from duo_jax.model import apply_rotary
 from duo_jax.pattern import Pattern
-from duo_jax.quant import as_stored, kv_rotation, rotate
+from duo_jax.quant import as_stored
 
 
 def cache_order(layout: CacheLayout, layer: int, x: jax.Array) -> jax.Array:
@@ -216,9 +216,8 @@ class DuoAttention(Method):
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
         n = self.layout.num_retrieval[layer]
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.layout.kv_dtype, self.layout.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         if step.mesh is not None:  # the heads' split is per layer: gather them first, then pick locally
             q, k, v = (sharding.whole_over_model(x, step.mesh) for x in (q, k, v))
         q, k, v = (cache_order(self.layout, layer, x) for x in (q, k, v))
@@ -239,7 +238,7 @@ class DuoAttention(Method):
             q, qs, ks, vs, rk, rv, retrieval, cache.streaming_k, cache.streaming_v, step, shared
         )
         out = model_order(self.layout, layer, out)
-        return (out if rotation is None else rotate(out, rotation.T)), DuoLayerCache(rk, rv, sk, sv)
+        return rotation.back(out), DuoLayerCache(rk, rv, sk, sv)
 
 
 @register("full", options=(), quantized_kv=True, summary="every head keeps every token")

@@ -1,36 +1,10 @@
 """Score-based eviction with a fixed-size cache: H2O (heavy hitters) and TOVA.
 
-Both keep `budget` tokens per KV head. For each prefill chunk or decode token, the new tokens attend to
-the kept tokens plus the chunk itself (causal), exactly; then the cache keeps `budget` of those candidates
-and evicts the rest:
-
-  H2O  scores each token by the attention it has received so far (summed over the queries and over the
-       query heads of its KV head); keeps the `recent` newest tokens plus the `budget - recent` highest
-       scores among the others. Per KV head.
-  TOVA scores each token by the attention the newest query pays it, averaged over all query heads of the
-       layer; keeps the `budget` highest. Per layer (every head keeps the same tokens).
-
-A chunk larger than one token evicts once after the whole chunk, so a prefill with chunk_size >= the
-prompt is exact and compresses once at its end (as the DuoAttention paper runs these baselines), while
-smaller chunks bound memory. Keys are cached after RoPE at absolute positions. The cache also holds each
-slot's position (int32) and score (float32), counted in its bytes. Attention probabilities are
-materialised (`duo_jax.attention.probs`), which is what these methods need and what flash kernels do not give,
-one block of `query_rows` / B queries at a time (`attention_received`), so a whole-prompt chunk of a batch costs
-O(query_rows x (budget + T)) memory, not O(B x T x (budget + T)).
-
-On a layer with a sliding window W (`Step.sliding_window`: Mistral's every layer, Qwen's windowed ones) the
-probabilities, and so H2O's accumulated scores and TOVA's, are those of the windowed attention (query p sees
-the kept tokens p - W < j <= p), and a token the next query can no longer see (j <= length - W, out of every
-future window: `duo_jax.methods.base.within_future_window`) is evicted first, whatever its score or
-recency, and never counted as kept. So such a layer keeps at most the W - 1 tokens before the next query,
-the budget applying among them (its cache has min(budget, W - 1) slots per KV head: `slots`); a budget of
-W - 1 or more keeps the windowed attention exact.
-
-With `kv_dtype` "int8" / "int4" the kept keys and values are a `duo_jax.quant.QuantizedKV` (codes + a bf16
-scale per token and head, stored through `quant.kv_rotation` as duo's are: queries rotated alike, outputs
-rotated back): each step's new tokens are quantized once, when they enter the candidates, and eviction moves
-codes and scales together, so a kept token is never re-quantized. The candidates (the budget plus the chunk,
-not the context) are dequantized for the step's attention.
+Each KV head keeps `budget` tokens. A step's new tokens attend exactly to the kept tokens plus their chunk
+(causal, within the layer's sliding window); then the cache keeps the `budget` candidates of highest `priority`
+(H2O: attention received so far, plus the `recent` newest; TOVA: the newest query's attention, layer-wide) and
+evicts the rest, once per chunk. Keys are cached after RoPE at absolute positions, beside each slot's position
+and score. The rules, sliding windows and quantized caches: docs/methods.md, "Eviction: H2O and TOVA".
 """
 
 from __future__ import annotations
@@ -45,10 +19,10 @@ import jax.numpy as jnp
 from duo_jax.attention import attention_probs, attention_received
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, check_windows
+from duo_jax.methods.base import Method, Step, check_windows, kv_rotation_for
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rotary
-from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
 
 @jax.tree_util.register_dataclass
@@ -109,9 +83,8 @@ class _Eviction(Method):
         check_windows(self, self.windows, layer, step)
         q = apply_rotary(q, step.rope)
         k = apply_rotary(k, step.rope)
-        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, self.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         B, T = step.positions.shape
         K = self.num_kv_heads
 
@@ -133,8 +106,7 @@ class _Eviction(Method):
             step.valid.astype(jnp.float32),
             block=max(1, self.query_rows // B),
         )
-        if rotation is not None:
-            out = rotate(out, rotation.T)
+        out = rotation.back(out)
 
         def newest_probs():  # [B, K, G, N + T]
             newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)[:, None]  # [B, 1]: the last real query

@@ -1,34 +1,10 @@
-"""HeadKV / HeadKV-R2: per-head KV budgets from head importance scores, SnapKV selection inside each head.
+"""HeadKV / HeadKV-R2: per-head KV budgets from head importance scores, SnapKV's selection inside each head.
 
-Budgets (the paper's allocation, on KV heads). With scores S[l, h] >= 0 for L layers and K KV heads
-(`duo_jax.head_scores`: retrieval needles give HeadKV-R, retrieval-reasoning needles HeadKV-R2), normalised to
-sum 1, and a base budget b per head (`kv_budget` minus the observation window):
-
-  pool      B = (b / beta) * L * K
-  head l, h keeps round(S[l, h] * B + b - b / beta) prompt tokens plus the last `window` prompt tokens.
-
-So every head keeps b - b / beta tokens and the pool is shared out in proportion to the scores; the total is
-L * K * b up to the rounding. Which tokens: `duo_jax.methods.snapkv` (votes of the observation window, pooled,
-top budget per head); the decode cache holds exactly each head's tokens, heads of different budgets packed
-one after another (`CompressedKV`).
-
-Defaults follow the paper's setup: window (alpha) 8, max-pooling over 7 tokens. The original computes the
-scores and budgets per query head and repeats K/V per query head; here they are per KV head (a KV head's
-score is the mean over its query heads), which is what a GQA cache can hold. The original also raises the
-normalised scores to a power `temp` (1 in its scripts), left out here.
-
-`DuoHeadKV` composes this with DuoAttention: the head pattern splits the heads into retrieval heads and
-streaming heads (sink + recent tokens, as `duo`), and only the retrieval heads, which DuoAttention would keep
-whole, are compressed after prefill, with HeadKV budgets shared among them (their average is `kv_budget`).
-
-Sliding windows: as SnapKV's (`duo_jax.methods.snapkv`: votes under each layer's window, tokens out of every
-later query's window never kept), and as DuoAttention's on the streaming heads (Λ within the window).
-
-Quantized (`kv_dtype` "int8" / "int4", `duo_jax.quant`): every partition holds codes + scales, as duo's and
-SnapKV's do: the prefill cache (duo's split cache), the retrieval heads' kept tokens and their ring of new
-tokens, and the streaming heads' sink + recent. Keys and values are stored through `quant.kv_rotation` (the
-query ring holds the rotated queries, so the votes q R (k R)^T are unchanged); compression moves codes and
-scales together. The query ring stays in the model's dtype (it is not K / V).
+`headkv_budgets` shares a budget out over the heads by their scores (`duo_jax.head_scores`); `make_headkv`
+builds a `SnapKV` with those budgets. `DuoHeadKV` (`duo_headkv`) composes this with DuoAttention: streaming
+heads keep sink + recent tokens, and only the retrieval heads are compressed after prefill, with HeadKV budgets
+shared among them. The allocation, the deviations from the original, sliding windows and quantized caches:
+docs/methods.md, "HeadKV and duo_headkv".
 """
 
 from __future__ import annotations
@@ -43,7 +19,7 @@ import numpy as np
 from duo_jax.cache import CacheLayout, DuoLayerCache, make_layout, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, check_windows, write_slots
+from duo_jax.methods.base import Method, Step, check_windows, kv_rotation_for, write_slots
 from duo_jax.methods.duo import DuoAttention, StreamingWindow, fit_window, merge_heads, num_retrieval_heads, split_heads
 from duo_jax.methods.registry import register
 from duo_jax.methods.snapkv import (
@@ -61,7 +37,7 @@ from duo_jax.methods.snapkv import (
 )
 from duo_jax.model import apply_rotary
 from duo_jax.pattern import Pattern
-from duo_jax.quant import kv_bytes_per_vector, kv_rotation, rotate
+from duo_jax.quant import kv_bytes_per_vector
 
 
 def headkv_budgets(scores, base: int, beta: float) -> np.ndarray:
@@ -215,9 +191,8 @@ class DuoCompressedKV(Method):
     def attend(self, layer, q, k, v, cache: DuoCompressedLayerCache, step: Step, shared):
         retrieval_shared, window = shared
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        rotation = None if self.layout.kv_dtype is None else kv_rotation(self.layout.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.layout.kv_dtype, self.layout.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         (qr, qs), (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (q, k, v))
         out_r, retrieval = qr, cache.retrieval
         if kr.shape[2]:
@@ -226,7 +201,7 @@ class DuoCompressedKV(Method):
             )
         out_s, sk, sv = window.attend_and_write(qs, ks, vs, cache.streaming_k, cache.streaming_v, step)
         out = merge_heads(self.layout, layer, out_r, out_s)
-        return (out if rotation is None else rotate(out, rotation.T)), DuoCompressedLayerCache(retrieval, sk, sv)
+        return rotation.back(out), DuoCompressedLayerCache(retrieval, sk, sv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +260,7 @@ class DuoHeadKV(Method):
         check_windows(self, self.windows, layer, step)
         out, duo_cache = self.duo.attend(layer, q, k, v, cache.duo, step, duo_shared)
         q = apply_rotary(q, step.rope)
-        if self.layout.kv_dtype is not None:  # the keys are stored rotated (k R): the votes read q R alike
-            q = rotate(q, kv_rotation(self.layout.head_dim))
+        (q,) = kv_rotation_for(self.layout.kv_dtype, self.layout.head_dim).into(q)  # votes: q R (k R)^T when quantized
         retrieval_q = split_heads(self.layout, layer, q)[0]
         return out, DuoPrefillLayerCache(duo_cache, write_slots(cache.queries, query_slots, retrieval_q))
 
@@ -354,7 +328,7 @@ def make_duo_headkv(
     """DuoAttention (`pattern` binarised at `sparsity`, streaming heads `sink` + `recent`) whose retrieval heads
     keep `kv_budget` tokens each on average (window included), shared out among the retrieval heads by their
     HeadKV `scores` (the formula of `headkv_budgets` over the retrieval heads only); `kv_dtype` "int8" / "int4"
-    quantizes every partition (the module docstring)."""
+    quantizes every partition (docs/methods.md, "HeadKV and duo_headkv")."""
     scores = _required_scores(scores, config, "duo_headkv")
     if pattern is None:
         raise DuoJaxError("method 'duo_headkv' needs a head pattern (pattern=PATH, a Pattern, or 'default')")

@@ -1,80 +1,13 @@
 """InfiniGen: the full KV cache in host memory, and per decode step only the tokens a cheap speculation
 predicts to matter are fetched and attended to exactly.
 
-The default settings are the authors' Llama rules (snu-comparch/InfiniGen, `accuracy/`):
-  - skewing (`accuracy/setup/gen_llama_skewing_matrix.py`, `main`): per layer and head, A = V of the SVD of
-    the head's rotated (post-RoPE) queries on a sample prompt. A is orthogonal, so (QA)(KA)^T = QK^T:
-    attention is unchanged, but QA = US concentrates the query's energy in few columns. (The authors also
-    permute A's columns by the product of the query and key singular values; a column permutation changes
-    neither the scores nor which columns are picked below, so it is left out.)
-  - partial channels (`accuracy/src/modeling_llama_ours_setup.py`, `LlamaAttention.forward`): the union of
-    the int(partial_ratio * E) columns with the largest sum over the sample's tokens of |QA| and the
-    int(partial_ratio * E) columns with the largest sum of |KA| (`channel_rule="qk"`; between c and 2c
-    columns per head). `channel_rule="q"` keeps the |QA| columns only (the rule of the paper's text and
-    of the authors' OPT code, `speedup/infinigen/infinigen/partial_weight_generation_controller.py`).
-  - dense layers (`accuracy/src/modeling_llama_ours.py`, `LlamaModel.forward`): layer i+1 receives layer
-    i's attention input for i >= 1 only, so layers 0 and 1 never speculate and attend densely
-    (`dense_layers=2`); layer i >= 2 speculates from layer i-1's attention input.
-  - alpha 5 for Llama (`accuracy/perplexity/table2.sh`; 4 is their OPT setting): `LLAMA_ALPHA`. Every
-    model duo-jax runs is Llama-family (Llama, Mistral, SmolLM2), so it is the default.
-  - the count (`LlamaAttention.kv_cache_mask` and `kv_selection_controller.speculate_attention`): per head
-    the tokens whose speculated logit is >= its max - alpha, averaged over the heads, truncated to an
-    integer, capped by the budget; each head then fetches its top-count tokens.
-
-With a GQA model a KV head's fetch serves its query group, so a token's speculated score for a KV head is
-the max over the group's query heads (with one query per KV head, as Llama-2, it is the head's own score).
-The authors' Llama accuracy code takes the threshold from head 0's max for every head (`max(...)[0][0]`);
-duo-jax uses each head's own max, as their speedup code and the paper do.
-
-Because RoPE rotates q and k before skewing could be folded into the weights, A is applied at runtime to the
-rotated q and k. Per layer the cache holds every token's skewed K and V ([B, C, K, E], C = the context rounded
-to `duo_jax.cache.CAPACITY_BLOCK`, slot = absolute position) and, on a speculating layer, a partial key cache
-[B, C, K, W] (the layer's partial channels of the skewed keys, on the device as the paper keeps it on the
-GPU; W = the most channels a head of the layer has, a head with fewer pads with a zero-weight channel).
-
-Steps:
-  prefill chunks (T > 1), and decode steps of the dense layers, attend exactly to every cached token plus the
-      new tokens causally (full attention);
-  decode (T == 1) of a speculating layer: the partial speculative query (the channels of the skewed query
-      that layer i's weights make of layer i-1's attention input, see below) times the partial keys gives
-      approximate scores (scaled by 1/sqrt(E), i.e. softmax logits); per KV head the max over its query
-      group; a head keeps the tokens scoring >= its max - alpha; the count is averaged over the layer's KV
-      heads (floor), capped by the static `kv_budget`; each head takes its top_k(kv_budget) tokens and masks
-      ranks >= count; exact attention over those rows (gathered from the full cache) plus the current token.
-
-Layer i speculates from layer i-1's attention input: the engine's per-layer hook (`InfiniGen.prepare`) hands
-each decode step's `attend` that input projected by layer i's query weights (`lookahead_q`; layer 0 gets its
-own query, which matters only with `dense_layers=0`), which is rotated, skewed and cut to the partial
-channels here. The
-selection and the gather of the selected rows thus depend only on layer i-1's input, so XLA may overlap them
-with layer i-1's compute (the schedule is XLA's; the overlap is not measured). `lookahead=False` speculates
-from the layer's own query.
-Deviations: the full query projection is computed (one token per step) rather than only the partial columns
-of a skewed weight (RoPE sits between the projection and the skew, so the skew cannot be folded into the
-weights). The partial channels are fixed offline on a sample text, as the authors' Llama setup does, and there
-is no counter-based eviction of the host pool (the host cache has a fixed capacity). The budget is a fixed
-number of tokens per step (the authors' is 20% of the current length).
-
-Sliding windows (`Step.sliding_window`: every layer of Mistral v0.1, some of Qwen's): prefill and the dense
-layers attend within the window, and a speculating layer speculates, counts (the alpha rule) and fetches
-among the cached tokens inside the query's window only (p - W < j < p), so a budget covering the window
-fetches all of it. The skew is calibrated on the windowed model's queries (`skew` runs the model as it is).
-
-Memory placement: where the backend exposes the `pinned_host` memory kind (`host_offload_supported()`), the
-full K / V live there between steps (offload="auto" or "host"); writes and the gather of selected rows run on
-the host (`compute_on("device_host")`) and only the gathered rows move to the device (the whole cache moves
-only for prefill chunks and the dense layers, which attend to all of it). Elsewhere (offload="device", or
-"auto" without support) the same code runs with the full cache in device memory.
-
-Quantized (`kv_dtype` "int8" / "int4", `duo_jax.quant`): the full K / V (the host-resident cache) hold codes +
-a bf16 scale per token and head; the partial key cache stays in the model's dtype, as the original keeps it
-separately on the GPU, so the speculation is the unquantized method's. The full cache stores the skewed keys
-and the values through `quant.kv_rotation` R (k A R, v R; the exact attention reads q A R and rotates its
-output back by R^T): the skew concentrates energy in few channels, which per-token absmax would quantize
-poorly, and R spreads it again. A token is quantized once, on the device, before its codes move to the host;
-a decode step fetches the selected rows' codes and scales and dequantizes only those rows (the current token
-attends to its own round-tripped key and value, as a cache write then read would give); prefill chunks and the
-dense layers attend to the whole quantized cache through the dispatch (dequantized one key tile at a time).
+`skew` calibrates, per layer and head, an orthogonal skew A (the SVD of the head's queries on a sample) and
+the partial channels to speculate on; `InfiniGen` caches every token's skewed keys and values (in host memory
+where the backend has it) and, on a speculating layer, the partial keys on the device. Prefill and the dense
+layers attend exactly to every token; a speculating layer's decode step scores the cached tokens with the
+partial query (from the previous layer's input, `prepare`), fetches each KV head's top tokens (alpha rule,
+capped by `kv_budget`) and attends to them exactly. Defaults are the authors' Llama rules. Their sources, the
+deviations, sliding windows, memory placement and quantized caches: docs/methods.md, "InfiniGen".
 """
 
 from __future__ import annotations
@@ -93,7 +26,7 @@ from duo_jax.cache import round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.data.haystack import CALIBRATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, write_slots
+from duo_jax.methods.base import Method, Step, kv_rotation_for, write_slots
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import (
     Params,
@@ -106,7 +39,7 @@ from duo_jax.model import (
     rotary,
     weights_memo,
 )
-from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
 
 @functools.cache
@@ -410,10 +343,9 @@ class InfiniGen(Method):
         qs = skew_q(q)
         ks = jnp.einsum("btke,kef->btkf", k, A.astype(k.dtype))
         kp = jnp.take_along_axis(ks, index[None, None], axis=-1)  # [B, T, K, W]: the speculation's, unquantized
-        rotation = None if self.kv_dtype is None else kv_rotation(E)
-        exact_q, stored_k, stored_v = qs, ks, v
-        if rotation is not None:  # the quantized full cache holds k A R and v R; exact attention reads q A R
-            exact_q, stored_k, stored_v = rotate(qs, rotation), rotate(ks, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, E)
+        # The quantized full cache holds k A R and v R; exact attention reads q A R.
+        exact_q, stored_k, stored_v = rotation.into(qs, ks, v)
         stored_k, stored_v = as_stored(stored_k, cache.k), as_stored(stored_v, cache.v)  # quantized once, here
 
         # Write this step's tokens (slot = absolute position; padding and overflow dropped).
@@ -424,12 +356,11 @@ class InfiniGen(Method):
         new_v = self._host_write(cache.v, rows, stored_v)
         new_partial = write_slots(cache.partial_k, slots, kp)
         new_cache = InfiniGenLayerCache(new_k, new_v, new_partial)
-        unrotate = (lambda out: out) if rotation is None else (lambda out: rotate(out, rotation.T))  # noqa: E731
 
         if not step.is_decode or layer < self.dense_layers:  # exact attention to every cached token and the new
             keys, values = self._to_device(new_k), self._to_device(new_v)
             out = attention.attend(exact_q, keys, values, step.prefix_spec(), impl=step.impl)
-            return unrotate(out), new_cache
+            return rotation.back(out), new_cache
 
         # Decode: speculate with the partial query against the partial keys of the cached tokens. The query is
         # this layer's projection of the previous layer's attention input (`prepare`'s lookahead_q), so the
@@ -460,7 +391,7 @@ class InfiniGen(Method):
         values = jnp.concatenate([sel_v.astype(v.dtype), jnp.swapaxes(dequantize(stored_v), 1, 2).astype(v.dtype)], 2)
         mask = jnp.concatenate([keep, jnp.ones((B, K, 1), bool)], axis=2)[:, :, None]  # [B, K, 1, N + 1]
         out, _ = attention_probs(exact_q, keys, values, mask)
-        return unrotate(out), new_cache
+        return rotation.back(out), new_cache
 
 
 def _widths(channel_mask: np.ndarray, dense_layers: int) -> tuple[int, ...]:
@@ -483,8 +414,7 @@ def partial_channels(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]
     budget=kv_budget_only,
     calibrated_on=CALIBRATION_HAYSTACK,
     quantized_kv=True,
-    summary="InfiniGen: speculate from skewed partial keys which tokens each step fetches "
-    "(calibrated on the calibration essays)",
+    summary="InfiniGen: skewed partial keys pick the tokens each decode step fetches (calibrated on the model)",
 )
 def make_infinigen(
     config: ModelConfig,

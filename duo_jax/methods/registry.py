@@ -70,6 +70,12 @@ def names() -> tuple[str, ...]:
     return tuple(_ENTRIES)
 
 
+def describe(indent: str = "  ") -> str:
+    """Every registered method on a line of its own: its name and its summary (the help texts' list)."""
+    width = max(map(len, _ENTRIES), default=0)
+    return "\n".join(f"{indent}{name:<{width}}  {e.summary}" for name, e in _ENTRIES.items())
+
+
 def entry(name: str) -> MethodEntry:
     if name not in _ENTRIES:
         raise DuoJaxError(f"unknown method {name!r}; choose one of {', '.join(_ENTRIES)}")

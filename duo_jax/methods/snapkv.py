@@ -1,63 +1,12 @@
 """SnapKV and PyramidKV: an exact prefill, then each KV head keeps the prompt tokens its observation window
 votes for; decoding appends to that compressed cache.
 
-Prefill (`SnapKV`): exact causal attention, chunk by chunk, as full attention. Each layer caches every token's
-key and value after RoPE (slot = position; capacity C = the context rounded up to `CAPACITY_BLOCK`) and, in a
-ring of `window` slots, the queries (after RoPE) of the latest tokens (position p in slot p % window), so after
-the last chunk the ring holds each prompt's observation window: its last `window` queries.
-
-Compression (`after_prefill`, once). For a prompt of P tokens and a layer:
-  1. the window queries (positions P - w .. P - 1) attend causally to the prompt's keys (softmax in fp32);
-  2. votes[h, j] = their probabilities summed over the window and over the query heads of KV head h (GQA),
-     for the prefix keys j < P - w only;
-  3. the votes are pooled along j: max- or average-pooling with an odd kernel, stride 1 and kernel // 2 of
-     padding (torch's max_pool1d / avg_pool1d with count_include_pad: the prefix edges are padded, and the
-     average always divides by the kernel);
-  4. KV head h keeps its `budgets[l][h]` prefix tokens with the highest pooled votes (ties: the earlier token)
-     plus the whole window. A prefix no longer than the budget is kept whole, so a prompt of at most
-     budget + window tokens is not compressed at all.
-This is SnapKV's selection (the original sums the window's attention too; HeadKV and Ada-KV average it, which
-selects the same tokens). Two choices of this implementation: GQA votes are summed over each KV head's
-query heads (the original repeats K/V per query head and keeps a cache per query head), and the votes stay
-in fp32 (the original casts the probabilities to the model dtype before summing).
-
-Decode (`CompressedKV`, the method `after_prefill` returns). Per layer:
-  k, v [B, N, E]           the kept prompt tokens of every KV head, head after head (head h holds
-                           `head_slots[l][h]` = its budget + window slots, fewer for a short prompt)
-  positions int32 [B, N]   each slot's absolute position, -1 where empty (a prompt shorter than the slots)
-  new_k, new_v [B, R, K, E], new_positions int32 [B, R]: the tokens after the prompt, position p in slot p % R
-Keys stay at their absolute positions, after RoPE. New tokens attend to their head's kept tokens, the tokens
-generated so far and themselves (causally within a chunk), all exactly. The room R is the capacity minus the
-longest prompt rounded down to `CAPACITY_BLOCK`, so a batch generating in lock step (as `generate` does)
-fits until the longest sequence reaches the capacity; a sequence that runs further overwrites its oldest
-generated tokens. Sizing the decode cache from the longest prompt needs concrete `lengths` in
-`after_prefill` (it runs eagerly between the jitted steps); rounding to `CAPACITY_BLOCK` bounds how many
-decode steps get compiled over a set of prompt lengths, at the cost of at most that many spare slots.
-
-Memory: prefill holds a full-attention cache plus the query ring ([B, window, H, E] per layer). The decode
-cache holds exactly the kept tokens (no padding between heads with different budgets, which HeadKV needs),
-plus an int32 position per slot (2 * E * bytes per element for the K/V of a slot: under 1% more in bf16 at
-E = 128).
-
-Sliding windows (`ModelConfig.layer_windows`, kept on the method as `windows` since compression runs outside
-the engine's layer loop): on a layer with window W, prefill and decode attend within it (query p sees keys
-p - W < j <= p), the votes are the windowed attention's probabilities, and a prompt token no later query can
-see (j <= P - W, `duo_jax.methods.base.within_future_window`) is never selected nor kept: neither a prefix
-token (step 4 takes the best-voted among the visible ones) nor an observation-window token (its slot stays
-empty, -1). Such a layer thus keeps at most the W - 1 prompt tokens before the first generated one, and a
-budget that covers them leaves its attention exact.
-
-PyramidKV (`pyramid_budgets`) is this selection with per-layer budgets that shrink from the bottom layer to
-the top; HeadKV (`duo_jax.methods.headkv`) with per-head budgets.
-
-Quantized (`kv_dtype` "int8" / "int4", `duo_jax.quant`): the prefill cache, the kept prompt tokens and the ring
-of new tokens hold codes + a bf16 scale per token and head, stored through `quant.kv_rotation` as duo's are
-(queries rotated alike, the query ring holds rotated queries, outputs rotated back; the votes q.k are
-unchanged). A token is quantized once, when written; compression moves codes and scales together. Prefill
-attends through the dispatch (the prefill and decode kernels read codes; the XLA path dequantizes per key
-tile); the votes read one layer's prefill keys dequantized (a transient of that layer, once, at compression);
-decode dequantizes the kept tokens and the ring (the budget plus the generated tokens) for its scored attention.
-The query ring stays in the model's dtype (it is not K / V).
+`SnapKV` is the prefill method: a full cache plus a ring of the latest `window` queries. Its `after_prefill`
+compresses (the window's pooled attention votes for each KV head's `budgets[l][h]` prefix tokens, the window
+kept whole) and returns a `CompressedKV`, the decode method over exactly the kept tokens plus a ring of new
+ones. `pyramid_budgets` gives PyramidKV's per-layer budgets; HeadKV (`duo_jax.methods.headkv`) gives per-head
+ones. The selection step by step, the decode cache, sliding windows and quantized caches: docs/methods.md,
+"SnapKV and PyramidKV".
 """
 
 from __future__ import annotations
@@ -74,11 +23,19 @@ from duo_jax.attention import MaskSpec, masked_softmax
 from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, check_windows, concat_slots, within_future_window, write_slots
+from duo_jax.methods.base import (
+    Method,
+    Step,
+    check_windows,
+    concat_slots,
+    kv_rotation_for,
+    within_future_window,
+    write_slots,
+)
 from duo_jax.methods.duo import retrieval_attention
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rotary
-from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
 POOLINGS = ("max", "avg")
 
@@ -338,7 +295,8 @@ def decode_shape(
 
 @dataclasses.dataclass(frozen=True)
 class CompressedKV(Method):
-    """Decoding over a compressed prompt cache (see the module docstring); built by `SnapKV.after_prefill`."""
+    """Decoding over a compressed prompt cache, built by `SnapKV.after_prefill` (docs/methods.md, "SnapKV and
+    PyramidKV")."""
 
     num_kv_heads: int
     head_dim: int
@@ -363,11 +321,10 @@ class CompressedKV(Method):
 
     def attend(self, layer, q, k, v, cache: CompressedLayerCache, step: Step, shared: CompressedShared):
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, self.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         out, cache = compressed_attention(q, k, v, cache, self.head_slots[layer], step, shared)
-        return (out if rotation is None else rotate(out, rotation.T)), cache
+        return rotation.back(out), cache
 
 
 # --- the prefill method -------------------------------------------------------------------------------
@@ -389,7 +346,7 @@ class PrefillShared:
 
 @dataclasses.dataclass(frozen=True)
 class SnapKV(Method):
-    """Exact prefill, then SnapKV selection with per-(layer, KV head) budgets (see the module docstring).
+    """Exact prefill, then SnapKV selection with per-(layer, KV head) budgets (docs/methods.md, "SnapKV and PyramidKV").
 
     `budgets[l][h]`: prefix tokens KV head h of layer l keeps besides the window (uniform: SnapKV; per layer:
     PyramidKV; per head: HeadKV). Build one with `make_snapkv`, `make_pyramidkv` or `make_headkv`.
@@ -446,13 +403,12 @@ class SnapKV(Method):
     def attend(self, layer, q, k, v, cache: PrefillLayerCache, step: Step, shared: PrefillShared):
         check_windows(self, self.windows, layer, step)
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R; the ring holds q R (votes: q R (k R)^T)
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, self.head_dim)
+        q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R; the ring holds q R (votes: q R (k R)^T)
         keys = write_slots(cache.k, shared.kv_slots, k)
         values = write_slots(cache.v, shared.kv_slots, v)
         out = retrieval_attention(q, keys, values, step)
-        out = out if rotation is None else rotate(out, rotation.T)
+        out = rotation.back(out)
         return out, PrefillLayerCache(keys, values, write_slots(cache.queries, shared.query_slots, q))
 
     def prompt_budgets(self, longest: int) -> tuple[tuple[int, ...], ...]:

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.base import Method, Step, concat_slots, write_slots
+from duo_jax.methods.base import Method, Step, concat_slots, kv_rotation_for, write_slots
 from duo_jax.methods.duo import StreamingWindow
 from duo_jax.methods.registry import register
 from duo_jax.model import Rotary, apply_rotary, rotary
-from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_rotation, kv_zeros, rotate
+from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
 
 @jax.tree_util.register_dataclass
@@ -79,19 +79,18 @@ class StreamingLLM(Method):
         return StreamingShared(window, rotary(key_positions, step.inv_freq), rotary(new_rank, step.inv_freq))
 
     def attend(self, layer, q, k, v, cache: StreamingLayerCache, step: Step, shared: StreamingShared):
-        rotation = None if self.kv_dtype is None else kv_rotation(self.head_dim)
-        if rotation is not None:  # a quantized cache holds k R and v R (`duo_jax.quant.kv_rotation`)
-            k, v = rotate(k, rotation), rotate(v, rotation)
+        rotation = kv_rotation_for(self.kv_dtype, self.head_dim)
+        k, v = rotation.into(k, v)  # a quantized cache holds k R and v R
         k, v = as_stored(k, cache.k), as_stored(v, cache.v)  # quantized once, when the cache is
         keys = concat_slots(cache.k, k)  # [B, S + T, K, E], before RoPE
         values = concat_slots(cache.v, v)
         q = apply_rotary(q, shared.query_rope)
         # Every key is re-rotated by RoPE every step, so a quantized window is dequantized (and turned back
         # from k R to k) whole: it holds start + recent tokens, not the context.
-        keys = dequantize(keys) if rotation is None else rotate(dequantize(keys), rotation.T)
+        keys = rotation.back(dequantize(keys))
         keys = apply_rotary(keys, shared.key_rope)
         out = shared.window.attend(q, keys, values, step)
-        out = out if rotation is None else rotate(out, rotation.T)
+        out = rotation.back(out)
         return out, StreamingLayerCache(
             write_slots(cache.k, shared.window.write_slots, k), write_slots(cache.v, shared.window.write_slots, v)
         )
