@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -410,6 +411,12 @@ class Engine:
             and len(leaves) == len(self._source)
             and all(ref() is x for ref, x in zip(self._source, leaves))
         )
+
+    @property
+    def weights(self) -> str | None:
+        """Deprecated name of `weight_format` (kept for one release)."""
+        warnings.warn("Engine.weights is renamed Engine.weight_format", DeprecationWarning, stacklevel=2)
+        return self.weight_format
 
     def serves(self, params: Params, config: ModelConfig, mesh: Mesh | None = None) -> bool:
         """Whether this engine runs `params` / `config` on `mesh` (what `generate(engine=...)` checks)."""
