@@ -18,22 +18,14 @@ from duo_jax.cache import make_layout
 from duo_jax.engine import extend
 from duo_jax.methods import DuoAttention
 from duo_jax.methods.duo import merge_heads, split_heads
-from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed, unstack_layers
+from duo_jax.model import unstack_layers
 from duo_jax.quant import quantize_kv
-from tests.conftest import qkv_projection, run_method, tiny_config
+from tests.conftest import run_method, tiny_config
+from tests.reference_decoder import decode
 
 CONFIG = tiny_config(num_layers=4)
 # Layer 0 all retrieval, layer 1 all streaming, layers 2 and 3 mixed (retrieval head second, then first).
 MIXED = np.array([[1, 1], [0, 0], [0, 1], [1, 0]], bool)
-
-
-def masked_attention(q, k, v, mask):
-    """q [T, H, E], k / v [S, K, E], mask [K, T, S] -> [T, H, E]."""
-    group = q.shape[1] // k.shape[1]
-    k, v, mask = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1), jnp.repeat(mask, group, axis=0)
-    scores = jnp.einsum("the,she->hts", q, k) / math.sqrt(q.shape[-1])
-    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("hts,she->the", probs, v)
 
 
 def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk_starts, kv_dtype=None):
@@ -45,23 +37,17 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     causal = j <= i
     streaming = causal & ((j < sink) | (j >= np.asarray(chunk_starts)[:, None] - recent))
-    positions = jnp.arange(T)[None]
-    x = params.embed[jnp.asarray(tokens)][None]
-    for l in range(config.num_layers):
-        layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = qkv_projection(
-            rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, rope_inv_freq(config)
-        )
-        if kv_dtype is not None:
-            i = np.arange(k.shape[-1])
-            signs = (-1.0) ** np.vectorize(lambda n: bin(n).count("1"))(i[:, None] & i[None, :])
-            h = jnp.asarray(signs / math.sqrt(k.shape[-1]), jnp.float32)
-            k, v = (quantize_kv(x @ h, kv_dtype).dequantize() @ h.T for x in (k, v))
-        head_masks = np.where(retrieval_mask[l][:, None, None], causal, streaming)  # [K, T, T]
-        attn = masked_attention(q[0], k[0], v[0], jnp.asarray(head_masks))[None]
-        x = x + output_projection(attn, layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
-    return np.asarray(unembed(params, config, x)[0])
+
+    def mask(layer):
+        return np.where(retrieval_mask[layer.index][:, None, None], causal, streaming)  # [K, T, T]
+
+    def round_trip(k, v):
+        e = np.arange(k.shape[-1])
+        signs = (-1.0) ** np.vectorize(lambda n: bin(n).count("1"))(e[:, None] & e[None, :])
+        h = jnp.asarray(signs / math.sqrt(k.shape[-1]), jnp.float32)
+        return (np.asarray(quantize_kv(jnp.asarray(x, jnp.float32) @ h, kv_dtype).dequantize() @ h.T) for x in (k, v))
+
+    return decode(params, config, tokens, mask, kv_round_trip=None if kv_dtype is None else round_trip).logits
 
 
 def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps, impl="auto"):

@@ -19,10 +19,9 @@ from duo_jax.errors import ConfigError, DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import make_method
 from duo_jax.methods.infinigen import InfiniGen
-from duo_jax.model import embed, layer_at, mlp, output_projection, rms_norm, rope_inv_freq, unembed
 from duo_jax.pattern import Pattern
-from pallas_kernels.reference import attention_reference
-from tests.conftest import qkv_projection, run_method
+from tests.conftest import run_method
+from tests.reference_decoder import decode
 from tests.test_model import TINY, hf_logits, write_random_hf_model
 
 WINDOW = 8
@@ -330,23 +329,17 @@ def duo_reference(params, config, tokens, retrieval, *, sink, recent, windows):
     """Logits [T, V] of the dense model as DuoAttention runs it one token at a time, from explicit masks:
     on a retrieval head (retrieval[l, kv_head]) query i sees every key j <= i, on a streaming head the keys
     j <= i with j < sink or i - j <= recent (the last `recent` tokens before it, and itself); in a windowed
-    layer (windows[l]) only those with i - j < window. Dense jnp attention per mask."""
+    layer (windows[l]) only those with i - j < window."""
     T = len(tokens)
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-    positions = jnp.arange(T)[None]
-    x = embed(params, jnp.asarray([tokens]))
-    for l, window in enumerate(windows):
+
+    def mask(layer):
+        window = windows[layer.index]
         full = (j <= i) & (True if window is None else i - j < window)
         streaming = full & ((j < sink) | (i - j <= recent))
-        layer = layer_at(params, l)
-        q, k, v = qkv_projection(
-            rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, rope_inv_freq(config)
-        )
-        out_full, out_streaming = (attention_reference(q, k, v, jnp.asarray(mask)[None]) for mask in (full, streaming))
-        per_head = np.repeat(retrieval[l], config.group_size)[None, None, :, None]  # [1, 1, H, 1]
-        x = x + output_projection(jnp.where(per_head, out_full, out_streaming), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
-    return np.asarray(unembed(params, config, x))[0]
+        return np.where(retrieval[layer.index][:, None, None], full, streaming)  # [K, T, T]
+
+    return decode(params, config, tokens, mask).logits
 
 
 def test_duo_heads_keep_each_layers_window(qwen):
