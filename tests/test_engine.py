@@ -70,6 +70,7 @@ def prompt():
     return np.random.default_rng(0).integers(0, CONFIG.vocab_size, 23).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 7, 23])
 def test_mixed_pattern_matches_reference(params, prompt, chunk):
     sink, recent, steps = 2, 5, 20
@@ -85,6 +86,7 @@ def test_mixed_pattern_matches_reference(params, prompt, chunk):
     assert np.abs(full - ref).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_pallas_kernels_in_the_engine_match_the_reference(params, prompt):
     """Retrieval heads through the Pallas flash / split-K decode kernels, streaming heads through the flash
     kernel over their ring's explicit positions (interpreted on CPU)."""
@@ -94,6 +96,7 @@ def test_pallas_kernels_in_the_engine_match_the_reference(params, prompt):
     np.testing.assert_array_less(np.abs(kernels - reference).max(), 1e-4)
 
 
+@pytest.mark.slow
 def test_one_kernel_decode_in_the_engine_matches_the_reference(params, prompt):
     """A ring tiled by a power-of-two block (4 + 12 slots): the mixed layers' decode steps run both partitions
     in `duo_decode_attention` (interpreted on CPU), the one-kind layers their own kernels."""
@@ -118,6 +121,7 @@ def test_one_kernel_decode_in_the_engine_matches_the_reference(params, prompt):
     assert str(step).count("name=duo_decode_attention") == 2  # the two mixed layers
 
 
+@pytest.mark.slow
 def test_one_kernel_decode_over_a_ragged_batch(params):
     """Two sequences of different lengths (one ring still filling, one wrapped) decoded together: the one-launch
     kernel (interpreted) gives the reference's logits at every step."""
@@ -162,6 +166,7 @@ def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
     assert counts["duo"][0] == CONFIG.num_layers and counts["duo"][1] <= 12 and counts["duo"][2] <= 12
 
 
+@pytest.mark.slow
 def test_sink_zero_and_streaming_only(params, prompt):
     mask = np.zeros_like(MIXED)
     sequence, logits = run_engine(params, CONFIG, prompt, mask, sink=0, recent=3, chunk=4, decode_steps=6)
@@ -177,6 +182,7 @@ def test_full_attention_matches_forward(params, prompt):
     np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
 
 
+@pytest.mark.slow
 def test_window_covering_the_sequence_is_full_attention(params, prompt):
     _, logits = run_engine(params, CONFIG, prompt, MIXED, sink=4, recent=40, chunk=5, decode_steps=10)
     sequence, full = run_engine(params, CONFIG, prompt, None, sink=4, recent=40, chunk=5, decode_steps=10)
@@ -198,6 +204,7 @@ def test_heads_split_by_the_pattern_and_merge_back():
         np.testing.assert_array_equal(merge_heads(layout, l, retrieval, streaming), x)
 
 
+@pytest.mark.slow
 def test_weights_are_prepared_once_per_model(params, prompt):
     """generate() runs the model's one engine: the second call, and a call with another method, prepare no
     weights and leave no more arrays alive than the first (no per-call or per-method copy of the weights)."""

@@ -68,6 +68,7 @@ def prompt():
     return np.random.default_rng(2).integers(0, CONFIG.vocab_size, 17).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rule, chunk, budget, recent", [("h2o", 1, 6, 2), ("h2o", 4, 6, 3), ("tova", 3, 5, 0), ("tova", 1, 4, 0)]
 )
@@ -82,6 +83,7 @@ def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, rec
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, budget, recent", [("h2o", 6, 2), ("tova", 5, 0)])
 def test_whole_prompt_chunk_in_query_blocks_matches_the_reference(params, prompt, rule, budget, recent):
     """One chunk holding the whole prompt (as the evaluations prefill H2O / TOVA), its probabilities taken 4
@@ -94,6 +96,7 @@ def test_whole_prompt_chunk_in_query_blocks_matches_the_reference(params, prompt
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["h2o", "tova"])
 def test_whole_prompt_chunk_memory_follows_the_query_block(rule):
     """A whole-prompt chunk's probabilities are held one block at a time: with 64 query rows the compiled step
@@ -112,6 +115,7 @@ def test_whole_prompt_chunk_memory_follows_the_query_block(rule):
     assert whole > probs and blocked < probs / 4, (blocked, whole, probs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["h2o", "tova"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
     method = make_method(rule, CONFIG, context=64, kv_budget=32)
@@ -120,6 +124,7 @@ def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
     np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rule, chunk, budget, recent", [("h2o", 1, 3, 1), ("h2o", 4, 6, 2), ("tova", 3, 3, 0), ("tova", 1, 6, 0)]
 )
@@ -145,6 +150,7 @@ def test_windowed_layer_matches_the_eviction_reference(params, prompt, rule, chu
     assert np.abs(reference_logits(params, sequence, chunks, rule, budget, recent) - ref).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_generate_with_eviction_methods(params, prompt):
     model = duo_jax.Model(CONFIG, params, None, "random")
     for rule in ("h2o", "tova"):

@@ -49,6 +49,7 @@ def top_columns(x, c):
     return set(np.argsort(-np.abs(x).sum(axis=0))[:c].tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["qk", "q"])
 def test_skew_is_orthogonal_and_keeps_the_top_query_and_key_channels(params, sample, rule):
     A, mask = skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule=rule)
@@ -112,6 +113,7 @@ def test_recalibration_of_the_same_shape_compiles_nothing(params, prompt, skewed
     assert np.abs(logits - again)[PROMPT_LEN:].max() > 1e-4  # the two calibrations really select differently
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["device", "host"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, skewed, offload):
     if offload == "host" and not host_offload_supported():
@@ -170,6 +172,7 @@ def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_l
     return decode(params, config, tokens, seen).logits, kept_counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "offload, budget, rules",
     [("device", 5, AUTHORS_LLAMA), ("host", 6, SINGLE_QUERY_RULES), ("device", 6, dict(AUTHORS_LLAMA, alpha=2.0))],
@@ -216,6 +219,7 @@ def test_default_instance_decodes_as_the_authors_rules(params, prompt, sample):
     assert np.abs(old - ref)[PROMPT_LEN:].max() > 1e-3
 
 
+@pytest.mark.slow
 def test_generate_with_a_calibrated_instance():
     from duo_jax.generation import generate
 

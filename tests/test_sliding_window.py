@@ -101,6 +101,7 @@ def test_forward_matches_transformers(models, prompt):
     assert np.abs(np.asarray(unwindowed)[0, WINDOW + 1 :] - ref[WINDOW + 1 :]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_generate_matches_transformers_greedy(models, prompt):
     hf_model, model = models
     with torch.no_grad():
@@ -157,6 +158,7 @@ def full_runs(models, qwen):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 @pytest.mark.parametrize("name", METHODS)
 def test_budget_covering_the_sequence_is_full_attention(full_runs, family, name):
@@ -170,6 +172,7 @@ def test_budget_covering_the_sequence_is_full_attention(full_runs, family, name)
     np.testing.assert_array_less(np.abs(logits - expected).max(), 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, budget",
     [("h2o", WINDOW - 1), ("tova", WINDOW - 1), ("snapkv", WINDOW - 1), ("infinigen", WINDOW - 1), ("h2o", 3)],
@@ -297,6 +300,7 @@ def test_qwen_layer_window_forward_matches_transformers(qwen):
         assert np.abs(logits - ref).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_qwen_layer_window_engine_matches_transformers(qwen):
     """Chunked prefill + decode through the engine's steps with `full` (duo with every head a retrieval head):
     every logit within 1e-4 of transformers', greedy tokens those of `model.generate`; and through `generate`
@@ -342,6 +346,7 @@ def duo_reference(params, config, tokens, retrieval, *, sink, recent, windows):
     return decode(params, config, tokens, mask).logits
 
 
+@pytest.mark.slow
 def test_duo_heads_keep_each_layers_window(qwen):
     """DuoAttention one token per step (so each streaming query's keys are exactly Λ's), a retrieval and a
     streaming head in each layer (layer 1's retrieval head second: heads reordered): the layer's window

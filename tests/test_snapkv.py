@@ -191,6 +191,7 @@ def check_against_reference(params, method, prompts, continuations, kernel, pool
     return logits, cache, decode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, options",
     [
@@ -212,6 +213,7 @@ def test_matches_the_float64_reference(params, sequences, make, options):
     assert np.abs(full[0][45:] - logits[0][45:]).max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, options",
     [
