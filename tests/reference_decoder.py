@@ -4,7 +4,7 @@ attention, cache or engine (only `rope_inv_freq`, the model's float32 frequencie
 method's test states what the method keeps as a mask and compares the engine's logits with `decode`'s.
 
 A test passes `mask(layer)`, a function of the layer's `LayerInputs` (its index, weights, normed input and
-rotated q / k / v) returning a boolean [T, S], [K, T, S] (per KV head) or [H, T, S] (per query head) array;
+rotated q / k / v) returning a boolean [T, T], [K, T, T] (per KV head) or [H, T, T] (per query head) array;
 methods whose kept keys depend on the layer's own attention (H2O, SnapKV, InfiniGen...) compute them there,
 with `attention` for the scores. Also: RoPE positions other than the absolute ones (StreamingLLM re-indexes
 its cache) and a round trip applied to the keys and values (a quantized cache).

@@ -1,9 +1,9 @@
-"""The engine running DuoAttention against a dense reference with explicit per-head masks (fp32, random tiny models).
+"""The engine running DuoAttention against a dense reference with explicit per-head masks (random tiny models).
 
 The reference states DuoAttention's semantics directly: for a query at position i processed in a chunk that
 starts at position c (decode: c = i), a retrieval head sees every key j <= i, a streaming head sees key j
-iff j <= i and (j < sink or j >= c - recent). It runs on the model's original head order, with one
-attention written here (heads repeated per group, a full [T, T] mask), independent of the engine.
+iff j <= i and (j < sink or j >= c - recent). It runs on the model's original head order, in the float64
+decoder of tests/reference_decoder.py (a full [T, T] mask per KV head), independent of the engine.
 """
 
 import math
