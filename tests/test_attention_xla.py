@@ -47,6 +47,7 @@ RULES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: ",".join(f"{k}={v}" for k, v in r.items()) or "causal")
 @pytest.mark.parametrize("blocks", [(16, 32), (8, 7), (512, 512)], ids=str)
 def test_contiguous_cache_matches_float64(rule, blocks):
@@ -62,6 +63,7 @@ def test_contiguous_cache_matches_float64(rule, blocks):
     assert not np.any(np.asarray(out)[2]), "a sequence with no keys attends to nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_k", [16, 64], ids=["tiles", "one-tile"])
 def test_explicit_key_positions_match_float64(block_k):
     """A ring cache: slots hold arbitrary positions, -1 empty; in tiles, or all in one (no loop)."""
@@ -74,6 +76,7 @@ def test_explicit_key_positions_match_float64(block_k):
     assert np.max(np.abs(np.asarray(out) - ref)) <= 1e-5 * np.max(np.abs(ref))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [dict(), dict(sink=4, recent=11), dict(window=9)], ids=str)
 def test_gradients_match_dense(rule):
     B, T, S = 2, 33, 33
@@ -93,6 +96,7 @@ def test_gradients_match_dense(rule):
         assert rel_err(g, r) <= 1e-4
 
 
+@pytest.mark.slow
 def test_blocks_outside_the_schedule_are_never_read():
     """NaN in every key block the spec cannot see (past the block of the last filled slot; between Λ's
     sinks and band): the output stays finite, so those blocks are skipped, not masked."""
@@ -160,6 +164,7 @@ def test_key_tiles_follow_the_query_blocks_over_a_contiguous_cache():
     assert xla.key_block(spec, 100, block_q=256, block_k=512) == 100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offsets", [(256, 256), (255, 0), (300, 17)], ids=str)
 def test_chunks_at_tile_boundaries_match_float64(offsets):
     """A 64-query chunk in blocks of 16 over 16-slot tiles, its causal edge on a tile boundary or off it,
@@ -173,6 +178,7 @@ def test_chunks_at_tile_boundaries_match_float64(offsets):
     assert np.max(np.abs(np.asarray(out) - ref)) <= 1e-5 * np.max(np.abs(ref))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [dict(), dict(window=9)], ids=["causal", "window=9"])
 def test_bfloat16_queries_match_float64(rule):
     """bf16 queries keep the scale after the matmul (fp32 ones fold it into the queries) and tiles seen whole

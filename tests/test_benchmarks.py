@@ -75,6 +75,7 @@ def test_write_result(tmp_path, capsys):
     assert saved["files"] == [str(tmp_path / "out" / "demo_bench.png"), str(tmp_path / "out" / "demo_bench.json")]
 
 
+@pytest.mark.slow
 def test_time_ours_is_generates_loop():
     """The step-by-step timing loop generates exactly what `duo_jax.generate` does, in every mode."""
     import jax
@@ -168,6 +169,7 @@ def test_roofline_matches_hand_computed_figures():
     assert roof["decode_ms"]["duo"] == pytest.approx(8.14, abs=0.01)
 
 
+@pytest.mark.slow
 def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     """run_mode on a tiny engine (on CPU here): prefill, host steps and the device loop run through the engine,
     the cache ends `4 * steps` + a few tokens short of the context, and a trace without a GPU plane is
@@ -195,6 +197,7 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     assert np.isfinite(out["decode_ms"])
 
 
+@pytest.mark.slow
 def test_train_step_times_the_training_step(tmp_path, monkeypatch):
     """train_step on a tiny model's shapes (get_config patched): it compiles, times the steps, and writes the
     row with tokens per step and XLA's memory estimate (no peak on CPU, which reports no memory stats)."""
@@ -211,6 +214,7 @@ def test_train_step_times_the_training_step(tmp_path, monkeypatch):
     assert len(result["step_seconds"]) == 3
 
 
+@pytest.mark.slow
 def test_gpu_dry_run(tmp_path, capsys):
     gpu = importlib.import_module("gpu_llama8b")
     assert gpu.main(["--dry-run", "--contexts", "8192", "1048576", "--out", str(tmp_path)]) == 0
@@ -223,6 +227,7 @@ def test_gpu_dry_run(tmp_path, capsys):
     assert small["decode_ms"]["full"] == pytest.approx(5.65, abs=0.01)
 
 
+@pytest.mark.slow
 def test_gpu_dry_run_quantized(tmp_path, capsys):
     """int4 KV + int8 weights: the cache is its codes + bf16 scales (66 B per head vector, so 33 KiB per token
     of Llama-3-8B), the roofline reads those bytes, and duo 75% reaches 4M tokens on 80 GiB where full does not."""
@@ -256,6 +261,7 @@ def test_gpu_dry_run_quantized(tmp_path, capsys):
     assert large["fits"] == {"full": False, "duo": True}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(pallas_kernels.cpu._compiler() is None, reason="no C++ compiler: the CPU kernel cannot be built")
 def test_cpu_attention_runs_end_to_end(tmp_path):
     """The CPU attention benchmark at a tiny length: kernel, XLA path and torch (in its own process) timed, the

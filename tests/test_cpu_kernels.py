@@ -31,6 +31,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[3]}E{c[4]}S{c[5]}")
 @pytest.mark.parametrize("threads", [0, 1], ids=["pool", "one-thread"])
@@ -125,6 +126,7 @@ def test_auto_on_cpu_runs_the_kernel_where_it_serves():
     assert _uses_kernel(lambda q: attention.attend(q, k, v, ring), q)
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_gradients_through_the_kernel_are_the_xla_paths():
     q, k, v, cotangent = random_attention_inputs(2, 20, 50, 6, 2, 16, seed=5)
@@ -152,6 +154,7 @@ def no_kernel(monkeypatch, tmp_path):
     dispatch._cpu_fallback.cache_clear()
 
 
+@pytest.mark.slow
 def test_a_failed_build_falls_back_to_xla_with_one_warning(no_kernel):
     assert not cpu.available() and "building it failed" in cpu.unavailable()
     assert "cannot compile" in cpu.unavailable()  # the compiler's own words are passed on

@@ -114,6 +114,7 @@ def _smollm2_gguf() -> Path:
     return package / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [0.0, 1e-8, 1e-4, 0.01, 0.5, 0.99999])
 def test_truncated_gguf_is_a_clear_error(tmp_path, keep):
     source = _smollm2_gguf()
@@ -193,6 +194,7 @@ def test_tokenizer_of_another_model(tmp_path, hf_dir):
         duo_jax.load(directory)
 
 
+@pytest.mark.slow
 def test_cli_prints_one_line_error_and_exits_2(tmp_path, hf_dir):
     directory = _copy(hf_dir, tmp_path)
     _truncate_at(0.5)(directory / "model.safetensors")

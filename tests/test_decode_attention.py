@@ -18,6 +18,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_reference(case):
     seq_k, hq, hkv, head_dim, lengths, block_k, num_splits = case

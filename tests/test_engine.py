@@ -1,9 +1,9 @@
-"""The engine running DuoAttention against a dense reference with explicit per-head masks (fp32, random tiny models).
+"""The engine running DuoAttention against a dense reference with explicit per-head masks (random tiny models).
 
 The reference states DuoAttention's semantics directly: for a query at position i processed in a chunk that
 starts at position c (decode: c = i), a retrieval head sees every key j <= i, a streaming head sees key j
-iff j <= i and (j < sink or j >= c - recent). It runs on the model's original head order, with one
-attention written here (heads repeated per group, a full [T, T] mask), independent of the engine.
+iff j <= i and (j < sink or j >= c - recent). It runs on the model's original head order, in the float64
+decoder of tests/reference_decoder.py (a full [T, T] mask per KV head), independent of the engine.
 """
 
 import math
@@ -18,22 +18,14 @@ from duo_jax.cache import make_layout
 from duo_jax.engine import extend
 from duo_jax.methods import DuoAttention
 from duo_jax.methods.duo import merge_heads, split_heads
-from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed, unstack_layers
+from duo_jax.model import unstack_layers
 from duo_jax.quant import quantize_kv
-from tests.conftest import qkv_projection, run_method, tiny_config
+from tests.conftest import run_method, tiny_config
+from tests.reference_decoder import decode
 
 CONFIG = tiny_config(num_layers=4)
 # Layer 0 all retrieval, layer 1 all streaming, layers 2 and 3 mixed (retrieval head second, then first).
 MIXED = np.array([[1, 1], [0, 0], [0, 1], [1, 0]], bool)
-
-
-def masked_attention(q, k, v, mask):
-    """q [T, H, E], k / v [S, K, E], mask [K, T, S] -> [T, H, E]."""
-    group = q.shape[1] // k.shape[1]
-    k, v, mask = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1), jnp.repeat(mask, group, axis=0)
-    scores = jnp.einsum("the,she->hts", q, k) / math.sqrt(q.shape[-1])
-    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("hts,she->the", probs, v)
 
 
 def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk_starts, kv_dtype=None):
@@ -45,23 +37,17 @@ def reference_logits(params, config, tokens, retrieval_mask, sink, recent, chunk
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     causal = j <= i
     streaming = causal & ((j < sink) | (j >= np.asarray(chunk_starts)[:, None] - recent))
-    positions = jnp.arange(T)[None]
-    x = params.embed[jnp.asarray(tokens)][None]
-    for l in range(config.num_layers):
-        layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = qkv_projection(
-            rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, rope_inv_freq(config)
-        )
-        if kv_dtype is not None:
-            i = np.arange(k.shape[-1])
-            signs = (-1.0) ** np.vectorize(lambda n: bin(n).count("1"))(i[:, None] & i[None, :])
-            h = jnp.asarray(signs / math.sqrt(k.shape[-1]), jnp.float32)
-            k, v = (quantize_kv(x @ h, kv_dtype).dequantize() @ h.T for x in (k, v))
-        head_masks = np.where(retrieval_mask[l][:, None, None], causal, streaming)  # [K, T, T]
-        attn = masked_attention(q[0], k[0], v[0], jnp.asarray(head_masks))[None]
-        x = x + output_projection(attn, layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
-    return np.asarray(unembed(params, config, x)[0])
+
+    def mask(layer):
+        return np.where(retrieval_mask[layer.index][:, None, None], causal, streaming)  # [K, T, T]
+
+    def round_trip(k, v):
+        e = np.arange(k.shape[-1])
+        signs = (-1.0) ** np.vectorize(lambda n: bin(n).count("1"))(e[:, None] & e[None, :])
+        h = jnp.asarray(signs / math.sqrt(k.shape[-1]), jnp.float32)
+        return (np.asarray(quantize_kv(jnp.asarray(x, jnp.float32) @ h, kv_dtype).dequantize() @ h.T) for x in (k, v))
+
+    return decode(params, config, tokens, mask, kv_round_trip=None if kv_dtype is None else round_trip).logits
 
 
 def run_engine(params, config, prompt, retrieval_mask, *, sink, recent, chunk, decode_steps, impl="auto"):
@@ -84,6 +70,7 @@ def prompt():
     return np.random.default_rng(0).integers(0, CONFIG.vocab_size, 23).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 7, 23])
 def test_mixed_pattern_matches_reference(params, prompt, chunk):
     sink, recent, steps = 2, 5, 20
@@ -99,6 +86,7 @@ def test_mixed_pattern_matches_reference(params, prompt, chunk):
     assert np.abs(full - ref).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_pallas_kernels_in_the_engine_match_the_reference(params, prompt):
     """Retrieval heads through the Pallas flash / split-K decode kernels, streaming heads through the flash
     kernel over their ring's explicit positions (interpreted on CPU)."""
@@ -108,6 +96,7 @@ def test_pallas_kernels_in_the_engine_match_the_reference(params, prompt):
     np.testing.assert_array_less(np.abs(kernels - reference).max(), 1e-4)
 
 
+@pytest.mark.slow
 def test_one_kernel_decode_in_the_engine_matches_the_reference(params, prompt):
     """A ring tiled by a power-of-two block (4 + 12 slots): the mixed layers' decode steps run both partitions
     in `duo_decode_attention` (interpreted on CPU), the one-kind layers their own kernels."""
@@ -132,6 +121,7 @@ def test_one_kernel_decode_in_the_engine_matches_the_reference(params, prompt):
     assert str(step).count("name=duo_decode_attention") == 2  # the two mixed layers
 
 
+@pytest.mark.slow
 def test_one_kernel_decode_over_a_ragged_batch(params):
     """Two sequences of different lengths (one ring still filling, one wrapped) decoded together: the one-launch
     kernel (interpreted) gives the reference's logits at every step."""
@@ -176,6 +166,7 @@ def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
     assert counts["duo"][0] == CONFIG.num_layers and counts["duo"][1] <= 12 and counts["duo"][2] <= 12
 
 
+@pytest.mark.slow
 def test_sink_zero_and_streaming_only(params, prompt):
     mask = np.zeros_like(MIXED)
     sequence, logits = run_engine(params, CONFIG, prompt, mask, sink=0, recent=3, chunk=4, decode_steps=6)
@@ -191,6 +182,7 @@ def test_full_attention_matches_forward(params, prompt):
     np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
 
 
+@pytest.mark.slow
 def test_window_covering_the_sequence_is_full_attention(params, prompt):
     _, logits = run_engine(params, CONFIG, prompt, MIXED, sink=4, recent=40, chunk=5, decode_steps=10)
     sequence, full = run_engine(params, CONFIG, prompt, None, sink=4, recent=40, chunk=5, decode_steps=10)
@@ -212,6 +204,7 @@ def test_heads_split_by_the_pattern_and_merge_back():
         np.testing.assert_array_equal(merge_heads(layout, l, retrieval, streaming), x)
 
 
+@pytest.mark.slow
 def test_weights_are_prepared_once_per_model(params, prompt):
     """generate() runs the model's one engine: the second call, and a call with another method, prepare no
     weights and leave no more arrays alive than the first (no per-call or per-method copy of the weights)."""

@@ -209,6 +209,7 @@ def test_calibration_overlap_warnings():
         assert warn_if_calibrated_on("austen", ["duo"], Pattern(grid), None) == []  # no recorded text
 
 
+@pytest.mark.slow
 def test_niah_end_to_end(model, pattern, tmp_path):
     results = run_niah(
         model,
@@ -241,6 +242,7 @@ def test_niah_end_to_end(model, pattern, tmp_path):
     assert "acc @ 200" in accuracy_table(results, [200, 256])
 
 
+@pytest.mark.slow
 def test_niah_every_mode_at_a_budget(model, pattern, tmp_path):
     scores = Pattern(np.random.default_rng(3).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
     results = run_niah(
@@ -267,6 +269,7 @@ def test_niah_every_mode_at_a_budget(model, pattern, tmp_path):
             assert r["cache_bytes"][128] < full_bytes, mode
 
 
+@pytest.mark.slow
 def test_evaluations_with_a_quantized_kv_cache(model, pattern, monkeypatch):
     """kv_dtype (the CLI's --kv-dtype): each mode's cache quantized, in exactly the bytes of int8 codes + one
     bf16 scale per token and head; full attention's perplexity through an int8 cache moves a little from the
@@ -295,6 +298,7 @@ def test_evaluations_with_a_quantized_kv_cache(model, pattern, monkeypatch):
         evaluate_perplexity(model, tokens, ["full", "infinigen"], kv_dtype="int4", **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["streaming_llm", "h2o", "tova", "snapkv"])
 def test_perplexity_with_prefix_equals_full_when_the_budget_covers_all(model, mode):
     """Prefill a prefix, decode the rest token by token: full attention matches the dense forward pass
@@ -313,6 +317,7 @@ def test_perplexity_with_prefix_equals_full_when_the_budget_covers_all(model, mo
     assert abs(quarter["decoded_nll"] - covered["full"]["decoded_nll"]) > 1e-3
 
 
+@pytest.mark.slow
 def test_passkey_end_to_end(model, tmp_path):
     """With an int8 KV cache (the grid loop NIAH shares; `test_niah_end_to_end` runs it unquantized)."""
     results = run_passkey(
@@ -355,6 +360,7 @@ def test_bucket_edges_and_stats():
     assert stats[1]["ppl"] == pytest.approx(np.exp(np.mean(nll[:, 3:])))
 
 
+@pytest.mark.slow
 def test_perplexity_full_matches_forward(model, pattern):
     tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 100)).astype(np.int32)
     edges = [0, 32, 64, 100]

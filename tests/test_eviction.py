@@ -12,17 +12,12 @@ import duo_jax
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import cache_nbytes, make_method
-from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
-from tests.conftest import qkv_projection, run_method, tiny_config
+from tests.conftest import run_method, tiny_config
+from tests.reference_decoder import attention, decode
 
 CONFIG = tiny_config()
 # Layer 1 attends within 5 tokens (Qwen2-style: a window on some layers only); layer 0 to every earlier token.
 WINDOWED = tiny_config(sliding_window=5, window_layers=(1,))
-
-
-def softmax64(scores):
-    p = np.exp(scores - scores.max())
-    return p / p.sum()
 
 
 def reference_logits(params, tokens, chunks, rule, budget, recent=0, config=CONFIG, kept_out=None):
@@ -32,49 +27,35 @@ def reference_logits(params, tokens, chunks, rule, budget, recent=0, config=CONF
     layer) the tokens the chunk's last query attends to most, averaged over all heads. `kept_out`: a list
     that receives each layer's final kept positions per KV head (sets)."""
     T, G, K = len(tokens), config.group_size, config.num_kv_heads
-    positions = jnp.arange(T)[None]
-    x = params.embed[jnp.asarray(tokens)][None]
-    for l in range(config.num_layers):
-        window = config.layer_window(l) or T + 1
-        layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = (
-            np.asarray(a[0], np.float64)
-            for a in qkv_projection(rms_norm(x, layer.attn_norm, 1e-5), layer, positions, rope_inv_freq(config))
-        )
-        out = np.zeros_like(q)
+
+    def mask(layer):
+        window = config.layer_window(layer.index) or T + 1
+        seen = np.zeros((K, T, T), bool)
         kept = [[] for _ in range(K)]
-        score = [dict() for _ in range(K)]
+        score = np.zeros((K, T))  # attention each token received, summed over queries and the group's heads
         for s, e in chunks:
-            last_probs = np.zeros((K, G, T))
+            candidates = [kept[h] + list(range(s, e)) for h in range(K)]
+            for h, i in np.ndindex(K, e - s):
+                seen[h, s + i, [j for j in candidates[h] if j <= s + i and s + i - j < window]] = True
+            _, probs = attention(layer.q[s:e], layer.k, layer.v, seen[:, s:e])  # [H, e - s, T]
+            score += probs.reshape(K, G, e - s, T).sum(axis=(1, 2))
             for h in range(K):
-                candidates = kept[h] + list(range(s, e))
-                for j in range(s, e):
-                    score[h][j] = 0.0
-                for i in range(s, e):
-                    seen = [j for j in candidates if j <= i and i - j < window]
-                    for g in range(G):
-                        p = softmax64(k[seen, h] @ q[i, h * G + g] / np.sqrt(config.head_dim))
-                        out[i, h * G + g] = p @ v[seen, h]
-                        for j, pj in zip(seen, p):
-                            score[h][j] += pj
-                            if i == e - 1:
-                                last_probs[h, g, j] = pj
-                candidates = [j for j in candidates if j > e - window]  # out of every later window: dropped
-                if len(candidates) > budget and rule == "h2o":
-                    newest = [j for j in candidates if j >= e - recent]
-                    rest = sorted((j for j in candidates if j < e - recent), key=lambda j: -score[h][j])
+                candidates[h] = [j for j in candidates[h] if j > e - window]  # out of every later window: dropped
+                if len(candidates[h]) > budget and rule == "h2o":
+                    newest = [j for j in candidates[h] if j >= e - recent]
+                    rest = sorted((j for j in candidates[h] if j < e - recent), key=lambda j: -score[h, j])
                     kept[h] = newest + rest[: budget - len(newest)]
                 else:
-                    kept[h] = candidates
+                    kept[h] = candidates[h]
             if rule == "tova" and len(kept[0]) > budget:
-                mean = last_probs.mean(axis=(0, 1))
+                mean = probs[:, -1].mean(axis=0)  # the chunk's last query, over all heads
                 chosen = sorted(kept[0], key=lambda j: -mean[j])[:budget]
                 kept = [list(chosen) for _ in range(K)]
         if kept_out is not None:
             kept_out.append([set(row) for row in kept])
-        x = x + output_projection(jnp.asarray(out[None], jnp.float32), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, 1e-5), layer)
-    return np.asarray(unembed(params, config, x)[0])
+        return seen
+
+    return decode(params, config, tokens, mask).logits
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +68,7 @@ def prompt():
     return np.random.default_rng(2).integers(0, CONFIG.vocab_size, 17).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rule, chunk, budget, recent", [("h2o", 1, 6, 2), ("h2o", 4, 6, 3), ("tova", 3, 5, 0), ("tova", 1, 4, 0)]
 )
@@ -101,6 +83,7 @@ def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, rec
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, budget, recent", [("h2o", 6, 2), ("tova", 5, 0)])
 def test_whole_prompt_chunk_in_query_blocks_matches_the_reference(params, prompt, rule, budget, recent):
     """One chunk holding the whole prompt (as the evaluations prefill H2O / TOVA), its probabilities taken 4
@@ -113,6 +96,7 @@ def test_whole_prompt_chunk_in_query_blocks_matches_the_reference(params, prompt
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["h2o", "tova"])
 def test_whole_prompt_chunk_memory_follows_the_query_block(rule):
     """A whole-prompt chunk's probabilities are held one block at a time: with 64 query rows the compiled step
@@ -131,6 +115,7 @@ def test_whole_prompt_chunk_memory_follows_the_query_block(rule):
     assert whole > probs and blocked < probs / 4, (blocked, whole, probs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["h2o", "tova"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
     method = make_method(rule, CONFIG, context=64, kv_budget=32)
@@ -139,6 +124,7 @@ def test_budget_covering_the_sequence_is_full_attention(params, prompt, rule):
     np.testing.assert_array_less(np.abs(logits - dense).max(), 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rule, chunk, budget, recent", [("h2o", 1, 3, 1), ("h2o", 4, 6, 2), ("tova", 3, 3, 0), ("tova", 1, 6, 0)]
 )
@@ -164,6 +150,7 @@ def test_windowed_layer_matches_the_eviction_reference(params, prompt, rule, chu
     assert np.abs(reference_logits(params, sequence, chunks, rule, budget, recent) - ref).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_generate_with_eviction_methods(params, prompt):
     model = duo_jax.Model(CONFIG, params, None, "random")
     for rule in ("h2o", "tova"):

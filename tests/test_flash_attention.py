@@ -18,6 +18,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_reference_forward_and_grad(case):
     batch, seq_q, seq_k, hq, hkv, head_dim, causal, q_offset, kv_len, block_q, block_k = case

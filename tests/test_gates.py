@@ -9,9 +9,9 @@ import pytest
 
 import duo_jax
 from duo_jax import gates
-from duo_jax.model import embed, mlp, output_projection, rms_norm, rope_inv_freq
-from pallas_kernels.reference import attention_reference
-from tests.conftest import qkv_projection, tiny_config
+from duo_jax.model import rms_norm
+from tests.conftest import tiny_config
+from tests.reference_decoder import decode
 
 SINK, RECENT, T = 4, 8, 40
 OBJECTIVE = gates.Objective(sink=SINK, recent=RECENT)
@@ -33,19 +33,19 @@ def setup():
 def lambda_reference(params, config, tokens, positions, windows=None):
     """The dense model with every head on the Λ mask, built from an explicit mask: normed [B, T, D].
     windows[l]: layer l's sliding window (i - j < window as well), None for none."""
-    i, j = positions[:, :, None], positions[:, None, :]
-    mask = (j <= i) & ((j < SINK) | (i - j < RECENT))  # [B, T, S]
-    x = embed(params, tokens)
-    for l in range(config.num_layers):
-        layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = qkv_projection(
-            rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, rope_inv_freq(config)
-        )
-        window = None if windows is None else windows[l]
-        layer_mask = mask if window is None else mask & (i - j < window)
-        x = x + output_projection(attention_reference(q, k, v, layer_mask), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
-    return rms_norm(x, params.final_norm, config.rms_norm_eps)
+
+    def hidden(row, pos):
+        i, j = pos[:, None], pos[None, :]
+        mask = (j <= i) & ((j < SINK) | (i - j < RECENT))  # [T, S]
+
+        def layer_mask(layer):
+            window = None if windows is None else windows[layer.index]
+            return mask if window is None else mask & (i - j < window)
+
+        rope = None if (pos == np.arange(len(pos))).all() else (pos, np.broadcast_to(pos, (len(pos),) * 2))
+        return decode(params, config, row, layer_mask, positions=rope).hidden
+
+    return np.stack([hidden(row, pos) for row, pos in zip(np.asarray(tokens), np.asarray(positions))])
 
 
 def test_all_gates_one_is_the_full_model(setup):

@@ -29,6 +29,7 @@ def prompts():
     return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (30, 17, 41)]
 
 
+@pytest.mark.slow
 def test_full_attention_is_plain_greedy_decoding(model, prompts):
     out = generate(model, prompts[0], max_new_tokens=10, chunk_size=8, stop_at_eos=False)
     assert out.tokens == [greedy_reference(model.params, CONFIG, prompts[0], 10)]
@@ -52,6 +53,7 @@ def test_sparsity_zero_is_full_attention(model, prompts):
     assert duo.tokens == full.tokens
 
 
+@pytest.mark.slow
 def test_duo_saves_memory_and_changes_the_output(model, prompts):
     kwargs = dict(max_new_tokens=10, chunk_size=8, stop_at_eos=False, sink=2, recent=4)
     duo = generate(model, prompts[2], pattern=Pattern(GATES), sparsity=0.5, **kwargs)
@@ -63,6 +65,7 @@ def test_duo_saves_memory_and_changes_the_output(model, prompts):
     assert streaming.tokens != full.tokens  # a 6-token window on random weights changes the continuation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", [None, Pattern(GATES)])
 def test_batch_of_different_lengths_equals_each_alone(model, prompts, pattern):
     kwargs = dict(pattern=pattern, sink=2, recent=5, max_new_tokens=8, chunk_size=8, stop_at_eos=False)
@@ -71,6 +74,7 @@ def test_batch_of_different_lengths_equals_each_alone(model, prompts, pattern):
     assert batch.tokens == alone
 
 
+@pytest.mark.slow
 def test_stops_at_eos(model, prompts):
     first = generate(model, prompts[1], max_new_tokens=6, stop_at_eos=False).tokens[0]
     eos_model = duo_jax.Model(
@@ -80,6 +84,7 @@ def test_stops_at_eos(model, prompts):
     assert out.tokens[0] == first[: first.index(first[2]) + 1]
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_top_k_one_is_greedy(model, prompts):
     greedy = generate(model, prompts[0], max_new_tokens=8, stop_at_eos=False).tokens
     assert (
@@ -96,6 +101,7 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(model, prompts):
     assert nucleus == greedy  # the smallest nucleus is the argmax token
 
 
+@pytest.mark.slow
 def test_calls_inside_one_bucket_compile_nothing(model):
     """Prompt lengths 33..64 (one prefill chunk bucket), max_new_tokens 17..32 (one token-buffer bucket), one
     128-slot capacity: after a warm-up, 20 calls of random sizes compile nothing."""
@@ -160,6 +166,7 @@ def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_k=20, top_p=0.8)], ids=["greedy", "top-k-p"])
 def test_device_loop_matches_a_python_loop_with_eos_mid_batch(model, prompts, sampling):
     from duo_jax.sampling import Sampling
@@ -239,6 +246,7 @@ def test_bad_arguments_are_clear_errors(model, prompts, kwargs, error, message):
         generate(model, prompts[0], **kwargs)
 
 
+@pytest.mark.slow
 def test_a_top_k_at_or_above_the_vocabulary_is_no_limit(model, prompts):
     """top_k >= the vocabulary keeps every token: the tokens of top_k 0 (no error from lax.top_k)."""
     options = dict(max_new_tokens=4, temperature=1.0, seed=3, stop_at_eos=False)

@@ -1,8 +1,6 @@
 """HeadKV head scoring: the score on hand-made attention maps, the teacher-forced forward against a float64
 reference, and the whole procedure on a tiny random model with a real BPE tokenizer."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,9 +21,8 @@ from duo_jax.head_scores import (
     score_heads,
 )
 from duo_jax.methods.headkv import make_headkv
-from duo_jax.model import rope_inv_freq
 from tests.conftest import tiny_config
-from tests.test_snapkv import rms64, rope64, softmax64
+from tests.reference_decoder import decode
 
 CONFIG = tiny_config(vocab_size=2000, max_position_embeddings=256)
 
@@ -66,31 +63,15 @@ def params():
 def reference_scores(params, tokens, start, end, n):
     """Float64: per layer and query head, the score of the n answer-step queries' attention; and the greedy
     next tokens at those steps."""
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    T, E, G = len(tokens), CONFIG.head_dim, CONFIG.group_size
-    positions, inv_freq = np.arange(T), rope_inv_freq(CONFIG)
-    x = p.embed[np.asarray(tokens)]
+    T = len(tokens)
+    ref = decode(params, CONFIG, tokens)
     scores = np.zeros((CONFIG.num_layers, CONFIG.num_heads))
-    for l in range(CONFIG.num_layers):
-        w = jax.tree.map(lambda a: a[l], p.layers)
-        h = rms64(x, w.attn_norm, CONFIG.rms_norm_eps)
-        q = rope64(np.einsum("td,dhe->the", h, w.wq), positions, inv_freq)
-        k = rope64(np.einsum("td,dke->tke", h, w.wk), positions, inv_freq)
-        v = np.einsum("td,dke->tke", h, w.wv)
-        out = np.zeros_like(q)
-        for i in range(T):
+    for l, probs in enumerate(ref.probs):
+        for i in range(T - 1 - n, T - 1):
             for head in range(CONFIG.num_heads):
-                probs = softmax64(k[: i + 1, head // G] @ q[i, head] / math.sqrt(E))
-                out[i, head] = probs @ v[: i + 1, head // G]
-                if T - 1 - n <= i < T - 1:
-                    top = np.argsort(-probs, kind="stable")[:n]
-                    scores[l, head] += probs[top][(top >= start) & (top < end)].sum() / n
-        x = x + np.einsum("the,hed->td", out, w.wo)
-        m = rms64(x, w.mlp_norm, CONFIG.rms_norm_eps)
-        gate = m @ w.w_gate
-        x = x + (gate / (1 + np.exp(-gate)) * (m @ w.w_up)) @ w.w_down
-    logits = rms64(x, p.final_norm, CONFIG.rms_norm_eps) @ (p.embed if p.lm_head is None else p.lm_head).T
-    return scores, logits[T - 1 - n : T - 1].argmax(-1)
+                top = np.argsort(-probs[head, i, : i + 1], kind="stable")[:n]
+                scores[l, head] += probs[head, i, top][(top >= start) & (top < end)].sum() / n
+    return scores, ref.logits[T - 1 - n : T - 1].argmax(-1)
 
 
 def test_prompt_scores_match_the_float64_reference(params):

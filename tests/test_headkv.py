@@ -58,6 +58,7 @@ def test_bad_options_are_clear_errors(scores, options, message):
         make_headkv(CONFIG, context=64, scores=scores, **dict(dict(kv_budget=16), **options))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window_layers", [None, (0, 2)])
 def test_duo_with_headkv_retrieval_heads_matches_the_float64_reference(window_layers):
     """Layer 0: both heads retrieval (budgets 11 and 5), layer 1: both streaming, layer 2: head 1 retrieval.

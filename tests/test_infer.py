@@ -23,6 +23,7 @@ def test_infer_generate_is_duo_jax_generate():
     assert infer.generate is duo_jax.generate
 
 
+@pytest.mark.slow
 def test_generates_and_prints_stats(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The capital of France is")
@@ -48,12 +49,14 @@ def test_generates_and_prints_stats(tmp_path):
     assert "KV cache" in result.stderr and "tok/s" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_top_k_above_the_vocabulary_keeps_every_token():
     """--top-k beyond the vocabulary is no limit (not a traceback from lax.top_k)."""
     result = run_cli("--prompt", "Hi", "--max-new-tokens", "2", "--temperature", "1", "--top-k", "50000", "--no-chat")
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_other_methods_from_the_command_line():
     result = run_cli(
         "--prompt",
@@ -81,6 +84,7 @@ CHAT_REPLIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", list(CHAT_REPLIES))
 def test_instruct_model_answers_through_its_chat_template(prompt):
     result = run_cli("--prompt", prompt, "--max-new-tokens", "12")
@@ -89,6 +93,7 @@ def test_instruct_model_answers_through_its_chat_template(prompt):
     assert "| chat |" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -16,8 +16,8 @@ import pytest
 import duo_jax
 from duo_jax.methods import cache_nbytes
 from duo_jax.methods.infinigen import InfiniGen, _layer_qk, host_offload_supported, skew
-from duo_jax.model import mlp, output_projection, rms_norm, rope_inv_freq, unembed
-from tests.conftest import qkv_projection, run_method, tiny_config
+from tests.conftest import run_method, tiny_config
+from tests.reference_decoder import decode, project
 
 CONFIG = tiny_config(num_layers=4)  # two dense layers, two speculating ones (one from a speculating layer)
 PROMPT_LEN = 21
@@ -49,6 +49,7 @@ def top_columns(x, c):
     return set(np.argsort(-np.abs(x).sum(axis=0))[:c].tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["qk", "q"])
 def test_skew_is_orthogonal_and_keeps_the_top_query_and_key_channels(params, sample, rule):
     A, mask = skew(params, CONFIG, sample, partial_ratio=0.25, channel_rule=rule)
@@ -112,6 +113,7 @@ def test_recalibration_of_the_same_shape_compiles_nothing(params, prompt, skewed
     assert np.abs(logits - again)[PROMPT_LEN:].max() > 1e-4  # the two calibrations really select differently
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["device", "host"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, skewed, offload):
     if offload == "host" and not host_offload_supported():
@@ -138,47 +140,39 @@ def reference_logits(params, tokens, prompt_len, A, mask, budget, alpha, dense_l
     budget are kept by rank, and the position attends exactly to those plus itself. On a layer with a sliding
     window W only the tokens i - W < j <= i are attended, speculated on and counted."""
     T, G, K, E = len(tokens), config.group_size, config.num_kv_heads, config.head_dim
-    positions = jnp.arange(T)[None]
-    x = params.embed[jnp.asarray(tokens)][None]
     kept_counts = []
     previous_input = None
-    for l in range(config.num_layers):
-        window = config.layer_window(l) or T + 1
-        layer = jax.tree.map(lambda w: w[l], params.layers)
-        attention_input = rms_norm(x, layer.attn_norm, 1e-5)
-        q, k, v = (
-            np.asarray(a[0], np.float64)
-            for a in qkv_projection(attention_input, layer, positions, rope_inv_freq(config))
-        )
-        source = attention_input if previous_input is None else previous_input
-        q_spec = np.asarray(qkv_projection(source, layer, positions, rope_inv_freq(config))[0][0], np.float64)
-        previous_input = attention_input
-        out = np.zeros_like(q)
+
+    def seen(layer):
+        nonlocal previous_input
+        l, window = layer.index, config.layer_window(layer.index) or T + 1
+        source = layer.normed if previous_input is None else previous_input
+        q_spec = project(source, layer.weights, config, np.arange(T))[0]
+        previous_input = layer.normed
+        keys = np.zeros((K, T, T), bool)
         for i in range(T):
             first = max(i - window + 1, 0)  # the first key the window lets query i see
             if i < prompt_len or l < dense_layers:
-                seen = [list(range(first, i + 1))] * K
-            else:
-                head_scores = []
-                for h in range(K):
-                    a, ch = A[l, h].astype(np.float64), np.flatnonzero(mask[l, h])
-                    kp = (k[first:i, h] @ a)[:, ch]
-                    qp = (q_spec[i, h * G : (h + 1) * G] @ a)[:, ch]
-                    head_scores.append((qp @ kp.T / math.sqrt(E)).max(axis=0))  # [i]
-                counts = [int(np.sum(s >= s.max() - alpha)) for s in head_scores]
-                n = int(min(int(np.mean(counts)), budget))
-                kept_counts.append(n)
-                seen = [sorted((first + np.argsort(-s, kind="stable")[:n]).tolist()) + [i] for s in head_scores]
+                keys[:, i, first : i + 1] = True
+                continue
+            head_scores = []
             for h in range(K):
-                for g in range(G):
-                    s = k[seen[h], h] @ q[i, h * G + g] / math.sqrt(E)
-                    p = np.exp(s - s.max())
-                    out[i, h * G + g] = (p / p.sum()) @ v[seen[h], h]
-        x = x + output_projection(jnp.asarray(out[None], jnp.float32), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, 1e-5), layer)
-    return np.asarray(unembed(params, config, x)[0]), kept_counts
+                a, ch = A[l, h].astype(np.float64), np.flatnonzero(mask[l, h])
+                kp = (layer.k[first:i, h] @ a)[:, ch]
+                qp = (q_spec[i, h * G : (h + 1) * G] @ a)[:, ch]
+                head_scores.append((qp @ kp.T / math.sqrt(E)).max(axis=0))  # [i - first]
+            counts = [int(np.sum(s >= s.max() - alpha)) for s in head_scores]
+            n = int(min(int(np.mean(counts)), budget))
+            kept_counts.append(n)
+            for h, s in enumerate(head_scores):
+                keys[h, i, first + np.argsort(-s, kind="stable")[:n]] = True
+            keys[:, i, i] = True
+        return keys
+
+    return decode(params, config, tokens, seen).logits, kept_counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "offload, budget, rules",
     [("device", 5, AUTHORS_LLAMA), ("host", 6, SINGLE_QUERY_RULES), ("device", 6, dict(AUTHORS_LLAMA, alpha=2.0))],
@@ -225,6 +219,7 @@ def test_default_instance_decodes_as_the_authors_rules(params, prompt, sample):
     assert np.abs(old - ref)[PROMPT_LEN:].max() > 1e-3
 
 
+@pytest.mark.slow
 def test_generate_with_a_calibrated_instance():
     from duo_jax.generation import generate
 

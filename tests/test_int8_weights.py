@@ -31,6 +31,7 @@ def tokens():
     return jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 24)))
 
 
+@pytest.mark.slow
 def test_int8_weights_compute_the_model_of_their_dequantized_weights(params, tokens):
     q = quantize_weights(params)
     matmuls = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]

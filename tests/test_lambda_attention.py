@@ -20,6 +20,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_reference_forward_and_grad(case):
     batch, seq_q, seq_k, hq, hkv, head_dim, sink, recent, q_offset, block_q, block_k = case
@@ -96,6 +97,7 @@ def test_rejects_bad_arguments():
         lambda_visited_blocks(16, 4, 4, 0, 16)
 
 
+@pytest.mark.slow
 def test_skipped_blocks_are_never_read():
     # Queries at positions 80..95 with sink 8, recent 16: keys 8..64 are outside every window, so
     # 16-key blocks 1..3 (keys 16..63) must be skipped. NaN values there would poison any visit

@@ -218,6 +218,7 @@ def model(tokenizer):
     return Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
 
 
+@pytest.mark.slow
 def test_end_to_end_resumes(model, tmp_path, monkeypatch):
     data = tmp_path / "data"
     tasks = write_fixtures(data)[:2]  # hotpotqa (2 samples), trec (no chat, first line, classification)

@@ -68,6 +68,7 @@ def test_logits_match_transformers(family):
     np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
 
 
+@pytest.mark.slow
 def test_generate_matches_transformers_greedy(family):
     _, hf_model, model = family
     prompt = np.random.default_rng(2).integers(0, TINY["vocab_size"], 23).tolist()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from duo_jax.pattern import Pattern
 from tests import test_train_gates
@@ -96,6 +97,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_device(tmp_path, tiny_checkpoint):
     model, haystack = tiny_checkpoint
     args = [

@@ -114,6 +114,7 @@ def all_logits(engine, method, prompts, cache, *, chunk, steps, impl="xla"):
     return [np.stack(s) for s in seen]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask", [MASK, None], ids=["duo", "full"])
 def test_paged_duo_gives_the_contiguous_caches_logits(engine, mask):
     """Ragged prompts prefilled in chunks of 6 over pages of 4 (chunks cross page boundaries), then decode,

@@ -73,6 +73,7 @@ def check_close(out, ref, dtype):
     np.testing.assert_allclose(as_float64(out), ref, rtol=0, atol=tol * np.abs(ref).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 2), (2, 2)], ids=["gqa2", "gqa3", "mha"])
 def test_gpu_paged_kernel_matches_float64(hq, hkv, dtype):
@@ -97,6 +98,7 @@ def test_gpu_paged_kernel_single_split_and_large_blocks():
     check_close(out, numpy_paged_attention(q, kp, vp, tables, lengths)[0], jnp.float32)
 
 
+@pytest.mark.slow
 def test_tpu_paged_kernel_matches_float64():
     """JAX's TPU paged attention in TPU interpret mode: a bf16 pool exactly (up to bf16 output rounding); an
     fp32 pool at bf16 precision, as its docstring says (it rounds K and V tiles to bf16), which is why the
@@ -115,6 +117,7 @@ def decode_spec(lengths):
     return MaskSpec(jnp.maximum(lengths - 1, 0)[:, None], lengths)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "impl,dtype", [("pallas", jnp.float32), ("mosaic", jnp.bfloat16), ("xla", jnp.float32), ("reference", jnp.float32)]
 )
@@ -183,6 +186,7 @@ def random_chunk(T, hq, seed):
     return chunk_q, kp, vp, tables, q_offset, lengths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hq", [4, 6], ids=["gqa2", "gqa3"])
 def test_gpu_paged_flash_kernel_matches_float64(hq, dtype):

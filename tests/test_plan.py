@@ -56,6 +56,7 @@ def test_planner_figures_equal_bytes_of_built_arrays(kv_dtype, weights):
     assert r["max_context_duo"] > r["max_context_full"]
 
 
+@pytest.mark.slow
 def test_largest_context_fits_with_the_temp_of_the_step_compiled_at_that_context():
     """int4 cache and int8 weights: the steps dequantize tile by tile, so temp memory grows with the context by
     at most one layer's arrays (XLA:CPU copies a layer's bf16 scales when it scatters them); the answer holds

@@ -66,6 +66,7 @@ def methods(kv_dtype, context=200):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 def test_cache_bytes_include_the_scales_exactly(kv_dtype):
     E, codes = CONFIG.head_dim, CONFIG.head_dim // (2 if kv_dtype == "int4" else 1)
@@ -110,6 +111,7 @@ def test_every_method_takes_kv_dtype_and_the_registry_refuses_one_without(monkey
         make_method("plain", CONFIG, context=64, kv_dtype="int8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_attention_over_a_quantized_cache_is_attention_over_its_values(kind):
     """Tile by tile (many key blocks, ragged lengths, a ring with explicit positions): the same as attending
@@ -134,6 +136,7 @@ def test_attention_over_a_quantized_cache_is_attention_over_its_values(kind):
         assert np.abs(want - attention.attend(q, k, v, spec, impl="reference")).max() > 1e-3  # quantized
 
 
+@pytest.mark.slow
 def test_quantized_duo_is_duo_over_round_tripped_keys_and_values():
     """Exact semantics: the engine with an int4 cache (both partitions, packed codes, prefill chunks and decode
     steps) equals the dense per-head-mask reference whose keys and values went through quantize / dequantize.
@@ -167,6 +170,7 @@ def model():
 BOUNDS = {"int8": 0.02, "int4": 0.3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, kv_dtype",
     [
@@ -202,6 +206,7 @@ def test_quantized_cache_decodes_close_to_the_fp32_cache(model, name, kv_dtype):
     assert 1e-5 < err < BOUNDS[kv_dtype]  # quantized, and close
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_budget, bound", [(64, BOUNDS["int8"]), (12, 0.1)])
 def test_quantized_infinigen_decodes_close_to_the_fp32_cache(model, kv_budget, bound):
     """The full K / V quantized, the partial keys not. kv_budget 64: every decode step fetches every cached token,
@@ -232,6 +237,7 @@ def test_quantized_infinigen_decodes_close_to_the_fp32_cache(model, kv_budget, b
         assert h_cache[2].k.codes.sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.slow
 def test_generate_with_int8_kv_gives_the_fp32_caches_greedy_tokens(model):
     prompt = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 41).tolist()
     kwargs = dict(max_new_tokens=12, chunk_size=16, stop_at_eos=False)

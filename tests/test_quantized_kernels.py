@@ -52,6 +52,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_decode_kernel_reads_codes_and_scales(case):
     kernel, kind, seq_k, hq, hkv, head_dim, lengths, splits = case
@@ -124,6 +125,7 @@ PREFILL_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
 def test_prefill_kernel_reads_codes_and_scales(case):
     kernel, kind, seq_q, seq_k, positions = case
@@ -154,6 +156,7 @@ def test_prefill_kernels_check_their_cache_arguments():
             kernel(q, qk.dequantize(), qv.dequantize(), k_scale=qk.scale, v_scale=qv.scale, **args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["pallas", "mosaic"])
 def test_dispatch_hands_a_quantized_cache_to_the_kernels(impl):
     """One query over a contiguous quantized cache runs the decode kernel, a prefill chunk over it the flash

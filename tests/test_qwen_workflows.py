@@ -77,6 +77,7 @@ def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow
 def test_every_kind_of_method_generates_on_qwen3(checkpoints):
     """Budgets at least the sequence keep every token, so every method is full attention and must give
     transformers' greedy tokens. One method per cache kind (tova, pyramidkv and headkv share h2o's and
@@ -139,6 +140,7 @@ def test_head_scores_match_transformers_attention(checkpoints, family):
     np.testing.assert_array_equal(np.asarray(predicted), out.logits[0, T - 1 - n : T - 1].argmax(-1).numpy())
 
 
+@pytest.mark.slow
 def test_train_gates_on_qwen3_writes_a_pattern_that_drives_generate(checkpoints, tmp_path):
     """On the Qwen3 whose layer 1 has a sliding window (8 tokens) shorter than the training sequences (the
     teacher and the student keep it: tests/test_gates.py); a Λ of 2 sinks + 6 recent tokens within it."""

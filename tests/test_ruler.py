@@ -44,6 +44,7 @@ def test_string_match_metrics():
 TOLERANCE = collections.defaultdict(lambda: 16, niah_single_1=32, niah_multikey_2=48, niah_multikey_3=120, vt=32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", SYNTHETIC)
 def test_length_within_tolerance_and_seeded(tokenizer, task):
     length = 1024 if task in ("vt", "cwe") else 640  # vt's one-shot example alone takes up to 500 tokens
@@ -170,6 +171,7 @@ def test_generation_errors(tokenizer):
 # --- end to end ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_end_to_end(tokenizer, tmp_path, monkeypatch):
     model = Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
     pattern = Pattern(np.random.default_rng(0).random((CONFIG.num_layers, CONFIG.num_kv_heads)))

@@ -47,6 +47,7 @@ def assert_no_page_leaked(s):
     assert (s.tables == s.pool.num_pages).all() and not any(s.running)
 
 
+@pytest.mark.slow
 def test_requests_joining_and_leaving_get_their_solo_tokens(setup):
     """Five requests over three slots: two start, a third joins mid-way (prefilling while the others decode),
     the rest queue for slots that requests leaving early free; each gets its solo greedy tokens."""
@@ -115,6 +116,7 @@ def test_bad_requests_are_refused(setup):
     assert s.idle
 
 
+@pytest.mark.slow
 def test_int8_weights_are_served_as_generate_runs_them():
     """The scheduler compiles its steps for the engine's weight format (int8 weights: codes and scales)."""
     from duo_jax.model import quantize_weights

@@ -61,6 +61,7 @@ def serve(method, mixed):
     return s, requests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["duo", "full"])
 def test_split_mixed_steps_give_the_padded_and_solo_tokens_with_fewer_positions(name):
     split, split_requests = serve(method_of(name), "split")

@@ -101,6 +101,7 @@ def stream(url, path, body):
     return "".join(deltas), chunks[-1]
 
 
+@pytest.mark.slow
 def test_concurrent_completions_match_solo_generation(served):
     running, model, solo = served
     texts = ["The best thing to do in San Francisco", "It was a bright cold day", "Startups grow"]

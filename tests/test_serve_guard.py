@@ -65,6 +65,7 @@ def assert_serves(client):
     assert response.json()["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_top_k_above_the_vocabulary_then_a_normal_request(guarded):
     server, running, client = guarded
     response = post(client, {"prompt": "Hi", "top_k": 50000, "temperature": 1, "max_tokens": 3})

@@ -119,6 +119,7 @@ def sharded():
     return on_8_devices(_SCRIPT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "duo"])
 def test_sharded_generate_gives_the_single_device_greedy_tokens(sharded, method):
     """(data=2, model=2) and (model=4): the tokens of one device, and its prefill logits to fp32 rounding."""

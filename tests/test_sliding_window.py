@@ -19,10 +19,9 @@ from duo_jax.errors import ConfigError, DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import make_method
 from duo_jax.methods.infinigen import InfiniGen
-from duo_jax.model import embed, layer_at, mlp, output_projection, rms_norm, rope_inv_freq, unembed
 from duo_jax.pattern import Pattern
-from pallas_kernels.reference import attention_reference
-from tests.conftest import qkv_projection, run_method
+from tests.conftest import run_method
+from tests.reference_decoder import decode
 from tests.test_model import TINY, hf_logits, write_random_hf_model
 
 WINDOW = 8
@@ -102,6 +101,7 @@ def test_forward_matches_transformers(models, prompt):
     assert np.abs(np.asarray(unwindowed)[0, WINDOW + 1 :] - ref[WINDOW + 1 :]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_generate_matches_transformers_greedy(models, prompt):
     hf_model, model = models
     with torch.no_grad():
@@ -158,6 +158,7 @@ def full_runs(models, qwen):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 @pytest.mark.parametrize("name", METHODS)
 def test_budget_covering_the_sequence_is_full_attention(full_runs, family, name):
@@ -171,6 +172,7 @@ def test_budget_covering_the_sequence_is_full_attention(full_runs, family, name)
     np.testing.assert_array_less(np.abs(logits - expected).max(), 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, budget",
     [("h2o", WINDOW - 1), ("tova", WINDOW - 1), ("snapkv", WINDOW - 1), ("infinigen", WINDOW - 1), ("h2o", 3)],
@@ -298,6 +300,7 @@ def test_qwen_layer_window_forward_matches_transformers(qwen):
         assert np.abs(logits - ref).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_qwen_layer_window_engine_matches_transformers(qwen):
     """Chunked prefill + decode through the engine's steps with `full` (duo with every head a retrieval head):
     every logit within 1e-4 of transformers', greedy tokens those of `model.generate`; and through `generate`
@@ -330,25 +333,20 @@ def duo_reference(params, config, tokens, retrieval, *, sink, recent, windows):
     """Logits [T, V] of the dense model as DuoAttention runs it one token at a time, from explicit masks:
     on a retrieval head (retrieval[l, kv_head]) query i sees every key j <= i, on a streaming head the keys
     j <= i with j < sink or i - j <= recent (the last `recent` tokens before it, and itself); in a windowed
-    layer (windows[l]) only those with i - j < window. Dense jnp attention per mask."""
+    layer (windows[l]) only those with i - j < window."""
     T = len(tokens)
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-    positions = jnp.arange(T)[None]
-    x = embed(params, jnp.asarray([tokens]))
-    for l, window in enumerate(windows):
+
+    def mask(layer):
+        window = windows[layer.index]
         full = (j <= i) & (True if window is None else i - j < window)
         streaming = full & ((j < sink) | (i - j <= recent))
-        layer = layer_at(params, l)
-        q, k, v = qkv_projection(
-            rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, positions, rope_inv_freq(config)
-        )
-        out_full, out_streaming = (attention_reference(q, k, v, jnp.asarray(mask)[None]) for mask in (full, streaming))
-        per_head = np.repeat(retrieval[l], config.group_size)[None, None, :, None]  # [1, 1, H, 1]
-        x = x + output_projection(jnp.where(per_head, out_full, out_streaming), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
-    return np.asarray(unembed(params, config, x))[0]
+        return np.where(retrieval[layer.index][:, None, None], full, streaming)  # [K, T, T]
+
+    return decode(params, config, tokens, mask).logits
 
 
+@pytest.mark.slow
 def test_duo_heads_keep_each_layers_window(qwen):
     """DuoAttention one token per step (so each streaming query's keys are exactly Λ's), a retrieval and a
     streaming head in each layer (layer 1's retrieval head second: heads reordered): the layer's window

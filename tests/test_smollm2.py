@@ -47,6 +47,7 @@ def test_config_from_gguf_metadata(ours):
     assert ours.params.lm_head is None  # tied embeddings
 
 
+@pytest.mark.slow
 def test_tokenizer_matches_transformers(ours, theirs):
     _, tokenizer = theirs
     for text in [PROMPT, "In 2024, 12345 people", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n", "  spaces\ttabs\n\n"]:

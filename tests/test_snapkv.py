@@ -25,30 +25,15 @@ from duo_jax.generation import generate
 from duo_jax.methods import cache_nbytes, make_method
 from duo_jax.methods.headkv import make_headkv
 from duo_jax.methods.snapkv import SnapKV, make_pyramidkv, make_snapkv, pyramid_budgets
-from duo_jax.model import rope_inv_freq, unstack_layers
+from duo_jax.model import unstack_layers
 from tests.conftest import tiny_config
+from tests.reference_decoder import decode, softmax64
 
 CONFIG = tiny_config(max_position_embeddings=128)
 WINDOW = 6
 
 
 # --- the float64 reference ----------------------------------------------------------------------------
-
-
-def rope64(x, positions, inv_freq):
-    """x [T, N, E] rotated at positions [T], float64, half-split layout."""
-    angles = positions[:, None, None] * inv_freq.astype(np.float64)[None, None, :]
-    x1, x2 = np.split(x, 2, axis=-1)
-    return np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles), x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
-
-
-def rms64(x, w, eps):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def softmax64(scores):
-    e = np.exp(scores - scores.max())
-    return e / e.sum()
 
 
 def reference_selection(q, k, budgets, window, kernel, pooling, sliding=None):
@@ -103,39 +88,27 @@ def reference_logits(
 
     `streaming` ([L][K] bools) marks DuoAttention streaming heads: a query at position i in a chunk that starts
     at chunk_starts[i] sees the keys j <= i with j < sink or j >= chunk_starts[i] - recent."""
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    T, E, G = len(tokens), config.head_dim, config.group_size
-    inv_freq, positions = rope_inv_freq(config), np.arange(T)
-    x = p.embed[np.asarray(tokens)]
+    T = len(tokens)
     kept_all = []
-    for l in range(config.num_layers):
-        w = jax.tree.map(lambda a: a[l], p.layers)
-        h = rms64(x, w.attn_norm, config.rms_norm_eps)
-        q = rope64(np.einsum("td,dhe->the", h, w.wq), positions, inv_freq)
-        k = rope64(np.einsum("td,dke->tke", h, w.wk), positions, inv_freq)
-        v = np.einsum("td,dke->tke", h, w.wv)
+
+    def seen(layer):
+        l = layer.index
         sliding = config.layer_window(l)
-        kept = reference_selection(q[:prompt_len], k[:prompt_len], budgets[l], window, kernel, pooling, sliding)
+        P = prompt_len
+        kept = reference_selection(layer.q[:P], layer.k[:P], budgets[l], window, kernel, pooling, sliding)
         kept_all.append(kept)
-        out = np.zeros_like(q)
-        for i in range(T):
-            for head in range(config.num_heads):
-                kv = head // G
-                if streaming is not None and streaming[l][kv]:
-                    keys = [j for j in range(i + 1) if j < sink or j >= chunk_starts[i] - recent]
-                elif i < prompt_len:
-                    keys = list(range(i + 1))
-                else:
-                    keys = sorted(kept[kv]) + list(range(prompt_len, i + 1))
-                keys = [j for j in keys if sliding is None or i - j < sliding]
-                probs = softmax64(k[keys, kv] @ q[i, head] / math.sqrt(E))
-                out[i, head] = probs @ v[keys, kv]
-        x = x + np.einsum("the,hed->td", out, w.wo)
-        m = rms64(x, w.mlp_norm, config.rms_norm_eps)
-        gate = m @ w.w_gate
-        x = x + (gate / (1 + np.exp(-gate)) * (m @ w.w_up)) @ w.w_down
-    head = p.embed if p.lm_head is None else p.lm_head
-    return rms64(x, p.final_norm, config.rms_norm_eps) @ head.T, kept_all
+        keys = np.zeros((config.num_kv_heads, T, T), bool)
+        for kv, i in np.ndindex(config.num_kv_heads, T):
+            if streaming is not None and streaming[l][kv]:
+                visible = [j for j in range(i + 1) if j < sink or j >= chunk_starts[i] - recent]
+            elif i < P:
+                visible = list(range(i + 1))
+            else:
+                visible = sorted(kept[kv]) + list(range(P, i + 1))
+            keys[kv, i, [j for j in visible if sliding is None or i - j < sliding]] = True
+        return keys
+
+    return decode(params, config, tokens, seen).logits, kept_all
 
 
 # --- driving the engine -------------------------------------------------------------------------------
@@ -218,6 +191,7 @@ def check_against_reference(params, method, prompts, continuations, kernel, pool
     return logits, cache, decode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, options",
     [
@@ -239,6 +213,7 @@ def test_matches_the_float64_reference(params, sequences, make, options):
     assert np.abs(full[0][45:] - logits[0][45:]).max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, options",
     [

@@ -1,7 +1,6 @@
 """StreamingLLM (sinks + rolling window, positions re-indexed in the cache) against a float64 numpy reference."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -9,44 +8,27 @@ import duo_jax
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
 from duo_jax.methods import StreamingLLM, cache_nbytes, make_method
-from duo_jax.model import mlp, output_projection, project_qkv, rms_norm, rope_inv_freq, unembed
 from tests.conftest import run_method, tiny_config
+from tests.reference_decoder import decode
 
 CONFIG = tiny_config(max_position_embeddings=64)
 START, RECENT = 2, 4
-
-
-def rope64(x, position, inv_freq):
-    """x [E] rotated at one integer position, float64, half-split layout."""
-    angle = position * inv_freq.astype(np.float64)
-    x1, x2 = np.split(x, 2)
-    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)])
 
 
 def reference_logits(params, tokens, chunk_starts):
     """Query i in a chunk starting at c sees keys j <= i with j < START or j >= c - RECENT. Positions are
     re-indexed: the visible keys before the chunk are numbered 0, 1, ... in order, the chunk continues."""
     T = len(tokens)
-    inv_freq = rope_inv_freq(CONFIG)
-    x = params.embed[jnp.asarray(tokens)][None]
-    for l in range(CONFIG.num_layers):
-        layer = jax.tree.map(lambda w: w[l], params.layers)
-        q, k, v = (np.asarray(a[0], np.float64) for a in project_qkv(rms_norm(x, layer.attn_norm, 1e-5), layer, 1e-5))
-        out = np.zeros_like(q)
-        for i in range(T):
-            c = chunk_starts[i]
-            before = [j for j in range(c) if j < START or j >= c - RECENT]
-            visible = before + list(range(c, i + 1))
-            key_pos = {j: r for r, j in enumerate(before)} | {j: len(before) + j - c for j in range(c, i + 1)}
-            for h in range(CONFIG.num_heads):
-                kv = h // CONFIG.group_size
-                qi = rope64(q[i, h], len(before) + i - c, inv_freq)
-                scores = np.array([qi @ rope64(k[j, kv], key_pos[j], inv_freq) for j in visible])
-                p = np.exp(scores / np.sqrt(CONFIG.head_dim) - (scores / np.sqrt(CONFIG.head_dim)).max())
-                out[i, h] = (p / p.sum()) @ v[visible, kv]
-        x = x + output_projection(jnp.asarray(out[None], jnp.float32), layer)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, 1e-5), layer)
-    return np.asarray(unembed(params, CONFIG, x)[0])
+    seen = np.zeros((T, T), bool)
+    q_positions, k_positions = np.zeros(T, int), np.zeros((T, T), int)
+    for i in range(T):
+        c = chunk_starts[i]
+        before = [j for j in range(c) if j < START or j >= c - RECENT]
+        seen[i, before + list(range(c, i + 1))] = True
+        q_positions[i] = len(before) + i - c
+        k_positions[i, before] = np.arange(len(before))
+        k_positions[i, c : i + 1] = len(before) + np.arange(i + 1 - c)
+    return decode(params, CONFIG, tokens, lambda layer: seen, positions=(q_positions, k_positions)).logits
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,7 @@ FLASH_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FLASH_CASES.values(), ids=FLASH_CASES.keys())
 def test_flash_attention(case):
     batch, seq_q, seq_k, hq, hkv, head_dim, causal, q_offset, kv_len, traced = case
@@ -104,6 +105,7 @@ LAMBDA_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", LAMBDA_CASES.values(), ids=LAMBDA_CASES.keys())
 def test_lambda_attention(case):
     batch, seq_q, seq_k, hq, hkv, head_dim, sink, recent, q_offset, traced = case
@@ -124,6 +126,7 @@ def test_lambda_attention(case):
     check_forward_and_grad(kernel, ref, mask, q, k, v, cotangent)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("traced", [False, True], ids=["splash", "own"])
 def test_lambda_skipped_blocks_are_never_read(traced):
     # Queries at positions 384..511, sink 8, recent 64: keys 128..255 are outside every window, so
@@ -158,6 +161,7 @@ def ring_and_chunk_positions(lengths, ring: int, sink: int, chunk: int, rng):
     return np.asarray(rows, np.int32)
 
 
+@pytest.mark.slow
 def test_attention_over_keys_at_explicit_positions():
     """The own kernel's position operands (DuoAttention's streaming heads: ring + chunk): a query at
     position p sees slot s iff 0 <= k_positions[b, s] <= p. Two 128-key blocks, per-sequence positions
@@ -195,6 +199,7 @@ DECODE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
 def test_decode_attention(case):
     seq_k, hq, hkv, head_dim, lengths, num_splits = case
@@ -213,6 +218,7 @@ def test_decode_attention(case):
     assert bool(jnp.all(jnp.where((lengths == 0)[:, None, None], out == 0.0, True)))
 
 
+@pytest.mark.slow
 def test_bfloat16_forward():
     q, k, v, _ = random_attention_inputs(2, 200, 200, 4, 2, 64)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -298,6 +304,7 @@ def test_interpret_argument():
         assert _mosaic.interpret_mode(None) is False  # compiled with Mosaic
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("traced", [False, True], ids=["splash", "own"])
 def test_generic_interpreter_under_remat(traced):
     """interpret=True (JAX's generic interpreter) runs under jax.checkpoint, as gate training needs;
@@ -438,6 +445,7 @@ def test_export_decode_lowers_to_mosaic():
     assert launch["blocks"][1] == [None, 128, HKV * D]  # one [block_k, Hkv * D] cache tile
 
 
+@pytest.mark.slow
 def test_benchmark_records_tpu_export(tmp_path, capsys):
     import importlib
     import json

@@ -80,6 +80,7 @@ def tiny_checkpoint(tmp_path_factory):
     return root / "model", write_haystack(root / "hay")
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
     model, haystack = tiny_checkpoint
     args = [

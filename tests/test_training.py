@@ -182,6 +182,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_sharded_loss_and_grads_equal_single_device():
     """FSDP weights (gathered per layer), data and sequence shards (Ulysses, all-gather KV, the latter with a
     sliding window): the loss and gate gradients of one device, to float32 rounding; per-device weight bytes
@@ -393,6 +394,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_killed_sharded_run_resumes_bit_identically(tmp_path):
     """A run on data=2, fsdp=2, seq=2 whose weights are loaded straight into their shards, killed after its
     step-4 checkpoint, then resumed, ends with the gates and losses of an uninterrupted run, bit for bit."""
