@@ -19,11 +19,10 @@ import argparse
 import sys
 import time
 
-# Sized to run well inside 15 minutes on 2 CPU cores (7 min 44 s measured, BENCHMARKS.md). StreamingLLM
-# at duo's budget keeps the sinks and about the last half of the context: the 10% depth is the one it cannot see.
+# Sized to run well inside 15 minutes on 2 CPU cores; why these sizes: docs/evaluation.md.
 LENGTHS = [1024, 2048, 4096]
 DEPTHS = [0.1, 0.5, 0.9]
-CHUNK_SIZE = 256  # prefill chunk: on CPU, 256 beat 128 and 512 (measured at 4k tokens, batch 3)
+CHUNK_SIZE = 256  # prefill chunk: the fastest on CPU (docs/evaluation.md)
 
 
 def main(argv: list[str] | None = None) -> int:
