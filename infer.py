@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            attention_impl="auto",
+            impl="auto",
         )
         mesh = (
             None

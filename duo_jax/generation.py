@@ -82,7 +82,7 @@ def validate_options(
     temperature: float,
     top_p: float,
     top_k: int,
-    attention_impl: str,
+    impl: str,
 ) -> None:
     """Clear errors for bad generation options, before any model work (the CLIs call it before loading)."""
     exact_sparsity(sparsity)
@@ -92,8 +92,10 @@ def validate_options(
         raise DuoJaxError(f"chunk_size must be positive, got {chunk_size}")
     check_number("max_new_tokens", max_new_tokens, integer=True, minimum=1)
     check_sampling(temperature, top_p, top_k)
-    if attention_impl not in attention.IMPLS:
-        raise DuoJaxError(f"attention_impl must be one of {', '.join(attention.IMPLS)}, got {attention_impl!r}")
+    if impl not in attention.IMPLS:
+        raise DuoJaxError(
+            f"impl (the attention implementation) must be one of {', '.join(attention.IMPLS)}, got {impl!r}"
+        )
 
 
 def build_method(
@@ -142,7 +144,7 @@ class GenerationPlan:
     max_new_tokens: int
     sampling: Sampling
     eos_ids: tuple[int, ...]  # stop tokens (empty: never stop early)
-    attention_impl: str
+    impl: str  # the attention implementation (`duo_jax.attention.IMPLS`)
     mesh: Mesh | None
 
 
@@ -162,7 +164,7 @@ def plan_generation(
     top_k: int = 0,
     stop_at_eos: bool = True,
     context: int | None = None,
-    attention_impl: str = "auto",
+    impl: str = "auto",
     chat: bool | None = None,
     kv_dtype: str | None = None,
     mesh: Mesh | None = None,
@@ -171,6 +173,7 @@ def plan_generation(
 ) -> GenerationPlan:
     """`generate`'s options checked, its prompts tokenized and its method built: everything `run_generation`
     needs, with a clear error for anything that cannot run. Arguments as `generate`."""
+    impl = _deprecated_impl(impl, method_options)
     mesh = None if mesh is None else sharding.auto_axes(mesh)
     validate_options(
         sparsity=sparsity,
@@ -181,7 +184,7 @@ def plan_generation(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        attention_impl=attention_impl,
+        impl=impl,
     )
     config = model.config
     if chat is None and is_chat_model(model) and _has_text(prompts):
@@ -256,9 +259,17 @@ def plan_generation(
         max_new_tokens=max_new_tokens,
         sampling=Sampling(float(temperature), float(top_p), int(top_k)),
         eos_ids=tuple(config.eos_token_ids) if stop_at_eos else (),
-        attention_impl=attention_impl,
+        impl=impl,
         mesh=mesh,
     )
+
+
+def _deprecated_impl(impl: str, options: dict) -> str:
+    """`impl`, or the value passed under its old name `attention_impl` (kept one release, with a warning)."""
+    if "attention_impl" not in options:
+        return impl
+    warnings.warn("generate(attention_impl=) is renamed generate(impl=)", DeprecationWarning, stacklevel=3)
+    return options.pop("attention_impl")
 
 
 def _has_text(prompts) -> bool:
@@ -269,7 +280,7 @@ def _has_text(prompts) -> bool:
 def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: int = 0) -> Generation:
     """Run `plan` (from `plan_generation`) on `engine` (the engine of `model`'s weights, on the plan's mesh):
     compile the shapes it needs, prefill, then decode every new token in one device loop."""
-    config, kv_method, impl, mesh = model.config, plan.method, plan.attention_impl, plan.mesh
+    config, kv_method, impl, mesh = model.config, plan.method, plan.impl, plan.mesh
     ids, chunk, tail = plan.ids, plan.chunk, plan.tail_steps
     B, longest = len(ids), max(len(p) for p in ids)
     padded = np.zeros((B, longest), np.int32)
@@ -373,7 +384,7 @@ def generate(
     seed: int = 0,
     stop_at_eos: bool = True,
     context: int | None = None,
-    attention_impl: str = "auto",
+    impl: str = "auto",
     chat: bool | None = None,
     kv_dtype: str | None = None,
     mesh: Mesh | None = None,
@@ -398,13 +409,14 @@ def generate(
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
     tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
     to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
-    attention_impl: "auto" | "pallas" | "xla" | "reference" (see `duo_jax.attention`).
+    impl: the attention implementation, "auto" | "pallas" | "mosaic" | "cpu" | "xla" | "reference"
+    (`duo_jax.attention.IMPLS`, docs/attention.md); `attention_impl=` is its deprecated name.
     kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
     token and head, `duo_jax.quant`; the methods of `duo_jax.methods.QUANTIZED_KV_METHODS`).
     mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
     number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
     split over `model` (docs/training.md, "The generation mesh"); methods "full" and "duo" only. Retrieval attention
-    then takes the XLA path (its partials are merged across devices), whatever `attention_impl`. A mesh from
+    then takes the XLA path (its partials are merged across devices), whatever `impl`. A mesh from
     `jax.make_mesh` works as well, its axes Explicit or Auto (run as Auto: `sharding.auto_axes`).
     prompt_tail_steps: the last N tokens of every prompt go through decode steps one at a time (the method
     compresses after the prefill of the rest and at every step, as while generating) instead of the prefill:
@@ -414,6 +426,7 @@ def generate(
 
     `generate` is `plan_generation` (checks and planning), then `run_generation` (the device work).
     """
+    impl = _deprecated_impl(impl, method_options)
     plan = plan_generation(
         model,
         prompts,
@@ -429,7 +442,7 @@ def generate(
         top_k=top_k,
         stop_at_eos=stop_at_eos,
         context=context,
-        attention_impl=attention_impl,
+        impl=impl,
         chat=chat,
         kv_dtype=kv_dtype,
         mesh=mesh,

@@ -282,3 +282,12 @@ def test_plan_checks_and_plans_before_any_device_work(model, prompts):
     assert plan.capacity >= max(map(len, prompts)) + 20 and plan.eos_ids == tuple(CONFIG.eos_token_ids)
     with pytest.raises(DuoJaxError, match="prompt_tail_steps must lie in"):
         plan_generation(model, prompts, prompt_tail_steps=17)
+
+
+def test_the_old_name_of_impl_still_works_with_a_warning(model, prompts):
+    kwargs = dict(max_new_tokens=4, chunk_size=8, stop_at_eos=False)
+    with pytest.warns(DeprecationWarning, match="renamed generate\\(impl=\\)"):
+        old = generate(model, prompts[0], attention_impl="xla", **kwargs)
+    assert old.tokens == generate(model, prompts[0], impl="xla", **kwargs).tokens
+    with pytest.raises(DuoJaxError, match="impl \\(the attention implementation\\) must be one of"):
+        generate(model, prompts[0], impl="cuda", **kwargs)
