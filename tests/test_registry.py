@@ -28,17 +28,22 @@ def test_every_method_is_registered_by_its_module():
     )
     assert entry("duo").takes_pattern and entry("duo_headkv").takes_pattern and not entry("h2o").takes_pattern
     assert entry("streaming_llm").windows == {"sink": "start", "recent": "recent"}
-    assert entry("infinigen").needs_model
+    assert entry("infinigen").needs_model and not entry("snapkv").needs_model
+    # What a method takes is read from its builder's keyword-only parameters.
+    assert entry("h2o").options == ("kv_budget", "recent") and entry("full").options == ()
+    assert all(entry(name).quantized_kv for name in METHODS)
     with pytest.raises(DuoJaxError, match="calibrates on the model"):
         make_method("infinigen", CONFIG, context=32, kv_budget=4)
     with pytest.raises(DuoJaxError, match="registered twice"):
-        registry.register("duo", options=(), summary="")(lambda config, *, context: None)
+        registry.register("duo", summary="")(lambda config, *, context: None)
+    with pytest.raises(DuoJaxError, match="must take config and a keyword-only context"):
+        registry.register("no_context", summary="")(lambda config, size=4: None)
 
 
 def test_a_new_method_is_one_registration():
     """A method registered from outside the package runs through generate by name, windows mapped by its entry."""
 
-    @registry.register("sinks_only", options=("sinks",), windows={"sink": "sinks"}, summary="only the sinks")
+    @registry.register("sinks_only", windows={"sink": "sinks"}, summary="only the sinks")
     def build(config, *, context, sinks=4):
         return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, sinks, 1)
 

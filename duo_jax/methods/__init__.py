@@ -5,7 +5,7 @@
 one's summary (what the CLIs' help prints); docs/methods.md says what each keeps, its options and its paper.
 
 Adding a method is one module: its spec (a frozen dataclass subclassing `Method`, whose docstring lists the
-hooks to write), its cache, and a builder decorated with `registry.register(name, options=..., summary=...)`,
+hooks to write), its cache, and a builder decorated with `registry.register(name, summary=...)`,
 imported below (docs/adding-a-method.md).
 """
 

@@ -241,7 +241,7 @@ class DuoAttention(Method):
         return rotation.back(out), DuoLayerCache(rk, rv, sk, sv)
 
 
-@register("full", options=(), quantized_kv=True, summary="every head keeps every token")
+@register("full", summary="every head keeps every token")
 def make_full(config: ModelConfig, *, context: int, kv_dtype: str | None = None) -> DuoAttention:
     return DuoAttention(make_layout(config, None, sink=0, recent=0, context=context, kv_dtype=kv_dtype))
 
@@ -277,10 +277,7 @@ def duo_budget(
 
 @register(
     "duo",
-    options=("pattern", "sparsity", "sink", "recent", "kv_budget"),
-    takes_pattern=True,
     budget=duo_budget,
-    quantized_kv=True,
     summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent",
 )
 def make_duo(

@@ -156,9 +156,7 @@ class TOVA(_Eviction):
 
 @register(
     "h2o",
-    options=("kv_budget", "recent"),
     budget=kv_budget_only,
-    quantized_kv=True,
     summary="H2O: heavy hitters by accumulated attention + the recent newest tokens, kv_budget per head",
 )
 def make_h2o(
@@ -188,9 +186,7 @@ def make_h2o(
 
 @register(
     "tova",
-    options=("kv_budget",),
     budget=kv_budget_only,
-    quantized_kv=True,
     summary="TOVA: the tokens the newest query attends to most (layer-wide), kv_budget per head",
 )
 def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None, kv_dtype: str | None = None) -> TOVA:

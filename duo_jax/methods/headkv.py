@@ -96,9 +96,7 @@ def duo_headkv_budget(
 
 @register(
     "headkv",
-    options=("kv_budget", "scores", "beta", "window", "kernel", "pooling"),
     budget=headkv_budget,
-    quantized_kv=True,
     summary="HeadKV: SnapKV with per-head budgets from head scores (scores=PATH, 'default' or a Pattern)",
 )
 def make_headkv(
@@ -303,10 +301,7 @@ def _compress_retrieval(
 
 @register(
     "duo_headkv",
-    options=("pattern", "sparsity", "sink", "recent", "scores", "kv_budget", "beta", "window", "kernel", "pooling"),
-    takes_pattern=True,
     budget=duo_headkv_budget,
-    quantized_kv=True,
     summary="duo whose retrieval heads keep HeadKV budgets (kv_budget per retrieval head)",
 )
 def make_duo_headkv(

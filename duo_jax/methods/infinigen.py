@@ -409,11 +409,8 @@ def partial_channels(mask: jax.Array, width: int) -> tuple[jax.Array, jax.Array]
 
 @register(
     "infinigen",
-    options=("kv_budget", "alpha", "partial_ratio", "channel_rule", "dense_layers", "offload", "lookahead"),
-    needs_model=True,
     budget=kv_budget_only,
     calibrated_on=CALIBRATION_HAYSTACK,
-    quantized_kv=True,
     summary="InfiniGen: skewed partial keys pick the tokens each decode step fetches (calibrated on the model)",
 )
 def make_infinigen(

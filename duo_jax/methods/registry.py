@@ -1,28 +1,31 @@
 """KV-cache methods by name: each method's module registers its builder here, and nothing else matches names.
 
-`register(name, options=..., summary=...)` decorates a builder `build(config, *, context, **options) ->
-Method` (with `needs_model=True`, it also gets `model=`: InfiniGen calibrates on the model's weights and
-text). `make_method(name, config, context=..., **options)` checks the options and builds; `entry(name)` says
-what a method takes (its options, whether it takes a head pattern, how `generate`'s `sink` / `recent` map to
-its own window options, how it meets a KV budget), which is all a front door (`generate`, the CLIs, the
-evaluation's equal-budget comparison) needs to know of it.
+`register(name, summary=...)` decorates a builder `build(config, *, context, <options>) -> Method`; what the
+method takes is read from the builder's keyword-only parameters: its options, `pattern` (it builds on a
+DuoAttention head pattern), `model` (it calibrates on the model, as InfiniGen) and `kv_dtype` (it can quantize
+its cache). `make_method(name, config, context=..., **options)` checks the options and builds; `entry(name)` is
+all a front door (`generate`, the CLIs, the equal-budget evaluation) needs to know of a method.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.quant import check_kv_dtype
 
+# A builder's keyword-only parameters that are inputs, not options of the method.
+_INPUTS = ("context", "model", "kv_dtype")
+
 
 @dataclasses.dataclass(frozen=True)
 class MethodEntry:
     name: str
     build: Callable
-    options: tuple[str, ...]  # the keyword options `build` takes (besides config and context)
+    options: tuple[str, ...]  # the keyword options `build` takes (besides config, context, model and kv_dtype)
     summary: str  # one line for help texts
     windows: dict[str, str]  # generate's window arguments ("sink", "recent") -> this method's option names
     takes_pattern: bool  # builds on a DuoAttention head pattern (generate resolves and passes `pattern`)
@@ -41,24 +44,38 @@ _ENTRIES: dict[str, MethodEntry] = {}
 def register(
     name: str,
     *,
-    options: tuple[str, ...],
     summary: str,
     windows: dict[str, str] | None = None,
-    takes_pattern: bool = False,
-    needs_model: bool = False,
     budget: Callable | None = None,
     calibrated_on: str | None = None,
-    quantized_kv: bool = False,
 ) -> Callable:
-    """Decorator: register `build` as method `name`. `windows` defaults to the window options the method
-    has among its options (sink / recent under their own names)."""
+    """Decorator: register `build(config, *, context, <options>)` as method `name`, described by `summary`.
+    `windows` maps generate's "sink" / "recent" to the method's own option names (default: the options of those
+    names). `budget` and `calibrated_on`: see `MethodEntry`."""
 
     def decorate(build: Callable) -> Callable:
         if name in _ENTRIES:
             raise DuoJaxError(f"KV-cache method {name!r} is registered twice")
+        params = inspect.signature(build).parameters
+        keyword = [p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY]
+        if "context" not in keyword:
+            raise DuoJaxError(
+                f"the builder of KV-cache method {name!r} must take config and a keyword-only context: "
+                "def build(config, *, context, <options>)"
+            )
+        options = tuple(p for p in keyword if p not in _INPUTS)
         own = {w: w for w in ("sink", "recent") if w in options} if windows is None else dict(windows)
         _ENTRIES[name] = MethodEntry(
-            name, build, tuple(options), summary, own, takes_pattern, needs_model, budget, calibrated_on, quantized_kv
+            name,
+            build,
+            options,
+            summary,
+            own,
+            takes_pattern="pattern" in options,
+            needs_model="model" in keyword,
+            budget=budget,
+            calibrated_on=calibrated_on,
+            quantized_kv="kv_dtype" in keyword,
         )
         return build
 

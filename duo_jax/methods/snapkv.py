@@ -466,9 +466,7 @@ def base_budget(kv_budget, window: int) -> int:
 
 @register(
     "snapkv",
-    options=("kv_budget", "window", "kernel", "pooling"),
     budget=kv_budget_only,
-    quantized_kv=True,
     summary="SnapKV: exact prefill, then per KV head the kv_budget tokens the last window queries vote for",
 )
 def make_snapkv(
@@ -524,9 +522,7 @@ def pyramid_budgets(num_layers: int, average: int, beta: float = 20.0, prefix: i
 
 @register(
     "pyramidkv",
-    options=("kv_budget", "window", "kernel", "pooling", "beta"),
     budget=kv_budget_only,
-    quantized_kv=True,
     summary="PyramidKV: SnapKV with per-layer budgets shrinking bottom to top (beta 20), kv_budget on average",
 )
 def make_pyramidkv(

@@ -104,10 +104,8 @@ def streaming_llm_budget(config: ModelConfig, kv_budget: int, **inputs) -> dict:
 
 @register(
     "streaming_llm",
-    options=("start", "recent", "kv_budget"),
     windows={"sink": "start", "recent": "recent"},
     budget=streaming_llm_budget,
-    quantized_kv=True,
     summary="StreamingLLM: every head keeps start sinks + recent tokens, positions re-indexed",
 )
 def make_streaming_llm(
