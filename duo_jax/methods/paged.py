@@ -1,31 +1,12 @@
-"""DuoAttention (and full attention) with a paged retrieval partition: PagedAttention's layout for the heads
-that keep every token, the streaming heads' fixed sink + ring slots per sequence unchanged.
+"""DuoAttention (and full attention) with a paged retrieval partition; the streaming heads keep their sink + ring.
 
-Per layer l with n_l retrieval heads, the cache holds
-
-  pages_k[l], pages_v[l]: [n_l, N, P, E]       a pool of N pages of P tokens per head, shared by every sequence
-  streaming_k[l], streaming_v[l]: [B, sink + recent, K - n_l, E]   as in `duo_jax.cache` (O(1) per sequence)
-
-and, shared by all layers, `block_tables` int32 [B, M] (M = capacity / P pages per sequence at most): the token
-at position p of sequence b lives in page block_tables[b, p // P], row p % P, of every layer's pool. An entry
-equal to N means "no page": writes through it are dropped. Page i of a sequence is page block_tables[b, i] in
-each layer's pool, so one allocation (`duo_jax.serve.scheduler.PagePool`) serves every layer. No capacity is
-reserved per sequence: a pool of N pages holds any mix of sequences whose pages add up to N.
-
-Writes go through the block table (one scatter into the pool viewed as N * P slots per head). Reads do not
-copy the pages: attention gets them as a `duo_jax.attention.pages.PagedKV` (the pool + the block tables) with
-the same mask as the contiguous cache (`duo.retrieval_attention`), and the dispatch reads them in place,
-following the block tables inside the kernels: a decode step runs a paged split-K kernel (Pallas/Triton on GPU,
-JAX's paged attention on TPU), a prefill chunk the paged flash kernel (GPU), and the blocked XLA path (CPU;
-prefill chunks on TPU) gathers one key tile of slots at a time through the tables, visiting only the filled
-key blocks (`duo_jax.attention.dispatch` says which runs when). The pool is head-major (one head's page is
-P * E contiguous elements) because that is the layout of JAX's TPU paged attention, which then reads it as it
-is. Paging the eviction methods is future work: they keep their contiguous caches.
-
-`paged(method, page_size=..., num_pages=...)` turns a `DuoAttention` (the registered "duo" or "full") into its
-paged form. `init_cache` gives every sequence its own M pages in order (so `generate(method=paged(...))` runs as
-the contiguous cache does); `empty_cache` gives a pool with no page handed out, for a scheduler that owns the
-block tables (`duo_jax.serve.scheduler`).
+Per layer l with n_l retrieval heads: pages_k[l], pages_v[l] [n_l, N, P, E] (a pool of N pages of P tokens per
+head, shared by every sequence) and streaming_k[l], streaming_v[l] [B, sink + recent, K - n_l, E]; shared by all
+layers, block_tables int32 [B, M]: position p of sequence b lives in page block_tables[b, p // P], row p % P, of
+every layer's pool (N: no page; writes through it are dropped). `paged(method, page_size=, num_pages=)` turns a
+`DuoAttention` ("duo" or "full") into its paged form: `init_cache` gives each sequence its own M pages in order,
+`empty_cache` a pool with no page handed out, for a scheduler that owns the tables. Design: docs/serving.md,
+"The paged cache"; how the pages are read: docs/attention.md, "Paged caches".
 """
 
 from __future__ import annotations
