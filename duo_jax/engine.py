@@ -240,6 +240,16 @@ def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, 
     return cache, *ints, _abstract(method.state())
 
 
+def _renamed_weights(weight_format: str | None, renamed: dict) -> str | None:
+    """`weight_format`, or the value passed under its old name `weights` (kept one release, with a warning)."""
+    if set(renamed) - {"weights"}:
+        raise TypeError(f"unexpected keyword arguments {', '.join(sorted(set(renamed) - {'weights'}))}")
+    if "weights" not in renamed:
+        return weight_format
+    warnings.warn("the compiled steps' weights= is renamed weight_format=", DeprecationWarning, stacklevel=3)
+    return renamed["weights"]
+
+
 def compiled_extend(
     config: ModelConfig,
     method: Method,
@@ -250,10 +260,12 @@ def compiled_extend(
     all_logits: bool = False,
     mesh: Mesh | None = None,
     weight_format: str | None = None,
+    **renamed,
 ):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows. `method`
     is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it.
     However the arguments are passed (by position or keyword), one shape is one executable."""
+    weight_format = _renamed_weights(weight_format, renamed)
     return _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format)
 
 
@@ -288,9 +300,11 @@ def compiled_extend_row(
     dtype: str,
     impl: str = "auto",
     weight_format: str | None = None,
+    **renamed,
 ):
     """`extend_row` compiled once per (batch, chunk): the row is an argument, never a recompile. One device only.
     A method without rows (`Method.take_row`'s default: every one but the paged ones) raises DuoJaxError."""
+    weight_format = _renamed_weights(weight_format, renamed)
     return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format)
 
 
@@ -323,8 +337,10 @@ def compiled_decode(
     eos_ids: tuple[int, ...],
     mesh: Mesh | None = None,
     weight_format: str | None = None,
+    **renamed,
 ):
     """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
+    weight_format = _renamed_weights(weight_format, renamed)
     return _compiled_decode(
         config, method, batch, dtype, impl, sampling, max_tokens, tuple(eos_ids), mesh, weight_format
     )

@@ -50,7 +50,7 @@ def _method(name: str, config: ModelConfig, capacity: int, options: dict) -> Met
 def _step_temp(config: ModelConfig, method: Method, dtype: str, weights: str | None, chunk: int) -> int:
     """Temp bytes of the larger of the compiled decode step and prefill chunk (XLA memory analysis)."""
     return max(
-        compiled_extend(config, method, 1, t, dtype, weights=weights).memory_analysis().temp_size_in_bytes
+        compiled_extend(config, method, 1, t, dtype, weight_format=weights).memory_analysis().temp_size_in_bytes
         for t in (1, chunk)
     )
 

@@ -80,7 +80,7 @@ def test_largest_context_fits_with_the_temp_of_the_step_compiled_at_that_context
     assert r["full_temp_bytes"] > 0
     assert r["full_temp_bytes_per_token"] <= r["full_cache_bytes_per_token"] / CONFIG.num_layers
     temp = max(
-        compiled_extend(CONFIG, method, 1, t, "float32", weights="int8").memory_analysis().temp_size_in_bytes
+        compiled_extend(CONFIG, method, 1, t, "float32", weight_format="int8").memory_analysis().temp_size_in_bytes
         for t in (1, 16)
     )
     assert r["weight_bytes"] + cache_nbytes(method.init_cache(1, jnp.float32)) + temp <= hbm
