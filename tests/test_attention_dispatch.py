@@ -46,6 +46,7 @@ def test_decode_implementations_agree():
     assert float(jnp.max(jnp.abs(outs[1][2]))) == 0.0  # an empty cache attends to nothing
 
 
+@pytest.mark.slow
 def test_specs_without_a_kernel_fall_back_to_xla():
     """Sliding windows have no Pallas kernel: "pallas" still gives the right answer."""
     q, k, v, _ = random_attention_inputs(2, 8, 64, 4, 2, 32)

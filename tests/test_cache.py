@@ -122,6 +122,7 @@ def test_contiguous_write_matches_numpy(dtype):
         np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
 
 
+@pytest.mark.slow
 def test_bf16_chunk_temp_memory_does_not_grow_per_layer():
     """XLA's memory analysis of one compiled bf16 prefill chunk (2 layers, full attention) at 1k and 16k slots:
     the growth is at most one layer's K + V (XLA:CPU computes the bf16 cache write in f32, so a layer's new

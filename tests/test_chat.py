@@ -46,6 +46,7 @@ def smollm2_tokenizers():
 
 @pytest.mark.parametrize("conversation", list(CONVERSATIONS))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.slow
 def test_embedded_gguf_template_matches_transformers(smollm2_tokenizers, conversation, add_generation_prompt):
     ours, reference = smollm2_tokenizers
     messages = CONVERSATIONS[conversation]
@@ -126,6 +127,7 @@ def _tiny_chat_model(tmp_path, names=("tiny-instruct",), template=True):
     return duo_jax.Model(config, init_params(config, jax.random.key(0)), tokenizer, "tiny", names)
 
 
+@pytest.mark.slow
 def test_chat_prompts_rule(tmp_path):
     model = _tiny_chat_model(tmp_path)
     rendered = model.tokenizer.encode(
@@ -157,6 +159,7 @@ def test_chat_prompts_rule(tmp_path):
         chat_prompts(untemplated, "hello world", True)
 
 
+@pytest.mark.slow
 def test_generate_with_chat_is_generate_on_the_rendered_ids(tmp_path):
     model = _tiny_chat_model(tmp_path)
     ids = chat_prompts(model, "hello world", True)[0]

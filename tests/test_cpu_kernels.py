@@ -110,6 +110,7 @@ def _uses_kernel(fn, *args) -> bool:
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_auto_on_cpu_runs_the_kernel_where_it_serves():
     """f32 causal attention over consecutive slots or keys at explicit positions takes the kernel; bf16, windows
     and Λ take the XLA path."""

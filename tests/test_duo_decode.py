@@ -57,6 +57,7 @@ def _inputs(B, C, S, n, K_s, G, D, seed=0):
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.slow
 def test_matches_float64(case):
     B, C, S, n, K_s, G, D, lengths, ring_lengths, block_k, num_splits = case
     q, k, v, ring_k, ring_v, k_new, v_new = _inputs(B, C, S, n, K_s, G, D)
@@ -72,6 +73,7 @@ def test_matches_float64(case):
 
 
 @pytest.mark.parametrize("page_size, block_k", [(16, 32), (32, 16)])
+@pytest.mark.slow
 def test_paged_retrieval_cache_matches_float64(page_size, block_k):
     """The retrieval heads' cache in pages of a shared pool (each sequence's pages scattered, "no page" entries
     past its length): the same attention as over the contiguous cache they hold."""
@@ -92,6 +94,7 @@ def test_paged_retrieval_cache_matches_float64(page_size, block_k):
     assert rel_err(out, expected) <= 1e-5
 
 
+@pytest.mark.slow
 def test_bfloat16_matches_float64():
     B, C, S, n, K_s, G, D = 2, 256, 64, 2, 2, 4, 128
     q, k, v, ring_k, ring_v, k_new, v_new = (x.astype(jnp.bfloat16) for x in _inputs(B, C, S, n, K_s, G, D, seed=1))

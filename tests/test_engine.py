@@ -176,6 +176,7 @@ def test_sink_zero_and_streaming_only(params, prompt):
     )
 
 
+@pytest.mark.slow
 def test_full_attention_matches_forward(params, prompt):
     sequence, logits = run_engine(params, CONFIG, prompt, None, sink=2, recent=5, chunk=7, decode_steps=8)
     dense = np.asarray(duo_jax.forward(params, CONFIG, jnp.asarray([sequence]))[0])

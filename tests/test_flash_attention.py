@@ -55,6 +55,7 @@ def test_empty_rows_are_zero():
     assert bool(jnp.all(out == 0.0))
 
 
+@pytest.mark.slow
 def test_bfloat16_forward():
     q, k, v, _ = random_attention_inputs(1, 64, 64, 4, 2, 64)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))

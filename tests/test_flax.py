@@ -39,6 +39,7 @@ def same_arrays(a, b) -> bool:
 @pytest.mark.parametrize(
     "overrides", [{}, dict(tie_word_embeddings=True, qkv_bias=True, qk_norm=True)], ids=["llama", "tied-bias-qknorm"]
 )
+@pytest.mark.slow
 def test_logits_equal_forward_on_the_same_arrays(overrides):
     model = tiny_model(**overrides)
     lm = CausalLM.from_model(model)
@@ -76,6 +77,7 @@ def test_gates_are_their_own_variable_type():
         CausalLM.from_model(model, gates=1.5)
 
 
+@pytest.mark.slow
 def test_one_optimizer_step_on_the_gates_equals_the_functional_trainer(tmp_path):
     model = tiny_model()
     config, params = model.config, model.params
@@ -123,6 +125,7 @@ def test_one_optimizer_step_on_the_gates_equals_the_functional_trainer(tmp_path)
     assert written.meta == {"model_name": "tiny"}
 
 
+@pytest.mark.slow
 def test_gates_saved_and_restored_with_orbax(tmp_path):
     model = tiny_model()
     trained = CausalLM.from_model(model, gates=random_gates(model.config, 4))
@@ -141,6 +144,7 @@ def test_gates_saved_and_restored_with_orbax(tmp_path):
         restore_gates(other, path)
 
 
+@pytest.mark.slow
 def test_generate_runs_the_engine_with_the_modules_gates():
     model = tiny_model(max_position_embeddings=64)
     gates = random_gates(model.config, 5)

@@ -48,6 +48,7 @@ def lambda_reference(params, config, tokens, positions, windows=None):
     return np.stack([hidden(row, pos) for row, pos in zip(np.asarray(tokens), np.asarray(positions))])
 
 
+@pytest.mark.slow
 def test_all_gates_one_is_the_full_model(setup):
     config, params, tokens, positions = setup
     teacher, student = hidden_states(params, config, gates.init_gates(config), tokens, positions, OBJECTIVE)
@@ -69,6 +70,7 @@ def test_all_gates_zero_is_the_lambda_masked_model(setup):
     assert np.abs(np.asarray(student) - np.asarray(teacher)).max() > 1e-2  # the Λ mask does change the model
 
 
+@pytest.mark.slow
 def test_gate_gradient_matches_finite_differences(setup):
     config, params, tokens, positions = setup
     supervise = jnp.asarray(np.random.default_rng(0).random(tokens.shape) < 0.3)
@@ -106,6 +108,7 @@ def test_unsupervised_positions_do_not_count(setup):
     assert float(terms.distill) == 0.0
 
 
+@pytest.mark.slow
 def test_bf16_weights_keep_fp32_gates_and_gradients(setup):
     config, params, tokens, positions = setup
     params16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
@@ -122,6 +125,7 @@ def test_rejects_gates_of_the_wrong_shape(setup):
         gates.gated_hidden_states(params, config, jnp.ones((3, 2)), tokens, positions, OBJECTIVE)
 
 
+@pytest.mark.slow
 def test_sliding_window_on_some_layers(setup):
     """A window (shorter than the sequence, and than RECENT) on layer 1 only: the teacher is the model's own
     forward (tested against transformers in tests/test_sliding_window.py), the student at gates 0 is Λ within

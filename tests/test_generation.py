@@ -37,6 +37,7 @@ def test_full_attention_is_plain_greedy_decoding(model, prompts):
     assert out.stats["cache_bytes"] == out.stats["full_cache_bytes"] == out.stats["expected_cache_bytes"]
 
 
+@pytest.mark.slow
 def test_sparsity_zero_is_full_attention(model, prompts):
     full = generate(model, prompts[0], max_new_tokens=10, chunk_size=8, stop_at_eos=False)
     duo = generate(

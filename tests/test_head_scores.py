@@ -74,6 +74,7 @@ def reference_scores(params, tokens, start, end, n):
     return scores, ref.logits[T - 1 - n : T - 1].argmax(-1)
 
 
+@pytest.mark.slow
 def test_prompt_scores_match_the_float64_reference(params):
     tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 40)
     start, end, n = 12, 17, 5
@@ -84,6 +85,7 @@ def test_prompt_scores_match_the_float64_reference(params):
     np.testing.assert_array_equal(predicted, ref_predicted)
 
 
+@pytest.mark.slow
 def test_score_heads_on_a_tiny_model(params, tokenizer, tmp_path):
     scores = score_heads(params, CONFIG, tokenizer, lengths=[150, 200], depths=[0.0, 0.5, 1.0], min_accuracy=0.0)
     assert scores.gates.shape == (CONFIG.num_layers, CONFIG.num_kv_heads)

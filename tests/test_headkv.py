@@ -30,6 +30,7 @@ def test_budgets_follow_the_formula():
     np.testing.assert_array_equal(headkv_budgets(SCORES, base=10, beta=1e9), np.full((2, 2), 10))
 
 
+@pytest.mark.slow
 def test_matches_the_float64_reference(params):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (44, 37)]

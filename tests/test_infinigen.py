@@ -69,6 +69,7 @@ def test_skew_is_orthogonal_and_keeps_the_top_query_and_key_channels(params, sam
     assert union_larger == (rule == "qk")  # the key ranking really adds channels
 
 
+@pytest.mark.slow
 def test_defaults_are_the_authors_llama_rules(params, sample):
     method = InfiniGen.calibrate(params, CONFIG, sample, context=64, kv_budget=6, partial_ratio=0.25)
     assert (method.alpha, method.dense_layers, method.lookahead) == (5.0, 2, True)
@@ -90,6 +91,7 @@ def test_method_is_hashable_and_round_trips_its_skew(skewed):
     np.testing.assert_array_equal(m1.channel_mask, mask)
 
 
+@pytest.mark.slow
 def test_recalibration_of_the_same_shape_compiles_nothing(params, prompt, skewed):
     """The skew is the method's state (an argument of the compiled steps), not a constant baked into them: a
     recalibrated InfiniGen with the same channel widths reuses the executables and still gives its own answer."""
@@ -193,6 +195,7 @@ def test_decode_matches_the_speculation_reference(params, prompt, sample, offloa
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
 
 
+@pytest.mark.slow
 def test_windowed_layers_match_the_speculation_reference(params, prompt, sample):
     """A 6-token window on layers 1 (dense) and 3 (speculating; layer 2 speculates without a window): a
     speculating layer ranks, counts and fetches only the tokens inside the query's window, under the budget
@@ -206,6 +209,7 @@ def test_windowed_layers_match_the_speculation_reference(params, prompt, sample)
     assert min(counts) < 4 and max(counts) == 4  # the alpha rule counted fewer somewhere, the budget capped it
 
 
+@pytest.mark.slow
 def test_default_instance_decodes_as_the_authors_rules(params, prompt, sample):
     """Built with no options, InfiniGen decodes as the float64 reference of the original's rules; the rules
     duo-jax had before (every layer speculating, alpha 4, |QA| channels) give other logits."""
@@ -240,6 +244,7 @@ def test_generate_with_a_calibrated_instance():
         assert hosted.tokens == batch.tokens
 
 
+@pytest.mark.slow
 def test_generate_checks_the_instance_capacity():
     from duo_jax.errors import DuoJaxError
     from duo_jax.generation import generate
@@ -253,6 +258,7 @@ def test_generate_checks_the_instance_capacity():
         generate(duo_jax.Model(config, params, None, "random"), list(range(1, 120)), method=method, max_new_tokens=20)
 
 
+@pytest.mark.slow
 def test_generate_calibrates_by_name(tokenizer):
     """generate(method="infinigen") skews on the essays: the same tokens as the instance built by hand."""
     from duo_jax.generation import generate

@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from duo_jax import data_wheels
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_makefile_unpacks_data_wheels_without_installing_them(tmp_path):
     venv = tmp_path / "venv"
     step = subprocess.run(

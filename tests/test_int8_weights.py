@@ -49,6 +49,7 @@ def test_int8_weights_compute_the_model_of_their_dequantized_weights(params, tok
     assert 1e-4 < err < 0.08
 
 
+@pytest.mark.slow
 def test_tied_embeddings_bf16(tokens):
     config = tiny_config(num_layers=2, tie_word_embeddings=True)
     params = duo_jax.init_params(config, jax.random.key(3), jnp.bfloat16, scale=0.1)
@@ -59,6 +60,7 @@ def test_tied_embeddings_bf16(tokens):
     )  # bf16 activations: rounding of one vs the other order
 
 
+@pytest.mark.slow
 def test_generate_over_int8_weights_is_greedy_decoding_of_them(params):
     model = duo_jax.Model(CONFIG, quantize_weights(params), None, "random")
     prompt = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 29).tolist()
@@ -77,6 +79,7 @@ def test_generate_over_int8_weights_is_greedy_decoding_of_them(params):
     assert out.tokens == [greedy_reference(model.params, CONFIG, prompt, 8)]
 
 
+@pytest.mark.slow
 def test_load_int8(tmp_path):
     from tests.test_model import HF_CASES, write_random_hf_model
 

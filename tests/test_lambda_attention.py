@@ -46,6 +46,7 @@ def test_matches_reference_forward_and_grad(case):
         assert rel_err(g, g_ref) <= 1e-4, name
 
 
+@pytest.mark.slow
 def test_recent_ge_T_is_causal():
     q, k, v, _ = random_attention_inputs(1, 40, 40, 2, 2, 64)
     out = lambda_attention(q, k, v, sink=0, recent=40, block_q=16, block_k=16, interpret=True)

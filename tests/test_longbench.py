@@ -270,6 +270,7 @@ def test_cli_longbench(tmp_path, capsys, monkeypatch):
     assert "--kv-budget is a fraction" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_decode_last_protocol(model, tmp_path):
     """DuoAttention's appendix protocol for H2O / TOVA: exact prefill, the prompt's last tokens decoded one at a
     time. Under full attention it changes nothing; h2o / tova runs carry it in their name and legend."""

@@ -196,6 +196,7 @@ def test_greedy_reference_matches_transformers_generate(tmp_path):
     assert greedy_reference(model.params, model.config, prompt, 12) == hf[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow
 def test_init_params_shapes_and_sliding_window():
     config = tiny_config(sliding_window=4)
     params = duo_jax.init_params(config, jax.random.key(0))

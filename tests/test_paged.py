@@ -48,6 +48,7 @@ def random_tables(rng, lengths, page_size, max_pages, num_pages):
     return tables
 
 
+@pytest.mark.slow
 def test_paged_attention_matches_float64_with_random_tables():
     """Chunks of 7 and 13 tokens written at ragged offsets cross pages of 4; reading the pages back through
     the tables gives float64 attention over each sequence's own tokens, and no other sequence's page changes."""
@@ -152,6 +153,7 @@ def xla_and_pallas_logits(engine, *, sink, recent, prompt_lengths, seed, steps=3
     return logits
 
 
+@pytest.mark.slow
 def test_paged_decode_through_the_kernel_gives_the_xla_paths_tokens(engine, monkeypatch):
     """The paged method with impl="pallas" (prefill chunks and decode steps read the pages in the paged Pallas
     kernels, in the interpreter here) gives the XLA path's logits and greedy tokens over random block tables;
@@ -169,6 +171,7 @@ def test_paged_decode_through_the_kernel_gives_the_xla_paths_tokens(engine, monk
         np.testing.assert_array_equal(p.argmax(-1), x.argmax(-1))
 
 
+@pytest.mark.slow
 def test_paged_duo_decode_in_one_kernel_gives_the_xla_paths_logits(engine, monkeypatch):
     """A ring tiled by a power-of-two block (4 + 12 slots): decode steps of the layers with both kinds of heads
     run `duo_decode_attention` over the pages and the ring (interpreted), with the XLA path's logits."""
@@ -188,6 +191,7 @@ def test_paged_duo_decode_in_one_kernel_gives_the_xla_paths_logits(engine, monke
         np.testing.assert_allclose(p, x, rtol=0, atol=1e-5 * np.abs(x).max())
 
 
+@pytest.mark.slow
 def test_generate_runs_a_paged_method():
     """`init_cache` gives each sequence its own pages: generate with the paged method gives duo's tokens, and
     the cache's bytes are its formula's."""

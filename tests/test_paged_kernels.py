@@ -201,6 +201,7 @@ def test_gpu_paged_flash_kernel_matches_float64(hq, dtype):
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.slow
 def test_dispatch_reads_pages_for_a_prefill_chunk(impl, monkeypatch):
     """A chunk over pages: the paged flash kernel for "pallas", the XLA path (one key tile at a time) for
     "xla" (and on TPU, for "mosaic"); both give float64."""

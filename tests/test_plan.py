@@ -20,6 +20,7 @@ PATTERN = Pattern(np.array([[0.9, 0.1], [0.2, 0.3], [0.05, 0.8]]))
 
 
 @pytest.mark.parametrize("kv_dtype, weights", [(None, None), ("int4", "int8")])
+@pytest.mark.slow
 def test_planner_figures_equal_bytes_of_built_arrays(kv_dtype, weights):
     hbm = 3 * 2**20
     r = plan.plan(

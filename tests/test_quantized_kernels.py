@@ -72,6 +72,7 @@ def test_decode_kernel_reads_codes_and_scales(case):
     assert bool(jnp.all(jnp.where((lengths == 0)[:, None, None], out == 0.0, True)))
 
 
+@pytest.mark.slow
 def test_decode_kernels_check_their_cache_arguments():
     q, k, v = random_decode_inputs(2, 64, 4, 2, 16)
     qk, qv, lengths = quantize_kv(k, "int4"), quantize_kv(v, "int4"), jnp.asarray([64, 10], jnp.int32)

@@ -40,6 +40,7 @@ def test_every_method_is_registered_by_its_module():
         registry.register("no_context", summary="")(lambda config, size=4: None)
 
 
+@pytest.mark.slow
 def test_a_new_method_is_one_registration():
     """A method registered from outside the package runs through generate by name, windows mapped by its entry."""
 

@@ -45,6 +45,7 @@ def test_apply_rope_rotates_by_the_exact_angle_at_4m():
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(x).max())
 
 
+@pytest.mark.slow
 def test_rotary_table_matches_apply_rope_and_is_built_once_per_forward(tiny):
     """The `rotary` table is the cos and sin of `rope_angles` (its conditional on CPU passes them through, jitted
     or not); and in a compiled forward of unrolled layers its sin and cos are computed once, not fused into

@@ -35,6 +35,7 @@ def test_per_row_rules():
     assert (rows([0] * 6, [1] * 6, [0] * 6, keys) == argmax).all()  # all greedy: the sort skipped
 
 
+@pytest.mark.slow
 def test_a_top_k_at_or_above_the_vocabulary_is_no_limit():
     keys = jax.random.split(jax.random.key(2), 6)
     free = rows([1.0] * 6, [1] * 6, [0] * 6, keys)

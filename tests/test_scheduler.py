@@ -67,6 +67,7 @@ def test_requests_joining_and_leaving_get_their_solo_tokens(setup):
     assert_no_page_leaked(s)
 
 
+@pytest.mark.slow
 def test_a_short_pool_queues_and_preempts_and_all_complete(setup):
     """A pool of 10 pages of 4 tokens cannot hold three of these requests at once: newcomers wait for pages,
     growing requests preempt the newest (recomputed later), and every request still gets its solo tokens."""
@@ -83,6 +84,7 @@ def test_a_short_pool_queues_and_preempts_and_all_complete(setup):
     assert_no_page_leaked(s)
 
 
+@pytest.mark.slow
 def test_stops_and_per_request_sampling(setup):
     """A stop id ends a request at that token; a sampled request (its own temperature, top-k and seed) gets the
     same tokens alone and in a batch of greedy ones, and different ones with another seed."""

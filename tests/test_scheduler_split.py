@@ -75,6 +75,7 @@ def test_split_mixed_steps_give_the_padded_and_solo_tokens_with_fewer_positions(
     assert split.counters["tokens"] == padded.counters["tokens"] == NEW * len(PROMPTS)
 
 
+@pytest.mark.slow
 def test_a_short_pool_preempts_under_split_and_all_complete():
     """10 pages of 4 tokens: prefilling requests wait their turn, growing ones preempt the newest; the tokens
     are still the solo ones and every page comes back."""
@@ -89,6 +90,7 @@ def test_a_short_pool_preempts_under_split_and_all_complete():
     assert s.pool.num_free == s.pool.num_pages and not any(s.running)
 
 
+@pytest.mark.slow
 def test_rows_fed_nothing_are_unchanged_and_extend_row_changes_its_row_only():
     method = paged(method_of("duo"), page_size=4, num_pages=12)
     engine = Engine.of(MODEL)

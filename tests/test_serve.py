@@ -143,6 +143,7 @@ def test_concurrent_completions_match_solo_generation(served):
         ({"prompt": "hi", "model": "gpt-4"}, 404, "not served"),
     ],
 )
+@pytest.mark.slow
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(served, body, status, message):
     running, model, solo = served
     kwargs = (
@@ -158,6 +159,7 @@ def metric(url, name):
     return int(line.split()[1])
 
 
+@pytest.mark.slow
 def test_stop_strings_end_the_text_before_them_streamed_or_not(served):
     """A stop string (spanning tokens) ends generation: the text is the solo text up to it, whole or streamed
     (no chunk shows the stop string or a part of it), with finish_reason "stop"."""

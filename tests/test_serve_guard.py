@@ -75,6 +75,7 @@ def test_top_k_above_the_vocabulary_then_a_normal_request(guarded):
     assert client.get("/health").json() == {"status": "ok"}
 
 
+@pytest.mark.slow
 def test_sampling_values_share_one_compiled_sampler(guarded):
     server, running, client = guarded
     before = scheduler_module._sample_rows._cache_size()
@@ -359,6 +360,7 @@ def test_the_default_host_allow_list_follows_the_bind_address():
     assert default_hosts("0.0.0.0") is None and default_hosts("192.168.1.5") is None
 
 
+@pytest.mark.slow
 def test_memory_is_released_once_after_a_burst():
     """on_quiet (release_memory by default) runs once the API has been quiet for QUIET_S, not per request,
     and not for /health polls."""

@@ -139,6 +139,7 @@ def test_sharded_generate_gives_the_single_device_greedy_tokens(sharded, method)
         assert runs["data=1,model=4"]["device_cache"] == runs["data=1,model=4"]["cache"] // 4
 
 
+@pytest.mark.slow
 def test_weights_are_split_over_the_model_axis(sharded):
     """Per device: 1/model of every tensor-parallel weight (from the arrays' shards), norms whole."""
     weights = sharded["weights"]
@@ -205,6 +206,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_a_mesh_from_jax_make_mesh_works_with_explicit_or_auto_axes():
     """jax.make_mesh's default (Explicit) axes and Auto ones give the tokens of make_generation_mesh's mesh."""
     result = on_8_devices(_MAKE_MESH_SCRIPT)

@@ -283,6 +283,7 @@ def qwen(tmp_path_factory):
     return hf_model, duo_jax.load(directory, dtype=jnp.float32)
 
 
+@pytest.mark.slow
 def test_qwen_layer_window_forward_matches_transformers(qwen):
     hf_model, model = qwen
     assert [model.config.layer_window(l) for l in range(2)] == [None, WINDOW]

@@ -40,6 +40,7 @@ def theirs(ours):
     return model.eval(), tokenizer
 
 
+@pytest.mark.slow
 def test_config_from_gguf_metadata(ours):
     named = duo_jax.get_config("smollm2-135m")  # the GGUF stores eps as float32
     assert ours.config == dataclasses.replace(named, rms_norm_eps=ours.config.rms_norm_eps)
@@ -56,6 +57,7 @@ def test_tokenizer_matches_transformers(ours, theirs):
     assert ours.tokenizer.decode(ids) == PROMPT
 
 
+@pytest.mark.slow
 def test_logits_and_greedy_continuation_match_transformers(ours, theirs):
     model, _ = theirs
     ids = ours.tokenizer.encode(PROMPT)
@@ -69,6 +71,7 @@ def test_logits_and_greedy_continuation_match_transformers(ours, theirs):
     assert greedy_reference(ours.params, ours.config, ids, 16) == ref_tokens
 
 
+@pytest.mark.slow
 def test_generating_holds_one_copy_of_the_weights(ours, monkeypatch):
     """Per-layer weights (`duo_jax.load`'s default layout) are what the engine runs on: while `generate`
     decodes, the live device arrays exceed what they were before the call by the cache and less than a quarter

@@ -245,6 +245,7 @@ def test_windowed_layer_matches_the_float64_reference(params, sequences, make, o
     assert np.abs(unwindowed[0] - logits[0]).max() > 1e-2  # the window changed the result
 
 
+@pytest.mark.slow
 def test_budget_covering_the_prompt_is_full_attention(params, sequences):
     prompts, continuations = sequences
     method = make_snapkv(CONFIG, context=64, kv_budget=45, window=WINDOW)
@@ -270,6 +271,7 @@ def test_short_prompts_shrink_the_decode_cache(params):
     assert method.compressed(longest=300).room == 384 - 256
 
 
+@pytest.mark.slow
 def test_pyramid_moves_the_bottom_surplus_up_for_a_short_prompt(params, sequences):
     """A bottom budget larger than the prompt's prefix: the bottom keeps the prefix and the top the rest, as the
     original PyramidKV (not truncated); the engine then matches the float64 reference with those budgets."""
@@ -298,6 +300,7 @@ def test_pyramid_budgets():
         pyramid_budgets(4, 10, beta=0.5)
 
 
+@pytest.mark.slow
 def test_generate_compresses_and_decode_does_not_recompile(params):
     model = duo_jax.Model(CONFIG, params, None, "random")
     method = make_snapkv(CONFIG, context=100, kv_budget=12, window=4)

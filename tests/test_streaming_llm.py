@@ -36,6 +36,7 @@ def params():
     return duo_jax.init_params(CONFIG, jax.random.key(3), scale=0.2)
 
 
+@pytest.mark.slow
 def test_matches_the_reindexed_reference(params):
     prompt = np.random.default_rng(1).integers(0, CONFIG.vocab_size, 19).tolist()
     chunk, steps = 5, 8
@@ -47,6 +48,7 @@ def test_matches_the_reindexed_reference(params):
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4) == 2 * 2 * 2 * 6 * 16 * 4
 
 
+@pytest.mark.slow
 def test_reindexing_differs_from_absolute_positions_and_outlives_the_context(params):
     prompt = list(range(1, 41))
     kwargs = dict(max_new_tokens=40, chunk_size=8, stop_at_eos=False, sink=START, recent=RECENT)

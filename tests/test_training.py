@@ -247,6 +247,7 @@ def tiny_model():
     return config, duo_jax.init_params(config, jax.random.key(0), scale=0.1)
 
 
+@pytest.mark.slow
 def test_gates_of_silenced_heads_go_to_zero(tiny_model):
     """KV heads whose query heads have all-zero o_proj rows contribute nothing: only the L1 term acts on them."""
     config, params = tiny_model
@@ -265,6 +266,7 @@ def test_gates_of_silenced_heads_go_to_zero(tiny_model):
     assert min(live) > 0.0 and history[-1][1] > 0.0
 
 
+@pytest.mark.slow
 def test_l1_pulls_every_gate_down_when_distillation_is_zero(tiny_model):
     """A window covering the whole sequence makes streaming = full attention: the gradient is the L1 term's."""
     config, params = tiny_model
@@ -282,6 +284,7 @@ def test_l1_pulls_every_gate_down_when_distillation_is_zero(tiny_model):
 # --- run folders ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_writes_the_run_folder_and_continues_it(tmp_path):
     config = tiny_config(vocab_size=VOCAB)
     params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
