@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -97,7 +98,8 @@ def _conversation(prompt) -> list[Message] | None:
 def chat_prompts(model, prompts, chat: bool | None):
     """`prompts` for `generate` with chat applied: each conversation (and, with chat=True, each text) becomes
     the token ids of its rendered template; token-id prompts pass unchanged. chat=None: conversations get the
-    template, texts are completion text; chat=False: texts pass unchanged and conversations are an error."""
+    template, texts are completion text (on a chat model, with a FutureWarning for one release: the template was
+    the default); chat=False: texts pass unchanged and conversations are an error."""
     # A batch is a list of texts, conversations or token-id lists; anything else is one prompt.
     is_batch = isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (str, list, tuple))
     batch = list(prompts) if is_batch else [prompts]
@@ -107,6 +109,14 @@ def chat_prompts(model, prompts, chat: bool | None):
         if chat:
             raise DuoJaxError("chat=True needs text prompts or messages; token-id prompts are never wrapped")
         return prompts
+    if chat is None and is_chat_model(model) and any(isinstance(p, str) for p in batch):
+        # stacklevel 4: chat_prompts <- plan_generation <- generate <- the caller
+        warnings.warn(
+            f"generate() treats a plain-string prompt as completion text, without {model.config.name}'s chat "
+            "template; pass chat=True or a list of messages for the template, chat=False to silence this warning",
+            FutureWarning,
+            stacklevel=4,
+        )
     if chat is False:
         if has_messages:
             raise DuoJaxError("chat messages need the chat template; pass chat=True (or leave chat unset)")

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from duo_jax import attention, methods, sharding
 from duo_jax.cache import CAPACITY_BLOCK, full_cache_bytes
-from duo_jax.chat import chat_prompts, is_chat_model
+from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
 from duo_jax.engine import Engine, bucket, capacity_bucket, compiled_decode, compiled_extend
 from duo_jax.errors import DuoJaxError
@@ -187,13 +187,6 @@ def plan_generation(
         impl=impl,
     )
     config = model.config
-    if chat is None and is_chat_model(model) and _has_text(prompts):
-        warnings.warn(
-            f"generate() treats a plain-string prompt as completion text, without {config.name}'s chat template; "
-            "pass chat=True or a list of messages for the template, chat=False to silence this warning",
-            FutureWarning,
-            stacklevel=3,
-        )
     ids = _prompt_ids(model, chat_prompts(model, prompts, chat))
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
@@ -268,13 +261,9 @@ def _deprecated_impl(impl: str, options: dict) -> str:
     """`impl`, or the value passed under its old name `attention_impl` (kept one release, with a warning)."""
     if "attention_impl" not in options:
         return impl
-    warnings.warn("generate(attention_impl=) is renamed generate(impl=)", DeprecationWarning, stacklevel=3)
+    # stacklevel 4: _deprecated_impl <- plan_generation <- generate <- the caller
+    warnings.warn("generate(attention_impl=) is renamed generate(impl=)", DeprecationWarning, stacklevel=4)
     return options.pop("attention_impl")
-
-
-def _has_text(prompts) -> bool:
-    """Whether `prompts` (one prompt or a batch) holds a plain-string prompt."""
-    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and any(isinstance(p, str) for p in prompts))
 
 
 def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: int = 0) -> Generation:
@@ -426,7 +415,6 @@ def generate(
 
     `generate` is `plan_generation` (checks and planning), then `run_generation` (the device work).
     """
-    impl = _deprecated_impl(impl, method_options)
     plan = plan_generation(
         model,
         prompts,
