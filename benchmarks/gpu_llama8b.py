@@ -48,6 +48,7 @@ import gc
 import json
 import math
 import pathlib
+import re
 import statistics
 import sys
 import tempfile
@@ -71,8 +72,12 @@ def random_params(config, seed: int = 0):
     shapes = param_shapes(config)
     key = iter(jax.random.split(jax.random.key(seed), 16 * (config.num_layers + 2)))
 
+    @functools.cache  # one executable per shape: a jit per weight compiled 290 times at Llama-3-8B (90 s)
+    def sampler(shape):
+        return jax.jit(lambda k: 0.02 * jax.random.normal(k, shape, jnp.bfloat16))
+
     def normal(shape):
-        return jax.jit(lambda k: 0.02 * jax.random.normal(k, shape, jnp.bfloat16))(next(key))
+        return sampler(tuple(shape))(next(key))
 
     def layer(_):
         stacked = {f.name: getattr(shapes.layers, f.name) for f in dataclasses.fields(shapes.layers)}
@@ -155,8 +160,9 @@ def is_oom(error: Exception) -> bool:
 
 
 def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
-    """GPU time per decode step from a `jax.profiler` trace: the total, and the `top` costliest XLA ops (ms per
-    step, launches per step). Reads the device plane's "XLA Ops" line (or, without one, its busiest line)."""
+    """GPU time per decode step from a `jax.profiler` trace: the total, the `top` costliest XLA ops (ms per
+    step, launches per step) and every op kind's ms and launches per step. Reads the device plane's "XLA Ops"
+    line (or, without one, its busiest line)."""
     import glob
 
     from jax.profiler import ProfileData
@@ -186,7 +192,21 @@ def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
         "top_ops": [
             {"op": op, "ms_per_step": totals[op] / 1e6 / steps, "per_step": counts[op] / steps} for op in ranked
         ],
+        "by_kind": op_kinds(totals, counts, steps),
     }
+
+
+def op_kinds(totals: dict, counts: dict, steps: int) -> dict:
+    """Every op's GPU ns (`totals`) and launches (`counts`) summed by kind, its name without the numeric suffixes
+    XLA gives each fusion ("loop_add_fusion_62" -> "loop_add_fusion"), per step, most launches first: where a
+    step's launches go."""
+    kinds = {}
+    for op in totals:
+        kind = re.sub(r"(_\d+)+$", "", op)
+        ms, launches = kinds.get(kind, (0.0, 0.0))
+        kinds[kind] = (ms + totals[op] / 1e6 / steps, launches + counts[op] / steps)
+    ranked = sorted(kinds.items(), key=lambda item: -item[1][1])
+    return {kind: {"ms_per_step": ms, "per_step": n} for kind, (ms, n) in ranked}
 
 
 def run_mode(
@@ -317,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (default bf16)")
     p.add_argument("--dry-run", action="store_true", help="shapes only, on any backend: print the plan")
     p.add_argument(
+        "--separate-qkv",
+        action="store_true",
+        help="hold q, k and v as three weights (the engine's default on a GPU is one fused weight: "
+        "docs/engine.md, 'Fused q/k/v')",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also trace one device loop per context and mode (into a temporary folder): GPU ms per "
@@ -428,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else measure_bandwidth()
     from duo_jax.engine import Engine
 
-    engine = Engine(model_params(config, args.weights), config)
+    engine = Engine(model_params(config, args.weights), config, fuse_qkv=False if args.separate_qkv else None)
+    formats += ", q/k/v " + ("fused" if engine.fused_qkv else "separate")
     results = {m: {} for m in ("full", "duo")}
     largest = {}
     from tqdm.auto import tqdm

@@ -18,9 +18,9 @@
 #                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
-#   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
-#                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k / 32k as is
-#                                                # and without XLA's dot strength reduction, and batch 8 x 32k
+#   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 9 minutes: the duo
+#                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with
+#                                                # q / k / v fused, at 8k / 32k with them separate, batch 8 x 32k
 #
 # Measured on an H100 (2026-11-25): check ~6 min (the tests alone ~4 min), llama8b ~9 min.
 # Each stage writes its logs and JSON into OUT (flat, so a tool that brings back OUT's files gets them all).
@@ -92,17 +92,17 @@ sweep)
         --out "$out/kernels_sweep.json" 2>&1 | tee "$out/kernels_sweep.log" || true
     ;;
 decode)
-    # Issue 33's decode targets, most informative first. The second llama8b run compiles every executable with
-    # XLA's dot strength reduction off: in duo's decode step XLA turns the one-token k / v projections into a
-    # product written to memory plus column sums (BENCHMARKS.md, "Decode on one H100"); off, they stay dots.
-    timeout "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
+    # Issue 33's decode targets, most informative first: the duo kernels' GPU tests; Llama-3-8B decode at 8k, 32k
+    # and 128k with q / k / v fused (the engine's default on a GPU), with a profile; the same at 8k and 32k with
+    # three separate weights (XLA:GPU turns each one-token k / v projection into a product and column sums:
+    # BENCHMARKS.md, "Decode on one H100"); batch 8 x 32k.
+    timeout "${TESTS_S:-80}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
         -k "duo_decode or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
-    timeout "${DECODE_S:-110}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 \
-        --decode-steps 32 --out "$out" 2>&1 | tee "$out/gpu_llama8b.log" || true
-    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dot_strength_reduction=false" timeout "${DECODE_S:-110}" \
-        $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 32 --profile \
-        --out "$out/no_strength_reduction" 2>&1 | tee "$out/gpu_llama8b_no_strength_reduction.log" || true
-    timeout "${BATCH_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --batch 8 --decode-steps 16 \
+    timeout "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
+        --decode-steps 32 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b.log" || true
+    timeout "${SEPARATE_S:-120}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 \
+        --decode-steps 32 --separate-qkv --out "$out/separate_qkv" 2>&1 | tee "$out/gpu_llama8b_separate_qkv.log" || true
+    timeout "${BATCH_S:-140}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --batch 8 --decode-steps 16 \
         --out "$out/batch8" 2>&1 | tee "$out/gpu_llama8b_batch8.log" || true
     # one archive: a device call brings back at most 8 files
     archive=$(mktemp -d)/decode.tgz

@@ -30,6 +30,7 @@ from duo_jax.model import (
     Params,
     decoder_layer,
     embed,
+    fuse_qkv,
     param_shapes,
     quantize_weights,
     rope_inv_freq,
@@ -218,15 +219,29 @@ def decode(
 
 
 def _abstract_params(
-    config: ModelConfig, dtype: str, mesh: Mesh | None = None, weight_format: str | None = None
+    config: ModelConfig,
+    dtype: str,
+    mesh: Mesh | None = None,
+    weight_format: str | None = None,
+    fused_qkv: bool = False,
 ) -> Params:
     """The engine's weights as `ShapeDtypeStruct`s in their format (`weight_format`: None or "int8",
-    `duo_jax.model.quantize_weights`), with their tensor-parallel shardings on `mesh`."""
+    `duo_jax.model.quantize_weights`; q/k/v as one weight when `fused_qkv`), with their tensor-parallel
+    shardings on `mesh`."""
     stacked = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config), is_leaf=lambda s: isinstance(s, tuple)
     )
-    params = jax.eval_shape(lambda p: unstack_layers(quantize_weights(p, weight_format)), stacked)
+    params = jax.eval_shape(lambda p: prepared(quantize_weights(p, weight_format), fused_qkv), stacked)
     return params if mesh is None else sharding.abstract(params, sharding.tensor_parallel_specs(params, mesh), mesh)
+
+
+def prepared(params: Params, fused_qkv: bool) -> Params:
+    """`params` in the layout the steps take: per-layer (`unstack_layers`), q/k/v as one weight when
+    `fused_qkv` (`duo_jax.model.fuse_qkv`)."""
+    params = unstack_layers(params)
+    if not fused_qkv:
+        return params
+    return dataclasses.replace(params, layers=tuple(fuse_qkv(layer) for layer in params.layers))
 
 
 def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, *shapes):
@@ -260,22 +275,23 @@ def compiled_extend(
     all_logits: bool = False,
     mesh: Mesh | None = None,
     weight_format: str | None = None,
+    fused_qkv: bool = False,
     **renamed,
 ):
     """`extend` compiled once per shape: later calls cannot recompile, however long the sequence grows. `method`
     is a spec (hashable; its arrays are the `state` argument), so methods differing only in state share it.
     However the arguments are passed (by position or keyword), one shape is one executable."""
     weight_format = _renamed_weights(weight_format, renamed)
-    return _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format)
+    return _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format, fused_qkv)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format):
+def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format, fused_qkv):
     cache, lengths, tokens, n_valid, state = _abstract_inputs(
         method, batch, dtype, mesh, (batch,), (batch, chunk), (batch,)
     )
     return extend.lower(
-        _abstract_params(config, dtype, mesh, weight_format),
+        _abstract_params(config, dtype, mesh, weight_format, fused_qkv),
         cache,
         lengths,
         tokens,
@@ -300,20 +316,21 @@ def compiled_extend_row(
     dtype: str,
     impl: str = "auto",
     weight_format: str | None = None,
+    fused_qkv: bool = False,
     **renamed,
 ):
     """`extend_row` compiled once per (batch, chunk): the row is an argument, never a recompile. One device only.
     A method without rows (`Method.take_row`'s default: every one but the paged ones) raises DuoJaxError."""
     weight_format = _renamed_weights(weight_format, renamed)
-    return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format)
+    return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format, fused_qkv)
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format):
+def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format, fused_qkv):
     cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, None, (batch,), (1, chunk), (1,))
     row = jax.ShapeDtypeStruct((), jnp.int32)
     return extend_row.lower(
-        _abstract_params(config, dtype, None, weight_format),
+        _abstract_params(config, dtype, None, weight_format, fused_qkv),
         cache,
         row,
         lengths,
@@ -337,23 +354,24 @@ def compiled_decode(
     eos_ids: tuple[int, ...],
     mesh: Mesh | None = None,
     weight_format: str | None = None,
+    fused_qkv: bool = False,
     **renamed,
 ):
     """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
     weight_format = _renamed_weights(weight_format, renamed)
     return _compiled_decode(
-        config, method, batch, dtype, impl, sampling, max_tokens, tuple(eos_ids), mesh, weight_format
+        config, method, batch, dtype, impl, sampling, max_tokens, tuple(eos_ids), mesh, weight_format, fused_qkv
     )
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, eos_ids, mesh, weight_format):
+def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, eos_ids, mesh, weight_format, fused_qkv):
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
     key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
         key, limit = (sharding.abstract(x, P(), mesh) for x in (key, limit))
     return decode.lower(
-        _abstract_params(config, dtype, mesh, weight_format),
+        _abstract_params(config, dtype, mesh, weight_format, fused_qkv),
         cache,
         lengths,
         token,
@@ -400,15 +418,27 @@ class Engine:
     its weights twice. On a generation `mesh` (`duo_jax.sharding`: batch over `data`, tensor parallelism over
     `model`) the weights are placed sharded, each device receiving only its slices (a copy beside the model's
     unsharded arrays), and every step runs on the mesh; only methods with a `cache_partition` (full, duo) run
-    there.
+    there. With `fuse_qkv` (the default on a GPU, off a mesh) each layer's query, key and value weights are held
+    as one (`duo_jax.model.fuse_qkv`, a copy of them): XLA:GPU runs a one-token projection through a weight of
+    fewer than 10M elements as a product and column sums instead of a matrix-vector product, which Llama-3-8B's
+    k / v weights are (docs/engine.md, "Fused q/k/v").
     """
 
-    def __init__(self, params: Params, config: ModelConfig, mesh: Mesh | None = None):
-        """`params` in either layout: per-layer weights are used as they are (off a mesh), stacked ones sliced."""
+    def __init__(self, params: Params, config: ModelConfig, mesh: Mesh | None = None, *, fuse_qkv: bool | None = None):
+        """`params` in either layout: per-layer weights are used as they are (off a mesh), stacked ones sliced.
+        `fuse_qkv`: hold q/k/v as one weight (None: on a GPU, off a mesh)."""
         mesh = None if mesh is None else sharding.auto_axes(mesh)  # jax.make_mesh's Explicit axes run as Auto
         self.config, self.mesh = config, mesh
+        if fuse_qkv is None:
+            fuse_qkv = mesh is None and jax.default_backend() == "gpu"
+        if fuse_qkv and mesh is not None:
+            raise DuoJaxError(
+                "fuse_qkv=True is for one device: a tensor-parallel mesh splits q, k and v by head separately; "
+                "leave fuse_qkv unset (or False) with a mesh"
+            )
+        self.fused_qkv = bool(fuse_qkv)
         if mesh is None:
-            self.params = unstack_layers(params)
+            self.params = prepared(params, self.fused_qkv)
         else:
             sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)
             specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack_layers, params), mesh)
@@ -496,7 +526,16 @@ class Engine:
         if cache is None:
             cache, lengths = self.init_cache(method, B), self.put_batch(np.zeros((B,), np.int32))
         step = compiled_extend(
-            self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh, self.weight_format
+            self.config,
+            method,
+            B,
+            chunk,
+            self.dtype,
+            impl,
+            on_chunk is not None,
+            self.mesh,
+            self.weight_format,
+            self.fused_qkv,
         )
         state = method.state()
         last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
@@ -524,7 +563,9 @@ class Engine:
         step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`).
         Tokens already on the device (e.g. the argmax of the last logits) stay there: no host round trip."""
         B = tokens.shape[0]
-        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, self.weight_format)
+        run = compiled_extend(
+            self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, self.weight_format, self.fused_qkv
+        )
         tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
         return run(
             self.params,
@@ -561,6 +602,7 @@ class Engine:
             tuple(eos_ids),
             self.mesh,
             self.weight_format,
+            self.fused_qkv,
         )
         limit = jnp.asarray(max_new_tokens - 1, jnp.int32)
         if self.mesh is not None:

@@ -279,9 +279,10 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
     key = jax.random.key(seed)
 
     start = time.perf_counter()
-    compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, engine.weight_format)  # untimed
+    weights = dict(weight_format=engine.weight_format, fused_qkv=engine.fused_qkv)
+    compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, **weights)  # untimed
     if tail:
-        compiled_extend(config, kv_method, B, 1, engine.dtype, impl, False, mesh, engine.weight_format)
+        compiled_extend(config, kv_method, B, 1, engine.dtype, impl, False, mesh, **weights)
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -305,7 +306,7 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
         bucket(plan.max_new_tokens),
         plan.eos_ids,
         mesh,
-        engine.weight_format,
+        **weights,
     )
     compile_s += time.perf_counter() - start
 

@@ -49,6 +49,8 @@ class LayerParams:
     bv: jax.Array | None = None  # [L, K, E]
     q_norm: jax.Array | None = None  # [L, E] per-head RMSNorm weights of queries and keys (config.qk_norm)
     k_norm: jax.Array | None = None  # [L, E]
+    # [L, D, H + 2K, E]: wq, wk and wv as one weight (`fuse_qkv`), which then are None
+    wqkv: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -139,7 +141,8 @@ def weights_memo(params: Params) -> dict:
     garbage-collected. Nothing in it may hold the first layer's query weights (`layer_at(params, 0).wq` / the
     stacked `params.layers.wq`), which keep it; a caller that wants to own its engine builds one
     (`duo_jax.engine.Engine`) and passes it (`generate(engine=)`)."""
-    anchor = jax.tree.leaves(params.layers[0].wq if isinstance(params.layers, tuple) else params.layers.wq)[0]
+    layers = params.layers[0] if isinstance(params.layers, tuple) else params.layers
+    anchor = jax.tree.leaves(layers.wq if layers.wqkv is None else layers.wqkv)[0]
     memo = _MEMOS.get(id(anchor))
     if memo is None:
         memo = _MEMOS[id(anchor)] = {}
@@ -188,7 +191,7 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
 # int8 weights keep one scale per output channel, the other axes (`quantize_weights`). The embedding's rows
 # are its output channels for the tied LM head and its lookup alike.
 CONTRACTED_AXES = dict(
-    wq=(0,), wk=(0,), wv=(0,), wo=(0, 1), w_gate=(0,), w_up=(0,), w_down=(0,), embed=(1,), lm_head=(1,)
+    wq=(0,), wk=(0,), wv=(0,), wqkv=(0,), wo=(0, 1), w_gate=(0,), w_up=(0,), w_down=(0,), embed=(1,), lm_head=(1,)
 )
 
 
@@ -341,12 +344,34 @@ def mlp(x: jax.Array, layer: LayerParams) -> jax.Array:
     return quant.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
 
 
+def fuse_qkv(layer: LayerParams) -> LayerParams:
+    """`layer` with wq, wk and wv concatenated along the head axis into `wqkv` (a copy of them; int8 weights keep
+    their per-channel scales), for one projection instead of three (docs/engine.md, "Fused q/k/v")."""
+    if layer.wqkv is not None:
+        return layer
+    weights = (layer.wq, layer.wk, layer.wv)
+    if isinstance(layer.wq, quant.QuantizedWeight):
+        wqkv = quant.QuantizedWeight(*(jnp.concatenate(parts, axis=-2) for parts in zip(*map(_as_pair, weights))))
+    else:
+        wqkv = jnp.concatenate(weights, axis=-2)
+    return dataclasses.replace(layer, wq=None, wk=None, wv=None, wqkv=wqkv)
+
+
+def _as_pair(w: quant.QuantizedWeight) -> tuple[jax.Array, jax.Array]:
+    return w.codes, w.scale
+
+
 def project_qkv(x: jax.Array, layer: LayerParams, eps: float):
     """Query [B, T, H, E], key and value [B, T, K, E] heads of one layer's normed input x [B, T, D], before RoPE
     (with the layer's q/k/v biases and per-head q/k RMSNorm, eps `eps`, where the model has them)."""
-    q = quant.einsum("btd,dhe->bthe", x, layer.wq)
-    k = quant.einsum("btd,dke->btke", x, layer.wk)
-    v = quant.einsum("btd,dke->btke", x, layer.wv)
+    if layer.wqkv is None:
+        q = quant.einsum("btd,dhe->bthe", x, layer.wq)
+        k = quant.einsum("btd,dke->btke", x, layer.wk)
+        v = quant.einsum("btd,dke->btke", x, layer.wv)
+    else:
+        H = layer.wo.shape[-3]  # wo [H, E, D]
+        K = (layer.wqkv.shape[-2] - H) // 2
+        q, k, v = jnp.split(quant.einsum("btd,dne->btne", x, layer.wqkv), (H, H + K), axis=2)
     if layer.bq is not None:
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
     if layer.q_norm is not None:

@@ -169,6 +169,22 @@ def test_roofline_matches_hand_computed_figures():
     assert roof["decode_ms"]["duo"] == pytest.approx(8.14, abs=0.01)
 
 
+def test_op_kinds_sum_a_profile_by_fusion_kind():
+    """A profile's ops grouped by kind (XLA's numeric suffixes dropped), per step, most launches first."""
+    gpu = importlib.import_module("gpu_llama8b")
+    totals = {
+        "loop_add_fusion_62": 4e6,
+        "loop_add_fusion_3": 2e6,
+        "gemm_fusion_dot_485": 8e6,
+        "duo_decode_attention": 1e6,
+    }
+    counts = {"loop_add_fusion_62": 6, "loop_add_fusion_3": 4, "gemm_fusion_dot_485": 2, "duo_decode_attention": 2}
+    kinds = gpu.op_kinds(totals, counts, steps=2)
+    assert list(kinds) == ["loop_add_fusion", "gemm_fusion_dot", "duo_decode_attention"]
+    assert kinds["loop_add_fusion"] == {"ms_per_step": 3.0, "per_step": 5.0}
+    assert kinds["gemm_fusion_dot"] == {"ms_per_step": 4.0, "per_step": 1.0}
+
+
 @pytest.mark.slow
 def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     """run_mode on a tiny engine (on CPU here): prefill, host steps and the device loop run through the engine,

@@ -316,3 +316,59 @@ def test_a_step_on_device_tokens_makes_no_host_round_trip(params, monkeypatch):
     monkeypatch.setattr(engine_lib, "np", Numpy())
     logits, cache, lengths = engine.step(method, cache, lengths, token)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(host_logits))
+
+
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_fused_qkv_gives_the_separate_weights_logits(params, weights):
+    """An engine holding q/k/v as one weight (what a GPU gets by default) prefills, steps and decodes on the
+    device to the logits and tokens of the separate weights, in float32 and int8 (per-channel scales kept)."""
+    from duo_jax.engine import Engine
+    from duo_jax.model import quantize_weights
+    from duo_jax.sampling import Sampling
+
+    weights_in = quantize_weights(params, weights)
+    method = DuoAttention(make_layout(CONFIG, MIXED, sink=4, recent=12, context=64))
+    tokens = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (2, 30)).astype(np.int32)
+    out = {}
+    for fused in (False, True):
+        engine = Engine(weights_in, CONFIG, fuse_qkv=fused)
+        assert engine.fused_qkv is fused and (engine.params.layers[1].wqkv is not None) is fused
+        logits, cache, lengths = engine.prefill(method, tokens, np.asarray([9, 30]), chunk=16)
+        step, cache, lengths = engine.step(method, cache, lengths, jnp.asarray(tokens[:, 0]))
+        decoded, _, _, _ = engine.decode_loop(
+            method, cache, lengths, jnp.asarray(tokens[:, 1]), jax.random.key(0), max_new_tokens=5, sampling=Sampling()
+        )
+        out[fused] = (np.asarray(logits), np.asarray(step), np.asarray(decoded))
+    for separate, fused in zip(out[False], out[True]):
+        np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5)
+    fused_layer = Engine(weights_in, CONFIG, fuse_qkv=True).params.layers[0]
+    assert fused_layer.wq is None and fused_layer.wk is None and fused_layer.wv is None
+    H, K = CONFIG.num_heads, CONFIG.num_kv_heads
+    assert fused_layer.wqkv.shape == (CONFIG.hidden_size, H + 2 * K, CONFIG.head_dim)
+
+
+def test_fused_qkv_is_one_projection_in_the_lowered_step():
+    """Exported for CUDA, the decode step over fused weights has two dots fewer per layer (q, k and v in one),
+    and the engine fuses by default on a GPU only (a mesh refuses an explicit fuse_qkv=True)."""
+    from duo_jax.engine import Engine, _abstract_params
+    from tests.test_backend import cuda_module
+
+    method = DuoAttention(make_layout(CONFIG, MIXED, sink=4, recent=12, context=256))
+    cache = jax.eval_shape(lambda: method.init_cache(1, jnp.float32))
+    ints, token = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    dots = {}
+    for fused in (False, True):
+        module = cuda_module(
+            lambda p, c, l, t, n: extend(p, c, l, t, n, config=CONFIG, method=method, impl="pallas"),
+            _abstract_params(CONFIG, "float32", fused_qkv=fused),
+            cache,
+            ints,
+            token,
+            ints,
+        )
+        dots[fused] = module.count("stablehlo.dot_general")
+    assert dots[True] == dots[False] - 2 * CONFIG.num_layers
+    assert Engine(duo_jax.init_params(CONFIG, jax.random.key(1)), CONFIG).fused_qkv is (jax.default_backend() == "gpu")
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    with pytest.raises(duo_jax.DuoJaxError, match="fuse_qkv=True is for one device"):
+        Engine(duo_jax.init_params(CONFIG, jax.random.key(1)), CONFIG, mesh, fuse_qkv=True)
