@@ -240,12 +240,25 @@ def run_mode(
         logits, cache, lengths = engine.prefill(method, tokens, np.full(batch, start_length), chunk=chunk)
         logits.block_until_ready()
         prefill_s = time.perf_counter() - start
+        if profile_dir is not None:  # one more prefill, traced: GPU ms by op kind over the whole prefill
+            del logits, cache
+            gc.collect()
+            try:
+                with jax.profiler.trace(f"{profile_dir}/prefill"):
+                    logits, cache, lengths = engine.prefill(method, tokens, np.full(batch, start_length), chunk=chunk)
+                    logits.block_until_ready()
+                prefill_profile = gpu_op_times(f"{profile_dir}/prefill", 1)
+            except Exception as e:  # noqa: BLE001 - a profile is a diagnostic: record why it failed
+                prefill_profile = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                logits, cache, lengths = engine.prefill(method, tokens, np.full(batch, start_length), chunk=chunk)
     else:
         cache = method.init_cache(batch, jnp.bfloat16)
         lengths = jnp.full((batch,), start_length, jnp.int32)  # a zero-filled cache: the same bytes move
     out = dict(cache_bytes=tree_bytes(cache))
     if prefill:
         out["prefill_s"] = prefill_s
+        if profile_dir is not None:
+            out["prefill_profile"] = prefill_profile
     token, times = jnp.zeros((batch,), jnp.int32), []
     for _ in range(warmup + steps):
         start = time.perf_counter()
@@ -346,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "--profile",
         action="store_true",
         help="also trace one device loop per context and mode (into a temporary folder): GPU ms per "
-        "step by XLA op, in the JSON",
+        "step by XLA op, in the JSON; and one prefill where prefill is timed (GPU ms by op over the prefill)",
     )
     args = p.parse_args(argv)
 

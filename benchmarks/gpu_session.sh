@@ -16,11 +16,13 @@
 #   bash benchmarks/gpu_session.sh methods OUT   # every KV-cache method on SmolLM2 with the shipped gates, NIAH at
 #                                                # 1k-8k x 10 depths, budgets 25% and 50%; like gates, the runs
 #                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
+#   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of about 9 minutes: 8k / 32k
+#                                                # with a per-op profile, chunks of 2k / 4k / 8k, and 128k
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
-#   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 9 minutes: the duo
-#                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with
-#                                                # q / k / v fused, at 8k / 32k with them separate, batch 8 x 32k
+#   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
+#                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
+#                                                # per-op profile and the optimized HLO, batch 8 x 32k
 #
 # Measured on an H100 (2026-11-25): check ~6 min (the tests alone ~4 min), llama8b ~9 min.
 # Each stage writes its logs and JSON into OUT (flat, so a tool that brings back OUT's files gets them all).
@@ -30,8 +32,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|decode|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|decode|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|decode|prefill|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|decode|prefill|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -93,19 +95,34 @@ sweep)
     ;;
 decode)
     # Issue 33's decode targets, most informative first: the duo kernels' GPU tests; Llama-3-8B decode at 8k, 32k
-    # and 128k with q / k / v fused (the engine's default on a GPU), with a profile; the same at 8k and 32k with
-    # three separate weights (XLA:GPU turns each one-token k / v projection into a product and column sums:
-    # BENCHMARKS.md, "Decode on one H100"); batch 8 x 32k.
+    # and 128k with a per-op profile and the decode loop's optimized HLO; batch 8 x 32k. (q / k / v as three
+    # weights, the engine's layout before "Fused q/k/v", is `gpu_llama8b.py --separate-qkv`.)
     timeout "${TESTS_S:-80}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
         -k "duo_decode or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
-    timeout "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
+    # with the decode loop's optimized HLO (its fusions: which ops of a layer run as separate launches)
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode" \
+        timeout "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
         --decode-steps 32 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b.log" || true
-    timeout "${SEPARATE_S:-120}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 \
-        --decode-steps 32 --separate-qkv --out "$out/separate_qkv" 2>&1 | tee "$out/gpu_llama8b_separate_qkv.log" || true
-    timeout "${BATCH_S:-140}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --batch 8 --decode-steps 16 \
+    find "$out/hlo" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
+    timeout "${BATCH_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --batch 8 --decode-steps 16 \
         --out "$out/batch8" 2>&1 | tee "$out/gpu_llama8b_batch8.log" || true
     # one archive: a device call brings back at most 8 files
     archive=$(mktemp -d)/decode.tgz
+    tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
+    ;;
+prefill)
+    # Issue 33's prefill targets: 8k and 32k with a profile of one prefill per mode (GPU ms by op kind: what duo
+    # adds per chunk), the same with chunks of 4k and 8k, then 128k without a profile.
+    timeout "${PREFILL_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+        --decode-steps 4 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b_prefill.log" || true
+    for chunk in 4096 8192; do
+        timeout "${CHUNK_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+            --decode-steps 4 --chunk-size $chunk --out "$out/chunk$chunk" 2>&1 \
+            | tee "$out/gpu_llama8b_prefill_chunk$chunk.log" || true
+    done
+    timeout "${LONG_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        --decode-steps 4 --out "$out/ctx128k" 2>&1 | tee "$out/gpu_llama8b_prefill_128k.log" || true
+    archive=$(mktemp -d)/prefill.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
 train8b)
@@ -113,7 +130,7 @@ train8b)
         | tee "$out/train_step.log" || true
     ;;
 *)
-    echo "unknown stage $stage (check, decode, llama8b, quantized, gates, methods, train8b or sweep)" >&2
+    echo "unknown stage $stage (check, decode, prefill, llama8b, quantized, gates, methods, train8b or sweep)" >&2
     exit 2
     ;;
 esac

@@ -210,6 +210,7 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     )
     assert out["prefill_s"] > 0 and out["host_step_ms"] > 0 and out["decode_ms"] > 0
     assert out["profile"] == {"error": "the trace has no GPU plane"}
+    assert out["prefill_profile"] == {"error": "the trace has no GPU plane"}
     assert np.isfinite(out["decode_ms"])
 
 
