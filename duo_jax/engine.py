@@ -235,6 +235,12 @@ def _abstract_params(
     return params if mesh is None else sharding.abstract(params, sharding.tensor_parallel_specs(params, mesh), mesh)
 
 
+def fuses_qkv_by_default(mesh: Mesh | None = None) -> bool:
+    """Whether an `Engine` holds q/k/v as one weight unless told: on a GPU, off a mesh (docs/engine.md, "Fused
+    q/k/v")."""
+    return mesh is None and jax.default_backend() == "gpu"
+
+
 def prepared(params: Params, fused_qkv: bool) -> Params:
     """`params` in the layout the steps take: per-layer (`unstack_layers`), q/k/v as one weight when
     `fused_qkv` (`duo_jax.model.fuse_qkv`)."""
@@ -430,7 +436,7 @@ class Engine:
         mesh = None if mesh is None else sharding.auto_axes(mesh)  # jax.make_mesh's Explicit axes run as Auto
         self.config, self.mesh = config, mesh
         if fuse_qkv is None:
-            fuse_qkv = mesh is None and jax.default_backend() == "gpu"
+            fuse_qkv = fuses_qkv_by_default(mesh)
         if fuse_qkv and mesh is not None:
             raise DuoJaxError(
                 "fuse_qkv=True is for one device: a tensor-parallel mesh splits q, k and v by head separately; "

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from duo_jax.cache import CAPACITY_BLOCK
 from duo_jax.config import ModelConfig, get_config
-from duo_jax.engine import compiled_extend
+from duo_jax.engine import compiled_extend, fuses_qkv_by_default, prepared
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods import Method, make_method
 from duo_jax.model import param_shapes, quantize_weights
@@ -35,22 +35,29 @@ def tree_bytes(tree) -> int:
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def weight_bytes(config: ModelConfig, dtype: str, weights: str | None) -> int:
-    """Bytes of the model's weights as loaded (`duo_jax.load(..., dtype, weights=...)`)."""
+def weight_bytes(config: ModelConfig, dtype: str, weights: str | None, fused_qkv: bool = False) -> int:
+    """Bytes of the model's weights as loaded (`duo_jax.load(..., dtype, weights=...)`), plus the engine's fused
+    q/k/v copy when `fused_qkv` (docs/engine.md, "Fused q/k/v": the model's own arrays stay alive beside it)."""
     stacked = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config), is_leaf=lambda s: isinstance(s, tuple)
     )
-    return tree_bytes(jax.eval_shape(lambda p: quantize_weights(p, weights), stacked))
+    loaded = jax.eval_shape(lambda p: quantize_weights(p, weights), stacked)
+    copy = jax.eval_shape(lambda p: [layer.wqkv for layer in prepared(p, True).layers], loaded) if fused_qkv else []
+    return tree_bytes(loaded) + tree_bytes(copy)
 
 
 def _method(name: str, config: ModelConfig, capacity: int, options: dict) -> Method:
     return make_method(name, config, context=capacity, **options)
 
 
-def _step_temp(config: ModelConfig, method: Method, dtype: str, weights: str | None, chunk: int) -> int:
+def _step_temp(
+    config: ModelConfig, method: Method, dtype: str, weights: str | None, chunk: int, fused_qkv: bool
+) -> int:
     """Temp bytes of the larger of the compiled decode step and prefill chunk (XLA memory analysis)."""
     return max(
-        compiled_extend(config, method, 1, t, dtype, weight_format=weights).memory_analysis().temp_size_in_bytes
+        compiled_extend(config, method, 1, t, dtype, weight_format=weights, fused_qkv=fused_qkv)
+        .memory_analysis()
+        .temp_size_in_bytes
         for t in (1, chunk)
     )
 
@@ -75,11 +82,13 @@ def plan(
     recent: int = 256,
     chunk: int = 512,
     temp: bool = True,
+    fused_qkv: bool | None = None,
 ) -> dict:
     """Weights, cache per token, temp memory and the largest context for "full" and "duo" (batch 1).
 
     pattern: duo's head pattern (default: the model's shipped one; only how many heads it makes retrieval
-    heads matters here). temp=False skips compiling (temp counted as 0).
+    heads matters here). temp=False skips compiling (temp counted as 0). fused_qkv: whether the engine holds
+    q/k/v as one weight, a copy counted with the weights (None: the engine's default on this backend).
     Returns a dict with weight_bytes, and per method (prefix "full_" / "duo_"): cache_bytes_per_token,
     cache_fixed_bytes, temp_bytes, temp_bytes_per_token, max_context (weights + cache + temp <= HBM) and
     max_context_no_temp; plus max_context_full and max_context_duo.
@@ -89,7 +98,8 @@ def plan(
         if pattern is None:
             raise DuoJaxError(f"model {config.name!r} ships no head pattern; pass pattern= (a Pattern)")
     pattern.validate(config)
-    w_bytes = weight_bytes(config, dtype, weights)
+    fused_qkv = fuses_qkv_by_default() if fused_qkv is None else fused_qkv
+    w_bytes = weight_bytes(config, dtype, weights, fused_qkv)
     out = dict(
         model=config.name,
         hbm_bytes=int(hbm_bytes),
@@ -102,6 +112,7 @@ def plan(
         chunk=chunk,
         backend=jax.default_backend(),
         weight_bytes=w_bytes,
+        fused_qkv=fused_qkv,
         max_position_embeddings=config.max_position_embeddings,
     )
     options = {
@@ -115,7 +126,7 @@ def plan(
         cache = [tree_bytes(m.cache_spec(1, dtype)) for m in methods]
         per_token = (cache[1] - cache[0]) / (high - low)
         fixed = cache[0] - per_token * low
-        temps = [_step_temp(config, m, dtype, weights, chunk) for m in methods] if temp else [0, 0]
+        temps = [_step_temp(config, m, dtype, weights, chunk, fused_qkv) for m in methods] if temp else [0, 0]
         temp_per_token = max(temps[1] - temps[0], 0) / (high - low)
         temp_fixed = temps[0] - temp_per_token * low
         budget = hbm_bytes - w_bytes
@@ -150,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recent", type=int, default=256)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
     p.add_argument("--no-temp", action="store_true", help="skip compiling the steps (temp memory counted as 0)")
+    p.add_argument(
+        "--fuse-qkv",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="count the engine's fused q/k/v copy with the weights (default: where the engine makes it, on a GPU; "
+        "pass it when planning for a GPU on another machine)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     try:
@@ -166,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             recent=args.recent,
             chunk=args.chunk,
             temp=not args.no_temp,
+            fused_qkv=args.fuse_qkv,
         )
     except DuoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -179,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['sparsity']} (sink {r['sink']}, recent {r['recent']}); "
         + ("temp not measured (--no-temp)" if args.no_temp else f"temp compiled for {r['backend']}")
     )
-    print(f"  weights: {r['weight_bytes'] / GIB:.2f} GiB")
+    fused = " (with the engine's fused q/k/v copy)" if r["fused_qkv"] else ""
+    print(f"  weights: {r['weight_bytes'] / GIB:.2f} GiB{fused}")
     for name in ("full", "duo"):
         print(
             f"  {name:4s}: cache {r[f'{name}_cache_bytes_per_token'] / 1024:.2f} KiB/token + "

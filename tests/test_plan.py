@@ -57,6 +57,24 @@ def test_planner_figures_equal_bytes_of_built_arrays(kv_dtype, weights):
     assert r["max_context_duo"] > r["max_context_full"]
 
 
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_planner_counts_the_fused_qkv_copy_a_gpu_engine_holds(weights):
+    """Where the engine fuses q/k/v (a GPU's default), the copy lives beside the model's own weights: the planner
+    counts its bytes, those of the arrays an Engine(fuse_qkv=True) builds, and the context shrinks to match."""
+    from duo_jax.engine import Engine
+
+    kwargs = dict(hbm_bytes=3 * 2**20, weights=weights, dtype="float32", pattern=PATTERN, sink=4, recent=12)
+    separate = plan.plan(CONFIG, temp=False, fused_qkv=False, **kwargs)
+    fused = plan.plan(CONFIG, temp=False, fused_qkv=True, **kwargs)
+    params = quantize_weights(duo_jax.init_params(CONFIG, jax.random.key(0)), weights)
+    engine = Engine(params, CONFIG, fuse_qkv=True)
+    copy = sum(x.nbytes for layer in engine.params.layers for x in jax.tree.leaves(layer.wqkv))
+    assert fused["weight_bytes"] == separate["weight_bytes"] + copy and fused["fused_qkv"]
+    blocks = int(copy / separate["full_cache_bytes_per_token"]) // CAPACITY_BLOCK  # whole blocks the copy costs
+    assert fused["max_context_full"] <= separate["max_context_full"] - blocks * CAPACITY_BLOCK
+    assert plan.plan(CONFIG, temp=False, **kwargs)["fused_qkv"] is (jax.default_backend() == "gpu")
+
+
 @pytest.mark.slow
 def test_largest_context_fits_with_the_temp_of_the_step_compiled_at_that_context():
     """int4 cache and int8 weights: the steps dequantize tile by tile, so temp memory grows with the context by
