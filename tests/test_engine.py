@@ -147,7 +147,9 @@ def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
     activations, the ring writes): the counts fail the test when a change adds launches to every step."""
     from tests.test_backend import TRITON, cuda_module
 
-    params = jax.eval_shape(lambda: unstack_layers(duo_jax.init_params(CONFIG, jax.random.key(0))))
+    from duo_jax.engine import _abstract_params
+
+    params = _abstract_params(CONFIG, "float32", fused_qkv=True)  # the engine's weights on a GPU
     ints, token = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
     counts = {}
     for name, mask in (("duo", MIXED), ("full", None)):
