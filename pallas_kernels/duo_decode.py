@@ -31,13 +31,36 @@ def ring_block(size: int, largest: int = 128) -> int | None:
     return None
 
 
+def lookup(table: tuple[int, ...], i: jax.Array) -> jax.Array:
+    """table[i] for a static table and a traced scalar i, as a chain of selects (index maps and kernel bodies
+    cannot capture an array constant)."""
+    value = jnp.int32(table[0])
+    for j in range(1, len(table)):
+        value = jnp.where(i == j, jnp.int32(table[j]), value)
+    return value
+
+
+def head_tables(kv_order: tuple[int, ...], num_retrieval: int) -> tuple[tuple[int, ...], ...]:
+    """For each KV head of the grid (the model's order): whether it is a retrieval head, its head in the
+    retrieval cache (0 for streaming heads), its head in the ring (0 for retrieval heads). `kv_order` lists the
+    model's KV heads in the caches' order: retrieval cache heads 0..n-1, then ring heads 0..K_s-1."""
+    num_heads = len(kv_order)
+    retrieval, cache_head, ring_head = [0] * num_heads, [0] * num_heads, [0] * num_heads
+    for slot, head in enumerate(kv_order):
+        if slot < num_retrieval:
+            retrieval[head], cache_head[head] = 1, slot
+        else:
+            ring_head[head] = slot - num_retrieval
+    return tuple(retrieval), tuple(cache_head), tuple(ring_head)
+
+
 def _kernel(
     lengths_ref,
     ring_lengths_ref,
     q_ref,
     *refs,
     scale: float,
-    num_retrieval: int,
+    retrieval_heads: tuple[int, ...],
     block_k: int,
     blocks_per_split: int,
     ring_block: int,
@@ -60,7 +83,9 @@ def _kernel(
         tables_ref, k_ref, v_ref = retrieval
         k_tile, v_tile = (functools.partial(paged_tile, tables_ref, ref, pages_per_block) for ref in (k_ref, v_ref))
 
-    @pl.when(head < num_retrieval)
+    is_retrieval = lookup(retrieval_heads, head) == 1
+
+    @pl.when(is_retrieval)
     def _retrieval():
         split_attention(
             lengths_ref,
@@ -74,7 +99,7 @@ def _kernel(
             program=(b, split),
         )
 
-    @pl.when(head >= num_retrieval)
+    @pl.when(jnp.logical_not(is_retrieval))
     def _streaming():
         def new_token(qs):  # split 0 scores the new token first; the other splits stay empty
             (q,) = qs
@@ -114,6 +139,7 @@ def duo_decode_attention(
     v_new: jax.Array,
     *,
     block_tables: jax.Array | None = None,
+    kv_order: tuple[int, ...] | None = None,
     scale: float | None = None,
     block_k: int = 128,
     num_splits: int = 16,
@@ -122,23 +148,28 @@ def duo_decode_attention(
     """One new token per sequence over a cache split by KV heads.
 
     Args:
-      q: [B, Hq, D], the query heads grouped by KV head in the caches' order: the first n * G heads go with
-        the retrieval cache, the others with the ring (G = Hq / K, K = n + K_s).
+      q: [B, Hq, D], the query heads grouped by KV head (G = Hq / K each, K = n + K_s): without `kv_order`, in
+        the caches' order (the first n * G heads go with the retrieval cache, the others with the ring); with
+        it, in the model's order.
       k, v: [B, C, n, D] the retrieval heads' cache, the new token written; C a multiple of `block_k`. With
         `block_tables`, their pools of pages instead: [n, N, P, D] (P a power of two).
       lengths: int32 [B]; the retrieval heads see keys j < lengths[b].
       ring_k, ring_v: [B, S, K_s, D] the streaming heads' ring (S tiled by `ring_block(S)`).
       ring_lengths: int32 [B]; the streaming heads see ring slots j < ring_lengths[b] (<= S) and the new token.
-      k_new, v_new: [B, K_s, D] the new token's key and value on the streaming heads.
+      k_new, v_new: the new token's key and value: [B, K_s, D] on the streaming heads, or with `kv_order` [B, K, D]
+        on every KV head in the model's order (the streaming heads' rows are read).
       block_tables: int32 [B, M] for a paged retrieval cache (slot j of sequence b: page block_tables[b, j // P],
         row j % P; `paged_attention`'s layout), or None for a contiguous one.
+      kv_order: the model's K KV heads in the caches' order (retrieval cache heads, then ring heads), so that q,
+        k_new, v_new and the output stay in the model's order: each head is routed to its cache in the kernel's
+        index maps, no gather of heads around it. None: q and the output in the caches' order.
       scale: softmax scale, default 1 / sqrt(D).
       block_k, num_splits: the retrieval cache's key block (whole pages when paged) and (at most) how many
         chunks it is split into.
       interpret: None = interpret mode exactly when running on CPU.
 
     Returns:
-      [B, Hq, D] like q.
+      [B, Hq, D] like q (in q's head order).
     """
     batch, num_heads, head_dim = q.shape
     paged = block_tables is not None
@@ -157,12 +188,19 @@ def duo_decode_attention(
             raise ValueError(
                 f"{name} must both be [B={batch}, slots, heads, D={head_dim}], got {key.shape} and {value.shape}"
             )
-    if k_new.shape != (batch, num_streaming, head_dim) or v_new.shape != k_new.shape:
-        raise ValueError(
-            f"k_new / v_new must be [B, K_s, D] = {(batch, num_streaming, head_dim)}, got "
-            f"{k_new.shape} and {v_new.shape}"
-        )
     num_kv_heads = num_retrieval + num_streaming
+    new_heads = num_streaming if kv_order is None else num_kv_heads
+    if k_new.shape != (batch, new_heads, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(
+            f"k_new / v_new must be [B, {'K_s' if kv_order is None else 'K'}, D] = {(batch, new_heads, head_dim)}, "
+            f"got {k_new.shape} and {v_new.shape}"
+        )
+    if kv_order is not None and sorted(kv_order) != list(range(num_kv_heads)):
+        raise ValueError(f"kv_order must list the {num_kv_heads} KV heads once each, got {kv_order}")
+    retrieval_heads, cache_head, ring_head = head_tables(
+        tuple(range(num_kv_heads)) if kv_order is None else tuple(kv_order), num_retrieval
+    )
+    new_head = ring_head if kv_order is None else tuple(range(num_kv_heads))
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     ring_tile = ring_block(size)
@@ -171,7 +209,6 @@ def duo_decode_attention(
     _common.check_block("block_k", block_k)
     scale = _common.default_scale(head_dim, scale)
     interpret = _backend.resolve_interpret(interpret)
-    last = num_retrieval - 1
     if paged:
         num_pages, page_size = k.shape[1], k.shape[2]
         capacity = block_tables.shape[1] * page_size
@@ -179,7 +216,7 @@ def duo_decode_attention(
         tables, blocks_per_split, num_splits = split_tables(block_tables, num_pages, per_block, num_splits)
         block_k = per_block * page_size
         pool_spec = pl.BlockSpec(
-            (None, num_pages, page_size, head_dim), lambda b, h, s: (jnp.minimum(h, last), 0, 0, 0)
+            (None, num_pages, page_size, head_dim), lambda b, h, s: (lookup(cache_head, h), 0, 0, 0)
         )
         tables_spec = pl.BlockSpec((None, None, tables.shape[2]), lambda b, h, s: (b, s, 0))  # this split's pages
         retrieval_specs = [tables_spec, pool_spec, pool_spec]
@@ -191,7 +228,7 @@ def duo_decode_attention(
             raise ValueError(f"the retrieval cache's {capacity} slots are not a multiple of block_k={block_k}")
         blocks_per_split, num_splits = _common.split_blocks(capacity // block_k, num_splits)
         cache_spec = pl.BlockSpec(
-            (None, blocks_per_split * block_k, None, head_dim), lambda b, h, s: (b, s, jnp.minimum(h, last), 0)
+            (None, blocks_per_split * block_k, None, head_dim), lambda b, h, s: (b, s, lookup(cache_head, h), 0)
         )
         retrieval_specs, retrieval = [cache_spec, cache_spec], [k, v]
     lengths = jnp.minimum(_common.per_batch(lengths, batch, capacity), capacity)
@@ -199,8 +236,8 @@ def duo_decode_attention(
 
     q_dtype, q = q.dtype, group_queries(q, num_kv_heads, 1, interpret)
     rows = q.shape[3]
-    ring_spec = pl.BlockSpec((None, size, None, head_dim), lambda b, h, s: (b, 0, jnp.maximum(h - num_retrieval, 0), 0))
-    new_spec = pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, jnp.maximum(h - num_retrieval, 0), 0))
+    ring_spec = pl.BlockSpec((None, size, None, head_dim), lambda b, h, s: (b, 0, lookup(ring_head, h), 0))
+    new_spec = pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, lookup(new_head, h), 0))
     lengths_spec = pl.BlockSpec((batch,), lambda b, h, s: (0,))
     in_specs = [
         lengths_spec,
@@ -215,7 +252,7 @@ def duo_decode_attention(
     kernel = functools.partial(
         _kernel,
         scale=scale,
-        num_retrieval=num_retrieval,
+        retrieval_heads=retrieval_heads,
         block_k=block_k,
         blocks_per_split=blocks_per_split,
         ring_block=ring_tile,

@@ -24,6 +24,26 @@ def cuda_module(fn, *args) -> str:
     return exported.mlir_module()
 
 
+def executed(module: str, op: str) -> int:
+    """How many times `op` (e.g. "stablehlo.gather") runs in the module's public entry: its own occurrences plus,
+    for every call site, the callee's count (JAX lowers some ops, `jnp.take` among them, into private functions
+    that the module holds once however often they are called)."""
+    bodies = {}
+    for chunk in re.split(r"\n\s*func\.func ", "\n" + module)[1:]:
+        name = re.match(r"(?:public |private )?@([\w.$-]+)", chunk).group(1)
+        bodies[name] = chunk
+    counts: dict[str, int] = {}
+
+    def count(name: str) -> int:
+        if name not in counts:
+            body = bodies[name]
+            callees = re.findall(r"(?<!custom_)call @([\w.$-]+)\(", body)
+            counts[name] = body.count(op) + sum(count(callee) for callee in callees)
+        return counts[name]
+
+    return count("main")
+
+
 def triton_kernels(module: str) -> list[dict]:
     """Each Triton custom call's kernel name, grid and compiler params."""
     calls = []

@@ -104,6 +104,49 @@ def test_bfloat16_matches_float64():
     assert out.dtype == jnp.bfloat16 and rel_err(out.astype(jnp.float32), expected) <= 2e-2
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_heads_in_the_models_order(paged):
+    """With kv_order, q, the new token's k / v and the output stay in the model's head order (retrieval heads
+    2 and 0, streaming heads 4, 1 and 3): the same attention as the caches' order, heads permuted; the
+    retrieval heads' rows of k_new / v_new are never read (filled with NaN)."""
+    B, C, S, n, K_s, G, D, page_size = 2, 64, 48, 2, 3, 2, 32, 16
+    order = (2, 0, 4, 1, 3)
+    q, k, v, ring_k, ring_v, k_new, v_new = _inputs(B, C, S, n, K_s, G, D, seed=3)
+    lengths, ring_lengths = np.asarray([64, 23], np.int32), np.asarray([48, 5], np.int32)
+    expected = _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
+    slot = np.argsort(order)  # slot[m]: model head m's place in the caches' order
+    query_rows = (slot[:, None] * G + np.arange(G)).reshape(-1)  # the caches'-order rows of each model head's group
+
+    def every_head(x):  # [B, K_s, D] streaming heads -> [B, K, D] in the model's order, NaN on retrieval heads
+        rows = np.full((B, n + K_s, D), np.nan, np.float32)
+        rows[:, [m for m in range(n + K_s) if slot[m] >= n]] = np.asarray(x)[
+            :, [slot[m] - n for m in range(n + K_s) if slot[m] >= n]
+        ]
+        return jnp.asarray(rows)
+
+    retrieval, extra = (k, v), {}
+    if paged:
+        pages = np.arange(B * C // page_size, dtype=np.int32).reshape(B, -1)
+        retrieval = tuple(x.reshape(B * C // page_size, page_size, n, D).transpose(2, 0, 1, 3) for x in (k, v))
+        extra = dict(block_tables=jnp.asarray(pages))
+    out = duo_decode_attention(
+        q[:, query_rows],
+        *retrieval,
+        lengths,
+        ring_k,
+        ring_v,
+        ring_lengths,
+        every_head(k_new),
+        every_head(v_new),
+        kv_order=order,
+        block_k=16,
+        num_splits=2,
+        interpret=True,
+        **extra,
+    )
+    assert rel_err(out, expected[:, query_rows]) <= 1e-5
+
+
 def test_ring_block():
     assert [ring_block(s) for s in (320, 256, 48, 1024, 40, 7)] == [64, 128, 16, 128, None, None]
 
@@ -127,15 +170,16 @@ def test_rejects_what_it_cannot_serve():
 def test_lowers_to_one_triton_kernel(paged):
     """Exported for CUDA from this host: one Triton launch on the decode grid, neither cache copied or padded
     (the ring + token of S + 1 slots never exists; pages are never gathered into a contiguous cache)."""
-    from tests.test_backend import TRITON, cuda_module, triton_kernels
+    from tests.test_backend import TRITON, cuda_module, executed, triton_kernels
 
     B, C, S, n, K_s, G, D, P = 2, 8192, 320, 2, 6, 4, 128, 16
     shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
     ints = shape(B, dtype=jnp.int32)
     retrieval = shape(n, B * C // P, P, D) if paged else shape(B, C, n, D)
     tables = {"block_tables": jnp.zeros((B, C // P), jnp.int32)} if paged else {}
+    order = (3, 0, 1, 2, 4, 5, 6, 7)  # heads routed in the index maps: the model's order in, and out
     module = cuda_module(
-        lambda *a: duo_decode_attention(*a, num_splits=64, **tables),
+        lambda *a: duo_decode_attention(*a, num_splits=64, kv_order=order, **tables),
         shape(B, (n + K_s) * G, D),
         retrieval,
         retrieval,
@@ -143,13 +187,14 @@ def test_lowers_to_one_triton_kernel(paged):
         shape(B, S, K_s, D),
         shape(B, S, K_s, D),
         ints,
-        shape(B, K_s, D),
-        shape(B, K_s, D),
+        shape(B, n + K_s, D),
+        shape(B, n + K_s, D),
     )
     assert module.count(f"custom_call @{TRITON}") == 1
     (launch,) = triton_kernels(module)
     assert launch["name"].startswith("duo_decode_attention") and launch["grid"] == (B, n + K_s, 64)
     assert f"{B}x{S + 1}x" not in module  # no ring + token copy
+    assert executed(module, "stablehlo.gather") == 0  # no head gathered around the kernel
     if paged:
         assert f"{B}x{C}x{n}x{D}x" not in module  # no contiguous view of the pages
     else:

@@ -179,28 +179,40 @@ def test_decode_attention_split_k(dtype):
     assert bool(jnp.all(out[2] == 0))
 
 
+@pytest.mark.parametrize("routed", [False, True], ids=["caches_order", "models_order"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_duo_decode_attention_both_partitions(dtype):
+def test_duo_decode_attention_both_partitions(dtype, routed):
     """DuoAttention's one-launch decode: 2 retrieval KV heads over 4,224 slots (lengths full, 1, mid-block) and
-    6 streaming heads over a ring of sink 64 + recent 256 (full, partly filled, empty) plus the new token."""
+    6 streaming heads over a ring of sink 64 + recent 256 (full, partly filled, empty) plus the new token; heads in
+    the caches' order, or (routed) in the model's order with the heads routed in the kernel's index maps."""
     from pallas_kernels import duo_decode_attention
 
     needs_triton()
     lengths, ring_lengths = np.array([4224, 1, 3001]), np.array([320, 77, 0])
     q, k, v = inputs(3, 1, 4224, 32, 2, 128, dtype)
     _, ring_k, ring_v = inputs(3, 1, 321, 32, 6, 128, dtype, seed=1)  # slot 320: the new token
-    fn = jax.jit(lambda *a: duo_decode_attention(*a, num_splits=64))
-    out = fn(
-        *(jnp.asarray(x, dtype) for x in (q[:, 0], k, v)),
-        jnp.asarray(lengths, jnp.int32),
-        *(jnp.asarray(x[:, :320], dtype) for x in (ring_k, ring_v)),
-        jnp.asarray(ring_lengths, jnp.int32),
-        *(jnp.asarray(x[:, 320], dtype) for x in (ring_k, ring_v)),
-    )
     retrieval = attention_f64(q[:, :, :8], k, v, positions_mask(1, 4224, lengths - 1, lengths))
     seen = (np.arange(321)[None, :] < ring_lengths[:, None]) | (np.arange(321)[None, :] == 320)
     streaming = attention_f64(q[:, :, 8:], ring_k, ring_v, seen[:, None, :])
-    check(out[:, None], np.concatenate([retrieval, streaming], axis=2), dtype)
+    expected = np.concatenate([retrieval, streaming], axis=2)
+    k_new, v_new, rows, extra = ring_k[:, 320], ring_v[:, 320], np.arange(32), {}
+    if routed:  # model head m sits at slot[m] of the caches' order
+        order = (5, 1, 0, 2, 3, 4, 6, 7)
+        slot = np.argsort(order)
+        rows = (slot[:, None] * 4 + np.arange(4)).reshape(-1)
+        k_new, v_new = (
+            np.where(slot[None, :, None] >= 2, x[:, np.maximum(slot - 2, 0)], np.nan) for x in (k_new, v_new)
+        )
+        extra = dict(kv_order=order)
+    fn = jax.jit(lambda *a: duo_decode_attention(*a, num_splits=64, **extra))
+    out = fn(
+        *(jnp.asarray(x, dtype) for x in (q[:, 0, rows], k, v)),
+        jnp.asarray(lengths, jnp.int32),
+        *(jnp.asarray(x[:, :320], dtype) for x in (ring_k, ring_v)),
+        jnp.asarray(ring_lengths, jnp.int32),
+        *(jnp.asarray(x, dtype) for x in (k_new, v_new)),
+    )
+    check(out[:, None], expected[:, :, rows], dtype)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

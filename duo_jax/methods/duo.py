@@ -1,7 +1,8 @@
 """DuoAttention: retrieval heads keep every token, streaming heads keep sinks + recent tokens.
 
 The split cache is `duo_jax.cache`; each layer's heads are split into its retrieval and streaming groups on
-the activations (`cache_order`, `split_heads`), so the weights are used as loaded. For T new tokens per sequence:
+the activations (`cache_order`, `split_heads`; the one-launch decode kernel routes them itself), so the weights are
+used as loaded. For T new tokens per sequence:
 
   retrieval heads: keys written to the full cache, attention over every cached token up to the query;
   streaming heads: attention over the streaming cache (sinks + the last `recent` tokens before the chunk)
@@ -47,14 +48,14 @@ def cache_order(layout: CacheLayout, layer: int, x: jax.Array) -> jax.Array:
     order: the layer's retrieval heads first, then its streaming heads, each in the model's order. The weights
     stay as loaded: heads are picked from the activations (a few KB per token), so every method shares one copy
     of the weights."""
-    if layout.kv_order is None:
+    if _in_model_order(layout, layer):
         return x
     return jnp.take(x, _head_index(layout.kv_order[layer], x.shape[2] // layout.num_kv_heads), axis=2)
 
 
 def model_order(layout: CacheLayout, layer: int, x: jax.Array) -> jax.Array:
     """`cache_order`'s inverse: outputs [B, T, N, E] back in the model's head order."""
-    if layout.kv_order is None:
+    if _in_model_order(layout, layer):
         return x
     index = _head_index(layout.kv_order[layer], x.shape[2] // layout.num_kv_heads)
     return jnp.take(x, np.argsort(index), axis=2)
@@ -75,6 +76,12 @@ def split_heads(layout: CacheLayout, layer: int, x: jax.Array) -> tuple[jax.Arra
 def merge_heads(layout: CacheLayout, layer: int, retrieval: jax.Array, streaming: jax.Array) -> jax.Array:
     """`split_heads`' inverse: the two groups' outputs [B, T, *, E] back in the model's head order."""
     return model_order(layout, layer, jnp.concatenate([retrieval, streaming], axis=2))
+
+
+def _in_model_order(layout: CacheLayout, layer: int) -> bool:
+    """Whether the layer's caches hold its heads in the model's order (one kind of head, or the retrieval heads
+    the lowest-numbered): then no head is reordered."""
+    return layout.kv_order is None or layout.kv_order[layer] == tuple(range(layout.num_kv_heads))
 
 
 def _head_index(kv_order: tuple[int, ...], group: int) -> np.ndarray:
@@ -192,17 +199,28 @@ class DuoAttention(Method):
         )
 
     def attend_partitions(
-        self, q, qs, ks, vs, rk, rv, retrieval, streaming_k, streaming_v, step: Step, shared: DuoShared
+        self, layer, q, k, v, ks, vs, rk, rv, retrieval, streaming_k, streaming_v, step: Step, shared: DuoShared
     ):
-        """Both partitions' attention once the retrieval cache rk / rv holds the new tokens: q [B, T, H, E] in the
-        caches' head order, qs / ks / vs its streaming heads' part and the new tokens' keys and values there,
-        `retrieval()` the retrieval heads' output. Returns (output [B, T, H, E] in the caches' head order, the
-        ring with the new tokens folded in). A decode step runs both in one kernel where one serves it
-        (`attention.duo_decode`), the ring written after it."""
+        """Both partitions' attention once the retrieval cache rk / rv holds the new tokens: q [B, T, H, E] and the
+        new tokens' k / v [B, T, K, E] in the model's head order, ks / vs their streaming heads' part in the
+        caches' order, `retrieval(qr)` the retrieval heads' output for their queries qr. Returns (output
+        [B, T, H, E] in the model's head order, the ring with the new tokens folded in). A decode step runs both
+        in one kernel where one serves it (`attention.duo_decode`: it reads q, k and v in the model's order and
+        routes each head to its cache, so no head is gathered around it), the ring written after it."""
         if step.is_decode and step.mesh is None and step.sliding_window is None:
             ring_lengths = jnp.minimum(step.lengths, self.layout.sink + self.layout.recent)
             out = attention.duo_decode(
-                q, rk, rv, step.new_lengths, streaming_k, streaming_v, ring_lengths, ks, vs, impl=step.impl
+                q,
+                rk,
+                rv,
+                step.new_lengths,
+                streaming_k,
+                streaming_v,
+                ring_lengths,
+                k,
+                v,
+                kv_order=self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(k.shape[2])),
+                impl=step.impl,
             )
             if out is not None:
                 return (
@@ -210,8 +228,9 @@ class DuoAttention(Method):
                     write_slots(streaming_k, shared.window.write_slots, ks),
                     write_slots(streaming_v, shared.window.write_slots, vs),
                 )
+        qr, qs = split_heads(self.layout, layer, q)
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, streaming_k, streaming_v, step)
-        return jnp.concatenate([retrieval(), out_s], axis=2), sk, sv
+        return merge_heads(self.layout, layer, retrieval(qr), out_s), sk, sv
 
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
         n = self.layout.num_retrieval[layer]
@@ -220,11 +239,11 @@ class DuoAttention(Method):
         q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         if step.mesh is not None:  # the heads' split is per layer: gather them first, then pick locally
             q, k, v = (sharding.whole_over_model(x, step.mesh) for x in (q, k, v))
-        q, k, v = (cache_order(self.layout, layer, x) for x in (q, k, v))
-        (qr, qs), (kr, ks), (vr, vs) = (partition(self.layout, layer, x) for x in (q, k, v))
+        (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (k, v))
         if step.mesh is not None and n:
+            qr = split_heads(self.layout, layer, q)[0]
             out_r, rk, rv = sharded_retrieval_attention(qr, kr, vr, cache.retrieval_k, cache.retrieval_v, step)
-            retrieval = lambda: out_r  # noqa: E731
+            retrieval = lambda qr: out_r  # noqa: E731
         else:
             if step.mesh is None:  # slot = position, and a step's positions follow each other: written in place
                 n_valid = step.new_lengths - step.lengths
@@ -233,11 +252,10 @@ class DuoAttention(Method):
             else:
                 rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
                 rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
-            retrieval = lambda: retrieval_attention(qr, rk, rv, step) if n else qr  # noqa: E731
+            retrieval = lambda qr: retrieval_attention(qr, rk, rv, step) if n else qr  # noqa: E731
         out, sk, sv = self.attend_partitions(
-            q, qs, ks, vs, rk, rv, retrieval, cache.streaming_k, cache.streaming_v, step, shared
+            layer, q, k, v, ks, vs, rk, rv, retrieval, cache.streaming_k, cache.streaming_v, step, shared
         )
-        out = model_order(self.layout, layer, out)
         return rotation.back(out), DuoLayerCache(rk, rv, sk, sv)
 
 

@@ -21,7 +21,7 @@ from duo_jax.attention.pages import PagedKV
 from duo_jax.cache import CacheLayout
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
-from duo_jax.methods.duo import DuoAttention, DuoShared, cache_order, model_order, partition, retrieval_attention
+from duo_jax.methods.duo import DuoAttention, DuoShared, retrieval_attention, split_heads
 from duo_jax.model import apply_rotary
 
 DEFAULT_PAGE_SIZE = 128
@@ -190,8 +190,7 @@ class PagedDuo(Method):
     def attend(self, layer, q, k, v, view: PagedLayerView, step: Step, shared: DuoShared):
         cache, tables = view.layer, view.block_tables
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
-        q, k, v = (cache_order(self.layout, layer, x) for x in (q, k, v))
-        (qr, qs), (kr, ks), (vr, vs) = (partition(self.layout, layer, x) for x in (q, k, v))
+        (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (k, v))
         n = self.layout.num_retrieval[layer]
         pk, pv = cache.pages_k, cache.pages_v
         if n:
@@ -199,19 +198,21 @@ class PagedDuo(Method):
             pv = write_pages(pv, tables, step.positions, step.valid, vr)
         rk, rv = PagedKV(pk, tables), PagedKV(pv, tables)
         out, sk, sv = DuoAttention(self.layout).attend_partitions(
+            layer,
             q,
-            qs,
+            k,
+            v,
             ks,
             vs,
             rk,
             rv,
-            lambda: retrieval_attention(qr, rk, rv, step) if n else qr,
+            lambda qr: retrieval_attention(qr, rk, rv, step) if n else qr,
             cache.streaming_k,
             cache.streaming_v,
             step,
             shared,
         )
-        return model_order(self.layout, layer, out), PagedLayerCache(pk, pv, sk, sv)
+        return out, PagedLayerCache(pk, pv, sk, sv)
 
 
 def paged(method: Method, *, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None) -> PagedDuo:
