@@ -38,7 +38,8 @@ def executed(module: str, op: str) -> int:
         if name not in counts:
             body = bodies[name]
             callees = re.findall(r"(?<!custom_)call @([\w.$-]+)\(", body)
-            counts[name] = body.count(op) + sum(count(callee) for callee in callees)
+            own = len(re.findall(rf"(?<!#){re.escape(op)}(?!<)", body))  # not an attribute (#stablehlo.gather<...>)
+            counts[name] = own + sum(count(callee) for callee in callees)
         return counts[name]
 
     return count("main")
