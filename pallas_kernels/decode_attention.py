@@ -145,15 +145,19 @@ def run_splits(
     interpret: bool,
     name: str,
     return_lse: bool,
+    extra_outputs: tuple = (),
+    aliases: dict[int, int] | None = None,
 ):
     """Launches a split-K program `kernel` (one `split_attention` per program) over grid (batch, KV head, split)
     with grouped queries q [B, Hkv, parts, G', D / parts] (`group_queries`) among its inputs, then merges the
     splits (`merge_splits`). Its outputs: o float32 [B, Hkv, splits, parts, G', D / parts], m, l float32
-    [B, Hkv, splits, G']."""
+    [B, Hkv, splits, G'], then `extra_outputs` ((BlockSpec, ShapeDtypeStruct) pairs), each of which `aliases`
+    may alias to an input (input index -> its index among the extra outputs). Returns the merged output (and
+    lse), followed by the extra outputs when there are any."""
     batch, num_kv_heads, parts, rows, width = q.shape
     stats_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))
     stats = jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32)
-    o, m, l = pl.pallas_call(
+    o, m, l, *extras = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_splits),
         in_specs=in_specs,
@@ -161,19 +165,25 @@ def run_splits(
             pl.BlockSpec((None, None, None, parts, rows, width), lambda b, h, s: (b, h, s, 0, 0, 0)),
             stats_spec,
             stats_spec,
+            *(spec for spec, _ in extra_outputs),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, parts, rows, width), jnp.float32),
             stats,
             stats,
+            *(shape for _, shape in extra_outputs),
         ],
+        input_output_aliases={i: 3 + j for i, j in (aliases or {}).items()},
         compiler_params=_backend.compiler_params(
             interpret=interpret, num_warps=4, num_stages=2, dimension_semantics=("parallel", "parallel", "parallel")
         ),
         interpret=interpret,
         name=name,
     )(*args)
-    return merge_splits(o, m, l, num_heads=num_heads, dtype=dtype, return_lse=return_lse)
+    merged = merge_splits(o, m, l, num_heads=num_heads, dtype=dtype, return_lse=return_lse)
+    if not extras:
+        return merged
+    return (*merged, *extras) if return_lse else (merged, *extras)
 
 
 def merge_splits(o, m, l, *, num_heads: int, dtype, return_lse: bool):

@@ -66,9 +66,14 @@ def _kernel(
     ring_block: int,
     ring_blocks: int,
     pages_per_block: int | None,
+    write_ring: bool,
 ):
-    # refs: the retrieval cache (k, v; or the split's page ids and the pools k, v), the ring (k, v), the new
-    # token (k, v), then the outputs (o, m, l)
+    # refs: (with write_ring: the ring slots), the retrieval cache (k, v; or the split's page ids and the pools
+    # k, v), the ring (k, v), the new token (k, v), then the outputs (o, m, l; with write_ring: the ring k, v,
+    # aliased to the ring's inputs)
+    ring_slots_ref, refs = (refs[0], refs[1:]) if write_ring else (None, refs)
+    ring_out = refs[-2:] if write_ring else ()
+    refs = refs[:-2] if write_ring else refs
     *retrieval, ring_k_ref, ring_v_ref, k_new_ref, v_new_ref, o_ref, m_ref, l_ref = refs
     b, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     out = (o_ref, m_ref, l_ref)
@@ -125,6 +130,13 @@ def _kernel(
             init=new_token,
             program=(b, split),
         )
+        if write_ring:  # split 0, after every ring key is read: the new token into its slot (past the ring: kept out)
+            slot = ring_slots_ref[b]
+
+            @pl.when((split == 0) & (slot < ring_k_ref.shape[0]))
+            def _write():
+                for ref, new_ref in zip(ring_out, (k_new_ref, v_new_ref)):
+                    ref[pl.ds(slot, 1), :] = new_ref[...][None, :].astype(ref.dtype)
 
 
 def duo_decode_attention(
@@ -140,6 +152,7 @@ def duo_decode_attention(
     *,
     block_tables: jax.Array | None = None,
     kv_order: tuple[int, ...] | None = None,
+    ring_slots: jax.Array | None = None,
     scale: float | None = None,
     block_k: int = 128,
     num_splits: int = 16,
@@ -163,13 +176,16 @@ def duo_decode_attention(
       kv_order: the model's K KV heads in the caches' order (retrieval cache heads, then ring heads), so that q,
         k_new, v_new and the output stay in the model's order: each head is routed to its cache in the kernel's
         index maps, no gather of heads around it. None: q and the output in the caches' order.
+      ring_slots: int32 [B], or None: each sequence's ring slot for the new token (S or more: not kept). The
+        kernel then also writes the new token's keys and values there, after reading the ring, into ring_k /
+        ring_v (updated in place: donate them), and returns them.
       scale: softmax scale, default 1 / sqrt(D).
       block_k, num_splits: the retrieval cache's key block (whole pages when paged) and (at most) how many
         chunks it is split into.
       interpret: None = interpret mode exactly when running on CPU.
 
     Returns:
-      [B, Hq, D] like q (in q's head order).
+      [B, Hq, D] like q (in q's head order); with `ring_slots`, (that, ring_k, ring_v).
     """
     batch, num_heads, head_dim = q.shape
     paged = block_tables is not None
@@ -258,11 +274,20 @@ def duo_decode_attention(
         ring_block=ring_tile,
         ring_blocks=size // ring_tile,
         pages_per_block=per_block,
+        write_ring=ring_slots is not None,
     )
+    args = [lengths, ring_lengths, q, *retrieval, ring_k, ring_v, k_new, v_new]
+    extra_outputs, aliases = (), None
+    if ring_slots is not None:
+        in_specs.insert(3, lengths_spec)
+        args.insert(3, _common.per_batch(ring_slots, batch, size))
+        ring_in = 4 + len(retrieval)  # ring_k's index among the inputs: after lengths, ring_lengths, q and the slots
+        extra_outputs = ((ring_spec, jax.ShapeDtypeStruct(ring_k.shape, ring_k.dtype)),) * 2
+        aliases = {ring_in: 0, ring_in + 1: 1}
     return run_splits(
         kernel,
         in_specs,
-        [lengths, ring_lengths, q, *retrieval, ring_k, ring_v, k_new, v_new],
+        args,
         q,
         num_splits=num_splits,
         num_heads=num_heads,
@@ -270,4 +295,6 @@ def duo_decode_attention(
         interpret=interpret,
         name="duo_decode_attention",
         return_lse=False,
+        extra_outputs=extra_outputs,
+        aliases=aliases,
     )

@@ -168,8 +168,9 @@ def test_rejects_what_it_cannot_serve():
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_lowers_to_one_triton_kernel(paged):
-    """Exported for CUDA from this host: one Triton launch on the decode grid, neither cache copied or padded
-    (the ring + token of S + 1 slots never exists; pages are never gathered into a contiguous cache)."""
+    """Exported for CUDA from this host, heads routed and the ring written by the kernel: one Triton launch on the
+    decode grid, neither cache copied or padded (the ring + token of S + 1 slots never exists; pages are never
+    gathered into a contiguous cache), no gather or scatter around it, the ring aliased in place."""
     from tests.test_backend import TRITON, cuda_module, executed, triton_kernels
 
     B, C, S, n, K_s, G, D, P = 2, 8192, 320, 2, 6, 4, 128, 16
@@ -179,7 +180,7 @@ def test_lowers_to_one_triton_kernel(paged):
     tables = {"block_tables": jnp.zeros((B, C // P), jnp.int32)} if paged else {}
     order = (3, 0, 1, 2, 4, 5, 6, 7)  # heads routed in the index maps: the model's order in, and out
     module = cuda_module(
-        lambda *a: duo_decode_attention(*a, num_splits=64, kv_order=order, **tables),
+        lambda *a: duo_decode_attention(*a, num_splits=64, kv_order=order, ring_slots=a[3], **tables)[0],
         shape(B, (n + K_s) * G, D),
         retrieval,
         retrieval,
@@ -195,8 +196,37 @@ def test_lowers_to_one_triton_kernel(paged):
     assert launch["name"].startswith("duo_decode_attention") and launch["grid"] == (B, n + K_s, 64)
     assert f"{B}x{S + 1}x" not in module  # no ring + token copy
     assert executed(module, "stablehlo.gather") == 0  # no head gathered around the kernel
+    assert executed(module, "stablehlo.scatter") == 0 and "output_operand_aliases" in module  # the ring, in place
     if paged:
         assert f"{B}x{C}x{n}x{D}x" not in module  # no contiguous view of the pages
     else:
         assert f"{B}x{C}x{n}x{D}xbf16" in module
     assert _backend.exporting() is False
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_writes_the_new_token_into_the_ring(paged):
+    """With ring_slots the kernel also writes the new token's k / v into each sequence's ring slot after reading
+    the ring (the attention is that of the ring before the write), and leaves every other slot, and a sequence
+    whose slot is past the ring, as they were."""
+    B, C, S, n, K_s, G, D, page_size = 3, 64, 48, 2, 3, 2, 32, 16
+    q, k, v, ring_k, ring_v, k_new, v_new = _inputs(B, C, S, n, K_s, G, D, seed=4)
+    lengths, ring_lengths = np.asarray([64, 23, 5], np.int32), np.asarray([48, 5, 0], np.int32)
+    slots = np.asarray([7, 5, S], np.int32)  # the slot of sequence 0 holds a key its query still sees
+    expected = _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new)
+    retrieval, extra = (k, v), {}
+    if paged:
+        pages = np.arange(B * C // page_size, dtype=np.int32).reshape(B, -1)
+        retrieval = tuple(x.reshape(B * C // page_size, page_size, n, D).transpose(2, 0, 1, 3) for x in (k, v))
+        extra = dict(block_tables=jnp.asarray(pages))
+    out, new_k, new_v = jax.jit(
+        lambda *a: duo_decode_attention(*a, ring_slots=jnp.asarray(slots), block_k=16, num_splits=2, **extra),
+        donate_argnums=(4, 5),  # the ring, updated in place
+    )(q, *retrieval, lengths, jnp.array(ring_k), jnp.array(ring_v), ring_lengths, k_new, v_new)
+    assert rel_err(out, expected) <= 1e-5
+    for ring, new, written in ((ring_k, k_new, new_k), (ring_v, v_new, new_v)):
+        want = np.array(ring)
+        for b in range(B):
+            if slots[b] < S:
+                want[b, slots[b]] = np.asarray(new)[b]
+        np.testing.assert_array_equal(np.asarray(written), want)

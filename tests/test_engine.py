@@ -144,8 +144,8 @@ def test_one_kernel_decode_over_a_ragged_batch(params):
 def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
     """A decode step exported for CUDA from this host: one Triton launch per layer (the mixed layers' both
     partitions in `duo_decode_attention`), and no more gathers and scatters than today (gathers counted where they
-    run: per call of the private functions JAX lowers `jnp.take` into; scatters: the ring writes): the counts fail
-    the test when a change adds launches to every step."""
+    run: per call of the private functions JAX lowers `jnp.take` into; scatters: ring writes outside the kernel):
+    the counts fail the test when a change adds launches to every step."""
     from duo_jax.engine import _abstract_params
     from tests.test_backend import TRITON, cuda_module, executed
 
@@ -168,8 +168,9 @@ def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
         ]
     assert counts["full"] == [CONFIG.num_layers, 10, 0]
     # duo gathers no more than full: the kernel reads q and writes its output in the model's head order, and the
-    # layers whose caches keep that order (one kind of head, or retrieval heads first) reorder nothing
-    assert counts["duo"][0] == CONFIG.num_layers and counts["duo"][1] <= counts["full"][1] and counts["duo"][2] <= 6
+    # layers whose caches keep that order (one kind of head, or retrieval heads first) reorder nothing; the mixed
+    # layers' kernel writes their rings, so the scatters are the all-streaming layer's ring writes (k and v)
+    assert counts["duo"][0] == CONFIG.num_layers and counts["duo"][1] <= counts["full"][1] and counts["duo"][2] <= 2
 
 
 @pytest.mark.slow

@@ -184,7 +184,8 @@ def test_decode_attention_split_k(dtype):
 def test_duo_decode_attention_both_partitions(dtype, routed):
     """DuoAttention's one-launch decode: 2 retrieval KV heads over 4,224 slots (lengths full, 1, mid-block) and
     6 streaming heads over a ring of sink 64 + recent 256 (full, partly filled, empty) plus the new token; heads in
-    the caches' order, or (routed) in the model's order with the heads routed in the kernel's index maps."""
+    the caches' order, or (routed) in the model's order with the heads routed in the kernel's index maps and the
+    new token written into the ring (slots 5, 77, past the ring) by the kernel."""
     from pallas_kernels import duo_decode_attention
 
     needs_triton()
@@ -203,7 +204,7 @@ def test_duo_decode_attention_both_partitions(dtype, routed):
         k_new, v_new = (
             np.where(slot[None, :, None] >= 2, x[:, np.maximum(slot - 2, 0)], np.nan) for x in (k_new, v_new)
         )
-        extra = dict(kv_order=order)
+        extra = dict(kv_order=order, ring_slots=jnp.asarray([5, 77, 320], jnp.int32))
     fn = jax.jit(lambda *a: duo_decode_attention(*a, num_splits=64, **extra))
     out = fn(
         *(jnp.asarray(x, dtype) for x in (q[:, 0, rows], k, v)),
@@ -212,6 +213,12 @@ def test_duo_decode_attention_both_partitions(dtype, routed):
         jnp.asarray(ring_lengths, jnp.int32),
         *(jnp.asarray(x, dtype) for x in (k_new, v_new)),
     )
+    if routed:
+        out, rings = out[0], out[1:]
+        for ring, written in zip((ring_k, ring_v), rings):
+            want = np.array(jnp.asarray(ring[:, :320], dtype).astype(jnp.float32))
+            want[0, 5], want[1, 77] = ring[0, 320], ring[1, 320]  # sequence 2's slot is past the ring
+            np.testing.assert_array_equal(np.asarray(jnp.asarray(written).astype(jnp.float32)), want)
     check(out[:, None], expected[:, :, rows], dtype)
 
 

@@ -205,11 +205,11 @@ class DuoAttention(Method):
         new tokens' k / v [B, T, K, E] in the model's head order, ks / vs their streaming heads' part in the
         caches' order, `retrieval(qr)` the retrieval heads' output for their queries qr. Returns (output
         [B, T, H, E] in the model's head order, the ring with the new tokens folded in). A decode step runs both
-        in one kernel where one serves it (`attention.duo_decode`: it reads q, k and v in the model's order and
-        routes each head to its cache, so no head is gathered around it), the ring written after it."""
+        in one kernel where one serves it (`attention.duo_decode`: it reads q, k and v in the model's order,
+        routes each head to its cache, so no head is gathered around it, and writes the ring after reading it)."""
         if step.is_decode and step.mesh is None and step.sliding_window is None:
             ring_lengths = jnp.minimum(step.lengths, self.layout.sink + self.layout.recent)
-            out = attention.duo_decode(
+            served = attention.duo_decode(
                 q,
                 rk,
                 rv,
@@ -220,14 +220,11 @@ class DuoAttention(Method):
                 k,
                 v,
                 kv_order=self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(k.shape[2])),
+                ring_slots=shared.window.write_slots[:, 0],
                 impl=step.impl,
             )
-            if out is not None:
-                return (
-                    out,
-                    write_slots(streaming_k, shared.window.write_slots, ks),
-                    write_slots(streaming_v, shared.window.write_slots, vs),
-                )
+            if served is not None:
+                return served  # (output, ring k, ring v): the kernel writes the new token into the ring
         qr, qs = split_heads(self.layout, layer, q)
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, streaming_k, streaming_v, step)
         return merge_heads(self.layout, layer, retrieval(qr), out_s), sk, sv
