@@ -67,16 +67,38 @@ def _kernel(
     ring_blocks: int,
     pages_per_block: int | None,
     write_ring: bool,
+    write_cache: bool,
 ):
-    # refs: (with write_ring: the ring slots), the retrieval cache (k, v; or the split's page ids and the pools
-    # k, v), the ring (k, v), the new token (k, v), then the outputs (o, m, l; with write_ring: the ring k, v,
-    # aliased to the ring's inputs)
-    ring_slots_ref, refs = (refs[0], refs[1:]) if write_ring else (None, refs)
-    ring_out = refs[-2:] if write_ring else ()
-    refs = refs[:-2] if write_ring else refs
+    # refs: the slots written (the ring's with write_ring, then the cache's with write_cache), the retrieval cache
+    # (k, v; or the split's page ids and the pools k, v), the ring (k, v), the new token (k, v), then the outputs:
+    # o, m, l, and k, v of the ring (write_ring) and of the cache (write_cache), aliased to those inputs
+    slot_refs, refs = refs[: write_ring + write_cache], refs[write_ring + write_cache :]
+    written = 2 * (write_ring + write_cache)
+    written_refs, refs = refs[len(refs) - written :], refs[: len(refs) - written]
     *retrieval, ring_k_ref, ring_v_ref, k_new_ref, v_new_ref, o_ref, m_ref, l_ref = refs
     b, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     out = (o_ref, m_ref, l_ref)
+
+    def new_token(qs):  # split 0 scores the new token first; the other splits stay empty
+        (q,) = qs
+        first = split == 0
+        score = jnp.sum(q.astype(jnp.float32) * k_new_ref[...].astype(jnp.float32)[None, :], axis=-1) * scale
+        value = jnp.broadcast_to(v_new_ref[...].astype(jnp.float32)[None, :], q.shape)
+        return (
+            (jnp.where(first, value, 0.0),),
+            jnp.where(first, score, _common.MASK_VALUE),
+            jnp.where(first, jnp.ones_like(score), 0.0),
+        )
+
+    def write_new_token(slot_ref, outputs):
+        # split 0, after its keys are read: the new token into its slot (S or more: kept out). Other splits read
+        # only keys below the slot, so none reads the row written here.
+        slot = slot_ref[b]
+
+        @pl.when((split == 0) & (slot < outputs[0].shape[0]))
+        def _write():
+            for ref, new_ref in zip(outputs, (k_new_ref, v_new_ref)):
+                ref[pl.ds(slot, 1), :] = new_ref[...][None, :].astype(ref.dtype)
 
     def rows(ref, size):
         return lambda i: [ref[pl.ds(i * size, size), :]]
@@ -101,22 +123,14 @@ def _kernel(
             scale=scale,
             block_k=block_k,
             blocks_per_split=blocks_per_split,
+            init=new_token if write_cache else None,  # the cache does not hold the new token yet
             program=(b, split),
         )
+        if write_cache:
+            write_new_token(slot_refs[-1], written_refs[-2:])
 
     @pl.when(jnp.logical_not(is_retrieval))
     def _streaming():
-        def new_token(qs):  # split 0 scores the new token first; the other splits stay empty
-            (q,) = qs
-            first = split == 0
-            score = jnp.sum(q.astype(jnp.float32) * k_new_ref[...].astype(jnp.float32)[None, :], axis=-1) * scale
-            value = jnp.broadcast_to(v_new_ref[...].astype(jnp.float32)[None, :], q.shape)
-            return (
-                (jnp.where(first, value, 0.0),),
-                jnp.where(first, score, _common.MASK_VALUE),
-                jnp.where(first, jnp.ones_like(score), 0.0),
-            )
-
         # The ring is one chunk of `ring_blocks` blocks: split s > 0 starts past every filled slot.
         split_attention(
             ring_lengths_ref,
@@ -130,13 +144,8 @@ def _kernel(
             init=new_token,
             program=(b, split),
         )
-        if write_ring:  # split 0, after every ring key is read: the new token into its slot (past the ring: kept out)
-            slot = ring_slots_ref[b]
-
-            @pl.when((split == 0) & (slot < ring_k_ref.shape[0]))
-            def _write():
-                for ref, new_ref in zip(ring_out, (k_new_ref, v_new_ref)):
-                    ref[pl.ds(slot, 1), :] = new_ref[...][None, :].astype(ref.dtype)
+        if write_ring:
+            write_new_token(slot_refs[0], written_refs[:2])
 
 
 def duo_decode_attention(
@@ -153,6 +162,7 @@ def duo_decode_attention(
     block_tables: jax.Array | None = None,
     kv_order: tuple[int, ...] | None = None,
     ring_slots: jax.Array | None = None,
+    cache_slots: jax.Array | None = None,
     scale: float | None = None,
     block_k: int = 128,
     num_splits: int = 16,
@@ -179,13 +189,18 @@ def duo_decode_attention(
       ring_slots: int32 [B], or None: each sequence's ring slot for the new token (S or more: not kept). The
         kernel then also writes the new token's keys and values there, after reading the ring, into ring_k /
         ring_v (updated in place: donate them), and returns them.
+      cache_slots: int32 [B], or None: with it, the contiguous cache k / v does not hold the new token yet (the
+        retrieval heads see keys j < lengths[b] there, and the new token from k_new / v_new, which then needs
+        `kv_order`), and the kernel writes it at slot cache_slots[b] (C or more: not kept), in place, returning
+        k and v after the ring.
       scale: softmax scale, default 1 / sqrt(D).
       block_k, num_splits: the retrieval cache's key block (whole pages when paged) and (at most) how many
         chunks it is split into.
       interpret: None = interpret mode exactly when running on CPU.
 
     Returns:
-      [B, Hq, D] like q (in q's head order); with `ring_slots`, (that, ring_k, ring_v).
+      [B, Hq, D] like q (in q's head order); with `ring_slots` / `cache_slots`, a tuple of that, then ring_k and
+      ring_v, then k and v, as written.
     """
     batch, num_heads, head_dim = q.shape
     paged = block_tables is not None
@@ -211,6 +226,8 @@ def duo_decode_attention(
             f"k_new / v_new must be [B, {'K_s' if kv_order is None else 'K'}, D] = {(batch, new_heads, head_dim)}, "
             f"got {k_new.shape} and {v_new.shape}"
         )
+    if cache_slots is not None and (paged or kv_order is None):
+        raise ValueError("cache_slots needs a contiguous cache and kv_order (the retrieval heads' new k / v rows)")
     if kv_order is not None and sorted(kv_order) != list(range(num_kv_heads)):
         raise ValueError(f"kv_order must list the {num_kv_heads} KV heads once each, got {kv_order}")
     retrieval_heads, cache_head, ring_head = head_tables(
@@ -275,15 +292,21 @@ def duo_decode_attention(
         ring_blocks=size // ring_tile,
         pages_per_block=per_block,
         write_ring=ring_slots is not None,
+        write_cache=cache_slots is not None,
     )
-    args = [lengths, ring_lengths, q, *retrieval, ring_k, ring_v, k_new, v_new]
-    extra_outputs, aliases = (), None
-    if ring_slots is not None:
-        in_specs.insert(3, lengths_spec)
-        args.insert(3, _common.per_batch(ring_slots, batch, size))
-        ring_in = 4 + len(retrieval)  # ring_k's index among the inputs: after lengths, ring_lengths, q and the slots
-        extra_outputs = ((ring_spec, jax.ShapeDtypeStruct(ring_k.shape, ring_k.dtype)),) * 2
-        aliases = {ring_in: 0, ring_in + 1: 1}
+    # Written caches: the slots go in after q, the caches come out after (o, m, l), each aliased to its input.
+    writes = [(ring_slots, size, ring_spec, ring_k, ring_v)] if ring_slots is not None else []
+    if cache_slots is not None:
+        whole = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, s: (b, 0, lookup(cache_head, h), 0))
+        writes.append((cache_slots, capacity, whole, k, v))
+    slots = [_common.per_batch(slot, batch, limit) for slot, limit, *_ in writes]
+    in_specs[3:3] = [lengths_spec] * len(slots)
+    args = [lengths, ring_lengths, q, *slots, *retrieval, ring_k, ring_v, k_new, v_new]
+    extra_outputs, aliases = [], {}
+    for _, _, spec, key, value in writes:
+        for x in (key, value):
+            aliases[next(i for i, arg in enumerate(args) if arg is x)] = len(extra_outputs)
+            extra_outputs.append((spec, jax.ShapeDtypeStruct(x.shape, x.dtype)))
     return run_splits(
         kernel,
         in_specs,
@@ -295,6 +318,6 @@ def duo_decode_attention(
         interpret=interpret,
         name="duo_decode_attention",
         return_lse=False,
-        extra_outputs=extra_outputs,
+        extra_outputs=tuple(extra_outputs),
         aliases=aliases,
     )

@@ -230,3 +230,55 @@ def test_writes_the_new_token_into_the_ring(paged):
             if slots[b] < S:
                 want[b, slots[b]] = np.asarray(new)[b]
         np.testing.assert_array_equal(np.asarray(written), want)
+
+
+def test_writes_the_new_token_into_both_caches():
+    """With cache_slots too (heads in the model's order), the retrieval heads see their cache below each
+    sequence's slot plus the new token, which the kernel writes there: the attention and both caches equal those
+    of writing the token first and attending after (a slot past the cache, a padding row's: nothing written)."""
+    B, C, S, n, K_s, G, D = 3, 64, 48, 2, 3, 2, 32
+    order = (2, 0, 4, 1, 3)
+    q, k, v, ring_k, ring_v, _, _ = _inputs(B, C, S, n, K_s, G, D, seed=5)
+    k_all, v_all = (jax.random.normal(jax.random.key(s), (B, n + K_s, D), jnp.float32) for s in (6, 7))
+    old, ring_lengths = np.asarray([40, 0, 63], np.int32), np.asarray([48, 5, 0], np.int32)
+    cache_slots, ring_slots = np.asarray([40, 0, C], np.int32), np.asarray([7, 5, S], np.int32)
+    slot = np.argsort(order)
+    rows = (slot[:, None] * G + np.arange(G)).reshape(-1)  # the caches'-order query rows of each model head
+    kept = cache_slots < C
+    # the reference writes first: the caches' order, the new token in the retrieval cache at its slot
+    cache_k, cache_v = np.array(k), np.array(v)
+    for b in np.flatnonzero(kept):
+        cache_k[b, cache_slots[b]] = np.asarray(k_all)[b, list(order[:n])]
+        cache_v[b, cache_slots[b]] = np.asarray(v_all)[b, list(order[:n])]
+    expected = _reference(
+        q,
+        cache_k,
+        cache_v,
+        old + kept,
+        ring_k,
+        ring_v,
+        ring_lengths,
+        k_all[:, list(order[n:])],
+        v_all[:, list(order[n:])],
+    )
+    inv = np.empty_like(rows)
+    inv[rows] = np.arange(len(rows))
+    out, new_rk, new_rv, new_k, new_v = jax.jit(
+        lambda *a: duo_decode_attention(
+            *a,
+            kv_order=order,
+            ring_slots=jnp.asarray(ring_slots),
+            cache_slots=jnp.asarray(cache_slots),
+            block_k=16,
+            num_splits=2,
+            interpret=True,
+        )
+    )(q[:, rows], jnp.array(k), jnp.array(v), old, jnp.array(ring_k), jnp.array(ring_v), ring_lengths, k_all, v_all)
+    assert rel_err(out[:2], expected[:2, rows]) <= 1e-5  # sequence 2 (a padding row): its output is never read
+    np.testing.assert_array_equal(np.asarray(new_k), np.where(kept[:, None, None, None], cache_k, np.asarray(k)))
+    np.testing.assert_array_equal(np.asarray(new_v), np.where(kept[:, None, None, None], cache_v, np.asarray(v)))
+    ring_want = np.array(ring_k)
+    for b in range(B):
+        if ring_slots[b] < S:
+            ring_want[b, ring_slots[b]] = np.asarray(k_all)[b, list(order[n:])]
+    np.testing.assert_array_equal(np.asarray(new_rk), ring_want)

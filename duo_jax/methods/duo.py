@@ -207,27 +207,38 @@ class DuoAttention(Method):
         [B, T, H, E] in the model's head order, the ring with the new tokens folded in). A decode step runs both
         in one kernel where one serves it (`attention.duo_decode`: it reads q, k and v in the model's order,
         routes each head to its cache, so no head is gathered around it, and writes the ring after reading it)."""
-        if step.is_decode and step.mesh is None and step.sliding_window is None:
-            ring_lengths = jnp.minimum(step.lengths, self.layout.sink + self.layout.recent)
-            served = attention.duo_decode(
-                q,
-                rk,
-                rv,
-                step.new_lengths,
-                streaming_k,
-                streaming_v,
-                ring_lengths,
-                k,
-                v,
-                kv_order=self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(k.shape[2])),
-                ring_slots=shared.window.write_slots[:, 0],
-                impl=step.impl,
-            )
+        if self._one_kernel(step):
+            served = self._decode_kernel(layer, q, k, v, rk, rv, streaming_k, streaming_v, step, shared)
             if served is not None:
                 return served  # (output, ring k, ring v): the kernel writes the new token into the ring
         qr, qs = split_heads(self.layout, layer, q)
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, streaming_k, streaming_v, step)
         return merge_heads(self.layout, layer, retrieval(qr), out_s), sk, sv
+
+    @staticmethod
+    def _one_kernel(step: Step) -> bool:
+        """Whether the step may run both partitions in `attention.duo_decode` (which still says no where its
+        kernel does not serve the caches)."""
+        return step.is_decode and step.mesh is None and step.sliding_window is None
+
+    def _decode_kernel(self, layer, q, k, v, rk, rv, streaming_k, streaming_v, step, shared, cache_slots=None):
+        """`attention.duo_decode` on the layer's caches: the retrieval cache rk / rv holds the new token, or with
+        `cache_slots` not yet (the kernel writes it there). Its outputs, or None where it does not serve them."""
+        return attention.duo_decode(
+            q,
+            rk,
+            rv,
+            step.new_lengths if cache_slots is None else step.lengths,
+            streaming_k,
+            streaming_v,
+            jnp.minimum(step.lengths, self.layout.sink + self.layout.recent),
+            k,
+            v,
+            kv_order=self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(k.shape[2])),
+            ring_slots=shared.window.write_slots[:, 0],
+            cache_slots=cache_slots,
+            impl=step.impl,
+        )
 
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
         n = self.layout.num_retrieval[layer]
@@ -236,6 +247,23 @@ class DuoAttention(Method):
         q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         if step.mesh is not None:  # the heads' split is per layer: gather them first, then pick locally
             q, k, v = (sharding.whole_over_model(x, step.mesh) for x in (q, k, v))
+        if self._one_kernel(step):  # one launch: both partitions, and both caches written in place
+            served = self._decode_kernel(
+                layer,
+                q,
+                k,
+                v,
+                cache.retrieval_k,
+                cache.retrieval_v,
+                cache.streaming_k,
+                cache.streaming_v,
+                step,
+                shared,
+                cache_slots=shared.retrieval_slots[:, 0],
+            )
+            if served is not None:
+                out, sk, sv, rk, rv = served
+                return rotation.back(out), DuoLayerCache(rk, rv, sk, sv)
         (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (k, v))
         if step.mesh is not None and n:
             qr = split_heads(self.layout, layer, q)[0]
