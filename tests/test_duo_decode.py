@@ -170,7 +170,8 @@ def test_rejects_what_it_cannot_serve():
 def test_lowers_to_one_triton_kernel(paged):
     """Exported for CUDA from this host, heads routed and the ring written by the kernel: one Triton launch on the
     decode grid, neither cache copied or padded (the ring + token of S + 1 slots never exists; pages are never
-    gathered into a contiguous cache), no gather or scatter around it, the ring aliased in place."""
+    gathered into a contiguous cache), no gather or scatter around it, the ring (and a contiguous cache) aliased
+    in place."""
     from tests.test_backend import TRITON, cuda_module, executed, triton_kernels
 
     B, C, S, n, K_s, G, D, P = 2, 8192, 320, 2, 6, 4, 128, 16
@@ -180,7 +181,9 @@ def test_lowers_to_one_triton_kernel(paged):
     tables = {"block_tables": jnp.zeros((B, C // P), jnp.int32)} if paged else {}
     order = (3, 0, 1, 2, 4, 5, 6, 7)  # heads routed in the index maps: the model's order in, and out
     module = cuda_module(
-        lambda *a: duo_decode_attention(*a, num_splits=64, kv_order=order, ring_slots=a[3], **tables)[0],
+        lambda *a: duo_decode_attention(
+            *a, num_splits=64, kv_order=order, ring_slots=a[3], cache_slots=None if paged else a[3], **tables
+        )[0],
         shape(B, (n + K_s) * G, D),
         retrieval,
         retrieval,
@@ -196,7 +199,9 @@ def test_lowers_to_one_triton_kernel(paged):
     assert launch["name"].startswith("duo_decode_attention") and launch["grid"] == (B, n + K_s, 64)
     assert f"{B}x{S + 1}x" not in module  # no ring + token copy
     assert executed(module, "stablehlo.gather") == 0  # no head gathered around the kernel
-    assert executed(module, "stablehlo.scatter") == 0 and "output_operand_aliases" in module  # the ring, in place
+    # the ring (and the contiguous cache) written in place: aliased, no scatter or update around the kernel
+    assert executed(module, "stablehlo.scatter") == 0 and executed(module, "stablehlo.dynamic_update_slice") == 0
+    assert module.count("output_tuple_indices") == (2 if paged else 4)
     if paged:
         assert f"{B}x{C}x{n}x{D}x" not in module  # no contiguous view of the pages
     else:
