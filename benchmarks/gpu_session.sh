@@ -97,7 +97,7 @@ decode)
     # Issue 33's decode targets, most informative first: the duo kernels' GPU tests; Llama-3-8B decode at 8k, 32k
     # and 128k with a per-op profile and the decode loop's optimized HLO; batch 8 x 32k. (q / k / v as three
     # weights, the engine's layout before "Fused q/k/v", is `gpu_llama8b.py --separate-qkv`.)
-    timeout "${TESTS_S:-80}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
+    timeout "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
         -k "duo_decode or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
     # with the decode loop's optimized HLO (its fusions: which ops of a layer run as separate launches)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode" \
