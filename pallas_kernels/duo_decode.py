@@ -90,15 +90,20 @@ def _kernel(
             jnp.where(first, jnp.ones_like(score), 0.0),
         )
 
-    def write_new_token(slot_ref, outputs):
-        # split 0, after its keys are read: the new token into its slot (S or more: kept out). Other splits read
-        # only keys below the slot, so none reads the row written here.
+    def write_new_token(slot_ref, outputs, paged=False):
+        # split 0, after its keys are read: the new token into its slot (past the cache: kept out; a pool's slot
+        # is page * P + row). Other programs read only keys below the slot, so none reads the row written here.
         slot = slot_ref[b]
+        size = outputs[0].shape[0] * outputs[0].shape[1] if paged else outputs[0].shape[0]
 
-        @pl.when((split == 0) & (slot < outputs[0].shape[0]))
+        @pl.when((split == 0) & (slot < size))
         def _write():
             for ref, new_ref in zip(outputs, (k_new_ref, v_new_ref)):
-                ref[pl.ds(slot, 1), :] = new_ref[...][None, :].astype(ref.dtype)
+                row = new_ref[...][None, :].astype(ref.dtype)
+                if paged:
+                    ref[slot // ref.shape[1], pl.ds(slot % ref.shape[1], 1), :] = row
+                else:
+                    ref[pl.ds(slot, 1), :] = row
 
     def rows(ref, size):
         return lambda i: [ref[pl.ds(i * size, size), :]]
@@ -127,7 +132,7 @@ def _kernel(
             program=(b, split),
         )
         if write_cache:
-            write_new_token(slot_refs[-1], written_refs[-2:])
+            write_new_token(slot_refs[-1], written_refs[-2:], paged=pages_per_block is not None)
 
     @pl.when(jnp.logical_not(is_retrieval))
     def _streaming():
@@ -189,10 +194,10 @@ def duo_decode_attention(
       ring_slots: int32 [B], or None: each sequence's ring slot for the new token (S or more: not kept). The
         kernel then also writes the new token's keys and values there, after reading the ring, into ring_k /
         ring_v (updated in place: donate them), and returns them.
-      cache_slots: int32 [B], or None: with it, the contiguous cache k / v does not hold the new token yet (the
+      cache_slots: int32 [B], or None: with it, the retrieval cache k / v does not hold the new token yet (the
         retrieval heads see keys j < lengths[b] there, and the new token from k_new / v_new, which then needs
-        `kv_order`), and the kernel writes it at slot cache_slots[b] (C or more: not kept), in place, returning
-        k and v after the ring.
+        `kv_order`), and the kernel writes it at slot cache_slots[b] (C or more: not kept; paged: through the
+        block table, not kept where the table has no page), in place, returning k and v after the ring.
       scale: softmax scale, default 1 / sqrt(D).
       block_k, num_splits: the retrieval cache's key block (whole pages when paged) and (at most) how many
         chunks it is split into.
@@ -226,8 +231,8 @@ def duo_decode_attention(
             f"k_new / v_new must be [B, {'K_s' if kv_order is None else 'K'}, D] = {(batch, new_heads, head_dim)}, "
             f"got {k_new.shape} and {v_new.shape}"
         )
-    if cache_slots is not None and (paged or kv_order is None):
-        raise ValueError("cache_slots needs a contiguous cache and kv_order (the retrieval heads' new k / v rows)")
+    if cache_slots is not None and kv_order is None:
+        raise ValueError("cache_slots needs kv_order (the retrieval heads' rows of k_new / v_new)")
     if kv_order is not None and sorted(kv_order) != list(range(num_kv_heads)):
         raise ValueError(f"kv_order must list the {num_kv_heads} KV heads once each, got {kv_order}")
     retrieval_heads, cache_head, ring_head = head_tables(
@@ -296,7 +301,21 @@ def duo_decode_attention(
     )
     # Written caches: the slots go in after q, the caches come out after (o, m, l), each aliased to its input.
     writes = [(ring_slots, size, ring_spec, ring_k, ring_v)] if ring_slots is not None else []
-    if cache_slots is not None:
+    if cache_slots is not None and paged:  # a slot of the pool: page * P + row, or N * P where none is kept
+        slot = _common.per_batch(cache_slots, batch, capacity)
+        index = jnp.minimum(slot // page_size, block_tables.shape[1] - 1)
+        page = jnp.take_along_axis(block_tables.astype(jnp.int32), index[:, None], axis=1)[:, 0]
+        kept = (slot < capacity) & (page >= 0) & (page < num_pages)
+        writes.append(
+            (
+                jnp.where(kept, page * page_size + slot % page_size, num_pages * page_size),
+                num_pages * page_size,
+                pool_spec,
+                k,
+                v,
+            )
+        )
+    elif cache_slots is not None:
         whole = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, s: (b, 0, lookup(cache_head, h), 0))
         writes.append((cache_slots, capacity, whole, k, v))
     slots = [_common.per_batch(slot, batch, limit) for slot, limit, *_ in writes]

@@ -237,11 +237,13 @@ def test_writes_the_new_token_into_the_ring(paged):
         np.testing.assert_array_equal(np.asarray(written), want)
 
 
-def test_writes_the_new_token_into_both_caches():
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_writes_the_new_token_into_both_caches(paged):
     """With cache_slots too (heads in the model's order), the retrieval heads see their cache below each
-    sequence's slot plus the new token, which the kernel writes there: the attention and both caches equal those
-    of writing the token first and attending after (a slot past the cache, a padding row's: nothing written)."""
-    B, C, S, n, K_s, G, D = 3, 64, 48, 2, 3, 2, 32
+    sequence's slot plus the new token, which the kernel writes there (paged: into the page its block table names,
+    in a shared pool whose pages are scattered): the attention and both caches equal those of writing the token
+    first and attending after (a slot past the cache, a padding row's: nothing written)."""
+    B, C, S, n, K_s, G, D, P = 3, 64, 48, 2, 3, 2, 32, 16
     order = (2, 0, 4, 1, 3)
     q, k, v, ring_k, ring_v, _, _ = _inputs(B, C, S, n, K_s, G, D, seed=5)
     k_all, v_all = (jax.random.normal(jax.random.key(s), (B, n + K_s, D), jnp.float32) for s in (6, 7))
@@ -266,9 +268,17 @@ def test_writes_the_new_token_into_both_caches():
         k_all[:, list(order[n:])],
         v_all[:, list(order[n:])],
     )
-    inv = np.empty_like(rows)
-    inv[rows] = np.arange(len(rows))
-    out, new_rk, new_rv, new_k, new_v = jax.jit(
+    retrieval, extra, M = (jnp.array(k), jnp.array(v)), {}, C // P
+    if paged:  # sequence b's page j is pool page pages[b, j], in a pool with spare pages
+        pages = np.random.default_rng(1).permutation(B * M + 2).astype(np.int32)[: B * M].reshape(B, M)
+        retrieval = tuple(
+            jnp.zeros((n, B * M + 2, P, D), jnp.float32)
+            .at[:, pages.reshape(-1)]
+            .set(x.reshape(B * M, P, n, D).transpose(2, 0, 1, 3))
+            for x in (k, v)
+        )
+        extra = dict(block_tables=jnp.asarray(pages))
+    out, new_rk, _, new_k, new_v = jax.jit(
         lambda *a: duo_decode_attention(
             *a,
             kv_order=order,
@@ -277,8 +287,11 @@ def test_writes_the_new_token_into_both_caches():
             block_k=16,
             num_splits=2,
             interpret=True,
+            **extra,
         )
-    )(q[:, rows], jnp.array(k), jnp.array(v), old, jnp.array(ring_k), jnp.array(ring_v), ring_lengths, k_all, v_all)
+    )(q[:, rows], *retrieval, old, jnp.array(ring_k), jnp.array(ring_v), ring_lengths, k_all, v_all)
+    if paged:  # back to each sequence's contiguous view
+        new_k, new_v = (np.asarray(x)[:, pages].transpose(1, 2, 3, 0, 4).reshape(B, C, n, D) for x in (new_k, new_v))
     assert rel_err(out[:2], expected[:2, rows]) <= 1e-5  # sequence 2 (a padding row): its output is never read
     np.testing.assert_array_equal(np.asarray(new_k), np.where(kept[:, None, None, None], cache_k, np.asarray(k)))
     np.testing.assert_array_equal(np.asarray(new_v), np.where(kept[:, None, None, None], cache_v, np.asarray(v)))

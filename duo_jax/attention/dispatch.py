@@ -171,26 +171,23 @@ def duo_decode(
     *,
     kv_order: tuple[int, ...],
     ring_slots: jax.Array,
-    cache_slots: jax.Array | None = None,
+    cache_slots: jax.Array,
     impl: Impl = "auto",
     scale: float | None = None,
 ) -> tuple[jax.Array, ...] | None:
-    """DuoAttention's decode step over both partitions in one kernel, where one serves it: q [B, 1, H, E] with its
-    heads in the model's order, the retrieval cache k / v [B, C, n, E] (or `PagedKV` pools read through their
-    tables) holding the new token (keys j < lengths [B] seen), the ring ring_k / ring_v [B, S, K - n, E] (slots j <
-    ring_lengths [B] seen), the new token's k_new / v_new [B, 1, K, E] in the model's order, and `kv_order`, the
-    model's KV heads in the caches' order (the layer's `CacheLayout.kv_order`). The kernel routes each head to its
-    cache, so nothing is gathered around it, and writes the new token into the ring at ring_slots [B] (S or more:
-    not kept) after reading it. With `cache_slots` [B] the contiguous cache does not hold the new token yet (keys j
-    < lengths seen there, plus the new token) and the kernel writes it at those slots too (C or more: not kept).
-    Returns ([B, 1, H, E] in the model's head order, the ring k, v, and with `cache_slots` the cache k, v, as
-    written), or None where no kernel serves it ("pallas" only, bf16 / fp32 values, both partitions non-empty, a
-    ring tiled by a power-of-two block, pages of a power-of-two size, `cache_slots` with a contiguous cache only):
-    the caller then writes the caches and attends each partition with `attend`. The new token counts on every row,
-    so a padding row's output (never read) differs from `attend`'s."""
+    """DuoAttention's decode step over both partitions in one kernel, where one serves it, which also writes the new
+    token into both caches: q [B, 1, H, E] and the new token's k_new / v_new [B, 1, K, E] in the model's head order;
+    the retrieval cache k / v [B, C, n, E] (or `PagedKV` pools read and written through their tables), keys j <
+    lengths [B] seen there plus the new token, which the kernel writes at cache_slots [B] (C or more, or no page
+    there: not kept); the ring ring_k / ring_v [B, S, K - n, E], slots j < ring_lengths [B] seen plus the new token,
+    which the kernel writes at ring_slots [B] after reading the ring (S or more: not kept); `kv_order`, the model's
+    KV heads in the caches' order (the layer's `CacheLayout.kv_order`): the kernel routes each head to its cache, so
+    nothing is gathered around it. The caches are updated in place (outputs aliased to them). Returns (output [B, 1,
+    H, E] in the model's head order, ring k, ring v, cache k, cache v) (pools when paged), or None where no kernel
+    serves it ("pallas" only, bf16 / fp32 values, both partitions non-empty, a ring tiled by a power-of-two block,
+    pages of a power-of-two size): the caller then writes the caches and attends each partition with `attend`. The
+    new token counts on every row, so a padding row's output (never read) differs from `attend`'s."""
     paged = isinstance(k, PagedKV) and isinstance(v, PagedKV)
-    if paged and cache_slots is not None:
-        return None  # the kernel writes a contiguous cache only
     if paged and k.page_size & (k.page_size - 1) == 0:
         retrieval = dict(k=k.pages, v=v.pages, block_tables=k.block_tables)
     elif not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v)) and k.shape[1] % DECODE_BLOCK == 0:

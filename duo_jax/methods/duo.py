@@ -198,37 +198,27 @@ class DuoAttention(Method):
             StreamingWindow.build(step, self.layout.sink, self.layout.recent),
         )
 
-    def attend_partitions(
-        self, layer, q, k, v, ks, vs, rk, rv, retrieval, streaming_k, streaming_v, step: Step, shared: DuoShared
-    ):
-        """Both partitions' attention once the retrieval cache rk / rv holds the new tokens: q [B, T, H, E] and the
-        new tokens' k / v [B, T, K, E] in the model's head order, ks / vs their streaming heads' part in the
-        caches' order, `retrieval(qr)` the retrieval heads' output for their queries qr. Returns (output
-        [B, T, H, E] in the model's head order, the ring with the new tokens folded in). A decode step runs both
-        in one kernel where one serves it (`attention.duo_decode`: it reads q, k and v in the model's order,
-        routes each head to its cache, so no head is gathered around it, and writes the ring after reading it)."""
-        if self._one_kernel(step):
-            served = self._decode_kernel(layer, q, k, v, rk, rv, streaming_k, streaming_v, step, shared)
-            if served is not None:
-                return served  # (output, ring k, ring v): the kernel writes the new token into the ring
+    def attend_partitions(self, layer, q, ks, vs, retrieval, streaming_k, streaming_v, step: Step, shared: DuoShared):
+        """Both partitions' attention where the one-launch kernel does not serve the step, the retrieval cache
+        already holding the new tokens: q [B, T, H, E] in the model's head order, ks / vs the new tokens' keys and
+        values on the streaming heads (the caches' order), `retrieval(qr)` the retrieval heads' output for their
+        queries qr. Returns (output [B, T, H, E] in the model's head order, the ring with the new tokens folded
+        in)."""
         qr, qs = split_heads(self.layout, layer, q)
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, streaming_k, streaming_v, step)
         return merge_heads(self.layout, layer, retrieval(qr), out_s), sk, sv
 
-    @staticmethod
-    def _one_kernel(step: Step) -> bool:
-        """Whether the step may run both partitions in `attention.duo_decode` (which still says no where its
-        kernel does not serve the caches)."""
-        return step.is_decode and step.mesh is None and step.sliding_window is None
-
-    def _decode_kernel(self, layer, q, k, v, rk, rv, streaming_k, streaming_v, step, shared, cache_slots=None):
-        """`attention.duo_decode` on the layer's caches: the retrieval cache rk / rv holds the new token, or with
-        `cache_slots` not yet (the kernel writes it there). Its outputs, or None where it does not serve them."""
+    def decode_in_one_kernel(self, layer, q, k, v, retrieval_k, retrieval_v, streaming_k, streaming_v, step, shared):
+        """A decode step's attention and both caches' writes in `attention.duo_decode`'s one launch, the new
+        token's q / k / v in the model's head order and the caches as they were before it: (output, ring k, ring
+        v, retrieval k, retrieval v), or None where the kernel does not serve the step."""
+        if not (step.is_decode and step.mesh is None and step.sliding_window is None):
+            return None
         return attention.duo_decode(
             q,
-            rk,
-            rv,
-            step.new_lengths if cache_slots is None else step.lengths,
+            retrieval_k,
+            retrieval_v,
+            step.lengths,
             streaming_k,
             streaming_v,
             jnp.minimum(step.lengths, self.layout.sink + self.layout.recent),
@@ -236,7 +226,7 @@ class DuoAttention(Method):
             v,
             kv_order=self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(k.shape[2])),
             ring_slots=shared.window.write_slots[:, 0],
-            cache_slots=cache_slots,
+            cache_slots=shared.retrieval_slots[:, 0],
             impl=step.impl,
         )
 
@@ -247,23 +237,12 @@ class DuoAttention(Method):
         q, k, v = rotation.into(q, k, v)  # a quantized cache holds k R and v R
         if step.mesh is not None:  # the heads' split is per layer: gather them first, then pick locally
             q, k, v = (sharding.whole_over_model(x, step.mesh) for x in (q, k, v))
-        if self._one_kernel(step):  # one launch: both partitions, and both caches written in place
-            served = self._decode_kernel(
-                layer,
-                q,
-                k,
-                v,
-                cache.retrieval_k,
-                cache.retrieval_v,
-                cache.streaming_k,
-                cache.streaming_v,
-                step,
-                shared,
-                cache_slots=shared.retrieval_slots[:, 0],
-            )
-            if served is not None:
-                out, sk, sv, rk, rv = served
-                return rotation.back(out), DuoLayerCache(rk, rv, sk, sv)
+        served = self.decode_in_one_kernel(
+            layer, q, k, v, cache.retrieval_k, cache.retrieval_v, cache.streaming_k, cache.streaming_v, step, shared
+        )
+        if served is not None:
+            out, sk, sv, rk, rv = served
+            return rotation.back(out), DuoLayerCache(rk, rv, sk, sv)
         (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (k, v))
         if step.mesh is not None and n:
             qr = split_heads(self.layout, layer, q)[0]
@@ -279,7 +258,7 @@ class DuoAttention(Method):
                 rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
             retrieval = lambda qr: retrieval_attention(qr, rk, rv, step) if n else qr  # noqa: E731
         out, sk, sv = self.attend_partitions(
-            layer, q, k, v, ks, vs, rk, rv, retrieval, cache.streaming_k, cache.streaming_v, step, shared
+            layer, q, ks, vs, retrieval, cache.streaming_k, cache.streaming_v, step, shared
         )
         return rotation.back(out), DuoLayerCache(rk, rv, sk, sv)
 

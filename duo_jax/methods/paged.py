@@ -190,6 +190,22 @@ class PagedDuo(Method):
     def attend(self, layer, q, k, v, view: PagedLayerView, step: Step, shared: DuoShared):
         cache, tables = view.layer, view.block_tables
         q, k = apply_rotary(q, step.rope), apply_rotary(k, step.rope)
+        duo = DuoAttention(self.layout)
+        served = duo.decode_in_one_kernel(
+            layer,
+            q,
+            k,
+            v,
+            PagedKV(cache.pages_k, tables),
+            PagedKV(cache.pages_v, tables),
+            cache.streaming_k,
+            cache.streaming_v,
+            step,
+            shared,
+        )
+        if served is not None:  # one launch: both partitions, the new token written into its page and the ring
+            out, sk, sv, pk, pv = served
+            return out, PagedLayerCache(pk, pv, sk, sv)
         (kr, ks), (vr, vs) = (split_heads(self.layout, layer, x) for x in (k, v))
         n = self.layout.num_retrieval[layer]
         pk, pv = cache.pages_k, cache.pages_v
@@ -197,15 +213,11 @@ class PagedDuo(Method):
             pk = write_pages(pk, tables, step.positions, step.valid, kr)
             pv = write_pages(pv, tables, step.positions, step.valid, vr)
         rk, rv = PagedKV(pk, tables), PagedKV(pv, tables)
-        out, sk, sv = DuoAttention(self.layout).attend_partitions(
+        out, sk, sv = duo.attend_partitions(
             layer,
             q,
-            k,
-            v,
             ks,
             vs,
-            rk,
-            rv,
             lambda qr: retrieval_attention(qr, rk, rv, step) if n else qr,
             cache.streaming_k,
             cache.streaming_v,
