@@ -163,9 +163,7 @@ def time_ours(model, ids: Sequence[int], settings, *, new_tokens: int, chunk_siz
     chunk = min(chunk_size, bucket(len(ids)))
     start = time.perf_counter()
     for n in (chunk, 1):  # compile generate's prefill and the single-token step outside the timings
-        compiled_extend(
-            model.config, method, 1, n, engine.dtype, weight_format=engine.weight_format, fused_qkv=engine.fused_qkv
-        )
+        compiled_extend(model.config, method, 1, n, engine.dtype, **engine.weight_layout)
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -465,6 +465,12 @@ class Engine:
         )
 
     @property
+    def weight_layout(self) -> dict:
+        """What fixes the compiled steps' weights, as their keywords: `compiled_extend(..., **engine.weight_layout)`
+        (and `compiled_extend_row`, `compiled_decode`) compiles for this engine's `params`."""
+        return dict(weight_format=self.weight_format, fused_qkv=self.fused_qkv)
+
+    @property
     def weights(self) -> str | None:
         """Deprecated name of `weight_format` (kept for one release)."""
         warnings.warn("Engine.weights is renamed Engine.weight_format", DeprecationWarning, stacklevel=2)
@@ -532,16 +538,7 @@ class Engine:
         if cache is None:
             cache, lengths = self.init_cache(method, B), self.put_batch(np.zeros((B,), np.int32))
         step = compiled_extend(
-            self.config,
-            method,
-            B,
-            chunk,
-            self.dtype,
-            impl,
-            on_chunk is not None,
-            self.mesh,
-            self.weight_format,
-            self.fused_qkv,
+            self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh, **self.weight_layout
         )
         state = method.state()
         last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
@@ -569,9 +566,7 @@ class Engine:
         step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`).
         Tokens already on the device (e.g. the argmax of the last logits) stay there: no host round trip."""
         B = tokens.shape[0]
-        run = compiled_extend(
-            self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, self.weight_format, self.fused_qkv
-        )
+        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, **self.weight_layout)
         tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
         return run(
             self.params,
@@ -607,8 +602,7 @@ class Engine:
             bucket(max_new_tokens),
             tuple(eos_ids),
             self.mesh,
-            self.weight_format,
-            self.fused_qkv,
+            **self.weight_layout,
         )
         limit = jnp.asarray(max_new_tokens - 1, jnp.int32)
         if self.mesh is not None:

@@ -279,10 +279,9 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
     key = jax.random.key(seed)
 
     start = time.perf_counter()
-    weights = dict(weight_format=engine.weight_format, fused_qkv=engine.fused_qkv)
-    compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, **weights)  # untimed
+    compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, **engine.weight_layout)  # untimed
     if tail:
-        compiled_extend(config, kv_method, B, 1, engine.dtype, impl, False, mesh, **weights)
+        compiled_extend(config, kv_method, B, 1, engine.dtype, impl, False, mesh, **engine.weight_layout)
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -306,7 +305,7 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
         bucket(plan.max_new_tokens),
         plan.eos_ids,
         mesh,
-        **weights,
+        **engine.weight_layout,
     )
     compile_s += time.perf_counter() - start
 

@@ -349,16 +349,9 @@ def fuse_qkv(layer: LayerParams) -> LayerParams:
     their per-channel scales), for one projection instead of three (docs/engine.md, "Fused q/k/v")."""
     if layer.wqkv is not None:
         return layer
-    weights = (layer.wq, layer.wk, layer.wv)
-    if isinstance(layer.wq, quant.QuantizedWeight):
-        wqkv = quant.QuantizedWeight(*(jnp.concatenate(parts, axis=-2) for parts in zip(*map(_as_pair, weights))))
-    else:
-        wqkv = jnp.concatenate(weights, axis=-2)
+    # leaf by leaf: an int8 weight's codes and its scales (size 1 on the input axis) concatenate alike
+    wqkv = jax.tree.map(lambda *w: jnp.concatenate(w, axis=-2), layer.wq, layer.wk, layer.wv)
     return dataclasses.replace(layer, wq=None, wk=None, wv=None, wqkv=wqkv)
-
-
-def _as_pair(w: quant.QuantizedWeight) -> tuple[jax.Array, jax.Array]:
-    return w.codes, w.scale
 
 
 def project_qkv(x: jax.Array, layer: LayerParams, eps: float):

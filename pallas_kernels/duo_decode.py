@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.decode_attention import group_queries, run_splits, split_attention
-from pallas_kernels.paged_attention import check_paged, paged_tile, pages_per_block, split_tables
+from pallas_kernels.paged_attention import check_paged, paged_tile, pages_per_block, pool_slots, split_tables
 
 
 def ring_block(size: int, largest: int = 128) -> int | None:
@@ -300,31 +300,22 @@ def duo_decode_attention(
         write_cache=cache_slots is not None,
     )
     # Written caches: the slots go in after q, the caches come out after (o, m, l), each aliased to its input.
-    writes = [(ring_slots, size, ring_spec, ring_k, ring_v)] if ring_slots is not None else []
+    # Each write: (slots, their limit, the cache's out spec, the cache k, v, k's input index past the slots).
+    ring_at = 3 + len(retrieval)  # ring_k's input index past the slots; the retrieval k, v are the 2 before it
+    writes = [(ring_slots, size, ring_spec, ring_k, ring_v, ring_at)] if ring_slots is not None else []
     if cache_slots is not None and paged:  # a slot of the pool: page * P + row, or N * P where none is kept
-        slot = _common.per_batch(cache_slots, batch, capacity)
-        index = jnp.minimum(slot // page_size, block_tables.shape[1] - 1)
-        page = jnp.take_along_axis(block_tables.astype(jnp.int32), index[:, None], axis=1)[:, 0]
-        kept = (slot < capacity) & (page >= 0) & (page < num_pages)
-        writes.append(
-            (
-                jnp.where(kept, page * page_size + slot % page_size, num_pages * page_size),
-                num_pages * page_size,
-                pool_spec,
-                k,
-                v,
-            )
-        )
+        slot = pool_slots(block_tables, _common.per_batch(cache_slots, batch, capacity), num_pages, page_size)
+        writes.append((slot, num_pages * page_size, pool_spec, k, v, ring_at - 2))
     elif cache_slots is not None:
         whole = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, s: (b, 0, lookup(cache_head, h), 0))
-        writes.append((cache_slots, capacity, whole, k, v))
+        writes.append((cache_slots, capacity, whole, k, v, ring_at - 2))
     slots = [_common.per_batch(slot, batch, limit) for slot, limit, *_ in writes]
     in_specs[3:3] = [lengths_spec] * len(slots)
     args = [lengths, ring_lengths, q, *slots, *retrieval, ring_k, ring_v, k_new, v_new]
     extra_outputs, aliases = [], {}
-    for _, _, spec, key, value in writes:
-        for x in (key, value):
-            aliases[next(i for i, arg in enumerate(args) if arg is x)] = len(extra_outputs)
+    for _, _, spec, key, value, at in writes:
+        for offset, x in enumerate((key, value)):
+            aliases[len(slots) + at + offset] = len(extra_outputs)
             extra_outputs.append((spec, jax.ShapeDtypeStruct(x.shape, x.dtype)))
     return run_splits(
         kernel,

@@ -35,6 +35,18 @@ def check_paged(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tabl
         )
 
 
+def pool_slots(block_tables: jax.Array, positions: jax.Array, num_pages: int, page_size: int) -> jax.Array:
+    """The slot (page * P + row) in pools of `num_pages` pages of P = `page_size` rows of each of sequence b's
+    `positions` [B, ...] through block_tables [B, M]; num_pages * P (past the pools: not written) where the table
+    has no page for it (a position past its M pages, an entry out of [0, num_pages))."""
+    batch, max_pages = block_tables.shape
+    flat = positions.reshape(batch, -1)
+    index = flat // page_size
+    page = jnp.take_along_axis(block_tables.astype(jnp.int32), jnp.clip(index, 0, max_pages - 1), axis=1)
+    kept = (index < max_pages) & (page >= 0) & (page < num_pages)
+    return jnp.where(kept, page * page_size + flat % page_size, num_pages * page_size).reshape(positions.shape)
+
+
 def pages_per_block(page_size: int, block_k: int) -> int:
     """Pages per key block: block_k // page_size tokens' worth (one page when pages are larger)."""
     return max(1, block_k // page_size)

@@ -224,7 +224,7 @@ class DuoAttention(Method):
             jnp.minimum(step.lengths, self.layout.sink + self.layout.recent),
             k,
             v,
-            kv_order=self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(k.shape[2])),
+            kv_order=self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(self.layout.num_kv_heads)),
             ring_slots=shared.window.write_slots[:, 0],
             cache_slots=shared.retrieval_slots[:, 0],
             impl=step.impl,

@@ -23,6 +23,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.duo import DuoAttention, DuoShared, retrieval_attention, split_heads
 from duo_jax.model import apply_rotary
+from pallas_kernels.paged_attention import pool_slots
 
 DEFAULT_PAGE_SIZE = 128
 
@@ -60,9 +61,7 @@ def write_pages(
     invalid tokens, positions past M pages and unassigned table entries (N) are dropped."""
     n, N, P = pool.shape[:3]
     B, T = positions.shape
-    index = positions // P
-    page = jnp.take_along_axis(block_tables, jnp.clip(index, 0, block_tables.shape[1] - 1), axis=1)
-    slot = jnp.where(valid & (index < block_tables.shape[1]) & (page < N), page * P + positions % P, N * P)
+    slot = jnp.where(valid, pool_slots(block_tables, positions, N, P), N * P)
     flat = pool.reshape((n, N * P) + pool.shape[3:])  # each head's slots: one "sequence" of write_slots
     new = jnp.moveaxis(new.reshape((B * T, n) + new.shape[3:]), 1, 0)[:, :, None]  # [n, B * T, 1, E]
     slots = jnp.broadcast_to(slot.reshape(1, B * T), (n, B * T))

@@ -477,16 +477,15 @@ class Scheduler:
             self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(self.tables.copy()))
             self._tables_changed = False
         config, dtype = self.engine.config, self.engine.dtype
-        weights = dict(weight_format=self.engine.weight_format, fused_qkv=self.engine.fused_qkv)
         # Copies: on CPU jnp.asarray may alias a numpy buffer, and the step runs asynchronously while the host
         # updates self.lengths / self.tables for the next one.
         lengths = jnp.asarray(self.lengths.copy())
         args = (jnp.asarray(tokens), jnp.asarray(n_valid), self.method.state())
         if row is None:
-            run = compiled_extend(config, self.method, self.slots, T, dtype, self.impl, **weights)
+            run = compiled_extend(config, self.method, self.slots, T, dtype, self.impl, **self.engine.weight_layout)
             logits, self.cache, _ = run(self.engine.params, self.cache, lengths, *args)
         else:
-            run = compiled_extend_row(config, self.method, self.slots, T, dtype, self.impl, **weights)
+            run = compiled_extend_row(config, self.method, self.slots, T, dtype, self.impl, **self.engine.weight_layout)
             logits, self.cache, _ = run(self.engine.params, self.cache, jnp.asarray(row, jnp.int32), lengths, *args)
         self.counters["calls"] += 1
         self.counters["row_tokens"] += batch * T
