@@ -16,8 +16,9 @@
 #   bash benchmarks/gpu_session.sh methods OUT   # every KV-cache method on SmolLM2 with the shipped gates, NIAH at
 #                                                # 1k-8k x 10 depths, budgets 25% and 50%; like gates, the runs
 #                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
-#   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of about 9 minutes: 8k / 32k
-#                                                # with a per-op profile, chunks of 2k / 4k / 8k, and 128k
+#   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of at most 8 minutes: the
+#                                                # one-launch prefill kernel's tests, 8k / 32k with a per-op profile,
+#                                                # 128k, chunks of 4k / 8k at 8k
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
@@ -98,7 +99,7 @@ decode)
     # and 128k with a per-op profile and the decode loop's optimized HLO; batch 8 x 32k. (q / k / v as three
     # weights, the engine's layout before "Fused q/k/v", is `gpu_llama8b.py --separate-qkv`.)
     timeout "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
-        -k "duo_decode or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
+        -k "duo_decode or duo_prefill or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
     # with the decode loop's optimized HLO (its fusions: which ops of a layer run as separate launches)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode" \
         timeout "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
@@ -111,17 +112,20 @@ decode)
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
 prefill)
-    # Issue 33's prefill targets: 8k and 32k with a profile of one prefill per mode (GPU ms by op kind: what duo
-    # adds per chunk), the same with chunks of 4k and 8k, then 128k without a profile.
+    # Issue 33's prefill targets, most informative first: the one-launch prefill kernel's GPU tests; 8k and 32k
+    # with a profile of one prefill per mode (GPU ms by op kind: what duo adds per chunk) and the median of three
+    # timed prefills with the time the driver took to return; 128k once; then chunks of 4k and 8k at 8k.
+    timeout "${TESTS_S:-60}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py -k "duo_prefill" 2>&1 \
+        | tee "$out/gpu_tests.log" || true
     timeout "${PREFILL_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
         --decode-steps 4 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b_prefill.log" || true
+    timeout "${LONG_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        --decode-steps 4 --prefill-repeats 1 --out "$out/ctx128k" 2>&1 | tee "$out/gpu_llama8b_prefill_128k.log" || true
     for chunk in 4096 8192; do
-        timeout "${CHUNK_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+        timeout "${CHUNK_S:-60}" $PY benchmarks/gpu_llama8b.py --contexts 8192 --max-prefill 8192 \
             --decode-steps 4 --chunk-size $chunk --out "$out/chunk$chunk" 2>&1 \
             | tee "$out/gpu_llama8b_prefill_chunk$chunk.log" || true
     done
-    timeout "${LONG_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
-        --decode-steps 4 --out "$out/ctx128k" 2>&1 | tee "$out/gpu_llama8b_prefill_128k.log" || true
     archive=$(mktemp -d)/prefill.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;

@@ -36,6 +36,9 @@ class Config:
     interpret: bool
     kv_quant: str | None = None  # k / v are int8 codes with scales ("int8", "int4"): forward only
     k_positions: bool = False  # keys at explicit positions (an int32 [B, S] operand): forward only
+    # With k_positions: the keys are `key_offset` slots that precede every query, then the queries' own keys in
+    # order (a ring followed by the chunk), so slot j > key_offset + row is never visible and is not visited.
+    key_offset: int | None = None
     num_warps: int | None = None  # Triton launch: None = 4 for head_dim <= 64, else 8
     num_stages: int = 2
 
@@ -51,9 +54,14 @@ class Config:
 
     @property
     def schedule_window(self) -> dict:
-        """The window the key-block schedule follows: keys at explicit positions give no causal cut-off
-        (any slot may hold an early position), so every block up to kv_len is visited."""
-        return dict(self.window, causal=self.causal and not self.k_positions)
+        """The window the key-block schedule follows: keys at explicit positions give no causal cut-off (any
+        slot may hold an early position), so every block up to kv_len is visited, unless `key_offset` says
+        where the queries' own keys start."""
+        return dict(self.window, causal=self.causal and (not self.k_positions or self.key_offset is not None))
+
+    def schedule_offset(self, q_offset):
+        """The first query's slot in the keys' order for the schedule: its position, or `key_offset`."""
+        return q_offset if self.key_offset is None else self.key_offset
 
     def compiler_params(self, head_dim: int):
         return _backend.compiler_params(
@@ -119,20 +127,23 @@ def _fwd_kernel(
     forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, cfg=cfg, load_positions=load_positions)
 
 
-def forward_program(q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *, cfg: Config, load_positions=None):
+def forward_program(
+    q_offset_ref, kv_len_ref, q_ref, load_kv, o_ref, lse_ref, *, cfg: Config, load_positions=None, program=None
+):
     """One forward program (grid point (b, h, query block)): the query tile q_ref [bq, D] (quantized cache:
     [parts, bq, D / parts], int4's nibble halves on the leading dim) over the KV blocks its mask touches,
     `load_kv(kv_block)` giving block kv_block's keys and values as lists of parts [bk, D / parts] (a slice of
     a contiguous cache, or pages read through a block table: `pallas_kernels.paged_attention`), and with
     cfg.k_positions `load_positions(kv_block)` its keys' positions [bk]. Writes the normalised output (o_ref
-    shaped as q_ref) and the base-2 log-sum-exp of the scaled scores (+inf for rows that see no key)."""
+    shaped as q_ref) and the base-2 log-sum-exp of the scaled scores (+inf for rows that see no key). `program`:
+    (b, query block) when read by the caller (the interpreter resolves program ids only outside a `pl.when`)."""
     qs = [q_ref[...]] if cfg.kv_quant is None else [q_ref[i] for i in range(q_ref.shape[0])]  # [parts][bq, D / parts]
-    b, q_block = pl.program_id(0), pl.program_id(2)
+    b, q_block = (pl.program_id(0), pl.program_id(2)) if program is None else program
     q_offset, kv_len = q_offset_ref[b], kv_len_ref[b]
     block_q = cfg.block_q
     schedule = _common.kv_block_schedule(
         q_block,
-        q_offset=q_offset,
+        q_offset=cfg.schedule_offset(q_offset),
         kv_len=kv_len,
         seq_q=cfg.seq_q,
         block_q=block_q,

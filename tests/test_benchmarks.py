@@ -207,8 +207,11 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
         steps=4,
         prefill=True,
         profile_dir=str(tmp_path / "trace"),
+        prefill_repeats=3,
     )
     assert out["prefill_s"] > 0 and out["host_step_ms"] > 0 and out["decode_ms"] > 0
+    assert len(out["prefill_runs_s"]) == 3 and out["prefill_s"] == sorted(out["prefill_runs_s"])[1]
+    assert 0 < out["prefill_dispatch_s"] <= max(out["prefill_runs_s"])
     assert out["profile"] == {"error": "the trace has no GPU plane"}
     assert out["prefill_profile"] == {"error": "the trace has no GPU plane"}
     assert np.isfinite(out["decode_ms"])

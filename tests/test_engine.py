@@ -141,28 +141,36 @@ def test_one_kernel_decode_over_a_ragged_batch(params):
     np.testing.assert_array_less(np.abs(steps["pallas"] - steps["reference"]).max(), 1e-4)
 
 
+def lowered_extend(mask, num_tokens: int) -> str:
+    """The engine's step for DuoAttention with retrieval `mask` (None: full) over `num_tokens` new tokens per
+    sequence (1: decode; more: a prefill chunk), with the engine's weights on a GPU, exported for CUDA."""
+    from duo_jax.engine import _abstract_params
+    from tests.test_backend import cuda_module
+
+    params = _abstract_params(CONFIG, "float32", fused_qkv=True)
+    ints, tokens = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, num_tokens), jnp.int32)
+    method = DuoAttention(make_layout(CONFIG, mask, sink=4, recent=12, context=256))
+    cache = jax.eval_shape(lambda: method.init_cache(1, jnp.float32))
+    return cuda_module(
+        lambda p, c, l, t, n: extend(p, c, l, t, n, config=CONFIG, method=method, impl="pallas"),
+        params,
+        cache,
+        ints,
+        tokens,
+        ints,
+    )
+
+
 def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
     """A decode step exported for CUDA from this host: one Triton launch per layer (the mixed layers' both
     partitions in `duo_decode_attention`), and no more gathers and scatters than today (gathers counted where they
     run: per call of the private functions JAX lowers `jnp.take` into; scatters: ring writes outside the kernel):
     the counts fail the test when a change adds launches to every step."""
-    from duo_jax.engine import _abstract_params
-    from tests.test_backend import TRITON, cuda_module, executed
+    from tests.test_backend import TRITON, executed
 
-    params = _abstract_params(CONFIG, "float32", fused_qkv=True)  # the engine's weights on a GPU
-    ints, token = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
     counts = {}
     for name, mask in (("duo", MIXED), ("full", None)):
-        method = DuoAttention(make_layout(CONFIG, mask, sink=4, recent=12, context=256))
-        cache = jax.eval_shape(lambda m=method: m.init_cache(1, jnp.float32))
-        module = cuda_module(
-            lambda p, c, l, t, n, m=method: extend(p, c, l, t, n, config=CONFIG, method=m, impl="pallas"),
-            params,
-            cache,
-            ints,
-            token,
-            ints,
-        )
+        module = lowered_extend(mask, 1)
         counts[name] = [
             executed(module, op) for op in (f"custom_call @{TRITON}", "stablehlo.gather", "stablehlo.scatter")
         ]
@@ -172,6 +180,24 @@ def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
     # rows); layers whose caches keep the model's order reorder nothing. The scatters are the all-streaming
     # layer's ring writes (k and v).
     assert counts["duo"][0] == CONFIG.num_layers and counts["duo"][1] <= 4 and counts["duo"][2] <= 2
+
+
+def test_prefill_chunk_lowered_for_cuda_has_one_kernel_per_layer():
+    """A prefill chunk exported for CUDA from this host: one Triton launch per layer (the mixed layers' both
+    partitions in `duo_prefill_attention`), q and the output never gathered into the caches' order: the counts
+    fail the test when a change adds launches or gathers to every chunk."""
+    from tests.test_backend import TRITON, executed, triton_kernels
+
+    counts = {}
+    for name, mask in (("duo", MIXED), ("full", None)):
+        module = lowered_extend(mask, 64)
+        counts[name] = [executed(module, op) for op in (f"custom_call @{TRITON}", "stablehlo.gather")]
+        if name == "duo":  # the two mixed layers
+            names = [launch["name"] for launch in triton_kernels(module)]
+            assert sum(n.startswith("duo_prefill_attention") for n in names) == 2
+    assert counts["duo"][0] == counts["full"][0] == CONFIG.num_layers
+    # no more gathers than full (before the one-launch kernel: 6 launches and 12 gathers against full's 4 and 10)
+    assert counts["duo"][1] <= counts["full"][1]
 
 
 @pytest.mark.slow

@@ -222,6 +222,37 @@ def test_duo_decode_attention_both_partitions(dtype, routed):
     check(out[:, None], expected[:, :, rows], dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_duo_prefill_attention_both_partitions(dtype):
+    """DuoAttention's one-launch prefill chunk at Llama-3-8B's head shapes: 3 retrieval KV heads over a cache of
+    4,096 slots and 5 streaming heads over a ring of sink 64 + recent 256 then the chunk, heads routed from the
+    model's order; a chunk of 1,024 (ragged: 1,024 and 700 real tokens) at offsets 2,000 and 0 (the ring empty)."""
+    from pallas_kernels import duo_prefill_attention
+    from tests.test_duo_prefill import _case_inputs, _reference
+
+    needs_triton()
+    B, T, C, R, order, n, G, D = 2, 1024, 4096, 320, (5, 0, 7, 1, 2, 3, 4, 6), 3, 4, 128
+    offsets, n_valid, filled = (2000, 0), (1024, 700), (320, 0)
+    q, k, v, wk, wv, positions = _case_inputs(B, T, C, R, order, n, G, D, offsets, n_valid, filled)
+    q = 3.0 * q  # a peaked softmax: a key wrongly seen or missed moves the output past the tolerance
+    q, k, v, wk, wv = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k, v, wk, wv))
+    kv_len = np.asarray(offsets) + np.asarray(n_valid)
+    fn = jax.jit(
+        lambda q, k, v, wk, wv, pos, off, kv: duo_prefill_attention(
+            q, k, v, wk, wv, pos, kv_order=order, q_offset=off, kv_len=kv
+        )
+    )
+    out = fn(
+        *(jnp.asarray(x, dtype) for x in (q, k, v, wk, wv)),
+        jnp.asarray(positions),
+        jnp.asarray(offsets, jnp.int32),
+        jnp.asarray(kv_len, jnp.int32),
+    )
+    ref = _reference(q, k, v, wk, wv, positions, order, n, offsets, kv_len)
+    valid = np.arange(T)[None, :] < np.asarray(n_valid)[:, None]  # padding rows are never read
+    check(np.asarray(jnp.asarray(out).astype(jnp.float32))[valid], ref[valid], dtype)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_kernels_over_a_quantized_cache(kind):
     """The flash kernel's forward (a 256-token chunk at positions 1,000.. over a 1,536-slot cache, ragged lengths)

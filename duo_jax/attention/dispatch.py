@@ -6,8 +6,8 @@ E], k / v [B, S, K, E] (arrays, `duo_jax.quant.QuantizedKV` codes or `duo_jax.at
 everything else takes the XLA path (`duo_jax.attention.xla`), so every impl gives the same result up to rounding.
 "auto" resolves per backend (`resolve_impl`); where the kernel of that backend cannot run it falls back to "xla"
 with one warning, and asking for that impl by name raises `BackendError`. Callers pass consecutive query
-positions (q_positions[:, t] = q_positions[:, 0] + t). `attend_partial` (one shard of the keys) and `duo_decode`
-(both DuoAttention partitions in one launch) are the variants; `flash_attention`, `lambda_attention` and
+positions (q_positions[:, t] = q_positions[:, 0] + t). `attend_partial` (one shard of the keys), `duo_decode` and
+`duo_prefill` (both DuoAttention partitions in one launch) are the variants; `flash_attention`, `lambda_attention` and
 `decode_attention` are the kernels' signatures over the same dispatch. Which impl serves which spec, cache and
 device: docs/attention.md.
 """
@@ -220,6 +220,49 @@ def duo_decode(
         **retrieval,
     )
     return (out[0][:, None], *out[1:])
+
+
+def duo_prefill(
+    q: jax.Array,
+    k,
+    v,
+    window_k,
+    window_v,
+    window_positions: jax.Array,
+    *,
+    kv_order: tuple[int, ...],
+    q_offset: jax.Array,
+    kv_len: jax.Array,
+    impl: Impl = "auto",
+    scale: float | None = None,
+) -> jax.Array | None:
+    """DuoAttention's prefill chunk over both partitions in one kernel, where one serves it: q [B, T, H, E] in the
+    model's head order, query t at position q_offset [B] + t; the retrieval cache k / v [B, C, n, E] holding the
+    chunk, keys j < kv_len [B] seen causally; the streaming heads' window_k / window_v [B, R + T, K - n, E] (their
+    ring, every slot before the chunk, then the chunk's keys) at window_positions [B, R + T] (-1: empty); `kv_order`
+    as `duo_decode`'s. Returns the output [B, T, H, E] in the model's head order, or None where no kernel serves it
+    ("pallas" only, values (no codes, no pages), both partitions non-empty): the caller then attends each partition
+    with `attend`."""
+    if (
+        q.shape[1] == 1
+        or any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v, window_k, window_v))
+        or not k.shape[2]
+        or not window_k.shape[2]
+        or resolve_impl(impl) != "pallas"
+    ):
+        return None
+    return pallas_kernels.duo_prefill_attention(
+        q,
+        k,
+        v,
+        window_k,
+        window_v,
+        window_positions,
+        kv_order=tuple(kv_order),
+        q_offset=q_offset,
+        kv_len=kv_len,
+        scale=scale,
+    )
 
 
 def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:

@@ -1,8 +1,8 @@
 """DuoAttention: retrieval heads keep every token, streaming heads keep sinks + recent tokens.
 
 The split cache is `duo_jax.cache`; each layer's heads are split into its retrieval and streaming groups on
-the activations (`cache_order`, `split_heads`; the one-launch decode kernel routes them itself), so the weights are
-used as loaded. For T new tokens per sequence:
+the activations (`cache_order`, `split_heads`; the one-launch decode and prefill kernels route them themselves), so
+the weights are used as loaded. For T new tokens per sequence:
 
   retrieval heads: keys written to the full cache, attention over every cached token up to the query;
   streaming heads: attention over the streaming cache (sinks + the last `recent` tokens before the chunk)
@@ -150,7 +150,11 @@ class StreamingWindow:
         k, v = as_stored(k, cache_k), as_stored(v, cache_v)  # quantized once, when the cache is
         if q.shape[2]:
             out = self.attend(q, concat_slots(cache_k, k), concat_slots(cache_v, v), step)
-        return out, write_slots(cache_k, self.write_slots, k), write_slots(cache_v, self.write_slots, v)
+        return (out, *self.write(k, v, cache_k, cache_v))
+
+    def write(self, k, v, cache_k, cache_v):
+        """The ring cache_k / cache_v with the chunk's k / v [B, T, K_s, E] folded in."""
+        return write_slots(cache_k, self.write_slots, k), write_slots(cache_v, self.write_slots, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +212,30 @@ class DuoAttention(Method):
         out_s, sk, sv = shared.window.attend_and_write(qs, ks, vs, streaming_k, streaming_v, step)
         return merge_heads(self.layout, layer, retrieval(qr), out_s), sk, sv
 
+    def kv_order(self, layer: int) -> tuple[int, ...]:
+        """The layer's KV heads in the caches' order (retrieval heads first)."""
+        return self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(self.layout.num_kv_heads))
+
+    def prefill_in_one_kernel(self, layer, q, retrieval_k, retrieval_v, ks, vs, streaming_k, streaming_v, step, shared):
+        """A chunk's attention over both partitions in `attention.duo_prefill`'s one launch: q [B, T, H, E] in the
+        model's head order, the retrieval cache already holding the chunk, ks / vs the chunk's keys and values on
+        the streaming heads (the caches' order), the ring as it was before the chunk. Returns the output in the
+        model's head order, or None where the kernel does not serve the step."""
+        if step.is_decode or step.mesh is not None or step.sliding_window is not None:
+            return None
+        return attention.duo_prefill(
+            q,
+            retrieval_k,
+            retrieval_v,
+            concat_slots(streaming_k, ks),
+            concat_slots(streaming_v, vs),
+            shared.window.key_positions,
+            kv_order=self.kv_order(layer),
+            q_offset=step.lengths,
+            kv_len=step.new_lengths,
+            impl=step.impl,
+        )
+
     def decode_in_one_kernel(self, layer, q, k, v, retrieval_k, retrieval_v, streaming_k, streaming_v, step, shared):
         """A decode step's attention and both caches' writes in `attention.duo_decode`'s one launch, the new
         token's q / k / v in the model's head order and the caches as they were before it: (output, ring k, ring
@@ -224,7 +252,7 @@ class DuoAttention(Method):
             jnp.minimum(step.lengths, self.layout.sink + self.layout.recent),
             k,
             v,
-            kv_order=self.layout.kv_order[layer] if self.layout.kv_order else tuple(range(self.layout.num_kv_heads)),
+            kv_order=self.kv_order(layer),
             ring_slots=shared.window.write_slots[:, 0],
             cache_slots=shared.retrieval_slots[:, 0],
             impl=step.impl,
@@ -257,6 +285,13 @@ class DuoAttention(Method):
                 rk = write_slots(cache.retrieval_k, shared.retrieval_slots, kr)
                 rv = write_slots(cache.retrieval_v, shared.retrieval_slots, vr)
             retrieval = lambda qr: retrieval_attention(qr, rk, rv, step) if n else qr  # noqa: E731
+            out = self.prefill_in_one_kernel(
+                layer, q, rk, rv, ks, vs, cache.streaming_k, cache.streaming_v, step, shared
+            )
+            if out is not None:
+                sk, sv = cache.streaming_k, cache.streaming_v
+                sk, sv = shared.window.write(as_stored(ks, sk), as_stored(vs, sv), sk, sv)
+                return rotation.back(out), DuoLayerCache(rk, rv, sk, sv)
         out, sk, sv = self.attend_partitions(
             layer, q, ks, vs, retrieval, cache.streaming_k, cache.streaming_v, step, shared
         )
