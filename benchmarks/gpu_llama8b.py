@@ -220,11 +220,12 @@ def run_mode(
     batch: int = 1,
     profile_dir: str | None = None,
     prefill_repeats: int = 3,
+    impl: str = "auto",
 ) -> dict:
     """Prefill (when asked) and decode timings of one mode at one context on the device, through the engine's
     prefill driver, its device decode loop and its single-token step (the executables `generate` runs), for
     `batch` sequences of the same length. Prefill is timed `prefill_repeats` times (the median, each run, and
-    how long the driver took to return before the GPU finished)."""
+    how long the driver took to return before the GPU finished). `impl`: the attention implementation."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -237,11 +238,13 @@ def run_mode(
     start_length = context - warmup - 4 * steps - 8
     if prefill:
         tokens = rng.integers(0, engine.config.vocab_size, (batch, start_length)).astype(np.int32)
-        engine.prefill(method, tokens[:, :chunk], np.full(batch, chunk), chunk=chunk)  # compile outside the timing
+        engine.prefill(method, tokens[:, :chunk], np.full(batch, chunk), chunk=chunk, impl=impl)  # compile first
 
         def prefill_all(times: list | None = None):
             start = time.perf_counter()
-            logits, cache, lengths = engine.prefill(method, tokens, np.full(batch, start_length), chunk=chunk)
+            logits, cache, lengths = engine.prefill(
+                method, tokens, np.full(batch, start_length), chunk=chunk, impl=impl
+            )
             dispatched = time.perf_counter()
             logits.block_until_ready()
             if times is not None:  # (wall s, s until the driver returned: host work not hidden behind the GPU)
@@ -277,7 +280,7 @@ def run_mode(
     token, times = jnp.zeros((batch,), jnp.int32), []
     for _ in range(warmup + steps):
         start = time.perf_counter()
-        logits, cache, lengths = engine.step(method, cache, lengths, token)
+        logits, cache, lengths = engine.step(method, cache, lengths, token, impl=impl)
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         token.block_until_ready()
         times.append(time.perf_counter() - start)
@@ -286,7 +289,7 @@ def run_mode(
     def device_loop():  # `steps` new tokens after `token`, in one executable
         nonlocal cache, lengths
         tokens, done, cache, lengths = engine.decode_loop(
-            method, cache, lengths, token, jax.random.key(0), max_new_tokens=steps + 1, sampling=Sampling()
+            method, cache, lengths, token, jax.random.key(0), max_new_tokens=steps + 1, sampling=Sampling(), impl=impl
         )
         tokens.block_until_ready()
         return int(done)
@@ -349,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-prefill", type=int, default=131072, help="largest context whose prefill is timed")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per context and mode (median)")
+    p.add_argument(
+        "--impl",
+        default="auto",
+        choices=["auto", "pallas", "cudnn", "xla"],
+        help="attention implementation (cudnn: prefill chunks through cuDNN; docs/attention.md)",
+    )
     p.add_argument(
         "--batch",
         type=int,
@@ -485,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(model_params(config, args.weights), config, fuse_qkv=False if args.separate_qkv else None)
     formats += ", q/k/v " + ("fused" if engine.fused_qkv else "separate")
+    if args.impl != "auto":
+        formats += f", attention impl={args.impl}"
     results = {m: {} for m in ("full", "duo")}
     largest = {}
     from tqdm.auto import tqdm
@@ -504,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                     batch=args.batch,
                     profile_dir=tempfile.mkdtemp(prefix=f"trace_{mode}_{context}_") if args.profile else None,
                     prefill_repeats=args.prefill_repeats,
+                    impl=args.impl,
                 )
                 tqdm.write(f"{mode} at {context}: {json.dumps(results[mode][context])}")  # kept if a later one dies
             except Exception as e:  # XLA reports device OOM as a runtime error

@@ -16,9 +16,10 @@
 #   bash benchmarks/gpu_session.sh methods OUT   # every KV-cache method on SmolLM2 with the shipped gates, NIAH at
 #                                                # 1k-8k x 10 depths, budgets 25% and 50%; like gates, the runs
 #                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
-#   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of at most 8 minutes: the
-#                                                # one-launch prefill kernel's tests, 8k / 32k with a per-op profile,
-#                                                # 128k, chunks of 4k / 8k at 8k
+#   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of at most 9 minutes: the
+#                                                # one-launch prefill kernel's and cuDNN's tests, 8k / 32k with a
+#                                                # per-op profile, the same through cuDNN, 128k with each
+#   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 4k and 8k at 8k and 32k (about 5 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
@@ -33,8 +34,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|decode|prefill|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|decode|prefill|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|decode|prefill|chunks|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|decode|prefill|chunks|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -112,29 +113,37 @@ decode)
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
 prefill)
-    # Issue 33's prefill targets, most informative first: the one-launch prefill kernel's GPU tests; 8k and 32k
-    # with a profile of one prefill per mode (GPU ms by op kind: what duo adds per chunk) and the median of three
-    # timed prefills with the time the driver took to return; 128k once; then chunks of 4k and 8k at 8k.
-    timeout "${TESTS_S:-60}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py -k "duo_prefill" 2>&1 \
+    # Issue 33's prefill targets, most informative first: the one-launch prefill kernel's and the cuDNN path's GPU
+    # tests; 8k and 32k with a profile of one prefill per mode (GPU ms by op kind) and the median of three timed
+    # prefills with the time the driver took to return; the same through cuDNN (--impl cudnn); 128k once each.
+    timeout "${TESTS_S:-60}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py -k "duo_prefill or cudnn" 2>&1 \
         | tee "$out/gpu_tests.log" || true
-    timeout "${PREFILL_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+    timeout "${PREFILL_S:-170}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
         --decode-steps 4 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b_prefill.log" || true
-    timeout "${LONG_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
-        --decode-steps 4 --prefill-repeats 1 --out "$out/ctx128k" 2>&1 | tee "$out/gpu_llama8b_prefill_128k.log" || true
-    for chunk in 4096 8192; do
-        timeout "${CHUNK_S:-60}" $PY benchmarks/gpu_llama8b.py --contexts 8192 --max-prefill 8192 \
-            --decode-steps 4 --chunk-size $chunk --out "$out/chunk$chunk" 2>&1 \
-            | tee "$out/gpu_llama8b_prefill_chunk$chunk.log" || true
+    timeout "${CUDNN_S:-110}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+        --decode-steps 4 --impl cudnn --out "$out/cudnn" 2>&1 | tee "$out/gpu_llama8b_prefill_cudnn.log" || true
+    for impl in auto cudnn; do
+        timeout "${LONG_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+            --decode-steps 4 --prefill-repeats 1 --impl $impl --out "$out/ctx128k_$impl" 2>&1 \
+            | tee "$out/gpu_llama8b_prefill_128k_$impl.log" || true
     done
     archive=$(mktemp -d)/prefill.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
+    ;;
+chunks)
+    # Prefill in chunks of 4k and 8k at 8k and 32k (the default chunk is 2k), full vs duo
+    for chunk in 4096 8192; do
+        timeout "${CHUNK_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+            --decode-steps 4 --chunk-size $chunk --out "$out/chunk$chunk" 2>&1 \
+            | tee "$out/gpu_llama8b_prefill_chunk$chunk.log" || true
+    done
     ;;
 train8b)
     timeout "${TRAIN_S:-540}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --out "$out" 2>&1 \
         | tee "$out/train_step.log" || true
     ;;
 *)
-    echo "unknown stage $stage (check, decode, prefill, llama8b, quantized, gates, methods, train8b or sweep)" >&2
+    echo "unknown stage $stage (check, decode, prefill, chunks, llama8b, quantized, gates, methods, train8b or sweep)" >&2
     exit 2
     ;;
 esac

@@ -398,7 +398,7 @@ def generate(
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
     tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
     to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
-    impl: the attention implementation, "auto" | "pallas" | "mosaic" | "cpu" | "xla" | "reference"
+    impl: the attention implementation, "auto" | "pallas" | "cudnn" | "mosaic" | "cpu" | "xla" | "reference"
     (`duo_jax.attention.IMPLS`, docs/attention.md); `attention_impl=` is its deprecated name.
     kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
     token and head, `duo_jax.quant`; the methods of `duo_jax.methods.QUANTIZED_KV_METHODS`).

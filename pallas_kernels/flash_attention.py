@@ -463,6 +463,7 @@ def block_sparse_attention(
     v_scale=None,
     kv_quant: str | None = None,
     k_positions=None,
+    key_offset: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
 ):
@@ -484,6 +485,11 @@ def block_sparse_attention(
             f"k_positions must be int32 [B, S] = {(k.shape[0], k.shape[1])} (got "
             f"{tuple(k_positions.shape)}), with causal attention and no Λ window"
         )
+    if key_offset is not None and (k_positions is None or not 0 <= key_offset <= k.shape[1] - q.shape[1]):
+        raise ValueError(
+            f"key_offset (where the queries' own keys start among the {k.shape[1]} slots) needs k_positions and "
+            f"0 <= key_offset <= S - T = {k.shape[1] - q.shape[1]}, got {key_offset}"
+        )
     batch, seq_q, _, head_dim = q.shape
     seq_k = k.shape[1]
     interpret = _backend.resolve_interpret(interpret)
@@ -501,6 +507,7 @@ def block_sparse_attention(
         interpret=interpret,
         kv_quant=kv_quant,
         k_positions=k_positions is not None,
+        key_offset=key_offset,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -542,6 +549,7 @@ def flash_attention(
     v_scale: jax.Array | None = None,
     kv_quant: str | None = None,
     k_positions: jax.Array | None = None,
+    key_offset: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
 ) -> jax.Array:
@@ -568,6 +576,9 @@ def flash_attention(
         stored in position order (DuoAttention's streaming heads: a ring of sink + recent tokens followed
         by the chunk); causal then compares positions, and every key block up to kv_len is visited (none
         is skipped or left unmasked). Queries stay at q_offset + i. Forward only.
+      key_offset: with k_positions, None, or the slot where the queries' own keys start, when every slot before
+        it holds a token before every query (or nothing) and slot key_offset + i holds query i's (or nothing): a
+        ring followed by the chunk. The schedule then stops at key_offset + i instead of visiting every block.
       num_warps, num_stages: the Triton launch of every kernel (GPU only; num_warps None = 4 for head_dim
         <= 64, else 8), for tuning (`benchmarks/kernels.py --sweep`).
 
@@ -591,6 +602,7 @@ def flash_attention(
         v_scale=v_scale,
         kv_quant=kv_quant,
         k_positions=k_positions,
+        key_offset=key_offset,
         num_warps=num_warps,
         num_stages=num_stages,
     )

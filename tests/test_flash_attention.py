@@ -140,11 +140,13 @@ def check_unmasked_blocks(
     assert whole - unmasked == through_sinks, (sink_end, band_start, end, sink_whole, lo, hi, sorted(whole))
 
 
+@pytest.mark.parametrize("own_keys", [False, True], ids=["every_block", "cut_at_the_diagonal"])
 @pytest.mark.parametrize("seq_q, block_k", [(1, 32), (24, 16)], ids=["decode", "chunk"])
-def test_keys_at_explicit_positions_match_float64(seq_q, block_k):
+def test_keys_at_explicit_positions_match_float64(seq_q, block_k, own_keys):
     """k_positions (a streaming head's ring of shuffled positions with empty -1 slots, followed by the chunk's
     own keys): against float64 numpy with the mask written out, GQA 2:1, ragged kv_len, a row of a sequence
-    whose keys are all empty getting zeros; S = 70 is not a multiple of the key block."""
+    whose keys are all empty getting zeros; S = 70 is not a multiple of the key block. With `own_keys`, the
+    kernel is told where the chunk's keys start (key_offset) and stops each query block at its diagonal."""
     import numpy as np
 
     B, S, Hq, Hkv, D = 2, 70, 4, 2, 32
@@ -159,7 +161,16 @@ def test_keys_at_explicit_positions_match_float64(seq_q, block_k):
     kv_len = np.array([S, S - 3]) if seq_q > 3 else np.array([S, S])  # sequence 1: its last 3 chunk keys unwritten
     out = jax.jit(
         lambda q, k, v, off, n, pos: flash_attention(
-            q, k, v, q_offset=off, kv_len=n, k_positions=pos, block_q=16, block_k=block_k, interpret=True
+            q,
+            k,
+            v,
+            q_offset=off,
+            kv_len=n,
+            k_positions=pos,
+            key_offset=ring if own_keys else None,
+            block_q=16,
+            block_k=block_k,
+            interpret=True,
         )
     )(q, k, v, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_len, jnp.int32), jnp.asarray(positions, jnp.int32))
 
@@ -178,3 +189,5 @@ def test_keys_at_explicit_positions_match_float64(seq_q, block_k):
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5 * np.abs(expected).max())
     with pytest.raises(ValueError, match="k_positions must be int32"):
         flash_attention(q, k, v, k_positions=jnp.zeros((B, S + 1), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="key_offset .* needs k_positions"):
+        flash_attention(q, k, v, key_offset=0, interpret=True)

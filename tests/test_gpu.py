@@ -327,6 +327,26 @@ def test_paged_flash_attention_chunk(dtype, T=512, S=2048, page_size=16, q_offse
     check(out, attention_f64(q, k, v, positions_mask(T, S, q_offset, kv_len)), dtype)
 
 
+def test_cudnn_prefill_chunk():
+    """A 1,024-token chunk through cuDNN (bf16, GQA 4:1, head_dim 128) at offsets 2,000 and 0 (a first chunk, 700
+    real tokens) over a cache of 4,096: the prefix and the chunk's own keys in two cuDNN calls, merged by their
+    log-sum-exps, against float64. Skipped, with the probe's reason, where cuDNN attention does not run."""
+    from duo_jax.attention import cudnn
+
+    reason = cudnn.unavailable()
+    if reason is not None:
+        pytest.skip(f"cuDNN attention does not run here: {reason}")
+    offsets, n_valid = np.array([2000, 0]), np.array([1024, 700])
+    q, k, v = inputs(2, 1024, 4096, 32, 8, 128, jnp.bfloat16)
+    spec = dispatch.prefix_spec(
+        2, 1024, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets + n_valid), num_keys=4096
+    )
+    out = jax.jit(cudnn.chunk_attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
+    want = attention_f64(q, k, v, positions_mask(1024, 4096, offsets, offsets + n_valid))
+    valid = np.arange(1024)[None, :] < n_valid[:, None]
+    check(np.asarray(out.astype(jnp.float32))[valid], want[valid], jnp.bfloat16)
+
+
 @pytest.mark.parametrize("method", ["full", "duo", "paged_duo"])
 def test_engine_on_the_kernels_matches_the_reference(method):
     """Chunked prefill (chunks of 64 over a 200-token prompt) and 16 decode steps through the Pallas kernels

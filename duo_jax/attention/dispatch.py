@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import pallas_kernels
 import pallas_kernels.cpu
 import pallas_kernels.tpu
-from duo_jax.attention import xla
+from duo_jax.attention import cudnn, xla
 from duo_jax.attention.masks import MaskSpec, prefix_spec
 from duo_jax.attention.pages import PagedKV
 from duo_jax.errors import BackendError
@@ -32,8 +32,8 @@ from duo_jax.quant import QuantizedKV, dequantize
 from pallas_kernels import _backend, reference
 from pallas_kernels._backend import backend as pallas_backend
 
-Impl = Literal["auto", "pallas", "mosaic", "cpu", "xla", "reference"]
-IMPLS = ("auto", "pallas", "mosaic", "cpu", "xla", "reference")
+Impl = Literal["auto", "pallas", "cudnn", "mosaic", "cpu", "xla", "reference"]
+IMPLS = ("auto", "pallas", "cudnn", "mosaic", "cpu", "xla", "reference")
 DECODE_BLOCK = 128  # split-K decode's key block (the cache capacity is a multiple of it)
 MIN_SPLITS = 16  # split-K decode's chunks of the cache (the last may be ragged: any capacity gets ~16) ...
 DECODE_PROGRAMS = 128  # ... or more, for a grid (batch x KV heads x splits) of about one program per SM
@@ -46,8 +46,10 @@ def decode_splits(batch: int, num_kv_heads: int) -> int:
 
 
 def resolve_impl(impl: str) -> str:
-    """Maps "auto" to "pallas" on GPU (or "xla" where Triton does not work), "mosaic" on TPU, "cpu" on CPU (or
-    "xla" where the C++ kernel cannot be built) and "xla" elsewhere."""
+    """Maps "auto" to "pallas" on GPU (or, where Triton does not work, "cudnn" where cuDNN attention does, else
+    "xla"), "mosaic" on TPU, "cpu" on CPU (or "xla" where the C++ kernel cannot be built) and "xla" elsewhere.
+    "cudnn": dense prefill chunks through cuDNN (`duo_jax.attention.cudnn`), everything else as "pallas" where
+    Triton works, else on the XLA path."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
@@ -57,6 +59,11 @@ def resolve_impl(impl: str) -> str:
         if impl != "auto"
         else ("pallas" if on_gpu else "mosaic" if backend == "tpu" else "cpu" if backend == "cpu" else "xla")
     )
+    if resolved == "cudnn" and not _backend.exporting():
+        reason = None if on_gpu else f"it runs on an NVIDIA GPU, not on {backend}"
+        reason = reason or cudnn.unavailable()
+        if reason is not None:
+            raise BackendError(f"impl='cudnn' cannot run here: {reason}. Use impl='auto'.")
     if resolved == "pallas" and on_gpu and not _backend.exporting():
         reason = _backend.triton_unavailable()
         if reason is not None:
@@ -88,20 +95,35 @@ def _cpu_fallback(reason: str, *, forced: bool) -> str:
 
 @functools.cache
 def _triton_fallback(reason: str, *, forced: bool) -> str:
-    """What "pallas" on a GPU without a working Triton backend becomes (warned once per reason)."""
+    """What "pallas" on a GPU without a working Triton backend becomes (warned once per reason): "cudnn" where
+    cuDNN attention works (prefill chunks there, the rest on the XLA path), else "xla"."""
     if forced:
         raise BackendError(
             f"impl='pallas' needs Pallas's Triton backend, which does not work with this JAX "
-            f"({jax.__version__}) on this GPU: {reason}. Use impl='auto' (falls back to the "
-            f"XLA path) or impl='xla'."
+            f"({jax.__version__}) on this GPU: {reason}. Use impl='auto' (falls back to cuDNN or the "
+            f"XLA path), impl='cudnn' or impl='xla'."
         )
+    fallback = "xla" if cudnn.unavailable() else "cudnn"
     warnings.warn(
         f"Pallas's Triton backend does not work with this JAX ({jax.__version__}) on this GPU "
-        f"({reason}): attention runs on the XLA path (impl='xla') instead of the Pallas kernels.",
+        f"({reason}): attention runs "
+        + (
+            "on the XLA path (impl='xla')"
+            if fallback == "xla"
+            else "through cuDNN for prefill chunks and on the XLA path otherwise (impl='cudnn')"
+        )
+        + " instead of the Pallas kernels.",
         RuntimeWarning,
         stacklevel=3,
     )
-    return "xla"
+    return fallback
+
+
+def _without_cudnn(impl: str) -> str:
+    """A resolved impl for what cuDNN does not serve: "cudnn" becomes "pallas" where Triton works, else "xla"."""
+    if impl != "cudnn":
+        return impl
+    return "pallas" if _backend.exporting() or _backend.triton_unavailable() is None else "xla"
 
 
 def attend(
@@ -110,6 +132,9 @@ def attend(
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
+    if impl == "cudnn" and cudnn.serves(q, k, v, spec):
+        return cudnn.chunk_attention(q, k, v, spec, scale=scale)
+    impl = _without_cudnn(impl)
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):
         return _kernels(q, k, v, spec, scale, impl)
     if impl == "cpu" and _cpu_kernel_serves(q, k, v, spec):
@@ -135,7 +160,7 @@ def attend_partial(
     pallas_kernels.check_qkv(q, k, v)
     contiguous = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
     if (
-        resolve_impl(impl) == "pallas"
+        _without_cudnn(resolve_impl(impl)) == "pallas"
         and contiguous
         and q.shape[1] == 1
         and spec.causal
@@ -200,7 +225,7 @@ def duo_decode(
         or not ring_k.shape[2]
         or isinstance(ring_k, (QuantizedKV, PagedKV))
         or pallas_kernels.duo_decode.ring_block(ring_k.shape[1]) is None
-        or resolve_impl(impl) != "pallas"
+        or _without_cudnn(resolve_impl(impl)) != "pallas"
     ):
         return None
     out = pallas_kernels.duo_decode_attention(
@@ -338,7 +363,11 @@ def _kernels(q, k, v, spec: MaskSpec, scale, impl: str):
     if isinstance(k, QuantizedKV):  # codes and scales, dequantized tile by tile in the kernel (never Λ)
         k, v, options = k.codes, v.codes, dict(options, k_scale=k.scale, v_scale=v.scale, kv_quant=k.kind)
     if spec.k_positions is not None:  # a decode step is a chunk of one; the GPU kernel takes q's offset
-        queries = dict(q_positions=spec.q_positions) if impl == "mosaic" else dict(q_offset=spec.q_positions[:, 0])
+        queries = (
+            dict(q_positions=spec.q_positions)
+            if impl == "mosaic"
+            else dict(q_offset=spec.q_positions[:, 0], key_offset=spec.own_keys_at)
+        )
         return kernels.flash_attention(
             q, k, v, causal=True, kv_len=kv_len, scale=scale, k_positions=spec.k_positions, **queries, **options
         )

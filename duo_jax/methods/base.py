@@ -54,11 +54,12 @@ class Step:
         the model's sliding window."""
         return MaskSpec(self.positions, self.new_lengths, window=self.sliding_window)
 
-    def positions_spec(self, key_positions: jax.Array) -> MaskSpec:
+    def positions_spec(self, key_positions: jax.Array, own_keys_at: int | None = None) -> MaskSpec:
         """The new tokens over keys at explicit positions [B, S] (-1: empty), e.g. a ring of cached tokens
-        followed by the chunk: causal, within the sliding window."""
+        followed by the chunk (`own_keys_at`: the ring's size; `MaskSpec.own_keys_at`): causal, within the
+        sliding window."""
         num_keys = jnp.full(key_positions.shape[:1], key_positions.shape[1], jnp.int32)
-        return MaskSpec(self.positions, num_keys, key_positions, window=self.sliding_window)
+        return MaskSpec(self.positions, num_keys, key_positions, window=self.sliding_window, own_keys_at=own_keys_at)
 
     def sees(self, key_positions: jax.Array, query_positions: jax.Array | None = None) -> jax.Array:
         """Which keys each new token sees, for the methods that score keys with a materialised mask

@@ -141,7 +141,8 @@ class StreamingWindow:
 
     def attend(self, q, keys, values, step: Step) -> jax.Array:
         """q [B, T, H, E] over the ring + chunk keys / values [B, S + T, K, E]."""
-        return attention.attend(q, keys, values, step.positions_spec(self.key_positions), impl=step.impl)
+        spec = step.positions_spec(self.key_positions, own_keys_at=self.key_positions.shape[1] - q.shape[1])
+        return attention.attend(q, keys, values, spec, impl=step.impl)
 
     def attend_and_write(self, q, k, v, cache_k, cache_v, step: Step):
         """Streaming heads: q [B, T, H_s, E] over their ring cache_k / cache_v [B, sink + recent, K_s, E] and

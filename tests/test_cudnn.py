@@ -1,0 +1,103 @@
+"""The cuDNN path's decomposition of a prefill chunk (prefix + its own keys, merged by log-sum-exp) against the
+XLA path on the whole mask, with the XLA path standing in for cuDNN's calls (this host has no GPU; the calls
+themselves are checked on a GPU by tests/test_gpu.py), and what it serves."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from duo_jax.attention import cudnn, xla
+from duo_jax.attention.dispatch import attend, resolve_impl
+from duo_jax.attention.masks import MaskSpec, prefix_spec
+from duo_jax.errors import BackendError
+from tests.conftest import rel_err
+
+
+def _inputs(B, T, C, H, K, E, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(2.0 * rng.standard_normal((B, T, H, E)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, C, K, E)), jnp.float32) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "offsets, n_valid",
+    [((0, 37), (24, 24)), ((100, 5), (24, 11)), ((0, 0), (24, 9))],
+    ids=["first_chunk_and_offset", "both_offset_ragged", "first_chunks"],
+)
+def test_chunk_matches_the_whole_mask(offsets, n_valid):
+    """Each sequence's chunk at its offset sees the prefix whole and itself causally; padding rows are not read."""
+    B, T, C, H, K, E = 2, 24, 128, 4, 2, 16
+    q, k, v = _inputs(B, T, C, H, K, E)
+    spec = prefix_spec(
+        B, T, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets) + jnp.asarray(n_valid), num_keys=C
+    )
+    got = cudnn.chunk_attention(q, k, v, spec, attend=cudnn.xla_part)
+    want = xla.attention(q, k, v, spec)
+    valid = np.arange(T)[None, :] < np.asarray(n_valid)[:, None]
+    assert rel_err(np.asarray(got)[valid], np.asarray(want)[valid]) < 1e-5
+
+
+def test_chunk_past_the_cache_end():
+    """A last chunk whose padding rows run past the cache: the real rows' keys are gathered right."""
+    B, T, C, H, K, E = 1, 32, 64, 2, 1, 8
+    q, k, v = _inputs(B, T, C, H, K, E, seed=1)
+    spec = prefix_spec(B, T, q_offset=jnp.asarray([50]), kv_len=jnp.asarray([64]), num_keys=C)
+    got = cudnn.chunk_attention(q, k, v, spec, attend=cudnn.xla_part)
+    want = xla.attention(q, k, v, spec)
+    assert rel_err(got[:, :14], want[:, :14]) < 1e-5
+    # the merge is not a no-op: the prefix alone, or the chunk alone, is far off
+    alone = cudnn.xla_part(q, k, v, jnp.asarray([50]), False, scale=1 / np.sqrt(E))[0]
+    assert rel_err(alone[:, :14], want[:, :14]) > 1e-2
+
+
+def test_serves_dense_16_bit_chunks_only():
+    B, T, C = 1, 16, 64
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(B, T, C, 4, 2, 64))
+    spec = prefix_spec(B, T, q_offset=jnp.asarray([3]), num_keys=C)
+    assert cudnn.serves(q, k, v, spec)
+    assert not cudnn.serves(q.astype(jnp.float32), k, v, spec)  # fp32
+    assert not cudnn.serves(q[:, :1], k, v, prefix_spec(B, 1, q_offset=jnp.asarray([3]), num_keys=C))  # decode
+    assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, sink=4, recent=8))  # Λ
+    assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, window=8))  # sliding window
+    positions = MaskSpec(spec.q_positions, spec.kv_len, jnp.zeros((B, C), jnp.int32))
+    assert not cudnn.serves(q, k, v, positions)  # keys at explicit positions
+    wide = jnp.zeros((B, T, 4, 256), jnp.bfloat16)
+    assert not cudnn.serves(wide, wide[:, :, :2], wide[:, :, :2], prefix_spec(B, T, num_keys=T))
+
+
+def test_refused_off_a_gpu_with_the_reason():
+    assert "NVIDIA GPU" in cudnn.unavailable()
+    with pytest.raises(BackendError, match="impl='cudnn' cannot run here.*GPU"):
+        resolve_impl("cudnn")
+    q, k, v = _inputs(1, 4, 8, 2, 1, 8)
+    with pytest.raises(BackendError, match="impl='auto'"):
+        attend(q, k, v, prefix_spec(1, 4, num_keys=8), impl="cudnn")
+
+
+def test_probe_reference_is_the_contract():
+    """`xla_part`, the stand-in, returns what `_cudnn` promises: the output and the natural log-sum-exp of the
+    scaled scores over keys j < kv_len (and j <= i when causal), [B, T, H]."""
+    B, T, S, H, K, E = 1, 5, 7, 2, 1, 4
+    q, k, v = _inputs(B, T, S, H, K, E, seed=2)
+    out, lse = cudnn.xla_part(q, k, v, jnp.asarray([6]), True, scale=0.5)
+    s = np.einsum("bthe,bshe->bhts", np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, axis=2)) * 0.5
+    mask = (np.arange(S)[None, :] <= np.arange(T)[:, None]) & (np.arange(S)[None, :] < 6)
+    s = np.where(mask, s, -np.inf)
+    want_lse = np.log(np.exp(s).sum(-1))  # [B, H, T]
+    np.testing.assert_allclose(np.asarray(lse), np.transpose(want_lse, (0, 2, 1)), rtol=1e-5)
+    p = np.exp(s - want_lse[..., None])
+    want = np.einsum("bhts,bshe->bthe", p, np.repeat(np.asarray(v, np.float64), 2, axis=2))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
+
+
+def test_traced_under_jit():
+    q, k, v = _inputs(1, 8, 32, 2, 1, 8)
+    fn = jax.jit(
+        lambda q, k, v, off: cudnn.chunk_attention(
+            q, k, v, prefix_spec(1, 8, q_offset=off, kv_len=off + 8, num_keys=32), attend=cudnn.xla_part
+        )
+    )
+    spec = prefix_spec(1, 8, q_offset=jnp.asarray([10]), kv_len=jnp.asarray([18]), num_keys=32)
+    assert rel_err(fn(q, k, v, jnp.asarray([10])), xla.attention(q, k, v, spec)) < 1e-5
