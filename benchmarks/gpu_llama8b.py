@@ -8,8 +8,9 @@ pattern (configs/patterns/llama3-8b) at --sparsity, sink 64 / recent 256. Batch 
 --chunk-size, both through the engine (`duo_jax.engine.Engine.prefill` and `.step`: the executables `generate` runs).
 
 Per context C and mode:
-- prefill: C - 1 random tokens in chunks, timed end to end (contexts up to --max-prefill only: beyond, a
-  prefill takes longer than a device session allows);
+- prefill: C - 11 - 4 x --decode-steps random tokens in chunks, timed end to end: the median of
+  --prefill-repeats runs, and the time the driver took to return (host work the GPU did not hide) (contexts up
+  to --max-prefill only: beyond, a prefill takes longer than a device session allows);
 - decode, two ways, at lengths just under C: "decode ms" is --decode-steps tokens generated on the device in
   one `Engine.decode_loop` (a `lax.while_loop` with sampling inside: what `generate` runs), time / steps;
   "host step ms" is the median of single `Engine.step` calls, each one dispatched from Python and waited for
@@ -31,6 +32,10 @@ heads' share and 4 * T * (sink + recent + chunk) * H * E * L over the streaming 
 formats `duo_jax.plan` counts): the roofline then reads the quantized bytes (codes + scales), so "% roofline"
 stays comparable across formats.
 
+--fill-memory decodes each mode at the largest batch its caches fit into the GPU's free memory instead (the
+serving case: the memory duo saves holds more sequences), and reports tokens/s side by side. --impl cudnn runs the
+dense prefill chunks through cuDNN (docs/attention.md).
+
 --dry-run builds everything abstractly on any backend (CPU included): the weights, the caches and one prefill
 chunk and one decode step of both modes with `jax.eval_shape`, and prints the plan (sizes, what fits in
 --hbm-gib, roofline times) without allocating.
@@ -38,6 +43,7 @@ chunk and one decode step of both modes with `jax.eval_shape`, and prints the pl
     python benchmarks/gpu_llama8b.py --dry-run
     python benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 524288 --out results/benchmarks/gpu_llama8b
     python benchmarks/gpu_llama8b.py --kv-dtype int4 --weights int8 --sparsity 0.75 --contexts 131072 1048576 4194304
+    python benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16
 """
 
 from __future__ import annotations
@@ -153,6 +159,41 @@ def measure_bandwidth(gib: float = 8.0) -> float:
         best = min(best, time.perf_counter() - start)
     del x
     return gib * 2**30 / best
+
+
+def largest_batch(method, free_bytes: int, margin_bytes: int) -> int:
+    """The most sequences whose caches (bf16) fit `free_bytes` less `margin_bytes` (the decode step's temporaries,
+    the allocator's slack): the serving case, where the memory a method saves holds more sequences."""
+    import jax
+    import jax.numpy as jnp
+
+    per_sequence = tree_bytes(jax.eval_shape(lambda: method.init_cache(1, jnp.bfloat16)))
+    return max(0, (free_bytes - margin_bytes) // per_sequence)
+
+
+def fill_memory(engine, methods: dict, context: int, *, steps: int, margin_gib: float, impl: str) -> dict:
+    """Decode at `context` with each mode's largest batch (`largest_batch` over the device's free memory once the
+    weights are loaded), backing off by a tenth on an out-of-memory error: {mode: run_mode's result + batch}."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    out = {}
+    for mode, method in methods.items():
+        batch = largest_batch(method, free, int(margin_gib * 2**30))
+        while batch > 0:
+            try:
+                out[mode] = dict(
+                    run_mode(engine, method, context, chunk=1, steps=steps, prefill=False, batch=batch, impl=impl),
+                    batch=batch,
+                )
+                break
+            except Exception as e:  # XLA reports device OOM as a runtime error
+                if not is_oom(e):
+                    raise
+                gc.collect()
+                batch -= max(1, batch // 10)
+    return out
 
 
 def is_oom(error: Exception) -> bool:
@@ -365,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         help="sequences decoded together, each at the context (above 1: zero-filled caches, no prefill)",
     )
     p.add_argument(
+        "--fill-memory",
+        action="store_true",
+        help="decode each mode at the largest batch its caches fit into the GPU's free memory (the serving "
+        "case), at each context: tokens/s side by side",
+    )
+    p.add_argument("--margin-gib", type=float, default=4.0, help="--fill-memory: memory left for temporaries")
+    p.add_argument(
         "--bandwidth-tbs",
         type=float,
         default=None,
@@ -496,6 +544,57 @@ def main(argv: list[str] | None = None) -> int:
     formats += ", q/k/v " + ("fused" if engine.fused_qkv else "separate")
     if args.impl != "auto":
         formats += f", attention impl={args.impl}"
+    if args.fill_memory:
+        rows, data = [], {}
+        for context in contexts:
+            data[context] = fill_memory(
+                engine,
+                methods_at(context),
+                context,
+                steps=args.decode_steps,
+                margin_gib=args.margin_gib,
+                impl=args.impl,
+            )
+            full, duo = data[context].get("full", {}), data[context].get("duo", {})
+            tokens = {
+                m: common.ratio(1e3 * r["batch"], r.get("decode_ms")) if r else None
+                for m, r in (("full", full), ("duo", duo))
+            }
+            rows.append(
+                [
+                    context,
+                    full.get("batch"),
+                    duo.get("batch"),
+                    full.get("decode_ms"),
+                    duo.get("decode_ms"),
+                    tokens["full"],
+                    tokens["duo"],
+                    common.ratio(tokens["duo"], tokens["full"]),
+                ]
+            )
+        common.write_result(
+            args.out,
+            "gpu_llama8b_fill",
+            title=f"Llama-3-8B shape on one GPU, {formats}: each mode at the largest batch that fits",
+            headers=[
+                "context",
+                "full batch",
+                "duo batch",
+                "full ms / step",
+                "duo ms / step",
+                "full tokens/s",
+                "duo tokens/s",
+                "duo / full tokens/s",
+            ],
+            rows=rows,
+            data=dict(args={k: str(v) for k, v in vars(args).items()}, results=data, weight_bytes=weight_bytes),
+            notes=[
+                f"device {jax.devices()[0].device_kind}; batch: the caches that fit the free memory after the "
+                f"weights, less {args.margin_gib:g} GiB, backed off by a tenth on an out-of-memory error; "
+                "zero-filled caches (a step reads the same bytes)"
+            ],
+        )
+        return 0
     results = {m: {} for m in ("full", "duo")}
     largest = {}
     from tqdm.auto import tqdm

@@ -20,6 +20,7 @@
 #                                                # one-launch prefill kernel's and cuDNN's tests, 8k / 32k with a
 #                                                # per-op profile, the same through cuDNN, 128k with each
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 4k and 8k at 8k and 32k (about 5 minutes)
+#   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
@@ -34,8 +35,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|decode|prefill|chunks|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|decode|prefill|chunks|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|decode|prefill|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|decode|prefill|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -130,6 +131,11 @@ prefill)
     archive=$(mktemp -d)/prefill.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
+serving)
+    # Issue 33's target 2, second half: each mode at the largest batch that fits at 32k, tokens/s side by side
+    timeout "${SERVING_S:-240}" $PY benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16 \
+        --out "$out" 2>&1 | tee "$out/gpu_llama8b_fill.log" || true
+    ;;
 chunks)
     # Prefill in chunks of 4k and 8k at 8k and 32k (the default chunk is 2k), full vs duo
     for chunk in 4096 8192; do
@@ -143,7 +149,7 @@ train8b)
         | tee "$out/train_step.log" || true
     ;;
 *)
-    echo "unknown stage $stage (check, decode, prefill, chunks, llama8b, quantized, gates, methods, train8b or sweep)" >&2
+    echo "unknown stage $stage (check, decode, prefill, chunks, serving, llama8b, quantized, gates, methods, train8b or sweep)" >&2
     exit 2
     ;;
 esac

@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -215,6 +216,47 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     assert out["profile"] == {"error": "the trace has no GPU plane"}
     assert out["prefill_profile"] == {"error": "the trace has no GPU plane"}
     assert np.isfinite(out["decode_ms"])
+
+
+def test_fill_memory_runs_each_mode_at_its_largest_batch(monkeypatch):
+    """--fill-memory: each mode's batch is the caches that fit the free memory less the margin (duo, holding
+    fewer tokens per sequence, fits more), and an out-of-memory error backs the batch off by a tenth."""
+    from conftest import tiny_config
+
+    from duo_jax.methods.registry import make_method
+    from duo_jax.pattern import Pattern
+
+    gpu = importlib.import_module("gpu_llama8b")
+    config = tiny_config()
+    methods = {
+        "full": make_method("full", config, context=512),
+        "duo": make_method("duo", config, context=512, pattern=Pattern(np.eye(2)[:2]), sink=4, recent=12),
+    }
+    per_sequence = {
+        m: gpu.tree_bytes(jax.eval_shape(lambda m=m: m.init_cache(1, jnp.bfloat16))) for m in methods.values()
+    }
+    full, duo = (per_sequence[methods[m]] for m in ("full", "duo"))
+    assert gpu.largest_batch(methods["full"], 40 * full + 100, 100) == 40
+    assert gpu.largest_batch(methods["duo"], 40 * full + 100, 100) == (40 * full) // duo > 40
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 30 * full + 1000, "bytes_in_use": 1000}
+
+    monkeypatch.setattr(jax, "devices", lambda: [Device()])
+    ran, failed = [], []
+
+    def run_mode(engine, method, context, *, batch, **kwargs):
+        if batch > 20 and not failed:  # the first try out of memory
+            failed.append(batch)
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (test)")
+        ran.append((method.name, batch))
+        return {"decode_ms": 1.0}
+
+    monkeypatch.setattr(gpu, "run_mode", run_mode)
+    out = gpu.fill_memory(None, methods, 512, steps=2, margin_gib=0.0, impl="auto")
+    assert out["full"]["batch"] == 30 - 3 and failed == [30]  # backed off by a tenth
+    assert out["duo"]["batch"] == (30 * full) // duo and ran[-1] == ("duo", out["duo"]["batch"])
 
 
 @pytest.mark.slow
