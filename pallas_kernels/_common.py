@@ -74,6 +74,17 @@ def per_batch(x, batch: int, default: int) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch,))
 
 
+def exact_block(size: int, largest: int = 128) -> int | None:
+    """The key block that tiles `size` slots exactly: the largest power of two <= `largest` that divides it, or
+    None when that is under 16 (Triton's smallest dot)."""
+    block = largest
+    while block >= 16:
+        if size % block == 0:
+            return block
+        block //= 2
+    return None
+
+
 def fit_block(block: int, length: int) -> int:
     """Shrinks a block to the smallest power of two (>= 16) covering `length`."""
     return min(block, max(16, 1 << max(length - 1, 0).bit_length()))

@@ -20,17 +20,6 @@ from pallas_kernels.decode_attention import group_queries, run_splits, split_att
 from pallas_kernels.paged_attention import check_paged, paged_tile, pages_per_block, pool_slots, split_tables
 
 
-def ring_block(size: int, largest: int = 128) -> int | None:
-    """The key block that tiles a ring of `size` slots exactly: the largest power of two <= `largest` that
-    divides it, or None when that is under 16 (Triton's smallest dot)."""
-    block = largest
-    while block >= 16:
-        if size % block == 0:
-            return block
-        block //= 2
-    return None
-
-
 def lookup(table: tuple[int, ...], i: jax.Array) -> jax.Array:
     """table[i] for a static table and a traced scalar i, as a chain of selects (index maps and kernel bodies
     cannot capture an array constant)."""
@@ -182,7 +171,7 @@ def duo_decode_attention(
       k, v: [B, C, n, D] the retrieval heads' cache, the new token written; C a multiple of `block_k`. With
         `block_tables`, their pools of pages instead: [n, N, P, D] (P a power of two).
       lengths: int32 [B]; the retrieval heads see keys j < lengths[b].
-      ring_k, ring_v: [B, S, K_s, D] the streaming heads' ring (S tiled by `ring_block(S)`).
+      ring_k, ring_v: [B, S, K_s, D] the streaming heads' ring (S tiled by `_common.exact_block(S)`).
       ring_lengths: int32 [B]; the streaming heads see ring slots j < ring_lengths[b] (<= S) and the new token.
       k_new, v_new: the new token's key and value: [B, K_s, D] on the streaming heads, or with `kv_order` [B, K, D]
         on every KV head in the model's order (the streaming heads' rows are read).
@@ -241,7 +230,7 @@ def duo_decode_attention(
     new_head = ring_head if kv_order is None else tuple(range(num_kv_heads))
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
-    ring_tile = ring_block(size)
+    ring_tile = _common.exact_block(size)
     if ring_tile is None:
         raise ValueError(f"a ring of {size} slots has no power-of-two key block >= 16 (use the separate kernels)")
     _common.check_block("block_k", block_k)

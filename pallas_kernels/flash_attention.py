@@ -495,7 +495,10 @@ def block_sparse_attention(
     interpret = _backend.resolve_interpret(interpret)
     block_q, block_k = _backend.fit_tiles(block_q, block_k, q.dtype, interpret)
     block_q = _common.fit_block(block_q, seq_q)
-    block_k = _common.fit_block(block_k, seq_k)
+    # keys at explicit positions (a ring and a chunk, rarely a multiple of 128): a block that tiles them exactly
+    # where there is one, so that they need no padded copy
+    exact = _common.exact_block(seq_k, block_k) if k_positions is not None else None
+    block_k = exact or _common.fit_block(block_k, seq_k)
     cfg = Config(
         seq_q=seq_q,
         causal=causal,
@@ -520,13 +523,9 @@ def block_sparse_attention(
 
     if kv_quant is not None or k_positions is not None:  # inference over a cache: no gradient to define
         scales = () if kv_quant is None else tuple(pad(x, block_k) for x in (k_scale, v_scale))
-        positions = (
-            None
-            if k_positions is None
-            else jnp.pad(  # padded slots are empty (-1)
-                k_positions.astype(jnp.int32), ((0, 0), (0, -seq_k % block_k)), constant_values=-1
-            )
-        )
+        positions = None if k_positions is None else k_positions.astype(jnp.int32)
+        if positions is not None and seq_k % block_k:  # padded slots are empty (-1)
+            positions = jnp.pad(positions, ((0, 0), (0, -seq_k % block_k)), constant_values=-1)
         o, _ = _forward(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg, scales, positions)
     else:
         o = _attention(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg)

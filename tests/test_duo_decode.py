@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _backend
-from pallas_kernels.duo_decode import duo_decode_attention, ring_block
+from pallas_kernels._common import exact_block
+from pallas_kernels.duo_decode import duo_decode_attention
 from tests.conftest import rel_err
 
 CASES = {
@@ -147,8 +148,9 @@ def test_heads_in_the_models_order(paged):
     assert rel_err(out, expected[:, query_rows]) <= 1e-5
 
 
-def test_ring_block():
-    assert [ring_block(s) for s in (320, 256, 48, 1024, 40, 7)] == [64, 128, 16, 128, None, None]
+def test_exact_block():
+    assert [exact_block(s) for s in (320, 256, 48, 1024, 40, 7)] == [64, 128, 16, 128, None, None]
+    assert exact_block(2368, 128) == 64  # a ring of 320 and a chunk of 2,048
 
 
 def test_rejects_what_it_cannot_serve():

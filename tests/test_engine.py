@@ -191,13 +191,14 @@ def test_prefill_chunk_lowered_for_cuda_has_one_kernel_per_layer():
     counts = {}
     for name, mask in (("duo", MIXED), ("full", None)):
         module = lowered_extend(mask, 64)
-        counts[name] = [executed(module, op) for op in (f"custom_call @{TRITON}", "stablehlo.gather")]
+        counts[name] = [executed(module, op) for op in (f"custom_call @{TRITON}", "stablehlo.gather", "stablehlo.pad")]
         if name == "duo":  # the two mixed layers
             names = [launch["name"] for launch in triton_kernels(module)]
             assert sum(n.startswith("duo_prefill_attention") for n in names) == 2
     assert counts["duo"][0] == counts["full"][0] == CONFIG.num_layers
-    # no more gathers than full (before the one-launch kernel: 6 launches and 12 gathers against full's 4 and 10)
-    assert counts["duo"][1] <= counts["full"][1]
+    # no more gathers than full (before the one-launch kernel: 6 launches and 12 gathers against full's 4 and 10),
+    # and no padded copy of a ring + chunk (16 + 64 slots, tiled by blocks of 16; before: 9 pads)
+    assert counts["duo"][1] <= counts["full"][1] and counts["duo"][2] == counts["full"][2] == 0
 
 
 @pytest.mark.slow

@@ -224,7 +224,7 @@ def duo_decode(
         or not k.shape[2]
         or not ring_k.shape[2]
         or isinstance(ring_k, (QuantizedKV, PagedKV))
-        or pallas_kernels.duo_decode.ring_block(ring_k.shape[1]) is None
+        or pallas_kernels._common.exact_block(ring_k.shape[1]) is None
         or _without_cudnn(resolve_impl(impl)) != "pallas"
     ):
         return None
