@@ -201,9 +201,10 @@ def is_oom(error: Exception) -> bool:
 
 
 def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
-    """GPU time per decode step from a `jax.profiler` trace: the total, the `top` costliest XLA ops (ms per
-    step, launches per step) and every op kind's ms and launches per step. Reads the device plane's "XLA Ops"
-    line (or, without one, its busiest line)."""
+    """GPU time per decode step from a `jax.profiler` trace: the total, the span from the first kernel's start to
+    the last one's end (the difference is the GPU idle between kernels, waiting for the host), the `top` costliest
+    XLA ops (ms per step, launches per step) and every op kind's ms and launches per step. Reads the device
+    plane's "XLA Ops" line (or, without one, its busiest line)."""
     import glob
 
     from jax.profiler import ProfileData
@@ -225,10 +226,14 @@ def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
         totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns
         counts[event.name] = counts.get(event.name, 0) + 1
     ranked = sorted(totals, key=totals.get, reverse=True)[:top]
+    events = lines[name]
+    span = (max(e.end_ns for e in events) - min(e.start_ns for e in events)) if events else 0.0
     return {
         "line": name,
         "lines": {n: len(e) for n, e in lines.items()},
         "gpu_ms_per_step": sum(totals.values()) / 1e6 / steps,
+        # first kernel's start to last kernel's end: what the GPU spent idle between kernels is span - gpu ms
+        "span_ms_per_step": span / 1e6 / steps,
         "launches_per_step": sum(counts.values()) / steps,
         "top_ops": [
             {"op": op, "ms_per_step": totals[op] / 1e6 / steps, "per_step": counts[op] / steps} for op in ranked

@@ -218,6 +218,35 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     assert np.isfinite(out["decode_ms"])
 
 
+def test_gpu_op_times_reads_busy_time_span_and_launches(tmp_path, monkeypatch):
+    """The GPU plane's kernels per step: busy ms, the span from the first start to the last end (the GPU's idle
+    between kernels is the difference), launches, and the costliest ops."""
+    import types
+
+    from jax import profiler
+
+    gpu = importlib.import_module("gpu_llama8b")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "x.xplane.pb").write_bytes(b"")
+    kernel = lambda name, start, end: types.SimpleNamespace(  # noqa: E731
+        name=name, start_ns=start, end_ns=end, duration_ns=end - start
+    )
+    events = [
+        kernel("gemm_fusion_dot_1", 0, 3e6),
+        kernel("loop_add_fusion_2", 4e6, 5e6),
+        kernel("gemm_fusion_dot_1", 8e6, 11e6),
+    ]
+    line = types.SimpleNamespace(name="XLA Ops", events=events)
+    planes = [
+        types.SimpleNamespace(name="/host:CPU", lines=[]),
+        types.SimpleNamespace(name="/device:GPU:0", lines=[line]),
+    ]
+    monkeypatch.setattr(profiler.ProfileData, "from_file", lambda path: types.SimpleNamespace(planes=planes))
+    out = gpu.gpu_op_times(str(tmp_path / "t"), steps=2)
+    assert out["gpu_ms_per_step"] == 3.5 and out["span_ms_per_step"] == 5.5 and out["launches_per_step"] == 1.5
+    assert out["top_ops"][0] == {"op": "gemm_fusion_dot_1", "ms_per_step": 3.0, "per_step": 1.0}
+
+
 def test_fill_memory_runs_each_mode_at_its_largest_batch(monkeypatch):
     """--fill-memory: each mode's batch is the caches that fit the free memory less the margin (duo, holding
     fewer tokens per sequence, fits more), and an out-of-memory error backs the batch off by a tenth."""
