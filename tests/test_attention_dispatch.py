@@ -161,8 +161,9 @@ def test_auto_falls_back_to_xla_on_a_gpu_without_triton(monkeypatch):
 
 
 def test_auto_falls_back_to_cudnn_where_it_runs_and_triton_does_not(monkeypatch):
-    """Without Triton but with cuDNN attention (both simulated), "auto" takes "cudnn": prefill chunks of 16-bit
-    values through cuDNN, the rest on the XLA path (decode here), and says so once."""
+    """Without Triton but with cuDNN attention (both simulated), "auto" takes "cudnn": prefill chunks and decode
+    steps of 16-bit values through cuDNN, the rest (here a ring's keys at explicit positions) on the XLA path, and
+    says so once."""
     from duo_jax.attention import cudnn, dispatch
     from pallas_kernels import _backend
 
@@ -170,15 +171,17 @@ def test_auto_falls_back_to_cudnn_where_it_runs_and_triton_does_not(monkeypatch)
     monkeypatch.setattr(_backend, "triton_unavailable", lambda: "ImportError: Triton removed (test)")
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
     calls = []
-    monkeypatch.setattr(cudnn, "chunk_attention", lambda *a, **kw: calls.append(a) or a[0])
+    monkeypatch.setattr(cudnn, "attention", lambda *a, **kw: calls.append(a) or a[0])
     dispatch._triton_fallback.cache_clear()
     with pytest.warns(RuntimeWarning, match="through cuDNN for prefill chunks"):
         assert attention.resolve_impl("auto") == "cudnn"
     q, k, v = (jnp.ones((1, 8, 2, 16), jnp.bfloat16) for _ in range(3))
     chunk = attention.attend(q, k, v, attention.prefix_spec(1, 8, q_offset=jnp.asarray([0]), num_keys=8))
     assert len(calls) == 1 and chunk is q
-    one = attention.decode_attention(q[:, 0], k, v, jnp.asarray([5]), impl="auto")  # not cuDNN's: XLA
-    assert len(calls) == 1 and one.shape == (1, 2, 16)
+    attention.decode_attention(q[:, 0], k, v, jnp.asarray([5]), impl="auto")
+    assert len(calls) == 2
+    ring = attention.MaskSpec(q[:, :, 0, 0].astype(jnp.int32), jnp.asarray([8]), jnp.zeros((1, 8), jnp.int32))
+    assert attention.attend(q, k, v, ring).shape == q.shape and len(calls) == 2  # not cuDNN's: XLA
     dispatch._triton_fallback.cache_clear()
 
 

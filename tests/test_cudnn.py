@@ -39,6 +39,15 @@ def test_chunk_matches_the_whole_mask(offsets, n_valid):
     assert rel_err(np.asarray(got)[valid], np.asarray(want)[valid]) < 1e-5
 
 
+def test_decode_step_sees_its_cache_up_to_its_position():
+    B, C, H, K, E = 3, 64, 4, 2, 16
+    q, k, v = _inputs(B, 1, C, H, K, E, seed=3)
+    lengths = jnp.asarray([64, 1, 30])
+    spec = prefix_spec(B, 1, q_offset=lengths - 1, kv_len=lengths, num_keys=C)
+    got = cudnn.attention(q, k, v, spec, attend=cudnn.xla_part)
+    assert rel_err(got, xla.attention(q, k, v, spec)) < 1e-5
+
+
 def test_chunk_past_the_cache_end():
     """A last chunk whose padding rows run past the cache: the real rows' keys are gathered right."""
     B, T, C, H, K, E = 1, 32, 64, 2, 1, 8
@@ -58,7 +67,7 @@ def test_serves_dense_16_bit_chunks_only():
     spec = prefix_spec(B, T, q_offset=jnp.asarray([3]), num_keys=C)
     assert cudnn.serves(q, k, v, spec)
     assert not cudnn.serves(q.astype(jnp.float32), k, v, spec)  # fp32
-    assert not cudnn.serves(q[:, :1], k, v, prefix_spec(B, 1, q_offset=jnp.asarray([3]), num_keys=C))  # decode
+    assert cudnn.serves(q[:, :1], k, v, prefix_spec(B, 1, q_offset=jnp.asarray([3]), num_keys=C))  # decode
     assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, sink=4, recent=8))  # Λ
     assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, window=8))  # sliding window
     positions = MaskSpec(spec.q_positions, spec.kv_len, jnp.zeros((B, C), jnp.int32))

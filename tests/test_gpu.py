@@ -327,10 +327,11 @@ def test_paged_flash_attention_chunk(dtype, T=512, S=2048, page_size=16, q_offse
     check(out, attention_f64(q, k, v, positions_mask(T, S, q_offset, kv_len)), dtype)
 
 
-def test_cudnn_prefill_chunk():
+def test_cudnn_prefill_chunk_and_decode():
     """A 1,024-token chunk through cuDNN (bf16, GQA 4:1, head_dim 128) at offsets 2,000 and 0 (a first chunk, 700
     real tokens) over a cache of 4,096: the prefix and the chunk's own keys in two cuDNN calls, merged by their
-    log-sum-exps, against float64. Skipped, with the probe's reason, where cuDNN attention does not run."""
+    log-sum-exps, and a decode step, against float64. Skipped, with the probe's reason, where cuDNN attention does not
+    run."""
     from duo_jax.attention import cudnn
 
     reason = cudnn.unavailable()
@@ -345,6 +346,12 @@ def test_cudnn_prefill_chunk():
     want = attention_f64(q, k, v, positions_mask(1024, 4096, offsets, offsets + n_valid))
     valid = np.arange(1024)[None, :] < n_valid[:, None]
     check(np.asarray(out.astype(jnp.float32))[valid], want[valid], jnp.bfloat16)
+    # a decode step (one call, a padding mask): lengths full, 1 and mid-block
+    lengths = np.array([4096, 1, 3001])
+    q, k, v = inputs(3, 1, 4096, 32, 8, 128, jnp.bfloat16, seed=1)
+    spec = dispatch.prefix_spec(3, 1, q_offset=jnp.asarray(lengths - 1), kv_len=jnp.asarray(lengths), num_keys=4096)
+    out = jax.jit(cudnn.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
+    check(out, attention_f64(q, k, v, positions_mask(1, 4096, lengths - 1, lengths)), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("method", ["full", "duo", "paged_duo"])

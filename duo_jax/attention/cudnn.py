@@ -1,4 +1,5 @@
-"""Dense causal attention of a prefill chunk through cuDNN's fused attention (JAX's cuDNN binding), on a GPU.
+"""Dense causal attention of a prefill chunk or a decode step through cuDNN's fused attention (JAX's cuDNN
+binding), on a GPU.
 
 This is the path that needs no Pallas Triton backend (deprecated in JAX 0.11). It uses the library where it serves:
 cuDNN's flash attention on Hopper is faster than this project's Triton flash kernel (BENCHMARKS.md, "Attention
@@ -38,11 +39,10 @@ Attend = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
-    """A causal chunk of more than one query over a contiguous cache of 16-bit values, without keys at explicit
-    positions, Λ or a sliding window, with a head dim cuDNN takes."""
+    """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache of 16-bit values, without keys
+    at explicit positions, Λ or a sliding window, with a head dim cuDNN takes."""
     return (
-        q.shape[1] > 1
-        and not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v))
+        not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v))
         and q.dtype in DTYPES
         and k.dtype == q.dtype
         and v.dtype == q.dtype
@@ -53,6 +53,23 @@ def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
         and spec.window is None
         and not spec.is_lambda
     )
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    spec: MaskSpec,
+    *,
+    scale: float | None = None,
+    attend: Attend | None = None,
+) -> jax.Array:
+    """`serves`' cases through cuDNN: a decode step (one query per sequence, every cached key up to its position:
+    one call with a padding mask) or a chunk (`chunk_attention`). `attend` as `chunk_attention`'s."""
+    if q.shape[1] > 1:
+        return chunk_attention(q, k, v, spec, scale=scale, attend=attend)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return (attend or _cudnn)(q, k, v, spec.decode_lengths(), False, scale=scale)[0]
 
 
 def chunk_attention(

@@ -49,7 +49,7 @@ def resolve_impl(impl: str) -> str:
     """Maps "auto" to "pallas" on GPU (or, where Triton does not work, "cudnn" where cuDNN attention does, else
     "xla"), "mosaic" on TPU, "cpu" on CPU (or "xla" where the C++ kernel cannot be built) and "xla" elsewhere.
     "cudnn": dense prefill chunks through cuDNN (`duo_jax.attention.cudnn`), everything else as "pallas" where
-    Triton works, else on the XLA path."""
+    Triton works, else decode steps through cuDNN too and the rest on the XLA path."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
@@ -132,9 +132,11 @@ def attend(
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
-    if impl == "cudnn" and cudnn.serves(q, k, v, spec):
-        return cudnn.chunk_attention(q, k, v, spec, scale=scale)
-    impl = _without_cudnn(impl)
+    if impl == "cudnn":  # prefill chunks; decode steps only without Triton (the split-K kernel is faster there)
+        rest = _without_cudnn(impl)
+        if cudnn.serves(q, k, v, spec) and (q.shape[1] > 1 or rest == "xla"):
+            return cudnn.attention(q, k, v, spec, scale=scale)
+        impl = rest
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):
         return _kernels(q, k, v, spec, scale, impl)
     if impl == "cpu" and _cpu_kernel_serves(q, k, v, spec):
