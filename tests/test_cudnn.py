@@ -33,7 +33,7 @@ def test_chunk_matches_the_whole_mask(offsets, n_valid):
     spec = prefix_spec(
         B, T, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets) + jnp.asarray(n_valid), num_keys=C
     )
-    got = cudnn.chunk_attention(q, k, v, spec, attend=cudnn.xla_part)
+    got = cudnn.attention(q, k, v, spec, attend=cudnn.xla_part)
     want = xla.attention(q, k, v, spec)
     valid = np.arange(T)[None, :] < np.asarray(n_valid)[:, None]
     assert rel_err(np.asarray(got)[valid], np.asarray(want)[valid]) < 1e-5
@@ -53,7 +53,7 @@ def test_chunk_past_the_cache_end():
     B, T, C, H, K, E = 1, 32, 64, 2, 1, 8
     q, k, v = _inputs(B, T, C, H, K, E, seed=1)
     spec = prefix_spec(B, T, q_offset=jnp.asarray([50]), kv_len=jnp.asarray([64]), num_keys=C)
-    got = cudnn.chunk_attention(q, k, v, spec, attend=cudnn.xla_part)
+    got = cudnn.attention(q, k, v, spec, attend=cudnn.xla_part)
     want = xla.attention(q, k, v, spec)
     assert rel_err(got[:, :14], want[:, :14]) < 1e-5
     # the merge is not a no-op: the prefix alone, or the chunk alone, is far off
@@ -104,7 +104,7 @@ def test_probe_reference_is_the_contract():
 def test_traced_under_jit():
     q, k, v = _inputs(1, 8, 32, 2, 1, 8)
     fn = jax.jit(
-        lambda q, k, v, off: cudnn.chunk_attention(
+        lambda q, k, v, off: cudnn.attention(
             q, k, v, prefix_spec(1, 8, q_offset=off, kv_len=off + 8, num_keys=32), attend=cudnn.xla_part
         )
     )

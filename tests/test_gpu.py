@@ -342,7 +342,7 @@ def test_cudnn_prefill_chunk_and_decode():
     spec = dispatch.prefix_spec(
         2, 1024, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets + n_valid), num_keys=4096
     )
-    out = jax.jit(cudnn.chunk_attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
+    out = jax.jit(cudnn.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
     want = attention_f64(q, k, v, positions_mask(1024, 4096, offsets, offsets + n_valid))
     valid = np.arange(1024)[None, :] < n_valid[:, None]
     check(np.asarray(out.astype(jnp.float32))[valid], want[valid], jnp.bfloat16)

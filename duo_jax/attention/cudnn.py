@@ -64,33 +64,18 @@ def attention(
     scale: float | None = None,
     attend: Attend | None = None,
 ) -> jax.Array:
-    """`serves`' cases through cuDNN: a decode step (one query per sequence, every cached key up to its position:
-    one call with a padding mask) or a chunk (`chunk_attention`). `attend` as `chunk_attention`'s."""
-    if q.shape[1] > 1:
-        return chunk_attention(q, k, v, spec, scale=scale, attend=attend)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return (attend or _cudnn)(q, k, v, spec.decode_lengths(), False, scale=scale)[0]
-
-
-def chunk_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    spec: MaskSpec,
-    *,
-    scale: float | None = None,
-    attend: Attend | None = None,
-) -> jax.Array:
-    """q [B, T, H, E] at positions q_offset + t (`spec.q_positions`, consecutive) over the cache k / v [B, C, K, E]
-    holding the chunk at its positions, slots j < kv_len seen: the prefix [0, q_offset) whole and the chunk
-    causally, merged. `attend` runs one part (cuDNN by default; the tests pass the XLA path)."""
+    """`serves`' cases through cuDNN: q [B, T, H, E] at positions q_offset + t (`spec.q_positions`, consecutive)
+    over the cache k / v [B, C, K, E] holding them at their positions, slots j < kv_len seen. A decode step (T = 1)
+    is one call with a padding mask; a chunk sees the prefix [0, q_offset) whole and itself causally, two calls
+    merged. `attend` runs one call (cuDNN by default; the tests pass the XLA path, `xla_part`)."""
     B, T, H, E = q.shape
-    C = k.shape[1]
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     attend = functools.partial(attend or _cudnn, scale=scale)
+    if T == 1:
+        return attend(q, k, v, spec.decode_lengths(), False)[0]
     q_offset = spec.q_positions[:, 0]
     # the chunk's own keys: rows q_offset + t (clipped: a row past the cache is a padding token no real row sees)
-    rows = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], C - 1)
+    rows = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
     own_k, own_v = (jnp.take_along_axis(x, rows[:, :, None, None], axis=1) for x in (k, v))
     out_own, lse_own = attend(q, own_k, own_v, jnp.full((B,), T, jnp.int32), True)
     out_prefix, lse_prefix = attend(q, k, v, q_offset, False)
@@ -134,7 +119,7 @@ def xla_part(q, k, v, kv_len, causal: bool, *, scale: float):
 
 @functools.cache
 def unavailable() -> str | None:
-    """None when cuDNN attention with its log-sum-exp runs on the default device and `chunk_attention` through it
+    """None when cuDNN attention with its log-sum-exp runs on the default device and `attention` through it
     matches the XLA path; otherwise why not. Probed once per process."""
     if jax.default_backend() not in ("gpu", "cuda"):
         return f"cuDNN attention needs an NVIDIA GPU (the default backend is {jax.default_backend()})"
@@ -145,7 +130,7 @@ def unavailable() -> str | None:
             q = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.bfloat16)
             k, v = (jnp.asarray(rng.standard_normal((B, C, K, E)), jnp.bfloat16) for _ in range(2))
             spec = prefix_spec(B, T, q_offset=jnp.asarray([0, 100]), kv_len=jnp.asarray([T, 100 + T]), num_keys=C)
-            got = jax.jit(chunk_attention)(q, k, v, spec).astype(jnp.float32)
+            got = jax.jit(attention)(q, k, v, spec).astype(jnp.float32)
             want = xla.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), spec)
             err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             if not err < 3e-2:
