@@ -117,14 +117,14 @@ prefill)
     # Issue 33's prefill targets, most informative first: the one-launch prefill kernel's and the cuDNN path's GPU
     # tests; 8k and 32k with a profile of one prefill per mode (GPU ms by op kind) and the median of three timed
     # prefills with the time the driver took to return; the same through cuDNN (--impl cudnn); 128k once each.
-    timeout "${TESTS_S:-60}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py -k "duo_prefill or cudnn" 2>&1 \
-        | tee "$out/gpu_tests.log" || true
-    timeout "${PREFILL_S:-170}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+    timeout "${TESTS_S:-90}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
+        -k "duo_prefill or cudnn or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
+    timeout "${PREFILL_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
         --decode-steps 4 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b_prefill.log" || true
-    timeout "${CUDNN_S:-110}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+    timeout "${CUDNN_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
         --decode-steps 4 --impl cudnn --out "$out/cudnn" 2>&1 | tee "$out/gpu_llama8b_prefill_cudnn.log" || true
     for impl in auto cudnn; do
-        timeout "${LONG_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        timeout "${LONG_S:-95}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
             --decode-steps 4 --prefill-repeats 1 --impl $impl --out "$out/ctx128k_$impl" 2>&1 \
             | tee "$out/gpu_llama8b_prefill_128k_$impl.log" || true
     done
