@@ -155,35 +155,67 @@ def run_splits(
     may alias to an input (input index -> its index among the extra outputs). Returns the merged output (and
     lse), followed by the extra outputs when there are any."""
     batch, num_kv_heads, parts, rows, width = q.shape
-    stats_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))
-    stats = jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32)
-    o, m, l, *extras = pl.pallas_call(
+    o, m, l, *extras = launch_splits(
         kernel,
-        grid=(batch, num_kv_heads, num_splits),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, parts, rows, width), lambda b, h, s: (b, h, s, 0, 0, 0)),
-            stats_spec,
-            stats_spec,
-            *(spec for spec, _ in extra_outputs),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, parts, rows, width), jnp.float32),
-            stats,
-            stats,
-            *(shape for _, shape in extra_outputs),
-        ],
-        input_output_aliases={i: 3 + j for i, j in (aliases or {}).items()},
-        compiler_params=_backend.compiler_params(
-            interpret=interpret, num_warps=4, num_stages=2, dimension_semantics=("parallel", "parallel", "parallel")
-        ),
+        in_specs,
+        args,
+        (batch, num_kv_heads, num_splits),
+        parts=parts,
+        rows=rows,
+        width=width,
         interpret=interpret,
         name=name,
-    )(*args)
+        extra_outputs=extra_outputs,
+        aliases=aliases,
+    )
     merged = merge_splits(o, m, l, num_heads=num_heads, dtype=dtype, return_lse=return_lse)
     if not extras:
         return merged
     return (*merged, *extras) if return_lse else (merged, *extras)
+
+
+def launch_splits(
+    kernel,
+    in_specs: list,
+    args: list,
+    grid: tuple[int, ...],
+    *,
+    parts: int,
+    rows: int,
+    width: int,
+    interpret: bool,
+    name: str,
+    extra_outputs: tuple = (),
+    aliases: dict[int, int] | None = None,
+):
+    """The split-K launch: `kernel` over `grid` (its first dim the batch), each program writing its partial o
+    float32 [parts, rows, width] and m, l float32 [rows] at its grid point: outputs shaped grid + those dims,
+    then `extra_outputs` as `run_splits`'."""
+    whole = (None,) * len(grid)  # each grid point owns one block of the partials
+    o, m, l, *extras = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((*whole, parts, rows, width), lambda *ids: (*ids, 0, 0, 0)),
+            pl.BlockSpec((*whole, rows), lambda *ids: (*ids, 0)),
+            pl.BlockSpec((*whole, rows), lambda *ids: (*ids, 0)),
+            *(spec for spec, _ in extra_outputs),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*grid, parts, rows, width), jnp.float32),
+            jax.ShapeDtypeStruct((*grid, rows), jnp.float32),
+            jax.ShapeDtypeStruct((*grid, rows), jnp.float32),
+            *(shape for _, shape in extra_outputs),
+        ],
+        input_output_aliases={i: 3 + j for i, j in (aliases or {}).items()},
+        compiler_params=_backend.compiler_params(
+            interpret=interpret, num_warps=4, num_stages=2, dimension_semantics=("parallel",) * len(grid)
+        ),
+        interpret=interpret,
+        name=name,
+    )(*args)
+    return (o, m, l, *extras)
 
 
 def merge_splits(o, m, l, *, num_heads: int, dtype, return_lse: bool):

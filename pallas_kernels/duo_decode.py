@@ -3,12 +3,14 @@ their ring plus the new token, forward only.
 
 The first n KV heads (retrieval) hold every token in a contiguous or paged cache [B, C, n, D], the new token
 already written; the other K - n (streaming) hold a ring [B, S, K - n, D] of sink + recent tokens, and the new
-token's keys and values come separately (not in the ring yet). One split-K grid and one merge serve both.
+token's keys and values come separately (not in the ring yet). One grid of work items (a retrieval head's split of
+its cache, or a streaming head's ring) and one merge serve both.
 Design: docs/kernels.md, "DuoAttention's decode step in one launch".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
-from pallas_kernels.decode_attention import group_queries, run_splits, split_attention
+from pallas_kernels.decode_attention import group_queries, launch_splits, merge_splits, split_attention
 from pallas_kernels.paged_attention import check_paged, paged_tile, pages_per_block, pool_slots, split_tables
 
 
@@ -29,18 +31,42 @@ def lookup(table: tuple[int, ...], i: jax.Array) -> jax.Array:
     return value
 
 
-def head_tables(kv_order: tuple[int, ...], num_retrieval: int) -> tuple[tuple[int, ...], ...]:
-    """For each KV head of the grid (the model's order): whether it is a retrieval head, its head in the
-    retrieval cache (0 for streaming heads), its head in the ring (0 for retrieval heads). `kv_order` lists the
-    model's KV heads in the caches' order: retrieval cache heads 0..n-1, then ring heads 0..K_s-1."""
-    num_heads = len(kv_order)
-    retrieval, cache_head, ring_head = [0] * num_heads, [0] * num_heads, [0] * num_heads
-    for slot, head in enumerate(kv_order):
-        if slot < num_retrieval:
-            retrieval[head], cache_head[head] = 1, slot
-        else:
-            ring_head[head] = slot - num_retrieval
-    return tuple(retrieval), tuple(cache_head), tuple(ring_head)
+@dataclasses.dataclass(frozen=True)
+class WorkItems:
+    """The grid's second axis, one program per piece of work: item w < n * S is retrieval head w // S (the caches'
+    order) over split w % S of its cache; the K_s items after them are the streaming heads, one each (a ring is one
+    split). So no program is launched for a split a streaming head does not have."""
+
+    num_retrieval: int
+    num_splits: int
+    order: tuple[int, ...]  # the model's KV heads in the caches' order
+
+    @property
+    def retrieval_items(self) -> int:
+        return self.num_retrieval * self.num_splits
+
+    @property
+    def size(self) -> int:
+        return self.retrieval_items + len(self.order) - self.num_retrieval
+
+    def is_retrieval(self, w):
+        return w < self.retrieval_items
+
+    def split(self, w):
+        return jnp.where(self.is_retrieval(w), w % self.num_splits, 0)
+
+    def cache_head(self, w):
+        return jnp.where(self.is_retrieval(w), w // self.num_splits, 0)
+
+    def ring_head(self, w):
+        return jnp.maximum(w - self.retrieval_items, 0)
+
+    def model_head(self, w):
+        """The item's KV head in the model's order."""
+        n = self.num_retrieval
+        return jnp.where(
+            self.is_retrieval(w), lookup(self.order[:n], self.cache_head(w)), lookup(self.order[n:], self.ring_head(w))
+        )
 
 
 def _kernel(
@@ -49,7 +75,7 @@ def _kernel(
     q_ref,
     *refs,
     scale: float,
-    retrieval_heads: tuple[int, ...],
+    items: WorkItems,
     block_k: int,
     blocks_per_split: int,
     ring_block: int,
@@ -65,7 +91,8 @@ def _kernel(
     written = 2 * (write_ring + write_cache)
     written_refs, refs = refs[len(refs) - written :], refs[: len(refs) - written]
     *retrieval, ring_k_ref, ring_v_ref, k_new_ref, v_new_ref, o_ref, m_ref, l_ref = refs
-    b, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, w = pl.program_id(0), pl.program_id(1)
+    is_retrieval, split = items.is_retrieval(w), items.split(w)
     out = (o_ref, m_ref, l_ref)
 
     def new_token(qs):  # split 0 scores the new token first; the other splits stay empty
@@ -104,8 +131,6 @@ def _kernel(
         tables_ref, k_ref, v_ref = retrieval
         k_tile, v_tile = (functools.partial(paged_tile, tables_ref, ref, pages_per_block) for ref in (k_ref, v_ref))
 
-    is_retrieval = lookup(retrieval_heads, head) == 1
-
     @pl.when(is_retrieval)
     def _retrieval():
         split_attention(
@@ -125,7 +150,7 @@ def _kernel(
 
     @pl.when(jnp.logical_not(is_retrieval))
     def _streaming():
-        # The ring is one chunk of `ring_blocks` blocks: split s > 0 starts past every filled slot.
+        # The ring is one chunk of `ring_blocks` blocks, the item's split 0
         split_attention(
             ring_lengths_ref,
             q_ref,
@@ -224,10 +249,7 @@ def duo_decode_attention(
         raise ValueError("cache_slots needs kv_order (the retrieval heads' rows of k_new / v_new)")
     if kv_order is not None and sorted(kv_order) != list(range(num_kv_heads)):
         raise ValueError(f"kv_order must list the {num_kv_heads} KV heads once each, got {kv_order}")
-    retrieval_heads, cache_head, ring_head = head_tables(
-        tuple(range(num_kv_heads)) if kv_order is None else tuple(kv_order), num_retrieval
-    )
-    new_head = ring_head if kv_order is None else tuple(range(num_kv_heads))
+    order = tuple(range(num_kv_heads)) if kv_order is None else tuple(kv_order)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     ring_tile = _common.exact_block(size)
@@ -242,20 +264,21 @@ def duo_decode_attention(
         per_block = pages_per_block(page_size, block_k)
         tables, blocks_per_split, num_splits = split_tables(block_tables, num_pages, per_block, num_splits)
         block_k = per_block * page_size
-        pool_spec = pl.BlockSpec(
-            (None, num_pages, page_size, head_dim), lambda b, h, s: (lookup(cache_head, h), 0, 0, 0)
-        )
-        tables_spec = pl.BlockSpec((None, None, tables.shape[2]), lambda b, h, s: (b, s, 0))  # this split's pages
-        retrieval_specs = [tables_spec, pool_spec, pool_spec]
-        retrieval = [tables, k, v]
     else:
         capacity = k.shape[1]
         block_k, per_block = _common.fit_block(block_k, capacity), None
         if capacity % block_k:
             raise ValueError(f"the retrieval cache's {capacity} slots are not a multiple of block_k={block_k}")
         blocks_per_split, num_splits = _common.split_blocks(capacity // block_k, num_splits)
+    items = WorkItems(num_retrieval, num_splits, order)
+    if paged:
+        pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, w: (items.cache_head(w), 0, 0, 0))
+        tables_spec = pl.BlockSpec((None, None, tables.shape[2]), lambda b, w: (b, items.split(w), 0))  # its pages
+        retrieval_specs = [tables_spec, pool_spec, pool_spec]
+        retrieval = [tables, k, v]
+    else:
         cache_spec = pl.BlockSpec(
-            (None, blocks_per_split * block_k, None, head_dim), lambda b, h, s: (b, s, lookup(cache_head, h), 0)
+            (None, blocks_per_split * block_k, None, head_dim), lambda b, w: (b, items.split(w), items.cache_head(w), 0)
         )
         retrieval_specs, retrieval = [cache_spec, cache_spec], [k, v]
     lengths = jnp.minimum(_common.per_batch(lengths, batch, capacity), capacity)
@@ -263,13 +286,15 @@ def duo_decode_attention(
 
     q_dtype, q = q.dtype, group_queries(q, num_kv_heads, 1, interpret)
     rows = q.shape[3]
-    ring_spec = pl.BlockSpec((None, size, None, head_dim), lambda b, h, s: (b, 0, lookup(ring_head, h), 0))
-    new_spec = pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, lookup(new_head, h), 0))
-    lengths_spec = pl.BlockSpec((batch,), lambda b, h, s: (0,))
+    ring_spec = pl.BlockSpec((None, size, None, head_dim), lambda b, w: (b, 0, items.ring_head(w), 0))
+    # the new token's rows: every KV head's in the model's order with kv_order, else the streaming heads' only
+    new_row = items.model_head if kv_order is not None else items.ring_head
+    new_spec = pl.BlockSpec((None, None, head_dim), lambda b, w: (b, new_row(w), 0))
+    lengths_spec = pl.BlockSpec((batch,), lambda b, w: (0,))
     in_specs = [
         lengths_spec,
         lengths_spec,
-        pl.BlockSpec((None, None, 1, rows, head_dim), lambda b, h, s: (b, h, 0, 0, 0)),
+        pl.BlockSpec((None, None, 1, rows, head_dim), lambda b, w: (b, items.model_head(w), 0, 0, 0)),
         *retrieval_specs,
         ring_spec,
         ring_spec,
@@ -279,7 +304,7 @@ def duo_decode_attention(
     kernel = functools.partial(
         _kernel,
         scale=scale,
-        retrieval_heads=retrieval_heads,
+        items=items,
         block_k=block_k,
         blocks_per_split=blocks_per_split,
         ring_block=ring_tile,
@@ -296,7 +321,7 @@ def duo_decode_attention(
         slot = pool_slots(block_tables, _common.per_batch(cache_slots, batch, capacity), num_pages, page_size)
         writes.append((slot, num_pages * page_size, pool_spec, k, v, ring_at - 2))
     elif cache_slots is not None:
-        whole = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, s: (b, 0, lookup(cache_head, h), 0))
+        whole = pl.BlockSpec((None, capacity, None, head_dim), lambda b, w: (b, 0, items.cache_head(w), 0))
         writes.append((cache_slots, capacity, whole, k, v, ring_at - 2))
     slots = [_common.per_batch(slot, batch, limit) for slot, limit, *_ in writes]
     in_specs[3:3] = [lengths_spec] * len(slots)
@@ -306,17 +331,34 @@ def duo_decode_attention(
         for offset, x in enumerate((key, value)):
             aliases[len(slots) + at + offset] = len(extra_outputs)
             extra_outputs.append((spec, jax.ShapeDtypeStruct(x.shape, x.dtype)))
-    return run_splits(
+    o, m, l, *written = launch_splits(
         kernel,
         in_specs,
         args,
-        q,
-        num_splits=num_splits,
-        num_heads=num_heads,
-        dtype=q_dtype,
+        (batch, items.size),
+        parts=1,
+        rows=rows,
+        width=head_dim,
         interpret=interpret,
         name="duo_decode_attention",
-        return_lse=False,
         extra_outputs=tuple(extra_outputs),
         aliases=aliases,
     )
+    out = _merge(o, m, l, items, num_heads // num_kv_heads, q_dtype)
+    return (out, *written) if written else out
+
+
+def _merge(o, m, l, items: WorkItems, group: int, dtype) -> jax.Array:
+    """The items' partials (o [B, W, 1, G', D], m, l [B, W, G']) -> [B, Hq, D] in the model's head order: each
+    retrieval head's splits merged, each streaming head's one split normalised, the heads put back in order."""
+    batch, n, num_splits = o.shape[0], items.num_retrieval, items.num_splits
+    parts = []
+    for first, heads, splits in ((0, n, num_splits), (items.retrieval_items, len(items.order) - n, 1)):
+        pieces = [x[:, first : first + heads * splits] for x in (o, m, l)]
+        pieces = [x.reshape(batch, heads, splits, *x.shape[2:]) for x in pieces]
+        parts.append(merge_splits(*pieces, num_heads=heads * group, dtype=dtype, return_lse=False))
+    merged = jnp.concatenate(parts, axis=1)  # [B, Hq, D], the heads in the caches' order
+    place = {head: i for i, head in enumerate(items.order)}
+    if list(place) == sorted(place):
+        return merged
+    return jnp.concatenate([merged[:, place[h] * group : (place[h] + 1) * group] for h in range(len(place))], axis=1)

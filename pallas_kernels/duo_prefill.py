@@ -19,8 +19,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
-from pallas_kernels.duo_decode import head_tables, lookup
+from pallas_kernels.duo_decode import lookup
 from pallas_kernels.flash_attention import Config, _head_spec, forward_program, launch_forward
+
+
+def head_tables(kv_order: tuple[int, ...], num_retrieval: int) -> tuple[tuple[int, ...], ...]:
+    """For each KV head of the grid (the model's order): whether it is a retrieval head, its head in the
+    retrieval cache (0 for streaming heads), its head in the ring (0 for retrieval heads). `kv_order` lists the
+    model's KV heads in the caches' order: retrieval cache heads 0..n-1, then ring heads 0..K_s-1."""
+    num_heads = len(kv_order)
+    retrieval, cache_head, ring_head = [0] * num_heads, [0] * num_heads, [0] * num_heads
+    for slot, head in enumerate(kv_order):
+        if slot < num_retrieval:
+            retrieval[head], cache_head[head] = 1, slot
+        else:
+            ring_head[head] = slot - num_retrieval
+    return tuple(retrieval), tuple(cache_head), tuple(ring_head)
 
 
 def _kernel(
