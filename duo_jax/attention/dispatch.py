@@ -4,8 +4,8 @@
 E], k / v [B, S, K, E] (arrays, `duo_jax.quant.QuantizedKV` codes or `duo_jax.attention.pages.PagedKV` pages),
 `spec` a `duo_jax.attention.masks.MaskSpec`. `impl` is one of `IMPLS`: a kernel serves the specs it implements and
 everything else takes the XLA path (`duo_jax.attention.xla`), so every impl gives the same result up to rounding.
-"auto" resolves per backend (`resolve_impl`); where the kernel of that backend cannot run it falls back to "xla"
-with one warning, and asking for that impl by name raises `BackendError`. Callers pass consecutive query
+"auto" resolves per backend (`resolve_impl`); where the kernel of that backend cannot run it falls back (to "xla",
+or on a GPU without Triton to "cudnn") with one warning, and asking for that impl by name raises `BackendError`. Callers pass consecutive query
 positions (q_positions[:, t] = q_positions[:, 0] + t). `attend_partial` (one shard of the keys), `duo_decode` and
 `duo_prefill` (both DuoAttention partitions in one launch) are the variants; `flash_attention`, `lambda_attention` and
 `decode_attention` are the kernels' signatures over the same dispatch. Which impl serves which spec, cache and
@@ -96,7 +96,7 @@ def _cpu_fallback(reason: str, *, forced: bool) -> str:
 @functools.cache
 def _triton_fallback(reason: str, *, forced: bool) -> str:
     """What "pallas" on a GPU without a working Triton backend becomes (warned once per reason): "cudnn" where
-    cuDNN attention works (prefill chunks there, the rest on the XLA path), else "xla"."""
+    cuDNN attention works (prefill chunks and decode steps there, the rest on the XLA path), else "xla"."""
     if forced:
         raise BackendError(
             f"impl='pallas' needs Pallas's Triton backend, which does not work with this JAX "
@@ -110,7 +110,7 @@ def _triton_fallback(reason: str, *, forced: bool) -> str:
         + (
             "on the XLA path (impl='xla')"
             if fallback == "xla"
-            else "through cuDNN for prefill chunks and on the XLA path otherwise (impl='cudnn')"
+            else "through cuDNN for prefill chunks and decode steps, and on the XLA path otherwise (impl='cudnn')"
         )
         + " instead of the Pallas kernels.",
         RuntimeWarning,
