@@ -5,11 +5,11 @@ E], k / v [B, S, K, E] (arrays, `duo_jax.quant.QuantizedKV` codes or `duo_jax.at
 `spec` a `duo_jax.attention.masks.MaskSpec`. `impl` is one of `IMPLS`: a kernel serves the specs it implements and
 everything else takes the XLA path (`duo_jax.attention.xla`), so every impl gives the same result up to rounding.
 "auto" resolves per backend (`resolve_impl`); where the kernel of that backend cannot run it falls back (to "xla",
-or on a GPU without Triton to "cudnn") with one warning, and asking for that impl by name raises `BackendError`. Callers pass consecutive query
-positions (q_positions[:, t] = q_positions[:, 0] + t). `attend_partial` (one shard of the keys), `duo_decode` and
-`duo_prefill` (both DuoAttention partitions in one launch) are the variants; `flash_attention`, `lambda_attention` and
-`decode_attention` are the kernels' signatures over the same dispatch. Which impl serves which spec, cache and
-device: docs/attention.md.
+or on a GPU without Triton to "cudnn") with one warning, and asking for that impl by name raises `BackendError`.
+Callers pass consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t). `attend_partial` (one shard
+of the keys), `duo_decode` and `duo_prefill` (both DuoAttention partitions in one launch) are the variants;
+`flash_attention`, `lambda_attention` and `decode_attention` are the kernels' signatures over the same dispatch.
+Which impl serves which spec, cache and device: docs/attention.md.
 """
 
 from __future__ import annotations
