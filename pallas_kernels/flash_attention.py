@@ -152,13 +152,14 @@ def forward_program(
     )
     sink_end, band_start, end = schedule
     # The tiles every row sees whole skip the mask: dense, the blocks before the causal edge; Λ, the whole
-    # sink blocks and the band's interior. Keys at explicit positions are always masked.
-    sink_whole, lo, hi = (
-        (0, band_start, band_start)
-        if cfg.k_positions
-        else _common.unmasked_kv_blocks(
+    # sink blocks and the band's interior. Keys at explicit positions are masked, but for a ring + chunk
+    # (`key_offset`) the chunk's blocks before the diagonal: each holds keys of earlier queries of the chunk.
+    if cfg.k_positions and cfg.key_offset is None:
+        sink_whole, lo, hi = 0, band_start, band_start
+    else:
+        sink_whole, lo, hi = _common.unmasked_kv_blocks(
             q_block,
-            q_offset=q_offset,
+            q_offset=cfg.schedule_offset(q_offset),
             kv_len=kv_len,
             seq_q=cfg.seq_q,
             block_q=block_q,
@@ -166,7 +167,8 @@ def forward_program(
             schedule=schedule,
             **cfg.window,
         )
-    )
+        if cfg.key_offset is not None:  # the ring's blocks may hold empty slots: masked
+            lo = jnp.minimum(jnp.maximum(lo, _common.cdiv(cfg.key_offset, cfg.block_k)), hi)
 
     def body(step, carry, masked: bool):
         acc, m, l = carry  # [parts][bq, D / parts], [bq], [bq]
@@ -193,7 +195,8 @@ def forward_program(
     )
     # Loop steps as `_visited_kv_block` maps them (the sink blocks, then the band), in runs of one kind.
     band_step = lambda kv_block: sink_end + kv_block - band_start  # noqa: E731
-    runs = [(sink_whole, False), (band_step(lo), True)] if cfg.recent is not None else []  # (last step, masked)
+    # (last step, masked): Λ's whole sinks and masked band start, or a ring + chunk's masked ring
+    runs = [(sink_whole, False), (band_step(lo), True)] if cfg.recent is not None or cfg.key_offset is not None else []
     runs += [(band_step(hi), False), (band_step(end), True)]
     carry, first = init, 0
     for last, masked in runs:
