@@ -6,8 +6,8 @@ each program looks up its KV head's kind in a static table and runs `flash_atten
 head's keys, so q and the output are never gathered into the caches' order, and a layer runs one launch with the
 whole model's grid instead of two smaller ones (retrieval, streaming). The streaming heads' keys are the ring's
 slots, all before the chunk, then the chunk's own in order: their key-block schedule stops at each query block's
-diagonal (`Config.key_offset`) instead of visiting every block. Design: docs/kernels.md, "DuoAttention's prefill
-chunk in one launch".
+diagonal (`Config.key_offset`) instead of visiting every block, and the chunk's tiles before it skip the mask.
+Design: docs/kernels.md, "DuoAttention's prefill chunk in one launch".
 """
 
 from __future__ import annotations
