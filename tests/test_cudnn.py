@@ -48,6 +48,30 @@ def test_decode_step_sees_its_cache_up_to_its_position():
     assert rel_err(got, xla.attention(q, k, v, spec)) < 1e-5
 
 
+@pytest.mark.parametrize("T", [16, 1], ids=["chunk", "decode"])
+def test_ring_then_own_keys_match_the_whole_mask(T):
+    """The streaming heads' keys: a ring (filled slots first, every one before the queries; one sequence's empty,
+    one's full with wrapped positions) followed by the queries' own keys (padding past n_valid: -1)."""
+    B, R, H, K, E = 2, 12, 4, 2, 16
+    q, k, v = _inputs(B, T, R + T, H, K, E, seed=4)
+    offsets, n_valid = np.array([0, 40]), np.array([T, max(T - 7, 1)])
+    positions = np.full((B, R + T), -1, np.int32)
+    positions[1, :R] = np.r_[0:4, 32:40]  # sinks 0..3, then the ring's recent tokens (in slot order)
+    for b in range(B):
+        positions[b, R : R + n_valid[b]] = offsets[b] + np.arange(n_valid[b])
+    spec = MaskSpec(
+        jnp.asarray(offsets[:, None] + np.arange(T), jnp.int32),
+        jnp.full((B,), R + T, jnp.int32),
+        jnp.asarray(positions),
+        own_keys_at=R,
+    )
+    assert cudnn.serves(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), spec)
+    got = cudnn.attention(q, k, v, spec, attend=cudnn.xla_part)
+    want = xla.attention(q, k, v, spec)
+    valid = np.arange(T)[None, :] < n_valid[:, None]
+    assert rel_err(np.asarray(got)[valid], np.asarray(want)[valid]) < 1e-5
+
+
 def test_chunk_past_the_cache_end():
     """A last chunk whose padding rows run past the cache: the real rows' keys are gathered right."""
     B, T, C, H, K, E = 1, 32, 64, 2, 1, 8

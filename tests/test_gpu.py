@@ -330,8 +330,8 @@ def test_paged_flash_attention_chunk(dtype, T=512, S=2048, page_size=16, q_offse
 def test_cudnn_prefill_chunk_and_decode():
     """A 1,024-token chunk through cuDNN (bf16, GQA 4:1, head_dim 128) at offsets 2,000 and 0 (a first chunk, 700
     real tokens) over a cache of 4,096: the prefix and the chunk's own keys in two cuDNN calls, merged by their
-    log-sum-exps, and a decode step, against float64. Skipped, with the probe's reason, where cuDNN attention does not
-    run."""
+    log-sum-exps, a decode step, and a streaming head's ring followed by a chunk, against float64. Skipped, with the
+    probe's reason, where cuDNN attention does not run."""
     from duo_jax.attention import cudnn
 
     reason = cudnn.unavailable()
@@ -352,6 +352,17 @@ def test_cudnn_prefill_chunk_and_decode():
     spec = dispatch.prefix_spec(3, 1, q_offset=jnp.asarray(lengths - 1), kv_len=jnp.asarray(lengths), num_keys=4096)
     out = jax.jit(cudnn.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
     check(out, attention_f64(q, k, v, positions_mask(1, 4096, lengths - 1, lengths)), jnp.bfloat16)
+    # a streaming head's ring of sink 64 + recent 256 (full, wrapped; and empty) followed by a chunk of 1,024
+    q, k, v = inputs(2, 1024, 320 + 1024, 32, 8, 128, jnp.bfloat16, seed=2)
+    offsets = np.array([5000, 0])
+    positions = np.full((2, 320 + 1024), -1, np.int32)
+    positions[0, :320] = np.r_[0:64, 4744:5000]
+    positions[:, 320:] = offsets[:, None] + np.arange(1024)
+    q_positions = jnp.asarray(offsets[:, None] + np.arange(1024), jnp.int32)
+    spec = MaskSpec(q_positions, jnp.full((2,), 1344, jnp.int32), jnp.asarray(positions), own_keys_at=320)
+    out = jax.jit(cudnn.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
+    seen = (positions[:, None, :] >= 0) & (positions[:, None, :] <= np.asarray(q_positions)[:, :, None])
+    check(out, attention_f64(q, k, v, seen), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("method", ["full", "duo", "paged_duo"])

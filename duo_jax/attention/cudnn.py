@@ -1,5 +1,5 @@
-"""Dense causal attention of a prefill chunk or a decode step through cuDNN's fused attention (JAX's cuDNN
-binding), on a GPU.
+"""Causal attention through cuDNN's fused attention (JAX's cuDNN binding) on a GPU: a prefill chunk or a decode step
+over a contiguous cache, or the streaming heads' ring followed by the chunk.
 
 This is the path that needs no Pallas Triton backend (deprecated in JAX 0.11). It uses the library where it serves:
 cuDNN's flash attention on Hopper is faster than this project's Triton flash kernel (BENCHMARKS.md, "Attention
@@ -39,8 +39,9 @@ Attend = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
-    """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache of 16-bit values, without keys
-    at explicit positions, Λ or a sliding window, with a head dim cuDNN takes."""
+    """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache of 16-bit values, or over a
+    ring followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads), without Λ or a sliding
+    window, with a head dim cuDNN takes."""
     return (
         not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v))
         and q.dtype in DTYPES
@@ -49,7 +50,7 @@ def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
         and q.shape[-1] % 8 == 0
         and q.shape[-1] <= MAX_HEAD_DIM
         and spec.causal
-        and spec.k_positions is None
+        and (spec.k_positions is None or spec.own_keys_at is not None)
         and spec.window is None
         and not spec.is_lambda
     )
@@ -64,31 +65,43 @@ def attention(
     scale: float | None = None,
     attend: Attend | None = None,
 ) -> jax.Array:
-    """`serves`' cases through cuDNN: q [B, T, H, E] at positions q_offset + t (`spec.q_positions`, consecutive)
-    over the cache k / v [B, C, K, E] holding them at their positions, slots j < kv_len seen. A decode step (T = 1)
-    is one call with a padding mask; a chunk sees the prefix [0, q_offset) whole and itself causally, two calls
-    merged. `attend` runs one call (cuDNN by default; the tests pass the XLA path, `xla_part`)."""
+    """`serves`' cases through cuDNN: q [B, T, H, E] at positions q_offset + t (`spec.q_positions`, consecutive).
+    Over a contiguous cache k / v [B, C, K, E] holding them at their positions (slots j < kv_len seen): a decode
+    step (T = 1) is one call with a padding mask; a chunk sees the prefix [0, q_offset) whole and itself causally,
+    two calls merged. Over a ring of R slots followed by the queries' own keys (`spec.own_keys_at` = R; the ring's
+    filled slots first, every one before every query): the ring's filled slots whole and the own keys causally,
+    two calls merged. `attend` runs one call (cuDNN by default; the tests pass the XLA path, `xla_part`)."""
     B, T, H, E = q.shape
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     attend = functools.partial(attend or _cudnn, scale=scale)
-    if T == 1:
+    if spec.k_positions is not None:  # a ring, then the queries' own keys
+        ring = spec.own_keys_at
+        prefix = (k[:, :ring], v[:, :ring], jnp.sum(spec.k_positions[:, :ring] >= 0, axis=1))
+        own_k, own_v = k[:, ring : ring + T], v[:, ring : ring + T]
+    elif T == 1:
         return attend(q, k, v, spec.decode_lengths(), False)[0]
-    q_offset = spec.q_positions[:, 0]
-    # the chunk's own keys: rows q_offset + t (clipped: a row past the cache is a padding token no real row sees)
-    rows = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
-    own_k, own_v = (jnp.take_along_axis(x, rows[:, :, None, None], axis=1) for x in (k, v))
-    out_own, lse_own = attend(q, own_k, own_v, jnp.full((B,), T, jnp.int32), True)
-    out_prefix, lse_prefix = attend(q, k, v, q_offset, False)
-    # a sequence with no prefix (its first chunk) weighs 0 there: cuDNN's rows over no key are not defined
-    has_prefix = (q_offset > 0)[:, None, None]
+    else:
+        q_offset = spec.q_positions[:, 0]
+        prefix = (k, v, q_offset)
+        # the chunk's own keys: rows q_offset + t (clipped: a row past the cache is a padding token no real row sees)
+        rows = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
+        own_k, own_v = (jnp.take_along_axis(x, rows[:, :, None, None], axis=1) for x in (k, v))
+    out, lse = attend(q, own_k, own_v, jnp.full((B,), T, jnp.int32), True)
+    if not prefix[0].shape[1]:
+        return out
+    return _merge(out, lse, *attend(q, *prefix, False), has_prefix=prefix[2] > 0).astype(q.dtype)
+
+
+def _merge(out_own, lse_own, out_prefix, lse_prefix, *, has_prefix: jax.Array) -> jax.Array:
+    """Two softmaxes over disjoint keys as one, weighted by their log-sum-exps (float32 [B, T, H, E]). A sequence
+    with no prefix key (has_prefix [B] False) weighs 0 there: cuDNN's rows over no key are not defined."""
+    has_prefix = has_prefix[:, None, None]
     lse_prefix = jnp.where(has_prefix, lse_prefix, -jnp.inf)
     top = jnp.maximum(lse_prefix, lse_own)
     w_prefix, w_own = jnp.exp(lse_prefix - top), jnp.exp(lse_own - top)
     out_prefix = jnp.where(has_prefix[..., None], out_prefix.astype(jnp.float32), 0.0)
-    merged = (out_prefix * w_prefix[..., None] + out_own.astype(jnp.float32) * w_own[..., None]) / (w_prefix + w_own)[
-        ..., None
-    ]
-    return merged.astype(q.dtype)
+    total = out_prefix * w_prefix[..., None] + out_own.astype(jnp.float32) * w_own[..., None]
+    return total / (w_prefix + w_own)[..., None]
 
 
 def _cudnn(q, k, v, kv_len, causal: bool, *, scale: float):

@@ -132,9 +132,10 @@ def attend(
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
     impl = resolve_impl(impl)
-    if impl == "cudnn":  # prefill chunks; decode steps only without Triton (the split-K kernel is faster there)
+    if impl == "cudnn":  # dense prefill chunks; decode steps and rings only without Triton (its kernels serve them)
         rest = _without_cudnn(impl)
-        if cudnn.serves(q, k, v, spec) and (q.shape[1] > 1 or rest == "xla"):
+        dense_chunk = q.shape[1] > 1 and spec.k_positions is None
+        if cudnn.serves(q, k, v, spec) and (dense_chunk or rest == "xla"):
             return cudnn.attention(q, k, v, spec, scale=scale)
         impl = rest
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):

@@ -35,9 +35,10 @@ class MaskSpec:
     # training, whole-sequence attention); the same values as q_positions[:, 0] and kv_len, known at trace time,
     # so the TPU kernels can build a static mask (splash attention). None when they are traced.
     static_prefix: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
-    # With k_positions: the slot where the queries' own keys start, when the slots before it each hold a token
-    # before every query (or nothing) and slot own_keys_at + t holds query t's (or nothing): a ring followed by
-    # the chunk. Query t then sees no slot past own_keys_at + t, so a kernel's schedule may stop there.
+    # With k_positions: the slot where the queries' own keys start, when the slots before it hold tokens before
+    # every query, the filled ones first (then empty: -1), and slot own_keys_at + t holds query t's (or nothing):
+    # a ring followed by the chunk. Query t then sees no slot past own_keys_at + t, so a kernel's schedule may stop
+    # there, and cuDNN may attend to the ring's filled slots and the chunk in two calls.
     own_keys_at: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
