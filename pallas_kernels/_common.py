@@ -90,6 +90,20 @@ def fit_block(block: int, length: int) -> int:
     return min(block, max(16, 1 << max(length - 1, 0).bit_length()))
 
 
+def tiling_block(block: int, length: int) -> int:
+    """A key block for `length` slots: one that tiles them exactly where there is one (`exact_block`: no padded
+    copy), else `fit_block`'s."""
+    return exact_block(length, block) or fit_block(block, length)
+
+
+def pad_to_block(x: jax.Array, block: int, value=0) -> jax.Array:
+    """x with axis 1 padded up to a multiple of `block` with `value` (x itself when it is one)."""
+    extra = -x.shape[1] % block
+    if not extra:
+        return x
+    return jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
+
+
 def attention_mask(
     rows,
     cols,

@@ -294,9 +294,8 @@ def decode_attention(
     blocks_per_split, num_splits = _common.split_blocks(num_blocks, num_splits)
     chunk = blocks_per_split * block_k
     cache = [k, v] + ([] if kv_quant is None else [k_scale, v_scale])
-    if seq_k % block_k:  # a partial last block would be read past the end: pad (only caches not a multiple of block_k)
-        extra = num_blocks * block_k - seq_k
-        cache = [jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) for x in cache]
+    # a partial last block would be read past the end: pad (only caches not a multiple of block_k)
+    cache = [_common.pad_to_block(x, block_k) for x in cache]
 
     q_dtype, q = q.dtype, group_queries(q, num_kv_heads, parts, interpret)
     rows = q.shape[3]

@@ -162,9 +162,8 @@ def duo_prefill_attention(
     interpret = _backend.resolve_interpret(interpret)
     block_q, block_k = _backend.fit_tiles(block_q, block_k, q.dtype, interpret)
     block_q = _common.fit_block(block_q, seq_q)
-    # the window's key block: one that tiles R + T exactly where there is one (no padded copy of the window)
     cache_block = _common.fit_block(block_k, k.shape[1])
-    window_block = _common.exact_block(window, block_k) or _common.fit_block(block_k, window)
+    window_block = _common.tiling_block(block_k, window)  # no padded copy of the window where a block tiles it
     common = dict(
         seq_q=seq_q, sink=None, recent=None, scale=_common.default_scale(head_dim, scale), interpret=interpret
     )
@@ -176,15 +175,10 @@ def duo_prefill_attention(
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, k.shape[1]), k.shape[1])
     window_len = jnp.full((batch,), window, jnp.int32)
 
-    def pad(x, block):  # axis 1 up to a multiple of `block` (padded positions are empty: -1)
-        extra = -x.shape[1] % block
-        if not extra:
-            return x
-        return jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2), constant_values=-1 if x.ndim == 2 else 0)
-
+    pad = _common.pad_to_block
     k, v = pad(k, cache_block), pad(v, cache_block)
     window_k, window_v = pad(window_k, window_block), pad(window_v, window_block)
-    window_positions = pad(window_positions.astype(jnp.int32), window_block)
+    window_positions = pad(window_positions.astype(jnp.int32), window_block, value=-1)  # padded slots: empty
     kv_head = lambda table: lambda h: lookup(table, h // group)  # noqa: E731
     cache_spec = _head_spec(k.shape[1], head_dim, kv_head(cache_head), tiled=False)
     window_spec = _head_spec(window_k.shape[1], head_dim, kv_head(ring_head), tiled=False)

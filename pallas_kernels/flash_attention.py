@@ -500,8 +500,7 @@ def block_sparse_attention(
     block_q = _common.fit_block(block_q, seq_q)
     # keys at explicit positions (a ring and a chunk, rarely a multiple of 128): a block that tiles them exactly
     # where there is one, so that they need no padded copy
-    exact = _common.exact_block(seq_k, block_k) if k_positions is not None else None
-    block_k = exact or _common.fit_block(block_k, seq_k)
+    block_k = (_common.tiling_block if k_positions is not None else _common.fit_block)(block_k, seq_k)
     cfg = Config(
         seq_q=seq_q,
         causal=causal,
@@ -520,15 +519,11 @@ def block_sparse_attention(
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
 
-    def pad(x, block):  # Pads axis 1 up to a multiple of `block`.
-        extra = -x.shape[1] % block
-        return jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) if extra else x
-
+    pad = _common.pad_to_block
     if kv_quant is not None or k_positions is not None:  # inference over a cache: no gradient to define
         scales = () if kv_quant is None else tuple(pad(x, block_k) for x in (k_scale, v_scale))
-        positions = None if k_positions is None else k_positions.astype(jnp.int32)
-        if positions is not None and seq_k % block_k:  # padded slots are empty (-1)
-            positions = jnp.pad(positions, ((0, 0), (0, -seq_k % block_k)), constant_values=-1)
+        # padded slots are empty (-1)
+        positions = None if k_positions is None else pad(k_positions.astype(jnp.int32), block_k, value=-1)
         o, _ = _forward(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg, scales, positions)
     else:
         o = _attention(pad(q, block_q), pad(k, block_k), pad(v, block_k), q_offset, kv_len, cfg)
@@ -576,11 +571,12 @@ def flash_attention(
         dequantized in the kernel (codes * scale, in q's dtype) before its dots. Forward only.
       k_positions: None, or int32 [B, S]: the absolute position of each key slot (-1: empty), for keys not
         stored in position order (DuoAttention's streaming heads: a ring of sink + recent tokens followed
-        by the chunk); causal then compares positions, and every key block up to kv_len is visited (none
-        is skipped or left unmasked). Queries stay at q_offset + i. Forward only.
+        by the chunk); causal then compares positions, and without `key_offset` every key block up to kv_len is
+        visited (none is skipped or left unmasked). Queries stay at q_offset + i. Forward only.
       key_offset: with k_positions, None, or the slot where the queries' own keys start, when every slot before
         it holds a token before every query (or nothing) and slot key_offset + i holds query i's (or nothing): a
-        ring followed by the chunk. The schedule then stops at key_offset + i instead of visiting every block.
+        ring followed by the chunk. The schedule then stops at key_offset + i instead of visiting every block, and
+        the chunk's blocks before the diagonal skip the mask.
       num_warps, num_stages: the Triton launch of every kernel (GPU only; num_warps None = 4 for head_dim
         <= 64, else 8), for tuning (`benchmarks/kernels.py --sweep`).
 

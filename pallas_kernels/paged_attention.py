@@ -225,8 +225,8 @@ def paged_flash_attention(
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, max_pages * page_size), max_pages * page_size)
     tables = jnp.minimum(block_tables.astype(jnp.int32), num_pages - 1)  # "no page" entries: masked reads
-    tables = jnp.pad(tables, ((0, 0), (0, -max_pages % per_block)))
-    q_padded = jnp.pad(q, ((0, 0), (0, -seq_q % cfg.block_q), (0, 0), (0, 0)))
+    tables = _common.pad_to_block(tables, per_block)
+    q_padded = _common.pad_to_block(q, cfg.block_q)
     group = q.shape[2] // k_pages.shape[0]
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, i: (h // group, 0, 0, 0))
     tables_spec = pl.BlockSpec((None, tables.shape[1]), lambda b, h, i: (b, 0))

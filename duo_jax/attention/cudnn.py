@@ -76,20 +76,21 @@ def attention(
     attend = functools.partial(attend or _cudnn, scale=scale)
     if spec.k_positions is not None:  # a ring, then the queries' own keys
         ring = spec.own_keys_at
-        prefix = (k[:, :ring], v[:, :ring], jnp.sum(spec.k_positions[:, :ring] >= 0, axis=1))
+        prefix_k, prefix_v, prefix_len = k[:, :ring], v[:, :ring], jnp.sum(spec.k_positions[:, :ring] >= 0, axis=1)
         own_k, own_v = k[:, ring : ring + T], v[:, ring : ring + T]
     elif T == 1:
         return attend(q, k, v, spec.decode_lengths(), False)[0]
     else:
         q_offset = spec.q_positions[:, 0]
-        prefix = (k, v, q_offset)
+        prefix_k, prefix_v, prefix_len = k, v, q_offset
         # the chunk's own keys: rows q_offset + t (clipped: a row past the cache is a padding token no real row sees)
         rows = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
         own_k, own_v = (jnp.take_along_axis(x, rows[:, :, None, None], axis=1) for x in (k, v))
     out, lse = attend(q, own_k, own_v, jnp.full((B,), T, jnp.int32), True)
-    if not prefix[0].shape[1]:
+    if not prefix_k.shape[1]:
         return out
-    return _merge(out, lse, *attend(q, *prefix, False), has_prefix=prefix[2] > 0).astype(q.dtype)
+    out_prefix, lse_prefix = attend(q, prefix_k, prefix_v, prefix_len, False)
+    return _merge(out, lse, out_prefix, lse_prefix, has_prefix=prefix_len > 0).astype(q.dtype)
 
 
 def _merge(out_own, lse_own, out_prefix, lse_prefix, *, has_prefix: jax.Array) -> jax.Array:
