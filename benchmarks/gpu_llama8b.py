@@ -34,7 +34,8 @@ stays comparable across formats.
 
 --fill-memory decodes each mode at the largest batch its caches fit into the GPU's free memory instead (the
 serving case: the memory duo saves holds more sequences), and reports tokens/s side by side. --impl cudnn runs the
-dense prefill chunks through cuDNN (docs/attention.md).
+dense prefill chunks through cuDNN, --impl pallas every one through the Triton kernels (auto: cuDNN for chunks over
+caches of 16k keys or more; docs/attention.md).
 
 --dry-run builds everything abstractly on any backend (CPU included): the weights, the caches and one prefill
 chunk and one decode step of both modes with `jax.eval_shape`, and prints the plan (sizes, what fits in
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         "--impl",
         default="auto",
         choices=["auto", "pallas", "cudnn", "xla"],
-        help="attention implementation (cudnn: prefill chunks through cuDNN; docs/attention.md)",
+        help="attention implementation (cudnn: dense prefill chunks through cuDNN; pallas: through the Triton "
+        "kernels; auto: cuDNN over caches of 16k keys or more; docs/attention.md)",
     )
     p.add_argument(
         "--batch",

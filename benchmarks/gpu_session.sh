@@ -18,7 +18,7 @@
 #                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
 #   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of at most 9 minutes: the
 #                                                # one-launch prefill kernel's and cuDNN's tests, 8k / 32k with a
-#                                                # per-op profile, the same through cuDNN, 128k with each
+#                                                # per-op profile, 32k on the Triton kernels alone, 128k
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 4k and 8k at 8k and 32k (about 5 minutes)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
@@ -129,18 +129,17 @@ decode)
 prefill)
     # Issue 33's prefill targets, most informative first: the one-launch prefill kernel's and the cuDNN path's GPU
     # tests; 8k and 32k with a profile of one prefill per mode (GPU ms by op kind) and the median of three timed
-    # prefills with the time the driver took to return; the same through cuDNN (--impl cudnn); 128k once each.
-    part "${TESTS_S:-90}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
+    # prefills with the time the driver took to return (auto: cuDNN for the dense chunks at 32k, the one-launch
+    # kernel at 8k); 32k on the Triton kernels alone (--impl pallas), the same run's comparison; 128k once.
+    part "${TESTS_S:-150}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
         -k "duo_prefill or cudnn or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
     part "${PREFILL_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
         --decode-steps 4 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b_prefill.log" || true
-    part "${CUDNN_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
-        --decode-steps 4 --impl cudnn --out "$out/cudnn" 2>&1 | tee "$out/gpu_llama8b_prefill_cudnn.log" || true
-    for impl in auto cudnn; do
-        part "${LONG_S:-95}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
-            --decode-steps 4 --prefill-repeats 1 --impl $impl --out "$out/ctx128k_$impl" 2>&1 \
-            | tee "$out/gpu_llama8b_prefill_128k_$impl.log" || true
-    done
+    part "${PALLAS_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 \
+        --decode-steps 4 --impl pallas --out "$out/pallas" 2>&1 | tee "$out/gpu_llama8b_prefill_pallas.log" || true
+    part "${LONG_S:-95}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        --decode-steps 4 --prefill-repeats 1 --out "$out/ctx128k" 2>&1 \
+        | tee "$out/gpu_llama8b_prefill_128k.log" || true
     archive=$(mktemp -d)/prefill.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from duo_jax.attention import cudnn, xla
+from duo_jax.attention import cudnn, dispatch, xla
 from duo_jax.attention.dispatch import attend, resolve_impl
 from duo_jax.attention.masks import MaskSpec, prefix_spec
 from duo_jax.errors import BackendError
@@ -134,3 +134,92 @@ def test_traced_under_jit():
     )
     spec = prefix_spec(1, 8, q_offset=jnp.asarray([10]), kv_len=jnp.asarray([18]), num_keys=32)
     assert rel_err(fn(q, k, v, jnp.asarray([10])), xla.attention(q, k, v, spec)) < 1e-5
+
+
+def _binding_like(q, k, v, kv_len, causal, *, scale):
+    """The stand-in with the binding's backward: no gradient reaches the log-sum-exp."""
+    out, lse = cudnn.xla_part(q, k, v, kv_len, causal, scale=scale)
+    return out, jax.lax.stop_gradient(lse)
+
+
+def test_gradient_is_the_kernels_not_the_bindings():
+    """A chunk at an offset (two calls merged): the gradient through the dispatch's cuDNN path is the XLA path's,
+    although the binding drops the log-sum-exp's cotangent (which makes the bare merge's gradient wrong)."""
+    B, T, C, H, K, E = 2, 8, 48, 4, 2, 16
+    q, k, v = _inputs(B, T, C, H, K, E, seed=5)
+    spec = prefix_spec(B, T, q_offset=jnp.asarray([20, 3]), kv_len=jnp.asarray([28, 11]), num_keys=C)
+    w = jnp.asarray(np.random.default_rng(6).standard_normal((B, T, H, E)), jnp.float32)
+
+    def grads(fn):
+        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+
+    want = grads(lambda q, k, v: xla.attention(q, k, v, spec))
+    got = grads(
+        lambda q, k, v: dispatch.cudnn_attention(
+            q, k, v, spec, scale=None, backward_impl="xla", attend_part=_binding_like
+        )
+    )
+    bare = grads(lambda q, k, v: cudnn.attention(q, k, v, spec, attend=_binding_like))
+    for g, h in zip(got, want, strict=True):
+        assert rel_err(g, h) < 1e-5
+    assert max(rel_err(b, h) for b, h in zip(bare, want, strict=True)) > 1e-2
+
+
+@pytest.fixture
+def gpu_with_cudnn(monkeypatch):
+    """This host as a GPU where Triton and cuDNN both work: "auto" resolves to "pallas", cuDNN's probe passes, and
+    its calls (counted) run on the XLA stand-in; long chunks start at 64 keys."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return cudnn.xla_part(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "pallas" if impl == "auto" else impl)
+    monkeypatch.setattr(cudnn, "unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "_cudnn", counted)
+    monkeypatch.setattr(dispatch, "CUDNN_MIN_KEYS", 64)
+    monkeypatch.setattr(dispatch, "_kernels", lambda *args: "pallas kernels")
+    return calls
+
+
+def test_auto_takes_cudnn_for_chunks_over_long_caches_only(gpu_with_cudnn):
+    B, T, H, K, E = 1, 8, 2, 1, 16
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(B, T, 64, H, K, E, seed=7))
+    spec = prefix_spec(B, T, q_offset=jnp.asarray([30]), kv_len=jnp.asarray([38]), num_keys=64)
+    got = attend(q, k, v, spec)  # a chunk over a cache of 64 keys: cuDNN
+    assert len(gpu_with_cudnn) == 2  # its prefix and its own keys
+    want = xla.attention(*(x.astype(jnp.float32) for x in (q, k, v)), spec)
+    assert rel_err(got.astype(jnp.float32), want) < 2e-2
+    gpu_with_cudnn.clear()
+    short = prefix_spec(B, T, q_offset=jnp.asarray([10]), kv_len=jnp.asarray([18]), num_keys=32)
+    whole = prefix_spec(B, 64, num_keys=64)  # a sequence attending itself (gate training)
+    assert attend(q, k[:, :32], v[:, :32], short) == "pallas kernels"
+    assert attend(q, k, v, spec, impl="pallas") == "pallas kernels"  # the kernel asked for by name
+    assert attend(*(jnp.zeros((B, 64, H, E), jnp.bfloat16),), k, v, whole) == "pallas kernels"
+    decode = prefix_spec(B, 1, q_offset=jnp.asarray([30]), kv_len=jnp.asarray([31]), num_keys=64)
+    attend(q[:, :1], k, v, decode)  # a decode step: the Triton decode kernel's, not cuDNN's
+    f32 = (x.astype(jnp.float32) for x in (q, k, v))
+    assert attend(*f32, spec) == "pallas kernels"  # cuDNN takes 16-bit values
+    assert not gpu_with_cudnn
+
+
+def test_duo_prefill_leaves_long_chunks_to_cudnn(gpu_with_cudnn, monkeypatch):
+    """Under "auto" a mixed layer's chunk over a long retrieval cache runs per partition (the retrieval heads
+    through cuDNN); over a short one, or with the kernel asked for by name, in the one-launch kernel."""
+    monkeypatch.setattr(dispatch.pallas_kernels, "duo_prefill_attention", lambda *a, **kw: "one launch")
+    B, T, R, E = 1, 8, 16, 16
+    q = jnp.zeros((B, T, 4, E), jnp.bfloat16)
+    window = jnp.zeros((B, R + T, 1, E), jnp.bfloat16)
+    positions = jnp.full((B, R + T), -1, jnp.int32)
+
+    def chunk(capacity, impl="auto"):
+        cache = jnp.zeros((B, capacity, 1, E), jnp.bfloat16)
+        return dispatch.duo_prefill(
+            q, cache, cache, window, window, positions, kv_order=(1, 0), q_offset=jnp.asarray([0]),
+            kv_len=jnp.asarray([T]), impl=impl,
+        )  # fmt: skip
+
+    assert chunk(64) is None
+    assert chunk(32) == "one launch"
+    assert chunk(64, impl="pallas") == "one launch"

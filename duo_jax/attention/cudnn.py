@@ -13,7 +13,9 @@ causally, so it runs as two calls:
 The two are merged by their log-sum-exps (flash attention's rescaling). The log-sum-exp comes from the binding's
 `return_residual`, which only its internal module exposes (`jax._src.cudnn.fused_attention_stablehlo`), so
 `unavailable()` probes it once per process against the XLA path, and the dispatch keeps the Pallas kernels (or XLA)
-where it fails. Design: docs/attention.md, "cuDNN for dense prefill chunks".
+where it fails. The binding's backward drops the log-sum-exp's cotangent, so a gradient through the merge would be
+wrong: the dispatch (`duo_jax.attention.dispatch`) gives this path the gradient of the kernels it stands beside.
+Design: docs/attention.md, "cuDNN for dense prefill chunks".
 """
 
 from __future__ import annotations
@@ -38,10 +40,8 @@ MAX_HEAD_DIM = 128
 Attend = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
-    """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache of 16-bit values, or over a
-    ring followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads), without Λ or a sliding
-    window, with a head dim cuDNN takes."""
+def takes(q: jax.Array, k, v) -> bool:
+    """16-bit values (no codes, no pages) of a head dim cuDNN's flash attention takes."""
     return (
         not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v))
         and q.dtype in DTYPES
@@ -49,6 +49,15 @@ def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
         and v.dtype == q.dtype
         and q.shape[-1] % 8 == 0
         and q.shape[-1] <= MAX_HEAD_DIM
+    )
+
+
+def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
+    """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache cuDNN `takes`, or over a ring
+    followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads), without Λ or a sliding
+    window."""
+    return (
+        takes(q, k, v)
         and spec.causal
         and (spec.k_positions is None or spec.own_keys_at is not None)
         and spec.window is None

@@ -20,6 +20,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 import pallas_kernels.cpu
@@ -37,6 +38,9 @@ IMPLS = ("auto", "pallas", "cudnn", "mosaic", "cpu", "xla", "reference")
 DECODE_BLOCK = 128  # split-K decode's key block (the cache capacity is a multiple of it)
 MIN_SPLITS = 16  # split-K decode's chunks of the cache (the last may be ragged: any capacity gets ~16) ...
 DECODE_PROGRAMS = 128  # ... or more, for a grid (batch x KV heads x splits) of about one program per SM
+# "auto" on a GPU runs a prefill chunk over a cache of at least this many keys through cuDNN: faster than the Triton
+# flash kernel from 32k on an H100, level with it at 8k (BENCHMARKS.md, "Prefill on one H100: cuDNN for long chunks")
+CUDNN_MIN_KEYS = 16384
 
 
 def decode_splits(batch: int, num_kv_heads: int) -> int:
@@ -126,17 +130,33 @@ def _without_cudnn(impl: str) -> str:
     return "pallas" if _backend.exporting() or _backend.triton_unavailable() is None else "xla"
 
 
+def _cudnn_for_a_long_chunk(impl: str, q: jax.Array, k, v) -> bool:
+    """Whether "auto", resolved to the Triton kernels, takes cuDNN instead: a prefill chunk over a cache of at least
+    CUDNN_MIN_KEYS keys (longer than the chunk: a sequence attending itself, as in gate training, keeps the flash
+    kernel and its backward), values cuDNN takes, and cuDNN's probe passed."""
+    return (
+        impl == "pallas"
+        and 1 < q.shape[1] < k.shape[1]
+        and k.shape[1] >= CUDNN_MIN_KEYS
+        and not _backend.exporting()
+        and cudnn.takes(q, k, v)
+        and cudnn.unavailable() is None
+    )
+
+
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto", scale: float | None = None
 ) -> jax.Array:
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
-    impl = resolve_impl(impl)
+    requested, impl = impl, resolve_impl(impl)
+    if requested == "auto" and spec.k_positions is None and _cudnn_for_a_long_chunk(impl, q, k, v):
+        impl = "cudnn"
     if impl == "cudnn":  # dense prefill chunks; decode steps and rings only without Triton (its kernels serve them)
         rest = _without_cudnn(impl)
         dense_chunk = q.shape[1] > 1 and spec.k_positions is None
         if cudnn.serves(q, k, v, spec) and (dense_chunk or rest == "xla"):
-            return cudnn.attention(q, k, v, spec, scale=scale)
+            return cudnn_attention(q, k, v, spec, scale=scale, backward_impl=rest)
         impl = rest
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):
         return _kernels(q, k, v, spec, scale, impl)
@@ -145,6 +165,43 @@ def attend(
     if impl == "reference":
         return reference.attention_reference(q, _values(k), _values(v), spec.dense(k.shape[1]), scale=scale)
     return xla.attention(q, k, v, spec, scale=scale)
+
+
+def cudnn_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    spec: MaskSpec,
+    *,
+    scale: float | None,
+    backward_impl: str,
+    attend_part: cudnn.Attend | None = None,
+) -> jax.Array:
+    """`cudnn.attention`, differentiable: its gradient is `attend`'s under `backward_impl` ("pallas" or "xla"),
+    recomputed from q, k and v. (The binding's backward ignores the log-sum-exp's cotangent, which the merge of a
+    chunk's two calls needs.) `attend_part` stands in for the cuDNN call (tests)."""
+
+    @jax.custom_vjp
+    def forward(q, k, v, spec):
+        return cudnn.attention(q, k, v, spec, scale=scale, attend=attend_part)
+
+    def forward_with_residuals(q, k, v, spec):
+        return forward(q, k, v, spec), (q, k, v, spec)
+
+    def backward(residuals, d_out):
+        q, k, v, spec = residuals
+        _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, spec, impl=backward_impl, scale=scale), q, k, v)
+        return (*vjp(d_out), jax.tree.map(_zero_cotangent, spec))
+
+    forward.defvjp(forward_with_residuals, backward)
+    return forward(q, k, v, spec)
+
+
+def _zero_cotangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _values(x) -> jax.Array:
@@ -269,14 +326,17 @@ def duo_prefill(
     chunk, keys j < kv_len [B] seen causally; the streaming heads' window_k / window_v [B, R + T, K - n, E] (their
     ring, every slot before the chunk, then the chunk's keys) at window_positions [B, R + T] (-1: empty); `kv_order`
     as `duo_decode`'s. Returns the output [B, T, H, E] in the model's head order, or None where no kernel serves it
-    ("pallas" only, values (no codes, no pages), both partitions non-empty): the caller then attends each partition
-    with `attend`."""
+    ("pallas" only, values (no codes, no pages), both partitions non-empty; under "auto" not where the retrieval
+    heads' chunk goes through cuDNN, `_cudnn_for_a_long_chunk`): the caller then attends each partition with
+    `attend`."""
+    resolved = resolve_impl(impl)
     if (
         q.shape[1] == 1
         or any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v, window_k, window_v))
         or not k.shape[2]
         or not window_k.shape[2]
-        or resolve_impl(impl) != "pallas"
+        or resolved != "pallas"
+        or (impl == "auto" and _cudnn_for_a_long_chunk(resolved, q, k, v))
     ):
         return None
     return pallas_kernels.duo_prefill_attention(
