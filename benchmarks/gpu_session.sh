@@ -18,8 +18,8 @@
 #                                                # come back as OUT/methods.tgz and methods.tgz in the root resumes
 #   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of at most 9 minutes: the
 #                                                # one-launch prefill kernel's and cuDNN's tests, 8k / 32k with a
-#                                                # per-op profile, 32k on the Triton kernels alone, 128k
-#   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 4k and 8k at 8k and 32k (about 5 minutes)
+#                                                # per-op profile, 32k with duo's split through cuDNN, 128k
+#   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
@@ -129,14 +129,15 @@ decode)
 prefill)
     # Issue 33's prefill targets, most informative first: the one-launch prefill kernel's and the cuDNN path's GPU
     # tests; 8k and 32k with a profile of one prefill per mode (GPU ms by op kind) and the median of three timed
-    # prefills with the time the driver took to return (auto: cuDNN for the dense chunks at 32k, the one-launch
-    # kernel at 8k); 32k on the Triton kernels alone (--impl pallas), the same run's comparison; 128k once.
+    # prefills with the time the driver took to return (auto: full through cuDNN at 32k, duo's mixed layers in the
+    # one-launch kernel); 32k with duo's retrieval heads through cuDNN as well (--impl cudnn: is the split faster
+    # than the one-launch kernel there?); 128k once (auto: the split).
     part "${TESTS_S:-150}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
         -k "duo_prefill or cudnn or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
     part "${PREFILL_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
         --decode-steps 4 --profile --out "$out" 2>&1 | tee "$out/gpu_llama8b_prefill.log" || true
-    part "${PALLAS_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 \
-        --decode-steps 4 --impl pallas --out "$out/pallas" 2>&1 | tee "$out/gpu_llama8b_prefill_pallas.log" || true
+    part "${CUDNN_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 \
+        --decode-steps 4 --impl cudnn --out "$out/cudnn" 2>&1 | tee "$out/gpu_llama8b_prefill_cudnn.log" || true
     part "${LONG_S:-95}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
         --decode-steps 4 --prefill-repeats 1 --out "$out/ctx128k" 2>&1 \
         | tee "$out/gpu_llama8b_prefill_128k.log" || true
@@ -149,10 +150,11 @@ serving)
         --out "$out" 2>&1 | tee "$out/gpu_llama8b_fill.log" || true
     ;;
 chunks)
-    # Prefill in chunks of 4k and 8k at 8k and 32k (the default chunk is 2k), full vs duo
-    for chunk in 4096 8192; do
-        part "${CHUNK_S:-150}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 32768 \
-            --decode-steps 4 --chunk-size $chunk --out "$out/chunk$chunk" 2>&1 \
+    # Prefill in chunks of 4k and 8k (the default chunk is 2k) at 32k and 128k, full vs duo: fewer passes over the
+    # weights, and longer chunks for cuDNN, against the 128k targets
+    for chunk in 8192 4096; do
+        part "${CHUNK_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 32768 131072 --max-prefill 131072 \
+            --decode-steps 4 --prefill-repeats 1 --chunk-size $chunk --out "$out/chunk$chunk" 2>&1 \
             | tee "$out/gpu_llama8b_prefill_chunk$chunk.log" || true
     done
     ;;

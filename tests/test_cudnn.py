@@ -168,7 +168,7 @@ def test_gradient_is_the_kernels_not_the_bindings():
 @pytest.fixture
 def gpu_with_cudnn(monkeypatch):
     """This host as a GPU where Triton and cuDNN both work: "auto" resolves to "pallas", cuDNN's probe passes, and
-    its calls (counted) run on the XLA stand-in; long chunks start at 64 keys."""
+    its calls (counted) run on the XLA stand-in; long chunks start at 64 keys, a mixed layer's at 128."""
     calls = []
 
     def counted(*args, **kwargs):
@@ -179,6 +179,7 @@ def gpu_with_cudnn(monkeypatch):
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
     monkeypatch.setattr(dispatch, "CUDNN_MIN_KEYS", 64)
+    monkeypatch.setattr(dispatch, "CUDNN_MIN_KEYS_MIXED", 128)
     monkeypatch.setattr(dispatch, "_kernels", lambda *args: "pallas kernels")
     return calls
 
@@ -220,6 +221,6 @@ def test_duo_prefill_leaves_long_chunks_to_cudnn(gpu_with_cudnn, monkeypatch):
             kv_len=jnp.asarray([T]), impl=impl,
         )  # fmt: skip
 
-    assert chunk(64) is None
-    assert chunk(32) == "one launch"
-    assert chunk(64, impl="pallas") == "one launch"
+    assert chunk(128) is None
+    assert chunk(64) == "one launch"
+    assert chunk(128, impl="pallas") == "one launch"

@@ -41,6 +41,9 @@ DECODE_PROGRAMS = 128  # ... or more, for a grid (batch x KV heads x splits) of 
 # "auto" on a GPU runs a prefill chunk over a cache of at least this many keys through cuDNN: faster than the Triton
 # flash kernel from 32k on an H100, level with it at 8k (BENCHMARKS.md, "Prefill on one H100: cuDNN for long chunks")
 CUDNN_MIN_KEYS = 16384
+# ... and a mixed DuoAttention layer's chunk from this many, the retrieval heads through cuDNN and the streaming heads
+# through the flash kernel: slower than the one-launch kernel at 8k, faster at 128k, not yet timed at 32k (ibid.)
+CUDNN_MIN_KEYS_MIXED = 65536
 
 
 def decode_splits(batch: int, num_kv_heads: int) -> int:
@@ -130,14 +133,14 @@ def _without_cudnn(impl: str) -> str:
     return "pallas" if _backend.exporting() or _backend.triton_unavailable() is None else "xla"
 
 
-def _cudnn_for_a_long_chunk(impl: str, q: jax.Array, k, v) -> bool:
+def _cudnn_for_a_long_chunk(impl: str, q: jax.Array, k, v, *, min_keys: int | None = None) -> bool:
     """Whether "auto", resolved to the Triton kernels, takes cuDNN instead: a prefill chunk over a cache of at least
-    CUDNN_MIN_KEYS keys (longer than the chunk: a sequence attending itself, as in gate training, keeps the flash
-    kernel and its backward), values cuDNN takes, and cuDNN's probe passed."""
+    `min_keys` (CUDNN_MIN_KEYS) keys (longer than the chunk: a sequence attending itself, as in gate training, keeps
+    the flash kernel and its backward), values cuDNN takes, and cuDNN's probe passed."""
     return (
         impl == "pallas"
         and 1 < q.shape[1] < k.shape[1]
-        and k.shape[1] >= CUDNN_MIN_KEYS
+        and k.shape[1] >= (CUDNN_MIN_KEYS if min_keys is None else min_keys)
         and not _backend.exporting()
         and cudnn.takes(q, k, v)
         and cudnn.unavailable() is None
@@ -326,9 +329,9 @@ def duo_prefill(
     chunk, keys j < kv_len [B] seen causally; the streaming heads' window_k / window_v [B, R + T, K - n, E] (their
     ring, every slot before the chunk, then the chunk's keys) at window_positions [B, R + T] (-1: empty); `kv_order`
     as `duo_decode`'s. Returns the output [B, T, H, E] in the model's head order, or None where no kernel serves it
-    ("pallas" only, values (no codes, no pages), both partitions non-empty; under "auto" not where the retrieval
-    heads' chunk goes through cuDNN, `_cudnn_for_a_long_chunk`): the caller then attends each partition with
-    `attend`."""
+    ("pallas" only, values (no codes, no pages), both partitions non-empty; under "auto" not over a retrieval cache
+    of CUDNN_MIN_KEYS_MIXED keys or more, where its heads go through cuDNN): the caller then attends each partition
+    with `attend`."""
     resolved = resolve_impl(impl)
     if (
         q.shape[1] == 1
@@ -336,7 +339,7 @@ def duo_prefill(
         or not k.shape[2]
         or not window_k.shape[2]
         or resolved != "pallas"
-        or (impl == "auto" and _cudnn_for_a_long_chunk(resolved, q, k, v))
+        or (impl == "auto" and _cudnn_for_a_long_chunk(resolved, q, k, v, min_keys=CUDNN_MIN_KEYS_MIXED))
     ):
         return None
     return pallas_kernels.duo_prefill_attention(
