@@ -1,10 +1,12 @@
 """DuoAttention's prefill chunk in one Pallas launch: retrieval heads over their cache, streaming heads over their
 ring followed by the chunk, forward only.
 
-The grid is the dense kernel's (batch, query head, query block) over every head of the layer, in the model's order:
-each program looks up its KV head's kind in a static table and runs `flash_attention.forward_program` over that
-head's keys, so q and the output are never gathered into the caches' order, and a layer runs one launch with the
-whole model's grid instead of two smaller ones (retrieval, streaming). The streaming heads' keys are the ring's
+The grid is (batch, query block, query head) over every head of the layer, heads in the caches' order: the
+retrieval heads first, so a GPU, which launches programs in grid order, starts the long programs (a retrieval head
+reads the whole prefix) before the short ones (a streaming head reads its ring and the chunk), and the short ones
+fill the tail. Each program runs `flash_attention.forward_program` over its head's keys, and its index maps route
+it to the model's head of q and the output, so neither is gathered into the caches' order. A layer runs one launch
+with the whole model's grid instead of two smaller ones (retrieval, streaming). The streaming heads' keys are the ring's
 slots, all before the chunk, then the chunk's own in order: their key-block schedule stops at each query block's
 diagonal (`Config.key_offset`) instead of visiting every block, and the chunk's tiles before it skip the mask.
 Design: docs/kernels.md, "DuoAttention's prefill chunk in one launch".
@@ -23,20 +25,6 @@ from pallas_kernels.duo_decode import lookup
 from pallas_kernels.flash_attention import Config, _head_spec, forward_program, launch_forward
 
 
-def head_tables(kv_order: tuple[int, ...], num_retrieval: int) -> tuple[tuple[int, ...], ...]:
-    """For each KV head of the grid (the model's order): whether it is a retrieval head, its head in the
-    retrieval cache (0 for streaming heads), its head in the ring (0 for retrieval heads). `kv_order` lists the
-    model's KV heads in the caches' order: retrieval cache heads 0..n-1, then ring heads 0..K_s-1."""
-    num_heads = len(kv_order)
-    retrieval, cache_head, ring_head = [0] * num_heads, [0] * num_heads, [0] * num_heads
-    for slot, head in enumerate(kv_order):
-        if slot < num_retrieval:
-            retrieval[head], cache_head[head] = 1, slot
-        else:
-            ring_head[head] = slot - num_retrieval
-    return tuple(retrieval), tuple(cache_head), tuple(ring_head)
-
-
 def _kernel(
     q_offset_ref,
     kv_len_ref,
@@ -53,10 +41,12 @@ def _kernel(
     retrieval: Config,
     streaming: Config,
     group: int,
-    retrieval_heads: tuple[int, ...],
+    num_retrieval: int,
 ):
-    program = pl.program_id(0), pl.program_id(2)  # read here: the interpreter resolves them only outside `pl.when`
-    is_retrieval = lookup(retrieval_heads, pl.program_id(1) // group) == 1
+    # grid (batch, query block, query head in the caches' order); read here: the interpreter resolves program ids
+    # only outside `pl.when`
+    program = pl.program_id(0), pl.program_id(1)
+    is_retrieval = pl.program_id(2) // group < num_retrieval
 
     def loader(key_ref, value_ref, block_k):
         def load_kv(kv_block):
@@ -156,7 +146,6 @@ def duo_prefill_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
-    retrieval_heads, cache_head, ring_head = head_tables(tuple(kv_order), num_retrieval)
     _common.check_block("block_q", block_q)
     _common.check_block("block_k", block_k)
     interpret = _backend.resolve_interpret(interpret)
@@ -179,12 +168,16 @@ def duo_prefill_attention(
     k, v = pad(k, cache_block), pad(v, cache_block)
     window_k, window_v = pad(window_k, window_block), pad(window_v, window_block)
     window_positions = pad(window_positions.astype(jnp.int32), window_block, value=-1)  # padded slots: empty
-    kv_head = lambda table: lambda h: lookup(table, h // group)  # noqa: E731
-    cache_spec = _head_spec(k.shape[1], head_dim, kv_head(cache_head), tiled=False)
-    window_spec = _head_spec(window_k.shape[1], head_dim, kv_head(ring_head), tiled=False)
+    # Grid head h is query head h % group of the caches' KV head s = h // group: the retrieval cache's head s, or
+    # the ring's head s - n. It reads and writes the model's query head kv_order[s] * group + h % group.
+    model_head = lambda h: lookup(tuple(kv_order), h // group) * group + h % group  # noqa: E731
+    cache_spec = _head_spec(k.shape[1], head_dim, lambda h: jnp.minimum(h // group, num_retrieval - 1), tiled=False)
+    window_spec = _head_spec(
+        window_k.shape[1], head_dim, lambda h: jnp.maximum(h // group - num_retrieval, 0), tiled=False
+    )
     positions_spec = pl.BlockSpec((None, window_k.shape[1]), lambda b, h, i: (b, 0))
     kernel = functools.partial(
-        _kernel, retrieval=retrieval, streaming=streaming, group=group, retrieval_heads=retrieval_heads
+        _kernel, retrieval=retrieval, streaming=streaming, group=group, num_retrieval=num_retrieval
     )
     o, _ = launch_forward(
         kernel,
@@ -194,5 +187,7 @@ def duo_prefill_attention(
         [cache_spec, cache_spec, window_spec, window_spec, positions_spec],
         retrieval,
         name="duo_prefill_attention",
+        head_of=model_head,
+        heads_last=True,
     )
     return o[:, :seq_q]

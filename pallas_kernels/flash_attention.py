@@ -241,27 +241,46 @@ def _forward(q, k, v, q_offset, kv_len, cfg: Config, scales=(), k_positions=None
     )
 
 
-def launch_forward(kernel, q, scalars: list, kv: list, kv_specs: list, cfg: Config, *, name: str):
+def launch_forward(
+    kernel,
+    q,
+    scalars: list,
+    kv: list,
+    kv_specs: list,
+    cfg: Config,
+    *,
+    name: str,
+    head_of=lambda h: h,
+    heads_last: bool = False,
+):
     """The forward pallas_call over grid (batch, query head, query block): `kernel` gets the [B] scalar
     operands (whole), the query tile, then the KV operands with their specs (`kv_specs`), and writes the
     output tile and the base-2 log-sum-exp. With cfg.kv_quant the query and output tiles are [parts, bq, D / parts]
-    (`forward_program`). Returns (o like q, lse float32 [B, Hq, T])."""
+    (`forward_program`). Grid head h reads and writes q's head `head_of(h)`. With `heads_last` the grid is (batch,
+    query block, query head), so a GPU launches every program of a head before the next head's; the specs' index
+    maps still take (b, h, i). Returns (o like q, lse float32 [B, Hq, T])."""
     batch, seq_q_padded, num_heads, head_dim = q.shape
     num_q_blocks = seq_q_padded // cfg.block_q
     scalar_spec = pl.BlockSpec((batch,), lambda b, h, i: (0,))
-    q_spec = _head_spec(cfg.block_q, head_dim, lambda h: h, tiled=True)
+    q_spec = _head_spec(cfg.block_q, head_dim, head_of, tiled=True)
     parts = _common.kv_parts(cfg.kv_quant)
     if cfg.kv_quant is not None:  # q (and o) as [parts, B, T, Hq, D / parts]: part i of every head on a leading dim
         q = jnp.moveaxis(q.reshape(batch, seq_q_padded, num_heads, parts, head_dim // parts), 3, 0)
-        q_spec = pl.BlockSpec((parts, None, cfg.block_q, None, head_dim // parts), lambda b, h, i: (0, b, i, h, 0))
+        q_spec = pl.BlockSpec(
+            (parts, None, cfg.block_q, None, head_dim // parts), lambda b, h, i: (0, b, i, head_of(h), 0)
+        )
+    lse_spec = pl.BlockSpec((None, None, cfg.block_q), lambda b, h, i: (b, head_of(h), i))
+    in_specs = [scalar_spec] * len(scalars) + [q_spec] + kv_specs
+    out_specs = [q_spec, lse_spec]  # o, lse
+    grid = (batch, num_heads, num_q_blocks)
+    if heads_last:
+        grid = (batch, num_q_blocks, num_heads)
+        in_specs, out_specs = ([_heads_last(spec) for spec in specs] for specs in (in_specs, out_specs))
     o, lse = pl.pallas_call(
         kernel,
-        grid=(batch, num_heads, num_q_blocks),
-        in_specs=[scalar_spec] * len(scalars) + [q_spec] + kv_specs,
-        out_specs=[
-            q_spec,  # o
-            pl.BlockSpec((None, None, cfg.block_q), lambda b, h, i: (b, h, i)),
-        ],
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, num_heads, seq_q_padded), jnp.float32),
@@ -273,6 +292,12 @@ def launch_forward(kernel, q, scalars: list, kv: list, kv_specs: list, cfg: Conf
     if cfg.kv_quant is not None:
         o = jnp.moveaxis(o, 0, 3).reshape(batch, seq_q_padded, num_heads, head_dim)
     return o, lse
+
+
+def _heads_last(spec: pl.BlockSpec) -> pl.BlockSpec:
+    """`spec` on grid (b, i, h), its index map written for (b, h, i)."""
+    index_map = spec.index_map
+    return dataclasses.replace(spec, index_map=lambda b, i, h: index_map(b, h, i))
 
 
 # ------------------------------------------------------------------ backward
