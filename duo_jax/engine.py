@@ -394,11 +394,29 @@ def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, e
     ).compile()
 
 
+@functools.lru_cache(maxsize=64)
+def _empty_cache(method: Method, batch: int, dtype, mesh: Mesh | None):
+    """`method.init_cache` as one program, compiled once per (method, batch): the zeros are written on the device
+    (one program, not an op per array, and no value transferred from the host), on a mesh in place."""
+    if mesh is None:
+        return jax.jit(lambda: method.init_cache(batch, dtype))
+    sharding.check_batch(mesh, batch)
+    specs = sharding.cache_specs(method, method.cache_spec(batch, dtype), mesh)
+    return jax.jit(lambda: method.init_cache(batch, dtype), out_shardings=sharding.named(specs, mesh))
+
+
+@jax.jit
+def _keep_last(ends_here: jax.Array, logits: jax.Array, last: jax.Array | None) -> jax.Array:
+    """The prefill's logits at each sequence's last prompt token: `logits` [B, V] where ends_here [B], else `last`
+    (zeros before any)."""
+    return jnp.where(ends_here[:, None], logits, jnp.zeros_like(logits) if last is None else last)
+
+
 def clear_compiled() -> None:
     """Drop every executable the engine compiled (`compiled_extend`, `compiled_extend_row`, `compiled_decode`) and
     JAX's trace caches, so the next call traces and compiles afresh (after patching a function the steps call)
     and the executables' memory is released (each XLA:CPU executable maps its code into the process)."""
-    for compiled in (_compiled_extend, _compiled_extend_row, _compiled_decode):
+    for compiled in (_compiled_extend, _compiled_extend_row, _compiled_decode, _empty_cache):
         compiled.cache_clear()
     jax.clear_caches()
 
@@ -499,16 +517,12 @@ class Engine:
     def put_batch(self, x) -> jax.Array:
         """Host values [B, ...] onto the device(s): split by batch over `data` on a mesh."""
         if self.mesh is None:
-            return jnp.asarray(x)
+            return jax.device_put(x)  # a transfer (jnp.asarray of host values runs a staging executable)
         return jax.device_put(x, NamedSharding(self.mesh, P(sharding.DATA)))
 
     def init_cache(self, method: Method, batch: int):
         """`method`'s empty cache for `batch` sequences, created in place on the mesh (never whole on one device)."""
-        if self.mesh is None:
-            return method.init_cache(batch, self.dtype)
-        sharding.check_batch(self.mesh, batch)
-        specs = sharding.cache_specs(method, method.cache_spec(batch, self.dtype), self.mesh)
-        return jax.jit(lambda: method.init_cache(batch, self.dtype), out_shardings=sharding.named(specs, self.mesh))()
+        return _empty_cache(method, batch, self.dtype, self.mesh)()
 
     def prefill(
         self,
@@ -541,7 +555,7 @@ class Engine:
             self.config, method, B, chunk, self.dtype, impl, on_chunk is not None, self.mesh, **self.weight_layout
         )
         state = method.state()
-        last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
+        last = None
         for start in range(0, longest, chunk):
             n_valid = np.clip(prompt_lengths - start, 0, chunk).astype(np.int32)
             logits, cache, lengths = step(
@@ -554,10 +568,17 @@ class Engine:
             )
             if on_chunk is not None:
                 on_chunk(logits, start, n_valid)
-                logits = jnp.take_along_axis(logits, jnp.asarray(np.maximum(n_valid - 1, 0))[:, None, None], axis=1)[
-                    :, 0
-                ]
-            last = jnp.where(jnp.asarray(n_valid > 0)[:, None], logits, last)
+                at = self.put_batch(np.maximum(n_valid - 1, 0)[:, None, None])
+                logits = jnp.take_along_axis(logits, at, axis=1)[:, 0]
+            # the sequences whose last prompt token is in this chunk (decided on the host: the chunks before a
+            # prompt's last one add no device op)
+            ends_here = (prompt_lengths > start) & (prompt_lengths <= start + chunk)
+            if ends_here.all():
+                last = logits
+            elif ends_here.any():
+                last = _keep_last(self.put_batch(ends_here), logits, last)
+        if last is None:  # no prompt token at all
+            last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
         return last, cache, lengths
 
     def step(self, method: Method, cache, lengths, tokens: jax.Array, *, impl: str = "auto", all_logits: bool = False):

@@ -353,6 +353,26 @@ def test_a_step_on_device_tokens_makes_no_host_round_trip(params, monkeypatch):
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(host_logits))
 
 
+def test_prefill_transfers_host_values_explicitly(params):
+    """The prefill driver puts its per-chunk host values (tokens, lengths, which sequences end in the chunk) with
+    explicit transfers and builds the empty cache in one program: an implicit transfer (jnp.asarray of numpy, an
+    eager op on a Python scalar) runs a staging executable, which kept the host waiting for the previous chunk.
+    A ragged batch, so that the last-token selection runs, gives the same logits under the guard."""
+    from duo_jax import engine as engine_lib
+
+    engine = engine_lib.Engine(params, CONFIG)
+    method = DuoAttention(make_layout(CONFIG, MIXED, sink=2, recent=4, context=64))
+    tokens = np.random.default_rng(1).integers(0, CONFIG.vocab_size, (3, 40)).astype(np.int32)
+    lengths = np.asarray([40, 9, 17])
+    want, _, _ = engine.prefill(method, tokens, lengths, chunk=16)
+    with jax.transfer_guard_host_to_device("disallow"):
+        got, cache, _ = engine.prefill(method, tokens, lengths, chunk=16)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for b, n in enumerate(lengths):  # each sequence's logits at its own last prompt token
+        alone, _, _ = engine.prefill(method, tokens[b : b + 1, :n], np.asarray([n]), chunk=16)
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weights", [None, "int8"])
 def test_fused_qkv_gives_the_separate_weights_logits(params, weights):
     """An engine holding q/k/v as one weight (what a GPU gets by default) prefills, steps and decodes on the

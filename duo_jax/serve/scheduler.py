@@ -474,19 +474,20 @@ class Scheduler:
             tokens[i, :n] = slot.request.sequence[slot.fed : slot.fed + n]
             n_valid[i] = n
         if self._tables_changed:
-            self.cache = dataclasses.replace(self.cache, block_tables=jnp.asarray(self.tables.copy()))
+            self.cache = dataclasses.replace(self.cache, block_tables=jax.device_put(self.tables.copy()))
             self._tables_changed = False
         config, dtype = self.engine.config, self.engine.dtype
-        # Copies: on CPU jnp.asarray may alias a numpy buffer, and the step runs asynchronously while the host
-        # updates self.lengths / self.tables for the next one.
-        lengths = jnp.asarray(self.lengths.copy())
-        args = (jnp.asarray(tokens), jnp.asarray(n_valid), self.method.state())
+        # Transfers (jnp.asarray of host values would run a staging executable each). Copies: on CPU a transfer may
+        # alias a numpy buffer, and the step runs asynchronously while the host updates self.lengths / self.tables
+        # for the next one.
+        lengths = jax.device_put(self.lengths.copy())
+        args = (jax.device_put(tokens), jax.device_put(n_valid), self.method.state())
         if row is None:
             run = compiled_extend(config, self.method, self.slots, T, dtype, self.impl, **self.engine.weight_layout)
             logits, self.cache, _ = run(self.engine.params, self.cache, lengths, *args)
         else:
             run = compiled_extend_row(config, self.method, self.slots, T, dtype, self.impl, **self.engine.weight_layout)
-            logits, self.cache, _ = run(self.engine.params, self.cache, jnp.asarray(row, jnp.int32), lengths, *args)
+            logits, self.cache, _ = run(self.engine.params, self.cache, jax.device_put(np.int32(row)), lengths, *args)
         self.counters["calls"] += 1
         self.counters["row_tokens"] += batch * T
         return logits
@@ -539,7 +540,7 @@ class Scheduler:
                 request.sampling.top_p,
                 min(request.sampling.top_k, np.iinfo(np.int32).max),
             )
-        new = np.asarray(_sample_rows(logits, *map(jnp.asarray, (seeds, counts, temperature, top_p, top_k))))
+        new = np.asarray(_sample_rows(logits, *jax.device_put((seeds, counts, temperature, top_p, top_k))))
         for b, i in rows.items():
             request, token = self.running[b].request, int(new[i])
             request.tokens.append(token)
