@@ -218,3 +218,17 @@ def test_a_stopped_scheduler_refuses_at_once(setup):
     thread.join(60)
     with pytest.raises(SchedulerClosed, match="shutting down"):
         s.submit(Request(PROMPTS[1], max_tokens=3))
+
+
+def test_steps_transfer_host_values_explicitly():
+    """After its executables are compiled, a step (prefill chunks, decode, sampling, the prefix snapshots) makes no
+    implicit host-to-device transfer: each would run a staging executable per step."""
+    layout = make_layout(CONFIG, np.array([[True, False], [False, True]]), sink=2, recent=5, context=64)
+    s = scheduler(DuoAttention(layout), num_pages=64)
+    for p in PROMPTS[:3]:
+        s.submit(Request(p, max_tokens=6, stop_at_eos=False))
+    for _ in range(3):
+        s.step()
+    with jax.transfer_guard_host_to_device("disallow"):
+        for _ in range(6):
+            s.step()

@@ -108,9 +108,15 @@ def page_digests(tokens: list[int], page_size: int) -> list[bytes]:
 
 
 @jax.jit
+@jax.jit
 def _streaming_rows(streaming, b):
-    """Slot b's streaming state (each layer's sink + ring rows of K and V)."""
+    """Slot b's streaming state (each layer's sink + ring rows of K and V), in one program."""
     return jax.tree.map(lambda x: x[b], streaming)
+
+
+def _slot(b: int) -> jax.Array:
+    """A slot index for the programs above, transferred explicitly."""
+    return jax.device_put(np.int32(b))
 
 
 @jax.jit
@@ -367,7 +373,8 @@ class Scheduler:
                     if self._streaming:
                         key = digests[len(shared) - 1]
                         self.snapshots.move_to_end(key)
-                        self._set_streaming(_set_streaming_rows(self._streaming_arrays(), b, self.snapshots[key]))
+                        rows = self.snapshots[key]
+                        self._set_streaming(_set_streaming_rows(self._streaming_arrays(), _slot(b), rows))
 
     def _reusable(self, request: Request, digests: list[bytes]) -> tuple[int, list[int]]:
         """(tokens of the request's prompt already in the pool, the pages holding them): whole pages, a
@@ -413,7 +420,7 @@ class Scheduler:
         ):
             key = slot.digests[fed // P - 1]
             if key not in self.snapshots:
-                self.snapshots[key] = _streaming_rows(self._streaming_arrays(), b)
+                self.snapshots[key] = _streaming_rows(self._streaming_arrays(), _slot(b))
                 while len(self.snapshots) > self.prefix_snapshots:
                     self.snapshots.popitem(last=False)
 
