@@ -43,7 +43,7 @@ format: install-test
 	$(BIN)/ruff format --quiet .
 
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 # The edit-test loop: the suite less its tests marked slow (pytest's last -m wins, so it repeats `not gpu`).
 test-fast: install-test
