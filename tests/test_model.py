@@ -184,6 +184,34 @@ def test_attention_received_matches_float64_numpy():
     np.testing.assert_allclose(np.asarray(dense[1]), ref_received, atol=1e-5)
 
 
+def test_attention_received_with_the_causal_cut_matches_float64_numpy():
+    """Kept tokens (earlier positions, some slots empty), then the queries' own keys in order (`own_keys_at`):
+    each block of 4 queries reads the slots up to its last query's own, and gives the whole mask's values."""
+    rng = np.random.default_rng(2)
+    B, N, T, H, K, E = 2, 5, 11, 4, 2, 8
+    S = N + T
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, H, E), (B, K, S, E), (B, K, S, E)))
+    q_positions = np.arange(T)[None] + np.array([[20], [7]])  # [B, T]
+    k_positions = np.concatenate(
+        [rng.integers(-1, 7, (B, K, N)), np.broadcast_to(q_positions[:, None], (B, K, T))], axis=2
+    )  # kept tokens before every query (-1: empty), then the queries' own
+    weights = np.ones((B, T), np.float32)
+
+    def sees(positions):  # [B, Tb] -> [B, K, Tb, S]
+        keys = jnp.asarray(k_positions)[:, :, None]
+        return (keys >= 0) & (keys <= positions[:, None, :, None])
+
+    args = (*map(jnp.asarray, (q, k, v, q_positions)), sees, jnp.asarray(weights))
+    out, received = attention_received(*args, block=4, own_keys_at=N)
+    ref_out, probs = masked_attention64(q, k, v, np.asarray(sees(jnp.asarray(q_positions))))
+    ref_received = np.einsum("bhts,bt->bhs", probs, weights).reshape(B, K, H // K, S).sum(axis=2)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(received), ref_received, atol=1e-5)
+    # the cut is what it claims: a block that read past its own keys would not change this, one that read less would
+    cut_short = attention_received(*args, block=4, own_keys_at=N - 2)[1]
+    assert np.abs(np.asarray(cut_short) - ref_received).max() > 1e-3
+
+
 def test_greedy_reference_matches_transformers_generate(tmp_path):
     config_cls, fields = HF_CASES["llama-gqa-llama3-rope-untied"]
     hf_model = write_random_hf_model(tmp_path, config_cls, fields)

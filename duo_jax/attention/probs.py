@@ -6,7 +6,8 @@ sets (a budget of kept tokens, an observation window), so one dense masked softm
 
 `attention_received` is the one that meets a long query set: H2O and TOVA prefill a whole prompt in one
 chunk, and need only each key's attention summed over the queries, never the [T, S] probabilities. It runs
-the same softmax over blocks of queries, so its memory is O(block x S), not O(T x S).
+the same softmax over blocks of queries, so its memory is O(block x S), not O(T x S), and where the queries'
+own keys follow the others in order, each block reads only the keys up to its own (the causal cut).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from duo_jax.attention.xla import merge_blocks, query_blocks
+
+CUT_STAGES = 4  # `attention_received`'s query ranges under the causal cut
 
 
 def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -49,13 +52,45 @@ def attention_received(
     weights: jax.Array,
     *,
     block: int = 512,
+    own_keys_at: int | None = None,
 ):
     """`attention_probs` with the probabilities summed over the queries, one block of `block` queries at a time.
 
     q [B, T, H, E] at positions q_positions int32 [B, T]; keys k / v [B, K, S, E]; sees(positions [B, Tb]) ->
     bool [B, K, Tb, S], the keys queries at those positions see; weights float32 [B, T] (0 for padding) ->
     (out [B, T, H, E], received float32 [B, K, S] = sum over t and the group's heads g of
-    weights[b, t] * probs[b, k, g, t, s])."""
+    weights[b, t] * probs[b, k, g, t, s]).
+
+    own_keys_at: where the queries' own keys start, when slot own_keys_at + t holds query t's key and no real
+    query sees a slot past its own (H2O's and TOVA's chunk after their kept tokens). Then each of CUT_STAGES
+    ranges of queries reads only the slots before its last query's own: the causal cut, which skips 3/8 of a
+    whole-prompt chunk's scores. Padding queries (weight 0) may see less; their rows are not used."""
+    T, S = q.shape[1], k.shape[2]
+    if own_keys_at is None:
+        return _received(q, k, v, q_positions, sees, weights, block)
+    # CUT_STAGES ranges of queries, each over the slots up to its last query's own: a few static shapes (blocks
+    # unrolled one by one would each hold their own buffers), and 5/8 of the uncut work for 4 ranges
+    outs, received = [], jnp.zeros(k.shape[:3], jnp.float32)
+    stage = -(-T // block // CUT_STAGES) * block if T > block else T
+    for start in range(0, T, stage):
+        queries = slice(start, min(start + stage, T))
+        n = min(S, own_keys_at + queries.stop)
+        out, stage_received = _received(
+            q[:, queries],
+            k[:, :, :n],
+            v[:, :, :n],
+            q_positions[:, queries],
+            lambda positions, n=n: sees(positions)[..., :n],
+            weights[:, queries],
+            block,
+        )
+        outs.append(out)
+        received = received.at[:, :, :n].add(stage_received)
+    return jnp.concatenate(outs, axis=1), received
+
+
+def _received(q, k, v, q_positions, sees, weights, block: int):
+    """`attention_received` without the cut: lax.scan over blocks of `block` queries."""
     T = q.shape[1]
 
     def one(q, positions, weights):

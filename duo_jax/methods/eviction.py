@@ -105,6 +105,7 @@ class _Eviction(Method):
             lambda queries: step.sees(positions, queries),
             step.valid.astype(jnp.float32),
             block=max(1, self.query_rows // B),
+            own_keys_at=cache.positions.shape[2],  # the kept tokens, then this step's in order
         )
         out = rotation.back(out)
 
