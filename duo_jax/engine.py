@@ -293,6 +293,7 @@ def compiled_extend(
 
 @functools.lru_cache(maxsize=64)
 def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format, fused_qkv):
+    _make_room_for_an_executable()
     cache, lengths, tokens, n_valid, state = _abstract_inputs(
         method, batch, dtype, mesh, (batch,), (batch, chunk), (batch,)
     )
@@ -333,6 +334,7 @@ def compiled_extend_row(
 
 @functools.lru_cache(maxsize=16)
 def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format, fused_qkv):
+    _make_room_for_an_executable()
     cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, None, (batch,), (1, chunk), (1,))
     row = jax.ShapeDtypeStruct((), jnp.int32)
     return extend_row.lower(
@@ -372,6 +374,7 @@ def compiled_decode(
 
 @functools.lru_cache(maxsize=32)
 def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, eos_ids, mesh, weight_format, fused_qkv):
+    _make_room_for_an_executable()
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
     key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
@@ -398,6 +401,7 @@ def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, e
 def _empty_cache(method: Method, batch: int, dtype, mesh: Mesh | None):
     """`method.init_cache` as one program, compiled once per (method, batch): the zeros are written on the device
     (one program, not an op per array, and no value transferred from the host), on a mesh in place."""
+    _make_room_for_an_executable()
     if mesh is None:
         return jax.jit(lambda: method.init_cache(batch, dtype))
     sharding.check_batch(mesh, batch)
@@ -410,6 +414,31 @@ def _keep_last(ends_here: jax.Array, logits: jax.Array, last: jax.Array | None) 
     """The prefill's logits at each sequence's last prompt token: `logits` [B, V] where ends_here [B], else `last`
     (zeros before any)."""
     return jnp.where(ends_here[:, None], logits, jnp.zeros_like(logits) if last is None else last)
+
+
+MAPS_IN_USE_LIMIT = 0.75  # of Linux's vm.max_map_count: past it, a new compile first drops the cached executables
+
+
+def _make_room_for_an_executable() -> None:
+    """Drop every cached executable (`clear_compiled`, with a warning) when this process's memory mappings near the
+    kernel's limit (Linux's vm.max_map_count). XLA:CPU maps each executable's code into the process, and a compile
+    past the limit aborts it ("LLVM ERROR: Unable to allocate section memory"), as a long RULER run over six
+    method x budget runs did."""
+    try:
+        limit = int(open("/proc/sys/vm/max_map_count").read())
+        with open("/proc/self/maps", "rb") as maps:
+            in_use = sum(1 for _ in maps)
+    except (OSError, ValueError):  # not Linux: no such limit to watch
+        return
+    if in_use > MAPS_IN_USE_LIMIT * limit:
+        warnings.warn(
+            f"{in_use} memory mappings of the {limit} the kernel allows (vm.max_map_count): dropping the compiled "
+            "executables before compiling another (they are recompiled when needed). A long run over many "
+            "methods or shapes reaches this on CPU; raising vm.max_map_count avoids the recompiles.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        clear_compiled()
 
 
 def clear_compiled() -> None:
