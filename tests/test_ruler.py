@@ -13,6 +13,7 @@ import pytest
 import duo_jax
 from duo_jax.data import ruler as data
 from duo_jax.data.haystack import DataError
+from duo_jax.errors import DuoJaxError
 from duo_jax.eval import ruler, samples
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
@@ -199,6 +200,78 @@ def test_end_to_end(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(ruler, "generate_sample", lambda *a: calls.append(a) or {})
     ruler.run_ruler(model, ["full", "duo"], **kwargs)  # everything is stored: nothing is generated again
     assert calls == []
+
+
+# --- merging runs -------------------------------------------------------------------------------------------
+
+
+def _part(lengths, runs, *, samples=2, sink=64):
+    """A ruler.json as `run_ruler` writes it (read back from JSON: per-length keys are strings), tasks a and b;
+    runs {name: (mode, budget, {length: (score a, score b)})}; each prediction took 1 s for 500 prompt tokens."""
+    part = dict(
+        model="tiny", dtype="float32", tasks=["a", "b"], seed=42, chat=True, haystack="h", sparsity=0.5,
+        sink=sink, recent=256, chunk_size=256, kv_dtype=None, notes=[], lengths=lengths,
+        prompts={f"{t}_{n}": [dict(length=n, outputs=[str(i)]) for i in range(samples)] for t in "ab" for n in lengths},
+        runs={},
+    )  # fmt: skip
+    for name, (mode, budget, scores) in runs.items():
+        record = dict(prompt_tokens=500, prefill_s=0.75, decode_s=0.25)
+        part["runs"][name] = dict(
+            mode=mode, kv_budget=budget, decode_last=0, protocol="prefill",
+            scores={t: {n: scores[n][i] for n in lengths} for i, t in enumerate("ab")},
+            average={n: sum(scores[n]) / 2 for n in lengths},
+            predictions={f"{t}_{n}": [record] * samples for t in "ab" for n in lengths},
+        )  # fmt: skip
+    return json.loads(json.dumps(part))
+
+
+def test_merge_results_reads_a_grid_run_in_pieces():
+    one_k = _part([1024], {"full": ("full", None, {1024: (100, 50)}), "duo@0.5": ("duo", 0.5, {1024: (80, 40)})})
+    two_k = _part([2048], {"duo@0.5": ("duo", 0.5, {2048: (60, 20)})}, samples=3)
+    snap = _part([1024], {"snapkv@0.25": ("snapkv", 0.25, {1024: (10, 0)})})
+    merged = ruler.merge_results([("1k.json", one_k), ("2k.json", two_k), ("snap.json", snap)])
+    assert merged["lengths"] == [1024, 2048] and merged["samples"] == {1024: 2, 2048: 3}
+    assert list(merged["runs"]) == ["full", "snapkv@0.25", "duo@0.5"]  # full, then by budget
+    duo, full = merged["runs"]["duo@0.5"], merged["runs"]["full"]
+    assert duo["average"] == {1024: 60, 2048: 40} and duo["overall"] == 50
+    assert duo["scores"] == {"a": {1024: 80, 2048: 60}, "b": {1024: 40, 2048: 20}}
+    assert full["average"] == {1024: 75, 2048: None} and full["overall"] is None
+    assert duo["s_per_1k_tokens"] == pytest.approx(2.0) and "predictions" not in duo
+    assert merged["sources"] == ["1k.json", "2k.json", "snap.json"]
+    text = ruler.tables(merged)
+    assert "| full " in text and "Samples per task at each length: 1024: 2, 2048: 3" in text
+    assert not re.search(r"\| full +\| 2048", text)  # no row for a length the run lacks
+
+
+def test_merge_results_refuses_what_is_not_comparable():
+    one_k = _part([1024], {"full": ("full", None, {1024: (100, 50)})})
+    cases = [
+        (_part([2048], {"x": ("duo", 0.5, {2048: (1, 2)})}, sink=4), "sink=4"),
+        (_part([1024], {"full": ("full", None, {1024: (100, 50)})}), "full at 1024 tokens is in both"),
+        (_part([1024], {"x": ("duo", 0.5, {1024: (1, 2)})}, samples=3), "different prompts for a_1024"),
+    ]
+    for other, message in cases:
+        with pytest.raises(DuoJaxError, match=message):
+            ruler.merge_results([("1k.json", one_k), ("other.json", other)])
+    with pytest.raises(DuoJaxError, match="nothing to merge"):
+        ruler.merge_results([])
+
+
+def test_ruler_merge_cli(tmp_path, capsys):
+    from duo_jax.eval.__main__ import main as eval_main
+
+    files = []
+    for n in (1024, 2048):
+        files.append(tmp_path / f"{n}.json")
+        files[-1].write_text(json.dumps(_part([n], {"duo@0.5": ("duo", 0.5, {n: (60, 20)})})))
+    assert eval_main(["ruler-merge", *map(str, files), "--out", str(tmp_path / "merged")]) == 0
+    written = json.loads((tmp_path / "merged" / "ruler.json").read_text())
+    assert written["runs"]["duo@0.5"]["average"] == {"1024": 40, "2048": 40}
+    assert (tmp_path / "merged" / "ruler_budget.png").stat().st_size > 1000
+    assert "| duo@0.5" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert eval_main(["ruler-merge", str(tmp_path / "bad.json")]) == 2
+    assert "missing field" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_options(capsys):

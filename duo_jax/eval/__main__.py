@@ -11,6 +11,7 @@ Modes, budgets (--kv-budget, --kv-dtype, --pattern, --scores) and outputs: docs/
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -220,7 +221,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="chat template around the task text; auto: for instruct / chat models",
     )
 
+    merge = tasks.add_parser(
+        "ruler-merge",
+        help="one RULER table and figure from several runs' ruler.json (a grid run in pieces)",
+        formatter_class=defaults,
+    )
+    merge.add_argument("files", nargs="+", metavar="RULER_JSON", help="ruler.json files of runs with the same settings")
+    merge.add_argument(
+        "--out", default="results/ruler_merged", help="folder for ruler.md, ruler.json, ruler_budget.png"
+    )
+
     args = parser.parse_args(argv)
+    if args.task == "ruler-merge":
+        return args
     for budget in args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]:
         if budget is not None and not 0 < budget <= 1:
             parser.error(f"--kv-budget is a fraction in (0, 1] of the evaluated length, got {budget}")
@@ -241,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.task == "ruler-merge":
+        return merge_ruler(args.files, args.out)
 
     import jax
     import jax.numpy as jnp
@@ -365,6 +380,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.task} on {model.config.name} ({dtype}), {report.describe_machine(results['machine'])}:\n")
     print(table)
     print(f"\nwrote {', '.join(results['files'])}  [{time.perf_counter() - start:.0f} s]")
+    return 0
+
+
+def merge_ruler(files: list[str], out_dir: str) -> int:
+    """`ruler-merge`: the runs of several ruler.json files as one table (`duo_jax.eval.ruler.merge_results`)."""
+    from duo_jax.eval.ruler import merge_results, tables, write_outputs
+
+    try:
+        parts = []
+        for path in files:
+            with open(path, encoding="utf-8") as f:
+                parts.append((path, json.load(f)))
+        results = merge_results(parts)
+    except (DuoJaxError, OSError, json.JSONDecodeError, KeyError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        print(
+            f"error: {what} (ruler-merge reads the ruler.json that `python -m duo_jax.eval ruler` writes)",
+            file=sys.stderr,
+        )
+        return 2
+    write_outputs(results, out_dir)
+    print(tables(results))
+    print(f"\nwrote {', '.join(results['files'])}")
     return 0
 
 

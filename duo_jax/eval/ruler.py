@@ -195,6 +195,97 @@ def run_ruler(
     return results
 
 
+# What every merged result must share (`merge_results`): otherwise its rows are not comparable.
+MERGE_KEYS = (
+    "model",
+    "dtype",
+    "tasks",
+    "seed",
+    "chat",
+    "haystack",
+    "sparsity",
+    "sink",
+    "recent",
+    "chunk_size",
+    "kv_dtype",
+)
+
+
+def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
+    """One result from several `run_ruler` results (named (source, result) pairs, as ``ruler.json`` holds them):
+    a grid run in pieces (a length, a method or a budget at a time) read as one table. The parts must share the
+    settings of `MERGE_KEYS` and, where two hold the same task and length, the same prompts; a run at a length
+    may come from one part only. A run missing at a length has None there, and its overall is None unless it has
+    every length. The predictions stay in the parts (`sources`); `samples` is per length."""
+    if not parts:
+        raise DuoJaxError("nothing to merge: give at least one ruler.json")
+    first_source, first = parts[0]
+    merged = {key: first[key] for key in MERGE_KEYS}
+    merged.update(task="ruler", notes=list(first["notes"]), runs={}, prompts={}, samples={}, sources=[])
+    owners = {}  # (run, length) -> source
+    for source, part in parts:
+        for key in MERGE_KEYS:
+            if part[key] != merged[key]:
+                raise DuoJaxError(
+                    f"{source} was run with {key}={part[key]!r}, {first_source} with {merged[key]!r}: "
+                    "only results of the same settings can share a table"
+                )
+        lengths = [int(n) for n in part["lengths"]]
+        for name, prompts in part["prompts"].items():
+            if merged["prompts"].setdefault(name, prompts) != prompts:
+                raise DuoJaxError(
+                    f"{source} and an earlier file hold different prompts for {name} (another --samples or "
+                    "another version of the generator): their scores would not be comparable"
+                )
+        for n in lengths:
+            merged["samples"][n] = len(part["prompts"][f"{merged['tasks'][0]}_{n}"])
+        for name, run in part["runs"].items():
+            into = merged["runs"].setdefault(
+                name,
+                dict(
+                    {k: run[k] for k in ("mode", "kv_budget", "decode_last", "protocol")},
+                    scores={t: {} for t in merged["tasks"]},
+                    average={},
+                    predictions={},
+                ),
+            )
+            for n in lengths:
+                if (name, n) in owners:
+                    raise DuoJaxError(f"{name} at {n} tokens is in both {owners[name, n]} and {source}: pass one")
+                owners[name, n] = source
+                into["average"][n] = run["average"][_key(run["average"], n)]
+                for t in merged["tasks"]:
+                    into["scores"][t][n] = run["scores"][t][_key(run["scores"][t], n)]
+                    into["predictions"][f"{t}_{n}"] = run["predictions"][f"{t}_{n}"]
+        merged["sources"].append(source)
+    merged["lengths"] = sorted(merged["samples"])
+    merged["samples"] = {n: merged["samples"][n] for n in merged["lengths"]}
+    # full first, then each budget's runs, duo first among them
+    order = sorted(
+        merged["runs"].items(),
+        key=lambda item: (
+            item[1]["kv_budget"] is not None,
+            item[1]["kv_budget"] or 0,
+            item[1]["mode"] != "duo",
+            item[1]["mode"],
+            item[1]["decode_last"],
+        ),
+    )
+    merged["runs"] = dict(order)
+    for run in merged["runs"].values():
+        run["average"] = {n: run["average"].get(n) for n in merged["lengths"]}
+        run["scores"] = {t: {n: s.get(n) for n in merged["lengths"]} for t, s in run["scores"].items()}
+        averages = list(run["average"].values())
+        run["overall"] = None if None in averages else mean_score(averages)
+        run["s_per_1k_tokens"] = seconds_per_1k_tokens(sum(run.pop("predictions").values(), []))
+    return merged
+
+
+def _key(by_length: dict, n: int):
+    """A per-length dict's key for length n: an int in memory, a string once read back from JSON."""
+    return n if n in by_length else str(n)
+
+
 def tables(results: dict) -> str:
     """Markdown: the average over tasks per length (RULER's headline) per run, then every task per length."""
     lengths, tasks = results["lengths"], results["tasks"]
@@ -203,9 +294,17 @@ def tables(results: dict) -> str:
         ["run", *[f"avg @ {n}" for n in lengths], "overall", "s / 1k tokens"],
         [[name, *[r["average"][n] for n in lengths], r["overall"], r["s_per_1k_tokens"]] for name, r in runs.items()],
     )
-    rows = [[name, n, *[r["scores"][t][n] for t in tasks]] for n in lengths for name, r in runs.items()]
+    rows = [
+        [name, n, *[r["scores"][t][n] for t in tasks]]
+        for n in lengths
+        for name, r in runs.items()
+        if r["average"][n] is not None  # a merged run may lack a length
+    ]
     text += "\n\n" + report.markdown_table(["run", "length", *tasks], rows)
     text += protocol_legend(runs)
+    if "sources" in results:
+        per_length = ", ".join(f"{n}: {k}" for n, k in results["samples"].items())
+        text += f"\n\nSamples per task at each length: {per_length}. Merged from {', '.join(results['sources'])}."
     for note in results["notes"]:
         text += f"\n\nNote: {note}"
     return text
