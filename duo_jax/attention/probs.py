@@ -4,8 +4,8 @@ H2O, TOVA, SnapKV's window votes, HeadKV's head scores and InfiniGen's fetch nee
 neither the Pallas kernels nor the blocked XLA path (`duo_jax.attention.xla`) return. They score small key
 sets (a budget of kept tokens, an observation window), so one dense masked softmax serves them all.
 
-`attention_received` is the one that meets a long query set: H2O and TOVA prefill a whole prompt in one
-chunk, and need only each key's attention summed over the queries, never the [T, S] probabilities. It runs
+`attention_received` is the one that meets a long query set: H2O prefills a whole prompt in one chunk, and
+needs only each key's attention summed over the queries, never the [T, S] probabilities. It runs
 the same softmax over blocks of queries, so its memory is O(block x S), not O(T x S), and where the queries'
 own keys follow the others in order, each block reads only the keys up to its own (the causal cut).
 """
@@ -62,7 +62,7 @@ def attention_received(
     weights[b, t] * probs[b, k, g, t, s]).
 
     own_keys_at: where the queries' own keys start, when slot own_keys_at + t holds query t's key and no real
-    query sees a slot past its own (H2O's and TOVA's chunk after their kept tokens). Then each of CUT_STAGES
+    query sees a slot past its own (H2O's chunk after its kept tokens). Then each of CUT_STAGES
     ranges of queries reads only the slots before its last query's own: the causal cut, which skips 3/8 of a
     whole-prompt chunk's scores. Padding queries (weight 0) may see less; their rows are not used."""
     T, S = q.shape[1], k.shape[2]

@@ -12,11 +12,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from duo_jax.attention import attention_probs, attention_received
+from duo_jax import attention
+from duo_jax.attention import MaskSpec, attention_probs, attention_received
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, check_windows, kv_rotation_for
@@ -43,6 +45,9 @@ class _Eviction(Method):
     kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`)
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
     query_rows: int = 1024  # query rows (over the batch) whose probabilities are held at once (`attention_received`)
+    # Whether `priority` reads the attention each token received (H2O's `scores`); TOVA reads only the newest
+    # query's, so its chunks skip summing the probabilities and run through the attention kernels.
+    ranks_by_received_attention: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.windows is not None and len(self.windows) != self.num_layers:
@@ -96,17 +101,21 @@ class _Eviction(Method):
         new_positions = jnp.broadcast_to(jnp.where(step.valid, step.positions, -1)[:, None], (B, K, T))
         positions = jnp.concatenate([cache.positions, new_positions], axis=2)
         dense_keys, dense_values = dequantize(keys), dequantize(values)
-        # Causal, within the layer's window; over query blocks, so a whole-prompt chunk never holds [T, N + T].
-        out, received = attention_received(
-            q,
-            dense_keys,
-            dense_values,
-            step.positions,
-            lambda queries: step.sees(positions, queries),
-            step.valid.astype(jnp.float32),
-            block=max(1, self.query_rows // B),
-            own_keys_at=cache.positions.shape[2],  # the kept tokens, then this step's in order
-        )
+        own_keys_at = cache.positions.shape[2]  # the kept tokens, then this step's in order
+        if self.ranks_by_received_attention:
+            # Causal, within the layer's window; over query blocks, so a whole-prompt chunk never holds [T, N + T].
+            out, received = attention_received(
+                q,
+                dense_keys,
+                dense_values,
+                step.positions,
+                lambda queries: step.sees(positions, queries),
+                step.valid.astype(jnp.float32),
+                block=max(1, self.query_rows // B),
+                own_keys_at=own_keys_at,
+            )
+        else:  # no probabilities summed: the chunk's attention goes through the attention kernels
+            out, received = attend_per_kv_head(q, dense_keys, dense_values, positions, step, own_keys_at), 0.0
         out = rotation.back(out)
 
         def newest_probs():  # [B, K, G, N + T]
@@ -132,6 +141,25 @@ class _Eviction(Method):
         )
 
 
+def attend_per_kv_head(q, keys, values, positions, step: Step, own_keys_at: int) -> jax.Array:
+    """q [B, T, H, E] over keys / values [B, K, S, E] at positions [B, K, S] (-1: empty) that differ per KV head:
+    each KV head becomes a batch row of `duo_jax.attention.attend` (causal, within the layer's window; the first
+    `own_keys_at` slots the kept tokens, filled first, then the step's)."""
+    B, T, H, E = q.shape
+    K, S = keys.shape[1], keys.shape[2]
+    rows = q.reshape(B, T, K, H // K, E).swapaxes(1, 2).reshape(B * K, T, H // K, E)
+    spec = MaskSpec(
+        jnp.repeat(step.positions, K, axis=0),
+        jnp.full((B * K,), S, jnp.int32),
+        positions.reshape(B * K, S),
+        window=step.sliding_window,
+        own_keys_at=own_keys_at,
+    )
+    by_head = (x.reshape(B * K, S, 1, E) for x in (keys, values))
+    out = attention.attend(rows, *by_head, spec, impl=step.impl)
+    return out.reshape(B, K, T, H // K, E).swapaxes(1, 2).reshape(B, T, H, E)
+
+
 @dataclasses.dataclass(frozen=True)
 class H2O(_Eviction):
     """Heavy hitters (highest accumulated attention) + the `recent` newest tokens, per KV head."""
@@ -150,6 +178,7 @@ class TOVA(_Eviction):
     """The tokens the newest query attends to most, averaged over the layer's heads (same for every head)."""
 
     name = "tova"
+    ranks_by_received_attention = False
 
     def priority(self, positions, scores, newest_probs, step):
         return jnp.broadcast_to(jnp.mean(newest_probs(), axis=(1, 2))[:, None], positions.shape)
