@@ -84,6 +84,47 @@ def test_keys_at_explicit_positions_match_float64(threads, block_k):
 
 
 @needs_compiler
+@pytest.mark.parametrize("threads", [0, 1], ids=["pool", "one-thread"])
+@pytest.mark.parametrize("block_q, block_k", [(64, 64), (8, 24)], ids=["blocks64", "blocks8x24"])
+def test_received_attention_matches_float64(threads, block_q, block_k):
+    """H2O's chunk over its kept tokens (any order, some slots empty) and its own tokens, the last 3 of them
+    padding (empty, weight 0): the output and each key's attention summed over the weighted queries and the
+    group's heads, against float64 probabilities; one sequence keeps nothing."""
+    B, T, H, Kh, E, kept = 2, 37, 6, 2, 64, 20
+    rng = np.random.default_rng(5)
+    offsets = np.array([60, 45], np.int32)
+    positions = np.full((B, kept + T), -1, np.int32)
+    positions[0, :15] = rng.choice(offsets[0], 15, replace=False)  # the second sequence keeps nothing
+    positions[:, kept:] = offsets[:, None] + np.arange(T)
+    positions[:, -3:] = -1
+    weights = rng.uniform(0.5, 1.5, (B, T)).astype(np.float32)
+    weights[:, -3:] = 0
+    q, k, v, _ = random_attention_inputs(B, T, kept + T, H, Kh, E, seed=6)
+    out, received = jax.jit(
+        lambda q, k, v: cpu.flash_attention_received(
+            q, k, v, offsets, kept + T, positions, weights, block_q=block_q, block_k=block_k, num_threads=threads
+        )
+    )(q, k, v)
+    spec = attention.MaskSpec(
+        jnp.asarray(offsets[:, None] + np.arange(T), jnp.int32),
+        jnp.full((B,), kept + T, jnp.int32),
+        jnp.asarray(positions),
+    )
+    mask = mask_np(spec, kept + T)  # [B, T, S]
+    G = H // Kh
+    scores = np.einsum("bthe,bshe->bhts", np.float64(q), np.repeat(np.float64(k), G, axis=2)) / np.sqrt(E)
+    scores = np.where(mask[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ref_received = np.einsum("bhts,bt->bhs", probs, weights).reshape(B, Kh, G, kept + T).sum(2)
+    ref_out = attention_np(q, k, v, mask)
+    assert received.shape == (B, Kh, kept + T)
+    assert np.max(np.abs(np.asarray(received) - ref_received)) <= 2e-5 * np.max(ref_received)
+    assert np.max(np.abs(np.asarray(out)[:, :-3] - ref_out[:, :-3])) <= 2e-5 * np.max(np.abs(ref_out))
+    assert not np.any(np.asarray(received).transpose(0, 2, 1)[positions < 0]), "an empty slot receives nothing"
+
+
+@needs_compiler
 def test_kernel_takes_the_scale():
     q, k, v, _ = random_attention_inputs(1, 16, 40, 4, 2, 32, seed=3)
     spec = prefix_spec(1, 16, q_offset=10, kv_len=26, num_keys=40)
@@ -101,6 +142,8 @@ def test_kernel_rejects_what_it_does_not_compute():
         cpu.flash_attention(q[..., :3, :], k, v, 0, 4)
     with pytest.raises(ValueError, match="k_positions"):
         cpu.flash_attention(q, k, v, 0, 4, k_positions=jnp.zeros((1, 7), jnp.int32))
+    with pytest.raises(ValueError, match="weights"):
+        cpu.flash_attention_received(q, k, v, 0, 8, jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 3)))
 
 
 def _uses_kernel(fn, *args) -> bool:

@@ -7,7 +7,8 @@ everything else takes the XLA path (`duo_jax.attention.xla`), so every impl give
 "auto" resolves per backend (`resolve_impl`); where the kernel of that backend cannot run it falls back (to "xla",
 or on a GPU without Triton to "cudnn") with one warning, and asking for that impl by name raises `BackendError`.
 Callers pass consecutive query positions (q_positions[:, t] = q_positions[:, 0] + t). `attend_partial` (one shard
-of the keys), `duo_decode` and `duo_prefill` (both DuoAttention partitions in one launch) are the variants;
+of the keys), `attend_received` (with each key's received attention, for H2O), `duo_decode` and `duo_prefill` (both
+DuoAttention partitions in one launch) are the variants;
 `flash_attention`, `lambda_attention` and `decode_attention` are the kernels' signatures over the same dispatch.
 Which impl serves which spec, cache and device: docs/attention.md.
 """
@@ -168,6 +169,22 @@ def attend(
     if impl == "reference":
         return reference.attention_reference(q, _values(k), _values(v), spec.dense(k.shape[1]), scale=scale)
     return xla.attention(q, k, v, spec, scale=scale)
+
+
+def attend_received(
+    q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, weights: jax.Array, *, impl: Impl = "auto"
+) -> tuple[jax.Array, jax.Array] | None:
+    """`attend` over keys at positions (`spec.k_positions`), and the attention each key receives: weights float32
+    [B, T] -> (out [B, T, H, E], received float32 [B, K, S]: the probabilities weighted by their query's weight,
+    summed over the queries and each KV head's query heads), from a kernel that never materialises them; None
+    where none serves the call (the C++ CPU kernel alone computes it), for `duo_jax.attention.attention_received`.
+    Not differentiable (H2O's scores are for inference)."""
+    pallas_kernels.check_qkv(q, k, v)
+    if resolve_impl(impl) == "cpu" and spec.k_positions is not None and _cpu_kernel_serves(q, k, v, spec):
+        return pallas_kernels.cpu.flash_attention_received(
+            q, k, v, spec.q_positions[:, 0], spec.kv_len, spec.k_positions, weights
+        )
+    return None
 
 
 def cudnn_attention(

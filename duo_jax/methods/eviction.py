@@ -102,9 +102,12 @@ class _Eviction(Method):
         positions = jnp.concatenate([cache.positions, new_positions], axis=2)
         dense_keys, dense_values = dequantize(keys), dequantize(values)
         own_keys_at = cache.positions.shape[2]  # the kept tokens, then this step's in order
-        if self.ranks_by_received_attention:
+        if not self.ranks_by_received_attention:  # no probabilities summed: the chunk goes through the kernels
+            out, received = attend_per_kv_head(q, dense_keys, dense_values, positions, step, own_keys_at), 0.0
+        else:  # a kernel that sums them where one serves (the C++ CPU kernel), else the probabilities
+            served = received_per_kv_head(q, dense_keys, dense_values, positions, step, own_keys_at)
             # Causal, within the layer's window; over query blocks, so a whole-prompt chunk never holds [T, N + T].
-            out, received = attention_received(
+            out, received = served or attention_received(
                 q,
                 dense_keys,
                 dense_values,
@@ -114,8 +117,6 @@ class _Eviction(Method):
                 block=max(1, self.query_rows // B),
                 own_keys_at=own_keys_at,
             )
-        else:  # no probabilities summed: the chunk's attention goes through the attention kernels
-            out, received = attend_per_kv_head(q, dense_keys, dense_values, positions, step, own_keys_at), 0.0
         out = rotation.back(out)
 
         def newest_probs():  # [B, K, G, N + T]
@@ -145,6 +146,25 @@ def attend_per_kv_head(q, keys, values, positions, step: Step, own_keys_at: int)
     """q [B, T, H, E] over keys / values [B, K, S, E] at positions [B, K, S] (-1: empty) that differ per KV head:
     each KV head becomes a batch row of `duo_jax.attention.attend` (causal, within the layer's window; the first
     `own_keys_at` slots the kept tokens, filled first, then the step's)."""
+    rows, by_head, spec = _kv_heads_as_rows(q, keys, values, positions, step, own_keys_at)
+    return _heads_back(attention.attend(rows, *by_head, spec, impl=step.impl), q.shape)
+
+
+def received_per_kv_head(q, keys, values, positions, step: Step, own_keys_at: int):
+    """`attend_per_kv_head` and the attention each key received from the step's real queries, float32 [B, K, S]
+    (`duo_jax.attention.attend_received`), or None where no kernel computes it."""
+    B, K, S = positions.shape
+    rows, by_head, spec = _kv_heads_as_rows(q, keys, values, positions, step, own_keys_at)
+    weights = jnp.repeat(step.valid.astype(jnp.float32), K, axis=0)
+    served = attention.attend_received(rows, *by_head, spec, weights, impl=step.impl)
+    if served is None:
+        return None
+    out, received = served
+    return _heads_back(out, q.shape), received.reshape(B, K, S)
+
+
+def _kv_heads_as_rows(q, keys, values, positions, step: Step, own_keys_at: int):
+    """q [B, T, H, E] -> [B K, T, G, E], keys / values [B, K, S, E] -> [B K, S, 1, E], and their mask."""
     B, T, H, E = q.shape
     K, S = keys.shape[1], keys.shape[2]
     rows = q.reshape(B, T, K, H // K, E).swapaxes(1, 2).reshape(B * K, T, H // K, E)
@@ -155,8 +175,13 @@ def attend_per_kv_head(q, keys, values, positions, step: Step, own_keys_at: int)
         window=step.sliding_window,
         own_keys_at=own_keys_at,
     )
-    by_head = (x.reshape(B * K, S, 1, E) for x in (keys, values))
-    out = attention.attend(rows, *by_head, spec, impl=step.impl)
+    return rows, tuple(x.reshape(B * K, S, 1, E) for x in (keys, values)), spec
+
+
+def _heads_back(out: jax.Array, shape) -> jax.Array:
+    """[B K, T, G, E] -> [B, T, H, E]."""
+    B, T, H, E = shape
+    K = out.shape[0] // B
     return out.reshape(B, K, T, H // K, E).swapaxes(1, 2).reshape(B, T, H, E)
 
 

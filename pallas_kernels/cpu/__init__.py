@@ -3,7 +3,8 @@
 Semantics: query t of sequence b sits at position q_offset[b] + t; key slot s holds position s (a contiguous
 cache, as the flash kernels') or k_positions[b, s] (a ring of cached tokens followed by a chunk, an eviction
 cache; -1: empty) and is filled iff s < kv_len[b]; a query sees the filled slots whose position is at or before
-its own; one that sees none gives zeros. float32 only. The library is built on first use by the host's C++
+its own; one that sees none gives zeros. `flash_attention_received` also sums each key's attention over the
+queries (H2O's scores). float32 only. The library is built on first use by the host's C++
 compiler into a cache folder (`$DUO_JAX_CACHE`); where that fails `available()` is False and `unavailable()` says
 why. Design: docs/kernels.md, "The CPU kernel".
 """
@@ -27,9 +28,10 @@ import numpy as np
 SOURCE = pathlib.Path(__file__).with_name("flash_attention.cc")
 TARGET = "duo_jax_cpu_flash_attention"  # slot = position
 TARGET_AT = "duo_jax_cpu_flash_attention_at"  # keys at explicit positions
+TARGET_RECEIVED_AT = "duo_jax_cpu_flash_attention_received_at"  # the same, and the attention each key receives
 BLOCK_Q, BLOCK_K = 64, 64  # queries per work item (times the G heads of a KV head: the tile's rows); keys per tile
 
-__all__ = ["available", "build_command", "flash_attention", "unavailable"]
+__all__ = ["available", "build_command", "flash_attention", "flash_attention_received", "unavailable"]
 
 
 def _compiler() -> str | None:
@@ -95,6 +97,9 @@ def _load() -> tuple[bool, str | None]:
         library = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.CpuFlashAttention), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_AT, jax.ffi.pycapsule(library.CpuFlashAttentionAt), platform="cpu")
+        jax.ffi.register_ffi_target(
+            TARGET_RECEIVED_AT, jax.ffi.pycapsule(library.CpuFlashAttentionReceivedAt), platform="cpu"
+        )
     except Exception as error:  # noqa: BLE001 - any failure to load means the XLA path, with the reason
         return False, f"loading {path} failed: {error}"
     return True, None
@@ -127,6 +132,53 @@ def flash_attention(
     q_offset / kv_len int32 [B] (or scalars), k_positions None (slot = position) or int32 [B, S] (-1: empty) ->
     [B, T, H, E] float32. `num_threads` 0: XLA's intra-op pool and the calling thread; n: at most n threads.
     Raises RuntimeError where the kernel cannot be built (`unavailable`)."""
+    operands, scale = _operands(q, k, v, q_offset, kv_len, k_positions, scale)
+    call = jax.ffi.ffi_call(
+        TARGET if k_positions is None else TARGET_AT,
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(*operands, **_attributes(scale, block_q, block_k, num_threads))
+
+
+def flash_attention_received(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offset,
+    kv_len,
+    k_positions: jax.Array,
+    weights: jax.Array,
+    *,
+    scale: float | None = None,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    num_threads: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """`flash_attention` over keys at positions, and the attention each key slot receives: weights float32 [B, T]
+    -> (out [B, T, H, E], received float32 [B, Kh, S] = sum over t and the G query heads of KV head kh of
+    weights[b, t] * probs[b, t, h, s]), H2O's accumulated attention without materialising the probabilities."""
+    operands, scale = _operands(q, k, v, q_offset, kv_len, k_positions, scale)
+    B, T = q.shape[:2]
+    if weights.shape != (B, T):
+        raise ValueError(f"weights must be [B, T] = {(B, T)}, got {weights.shape}")
+    blocks = -(-T // min(block_q, T)) if T else 0
+    call = jax.ffi.ffi_call(
+        TARGET_RECEIVED_AT,
+        (
+            jax.ShapeDtypeStruct(q.shape, jnp.float32),
+            jax.ShapeDtypeStruct((B, k.shape[2], blocks, k.shape[1]), jnp.float32),  # per query block
+        ),
+        vmap_method="sequential",
+    )
+    out, received = call(
+        *operands, jnp.asarray(weights, jnp.float32), **_attributes(scale, block_q, block_k, num_threads)
+    )
+    return out, jnp.sum(received, axis=2)
+
+
+def _operands(q, k, v, q_offset, kv_len, k_positions, scale):
+    """The kernel's operands (q, k, v, q_offset, kv_len[, k_positions]) checked, and the scale."""
     ok, why = _load()
     if not ok:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {why}")
@@ -139,22 +191,16 @@ def flash_attention(
             f"q [B, T, H, E] and k / v [B, S, Kh, E] with H % Kh == 0 and E % 8 == 0 expected, "
             f"got {q.shape}, {k.shape}, {v.shape}"
         )
-    scale = 1.0 / float(np.sqrt(E)) if scale is None else float(scale)
     per_batch = [jnp.broadcast_to(jnp.asarray(x, jnp.int32).reshape(-1), (B,)) for x in (q_offset, kv_len)]
     operands = [q, k, v, *per_batch]
     if k_positions is not None:
         if k_positions.shape != k.shape[:2]:
             raise ValueError(f"k_positions must be [B, S] = {k.shape[:2]}, got {k_positions.shape}")
         operands.append(jnp.asarray(k_positions, jnp.int32))
-    call = jax.ffi.ffi_call(
-        TARGET if k_positions is None else TARGET_AT,
-        jax.ShapeDtypeStruct(q.shape, jnp.float32),
-        vmap_method="sequential",
-    )
-    return call(
-        *operands,
-        scale=np.float32(scale),
-        block_q=np.int64(block_q),
-        block_k=np.int64(block_k),
-        num_threads=np.int64(num_threads),
+    return operands, 1.0 / float(np.sqrt(E)) if scale is None else float(scale)
+
+
+def _attributes(scale: float, block_q: int, block_k: int, num_threads: int) -> dict:
+    return dict(
+        scale=np.float32(scale), block_q=np.int64(block_q), block_k=np.int64(block_k), num_threads=np.int64(num_threads)
     )

@@ -3,6 +3,12 @@
 //   q [B, T, H, E], k / v [B, S, Kh, E] (GQA: query head h uses KV head h / (H / Kh)),
 //   q_offset int32 [B], kv_len int32 [B], attribute scale  ->  out [B, T, H, E]            (CpuFlashAttention)
 //   the same and k_positions int32 [B, S]                    ->  out                         (CpuFlashAttentionAt)
+//   the same and weights float32 [B, T]  ->  out, received [B, Kh, nqb, S]            (CpuFlashAttentionReceivedAt)
+//
+// received[b, kh, qb, s] is the attention key slot s gets from query block qb's queries, each query's
+// probabilities weighted by weights[b, t] and summed over the G query heads of KV head kh (H2O's accumulated
+// attention, without materialising the probabilities): the caller sums over qb. A second pass over the block's
+// keys recomputes the scores once each row's maximum and sum are final.
 //
 // Query t of sequence b sits at position q_offset[b] + t; key slot s holds position s (CpuFlashAttention) or
 // k_positions[b, s] (CpuFlashAttentionAt: a ring of cached tokens and a chunk, an eviction cache; -1 is an empty
@@ -86,6 +92,9 @@ struct Problem {
   int64_t B, T, H, S, Kh, E, G;
   int block_q, block_k;
   float q_scale;                                              // scale * log2(e)
+  const float* weights = nullptr;                             // [B, T]: with `received`, each query's weight
+  float* received = nullptr;                                  // [B, Kh, nqb, S], or nullptr: not wanted
+  int64_t nqb = 0;                                            // query blocks
   int64_t rows_padded() const { return (block_q * G + kLanes - 1) / kLanes * kLanes; }
 };
 
@@ -94,12 +103,12 @@ struct Scratch {
   struct Free { void operator()(void* p) const { std::free(p); } };
   std::unique_ptr<float, Free> buf;
   size_t size = 0;
-  float *qt, *ot, *s, *m, *l, *alpha, *bmax;
+  float *qt, *ot, *s, *m, *l, *alpha, *bmax, *weight;
   int32_t* pos;
 
   void ensure(const Problem& p) {
     const int64_t R = p.rows_padded(), bk8 = (p.block_k + 7) / 8 * 8;
-    const size_t need = 2 * p.E * R + bk8 * R + 5 * R;
+    const size_t need = 2 * p.E * R + bk8 * R + 6 * R;
     if (need > size) {
       buf.reset(static_cast<float*>(std::aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64)));
       size = need;
@@ -111,7 +120,8 @@ struct Scratch {
     l = m + R;
     alpha = l + R;
     bmax = alpha + R;
-    pos = reinterpret_cast<int32_t*>(bmax + R);
+    weight = bmax + R;
+    pos = reinterpret_cast<int32_t*>(weight + R);
   }
 };
 
@@ -197,6 +207,14 @@ inline void for_row_groups(int64_t RV, F&& f) {
   if (RV - j == 1) f(Int<1>(), j);
 }
 
+// sum over the lanes of x
+inline float hsum(vf x) {
+  float total = 0.0f;
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) total += x[i];
+  return total;
+}
+
 void run_item(const Problem& p, Scratch& w, int64_t b, int64_t kh, int64_t qb) {
   const int64_t E = p.E, G = p.G, R = p.rows_padded(), RV = R / kLanes;
   const int64_t t0 = qb * p.block_q, nt = std::min<int64_t>(p.block_q, p.T - t0), rows = nt * G;
@@ -206,6 +224,8 @@ void run_item(const Problem& p, Scratch& w, int64_t b, int64_t kh, int64_t qb) {
   // Keys [0, s_end) are read, no others: over a contiguous cache none past the last query's position.
   const int64_t s_end = k_pos ? kv_len : std::min(kv_len, max_pos + 1);
   auto out_row = [&](int64_t r) { return p.out + ((b * p.T + t0 + r / G) * p.H + kh * G + r % G) * E; };
+  float* received = p.received ? p.received + ((b * p.Kh + kh) * p.nqb + qb) * p.S : nullptr;
+  if (received) std::fill_n(received, p.S, 0.0f);
 
   if (s_end <= 0) {
     for (int64_t r = 0; r < rows; ++r) std::fill_n(out_row(r), E, 0.0f);
@@ -229,71 +249,100 @@ void run_item(const Problem& p, Scratch& w, int64_t b, int64_t kh, int64_t qb) {
   const float* v_base = p.v + (b * p.S * p.Kh + kh) * E;
   const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
 
-  for (int64_t s0 = 0; s0 < s_end; s0 += p.block_k) {
-    const float* vb = v_base + s0 * kv_stride;
-    // Keys at explicit positions: the block's lowest and highest position, and whether it has an empty slot, so
-    // that a group skips a block it sees none of (a chunk's keys after its queries) and masks only where needed.
-    int32_t block_lo = kNever, block_hi = -1;
-    bool block_has_empty = false;
-    for (int64_t i = s0; k_pos && i < std::min(s0 + p.block_k, s_end); ++i) {
-      if (k_pos[i] < 0) {
-        block_has_empty = true;
-      } else {
-        block_lo = std::min(block_lo, k_pos[i]);
-        block_hi = std::max(block_hi, k_pos[i]);
+  // Scores S^T of every key block for one group of up to 3 row vectors at a time (so that its Q^T, S^T and O^T
+  // stay in L1 next to the K / V block), each handed to tile(rt, j0, s0, n, n8): keys s0 .. s0 + n - 1 (n8: n
+  // rounded up to the tile of 8, the extra keys masked).
+  auto for_each_tile = [&](auto&& tile) {
+    for (int64_t s0 = 0; s0 < s_end; s0 += p.block_k) {
+      // Keys at explicit positions: the block's lowest and highest position, and whether it has an empty slot, so
+      // that a group skips a block it sees none of (a chunk's keys after its queries) and masks only where needed.
+      int32_t block_lo = kNever, block_hi = -1;
+      bool block_has_empty = false;
+      for (int64_t i = s0; k_pos && i < std::min(s0 + p.block_k, s_end); ++i) {
+        if (k_pos[i] < 0) {
+          block_has_empty = true;
+        } else {
+          block_lo = std::min(block_lo, k_pos[i]);
+          block_hi = std::max(block_hi, k_pos[i]);
+        }
       }
+      for_row_groups(RV, [&](auto rt, int64_t j0) {
+        constexpr int RT = decltype(rt)::value;
+        // The group's keys in this block: over a contiguous cache up to its last row's position. Only tiles with a
+        // key some row does not see (past a row's position, empty, or padding) are masked.
+        const int64_t group_min_pos = w.pos[j0 * kLanes], group_max_pos = w.pos[(j0 + RT) * kLanes - 1];
+        const int64_t n = k_pos ? std::min<int64_t>(p.block_k, s_end - s0)
+                                : std::min<int64_t>({p.block_k, s_end - s0, group_max_pos + 1 - s0});
+        const int64_t n8 = (n + 7) / 8 * 8;
+        if (n <= 0 || (k_pos && block_lo > group_max_pos)) return;  // the whole block is after these rows
+        const bool masked =
+            n8 > n || (k_pos ? block_has_empty || block_hi > group_min_pos : s0 + n - 1 > group_min_pos);
+        // Scores; keys past n in the last tile of 8 re-read key n - 1 and are masked (position kNever).
+        for (int64_t st = 0; st < n8; st += 8) {
+          const float* kr[8];
+          int32_t kp[8];
+          for (int i = 0; i < 8; ++i) {
+            const int64_t slot = s0 + std::min<int64_t>(st + i, n - 1);
+            kr[i] = k_base + slot * kv_stride;
+            const int32_t position = k_pos ? (k_pos[slot] < 0 ? kNever : k_pos[slot]) : static_cast<int32_t>(slot);
+            kp[i] = st + i < n ? position : kNever;
+          }
+          qk_tile<RT>(w.qt + j0 * kLanes, R, kr, E, w.s + st * R + j0 * kLanes, w.bmax + j0 * kLanes, masked, kp,
+                      w.pos + j0 * kLanes);
+        }
+        tile(rt, j0, s0, n, n8);
+      });
     }
-    // One group of up to 3 row vectors at a time, so that its Q^T, S^T and O^T stay in L1 next to the K / V block.
-    for_row_groups(RV, [&](auto rt, int64_t j0) {
-      constexpr int RT = decltype(rt)::value;
-      // The group's keys in this block: over a contiguous cache up to its last row's position. Only tiles with a
-      // key some row does not see (past a row's position, empty, or padding) are masked.
-      const int64_t group_min_pos = w.pos[j0 * kLanes], group_max_pos = w.pos[(j0 + RT) * kLanes - 1];
-      const int64_t n = k_pos ? std::min<int64_t>(p.block_k, s_end - s0)
-                              : std::min<int64_t>({p.block_k, s_end - s0, group_max_pos + 1 - s0});
-      const int64_t n8 = (n + 7) / 8 * 8;
-      if (n <= 0 || (k_pos && block_lo > group_max_pos)) return;  // the whole block is after these rows
-      const bool masked = n8 > n || (k_pos ? block_has_empty || block_hi > group_min_pos : s0 + n - 1 > group_min_pos);
-      // Scores; keys past n in the last tile of 8 re-read key n - 1 and are masked (position kNever).
-      for (int64_t st = 0; st < n8; st += 8) {
-        const float* kr[8];
-        int32_t kp[8];
-        for (int i = 0; i < 8; ++i) {
-          const int64_t slot = s0 + std::min<int64_t>(st + i, n - 1);
-          kr[i] = k_base + slot * kv_stride;
-          const int32_t position = k_pos ? (k_pos[slot] < 0 ? kNever : k_pos[slot]) : static_cast<int32_t>(slot);
-          kp[i] = st + i < n ? position : kNever;
-        }
-        qk_tile<RT>(w.qt + j0 * kLanes, R, kr, E, w.s + st * R + j0 * kLanes, w.bmax + j0 * kLanes, masked, kp,
-                    w.pos + j0 * kLanes);
+  };
+
+  for_each_tile([&](auto rt, int64_t j0, int64_t s0, int64_t n, int64_t n8) {
+    constexpr int RT = decltype(rt)::value;
+    // Online softmax, all vertical over keys.
+    for (int64_t j = j0; j < j0 + RT; ++j) {
+      float* sj = w.s + j * kLanes;
+      const vf m_old = load(w.m + j * kLanes), m_new = vmax(m_old, load(w.bmax + j * kLanes));
+      const vf m_use = m_new == neg_inf ? vf{} : m_new;       // a row with nothing visible yet stays at zero
+      const vf alpha = exp2_neg(m_old - m_use);
+      vf sum{};
+      for (int64_t i = 0; i < n8; ++i) {
+        const vf e = exp2_neg(load(sj + i * R) - m_use);
+        store(sj + i * R, e);
+        sum += e;
       }
-      // Online softmax, all vertical over keys.
-      for (int64_t j = j0; j < j0 + RT; ++j) {
-        float* sj = w.s + j * kLanes;
-        const vf m_old = load(w.m + j * kLanes), m_new = vmax(m_old, load(w.bmax + j * kLanes));
-        const vf m_use = m_new == neg_inf ? vf{} : m_new;     // a row with nothing visible yet stays at zero
-        const vf alpha = exp2_neg(m_old - m_use);
-        vf sum{};
-        for (int64_t i = 0; i < n8; ++i) {
-          const vf e = exp2_neg(load(sj + i * R) - m_use);
-          store(sj + i * R, e);
-          sum += e;
-        }
-        store(w.m + j * kLanes, m_new);
-        store(w.alpha + j * kLanes, alpha);
-        store(w.l + j * kLanes, load(w.l + j * kLanes) * alpha + sum);
-        store(w.bmax + j * kLanes, neg_inf);
-      }
-      // O^T = alpha * O^T + V^T P^T over the n real keys.
-      for (int64_t e0 = 0; e0 < E; e0 += 8)
-        pv_tile<RT>(w.ot + e0 * R + j0 * kLanes, R, w.s + j0 * kLanes, vb + e0, kv_stride, n, w.alpha + j0 * kLanes);
-    });
-  }
+      store(w.m + j * kLanes, m_new);
+      store(w.alpha + j * kLanes, alpha);
+      store(w.l + j * kLanes, load(w.l + j * kLanes) * alpha + sum);
+      store(w.bmax + j * kLanes, neg_inf);
+    }
+    // O^T = alpha * O^T + V^T P^T over the n real keys.
+    for (int64_t e0 = 0; e0 < E; e0 += 8)
+      pv_tile<RT>(w.ot + e0 * R + j0 * kLanes, R, w.s + j0 * kLanes, v_base + s0 * kv_stride + e0, kv_stride, n,
+                  w.alpha + j0 * kLanes);
+  });
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
     float* dst = out_row(r);
     for (int64_t e = 0; e < E; ++e) dst[e] = w.ot[e * R + r] * inv;
   }
+  if (!received) return;
+
+  // Each row's probabilities are now 2^(s - m) / l: a second pass over the keys sums them down the rows, each row
+  // weighted by its query's weight / l (0 for padding rows and rows that see no key, whose m stays -inf).
+  for (int64_t r = 0; r < R; ++r) {
+    const bool real = r < rows && w.l[r] > 0.0f;
+    w.weight[r] = real ? p.weights[b * p.T + t0 + r / G] / w.l[r] : 0.0f;
+    if (!real) w.m[r] = 0.0f;
+  }
+  for_each_tile([&](auto rt, int64_t j0, int64_t s0, int64_t n, int64_t n8) {
+    constexpr int RT = decltype(rt)::value;
+    for (int64_t i = 0; i < n; ++i) {
+      vf acc{};
+#pragma GCC unroll 3
+      for (int64_t j = j0; j < j0 + RT; ++j)
+        acc += exp2_neg(load(w.s + i * R + j * kLanes) - load(w.m + j * kLanes)) * load(w.weight + j * kLanes);
+      received[s0 + i] += hsum(acc);
+    }
+  });
 }
 
 // The items of one call, claimed one at a time by the caller and the pool's threads, costliest first.
@@ -318,7 +367,9 @@ struct Job {
 
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_len, const ffi::Buffer<ffi::S32>* k_positions,
-               ffi::ResultBuffer<ffi::F32> out, float scale, int64_t block_q, int64_t block_k, int64_t num_threads) {
+               const ffi::Buffer<ffi::F32>* weights, ffi::ResultBuffer<ffi::F32> out,
+               ffi::ResultBuffer<ffi::F32>* received, float scale, int64_t block_q, int64_t block_k,
+               int64_t num_threads) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   const auto vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
@@ -331,6 +382,10 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   if (block_q < 1 || block_k < 1) return ffi::Error::InvalidArgument("cpu_attention: bad block sizes");
   if (k_positions && k_positions->element_count() != static_cast<size_t>(B * S))
     return ffi::Error::InvalidArgument("cpu_attention: k_positions must be [B, S]");
+  const int64_t nqb = T > 0 ? (T + std::min(block_q, T) - 1) / std::min(block_q, T) : 0;
+  if (received && (weights->element_count() != static_cast<size_t>(B * T) ||
+                   (*received)->element_count() != static_cast<size_t>(B * Kh * nqb * S)))
+    return ffi::Error::InvalidArgument("cpu_attention: weights must be [B, T] and received [B, Kh, nqb, S]");
   if (B * T * H == 0) return ffi::Error::Success();
 
   auto job = std::make_shared<Job>();
@@ -343,8 +398,13 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   for (auto& x : job->kv_len) x = static_cast<int32_t>(std::clamp<int64_t>(x, 0, S));
   p.kv_len = job->kv_len.data();
   p.k_pos = k_positions ? k_positions->typed_data() : nullptr;
+  if (received) {
+    p.weights = weights->typed_data();
+    p.received = (*received)->typed_data();
+  }
+  p.nqb = nqb;
 
-  job->nqb = (T + p.block_q - 1) / p.block_q;
+  job->nqb = nqb;
   const int64_t n = B * Kh * job->nqb;
   job->items.resize(n);
   std::iota(job->items.begin(), job->items.end(), 0);
@@ -367,17 +427,27 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
                      ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_len,
                      ffi::ResultBuffer<ffi::F32> out, float scale, int64_t block_q, int64_t block_k,
                      int64_t num_threads) {
-  return Run(pool, q, k, v, q_offset, kv_len, nullptr, out, scale, block_q, block_k, num_threads);
+  return Run(pool, q, k, v, q_offset, kv_len, nullptr, nullptr, out, nullptr, scale, block_q, block_k, num_threads);
 }
 
 ffi::Error AttentionAt(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_len,
                        ffi::Buffer<ffi::S32> k_positions, ffi::ResultBuffer<ffi::F32> out, float scale,
                        int64_t block_q, int64_t block_k, int64_t num_threads) {
-  return Run(pool, q, k, v, q_offset, kv_len, &k_positions, out, scale, block_q, block_k, num_threads);
+  return Run(pool, q, k, v, q_offset, kv_len, &k_positions, nullptr, out, nullptr, scale, block_q, block_k,
+             num_threads);
 }
 
-// The operands both entry points share, then (AttentionAt only) the key positions, then the output and attributes.
+ffi::Error AttentionReceivedAt(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_offset, ffi::Buffer<ffi::S32> kv_len,
+                               ffi::Buffer<ffi::S32> k_positions, ffi::Buffer<ffi::F32> weights,
+                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> received, float scale,
+                               int64_t block_q, int64_t block_k, int64_t num_threads) {
+  return Run(pool, q, k, v, q_offset, kv_len, &k_positions, &weights, out, &received, scale, block_q, block_k,
+             num_threads);
+}
+
+// The operands every entry point shares; then each adds its own (key positions, weights) and outputs.
 auto BindInputs() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -389,9 +459,8 @@ auto BindInputs() {
 }
 
 template <typename Binding>
-auto BindOutputs(Binding binding) {
-  return std::move(binding).template Ret<ffi::Buffer<ffi::F32>>()  // out [B, T, H, E]
-      .template Attr<float>("scale")
+auto BindAttributes(Binding binding) {
+  return std::move(binding).template Attr<float>("scale")
       .template Attr<int64_t>("block_q")
       .template Attr<int64_t>("block_k")
       .template Attr<int64_t>("num_threads");  // 0: the XLA intra-op pool's size
@@ -399,7 +468,17 @@ auto BindOutputs(Binding binding) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttention, Attention, BindOutputs(BindInputs()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttention, Attention,
+                              BindAttributes(BindInputs().Ret<ffi::Buffer<ffi::F32>>()));  // out [B, T, H, E]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttentionAt, AttentionAt,
-                              BindOutputs(BindInputs().Arg<ffi::Buffer<ffi::S32>>()));  // + k_positions [B, S]
+                              BindAttributes(BindInputs()
+                                                 .Arg<ffi::Buffer<ffi::S32>>()      // k_positions [B, S]
+                                                 .Ret<ffi::Buffer<ffi::F32>>()));   // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFlashAttentionReceivedAt, AttentionReceivedAt,
+                              BindAttributes(BindInputs()
+                                                 .Arg<ffi::Buffer<ffi::S32>>()      // k_positions [B, S]
+                                                 .Arg<ffi::Buffer<ffi::F32>>()      // weights [B, T]
+                                                 .Ret<ffi::Buffer<ffi::F32>>()      // out
+                                                 .Ret<ffi::Buffer<ffi::F32>>()));   // received [B, Kh, nqb, S]
