@@ -125,6 +125,25 @@ def test_received_attention_matches_float64(threads, block_q, block_k):
 
 
 @needs_compiler
+def test_attend_received_takes_the_kernel_where_it_serves():
+    """auto on CPU: the C++ kernel's sums; the XLA path, bf16 and sliding windows: None (the caller materialises
+    the probabilities, `attention_received`)."""
+    q, k, v, _ = random_attention_inputs(1, 8, 12, 4, 2, 16, seed=7)
+    positions = jnp.asarray(np.r_[np.arange(4), np.arange(4, 12)][None], jnp.int32)
+    spec = attention.MaskSpec(jnp.arange(4, 12, dtype=jnp.int32)[None], jnp.array([12]), positions, own_keys_at=4)
+    weights = jnp.ones((1, 8), jnp.float32)
+    out, received = attention.attend_received(q, k, v, spec, weights, impl="auto")
+    np.testing.assert_allclose(out, attention.attend(q, k, v, spec, impl="xla"), atol=2e-5)
+    assert received.shape == (1, 2, 12)
+    np.testing.assert_allclose(received.sum(-1), [[8 * 2, 8 * 2]], rtol=1e-5)  # each query's probabilities sum to 1
+    windowed = attention.MaskSpec(spec.q_positions, spec.kv_len, positions, window=3)
+    assert attention.attend_received(q, k, v, spec, weights, impl="xla") is None
+    assert attention.attend_received(q, k, v, windowed, weights, impl="auto") is None
+    bf16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    assert attention.attend_received(*bf16, spec, weights, impl="auto") is None
+
+
+@needs_compiler
 def test_kernel_takes_the_scale():
     q, k, v, _ = random_attention_inputs(1, 16, 40, 4, 2, 32, seed=3)
     spec = prefix_spec(1, 16, q_offset=10, kv_len=26, num_keys=40)
