@@ -85,12 +85,20 @@ def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, rec
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "rule, budget, recent, impl", [("h2o", 6, 2, "auto"), ("h2o", 6, 2, "xla"), ("tova", 5, 0, "auto")]
+    "rule, budget, recent, impl",
+    [
+        ("h2o", 6, 2, "auto"),
+        ("h2o", 6, 2, "xla"),
+        ("tova", 5, 0, "auto"),
+        ("tova", 5, 0, "pallas"),
+        ("tova", 5, 0, "mosaic"),
+    ],
 )
 def test_whole_prompt_chunk_in_query_blocks_matches_the_reference(params, prompt, rule, budget, recent, impl):
     """One chunk holding the whole prompt (as the evaluations prefill H2O / TOVA). H2O under "xla" takes its
     probabilities 4 queries at a time (`attention_received`; the prompt is not a multiple of 4, so the last block
-    is padded), under "auto" from the C++ CPU kernel's sums where it builds; TOVA's chunk runs through the kernels."""
+    is padded), under "auto" from the C++ CPU kernel's sums where it builds; TOVA's chunk runs through the kernels
+    (the GPU's and TPU's in interpret mode too), each KV head a batch row."""
     options = dict(kv_budget=budget) | (dict(recent=recent) if rule == "h2o" else {})
     method = dataclasses.replace(make_method(rule, CONFIG, context=64, **options), query_rows=4)
     sequence, logits, chunks, _ = run_method(
