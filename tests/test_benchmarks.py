@@ -30,6 +30,7 @@ SCRIPTS = (
     "serving_soak",
     "prefill_profile",
     "cpu_attention",
+    "eviction_prefill",
 )
 
 common = importlib.import_module("common")
