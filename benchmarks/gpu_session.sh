@@ -19,6 +19,9 @@
 #   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of at most 9 minutes: the
 #                                                # one-launch prefill kernel's and cuDNN's tests, 8k / 32k with a
 #                                                # per-op profile, 32k with duo's split through cuDNN, 128k
+#   bash benchmarks/gpu_session.sh graphs OUT    # issue 33: the prefill / cuDNN GPU tests, then decode at 8k-128k
+#                                                # (32 steps) as run by default and with the decode loop as one
+#                                                # CUDA graph (XLA's WHILE command buffers), about 8 minutes
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
@@ -36,8 +39,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|decode|prefill|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|decode|prefill|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|decode|prefill|graphs|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|decode|prefill|graphs|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -144,6 +147,22 @@ prefill)
     archive=$(mktemp -d)/prefill.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
+graphs)
+    # XLA runs a lax.while_loop's body from the host: each token it copies the predicate back, then launches the
+    # body's kernels and command buffers (CUDA graphs of the capturable runs of ops). With WHILE and CONDITIONAL
+    # among the command buffer types, the whole loop can become one graph with a conditional node: no host round
+    # trip per token. The same decode run twice on one machine, by default and so, 32 steps (no profile: profiling
+    # turns command buffers off).
+    part "${TESTS_S:-120}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py \
+        -k "duo_prefill or cudnn or (engine_on_the_kernels and duo)" 2>&1 | tee "$out/gpu_tests.log" || true
+    part "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
+        --decode-steps 32 --out "$out/default" 2>&1 | tee "$out/decode_default.log" || true
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+        part "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
+        --decode-steps 32 --out "$out/while_graph" 2>&1 | tee "$out/decode_while_graph.log" || true
+    archive=$(mktemp -d)/graphs.tgz
+    tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
+    ;;
 serving)
     # Issue 33's target 2, second half: each mode at the largest batch that fits at 32k, tokens/s side by side
     part "${SERVING_S:-240}" $PY benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16 \
@@ -163,7 +182,7 @@ train8b)
         | tee "$out/train_step.log" || true
     ;;
 *)
-    echo "unknown stage $stage (check, decode, prefill, chunks, serving, llama8b, quantized, gates, methods, train8b or sweep)" >&2
+    echo "unknown stage $stage (check, decode, prefill, graphs, chunks, serving, llama8b, quantized, gates, methods, train8b or sweep)" >&2
     exit 2
     ;;
 esac

@@ -43,8 +43,9 @@ DECODE_PROGRAMS = 128  # ... or more, for a grid (batch x KV heads x splits) of 
 # flash kernel from 32k on an H100, level with it at 8k (BENCHMARKS.md, "Prefill on one H100: cuDNN for long chunks")
 CUDNN_MIN_KEYS = 16384
 # ... and a mixed DuoAttention layer's chunk from this many, the retrieval heads through cuDNN and the streaming heads
-# through the flash kernel: slower than the one-launch kernel at 8k, faster at 128k, not yet timed at 32k (ibid.)
-CUDNN_MIN_KEYS_MIXED = 65536
+# through the flash kernel: slower than the one-launch kernel at 8k, faster at 32k and 128k (ibid., and "Prefill
+# and serving on one H200")
+CUDNN_MIN_KEYS_MIXED = 32768
 
 
 def decode_splits(batch: int, num_kv_heads: int) -> int:
