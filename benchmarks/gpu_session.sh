@@ -22,7 +22,8 @@
 #   bash benchmarks/gpu_session.sh graphs OUT    # issue 33: the prefill / cuDNN GPU tests, then decode at 8k-128k
 #                                                # (32 steps) as run by default and with the decode loop as one
 #                                                # CUDA graph (XLA's WHILE command buffers), about 8 minutes
-#   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes)
+#   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes;
+#                                                # CHUNKS=8192 for one size)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
@@ -171,7 +172,7 @@ serving)
 chunks)
     # Prefill in chunks of 4k and 8k (the default chunk is 2k) at 32k and 128k, full vs duo: fewer passes over the
     # weights, and longer chunks for cuDNN, against the 128k targets
-    for chunk in 8192 4096; do
+    for chunk in ${CHUNKS:-8192 4096}; do
         part "${CHUNK_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 32768 131072 --max-prefill 131072 \
             --decode-steps 4 --prefill-repeats 1 --chunk-size $chunk --out "$out/chunk$chunk" 2>&1 \
             | tee "$out/gpu_llama8b_prefill_chunk$chunk.log" || true
