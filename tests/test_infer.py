@@ -1,5 +1,6 @@
 """infer.py: the CLI's output and its one-line errors (exit status 2, no traceback)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,9 +117,17 @@ def test_instruct_model_answers_through_its_chat_template(prompt):
         (["--prompt", "hi", "--method", "headkv", "--kv-budget", "64", "--scores", "/nonexistent"], "nonexistent"),
     ],
 )
-def test_errors_are_one_line_with_status_2(args, message):
-    result = run_cli(*args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert __import__("re").search(message, lines[0]), lines[0]
+def test_errors_are_one_line_with_status_2(args, message, capsys):
+    """In this process (`infer.main`, what the script runs): an uncaught exception fails the test, as a traceback
+    would fail the user."""
+    assert infer.main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert re.search(message, lines[0]), lines[0]
+
+
+@pytest.mark.slow
+def test_the_script_exits_with_status_2_and_one_line():
+    result = run_cli("--prompt", "hi", "--sparsity", "1.5")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
