@@ -12,7 +12,8 @@ Per context C and mode:
   --prefill-repeats runs, and the time the driver took to return (host work the GPU did not hide) (contexts up
   to --max-prefill only: beyond, a prefill takes longer than a device session allows);
 - decode, two ways, at lengths just under C: "decode ms" is --decode-steps tokens generated on the device in
-  one `Engine.decode_loop` (a `lax.while_loop` with sampling inside: what `generate` runs), time / steps;
+  one `Engine.decode_loop` (a `lax.while_loop` with sampling inside: what `generate` runs), time / steps (the JSON
+  keeps the first sequence's tokens, so runs under different XLA flags can be checked for the same output);
   "host step ms" is the median of single `Engine.step` calls, each one dispatched from Python and waited for
   (what a caller that needs every step on the host pays; the token stays on the device). The cache is filled by the
   prefill when
@@ -339,16 +340,18 @@ def run_mode(
             method, cache, lengths, token, jax.random.key(0), max_new_tokens=steps + 1, sampling=Sampling(), impl=impl
         )
         tokens.block_until_ready()
-        return int(done)
+        return int(done), tokens
 
     device_loop()  # compile
     start = time.perf_counter()
-    done = device_loop()
+    done, tokens = device_loop()
     out["decode_ms"] = 1e3 * (time.perf_counter() - start) / done
+    # the first sequence's tokens of the timed loop: two runs of one mode under different XLA flags must agree
+    out["tokens"] = np.asarray(tokens[0, :done]).tolist()
     if profile_dir is not None:
         try:
             with jax.profiler.trace(profile_dir):
-                done = device_loop()
+                done, _ = device_loop()
             out["profile"] = gpu_op_times(profile_dir, done)
         except Exception as e:  # noqa: BLE001 - a profile is a diagnostic: record why it failed, keep the timings
             out["profile"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}

@@ -161,6 +161,15 @@ graphs)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
         part "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
         --decode-steps 32 --out "$out/while_graph" 2>&1 | tee "$out/decode_while_graph.log" || true
+    # the same tokens either way, or the graph runs something else
+    $PY - "$out" <<'EOF' 2>&1 | tee "$out/tokens_compared.txt" || true
+import json, sys
+runs = {n: json.load(open(f"{sys.argv[1]}/{n}/gpu_llama8b.json"))["results"] for n in ("default", "while_graph")}
+for context, modes in runs["default"].items():
+    for mode in ("full", "duo"):
+        a, b = modes[mode].get("tokens"), runs["while_graph"].get(context, {}).get(mode, {}).get("tokens")
+        print(context, mode, "same tokens" if a == b and a else f"DIFFERENT: {a} vs {b}")
+EOF
     archive=$(mktemp -d)/graphs.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;

@@ -217,6 +217,8 @@ def test_gpu_run_mode_times_the_device_loop_and_the_host_steps(tmp_path):
     assert out["profile"] == {"error": "the trace has no GPU plane"}
     assert out["prefill_profile"] == {"error": "the trace has no GPU plane"}
     assert np.isfinite(out["decode_ms"])
+    # the timed loop's tokens (what the `graphs` stage compares across XLA flags): one per step, in the vocabulary
+    assert len(out["tokens"]) == 4 and all(0 <= t < config.vocab_size for t in out["tokens"])
 
 
 def test_gpu_op_times_reads_busy_time_span_and_launches(tmp_path, monkeypatch):
