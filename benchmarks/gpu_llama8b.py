@@ -444,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also trace one device loop per context and mode (into a temporary folder): GPU ms per "
         "step by XLA op, in the JSON; and one prefill where prefill is timed (GPU ms by op over the prefill)",
     )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="only the model's first N layers, duo on the published pattern's first N (one layer: its prefill "
+        "attention by chunk size and implementation, in seconds rather than minutes)",
+    )
     args = p.parse_args(argv)
 
     import jax
@@ -455,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
 
     config = duo_jax.get_config(MODEL)
     pattern = Pattern.for_model(MODEL)
+    layers = config.num_layers
+    if args.num_layers is not None:
+        if not 1 <= args.num_layers <= config.num_layers:
+            p.error(f"--num-layers must be between 1 and {config.num_layers}, got {args.num_layers}")
+        config = dataclasses.replace(config, num_layers=args.num_layers)
+        pattern = Pattern(pattern.gates[: args.num_layers], pattern.meta)
     share = num_retrieval_heads(config, args.sparsity) / (config.num_layers * config.num_kv_heads)
     window = args.sink + args.recent
     contexts = sorted(set(args.contexts))
@@ -476,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
 
     weight_bytes = tree_bytes(jax.eval_shape(lambda: model_params(config, args.weights)))
     formats = f"weights {args.weights or 'bf16'}, KV {args.kv_dtype or 'bf16'}"
+    if args.num_layers is not None:
+        formats += f", first {args.num_layers} of {layers} layers"
     rooflines = functools.partial(
         roofline,
         config,

@@ -22,6 +22,9 @@
 #   bash benchmarks/gpu_session.sh graphs OUT    # issue 33: the prefill / cuDNN GPU tests, then decode at 8k-128k
 #                                                # (32 steps) as run by default and with the decode loop as one
 #                                                # CUDA graph (XLA's WHILE command buffers), about 8 minutes
+#   bash benchmarks/gpu_session.sh layer OUT     # issue 33: Llama-3-8B's first layer alone (--num-layers 1): its
+#                                                # prefill under auto and cudnn at 16k-128k (the mixed layers'
+#                                                # cuDNN threshold), chunks of 2k / 4k / 8k at 128k; ~3 minutes
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes;
 #                                                # CHUNKS=8192 for one size)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
@@ -40,8 +43,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|decode|prefill|graphs|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|decode|prefill|graphs|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -173,6 +176,19 @@ EOF
     archive=$(mktemp -d)/graphs.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
+layer)
+    # One layer of the model: a prefill's attention dominates it at long contexts, and a run takes seconds. auto vs
+    # cudnn at 16k says where a mixed layer's split through cuDNN starts to pay (CUDNN_MIN_KEYS_MIXED); the chunk
+    # sizes at 128k say whether longer chunks raise cuDNN's throughput (the 128k targets).
+    one() { local name=$1; shift; part "${LAYER_S:-75}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --decode-steps 4 \
+        --max-prefill 131072 --out "$out/$name" "$@" 2>&1 | tee "$out/$name.log" || true; }
+    one auto_2k --contexts 16384 32768 131072 --chunk-size 2048
+    one cudnn_2k --contexts 16384 32768 131072 --chunk-size 2048 --impl cudnn
+    one cudnn_8k --contexts 32768 131072 --chunk-size 8192 --impl cudnn
+    one cudnn_4k --contexts 131072 --chunk-size 4096 --impl cudnn
+    archive=$(mktemp -d)/layer.tgz
+    tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
+    ;;
 serving)
     # Issue 33's target 2, second half: each mode at the largest batch that fits at 32k, tokens/s side by side
     part "${SERVING_S:-240}" $PY benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16 \
@@ -192,7 +208,7 @@ train8b)
         | tee "$out/train_step.log" || true
     ;;
 *)
-    echo "unknown stage $stage (check, decode, prefill, graphs, chunks, serving, llama8b, quantized, gates, methods, train8b or sweep)" >&2
+    echo "unknown stage $stage (check, decode, prefill, graphs, layer, chunks, serving, llama8b, quantized, gates, methods, train8b or sweep)" >&2
     exit 2
     ;;
 esac

@@ -322,6 +322,22 @@ def test_gpu_dry_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_gpu_dry_run_of_one_layer(tmp_path, capsys):
+    """--num-layers 1: the first layer of Llama-3-8B, duo with 4 of its 8 KV heads keeping the full cache (the
+    published pattern's first layer at sparsity 0.5); out of range, a one-line error."""
+    gpu = importlib.import_module("gpu_llama8b")
+    assert gpu.main(["--dry-run", "--num-layers", "1", "--contexts", "16384", "--out", str(tmp_path)]) == 0
+    assert "first 1 of 32 layers" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "gpu_llama8b_plan.json").read_text())["plan"]["16384"]
+    full_bytes = 2 * 16384 * 8 * 128 * 2  # k and v, one layer, bf16
+    assert plan["cache_bytes"]["full"] == full_bytes
+    assert plan["cache_bytes"]["duo"] == full_bytes // 2 + 2 * (64 + 256) * 4 * 128 * 2  # + 4 rings
+    with pytest.raises(SystemExit):
+        gpu.main(["--dry-run", "--num-layers", "33"])
+    assert "--num-layers must be between 1 and 32" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_gpu_dry_run_quantized(tmp_path, capsys):
     """int4 KV + int8 weights: the cache is its codes + bf16 scales (66 B per head vector, so 33 KiB per token
     of Llama-3-8B), the roofline reads those bytes, and duo 75% reaches 4M tokens on 80 GiB where full does not."""
