@@ -50,16 +50,27 @@ def test_generates_and_prints_stats(tmp_path):
     assert "KV cache" in result.stderr and "tok/s" in result.stderr
 
 
+def run_main(capsys, *args):
+    """`infer.main` in this process (what the script runs; `test_generates_and_prints_stats` runs the script
+    itself): (exit status, stdout, stderr)."""
+    status = infer.main(list(args))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
 @pytest.mark.slow
-def test_a_top_k_above_the_vocabulary_keeps_every_token():
+def test_a_top_k_above_the_vocabulary_keeps_every_token(capsys):
     """--top-k beyond the vocabulary is no limit (not a traceback from lax.top_k)."""
-    result = run_cli("--prompt", "Hi", "--max-new-tokens", "2", "--temperature", "1", "--top-k", "50000", "--no-chat")
-    assert result.returncode == 0, result.stderr
+    status, _, err = run_main(
+        capsys, "--prompt", "Hi", "--max-new-tokens", "2", "--temperature", "1", "--top-k", "50000", "--no-chat"
+    )
+    assert status == 0, err
 
 
 @pytest.mark.slow
-def test_other_methods_from_the_command_line():
-    result = run_cli(
+def test_other_methods_from_the_command_line(capsys):
+    status, out, err = run_main(
+        capsys,
         "--prompt",
         "The capital of France is",
         "--max-new-tokens",
@@ -72,8 +83,8 @@ def test_other_methods_from_the_command_line():
         "default",
         "--no-chat",
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("The capital of France is") and "headkv |" in result.stderr
+    assert status == 0, err
+    assert out.startswith("The capital of France is") and "headkv |" in err
 
 
 # Greedy replies of the embedded SmolLM2-135M-Instruct through its chat template, recorded (the first is also
@@ -87,11 +98,11 @@ CHAT_REPLIES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt", list(CHAT_REPLIES))
-def test_instruct_model_answers_through_its_chat_template(prompt):
-    result = run_cli("--prompt", prompt, "--max-new-tokens", "12")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[0] == CHAT_REPLIES[prompt]
-    assert "| chat |" in result.stderr
+def test_instruct_model_answers_through_its_chat_template(prompt, capsys):
+    status, out, err = run_main(capsys, "--prompt", prompt, "--max-new-tokens", "12")
+    assert status == 0, err
+    assert out.split("\n")[0] == CHAT_REPLIES[prompt]
+    assert "| chat |" in err
 
 
 @pytest.mark.slow
@@ -118,10 +129,10 @@ def test_instruct_model_answers_through_its_chat_template(prompt):
     ],
 )
 def test_errors_are_one_line_with_status_2(args, message, capsys):
-    """In this process (`infer.main`, what the script runs): an uncaught exception fails the test, as a traceback
-    would fail the user."""
-    assert infer.main(args) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    """In this process: an uncaught exception fails the test, as a traceback would fail the user."""
+    status, _, err = run_main(capsys, *args)
+    assert status == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert re.search(message, lines[0]), lines[0]
 
