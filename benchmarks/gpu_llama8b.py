@@ -46,6 +46,7 @@ chunk and one decode step of both modes with `jax.eval_shape`, and prints the pl
     python benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 524288 --out results/benchmarks/gpu_llama8b
     python benchmarks/gpu_llama8b.py --kv-dtype int4 --weights int8 --sparsity 0.75 --contexts 131072 1048576 4194304
     python benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16
+    python benchmarks/gpu_llama8b.py --num-layers 1 --contexts 16384 131072 --impl cudnn   # one layer: seconds
 """
 
 from __future__ import annotations
