@@ -24,7 +24,7 @@
 #                                                # CUDA graph (XLA's WHILE command buffers), about 8 minutes
 #   bash benchmarks/gpu_session.sh layer OUT     # issue 33: Llama-3-8B's first layer alone (--num-layers 1): its
 #                                                # prefill under auto and cudnn at 16k-128k (the mixed layers'
-#                                                # cuDNN threshold), chunks of 2k / 4k / 8k at 128k; ~3 minutes
+#                                                # cuDNN threshold), chunks of 2k / 4k / 8k at 128k; 3-5 minutes
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes;
 #                                                # CHUNKS=8192 for one size)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
@@ -180,7 +180,7 @@ layer)
     # One layer of the model: a prefill's attention dominates it at long contexts, and a run takes seconds. auto vs
     # cudnn at 16k says where a mixed layer's split through cuDNN starts to pay (CUDNN_MIN_KEYS_MIXED); the chunk
     # sizes at 128k say whether longer chunks raise cuDNN's throughput (the 128k targets).
-    one() { local name=$1; shift; part "${LAYER_S:-75}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --decode-steps 4 \
+    one() { local name=$1; shift; part "${LAYER_S:-100}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --decode-steps 4 \
         --max-prefill 131072 --out "$out/$name" "$@" 2>&1 | tee "$out/$name.log" || true; }
     one auto_2k --contexts 16384 32768 131072 --chunk-size 2048
     one cudnn_2k --contexts 16384 32768 131072 --chunk-size 2048 --impl cudnn
