@@ -465,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     pattern = Pattern.for_model(MODEL)
     layers = config.num_layers
     if args.num_layers is not None:
-        if not 1 <= args.num_layers <= config.num_layers:
-            p.error(f"--num-layers must be between 1 and {config.num_layers}, got {args.num_layers}")
+        if not 1 <= args.num_layers <= layers:
+            p.error(f"--num-layers must be between 1 and {layers}, got {args.num_layers}")
         config = dataclasses.replace(config, num_layers=args.num_layers)
         pattern = Pattern(pattern.gates[: args.num_layers], pattern.meta)
     share = num_retrieval_heads(config, args.sparsity) / (config.num_layers * config.num_kv_heads)

@@ -39,12 +39,10 @@ IMPLS = ("auto", "pallas", "cudnn", "mosaic", "cpu", "xla", "reference")
 DECODE_BLOCK = 128  # split-K decode's key block (the cache capacity is a multiple of it)
 MIN_SPLITS = 16  # split-K decode's chunks of the cache (the last may be ragged: any capacity gets ~16) ...
 DECODE_PROGRAMS = 128  # ... or more, for a grid (batch x KV heads x splits) of about one program per SM
-# "auto" on a GPU runs a prefill chunk over a cache of at least this many keys through cuDNN: faster than the Triton
-# flash kernel from 32k on an H100, level with it at 8k (BENCHMARKS.md, "Prefill on one H100: cuDNN for long chunks")
+# "auto" on a GPU runs a prefill chunk over a cache of at least this many keys through cuDNN, and a mixed DuoAttention
+# layer's chunk from CUDNN_MIN_KEYS_MIXED keys, its retrieval heads through cuDNN and its streaming heads through the
+# flash kernel: each the faster path where both were measured (docs/attention.md, "cuDNN for dense prefill chunks")
 CUDNN_MIN_KEYS = 16384
-# ... and a mixed DuoAttention layer's chunk from this many, the retrieval heads through cuDNN and the streaming heads
-# through the flash kernel: slower than the one-launch kernel at 8k, faster at 32k and 128k (ibid., and "Prefill
-# and serving on one H200")
 CUDNN_MIN_KEYS_MIXED = 32768
 
 
