@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from duo_jax import sharding
+from duo_jax.cache import CAPACITY_BLOCK
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step
@@ -49,7 +50,7 @@ def bucket(n: int, smallest: int = 16) -> int:
     return max(smallest, 1 << (max(n, 1) - 1).bit_length())
 
 
-def capacity_bucket(tokens: int, block: int = 128) -> int:
+def capacity_bucket(tokens: int, block: int = CAPACITY_BLOCK) -> int:
     """The default cache capacity for `tokens`: the smallest of block * {1, 2, 3, 4, 6, 8, 12, 16, 24, ...}
     (powers of two and 1.5x powers of two) that holds them, so varied requests share a few cache shapes while
     reserving at most 50% more than they need (pass `context=` to reserve exactly what you ask for)."""
@@ -81,9 +82,9 @@ def extend(
     `method.init_cache`; `state` is the method's arrays (`method.state()`, e.g. InfiniGen's skew matrices;
     None for most methods).
     Returns (logits, cache, lengths): logits float32 [B, V] at each sequence's last real token ([B, T, V] for
-    every token when all_logits), the updated cache, and lengths + n_valid. `impl` picks the attention
-    kernels (`duo_jax.attention`: Pallas on GPU, the blocked XLA path elsewhere). `mesh`: a generation mesh
-    (`duo_jax.sharding`) that params and cache are laid out on (`Engine` places them), or None.
+    every token when all_logits), the updated cache, and lengths + n_valid. `impl`: one of
+    `duo_jax.attention.IMPLS`, "auto" resolved per backend (`resolve_impl`; docs/attention.md). `mesh`: a
+    generation mesh (`duo_jax.sharding`) that params and cache are laid out on (`Engine` places them), or None.
     """
     B, T = tokens.shape
     if not isinstance(params.layers, tuple):
@@ -189,7 +190,8 @@ def decode(
 
     `token` int32 [B] is each sequence's first new token (sampled from the prefill's logits); the loop runs
     up to `limit` (int32 scalar, at most max_tokens - 1) more steps and stops early once every sequence has
-    produced one of `eos_ids` (() never stops early). Step i samples with `fold_in(key, i)`. A pure function
+    produced one of `eos_ids` (() never stops early). The token of output column i >= 1 is sampled with
+    `fold_in(key, i)`; `generate` samples `token` (column 0) with `fold_in(key, 0)`. A pure function
     of its arguments (`state`: the method's arrays, `method.state()`): put it under your own `jax.jit` as it is.
 
     Returns (tokens int32 [B, max_tokens]: column 0 is `token`, columns 1..steps the new ones, zeros after;
@@ -416,7 +418,7 @@ def _keep_last(ends_here: jax.Array, logits: jax.Array, last: jax.Array | None) 
     return jnp.where(ends_here[:, None], logits, jnp.zeros_like(logits) if last is None else last)
 
 
-MAPS_IN_USE_LIMIT = 0.75  # of Linux's vm.max_map_count: past it, a new compile first drops the cached executables
+MAPS_IN_USE_FRACTION = 0.75  # of Linux's vm.max_map_count: past it, a new compile first drops the cached executables
 
 
 def _make_room_for_an_executable() -> None:
@@ -430,7 +432,7 @@ def _make_room_for_an_executable() -> None:
             in_use = sum(1 for _ in maps)
     except (OSError, ValueError):  # not Linux: no such limit to watch
         return
-    if in_use > MAPS_IN_USE_LIMIT * limit:
+    if in_use > MAPS_IN_USE_FRACTION * limit:
         warnings.warn(
             f"{in_use} memory mappings of the {limit} the kernel allows (vm.max_map_count): dropping the compiled "
             "executables before compiling another (they are recompiled when needed). A long run over many "
@@ -442,7 +444,8 @@ def _make_room_for_an_executable() -> None:
 
 
 def clear_compiled() -> None:
-    """Drop every executable the engine compiled (`compiled_extend`, `compiled_extend_row`, `compiled_decode`) and
+    """Drop every executable the engine compiled (`compiled_extend`, `compiled_extend_row`, `compiled_decode`, and
+    `_empty_cache`'s programs that build empty caches) and
     JAX's trace caches, so the next call traces and compiles afresh (after patching a function the steps call)
     and the executables' memory is released (each XLA:CPU executable maps its code into the process)."""
     for compiled in (_compiled_extend, _compiled_extend_row, _compiled_decode, _empty_cache):
@@ -465,7 +468,8 @@ class Engine:
     The steps take per-layer weights (`duo_jax.model.LAYOUTS`; slicing a stacked weight inside the compiled
     step copies it on every call on CPU: docs/engine.md, "Weight layouts"). Weights loaded per layer (the
     default of `duo_jax.load`) are used as they are: `params` holds the model's own arrays, there is one copy
-    of the weights and nothing to prepare. Stacked weights (`load(..., layout="stacked")`, the Flax front,
+    of the weights and nothing to prepare (except on a GPU, where q/k/v are fused into one weight: a copy, kept
+    like the stacked one below). Stacked weights (`load(..., layout="stacked")`, the Flax front,
     gate training) are sliced into a per-layer copy once per set of weights (kept while they live and reused by
     every call and method; `copied` says so): a model used both for scanned work and for generation holds
     its weights twice. On a generation `mesh` (`duo_jax.sharding`: batch over `data`, tensor parallelism over
@@ -478,7 +482,8 @@ class Engine:
     """
 
     def __init__(self, params: Params, config: ModelConfig, mesh: Mesh | None = None, *, fuse_qkv: bool | None = None):
-        """`params` in either layout: per-layer weights are used as they are (off a mesh), stacked ones sliced.
+        """`params` in either layout: per-layer weights are used as they are (off a mesh, q/k/v not fused),
+        stacked ones sliced.
         `fuse_qkv`: hold q/k/v as one weight (None: on a GPU, off a mesh)."""
         mesh = None if mesh is None else sharding.auto_axes(mesh)  # jax.make_mesh's Explicit axes run as Auto
         self.config, self.mesh = config, mesh
@@ -531,10 +536,10 @@ class Engine:
     @classmethod
     def of(cls, model, mesh: Mesh | None = None) -> Engine:
         """The engine of `model`'s weights (on `mesh`). One over the model's own arrays (per-layer weights, no
-        mesh) costs nothing to build and is built per call; one holding a copy (stacked weights, or placed on a
-        mesh) is built on the weights' first use, then kept while they live (`duo_jax.model.weights_memo`). A
-        caller that wants to own the engine builds `Engine(model.params, model.config, mesh)` and passes it
-        (`generate(engine=)`)."""
+        mesh, q/k/v not fused) costs nothing to build and is built per call; one holding a copy (stacked weights,
+        fused q/k/v as on a GPU, or placed on a mesh) is built on the weights' first use, then kept while they live
+        (`duo_jax.model.weights_memo`). A caller that wants to own the engine builds `Engine(model.params,
+        model.config, mesh)` and passes it (`generate(engine=)`)."""
         memo = weights_memo(model.params)
         engine = memo.get(("engine", mesh))
         if engine is None or not engine.prepared_from(model.params, model.config):

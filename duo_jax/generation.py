@@ -138,7 +138,7 @@ class GenerationPlan:
 
     ids: list[list[int]]  # the prompts' token ids (chat template applied)
     method: Method  # the KV-cache method, built for `capacity`
-    capacity: int  # tokens per sequence the retrieval cache holds
+    capacity: int  # the context the method is built for (its caches round it up to CAPACITY_BLOCK)
     chunk: int  # prompt tokens per prefill step
     tail_steps: int  # the prompts' last tokens run as decode steps (`prompt_tail_steps`)
     max_new_tokens: int
@@ -206,8 +206,8 @@ def plan_generation(
                 "a quantized KV cache on a device mesh is not supported yet: use kv_dtype=None with mesh=, or no mesh"
             )
         method_options["kv_dtype"] = kv_dtype
-    # Default capacity: a bucket (`capacity_bucket`) so that varied requests share compiled shapes, never
-    # beyond the model's context.
+    # Default capacity: a bucket (`capacity_bucket`) so that varied requests share compiled shapes; the bucket is
+    # capped at the model's context, the capacity never below what the request needs.
     capacity = context or max(needed, min(capacity_bucket(needed), config.max_position_embeddings))
     if mesh is not None:  # every `model` device holds a whole number of the retrieval slots
         multiple = math.lcm(CAPACITY_BLOCK, mesh.shape[sharding.MODEL])
@@ -404,8 +404,9 @@ def generate(
     token and head, `duo_jax.quant`; the methods of `duo_jax.methods.QUANTIZED_KV_METHODS`).
     mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
     number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
-    split over `model` (docs/training.md, "The generation mesh"); methods "full" and "duo" only. Retrieval attention
-    then takes the XLA path (its partials are merged across devices), whatever `impl`. A mesh from
+    split over `model` (docs/training.md, "The generation mesh"); methods "full" and "duo" only. Each device's
+    retrieval attention returns its log-sum-exp for the merge across devices: decode steps on a GPU run the Pallas
+    split-K kernel, prefill chunks and every step on a TPU the blocked XLA path. A mesh from
     `jax.make_mesh` works as well, its axes Explicit or Auto (run as Auto: `sharding.auto_axes`).
     prompt_tail_steps: the last N tokens of every prompt go through decode steps one at a time (the method
     compresses after the prefill of the rest and at every step, as while generating) instead of the prefill:

@@ -376,7 +376,7 @@ def test_prefill_transfers_host_values_explicitly(params):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's memory-mapping limit")
 def test_a_compile_near_the_mapping_limit_drops_the_cached_executables(params, monkeypatch):
-    """Past MAPS_IN_USE_LIMIT of vm.max_map_count a new compile first drops the cached executables, with a
+    """Past MAPS_IN_USE_FRACTION of vm.max_map_count a new compile first drops the cached executables, with a
     warning (XLA:CPU maps each executable's code; past the limit a compile aborts the process)."""
     from duo_jax import engine as engine_lib
     from duo_jax.methods import make_method
@@ -385,7 +385,7 @@ def test_a_compile_near_the_mapping_limit_drops_the_cached_executables(params, m
     tokens = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (1, 20)).astype(np.int32)
     want, _, _ = engine.prefill(method, tokens, np.asarray([20]), chunk=8)
     assert engine_lib._compiled_extend.cache_info().currsize >= 1
-    monkeypatch.setattr(engine_lib, "MAPS_IN_USE_LIMIT", 0.0)
+    monkeypatch.setattr(engine_lib, "MAPS_IN_USE_FRACTION", 0.0)
     with pytest.warns(RuntimeWarning, match="vm.max_map_count"):
         got, _, _ = engine.prefill(method, tokens, np.asarray([20]), chunk=16)  # a new shape: a compile
     assert engine_lib._compiled_extend.cache_info().currsize == 1  # the executables before it were dropped

@@ -420,10 +420,11 @@ def test_cli_errors_exit_2(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["niah", "--kv-budget", "1.5"], "--kv-budget is a fraction"),
+        (["niah", "--kv-budget", "1.5"], "--kv-budget: a KV budget is a fraction"),
         (["niah", "--modes", "full", "h2o2"], "invalid choice"),
         (["perplexity", "--length", "512", "--prefix", "512"], "--prefix must lie"),
         (["niah", "--kv-dtype", "int2"], "invalid choice"),
+        (["longbench", "--data", "missing", "--max-length", "1"], "--max-length: max_length (--max-length) must be"),
     ],
 )
 def test_cli_rejects_bad_options(argv, message, capsys):

@@ -267,7 +267,7 @@ def test_cli_longbench(tmp_path, capsys, monkeypatch):
     assert eval_main(["longbench", "--data", str(tmp_path / "missing"), "--model", str(tmp_path / "none")]) == 2
     with pytest.raises(SystemExit):
         eval_main(["longbench", "--data", str(tmp_path), "--kv-budget", "0.5", "1.5"])
-    assert "--kv-budget is a fraction" in capsys.readouterr().err
+    assert "--kv-budget: a KV budget is a fraction" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -279,7 +279,7 @@ def test_cli_rejects_bad_options(capsys):
 
     for argv, message in [
         (["ruler", "--decode-last", "-1"], "--decode-last"),
-        (["ruler", "--kv-budget", "0.25", "0"], "--kv-budget is a fraction"),
+        (["ruler", "--kv-budget", "0.25", "0"], "--kv-budget: a KV budget is a fraction"),
     ]:
         with pytest.raises(SystemExit):
             eval_main(argv)

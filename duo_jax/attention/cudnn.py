@@ -134,7 +134,7 @@ def _cudnn(q, k, v, kv_len, causal: bool, *, scale: float):
 
 
 def xla_part(q, k, v, kv_len, causal: bool, *, scale: float):
-    """`_cudnn`'s contract on the XLA path (tests, and the probe's reference)."""
+    """`_cudnn`'s contract on the XLA path: the tests' stand-in for cuDNN (`attention(attend=xla_part)`)."""
     B, T = q.shape[:2]
     spec = prefix_spec(B, T, kv_len=kv_len, num_keys=k.shape[1], causal=causal)
     return xla.attention_with_lse(q, k, v, spec, scale=scale)

@@ -133,7 +133,7 @@ def _without_cudnn(impl: str) -> str:
     return "pallas" if _backend.exporting() or _backend.triton_unavailable() is None else "xla"
 
 
-def _cudnn_for_a_long_chunk(impl: str, q: jax.Array, k, v, *, min_keys: int | None = None) -> bool:
+def _cudnn_for_a_long_cache(impl: str, q: jax.Array, k, v, *, min_keys: int | None = None) -> bool:
     """Whether "auto", resolved to the Triton kernels, takes cuDNN instead: a prefill chunk over a cache of at least
     `min_keys` (CUDNN_MIN_KEYS) keys (longer than the chunk: a sequence attending itself, as in gate training, keeps
     the flash kernel and its backward), values cuDNN takes, and cuDNN's probe passed."""
@@ -153,7 +153,7 @@ def attend(
     """q [B, T, H, E], k / v [B, S, K, E] (H a multiple of K) -> [B, T, H, E] under `spec`."""
     pallas_kernels.check_qkv(q, k, v)
     requested, impl = impl, resolve_impl(impl)
-    if requested == "auto" and spec.k_positions is None and _cudnn_for_a_long_chunk(impl, q, k, v):
+    if requested == "auto" and spec.k_positions is None and _cudnn_for_a_long_cache(impl, q, k, v):
         impl = "cudnn"
     if impl == "cudnn":  # dense prefill chunks; decode steps and rings only without Triton (its kernels serve them)
         rest = _without_cudnn(impl)
@@ -233,7 +233,8 @@ def attend_partial(
 ) -> tuple[jax.Array, jax.Array]:
     """`attend` over one shard of the keys: (out [B, T, H, E], log-sum-exp float32 [B, T, H]), to be merged
     with the other shards' (`duo_jax.sharding.merge_partials`). A decode step (one query per sequence) over a
-    contiguous cache runs the Pallas split-K kernel where `impl` resolves to "pallas" (it returns its
+    contiguous cache runs the Pallas split-K kernel where `impl` resolves to "pallas", or to "cudnn" where Triton
+    works (it returns its
     log-sum-exp); everything else takes the blocked XLA path (the flash, Λ and TPU kernels do not return
     theirs yet)."""
     pallas_kernels.check_qkv(q, k, v)
@@ -288,9 +289,10 @@ def duo_decode(
     KV heads in the caches' order (the layer's `CacheLayout.kv_order`): the kernel routes each head to its cache, so
     nothing is gathered around it. The caches are updated in place (outputs aliased to them). Returns (output [B, 1,
     H, E] in the model's head order, ring k, ring v, cache k, cache v) (pools when paged), or None where no kernel
-    serves it ("pallas" only, bf16 / fp32 values, both partitions non-empty, a ring tiled by a power-of-two block,
-    pages of a power-of-two size): the caller then writes the caches and attends each partition with `attend`. The
-    new token counts on every row, so a padding row's output (never read) differs from `attend`'s."""
+    serves it ("pallas", or "cudnn" where Triton works; bf16 / fp32 values, both partitions non-empty, a ring tiled
+    by a power-of-two block, pages of a power-of-two size): the caller then writes the caches and attends each
+    partition with `attend`. The new token counts on every row, so a padding row's output (never read) differs from
+    `attend`'s."""
     paged = isinstance(k, PagedKV) and isinstance(v, PagedKV)
     if paged and k.page_size & (k.page_size - 1) == 0:
         retrieval = dict(k=k.pages, v=v.pages, block_tables=k.block_tables)
@@ -355,7 +357,7 @@ def duo_prefill(
         or not k.shape[2]
         or not window_k.shape[2]
         or resolved != "pallas"
-        or (impl == "auto" and _cudnn_for_a_long_chunk(resolved, q, k, v, min_keys=CUDNN_MIN_KEYS_MIXED))
+        or (impl == "auto" and _cudnn_for_a_long_cache(resolved, q, k, v, min_keys=CUDNN_MIN_KEYS_MIXED))
     ):
         return None
     return pallas_kernels.duo_prefill_attention(

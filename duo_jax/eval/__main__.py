@@ -16,7 +16,13 @@ import sys
 import time
 
 from duo_jax.errors import DuoJaxError
-from duo_jax.eval.modes import MODES, check_kv_dtype_modes
+from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, check_max_length
+from duo_jax.eval.longbench_metrics import FUZZY
+from duo_jax.eval.modes import MODES, check_kv_budget, check_kv_dtype_modes
+from duo_jax.eval.niah import DEFAULT_LENGTHS as NIAH_LENGTHS
+from duo_jax.eval.passkey import DEFAULT_LENGTHS as PASSKEY_LENGTHS
+from duo_jax.eval.ruler import DEFAULT_LENGTHS as RULER_LENGTHS
+from duo_jax.eval.samples import check_decode_last
 from duo_jax.quant import KV_DTYPES
 
 
@@ -103,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     niah = tasks.add_parser("niah", help="needle in a haystack: depth x length heat maps", formatter_class=defaults)
     _common(niah, "niah")
-    niah.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
+    niah.add_argument("--lengths", type=int, nargs="+", default=list(NIAH_LENGTHS), help="context lengths (tokens)")
     niah.add_argument(
         "--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]"
     )
@@ -119,7 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "passkey", help="numeric passkey retrieval accuracy per length", formatter_class=defaults
     )
     _common(passkey, "passkey")
-    passkey.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="context lengths (tokens)")
+    passkey.add_argument(
+        "--lengths", type=int, nargs="+", default=list(PASSKEY_LENGTHS), help="context lengths (tokens)"
+    )
     passkey.add_argument("--depths-per-length", type=int, default=5, help="passkey depths, evenly spaced in [0, 1]")
     passkey.add_argument("--digits", type=int, default=5, help="digits of each passkey")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the passkeys")
@@ -171,12 +179,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-length",
         type=int,
         default=None,
-        help="prompt tokens kept (middle truncation); default: the model's context - 600",
+        help=f"prompt tokens kept (middle truncation); default: the model's context - {DEFAULT_MARGIN}",
     )
     longbench.add_argument("--limit", type=int, default=None, help="first N samples of each task")
     longbench.add_argument(
         "--fuzzy",
-        choices=["difflib", "rapidfuzz"],
+        choices=FUZZY,
         default="difflib",
         help="code similarity's fuzz.ratio: difflib (fuzzywuzzy as LongBench installs it) or "
         "rapidfuzz (fuzzywuzzy with python-Levenshtein)",
@@ -185,8 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--chat",
         choices=["auto", "on", "off"],
         default="auto",
-        help="chat template (never for trec, triviaqa, samsum, lsht, lcc, repobench-p); auto: "
-        "for instruct / chat models",
+        help=f"chat template (never for {', '.join(NO_CHAT_TASKS)}); auto: for instruct / chat models",
     )
 
     ruler = tasks.add_parser(
@@ -197,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lengths",
         type=int,
         nargs="+",
-        default=[1024, 2048, 4096],
+        default=list(RULER_LENGTHS),
         help="sequence lengths in the model's tokens (prompt + tokens to generate)",
     )
     ruler.add_argument("--samples", type=int, default=10, help="samples per task and length")
@@ -234,15 +241,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.task == "ruler-merge":
         return args
-    for budget in args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]:
-        if budget is not None and not 0 < budget <= 1:
-            parser.error(f"--kv-budget is a fraction in (0, 1] of the evaluated length, got {budget}")
-    if getattr(args, "decode_last", 0) < 0:
-        parser.error(f"--decode-last is a number of prompt tokens >= 0, got {args.decode_last}")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         parser.error(f"--limit must be at least 1, got {args.limit}")
-    if getattr(args, "max_length", None) is not None and args.max_length < 2:
-        parser.error(f"--max-length must be at least 2 tokens, got {args.max_length}")
+    # the library's own checks, before the model loads
+    budgets = args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]
+    checks = [("--kv-budget", check_kv_budget, b) for b in budgets]
+    checks += [("--decode-last", check_decode_last, getattr(args, "decode_last", 0))]
+    if getattr(args, "max_length", None) is not None:
+        checks.append(("--max-length", check_max_length, args.max_length))
+    for flag, check, value in checks:
+        try:
+            check(value)
+        except DuoJaxError as e:
+            parser.error(f"{flag}: {e}")
     try:
         check_kv_dtype_modes(args.modes, args.kv_dtype)
     except DuoJaxError as e:

@@ -19,7 +19,14 @@ from duo_jax.chat import chat_prompts, is_chat_model
 from duo_jax.data.haystack import DataError
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.longbench_metrics import FUZZY, METRICS, length_bucket_scores, sample_score, task_score
+from duo_jax.eval.longbench_metrics import (
+    FUZZY,
+    LENGTH_BUCKETS,
+    METRICS,
+    length_bucket_scores,
+    sample_score,
+    task_score,
+)
 from duo_jax.eval.samples import (
     PredictionStore,
     Run,
@@ -198,11 +205,16 @@ def uses_chat(task: str, chat: bool) -> bool:
     return chat and task not in NO_CHAT_TASKS
 
 
+def check_max_length(max_length: int) -> None:
+    """The prompt tokens kept after middle truncation: at least one from each end."""
+    if max_length < 2:
+        raise DuoJaxError(f"max_length (--max-length) must be at least 2 tokens, got {max_length}")
+
+
 def build_prompt(model: Model, task: str, sample: dict, max_length: int, *, chat: bool) -> list[int]:
     """The token ids LongBench feeds the model for `sample` of `task` (docs/longbench.md); `chat`: whether the
     model is treated as a chat model (`duo_jax.chat.chat_prompts` then wraps the prompt)."""
-    if max_length < 2:
-        raise DuoJaxError(f"--max-length must be at least 2 tokens, got {max_length}")
+    check_max_length(max_length)
     text = truncate_middle(model.tokenizer, PROMPTS[task].format(**sample), max_length)
     if uses_chat(task, chat):
         return chat_prompts(model, [text], True)[0]
@@ -315,7 +327,8 @@ def score_runs(
         for task, samples in data.items():
             store = PredictionStore(Path(out_dir) / "predictions" / run.name / f"{task}.jsonl")
             done = store.ordered(str(s["_id"]) for s in samples)
-            # Rescored from the prediction, so stored lines and the current metric code always agree.
+            # The tables rescore each prediction with the current metric code. A line's own "score" is what the
+            # metric gave when it was generated, kept for reading the lines; nothing reads it back.
             scores = [sample_score(task, r["pred"], r["answers"], r["all_classes"], fuzzy) for r in done]
             tasks[task] = dict(score=task_score(scores), samples=len(done), s_per_1k_tokens=seconds_per_1k_tokens(done))
             if longbench_e:
@@ -353,8 +366,12 @@ def tables(results: dict) -> str:
     text = report.markdown_table(["run", *tasks, "average"], task_rows)
     text += "\n\n" + report.markdown_table(["run", *categories, "average"], category_rows)
     if results.get("longbench_e"):
-        rows = [[name, t, *r["tasks"][t]["by_length"].values()] for name, r in runs.items() for t in tasks]
-        text += "\n\n" + report.markdown_table(["run", "task", "0-4k", "4-8k", "8k+"], rows)
+        rows = [
+            [name, t, *(r["tasks"][t]["by_length"][b] for b in LENGTH_BUCKETS)]
+            for name, r in runs.items()
+            for t in tasks
+        ]
+        text += "\n\n" + report.markdown_table(["run", "task", *LENGTH_BUCKETS], rows)
     return text + protocol_legend(runs)
 
 

@@ -248,10 +248,13 @@ def warn_if_calibrated_on(
     return found
 
 
+def check_kv_budget(kv_budget: float | None) -> None:
+    """A KV budget is a fraction in (0, 1] of the evaluated tokens, or None (duo's own budget)."""
+    if kv_budget is not None and not 0 < kv_budget <= 1:
+        raise DuoJaxError(f"a KV budget is a fraction in (0, 1] of the evaluated tokens, got {kv_budget}")
+
+
 def budget_tokens(kv_budget: float | None, length: int) -> int | None:
     """The budget in tokens per KV head for a fraction `kv_budget` of `length` evaluated tokens (None: None)."""
-    if kv_budget is None:
-        return None
-    if not 0 < kv_budget <= 1:
-        raise DuoJaxError(f"kv_budget is a fraction of the evaluated length in (0, 1], got {kv_budget}")
-    return max(2, int(kv_budget * length))
+    check_kv_budget(kv_budget)
+    return None if kv_budget is None else max(2, int(kv_budget * length))

@@ -174,7 +174,8 @@ def run_ruler(
         for (task, length), group in prompts.items():
             store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
             done = store.ordered(str(s.index) for s in group)
-            # Rescored from the prediction, so stored lines and the current metric code always agree.
+            # The tables rescore each prediction with the current metric code. A line's own "score" is what the
+            # metric gave when it was generated, kept for reading the lines; nothing reads it back.
             values = [metric(task)(postprocess(r["pred"]), r["outputs"]) for r in done]
             scores.setdefault(task, {})[length] = mean_score([100 * v for v in values])
             records[f"{task}_{length}"] = done

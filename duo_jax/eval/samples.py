@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from duo_jax.errors import DuoJaxError
-from duo_jax.eval.modes import ONE_CHUNK_PREFILL, budget_tokens, check_modes, mode_settings
+from duo_jax.eval.modes import ONE_CHUNK_PREFILL, budget_tokens, check_kv_budget, check_modes, mode_settings
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -49,15 +49,19 @@ class Run:
         return "prefill" + (" in one chunk, compressed at its end" if self.mode in ONE_CHUNK_PREFILL else "")
 
 
+def check_decode_last(decode_last: int) -> None:
+    """The prompt's last tokens decoded one at a time (h2o, tova): a count >= 0."""
+    if decode_last < 0:
+        raise DuoJaxError(f"decode_last is a number of prompt tokens >= 0, got {decode_last}")
+
+
 def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None, decode_last: int = 0) -> list[Run]:
     """Every mode at every budget; full once (it keeps every token at any budget). decode_last applies to the
     modes evaluated with one-chunk prefill (h2o, tova)."""
     budgets = list(dict.fromkeys(budgets or [None]))
     for budget in budgets:
-        if budget is not None and not 0 < budget <= 1:
-            raise DuoJaxError(f"a KV budget is a fraction in (0, 1] of each prompt's tokens, got {budget}")
-    if decode_last < 0:
-        raise DuoJaxError(f"decode_last is a number of prompt tokens >= 0, got {decode_last}")
+        check_kv_budget(budget)
+    check_decode_last(decode_last)
     return [
         Run(m, b, decode_last if m in ONE_CHUNK_PREFILL else 0)
         for m in check_modes(modes)

@@ -287,7 +287,7 @@ def write_run(cache, start: jax.Array, new: jax.Array, n_valid: jax.Array):
     Each sequence reads the T-slot window it writes into, merges the new tokens in, and writes the window back
     with a `dynamic_update_slice`, which XLA updates in place whatever the dtype; XLA:CPU's bf16 scatter (even
     as uint16 bits) makes a cache-sized copy per layer (temporary memory grows with the capacity).
-    Needs T <= S (else `write_slots`)."""
+    For T > S it falls back to `write_slots`."""
     if isinstance(cache, QuantizedKV):
         new = as_stored(new, cache)
         return jax.tree.map(lambda c, n: write_run(c, start, n, n_valid), cache, new)
