@@ -483,8 +483,7 @@ class Engine:
 
     def __init__(self, params: Params, config: ModelConfig, mesh: Mesh | None = None, *, fuse_qkv: bool | None = None):
         """`params` in either layout: per-layer weights are used as they are (off a mesh, q/k/v not fused),
-        stacked ones sliced.
-        `fuse_qkv`: hold q/k/v as one weight (None: on a GPU, off a mesh)."""
+        stacked ones sliced. `fuse_qkv`: hold q/k/v as one weight (None: on a GPU, off a mesh)."""
         mesh = None if mesh is None else sharding.auto_axes(mesh)  # jax.make_mesh's Explicit axes run as Auto
         self.config, self.mesh = config, mesh
         if fuse_qkv is None:

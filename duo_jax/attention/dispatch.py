@@ -234,9 +234,8 @@ def attend_partial(
     """`attend` over one shard of the keys: (out [B, T, H, E], log-sum-exp float32 [B, T, H]), to be merged
     with the other shards' (`duo_jax.sharding.merge_partials`). A decode step (one query per sequence) over a
     contiguous cache runs the Pallas split-K kernel where `impl` resolves to "pallas", or to "cudnn" where Triton
-    works (it returns its
-    log-sum-exp); everything else takes the blocked XLA path (the flash, Λ and TPU kernels do not return
-    theirs yet)."""
+    works (it returns its log-sum-exp); everything else takes the blocked XLA path (the flash, Λ and TPU kernels
+    do not return theirs yet)."""
     pallas_kernels.check_qkv(q, k, v)
     contiguous = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
     if (

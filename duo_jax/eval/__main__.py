@@ -11,6 +11,7 @@ Modes, budgets (--kv-budget, --kv-dtype, --pattern, --scores) and outputs: docs/
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -245,19 +246,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--limit must be at least 1, got {args.limit}")
     # the library's own checks, before the model loads
     budgets = args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]
-    checks = [("--kv-budget", check_kv_budget, b) for b in budgets]
-    checks += [("--decode-last", check_decode_last, getattr(args, "decode_last", 0))]
+    checks = [("--kv-budget", functools.partial(check_kv_budget, b)) for b in budgets]
+    checks.append(("--decode-last", functools.partial(check_decode_last, getattr(args, "decode_last", 0))))
     if getattr(args, "max_length", None) is not None:
-        checks.append(("--max-length", check_max_length, args.max_length))
-    for flag, check, value in checks:
+        checks.append(("--max-length", functools.partial(check_max_length, args.max_length)))
+    checks.append(("--kv-dtype", functools.partial(check_kv_dtype_modes, args.modes, args.kv_dtype)))
+    for flag, check in checks:
         try:
-            check(value)
+            check()
         except DuoJaxError as e:
             parser.error(f"{flag}: {e}")
-    try:
-        check_kv_dtype_modes(args.modes, args.kv_dtype)
-    except DuoJaxError as e:
-        parser.error(f"--kv-dtype: {e}")
     if args.task == "perplexity" and args.prefix is not None and not 1 <= args.prefix < args.length:
         parser.error(f"--prefix must lie in [1, --length) = [1, {args.length}), got {args.prefix}")
     return args

@@ -208,7 +208,7 @@ def uses_chat(task: str, chat: bool) -> bool:
 def check_max_length(max_length: int) -> None:
     """The prompt tokens kept after middle truncation: at least one from each end."""
     if max_length < 2:
-        raise DuoJaxError(f"max_length (--max-length) must be at least 2 tokens, got {max_length}")
+        raise DuoJaxError(f"max_length must be at least 2 tokens, got {max_length}")
 
 
 def build_prompt(model: Model, task: str, sample: dict, max_length: int, *, chat: bool) -> list[int]:
