@@ -19,12 +19,13 @@
 #   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of at most 9 minutes: the
 #                                                # one-launch prefill kernel's and cuDNN's tests, 8k / 32k with a
 #                                                # per-op profile, 32k with duo's split through cuDNN, 128k
-#   bash benchmarks/gpu_session.sh graphs OUT    # issue 33: the prefill / cuDNN GPU tests, then decode at 8k-128k
-#                                                # (32 steps) as run by default and with the decode loop as one
+#   bash benchmarks/gpu_session.sh graphs OUT    # issue 33: the prefill / cuDNN GPU tests (paged too), then decode
+#                                                # at 8k-128k (32 steps) as run by default and with the decode loop as one
 #                                                # CUDA graph (XLA's WHILE command buffers), about 8 minutes
 #   bash benchmarks/gpu_session.sh layer OUT     # issue 33: Llama-3-8B's first layer alone (--num-layers 1): its
 #                                                # prefill under auto and cudnn at 16k-128k (the mixed layers'
-#                                                # cuDNN threshold), chunks of 2k / 4k / 8k at 128k; 3-5 minutes
+#                                                # cuDNN threshold), chunks of 2k / 4k / 8k at 128k, then paged
+#                                                # decode (Triton, cuDNN, XLA) at 16k tokens; 4-6 minutes
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes;
 #                                                # CHUNKS=8192 for one size)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
@@ -186,6 +187,10 @@ layer)
     one cudnn_2k --contexts 16384 32768 131072 --chunk-size 2048 --impl cudnn
     one cudnn_8k --contexts 32768 131072 --chunk-size 8192 --impl cudnn
     one cudnn_4k --contexts 131072 --chunk-size 4096 --impl cudnn
+    # target 5 for the server's pages: a decode step over 16k-token sequences in pages, through the Triton kernel
+    # (in place), cuDNN's paged call and the XLA path (what a GPU without Triton ran before cuDNN served pages)
+    part "${PAGED_S:-60}" $PY benchmarks/paged_attention.py --capacities 32768 131072 --length 16384 \
+        --out "$out/paged_attention_gpu.json" 2>&1 | tee "$out/paged_attention_gpu.log" || true
     archive=$(mktemp -d)/layer.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;

@@ -7,7 +7,11 @@ default impl ("auto": the Pallas kernels on GPU, JAX's paged attention on TPU, t
   * gathered  - the previous path: the sequences' pages gathered into [B, M * P, K, E] (`gather_pages`), then
                 the contiguous cache's attention (the split-K kernel on GPU, the blocked XLA path on CPU);
   * in place  - `PagedKV`: the paged kernel follows the block tables (GPU / TPU), the XLA path gathers one key
-                tile of slots at a time (CPU).
+                tile of slots at a time (CPU);
+  * XLA       - in place on the XLA path (`impl="xla"`): what a GPU without Pallas's Triton backend ran before
+                cuDNN served pages;
+  * cuDNN     - in place through cuDNN's paged attention (`duo_jax.attention.cudnn`), what such a GPU runs now;
+                measured where its probe passes (an NVIDIA GPU), else left out with the reason.
 
 Reports the median time of a jitted step and XLA's temporary buffer bytes for it (`memory_analysis`: the
 gathered copy shows there), per capacity.
@@ -32,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from duo_jax import attention  # noqa: E402
-from duo_jax.attention import MaskSpec  # noqa: E402
+from duo_jax.attention import MaskSpec, cudnn  # noqa: E402
 from duo_jax.attention.pages import PagedKV  # noqa: E402
 from duo_jax.methods.paged import gather_pages  # noqa: E402
 
@@ -79,6 +83,16 @@ def in_place(q, kp, vp, tables, lengths):
     return attention.attend(q, PagedKV(kp, tables), PagedKV(vp, tables), spec)
 
 
+def xla_in_place(q, kp, vp, tables, lengths):
+    spec = MaskSpec(lengths[:, None] - 1, lengths)
+    return attention.attend(q, PagedKV(kp, tables), PagedKV(vp, tables), spec, impl="xla")
+
+
+def cudnn_in_place(q, kp, vp, tables, lengths):
+    spec = MaskSpec(lengths[:, None] - 1, lengths)
+    return cudnn.attention(q, PagedKV(kp, tables), PagedKV(vp, tables), spec)
+
+
 def measure(fn, inputs, reps: int) -> dict:
     compiled = jax.jit(fn).lower(*inputs).compile()
     jax.block_until_ready(compiled(*inputs))
@@ -95,24 +109,27 @@ def measure(fn, inputs, reps: int) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    no_cudnn = cudnn.paged_unavailable()
+    if no_cudnn is not None:
+        print(f"cuDNN paged attention left out: {no_cudnn}", flush=True)
+    paths = dict(gathered=gathered, in_place=in_place, xla=xla_in_place)
+    if no_cudnn is None:
+        paths["cudnn"] = cudnn_in_place
     rows = []
     for capacity in args.capacities:
         inputs = case(args, capacity)
-        a, b = gathered(*inputs), in_place(*inputs)
-        err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-        row = dict(
-            capacity=capacity,
-            gathered=measure(gathered, inputs, args.reps),
-            in_place=measure(in_place, inputs, args.reps),
-            max_abs_diff=err,
-        )
+        want = gathered(*inputs).astype(jnp.float32)
+        row = dict(capacity=capacity)
+        for name, fn in paths.items():
+            err = float(jnp.max(jnp.abs(fn(*inputs).astype(jnp.float32) - want)))
+            row[name] = dict(measure(fn, inputs, args.reps), max_abs_diff=err)
         rows.append(row)
-        print(
-            f"capacity {capacity:>6}: gathered {row['gathered']['ms']:8.2f} ms, temp "
-            f"{row['gathered']['temp_mib']:8.1f} MiB | in place {row['in_place']['ms']:8.2f} ms, temp "
-            f"{row['in_place']['temp_mib']:8.1f} MiB | max |diff| {err:.2e}",
-            flush=True,
+        cells = " | ".join(
+            f"{name} {row[name]['ms']:8.2f} ms ({row['xla']['ms'] / row[name]['ms']:5.2f}x XLA), temp "
+            f"{row[name]['temp_mib']:7.1f} MiB, |diff| {row[name]['max_abs_diff']:.1e}"
+            for name in paths
         )
+        print(f"capacity {capacity:>6}: {cells}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
@@ -120,6 +137,7 @@ def main(argv=None) -> None:
                 dict(
                     args={k: str(v) for k, v in vars(args).items()},
                     rows=rows,
+                    cudnn_left_out=no_cudnn,
                     device=jax.devices()[0].device_kind,
                     jax=jax.__version__,
                     machine=platform.machine(),

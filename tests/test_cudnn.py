@@ -2,6 +2,8 @@
 XLA path on the whole mask, with the XLA path standing in for cuDNN's calls (this host has no GPU; the calls
 themselves are checked on a GPU by tests/test_gpu.py), and what it serves."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from duo_jax.attention import cudnn, dispatch, xla
 from duo_jax.attention.dispatch import attend, resolve_impl
 from duo_jax.attention.masks import MaskSpec, prefix_spec
+from duo_jax.attention.pages import PagedKV
 from duo_jax.errors import BackendError
 from tests.conftest import rel_err
 
@@ -224,3 +227,151 @@ def test_duo_prefill_leaves_long_chunks_to_cudnn(gpu_with_cudnn, monkeypatch):
     assert chunk(128) is None
     assert chunk(64) == "one launch"
     assert chunk(128, impl="pallas") == "one launch"
+
+
+def _paged(B, N, M, P, K, E, lengths, seed):
+    """A pool [K, N, P, E] and tables [B, M] handing each sequence distinct pages in a shuffled order, "no page" (N)
+    past its length."""
+    rng = np.random.default_rng(seed)
+    pages_k, pages_v = (jnp.asarray(rng.standard_normal((K, N, P, E)), jnp.float32) for _ in range(2))
+    order = iter(rng.permutation(N))
+    tables = np.full((B, M), N, np.int32)
+    for b, length in enumerate(lengths):
+        for m in range(-(-length // P)):
+            tables[b, m] = next(order)
+    return PagedKV(pages_k, jnp.asarray(tables)), PagedKV(pages_v, jnp.asarray(tables))
+
+
+@pytest.mark.parametrize(
+    "B, N, M, offsets, T",
+    [
+        (2, 8, 3, (12, 0), 9),  # both sequences in one call, tables 4 wide (padded)
+        (3, 7, 2, (5, 0, 7), 6),  # 7 pages: one call per sequence, tables 7 wide
+        (4, 8, 4, (0, 3, 11, 2), 4),  # two calls of two sequences
+        (1, 2, 3, (13,), 3),  # a pool of fewer pages than the table: cut to 2 entries
+        (3, 6, 2, (10, 1, 12), 1),  # decode steps
+    ],
+    ids=["one_call", "per_sequence", "two_calls", "table_cut", "decode"],
+)
+def test_paged_chunk_matches_the_whole_mask(B, N, M, offsets, T):
+    """A chunk (or a decode step) over pages: the prefix through the paged call (the stand-in follows the binding's
+    documented contract), each KV head a sequence of its own, against the XLA path over the same pages."""
+    P, H, K, E = 8, 6, 2, 16
+    offsets = np.asarray(offsets)
+    k, v = _paged(B, N, M, P, K, E, offsets + T, seed=B + N)
+    q = jnp.asarray(np.random.default_rng(9).standard_normal((B, T, H, E)), jnp.float32)
+    spec = prefix_spec(B, T, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets + T), num_keys=M * P)
+    stand_in = functools.partial(cudnn.attention, attend=cudnn.xla_part, attend_paged=cudnn.xla_paged_part)
+    got = jax.jit(stand_in)(q, k, v, spec)
+    want = jax.jit(xla.attention)(q, k.contiguous(), v.contiguous(), spec)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_paged_prefix_reads_every_head_from_its_own_pages():
+    """Swapping the two heads' pages changes the result: the table entries carry the head's offset (h * N)."""
+    B, N, M, P, K, E, T = 1, 4, 2, 8, 2, 16, 1
+    k, v = _paged(B, N, M, P, K, E, [12], seed=3)
+    q = jnp.asarray(np.random.default_rng(4).standard_normal((B, T, 4, E)), jnp.float32)
+    lengths = jnp.asarray([12])
+    prefix = jax.jit(functools.partial(cudnn.paged_prefix, attend=functools.partial(cudnn.xla_paged_part, scale=0.25)))
+    out, lse = prefix(q, k, v, lengths)
+    spec = prefix_spec(B, T, q_offset=lengths - 1, kv_len=lengths, num_keys=M * P)
+    want_out, want_lse = xla.attention_with_lse(q, k.contiguous(), v.contiguous(), spec, scale=0.25)
+    assert rel_err(out, want_out) < 1e-5 and rel_err(lse, want_lse) < 1e-5
+    swapped = PagedKV(k.pages[::-1], k.block_tables), PagedKV(v.pages[::-1], v.block_tables)
+    other, _ = prefix(q, *swapped, lengths)
+    assert rel_err(other, want_out) > 1e-2
+
+
+def test_sequences_per_call():
+    assert cudnn.sequences_per_call(8, 64, 8) == 8  # the pool holds every table: one call
+    assert cudnn.sequences_per_call(8, 32, 8) == 4  # tables 8 wide for 4 sequences: two calls
+    assert cudnn.sequences_per_call(6, 35, 5) == 1  # 35 pages divide among no 2, 3 or 6 sequences
+    assert cudnn.sequences_per_call(2, 3, 8) == 1  # a pool smaller than one table
+
+
+def test_serves_pages_of_16_bit_values():
+    B, T, N, M, P, K, E = 2, 4, 8, 2, 8, 2, 64
+    k, v = _paged(B, N, M, P, K, E, [16, 8], seed=5)
+    k16, v16 = (PagedKV(x.pages.astype(jnp.bfloat16), x.block_tables) for x in (k, v))
+    q = jnp.zeros((B, T, 4, E), jnp.bfloat16)
+    chunk = prefix_spec(B, T, q_offset=jnp.asarray([4, 0]), num_keys=M * P)
+    assert cudnn.serves(q, k16, v16, chunk)
+    assert cudnn.serves(q[:, :1], k16, v16, prefix_spec(B, 1, q_offset=jnp.asarray([4, 0]), num_keys=M * P))
+    assert not cudnn.serves(q, k, v, chunk)  # fp32 pages
+    assert not cudnn.serves(q, k16, v16, prefix_spec(B, T, num_keys=M * P, window=8))
+    assert not cudnn.takes(q, k16, v16)  # "auto" with Triton keeps the paged kernels
+
+
+def test_paged_calls_pass_the_bindings_checks(monkeypatch):
+    """The operands as the binding sees them: lowered for an NVIDIA GPU on this host (the cuDNN version check
+    bypassed), a chunk over pages is one causal call and one paged call per group of sequences, whose shapes pass the
+    binding's own checks (num_blocks = rows x table width, ranks, dtypes)."""
+    from jax._src.cudnn import fused_attention_stablehlo as binding
+
+    if not hasattr(binding, "paged_attention"):
+        pytest.skip("this JAX's cuDNN binding has no paged attention")
+    monkeypatch.setattr(binding, "check_cudnn_version", lambda: 90800)
+    B, T, N, M, P, K, E = 4, 16, 8, 4, 64, 2, 64
+    k, v = _paged(B, N, M, P, K, E, [70, 20, 200, 5], seed=6)
+    k, v = (PagedKV(x.pages.astype(jnp.bfloat16), x.block_tables) for x in (k, v))
+    q = jnp.zeros((B, T, 8, E), jnp.bfloat16)
+    spec = prefix_spec(B, T, q_offset=jnp.asarray([54, 4, 184, 0]), num_keys=M * P)
+    exported = jax.export.export(
+        jax.jit(cudnn.attention),
+        platforms=("cuda",),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__cudnn$fmhaSoftmax")],
+    )(q, k, v, spec)
+    calls = [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call @__cudnn" in line]
+    paged = [c for c in calls if "\\22is_paged_attention\\22: true" in c]
+    assert len(calls) == 3 and len(paged) == 2  # the chunk's own keys, then two groups of two sequences
+    # rows (sequence, KV head) = 2 x 2, 4 query heads each; the pool as K * N blocks of one head; tables 4 wide
+    assert "(tensor<4x4x16x64xbf16>, tensor<16x1x64x64xbf16>, tensor<16x1x64x64xbf16>" in paged[0]
+    assert "tensor<4x1x4x1xi32>" in paged[0]
+
+
+def test_pages_go_through_cudnn_only_without_triton(monkeypatch):
+    """A GPU where Triton does not work ("auto" resolves to "cudnn", the rest to XLA): a paged decode step and a
+    paged chunk run through cuDNN's paged call (the stand-in, counted); where Triton works they keep its kernels."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return cudnn.xla_paged_part(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+    monkeypatch.setattr(cudnn, "paged_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
+    monkeypatch.setattr(cudnn, "_cudnn_paged", counted)
+    B, N, M, P, K, E = 2, 8, 3, 8, 2, 16
+    k, v = (PagedKV(x.pages.astype(jnp.bfloat16), x.block_tables) for x in _paged(B, N, M, P, K, E, [20, 9], seed=7))
+    f32 = [PagedKV(x.pages.astype(jnp.float32), x.block_tables) for x in (k, v)]
+    rng = np.random.default_rng(8)
+    for T, offsets in ((1, [19, 8]), (5, [15, 4])):
+        q = jnp.asarray(rng.standard_normal((B, T, 4, E)), jnp.bfloat16)
+        spec = prefix_spec(B, T, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets) + T, num_keys=M * P)
+        got = attend(q, k, v, spec)
+        assert calls == [(B * K, 2, T, E)]  # one paged call of both sequences' (sequence, KV head) rows
+        assert rel_err(got.astype(jnp.float32), xla.attention(q.astype(jnp.float32), *f32, spec)) < 2e-2
+        calls.clear()
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "pallas")
+    monkeypatch.setattr(dispatch, "_kernels", lambda *args: "pallas kernels")
+    assert attend(q, k, v, spec) == "pallas kernels" and not calls
+
+
+def test_paged_probe_passes_the_contract_and_catches_a_wrong_call(monkeypatch):
+    """The probe run with the stand-in for cuDNN's calls passes; with a paged call that ignores the tables (reads the
+    blocks in order) it names the error instead."""
+    monkeypatch.setattr(cudnn, "unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
+    monkeypatch.setattr(cudnn, "_cudnn_paged", cudnn.xla_paged_part)
+    assert cudnn.paged_unavailable.__wrapped__() is None
+
+    def in_block_order(q, blocks_k, blocks_v, q_len, kv_len, tables, *, scale):
+        order = jnp.arange(tables.size, dtype=jnp.int32).reshape(tables.shape) % blocks_k.shape[0]
+        return cudnn.xla_paged_part(q, blocks_k, blocks_v, q_len, kv_len, order, scale=scale)
+
+    monkeypatch.setattr(cudnn, "_cudnn_paged", in_block_order)
+    jax.clear_caches()  # `jax.jit(attention)` traced with the stand-in above
+    assert "cuDNN paged attention (T=64) is off by" in cudnn.paged_unavailable.__wrapped__()

@@ -366,6 +366,38 @@ def test_cudnn_prefill_chunk_and_decode():
     check(out, attention_f64(q, k, v, seen), jnp.bfloat16)
 
 
+def test_cudnn_paged_chunk_and_decode():
+    """The caches of the test above in a shuffled pool of 64-token pages (and 3 stale pages): a 1,024-token chunk at
+    offsets 2,000 and 0 (700 real tokens) and a decode step (lengths full, 1 and mid-page) through cuDNN's paged
+    attention (`duo_jax.attention.cudnn.paged_prefix`: each KV head a sequence of its own, one call per sequence
+    here as the pool's 131 pages do not split between two), against float64. Skipped, with the probe's reason,
+    where cuDNN's paged attention does not run."""
+    from duo_jax.attention import cudnn
+    from duo_jax.attention.pages import PagedKV
+
+    reason = cudnn.paged_unavailable()
+    if reason is not None:
+        pytest.skip(f"cuDNN paged attention does not run here: {reason}")
+    offsets, n_valid = np.array([2000, 0]), np.array([1024, 700])
+    q, k, v = inputs(2, 1024, 4096, 32, 8, 128, jnp.bfloat16)
+    kp, vp, tables = paged(k, v, 64)
+    pages = [PagedKV(jnp.asarray(x, jnp.bfloat16), jnp.asarray(tables)) for x in (kp, vp)]
+    spec = dispatch.prefix_spec(
+        2, 1024, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets + n_valid), num_keys=4096
+    )
+    out = jax.jit(cudnn.attention)(jnp.asarray(q, jnp.bfloat16), *pages, spec)
+    want = attention_f64(q, k, v, positions_mask(1024, 4096, offsets, offsets + n_valid))
+    valid = np.arange(1024)[None, :] < n_valid[:, None]
+    check(np.asarray(out.astype(jnp.float32))[valid], want[valid], jnp.bfloat16)
+    lengths = np.array([4096, 1, 3001])
+    q, k, v = inputs(3, 1, 4096, 32, 8, 128, jnp.bfloat16, seed=1)
+    kp, vp, tables = paged(k, v, 64, seed=1)
+    pages = [PagedKV(jnp.asarray(x, jnp.bfloat16), jnp.asarray(tables)) for x in (kp, vp)]
+    spec = dispatch.prefix_spec(3, 1, q_offset=jnp.asarray(lengths - 1), kv_len=jnp.asarray(lengths), num_keys=4096)
+    out = jax.jit(cudnn.attention)(jnp.asarray(q, jnp.bfloat16), *pages, spec)
+    check(out, attention_f64(q, k, v, positions_mask(1, 4096, lengths - 1, lengths)), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("method", ["full", "duo", "paged_duo"])
 def test_engine_on_the_kernels_matches_the_reference(method):
     """Chunked prefill (chunks of 64 over a 200-token prompt) and 16 decode steps through the Pallas kernels

@@ -226,3 +226,38 @@ def test_only_paged_methods_run_one_row_of_a_batch():
             compiled_extend_row(CONFIG, method, 2, 4, "float32")
         with pytest.raises(DuoJaxError, match="cannot run one row"):
             method.put_row(None, 0, None)
+
+
+@pytest.mark.slow
+def test_paged_duo_through_cudnn_without_triton_gives_the_xla_paths_logits(monkeypatch):
+    """A GPU without Triton, bf16 ("auto" resolves to "cudnn", the rest to XLA): prefill chunks and decode steps of
+    the paged retrieval heads run cuDNN's paged call (the XLA stand-in of its contract, counted), with the XLA
+    path's logits and greedy tokens."""
+    from duo_jax.attention import cudnn, dispatch
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[2])  # queries per call: a chunk's or 1
+        return cudnn.xla_paged_part(*args, **kwargs)
+
+    engine = Engine(duo_jax.init_params(CONFIG, jax.random.key(0), jnp.bfloat16, scale=0.2), CONFIG)
+    rng = np.random.default_rng(4)
+    method = paged(DuoAttention(make_layout(CONFIG, MASK, sink=2, recent=5, context=64)), page_size=4, num_pages=40)
+    prompts = [rng.integers(1, 128, n).tolist() for n in (13, 6)]
+    tables = random_tables(rng, [len(p) + 3 for p in prompts], 4, method.pages_per_sequence, 40)
+    logits = {}
+    for impl in ("xla", "cudnn"):
+        if impl == "cudnn":
+            monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
+            monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+            monkeypatch.setattr(cudnn, "paged_unavailable", lambda: None)
+            monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
+            monkeypatch.setattr(cudnn, "_cudnn_paged", counted)
+        cache = method.empty_cache(len(prompts), engine.dtype)
+        cache.block_tables = jnp.asarray(tables)  # the cache is donated
+        logits[impl] = all_logits(engine, method, prompts, cache, chunk=8, steps=3, impl=impl)
+    assert sorted(set(calls)) == [1, 8]  # traced for the prefill chunk and the decode step
+    for x, c in zip(logits["xla"], logits["cudnn"]):  # bf16 rounding on two paths, three layers deep
+        assert np.abs(c - x).max() < 5e-2 * np.abs(x).max() and np.abs(c - x).mean() < 5e-3 * np.abs(x).max()
+        np.testing.assert_array_equal(c.argmax(-1), x.argmax(-1))

@@ -56,7 +56,7 @@ def resolve_impl(impl: str) -> str:
     """Maps "auto" to "pallas" on GPU (or, where Triton does not work, "cudnn" where cuDNN attention does, else
     "xla"), "mosaic" on TPU, "cpu" on CPU (or "xla" where the C++ kernel cannot be built) and "xla" elsewhere.
     "cudnn": dense prefill chunks through cuDNN (`duo_jax.attention.cudnn`), everything else as "pallas" where
-    Triton works, else decode steps through cuDNN too and the rest on the XLA path."""
+    Triton works, else decode steps and paged caches through cuDNN too and the rest on the XLA path."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
@@ -117,7 +117,8 @@ def _triton_fallback(reason: str, *, forced: bool) -> str:
         + (
             "on the XLA path (impl='xla')"
             if fallback == "xla"
-            else "through cuDNN for prefill chunks and decode steps, and on the XLA path otherwise (impl='cudnn')"
+            else "through cuDNN for prefill chunks, decode steps and paged caches, and on the XLA path otherwise "
+            "(impl='cudnn')"
         )
         + " instead of the Pallas kernels.",
         RuntimeWarning,
@@ -155,10 +156,17 @@ def attend(
     requested, impl = impl, resolve_impl(impl)
     if requested == "auto" and spec.k_positions is None and _cudnn_for_a_long_cache(impl, q, k, v):
         impl = "cudnn"
-    if impl == "cudnn":  # dense prefill chunks; decode steps and rings only without Triton (its kernels serve them)
+    if (
+        impl == "cudnn"
+    ):  # dense prefill chunks; decode steps, rings and pages only without Triton (its kernels serve them)
         rest = _without_cudnn(impl)
-        dense_chunk = q.shape[1] > 1 and spec.k_positions is None
-        if cudnn.serves(q, k, v, spec) and (dense_chunk or rest == "xla"):
+        paged = isinstance(k, PagedKV)
+        dense_chunk = q.shape[1] > 1 and spec.k_positions is None and not paged
+        if (
+            cudnn.serves(q, k, v, spec)
+            and (dense_chunk or rest == "xla")
+            and (not paged or cudnn.paged_unavailable() is None)
+        ):
             return cudnn_attention(q, k, v, spec, scale=scale, backward_impl=rest)
         impl = rest
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):

@@ -54,12 +54,17 @@ class PagedKV:
         return jnp.minimum(self.block_tables, self.pages.shape[1] - 1).astype(jnp.int32)
 
     def read(self, first, size: int) -> jax.Array:
-        """Slots [first, first + size) of every sequence, [B, size, K, E]: a gather of `size` rows per
-        sequence through its table (`first` may be traced; slots past M * P clip to the last page)."""
-        P = self.page_size
+        """Slots [first, first + size) of every sequence, [B, size, K, E] (`first` may be traced; slots past
+        M * P clip to the last page)."""
         slots = first + jnp.arange(size, dtype=jnp.int32)
-        page = jnp.take(self.clipped_tables(), slots // P, axis=1, mode="clip")  # [B, size]
-        rows = self.pages[:, page, (slots % P)[None, :]]  # [K, B, size, E]
+        return self.at_positions(jnp.broadcast_to(slots, (self.block_tables.shape[0], size)))
+
+    def at_positions(self, slots: jax.Array) -> jax.Array:
+        """Slots int32 [B, T] of each sequence, [B, T, K, E]: a gather of T rows per sequence through its table
+        (slots past M * P clip to the last page)."""
+        P = self.page_size
+        page = jnp.take_along_axis(self.clipped_tables(), slots // P, axis=1, mode="clip")  # [B, T]
+        rows = self.pages[:, page, slots % P]  # [K, B, T, E]
         return jnp.moveaxis(rows, 0, 2)
 
     def contiguous(self) -> jax.Array:
