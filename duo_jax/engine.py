@@ -44,10 +44,10 @@ from duo_jax.model import (
 from duo_jax.sampling import Sampling, sample
 
 
-def bucket(n: int, smallest: int = 16) -> int:
-    """The compiled size for n: the next power of two >= max(n, smallest). Prefill chunks and the decode loop's
-    token buffer come in these sizes, so varied prompt lengths and max_new_tokens reuse executables."""
-    return max(smallest, 1 << (max(n, 1) - 1).bit_length())
+def bucket(n: int) -> int:
+    """The compiled size for n: the next power of two >= max(n, 16). Prefill chunks and the decode loop's token
+    buffer come in these sizes, so varied prompt lengths and max_new_tokens reuse executables."""
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 def capacity_bucket(tokens: int, block: int = CAPACITY_BLOCK) -> int:
@@ -614,13 +614,13 @@ class Engine:
             last = jnp.zeros((B, self.config.vocab_size), jnp.float32)
         return last, cache, lengths
 
-    def step(self, method: Method, cache, lengths, tokens: jax.Array, *, impl: str = "auto", all_logits: bool = False):
+    def step(self, method: Method, cache, lengths, tokens: jax.Array, *, impl: str = "auto"):
         """One token per sequence (tokens int [B]) through `method`'s cache, compiled once per batch size:
-        (logits float32 [B, V] (or [B, 1, V] with all_logits), cache, lengths). For callers that need every
+        (logits float32 [B, V], cache, lengths). For callers that need every
         step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`).
         Tokens already on the device (e.g. the argmax of the last logits) stay there: no host round trip."""
         B = tokens.shape[0]
-        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, all_logits, self.mesh, **self.weight_layout)
+        run = compiled_extend(self.config, method, B, 1, self.dtype, impl, False, self.mesh, **self.weight_layout)
         tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
         return run(
             self.params,

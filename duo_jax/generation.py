@@ -280,8 +280,9 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
 
     start = time.perf_counter()
     compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, **engine.weight_layout)  # untimed
-    if tail:
-        compiled_extend(config, kv_method, B, 1, engine.dtype, impl, False, mesh, **engine.weight_layout)
+    if tail:  # the prompt's last tokens step the method decoding continues with
+        tail_method = kv_method.decode_method(int(prompt_lengths.max()) - tail)
+        compiled_extend(config, tail_method, B, 1, engine.dtype, impl, False, mesh, **engine.weight_layout)
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()

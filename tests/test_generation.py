@@ -292,3 +292,30 @@ def test_the_old_name_of_impl_still_works_with_a_warning(model, prompts):
     assert old.tokens == generate(model, prompts[0], impl="xla", **kwargs).tokens
     with pytest.raises(DuoJaxError, match="impl \\(the attention implementation\\) must be one of"):
         generate(model, prompts[0], impl="cuda", **kwargs)
+
+
+def test_a_prompt_tails_steps_are_compiled_before_the_timed_prefill(model, prompts, monkeypatch):
+    """SnapKV decodes with another method than it prefills with (`decode_method`): with `prompt_tail_steps`, the
+    one-token step of that method is compiled before the prefill is timed, so `prefill_s` holds no compile of it."""
+    import duo_jax.engine
+    import duo_jax.generation
+
+    extend, timed, compiled_while_timed = duo_jax.engine._compiled_extend, [False], []
+
+    def counted(*args):
+        misses = extend.cache_info().misses
+        out = extend(*args)
+        if timed[0] and extend.cache_info().misses > misses:
+            compiled_while_timed.append((args[1].name, args[3]))
+        return out
+
+    prefill, decode = Engine.prefill, duo_jax.generation.compiled_decode
+    monkeypatch.setattr(duo_jax.engine, "_compiled_extend", counted)
+    monkeypatch.setattr(Engine, "prefill", lambda *a, **kw: timed.__setitem__(0, True) or prefill(*a, **kw))
+    monkeypatch.setattr(
+        duo_jax.generation, "compiled_decode", lambda *a, **kw: timed.__setitem__(0, False) or decode(*a, **kw)
+    )
+    options = dict(max_new_tokens=3, chunk_size=8, prompt_tail_steps=3, stop_at_eos=False)
+    out = generate(model, [prompts[0], prompts[2]], method="snapkv", kv_budget=32, **options)
+    assert out.stats["method"] == "snapkv" and len(out.tokens[0]) == 3
+    assert compiled_while_timed == []

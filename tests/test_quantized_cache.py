@@ -198,8 +198,8 @@ def test_quantized_cache_decodes_close_to_the_fp32_cache(model, name, kv_dtype):
         for x in leaves
     )  # infinigen's partial keys (W < E channels)
     if name in ("snapkv", "duo_headkv"):  # the compressed decode cache (prefix 33 > 12 kept + a window of 4)
-        decode = methods(kv_dtype, 64)[name].compressed(len(prompt))
-        unquantized = methods(None, 64)[name].compressed(len(prompt)).expected_cache_bytes(1, 4)
+        decode = methods(kv_dtype, 64)[name].decode_method(len(prompt))
+        unquantized = methods(None, 64)[name].decode_method(len(prompt)).expected_cache_bytes(1, 4)
         assert cache_nbytes(cache) == decode.expected_cache_bytes(1, 4) < unquantized / (3 if kv_dtype == "int8" else 5)
     err = np.abs(q_logits - logits).max() / np.abs(logits).max()
     print(f"{name} {kv_dtype}: relative logits error {err:.4f}")

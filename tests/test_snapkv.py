@@ -264,11 +264,11 @@ def test_budget_covering_the_prompt_is_full_attention(params, sequences):
 
 def test_short_prompts_shrink_the_decode_cache(params):
     method = make_snapkv(CONFIG, context=300, kv_budget=200, window=WINDOW)
-    decode = method.compressed(longest=100)
+    decode = method.decode_method(longest=100)
     assert decode.head_slots == ((128, 128), (128, 128))  # every prompt fits in one 128-token block
     assert decode.room == 384  # capacity 384; the prompts take part of the first block
-    assert method.compressed(longest=300).head_slots == ((200, 200), (200, 200))
-    assert method.compressed(longest=300).room == 384 - 256
+    assert method.decode_method(longest=300).head_slots == ((200, 200), (200, 200))
+    assert method.decode_method(longest=300).room == 384 - 256
 
 
 @pytest.mark.slow

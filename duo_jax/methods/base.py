@@ -119,7 +119,8 @@ class Method(abc.ABC):
       begin_step            values all layers of a step share (None)
       prepare               extra keyword arguments for one layer's `attend` ({})
       max_tokens            tokens per sequence the cache holds (the `capacity` field, else None: unbounded)
-      after_prefill         the method and cache decoding continues with (unchanged)
+      decode_method         the method decoding continues with, from the longest prefill (itself)
+      after_prefill         that method and the cache it decodes over (unchanged)
       stats                 what `generate` reports of the method ({})
       take_row / put_row    one sequence's part of a batched cache, for the server's continuous batching
                             (raise `DuoJaxError`: only the paged methods implement them)
@@ -194,9 +195,15 @@ class Method(abc.ABC):
         """Tokens per sequence the cache can hold (prompt + generated); None when unbounded (a ring)."""
         return getattr(self, "capacity", None)
 
+    def decode_method(self, longest: int) -> Method:
+        """The method decoding continues with after a prefill whose longest sequence holds `longest` tokens (a
+        method that compresses its cache after prefill, like SnapKV, returns its smaller form), known before the
+        prefill runs, so that its steps can be compiled first. Default: this method."""
+        return self
+
     def after_prefill(self, cache: tuple[LayerCache, ...], lengths: jax.Array) -> tuple[Method, tuple]:
-        """Called once between prefill and decode: the method and cache decoding continues with (a method
-        that compresses its cache after prefill, like SnapKV, returns a smaller one). Default: unchanged."""
+        """Called once between prefill and decode: `decode_method` and the cache it decodes over. Default:
+        unchanged."""
         return self, cache
 
     def stats(self) -> dict:

@@ -262,13 +262,13 @@ class DuoHeadKV(Method):
         retrieval_q = split_heads(self.layout, layer, q)[0]
         return out, DuoPrefillLayerCache(duo_cache, write_slots(cache.queries, query_slots, retrieval_q))
 
-    def compressed(self, longest: int) -> DuoCompressedKV:
+    def decode_method(self, longest: int) -> DuoCompressedKV:
         """The decode method after a prefill whose longest prompt has `longest` tokens."""
         slots, room = decode_shape(self.budgets, self.window, self.layout.capacity, longest)
         return DuoCompressedKV(self.layout, slots, room)
 
     def after_prefill(self, cache, lengths):
-        decode = self.compressed(int(jnp.max(lengths)))
+        decode = self.decode_method(int(jnp.max(lengths)))
         return decode, _compress_retrieval(self, decode, cache, lengths)
 
 

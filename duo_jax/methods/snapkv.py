@@ -257,7 +257,7 @@ def compress_layer(
     the kept tokens gathered into `empty` (from `empty_compressed`), the ring left empty. `sliding_window`:
     the layer's (`kept_positions`)."""
     # Every head ends with the same window slots: the whole window, or all of its slots when the prompts are
-    # shorter than the window (then no head selects anything; see `SnapKV.compressed`).
+    # shorter than the window (then no head selects anything; see `SnapKV.decode_method`).
     window_slots = min(window, head_slots[0])
     positions = kept_positions(
         queries,
@@ -420,13 +420,13 @@ class SnapKV(Method):
         spread = pyramid_budgets(self.num_layers, average, self.pyramid_beta, prefix=max(longest - self.window, 0))
         return tuple((b,) * self.num_kv_heads for b in spread)
 
-    def compressed(self, longest: int) -> CompressedKV:
+    def decode_method(self, longest: int) -> CompressedKV:
         """The decode method after a prefill whose longest prompt has `longest` tokens."""
         slots, room = decode_shape(self.prompt_budgets(longest), self.window, self.capacity, longest)
         return CompressedKV(self.num_kv_heads, self.head_dim, slots, room, self.name, self.kv_dtype)
 
     def after_prefill(self, cache, lengths):
-        decode = self.compressed(int(jnp.max(lengths)))
+        decode = self.decode_method(int(jnp.max(lengths)))
         return decode, _compress(self, decode, cache, lengths)
 
 
