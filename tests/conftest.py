@@ -4,6 +4,11 @@ import gc
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests' shapes are tiny, so their time is mostly XLA:CPU compiling, and most of that is LLVM's optimisation
+# passes, which the tests do not need (docs/setup.md, below the make targets). Their subprocesses: `xla_flags`.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -13,6 +18,11 @@ import pytest  # noqa: E402
 from duo_jax.config import ModelConfig  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a test's subprocess: `flags` and the tests' own (TEST_XLA_FLAGS)."""
+    return " ".join((*flags, TEST_XLA_FLAGS))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,6 +15,7 @@ import pytest
 
 from duo_jax.pattern import Pattern
 from tests import test_train_gates
+from tests.conftest import xla_flags
 from tests.test_training import REPO
 
 tiny_checkpoint = test_train_gates.tiny_checkpoint  # the fixture: a random tiny Llama with a tokenizer, a haystack
@@ -139,7 +140,7 @@ def test_two_processes_train_like_one_device(tmp_path, tiny_checkpoint):
         subprocess.Popen(
             [sys.executable, "-c", _PROCESS, str(i), port, str(root), json.dumps(multi)],
             cwd=REPO,
-            env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+            env=dict(env, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2")),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

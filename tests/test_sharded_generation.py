@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from duo_jax import sharding
+from tests.conftest import xla_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,7 +108,10 @@ print(json.dumps(result))
 def on_8_devices(script: str) -> dict:
     """The JSON that `script` prints last, run in a process with 8 host CPU devices."""
     env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+        os.environ,
+        XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
     )
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -180,7 +184,7 @@ def test_infer_mesh_error_is_one_line():
         text=True,
         cwd=REPO,
         timeout=300,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags()),
     )
     assert run.returncode == 2 and run.stderr.startswith("error: mesh data=2,model=4 needs 8 devices"), run.stderr
 

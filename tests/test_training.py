@@ -18,7 +18,7 @@ from duo_jax import gates, sharding, training
 from duo_jax.data.passkey import NATO_ALPHABET
 from duo_jax.pattern import Pattern
 from duo_jax.tokenizer import Tokenizer
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -188,7 +188,10 @@ def test_sharded_loss_and_grads_equal_single_device():
     sliding window): the loss and gate gradients of one device, to float32 rounding; per-device weight bytes
     1/8 on fsdp=8."""
     env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+        os.environ,
+        XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
     )
     run = subprocess.run(
         [sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
@@ -417,7 +420,10 @@ def test_killed_sharded_run_resumes_bit_identically(tmp_path):
     )
     write_random_hf_model(tmp_path / "model", transformers.LlamaConfig, fields)
     env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+        os.environ,
+        XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
     )
     run = lambda phase: subprocess.run(
         [sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path), phase],
