@@ -109,7 +109,9 @@ def measure(fn, inputs, reps: int) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    no_cudnn = cudnn.paged_unavailable()
+    no_cudnn = cudnn.paged_unavailable(
+        args.page_size, args.head_dim, args.num_heads // args.num_kv_heads, jnp.dtype(args.dtype)
+    )
     if no_cudnn is not None:
         print(f"cuDNN paged attention left out: {no_cudnn}", flush=True)
     paths = dict(gathered=gathered, in_place=in_place, xla=xla_in_place)

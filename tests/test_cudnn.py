@@ -341,7 +341,7 @@ def test_pages_go_through_cudnn_only_without_triton(monkeypatch):
 
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
-    monkeypatch.setattr(cudnn, "paged_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "paged_unavailable", lambda *shape: None)
     monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
     monkeypatch.setattr(cudnn, "_cudnn_paged", counted)
     B, N, M, P, K, E = 2, 8, 3, 8, 2, 16
@@ -361,12 +361,13 @@ def test_pages_go_through_cudnn_only_without_triton(monkeypatch):
 
 
 def test_paged_probe_passes_the_contract_and_catches_a_wrong_call(monkeypatch):
-    """The probe run with the stand-in for cuDNN's calls passes; with a paged call that ignores the tables (reads the
-    blocks in order) it names the error instead."""
+    """The probe run with the stand-in for cuDNN's calls passes, at the default shape and another; with a paged call
+    that ignores the tables (reads the blocks in order) it names the error instead."""
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
     monkeypatch.setattr(cudnn, "_cudnn_paged", cudnn.xla_paged_part)
     assert cudnn.paged_unavailable.__wrapped__() is None
+    assert cudnn.paged_unavailable.__wrapped__(16, 32, 3, jnp.float16) is None  # another page size, head dim, group
 
     def in_block_order(q, blocks_k, blocks_v, q_len, kv_len, tables, *, scale):
         order = jnp.arange(tables.size, dtype=jnp.int32).reshape(tables.shape) % blocks_k.shape[0]

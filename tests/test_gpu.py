@@ -375,7 +375,7 @@ def test_cudnn_paged_chunk_and_decode():
     from duo_jax.attention import cudnn
     from duo_jax.attention.pages import PagedKV
 
-    reason = cudnn.paged_unavailable()
+    reason = cudnn.paged_unavailable(64, 128, 4, jnp.bfloat16)
     if reason is not None:
         pytest.skip(f"cuDNN paged attention does not run here: {reason}")
     offsets, n_valid = np.array([2000, 0]), np.array([1024, 700])

@@ -251,7 +251,7 @@ def test_paged_duo_through_cudnn_without_triton_gives_the_xla_paths_logits(monke
         if impl == "cudnn":
             monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
             monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
-            monkeypatch.setattr(cudnn, "paged_unavailable", lambda: None)
+            monkeypatch.setattr(cudnn, "paged_unavailable", lambda *shape: None)
             monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
             monkeypatch.setattr(cudnn, "_cudnn_paged", counted)
         cache = method.empty_cache(len(prompts), engine.dtype)

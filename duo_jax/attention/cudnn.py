@@ -18,7 +18,8 @@ wrong: the dispatch (`duo_jax.attention.dispatch`) gives this path the gradient 
 
 A paged cache (`PagedKV`) reads its prefix through the binding's paged attention (`paged_prefix`): each KV head is
 a sequence of its own, so the head-major pool [K, N, P, E] is cuDNN's block container as it is, never copied.
-JAX's own tests do not check that call's values, so `paged_unavailable()` probes it on its own.
+JAX's own tests do not check that call's values, so `paged_unavailable()` probes it on its own, per page size, head
+dim and group.
 Design: docs/attention.md, "cuDNN for dense prefill chunks".
 """
 
@@ -277,22 +278,23 @@ def unavailable() -> str | None:
 
 
 @functools.cache
-def paged_unavailable() -> str | None:
+def paged_unavailable(page_size: int = 64, head_dim: int = 64, group: int = 2, dtype=jnp.bfloat16) -> str | None:
     """None when cuDNN's paged attention runs on the default device and `attention` over pages through it matches the
-    XLA path for a chunk and a decode step (tables out of order, a "no page" entry, ragged lengths); otherwise why
-    not. Probed once per process, apart from `unavailable`: the binding's paged call is the newer one."""
+    XLA path for a chunk and a decode step (tables out of order, a "no page" entry, ragged lengths), with pages of
+    `page_size` tokens, `head_dim` and `group` query heads per KV head in `dtype`; otherwise why not. Probed once per
+    process and shape, apart from `unavailable`: the binding's paged call is the newer one."""
     reason = unavailable()
     if reason is not None:
         return reason
     try:
         with jax.ensure_compile_time_eval():
             rng = np.random.default_rng(0)
-            B, H, K, E, N, P = 2, 4, 2, 64, 8, 64
-            tables = jnp.asarray([[5, 2, 7], [0, 6, N]], jnp.int32)
+            B, K, N, P, E = 2, 2, 8, page_size, head_dim
+            tables = jnp.asarray([[5, 2, 7], [0, 6, N]], jnp.int32)  # 3 pages; the second sequence holds 2
             pages = [jnp.asarray(rng.standard_normal((K, N, P, E)), jnp.float32) for _ in range(2)]
-            k, v = (PagedKV(x.astype(jnp.bfloat16), tables) for x in pages)
-            for T, offsets in ((64, [100, 0]), (1, [150, 70])):
-                q = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.bfloat16)
+            k, v = (PagedKV(x.astype(dtype), tables) for x in pages)
+            for T, offsets in ((P, [P + P // 2, 0]), (1, [2 * P + P // 3, P + 1])):
+                q = jnp.asarray(rng.standard_normal((B, T, K * group, E)), dtype)
                 spec = prefix_spec(B, T, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets) + T, num_keys=3 * P)
                 err = _off_by(q, k, v, spec, *(PagedKV(x.pages.astype(jnp.float32), tables) for x in (k, v)))
                 if not err < 3e-2:

@@ -165,7 +165,10 @@ def attend(
         if (
             cudnn.serves(q, k, v, spec)
             and (dense_chunk or rest == "xla")
-            and (not paged or cudnn.paged_unavailable() is None)
+            and (
+                not paged
+                or cudnn.paged_unavailable(k.page_size, q.shape[-1], q.shape[2] // k.shape[2], q.dtype) is None
+            )
         ):
             return cudnn_attention(q, k, v, spec, scale=scale, backward_impl=rest)
         impl = rest
