@@ -54,6 +54,15 @@ def host_offload_supported() -> bool:
     return "pinned_host" in kinds and hasattr(jax, "memory")
 
 
+def on_host(fn, *args):
+    """fn(*args) computed by the host, its outputs in host memory, through JAX's function form of `compute_on`
+    (so named since JAX 0.11; `compute_on2` in JAX 0.10, whose `compute_on` is a context manager)."""
+    from jax.experimental import compute_on as host
+
+    compute_on = getattr(host, "compute_on2", host.compute_on)
+    return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(*args)
+
+
 LLAMA_ALPHA = 5.0  # the authors' alpha for Llama models (their OPT runs use 4)
 DENSE_LAYERS = 2  # layers that never speculate in the authors' Llama code (0 and 1)
 CHANNEL_RULES = ("qk", "q")  # union of the top |QA| and top |KA| columns (the authors' Llama setup) | |QA| only
@@ -290,12 +299,8 @@ class InfiniGen(Method):
 
         if not self.host_offload:
             return jax.tree.map(write, full, new)
-        from jax.experimental.compute_on import compute_on
-
         rows, new = jax.device_put((rows, new), jax.memory.Space.Host)
-        with compute_on("device_host"):
-            out = jax.tree.map(write, full, new)
-        return out
+        return on_host(lambda full, new: jax.tree.map(write, full, new), full, new)
 
     def _host_gather(self, full, rows: jax.Array) -> jax.Array:
         """Rows [N] (in range) of full [B, C, K, E] as a device array [N, E] in the model's dtype: only these rows
@@ -306,11 +311,8 @@ class InfiniGen(Method):
 
         if not self.host_offload:
             return dequantize(jax.tree.map(gather, full))
-        from jax.experimental.compute_on import compute_on
-
         rows = jax.device_put(rows, jax.memory.Space.Host)
-        with compute_on("device_host"):
-            picked = jax.tree.map(gather, full)
+        picked = on_host(lambda full: jax.tree.map(gather, full), full)
         return dequantize(jax.device_put(picked, jax.memory.Space.Device))
 
     def _to_device(self, full: jax.Array) -> jax.Array:
