@@ -221,12 +221,8 @@ _SEQUENCE_WRAPPERS = {"none": lambda axis: lambda f: f, "ulysses": ulysses, "all
 
 
 def _shard_map(f, mesh: Mesh, in_specs, out_specs):
-    """`jax.shard_map` (JAX >= 0.6), else the experimental one. Gradients are reduced explicitly inside."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    """`jax.shard_map` over `mesh`. Gradients are reduced explicitly inside."""
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 # --- the train step ---------------------------------------------------------------------------------

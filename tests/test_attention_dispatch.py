@@ -206,7 +206,7 @@ def test_gate_training_step_exported_for_tpu_attends_through_mosaic(seq):
     import re
 
     from jax import export
-    from jax.sharding import AbstractMesh
+    from jax.sharding import AbstractMesh, AxisType
 
     from duo_jax import gates, sharding, training
     from duo_jax.model import init_params
@@ -214,7 +214,8 @@ def test_gate_training_step_exported_for_tpu_attends_through_mosaic(seq):
     from tests.conftest import tiny_config
 
     config = tiny_config(num_layers=2, head_dim=128)  # 2 KV heads: Ulysses on seq=2, all-gather on seq=4
-    mesh = AbstractMesh((1, 1, seq), sharding.MESH_AXES)
+    # Auto axes, as `sharding.make_mesh` builds (an AbstractMesh's default is Explicit since JAX 0.12)
+    mesh = AbstractMesh((1, 1, seq), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     expected = {1: "none", 2: "ulysses", 4: "all-gather"}[seq]
     assert training.sequence_parallelism(config, mesh) == expected
     params = jax.eval_shape(lambda: dataclasses.replace(init_params(config, jax.random.key(0)), lm_head=None))

@@ -226,9 +226,9 @@ def test_sharded_loss_and_grads_equal_single_device():
 # --- learning ---------------------------------------------------------------------------------------
 
 
-def _train_steps(params, config, objective, cfg, tokens, n):
-    """n train steps on one device and one fixed batch (every position supervised)."""
-    mesh = sharding.make_mesh()
+def _train_steps(params, config, objective, cfg, tokens, n, mesh=None):
+    """n train steps on one device (`mesh`: make_mesh's) and one fixed batch (every position supervised)."""
+    mesh = sharding.make_mesh() if mesh is None else mesh
     optimizer, _ = training.make_optimizer(cfg)
     step = training.make_train_step(config, objective, optimizer, mesh, sharding.weight_specs(params, mesh))
     alpha = training.replicate(gates.init_gates(config), mesh)
@@ -248,6 +248,23 @@ def _train_steps(params, config, objective, cfg, tokens, n):
 def tiny_model():
     config = tiny_config()
     return config, duo_jax.init_params(config, jax.random.key(0), scale=0.1)
+
+
+def test_a_mesh_with_explicit_axes_trains_like_auto(tiny_model):
+    """`jax.make_mesh` gives Explicit axes, under which shard_map checks every input's sharding against its specs:
+    with the batch and gates placed by `shard_batch` / `replicate`, the train step gives the gates of
+    `sharding.make_mesh`'s Auto axes."""
+    from jax.sharding import AxisType
+
+    config, params = tiny_model
+    explicit = jax.make_mesh(
+        (1, 1, 1), sharding.MESH_AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:1]
+    )
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (1, 32)).astype(np.int32)
+    cfg = training.TrainConfig(objective=gates.Objective(sink=4, recent=8))
+    want = _train_steps(params, config, cfg.objective, cfg, tokens, 2)
+    got = _train_steps(params, config, cfg.objective, cfg, tokens, 2, mesh=explicit)
+    np.testing.assert_array_equal(got[0], want[0])
 
 
 @pytest.mark.slow
