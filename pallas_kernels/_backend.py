@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 _target: str | None = None  # set by `lowering_for`
+# The GPU a host without one lowers the Triton kernels for, where JAX wants to know (its compute capability)
+ABSTRACT_GPU = dict(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 
 
 def backend() -> str:
@@ -38,9 +40,24 @@ def lowering_for(platform: str) -> Iterator[None]:
         raise ValueError(f"platform must be 'cpu', 'gpu' or 'tpu', got {platform!r}")
     previous, _target = _target, platform
     try:
-        yield
+        with _abstract_gpu() if platform == "gpu" else contextlib.nullcontext():
+            yield
     finally:
         _target = previous
+
+
+def _abstract_gpu() -> contextlib.AbstractContextManager:
+    """Where JAX reads the GPU that Triton lowers for from the device (JAX >= 0.11: its compute capability, from
+    `jax._src.pallas.triton.gpu_info`) and this host has none: an abstract mesh whose abstract device is
+    ABSTRACT_GPU. Elsewhere nothing (JAX 0.10 lowers without one; a GPU host names its own)."""
+    try:
+        import jax._src.pallas.triton.gpu_info  # noqa: F401  (the import is the check)
+        from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    except ImportError:
+        return contextlib.nullcontext()
+    if jax.default_backend() in ("gpu", "cuda", "rocm"):
+        return contextlib.nullcontext()
+    return use_abstract_mesh(AbstractMesh((), (), abstract_device=AbstractDevice(**ABSTRACT_GPU)))
 
 
 def exporting() -> bool:
