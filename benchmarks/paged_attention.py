@@ -22,6 +22,7 @@ gathered copy shows there), per capacity.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import platform
@@ -78,19 +79,9 @@ def gathered(q, kp, vp, tables, lengths):
     return attention.attend(q, gather_pages(kp, tables), gather_pages(vp, tables), spec)
 
 
-def in_place(q, kp, vp, tables, lengths):
+def in_place(q, kp, vp, tables, lengths, attend=attention.attend):
     spec = MaskSpec(lengths[:, None] - 1, lengths)
-    return attention.attend(q, PagedKV(kp, tables), PagedKV(vp, tables), spec)
-
-
-def xla_in_place(q, kp, vp, tables, lengths):
-    spec = MaskSpec(lengths[:, None] - 1, lengths)
-    return attention.attend(q, PagedKV(kp, tables), PagedKV(vp, tables), spec, impl="xla")
-
-
-def cudnn_in_place(q, kp, vp, tables, lengths):
-    spec = MaskSpec(lengths[:, None] - 1, lengths)
-    return cudnn.attention(q, PagedKV(kp, tables), PagedKV(vp, tables), spec)
+    return attend(q, PagedKV(kp, tables), PagedKV(vp, tables), spec)
 
 
 def measure(fn, inputs, reps: int) -> dict:
@@ -114,9 +105,10 @@ def main(argv=None) -> None:
     )
     if no_cudnn is not None:
         print(f"cuDNN paged attention left out: {no_cudnn}", flush=True)
-    paths = dict(gathered=gathered, in_place=in_place, xla=xla_in_place)
+    xla = functools.partial(in_place, attend=functools.partial(attention.attend, impl="xla"))
+    paths = dict(gathered=gathered, in_place=in_place, xla=xla)
     if no_cudnn is None:
-        paths["cudnn"] = cudnn_in_place
+        paths["cudnn"] = functools.partial(in_place, attend=cudnn.attention)
     rows = []
     for capacity in args.capacities:
         inputs = case(args, capacity)

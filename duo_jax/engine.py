@@ -616,8 +616,8 @@ class Engine:
 
     def step(self, method: Method, cache, lengths, tokens: jax.Array, *, impl: str = "auto"):
         """One token per sequence (tokens int [B]) through `method`'s cache, compiled once per batch size:
-        (logits float32 [B, V], cache, lengths). For callers that need every
-        step on the host (teacher forcing, per-step timing); generation decodes on the device (`decode_loop`).
+        (logits float32 [B, V], cache, lengths). For callers that need every step on the host (teacher forcing,
+        per-step timing); generation decodes on the device (`decode_loop`).
         Tokens already on the device (e.g. the argmax of the last logits) stay there: no host round trip."""
         B = tokens.shape[0]
         run = compiled_extend(self.config, method, B, 1, self.dtype, impl, False, self.mesh, **self.weight_layout)

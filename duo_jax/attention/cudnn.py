@@ -52,22 +52,18 @@ AttendPaged = Callable[..., tuple[jax.Array, jax.Array]]
 
 def takes(q: jax.Array, k, v) -> bool:
     """16-bit values (no codes, no pages) of a head dim cuDNN's flash attention takes."""
-    return (
-        not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v))
-        and q.dtype in DTYPES
-        and k.dtype == q.dtype
-        and v.dtype == q.dtype
-        and q.shape[-1] % 8 == 0
-        and q.shape[-1] <= MAX_HEAD_DIM
-    )
+    return not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v)) and _fits(q, k, v)
 
 
 def takes_pages(q: jax.Array, k, v) -> bool:
     """Pages (`PagedKV`, both k and v) of the query's 16-bit dtype and a head dim cuDNN's flash attention takes."""
+    return isinstance(k, PagedKV) and isinstance(v, PagedKV) and _fits(q, k, v)
+
+
+def _fits(q: jax.Array, k, v) -> bool:
+    """q, k and v (or their pages) in one 16-bit dtype, of a head dim cuDNN's flash attention takes."""
     return (
-        isinstance(k, PagedKV)
-        and isinstance(v, PagedKV)
-        and q.dtype in DTYPES
+        q.dtype in DTYPES
         and k.dtype == q.dtype
         and v.dtype == q.dtype
         and q.shape[-1] % 8 == 0

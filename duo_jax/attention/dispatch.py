@@ -148,6 +148,11 @@ def _cudnn_for_a_long_cache(impl: str, q: jax.Array, k, v, *, min_keys: int | No
     )
 
 
+def _cudnn_pages(q: jax.Array, k: PagedKV) -> bool:
+    """Whether cuDNN's paged call passed its probe at these pages' size, head dim, group and dtype."""
+    return cudnn.paged_unavailable(k.page_size, q.shape[-1], q.shape[2] // k.shape[2], q.dtype) is None
+
+
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec, *, impl: Impl = "auto", scale: float | None = None
 ) -> jax.Array:
@@ -156,20 +161,12 @@ def attend(
     requested, impl = impl, resolve_impl(impl)
     if requested == "auto" and spec.k_positions is None and _cudnn_for_a_long_cache(impl, q, k, v):
         impl = "cudnn"
-    if (
-        impl == "cudnn"
-    ):  # dense prefill chunks; decode steps, rings and pages only without Triton (its kernels serve them)
+    # "cudnn": dense prefill chunks; decode steps, rings and pages only without Triton (its kernels serve them)
+    if impl == "cudnn":
         rest = _without_cudnn(impl)
         paged = isinstance(k, PagedKV)
         dense_chunk = q.shape[1] > 1 and spec.k_positions is None and not paged
-        if (
-            cudnn.serves(q, k, v, spec)
-            and (dense_chunk or rest == "xla")
-            and (
-                not paged
-                or cudnn.paged_unavailable(k.page_size, q.shape[-1], q.shape[2] // k.shape[2], q.dtype) is None
-            )
-        ):
+        if cudnn.serves(q, k, v, spec) and (dense_chunk or rest == "xla") and (not paged or _cudnn_pages(q, k)):
             return cudnn_attention(q, k, v, spec, scale=scale, backward_impl=rest)
         impl = rest
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):
