@@ -6,12 +6,16 @@ On GPU: forward and forward+backward times of
   * xla      - the dense masked jnp reference (skipped when its scores would not fit),
   * cudnn    - `jax.nn.dot_product_attention(is_causal=True, implementation="cudnn")` (GPU only; without
                `implementation` JAX picks its XLA path, which runs out of memory past 8k),
+  * cudnn_lambda - Λ through cuDNN (`duo_jax.attention.cudnn.attention`: its sliding window and a call over the
+               sinks, merged; the backward is cuDNN's from the merged statistics): gate training on a GPU
+               without Triton (GPU only),
   * tokamax  - `tokamax.dot_product_attention(is_causal=True, implementation="mosaic")`, the maintained Mosaic GPU
                (Hopper) flash attention of openxla/tokamax, when that package is importable (GPU only): a
                candidate for the prefill's dense heads where our Triton kernel trails cuDNN,
 at Llama-3-8B head shapes (32 query / 8 KV heads, head_dim 128, bf16), with the
 Λ/causal visited-block ratio and the time ratios side by side: flash/Λ, cuDNN/Λ (how much faster Λ is than
-cuDNN's causal attention) and cuDNN/flash (our flash kernel's speed as a fraction of cuDNN's).
+cuDNN's causal attention), cuDNN/flash (our flash kernel's speed as a fraction of cuDNN's), cuDNN/cuDNN Λ and
+cuDNN Λ/Λ (Λ through cuDNN against cuDNN's causal attention and against the Λ kernel).
 
 On TPU the same table times the TPU kernels (`pallas_kernels.tpu`: splash
 attention for these static masks) instead of the Triton ones; use
@@ -50,6 +54,8 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import pallas_kernels  # noqa: E402
+from duo_jax.attention import cudnn  # noqa: E402
+from duo_jax.attention.masks import prefix_spec  # noqa: E402
 from pallas_kernels import _backend, causal_visited_blocks, lambda_visited_blocks, reference  # noqa: E402
 from pallas_kernels.tpu.launches import pallas_launches  # noqa: E402
 
@@ -123,6 +129,10 @@ def implementations(args, interpret: bool | None):
     }
     if _backend.backend() == "gpu" and not interpret:
         impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        # Λ without Triton: cuDNN's sliding window and a call over the sinks, merged (gate training's path there)
+        impls["cudnn_lambda"] = lambda q, k, v: cudnn.attention(
+            q, k, v, prefix_spec(q.shape[0], q.shape[1], num_keys=k.shape[1], **window)
+        )
         if importlib.util.find_spec("tokamax") is not None:
             import tokamax
 
@@ -168,11 +178,18 @@ def _fmt(entry: dict, key: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    names = [n for n in ("lambda", "flash", "xla", "cudnn", "tokamax") if any(n in r for r in rows)]
+    names = [n for n in ("lambda", "flash", "xla", "cudnn", "cudnn_lambda", "tokamax") if any(n in r for r in rows)]
     phases = ("fwd_ms", "fwd_bwd_ms") if names else ()
     ratios = [
         (a, b)
-        for a, b in (("flash", "lambda"), ("cudnn", "lambda"), ("cudnn", "flash"), ("cudnn", "tokamax"))
+        for a, b in (
+            ("flash", "lambda"),
+            ("cudnn", "lambda"),
+            ("cudnn", "flash"),
+            ("cudnn", "tokamax"),
+            ("cudnn", "cudnn_lambda"),
+            ("cudnn_lambda", "lambda"),
+        )
         if a in names and b in names
     ]
     header = ["T", "Λ blocks", "causal blocks", "Λ/causal"]

@@ -12,6 +12,7 @@ device takes 2,000 x step seconds.
 
     python benchmarks/train_step.py                                      # Llama-3-8B, 32k tokens, all devices
     python benchmarks/train_step.py --model smollm2-135m --seq-len 8192
+    python benchmarks/train_step.py --impl cudnn        # attention through cuDNN (a GPU without Triton runs that)
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps (after one that compiles)")
     p.add_argument("--mesh", help="device mesh 'data=A,fsdp=B,seq=C' (default: seq= every device)")
     p.add_argument("--batch-size", type=int, default=1, help="samples per step")
+    p.add_argument(
+        "--impl",
+        default="auto",
+        help="attention implementation (duo_jax.attention.IMPLS; cudnn: what a GPU without Triton runs)",
+    )
     args = p.parse_args(argv)
 
     import jax
@@ -38,11 +44,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import duo_jax
     from duo_jax import config as config_lib
+    from duo_jax import gates as gates_lib
     from duo_jax import sharding, training
 
     config = config_lib.get_config(args.model)
     mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
-    cfg = training.TrainConfig(batch_size=args.batch_size, max_len=args.seq_len)
+    objective = gates_lib.Objective(impl=args.impl)
+    cfg = training.TrainConfig(objective=objective, batch_size=args.batch_size, max_len=args.seq_len)
     training.check_mesh(mesh, cfg.batch_size)
     params = duo_jax.init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
     report = training.memory_report(config, cfg, mesh, params, args.seq_len)
@@ -73,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = cfg.batch_size * T
     row = [
         args.model,
+        args.impl,
         sharding.format_mesh(mesh),
         tokens_per_step,
         round(times[0], 1),
@@ -84,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     headers = [
         "model",
+        "attention",
         "mesh",
         "tokens / step",
         "first step s (compiles)",
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     common.write_result(
         args.out,
-        f"train_step_{args.model}",
+        f"train_step_{args.model}" + ("" if args.impl == "auto" else f"_{args.impl}"),
         title=f"Gate-training step: {args.model}, {T} tokens per sample",
         headers=headers,
         rows=[row],

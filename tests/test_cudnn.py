@@ -95,7 +95,9 @@ def test_serves_dense_16_bit_chunks_only():
     assert cudnn.serves(q, k, v, spec)
     assert not cudnn.serves(q.astype(jnp.float32), k, v, spec)  # fp32
     assert cudnn.serves(q[:, :1], k, v, prefix_spec(B, 1, q_offset=jnp.asarray([3]), num_keys=C))  # decode
-    assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, sink=4, recent=8))  # Λ
+    assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, sink=4, recent=8))  # Λ over a chunk
+    whole = prefix_spec(B, C, num_keys=C, sink=4, recent=8)  # Λ over a whole sequence (gate training)
+    assert cudnn.serves(*(jnp.zeros((B, C, n, 64), jnp.bfloat16) for n in (4, 2, 2)), whole)
     assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, window=8))  # sliding window
     positions = MaskSpec(spec.q_positions, spec.kv_len, jnp.zeros((B, C), jnp.int32))
     assert not cudnn.serves(q, k, v, positions)  # keys at explicit positions
@@ -139,33 +141,161 @@ def test_traced_under_jit():
     assert rel_err(fn(q, k, v, jnp.asarray([10])), xla.attention(q, k, v, spec)) < 1e-5
 
 
-def _binding_like(q, k, v, kv_len, causal, *, scale):
-    """The stand-in with the binding's backward: no gradient reaches the log-sum-exp."""
-    out, lse = cudnn.xla_part(q, k, v, kv_len, causal, scale=scale)
+def _ring_spec(B, T, R):
+    """A ring of R slots (one sequence's empty, one's 12 filled with wrapped positions) followed by T own keys."""
+    offsets = np.array([0, 40])
+    positions = np.full((B, R + T), -1, np.int32)
+    positions[1, :12] = np.r_[0:4, 32:40]  # sinks 0..3, then the ring's recent tokens; the rest of the ring empty
+    positions[:, R:] = offsets[:, None] + np.arange(T)
+    q_positions = jnp.asarray(offsets[:, None] + np.arange(T), jnp.int32)
+    return MaskSpec(q_positions, jnp.full((B,), R + T, jnp.int32), jnp.asarray(positions), own_keys_at=R)
+
+
+# (name, T, spec over C = 48 keys, how many calls): every decomposition `cudnn.calls` makes
+GRADIENT_CASES = [
+    ("chunk_at_offsets", 8,
+     prefix_spec(2, 8, q_offset=jnp.asarray([20, 0]), kv_len=jnp.asarray([28, 8]), num_keys=48), 2),
+    ("static_offset", 8, prefix_spec(2, 8, q_offset=16, kv_len=24, num_keys=48), 2),
+    ("whole_sequence", 48, prefix_spec(2, 48, num_keys=48), 1),
+    ("lambda", 48, prefix_spec(2, 48, num_keys=48, sink=4, recent=12), 2),
+    ("lambda_without_sinks", 48, prefix_spec(2, 48, num_keys=48, sink=0, recent=12), 1),
+    ("ring", 8, _ring_spec(2, 8, 40), 2),
+    ("decode", 1, prefix_spec(2, 1, q_offset=jnp.asarray([30, 0]), kv_len=jnp.asarray([31, 1]), num_keys=48), 1),
+]  # fmt: skip
+
+
+def _grads(fn, q, k, v, seed=6):
+    w = jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), jnp.float32)
+    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("name, T, spec, n_calls", GRADIENT_CASES, ids=[c[0] for c in GRADIENT_CASES])
+def test_gradient_through_each_calls_backward_is_the_whole_masks(name, T, spec, n_calls):
+    """Each decomposition's gradient, each call's backward given the merged statistics (the stand-in for cuDNN's),
+    against the XLA path's gradient on the whole mask; and its forward."""
+    q, k, v = _inputs(2, T, 48, 4, 2, 16, seed=5)
+    assert len(cudnn.calls(q, k, v, spec)) == n_calls
+    run = functools.partial(cudnn.attention, spec=spec, attend=cudnn.xla_part, attend_backward=cudnn.xla_part_backward)
+    assert rel_err(run(q, k, v), xla.attention(q, k, v, spec)) < 1e-5
+    for got, want in zip(_grads(run, q, k, v), _grads(lambda q, k, v: xla.attention(q, k, v, spec), q, k, v)):
+        assert rel_err(got, want) < 1e-5
+
+
+def _own_statistics_backward(q, k, v, kv_len, causal, window, out, lse, d_out, *, scale):
+    """The binding's own VJP: each call's backward from its own output and log-sum-exp (a wrong merged gradient)."""
+    own_out, own_lse = cudnn.xla_part(q, k, v, kv_len, causal, window, scale=scale)
+    return cudnn.xla_part_backward(q, k, v, kv_len, causal, window, own_out, own_lse, d_out, scale=scale)
+
+
+@pytest.mark.parametrize("case", [0, 3], ids=["chunk_at_offsets", "lambda"])
+def test_a_backward_from_each_calls_own_statistics_is_wrong(case):
+    """What the merged statistics are for: with each call's own, two calls' gradients are far off."""
+    _, T, spec, _ = GRADIENT_CASES[case]
+    q, k, v = _inputs(2, T, 48, 4, 2, 16, seed=5)
+    run = functools.partial(cudnn.attention, spec=spec, attend=cudnn.xla_part, attend_backward=_own_statistics_backward)
+    want = _grads(lambda q, k, v: xla.attention(q, k, v, spec), q, k, v)
+    assert max(rel_err(g, w) for g, w in zip(_grads(run, q, k, v), want)) > 1e-2
+
+
+def test_backward_stand_in_is_the_contract():
+    """`xla_part_backward`, the stand-in for cuDNN's backward, given one call's own statistics, is that call's
+    gradient (autodiff of the XLA path), with a padding mask and with a sliding window."""
+    q, k, v = _inputs(2, 12, 20, 4, 2, 8, seed=9)
+    d_out = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
+    for kv_len, causal, window in ((jnp.asarray([20, 7]), False, None), (None, True, 5)):
+        out, lse = cudnn.xla_part(q, k, v, kv_len, causal, window, scale=0.3)
+        got = cudnn.xla_part_backward(q, k, v, kv_len, causal, window, out, lse, d_out, scale=0.3)
+        spec = prefix_spec(2, 12, kv_len=kv_len, num_keys=20, causal=causal, window=window)
+        _, vjp = jax.vjp(lambda q, k, v: xla.attention(q, k, v, spec, scale=0.3), q, k, v)
+        for g, w in zip(got, vjp(d_out), strict=True):
+            assert rel_err(g, w) < 1e-5
+
+
+def _binding_like(q, k, v, kv_len, causal, window=None, *, scale):
+    """The stand-in with the binding's VJP: no gradient reaches the log-sum-exp."""
+    out, lse = cudnn.xla_part(q, k, v, kv_len, causal, window, scale=scale)
     return out, jax.lax.stop_gradient(lse)
 
 
-def test_gradient_is_the_kernels_not_the_bindings():
-    """A chunk at an offset (two calls merged): the gradient through the dispatch's cuDNN path is the XLA path's,
-    although the binding drops the log-sum-exp's cotangent (which makes the bare merge's gradient wrong)."""
+def test_gradient_is_the_kernels_where_cudnns_backward_fails_its_probe():
+    """A chunk at an offset (two calls merged) where cuDNN's backward did not pass its probe (as on this host): the
+    gradient through the dispatch's cuDNN path is the XLA path's, recomputed."""
     B, T, C, H, K, E = 2, 8, 48, 4, 2, 16
     q, k, v = _inputs(B, T, C, H, K, E, seed=5)
     spec = prefix_spec(B, T, q_offset=jnp.asarray([20, 3]), kv_len=jnp.asarray([28, 11]), num_keys=C)
-    w = jnp.asarray(np.random.default_rng(6).standard_normal((B, T, H, E)), jnp.float32)
-
-    def grads(fn):
-        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
-
-    want = grads(lambda q, k, v: xla.attention(q, k, v, spec))
-    got = grads(
+    assert cudnn.gradient_unavailable() is not None
+    want = _grads(lambda q, k, v: xla.attention(q, k, v, spec), q, k, v)
+    got = _grads(
         lambda q, k, v: dispatch.cudnn_attention(
             q, k, v, spec, scale=None, backward_impl="xla", attend_part=_binding_like
-        )
-    )
-    bare = grads(lambda q, k, v: cudnn.attention(q, k, v, spec, attend=_binding_like))
+        ), q, k, v,
+    )  # fmt: skip
     for g, h in zip(got, want, strict=True):
         assert rel_err(g, h) < 1e-5
-    assert max(rel_err(b, h) for b, h in zip(bare, want, strict=True)) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "spec, masks, windows",
+    [
+        (prefix_spec(1, 256, num_keys=256, sink=16, recent=64), ["CAUSAL", "CAUSAL"], ["64", "0"]),
+        (prefix_spec(1, 256, q_offset=jnp.asarray([100]), num_keys=512), ["CAUSAL", "PADDING"], ["0", "0"]),
+    ],
+    ids=["lambda", "chunk_at_an_offset"],
+)
+def test_gradient_calls_pass_the_bindings_checks(monkeypatch, spec, masks, windows):
+    """The gradient through cuDNN lowered for an NVIDIA GPU on this host (the cuDNN version check bypassed): each call
+    once forward and once backward (its backward primitive bound with the merged statistics), with the mask and the
+    sliding window each call needs, and shapes that pass the binding's checks."""
+    import re
+
+    from jax._src.cudnn import fused_attention_stablehlo as binding
+
+    monkeypatch.setattr(binding, "check_cudnn_version", lambda: 90800)
+    T, S = spec.q_positions.shape[1], 512 if spec.sink is None else 256
+    q, k = jnp.zeros((1, T, 8, 64), jnp.bfloat16), jnp.zeros((1, S, 2, 64), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(cudnn.attention(q, k, v, spec).astype(jnp.float32))  # noqa: E731
+    checks = [jax.export.DisabledSafetyCheck.custom_call(f"__cudnn$fmhaSoftmax{b}") for b in ("", "Backward")]
+    exported = jax.export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=("cuda",), disabled_checks=checks
+    )
+    calls = [line for line in exported(q, k, k).mlir_module().splitlines() if "stablehlo.custom_call @__cudnn" in line]
+    forward, backward = ([c for c in calls if f"fmhaSoftmax{b}(" in c] for b in ("", "Backward"))
+    assert len(forward) == len(backward) == 2
+    field = lambda name, c: re.findall(name + r"\\22: (?:\\22)?(\w+)", c)[0]  # noqa: E731 - from the backend config
+    for step in (forward, backward):
+        assert [field("mask_type", c) for c in step] == masks
+        assert [field("sliding_window_length", c) for c in step] == windows
+
+
+def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
+    """Gate training's Λ on a GPU where Triton does not work: forward and gradient through cuDNN's two calls (the
+    stand-ins, counted), matching the XLA path; where Triton works, or cuDNN's backward failed its probe, not."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[1])  # the call's keys
+        return cudnn.xla_part(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "_cudnn", counted)
+    monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(1, 64, 64, 4, 2, 16, seed=11))
+    run = lambda q, k, v: dispatch.lambda_attention(q, k, v, sink=4, recent=16)  # noqa: E731
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = _grads(lambda q, k, v: dispatch.lambda_attention(q, k, v, sink=4, recent=16, impl="xla"), *f32)
+    for g, w in zip(_grads(run, q, k, v), want, strict=True):
+        assert rel_err(g.astype(jnp.float32), w) < 2e-2
+    assert calls == [64, 4]  # the window over all the keys, then the sinks
+    calls.clear()
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "pallas")
+    monkeypatch.setattr(dispatch, "_kernels", lambda *args: "pallas kernels")
+    assert run(q, k, v) == "pallas kernels"
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: "its backward is off")
+    run(q, k, v)
+    assert not calls
 
 
 @pytest.fixture
@@ -376,3 +506,25 @@ def test_paged_probe_passes_the_contract_and_catches_a_wrong_call(monkeypatch):
     monkeypatch.setattr(cudnn, "_cudnn_paged", in_block_order)
     jax.clear_caches()  # `jax.jit(attention)` traced with the stand-in above
     assert "cuDNN paged attention (T=64) is off by" in cudnn.paged_unavailable.__wrapped__()
+
+
+def test_gradient_probe_passes_the_contract_and_catches_a_wrong_backward(monkeypatch):
+    """The gradient probe run with the stand-ins for cuDNN's call and backward passes; with a backward from each
+    call's own statistics (the binding's VJP) it names the error; with a backward that raises (an operand this
+    JAX's primitive does not take), the exception."""
+    monkeypatch.setattr(cudnn, "unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
+    monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
+    assert cudnn.gradient_unavailable.__wrapped__() is None
+    monkeypatch.setattr(cudnn, "_cudnn_backward", _own_statistics_backward)
+    jax.clear_caches()  # the probe's jitted gradient traced with the stand-in above
+    assert "cuDNN attention's gradient (a chunk) is off by" in cudnn.gradient_unavailable.__wrapped__()
+
+    def raises(*args, **kwargs):
+        raise TypeError("bind() got an unexpected keyword argument 'score_mod'")
+
+    monkeypatch.setattr(cudnn, "_cudnn_backward", raises)
+    jax.clear_caches()
+    assert (
+        cudnn.gradient_unavailable.__wrapped__() == "TypeError: bind() got an unexpected keyword argument 'score_mod'"
+    )

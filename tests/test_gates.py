@@ -119,6 +119,38 @@ def test_bf16_weights_keep_fp32_gates_and_gradients(setup):
     assert np.isfinite(np.asarray(grad)).all() and float(terms.distill) > 0
 
 
+def test_gate_gradient_through_cudnn_without_triton(setup, monkeypatch):
+    """Gate training on a GPU where Triton does not work: the full and Λ attention through cuDNN's calls, forward and
+    backward (the XLA stand-ins, counted), none on the XLA path, give the loss and gate gradient of the XLA path."""
+    from duo_jax.attention import cudnn, dispatch, xla
+
+    config, params, tokens, positions = setup
+    params16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[1])  # the call's keys
+        return cudnn.xla_part(*args, **kwargs)
+
+    def value_and_grad(impl):
+        objective = dataclasses.replace(OBJECTIVE, impl=impl)
+        args = (gates.init_gates(config, 0.5), params16, config, tokens, positions, jnp.ones(tokens.shape, bool))
+        return jax.jit(jax.value_and_grad(gates.loss, has_aux=True), static_argnums=(2, 6))(*args, objective)
+
+    (want, _), want_grad = value_and_grad("xla")
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: impl)
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "_cudnn", counted)
+    monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
+    monkeypatch.setattr(xla, "attention", lambda *args, **kwargs: pytest.fail("attention on the XLA path"))
+    (got, _), got_grad = value_and_grad("cudnn")
+    assert set(calls) == {T, SINK}  # full attention and Λ's window over the T keys, Λ's sinks
+
+    assert abs(float(got) - float(want)) < 2e-3 * abs(float(want))
+    assert float(jnp.max(jnp.abs(got_grad - want_grad)) / jnp.max(jnp.abs(want_grad))) < 1e-2
+
+
 def test_rejects_gates_of_the_wrong_shape(setup):
     config, params, tokens, positions = setup
     with pytest.raises(ValueError, match="gates must have shape"):

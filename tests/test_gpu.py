@@ -366,6 +366,36 @@ def test_cudnn_prefill_chunk_and_decode():
     check(out, attention_f64(q, k, v, seen), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("sink", [None, 64], ids=["causal", "lambda"])
+def test_cudnn_gate_training_forward_and_gradients(sink):
+    """Gate training's attention without Triton: a whole 2,048-token sequence (bf16, GQA 4:1, head_dim 128), causal
+    (one cuDNN call) or Λ with sink 64 and recent 256 (cuDNN's sliding window and a call over the sinks, merged),
+    forward against float64 and gradients through cuDNN's backward given the merged statistics against the dense
+    reference's in float32 at the same inputs. Skipped, with the probe's reason, where that backward does not run."""
+    from duo_jax.attention import cudnn
+
+    reason = cudnn.gradient_unavailable()
+    if reason is not None:
+        pytest.skip(f"cuDNN attention's gradient does not run here: {reason}")
+    T, recent = 2048, None if sink is None else 256
+    q, k, v = inputs(1, T, T, 32, 8, 128, jnp.bfloat16, seed=3)
+    spec = dispatch.prefix_spec(1, T, num_keys=T, sink=sink, recent=recent)
+    args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    check(
+        jax.jit(cudnn.attention)(*args, spec),
+        attention_f64(q, k, v, positions_mask(T, T, 0, T, sink, recent)),
+        jnp.bfloat16,
+    )
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, spec).astype(jnp.float32) * cot)  # noqa: E731
+    got = jax.jit(jax.grad(loss(cudnn.attention), argnums=(0, 1, 2)))(*args)
+    reference = lambda q, k, v, spec: dispatch.attend(q, k, v, spec, impl="reference")  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(loss(reference), argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in args))
+    for g, w in zip(got, want):
+        check(g, np.asarray(w, np.float64), jnp.bfloat16)
+
+
 def test_cudnn_paged_chunk_and_decode():
     """The caches of the test above in a shuffled pool of 64-token pages (and 3 stale pages): a 1,024-token chunk at
     offsets 2,000 and 0 (700 real tokens) and a decode step (lengths full, 1 and mid-page) through cuDNN's paged

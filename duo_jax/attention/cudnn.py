@@ -1,20 +1,28 @@
 """Causal attention through cuDNN's fused attention (JAX's cuDNN binding) on a GPU: a prefill chunk or a decode step
-over a contiguous or paged cache, or the streaming heads' ring followed by the chunk.
+over a contiguous or paged cache, the streaming heads' ring followed by the chunk, or Λ over a whole sequence
+(gate training's streaming heads), forward and backward.
 
 This is the path that needs no Pallas Triton backend (deprecated in JAX 0.11). It uses the library where it serves:
 cuDNN's flash attention on Hopper is faster than this project's Triton flash kernel (BENCHMARKS.md, "Attention
 kernels vs cuDNN").
 
-Why two calls: JAX's binding aligns cuDNN's causal mask top-left (query i sees keys j <= i). That is the engine's
-rule only for queries that start at position 0. A chunk at offset c sees the c cached keys whole and its own T keys
-causally, so it runs as two calls:
+Why several calls: JAX's binding aligns cuDNN's causal mask top-left (query i sees keys j <= i). That is the
+engine's rule only for queries that start at position 0. A chunk at offset c sees the c cached keys whole and its own
+T keys causally, so it runs as two calls (`calls`):
 - the chunk over the prefix: a padding mask, keys j < c, the cache read in place;
 - the chunk over itself: causal with T = S, its T keys gathered from the cache.
-The two are merged by their log-sum-exps (flash attention's rescaling). The log-sum-exp comes from the binding's
-`return_residual`, which only its internal module exposes (`jax._src.cudnn.fused_attention_stablehlo`), so
-`unavailable()` probes it once per process against the XLA path, and the dispatch keeps the Pallas kernels (or XLA)
-where it fails. The binding's backward drops the log-sum-exp's cotangent, so a gradient through the merge would be
-wrong: the dispatch (`duo_jax.attention.dispatch`) gives this path the gradient of the kernels it stands beside.
+Λ (sink + recent) is cuDNN's sliding window of `recent` keys plus a causal call of the queries from position
+`recent` over the `sink` first keys: the sinks further back than the window. The calls' results are merged by their
+log-sum-exps (flash attention's rescaling). The log-sum-exp comes from the binding's `return_residual`, which only
+its internal module exposes (`jax._src.cudnn.fused_attention_stablehlo`), so `unavailable()` probes it once per
+process against the XLA path, and the dispatch keeps the Pallas kernels (or XLA) where it fails.
+
+The gradient (`merged`): the binding's own backward takes the call's output and log-sum-exp and drops the
+log-sum-exp's cotangent, which a merge needs. Each call's backward given the merged output and log-sum-exp instead
+is the merged softmax's gradient restricted to that call's keys (ring attention's backward), so the calls'
+gradients sum to the right one. That binds the binding's backward primitive with those statistics, an internal
+API, so `gradient_unavailable()` probes it, and the dispatch recomputes the gradient on the kernels it stands
+beside where it fails.
 
 A paged cache (`PagedKV`) reads its prefix through the binding's paged attention (`paged_prefix`): each KV head is
 a sequence of its own, so the head-major pool [K, N, P, E] is cuDNN's block container as it is, never copied.
@@ -25,7 +33,9 @@ Design: docs/attention.md, "cuDNN for dense prefill chunks".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 
@@ -41,8 +51,13 @@ from duo_jax.quant import QuantizedKV
 DTYPES = (jnp.bfloat16, jnp.float16)  # cuDNN's flash attention: 16-bit inputs
 MAX_HEAD_DIM = 128
 
-# (q, k, v, kv_seqlen [B], causal) -> (out [B, T, H, E], natural log-sum-exp float32 [B, T, H]); scale is bound
+# (q [B, T, H, E], k, v [B, S, K, E], kv_seqlen [B] or None (all S keys), causal, window=None) -> (out [B, T, H, E],
+# natural log-sum-exp float32 [B, T, H]): row i sees key j iff j < kv_seqlen, j <= i if causal (top-left), i - j <
+# window with a window. Scale is bound.
 Attend = Callable[..., tuple[jax.Array, jax.Array]]
+# (q, k, v, kv_seqlen, causal, window, out [B, T, H, E], lse float32 [B, T, H], d_out [B, T, H, E]) -> (d_q, d_k,
+# d_v): the backward of one `Attend` call, given the statistics of the softmax it is part of. Scale is bound.
+AttendBackward = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 # cuDNN's paged attention in its BNTH layout: (q [S, G, T, E], blocks_k / blocks_v [num_blocks, 1, P, E], q_seqlen
 # [S], kv_seqlen [S], page_table int32 [S, 1, W, 1]) -> (out [S, G, T, E], log-sum-exp float32 [S, G, T]): sequence s
 # reads block page_table[s, 0, w, 0] as its slots [w * P, (w + 1) * P), keys j < kv_seqlen[s] seen by every query;
@@ -74,16 +89,17 @@ def _fits(q: jax.Array, k, v) -> bool:
 def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
     """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache cuDNN `takes` or pages it
     `takes_pages`, or over a ring followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads),
-    without Λ or a sliding window."""
+    or Λ over a whole sequence (gate training's streaming heads: queries from position 0, as many as the keys, the
+    offset a Python int); no sliding window."""
+    if not (spec.causal and spec.window is None):
+        return False
     if takes_pages(q, k, v):
-        return spec.causal and spec.k_positions is None and spec.window is None and not spec.is_lambda
-    return (
-        takes(q, k, v)
-        and spec.causal
-        and (spec.k_positions is None or spec.own_keys_at is not None)
-        and spec.window is None
-        and not spec.is_lambda
-    )
+        return spec.k_positions is None and not spec.is_lambda
+    if not takes(q, k, v):
+        return False
+    if spec.is_lambda:
+        return spec.k_positions is None and spec.static_prefix == (0, k.shape[1]) and q.shape[1] == k.shape[1]
+    return spec.k_positions is None or spec.own_keys_at is not None
 
 
 def attention(
@@ -94,16 +110,23 @@ def attention(
     *,
     scale: float | None = None,
     attend: Attend | None = None,
+    attend_backward: AttendBackward | None = None,
     attend_paged: AttendPaged | None = None,
 ) -> jax.Array:
     """`serves`' cases through cuDNN: q [B, T, H, E] at positions q_offset + t (`spec.q_positions`, consecutive).
     Over a contiguous cache k / v [B, C, K, E] holding them at their positions (slots j < kv_len seen): a decode
     step (T = 1) is one call with a padding mask; a chunk sees the prefix [0, q_offset) whole and itself causally,
-    two calls merged. Over a ring of R slots followed by the queries' own keys (`spec.own_keys_at` = R; the ring's
-    filled slots first, every one before every query): the ring's filled slots whole and the own keys causally,
-    two calls merged. Over pages (`PagedKV`), as over a contiguous cache, with the prefix read through the tables
-    (`paged_prefix`) and a chunk's own keys gathered. `attend` runs one call and `attend_paged` one paged call
-    (cuDNN by default; the tests pass the XLA path, `xla_part` and `xla_paged_part`)."""
+    two calls merged (one where the chunk starts a sequence whose offset is a Python int: gate training). Over a
+    ring of R slots followed by the queries' own keys (`spec.own_keys_at` = R; the ring's filled slots first, every
+    one before every query): the ring's filled slots whole and the own keys causally, two calls merged. Λ over a
+    whole sequence: the recent window (cuDNN's sliding window) and the sinks before it, two calls merged
+    (`calls`). Over pages (`PagedKV`), as over a contiguous cache, with the prefix read through the tables
+    (`paged_prefix`) and a chunk's own keys gathered (forward only).
+
+    Differentiable, except over pages: each call's gradient is cuDNN's backward given the merged output and
+    log-sum-exp (`merged`). `attend` runs one call, `attend_backward` one call's backward and `attend_paged` one
+    paged call (cuDNN by default; the tests pass the XLA path, `xla_part`, `xla_part_backward` and
+    `xla_paged_part`)."""
     B, T, H, E = q.shape
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     attend = functools.partial(attend or _cudnn, scale=scale)
@@ -115,39 +138,128 @@ def attention(
             return paged(spec.decode_lengths())[0]
         q_offset = spec.q_positions[:, 0]
         positions = q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        own_k, own_v = k.at_positions(positions), v.at_positions(positions)
-        out, lse = attend(q, own_k, own_v, jnp.full((B,), T, jnp.int32), True)
-        out_prefix, lse_prefix = paged(q_offset)
-        return _merge(out, lse, out_prefix, lse_prefix, has_prefix=q_offset > 0).astype(q.dtype)
+        own = attend(q, k.at_positions(positions), v.at_positions(positions), None, True)
+        prefix = paged(q_offset)
+        return _merge(q, (own, prefix), (Call(), Call(causal=False)), (None, q_offset))[0].astype(q.dtype)
+    return merged(
+        q,
+        calls(q, k, v, spec),
+        attend=attend,
+        attend_backward=functools.partial(attend_backward or _cudnn_backward, scale=scale),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One cuDNN call of a decomposition: query rows [rows, T) over the call's keys, row i (of the call) seeing key
+    j iff j < kv_len (a padding mask, when the call has key lengths), j <= i with `causal` (cuDNN's top-left
+    alignment) and i - j < window with a `window` (cuDNN's sliding window)."""
+
+    rows: int = 0
+    causal: bool = True
+    window: int | None = None
+
+
+# a call as `calls` lists it: (Call, keys [B, S_i, K, E], values, key lengths int32 [B] or None: all S_i keys)
+Part = tuple[Call, jax.Array, jax.Array, jax.Array | None]
+
+
+def calls(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec) -> list[Part]:
+    """`serves`' contiguous cases as cuDNN calls over disjoint keys, whose softmaxes merge into the spec's."""
+    T = q.shape[1]
+    if spec.is_lambda:  # a whole sequence: p sees j in (p - recent, p], and j < sink further back
+        parts = [(Call(window=spec.recent), k, v, None)]
+        if spec.sink and spec.recent < T:  # row i of q[recent:] (position recent + i) sees sinks j <= i
+            parts.append((Call(rows=spec.recent), k[:, : spec.sink], v[:, : spec.sink], None))
+        return parts
     if spec.k_positions is not None:  # a ring, then the queries' own keys
         ring = spec.own_keys_at
-        prefix_k, prefix_v, prefix_len = k[:, :ring], v[:, :ring], jnp.sum(spec.k_positions[:, :ring] >= 0, axis=1)
-        own_k, own_v = k[:, ring : ring + T], v[:, ring : ring + T]
-    elif T == 1:
-        return attend(q, k, v, spec.decode_lengths(), False)[0]
-    else:
-        q_offset = spec.q_positions[:, 0]
-        prefix_k, prefix_v, prefix_len = k, v, q_offset
-        # the chunk's own keys: rows q_offset + t (clipped: a row past the cache is a padding token no real row sees)
-        rows = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
-        own_k, own_v = (jnp.take_along_axis(x, rows[:, :, None, None], axis=1) for x in (k, v))
-    out, lse = attend(q, own_k, own_v, jnp.full((B,), T, jnp.int32), True)
-    if not prefix_k.shape[1]:
-        return out
-    out_prefix, lse_prefix = attend(q, prefix_k, prefix_v, prefix_len, False)
-    return _merge(out, lse, out_prefix, lse_prefix, has_prefix=prefix_len > 0).astype(q.dtype)
+        filled = jnp.sum(spec.k_positions[:, :ring] >= 0, axis=1)
+        own = (Call(), k[:, ring : ring + T], v[:, ring : ring + T], None)
+        return [own, (Call(causal=False), k[:, :ring], v[:, :ring], filled)] if ring else [own]
+    if T == 1:
+        return [(Call(causal=False), k, v, spec.decode_lengths())]
+    c, n = spec.static_prefix or (None, None)
+    if c is not None and c + T <= min(n, k.shape[1]):  # the own keys and the prefix are slices: nothing gathered
+        own = (Call(), k[:, c : c + T], v[:, c : c + T], None)
+        return [own, (Call(causal=False), k[:, :c], v[:, :c], None)] if c else [own]
+    q_offset = spec.q_positions[:, 0]
+    # the chunk's own keys: rows q_offset + t (clipped: a row past the cache is a padding token no real row sees)
+    rows = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
+    own_k, own_v = (jnp.take_along_axis(x, rows[:, :, None, None], axis=1) for x in (k, v))
+    return [(Call(), own_k, own_v, None), (Call(causal=False), k, v, q_offset)]
 
 
-def _merge(out_own, lse_own, out_prefix, lse_prefix, *, has_prefix: jax.Array) -> jax.Array:
-    """Two softmaxes over disjoint keys as one, weighted by their log-sum-exps (float32 [B, T, H, E]). A sequence
-    with no prefix key (has_prefix [B] False) weighs 0 there: cuDNN's rows over no key are not defined."""
-    has_prefix = has_prefix[:, None, None]
-    lse_prefix = jnp.where(has_prefix, lse_prefix, -jnp.inf)
-    top = jnp.maximum(lse_prefix, lse_own)
-    w_prefix, w_own = jnp.exp(lse_prefix - top), jnp.exp(lse_own - top)
-    out_prefix = jnp.where(has_prefix[..., None], out_prefix.astype(jnp.float32), 0.0)
-    total = out_prefix * w_prefix[..., None] + out_own.astype(jnp.float32) * w_own[..., None]
-    return total / (w_prefix + w_own)[..., None]
+def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.Array:
+    """The calls' softmaxes as one (q's dtype [B, T, H, E]), merged by their log-sum-exps. Its gradient runs each
+    call's backward with the merged output and log-sum-exp in place of the call's own (as ring attention does):
+    the softmax over all the keys restricted to that call's keys, so the calls' gradients sum to the merged one.
+    (The binding's own backward would use the call's statistics and drop the log-sum-exp's cotangent.)"""
+    steps = tuple(call for call, *_ in parts)
+
+    def forward(q, keys, values, lengths):
+        results = [
+            attend(q[:, call.rows :], k, v, n, call.causal, call.window)
+            for call, k, v, n in zip(steps, keys, values, lengths, strict=True)
+        ]
+        out, lse = _merge(q, results, steps, lengths)
+        return out.astype(q.dtype), lse
+
+    @jax.custom_vjp
+    def run(q, keys, values, lengths):
+        return forward(q, keys, values, lengths)[0]
+
+    def run_forward(q, keys, values, lengths):
+        out, lse = forward(q, keys, values, lengths)
+        return out, (q, keys, values, lengths, out, lse)
+
+    def run_backward(residuals, d_out):
+        q, keys, values, lengths, out, lse = residuals
+        d_q, d_keys, d_values = jnp.zeros(q.shape, jnp.float32), [], []
+        for call, k, v, n in zip(steps, keys, values, lengths, strict=True):
+            r = call.rows
+            grads = attend_backward(q[:, r:], k, v, n, call.causal, call.window, out[:, r:], lse[:, r:], d_out[:, r:])
+            if n is not None:  # a sequence with no key in this call: none of its gradient (cuDNN leaves it undefined)
+                grads = [jnp.where((n > 0)[:, None, None, None], g, 0) for g in grads]
+            d_q = d_q.at[:, r:].add(grads[0].astype(jnp.float32))
+            d_keys.append(grads[1])
+            d_values.append(grads[2])
+        return d_q.astype(q.dtype), tuple(d_keys), tuple(d_values), jax.tree.map(zero_cotangent, lengths)
+
+    run.defvjp(run_forward, run_backward)
+    keys, values, lengths = (tuple(part[i] for part in parts) for i in (1, 2, 3))
+    return run(q, keys, values, lengths)
+
+
+def _merge(q, results, steps, lengths) -> tuple[jax.Array, jax.Array]:
+    """Softmaxes over disjoint keys as one: results [(out [B, T_i, H, E], lse [B, T_i, H])] over rows [T - T_i, T)
+    -> (out float32 [B, T, H, E], lse float32 [B, T, H]). A call with key lengths weighs 0 for a sequence with
+    none (cuDNN's rows over no key are not defined); rows a call does not serve weigh 0."""
+    if len(results) == 1 and steps[0].rows == 0 and lengths[0] is None:
+        out, lse = results[0]
+        return out.astype(jnp.float32), lse
+    T = q.shape[1]
+    outs, lses = [], []
+    for (out, lse), call, n in zip(results, steps, lengths, strict=True):
+        valid = jnp.arange(T) >= call.rows
+        if n is not None:
+            valid = valid[None, :] & (n > 0)[:, None]
+        valid = jnp.broadcast_to(valid, q.shape[:2])[..., None]
+        pad = ((0, 0), (call.rows, 0), (0, 0))
+        lses.append(jnp.where(valid, jnp.pad(lse, pad), -jnp.inf))
+        outs.append(jnp.where(valid[..., None], jnp.pad(out.astype(jnp.float32), (*pad, (0, 0))), 0.0))
+    top = functools.reduce(jnp.maximum, lses)
+    weights = [jnp.exp(lse - top) for lse in lses]
+    total = sum(w[..., None] * out for w, out in zip(weights, outs, strict=True))
+    norm = sum(weights)
+    return total / norm[..., None], top + jnp.log(norm)
+
+
+def zero_cotangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def paged_prefix(q: jax.Array, k: PagedKV, v: PagedKV, kv_len: jax.Array, *, attend: AttendPaged):
@@ -197,23 +309,59 @@ def sequences_per_call(batch: int, num_pages: int, table_width: int) -> int:
     return max(fits, default=1)
 
 
-def _cudnn(q, k, v, kv_len, causal: bool, *, scale: float):
-    """One cuDNN call: keys j < kv_len [B] (and j <= i with `causal`, top-left), with its log-sum-exp."""
+def _cudnn(q, k, v, kv_len, causal: bool, window: int | None = None, *, scale: float):
+    """One cuDNN call (`Attend`), with its log-sum-exp."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    B, T = q.shape[:2]
     out, lse = cudnn.dot_product_attention(
         q,
         k,
         v,
-        q_seqlen=jnp.full((B,), T, jnp.int32),
-        kv_seqlen=kv_len.astype(jnp.int32),
+        **_mask(cudnn, q, kv_len, causal),
         scale=scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING,
         qkv_layout="BTNH",
+        sliding_window_length=window,
         return_residual=True,
     )
-    return out, jnp.transpose(lse, (0, 2, 1))  # [B, H, T] -> [B, T, H]
+    return out, jnp.swapaxes(lse, 1, 2)  # [B, H, T] -> [B, T, H]
+
+
+def _cudnn_backward(q, k, v, kv_len, causal: bool, window, out, lse, d_out, *, scale: float):
+    """cuDNN's backward of one call (`AttendBackward`) with the given output and log-sum-exp as its residuals. The
+    binding's public function keeps its own residuals, so this binds its backward primitive, as its VJP does."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    mask = _mask(cudnn, q, kv_len, causal)
+    unused = jnp.zeros(0, q.dtype)
+    seqlens = [mask.get(name, unused) for name in ("q_seqlen", "kv_seqlen")]
+    params = dict(
+        scale=scale,
+        seed=0,
+        dropout_rate=0.0,
+        variadic_args=(False, False),  # no bias, no bias gradient
+        mask_type=mask["mask_type"],
+        layout=cudnn.AttentionLayout.BTNH.value,
+        sliding_window_length=window,
+    )
+    if "score_mod" in inspect.signature(cudnn._dot_product_attention_bwd_impl).parameters:
+        params["score_mod"] = None  # JAX >= 0.12's score modifiers (none; no operands for them either)
+    grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, unused, *seqlens, unused, unused, unused, unused,  # bias, offsets, page tables: none
+        jnp.swapaxes(lse, 1, 2).astype(jnp.float32), out.astype(q.dtype), d_out.astype(q.dtype), **params,
+    )  # fmt: skip
+    return tuple(grads[:3])
+
+
+def _mask(cudnn, q, kv_len, causal: bool) -> dict:
+    """The binding's mask arguments: a padding mask (and sequence lengths) where the call has key lengths."""
+    if kv_len is None:
+        return dict(mask_type=cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK)
+    B, T = q.shape[:2]
+    return dict(
+        mask_type=cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING,
+        q_seqlen=jnp.full((B,), T, jnp.int32),
+        kv_seqlen=kv_len.astype(jnp.int32),
+    )
 
 
 def _cudnn_paged(q, blocks_k, blocks_v, q_len, kv_len, tables, *, scale: float):
@@ -235,11 +383,30 @@ def _cudnn_paged(q, blocks_k, blocks_v, q_len, kv_len, tables, *, scale: float):
     )
 
 
-def xla_part(q, k, v, kv_len, causal: bool, *, scale: float):
+def xla_part(q, k, v, kv_len, causal: bool, window: int | None = None, *, scale: float):
     """`_cudnn`'s contract on the XLA path: the tests' stand-in for cuDNN (`attention(attend=xla_part)`)."""
     B, T = q.shape[:2]
-    spec = prefix_spec(B, T, kv_len=kv_len, num_keys=k.shape[1], causal=causal)
+    spec = prefix_spec(B, T, kv_len=kv_len, num_keys=k.shape[1], causal=causal, window=window)
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
+
+
+def xla_part_backward(q, k, v, kv_len, causal: bool, window, out, lse, d_out, *, scale: float):
+    """`_cudnn_backward`'s contract, written out densely (flash attention's backward from the given statistics): the
+    tests' stand-in for cuDNN's backward (`attention(attend_backward=xla_part_backward)`)."""
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    f32 = lambda x: x.astype(jnp.float32).reshape(*x.shape[:2], K, -1, x.shape[-1])  # noqa: E731 - [B, T, K, G, E]
+    q_, out_, d_out_ = f32(q), f32(out), f32(d_out)
+    k_, v_ = (x.astype(jnp.float32) for x in (k, v))
+    mask = prefix_spec(B, T, kv_len=kv_len, num_keys=k.shape[1], causal=causal, window=window).dense(k.shape[1])
+    s = jnp.einsum("btkge,bske->bkgts", q_, k_) * scale
+    p = jnp.where(mask[:, None, None], jnp.exp(s - jnp.transpose(lse.reshape(B, T, K, -1), (0, 2, 3, 1))[..., None]), 0)
+    d_v = jnp.einsum("bkgts,btkge->bske", p, d_out_)
+    d_p = jnp.einsum("btkge,bske->bkgts", d_out_, v_)
+    d_s = p * (d_p - jnp.transpose(jnp.sum(d_out_ * out_, -1), (0, 2, 3, 1))[..., None])
+    d_q = jnp.einsum("bkgts,bske->btkge", d_s, k_).reshape(B, T, H, E) * scale
+    d_k = jnp.einsum("bkgts,btkge->bske", d_s, q_) * scale
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
 
 
 def xla_paged_part(q, blocks_k, blocks_v, q_len, kv_len, tables, *, scale: float):
@@ -258,19 +425,19 @@ def unavailable() -> str | None:
     matches the XLA path; otherwise why not. Probed once per process."""
     if jax.default_backend() not in ("gpu", "cuda"):
         return f"cuDNN attention needs an NVIDIA GPU (the default backend is {jax.default_backend()})"
-    try:
-        with jax.ensure_compile_time_eval():
-            rng = np.random.default_rng(0)
-            B, T, C, H, K, E = 2, 128, 256, 4, 2, 64
-            q = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.bfloat16)
-            k, v = (jnp.asarray(rng.standard_normal((B, C, K, E)), jnp.bfloat16) for _ in range(2))
-            spec = prefix_spec(B, T, q_offset=jnp.asarray([0, 100]), kv_len=jnp.asarray([T, 100 + T]), num_keys=C)
-            err = _off_by(q, k, v, spec, k.astype(jnp.float32), v.astype(jnp.float32))
-            if not err < 3e-2:
-                return f"cuDNN attention through the log-sum-exp merge is off by {err:.2e} against the XLA path"
-    except Exception as e:  # noqa: BLE001 - any failure means: do not use it here, and say why
-        return _failure(e)
-    return None
+
+    def check():
+        rng = np.random.default_rng(0)
+        B, T, C, H, K, E = 2, 128, 256, 4, 2, 64
+        q = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.bfloat16)
+        k, v = (jnp.asarray(rng.standard_normal((B, C, K, E)), jnp.bfloat16) for _ in range(2))
+        spec = prefix_spec(B, T, q_offset=jnp.asarray([0, 100]), kv_len=jnp.asarray([T, 100 + T]), num_keys=C)
+        err = _off_by(q, k, v, spec, k.astype(jnp.float32), v.astype(jnp.float32))
+        if not err < 3e-2:
+            return f"cuDNN attention through the log-sum-exp merge is off by {err:.2e} against the XLA path"
+        return None
+
+    return _probe(check)
 
 
 @functools.cache
@@ -279,25 +446,68 @@ def paged_unavailable(page_size: int = 64, head_dim: int = 64, group: int = 2, d
     XLA path for a chunk and a decode step (tables out of order, a "no page" entry, ragged lengths), with pages of
     `page_size` tokens, `head_dim` and `group` query heads per KV head in `dtype`; otherwise why not. Probed once per
     process and shape, apart from `unavailable`: the binding's paged call is the newer one."""
-    reason = unavailable()
-    if reason is not None:
-        return reason
+
+    def check():
+        rng = np.random.default_rng(0)
+        B, K, N, P, E = 2, 2, 8, page_size, head_dim
+        tables = jnp.asarray([[5, 2, 7], [0, 6, N]], jnp.int32)  # 3 pages; the second sequence holds 2
+        pages = [jnp.asarray(rng.standard_normal((K, N, P, E)), jnp.float32) for _ in range(2)]
+        k, v = (PagedKV(x.astype(dtype), tables) for x in pages)
+        for T, offsets in ((P, [P + P // 2, 0]), (1, [2 * P + P // 3, P + 1])):
+            q = jnp.asarray(rng.standard_normal((B, T, K * group, E)), dtype)
+            spec = prefix_spec(B, T, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets) + T, num_keys=3 * P)
+            err = _off_by(q, k, v, spec, *(PagedKV(x.pages.astype(jnp.float32), tables) for x in (k, v)))
+            if not err < 3e-2:
+                return f"cuDNN paged attention (T={T}) is off by {err:.2e} against the XLA path"
+        return None
+
+    return unavailable() or _probe(check)
+
+
+@functools.cache
+def gradient_unavailable() -> str | None:
+    """None when `attention`'s gradient through cuDNN's backward (`merged`) matches the XLA path's for a chunk at an
+    offset (two calls, a padding mask, a sequence with no prefix) and for Λ over a whole sequence (a sliding window
+    and the sinks), Λ's forward too; otherwise why not. Probed once per process: the backward binds the binding's
+    internal primitive, whose signature JAX may change."""
+
+    def check():
+        rng = np.random.default_rng(1)
+        B, T, H, K, E = 2, 128, 4, 2, 64
+        q, q_whole = (jnp.asarray(rng.standard_normal((B, n, H, E)), jnp.bfloat16) for n in (T, 2 * T))
+        k, v = (jnp.asarray(rng.standard_normal((B, 2 * T, K, E)), jnp.bfloat16) for _ in range(2))
+        chunk = prefix_spec(B, T, q_offset=jnp.asarray([0, 100]), kv_len=jnp.asarray([T, 100 + T]), num_keys=2 * T)
+        whole = prefix_spec(B, 2 * T, num_keys=2 * T, sink=16, recent=64)
+        k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+        for name, queries, spec in (("a chunk", q, chunk), ("Λ", q_whole, whole)):
+            err = max(_off_by(queries, k, v, spec, k32, v32), _grad_off_by(queries, k, v, spec))
+            if not err < 3e-2:
+                return f"cuDNN attention's gradient ({name}) is off by {err:.2e} against the XLA path's"
+        return None
+
+    return unavailable() or _probe(check)
+
+
+def _probe(check: Callable[[], str | None]) -> str | None:
+    """A probe's `check` run at compile time (on concrete arrays, inside a trace too): its reason, or the reason
+    of any exception it raises (a failure means: do not use the call here, and say why)."""
     try:
         with jax.ensure_compile_time_eval():
-            rng = np.random.default_rng(0)
-            B, K, N, P, E = 2, 2, 8, page_size, head_dim
-            tables = jnp.asarray([[5, 2, 7], [0, 6, N]], jnp.int32)  # 3 pages; the second sequence holds 2
-            pages = [jnp.asarray(rng.standard_normal((K, N, P, E)), jnp.float32) for _ in range(2)]
-            k, v = (PagedKV(x.astype(dtype), tables) for x in pages)
-            for T, offsets in ((P, [P + P // 2, 0]), (1, [2 * P + P // 3, P + 1])):
-                q = jnp.asarray(rng.standard_normal((B, T, K * group, E)), dtype)
-                spec = prefix_spec(B, T, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets) + T, num_keys=3 * P)
-                err = _off_by(q, k, v, spec, *(PagedKV(x.pages.astype(jnp.float32), tables) for x in (k, v)))
-                if not err < 3e-2:
-                    return f"cuDNN paged attention (T={T}) is off by {err:.2e} against the XLA path"
-    except Exception as e:  # noqa: BLE001 - any failure means: do not use it here, and say why
-        return _failure(e)
-    return None
+            return check()
+    except Exception as e:  # noqa: BLE001 - any failure is a reason
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _grad_off_by(q, k, v, spec: MaskSpec) -> float:
+    """The gradients of <`attention`, a random cotangent> through cuDNN against the XLA path's at the same (16-bit)
+    inputs in float32: the largest max |error| / max of the three."""
+    d_out = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, spec).astype(jnp.float32) * d_out)  # noqa: E731
+    got = jax.jit(jax.grad(loss(attention), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(xla.attention), argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    return max(
+        float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)) / jnp.max(jnp.abs(w))) for g, w in zip(got, want, strict=True)
+    )
 
 
 def _off_by(q, k, v, spec: MaskSpec, k32, v32) -> float:
@@ -305,7 +515,3 @@ def _off_by(q, k, v, spec: MaskSpec, k32, v32) -> float:
     got = jax.jit(attention)(q, k, v, spec).astype(jnp.float32)
     want = xla.attention(q.astype(jnp.float32), k32, v32, spec)
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-
-
-def _failure(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

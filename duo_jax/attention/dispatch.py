@@ -21,7 +21,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_kernels
 import pallas_kernels.cpu
@@ -56,7 +55,7 @@ def resolve_impl(impl: str) -> str:
     """Maps "auto" to "pallas" on GPU (or, where Triton does not work, "cudnn" where cuDNN attention does, else
     "xla"), "mosaic" on TPU, "cpu" on CPU (or "xla" where the C++ kernel cannot be built) and "xla" elsewhere.
     "cudnn": dense prefill chunks through cuDNN (`duo_jax.attention.cudnn`), everything else as "pallas" where
-    Triton works, else decode steps and paged caches through cuDNN too and the rest on the XLA path."""
+    Triton works, else decode steps, paged caches and Λ through cuDNN too and the rest on the XLA path."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
@@ -117,8 +116,8 @@ def _triton_fallback(reason: str, *, forced: bool) -> str:
         + (
             "on the XLA path (impl='xla')"
             if fallback == "xla"
-            else "through cuDNN for prefill chunks, decode steps and paged caches, and on the XLA path otherwise "
-            "(impl='cudnn')"
+            else "through cuDNN for prefill chunks, decode steps, paged caches and gate training, and on the XLA "
+            "path otherwise (impl='cudnn')"
         )
         + " instead of the Pallas kernels.",
         RuntimeWarning,
@@ -148,9 +147,17 @@ def _cudnn_for_a_long_cache(impl: str, q: jax.Array, k, v, *, min_keys: int | No
     )
 
 
-def _cudnn_pages(q: jax.Array, k: PagedKV) -> bool:
-    """Whether cuDNN's paged call passed its probe at these pages' size, head dim, group and dtype."""
-    return cudnn.paged_unavailable(k.page_size, q.shape[-1], q.shape[2] // k.shape[2], q.dtype) is None
+def _cudnn_serves(q: jax.Array, k, v, spec: MaskSpec, *, alone: bool) -> bool:
+    """Whether "cudnn" runs this call through cuDNN: a dense prefill chunk always; a decode step, a ring, pages and
+    Λ only `alone`, where Triton does not work (where it does, its kernels serve them), pages and Λ where their
+    probes passed."""
+    if not cudnn.serves(q, k, v, spec):
+        return False
+    if spec.is_lambda:
+        return alone and cudnn.gradient_unavailable() is None
+    if isinstance(k, PagedKV):
+        return alone and cudnn.paged_unavailable(k.page_size, q.shape[-1], q.shape[2] // k.shape[2], q.dtype) is None
+    return alone or (q.shape[1] > 1 and spec.k_positions is None)
 
 
 def attend(
@@ -161,12 +168,9 @@ def attend(
     requested, impl = impl, resolve_impl(impl)
     if requested == "auto" and spec.k_positions is None and _cudnn_for_a_long_cache(impl, q, k, v):
         impl = "cudnn"
-    # "cudnn": dense prefill chunks; decode steps, rings and pages only without Triton (its kernels serve them)
     if impl == "cudnn":
         rest = _without_cudnn(impl)
-        paged = isinstance(k, PagedKV)
-        dense_chunk = q.shape[1] > 1 and spec.k_positions is None and not paged
-        if cudnn.serves(q, k, v, spec) and (dense_chunk or rest == "xla") and (not paged or _cudnn_pages(q, k)):
+        if _cudnn_serves(q, k, v, spec, alone=rest == "xla"):
             return cudnn_attention(q, k, v, spec, scale=scale, backward_impl=rest)
         impl = rest
     if impl in ("pallas", "mosaic") and _kernels_serve(spec, k, v, impl):
@@ -204,9 +208,11 @@ def cudnn_attention(
     backward_impl: str,
     attend_part: cudnn.Attend | None = None,
 ) -> jax.Array:
-    """`cudnn.attention`, differentiable: its gradient is `attend`'s under `backward_impl` ("pallas" or "xla"),
-    recomputed from q, k and v. (The binding's backward ignores the log-sum-exp's cotangent, which the merge of a
-    chunk's two calls needs.) `attend_part` stands in for the cuDNN call (tests)."""
+    """`cudnn.attention`, differentiable through cuDNN's backward where its probe passed (`cudnn.gradient_unavailable`);
+    elsewhere its gradient is `attend`'s under `backward_impl` ("pallas" or "xla"), recomputed from q, k and v.
+    `attend_part` stands in for the cuDNN call (tests)."""
+    if _backend.exporting() or cudnn.gradient_unavailable() is None:
+        return cudnn.attention(q, k, v, spec, scale=scale, attend=attend_part)
 
     @jax.custom_vjp
     def forward(q, k, v, spec):
@@ -218,17 +224,10 @@ def cudnn_attention(
     def backward(residuals, d_out):
         q, k, v, spec = residuals
         _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, spec, impl=backward_impl, scale=scale), q, k, v)
-        return (*vjp(d_out), jax.tree.map(_zero_cotangent, spec))
+        return (*vjp(d_out), jax.tree.map(cudnn.zero_cotangent, spec))
 
     forward.defvjp(forward_with_residuals, backward)
     return forward(q, k, v, spec)
-
-
-def _zero_cotangent(x):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _values(x) -> jax.Array:
