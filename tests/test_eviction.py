@@ -177,6 +177,29 @@ def test_generate_with_eviction_methods(params, prompt):
         assert out.tokens[1] == alone.tokens[0] and out.stats["method"] == rule
 
 
+def test_tova_through_cudnn_without_triton_matches_the_xla_path(params, prompt, monkeypatch):
+    """A GPU without Triton, bf16: TOVA's chunks and decode steps attend each KV head's kept tokens (filled first)
+    and then the step's own through cuDNN's two calls (the XLA stand-in, counted), with the XLA path's logits."""
+    from duo_jax.attention import cudnn, dispatch
+
+    params16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+    method = make_method("tova", CONFIG, context=64, kv_budget=5)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append((args[0].shape[1], args[1].shape[1]))  # (queries, keys) of the call
+        return cudnn.xla_part(*args, **kwargs)
+
+    sequence, want, _, _ = run_method(params16, CONFIG, method, prompt, chunk=4, decode_steps=4, impl="xla")
+    force = sequence[len(prompt) :]  # the same tokens fed to both (bf16 rounding may flip a near tie)
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+    monkeypatch.setattr(cudnn, "_cudnn", counted)
+    _, got, _, _ = run_method(params16, CONFIG, method, prompt, chunk=4, decode_steps=4, impl="cudnn", force=force)
+    assert (4, 5) in calls and (1, 5) in calls  # a chunk and a step over the 5 kept tokens (and their own keys)
+    assert np.abs(got - want).max() < 3e-2 * np.abs(want).max()
+
+
 @pytest.mark.parametrize(
     "name, options, message",
     [
