@@ -6,8 +6,9 @@
 #                                                # probe), the kernel timings at 4k-32k and paged decode
 #                                                # (in place vs gathered): about 5-8 minutes
 #   bash benchmarks/gpu_session.sh llama8b OUT   # Llama-3-8B-shaped prefill / decode, full vs duo, vs roofline
-#   bash benchmarks/gpu_session.sh quantized OUT # the same with int4 KV + int8 weights, duo at sparsity 0.75,
-#                                                # up to 4M tokens (the planner's configuration)
+#   bash benchmarks/gpu_session.sh quantized OUT # one layer's int4 decode at 128k, Triton vs the XLA path (what a
+#                                                # GPU without Triton runs for codes), then llama8b with int4 KV +
+#                                                # int8 weights, duo at sparsity 0.75, up to 4M tokens
 #   bash benchmarks/gpu_session.sh gates OUT [STEPS]
 #                                                # SmolLM2 gate training with the original recipe; the run
 #                                                # folder comes back as OUT/gates.tgz, and a later call that
@@ -19,7 +20,8 @@
 #   bash benchmarks/gpu_session.sh prefill OUT   # issue 33's prefill targets in one call of at most 9 minutes: the
 #                                                # one-launch prefill kernel's and cuDNN's tests, 8k / 32k with a
 #                                                # per-op profile, 32k with duo's split through cuDNN, 128k
-#   bash benchmarks/gpu_session.sh graphs OUT    # issue 33: the prefill / cuDNN GPU tests (paged too), then decode
+#   bash benchmarks/gpu_session.sh graphs OUT    # issue 33: the prefill / cuDNN GPU tests (paged and gate training
+#                                                # too), then decode
 #                                                # at 8k-128k (32 steps) as run by default and with the decode loop as one
 #                                                # CUDA graph (XLA's WHILE command buffers), about 8 minutes
 #   bash benchmarks/gpu_session.sh layer OUT     # issue 33: Llama-3-8B's first layer alone (--num-layers 1): its
@@ -92,6 +94,13 @@ llama8b)
         --out "$out/gpu_llama8b" 2>&1 | tee "$out/gpu_llama8b.log"
     ;;
 quantized)
+    # target 5 for quantized caches: one layer's int4 decode at 128k through the Triton kernels (auto), then on the
+    # XLA path, what a GPU without Triton runs for codes (cuDNN takes no int4): the gap left to close
+    for impl in auto xla; do
+        part "${QUANT_LAYER_S:-90}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
+            --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 --impl $impl \
+            --out "$out/int4_layer_$impl" 2>&1 | tee "$out/int4_layer_$impl.log" || true
+    done
     $PY benchmarks/gpu_llama8b.py --kv-dtype int4 --weights int8 --sparsity 0.75 \
         --contexts 131072 524288 1048576 2097152 4194304 --max-prefill 131072 \
         --out "$out/gpu_llama8b_int4" 2>&1 | tee "$out/gpu_llama8b_int4.log"
