@@ -269,16 +269,17 @@ def test_gradient_calls_pass_the_bindings_checks(monkeypatch, spec, masks, windo
 
 def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
     """Gate training's Λ on a GPU where Triton does not work: forward and gradient through cuDNN's two calls (the
-    stand-ins, counted), matching the XLA path; where Triton works, or cuDNN's backward failed its probe, not."""
+    stand-ins, counted), matching the XLA path; where Triton works, or Λ through cuDNN failed its probe, not."""
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(args[1].shape[1])  # the call's keys
         return cudnn.xla_part(*args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn" if impl in ("auto", "cudnn") else impl)
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
     monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
     q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(1, 64, 64, 4, 2, 16, seed=11))
@@ -293,7 +294,7 @@ def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
     monkeypatch.setattr(dispatch, "_kernels", lambda *args: "pallas kernels")
     assert run(q, k, v) == "pallas kernels"
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
-    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: "its backward is off")
+    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda: "its sliding window is off")
     run(q, k, v)
     assert not calls
 
@@ -469,7 +470,7 @@ def test_pages_go_through_cudnn_only_without_triton(monkeypatch):
         calls.append(args[0].shape)
         return cudnn.xla_paged_part(*args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn" if impl in ("auto", "cudnn") else impl)
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
     monkeypatch.setattr(cudnn, "paged_unavailable", lambda *shape: None)
     monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
@@ -508,16 +509,29 @@ def test_paged_probe_passes_the_contract_and_catches_a_wrong_call(monkeypatch):
     assert "cuDNN paged attention (T=64) is off by" in cudnn.paged_unavailable.__wrapped__()
 
 
-def test_gradient_probe_passes_the_contract_and_catches_a_wrong_backward(monkeypatch):
-    """The gradient probe run with the stand-ins for cuDNN's call and backward passes; with a backward from each
-    call's own statistics (the binding's VJP) it names the error; with a backward that raises (an operand this
-    JAX's primitive does not take), the exception."""
+def test_gradient_probes_pass_the_contract_and_catch_wrong_calls(monkeypatch):
+    """The gradient and Λ probes run with the stand-ins for cuDNN's call and backward pass. With a backward from each
+    call's own statistics (the binding's VJP), the gradient probe names the error; with a backward that raises (an
+    operand this JAX's primitive does not take), the exception; with a call that ignores the sliding window, the Λ
+    probe names the error and the gradient probe still passes."""
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
     assert cudnn.gradient_unavailable.__wrapped__() is None
+    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
+    assert cudnn.lambda_unavailable.__wrapped__() is None
+
+    def no_window(q, k, v, kv_len, causal, window=None, *, scale):
+        return cudnn.xla_part(q, k, v, kv_len, causal, scale=scale)
+
+    monkeypatch.setattr(cudnn, "_cudnn", no_window)
+    jax.clear_caches()  # the probes' jitted functions traced with the stand-ins above
+    assert "Λ through cuDNN is off by" in cudnn.lambda_unavailable.__wrapped__()
+    monkeypatch.undo()
+    monkeypatch.setattr(cudnn, "unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
     monkeypatch.setattr(cudnn, "_cudnn_backward", _own_statistics_backward)
-    jax.clear_caches()  # the probe's jitted gradient traced with the stand-in above
+    jax.clear_caches()
     assert "cuDNN attention's gradient (a chunk) is off by" in cudnn.gradient_unavailable.__wrapped__()
 
     def raises(*args, **kwargs):

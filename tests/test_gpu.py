@@ -371,12 +371,13 @@ def test_cudnn_gate_training_forward_and_gradients(sink):
     """Gate training's attention without Triton: a whole 2,048-token sequence (bf16, GQA 4:1, head_dim 128), causal
     (one cuDNN call) or Λ with sink 64 and recent 256 (cuDNN's sliding window and a call over the sinks, merged),
     forward against float64 and gradients through cuDNN's backward given the merged statistics against the dense
-    reference's in float32 at the same inputs. Skipped, with the probe's reason, where that backward does not run."""
+    reference's in float32 at the same inputs. Skipped, with the probe's reason, where that backward (or Λ's calls)
+    does not run."""
     from duo_jax.attention import cudnn
 
-    reason = cudnn.gradient_unavailable()
+    reason = cudnn.gradient_unavailable() if sink is None else cudnn.lambda_unavailable()
     if reason is not None:
-        pytest.skip(f"cuDNN attention's gradient does not run here: {reason}")
+        pytest.skip(f"cuDNN attention's gradient{'' if sink is None else ' (Λ)'} does not run here: {reason}")
     T, recent = 2048, None if sink is None else 256
     q, k, v = inputs(1, T, T, 32, 8, 128, jnp.bfloat16, seed=3)
     spec = dispatch.prefix_spec(1, T, num_keys=T, sink=sink, recent=recent)

@@ -249,7 +249,7 @@ def test_paged_duo_through_cudnn_without_triton_gives_the_xla_paths_logits(monke
     logits = {}
     for impl in ("xla", "cudnn"):
         if impl == "cudnn":
-            monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn")
+            monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn" if impl in ("auto", "cudnn") else impl)
             monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
             monkeypatch.setattr(cudnn, "paged_unavailable", lambda *shape: None)
             monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)

@@ -21,8 +21,8 @@ The gradient (`merged`): the binding's own backward takes the call's output and 
 log-sum-exp's cotangent, which a merge needs. Each call's backward given the merged output and log-sum-exp instead
 is the merged softmax's gradient restricted to that call's keys (ring attention's backward), so the calls'
 gradients sum to the right one. That binds the binding's backward primitive with those statistics, an internal
-API, so `gradient_unavailable()` probes it, and the dispatch recomputes the gradient on the kernels it stands
-beside where it fails.
+API, so `gradient_unavailable()` probes it (and `lambda_unavailable()` Λ's calls), and the dispatch recomputes
+the gradient on the kernels it stands beside where it fails.
 
 A paged cache (`PagedKV`) reads its prefix through the binding's paged attention (`paged_prefix`): each KV head is
 a sequence of its own, so the head-major pool [K, N, P, E] is cuDNN's block container as it is, never copied.
@@ -427,10 +427,8 @@ def unavailable() -> str | None:
         return f"cuDNN attention needs an NVIDIA GPU (the default backend is {jax.default_backend()})"
 
     def check():
-        rng = np.random.default_rng(0)
         B, T, C, H, K, E = 2, 128, 256, 4, 2, 64
-        q = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.bfloat16)
-        k, v = (jnp.asarray(rng.standard_normal((B, C, K, E)), jnp.bfloat16) for _ in range(2))
+        q, k, v = _probe_inputs(np.random.default_rng(0), B, T, C, H, K, E)
         spec = prefix_spec(B, T, q_offset=jnp.asarray([0, 100]), kv_len=jnp.asarray([T, 100 + T]), num_keys=C)
         err = _off_by(q, k, v, spec, k.astype(jnp.float32), v.astype(jnp.float32))
         if not err < 3e-2:
@@ -467,25 +465,49 @@ def paged_unavailable(page_size: int = 64, head_dim: int = 64, group: int = 2, d
 @functools.cache
 def gradient_unavailable() -> str | None:
     """None when `attention`'s gradient through cuDNN's backward (`merged`) matches the XLA path's for a chunk at an
-    offset (two calls, a padding mask, a sequence with no prefix) and for Λ over a whole sequence (a sliding window
-    and the sinks), Λ's forward too; otherwise why not. Probed once per process: the backward binds the binding's
-    internal primitive, whose signature JAX may change."""
+    offset (two calls, a padding mask, a sequence with no prefix) and a whole sequence (one causal call); otherwise
+    why not. Probed once per process: the backward binds the binding's internal primitive, whose operands JAX may
+    change."""
 
     def check():
         rng = np.random.default_rng(1)
         B, T, H, K, E = 2, 128, 4, 2, 64
-        q, q_whole = (jnp.asarray(rng.standard_normal((B, n, H, E)), jnp.bfloat16) for n in (T, 2 * T))
-        k, v = (jnp.asarray(rng.standard_normal((B, 2 * T, K, E)), jnp.bfloat16) for _ in range(2))
+        q, k, v = _probe_inputs(rng, B, T, 2 * T, H, K, E)
         chunk = prefix_spec(B, T, q_offset=jnp.asarray([0, 100]), kv_len=jnp.asarray([T, 100 + T]), num_keys=2 * T)
-        whole = prefix_spec(B, 2 * T, num_keys=2 * T, sink=16, recent=64)
-        k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-        for name, queries, spec in (("a chunk", q, chunk), ("Λ", q_whole, whole)):
-            err = max(_off_by(queries, k, v, spec, k32, v32), _grad_off_by(queries, k, v, spec))
+        whole = prefix_spec(B, 2 * T, num_keys=2 * T)
+        for name, queries, spec in (("a chunk", q, chunk), ("a whole sequence", jnp.concatenate([q, q], 1), whole)):
+            err = _grad_off_by(queries, k, v, spec)
             if not err < 3e-2:
                 return f"cuDNN attention's gradient ({name}) is off by {err:.2e} against the XLA path's"
         return None
 
     return unavailable() or _probe(check)
+
+
+@functools.cache
+def lambda_unavailable() -> str | None:
+    """None when Λ over a whole sequence through cuDNN (a sliding window, and the sinks before it: more queries than
+    keys) matches the XLA path, forward and gradient; otherwise why not. Probed once per process, apart from
+    `gradient_unavailable`, so that Λ failing here does not take cuDNN's gradient from full attention."""
+
+    def check():
+        rng = np.random.default_rng(2)
+        B, T, H, K, E = 2, 256, 4, 2, 64
+        q, k, v = _probe_inputs(rng, B, T, T, H, K, E)
+        spec = prefix_spec(B, T, num_keys=T, sink=16, recent=64)
+        err = max(_off_by(q, k, v, spec, k.astype(jnp.float32), v.astype(jnp.float32)), _grad_off_by(q, k, v, spec))
+        if not err < 3e-2:
+            return f"Λ through cuDNN is off by {err:.2e} against the XLA path (forward or gradient)"
+        return None
+
+    return gradient_unavailable() or _probe(check)
+
+
+def _probe_inputs(rng, B, T, S, H, K, E):
+    """bf16 q [B, T, H, E], k and v [B, S, K, E] of standard normals."""
+    q = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((B, S, K, E)), jnp.bfloat16) for _ in range(2))
+    return q, k, v
 
 
 def _probe(check: Callable[[], str | None]) -> str | None:
