@@ -195,14 +195,14 @@ def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.A
     call's backward with the merged output and log-sum-exp in place of the call's own (as ring attention does):
     the softmax over all the keys restricted to that call's keys, so the calls' gradients sum to the merged one.
     (The binding's own backward would use the call's statistics and drop the log-sum-exp's cotangent.)"""
-    steps = tuple(call for call, *_ in parts)
+    kinds = tuple(call for call, *_ in parts)
 
     def forward(q, keys, values, lengths):
         results = [
             attend(q[:, call.rows :], k, v, n, call.causal, call.window)
-            for call, k, v, n in zip(steps, keys, values, lengths, strict=True)
+            for call, k, v, n in zip(kinds, keys, values, lengths, strict=True)
         ]
-        out, lse = _merge(q, results, steps, lengths)
+        out, lse = _merge(q, results, kinds, lengths)
         return out.astype(q.dtype), lse
 
     @jax.custom_vjp
@@ -216,7 +216,7 @@ def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.A
     def run_backward(residuals, d_out):
         q, keys, values, lengths, out, lse = residuals
         d_q, d_keys, d_values = jnp.zeros(q.shape, jnp.float32), [], []
-        for call, k, v, n in zip(steps, keys, values, lengths, strict=True):
+        for call, k, v, n in zip(kinds, keys, values, lengths, strict=True):
             r = call.rows
             grads = attend_backward(q[:, r:], k, v, n, call.causal, call.window, out[:, r:], lse[:, r:], d_out[:, r:])
             if n is not None:  # a sequence with no key in this call: none of its gradient (cuDNN leaves it undefined)
@@ -231,16 +231,16 @@ def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.A
     return run(q, keys, values, lengths)
 
 
-def _merge(q, results, steps, lengths) -> tuple[jax.Array, jax.Array]:
+def _merge(q, results, kinds, lengths) -> tuple[jax.Array, jax.Array]:
     """Softmaxes over disjoint keys as one: results [(out [B, T_i, H, E], lse [B, T_i, H])] over rows [T - T_i, T)
     -> (out float32 [B, T, H, E], lse float32 [B, T, H]). A call with key lengths weighs 0 for a sequence with
     none (cuDNN's rows over no key are not defined); rows a call does not serve weigh 0."""
-    if len(results) == 1 and steps[0].rows == 0 and lengths[0] is None:
+    if len(results) == 1 and kinds[0].rows == 0 and lengths[0] is None:
         out, lse = results[0]
         return out.astype(jnp.float32), lse
     T = q.shape[1]
     outs, lses = [], []
-    for (out, lse), call, n in zip(results, steps, lengths, strict=True):
+    for (out, lse), call, n in zip(results, kinds, lengths, strict=True):
         valid = jnp.arange(T) >= call.rows
         if n is not None:
             valid = valid[None, :] & (n > 0)[:, None]
