@@ -31,7 +31,8 @@
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes;
 #                                                # CHUNKS=8192 for one size)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
-#   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens, auto and cudnn
+#   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens, under
+#                                                # auto, pallas and cudnn
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
 #                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
@@ -218,12 +219,14 @@ chunks)
     done
     ;;
 train8b)
-    # the step as "auto" runs it (Triton's flash and Λ kernels), then through cuDNN (what a GPU without Triton runs:
-    # its causal and sliding-window calls, forward and backward)
-    part "${TRAIN_S:-300}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --out "$out" 2>&1 \
+    # the step as "auto" runs it (full attention through cuDNN from 8k tokens, Λ through Triton's kernel), with
+    # Triton's kernels everywhere ("pallas"), and through cuDNN everywhere (what a GPU without Triton runs)
+    part "${TRAIN_S:-200}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --out "$out" 2>&1 \
         | tee "$out/train_step.log" || true
-    part "${TRAIN_CUDNN_S:-240}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --impl cudnn \
-        --out "$out" 2>&1 | tee "$out/train_step_cudnn.log" || true
+    for impl in pallas cudnn; do
+        part "${TRAIN_IMPL_S:-180}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 \
+            --impl $impl --out "$out" 2>&1 | tee "$out/train_step_$impl.log" || true
+    done
     ;;
 *)
     echo "unknown stage $stage (check, decode, prefill, graphs, layer, chunks, serving, llama8b, quantized, gates, methods, train8b or sweep)" >&2

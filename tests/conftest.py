@@ -39,6 +39,17 @@ def _release_executables():
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _forget_cudnn_probes():
+    """Forget the cuDNN probes' outcomes after each test: a test that stands a patched call in for cuDNN (and
+    `unavailable` passing) may run a probe that depends on it, whose cached outcome must not reach other tests."""
+    yield
+    from duo_jax.attention import cudnn
+
+    for probe in (cudnn.unavailable, cudnn.paged_unavailable, cudnn.gradient_unavailable, cudnn.lambda_unavailable):
+        probe.cache_clear()
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """2 layers, hidden 64, GQA 4 query / 2 KV heads: small enough to compile in seconds."""
     fields = dict(

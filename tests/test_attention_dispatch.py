@@ -170,6 +170,7 @@ def test_auto_falls_back_to_cudnn_where_it_runs_and_triton_does_not(monkeypatch)
     monkeypatch.setattr(dispatch, "pallas_backend", lambda: "gpu")
     monkeypatch.setattr(_backend, "triton_unavailable", lambda: "ImportError: Triton removed (test)")
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
     calls = []
     monkeypatch.setattr(cudnn, "attention", lambda *a, **kw: calls.append(a) or a[0])
     dispatch._triton_fallback.cache_clear()

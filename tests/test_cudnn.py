@@ -301,8 +301,9 @@ def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
 
 @pytest.fixture
 def gpu_with_cudnn(monkeypatch):
-    """This host as a GPU where Triton and cuDNN both work: "auto" resolves to "pallas", cuDNN's probe passes, and
-    its calls (counted) run on the XLA stand-in; long chunks start at 64 keys, a mixed layer's at 128."""
+    """This host as a GPU where Triton and cuDNN both work: "auto" resolves to "pallas", cuDNN's probes pass, and
+    its calls (counted) and their backward run on the XLA stand-ins; long chunks start at 64 keys, a mixed layer's
+    at 128."""
     calls = []
 
     def counted(*args, **kwargs):
@@ -310,8 +311,10 @@ def gpu_with_cudnn(monkeypatch):
         return cudnn.xla_part(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "pallas" if impl == "auto" else impl)
-    monkeypatch.setattr(cudnn, "unavailable", lambda: None)
+    for probe in ("unavailable", "gradient_unavailable", "lambda_unavailable"):
+        monkeypatch.setattr(cudnn, probe, lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
+    monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
     monkeypatch.setattr(dispatch, "CUDNN_MIN_KEYS", 64)
     monkeypatch.setattr(dispatch, "CUDNN_MIN_KEYS_MIXED", 128)
     monkeypatch.setattr(dispatch, "_kernels", lambda *args: "pallas kernels")
@@ -337,6 +340,33 @@ def test_auto_takes_cudnn_for_chunks_over_long_caches_only(gpu_with_cudnn):
     f32 = (x.astype(jnp.float32) for x in (q, k, v))
     assert attend(*f32, spec) == "pallas kernels"  # cuDNN takes 16-bit values
     assert not gpu_with_cudnn
+
+
+def test_auto_takes_cudnn_for_long_whole_sequences_forward_and_backward(gpu_with_cudnn, monkeypatch):
+    """Causal attention over a whole sequence (gate training's full attention) of CUDNN_MIN_SEQUENCE tokens or more
+    runs through cuDNN's one call under "auto", and so does its gradient (the backward stand-in, counted) where the
+    gradient probe passed; Λ, a shorter sequence, a failed gradient probe or "pallas" by name keep the kernels."""
+    backward = []
+
+    def counted_backward(*args, **kwargs):
+        backward.append(args[0].shape[1])
+        return cudnn.xla_part_backward(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "CUDNN_MIN_SEQUENCE", 32)
+    monkeypatch.setattr(cudnn, "_cudnn_backward", counted_backward)
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(1, 32, 32, 4, 2, 16, seed=12))
+    whole = prefix_spec(1, 32, num_keys=32)
+    got = _grads(lambda q, k, v: attend(q, k, v, whole), q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = _grads(lambda q, k, v: xla.attention(q, k, v, whole), *f32)
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g.astype(jnp.float32), w) < 2e-2
+    assert gpu_with_cudnn == [q.shape] and backward == [32]  # one call, its backward
+    assert attend(q, k, v, prefix_spec(1, 32, num_keys=32, sink=4, recent=8)) == "pallas kernels"  # Λ
+    assert attend(q[:, :16], k[:, :16], v[:, :16], prefix_spec(1, 16, num_keys=16)) == "pallas kernels"  # shorter
+    assert attend(q, k, v, whole, impl="pallas") == "pallas kernels"
+    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: "its backward is off")
+    assert attend(q, k, v, whole) == "pallas kernels"
 
 
 def test_duo_prefill_leaves_long_chunks_to_cudnn(gpu_with_cudnn, monkeypatch):

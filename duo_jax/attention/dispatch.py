@@ -43,6 +43,10 @@ DECODE_PROGRAMS = 128  # ... or more, for a grid (batch x KV heads x splits) of 
 # flash kernel: each the faster path where both were measured (docs/attention.md, "cuDNN for dense prefill chunks")
 CUDNN_MIN_KEYS = 16384
 CUDNN_MIN_KEYS_MIXED = 32768
+# ... and causal attention over a whole sequence (queries from position 0, as many as the keys: gate training, a
+# forward over whole sequences) of at least this many tokens, forward and backward (docs/attention.md, "auto takes
+# cuDNN for long chunks where Triton works")
+CUDNN_MIN_SEQUENCE = 8192
 
 
 def decode_splits(batch: int, num_kv_heads: int) -> int:
@@ -135,8 +139,8 @@ def _without_cudnn(impl: str) -> str:
 
 def _cudnn_for_a_long_cache(impl: str, q: jax.Array, k, v, *, min_keys: int | None = None) -> bool:
     """Whether "auto", resolved to the Triton kernels, takes cuDNN instead: a prefill chunk over a cache of at least
-    `min_keys` (CUDNN_MIN_KEYS) keys (longer than the chunk: a sequence attending itself, as in gate training, keeps
-    the flash kernel and its backward), values cuDNN takes, and cuDNN's probe passed."""
+    `min_keys` (CUDNN_MIN_KEYS) keys (longer than the chunk: a whole sequence is `_cudnn_for_a_sequence`'s), values
+    cuDNN takes, and cuDNN's probe passed."""
     return (
         impl == "pallas"
         and 1 < q.shape[1] < k.shape[1]
@@ -144,6 +148,24 @@ def _cudnn_for_a_long_cache(impl: str, q: jax.Array, k, v, *, min_keys: int | No
         and not _backend.exporting()
         and cudnn.takes(q, k, v)
         and cudnn.unavailable() is None
+    )
+
+
+def _cudnn_for_a_sequence(impl: str, q: jax.Array, k, v, spec: MaskSpec) -> bool:
+    """Whether "auto", resolved to the Triton kernels, takes cuDNN instead for causal attention over a whole
+    sequence of at least CUDNN_MIN_SEQUENCE tokens (one cuDNN call; its backward cuDNN's too), values cuDNN takes,
+    and cuDNN's probes passed, its gradient's included. (Λ keeps the Triton kernel.)"""
+    return (
+        impl == "pallas"
+        and q.shape[1] == k.shape[1] >= CUDNN_MIN_SEQUENCE
+        and spec.static_prefix == (0, k.shape[1])
+        and spec.causal
+        and spec.k_positions is None
+        and spec.window is None
+        and not spec.is_lambda
+        and not _backend.exporting()
+        and cudnn.takes(q, k, v)
+        and cudnn.gradient_unavailable() is None
     )
 
 
@@ -167,6 +189,8 @@ def attend(
     pallas_kernels.check_qkv(q, k, v)
     requested, impl = impl, resolve_impl(impl)
     if requested == "auto" and spec.k_positions is None and _cudnn_for_a_long_cache(impl, q, k, v):
+        impl = "cudnn"
+    if requested == "auto" and _cudnn_for_a_sequence(impl, q, k, v, spec):
         impl = "cudnn"
     if impl == "cudnn":
         rest = _without_cudnn(impl)
