@@ -243,6 +243,58 @@ def test_gate_training_step_exported_for_tpu_attends_through_mosaic(seq):
         assert lowered("xla").count("stablehlo.while") > 2
 
 
+def test_gate_training_step_exported_for_cuda_without_triton_attends_through_cudnn(monkeypatch):
+    """The whole gate-training step (shard_map, the scanned remat layer, the optimiser) in bf16, lowered for an NVIDIA
+    GPU from this CPU host as a GPU without Triton runs it (impl="cudnn", everything else on the XLA path; the
+    cuDNN version check bypassed, the probes taken as passed): every attention is a cuDNN call. Forward: the
+    teacher's causal call, the student's Λ as its sliding window and its sinks call, and their recomputation
+    (remat); backward: the Λ calls' cuDNN backward. The only loops left are the layer scans (the XLA path would add
+    its key-block loops)."""
+    import dataclasses
+    import re
+
+    from jax import export
+    from jax._src.cudnn import fused_attention_stablehlo as binding
+    from jax.sharding import AbstractMesh, AxisType
+
+    from duo_jax import gates, sharding, training
+    from duo_jax.attention import cudnn, dispatch
+    from duo_jax.model import init_params
+    from pallas_kernels._backend import lowering_for
+    from tests.conftest import tiny_config
+
+    monkeypatch.setattr(binding, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")  # no Triton
+    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda: None)
+    config = tiny_config(num_layers=2, head_dim=128)
+    mesh = AbstractMesh((1, 1, 1), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    params = jax.eval_shape(
+        lambda: dataclasses.replace(init_params(config, jax.random.key(0), jnp.bfloat16), lm_head=None)
+    )
+    gate_shape = jax.ShapeDtypeStruct((config.num_layers, config.num_kv_heads), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    batch = training.Batch(tokens, tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.bool_))
+    checks = [export.DisabledSafetyCheck.custom_call(f"__cudnn$fmhaSoftmax{b}") for b in ("", "Backward")]
+
+    def lowered(impl):
+        objective = gates.Objective(sink=16, recent=64, impl=impl)
+        optimizer, _ = training.make_optimizer(training.TrainConfig(objective=objective))
+        step = training.make_train_step(config, objective, optimizer, mesh, sharding.weight_specs(params, mesh))
+        with lowering_for("gpu"):
+            return export.export(step, platforms=["cuda"], disabled_checks=checks)(
+                gate_shape, jax.eval_shape(optimizer.init, gate_shape), params, batch
+            ).mlir_module()
+
+    module = lowered("cudnn")
+    calls = [line for line in module.splitlines() if "stablehlo.custom_call @__cudnn" in line]
+    window = lambda c: int(re.findall(r"sliding_window_length\\22: (\d+)", c)[0])  # noqa: E731 - 0: none
+    forward = [window(c) for c in calls if "fmhaSoftmax(" in c]
+    backward = [window(c) for c in calls if "fmhaSoftmaxBackward(" in c]
+    assert sorted(forward) == [0, 0, 0, 64, 64] and sorted(backward) == [0, 64]
+    assert module.count("stablehlo.while") == 2  # the layer scan, forward and backward
+    assert lowered("xla").count("stablehlo.while") > 2  # the check bites: the XLA path's key-block loops
+
+
 @pytest.mark.slow
 def test_gate_loss_and_gradients_with_mosaic_kernels_match_xla():
     """The gate-training objective (scanned, rematerialised layers) with the TPU kernels, interpreted on CPU:
