@@ -82,16 +82,16 @@ def check(out, ref, dtype):
     assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]}"
 
 
-def check_grads(kernel, reference, args):
-    """fp32 gradients of <out, cotangent> through the kernel vs XLA's autodiff of the dense reference at full
-    precision."""
+def check_grads(kernel, reference, args, dtype=jnp.float32):
+    """Gradients of <out, cotangent> through the kernel at `args` (of `dtype`) vs XLA's autodiff of the dense
+    reference at full precision, at the same inputs in float32, within `dtype`'s tolerance."""
     cot = jnp.asarray(np.random.default_rng(1).standard_normal(args[0].shape), jnp.float32)
-    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * cot)  # noqa: E731
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * cot)  # noqa: E731
     with jax.default_matmul_precision("highest"):
-        want = jax.grad(loss(reference), argnums=(0, 1, 2))(*args)
+        want = jax.grad(loss(reference), argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float32) for x in args))
     got = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(*args)
     for g, w in zip(got, want):
-        check(g, np.asarray(w, np.float64), jnp.float32)
+        check(g, np.asarray(w, np.float64), dtype)
 
 
 def test_triton_backend_runs_on_this_jax():
@@ -387,14 +387,12 @@ def test_cudnn_gate_training_forward_and_gradients(sink):
         attention_f64(q, k, v, positions_mask(T, T, 0, T, sink, recent)),
         jnp.bfloat16,
     )
-    cot = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
-    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, spec).astype(jnp.float32) * cot)  # noqa: E731
-    got = jax.jit(jax.grad(loss(cudnn.attention), argnums=(0, 1, 2)))(*args)
-    reference = lambda q, k, v, spec: dispatch.attend(q, k, v, spec, impl="reference")  # noqa: E731
-    with jax.default_matmul_precision("highest"):
-        want = jax.grad(loss(reference), argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in args))
-    for g, w in zip(got, want):
-        check(g, np.asarray(w, np.float64), jnp.bfloat16)
+    check_grads(
+        lambda q, k, v: cudnn.attention(q, k, v, spec),
+        lambda q, k, v: dispatch.attend(q, k, v, spec, impl="reference"),
+        args,
+        jnp.bfloat16,
+    )
 
 
 def test_cudnn_paged_chunk_and_decode():
