@@ -267,6 +267,23 @@ def test_gradient_calls_pass_the_bindings_checks(monkeypatch, spec, masks, windo
         assert [field("sliding_window_length", c) for c in step] == windows
 
 
+def test_a_forward_alone_never_runs_the_gradient_probe(monkeypatch):
+    """Inference through the dispatch's cuDNN path (a chunk at an offset) does not probe cuDNN's backward: the probe
+    compiles gradients, start-up work only a gradient needs. Taking the gradient probes it once."""
+    probed = []
+    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: probed.append(1) or None)
+    monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
+    q, k, v = _inputs(2, 8, 48, 4, 2, 16, seed=5)
+    spec = prefix_spec(2, 8, q_offset=jnp.asarray([20, 3]), kv_len=jnp.asarray([28, 11]), num_keys=48)
+    run = functools.partial(dispatch.cudnn_attention, spec=spec, scale=None, backward_impl="xla")
+    out = jax.jit(functools.partial(run, attend_part=cudnn.xla_part))(q, k, v)
+    assert rel_err(out, xla.attention(q, k, v, spec)) < 1e-5 and not probed
+    got = _grads(functools.partial(run, attend_part=cudnn.xla_part), q, k, v)
+    for g, w in zip(got, _grads(lambda q, k, v: xla.attention(q, k, v, spec), q, k, v), strict=True):
+        assert rel_err(g, w) < 1e-5
+    assert probed == [1]
+
+
 def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
     """Gate training's Λ on a GPU where Triton does not work: forward and gradient through cuDNN's two calls (the
     stand-ins, counted), matching the XLA path; where Triton works, or Λ through cuDNN failed its probe, not."""

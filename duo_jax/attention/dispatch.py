@@ -232,22 +232,31 @@ def cudnn_attention(
     backward_impl: str,
     attend_part: cudnn.Attend | None = None,
 ) -> jax.Array:
-    """`cudnn.attention`, differentiable through cuDNN's backward where its probe passed (`cudnn.gradient_unavailable`);
-    elsewhere its gradient is `attend`'s under `backward_impl` ("pallas" or "xla"), recomputed from q, k and v.
-    `attend_part` stands in for the cuDNN call (tests)."""
-    if _backend.exporting() or cudnn.gradient_unavailable() is None:
+    """`cudnn.attention`, differentiable. Where a gradient is taken, it is cuDNN's backward if its probe passed
+    (`cudnn.gradient_unavailable`, run only then: a forward alone never probes it), else `attend`'s under
+    `backward_impl` ("pallas" or "xla"), recomputed from q, k and v. `attend_part` stands in for the cuDNN call
+    (tests)."""
+
+    def run(q, k, v, spec):
         return cudnn.attention(q, k, v, spec, scale=scale, attend=attend_part)
+
+    if _backend.exporting():
+        return run(q, k, v, spec)
 
     @jax.custom_vjp
     def forward(q, k, v, spec):
-        return cudnn.attention(q, k, v, spec, scale=scale, attend=attend_part)
+        return run(q, k, v, spec)
 
     def forward_with_residuals(q, k, v, spec):
-        return forward(q, k, v, spec), (q, k, v, spec)
+        if cudnn.gradient_unavailable() is None:  # cuDNN's backward, from this forward's residuals
+            out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, spec), q, k, v)
+            return out, (vjp, None, spec)
+        return run(q, k, v, spec), (None, (q, k, v), spec)
 
     def backward(residuals, d_out):
-        q, k, v, spec = residuals
-        _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, spec, impl=backward_impl, scale=scale), q, k, v)
+        vjp, inputs, spec = residuals
+        if vjp is None:  # recomputed on the kernels cuDNN stands beside
+            _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, spec, impl=backward_impl, scale=scale), *inputs)
         return (*vjp(d_out), jax.tree.map(cudnn.zero_cotangent, spec))
 
     forward.defvjp(forward_with_residuals, backward)
