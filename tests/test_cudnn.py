@@ -328,6 +328,7 @@ def gpu_with_cudnn(monkeypatch):
         return cudnn.xla_part(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "pallas" if impl == "auto" else impl)
+    monkeypatch.setattr(dispatch._backend, "triton_unavailable", lambda: None)
     for probe in ("unavailable", "gradient_unavailable", "lambda_unavailable"):
         monkeypatch.setattr(cudnn, probe, lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
@@ -362,7 +363,8 @@ def test_auto_takes_cudnn_for_chunks_over_long_caches_only(gpu_with_cudnn):
 def test_auto_takes_cudnn_for_long_whole_sequences_forward_and_backward(gpu_with_cudnn, monkeypatch):
     """Causal attention over a whole sequence (gate training's full attention) of CUDNN_MIN_SEQUENCE tokens or more
     runs through cuDNN's one call under "auto", and so does its gradient (the backward stand-in, counted) where the
-    gradient probe passed; Λ, a shorter sequence, a failed gradient probe or "pallas" by name keep the kernels."""
+    gradient probe passed, else the kernels recompute it; a forward alone never runs that probe. Λ, a shorter
+    sequence or "pallas" by name keep the kernels."""
     backward = []
 
     def counted_backward(*args, **kwargs):
@@ -382,8 +384,20 @@ def test_auto_takes_cudnn_for_long_whole_sequences_forward_and_backward(gpu_with
     assert attend(q, k, v, prefix_spec(1, 32, num_keys=32, sink=4, recent=8)) == "pallas kernels"  # Λ
     assert attend(q[:, :16], k[:, :16], v[:, :16], prefix_spec(1, 16, num_keys=16)) == "pallas kernels"  # shorter
     assert attend(q, k, v, whole, impl="pallas") == "pallas kernels"
-    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: "its backward is off")
-    assert attend(q, k, v, whole) == "pallas kernels"
+    gpu_with_cudnn.clear(), backward.clear()
+    probed, kernels = [], []
+    monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: probed.append(1) or "its backward is off")
+    attend(q, k, v, whole)  # a forward: cuDNN, the gradient's probe not run
+    assert gpu_with_cudnn == [q.shape] and not probed
+
+    def kernel(q, k, v, spec, scale, impl):
+        kernels.append(impl)
+        return xla.attention(q, k, v, spec, scale=scale)
+
+    monkeypatch.setattr(dispatch, "_kernels", kernel)
+    for g, w in zip(_grads(lambda q, k, v: attend(q, k, v, whole), q, k, v), want, strict=True):
+        assert rel_err(g.astype(jnp.float32), w) < 2e-2
+    assert probed and not backward and kernels == ["pallas"]  # the gradient recomputed on the kernels
 
 
 def test_duo_prefill_leaves_long_chunks_to_cudnn(gpu_with_cudnn, monkeypatch):

@@ -153,8 +153,9 @@ def _cudnn_for_a_long_cache(impl: str, q: jax.Array, k, v, *, min_keys: int | No
 
 def _cudnn_for_a_sequence(impl: str, q: jax.Array, k, v, spec: MaskSpec) -> bool:
     """Whether "auto", resolved to the Triton kernels, takes cuDNN instead for causal attention over a whole
-    sequence of at least CUDNN_MIN_SEQUENCE tokens (one cuDNN call; its backward cuDNN's too), values cuDNN takes,
-    and cuDNN's probes passed, its gradient's included. (Λ keeps the Triton kernel.)"""
+    sequence of at least CUDNN_MIN_SEQUENCE tokens (one cuDNN call), values cuDNN takes, and cuDNN's probe passed.
+    Its gradient is cuDNN's backward, or, where that probe fails, the Triton kernels' (`cudnn_attention`: a forward
+    alone never probes it). (Λ keeps the Triton kernel.)"""
     return (
         impl == "pallas"
         and q.shape[1] == k.shape[1] >= CUDNN_MIN_SEQUENCE
@@ -165,7 +166,7 @@ def _cudnn_for_a_sequence(impl: str, q: jax.Array, k, v, spec: MaskSpec) -> bool
         and not spec.is_lambda
         and not _backend.exporting()
         and cudnn.takes(q, k, v)
-        and cudnn.gradient_unavailable() is None
+        and cudnn.unavailable() is None
     )
 
 
