@@ -243,13 +243,16 @@ def test_gate_training_step_exported_for_tpu_attends_through_mosaic(seq):
         assert lowered("xla").count("stablehlo.while") > 2
 
 
-def test_gate_training_step_exported_for_cuda_without_triton_attends_through_cudnn(monkeypatch):
+@pytest.mark.parametrize("seq", [1, 4], ids=["one-device", "all-gather"])
+def test_gate_training_step_exported_for_cuda_without_triton_attends_through_cudnn(monkeypatch, seq):
     """The whole gate-training step (shard_map, the scanned remat layer, the optimiser) in bf16, lowered for an NVIDIA
     GPU from this CPU host as a GPU without Triton runs it (impl="cudnn", everything else on the XLA path; the
     cuDNN version check bypassed, the probes taken as passed): every attention is a cuDNN call. Forward: the
     teacher's causal call, the student's Λ as its sliding window and its sinks call, and their recomputation
-    (remat); backward: the Λ calls' cuDNN backward. The only loops left are the layer scans (the XLA path would add
-    its key-block loops)."""
+    (remat); backward: the Λ calls' cuDNN backward. With all-gather sequence parallelism (seq=4 over 2 KV heads)
+    each device's queries sit at a traced offset: the teacher is two calls (its own keys, the prefix) and Λ four
+    (its own keys' window, the window's keys before them, two over the sinks). The only loops left are the layer
+    scans (the XLA path would add its key-block loops)."""
     import dataclasses
     import re
 
@@ -265,14 +268,15 @@ def test_gate_training_step_exported_for_cuda_without_triton_attends_through_cud
 
     monkeypatch.setattr(binding, "check_cudnn_version", lambda: 90800)
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")  # no Triton
-    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda at_offset=False: None)
     config = tiny_config(num_layers=2, head_dim=128)
-    mesh = AbstractMesh((1, 1, 1), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    mesh = AbstractMesh((1, 1, seq), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    assert training.sequence_parallelism(config, mesh) == {1: "none", 4: "all-gather"}[seq]
     params = jax.eval_shape(
         lambda: dataclasses.replace(init_params(config, jax.random.key(0), jnp.bfloat16), lm_head=None)
     )
     gate_shape = jax.ShapeDtypeStruct((config.num_layers, config.num_kv_heads), jnp.float32)
-    tokens = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((1, 256 * seq), jnp.int32)
     batch = training.Batch(tokens, tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.bool_))
     checks = [export.DisabledSafetyCheck.custom_call(f"__cudnn$fmhaSoftmax{b}") for b in ("", "Backward")]
 
@@ -290,7 +294,10 @@ def test_gate_training_step_exported_for_cuda_without_triton_attends_through_cud
     window = lambda c: int(re.findall(r"sliding_window_length\\22: (\d+)", c)[0])  # noqa: E731 - 0: none
     forward = [window(c) for c in calls if "fmhaSoftmax(" in c]
     backward = [window(c) for c in calls if "fmhaSoftmaxBackward(" in c]
-    assert sorted(forward) == [0, 0, 0, 64, 64] and sorted(backward) == [0, 64]
+    if seq == 1:
+        assert sorted(forward) == [0, 0, 0, 64, 64] and sorted(backward) == [0, 64]
+    else:
+        assert sorted(forward) == [0] * 8 + [64, 64] and sorted(backward) == [0, 0, 0, 64]
     assert module.count("stablehlo.while") == 2  # the layer scan, forward and backward
     assert lowered("xla").count("stablehlo.while") > 2  # the check bites: the XLA path's key-block loops
 

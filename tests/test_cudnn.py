@@ -2,6 +2,7 @@
 XLA path on the whole mask, with the XLA path standing in for cuDNN's calls (this host has no GPU; the calls
 themselves are checked on a GPU by tests/test_gpu.py), and what it serves."""
 
+import dataclasses
 import functools
 
 import jax
@@ -95,12 +96,13 @@ def test_serves_dense_16_bit_chunks_only():
     assert cudnn.serves(q, k, v, spec)
     assert not cudnn.serves(q.astype(jnp.float32), k, v, spec)  # fp32
     assert cudnn.serves(q[:, :1], k, v, prefix_spec(B, 1, q_offset=jnp.asarray([3]), num_keys=C))  # decode
-    assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, sink=4, recent=8))  # Λ over a chunk
+    assert cudnn.serves(q, k, v, prefix_spec(B, T, q_offset=jnp.asarray([5]), num_keys=C, sink=4, recent=8))  # Λ, shard
     whole = prefix_spec(B, C, num_keys=C, sink=4, recent=8)  # Λ over a whole sequence (gate training)
     assert cudnn.serves(*(jnp.zeros((B, C, n, 64), jnp.bfloat16) for n in (4, 2, 2)), whole)
     assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, window=8))  # sliding window
     positions = MaskSpec(spec.q_positions, spec.kv_len, jnp.zeros((B, C), jnp.int32))
     assert not cudnn.serves(q, k, v, positions)  # keys at explicit positions
+    assert not cudnn.serves(q, k, v, dataclasses.replace(positions, sink=4, recent=8))  # ... under Λ
     wide = jnp.zeros((B, T, 4, 256), jnp.bfloat16)
     assert not cudnn.serves(wide, wide[:, :, :2], wide[:, :, :2], prefix_spec(B, T, num_keys=T))
 
@@ -159,6 +161,12 @@ GRADIENT_CASES = [
     ("whole_sequence", 48, prefix_spec(2, 48, num_keys=48), 1),
     ("lambda", 48, prefix_spec(2, 48, num_keys=48, sink=4, recent=12), 2),
     ("lambda_without_sinks", 48, prefix_spec(2, 48, num_keys=48, sink=0, recent=12), 1),
+    ("lambda_at_offsets", 24, prefix_spec(2, 24, q_offset=jnp.asarray([7, 24]), num_keys=48, sink=4, recent=12), 4),
+    ("lambda_chunk_shorter_than_its_window", 8,
+     prefix_spec(2, 8, q_offset=jnp.asarray([0, 30]), num_keys=48, sink=4, recent=12), 4),
+    ("lambda_static_offset", 16, prefix_spec(2, 16, q_offset=16, num_keys=48, sink=4, recent=12), 4),
+    ("lambda_at_offsets_without_sinks", 24,
+     prefix_spec(2, 24, q_offset=jnp.asarray([3, 20]), num_keys=48, sink=0, recent=5), 2),
     ("ring", 8, _ring_spec(2, 8, 40), 2),
     ("decode", 1, prefix_spec(2, 1, q_offset=jnp.asarray([30, 0]), kv_len=jnp.asarray([31, 1]), num_keys=48), 1),
 ]  # fmt: skip
@@ -179,6 +187,19 @@ def test_gradient_through_each_calls_backward_is_the_whole_masks(name, T, spec, 
     assert rel_err(run(q, k, v), xla.attention(q, k, v, spec)) < 1e-5
     for got, want in zip(_grads(run, q, k, v), _grads(lambda q, k, v: xla.attention(q, k, v, spec), q, k, v)):
         assert rel_err(got, want) < 1e-5
+
+
+def test_lambda_rows_that_are_no_query_get_no_gradient():
+    """Λ at an offset gathers the queries of its sinks call, one row per sink; a row that is no query (past the
+    chunk) is a copy of the last query, whose merged log-sum-exp does not cover the future sinks that row sees.
+    A sink key scoring far above it (exp overflows float32) must still give a finite, exact gradient."""
+    B, T, H, K, E = 2, 8, 4, 2, 16
+    spec = prefix_spec(B, T, q_offset=jnp.asarray([0, 2]), num_keys=48, sink=16, recent=2)
+    q, k, v = _inputs(B, T, 48, H, K, E, seed=8)
+    k = k.at[:, 12].set(20 * q[:, T - 1, :: H // K])  # key 12, a sink in the future of every query, scores ~300
+    run = functools.partial(cudnn.attention, spec=spec, attend=cudnn.xla_part, attend_backward=cudnn.xla_part_backward)
+    for got, want in zip(_grads(run, q, k, v), _grads(lambda q, k, v: xla.attention(q, k, v, spec), q, k, v)):
+        assert bool(jnp.all(jnp.isfinite(got))) and rel_err(got, want) < 1e-5
 
 
 def _own_statistics_backward(q, k, v, kv_len, causal, window, out, lse, d_out, *, scale):
@@ -239,8 +260,13 @@ def test_gradient_is_the_kernels_where_cudnns_backward_fails_its_probe():
     [
         (prefix_spec(1, 256, num_keys=256, sink=16, recent=64), ["CAUSAL", "CAUSAL"], ["64", "0"]),
         (prefix_spec(1, 256, q_offset=jnp.asarray([100]), num_keys=512), ["CAUSAL", "PADDING"], ["0", "0"]),
+        (
+            prefix_spec(1, 128, q_offset=jnp.asarray([100]), num_keys=256, sink=16, recent=64),
+            ["CAUSAL", "PADDING_CAUSAL", "CAUSAL", "NO_MASK"],
+            ["64", "0", "0", "0"],
+        ),
     ],
-    ids=["lambda", "chunk_at_an_offset"],
+    ids=["lambda", "chunk_at_an_offset", "lambda_at_an_offset"],
 )
 def test_gradient_calls_pass_the_bindings_checks(monkeypatch, spec, masks, windows):
     """The gradient through cuDNN lowered for an NVIDIA GPU on this host (the cuDNN version check bypassed): each call
@@ -260,7 +286,7 @@ def test_gradient_calls_pass_the_bindings_checks(monkeypatch, spec, masks, windo
     )
     calls = [line for line in exported(q, k, k).mlir_module().splitlines() if "stablehlo.custom_call @__cudnn" in line]
     forward, backward = ([c for c in calls if f"fmhaSoftmax{b}(" in c] for b in ("", "Backward"))
-    assert len(forward) == len(backward) == 2
+    assert len(forward) == len(backward) == len(masks)
     field = lambda name, c: re.findall(name + r"\\22: (?:\\22)?(\w+)", c)[0]  # noqa: E731 - from the backend config
     for step in (forward, backward):
         assert [field("mask_type", c) for c in step] == masks
@@ -296,7 +322,7 @@ def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn" if impl in ("auto", "cudnn") else impl)
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
     monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
-    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda at_offset=False: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
     q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(1, 64, 64, 4, 2, 16, seed=11))
@@ -307,11 +333,20 @@ def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
         assert rel_err(g.astype(jnp.float32), w) < 2e-2
     assert calls == [64, 4]  # the window over all the keys, then the sinks
     calls.clear()
+    shard = lambda q, k, v: dispatch.lambda_attention(q, k, v, sink=4, recent=16, q_offset=jnp.asarray(24))  # noqa: E731
+    want = _grads(
+        lambda q, k, v: dispatch.lambda_attention(q, k, v, sink=4, recent=16, q_offset=jnp.asarray(24), impl="xla"),
+        f32[0][:, 24:48], *f32[1:],
+    )  # fmt: skip
+    for g, w in zip(_grads(shard, q[:, 24:48], k, v), want, strict=True):
+        assert rel_err(g.astype(jnp.float32), w) < 2e-2
+    assert calls == [24, 15, 4, 4]  # a shard's queries at a traced offset: own keys, the window before them, sinks
+    calls.clear()
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "pallas")
     monkeypatch.setattr(dispatch, "_kernels", lambda *args: "pallas kernels")
     assert run(q, k, v) == "pallas kernels"
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
-    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda: "its sliding window is off")
+    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda at_offset=False: "its sliding window is off")
     run(q, k, v)
     assert not calls
 
@@ -330,7 +365,7 @@ def gpu_with_cudnn(monkeypatch):
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "pallas" if impl == "auto" else impl)
     monkeypatch.setattr(dispatch._backend, "triton_unavailable", lambda: None)
     for probe in ("unavailable", "gradient_unavailable", "lambda_unavailable"):
-        monkeypatch.setattr(cudnn, probe, lambda: None)
+        monkeypatch.setattr(cudnn, probe, lambda *args: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
     monkeypatch.setattr(dispatch, "CUDNN_MIN_KEYS", 64)
@@ -581,13 +616,15 @@ def test_gradient_probes_pass_the_contract_and_catch_wrong_calls(monkeypatch):
     assert cudnn.gradient_unavailable.__wrapped__() is None
     monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
     assert cudnn.lambda_unavailable.__wrapped__() is None
+    assert cudnn.lambda_unavailable.__wrapped__(at_offset=True) is None
 
     def no_window(q, k, v, kv_len, causal, window=None, *, scale):
         return cudnn.xla_part(q, k, v, kv_len, causal, scale=scale)
 
     monkeypatch.setattr(cudnn, "_cudnn", no_window)
     jax.clear_caches()  # the probes' jitted functions traced with the stand-ins above
-    assert "Λ through cuDNN is off by" in cudnn.lambda_unavailable.__wrapped__()
+    assert "Λ through cuDNN over a whole sequence is off by" in cudnn.lambda_unavailable.__wrapped__()
+    assert "Λ through cuDNN at offsets is off by" in cudnn.lambda_unavailable.__wrapped__(at_offset=True)
     monkeypatch.undo()
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)

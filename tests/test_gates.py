@@ -141,7 +141,7 @@ def test_gate_gradient_through_cudnn_without_triton(setup, monkeypatch):
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: impl)
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
     monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
-    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda: None)
+    monkeypatch.setattr(cudnn, "lambda_unavailable", lambda at_offset=False: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
     monkeypatch.setattr(xla, "attention", lambda *args, **kwargs: pytest.fail("attention on the XLA path"))

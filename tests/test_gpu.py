@@ -366,25 +366,32 @@ def test_cudnn_prefill_chunk_and_decode():
     check(out, attention_f64(q, k, v, seen), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("sink", [None, 64], ids=["causal", "lambda"])
-def test_cudnn_gate_training_forward_and_gradients(sink):
+@pytest.mark.parametrize(
+    "sink, offsets", [(None, None), (64, None), (64, (0, 200, 1024))], ids=["causal", "lambda", "lambda_at_offsets"]
+)
+def test_cudnn_gate_training_forward_and_gradients(sink, offsets):
     """Gate training's attention without Triton: a whole 2,048-token sequence (bf16, GQA 4:1, head_dim 128), causal
-    (one cuDNN call) or Λ with sink 64 and recent 256 (cuDNN's sliding window and a call over the sinks, merged),
-    forward against float64 and gradients through cuDNN's backward given the merged statistics against the dense
-    reference's in float32 at the same inputs. Skipped, with the probe's reason, where that backward (or Λ's calls)
-    does not run."""
+    (one cuDNN call) or Λ with sink 64 and recent 256 (cuDNN's sliding window and a call over the sinks, merged), or
+    Λ for a shard's 1,024 queries at offsets over the 2,048 keys (all-gather sequence parallelism: four calls), forward
+    against float64 and gradients through cuDNN's backward given the merged statistics against the dense reference's
+    in float32 at the same inputs. Skipped, with the probe's reason, where that backward (or Λ's calls) does not
+    run."""
     from duo_jax.attention import cudnn
 
-    reason = cudnn.gradient_unavailable() if sink is None else cudnn.lambda_unavailable()
+    at_offset = offsets is not None
+    reason = cudnn.gradient_unavailable() if sink is None else cudnn.lambda_unavailable(at_offset)
     if reason is not None:
         pytest.skip(f"cuDNN attention's gradient{'' if sink is None else ' (Λ)'} does not run here: {reason}")
-    T, recent = 2048, None if sink is None else 256
-    q, k, v = inputs(1, T, T, 32, 8, 128, jnp.bfloat16, seed=3)
-    spec = dispatch.prefix_spec(1, T, num_keys=T, sink=sink, recent=recent)
+    S, recent = 2048, None if sink is None else 256
+    T, q_offset = (1024, np.asarray(offsets)) if at_offset else (S, 0)
+    q, k, v = inputs(len(offsets) if at_offset else 1, T, S, 32, 8, 128, jnp.bfloat16, seed=3)
+    spec = dispatch.prefix_spec(
+        q.shape[0], T, q_offset=jnp.asarray(q_offset) if at_offset else 0, num_keys=S, sink=sink, recent=recent
+    )
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
     check(
         jax.jit(cudnn.attention)(*args, spec),
-        attention_f64(q, k, v, positions_mask(T, T, 0, T, sink, recent)),
+        attention_f64(q, k, v, positions_mask(T, S, q_offset, S, sink, recent)),
         jnp.bfloat16,
     )
     check_grads(

@@ -1,6 +1,6 @@
 """Causal attention through cuDNN's fused attention (JAX's cuDNN binding) on a GPU: a prefill chunk or a decode step
-over a contiguous or paged cache, the streaming heads' ring followed by the chunk, or Λ over a whole sequence
-(gate training's streaming heads), forward and backward.
+over a contiguous or paged cache, the streaming heads' ring followed by the chunk, or Λ over every key slot (gate
+training's streaming heads, a whole sequence or a shard's queries at an offset), forward and backward.
 
 This is the path that needs no Pallas Triton backend (deprecated in JAX 0.11). It uses the library where it serves:
 cuDNN's flash attention on Hopper is faster than this project's Triton flash kernel (BENCHMARKS.md, "Attention
@@ -12,8 +12,9 @@ T keys causally, so it runs as two calls (`calls`):
 - the chunk over the prefix: a padding mask, keys j < c, the cache read in place;
 - the chunk over itself: causal with T = S, its T keys gathered from the cache.
 Λ (sink + recent) is cuDNN's sliding window of `recent` keys plus a causal call of the queries from position
-`recent` over the `sink` first keys: the sinks further back than the window. The calls' results are merged by their
-log-sum-exps (flash attention's rescaling). The log-sum-exp comes from the binding's `return_residual`, which only
+`recent` over the `sink` first keys: the sinks further back than the window (at an offset, four calls, some over
+gathered queries: `_lambda_calls`). The calls' results are merged by their log-sum-exps (flash attention's
+rescaling). The log-sum-exp comes from the binding's `return_residual`, which only
 its internal module exposes (`jax._src.cudnn.fused_attention_stablehlo`), so `unavailable()` probes it once per
 process against the XLA path, and the dispatch keeps the Pallas kernels (or XLA) where it fails.
 
@@ -38,6 +39,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,8 +91,8 @@ def _fits(q: jax.Array, k, v) -> bool:
 def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
     """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache cuDNN `takes` or pages it
     `takes_pages`, or over a ring followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads),
-    or Λ over a whole sequence (gate training's streaming heads: queries from position 0, as many as the keys, the
-    offset a Python int); no sliding window."""
+    or Λ over every key slot (gate training's streaming heads: a whole sequence, or a shard's queries at a traced
+    offset over the whole sequence's keys); no sliding window."""
     if not (spec.causal and spec.window is None):
         return False
     if takes_pages(q, k, v):
@@ -98,8 +100,13 @@ def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
     if not takes(q, k, v):
         return False
     if spec.is_lambda:
-        return spec.k_positions is None and spec.static_prefix == (0, k.shape[1]) and q.shape[1] == k.shape[1]
+        return spec.k_positions is None
     return spec.k_positions is None or spec.own_keys_at is not None
+
+
+def whole_sequence(q: jax.Array, k, spec: MaskSpec) -> bool:
+    """Queries from position 0 (a Python int), as many as the keys: Λ's two calls over slices (`calls`)."""
+    return spec.static_prefix == (0, k.shape[1]) and q.shape[1] == k.shape[1]
 
 
 def attention(
@@ -119,9 +126,10 @@ def attention(
     two calls merged (one where the chunk starts a sequence whose offset is a Python int: gate training). Over a
     ring of R slots followed by the queries' own keys (`spec.own_keys_at` = R; the ring's filled slots first, every
     one before every query): the ring's filled slots whole and the own keys causally, two calls merged. Λ over a
-    whole sequence: the recent window (cuDNN's sliding window) and the sinks before it, two calls merged
-    (`calls`). Over pages (`PagedKV`), as over a contiguous cache, with the prefix read through the tables
-    (`paged_prefix`) and a chunk's own keys gathered (forward only).
+    whole sequence: the recent window (cuDNN's sliding window) and the sinks before it, two calls merged; at an
+    offset, four (`calls`). Λ sees every key slot, as the Λ kernel does. Over pages (`PagedKV`), as over a
+    contiguous cache, with the prefix read through the tables (`paged_prefix`) and a chunk's own keys gathered
+    (forward only).
 
     Differentiable, except over pages: each call's gradient is cuDNN's backward given the merged output and
     log-sum-exp (`merged`). `attend` runs one call, `attend_backward` one call's backward and `attend_paged` one
@@ -140,7 +148,7 @@ def attention(
         positions = q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         own = attend(q, k.at_positions(positions), v.at_positions(positions), None, True)
         prefix = paged(q_offset)
-        return _merge(q, (own, prefix), (Call(), Call(causal=False)), (None, q_offset))[0].astype(q.dtype)
+        return _merge(q, (own, prefix), (Call(), Call(causal=False)), (None, q_offset), (None, None))[0].astype(q.dtype)
     return merged(
         q,
         calls(q, k, v, spec),
@@ -160,34 +168,80 @@ class Call:
     window: int | None = None
 
 
-# a call as `calls` lists it: (Call, keys [B, S_i, K, E], values, key lengths int32 [B] or None: all S_i keys)
-Part = tuple[Call, jax.Array, jax.Array, jax.Array | None]
+class Part(NamedTuple):
+    """A call as `calls` lists it: its keys [B, S_i, K, E] and values, key lengths int32 [B] (None: all S_i keys),
+    and its query rows: None, q[:, call.rows:]; else int32 [B, T_i], the query each of its rows is (gathered; a
+    row outside [0, T) is none: its result is not read and gets no gradient)."""
+
+    call: Call
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array | None = None
+    rows: jax.Array | None = None
 
 
 def calls(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec) -> list[Part]:
     """`serves`' contiguous cases as cuDNN calls over disjoint keys, whose softmaxes merge into the spec's."""
     T = q.shape[1]
-    if spec.is_lambda:  # a whole sequence: p sees j in (p - recent, p], and j < sink further back
-        parts = [(Call(window=spec.recent), k, v, None)]
-        if spec.sink and spec.recent < T:  # row i of q[recent:] (position recent + i) sees sinks j <= i
-            parts.append((Call(rows=spec.recent), k[:, : spec.sink], v[:, : spec.sink], None))
-        return parts
+    if spec.is_lambda:
+        return _lambda_calls(q, k, v, spec)
     if spec.k_positions is not None:  # a ring, then the queries' own keys
         ring = spec.own_keys_at
         filled = jnp.sum(spec.k_positions[:, :ring] >= 0, axis=1)
-        own = (Call(), k[:, ring : ring + T], v[:, ring : ring + T], None)
-        return [own, (Call(causal=False), k[:, :ring], v[:, :ring], filled)] if ring else [own]
+        own = Part(Call(), k[:, ring : ring + T], v[:, ring : ring + T])
+        return [own, Part(Call(causal=False), k[:, :ring], v[:, :ring], filled)] if ring else [own]
     if T == 1:
-        return [(Call(causal=False), k, v, spec.decode_lengths())]
+        return [Part(Call(causal=False), k, v, spec.decode_lengths())]
     c, n = spec.static_prefix or (None, None)
     if c is not None and c + T <= min(n, k.shape[1]):  # the own keys and the prefix are slices: nothing gathered
-        own = (Call(), k[:, c : c + T], v[:, c : c + T], None)
-        return [own, (Call(causal=False), k[:, :c], v[:, :c], None)] if c else [own]
+        own = Part(Call(), k[:, c : c + T], v[:, c : c + T])
+        return [own, Part(Call(causal=False), k[:, :c], v[:, :c])] if c else [own]
     q_offset = spec.q_positions[:, 0]
-    # the chunk's own keys: rows q_offset + t (clipped: a row past the cache is a padding token no real row sees)
-    rows = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
-    own_k, own_v = (jnp.take_along_axis(x, rows[:, :, None, None], axis=1) for x in (k, v))
-    return [(Call(), own_k, own_v, None), (Call(causal=False), k, v, q_offset)]
+    return [Part(Call(), *_own_keys(k, v, q_offset, T)), Part(Call(causal=False), k, v, q_offset)]
+
+
+def _own_keys(k, v, q_offset, T):
+    """The chunk's own keys and values: slots q_offset + t, gathered (clipped: a row past the cache is a padding
+    token no real row sees)."""
+    slots = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
+    return tuple(jnp.take_along_axis(x, slots[:, :, None, None], axis=1) for x in (k, v))
+
+
+def _lambda_calls(q, k, v, spec: MaskSpec) -> list[Part]:
+    """Λ over every key slot: query p sees the window j in (p - recent, p] and the sinks j < sink further back.
+    Over a whole sequence, cuDNN's sliding window over all the keys, and the queries from position `recent` over
+    the sinks (row i of that call sits at position recent + i, so top-left causal is j <= p - recent).
+
+    Queries at an offset o [B] (traced: a shard's, gate training's all-gather sequence parallelism) take four calls,
+    since cuDNN's masks are aligned top-left and take key lengths, never a first key:
+    - the window over the queries' own keys, slots o + t: the sliding window as above;
+    - the window's keys before o: query i sees o - 1 - r iff r < recent - 1 - i. With the keys in that order (their
+      lengths min(o, recent - 1): a sequence's first keys) and query i as row recent - 2 - i, that is causal;
+    - the sinks, query i seeing j <= i + o - recent: the queries with 0 <= i + o - recent < sink gathered, one row
+      per sink (row t is query t - o + recent), causal; the queries past them see every sink (no mask)."""
+    B, T = q.shape[:2]
+    sink, recent = spec.sink, spec.recent
+    if whole_sequence(q, k, spec):
+        parts = [Part(Call(window=recent), k, v)]
+        if sink and recent < T:
+            parts.append(Part(Call(rows=recent), k[:, :sink], v[:, :sink]))
+        return parts
+    o = spec.q_positions[:, 0]
+    parts = [Part(Call(window=recent), *_own_keys(k, v, o, T))]
+    if recent > 1:
+        r = jnp.arange(recent - 1, dtype=jnp.int32)
+        slots = jnp.maximum(o[:, None] - 1 - r[None, :], 0)  # [B, recent - 1]: past the lengths where o < recent - 1
+        before = (jnp.take_along_axis(x, slots[:, :, None, None], axis=1) for x in (k, v))
+        rows = jnp.broadcast_to(recent - 2 - r, (B, recent - 1))
+        parts.append(Part(Call(), *before, jnp.clip(o, 0, recent - 1), rows))
+    if sink:
+        shift = (o - recent)[:, None]  # query i sees the sinks j <= i + shift
+        partial = jnp.arange(sink, dtype=jnp.int32)[None, :] - shift
+        queries = jnp.arange(T, dtype=jnp.int32)[None, :]
+        whole = jnp.where(queries + shift >= sink, queries, T)
+        sinks = (k[:, :sink], v[:, :sink])
+        parts += [Part(Call(), *sinks, None, partial), Part(Call(causal=False), *sinks, None, whole)]
+    return parts
 
 
 def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.Array:
@@ -195,59 +249,87 @@ def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.A
     call's backward with the merged output and log-sum-exp in place of the call's own (as ring attention does):
     the softmax over all the keys restricted to that call's keys, so the calls' gradients sum to the merged one.
     (The binding's own backward would use the call's statistics and drop the log-sum-exp's cotangent.)"""
-    kinds = tuple(call for call, *_ in parts)
+    kinds = tuple(part.call for part in parts)
 
-    def forward(q, keys, values, lengths):
+    def forward(q, keys, values, lengths, rows):
         results = [
-            attend(q[:, call.rows :], k, v, n, call.causal, call.window)
-            for call, k, v, n in zip(kinds, keys, values, lengths, strict=True)
+            attend(_rows_of(q, call, at), k, v, n, call.causal, call.window)
+            for call, k, v, n, at in zip(kinds, keys, values, lengths, rows, strict=True)
         ]
-        out, lse = _merge(q, results, kinds, lengths)
+        out, lse = _merge(q, results, kinds, lengths, rows)
         return out.astype(q.dtype), lse
 
     @jax.custom_vjp
-    def run(q, keys, values, lengths):
-        return forward(q, keys, values, lengths)[0]
+    def run(q, keys, values, lengths, rows):
+        return forward(q, keys, values, lengths, rows)[0]
 
-    def run_forward(q, keys, values, lengths):
-        out, lse = forward(q, keys, values, lengths)
-        return out, (q, keys, values, lengths, out, lse)
+    def run_forward(q, keys, values, lengths, rows):
+        out, lse = forward(q, keys, values, lengths, rows)
+        return out, (q, keys, values, lengths, rows, out, lse)
 
     def run_backward(residuals, d_out):
-        q, keys, values, lengths, out, lse = residuals
+        q, keys, values, lengths, rows, out, lse = residuals
+        T = q.shape[1]
         d_q, d_keys, d_values = jnp.zeros(q.shape, jnp.float32), [], []
-        for call, k, v, n in zip(kinds, keys, values, lengths, strict=True):
-            r = call.rows
-            grads = attend_backward(q[:, r:], k, v, n, call.causal, call.window, out[:, r:], lse[:, r:], d_out[:, r:])
-            if n is not None:  # a sequence with no key in this call: none of its gradient (cuDNN leaves it undefined)
-                grads = [jnp.where((n > 0)[:, None, None, None], g, 0) for g in grads]
-            d_q = d_q.at[:, r:].add(grads[0].astype(jnp.float32))
+        for call, k, v, n, at in zip(kinds, keys, values, lengths, rows, strict=True):
+            q_i, out_i, lse_i, d_out_i = (_rows_of(x, call, at) for x in (q, out, lse, d_out))
+            if at is not None:  # rows that are no query: no probability (lse +inf), no cotangent
+                real = ((at >= 0) & (at < T))[:, :, None]
+                lse_i = jnp.where(real, lse_i, jnp.inf)
+                out_i, d_out_i = (jnp.where(real[..., None], x, 0) for x in (out_i, d_out_i))
+            grads = attend_backward(q_i, k, v, n, call.causal, call.window, out_i, lse_i, d_out_i)
+            if n is not None:  # keys past the lengths, or a sequence with none: no gradient (cuDNN's is undefined)
+                seen = jnp.arange(k.shape[1])[None, :] < n[:, None]
+                grads = [
+                    jnp.where((n > 0)[:, None, None, None], grads[0], 0),
+                    *(jnp.where(seen[:, :, None, None], g, 0) for g in grads[1:]),
+                ]
+            d_q = d_q + _place(grads[0].astype(jnp.float32), call, at, T, 0.0)
             d_keys.append(grads[1])
             d_values.append(grads[2])
-        return d_q.astype(q.dtype), tuple(d_keys), tuple(d_values), jax.tree.map(zero_cotangent, lengths)
+        cotangents = jax.tree.map(zero_cotangent, (lengths, rows))
+        return d_q.astype(q.dtype), tuple(d_keys), tuple(d_values), *cotangents
 
     run.defvjp(run_forward, run_backward)
-    keys, values, lengths = (tuple(part[i] for part in parts) for i in (1, 2, 3))
-    return run(q, keys, values, lengths)
+    keys, values, lengths, rows = (tuple(part[i] for part in parts) for i in (1, 2, 3, 4))
+    return run(q, keys, values, lengths, rows)
 
 
-def _merge(q, results, kinds, lengths) -> tuple[jax.Array, jax.Array]:
-    """Softmaxes over disjoint keys as one: results [(out [B, T_i, H, E], lse [B, T_i, H])] over rows [T - T_i, T)
+def _rows_of(x, call: Call, rows):
+    """A call's rows of a per-query array x [B, T, ...]: x[:, call.rows:], or gathered at `rows` [B, T_i]
+    (clipped: a row that is no query gets a real query's, which the caller does not use)."""
+    if rows is None:
+        return x[:, call.rows :]
+    at = jnp.clip(rows, 0, x.shape[1] - 1)
+    return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _place(x, call: Call, rows, T: int, fill):
+    """`_rows_of`'s inverse: a call's per-row results x [B, T_i, ...] at their queries' rows of [B, T, ...], `fill`
+    at the queries the call does not serve."""
+    if rows is None:
+        return jnp.pad(x, ((0, 0), (call.rows, 0)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+    at = jnp.where((rows >= 0) & (rows < T), rows, T)  # past the end: dropped
+    placed = jnp.full((x.shape[0], T, *x.shape[2:]), fill, x.dtype)
+    return placed.at[jnp.arange(x.shape[0])[:, None], at].set(x, mode="drop")
+
+
+def _merge(q, results, kinds, lengths, rows) -> tuple[jax.Array, jax.Array]:
+    """Softmaxes over disjoint keys as one: results [(out [B, T_i, H, E], lse [B, T_i, H])] over each call's rows
     -> (out float32 [B, T, H, E], lse float32 [B, T, H]). A call with key lengths weighs 0 for a sequence with
-    none (cuDNN's rows over no key are not defined); rows a call does not serve weigh 0."""
-    if len(results) == 1 and kinds[0].rows == 0 and lengths[0] is None:
+    none (cuDNN's rows over no key are not defined); queries a call does not serve weigh 0."""
+    if len(results) == 1 and kinds[0].rows == 0 and lengths[0] is None and rows[0] is None:
         out, lse = results[0]
         return out.astype(jnp.float32), lse
     T = q.shape[1]
     outs, lses = [], []
-    for (out, lse), call, n in zip(results, kinds, lengths, strict=True):
-        valid = jnp.arange(T) >= call.rows
+    for (out, lse), call, n, at in zip(results, kinds, lengths, rows, strict=True):
+        valid = _place(jnp.ones(lse.shape[:2], bool), call, at, T, False)
         if n is not None:
-            valid = valid[None, :] & (n > 0)[:, None]
-        valid = jnp.broadcast_to(valid, q.shape[:2])[..., None]
-        pad = ((0, 0), (call.rows, 0), (0, 0))
-        lses.append(jnp.where(valid, jnp.pad(lse, pad), -jnp.inf))
-        outs.append(jnp.where(valid[..., None], jnp.pad(out.astype(jnp.float32), (*pad, (0, 0))), 0.0))
+            valid = valid & (n > 0)[:, None]
+        valid = valid[..., None]
+        lses.append(jnp.where(valid, _place(lse, call, at, T, -jnp.inf), -jnp.inf))
+        outs.append(jnp.where(valid[..., None], _place(out.astype(jnp.float32), call, at, T, 0.0), 0.0))
     top = functools.reduce(jnp.maximum, lses)
     weights = [jnp.exp(lse - top) for lse in lses]
     total = sum(w[..., None] * out for w, out in zip(weights, outs, strict=True))
@@ -485,19 +567,24 @@ def gradient_unavailable() -> str | None:
 
 
 @functools.cache
-def lambda_unavailable() -> str | None:
-    """None when Λ over a whole sequence through cuDNN (a sliding window, and the sinks before it: more queries than
-    keys) matches the XLA path, forward and gradient; otherwise why not. Probed once per process, apart from
-    `gradient_unavailable`, so that Λ failing here does not take cuDNN's gradient from full attention."""
+def lambda_unavailable(at_offset: bool = False) -> str | None:
+    """None when Λ through cuDNN matches the XLA path, forward and gradient, over a whole sequence (a sliding window,
+    and the sinks before it: more queries than keys), or with `at_offset` for queries at offsets (`_lambda_calls`'
+    four calls: gathered rows, keys in reverse order with lengths, no mask); otherwise why not. Probed once per
+    process and case, apart from `gradient_unavailable`, so that Λ failing here does not take cuDNN's gradient from
+    full attention."""
 
     def check():
         rng = np.random.default_rng(2)
-        B, T, H, K, E = 2, 256, 4, 2, 64
-        q, k, v = _probe_inputs(rng, B, T, T, H, K, E)
-        spec = prefix_spec(B, T, num_keys=T, sink=16, recent=64)
+        B, T, S, H, K, E = 3, 128 if at_offset else 256, 256, 4, 2, 64
+        q, k, v = _probe_inputs(rng, B, T, S, H, K, E)
+        # offsets: none before the queries; fewer than the window (a sink call's first rows); past the sinks
+        offset = jnp.asarray([0, 40, 120]) if at_offset else 0
+        spec = prefix_spec(B, T, q_offset=offset, num_keys=S, sink=16, recent=64)
         err = max(_off_by(q, k, v, spec, k.astype(jnp.float32), v.astype(jnp.float32)), _grad_off_by(q, k, v, spec))
         if not err < 3e-2:
-            return f"Λ through cuDNN is off by {err:.2e} against the XLA path (forward or gradient)"
+            where = "at offsets" if at_offset else "over a whole sequence"
+            return f"Λ through cuDNN {where} is off by {err:.2e} against the XLA path (forward or gradient)"
         return None
 
     return gradient_unavailable() or _probe(check)

@@ -177,7 +177,7 @@ def _cudnn_serves(q: jax.Array, k, v, spec: MaskSpec, *, alone: bool) -> bool:
     if not cudnn.serves(q, k, v, spec):
         return False
     if spec.is_lambda:
-        return alone and cudnn.lambda_unavailable() is None
+        return alone and cudnn.lambda_unavailable(at_offset=not cudnn.whole_sequence(q, k, spec)) is None
     if isinstance(k, PagedKV):
         return alone and cudnn.paged_unavailable(k.page_size, q.shape[-1], q.shape[2] // k.shape[2], q.dtype) is None
     return alone or (q.shape[1] > 1 and spec.k_positions is None)
