@@ -259,6 +259,18 @@ def ratio(a: float | None, b: float | None) -> float:
     return a / b
 
 
+def triton_disabled() -> bool:
+    """Whether DUO_JAX_DISABLE_TRITON runs this process as a GPU without Pallas's Triton backend."""
+    from pallas_kernels import _backend
+
+    return os.environ.get(_backend.DISABLE_TRITON, "") not in ("", "0")
+
+
+def attention_label(impl: str) -> str:
+    """The attention implementation a benchmark ran, as its tables name it."""
+    return impl + (" without Triton" if triton_disabled() else "")
+
+
 def write_result(
     out_dir: pathlib.Path,
     name: str,
@@ -287,7 +299,7 @@ def write_result(
     result = dict(
         benchmark=name,
         title=title,
-        command=" ".join(["python"] + sys.argv),
+        command=" ".join(["DUO_JAX_DISABLE_TRITON=1"] * triton_disabled() + ["python"] + sys.argv),
         machine=machine,
         table=dict(headers=list(headers), rows=[list(r) for r in rows]),
         notes=list(notes),

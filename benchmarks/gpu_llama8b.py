@@ -47,6 +47,7 @@ chunk and one decode step of both modes with `jax.eval_shape`, and prints the pl
     python benchmarks/gpu_llama8b.py --kv-dtype int4 --weights int8 --sparsity 0.75 --contexts 131072 1048576 4194304
     python benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16
     python benchmarks/gpu_llama8b.py --num-layers 1 --contexts 16384 131072 --impl cudnn   # one layer: seconds
+    DUO_JAX_DISABLE_TRITON=1 python benchmarks/gpu_llama8b.py --contexts 8192 32768   # as a GPU without Triton
 """
 
 from __future__ import annotations
@@ -568,8 +569,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(model_params(config, args.weights), config, fuse_qkv=False if args.separate_qkv else None)
     formats += ", q/k/v " + ("fused" if engine.fused_qkv else "separate")
-    if args.impl != "auto":
-        formats += f", attention impl={args.impl}"
+    if args.impl != "auto" or common.triton_disabled():
+        formats += f", attention impl={common.attention_label(args.impl)}"
     if args.fill_memory:
         rows, data = [], {}
         for context in contexts:

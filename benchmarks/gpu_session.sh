@@ -6,8 +6,8 @@
 #                                                # probe), the kernel timings at 4k-32k and paged decode
 #                                                # (in place vs gathered): about 5-8 minutes
 #   bash benchmarks/gpu_session.sh llama8b OUT   # Llama-3-8B-shaped prefill / decode, full vs duo, vs roofline
-#   bash benchmarks/gpu_session.sh quantized OUT # one layer's int4 decode at 128k, Triton vs the XLA path (what a
-#                                                # GPU without Triton runs for codes), then llama8b with int4 KV +
+#   bash benchmarks/gpu_session.sh quantized OUT # one layer's int4 prefill and decode at 128k: Triton, without it
+#                                                # (cuDNN / long XLA tiles), the XLA path; then llama8b with int4 KV +
 #                                                # int8 weights, duo at sparsity 0.75, up to 4M tokens
 #   bash benchmarks/gpu_session.sh gates OUT [STEPS]
 #                                                # SmolLM2 gate training with the original recipe; the run
@@ -32,7 +32,9 @@
 #                                                # CHUNKS=8192 for one size)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens, under
-#                                                # auto, pallas and cudnn
+#                                                # auto, pallas and as a GPU without Triton (DUO_JAX_DISABLE_TRITON)
+#   bash benchmarks/gpu_session.sh notriton OUT  # issue 33's target 5 end to end: prefill and decode at 8k-128k as a
+#                                                # GPU without Triton runs them, beside auto (about 8 minutes)
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
 #                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
@@ -47,8 +49,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -95,12 +97,14 @@ llama8b)
         --out "$out/gpu_llama8b" 2>&1 | tee "$out/gpu_llama8b.log"
     ;;
 quantized)
-    # target 5 for quantized caches: one layer's int4 decode at 128k through the Triton kernels (auto), then on the
-    # XLA path, what a GPU without Triton runs for codes (cuDNN takes no int4): the gap left to close
-    for impl in auto xla; do
-        part "${QUANT_LAYER_S:-90}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
-            --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 --impl $impl \
-            --out "$out/int4_layer_$impl" 2>&1 | tee "$out/int4_layer_$impl.log" || true
+    # target 5 for quantized caches: one layer's int4 prefill (chunks of 2k) and decode at 128k through the Triton
+    # kernels (auto), and as a GPU without Triton runs them (prefill chunks through cuDNN on dequantized keys, decode
+    # on the XLA path in 32k tiles): the gap left to close
+    for run in auto notriton; do
+        ( if [ $run = notriton ]; then export DUO_JAX_DISABLE_TRITON=1; fi
+          part "${QUANT_LAYER_S:-120}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
+              --sparsity 0.75 --contexts 131072 --max-prefill 131072 --prefill-repeats 1 --decode-steps 8 \
+              --out "$out/int4_layer_$run" 2>&1 | tee "$out/int4_layer_$run.log" ) || true
     done
     $PY benchmarks/gpu_llama8b.py --kv-dtype int4 --weights int8 --sparsity 0.75 \
         --contexts 131072 524288 1048576 2097152 4194304 --max-prefill 131072 \
@@ -220,12 +224,23 @@ chunks)
     ;;
 train8b)
     # the step as "auto" runs it (full attention through cuDNN from 8k tokens, Λ through Triton's kernel), with
-    # Triton's kernels everywhere ("pallas"), and through cuDNN everywhere (what a GPU without Triton runs)
+    # Triton's kernels everywhere ("pallas"), and as a GPU without Triton runs it (cuDNN everywhere, Λ's too)
     part "${TRAIN_S:-200}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --out "$out" 2>&1 \
         | tee "$out/train_step.log" || true
-    for impl in pallas cudnn; do
-        part "${TRAIN_IMPL_S:-180}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 \
-            --impl $impl --out "$out" 2>&1 | tee "$out/train_step_$impl.log" || true
+    part "${TRAIN_IMPL_S:-180}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 \
+        --impl pallas --out "$out" 2>&1 | tee "$out/train_step_pallas.log" || true
+    ( export DUO_JAX_DISABLE_TRITON=1
+      part "${TRAIN_IMPL_S:-180}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 \
+          --out "$out" 2>&1 | tee "$out/train_step_notriton.log" ) || true
+    ;;
+notriton)
+    # target 5 end to end: the model as a GPU without Pallas's Triton backend runs it (DUO_JAX_DISABLE_TRITON=1:
+    # cuDNN for prefill chunks, decode steps and the DuoAttention partitions, XLA for the rest), prefill and decode
+    # at 8k-128k, beside the same run with Triton (auto) in the same call
+    for run in notriton auto; do
+        ( if [ $run = notriton ]; then export DUO_JAX_DISABLE_TRITON=1; fi
+          part "${NOTRITON_S:-240}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 131072 \
+              --prefill-repeats 1 --decode-steps 16 --out "$out/$run" 2>&1 | tee "$out/gpu_llama8b_$run.log" ) || true
     done
     ;;
 *)

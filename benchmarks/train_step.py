@@ -12,7 +12,8 @@ device takes 2,000 x step seconds.
 
     python benchmarks/train_step.py                                      # Llama-3-8B, 32k tokens, all devices
     python benchmarks/train_step.py --model smollm2-135m --seq-len 8192
-    python benchmarks/train_step.py --impl cudnn        # attention through cuDNN (a GPU without Triton runs that)
+    DUO_JAX_DISABLE_TRITON=1 python benchmarks/train_step.py   # as a GPU without Triton runs it (through cuDNN)
+    python benchmarks/train_step.py --impl pallas       # the Triton kernels everywhere
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--impl",
         default="auto",
-        help="attention implementation (duo_jax.attention.IMPLS; cudnn: what a GPU without Triton runs)",
+        help="attention implementation (duo_jax.attention.IMPLS; DUO_JAX_DISABLE_TRITON=1 in the environment "
+        "runs auto as a GPU without Triton does)",
     )
     args = p.parse_args(argv)
 
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = cfg.batch_size * T
     row = [
         args.model,
-        args.impl,
+        common.attention_label(args.impl),
         sharding.format_mesh(mesh),
         tokens_per_step,
         round(times[0], 1),
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     common.write_result(
         args.out,
-        f"train_step_{args.model}" + ("" if args.impl == "auto" else f"_{args.impl}"),
+        f"train_step_{args.model}"
+        + ("" if args.impl == "auto" else f"_{args.impl}")
+        + ("_notriton" if common.triton_disabled() else ""),
         title=f"Gate-training step: {args.model}, {T} tokens per sample",
         headers=headers,
         rows=[row],

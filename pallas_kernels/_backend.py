@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,11 +67,18 @@ def exporting() -> bool:
     return _target is not None
 
 
+# Set (to anything but "" or "0") to run as a GPU without Pallas's Triton backend: `auto` then takes cuDNN and the
+# XLA path, as where JAX no longer ships it (to measure that route, or to avoid a Triton that misbehaves).
+DISABLE_TRITON = "DUO_JAX_DISABLE_TRITON"
+
+
 @functools.cache
 def triton_unavailable() -> str | None:
     """None when a Pallas kernel with Triton compiler params compiles and runs on the default device and
-    returns the right values; otherwise why not (the exception, or the wrong result). Probed once per
-    process, eagerly even when called while a jit is being traced."""
+    returns the right values; otherwise why not (the exception, the wrong result, or DUO_JAX_DISABLE_TRITON).
+    Probed once per process, eagerly even when called while a jit is being traced."""
+    if os.environ.get(DISABLE_TRITON, "") not in ("", "0"):
+        return f"disabled by the environment ({DISABLE_TRITON}={os.environ[DISABLE_TRITON]})"
     try:
         from jax.experimental import pallas as pl
 

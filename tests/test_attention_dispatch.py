@@ -186,6 +186,19 @@ def test_auto_falls_back_to_cudnn_where_it_runs_and_triton_does_not(monkeypatch)
     dispatch._triton_fallback.cache_clear()
 
 
+def test_the_environment_disables_triton(monkeypatch):
+    """DUO_JAX_DISABLE_TRITON makes the probe fail with its name, so that "auto" on a GPU takes the route of a GPU
+    without Triton (cuDNN, else XLA); unset, empty or "0", the probe runs."""
+    from pallas_kernels import _backend
+
+    for value, disabled in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv(_backend.DISABLE_TRITON, value)
+        _backend.triton_unavailable.cache_clear()
+        reason = _backend.triton_unavailable()
+        assert (reason == f"disabled by the environment (DUO_JAX_DISABLE_TRITON={value})") == disabled
+    _backend.triton_unavailable.cache_clear()
+
+
 def test_the_triton_probe_names_why_it_cannot_run_here():
     from pallas_kernels import _backend
 
@@ -334,3 +347,60 @@ def test_gate_loss_and_gradients_with_mosaic_kernels_match_xla():
     assert float(jnp.max(jnp.abs(ref_grad))) > 1e-4
     assert abs(float(ours.loss) - float(ref.loss)) <= 1e-5 * abs(float(ref.loss))
     assert rel_err(grad, ref_grad) <= 1e-4
+
+
+@pytest.mark.parametrize("capacity, loops", [(32768, 0), (131072, 1)], ids=["one_tile", "four_tiles"])
+def test_xla_decode_on_a_gpu_scores_long_tiles(capacity, loops):
+    """A decode step on the XLA path (an int4 cache on a GPU without Triton), lowered for an NVIDIA GPU: up to
+    XLA_GPU_DECODE_TILE slots it is one tile with no loop over tiles (no predicate read back per tile), past it a
+    loop over tiles of that size; off a GPU the default 512-slot tiles. (One more loop in each: the query blocks'
+    `lax.map`, of one block.)"""
+    from jax import export
+
+    from duo_jax.attention import dispatch
+    from duo_jax.attention.masks import prefix_spec
+    from duo_jax.quant import quantize_kv
+    from pallas_kernels._backend import lowering_for
+
+    q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
+    k = jax.eval_shape(lambda: quantize_kv(jnp.zeros((1, capacity, 8, 128), jnp.bfloat16), "int4"))
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def lowered(platform):
+        def step(q, k, v, lengths):  # a function per platform: jit's trace cache does not key on it
+            spec = prefix_spec(1, 1, q_offset=lengths - 1, kv_len=lengths, num_keys=capacity)
+            return dispatch.attend(q, k, v, spec, impl="xla")
+
+        return export.export(jax.jit(step), platforms=[platform])(q, k, k, lengths).mlir_module()
+
+    with lowering_for("gpu"):
+        module = lowered("cuda")
+    assert module.count("stablehlo.while") == 1 + loops
+    if loops:
+        assert "tensor<1x32768x8x64xi8>" in module  # a tile's codes, sliced from the cache
+    default = lowered("cpu")
+    assert "tensor<1x512x8x64xi8>" in default and default.count("stablehlo.while") == 2
+
+
+def test_xla_decode_on_a_gpu_matches_the_default_tiles(monkeypatch):
+    """The long decode tiles change how the XLA path walks the cache, not what it computes: int8 codes, ragged
+    lengths, one tile and two, against the default tiles."""
+    import numpy as np
+
+    from duo_jax.attention import dispatch, xla
+    from duo_jax.attention.masks import prefix_spec
+    from duo_jax.quant import quantize_kv
+    from tests.conftest import rel_err
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
+    cache = [quantize_kv(jnp.asarray(rng.standard_normal((2, 64, 2, 16)), jnp.float32), "int8") for _ in range(2)]
+    lengths = jnp.asarray([64, 23])
+    spec = prefix_spec(2, 1, q_offset=lengths - 1, kv_len=lengths, num_keys=64)
+    want = xla.attention(q, *cache, spec, block_k=16)
+    monkeypatch.setattr(dispatch, "pallas_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "xla")
+    for tile in (64, 32):
+        monkeypatch.setattr(dispatch, "XLA_GPU_DECODE_TILE", tile)
+        assert dispatch._xla_tiles(q, cache[0], spec) == {"block_k": tile}
+        assert rel_err(dispatch.attend(q, *cache, spec), want) < 1e-5

@@ -15,6 +15,7 @@ from duo_jax.attention.dispatch import attend, resolve_impl
 from duo_jax.attention.masks import MaskSpec, prefix_spec
 from duo_jax.attention.pages import PagedKV
 from duo_jax.errors import BackendError
+from duo_jax.quant import quantize_kv
 from tests.conftest import rel_err
 
 
@@ -310,9 +311,10 @@ def test_a_forward_alone_never_runs_the_gradient_probe(monkeypatch):
     assert probed == [1]
 
 
-def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
-    """Gate training's Λ on a GPU where Triton does not work: forward and gradient through cuDNN's two calls (the
-    stand-ins, counted), matching the XLA path; where Triton works, or Λ through cuDNN failed its probe, not."""
+@pytest.fixture
+def gpu_without_triton(monkeypatch):
+    """This host as a GPU where Triton does not work: "auto" resolves to "cudnn", the rest to the XLA path, and
+    cuDNN's calls run on the XLA stand-in, counted by their keys."""
     calls = []
 
     def counted(*args, **kwargs):
@@ -321,9 +323,16 @@ def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
 
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn" if impl in ("auto", "cudnn") else impl)
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+    monkeypatch.setattr(cudnn, "_cudnn", counted)
+    return calls
+
+
+def test_lambda_goes_through_cudnn_only_without_triton(gpu_without_triton, monkeypatch):
+    """Gate training's Λ on a GPU where Triton does not work: forward and gradient through cuDNN's two calls (the
+    stand-ins, counted), matching the XLA path; where Triton works, or Λ through cuDNN failed its probe, not."""
+    calls = gpu_without_triton
     monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "lambda_unavailable", lambda at_offset=False: None)
-    monkeypatch.setattr(cudnn, "_cudnn", counted)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
     q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(1, 64, 64, 4, 2, 16, seed=11))
     run = lambda q, k, v: dispatch.lambda_attention(q, k, v, sink=4, recent=16)  # noqa: E731
@@ -349,6 +358,66 @@ def test_lambda_goes_through_cudnn_only_without_triton(monkeypatch):
     monkeypatch.setattr(cudnn, "lambda_unavailable", lambda at_offset=False: "its sliding window is off")
     run(q, k, v)
     assert not calls
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_chunk_over_codes_dequantizes_its_prefix_a_segment_at_a_time(monkeypatch, kind):
+    """A chunk over a quantized cache: its own keys and its prefix dequantized, the prefix in segments of
+    PREFIX_SEGMENT slots (one call each; a segment past a sequence's prefix has no keys there), matching the XLA
+    path over the codes."""
+    monkeypatch.setattr(cudnn, "PREFIX_SEGMENT", 16)
+    B, T, C, H, K, E = 2, 8, 48, 4, 2, 16
+    q, k, v = _inputs(B, T, C, H, K, E, seed=13)
+    k, v = (quantize_kv(x, kind) for x in (k, v))
+    spec = prefix_spec(B, T, q_offset=jnp.asarray([20, 3]), kv_len=jnp.asarray([28, 11]), num_keys=C)
+    parts = cudnn.calls(q, k, v, spec)
+    assert [part.k.shape[1] for part in parts] == [T, 16, 16, 16]
+    assert [part.lengths.tolist() for part in parts[1:]] == [[16, 3], [4, 0], [0, 0]]
+    assert rel_err(cudnn.attention(q, k, v, spec, attend=cudnn.xla_part), xla.attention(q, k, v, spec)) < 1e-5
+
+
+def test_codes_go_through_cudnn_for_chunks_only_without_triton(gpu_without_triton, monkeypatch):
+    """A GPU where Triton does not work: a prefill chunk over int4 codes through cuDNN (the stand-in, counted),
+    matching the XLA path; a decode step over them stays on the XLA path (bound by reading the cache, which a
+    dequantized copy would double); where Triton works, the kernels read the codes."""
+    calls = gpu_without_triton
+    B, T, C = 2, 8, 48
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(B, T, C, 4, 2, 16, seed=14))
+    k, v = (quantize_kv(x, "int4") for x in (k, v))
+    spec = prefix_spec(B, T, q_offset=jnp.asarray([20, 3]), kv_len=jnp.asarray([28, 11]), num_keys=C)
+    want = xla.attention(q, k, v, spec).astype(jnp.float32)
+    assert rel_err(attend(q, k, v, spec).astype(jnp.float32), want) < 2e-2
+    assert calls == [T, C]  # its own keys, then the prefix (one segment)
+    calls.clear()
+    decode = prefix_spec(B, 1, q_offset=jnp.asarray([20, 3]), kv_len=jnp.asarray([21, 4]), num_keys=C)
+    attend(q[:, :1], k, v, decode)
+    assert not calls
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "pallas")
+    monkeypatch.setattr(dispatch, "_kernels", lambda *args: "pallas kernels")
+    assert attend(q, k, v, spec) == "pallas kernels"
+
+
+def test_chunk_over_codes_passes_the_bindings_checks(monkeypatch):
+    """Lowered for an NVIDIA GPU on this host (the cuDNN version check bypassed): a chunk over int4 codes is the
+    causal call over its own keys and one call with a padding mask per prefix segment, on dequantized bf16 keys."""
+    import re
+
+    from jax._src.cudnn import fused_attention_stablehlo as binding
+
+    monkeypatch.setattr(binding, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(cudnn, "PREFIX_SEGMENT", 256)
+    q = jnp.zeros((1, 128, 8, 64), jnp.bfloat16)
+    k = quantize_kv(jnp.zeros((1, 512, 2, 64), jnp.bfloat16), "int4")
+    spec = prefix_spec(1, 128, q_offset=jnp.asarray([300]), num_keys=512)
+    exported = jax.export.export(
+        jax.jit(cudnn.attention),
+        platforms=("cuda",),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__cudnn$fmhaSoftmax")],
+    )(q, k, k, spec)
+    calls = [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call @__cudnn" in line]
+    masks = [re.findall(r"mask_type\\22: (?:\\22)?(\w+)", c)[0] for c in calls]
+    assert masks == ["CAUSAL", "PADDING", "PADDING"]
+    assert all("tensor<1x256x2x64xbf16>" in c for c in calls[1:])
 
 
 @pytest.fixture

@@ -247,3 +247,42 @@ def test_generate_with_int8_kv_gives_the_fp32_caches_greedy_tokens(model):
     assert int8.stats["cache_bytes"] == int8.stats["expected_cache_bytes"] < full.stats["cache_bytes"] / 3
     same = duo_jax.generate(model, prompt, kv_dtype="float32", **kwargs)  # the model's dtype: unquantized
     assert same.stats["cache_bytes"] == full.stats["cache_bytes"]
+
+
+@pytest.mark.parametrize("name", ["full", "duo"])
+def test_quantized_chunks_through_cudnn_without_triton_give_the_xla_paths_logits(monkeypatch, name):
+    """A GPU without Triton, bf16, int4 caches ("auto" resolves to "cudnn", the rest to XLA): the prefill chunks of
+    the full-attention (retrieval) caches run cuDNN's calls on dequantized keys (the XLA stand-in of its contract,
+    counted: each chunk's own keys, then its prefix in segments of 32 slots), a decode step the XLA path; the
+    prompts' logits and greedy tokens as the XLA path's. (Decode steps feed each path its own argmax, which a near
+    tie can part, so only the prompts' teacher-forced logits are compared.)"""
+    from duo_jax.attention import cudnn, dispatch
+    from duo_jax.engine import Engine
+    from tests.test_paged import all_logits
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append((args[0].shape[1], args[1].shape[1]))  # (queries, keys) of the call
+        return cudnn.xla_part(*args, **kwargs)
+
+    engine = Engine(duo_jax.init_params(CONFIG, jax.random.key(0), jnp.bfloat16, scale=0.05), CONFIG)
+    method = methods("int4", context=64)[name]
+    prompts = [np.random.default_rng(5).integers(1, 128, n).tolist() for n in (37, 20)]
+    logits = {}
+    for impl in ("xla", "cudnn"):
+        if impl == "cudnn":
+            monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn" if impl in ("auto", "cudnn") else impl)
+            monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+            monkeypatch.setattr(cudnn, "_cudnn", counted)
+            monkeypatch.setattr(cudnn, "PREFIX_SEGMENT", 32)
+        cache = method.init_cache(len(prompts), engine.dtype)
+        logits[impl] = all_logits(engine, method, prompts, cache, chunk=16, steps=1, impl=impl)
+    assert sorted(set(calls)) == [(16, 16), (16, 32)]  # a chunk over its own keys, and over a prefix segment
+    # bf16 rounding on two paths, three layers deep, the merged calls' outputs each rounded to bf16 (measured: max
+    # 0.8% / mean 0.1% of the largest logit; a prefix segment misplaced by 8 slots: 24-40% / 1.3-4.9%). Small weights:
+    # at scale 0.2 this random model amplified the rounding to 17% at one position.
+    for x, c, prompt in zip(logits["xla"], logits["cudnn"], prompts):
+        x, c = x[: len(prompt)], c[: len(prompt)]
+        assert np.abs(c - x).max() < 3e-2 * np.abs(x).max() and np.abs(c - x).mean() < 3e-3 * np.abs(x).max()
+        np.testing.assert_array_equal(c.argmax(-1), x.argmax(-1))

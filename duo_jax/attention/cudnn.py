@@ -25,6 +25,10 @@ gradients sum to the right one. That binds the binding's backward primitive with
 API, so `gradient_unavailable()` probes it (and `lambda_unavailable()` Λ's calls), and the dispatch recomputes
 the gradient on the kernels it stands beside where it fails.
 
+A prefill chunk over a quantized cache (int8 / int4 codes, which cuDNN does not read) dequantizes its keys first:
+at a chunk's arithmetic intensity the extra pass over the cache costs little beside the attention (decode steps,
+bound by reading the cache, are not served: the dequantized copy would be read again).
+
 A paged cache (`PagedKV`) reads its prefix through the binding's paged attention (`paged_prefix`): each KV head is
 a sequence of its own, so the head-major pool [K, N, P, E] is cuDNN's block container as it is, never copied.
 JAX's own tests do not check that call's values, so `paged_unavailable()` probes it on its own, per page size, head
@@ -48,10 +52,13 @@ import numpy as np
 from duo_jax.attention import xla
 from duo_jax.attention.masks import MaskSpec, prefix_spec
 from duo_jax.attention.pages import PagedKV
-from duo_jax.quant import QuantizedKV
+from duo_jax.quant import QuantizedKV, dequantize
 
 DTYPES = (jnp.bfloat16, jnp.float16)  # cuDNN's flash attention: 16-bit inputs
 MAX_HEAD_DIM = 128
+# A prefill chunk over a quantized cache dequantizes its prefix this many slots at a time (one cuDNN call each): the
+# dequantized copy, 2 x 2 bytes x K x E per slot (64 MiB of one layer's 8 KV heads at head dim 128), is this size.
+PREFIX_SEGMENT = 32768
 
 # (q [B, T, H, E], k, v [B, S, K, E], kv_seqlen [B] or None (all S keys), causal, window=None) -> (out [B, T, H, E],
 # natural log-sum-exp float32 [B, T, H]): row i sees key j iff j < kv_seqlen, j <= i if causal (top-left), i - j <
@@ -72,6 +79,12 @@ def takes(q: jax.Array, k, v) -> bool:
     return not any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v)) and _fits(q, k, v)
 
 
+def takes_codes(q: jax.Array, k, v) -> bool:
+    """Quantized keys and values (`QuantizedKV`, one kind) dequantizing to the query's 16-bit dtype, of a head dim
+    cuDNN's flash attention takes: a prefill chunk dequantizes them (`calls`), as cuDNN reads no int8 / int4."""
+    return isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV) and k.kind == v.kind and _fits(q, k, v)
+
+
 def takes_pages(q: jax.Array, k, v) -> bool:
     """Pages (`PagedKV`, both k and v) of the query's 16-bit dtype and a head dim cuDNN's flash attention takes."""
     return isinstance(k, PagedKV) and isinstance(v, PagedKV) and _fits(q, k, v)
@@ -90,13 +103,15 @@ def _fits(q: jax.Array, k, v) -> bool:
 
 def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
     """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache cuDNN `takes` or pages it
-    `takes_pages`, or over a ring followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads),
-    or Λ over every key slot (gate training's streaming heads: a whole sequence, or a shard's queries at a traced
-    offset over the whole sequence's keys); no sliding window."""
+    `takes_pages`, or over a ring followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads);
+    a chunk over quantized codes it `takes_codes`; Λ over every key slot (gate training's streaming heads: a whole
+    sequence, or a shard's queries at a traced offset over the whole sequence's keys); no sliding window."""
     if not (spec.causal and spec.window is None):
         return False
     if takes_pages(q, k, v):
         return spec.k_positions is None and not spec.is_lambda
+    if takes_codes(q, k, v):  # a prefill chunk over a quantized cache
+        return q.shape[1] > 1 and spec.k_positions is None and not spec.is_lambda
     if not takes(q, k, v):
         return False
     if spec.is_lambda:
@@ -127,9 +142,10 @@ def attention(
     ring of R slots followed by the queries' own keys (`spec.own_keys_at` = R; the ring's filled slots first, every
     one before every query): the ring's filled slots whole and the own keys causally, two calls merged. Λ over a
     whole sequence: the recent window (cuDNN's sliding window) and the sinks before it, two calls merged; at an
-    offset, four (`calls`). Λ sees every key slot, as the Λ kernel does. Over pages (`PagedKV`), as over a
-    contiguous cache, with the prefix read through the tables (`paged_prefix`) and a chunk's own keys gathered
-    (forward only).
+    offset, four (`calls`). Λ sees every key slot, as the Λ kernel does. Over codes (`QuantizedKV`), a chunk as over
+    a contiguous cache, its own keys dequantized and its prefix dequantized a segment at a time, one call each. Over
+    pages (`PagedKV`), as over a contiguous cache, with the prefix read through the tables (`paged_prefix`) and a
+    chunk's own keys gathered (forward only).
 
     Differentiable, except over pages: each call's gradient is cuDNN's backward given the merged output and
     log-sum-exp (`merged`). `attend` runs one call, `attend_backward` one call's backward and `attend_paged` one
@@ -193,18 +209,34 @@ def calls(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec) -> list[Part
     if T == 1:
         return [Part(Call(causal=False), k, v, spec.decode_lengths())]
     c, n = spec.static_prefix or (None, None)
-    if c is not None and c + T <= min(n, k.shape[1]):  # the own keys and the prefix are slices: nothing gathered
+    codes = isinstance(k, QuantizedKV)
+    if c is not None and c + T <= min(n, k.shape[1]) and not codes:  # own keys and prefix are slices: none gathered
         own = Part(Call(), k[:, c : c + T], v[:, c : c + T])
         return [own, Part(Call(causal=False), k[:, :c], v[:, :c])] if c else [own]
     q_offset = spec.q_positions[:, 0]
-    return [Part(Call(), *_own_keys(k, v, q_offset, T)), Part(Call(causal=False), k, v, q_offset)]
+    own = Part(Call(), *_own_keys(k, v, q_offset, T))
+    if not codes:
+        return [own, Part(Call(causal=False), k, v, q_offset)]
+    # codes: the prefix dequantized PREFIX_SEGMENT slots at a time, one call each (a segment past a sequence's
+    # prefix has no keys and weighs 0), so the dequantized copy held at once is a segment, not the cache
+    C, segment = k.shape[1], PREFIX_SEGMENT
+    return [own] + [
+        Part(Call(causal=False), *_dequantized(k, v, a, min(a + segment, C)), jnp.clip(q_offset - a, 0, segment))
+        for a in range(0, C, segment)
+    ]
+
+
+def _dequantized(k, v, first: int, end: int):
+    """Slots [first, end) of quantized keys and values, dequantized."""
+    return tuple(dequantize(jax.tree.map(lambda a: a[:, first:end], x)) for x in (k, v))
 
 
 def _own_keys(k, v, q_offset, T):
     """The chunk's own keys and values: slots q_offset + t, gathered (clipped: a row past the cache is a padding
-    token no real row sees)."""
+    token no real row sees); codes gathered, then dequantized."""
     slots = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
-    return tuple(jnp.take_along_axis(x, slots[:, :, None, None], axis=1) for x in (k, v))
+    take = lambda a: jnp.take_along_axis(a, slots[:, :, None, None], axis=1)  # noqa: E731
+    return tuple(dequantize(jax.tree.map(take, x)) for x in (k, v))
 
 
 def _lambda_calls(q, k, v, spec: MaskSpec) -> list[Part]:

@@ -47,6 +47,10 @@ CUDNN_MIN_KEYS_MIXED = 32768
 # forward over whole sequences) of at least this many tokens, forward and backward (docs/attention.md, "auto takes
 # cuDNN for long chunks where Triton works")
 CUDNN_MIN_SEQUENCE = 8192
+# On a GPU each trip of the XLA path's loop over key tiles reads its predicate back to the host and launches a few
+# kernels, so a decode step there (a quantized cache without Triton) scores tiles of up to this many slots: one
+# tile, no loop, up to it (docs/attention.md, "The XLA path").
+XLA_GPU_DECODE_TILE = 32768
 
 
 def decode_splits(batch: int, num_kv_heads: int) -> int:
@@ -171,11 +175,13 @@ def _cudnn_for_a_sequence(impl: str, q: jax.Array, k, v, spec: MaskSpec) -> bool
 
 
 def _cudnn_serves(q: jax.Array, k, v, spec: MaskSpec, *, alone: bool) -> bool:
-    """Whether "cudnn" runs this call through cuDNN: a dense prefill chunk always; a decode step, a ring, pages and
-    Λ only `alone`, where Triton does not work (where it does, its kernels serve them), pages and Λ where their
-    probes passed."""
+    """Whether "cudnn" runs this call through cuDNN: a dense prefill chunk always; a decode step, a ring, pages,
+    codes and Λ only `alone`, where Triton does not work (where it does, its kernels serve them), pages and Λ where
+    their probes passed."""
     if not cudnn.serves(q, k, v, spec):
         return False
+    if isinstance(k, QuantizedKV):
+        return alone
     if spec.is_lambda:
         return alone and cudnn.lambda_unavailable(at_offset=not cudnn.whole_sequence(q, k, spec)) is None
     if isinstance(k, PagedKV):
@@ -204,7 +210,16 @@ def attend(
         return _cpu_attention(q, k, v, spec, scale)
     if impl == "reference":
         return reference.attention_reference(q, _values(k), _values(v), spec.dense(k.shape[1]), scale=scale)
-    return xla.attention(q, k, v, spec, scale=scale)
+    return xla.attention(q, k, v, spec, scale=scale, **_xla_tiles(q, k, spec))
+
+
+def _xla_tiles(q: jax.Array, k, spec: MaskSpec) -> dict:
+    """The XLA path's key tiles: its defaults, but XLA_GPU_DECODE_TILE slots for a decode step on a GPU (without
+    a sliding window, whose few tiles near the query the default tiles keep small)."""
+    on_gpu = pallas_backend() in ("gpu", "cuda", "rocm")
+    if on_gpu and q.shape[1] == 1 and spec.window is None:
+        return dict(block_k=min(k.shape[1], XLA_GPU_DECODE_TILE))
+    return {}
 
 
 def attend_received(
