@@ -46,7 +46,8 @@ def _forget_cudnn_probes():
     yield
     from duo_jax.attention import cudnn
 
-    for probe in (cudnn.unavailable, cudnn.paged_unavailable, cudnn.gradient_unavailable, cudnn.lambda_unavailable):
+    probes = (cudnn.unavailable, cudnn.paged_unavailable, cudnn.gradient_unavailable, cudnn.lambda_unavailable)
+    for probe in (*probes, cudnn.window_unavailable):
         probe.cache_clear()
 
 

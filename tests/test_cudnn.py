@@ -100,7 +100,9 @@ def test_serves_dense_16_bit_chunks_only():
     assert cudnn.serves(q, k, v, prefix_spec(B, T, q_offset=jnp.asarray([5]), num_keys=C, sink=4, recent=8))  # Λ, shard
     whole = prefix_spec(B, C, num_keys=C, sink=4, recent=8)  # Λ over a whole sequence (gate training)
     assert cudnn.serves(*(jnp.zeros((B, C, n, 64), jnp.bfloat16) for n in (4, 2, 2)), whole)
-    assert not cudnn.serves(q, k, v, prefix_spec(B, T, num_keys=C, window=8))  # sliding window
+    windowed = prefix_spec(B, T, q_offset=jnp.asarray([3]), num_keys=C, window=8)
+    assert cudnn.serves(q, k, v, windowed)  # a sliding window (Mistral, Qwen)
+    assert not cudnn.serves(q, k, v, dataclasses.replace(windowed, sink=4, recent=8))  # ... with Λ (gate training)
     positions = MaskSpec(spec.q_positions, spec.kv_len, jnp.zeros((B, C), jnp.int32))
     assert not cudnn.serves(q, k, v, positions)  # keys at explicit positions
     assert not cudnn.serves(q, k, v, dataclasses.replace(positions, sink=4, recent=8))  # ... under Λ
@@ -168,6 +170,11 @@ GRADIENT_CASES = [
     ("lambda_static_offset", 16, prefix_spec(2, 16, q_offset=16, num_keys=48, sink=4, recent=12), 4),
     ("lambda_at_offsets_without_sinks", 24,
      prefix_spec(2, 24, q_offset=jnp.asarray([3, 20]), num_keys=48, sink=0, recent=5), 2),
+    ("window_chunk_at_offsets", 8,
+     prefix_spec(2, 8, q_offset=jnp.asarray([20, 0]), kv_len=jnp.asarray([28, 8]), num_keys=48, window=6), 2),
+    ("window_whole_sequence", 48, prefix_spec(2, 48, num_keys=48, window=7), 1),
+    ("window_decode", 1,
+     prefix_spec(2, 1, q_offset=jnp.asarray([30, 2]), kv_len=jnp.asarray([31, 3]), num_keys=48, window=6), 1),
     ("ring", 8, _ring_spec(2, 8, 40), 2),
     ("decode", 1, prefix_spec(2, 1, q_offset=jnp.asarray([30, 0]), kv_len=jnp.asarray([31, 1]), num_keys=48), 1),
 ]  # fmt: skip
@@ -266,8 +273,13 @@ def test_gradient_is_the_kernels_where_cudnns_backward_fails_its_probe():
             ["CAUSAL", "PADDING_CAUSAL", "CAUSAL", "NO_MASK"],
             ["64", "0", "0", "0"],
         ),
+        (
+            prefix_spec(1, 128, q_offset=jnp.asarray([100]), num_keys=256, window=64),
+            ["CAUSAL", "PADDING_CAUSAL"],
+            ["64", "0"],
+        ),  # fmt: skip
     ],
-    ids=["lambda", "chunk_at_an_offset", "lambda_at_an_offset"],
+    ids=["lambda", "chunk_at_an_offset", "lambda_at_an_offset", "window_at_an_offset"],
 )
 def test_gradient_calls_pass_the_bindings_checks(monkeypatch, spec, masks, windows):
     """The gradient through cuDNN lowered for an NVIDIA GPU on this host (the cuDNN version check bypassed): each call
@@ -278,7 +290,7 @@ def test_gradient_calls_pass_the_bindings_checks(monkeypatch, spec, masks, windo
     from jax._src.cudnn import fused_attention_stablehlo as binding
 
     monkeypatch.setattr(binding, "check_cudnn_version", lambda: 90800)
-    T, S = spec.q_positions.shape[1], 512 if spec.sink is None else 256
+    T, S = spec.q_positions.shape[1], int(spec.kv_len[0])
     q, k = jnp.zeros((1, T, 8, 64), jnp.bfloat16), jnp.zeros((1, S, 2, 64), jnp.bfloat16)
     loss = lambda q, k, v: jnp.sum(cudnn.attention(q, k, v, spec).astype(jnp.float32))  # noqa: E731
     checks = [jax.export.DisabledSafetyCheck.custom_call(f"__cudnn$fmhaSoftmax{b}") for b in ("", "Backward")]
@@ -433,7 +445,7 @@ def gpu_with_cudnn(monkeypatch):
 
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "pallas" if impl == "auto" else impl)
     monkeypatch.setattr(dispatch._backend, "triton_unavailable", lambda: None)
-    for probe in ("unavailable", "gradient_unavailable", "lambda_unavailable"):
+    for probe in ("unavailable", "gradient_unavailable", "lambda_unavailable", "window_unavailable"):
         monkeypatch.setattr(cudnn, probe, lambda *args: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
@@ -502,6 +514,26 @@ def test_auto_takes_cudnn_for_long_whole_sequences_forward_and_backward(gpu_with
     for g, w in zip(_grads(lambda q, k, v: attend(q, k, v, whole), q, k, v), want, strict=True):
         assert rel_err(g.astype(jnp.float32), w) < 2e-2
     assert probed and not backward and kernels == ["pallas"]  # the gradient recomputed on the kernels
+
+
+def test_auto_takes_cudnn_for_sliding_windows(gpu_with_cudnn, monkeypatch):
+    """A sliding window (Mistral, Qwen), which the Triton kernels do not serve, goes through cuDNN under "auto" (a
+    chunk at offsets: its own keys' window and the window's keys before it; a decode step: the window's slots), not
+    the XLA path; "pallas" by name, or the window probe failing, leaves it to the XLA path."""
+    B, T, C = 2, 8, 48
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(B, T, C, 4, 2, 16, seed=15))
+    chunk = prefix_spec(B, T, q_offset=jnp.asarray([20, 0]), kv_len=jnp.asarray([28, 8]), num_keys=C, window=6)
+    decode = prefix_spec(B, 1, q_offset=jnp.asarray([30, 2]), kv_len=jnp.asarray([31, 3]), num_keys=C, window=6)
+    for spec, queries, rows in ((chunk, q, [T, 5]), (decode, q[:, :1], [1])):  # each call's query rows
+        got = attend(queries, k, v, spec)
+        assert [shape[1] for shape in gpu_with_cudnn] == rows
+        want = xla.attention(*(x.astype(jnp.float32) for x in (queries, k, v)), spec)
+        assert rel_err(got.astype(jnp.float32), want) < 2e-2
+        gpu_with_cudnn.clear()
+    attend(q, k, v, chunk, impl="pallas")
+    monkeypatch.setattr(cudnn, "window_unavailable", lambda: "its sliding window is off")
+    attend(q, k, v, chunk)
+    assert not gpu_with_cudnn
 
 
 def test_duo_prefill_leaves_long_chunks_to_cudnn(gpu_with_cudnn, monkeypatch):
@@ -686,6 +718,7 @@ def test_gradient_probes_pass_the_contract_and_catch_wrong_calls(monkeypatch):
     monkeypatch.setattr(cudnn, "gradient_unavailable", lambda: None)
     assert cudnn.lambda_unavailable.__wrapped__() is None
     assert cudnn.lambda_unavailable.__wrapped__(at_offset=True) is None
+    assert cudnn.window_unavailable.__wrapped__() is None
 
     def no_window(q, k, v, kv_len, causal, window=None, *, scale):
         return cudnn.xla_part(q, k, v, kv_len, causal, scale=scale)
@@ -694,6 +727,7 @@ def test_gradient_probes_pass_the_contract_and_catch_wrong_calls(monkeypatch):
     jax.clear_caches()  # the probes' jitted functions traced with the stand-ins above
     assert "Λ through cuDNN over a whole sequence is off by" in cudnn.lambda_unavailable.__wrapped__()
     assert "Λ through cuDNN at offsets is off by" in cudnn.lambda_unavailable.__wrapped__(at_offset=True)
+    assert "a sliding window through cuDNN is off by" in cudnn.window_unavailable.__wrapped__()
     monkeypatch.undo()
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
@@ -709,3 +743,37 @@ def test_gradient_probes_pass_the_contract_and_catch_wrong_calls(monkeypatch):
     assert (
         cudnn.gradient_unavailable.__wrapped__() == "TypeError: bind() got an unexpected keyword argument 'score_mod'"
     )
+
+
+def test_windowed_model_through_cudnn_gives_the_xla_paths_logits(gpu_without_triton, monkeypatch):
+    """A model whose second layer has a sliding window (Mistral, Qwen's windowed layers), bf16, through cuDNN's calls
+    (the XLA stand-in, counted by their windows): the windowed layer's prefill chunks as its own keys' window and the
+    window's keys before them, its decode steps over the window's slots; the prompts' logits as the XLA path's."""
+    import duo_jax
+    from duo_jax.engine import Engine
+    from duo_jax.methods import make_method
+    from tests.conftest import tiny_config
+    from tests.test_paged import all_logits
+
+    windows = []
+
+    def counted(q, k, v, kv_len, causal, window=None, *, scale):
+        windows.append(window)
+        return cudnn.xla_part(q, k, v, kv_len, causal, window, scale=scale)
+
+    config = tiny_config(sliding_window=6, window_layers=(1,), max_position_embeddings=128)
+    engine = Engine(duo_jax.init_params(config, jax.random.key(0), jnp.bfloat16, scale=0.05), config)
+    method = make_method("full", config, context=64)
+    prompts = [np.random.default_rng(6).integers(1, 128, n).tolist() for n in (29, 12)]
+    logits = {}
+    for impl in ("xla", "auto"):
+        if impl == "auto":
+            monkeypatch.setattr(cudnn, "_cudnn", counted)
+            monkeypatch.setattr(cudnn, "window_unavailable", lambda: None)
+        cache = method.init_cache(len(prompts), engine.dtype)
+        logits[impl] = all_logits(engine, method, prompts, cache, chunk=8, steps=2, impl=impl)
+    assert sorted(set(windows), key=str) == [6, None]  # the windowed layer's own keys, and every other call
+    for x, c, prompt in zip(logits["xla"], logits["auto"], prompts):
+        x, c = x[: len(prompt)], c[: len(prompt)]
+        assert np.abs(c - x).max() < 3e-2 * np.abs(x).max() and np.abs(c - x).mean() < 3e-3 * np.abs(x).max()
+        np.testing.assert_array_equal(c.argmax(-1), x.argmax(-1))

@@ -106,8 +106,10 @@ def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
     `takes_pages`, or over a ring followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads);
     a chunk over quantized codes it `takes_codes`; Λ over every key slot (gate training's streaming heads: a whole
     sequence, or a shard's queries at a traced offset over the whole sequence's keys); no sliding window."""
-    if not (spec.causal and spec.window is None):
+    if not spec.causal:
         return False
+    if spec.window is not None:  # a contiguous cache: values, or codes dequantized in the window's calls
+        return spec.k_positions is None and not spec.is_lambda and (takes(q, k, v) or takes_codes(q, k, v))
     if takes_pages(q, k, v):
         return spec.k_positions is None and not spec.is_lambda
     if takes_codes(q, k, v):  # a prefill chunk over a quantized cache
@@ -201,6 +203,8 @@ def calls(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec) -> list[Part
     T = q.shape[1]
     if spec.is_lambda:
         return _lambda_calls(q, k, v, spec)
+    if spec.window is not None:
+        return _window_calls(q, k, v, spec)
     if spec.k_positions is not None:  # a ring, then the queries' own keys
         ring = spec.own_keys_at
         filled = jnp.sum(spec.k_positions[:, :ring] >= 0, axis=1)
@@ -231,49 +235,69 @@ def _dequantized(k, v, first: int, end: int):
     return tuple(dequantize(jax.tree.map(lambda a: a[:, first:end], x)) for x in (k, v))
 
 
-def _own_keys(k, v, q_offset, T):
-    """The chunk's own keys and values: slots q_offset + t, gathered (clipped: a row past the cache is a padding
-    token no real row sees); codes gathered, then dequantized."""
-    slots = jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1)
+def _gather(k, v, slots):
+    """Keys and values at slots int32 [B, n] (in range), codes dequantized after the gather."""
     take = lambda a: jnp.take_along_axis(a, slots[:, :, None, None], axis=1)  # noqa: E731
     return tuple(dequantize(jax.tree.map(take, x)) for x in (k, v))
 
 
-def _lambda_calls(q, k, v, spec: MaskSpec) -> list[Part]:
-    """Λ over every key slot: query p sees the window j in (p - recent, p] and the sinks j < sink further back.
-    Over a whole sequence, cuDNN's sliding window over all the keys, and the queries from position `recent` over
-    the sinks (row i of that call sits at position recent + i, so top-left causal is j <= p - recent).
+def _own_keys(k, v, q_offset, T):
+    """The chunk's own keys and values: slots q_offset + t, gathered (clipped: a row past the cache is a padding
+    token no real row sees); codes gathered, then dequantized."""
+    return _gather(k, v, jnp.minimum(q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], k.shape[1] - 1))
 
-    Queries at an offset o [B] (traced: a shard's, gate training's all-gather sequence parallelism) take four calls,
-    since cuDNN's masks are aligned top-left and take key lengths, never a first key:
+
+def _band_calls(q, k, v, spec: MaskSpec, width: int) -> list[Part]:
+    """Query p sees the keys j in (p - width, p]: Λ's recent window, or a sliding window. Over a whole sequence, one
+    call: cuDNN's sliding window over all the keys. For queries at an offset o [B] (a chunk over a cache, a shard's
+    queries), cuDNN's masks being aligned top-left and taking key lengths, never a first key, two calls:
     - the window over the queries' own keys, slots o + t: the sliding window as above;
-    - the window's keys before o: query i sees o - 1 - r iff r < recent - 1 - i. With the keys in that order (their
-      lengths min(o, recent - 1): a sequence's first keys) and query i as row recent - 2 - i, that is causal;
-    - the sinks, query i seeing j <= i + o - recent: the queries with 0 <= i + o - recent < sink gathered, one row
-      per sink (row t is query t - o + recent), causal; the queries past them see every sink (no mask)."""
+    - the window's keys before o: query i sees o - 1 - r iff r < width - 1 - i. With the keys in that order (their
+      lengths min(o, width - 1): a sequence's first keys) and query i as row width - 2 - i, that is causal."""
     B, T = q.shape[:2]
-    sink, recent = spec.sink, spec.recent
     if whole_sequence(q, k, spec):
-        parts = [Part(Call(window=recent), k, v)]
-        if sink and recent < T:
-            parts.append(Part(Call(rows=recent), k[:, :sink], v[:, :sink]))
-        return parts
+        return [Part(Call(window=width), k, v)]
     o = spec.q_positions[:, 0]
-    parts = [Part(Call(window=recent), *_own_keys(k, v, o, T))]
-    if recent > 1:
-        r = jnp.arange(recent - 1, dtype=jnp.int32)
-        slots = jnp.maximum(o[:, None] - 1 - r[None, :], 0)  # [B, recent - 1]: past the lengths where o < recent - 1
-        before = (jnp.take_along_axis(x, slots[:, :, None, None], axis=1) for x in (k, v))
-        rows = jnp.broadcast_to(recent - 2 - r, (B, recent - 1))
-        parts.append(Part(Call(), *before, jnp.clip(o, 0, recent - 1), rows))
-    if sink:
-        shift = (o - recent)[:, None]  # query i sees the sinks j <= i + shift
-        partial = jnp.arange(sink, dtype=jnp.int32)[None, :] - shift
-        queries = jnp.arange(T, dtype=jnp.int32)[None, :]
-        whole = jnp.where(queries + shift >= sink, queries, T)
-        sinks = (k[:, :sink], v[:, :sink])
-        parts += [Part(Call(), *sinks, None, partial), Part(Call(causal=False), *sinks, None, whole)]
+    parts = [Part(Call(window=width), *_own_keys(k, v, o, T))]
+    if width > 1:
+        r = jnp.arange(width - 1, dtype=jnp.int32)
+        slots = jnp.maximum(o[:, None] - 1 - r[None, :], 0)  # [B, width - 1]: past the lengths where o < width - 1
+        rows = jnp.broadcast_to(width - 2 - r, (B, width - 1))
+        parts.append(Part(Call(), *_gather(k, v, slots), jnp.clip(o, 0, width - 1), rows))
     return parts
+
+
+def _window_calls(q, k, v, spec: MaskSpec) -> list[Part]:
+    """A sliding window (Mistral, Qwen): a chunk as `_band_calls`; a decode step over the `window` slots ending at
+    its position (gathered; the slots past its keys, or before slot 0, masked by the lengths), one call."""
+    if q.shape[1] > 1:
+        return _band_calls(q, k, v, spec, spec.window)
+    n = min(spec.window, k.shape[1])
+    start = jnp.clip(spec.q_positions[:, 0] - spec.window + 1, 0, k.shape[1] - n)
+    slots = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    return [Part(Call(causal=False), *_gather(k, v, slots), jnp.clip(spec.decode_lengths() - start, 0, n))]
+
+
+def _lambda_calls(q, k, v, spec: MaskSpec) -> list[Part]:
+    """Λ over every key slot: query p sees the window j in (p - recent, p] (`_band_calls`) and the sinks j < sink
+    further back, j <= p - recent. Over a whole sequence the sinks are the queries from position `recent` over the
+    sinks, causal (row i of that call sits at position recent + i). At an offset o [B] (traced: a shard's, gate
+    training's all-gather sequence parallelism), query i sees the sinks j <= i + o - recent: the queries with
+    0 <= i + o - recent < sink gathered, one row per sink (row t is query t - o + recent), causal; and the queries
+    past them over every sink, no mask."""
+    T = q.shape[1]
+    sink, recent = spec.sink, spec.recent
+    parts = _band_calls(q, k, v, spec, recent)
+    if not sink:
+        return parts
+    sinks = (k[:, :sink], v[:, :sink])
+    if whole_sequence(q, k, spec):
+        return parts + [Part(Call(rows=recent), *sinks)] if recent < T else parts
+    shift = (spec.q_positions[:, 0] - recent)[:, None]  # query i sees the sinks j <= i + shift
+    partial = jnp.arange(sink, dtype=jnp.int32)[None, :] - shift
+    queries = jnp.arange(T, dtype=jnp.int32)[None, :]
+    whole = jnp.where(queries + shift >= sink, queries, T)
+    return parts + [Part(Call(), *sinks, None, partial), Part(Call(causal=False), *sinks, None, whole)]
 
 
 def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.Array:
@@ -617,6 +641,30 @@ def lambda_unavailable(at_offset: bool = False) -> str | None:
         if not err < 3e-2:
             where = "at offsets" if at_offset else "over a whole sequence"
             return f"Λ through cuDNN {where} is off by {err:.2e} against the XLA path (forward or gradient)"
+        return None
+
+    return gradient_unavailable() or _probe(check)
+
+
+@functools.cache
+def window_unavailable() -> str | None:
+    """None when a sliding window through cuDNN matches the XLA path: a chunk at offsets (none before it, fewer than
+    the window, more), forward and gradient, and a decode step (positions near and past the window); otherwise why
+    not. Probed once per process, apart from `gradient_unavailable`."""
+
+    def check():
+        rng = np.random.default_rng(3)
+        B, T, S, H, K, E = 3, 128, 256, 4, 2, 64
+        q, k, v = _probe_inputs(rng, B, T, S, H, K, E)
+        offsets = jnp.asarray([0, 40, 120])
+        chunk = prefix_spec(B, T, q_offset=offsets, kv_len=offsets + T, num_keys=S, window=64)
+        decode = prefix_spec(B, 1, q_offset=jnp.asarray([3, 63, 200]), kv_len=jnp.asarray([4, 64, 201]), num_keys=S,
+                             window=64)  # fmt: skip
+        k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+        err = max(_off_by(q, k, v, chunk, k32, v32), _off_by(q[:, :1], k, v, decode, k32, v32))
+        err = max(err, _grad_off_by(q, k, v, chunk))
+        if not err < 3e-2:
+            return f"a sliding window through cuDNN is off by {err:.2e} against the XLA path (forward or gradient)"
         return None
 
     return gradient_unavailable() or _probe(check)

@@ -174,12 +174,27 @@ def _cudnn_for_a_sequence(impl: str, q: jax.Array, k, v, spec: MaskSpec) -> bool
     )
 
 
+def _cudnn_for_a_window(impl: str, q: jax.Array, k, v, spec: MaskSpec) -> bool:
+    """Whether "auto", resolved to the Triton kernels, takes cuDNN instead for a sliding window (Mistral, Qwen),
+    which those kernels do not serve: cuDNN where it serves the call and its window probe passed, not the XLA
+    path."""
+    return (
+        impl == "pallas"
+        and spec.window is not None
+        and not _backend.exporting()
+        and cudnn.serves(q, k, v, spec)
+        and cudnn.unavailable() is None
+    )
+
+
 def _cudnn_serves(q: jax.Array, k, v, spec: MaskSpec, *, alone: bool) -> bool:
-    """Whether "cudnn" runs this call through cuDNN: a dense prefill chunk always; a decode step, a ring, pages,
-    codes and Λ only `alone`, where Triton does not work (where it does, its kernels serve them), pages and Λ where
-    their probes passed."""
+    """Whether "cudnn" runs this call through cuDNN: a dense prefill chunk, and a sliding window where its probe
+    passed, always; a decode step, a ring, pages, codes and Λ only `alone`, where Triton does not work (where it
+    does, its kernels serve them), pages and Λ where their probes passed."""
     if not cudnn.serves(q, k, v, spec):
         return False
+    if spec.window is not None:  # no kernel serves a sliding window: cuDNN, Triton or not
+        return cudnn.window_unavailable() is None
     if isinstance(k, QuantizedKV):
         return alone
     if spec.is_lambda:
@@ -198,6 +213,8 @@ def attend(
     if requested == "auto" and spec.k_positions is None and _cudnn_for_a_long_cache(impl, q, k, v):
         impl = "cudnn"
     if requested == "auto" and _cudnn_for_a_sequence(impl, q, k, v, spec):
+        impl = "cudnn"
+    if requested == "auto" and _cudnn_for_a_window(impl, q, k, v, spec):
         impl = "cudnn"
     if impl == "cudnn":
         rest = _without_cudnn(impl)
