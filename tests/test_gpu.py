@@ -402,6 +402,28 @@ def test_cudnn_gate_training_forward_and_gradients(sink, offsets):
     )
 
 
+def test_cudnn_sliding_window_chunk_and_decode():
+    """A sliding window of 1,024 through cuDNN (bf16, GQA 4:1, head_dim 128): 1,024-token chunks at offsets 0, 700 and
+    3,000 of a 4,096-slot cache (its own keys' window, the window's keys before it in reverse order) and decode steps
+    near the start, mid-cache and at the end (the window's slots gathered), against float64; skipped, with the probe's
+    reason, where the window's calls do not run."""
+    from duo_jax.attention import cudnn
+
+    reason = cudnn.window_unavailable()
+    if reason is not None:
+        pytest.skip(f"a sliding window through cuDNN does not run here: {reason}")
+    S, T, W = 4096, 1024, 1024
+    for queries, offsets in ((T, np.asarray([0, 700, 3000])), (1, np.asarray([5, 1500, 4095]))):
+        q, k, v = inputs(3, queries, S, 32, 8, 128, jnp.bfloat16, seed=4)
+        kv_len = offsets + queries
+        spec = dispatch.prefix_spec(3, queries, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(kv_len), num_keys=S,
+                                    window=W)  # fmt: skip
+        p = offsets[:, None, None] + np.arange(queries)[None, :, None]
+        mask = positions_mask(queries, S, offsets, kv_len) & (p - np.arange(S)[None, None, :] < W)
+        out = jax.jit(cudnn.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
+        check(out, attention_f64(q, k, v, mask), jnp.bfloat16)
+
+
 def test_cudnn_paged_chunk_and_decode():
     """The caches of the test above in a shuffled pool of 64-token pages (and 3 stale pages): a 1,024-token chunk at
     offsets 2,000 and 0 (700 real tokens) and a decode step (lengths full, 1 and mid-page) through cuDNN's paged
