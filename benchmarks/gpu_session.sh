@@ -35,6 +35,10 @@
 #                                                # auto, pallas and as a GPU without Triton (DUO_JAX_DISABLE_TRITON)
 #   bash benchmarks/gpu_session.sh notriton OUT  # issue 33's target 5 end to end: prefill and decode at 8k-128k as a
 #                                                # GPU without Triton runs them, beside auto (about 8 minutes)
+#   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 8 minutes, most
+#                                                # informative first: the cuDNN GPU tests (everything built since the
+#                                                # last GPU run), 128k prefill in 8k chunks, 32k as a GPU without
+#                                                # Triton, one layer's int4 prefill and decode at 128k without it
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
 #                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
@@ -49,8 +53,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -232,6 +236,27 @@ train8b)
     ( export DUO_JAX_DISABLE_TRITON=1
       part "${TRAIN_IMPL_S:-180}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 \
           --out "$out" 2>&1 | tee "$out/train_step_notriton.log" ) || true
+    ;;
+next)
+    # What the CPU sessions since the last GPU run built, checked and measured in priority order: the cuDNN paths'
+    # GPU tests (Λ at offsets, sliding windows, int4 chunks, gate training); target 3's lever left at 128k (chunks of
+    # 8k, full and duo, with Triton); target 5 end to end at 32k (prefill and decode without Triton, beside auto);
+    # target 5 for quantized caches (one layer, int4, 128k, without Triton). One JSON folder per part.
+    part "${TESTS_S:-120}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py -k "cudnn or duo_prefill" 2>&1 \
+        | tee "$out/gpu_tests.log" || true
+    part "${CHUNK_S:-170}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 --decode-steps 4 \
+        --prefill-repeats 1 --chunk-size 8192 --out "$out/chunk8192_128k" 2>&1 | tee "$out/chunk8192_128k.log" || true
+    for run in notriton auto; do
+        ( if [ $run = notriton ]; then export DUO_JAX_DISABLE_TRITON=1; fi
+          part "${NOTRITON_S:-80}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 \
+              --prefill-repeats 1 --decode-steps 16 --out "$out/32k_$run" 2>&1 | tee "$out/32k_$run.log" ) || true
+    done
+    ( export DUO_JAX_DISABLE_TRITON=1
+      part "${QUANT_LAYER_S:-60}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
+          --sparsity 0.75 --contexts 131072 --max-prefill 131072 --prefill-repeats 1 --decode-steps 8 \
+          --out "$out/int4_layer_notriton" 2>&1 | tee "$out/int4_layer_notriton.log" ) || true
+    archive=$(mktemp -d)/next.tgz
+    tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
 notriton)
     # target 5 end to end: the model as a GPU without Pallas's Triton backend runs it (DUO_JAX_DISABLE_TRITON=1:

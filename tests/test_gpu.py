@@ -424,6 +424,27 @@ def test_cudnn_sliding_window_chunk_and_decode():
         check(out, attention_f64(q, k, v, mask), jnp.bfloat16)
 
 
+def test_cudnn_chunk_over_int4_codes(monkeypatch):
+    """A prefill chunk over an int4 cache through cuDNN (a GPU without Triton runs it so): 1,024-token chunks at
+    offsets 0, 700 and 3,000 of a 4,096-slot cache, the prefix dequantized in segments (2,048 slots here), against
+    float64 over the dequantized values."""
+    from duo_jax.attention import cudnn
+    from duo_jax.quant import quantize_kv
+
+    reason = cudnn.unavailable()
+    if reason is not None:
+        pytest.skip(f"cuDNN attention does not run here: {reason}")
+    S, T = 4096, 1024
+    offsets = np.asarray([0, 700, 3000])
+    q, k, v = inputs(3, T, S, 32, 8, 128, jnp.bfloat16, seed=5)
+    codes = [quantize_kv(jnp.asarray(x, jnp.bfloat16), "int4") for x in (k, v)]
+    values = [np.asarray(x.dequantize().astype(jnp.float32), np.float64) for x in codes]
+    spec = dispatch.prefix_spec(3, T, q_offset=jnp.asarray(offsets), kv_len=jnp.asarray(offsets + T), num_keys=S)
+    monkeypatch.setattr(cudnn, "PREFIX_SEGMENT", 2048)
+    out = jax.jit(cudnn.attention)(jnp.asarray(q, jnp.bfloat16), *codes, spec)
+    check(out, attention_f64(q, *values, positions_mask(T, S, offsets, offsets + T)), jnp.bfloat16)
+
+
 def test_cudnn_paged_chunk_and_decode():
     """The caches of the test above in a shuffled pool of 64-token pages (and 3 stale pages): a 1,024-token chunk at
     offsets 2,000 and 0 (700 real tokens) and a decode step (lengths full, 1 and mid-page) through cuDNN's paged
