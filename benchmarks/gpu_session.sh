@@ -37,8 +37,8 @@
 #                                                # GPU without Triton runs them, beside auto (about 8 minutes)
 #   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 8 minutes, most
 #                                                # informative first: the cuDNN GPU tests (everything built since the
-#                                                # last GPU run), 128k prefill in 8k chunks, 32k as a GPU without
-#                                                # Triton, one layer's int4 prefill and decode at 128k without it
+#                                                # last GPU run), the kernels at 32k, 128k prefill in 8k chunks, 32k
+#                                                # as a GPU without Triton, one int4 layer at 128k without it
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
 #                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
@@ -242,17 +242,20 @@ next)
     # GPU tests (Λ at offsets, sliding windows, int4 chunks, gate training); target 3's lever left at 128k (chunks of
     # 8k, full and duo, with Triton); target 5 end to end at 32k (prefill and decode without Triton, beside auto);
     # target 5 for quantized caches (one layer, int4, 128k, without Triton). One JSON folder per part.
-    part "${TESTS_S:-120}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py -k "cudnn or duo_prefill" 2>&1 \
+    part "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py -k "cudnn or duo_prefill" 2>&1 \
         | tee "$out/gpu_tests.log" || true
-    part "${CHUNK_S:-170}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 --decode-steps 4 \
+    # target 4 at 32k: the Λ and flash kernels against cuDNN's causal attention, and Λ through cuDNN's calls
+    part "${KERNELS_S:-60}" $PY benchmarks/kernels.py --seq-lens 32768 --reps 5 --out "$out/kernels_32k.json" 2>&1 \
+        | tee "$out/kernels_32k.log" || true
+    part "${CHUNK_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 --decode-steps 4 \
         --prefill-repeats 1 --chunk-size 8192 --out "$out/chunk8192_128k" 2>&1 | tee "$out/chunk8192_128k.log" || true
     for run in notriton auto; do
         ( if [ $run = notriton ]; then export DUO_JAX_DISABLE_TRITON=1; fi
-          part "${NOTRITON_S:-80}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 \
+          part "${NOTRITON_S:-70}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 \
               --prefill-repeats 1 --decode-steps 16 --out "$out/32k_$run" 2>&1 | tee "$out/32k_$run.log" ) || true
     done
     ( export DUO_JAX_DISABLE_TRITON=1
-      part "${QUANT_LAYER_S:-60}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
+      part "${QUANT_LAYER_S:-50}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
           --sparsity 0.75 --contexts 131072 --max-prefill 131072 --prefill-repeats 1 --decode-steps 8 \
           --out "$out/int4_layer_notriton" 2>&1 | tee "$out/int4_layer_notriton.log" ) || true
     archive=$(mktemp -d)/next.tgz

@@ -777,3 +777,53 @@ def test_windowed_model_through_cudnn_gives_the_xla_paths_logits(gpu_without_tri
         x, c = x[: len(prompt)], c[: len(prompt)]
         assert np.abs(c - x).max() < 3e-2 * np.abs(x).max() and np.abs(c - x).mean() < 3e-3 * np.abs(x).max()
         np.testing.assert_array_equal(c.argmax(-1), x.argmax(-1))
+
+
+@pytest.mark.parametrize("T", [8, 1], ids=["chunk", "decode"])
+def test_shard_partials_merge_into_attention_over_the_whole_cache(T):
+    """A cache split in 4 shards of 12 slots (a generation mesh's `model` axis): each shard's partial through cuDNN's
+    calls (the stand-in) at shard-local positions (the chunk before, across and after a shard) matches the XLA
+    path's partial, out and log-sum-exp (the finite "no key" value where a query sees none of the shard), and the
+    partials merged as `sharding.merge_partials` does are attention over the whole cache."""
+    B, C, S = 3, 48, 12
+    q, k, v = _inputs(B, T, C, 4, 2, 16, seed=21)
+    lengths = jnp.asarray([28, 8, 48])
+    offsets = lengths - T
+    full = xla.attention(q, k, v, prefix_spec(B, T, q_offset=offsets, kv_len=lengths, num_keys=C))
+    outs, lses = [], []
+    for first in range(0, C, S):
+        spec = MaskSpec(offsets[:, None] + jnp.arange(T)[None] - first, jnp.clip(lengths - first, 0, S))
+        keys = (k[:, first : first + S], v[:, first : first + S])
+        out, lse = cudnn.attention_with_lse(q, *keys, spec, attend=cudnn.xla_part)
+        want_out, want_lse = xla.attention_with_lse(q, *keys, spec)
+        assert rel_err(out, want_out) < 1e-5
+        assert bool(jnp.all((lse > -1e30) == (want_lse > -1e30)))
+        assert float(jnp.max(jnp.abs(jnp.where(want_lse > -1e30, lse - want_lse, 0.0)))) < 1e-5
+        outs.append(out), lses.append(lse)
+    lse = jnp.stack(lses)
+    weight = jnp.exp(lse - lse.max(0))
+    merged = (jnp.stack(outs) * weight[..., None]).sum(0) / weight.sum(0)[..., None]
+    assert rel_err(merged, full) < 1e-5
+
+
+def test_shard_partials_go_through_cudnn_under_auto(gpu_with_cudnn, monkeypatch):
+    """`attend_partial` under "auto" on a GPU with Triton: a chunk over a shard through cuDNN (its two calls), a
+    decode step through the split-K kernel; "pallas" by name keeps the chunk on the XLA path; without Triton the
+    decode step goes through cuDNN too."""
+    monkeypatch.setattr(dispatch.pallas_kernels, "decode_attention", lambda *a, **kw: (a[0], a[0][..., 0]))
+    B, T, S = 2, 8, 32
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(B, T, S, 4, 2, 16, seed=22))
+    chunk = MaskSpec(jnp.asarray([[-3], [10]]) + jnp.arange(T)[None], jnp.asarray([5, 18]))
+    decode = MaskSpec(jnp.asarray([[4], [17]]), jnp.asarray([5, 18]))
+    out, lse = dispatch.attend_partial(q, k, v, chunk)
+    assert len(gpu_with_cudnn) == 2
+    want, _ = xla.attention_with_lse(*(x.astype(jnp.float32) for x in (q, k, v)), chunk)
+    assert rel_err(out.astype(jnp.float32), want) < 2e-2
+    gpu_with_cudnn.clear()
+    dispatch.attend_partial(q[:, :1], k, v, decode)
+    dispatch.attend_partial(q, k, v, chunk, impl="pallas")
+    assert not gpu_with_cudnn
+    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "cudnn" if impl in ("auto", "cudnn") else impl)
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
+    dispatch.attend_partial(q[:, :1], k, v, decode)
+    assert len(gpu_with_cudnn) == 1

@@ -175,6 +175,49 @@ def attention(
     )
 
 
+def serves_partial(q: jax.Array, k, v, spec: MaskSpec) -> bool:
+    """`attention_with_lse`'s cases: causal queries (consecutive positions, anywhere relative to the shard) over one
+    shard of a contiguous cache cuDNN `takes` (slot = position within the shard), no window, no Λ."""
+    return spec.causal and spec.window is None and not spec.is_lambda and spec.k_positions is None and takes(q, k, v)
+
+
+def attention_with_lse(
+    q: jax.Array, k, v, spec: MaskSpec, *, scale: float | None = None, attend: Attend | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Attention over one shard of the keys (the retrieval cache split over a generation mesh's `model` axis,
+    `duo_jax.attention.attend_partial`): q [B, T, H, E] at shard-local positions o + t (o [B] may be negative or
+    past the shard: the chunk starts before or after it), keys j < kv_len seen causally -> (out [B, T, H, E],
+    log-sum-exp float32 [B, T, H], xla's finite "no key" value where a query sees none), for merging across shards.
+    Two calls (`_shard_calls`). Forward only."""
+    E = q.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    out, lse = _forward(q, _shard_calls(q, k, v, spec), functools.partial(attend or _cudnn, scale=scale))
+    return out, jnp.where(lse > -jnp.inf, lse, xla.NO_KEY_LSE)
+
+
+def _shard_calls(q, k, v, spec: MaskSpec) -> list[Part]:
+    """Queries at local positions o + t over a shard's slots, keys j < kv_len filled: the filled slots before o, seen
+    whole (a padding mask), and the queries' own slots from start = clip(o, 0, S), causal: row r is query
+    r + start - o (a query before the shard sees none of it), key r slot start + r, key lengths the filled own
+    slots (a sequence's first keys). A decode step: its filled slots up to its position, one call."""
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    o = spec.q_positions[:, 0]
+    filled = jnp.clip(spec.kv_len, 0, S)
+    if T == 1:
+        return [Part(Call(causal=False), k, v, jnp.clip(jnp.minimum(filled, o + 1), 0, S))]
+    n = min(T, S)
+    start = jnp.clip(o, 0, S)
+    r = jnp.arange(n, dtype=jnp.int32)[None, :]
+    own = Part(
+        Call(),
+        *_gather(k, v, jnp.minimum(start[:, None] + r, S - 1)),
+        jnp.clip(filled - start, 0, n),
+        r + (start - o)[:, None],
+    )
+    return [own, Part(Call(causal=False), k, v, jnp.clip(jnp.minimum(o, filled), 0, S))]
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One cuDNN call of a decomposition: query rows [rows, T) over the call's keys, row i (of the call) seeing key
@@ -308,12 +351,7 @@ def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.A
     kinds = tuple(part.call for part in parts)
 
     def forward(q, keys, values, lengths, rows):
-        results = [
-            attend(_rows_of(q, call, at), k, v, n, call.causal, call.window)
-            for call, k, v, n, at in zip(kinds, keys, values, lengths, rows, strict=True)
-        ]
-        out, lse = _merge(q, results, kinds, lengths, rows)
-        return out.astype(q.dtype), lse
+        return _forward(q, [Part(*fields) for fields in zip(kinds, keys, values, lengths, rows, strict=True)], attend)
 
     @jax.custom_vjp
     def run(q, keys, values, lengths, rows):
@@ -329,6 +367,7 @@ def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.A
         d_q, d_keys, d_values = jnp.zeros(q.shape, jnp.float32), [], []
         for call, k, v, n, at in zip(kinds, keys, values, lengths, rows, strict=True):
             q_i, out_i, lse_i, d_out_i = (_rows_of(x, call, at) for x in (q, out, lse, d_out))
+            lse_i = jnp.where(lse_i > -jnp.inf, lse_i, jnp.inf)  # a query that sees no key: no probability
             if at is not None:  # rows that are no query: no probability (lse +inf), no cotangent
                 real = ((at >= 0) & (at < T))[:, :, None]
                 lse_i = jnp.where(real, lse_i, jnp.inf)
@@ -349,6 +388,15 @@ def merged(q: jax.Array, parts: list[Part], *, attend, attend_backward) -> jax.A
     run.defvjp(run_forward, run_backward)
     keys, values, lengths, rows = (tuple(part[i] for part in parts) for i in (1, 2, 3, 4))
     return run(q, keys, values, lengths, rows)
+
+
+def _forward(q, parts: list[Part], attend) -> tuple[jax.Array, jax.Array]:
+    """The calls run and merged: (out in q's dtype [B, T, H, E], log-sum-exp float32 [B, T, H])."""
+    results = [attend(_rows_of(q, part.call, part.rows), part.k, part.v, part.lengths, part.call.causal,
+                      part.call.window) for part in parts]  # fmt: skip
+    kinds, lengths, rows = (tuple(getattr(part, name) for part in parts) for name in ("call", "lengths", "rows"))
+    out, lse = _merge(q, results, kinds, lengths, rows)
+    return out.astype(q.dtype), lse
 
 
 def _rows_of(x, call: Call, rows):
@@ -387,10 +435,12 @@ def _merge(q, results, kinds, lengths, rows) -> tuple[jax.Array, jax.Array]:
         lses.append(jnp.where(valid, _place(lse, call, at, T, -jnp.inf), -jnp.inf))
         outs.append(jnp.where(valid[..., None], _place(out.astype(jnp.float32), call, at, T, 0.0), 0.0))
     top = functools.reduce(jnp.maximum, lses)
+    seen = top > -jnp.inf  # a query with no key in any call: output 0, log-sum-exp -inf
+    top = jnp.where(seen, top, 0.0)
     weights = [jnp.exp(lse - top) for lse in lses]
     total = sum(w[..., None] * out for w, out in zip(weights, outs, strict=True))
     norm = sum(weights)
-    return total / norm[..., None], top + jnp.log(norm)
+    return total / jnp.where(seen, norm, 1.0)[..., None], top + jnp.log(norm)
 
 
 def zero_cotangent(x):

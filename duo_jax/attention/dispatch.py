@@ -307,12 +307,14 @@ def attend_partial(
     """`attend` over one shard of the keys: (out [B, T, H, E], log-sum-exp float32 [B, T, H]), to be merged
     with the other shards' (`duo_jax.sharding.merge_partials`). A decode step (one query per sequence) over a
     contiguous cache runs the Pallas split-K kernel where `impl` resolves to "pallas", or to "cudnn" where Triton
-    works (it returns its log-sum-exp); everything else takes the blocked XLA path (the flash, Λ and TPU kernels
-    do not return theirs yet)."""
+    works (it returns its log-sum-exp); under "auto" or "cudnn" a causal chunk over 16-bit values (and a decode
+    step without Triton) goes through cuDNN (`cudnn.attention_with_lse`); everything else takes the blocked XLA
+    path (the flash, Λ and TPU kernels do not return theirs yet)."""
     pallas_kernels.check_qkv(q, k, v)
+    resolved = resolve_impl(impl)
     contiguous = not isinstance(k, (QuantizedKV, PagedKV)) and not isinstance(v, (QuantizedKV, PagedKV))
     if (
-        _without_cudnn(resolve_impl(impl)) == "pallas"
+        _without_cudnn(resolved) == "pallas"
         and contiguous
         and q.shape[1] == 1
         and spec.causal
@@ -332,6 +334,14 @@ def attend_partial(
             return_lse=True,
         )
         return out[:, None], lse[:, None]
+    if (
+        impl in ("auto", "cudnn")
+        and resolved in ("pallas", "cudnn")
+        and not _backend.exporting()
+        and cudnn.serves_partial(q, k, v, spec)
+        and cudnn.unavailable() is None
+    ):
+        return cudnn.attention_with_lse(q, k, v, spec, scale=scale)
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
 
 

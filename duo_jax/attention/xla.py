@@ -30,6 +30,9 @@ BLOCK_Q, BLOCK_K = 512, 512
 
 # Finite "minus infinity": keeps m - m_new free of inf - inf; masked probabilities are zeroed explicitly.
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+# `attention_with_lse`'s log-sum-exp for a query that sees no key (finite: merging shards where no shard has a key
+# gives weights exp(0), not exp(-inf + inf))
+NO_KEY_LSE = _MASKED
 
 
 def _cdiv(a, b):
