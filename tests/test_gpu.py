@@ -445,6 +445,35 @@ def test_cudnn_chunk_over_int4_codes(monkeypatch):
     check(out, attention_f64(q, *values, positions_mask(T, S, offsets, offsets + T)), jnp.bfloat16)
 
 
+def test_cudnn_shard_partials_merge_into_the_whole_attention():
+    """The retrieval cache split in 4 shards of 1,024 slots (a generation mesh's `model` axis): each shard's partial
+    through cuDNN (`cudnn.attention_with_lse`, bf16, GQA 4:1, head_dim 128) for 512-token chunks at offsets 0, 1,500
+    and 3,584 (before, across and after shards), merged as `sharding.merge_partials` does, against float64."""
+    from duo_jax.attention import cudnn
+    from duo_jax.attention.masks import MaskSpec
+
+    reason = cudnn.unavailable()
+    if reason is not None:
+        pytest.skip(f"cuDNN attention does not run here: {reason}")
+    C, S, T = 4096, 1024, 512
+    offsets = np.asarray([0, 1500, 3584])
+    q, k, v = inputs(3, T, C, 32, 8, 128, jnp.bfloat16, seed=6)
+    q16, k16, v16 = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    outs, lses = [], []
+    for first in range(0, C, S):
+        spec = MaskSpec(
+            jnp.asarray(offsets[:, None] + np.arange(T)[None, :] - first, jnp.int32),
+            jnp.asarray(np.clip(offsets + T - first, 0, S), jnp.int32),
+        )
+        out, lse = jax.jit(cudnn.attention_with_lse)(q16, k16[:, first : first + S], v16[:, first : first + S], spec)
+        outs.append(np.asarray(out.astype(jnp.float32), np.float64))
+        lses.append(np.asarray(lse, np.float64))
+    lse = np.stack(lses)
+    weight = np.exp(lse - lse.max(0))
+    merged = (np.stack(outs) * weight[..., None]).sum(0) / weight.sum(0)[..., None]
+    check(merged, attention_f64(q, k, v, positions_mask(T, C, offsets, offsets + T)), jnp.bfloat16)
+
+
 def test_cudnn_paged_chunk_and_decode():
     """The caches of the test above in a shuffled pool of 64-token pages (and 3 stale pages): a 1,024-token chunk at
     offsets 2,000 and 0 (700 real tokens) and a decode step (lengths full, 1 and mid-page) through cuDNN's paged
