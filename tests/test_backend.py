@@ -16,10 +16,14 @@ TRITON = "__gpu$xla.gpu.triton"
 
 
 def cuda_module(fn, *args) -> str:
-    """The StableHLO module of jit(fn) exported for CUDA, traced with the kernels set up for a GPU."""
+    """The StableHLO module of jit(fn) exported for CUDA, traced with the kernels set up for a GPU (Triton's and
+    cuDNN's custom calls allowed)."""
+    calls = (TRITON, "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
     with _backend.lowering_for("gpu"):
         exported = jax.export.export(
-            jax.jit(fn), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(c) for c in calls],
         )(*args)
     return exported.mlir_module()
 

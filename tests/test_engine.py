@@ -142,24 +142,49 @@ def test_one_kernel_decode_over_a_ragged_batch(params):
     np.testing.assert_array_less(np.abs(steps["pallas"] - steps["reference"]).max(), 1e-4)
 
 
-def lowered_extend(mask, num_tokens: int) -> str:
+def lowered_extend(mask, num_tokens: int, impl: str = "pallas", dtype: str = "float32") -> str:
     """The engine's step for DuoAttention with retrieval `mask` (None: full) over `num_tokens` new tokens per
     sequence (1: decode; more: a prefill chunk), with the engine's weights on a GPU, exported for CUDA."""
     from duo_jax.engine import _abstract_params
     from tests.test_backend import cuda_module
 
-    params = _abstract_params(CONFIG, "float32", fused_qkv=True)
+    params = _abstract_params(CONFIG, dtype, fused_qkv=True)
     ints, tokens = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, num_tokens), jnp.int32)
     method = DuoAttention(make_layout(CONFIG, mask, sink=4, recent=12, context=256))
-    cache = jax.eval_shape(lambda: method.init_cache(1, jnp.float32))
+    cache = jax.eval_shape(lambda: method.init_cache(1, dtype))
     return cuda_module(
-        lambda p, c, l, t, n: extend(p, c, l, t, n, config=CONFIG, method=method, impl="pallas"),
+        lambda p, c, l, t, n: extend(p, c, l, t, n, config=CONFIG, method=method, impl=impl),
         params,
         cache,
         ints,
         tokens,
         ints,
     )
+
+
+def test_steps_lowered_for_cuda_without_triton_attend_only_through_cudnn(monkeypatch):
+    """Decode steps and prefill chunks of full attention and DuoAttention (bf16), exported for CUDA as a GPU without
+    Pallas's Triton backend runs them (impl="cudnn", the rest on the XLA path; the cuDNN version check bypassed):
+    every attention is a cuDNN call, no Triton kernel, and no loop (the XLA path's key blocks would be loops). duo's
+    decode: 1 call for the all-retrieval layer, 2 for the all-streaming one (its ring, its new token), 3 for each
+    mixed layer; a chunk: 2 per partition."""
+    from jax._src.cudnn import fused_attention_stablehlo as binding
+
+    from duo_jax.attention import dispatch
+    from tests.test_backend import TRITON, executed
+
+    monkeypatch.setattr(binding, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")  # no Triton
+    counts = {}
+    for name, mask in (("duo", MIXED), ("full", None)):
+        for T in (1, 64):
+            module = lowered_extend(mask, T, impl="cudnn", dtype="bfloat16")
+            counts[name, T] = [
+                executed(module, op)
+                for op in ("custom_call @__cudnn$fmhaSoftmax", f"custom_call @{TRITON}", "stablehlo.while")
+            ]
+    assert counts == {("duo", 1): [9, 0, 0], ("duo", 64): [12, 0, 0], ("full", 1): [4, 0, 0], ("full", 64): [8, 0, 0]}
+    assert executed(lowered_extend(MIXED, 64, impl="xla", dtype="bfloat16"), "stablehlo.while") > 0  # the check bites
 
 
 def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():
