@@ -47,7 +47,7 @@ def _forget_cudnn_probes():
     from duo_jax.attention import cudnn
 
     probes = (cudnn.unavailable, cudnn.paged_unavailable, cudnn.gradient_unavailable, cudnn.lambda_unavailable)
-    for probe in (*probes, cudnn.window_unavailable):
+    for probe in (*probes, cudnn.window_unavailable, cudnn.partial_unavailable):
         probe.cache_clear()
 
 

@@ -445,7 +445,13 @@ def gpu_with_cudnn(monkeypatch):
 
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "pallas" if impl == "auto" else impl)
     monkeypatch.setattr(dispatch._backend, "triton_unavailable", lambda: None)
-    for probe in ("unavailable", "gradient_unavailable", "lambda_unavailable", "window_unavailable"):
+    for probe in (
+        "unavailable",
+        "gradient_unavailable",
+        "lambda_unavailable",
+        "window_unavailable",
+        "partial_unavailable",
+    ):
         monkeypatch.setattr(cudnn, probe, lambda *args: None)
     monkeypatch.setattr(cudnn, "_cudnn", counted)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
@@ -707,10 +713,11 @@ def test_paged_probe_passes_the_contract_and_catches_a_wrong_call(monkeypatch):
 
 
 def test_gradient_probes_pass_the_contract_and_catch_wrong_calls(monkeypatch):
-    """The gradient and Λ probes run with the stand-ins for cuDNN's call and backward pass. With a backward from each
-    call's own statistics (the binding's VJP), the gradient probe names the error; with a backward that raises (an
-    operand this JAX's primitive does not take), the exception; with a call that ignores the sliding window, the Λ
-    probe names the error and the gradient probe still passes."""
+    """The gradient, Λ, window and shard probes run with the stand-ins for cuDNN's call and backward pass. With a
+    backward from each call's own statistics (the binding's VJP), the gradient probe names the error; with a backward
+    that raises (an operand this JAX's primitive does not take), the exception; with a call that ignores the sliding
+    window, the Λ and window probes name the error and the gradient probe still passes; with one that ignores key
+    lengths, the shard probe."""
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)
     monkeypatch.setattr(cudnn, "_cudnn_backward", cudnn.xla_part_backward)
@@ -719,6 +726,7 @@ def test_gradient_probes_pass_the_contract_and_catch_wrong_calls(monkeypatch):
     assert cudnn.lambda_unavailable.__wrapped__() is None
     assert cudnn.lambda_unavailable.__wrapped__(at_offset=True) is None
     assert cudnn.window_unavailable.__wrapped__() is None
+    assert cudnn.partial_unavailable.__wrapped__() is None
 
     def no_window(q, k, v, kv_len, causal, window=None, *, scale):
         return cudnn.xla_part(q, k, v, kv_len, causal, scale=scale)
@@ -728,6 +736,13 @@ def test_gradient_probes_pass_the_contract_and_catch_wrong_calls(monkeypatch):
     assert "Λ through cuDNN over a whole sequence is off by" in cudnn.lambda_unavailable.__wrapped__()
     assert "Λ through cuDNN at offsets is off by" in cudnn.lambda_unavailable.__wrapped__(at_offset=True)
     assert "a sliding window through cuDNN is off by" in cudnn.window_unavailable.__wrapped__()
+
+    def no_lengths(q, k, v, kv_len, causal, window=None, *, scale):
+        return cudnn.xla_part(q, k, v, None, causal, window, scale=scale)
+
+    monkeypatch.setattr(cudnn, "_cudnn", no_lengths)
+    jax.clear_caches()
+    assert "over a shard of the keys" in cudnn.partial_unavailable.__wrapped__()
     monkeypatch.undo()
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
     monkeypatch.setattr(cudnn, "_cudnn", cudnn.xla_part)

@@ -697,6 +697,34 @@ def lambda_unavailable(at_offset: bool = False) -> str | None:
 
 
 @functools.cache
+def partial_unavailable() -> str | None:
+    """None when `attention_with_lse` over a shard of the keys through cuDNN matches the XLA path's, output and
+    log-sum-exp, for chunks that start before, inside and after the shard (gathered queries, a causal call with key
+    lengths) and a decode step; otherwise why not. Probed once per process."""
+
+    def check():
+        B, T, S, H, K, E = 3, 128, 256, 4, 2, 64
+        q, k, v = _probe_inputs(np.random.default_rng(4), B, T, S, H, K, E)
+        offsets = jnp.asarray([-40, 100, 300])
+        chunk = MaskSpec(offsets[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], jnp.clip(offsets + T, 0, S))
+        decode = MaskSpec(jnp.asarray([[-1], [150], [255]]), jnp.asarray([0, 151, 256]))
+        err = 0.0
+        for queries, spec in ((q, chunk), (q[:, :1], decode)):
+            out, lse = jax.jit(attention_with_lse)(queries, k, v, spec)
+            want, want_lse = xla.attention_with_lse(*(x.astype(jnp.float32) for x in (queries, k, v)), spec)
+            seen = want_lse > -1e30
+            if not bool(jnp.all(seen == (lse > -1e30))):
+                return "cuDNN attention over a shard of the keys sees other keys than the XLA path"
+            err = max(err, float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want))))
+            err = max(err, float(jnp.max(jnp.where(seen, jnp.abs(lse - want_lse), 0.0))))
+        if not err < 3e-2:
+            return f"cuDNN attention over a shard of the keys is off by {err:.2e} against the XLA path"
+        return None
+
+    return unavailable() or _probe(check)
+
+
+@functools.cache
 def window_unavailable() -> str | None:
     """None when a sliding window through cuDNN matches the XLA path: a chunk at offsets (none before it, fewer than
     the window, more), forward and gradient, and a decode step (positions near and past the window); otherwise why

@@ -339,7 +339,7 @@ def attend_partial(
         and resolved in ("pallas", "cudnn")
         and not _backend.exporting()
         and cudnn.serves_partial(q, k, v, spec)
-        and cudnn.unavailable() is None
+        and cudnn.partial_unavailable() is None
     ):
         return cudnn.attention_with_lse(q, k, v, spec, scale=scale)
     return xla.attention_with_lse(q, k, v, spec, scale=scale)
