@@ -263,7 +263,7 @@ def triton_disabled() -> bool:
     """Whether DUO_JAX_DISABLE_TRITON runs this process as a GPU without Pallas's Triton backend."""
     from pallas_kernels import _backend
 
-    return os.environ.get(_backend.DISABLE_TRITON, "") not in ("", "0")
+    return _backend.triton_disabled()
 
 
 def attention_label(impl: str) -> str:

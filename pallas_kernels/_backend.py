@@ -72,12 +72,17 @@ def exporting() -> bool:
 DISABLE_TRITON = "DUO_JAX_DISABLE_TRITON"
 
 
+def triton_disabled() -> bool:
+    """Whether DUO_JAX_DISABLE_TRITON asks this process to run as a GPU without Pallas's Triton backend."""
+    return os.environ.get(DISABLE_TRITON, "") not in ("", "0")
+
+
 @functools.cache
 def triton_unavailable() -> str | None:
     """None when a Pallas kernel with Triton compiler params compiles and runs on the default device and
     returns the right values; otherwise why not (the exception, the wrong result, or DUO_JAX_DISABLE_TRITON).
     Probed once per process, eagerly even when called while a jit is being traced."""
-    if os.environ.get(DISABLE_TRITON, "") not in ("", "0"):
+    if triton_disabled():
         return f"disabled by the environment ({DISABLE_TRITON}={os.environ[DISABLE_TRITON]})"
     try:
         from jax.experimental import pallas as pl

@@ -268,20 +268,19 @@ def calls(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec) -> list[Part
     # prefix has no keys and weighs 0), so the dequantized copy held at once is a segment, not the cache
     C, segment = k.shape[1], PREFIX_SEGMENT
     return [own] + [
-        Part(Call(causal=False), *_dequantized(k, v, a, min(a + segment, C)), jnp.clip(q_offset - a, 0, segment))
+        Part(Call(causal=False), *_read(k, v, lambda x, a=a: x[:, a : a + segment]), jnp.clip(q_offset - a, 0, segment))
         for a in range(0, C, segment)
     ]
 
 
-def _dequantized(k, v, first: int, end: int):
-    """Slots [first, end) of quantized keys and values, dequantized."""
-    return tuple(dequantize(jax.tree.map(lambda a: a[:, first:end], x)) for x in (k, v))
+def _read(k, v, select):
+    """`select` applied to the keys and the values (to codes and scales alike), codes dequantized after it."""
+    return tuple(dequantize(jax.tree.map(select, x)) for x in (k, v))
 
 
 def _gather(k, v, slots):
     """Keys and values at slots int32 [B, n] (in range), codes dequantized after the gather."""
-    take = lambda a: jnp.take_along_axis(a, slots[:, :, None, None], axis=1)  # noqa: E731
-    return tuple(dequantize(jax.tree.map(take, x)) for x in (k, v))
+    return _read(k, v, lambda x: jnp.take_along_axis(x, slots[:, :, None, None], axis=1))
 
 
 def _own_keys(k, v, q_offset, T):
@@ -688,14 +687,11 @@ def lambda_unavailable(at_offset: bool = False) -> str | None:
         offset = jnp.asarray([0, 40, 120]) if at_offset else 0
         spec = prefix_spec(B, T, q_offset=offset, num_keys=S, sink=16, recent=64)
         where = "at offsets" if at_offset else "over a whole sequence"
-        for name, off_by in (
-            ("forward", lambda: _off_by(q, k, v, spec, k.astype(jnp.float32), v.astype(jnp.float32))),
-            ("gradient", lambda: _grad_off_by(q, k, v, spec)),  # only once the forward passed
-        ):
-            err = off_by()
-            if not err < 3e-2:
-                return f"Λ through cuDNN {where} is off by {err:.2e} against the XLA path ({name})"
-        return None
+        return _first_off(
+            f"Λ through cuDNN {where}",
+            forward=lambda: _off_by(q, k, v, spec, k.astype(jnp.float32), v.astype(jnp.float32)),
+            gradient=lambda: _grad_off_by(q, k, v, spec),
+        )
 
     return gradient_unavailable() or _probe(check)
 
@@ -743,16 +739,23 @@ def window_unavailable() -> str | None:
         decode = prefix_spec(B, 1, q_offset=jnp.asarray([3, 63, 200]), kv_len=jnp.asarray([4, 64, 201]), num_keys=S,
                              window=64)  # fmt: skip
         k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-        for name, off_by in (
-            ("forward", lambda: max(_off_by(q, k, v, chunk, k32, v32), _off_by(q[:, :1], k, v, decode, k32, v32))),
-            ("gradient", lambda: _grad_off_by(q, k, v, chunk)),  # only once the forward passed
-        ):
-            err = off_by()
-            if not err < 3e-2:
-                return f"a sliding window through cuDNN is off by {err:.2e} against the XLA path ({name})"
-        return None
+        return _first_off(
+            "a sliding window through cuDNN",
+            forward=lambda: max(_off_by(q, k, v, chunk, k32, v32), _off_by(q[:, :1], k, v, decode, k32, v32)),
+            gradient=lambda: _grad_off_by(q, k, v, chunk),
+        )
 
     return gradient_unavailable() or _probe(check)
+
+
+def _first_off(what: str, **checks: Callable[[], float]) -> str | None:
+    """The checks' relative errors in order (forward, then gradient), stopping at the first one off: its reason, or
+    None when every one is within 3e-2."""
+    for name, off_by in checks.items():
+        err = off_by()
+        if not err < 3e-2:
+            return f"{what} is off by {err:.2e} against the XLA path ({name})"
+    return None
 
 
 def _probe_inputs(rng, B, T, S, H, K, E):
