@@ -90,7 +90,7 @@ def triton_unavailable() -> str | None:
         def add_one(x_ref, o_ref):
             o_ref[...] = x_ref[...] + 1.0
 
-        with jax.ensure_compile_time_eval():
+        with jax.core.eval_context():  # eager, and out of any trace this is called in
             x = jnp.arange(16 * 16, dtype=jnp.float32).reshape(16, 16)
             out = pl.pallas_call(
                 add_one,

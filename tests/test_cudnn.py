@@ -182,7 +182,7 @@ GRADIENT_CASES = [
 
 def _grads(fn, q, k, v, seed=6):
     w = jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), jnp.float32)
-    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2)))(q, k, v)
 
 
 @pytest.mark.parametrize("name, T, spec, n_calls", GRADIENT_CASES, ids=[c[0] for c in GRADIENT_CASES])

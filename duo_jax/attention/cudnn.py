@@ -711,7 +711,7 @@ def partial_unavailable() -> str | None:
         err = 0.0
         for queries, spec in ((q, chunk), (q[:, :1], decode)):
             out, lse = jax.jit(attention_with_lse)(queries, k, v, spec)
-            want, want_lse = xla.attention_with_lse(*(x.astype(jnp.float32) for x in (queries, k, v)), spec)
+            want, want_lse = jax.jit(xla.attention_with_lse)(*(x.astype(jnp.float32) for x in (queries, k, v)), spec)
             seen = want_lse > -1e30
             if not bool(jnp.all(seen == (lse > -1e30))):
                 return "cuDNN attention over a shard of the keys sees other keys than the XLA path"
@@ -766,10 +766,11 @@ def _probe_inputs(rng, B, T, S, H, K, E):
 
 
 def _probe(check: Callable[[], str | None]) -> str | None:
-    """A probe's `check` run at compile time (on concrete arrays, inside a trace too): its reason, or the reason
-    of any exception it raises (a failure means: do not use the call here, and say why)."""
+    """A probe's `check` run on concrete arrays, inside a trace too: its reason, or the reason of any exception it
+    raises (a failure means: do not use the call here, and say why). `eval_context` leaves any trace for eager
+    evaluation in which a `jax.jit` compiles (`ensure_compile_time_eval` would run it op by op, 2-4x slower)."""
     try:
-        with jax.ensure_compile_time_eval():
+        with jax.core.eval_context():
             return check()
     except Exception as e:  # noqa: BLE001 - any failure is a reason
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -781,7 +782,7 @@ def _grad_off_by(q, k, v, spec: MaskSpec) -> float:
     d_out = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, spec).astype(jnp.float32) * d_out)  # noqa: E731
     got = jax.jit(jax.grad(loss(attention), argnums=(0, 1, 2)))(q, k, v)
-    want = jax.grad(loss(xla.attention), argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    want = jax.jit(jax.grad(loss(xla.attention), argnums=(0, 1, 2)))(*(x.astype(jnp.float32) for x in (q, k, v)))
     return max(
         float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)) / jnp.max(jnp.abs(w))) for g, w in zip(got, want, strict=True)
     )
@@ -790,5 +791,5 @@ def _grad_off_by(q, k, v, spec: MaskSpec) -> float:
 def _off_by(q, k, v, spec: MaskSpec, k32, v32) -> float:
     """`attention` through cuDNN against the XLA path in float32 (k32 / v32: k / v in float32): max |error| / max."""
     got = jax.jit(attention)(q, k, v, spec).astype(jnp.float32)
-    want = xla.attention(q.astype(jnp.float32), k32, v32, spec)
+    want = jax.jit(xla.attention)(q.astype(jnp.float32), k32, v32, spec)
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
