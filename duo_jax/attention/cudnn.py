@@ -1,6 +1,8 @@
 """Causal attention through cuDNN's fused attention (JAX's cuDNN binding) on a GPU: a prefill chunk or a decode step
-over a contiguous or paged cache, the streaming heads' ring followed by the chunk, or Λ over every key slot (gate
-training's streaming heads, a whole sequence or a shard's queries at an offset), forward and backward.
+over a contiguous or paged cache, the streaming heads' ring followed by the chunk, a sliding window, a chunk over
+int8 / int4 codes, a shard of the keys with its log-sum-exp (`attention_with_lse`, the generation mesh's partials),
+or Λ over every key slot (gate training's streaming heads, a whole sequence or a shard's queries at an offset),
+forward and backward.
 
 This is the path that needs no Pallas Triton backend (deprecated in JAX 0.11). It uses the library where it serves:
 cuDNN's flash attention on Hopper is faster than this project's Triton flash kernel (BENCHMARKS.md, "Attention
@@ -27,7 +29,13 @@ the gradient on the kernels it stands beside where it fails.
 
 A prefill chunk over a quantized cache (int8 / int4 codes, which cuDNN does not read) dequantizes its keys first:
 at a chunk's arithmetic intensity the extra pass over the cache costs little beside the attention (decode steps,
-bound by reading the cache, are not served: the dequantized copy would be read again).
+bound by reading the cache, are not served: the dequantized copy would be read again). The prefix is dequantized
+`PREFIX_SEGMENT` slots at a time, one call each.
+
+A sliding window (Mistral, Qwen's windowed layers) is cuDNN's own over a whole sequence; a chunk at an offset adds
+the window's keys before it (`_band_calls`, which Λ at an offset shares), and a decode step reads the window's slots
+(`_window_calls`). A shard of the keys (`attention_with_lse`) is the filled slots before the chunk and the chunk's
+own slots in the shard (`_shard_calls`). `window_unavailable()` and `partial_unavailable()` probe those calls.
 
 A paged cache (`PagedKV`) reads its prefix through the binding's paged attention (`paged_prefix`): each KV head is
 a sequence of its own, so the head-major pool [K, N, P, E] is cuDNN's block container as it is, never copied.
@@ -105,7 +113,8 @@ def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
     """Causal queries (a chunk, or one per sequence: decode) over a contiguous cache cuDNN `takes` or pages it
     `takes_pages`, or over a ring followed by the queries' own keys (`MaskSpec.own_keys_at`: the streaming heads);
     a chunk over quantized codes it `takes_codes`; Λ over every key slot (gate training's streaming heads: a whole
-    sequence, or a shard's queries at a traced offset over the whole sequence's keys); no sliding window."""
+    sequence, or a shard's queries at a traced offset over the whole sequence's keys); a sliding window over a
+    contiguous cache (values, or codes), but not Λ within one."""
     if not spec.causal:
         return False
     if spec.window is not None:  # a contiguous cache: values, or codes dequantized in the window's calls
