@@ -50,18 +50,21 @@ def resolve_pattern(pattern: Pattern | str | os.PathLike | None, config: ModelCo
 
 
 def _prompt_ids(model: Model, prompts) -> list[list[int]]:
-    if isinstance(prompts, str):
+    """A text, a list of token ids, or a batch of either (a list, or a 2-D integer array) -> each prompt's token
+    ids; anything else (None, floats, nested deeper) raises naming what was given."""
+    array = isinstance(prompts, (np.ndarray, jax.Array))
+    if isinstance(prompts, str) or (array and prompts.ndim == 1):
         prompts = [prompts]
-    elif len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)):
-        prompts = [prompts]
+    elif isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, float, np.number)):
+        prompts = [prompts]  # one prompt of token ids (floats included, for `_token_ids` to name)
+    if not (isinstance(prompts, (list, tuple)) or (array and prompts.ndim == 2)):
+        raise DuoJaxError(f"prompts must be a text, token ids or a list of them; got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise DuoJaxError("no prompts given")
     ids = []
     for prompt in prompts:
         ids.append(
-            require(model.tokenizer, "a text prompt").encode(prompt)
-            if isinstance(prompt, str)
-            else [int(t) for t in prompt]
+            require(model.tokenizer, "a text prompt").encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         )
         if not ids[-1]:
             raise DuoJaxError("a prompt is empty; every prompt needs at least one token")
@@ -70,6 +73,22 @@ def _prompt_ids(model: Model, prompts) -> list[list[int]]:
                 f"prompt token ids must lie in [0, {model.config.vocab_size}), got {min(ids[-1])}..{max(ids[-1])}"
             )
     return ids
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt of token ids (a sequence or 1-D array of integers) as a list; anything else raises."""
+    try:
+        array = np.asarray(prompt)
+    except ValueError:  # ragged nesting
+        array = np.asarray(prompt, dtype=object)
+    if array.size == 0 and array.ndim == 1:
+        return []
+    if array.ndim != 1 or array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+        raise DuoJaxError(
+            "a prompt must be a text or a list of integer token ids; got "
+            f"{type(prompt).__name__} of {array.dtype} with shape {array.shape}"
+        )
+    return array.tolist()
 
 
 def validate_options(
@@ -385,7 +404,8 @@ def generate(
     """Generate from one or many prompts with a KV-cache method (DuoAttention by default when given a pattern).
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
-    or a conversation (a list of {"role", "content"} messages), or a list of conversations.
+    an integer array (1-D: one prompt, 2-D: a batch); or a conversation (a list of {"role", "content"}
+    messages), or a list of conversations. Anything else (None, float ids) is an error.
     chat: None (default): conversations get the model's chat template (`duo_jax.chat`), a plain string is
     completion text, as in Hugging Face's text-generation pipeline and vLLM; True: plain strings are wrapped
     too (each one user message); False: no template (conversations are then an error). Token ids are never

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -263,6 +264,35 @@ def test_bad_prompts_are_clear_errors(model):
         generate(model, [5, 900])
     with pytest.raises(LoadError, match="needs a tokenizer"):
         generate(model, "hello")
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        (None, "got NoneType"),
+        (7, "got int"),
+        ({"role": "user"}, "got dict"),
+        ([1.5, 2.0], "integer token ids; got list of float64"),  # truncated to [1, 2] before
+        (np.array([3.0, 4.0]), "got ndarray of float64"),
+        ([True, False], "got list of bool"),
+        ([[[1, 2]]], r"with shape \(1, 2\)"),
+        ([[1, "a"]], "integer token ids"),
+    ],
+)
+def test_prompts_neither_text_nor_integer_ids_are_clear_errors(model, prompts, message):
+    with pytest.raises(DuoJaxError, match=message):
+        plan_generation(model, prompts, max_new_tokens=2, chunk_size=8)
+
+
+def test_integer_arrays_are_token_id_prompts(model, prompts):
+    """A 1-D integer array is one prompt, a 2-D one a batch: the ids of the same lists."""
+    as_lists = plan_generation(model, [prompts[0][:4], prompts[1][:4]], max_new_tokens=2, chunk_size=8).ids
+    batch = np.asarray(as_lists, np.int32)
+    assert plan_generation(model, batch, max_new_tokens=2, chunk_size=8).ids == as_lists
+    assert plan_generation(model, jnp.asarray(batch[0]), max_new_tokens=2, chunk_size=8).ids == as_lists[:1]
+    assert plan_generation(model, tuple(np.int64(t) for t in batch[1]), max_new_tokens=2, chunk_size=8).ids == [
+        as_lists[1]
+    ]
 
 
 def test_a_caller_owned_engine_runs_the_same_generation(model, prompts):
