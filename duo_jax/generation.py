@@ -19,7 +19,7 @@ from duo_jax.cache import CAPACITY_BLOCK, full_cache_bytes
 from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
 from duo_jax.engine import Engine, bucket, capacity_bucket, compiled_decode, compiled_extend
-from duo_jax.errors import DuoJaxError
+from duo_jax.errors import DuoJaxError, InvalidOption
 from duo_jax.loading import Model
 from duo_jax.methods import Method, cache_nbytes
 from duo_jax.pattern import Pattern, exact_sparsity
@@ -105,10 +105,10 @@ def validate_options(
 ) -> None:
     """Clear errors for bad generation options, before any model work (the CLIs call it before loading)."""
     exact_sparsity(sparsity)
-    if (sink or 0) < 0 or (recent or 0) < 0:
-        raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
-    if chunk_size <= 0:
-        raise DuoJaxError(f"chunk_size must be positive, got {chunk_size}")
+    for name, value in (("sink", sink), ("recent", recent)):
+        if value is not None:
+            check_number(name, value, integer=True, minimum=0, hint=" (None: the method's default)")
+    check_number("chunk_size", chunk_size, integer=True, minimum=1)
     check_number("max_new_tokens", max_new_tokens, integer=True, minimum=1)
     check_sampling(temperature, top_p, top_k)
     if impl not in attention.IMPLS:
@@ -205,6 +205,13 @@ def plan_generation(
         top_k=top_k,
         impl=impl,
     )
+    if not isinstance(stop_at_eos, (bool, np.bool_)):
+        raise InvalidOption(f"stop_at_eos must be True or False, got {stop_at_eos!r}", "stop_at_eos")
+    # Python ints from here on: numpy integers pass the checks but not every int method (`capacity_bucket`)
+    max_new_tokens, chunk_size = int(max_new_tokens), int(chunk_size)
+    sink, recent = (None if x is None else int(x) for x in (sink, recent))
+    if context is not None:
+        context = check_number("context", context, integer=True, minimum=1, hint=" (None: a bucket that fits)")
     config = model.config
     ids = _prompt_ids(model, chat_prompts(model, prompts, chat))
     longest = max(len(p) for p in ids)
@@ -295,7 +302,7 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
     for b, p in enumerate(ids):
         padded[b, : len(p)] = p
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
-    key = jax.random.key(seed)
+    key = jax.random.key(check_number("seed", seed, integer=True))
 
     start = time.perf_counter()
     compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, **engine.weight_layout)  # untimed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,9 @@ class Sampling:
 def check_number(
     name: str, value, *, integer: bool = False, minimum=None, maximum=None, above: bool = False, hint: str = ""
 ):
-    """`value` if it is a finite number (an int when `integer`; bools are not numbers) in range
-    (`above`: strictly greater than `minimum`); else InvalidOption naming `name`."""
-    kinds = int if integer else (int, float)
+    """`value` as a Python int (`integer`) or float if it is a finite number of that kind (numpy's count, bools do
+    not) in range (`above`: strictly greater than `minimum`); else InvalidOption naming `name`."""
+    kinds = numbers.Integral if integer else numbers.Real
     low = "" if minimum is None else f" {'>' if above else '>='} {minimum}"
     high = "" if maximum is None else f"{' and' if low else ''} <= {maximum}"
     need = f"{name} must be {'an integer' if integer else 'a finite number'}{low}{high}{hint}"
@@ -48,15 +49,15 @@ def check_number(
         and value > maximum
     ):
         raise InvalidOption(f"{need}, got {value!r}", name)
-    return value
+    return int(value) if integer else float(value)
 
 
 def check_sampling(temperature=0.0, top_p=1.0, top_k=0) -> Sampling:
     """A `Sampling` from user-given values, or InvalidOption naming the bad one and its range."""
     return Sampling(
-        float(check_number("temperature", temperature, minimum=0, hint=" (0: greedy)")),
-        float(check_number("top_p", top_p, minimum=0, maximum=1, above=True)),
-        int(check_number("top_k", top_k, integer=True, minimum=0, hint=" (0: no top-k)")),
+        check_number("temperature", temperature, minimum=0, hint=" (0: greedy)"),
+        check_number("top_p", top_p, minimum=0, maximum=1, above=True),
+        check_number("top_k", top_k, integer=True, minimum=0, hint=" (0: no top-k)"),
     )
 
 

@@ -232,9 +232,14 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
         (dict(pattern=Pattern(GATES), sparsity=1.5), PatternError, r"\[0, 1\]"),
         (dict(pattern=Pattern(GATES), sparsity=-0.1), PatternError, r"\[0, 1\]"),
         (dict(pattern=Pattern(np.ones((4, 2)))), PatternError, "4x2.*3x2"),
-        (dict(chunk_size=0), DuoJaxError, "chunk_size must be positive"),
-        (dict(sink=-1), DuoJaxError, "sink and recent must be >= 0"),
-        (dict(recent=-5), DuoJaxError, "sink and recent must be >= 0"),
+        (dict(chunk_size=0), DuoJaxError, "chunk_size must be an integer >= 1"),
+        (dict(chunk_size=8.5), DuoJaxError, "chunk_size must be an integer >= 1, got 8.5"),
+        (dict(stop_at_eos="no"), DuoJaxError, "stop_at_eos must be True or False"),
+        (dict(seed="a"), DuoJaxError, "seed must be an integer"),
+        (dict(sink=-1), DuoJaxError, "sink must be an integer >= 0"),
+        (dict(sink=2.5), DuoJaxError, "sink must be an integer >= 0"),
+        (dict(recent=-5), DuoJaxError, "recent must be an integer >= 0"),
+        (dict(context=0), DuoJaxError, "context must be an integer >= 1"),
         (dict(max_new_tokens=250), DuoJaxError, "exceeds the model's context of 256"),
         (dict(context=32), DuoJaxError, "exceeds the cache capacity"),
         (dict(max_new_tokens=0), DuoJaxError, "max_new_tokens must be an integer >= 1"),
@@ -282,6 +287,14 @@ def test_bad_prompts_are_clear_errors(model):
 def test_prompts_neither_text_nor_integer_ids_are_clear_errors(model, prompts, message):
     with pytest.raises(DuoJaxError, match=message):
         plan_generation(model, prompts, max_new_tokens=2, chunk_size=8)
+
+
+def test_numpy_integers_are_integer_options(model, prompts):
+    plan = plan_generation(
+        model, prompts, max_new_tokens=np.int64(4), chunk_size=np.int32(8), top_k=np.int16(3), context=np.int64(64)
+    )
+    assert plan.chunk == 8 and plan.sampling.top_k == 3 and plan.capacity == 64
+    assert plan_generation(model, prompts, max_new_tokens=np.int64(4)).capacity == 128  # a bucket
 
 
 def test_integer_arrays_are_token_id_prompts(model, prompts):

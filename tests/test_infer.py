@@ -110,8 +110,8 @@ def test_instruct_model_answers_through_its_chat_template(prompt, capsys):
     "args, message",
     [
         (["--model", "llama3-8b", "--prompt", "hi"], "weights for 'llama3-8b'"),
-        (["--prompt", "hi", "--chunk-size", "0"], "chunk_size must be positive"),
-        (["--prompt", "hi", "--sink", "-1"], "sink and recent must be >= 0"),
+        (["--prompt", "hi", "--chunk-size", "0"], "chunk_size must be an integer >= 1"),
+        (["--prompt", "hi", "--sink", "-1"], "sink must be an integer >= 0"),
         (
             ["--prompt", "hi", "--pattern", str(ROOT / "configs/patterns/llama3-8b"), "--sparsity", "0.5"],
             "32x8 .* 30x3",
