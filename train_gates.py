@@ -40,10 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--initial-value", type=float, default=1.0, help="initial value of every gate")
     group.add_argument(
         "--impl",
-        choices=("auto", "pallas", "mosaic", "cpu", "xla", "reference"),
+        choices=("auto", "pallas", "cudnn", "mosaic", "cpu", "xla", "reference"),  # duo_jax.attention.IMPLS
         default="auto",
-        help="attention implementation (auto: Pallas on GPU, Mosaic on TPU, the C++ kernel on CPU, "
-        "the blocked XLA path elsewhere)",
+        help="attention implementation (auto: chosen per backend and case, cuDNN where Triton is missing; "
+        "docs/attention.md)",
     )
 
     group = parser.add_argument_group("optimisation")

@@ -50,6 +50,14 @@ def test_help_lists_the_flags():
         assert flag in result.stdout
 
 
+def test_impl_offers_every_attention_implementation():
+    import train_gates
+    from duo_jax.attention import IMPLS
+
+    (impl,) = [a for a in train_gates.build_parser()._actions if a.dest == "impl"]
+    assert tuple(impl.choices) == IMPLS
+
+
 def test_missing_weights_exit_2_with_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DUO_JAX_MODELS", "HF_HUB_CACHE")}
     env["HF_HOME"] = str(tmp_path / "hf")
