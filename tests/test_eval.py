@@ -425,6 +425,9 @@ def test_cli_errors_exit_2(tmp_path, capsys):
         (["perplexity", "--length", "512", "--prefix", "512"], "--prefix must lie"),
         (["niah", "--kv-dtype", "int2"], "invalid choice"),
         (["longbench", "--data", "missing", "--max-length", "1"], "--max-length: max_length must be at least 2 tokens"),
+        (["niah", "--batch-size", "0"], "--batch-size: must be an integer >= 1, got 0"),  # ran as "all" before
+        (["ruler", "--lengths", "512", "-5"], "--lengths: must be an integer >= 1, got -5"),
+        (["passkey", "--digits", "x"], "--digits: must be an integer >= 1, got 'x'"),
     ],
 )
 def test_cli_rejects_bad_options(argv, message, capsys):

@@ -27,6 +27,17 @@ from duo_jax.eval.samples import check_decode_last
 from duo_jax.quant import KV_DTYPES
 
 
+def count(text: str) -> int:
+    """An argparse type: an integer >= 1 (lengths, samples, batch sizes), checked before the model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -> None:
     """The options every evaluation takes; budgets: --kv-budget takes several fractions (one run per budget)."""
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
@@ -110,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     niah = tasks.add_parser("niah", help="needle in a haystack: depth x length heat maps", formatter_class=defaults)
     _common(niah, "niah")
-    niah.add_argument("--lengths", type=int, nargs="+", default=list(NIAH_LENGTHS), help="context lengths (tokens)")
+    niah.add_argument("--lengths", type=count, nargs="+", default=list(NIAH_LENGTHS), help="context lengths (tokens)")
     niah.add_argument(
         "--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]"
     )
@@ -119,21 +130,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="paul_graham:evaluation",
         help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a folder of .txt files",
     )
-    niah.add_argument("--max-new-tokens", type=int, default=32)
-    niah.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: all depths)")
+    niah.add_argument("--max-new-tokens", type=count, default=32)
+    niah.add_argument("--batch-size", type=count, default=None, help="prompts per generate call (default: all depths)")
 
     passkey = tasks.add_parser(
         "passkey", help="numeric passkey retrieval accuracy per length", formatter_class=defaults
     )
     _common(passkey, "passkey")
     passkey.add_argument(
-        "--lengths", type=int, nargs="+", default=list(PASSKEY_LENGTHS), help="context lengths (tokens)"
+        "--lengths", type=count, nargs="+", default=list(PASSKEY_LENGTHS), help="context lengths (tokens)"
     )
-    passkey.add_argument("--depths-per-length", type=int, default=5, help="passkey depths, evenly spaced in [0, 1]")
-    passkey.add_argument("--digits", type=int, default=5, help="digits of each passkey")
+    passkey.add_argument("--depths-per-length", type=count, default=5, help="passkey depths, evenly spaced in [0, 1]")
+    passkey.add_argument("--digits", type=count, default=5, help="digits of each passkey")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the passkeys")
-    passkey.add_argument("--max-new-tokens", type=int, default=12)
-    passkey.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: all depths)")
+    passkey.add_argument("--max-new-tokens", type=count, default=12)
+    passkey.add_argument(
+        "--batch-size", type=count, default=None, help="prompts per generate call (default: all depths)"
+    )
 
     ppl = tasks.add_parser("perplexity", help="perplexity per position bucket on long text", formatter_class=defaults)
     _common(ppl, "perplexity")
@@ -142,8 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="paul_graham:evaluation",
         help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a folder of .txt files",
     )
-    ppl.add_argument("--length", type=int, default=4096, help="tokens per window")
-    ppl.add_argument("--samples", type=int, default=2, help="windows (consecutive, one batch)")
+    ppl.add_argument("--length", type=count, default=4096, help="tokens per window")
+    ppl.add_argument("--samples", type=count, default=2, help="windows (consecutive, one batch)")
     ppl.add_argument(
         "--bucket-edges",
         type=int,
@@ -182,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"prompt tokens kept (middle truncation); default: the model's context - {DEFAULT_MARGIN}",
     )
-    longbench.add_argument("--limit", type=int, default=None, help="first N samples of each task")
+    longbench.add_argument("--limit", type=count, default=None, help="first N samples of each task")
     longbench.add_argument(
         "--fuzzy",
         choices=FUZZY,
@@ -203,12 +216,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _common(ruler, "ruler", budgets=True)
     ruler.add_argument(
         "--lengths",
-        type=int,
+        type=count,
         nargs="+",
         default=list(RULER_LENGTHS),
         help="sequence lengths in the model's tokens (prompt + tokens to generate)",
     )
-    ruler.add_argument("--samples", type=int, default=10, help="samples per task and length")
+    ruler.add_argument("--samples", type=count, default=10, help="samples per task and length")
     ruler.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: all; QA only with --qa-data)")
     ruler.add_argument("--seed", type=int, default=42, help="seed of every sample")
     ruler.add_argument(
