@@ -40,6 +40,22 @@ def test_every_method_is_registered_by_its_module():
         registry.register("no_context", summary="")(lambda config, size=4: None)
 
 
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("h2o", dict(context=32, kv_budget=8.5), r"kv_budget must be an integer >= 1 .*got 8.5"),  # ran as 8
+        ("snapkv", dict(context=32, kv_budget="8"), r"kv_budget must be an integer >= 1 .*got '8'"),
+        ("h2o", dict(context=32, kv_budget=0), "kv_budget must be an integer >= 1"),
+        ("full", dict(context=0), "context must be an integer >= 1"),
+        ("streaming_llm", dict(context=40.5), "context must be an integer >= 1"),
+    ],
+)
+def test_budgets_and_capacities_are_whole_tokens(name, options, message):
+    with pytest.raises(DuoJaxError, match=message):
+        make_method(name, CONFIG, **options)
+    assert make_method("h2o", CONFIG, context=np.int64(32), kv_budget=np.int32(8)).budget == 8
+
+
 @pytest.mark.slow
 def test_a_new_method_is_one_registration():
     """A method registered from outside the package runs through generate by name, windows mapped by its entry."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.quant import check_kv_dtype
+from duo_jax.sampling import check_number
 
 # A builder's keyword-only parameters that are inputs, not options of the method.
 _INPUTS = ("context", "model", "kv_dtype")
@@ -117,9 +118,11 @@ def make_method(name: str, config: ModelConfig, *, context: int, model=None, **o
     if unknown:
         allowed = ", ".join(e.options) or "none"
         raise DuoJaxError(f"method {name!r} does not take {', '.join(sorted(unknown))} (its options: {allowed})")
-    budget = options.get("kv_budget")
-    if budget is not None and not 0 < budget:
-        raise DuoJaxError(f"kv_budget (tokens kept per KV head) must be positive, got {budget}")
+    context = check_number("context", context, integer=True, minimum=1, hint=" (the cache's capacity in tokens)")
+    if options.get("kv_budget") is not None:
+        options["kv_budget"] = check_number(
+            "kv_budget", options["kv_budget"], integer=True, minimum=1, hint=" (tokens kept per KV head)"
+        )
     if e.needs_model:
         if model is None:
             raise DuoJaxError(f"method {name!r} calibrates on the model: pass model= (generate does)")
