@@ -1,5 +1,6 @@
 """infer.py: the CLI's output and its one-line errors (exit status 2, no traceback)."""
 
+import functools
 import re
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import duo_jax
 import infer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +50,21 @@ def test_generates_and_prints_stats(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is")
     assert "KV cache" in result.stderr and "tok/s" in result.stderr
+
+
+_LOAD = duo_jax.load
+
+
+@functools.cache
+def _load_once(name, dtype=None, weights=None):
+    return _LOAD(name, dtype=dtype, weights=weights)
+
+
+@pytest.fixture(autouse=True)
+def _each_model_loaded_once(monkeypatch):
+    """`infer.main` in this process loads each (model, dtype) once for the file: the same arrays, so `generate`'s
+    engine and its compiled steps are reused too (loading the GGUF took ~5 s of each error test)."""
+    monkeypatch.setattr(duo_jax, "load", _load_once)
 
 
 def run_main(capsys, *args):
