@@ -354,7 +354,8 @@ def test_xla_decode_on_a_gpu_scores_long_tiles(capacity, loops):
     """A decode step on the XLA path (an int4 cache on a GPU without Triton), lowered for an NVIDIA GPU: up to
     XLA_GPU_DECODE_TILE slots it is one tile with no loop over tiles (no predicate read back per tile), past it a
     loop over tiles of that size; off a GPU the default 512-slot tiles. (One more loop in each: the query blocks'
-    `lax.map`, of one block.)"""
+    `lax.map`, of one block.) On a GPU no tile branches on whether it needs the mask, whose predicate XLA:GPU
+    would read back every trip; on a CPU they do."""
     from jax import export
 
     from duo_jax.attention import dispatch
@@ -380,6 +381,7 @@ def test_xla_decode_on_a_gpu_scores_long_tiles(capacity, loops):
         assert "tensor<1x32768x8x64xi8>" in module  # a tile's codes, sliced from the cache
     default = lowered("cpu")
     assert "tensor<1x512x8x64xi8>" in default and default.count("stablehlo.while") == 2
+    assert "stablehlo.case" not in module and "stablehlo.case" in default
 
 
 def test_xla_decode_on_a_gpu_matches_the_default_tiles(monkeypatch):

@@ -23,6 +23,7 @@ from jax import lax
 from duo_jax.attention.masks import MaskSpec
 from duo_jax.attention.pages import PagedKV
 from duo_jax.quant import QuantizedKV, dequantize
+from pallas_kernels._backend import backend
 
 # Queries per block, and at most this many key slots per tile where tiles do not follow the query blocks
 # (`key_block`): a 512-token prefill chunk (`generate`'s default) is one query block (docs/attention.md).
@@ -154,6 +155,11 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
     def body(i, carry):
         _, k_tile, v_tile, visible = _tile(spec, q_pos, k, v, i, ranges, block_k)
         s = scores(k_tile)
+        if T == 1 and backend() == "gpu":
+            # A decode step's mask is one row per head: on a GPU cheaper than the branch below, whose predicate
+            # XLA:GPU reads back to the host every trip (BENCHMARKS.md, "Llama-3-8B shape: decode and prefill,
+            # duo vs full"). Elsewhere the branch stays.
+            return update(carry, jnp.where(visible[:, None, None], s, _MASKED), v_tile, masked=True)
         # Tiles every query of the block sees whole (all but the causal diagonal, the ragged end and a window's
         # edge) skip the mask.
         return lax.cond(
