@@ -443,12 +443,35 @@ def hidden_states(
     return x
 
 
-@functools.partial(jax.jit, static_argnames="config")
 def forward(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Dense causal forward pass: tokens int32 [B, T] -> logits float32 [B, T, V]. `params` in either layout
     (`LAYOUTS`): stacked layers compile one scanned layer, per-layer ones an unrolled loop (the same numbers;
-    more compile time, no copy of the weights)."""
+    more compile time, no copy of the weights). Token ids outside the vocabulary raise where they can be read:
+    given concrete (under a caller's jit they cannot, and the embedding gather would clamp them)."""
+    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)  # a nested list of ids too
+    check_tokens(tokens, config.vocab_size)
+    return forward_jit(params, config, tokens)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def forward_jit(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """`forward`'s compiled function, without the check of the tokens' values."""
     return unembed(params, config, hidden_states(params, config, tokens))
+
+
+def check_tokens(tokens: jax.Array | np.ndarray, vocab_size: int) -> None:
+    """Token ids: an integer array [B, T] with T >= 1, its values (where concrete) in [0, vocab_size)."""
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise DuoJaxError(
+            f"tokens must be an integer array [batch, length]; got {tokens.dtype} of shape {tokens.shape}"
+        )
+    if tokens.shape[1] == 0:
+        raise DuoJaxError("tokens hold no positions (shape [batch, 0]); pass at least one token per row")
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise DuoJaxError(f"token ids must lie in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
 
 
 def greedy_reference(params: Params, config: ModelConfig, prompt: list[int], max_new_tokens: int) -> list[int]:

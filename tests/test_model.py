@@ -233,3 +233,31 @@ def test_init_params_shapes_and_sliding_window():
     windowed = duo_jax.forward(params, config, tokens)
     np.testing.assert_allclose(windowed[:, :4], full[:, :4], atol=1e-6)  # identical inside the window
     assert np.abs(np.asarray(windowed[:, 8:] - full[:, 8:])).max() > 1e-4  # different beyond it
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (np.asarray([[1, 400]]), r"token ids must lie in \[0, 128\), got 1..400"),  # the gather clamped it before
+        (jnp.asarray([[-1, 2]]), r"token ids must lie in \[0, 128\), got -1..2"),
+        (np.asarray([[1.0, 2.0]]), "integer array .* float64 of shape"),
+        (np.asarray([1, 2]), r"\[batch, length\]; got int64 of shape \(2,\)"),
+        (np.zeros((2, 0), np.int32), "no positions"),
+    ],
+)
+def test_forward_refuses_tokens_it_cannot_embed(tokens, message):
+    config = tiny_config()
+    params = duo_jax.init_params(config, jax.random.key(0))
+    with pytest.raises(duo_jax.DuoJaxError, match=message):
+        duo_jax.forward(params, config, tokens)
+
+
+def test_forward_takes_lists_and_runs_under_a_callers_jit():
+    """A nested list of ids is an array; under jit the values cannot be read, so only shape and dtype are checked."""
+    config = tiny_config()
+    params = duo_jax.init_params(config, jax.random.key(0))
+    want = duo_jax.forward(params, config, jnp.asarray([[3, 1, 4]]))
+    np.testing.assert_array_equal(duo_jax.forward(params, config, [[3, 1, 4]]), want)
+    np.testing.assert_array_equal(
+        jax.jit(lambda p, x: duo_jax.forward(p, config, x))(params, jnp.asarray([[3, 1, 4]])), want
+    )

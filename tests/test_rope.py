@@ -52,7 +52,7 @@ def test_rotary_table_matches_apply_rope_and_is_built_once_per_forward(tiny):
     every layer's rotation of its queries and keys (XLA:CPU did that)."""
     import jax
 
-    from duo_jax.model import forward, init_params, rotary, unstack_layers
+    from duo_jax.model import forward_jit, init_params, rotary, unstack_layers
 
     inv_freq = rope_inv_freq(tiny)
     positions = jnp.asarray([[0, 7, 511, 4_000_000]], jnp.int32)
@@ -62,7 +62,7 @@ def test_rotary_table_matches_apply_rope_and_is_built_once_per_forward(tiny):
         np.testing.assert_allclose(np.asarray(table.sin), np.sin(angles), atol=1e-6)
 
     params = unstack_layers(init_params(tiny, jax.random.key(0)))  # unrolled layers: one rotation per layer
-    hlo = forward.lower(params, tiny, jnp.zeros((1, 32), jnp.int32)).compile().as_text()
+    hlo = forward_jit.lower(params, tiny, jnp.zeros((1, 32), jnp.int32)).compile().as_text()
     assert tiny.num_layers >= 2
     if jax.default_backend() == "cpu":
         assert hlo.count(" sine(") == 1 and hlo.count(" cosine(") == 1, (hlo.count(" sine("), hlo.count(" cosine("))
