@@ -29,7 +29,15 @@ import numpy as np
 from duo_jax import data_wheels
 from duo_jax.config import ModelConfig, named_configs, read_named
 from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
-from duo_jax.model import LayerParams, Params, check_layout, check_weight_format, param_shapes, quantize_weights
+from duo_jax.model import (
+    LayerParams,
+    Params,
+    check_layout,
+    check_weight_dtype,
+    check_weight_format,
+    param_shapes,
+    quantize_weights,
+)
 from duo_jax.tokenizer import Tokenizer
 
 # Params of ShapeDtypeStructs -> Params of jax.sharding.Sharding (see `load`)
@@ -74,6 +82,7 @@ def load(
     not with `shardings`). `shardings` lays out stacked layers (training's FSDP): it needs layout="stacked"."""
     check_weight_format(weights)  # before reading gigabytes
     check_layout(layout)
+    dtype = check_weight_dtype(dtype)
     if weights is not None and shardings is not None:
         raise LoadError("int8 weights are not supported with sharded loading yet: pass weights=None or no shardings")
     if shardings is not None and layout != "stacked":

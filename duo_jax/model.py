@@ -195,6 +195,27 @@ CONTRACTED_AXES = dict(
 )
 
 
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def check_weight_dtype(dtype) -> np.dtype:
+    """The weights' dtype: a floating type JAX computes in (float64 only with jax_enable_x64); anything else raises
+    (a cast of the weights to an integer type, or JAX's silent float64 -> float32, would be another model)."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in WEIGHT_DTYPES:
+        raise DuoJaxError(
+            f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}; for int8 weights pass weights='int8'"
+        )
+    if resolved == np.float64 and not jax.config.jax_enable_x64:
+        raise DuoJaxError(
+            "dtype float64 needs jax.config.update('jax_enable_x64', True) first (JAX computes in 32 bits)"
+        )
+    return resolved
+
+
 def check_weight_format(weights: str | None) -> str | None:
     """None (the load dtype) or "int8"; anything else raises."""
     if weights not in (None, "int8"):

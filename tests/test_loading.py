@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 import duo_jax
-from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
+from duo_jax.errors import ConfigError, DuoJaxError, LoadError, WeightsNotFoundError
 from duo_jax.loading import find_weights, safetensors_tensors
 from tests.test_model import HF_CASES, write_random_hf_model
 
@@ -28,6 +28,19 @@ def sharded_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sharded")
     write_random_hf_model(directory, *CASE, max_shard_size="40KB")
     return directory
+
+
+@pytest.mark.parametrize(
+    "dtype, message",
+    [
+        (jnp.int8, "dtype must be one of .* for int8 weights pass weights='int8'"),  # cast the weights to int8 before
+        ("bf17", "dtype must be one of bfloat16, float16, float32, float64, got 'bf17'"),
+        (np.float64, "jax_enable_x64"),  # loaded as float32 before
+    ],
+)
+def test_a_dtype_that_is_not_a_float_jax_computes_in_is_refused(hf_dir, dtype, message):
+    with pytest.raises(DuoJaxError, match=message):
+        duo_jax.load(hf_dir, dtype=dtype)
 
 
 def test_missing_directory():
