@@ -232,3 +232,18 @@ def test_steps_transfer_host_values_explicitly():
     with jax.transfer_guard_host_to_device("disallow"):
         for _ in range(6):
             s.step()
+
+
+def test_a_pool_memory_that_holds_no_page_is_refused(capsys):
+    """`--kv-memory-mb` sizes the pool: below one page it was one page regardless; the CLI's port is checked too."""
+    from duo_jax.serve.__main__ import main as serve_main
+    from duo_jax.serve.scheduler import pages_for_memory
+
+    method = paged(DuoAttention(make_layout(CONFIG, None, sink=2, recent=5, context=64)), page_size=4)
+    per_page = 2 * 4 * CONFIG.head_dim * 4 * CONFIG.num_layers * CONFIG.num_kv_heads  # float32 K and V, every layer
+    assert pages_for_memory(method, 3 * per_page + 1, np.float32) == 3
+    with pytest.raises(DuoJaxError, match="holds no page: one page of 4 tokens takes"):
+        pages_for_memory(method, per_page - 1, np.float32)
+    with pytest.raises(SystemExit):
+        serve_main(["--port", "70000"])  # uvicorn started with it before
+    assert "--port: must be a port number in [0, 65535], got 70000" in capsys.readouterr().err

@@ -9,6 +9,17 @@ import sys
 import jax.numpy as jnp
 
 
+def port(text: str) -> int:
+    """An argparse type: a TCP port number, 0 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, LOCAL_HOSTS, default_hosts
     from duo_jax.serve.scheduler import MIXED
@@ -42,7 +53,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one)")
     parser.add_argument(
         "--api-key",
         default=os.environ.get("DUO_JAX_API_KEY"),

@@ -131,10 +131,15 @@ def find_stop(text: str, stops) -> tuple[str, bool]:
 
 
 def pages_for_memory(method: PagedDuo, memory_bytes: int, dtype) -> int:
-    """How many pages fit `memory_bytes` of retrieval K/V (every layer's pool together)."""
+    """How many pages fit `memory_bytes` of retrieval K/V (every layer's pool together); fewer than one raises."""
     per_page = (
         2 * method.page_size * method.layout.head_dim * jnp.dtype(dtype).itemsize * sum(method.layout.num_retrieval)
     )
+    if per_page and memory_bytes < per_page:
+        raise DuoJaxError(
+            f"the page pool's memory ({memory_bytes / 2**20:g} MiB) holds no page: one page of "
+            f"{method.page_size} tokens takes {per_page / 2**20:g} MiB over every layer's retrieval heads"
+        )
     return max(1, memory_bytes // max(per_page, 1))
 
 
