@@ -139,6 +139,7 @@ def test_instruct_model_answers_through_its_chat_template(prompt, capsys):
         (["--prompt", "hi", "--top-k", "-1"], "top_k must be an integer >= 0"),
         (["--prompt", "hi", "--max-new-tokens", "9000"], "exceeds the model's context of 8192"),
         (["--prompt-file", "/nonexistent.txt"], "No such file"),
+        (["--prompt-file", str(ROOT / "benchmarks" / "smollm2_gates.png")], "is not UTF-8 text"),  # a traceback before
         (["--prompt", "hi", "--method", "h2o"], "needs kv_budget"),
         (["--prompt", "hi", "--mesh", "model=1", "--kv-dtype", "int4"], "quantized KV cache on a device mesh"),
         (["--prompt", "hi", "--method", "infinigen"], "needs a positive kv_budget"),
