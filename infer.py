@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from duo_jax.errors import DuoJaxError
+from duo_jax.errors import read_user_text
 from duo_jax.generation import generate, validate_options
 from duo_jax.methods import METHODS, describe
 
@@ -98,15 +98,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_prompt(path: str) -> str:
-    """The prompt file's text (UTF-8); a file that is not text raises naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise DuoJaxError(f"--prompt-file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
@@ -137,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.mesh is None
             else sharding.make_generation_mesh(**sharding.parse_mesh(args.mesh, sharding.GENERATION_AXES))
         )
-        text = args.prompt if args.prompt is not None else read_prompt(args.prompt_file)
+        text = args.prompt if args.prompt is not None else read_user_text(args.prompt_file, hint=" (--prompt-file)")
         model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype), weights=args.weights)
         chat = is_chat_model(model) if args.chat is None else args.chat
         options = {

@@ -32,3 +32,14 @@ class InvalidOption(DuoJaxError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def read_user_text(path, error: type[DuoJaxError] = DuoJaxError, hint: str = "") -> str:
+    """A file the user named, as UTF-8 text; one that is not raises `error` naming it, its first bad byte and `hint`
+    (a missing file stays an OSError, which the CLIs report as it is)."""
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}){hint}") from None

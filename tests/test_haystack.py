@@ -64,6 +64,9 @@ def test_directory_source_reads_sorted_txt_files(tmp_path):
     empty.mkdir()
     with pytest.raises(DataError, match="no .txt files"):
         load_haystack(str(empty))
+    (empty / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # a UnicodeDecodeError traceback before
+    with pytest.raises(DataError, match=r"latin1.txt is not UTF-8 text \(unexpected end of data at byte 3\)"):
+        load_haystack(str(empty))
 
 
 def test_unknown_source_and_bad_max_chars():

@@ -147,6 +147,9 @@ def test_load_task_errors(tmp_path):
     (tmp_path / "musique.jsonl").write_text("{not json\n")
     with pytest.raises(longbench.LongBenchDataError, match="not JSON"):
         longbench.load_task(tmp_path, "musique")
+    (tmp_path / "musique.jsonl").write_bytes(b'{"input": "caf\xe9"}\n')  # a UnicodeDecodeError traceback before
+    with pytest.raises(longbench.LongBenchDataError, match="musique.jsonl is not UTF-8 text .*THUDM/LongBench"):
+        longbench.load_task(tmp_path, "musique")
     with pytest.raises(duo_jax.DuoJaxError, match="unknown LongBench task.*nq"):
         longbench.check_tasks(["hotpotqa", "nq"])
     with pytest.raises(duo_jax.DuoJaxError, match="LongBench-E task.*musique"):

@@ -156,6 +156,12 @@ def test_qa_from_ruler_files(tokenizer, tmp_path):
         data.make_sample("qa_2", tokenizer, 512, 0)
     with pytest.raises(DataError, match="no hotpotqa.json"):
         data.make_sample("qa_2", tokenizer, 512, 0, qa_data=tmp_path)
+    (tmp_path / "hotpotqa.json").write_text("<html>a download that failed</html>")  # a JSONDecodeError before
+    with pytest.raises(DataError, match="hotpotqa.json is not JSON .*download_qa_dataset.sh"):
+        data.make_sample("qa_2", tokenizer, 512, 0, qa_data=tmp_path)
+    (tmp_path / "hotpotqa.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(DataError, match=r"hotpotqa.json is not UTF-8 text \(invalid start byte at byte 0\)"):
+        data.make_sample("qa_2", tokenizer, 512, 0, qa_data=tmp_path)
     tasks, notes = ruler.check_tasks(None, None)
     assert tasks == SYNTHETIC and "qa_1, qa_2" in notes[0] and "--qa-data" in notes[0]
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from duo_jax import data_wheels
-from duo_jax.errors import DuoJaxError
+from duo_jax.errors import DuoJaxError, read_user_text
 
 # Where Debian's r-cran-janeaustenr keeps its lazy-load data base (Rdata.rdx index + Rdata.rdb objects).
 AUSTEN_DATA_DIR = Path("/usr/lib/R/site-library/janeaustenr/data")
@@ -131,7 +131,7 @@ def _read_txt_files(directory: Path) -> list[str]:
     files = sorted(directory.glob("*.txt"))
     if not files:
         raise DataError(f"no .txt files in {directory}")
-    return [f.read_text(encoding="utf-8").strip() for f in files]
+    return [read_user_text(f, DataError, "; a haystack folder holds .txt files").strip() for f in files]
 
 
 def _read_austen() -> list[str]:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from duo_jax.data.haystack import EVALUATION_HAYSTACK, DataError, encode, load_haystack
+from duo_jax.errors import read_user_text
 
 TEMPLATES = {
     "niah": dict(
@@ -345,7 +346,10 @@ def read_qa(folder: str, dataset: str) -> tuple[list[dict], list[str]]:
     path = Path(folder) / QA_FILES[dataset]
     if not path.is_file():
         raise DataError(f"no {path.name} in {folder}: {GET_QA}")
-    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(read_user_text(path, DataError, f": {GET_QA}"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not JSON ({e}): {GET_QA}") from None
     if dataset == "squad":
         docs = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
         index = {c: i for i, c in enumerate(docs)}

@@ -17,7 +17,7 @@ from typing import Any
 
 from duo_jax.chat import chat_prompts, is_chat_model
 from duo_jax.data.haystack import DataError
-from duo_jax.errors import DuoJaxError
+from duo_jax.errors import DuoJaxError, read_user_text
 from duo_jax.eval import report
 from duo_jax.eval.longbench_metrics import (
     FUZZY,
@@ -155,7 +155,7 @@ def load_task(data_dir: str | Path, task: str, *, longbench_e: bool = False, lim
     if not path.is_file():
         raise LongBenchDataError(f"no {path.name} in {data_dir}: {GET_DATA} (or leave {task} out with --tasks)")
     samples = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(read_user_text(path, LongBenchDataError, f": {GET_DATA}").splitlines(), 1):
         if not line.strip():
             continue
         try:
