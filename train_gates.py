@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--min-len", type=int, default=1000, help="shortest context (raised, with a note, to what the passkeys need)"
     )
-    group.add_argument("--max-len", type=int, help="longest context (default: the model's context length)")
+    group.add_argument("--max-len", type=int, help="longest context (default and limit: the model's context length)")
     group.add_argument("--num-lengths", type=int, default=50, help="evenly spaced context lengths")
     group.add_argument("--num-passkeys", type=int, default=10, help="passkeys per sample")
     group.add_argument("--passkey-words", type=int, default=32, help="words per passkey")
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out or f"runs/gates/{name}")
         log = lambda message: print(message, file=sys.stderr)
         training.check_mesh(mesh, cfg.batch_size)
+        training.check_max_len(model.config, cfg)  # before the memory report compiles a step at max_len
         log(str(training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)))
         pattern = training.train(
             model.params,

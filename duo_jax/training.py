@@ -575,6 +575,16 @@ def run_step(
     return {"gates": gates, "opt_state": opt_state}, terms, time.perf_counter() - tic
 
 
+def check_max_len(config: ModelConfig, cfg: TrainConfig) -> None:
+    """The longest training context within the model's: past it the frozen model's positions were never trained,
+    so its attention is no target to distil (as `generate` refuses prompts past it)."""
+    if cfg.max_len > config.max_position_embeddings:
+        raise TrainingError(
+            f"max_len {cfg.max_len} exceeds the model's context of {config.max_position_embeddings} tokens; "
+            "lower --max-len (default: the model's context)"
+        )
+
+
 def train(
     params: Params,
     config: ModelConfig,
@@ -599,6 +609,7 @@ def train(
 
     out = Path(out)
     check_mesh(mesh, cfg.batch_size)
+    check_max_len(config, cfg)
     stream, cfg, note = sample_stream(tokenizer, cfg)
     if note:
         log(f"note: {note}")

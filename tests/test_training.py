@@ -121,6 +121,13 @@ def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
         training.sample_stream(tokenizer, dataclasses.replace(cfg, min_len=10, max_len=20))
 
 
+def test_training_contexts_stay_within_the_models():
+    config = tiny_config()  # a context of 512 tokens
+    training.check_max_len(config, training.TrainConfig(max_len=512))
+    with pytest.raises(training.TrainingError, match="max_len 513 exceeds the model's context of 512 tokens"):
+        training.check_max_len(config, training.TrainConfig(max_len=513))  # trained past its positions before
+
+
 # --- sharded weights and sequences on 8 host CPU devices ----------------------------------------------
 
 _SHARDED_SCRIPT = r"""
