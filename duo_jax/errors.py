@@ -5,6 +5,8 @@ raises a subclass of `DuoJaxError` whose message names the problem and the fix. 
 this class, print its message on one line and exit with status 2.
 """
 
+from pathlib import Path
+
 
 class DuoJaxError(Exception):
     """A problem the user can fix; the message says how."""
@@ -37,8 +39,6 @@ class InvalidOption(DuoJaxError, ValueError):
 def read_user_text(path, error: type[DuoJaxError] = DuoJaxError, hint: str = "") -> str:
     """A file the user named, as UTF-8 text; one that is not raises `error` naming it, its first bad byte and `hint`
     (a missing file stays an OSError, which the CLIs report as it is)."""
-    from pathlib import Path
-
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -22,6 +22,7 @@ from duo_jax.engine import Engine, bucket, capacity_bucket, compiled_decode, com
 from duo_jax.errors import DuoJaxError, InvalidOption
 from duo_jax.loading import Model
 from duo_jax.methods import Method, cache_nbytes
+from duo_jax.model import check_token_ids
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.sampling import Sampling, check_number, check_sampling, sample
 from duo_jax.tokenizer import require
@@ -68,10 +69,7 @@ def _prompt_ids(model: Model, prompts) -> list[list[int]]:
         )
         if not ids[-1]:
             raise DuoJaxError("a prompt is empty; every prompt needs at least one token")
-        if min(ids[-1]) < 0 or max(ids[-1]) >= model.config.vocab_size:
-            raise DuoJaxError(
-                f"prompt token ids must lie in [0, {model.config.vocab_size}), got {min(ids[-1])}..{max(ids[-1])}"
-            )
+        check_token_ids(ids[-1], model.config.vocab_size, "prompt token ids")
     return ids
 
 

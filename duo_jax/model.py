@@ -488,11 +488,15 @@ def check_tokens(tokens: jax.Array | np.ndarray, vocab_size: int) -> None:
         )
     if tokens.shape[1] == 0:
         raise DuoJaxError("tokens hold no positions (shape [batch, 0]); pass at least one token per row")
-    if isinstance(tokens, jax.core.Tracer):
-        return
-    ids = np.asarray(tokens)
+    if not isinstance(tokens, jax.core.Tracer):
+        check_token_ids(tokens, vocab_size)
+
+
+def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> None:
+    """Concrete ids (any shape) in [0, vocab_size); else an error naming `what` and the range given."""
+    ids = np.asarray(ids)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise DuoJaxError(f"token ids must lie in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
+        raise DuoJaxError(f"{what} must lie in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
 
 
 def greedy_reference(params: Params, config: ModelConfig, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -31,6 +31,11 @@ def backend() -> str:
     return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
 
 
+def on_gpu() -> bool:
+    """Whether the device (or the platform being lowered for) is a GPU."""
+    return backend() == "gpu"
+
+
 @contextlib.contextmanager
 def lowering_for(platform: str) -> Iterator[None]:
     """Trace the kernels for `platform` ("gpu" or "tpu") whatever the local device: with

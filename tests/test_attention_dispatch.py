@@ -392,6 +392,7 @@ def test_xla_decode_on_a_gpu_matches_the_default_tiles(monkeypatch):
     from duo_jax.attention import dispatch, xla
     from duo_jax.attention.masks import prefix_spec
     from duo_jax.quant import quantize_kv
+    from pallas_kernels import _backend
     from tests.conftest import rel_err
 
     rng = np.random.default_rng(0)
@@ -400,7 +401,7 @@ def test_xla_decode_on_a_gpu_matches_the_default_tiles(monkeypatch):
     lengths = jnp.asarray([64, 23])
     spec = prefix_spec(2, 1, q_offset=lengths - 1, kv_len=lengths, num_keys=64)
     want = xla.attention(q, *cache, spec, block_k=16)
-    monkeypatch.setattr(dispatch, "pallas_backend", lambda: "gpu")
+    monkeypatch.setattr(_backend, "backend", lambda: "gpu")  # the tiles, and tiles scored without their branch
     monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "xla")
     for tile in (64, 32):
         monkeypatch.setattr(dispatch, "XLA_GPU_DECODE_TILE", tile)

@@ -777,7 +777,8 @@ def _probe_inputs(rng, B, T, S, H, K, E):
 def _probe(check: Callable[[], str | None]) -> str | None:
     """A probe's `check` run on concrete arrays, inside a trace too: its reason, or the reason of any exception it
     raises (a failure means: do not use the call here, and say why). `eval_context` leaves any trace for eager
-    evaluation in which a `jax.jit` compiles (`ensure_compile_time_eval` would run it op by op, 2-4x slower)."""
+    evaluation in which a `jax.jit` compiles (`ensure_compile_time_eval` would run it op by op: BENCHMARKS.md, "Test
+    suite time")."""
     try:
         with jax.core.eval_context():
             return check()

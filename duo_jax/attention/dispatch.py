@@ -67,7 +67,7 @@ def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
-    on_gpu = _on_gpu()
+    on_gpu = backend == "gpu"
     resolved = (
         impl
         if impl != "auto"
@@ -88,11 +88,6 @@ def resolve_impl(impl: str) -> str:
         if not pallas_kernels.cpu.available():
             return _cpu_fallback(pallas_kernels.cpu.unavailable(), forced=impl == "cpu")
     return resolved
-
-
-def _on_gpu() -> bool:
-    """Whether the device (or the platform being lowered for) is a GPU."""
-    return pallas_backend() in ("gpu", "cuda", "rocm")
 
 
 @functools.cache
@@ -238,7 +233,7 @@ def attend(
 def _xla_tiles(q: jax.Array, k, spec: MaskSpec) -> dict:
     """The XLA path's key tiles: its defaults, but XLA_GPU_DECODE_TILE slots for a decode step on a GPU (without
     a sliding window, whose few tiles near the query the default tiles keep small)."""
-    if _on_gpu() and q.shape[1] == 1 and spec.window is None:
+    if _backend.on_gpu() and q.shape[1] == 1 and spec.window is None:
         return dict(block_k=min(k.shape[1], XLA_GPU_DECODE_TILE))
     return {}
 

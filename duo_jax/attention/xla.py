@@ -23,7 +23,7 @@ from jax import lax
 from duo_jax.attention.masks import MaskSpec
 from duo_jax.attention.pages import PagedKV
 from duo_jax.quant import QuantizedKV, dequantize
-from pallas_kernels._backend import backend
+from pallas_kernels._backend import on_gpu
 
 # Queries per block, and at most this many key slots per tile where tiles do not follow the query blocks
 # (`key_block`): a 512-token prefill chunk (`generate`'s default) is one query block (docs/attention.md).
@@ -155,7 +155,7 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
     def body(i, carry):
         _, k_tile, v_tile, visible = _tile(spec, q_pos, k, v, i, ranges, block_k)
         s = scores(k_tile)
-        if T == 1 and backend() == "gpu":
+        if T == 1 and on_gpu():
             # A decode step's mask is one row per head: on a GPU cheaper than the branch below, whose predicate
             # XLA:GPU reads back to the host every trip (BENCHMARKS.md, "Llama-3-8B shape: decode and prefill,
             # duo vs full"). Elsewhere the branch stays.

@@ -27,6 +27,7 @@ import numpy as np
 from duo_jax.engine import Engine, compiled_extend, compiled_extend_row
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.paged import PagedDuo
+from duo_jax.model import check_token_ids
 from duo_jax.sampling import Sampling, check_sampling, sample_rows
 
 
@@ -255,8 +256,7 @@ class Scheduler:
         config, n = self.engine.config, len(request.prompt)
         if n == 0:
             raise DuoJaxError("the prompt is empty; it needs at least one token")
-        if min(request.prompt) < 0 or max(request.prompt) >= config.vocab_size:
-            raise DuoJaxError(f"prompt token ids must lie in [0, {config.vocab_size})")
+        check_token_ids(request.prompt, config.vocab_size, "prompt token ids")
         if request.max_tokens < 1:
             raise DuoJaxError(f"max_tokens must be positive, got {request.max_tokens}")
         check_sampling(request.sampling.temperature, request.sampling.top_p, request.sampling.top_k)
