@@ -65,9 +65,11 @@ import tempfile
 import time
 
 import common
+import numpy as np
 
 MODEL = "llama3-8b"
 PAPER = dict(decode=1.50, prefill=1.63)  # DuoAttention, A100, GQA at 50% retrieval heads
+QUARTILES = (0.0, 0.25, 0.5, 0.75, 1.0)  # of one launch's time, for the profile's costliest ops
 # H100 80GB HBM3 read bandwidth reached by jnp.sum over 8 GiB of bf16 (measured 2026-11-22, JAX 0.11.2 CUDA).
 DRY_RUN_BANDWIDTH_TBS = 3.03
 
@@ -207,8 +209,10 @@ def is_oom(error: Exception) -> bool:
 def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
     """GPU time per decode step from a `jax.profiler` trace: the total, the span from the first kernel's start to
     the last one's end (the difference is the GPU idle between kernels, waiting for the host), the `top` costliest
-    XLA ops (ms per step, launches per step) and every op kind's ms and launches per step. Reads the device
-    plane's "XLA Ops" line (or, without one, its busiest line)."""
+    XLA ops (ms per step, launches per step, and the quartiles of one launch's microseconds: one kernel launched
+    for two kinds of call, such as cuDNN's over the retrieval cache and over the ring, shows two sizes) and every
+    op kind's ms and launches per step. Reads the device plane's "XLA Ops" line (or, without one, its busiest
+    line)."""
     import glob
 
     from jax.profiler import ProfileData
@@ -225,10 +229,11 @@ def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
         return {"error": "the trace has no GPU plane"}
     lines = {line.name: list(line.events) for line in planes[0].lines}
     name = "XLA Ops" if "XLA Ops" in lines else max(lines, key=lambda n: len(lines[n]))
-    totals, counts = {}, {}
+    totals, counts, durations = {}, {}, {}
     for event in lines[name]:
         totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns
         counts[event.name] = counts.get(event.name, 0) + 1
+        durations.setdefault(event.name, []).append(event.duration_ns / 1e3)
     ranked = sorted(totals, key=totals.get, reverse=True)[:top]
     events = lines[name]
     span = (max(e.end_ns for e in events) - min(e.start_ns for e in events)) if events else 0.0
@@ -240,7 +245,16 @@ def gpu_op_times(trace_dir: str, steps: int, top: int = 15) -> dict:
         "span_ms_per_step": span / 1e6 / steps,
         "launches_per_step": sum(counts.values()) / steps,
         "top_ops": [
-            {"op": op, "ms_per_step": totals[op] / 1e6 / steps, "per_step": counts[op] / steps} for op in ranked
+            {
+                "op": op,
+                "ms_per_step": totals[op] / 1e6 / steps,
+                "per_step": counts[op] / steps,
+                "us_per_launch": {
+                    name: float(x)
+                    for name, x in zip(("min", "q1", "median", "q3", "max"), np.quantile(durations[op], QUARTILES))
+                },
+            }
+            for op in ranked
         ],
         "by_kind": op_kinds(totals, counts, steps),
     }

@@ -35,10 +35,10 @@
 #                                                # auto, pallas and as a GPU without Triton (DUO_JAX_DISABLE_TRITON)
 #   bash benchmarks/gpu_session.sh notriton OUT  # issue 33's target 5 end to end: prefill and decode at 8k-128k as a
 #                                                # GPU without Triton runs them, beside auto (about 8 minutes)
-#   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 8 minutes, most
-#                                                # informative first: the cuDNN GPU tests (everything built since the
-#                                                # last GPU run), the kernels at 32k, 128k prefill in 8k chunks, 32k
-#                                                # as a GPU without Triton, one int4 layer at 128k without it
+#   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 9 minutes, most
+#                                                # informative first: decode without Triton at 8k / 32k with a per-op
+#                                                # profile, decode with the loop as one CUDA graph, the kernel sweep
+#                                                # at 32k, the gate-training step at Llama-3-8B shapes
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
 #                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
@@ -238,26 +238,23 @@ train8b)
           --out "$out" 2>&1 | tee "$out/train_step_notriton.log" ) || true
     ;;
 next)
-    # What the CPU sessions since the last GPU run built, checked and measured in priority order: the cuDNN paths'
-    # GPU tests (Λ at offsets, sliding windows, int4 chunks, gate training); target 3's lever left at 128k (chunks of
-    # 8k, full and duo, with Triton); target 5 end to end at 32k (prefill and decode without Triton, beside auto);
-    # target 5 for quantized caches (one layer, int4, 128k, without Triton). One JSON folder per part.
-    part "${TESTS_S:-100}" $PY -m pytest -m gpu -q -ra tests/test_gpu.py -k "cudnn or duo_prefill" 2>&1 \
-        | tee "$out/gpu_tests.log" || true
-    # target 4 at 32k: the Λ and flash kernels against cuDNN's causal attention, and Λ through cuDNN's calls
-    part "${KERNELS_S:-60}" $PY benchmarks/kernels.py --seq-lens 32768 --reps 5 --out "$out/kernels_32k.json" 2>&1 \
-        | tee "$out/kernels_32k.log" || true
-    part "${CHUNK_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 --decode-steps 4 \
-        --prefill-repeats 1 --chunk-size 8192 --out "$out/chunk8192_128k" 2>&1 | tee "$out/chunk8192_128k.log" || true
-    for run in notriton auto; do
-        ( if [ $run = notriton ]; then export DUO_JAX_DISABLE_TRITON=1; fi
-          part "${NOTRITON_S:-70}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 \
-              --prefill-repeats 1 --decode-steps 16 --out "$out/32k_$run" 2>&1 | tee "$out/32k_$run.log" ) || true
-    done
+    # What the H200 run of 2026-11-28 left open (BENCHMARKS.md, "Issue 33 on one H200"), most informative first:
+    # where duo's decode without Triton spends its extra 0.5-0.8 ms per step (8k and 32k, a per-op profile whose
+    # per-launch quartiles split cuDNN's retrieval call from the ring's); decode with the loop as one CUDA graph
+    # (the host's share of a step, target 1's margins); the Triton kernels' tiles x warps x stages at 32k against
+    # cuDNN (target 4); the gate-training step at Llama-3-8B shapes (never run). One JSON folder per part.
     ( export DUO_JAX_DISABLE_TRITON=1
-      part "${QUANT_LAYER_S:-50}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
-          --sparsity 0.75 --contexts 131072 --max-prefill 131072 --prefill-repeats 1 --decode-steps 8 \
-          --out "$out/int4_layer_notriton" 2>&1 | tee "$out/int4_layer_notriton.log" ) || true
+      part "${PROFILE_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
+          --profile --out "$out/profile_notriton" 2>&1 | tee "$out/profile_notriton.log" ) || true
+    for run in default while_graph; do
+        ( if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; fi
+          part "${GRAPH_S:-75}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 32 \
+              --out "$out/decode_$run" 2>&1 | tee "$out/decode_$run.log" ) || true
+    done
+    part "${SWEEP_S:-120}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
+        --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
+    part "${TRAIN_S:-150}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --out "$out" 2>&1 \
+        | tee "$out/train_step.log" || true
     archive=$(mktemp -d)/next.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;

@@ -237,7 +237,7 @@ def test_gpu_op_times_reads_busy_time_span_and_launches(tmp_path, monkeypatch):
     events = [
         kernel("gemm_fusion_dot_1", 0, 3e6),
         kernel("loop_add_fusion_2", 4e6, 5e6),
-        kernel("gemm_fusion_dot_1", 8e6, 11e6),
+        kernel("gemm_fusion_dot_1", 8e6, 10e6),
     ]
     line = types.SimpleNamespace(name="XLA Ops", events=events)
     planes = [
@@ -246,8 +246,15 @@ def test_gpu_op_times_reads_busy_time_span_and_launches(tmp_path, monkeypatch):
     ]
     monkeypatch.setattr(profiler.ProfileData, "from_file", lambda path: types.SimpleNamespace(planes=planes))
     out = gpu.gpu_op_times(str(tmp_path / "t"), steps=2)
-    assert out["gpu_ms_per_step"] == 3.5 and out["span_ms_per_step"] == 5.5 and out["launches_per_step"] == 1.5
-    assert out["top_ops"][0] == {"op": "gemm_fusion_dot_1", "ms_per_step": 3.0, "per_step": 1.0}
+    assert out["gpu_ms_per_step"] == 3.0 and out["span_ms_per_step"] == 5.0 and out["launches_per_step"] == 1.5
+    # one kernel's two launches of 3 and 2 ms: its quartiles tell them apart
+    assert out["top_ops"][0] == {
+        "op": "gemm_fusion_dot_1",
+        "ms_per_step": 2.5,
+        "per_step": 1.0,
+        "us_per_launch": {"min": 2000.0, "q1": 2250.0, "median": 2500.0, "q3": 2750.0, "max": 3000.0},
+    }
+    assert out["top_ops"][1]["us_per_launch"]["max"] == 1000.0
 
 
 def test_fill_memory_runs_each_mode_at_its_largest_batch(monkeypatch):
