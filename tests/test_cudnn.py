@@ -77,6 +77,33 @@ def test_ring_then_own_keys_match_the_whole_mask(T):
     assert rel_err(np.asarray(got)[valid], np.asarray(want)[valid]) < 1e-5
 
 
+def test_decode_over_a_ring_is_one_call_with_its_own_key_after_the_filled_slots():
+    """A decode step over a ring (empty, partly filled, full) and its own key: one cuDNN call over the filled slots
+    with the own key moved up after them, so no slot it must not see (an empty one) and none it must see (the own
+    key, past the empty ones) falls outside the call's key lengths."""
+    B, R, H, K, E = 3, 12, 4, 2, 16
+    q, k, v = _inputs(B, 1, R + 1, H, K, E, seed=8)
+    filled = np.array([0, 5, R])
+    positions = np.full((B, R + 1), -1, np.int32)
+    positions[1, :5] = np.arange(5)
+    positions[2, :R] = np.r_[0:4, 32:40]  # sinks, then the recent tokens in slot order (wrapped)
+    offsets = np.array([0, 5, 40])
+    positions[:, R] = offsets
+    q_positions, kv_len = jnp.asarray(offsets[:, None], jnp.int32), jnp.full((B,), R + 1, jnp.int32)
+    spec = MaskSpec(q_positions, kv_len, jnp.asarray(positions), own_keys_at=R)
+    (part,) = cudnn.calls(q, k, v, spec)
+    np.testing.assert_array_equal(part.lengths, filled + 1)
+    for b, n in enumerate(filled):  # the filled slots as they were, then the own key
+        np.testing.assert_array_equal(part.k[b, :n], k[b, :n])
+        np.testing.assert_array_equal(part.k[b, n], k[b, R])
+        np.testing.assert_array_equal(part.v[b, n], v[b, R])
+    got = cudnn.attention(q, k, v, spec, attend=cudnn.xla_part)
+    assert rel_err(got, xla.attention(q, k, v, spec)) < 1e-5
+    # the own key counts: without it the step is far off
+    ring_only = MaskSpec(spec.q_positions, spec.kv_len, jnp.asarray(np.where(np.arange(R + 1) < R, positions, -1)))
+    assert rel_err(xla.attention(q, k, v, ring_only)[1:], got[1:]) > 1e-2
+
+
 def test_chunk_past_the_cache_end():
     """A last chunk whose padding rows run past the cache: the real rows' keys are gathered right."""
     B, T, C, H, K, E = 1, 32, 64, 2, 1, 8
@@ -176,6 +203,7 @@ GRADIENT_CASES = [
     ("window_decode", 1,
      prefix_spec(2, 1, q_offset=jnp.asarray([30, 2]), kv_len=jnp.asarray([31, 3]), num_keys=48, window=6), 1),
     ("ring", 8, _ring_spec(2, 8, 40), 2),
+    ("ring_decode", 1, _ring_spec(2, 1, 47), 1),
     ("decode", 1, prefix_spec(2, 1, q_offset=jnp.asarray([30, 0]), kv_len=jnp.asarray([31, 1]), num_keys=48), 1),
 ]  # fmt: skip
 

@@ -331,8 +331,8 @@ def test_paged_flash_attention_chunk(dtype, T=512, S=2048, page_size=16, q_offse
 def test_cudnn_prefill_chunk_and_decode():
     """A 1,024-token chunk through cuDNN (bf16, GQA 4:1, head_dim 128) at offsets 2,000 and 0 (a first chunk, 700
     real tokens) over a cache of 4,096: the prefix and the chunk's own keys in two cuDNN calls, merged by their
-    log-sum-exps, a decode step, and a streaming head's ring followed by a chunk, against float64. Skipped, with the
-    probe's reason, where cuDNN attention does not run."""
+    log-sum-exps, a decode step, and a streaming head's ring followed by a chunk and by a decode step's own key,
+    against float64. Skipped, with the probe's reason, where cuDNN attention does not run."""
     from duo_jax.attention import cudnn
 
     reason = cudnn.unavailable()
@@ -364,6 +364,18 @@ def test_cudnn_prefill_chunk_and_decode():
     out = jax.jit(cudnn.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
     seen = (positions[:, None, :] >= 0) & (positions[:, None, :] <= np.asarray(q_positions)[:, :, None])
     check(out, attention_f64(q, k, v, seen), jnp.bfloat16)
+    # a decode step over the ring (full and wrapped, partly filled, empty) and its own key: one call
+    q, k, v = inputs(3, 1, 321, 32, 8, 128, jnp.bfloat16, seed=3)
+    offsets = np.array([5000, 100, 0])
+    positions = np.full((3, 321), -1, np.int32)
+    positions[0, :320] = np.r_[0:64, 4744:5000]
+    positions[1, :100] = np.arange(100)
+    positions[:, 320] = offsets
+    spec = MaskSpec(jnp.asarray(offsets[:, None], jnp.int32), jnp.full((3,), 321, jnp.int32), jnp.asarray(positions),
+                    own_keys_at=320)  # fmt: skip
+    assert len(cudnn.calls(q, k, v, spec)) == 1
+    out = jax.jit(cudnn.attention)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), spec)
+    check(out, attention_f64(q, k, v, (positions >= 0)[:, None, :]), jnp.bfloat16)
 
 
 @pytest.mark.parametrize(

@@ -151,7 +151,8 @@ def attention(
     step (T = 1) is one call with a padding mask; a chunk sees the prefix [0, q_offset) whole and itself causally,
     two calls merged (one where the chunk starts a sequence whose offset is a Python int: gate training). Over a
     ring of R slots followed by the queries' own keys (`spec.own_keys_at` = R; the ring's filled slots first, every
-    one before every query): the ring's filled slots whole and the own keys causally, two calls merged. Λ over a
+    one before every query): the ring's filled slots whole and the own keys causally, two calls merged (a decode
+    step: one call, its own key moved up after the filled slots). Λ over a
     whole sequence: the recent window (cuDNN's sliding window) and the sinks before it, two calls merged; at an
     offset, four (`calls`). Λ sees every key slot, as the Λ kernel does. Over codes (`QuantizedKV`), a chunk as over
     a contiguous cache, its own keys dequantized and its prefix dequantized a segment at a time, one call each. Over
@@ -260,6 +261,8 @@ def calls(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec) -> list[Part
     if spec.k_positions is not None:  # a ring, then the queries' own keys
         ring = spec.own_keys_at
         filled = jnp.sum(spec.k_positions[:, :ring] >= 0, axis=1)
+        if T == 1 and ring:  # a decode step: one call over the filled slots and the own key moved up after them
+            return [Part(Call(causal=False), *_own_key_after(k, v, filled, ring), filled + 1)]
         own = Part(Call(), k[:, ring : ring + T], v[:, ring : ring + T])
         return [own, Part(Call(causal=False), k[:, :ring], v[:, :ring], filled)] if ring else [own]
     if T == 1:
@@ -280,6 +283,15 @@ def calls(q: jax.Array, k: jax.Array, v: jax.Array, spec: MaskSpec) -> list[Part
         Part(Call(causal=False), *_read(k, v, lambda x, a=a: x[:, a : a + segment]), jnp.clip(q_offset - a, 0, segment))
         for a in range(0, C, segment)
     ]
+
+
+def _own_key_after(k, v, filled, ring: int):
+    """A decode step's keys and values over a ring of `ring` slots, its `filled` [B] slots first, then its own key
+    (slot `ring`): the first ring + 1 slots with the own key also at slot `filled` (an empty slot, or its own where
+    the ring is full), so that slots j < filled + 1 are the keys the step sees. One call with a padding mask
+    instead of a call over the own key and a merge."""
+    at = (jnp.arange(ring + 1, dtype=jnp.int32)[None, :] == filled[:, None])[:, :, None, None]
+    return tuple(jnp.where(at, x[:, ring : ring + 1], x[:, : ring + 1]) for x in (k, v))
 
 
 def _read(k, v, select):
