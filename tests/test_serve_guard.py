@@ -97,6 +97,9 @@ BAD = [
     ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
     ({"prompt": "hi", "stop": "\udc00"}, "stop[0]", "lone surrogate"),
     ({"prompt": [[1, 2], [3]]}, "prompt", "one prompt"),
+    ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options", "bool"),
+    ({"prompt": "hi", "user": 5}, "user", "a string"),
+    ({"prompt": "hi", "metadata": "x"}, "metadata", "an object"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "text parts"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "text parts"),
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "text parts"),
@@ -119,6 +122,16 @@ BAD = [
         "differ",
     ),
 ]
+
+
+@pytest.mark.slow
+def test_json_nested_too_deeply_is_a_400(guarded):
+    """2,000 nested arrays (4 KB) exceed Python's decoder's recursion: a 400 saying so, not a 500."""
+    server, running, client = guarded
+    body = "[" * 2000 + "]" * 2000
+    response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"]
+    assert_serves(client)
 
 
 @pytest.mark.parametrize("body, param, message", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])

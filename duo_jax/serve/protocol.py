@@ -132,10 +132,17 @@ def parse(body, *, chat: bool, model: str) -> Parsed:
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+    if options is not None and (
+        not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or not isinstance(options.get("include_usage", False), bool)
+    ):
         raise BadRequest(
             "'stream_options' takes only {\"include_usage\": bool} (usage comes in the last chunk)", "stream_options"
         )
+    for name, kind, what in (("user", str, "a string"), ("metadata", dict, "an object"), ("store", bool, "a bool")):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise BadRequest(f"{name!r} must be {what}, got {body[name]!r:.40}", name)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise BadRequest(

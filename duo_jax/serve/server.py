@@ -416,9 +416,12 @@ class Server:
     def _prepare(self, body: bytes, chat: bool) -> tuple[list[int], Parsed]:
         """(prompt token ids, the checked request) from a request body (in a worker thread)."""
         try:
-            parsed = parse(json.loads(body), chat=chat, model=self.name)
+            body = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BadRequest("the body is not JSON") from None
+        except RecursionError:  # Python's decoder recurses once per level
+            raise BadRequest("the body's JSON is nested too deeply to read (a request nests a few levels)") from None
+        parsed = parse(body, chat=chat, model=self.name)
         if self.tokenizer is None and (chat or isinstance(parsed.prompt, str)):
             raise BadRequest(
                 "this model has no tokenizer: send the prompt as token ids", "messages" if chat else "prompt"
