@@ -241,7 +241,8 @@ next)
     # What the H200 run of 2026-11-28 left open (BENCHMARKS.md, "Issue 33 on one H200"), most informative first:
     # where duo's decode without Triton spends its extra 0.5-0.8 ms per step (8k and 32k, a per-op profile whose
     # per-launch quartiles split cuDNN's retrieval call from the ring's); decode with the loop as one CUDA graph
-    # (the host's share of a step, target 1's margins); the Triton kernels' tiles x warps x stages at 32k against
+    # (the host's share of a step, target 1's margins), and so one int4 layer's decode at 128k without Triton (the
+    # XLA path's tile loop); the Triton kernels' tiles x warps x stages at 32k against
     # cuDNN (target 4); the gate-training step at Llama-3-8B shapes (never run). One JSON folder per part.
     ( export DUO_JAX_DISABLE_TRITON=1
       part "${PROFILE_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
@@ -250,6 +251,15 @@ next)
         ( if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; fi
           part "${GRAPH_S:-75}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 32 \
               --out "$out/decode_$run" 2>&1 | tee "$out/decode_$run.log" ) || true
+    done
+    # the XLA path's decode over int4 codes (no Triton) ran at 30% of its roofline at 128k, its 32k-slot tiles one
+    # loop trip each, each trip a predicate read back to the host: the same layer with loops as CUDA graphs
+    for run in default while_graph; do
+        ( export DUO_JAX_DISABLE_TRITON=1
+          if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; fi
+          part "${QUANT_LAYER_S:-40}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
+              --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 \
+              --out "$out/int4_layer_notriton_$run" 2>&1 | tee "$out/int4_layer_notriton_$run.log" ) || true
     done
     part "${SWEEP_S:-120}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
         --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
