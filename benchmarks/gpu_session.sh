@@ -249,7 +249,7 @@ next)
           --profile --out "$out/profile_notriton" 2>&1 | tee "$out/profile_notriton.log" ) || true
     for run in default while_graph; do
         ( if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; fi
-          part "${GRAPH_S:-75}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 32 \
+          part "${GRAPH_S:-70}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 32 \
               --out "$out/decode_$run" 2>&1 | tee "$out/decode_$run.log" ) || true
     done
     # the XLA path's decode over int4 codes (no Triton) ran at 30% of its roofline at 128k, its 32k-slot tiles one
@@ -261,9 +261,9 @@ next)
               --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 \
               --out "$out/int4_layer_notriton_$run" 2>&1 | tee "$out/int4_layer_notriton_$run.log" ) || true
     done
-    part "${SWEEP_S:-120}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
+    part "${SWEEP_S:-100}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
         --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
-    part "${TRAIN_S:-150}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --out "$out" 2>&1 \
+    part "${TRAIN_S:-130}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --out "$out" 2>&1 \
         | tee "$out/train_step.log" || true
     archive=$(mktemp -d)/next.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
