@@ -100,19 +100,23 @@ def validate_options(
     top_p: float,
     top_k: int,
     impl: str,
-) -> None:
-    """Clear errors for bad generation options, before any model work (the CLIs call it before loading)."""
+) -> dict[str, int | None]:
+    """Clear errors for bad generation options, before any model work (the CLIs call it before loading). Returns
+    the integer options (sink, recent, max_new_tokens, chunk_size) as Python ints: numpy integers pass the checks
+    but not every int method (`capacity_bucket`)."""
     exact_sparsity(sparsity)
+    checked = {}
     for name, value in (("sink", sink), ("recent", recent)):
-        if value is not None:
-            check_number(name, value, integer=True, minimum=0, hint=" (None: the method's default)")
-    check_number("chunk_size", chunk_size, integer=True, minimum=1)
-    check_number("max_new_tokens", max_new_tokens, integer=True, minimum=1)
+        hint = " (None: the method's default)"
+        checked[name] = None if value is None else check_number(name, value, integer=True, minimum=0, hint=hint)
+    checked["chunk_size"] = check_number("chunk_size", chunk_size, integer=True, minimum=1)
+    checked["max_new_tokens"] = check_number("max_new_tokens", max_new_tokens, integer=True, minimum=1)
     check_sampling(temperature, top_p, top_k)
     if impl not in attention.IMPLS:
         raise DuoJaxError(
             f"impl (the attention implementation) must be one of {', '.join(attention.IMPLS)}, got {impl!r}"
         )
+    return checked
 
 
 def build_method(
@@ -192,7 +196,7 @@ def plan_generation(
     needs, with a clear error for anything that cannot run. Arguments as `generate`."""
     impl = _deprecated_impl(impl, method_options)
     mesh = None if mesh is None else sharding.auto_axes(mesh)
-    validate_options(
+    checked = validate_options(
         sparsity=sparsity,
         sink=sink,
         recent=recent,
@@ -205,9 +209,7 @@ def plan_generation(
     )
     if not isinstance(stop_at_eos, (bool, np.bool_)):
         raise InvalidOption(f"stop_at_eos must be True or False, got {stop_at_eos!r}", "stop_at_eos")
-    # Python ints from here on: numpy integers pass the checks but not every int method (`capacity_bucket`)
-    max_new_tokens, chunk_size = int(max_new_tokens), int(chunk_size)
-    sink, recent = (None if x is None else int(x) for x in (sink, recent))
+    sink, recent, max_new_tokens, chunk_size = (checked[n] for n in ("sink", "recent", "max_new_tokens", "chunk_size"))
     if context is not None:
         context = check_number("context", context, integer=True, minimum=1, hint=" (None: a bucket that fits)")
     config = model.config
