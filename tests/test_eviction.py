@@ -178,8 +178,9 @@ def test_generate_with_eviction_methods(params, prompt):
 
 
 def test_tova_through_cudnn_without_triton_matches_the_xla_path(params, prompt, monkeypatch):
-    """A GPU without Triton, bf16: TOVA's chunks and decode steps attend each KV head's kept tokens (filled first)
-    and then the step's own through cuDNN's two calls (the XLA stand-in, counted), with the XLA path's logits."""
+    """A GPU without Triton, bf16: TOVA's chunks attend each KV head's kept tokens (filled first) and then the
+    chunk's own through cuDNN's two calls, its decode steps both in one call (the XLA stand-in, counted), with the
+    XLA path's logits."""
     from duo_jax.attention import cudnn, dispatch
 
     params16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
@@ -196,7 +197,8 @@ def test_tova_through_cudnn_without_triton_matches_the_xla_path(params, prompt, 
     monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")
     monkeypatch.setattr(cudnn, "_cudnn", counted)
     _, got, _, _ = run_method(params16, CONFIG, method, prompt, chunk=4, decode_steps=4, impl="cudnn", force=force)
-    assert (4, 5) in calls and (1, 5) in calls  # a chunk and a step over the 5 kept tokens (and their own keys)
+    assert (4, 5) in calls and (4, 4) in calls  # a chunk over the 5 kept tokens, and over its own 4
+    assert (1, 6) in calls and (1, 1) not in calls  # a step over the 5 kept tokens and its own key, in one call
     assert np.abs(got - want).max() < 3e-2 * np.abs(want).max()
 
 
