@@ -152,12 +152,12 @@ def attention(
     two calls merged (one where the chunk starts a sequence whose offset is a Python int: gate training). Over a
     ring of R slots followed by the queries' own keys (`spec.own_keys_at` = R; the ring's filled slots first, every
     one before every query): the ring's filled slots whole and the own keys causally, two calls merged (a decode
-    step: one call, its own key moved up after the filled slots). Λ over a
-    whole sequence: the recent window (cuDNN's sliding window) and the sinks before it, two calls merged; at an
-    offset, four (`calls`). Λ sees every key slot, as the Λ kernel does. Over codes (`QuantizedKV`), a chunk as over
-    a contiguous cache, its own keys dequantized and its prefix dequantized a segment at a time, one call each. Over
-    pages (`PagedKV`), as over a contiguous cache, with the prefix read through the tables (`paged_prefix`) and a
-    chunk's own keys gathered (forward only).
+    step: one call, its own key moved up after the filled slots). Λ over a whole sequence: the recent window
+    (cuDNN's sliding window) and the sinks before it, two calls merged; at an offset, four (`calls`). Λ sees every
+    key slot, as the Λ kernel does. Over codes (`QuantizedKV`), a chunk as over a contiguous cache, its own keys
+    dequantized and its prefix dequantized a segment at a time, one call each. Over pages (`PagedKV`), as over a
+    contiguous cache, with the prefix read through the tables (`paged_prefix`) and a chunk's own keys gathered
+    (forward only).
 
     Differentiable, except over pages: each call's gradient is cuDNN's backward given the merged output and
     log-sum-exp (`merged`). `attend` runs one call, `attend_backward` one call's backward and `attend_paged` one
