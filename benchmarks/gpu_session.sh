@@ -86,6 +86,20 @@ part() {
     timeout "$limit" "$@"
 }
 
+# same_tokens DIR A B: whether two gpu_llama8b.py runs (DIR/A, DIR/B) decoded the same tokens in each mode and
+# context (a faster run that computes something else is no result), into DIR/tokens_A_B.txt
+same_tokens() {
+    $PY - "$1" "$2" "$3" <<'EOF' 2>&1 | tee "$1/tokens_$2_$3.txt" || true
+import json, sys
+out, a, b = sys.argv[1:]
+runs = {n: json.load(open(f"{out}/{n}/gpu_llama8b.json"))["results"] for n in (a, b)}
+for context, modes in runs[a].items():
+    for mode in ("full", "duo"):
+        x, y = modes[mode].get("tokens"), runs[b].get(context, {}).get(mode, {}).get("tokens")
+        print(context, mode, "same tokens" if x == y and x else f"DIFFERENT: {x} vs {y}")
+EOF
+}
+
 case "$stage" in
 check)
     # Each part has its own time limit (seconds, from the environment), so one slow part leaves the others
@@ -183,15 +197,7 @@ graphs)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
         part "${DECODE_S:-200}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 0 \
         --decode-steps 32 --out "$out/while_graph" 2>&1 | tee "$out/decode_while_graph.log" || true
-    # the same tokens either way, or the graph runs something else
-    $PY - "$out" <<'EOF' 2>&1 | tee "$out/tokens_compared.txt" || true
-import json, sys
-runs = {n: json.load(open(f"{sys.argv[1]}/{n}/gpu_llama8b.json"))["results"] for n in ("default", "while_graph")}
-for context, modes in runs["default"].items():
-    for mode in ("full", "duo"):
-        a, b = modes[mode].get("tokens"), runs["while_graph"].get(context, {}).get(mode, {}).get("tokens")
-        print(context, mode, "same tokens" if a == b and a else f"DIFFERENT: {a} vs {b}")
-EOF
+    same_tokens "$out" default while_graph  # the same tokens either way, or the graph runs something else
     archive=$(mktemp -d)/graphs.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
@@ -244,14 +250,17 @@ next)
     # (the host's share of a step, target 1's margins), and so one int4 layer's decode at 128k without Triton (the
     # XLA path's tile loop); the Triton kernels' tiles x warps x stages at 32k against
     # cuDNN (target 4); the gate-training step at Llama-3-8B shapes (never run). One JSON folder per part.
-    ( export DUO_JAX_DISABLE_TRITON=1
+    # (with the decode loop's optimized HLO: which ops of a layer run as separate launches)
+    ( export DUO_JAX_DISABLE_TRITON=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode"
       part "${PROFILE_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
           --profile --out "$out/profile_notriton" 2>&1 | tee "$out/profile_notriton.log" ) || true
+    find "$out/hlo" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
     for run in default while_graph; do
         ( if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; fi
           part "${GRAPH_S:-70}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 32 \
               --out "$out/decode_$run" 2>&1 | tee "$out/decode_$run.log" ) || true
     done
+    same_tokens "$out" decode_default decode_while_graph
     # the XLA path's decode over int4 codes (no Triton) ran at 30% of its roofline at 128k, its 32k-slot tiles one
     # loop trip each, each trip a predicate read back to the host: the same layer with loops as CUDA graphs
     for run in default while_graph; do
@@ -261,6 +270,7 @@ next)
               --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 \
               --out "$out/int4_layer_notriton_$run" 2>&1 | tee "$out/int4_layer_notriton_$run.log" ) || true
     done
+    same_tokens "$out" int4_layer_notriton_default int4_layer_notriton_while_graph
     part "${SWEEP_S:-100}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
         --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
     part "${TRAIN_S:-130}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --out "$out" 2>&1 \
