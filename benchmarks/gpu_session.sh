@@ -37,8 +37,8 @@
 #                                                # GPU without Triton runs them, beside auto (about 8 minutes)
 #   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 9 minutes, most
 #                                                # informative first: decode without Triton at 8k / 32k with a per-op
-#                                                # profile, decode with the loop as one CUDA graph, the kernel sweep
-#                                                # at 32k, the gate-training step at Llama-3-8B shapes
+#                                                # profile, decode and one int4 layer with loops as CUDA graphs, the
+#                                                # kernel sweep at 32k, the gate-training step at Llama-3-8B shapes
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
 #                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
