@@ -5,6 +5,7 @@ raises a subclass of `DuoJaxError` whose message names the problem and the fix. 
 this class, print its message on one line and exit with status 2.
 """
 
+import argparse
 from pathlib import Path
 
 
@@ -43,3 +44,19 @@ def read_user_text(path, error: type[DuoJaxError] = DuoJaxError, hint: str = "")
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}){hint}") from None
+
+
+def integer_argument(what: str, minimum: int, maximum: int | None = None):
+    """An argparse type: an integer in [minimum, maximum] (no maximum: at least `minimum`), checked as the command
+    line is parsed (before any model loads); anything else is argparse's error: must be `what`, got the text."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse

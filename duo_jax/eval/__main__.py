@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from duo_jax.errors import DuoJaxError
+from duo_jax.errors import DuoJaxError, integer_argument
 from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, check_max_length
 from duo_jax.eval.longbench_metrics import FUZZY
 from duo_jax.eval.modes import MODES, check_kv_budget, check_kv_dtype_modes
@@ -26,16 +26,8 @@ from duo_jax.eval.ruler import DEFAULT_LENGTHS as RULER_LENGTHS
 from duo_jax.eval.samples import check_decode_last
 from duo_jax.quant import KV_DTYPES
 
-
-def count(text: str) -> int:
-    """An argparse type: an integer >= 1 (lengths, samples, batch sizes), checked before the model loads."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+# lengths, samples, batch sizes, digits, limits, tokens to generate
+count = integer_argument("an integer >= 1", 1)
 
 
 def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -> None:

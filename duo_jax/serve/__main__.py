@@ -8,16 +8,9 @@ import sys
 
 import jax.numpy as jnp
 
+from duo_jax.errors import integer_argument
 
-def port(text: str) -> int:
-    """An argparse type: a TCP port number, 0 to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
-    return value
+port = integer_argument("a port number in [0, 65535]", 0, 65535)
 
 
 def main(argv=None) -> int:
