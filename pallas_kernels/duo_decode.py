@@ -224,34 +224,11 @@ def duo_decode_attention(
     batch, num_heads, head_dim = q.shape
     paged = block_tables is not None
     num_retrieval = k.shape[0] if paged else k.shape[2]
-    size, num_streaming = ring_k.shape[1], ring_k.shape[2]
-    if num_retrieval == 0 or num_streaming == 0:
-        raise ValueError(
-            "duo_decode_attention needs retrieval and streaming heads; with one kind, use "
-            "decode_attention (retrieval) or flash_attention with k_positions (streaming)"
-        )
-    if paged:
-        check_paged(q[:, : num_retrieval * (num_heads // (num_retrieval + num_streaming))], k, v, block_tables)
-    pairs = {"ring_k / ring_v": (ring_k, ring_v)} if paged else {"k / v": (k, v), "ring_k / ring_v": (ring_k, ring_v)}
-    for name, (key, value) in pairs.items():
-        if key.ndim != 4 or value.shape != key.shape or key.shape[0] != batch or key.shape[3] != head_dim:
-            raise ValueError(
-                f"{name} must both be [B={batch}, slots, heads, D={head_dim}], got {key.shape} and {value.shape}"
-            )
-    num_kv_heads = num_retrieval + num_streaming
-    new_heads = num_streaming if kv_order is None else num_kv_heads
-    if k_new.shape != (batch, new_heads, head_dim) or v_new.shape != k_new.shape:
-        raise ValueError(
-            f"k_new / v_new must be [B, {'K_s' if kv_order is None else 'K'}, D] = {(batch, new_heads, head_dim)}, "
-            f"got {k_new.shape} and {v_new.shape}"
-        )
-    if cache_slots is not None and kv_order is None:
-        raise ValueError("cache_slots needs kv_order (the retrieval heads' rows of k_new / v_new)")
-    if kv_order is not None and sorted(kv_order) != list(range(num_kv_heads)):
-        raise ValueError(f"kv_order must list the {num_kv_heads} KV heads once each, got {kv_order}")
-    order = tuple(range(num_kv_heads)) if kv_order is None else tuple(kv_order)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    size = ring_k.shape[1]
+    order = check_arguments(
+        q, k, v, ring_k, ring_v, k_new, v_new, kv_order=kv_order, cache_slots=cache_slots, block_tables=block_tables
+    )
+    num_kv_heads = len(order)
     ring_tile = _common.exact_block(size)
     if ring_tile is None:
         raise ValueError(f"a ring of {size} slots has no power-of-two key block >= 16 (use the separate kernels)")
@@ -346,6 +323,42 @@ def duo_decode_attention(
     )
     out = _merge(o, m, l, items, num_heads // num_kv_heads, q_dtype)
     return (out, *written) if written else out
+
+
+def check_arguments(q, k, v, ring_k, ring_v, k_new, v_new, *, kv_order, cache_slots, block_tables=None):
+    """`duo_decode_attention`'s shape checks (the Mosaic GPU kernel's too), each with a message naming the
+    argument; returns the model's KV heads in the caches' order."""
+    batch, num_heads, head_dim = q.shape
+    paged = block_tables is not None
+    num_retrieval = k.shape[0] if paged else k.shape[2]
+    num_streaming = ring_k.shape[2]
+    if num_retrieval == 0 or num_streaming == 0:
+        raise ValueError(
+            "duo_decode_attention needs retrieval and streaming heads; with one kind, use "
+            "decode_attention (retrieval) or flash_attention with k_positions (streaming)"
+        )
+    if paged:
+        check_paged(q[:, : num_retrieval * (num_heads // (num_retrieval + num_streaming))], k, v, block_tables)
+    pairs = {"ring_k / ring_v": (ring_k, ring_v)} if paged else {"k / v": (k, v), "ring_k / ring_v": (ring_k, ring_v)}
+    for name, (key, value) in pairs.items():
+        if key.ndim != 4 or value.shape != key.shape or key.shape[0] != batch or key.shape[3] != head_dim:
+            raise ValueError(
+                f"{name} must both be [B={batch}, slots, heads, D={head_dim}], got {key.shape} and {value.shape}"
+            )
+    num_kv_heads = num_retrieval + num_streaming
+    new_heads = num_streaming if kv_order is None else num_kv_heads
+    if k_new.shape != (batch, new_heads, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(
+            f"k_new / v_new must be [B, {'K_s' if kv_order is None else 'K'}, D] = {(batch, new_heads, head_dim)}, "
+            f"got {k_new.shape} and {v_new.shape}"
+        )
+    if cache_slots is not None and kv_order is None:
+        raise ValueError("cache_slots needs kv_order (the retrieval heads' rows of k_new / v_new)")
+    if kv_order is not None and sorted(kv_order) != list(range(num_kv_heads)):
+        raise ValueError(f"kv_order must list the {num_kv_heads} KV heads once each, got {kv_order}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    return tuple(range(num_kv_heads)) if kv_order is None else tuple(kv_order)
 
 
 def _merge(o, m, l, items: WorkItems, group: int, dtype) -> jax.Array:
