@@ -421,9 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--impl",
         default="auto",
-        choices=["auto", "pallas", "cudnn", "xla"],
+        choices=["auto", "pallas", "cudnn", "mosaic", "xla"],
         help="attention implementation (cudnn: dense prefill chunks through cuDNN; pallas: through the Triton "
-        "kernels; auto: cuDNN over caches of 16k keys or more; docs/attention.md)",
+        "kernels; auto: cuDNN over caches of 16k keys or more; mosaic: cudnn, with duo's decode steps in the Pallas "
+        "Mosaic GPU kernel; docs/attention.md)",
     )
     p.add_argument(
         "--batch",

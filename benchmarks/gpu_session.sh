@@ -36,9 +36,10 @@
 #   bash benchmarks/gpu_session.sh notriton OUT  # issue 33's target 5 end to end: prefill and decode at 8k-128k as a
 #                                                # GPU without Triton runs them, beside auto (about 8 minutes)
 #   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 9 minutes, most
-#                                                # informative first: decode without Triton at 8k / 32k with a per-op
-#                                                # profile, decode and one int4 layer with loops as CUDA graphs, the
-#                                                # kernel sweep at 32k, the gate-training step at Llama-3-8B shapes
+#                                                # informative first: the Mosaic GPU duo decode kernel's tests and
+#                                                # decode through it without Triton, decode without Triton through
+#                                                # cuDNN at 8k / 32k with a per-op profile, decode and one int4 layer
+#                                                # with loops as CUDA graphs, the kernel sweep at 32k
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
 #                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
@@ -245,11 +246,17 @@ train8b)
     ;;
 next)
     # What the H200 run of 2026-11-28 left open (BENCHMARKS.md, "Issue 33 on one H200"), most informative first:
-    # where duo's decode without Triton spends its extra 0.5-0.8 ms per step (8k and 32k, a per-op profile whose
-    # per-launch quartiles split cuDNN's retrieval call from the ring's); decode with the loop as one CUDA graph
-    # (the host's share of a step, target 1's margins), and so one int4 layer's decode at 128k without Triton (the
-    # XLA path's tile loop); the Triton kernels' tiles x warps x stages at 32k against
-    # cuDNN (target 4); the gate-training step at Llama-3-8B shapes (never run). One JSON folder per part.
+    # duo's decode step in one Mosaic GPU launch (never run on a GPU: its tests, then decode at 8k and 32k through it
+    # without Triton, profiled); where duo's decode without Triton through cuDNN spends its extra 0.5-0.8 ms per
+    # step (a per-op profile whose per-launch quartiles split cuDNN's retrieval call from the ring's); decode with
+    # the loop as one CUDA graph (the host's share of a step, target 1's margins), and so one int4 layer's decode at
+    # 128k without Triton (the XLA path's tile loop); the Triton kernels' tiles x warps x stages at 32k against
+    # cuDNN (target 4). One JSON folder per part. (The gate-training step at Llama-3-8B shapes: the train8b stage.)
+    part "${MOSAIC_TESTS_S:-60}" $PY -m pytest -m gpu -x -q tests/test_gpu.py -k mosaic 2>&1 \
+        | tee "$out/gpu_tests_mosaic.log" || true
+    ( export DUO_JAX_DISABLE_TRITON=1
+      part "${MOSAIC_S:-80}" $PY benchmarks/gpu_llama8b.py --impl mosaic --contexts 8192 32768 --max-prefill 0 \
+          --decode-steps 16 --profile --out "$out/profile_mosaic" 2>&1 | tee "$out/profile_mosaic.log" ) || true
     # (with the decode loop's optimized HLO: which ops of a layer run as separate launches)
     ( export DUO_JAX_DISABLE_TRITON=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode"
       part "${PROFILE_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
@@ -273,8 +280,6 @@ next)
     same_tokens "$out" int4_layer_notriton_default int4_layer_notriton_while_graph
     part "${SWEEP_S:-100}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
         --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
-    part "${TRAIN_S:-130}" $PY benchmarks/train_step.py --model llama3-8b --seq-len 32768 --steps 3 --out "$out" 2>&1 \
-        | tee "$out/train_step.log" || true
     archive=$(mktemp -d)/next.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;

@@ -5,11 +5,12 @@ heads' Λ mask, forward and backward), `decode_attention` (split-K, one query pe
 and `duo_prefill_attention` (both DuoAttention partitions of a decode step, or of a prefill chunk, in one launch),
 and `paged_decode_attention` / `paged_flash_attention` (pages read through block tables); all but the first two
 are forward only. `reference`
-holds dense jnp versions, `tpu` the same kernels for TPU (Mosaic), `cpu` causal flash attention in C++ for CPU.
+holds dense jnp versions, `tpu` the same kernels for TPU (Mosaic), `mosaic_gpu` DuoAttention's decode step in Pallas
+Mosaic GPU (Hopper, where Pallas has no Triton backend), `cpu` causal flash attention in C++ for CPU.
 Design: docs/kernels.md.
 """
 
-from pallas_kernels import cpu, duo_decode, duo_prefill, reference, tpu
+from pallas_kernels import cpu, duo_decode, duo_prefill, mosaic_gpu, reference, tpu
 from pallas_kernels._common import check_block, check_qkv, check_window
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.duo_decode import duo_decode_attention
@@ -32,6 +33,7 @@ __all__ = [
     "flash_attention",
     "lambda_attention",
     "lambda_visited_blocks",
+    "mosaic_gpu",
     "paged_decode_attention",
     "paged_flash_attention",
     "reference",

@@ -142,18 +142,20 @@ def test_one_kernel_decode_over_a_ragged_batch(params):
     np.testing.assert_array_less(np.abs(steps["pallas"] - steps["reference"]).max(), 1e-4)
 
 
-def lowered_extend(mask, num_tokens: int, impl: str = "pallas", dtype: str = "float32") -> str:
+def lowered_extend(
+    mask, num_tokens: int, impl: str = "pallas", dtype: str = "float32", config=CONFIG, sink: int = 4, recent: int = 12
+) -> str:
     """The engine's step for DuoAttention with retrieval `mask` (None: full) over `num_tokens` new tokens per
     sequence (1: decode; more: a prefill chunk), with the engine's weights on a GPU, exported for CUDA."""
     from duo_jax.engine import _abstract_params
     from tests.test_backend import cuda_module
 
-    params = _abstract_params(CONFIG, dtype, fused_qkv=True)
+    params = _abstract_params(config, dtype, fused_qkv=True)
     ints, tokens = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, num_tokens), jnp.int32)
-    method = DuoAttention(make_layout(CONFIG, mask, sink=4, recent=12, context=256))
+    method = DuoAttention(make_layout(config, mask, sink=sink, recent=recent, context=256))
     cache = jax.eval_shape(lambda: method.init_cache(1, dtype))
     return cuda_module(
-        lambda p, c, l, t, n: extend(p, c, l, t, n, config=CONFIG, method=method, impl=impl),
+        lambda p, c, l, t, n: extend(p, c, l, t, n, config=config, method=method, impl=impl),
         params,
         cache,
         ints,
@@ -184,6 +186,63 @@ def test_steps_lowered_for_cuda_without_triton_attend_only_through_cudnn(monkeyp
             ]
     assert counts == {("duo", 1): [6, 0, 0], ("duo", 64): [12, 0, 0], ("full", 1): [4, 0, 0], ("full", 64): [8, 0, 0]}
     assert executed(lowered_extend(MIXED, 64, impl="xla", dtype="bfloat16"), "stablehlo.while") > 0  # the check bites
+
+
+def test_decode_step_lowered_for_cuda_through_mosaic_gpu(monkeypatch):
+    """impl="mosaic" on a GPU without Pallas's Triton backend (bf16, head dim 64): each mixed layer's decode attention
+    is one Mosaic GPU launch over both partitions, which routes the heads itself (no gather of the queries or the
+    output), and the one-kind layers' a cuDNN call each."""
+    from jax._src.cudnn import fused_attention_stablehlo as binding
+
+    from duo_jax.attention import dispatch
+    from tests.test_backend import executed
+
+    monkeypatch.setattr(binding, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(dispatch, "_without_cudnn", lambda impl: "xla")  # no Triton
+    config = tiny_config(num_layers=4, head_dim=64)
+    counts = {}
+    for impl in ("mosaic", "cudnn"):
+        module = lowered_extend(MIXED, 1, impl=impl, dtype="bfloat16", config=config, sink=16, recent=48)
+        counts[impl] = [
+            executed(module, op)
+            for op in ("custom_call @mosaic_gpu_v2", "custom_call @__cudnn$fmhaSoftmax", "stablehlo.gather")
+        ]
+    assert counts["mosaic"][:2] == [2, 2] and counts["cudnn"][:2] == [0, 6]
+    assert counts["mosaic"][2] < counts["cudnn"][2]  # the queries' and outputs' head gathers are gone
+
+
+def test_mosaic_gpu_decode_in_the_engine_matches_the_reference(monkeypatch):
+    """One bf16 decode step with impl="mosaic" as a GPU runs it, the Mosaic GPU kernel in its interpreter (the mixed
+    layers' attention; the engine writes the caches around it), against the dense reference from the same cache.
+    Tolerance: the two differ by 1.9% of the largest logit; with the kernel's heads routed in reverse, by 80%."""
+    import pallas_kernels.mosaic_gpu
+    from duo_jax.engine import Engine
+    from pallas_kernels import _backend
+    from tests.mosaic_gpu_interpret import installed
+
+    config = tiny_config(num_layers=4, head_dim=64)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), duo_jax.init_params(config, jax.random.key(0), scale=0.2))
+    method = DuoAttention(make_layout(config, MIXED, sink=16, recent=48, context=128))
+    engine = Engine(params, config)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 80)).astype(np.int32)
+    _, cache, lengths = engine.prefill(method, tokens, np.asarray([80, 23]), chunk=32, impl="xla")
+
+    def step(impl):
+        out = engine.step(method, jax.tree.map(jnp.copy, cache), lengths, jnp.asarray([3, 4]), impl=impl)
+        return np.asarray(out[0])
+
+    reference = step("reference")
+    calls, kernel = [], pallas_kernels.mosaic_gpu.duo_decode_attention
+    with installed() as interpret:
+        monkeypatch.setattr(_backend, "on_gpu", lambda: True)
+        monkeypatch.setattr(
+            pallas_kernels.mosaic_gpu,
+            "duo_decode_attention",
+            lambda *a, **k: calls.append(1) or kernel(*a, interpret=interpret, **k),
+        )
+        mosaic = step("mosaic")
+    assert len(calls) == 2  # the two mixed layers
+    assert np.abs(mosaic - reference).max() <= 0.1 * np.abs(reference).max()
 
 
 def test_decode_step_lowered_for_cuda_has_one_kernel_per_layer():

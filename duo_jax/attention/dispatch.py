@@ -63,7 +63,8 @@ def resolve_impl(impl: str) -> str:
     """Maps "auto" to "pallas" on GPU (or, where Triton does not work, "cudnn" where cuDNN attention does, else
     "xla"), "mosaic" on TPU, "cpu" on CPU (or "xla" where the C++ kernel cannot be built) and "xla" elsewhere.
     "cudnn": dense prefill chunks through cuDNN (`duo_jax.attention.cudnn`), everything else as "pallas" where
-    Triton works, else decode steps, paged caches and Λ through cuDNN too and the rest on the XLA path."""
+    Triton works, else decode steps, paged caches and Λ through cuDNN too and the rest on the XLA path. "mosaic" on
+    a GPU is "cudnn" apart from DuoAttention's decode step, which `duo_decode` serves in a Mosaic GPU kernel."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
     backend = pallas_backend()  # the device's, or the platform being lowered for (`lowering_for`)
@@ -73,6 +74,8 @@ def resolve_impl(impl: str) -> str:
         if impl != "auto"
         else ("pallas" if on_gpu else "mosaic" if backend == "tpu" else "cpu" if backend == "cpu" else "xla")
     )
+    if resolved == "mosaic" and on_gpu:
+        resolved = "cudnn"
     if resolved == "cudnn" and not _backend.exporting():
         reason = None if on_gpu else f"it runs on an NVIDIA GPU, not on {backend}"
         reason = reason or cudnn.unavailable()
@@ -356,8 +359,8 @@ def duo_decode(
     v_new: jax.Array,
     *,
     kv_order: tuple[int, ...],
-    ring_slots: jax.Array,
-    cache_slots: jax.Array,
+    ring_slots: jax.Array | None = None,
+    cache_slots: jax.Array | None = None,
     impl: Impl = "auto",
     scale: float | None = None,
 ) -> tuple[jax.Array, ...] | None:
@@ -368,12 +371,19 @@ def duo_decode(
     there: not kept); the ring ring_k / ring_v [B, S, K - n, E], slots j < ring_lengths [B] seen plus the new token,
     which the kernel writes at ring_slots [B] after reading the ring (S or more: not kept); `kv_order`, the model's
     KV heads in the caches' order (the layer's `CacheLayout.kv_order`): the kernel routes each head to its cache, so
-    nothing is gathered around it. The caches are updated in place (outputs aliased to them). Returns (output [B, 1,
-    H, E] in the model's head order, ring k, ring v, cache k, cache v) (pools when paged), or None where no kernel
-    serves it ("pallas", or "cudnn" where Triton works; bf16 / fp32 values, both partitions non-empty, a ring tiled
-    by a power-of-two block, pages of a power-of-two size): the caller then writes the caches and attends each
-    partition with `attend`. The new token counts on every row, so a padding row's output (never read) differs from
-    `attend`'s."""
+    nothing is gathered around it. The caches are updated in place (outputs aliased to them). Without the slots the
+    kernel writes neither cache: the retrieval cache then already holds the new token (keys j < lengths), and the
+    caller writes the ring. Returns (output [B, 1, H, E] in the model's head order, ring k, ring v, cache k, cache
+    v) (pools when paged), or None where no kernel serves it: the caller then writes the caches and attends each
+    partition with `attend`. The kernels: Triton's ("pallas", or "cudnn" where Triton works; bf16 / fp32 values,
+    both partitions non-empty, a ring tiled by a power-of-two block, pages of a power-of-two size), or with
+    impl="mosaic" on a GPU and no slots, Pallas Mosaic GPU's (`_mosaic_gpu_decode`). The new token counts on every
+    row, so a padding row's output (never read) differs from `attend`'s."""
+    if impl == "mosaic":
+        if ring_slots is not None or cache_slots is not None:
+            return None  # the Mosaic GPU kernel writes no cache
+        out = _mosaic_gpu_decode(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new, kv_order=kv_order)
+        return None if out is None else (out, ring_k, ring_v, k, v)
     paged = isinstance(k, PagedKV) and isinstance(v, PagedKV)
     if paged and k.page_size & (k.page_size - 1) == 0:
         retrieval = dict(k=k.pages, v=v.pages, block_tables=k.block_tables)
@@ -406,7 +416,45 @@ def duo_decode(
         num_splits=decode_splits(q.shape[0], k.shape[2]),
         **retrieval,
     )
+    if ring_slots is None and cache_slots is None:
+        return out[:, None], ring_k, ring_v, k, v
     return (out[0][:, None], *out[1:])
+
+
+def _mosaic_gpu_decode(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new, *, kv_order):
+    """`duo_decode` without slots in the Pallas Mosaic GPU kernel (`pallas_kernels.mosaic_gpu`): the output [B, 1, H,
+    E], or None where it does not serve the step (not a GPU, one kind of head, quantized or paged caches, values
+    other than bf16 / fp16, a head dim not a multiple of 64, more than 64 query heads per KV head, a ring or a cache
+    not a multiple of 64 slots)."""
+    arrays = (k, v, ring_k, ring_v)
+    if (
+        not _backend.on_gpu()
+        or q.shape[1] != 1
+        or any(isinstance(x, (QuantizedKV, PagedKV)) for x in arrays)
+        or not k.shape[2]
+        or not ring_k.shape[2]
+        or any(x.dtype != q.dtype for x in arrays)
+        or q.dtype not in (jnp.bfloat16, jnp.float16)
+        or q.shape[-1] % 64
+        or q.shape[2] // len(kv_order) > pallas_kernels.mosaic_gpu.ROWS
+        or ring_k.shape[1] % 64
+        or k.shape[1] % 64
+    ):
+        return None
+    out = pallas_kernels.mosaic_gpu.duo_decode_attention(
+        q[:, 0],
+        k,
+        v,
+        lengths,
+        ring_k,
+        ring_v,
+        ring_lengths,
+        k_new[:, 0].astype(q.dtype),
+        v_new[:, 0].astype(q.dtype),
+        kv_order=tuple(kv_order),
+        num_splits=decode_splits(q.shape[0], k.shape[2]),
+    )
+    return out[:, None]
 
 
 def duo_prefill(

@@ -237,26 +237,33 @@ class DuoAttention(Method):
             impl=step.impl,
         )
 
-    def decode_in_one_kernel(self, layer, q, k, v, retrieval_k, retrieval_v, streaming_k, streaming_v, step, shared):
-        """A decode step's attention and both caches' writes in `attention.duo_decode`'s one launch, the new
-        token's q / k / v in the model's head order and the caches as they were before it: (output, ring k, ring
-        v, retrieval k, retrieval v), or None where the kernel does not serve the step."""
+    def decode_in_one_kernel(
+        self, layer, q, k, v, retrieval_k, retrieval_v, streaming_k, streaming_v, step, shared, *, written=False
+    ):
+        """A decode step's attention in `attention.duo_decode`'s one launch, the new token's q / k / v in the model's
+        head order: with the caches as they were before it, the kernel writes both (output, ring k, ring v,
+        retrieval k, retrieval v); `written`, the retrieval cache already holds the new token and the caller writes
+        the ring (a kernel that writes no cache: impl="mosaic"). None where no kernel serves the step."""
         if not (step.is_decode and step.mesh is None and step.sliding_window is None):
             return None
+        slots = (
+            {}
+            if written
+            else dict(ring_slots=shared.window.write_slots[:, 0], cache_slots=shared.retrieval_slots[:, 0])
+        )
         return attention.duo_decode(
             q,
             retrieval_k,
             retrieval_v,
-            step.lengths,
+            step.new_lengths if written else step.lengths,
             streaming_k,
             streaming_v,
             jnp.minimum(step.lengths, self.layout.sink + self.layout.recent),
             k,
             v,
             kv_order=self.kv_order(layer),
-            ring_slots=shared.window.write_slots[:, 0],
-            cache_slots=shared.retrieval_slots[:, 0],
             impl=step.impl,
+            **slots,
         )
 
     def attend(self, layer, q, k, v, cache: DuoLayerCache, step: Step, shared: DuoShared):
@@ -289,6 +296,11 @@ class DuoAttention(Method):
             out = self.prefill_in_one_kernel(
                 layer, q, rk, rv, ks, vs, cache.streaming_k, cache.streaming_v, step, shared
             )
+            if out is None:
+                served = self.decode_in_one_kernel(
+                    layer, q, k, v, rk, rv, cache.streaming_k, cache.streaming_v, step, shared, written=True
+                )
+                out = None if served is None else served[0]
             if out is not None:
                 sk, sv = cache.streaming_k, cache.streaming_v
                 sk, sv = shared.window.write(as_stored(ks, sk), as_stored(vs, sv), sk, sv)

@@ -106,7 +106,7 @@ def _kernel(
             plgpu.barrier_wait(k_barriers.at[slot])
 
             def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot, pl.ds(0, size)], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, pl.ds(0, size)].transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((ROWS, size), jnp.float32)) * (scale * LOG2E)
@@ -178,7 +178,7 @@ def duo_decode_attention(
       q: [B, Hq, D] in the model's head order, G = Hq / K query heads per KV head (G <= 64).
       k, v: [B, C, n, D] the retrieval heads' cache, the new token written; C a multiple of `block_k`.
       lengths: int32 [B]; the retrieval heads see keys j < lengths[b].
-      ring_k, ring_v: [B, S, K - n, D] the streaming heads' ring (S a multiple of 8).
+      ring_k, ring_v: [B, S, K - n, D] the streaming heads' ring (S a multiple of 64).
       ring_lengths: int32 [B]; the streaming heads see ring slots j < ring_lengths[b] and the new token.
       k_new, v_new: [B, K, D] the new token's keys and values on every KV head, the model's order (the streaming
         heads' rows are read).
@@ -199,9 +199,9 @@ def duo_decode_attention(
         raise ValueError(f"q and the caches must be bf16 or fp16 alike, got {q.dtype}, {k.dtype}, {ring_k.dtype}")
     if head_dim % 64 or group > ROWS:
         raise ValueError(f"head dim {head_dim} is not a multiple of 64, or {group} > {ROWS} query heads per KV head")
-    ring_block = next((t for t in (64, 32, 16, 8) if size % t == 0), None)
+    ring_block = next((t for t in (128, 64) if size % t == 0), None)  # P V's wgmma: a multiple of 64 keys
     if ring_block is None:
-        raise ValueError(f"a ring of {size} slots is not a multiple of 8")
+        raise ValueError(f"a ring of {size} slots is not a multiple of 64")
     if block_k not in (64, 128) or k.shape[1] % block_k:
         raise ValueError(f"block_k={block_k} must be 64 or 128 and divide the cache's {k.shape[1]} slots")
     scale = _common.default_scale(head_dim, scale)
