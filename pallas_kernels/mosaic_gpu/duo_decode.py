@@ -135,7 +135,7 @@ def _kernel(
         stat_smem[0] = m * (1.0 / LOG2E)  # natural log units, as `_merge` takes them
         stat_smem[1] = l
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, w, 0])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, o_ref.shape[3])], o_ref.at[b, w, 0])  # the G real rows
         plgpu.copy_smem_to_gmem(stat_smem.at[0], m_ref.at[b, w])
         plgpu.copy_smem_to_gmem(stat_smem.at[1], l_ref.at[b, w])
         plgpu.wait_smem_to_gmem(0)
@@ -239,7 +239,7 @@ def duo_decode_attention(
     o, m, l = plgpu.kernel(
         kernel,
         out_type=[
-            jax.ShapeDtypeStruct((batch, items.size, 1, ROWS, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, items.size, 1, group, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch, items.size, ROWS), jnp.float32),
             jax.ShapeDtypeStruct((batch, items.size, ROWS), jnp.float32),
         ],
@@ -250,4 +250,4 @@ def duo_decode_attention(
         interpret=interpret,
         kernel_name="duo_decode_attention_mosaic",
     )(lengths, ring_lengths, q_rows, k, v, ring_k, ring_v, k_new, v_new)
-    return _merge(o, m, l, items, group, q.dtype)
+    return _merge(o, m[..., :group], l[..., :group], items, group, q.dtype)
