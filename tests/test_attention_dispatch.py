@@ -160,6 +160,25 @@ def test_auto_falls_back_to_xla_on_a_gpu_without_triton(monkeypatch):
     dispatch._triton_fallback.cache_clear()
 
 
+def test_mosaic_on_a_gpu_needs_hopper(monkeypatch):
+    """impl="mosaic" on a GPU (simulated) is "cudnn" but for DuoAttention's decode step, which runs a Mosaic GPU
+    kernel for Hopper: a device without compute capability 9.0 (this CPU device has none, an A100 has 8.0) is a
+    clear error; exported for a GPU, nothing is checked."""
+    from duo_jax.attention import cudnn, dispatch
+    from duo_jax.errors import BackendError
+    from pallas_kernels import _backend
+
+    monkeypatch.setattr(dispatch, "pallas_backend", lambda: "gpu")
+    monkeypatch.setattr(cudnn, "unavailable", lambda: None)
+    with pytest.raises(BackendError, match="needs 9.0 or more"):
+        attention.resolve_impl("mosaic")
+    monkeypatch.setattr(dispatch, "_not_hopper", lambda: None)
+    assert attention.resolve_impl("mosaic") == "cudnn"
+    monkeypatch.undo()
+    with _backend.lowering_for("gpu"):
+        assert attention.resolve_impl("mosaic") == "cudnn"
+
+
 def test_auto_falls_back_to_cudnn_where_it_runs_and_triton_does_not(monkeypatch):
     """Without Triton but with cuDNN attention (both simulated), "auto" takes "cudnn": prefill chunks and decode
     steps of 16-bit values through cuDNN, the rest (here a ring's keys at explicit positions) on the XLA path, and

@@ -75,6 +75,10 @@ def resolve_impl(impl: str) -> str:
         else ("pallas" if on_gpu else "mosaic" if backend == "tpu" else "cpu" if backend == "cpu" else "xla")
     )
     if resolved == "mosaic" and on_gpu:
+        if not _backend.exporting() and (reason := _not_hopper()) is not None:
+            raise BackendError(
+                f"impl='mosaic' on a GPU runs a Pallas Mosaic GPU kernel for Hopper: {reason}. Use impl='auto'."
+            )
         resolved = "cudnn"
     if resolved == "cudnn" and not _backend.exporting():
         reason = None if on_gpu else f"it runs on an NVIDIA GPU, not on {backend}"
@@ -91,6 +95,17 @@ def resolve_impl(impl: str) -> str:
         if not pallas_kernels.cpu.available():
             return _cpu_fallback(pallas_kernels.cpu.unavailable(), forced=impl == "cpu")
     return resolved
+
+
+def _not_hopper() -> str | None:
+    """Why the GPU cannot run the Mosaic GPU kernel (`wgmma` and TMA need compute capability 9.0 or more), or None."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        if capability is not None and float(capability) >= 9.0:
+            return None
+    except ValueError:
+        pass
+    return f"this {jax.devices()[0].device_kind} has compute capability {capability}, and it needs 9.0 or more"
 
 
 @functools.cache
