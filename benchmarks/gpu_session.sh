@@ -270,13 +270,16 @@ next)
     same_tokens "$out" decode_default decode_while_graph
     # the XLA path's decode over int4 codes (no Triton) ran at 30% of its roofline at 128k, its 32k-slot tiles one
     # loop trip each, each trip a predicate read back to the host: the same layer with loops as CUDA graphs
+    # (the default run dumps its decode loop's optimized HLO: whether a tile's dequantization fuses into its dots)
     for run in default while_graph; do
         ( export DUO_JAX_DISABLE_TRITON=1
-          if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; fi
+          if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+          else export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo_int4 --xla_dump_hlo_module_re=jit_decode"; fi
           part "${QUANT_LAYER_S:-40}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
               --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 \
               --out "$out/int4_layer_notriton_$run" 2>&1 | tee "$out/int4_layer_notriton_$run.log" ) || true
     done
+    find "$out/hlo_int4" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
     same_tokens "$out" int4_layer_notriton_default int4_layer_notriton_while_graph
     part "${SWEEP_S:-100}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
         --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
