@@ -252,7 +252,7 @@ next)
     # the loop as one CUDA graph (the host's share of a step, target 1's margins), and so one int4 layer's decode at
     # 128k without Triton (the XLA path's tile loop); the Triton kernels' tiles x warps x stages at 32k against
     # cuDNN (target 4). One JSON folder per part. (The gate-training step at Llama-3-8B shapes: the train8b stage.)
-    part "${MOSAIC_TESTS_S:-60}" $PY -m pytest -m gpu -x -q tests/test_gpu.py -k mosaic 2>&1 \
+    part "${MOSAIC_TESTS_S:-75}" $PY -m pytest -m gpu -x -q tests/test_gpu.py -k mosaic 2>&1 \
         | tee "$out/gpu_tests_mosaic.log" || true
     ( export DUO_JAX_DISABLE_TRITON=1
       part "${MOSAIC_S:-80}" $PY benchmarks/gpu_llama8b.py --impl mosaic --contexts 8192 32768 --max-prefill 0 \
@@ -261,6 +261,7 @@ next)
     ( export DUO_JAX_DISABLE_TRITON=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode"
       part "${PROFILE_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
           --profile --out "$out/profile_notriton" 2>&1 | tee "$out/profile_notriton.log" ) || true
+    same_tokens "$out" profile_mosaic profile_notriton  # the Mosaic GPU kernel against the cuDNN path
     find "$out/hlo" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
     for run in default while_graph; do
         ( if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; fi
@@ -281,7 +282,7 @@ next)
     done
     find "$out/hlo_int4" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
     same_tokens "$out" int4_layer_notriton_default int4_layer_notriton_while_graph
-    part "${SWEEP_S:-100}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
+    part "${SWEEP_S:-90}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
         --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
     archive=$(mktemp -d)/next.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
