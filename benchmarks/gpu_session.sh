@@ -34,7 +34,8 @@
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens, under
 #                                                # auto, pallas and as a GPU without Triton (DUO_JAX_DISABLE_TRITON)
 #   bash benchmarks/gpu_session.sh notriton OUT  # issue 33's target 5 end to end: prefill and decode at 8k-128k as a
-#                                                # GPU without Triton runs them, beside auto (about 8 minutes)
+#                                                # GPU without Triton runs them, beside auto, then decode with
+#                                                # --impl mosaic (about 9 minutes)
 #   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 9 minutes, most
 #                                                # informative first: the Mosaic GPU duo decode kernel's tests and
 #                                                # decode through it without Triton, decode without Triton through
@@ -296,6 +297,10 @@ notriton)
           part "${NOTRITON_S:-240}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 131072 --max-prefill 131072 \
               --prefill-repeats 1 --decode-steps 16 --out "$out/$run" 2>&1 | tee "$out/gpu_llama8b_$run.log" ) || true
     done
+    # and decode with duo's step in the Mosaic GPU kernel (prefill is the notriton run's)
+    ( export DUO_JAX_DISABLE_TRITON=1
+      part "${MOSAIC_S:-90}" $PY benchmarks/gpu_llama8b.py --impl mosaic --contexts 8192 32768 131072 --max-prefill 0 \
+          --decode-steps 16 --out "$out/mosaic" 2>&1 | tee "$out/gpu_llama8b_mosaic.log" ) || true
     ;;
 *)
     echo "unknown stage $stage (check, decode, prefill, graphs, layer, chunks, serving, llama8b, quantized, gates, methods, train8b or sweep)" >&2
