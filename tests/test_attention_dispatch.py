@@ -162,16 +162,20 @@ def test_auto_falls_back_to_xla_on_a_gpu_without_triton(monkeypatch):
 
 def test_mosaic_on_a_gpu_needs_hopper(monkeypatch):
     """impl="mosaic" on a GPU (simulated) is "cudnn" but for DuoAttention's decode step, which runs a Mosaic GPU
-    kernel for Hopper: a device without compute capability 9.0 (this CPU device has none, an A100 has 8.0) is a
-    clear error; exported for a GPU, nothing is checked."""
+    kernel for Hopper: a device without compute capability 9.x (this CPU device has none, an A100 has 8.0, a B200
+    10.0) is a clear error; exported for a GPU, nothing is checked."""
     from duo_jax.attention import cudnn, dispatch
     from duo_jax.errors import BackendError
     from pallas_kernels import _backend
 
     monkeypatch.setattr(dispatch, "pallas_backend", lambda: "gpu")
     monkeypatch.setattr(cudnn, "unavailable", lambda: None)
-    with pytest.raises(BackendError, match="needs 9.0 or more"):
+    with pytest.raises(BackendError, match="not Hopper's 9.x"):
         attention.resolve_impl("mosaic")
+    for capability, hopper in (("8.0", False), ("9.0", True), ("10.0", False)):
+        device = type("Device", (), dict(compute_capability=capability, device_kind="GPU"))()
+        monkeypatch.setattr(jax, "devices", lambda: [device])
+        assert (dispatch._not_hopper() is None) == hopper
     monkeypatch.setattr(dispatch, "_not_hopper", lambda: None)
     assert attention.resolve_impl("mosaic") == "cudnn"
     monkeypatch.undo()

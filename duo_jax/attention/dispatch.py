@@ -98,14 +98,14 @@ def resolve_impl(impl: str) -> str:
 
 
 def _not_hopper() -> str | None:
-    """Why the GPU cannot run the Mosaic GPU kernel (`wgmma` and TMA need compute capability 9.0 or more), or None."""
+    """Why the GPU cannot run the Mosaic GPU kernel (its `wgmma` is Hopper's, compute capability 9.x), or None."""
     capability = getattr(jax.devices()[0], "compute_capability", None)
     try:
-        if capability is not None and float(capability) >= 9.0:
+        if capability is not None and 9.0 <= float(capability) < 10.0:
             return None
     except ValueError:
         pass
-    return f"this {jax.devices()[0].device_kind} has compute capability {capability}, and it needs 9.0 or more"
+    return f"this {jax.devices()[0].device_kind} has compute capability {capability}, not Hopper's 9.x"
 
 
 @functools.cache
