@@ -101,15 +101,20 @@ def test_bad_windows_are_clear_errors():
         make_layout(tiny_config(), None, sink=-1, recent=8, context=10)
 
 
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "as_on_a_gpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_contiguous_write_matches_numpy(dtype):
+def test_contiguous_write_matches_numpy(dtype, on_gpu, monkeypatch):
     """`write_run` (the in-place write of a contiguous cache) against a numpy write, token by token: ragged
-    n_valid, a window clamped at the end of the cache, tokens past the capacity dropped, T > S. (A quantized
-    cache's codes and scales go through the same function: tests/test_quantized_cache.py.)"""
+    n_valid, a window clamped at the end of the cache, tokens past the capacity dropped, T > S, and decode steps
+    (T = 1: a token, no token, a slot past the capacity), also as on a GPU, where a batched decode step is one
+    scatter. (A quantized cache's codes and scales go through the same function: tests/test_quantized_cache.py.)"""
+    from duo_jax.methods import base
     from duo_jax.methods.base import write_run
 
+    monkeypatch.setattr(base, "on_gpu", lambda: on_gpu)
     rng = np.random.default_rng(0)
-    for S, T, start, n_valid in [(16, 8, [12, 3], [4, 8]), (16, 8, [14, 9], [8, 0]), (4, 8, [1, 0], [5, 3])]:
+    cases = [(16, 8, [12, 3], [4, 8]), (16, 8, [14, 9], [8, 0]), (4, 8, [1, 0], [5, 3]), (16, 1, [5, 15], [1, 1])]
+    for S, T, start, n_valid in cases + [(16, 1, [0, 16], [0, 1])]:
         cache = jnp.asarray(rng.standard_normal((2, S, 3, 8)), dtype)
         new_in = jnp.asarray(rng.standard_normal((2, T, 3, 8)), dtype)
         old, new = np.asarray(cache, np.float32), np.asarray(new_in, np.float32)
@@ -118,8 +123,27 @@ def test_contiguous_write_matches_numpy(dtype):
             for t in range(n_valid[b]):
                 if start[b] + t < S:
                     expected[b, start[b] + t] = new[b, t]
-        out = jax.jit(write_run)(cache, jnp.asarray(start, jnp.int32), new_in, jnp.asarray(n_valid, jnp.int32))
+        write = jax.jit(lambda *a: write_run(*a))  # traced anew: `on_gpu` is read when tracing
+        out = write(cache, jnp.asarray(start, jnp.int32), new_in, jnp.asarray(n_valid, jnp.int32))
         np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
+
+
+def test_batched_decode_write_lowered_for_cuda_is_one_scatter():
+    """A decode step's write of 4 sequences' tokens, exported for CUDA: one scatter, not a dynamic-update-slice
+    per sequence (each its own launch on a GPU); on CPU, 4 in-place windows."""
+    from duo_jax.methods.base import write_run
+    from tests.test_backend import cuda_module, executed
+
+    args = (
+        jax.ShapeDtypeStruct((4, 64, 2, 16), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((4, 1, 2, 16), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+    module = cuda_module(lambda *a: write_run(*a), *args)
+    assert [executed(module, op) for op in ("stablehlo.scatter", "stablehlo.dynamic_update_slice")] == [1, 0]
+    cpu = jax.jit(lambda *a: write_run(*a)).lower(*args).as_text()
+    assert [executed(cpu, op) for op in ("stablehlo.scatter", "stablehlo.dynamic_update_slice")] == [0, 4]
 
 
 @pytest.mark.slow

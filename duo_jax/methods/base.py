@@ -19,6 +19,7 @@ import numpy as np
 from duo_jax.attention import MaskSpec
 from duo_jax.errors import DuoJaxError
 from duo_jax.quant import QuantizedKV, as_stored, kv_rotation, rotate
+from pallas_kernels._backend import on_gpu
 
 if TYPE_CHECKING:
     from duo_jax.config import ModelConfig
@@ -294,12 +295,15 @@ def write_run(cache, start: jax.Array, new: jax.Array, n_valid: jax.Array):
     Each sequence reads the T-slot window it writes into, merges the new tokens in, and writes the window back
     with a `dynamic_update_slice`, which XLA updates in place whatever the dtype; XLA:CPU's bf16 scatter (even
     as uint16 bits) makes a cache-sized copy per layer (temporary memory grows with the capacity).
-    For T > S it falls back to `write_slots`."""
+    For T > S it falls back to `write_slots`, and so does a batched decode step on a GPU: one scatter of a token
+    per sequence, in place, where a window per sequence would be B launches of their own."""
     if isinstance(cache, QuantizedKV):
         new = as_stored(new, cache)
         return jax.tree.map(lambda c, n: write_run(c, start, n, n_valid), cache, new)
     B, T = new.shape[:2]
     S = cache.shape[1]
+    if T == 1 and B > 1 and on_gpu():
+        return write_slots(cache, jnp.where(n_valid > 0, start, S)[:, None], new)
     if T > S:
         slots = start[:, None] + jnp.arange(T, dtype=jnp.int32)
         return write_slots(cache, jnp.where(jnp.arange(T)[None, :] < n_valid[:, None], slots, S), new)
