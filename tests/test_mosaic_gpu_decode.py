@@ -16,9 +16,10 @@ from tests.test_duo_decode import _inputs, _reference
 CASES = {
     # name: (B, C, S, order, G, D, lengths, ring_lengths, block_k, num_splits, stages)
     # heads routed (retrieval 2 and 0, streaming 4, 1, 3), ragged lengths, an empty sequence, a ring of one tile
+    # (fewer than the stages)
     "routed_ragged": (3, 256, 64, (2, 0, 4, 1, 3), 4, 64, (256, 23, 0), (64, 5, 0), 64, 2, 2),
-    # more splits than a short sequence fills, tiles of 128, a ring of five 64-slot tiles (fewer than the stages)
-    "many_splits": (2, 512, 320, (1, 3, 0, 2), 2, 128, (70, 512), (320, 130), 128, 4, 8),
+    # more splits than a short sequence fills, tiles of 128, a ring of five 64-slot tiles, slots refilled
+    "many_splits": (2, 512, 320, (1, 3, 0, 2), 2, 128, (70, 512), (320, 130), 128, 4, 2),
 }
 
 
@@ -103,5 +104,9 @@ def test_rejects_what_it_cannot_serve():
     for message, args in cases.items():
         with pytest.raises(ValueError, match=message):
             jax.eval_shape(lambda *a: duo_decode_attention(*a, kv_order=order), *args)
+    with pytest.raises(ValueError, match="shared memory"):  # 4 stages of 128-key tiles at head dim 128: 304 KiB
+        jax.eval_shape(
+            lambda *a: duo_decode_attention(*a, kv_order=order, block_k=128), *_abstract(1, 256, 64, 2, 4, 2, 128)
+        )
     with pytest.raises(ValueError, match="kv_order"):
         jax.eval_shape(lambda *a: duo_decode_attention(*a, kv_order=(0, 1, 2, 2)), *good)

@@ -27,6 +27,7 @@ from pallas_kernels.duo_decode import WorkItems, _merge, check_arguments
 
 ROWS = 64  # wgmma's M: the item's G query rows, zero-padded
 LOG2E = math.log2(math.e)
+SMEM_BYTES = 227 * 1024  # shared memory a Hopper block can hold
 
 
 def _kernel(
@@ -199,11 +200,18 @@ def duo_decode_attention(
         raise ValueError(f"q and the caches must be bf16 or fp16 alike, got {q.dtype}, {k.dtype}, {ring_k.dtype}")
     if head_dim % 64 or group > ROWS:
         raise ValueError(f"head dim {head_dim} is not a multiple of 64, or {group} > {ROWS} query heads per KV head")
-    ring_block = next((t for t in (128, 64) if size % t == 0), None)  # P V's wgmma: a multiple of 64 keys
-    if ring_block is None:
-        raise ValueError(f"a ring of {size} slots is not a multiple of 64")
+    ring_block = 64  # P V's wgmma contracts over a multiple of 64 keys
+    if size % ring_block:
+        raise ValueError(f"a ring of {size} slots is not a multiple of {ring_block}")
     if block_k not in (64, 128) or k.shape[1] % block_k:
         raise ValueError(f"block_k={block_k} must be 64 or 128 and divide the cache's {k.shape[1]} slots")
+    tile = max(block_k, ring_block)
+    smem = 2 * stages * tile * head_dim * q.dtype.itemsize + ROWS * head_dim * (q.dtype.itemsize + 4)
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"{stages} stages of {tile}-key tiles at head dim {head_dim} need {smem // 1024} KiB of shared memory, "
+            f"over a Hopper block's {SMEM_BYTES // 1024}: use fewer stages or block_k=64"
+        )
     scale = _common.default_scale(head_dim, scale)
     capacity = k.shape[1]
     blocks_per_split, num_splits = _common.split_blocks(capacity // block_k, num_splits)
@@ -213,7 +221,6 @@ def duo_decode_attention(
     # q as [B, K, ROWS, D] in the model's head order, each KV head's G rows padded
     q_rows = jnp.pad(q.reshape(batch, len(order), group, head_dim), ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    tile = max(block_k, ring_block)
     scratch = [
         plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=swizzled),  # q
         plgpu.SMEM((stages, tile, head_dim), q.dtype, transforms=swizzled),  # key tiles
