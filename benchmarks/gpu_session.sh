@@ -42,6 +42,9 @@
 #                                                # cuDNN at 8k / 32k with a per-op profile, decode and one int4 layer
 #                                                # with loops as CUDA graphs, the kernel sweep at 32k
 #   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
+#   bash benchmarks/gpu_session.sh layer_decode OUT  # one layer's decode attention: duo's Mosaic GPU (per tile /
+#                                                # stage setting) and Triton kernels vs full's cuDNN and Triton
+#                                                # decode, at 8k-128k and batch 8 x 32k (about 3 minutes)
 #   bash benchmarks/gpu_session.sh decode OUT    # issue 33's decode targets in one call of about 8 minutes: the duo
 #                                                # decode kernel's GPU tests, Llama-3-8B decode at 8k-128k with a
 #                                                # per-op profile and the optimized HLO, batch 8 x 32k
@@ -55,7 +58,7 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
 out=${2:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -288,6 +291,14 @@ next)
     archive=$(mktemp -d)/next.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
+layer_decode)
+    # one layer's decode attention alone: the Mosaic GPU kernel at each tile / stage setting and the Triton kernel
+    # against full attention's cuDNN and Triton decode, and each one's share of the bandwidth (about 3 minutes)
+    part "${LAYER_DECODE_S:-120}" $PY benchmarks/duo_decode.py --contexts 8192 32768 131072 --out "$out/one" 2>&1 \
+        | tee "$out/duo_decode.log" || true
+    part "${LAYER_DECODE_BATCH_S:-60}" $PY benchmarks/duo_decode.py --batch 8 --contexts 32768 --out "$out/batch8" \
+        2>&1 | tee "$out/duo_decode_batch8.log" || true
+    ;;
 notriton)
     # target 5 end to end: the model as a GPU without Pallas's Triton backend runs it (DUO_JAX_DISABLE_TRITON=1:
     # cuDNN for prefill chunks, decode steps and the DuoAttention partitions, XLA for the rest), prefill and decode
@@ -303,7 +314,7 @@ notriton)
           --decode-steps 16 --out "$out/mosaic" 2>&1 | tee "$out/gpu_llama8b_mosaic.log" ) || true
     ;;
 *)
-    echo "unknown stage $stage (check, decode, prefill, graphs, layer, chunks, serving, llama8b, quantized, gates, methods, train8b or sweep)" >&2
+    echo "unknown stage $stage (check, next, decode, prefill, graphs, layer, layer_decode, chunks, serving, llama8b, quantized, gates, methods, train8b, notriton or sweep)" >&2
     exit 2
     ;;
 esac

@@ -31,9 +31,17 @@ SCRIPTS = (
     "prefill_profile",
     "cpu_attention",
     "eviction_prefill",
+    "duo_decode",
 )
 
 common = importlib.import_module("common")
+
+
+def test_duo_decode_benchmark_counts_bytes_and_needs_a_gpu(capsys):
+    bench = importlib.import_module("duo_decode")
+    assert bench.bytes_read(2, 1000, 4, 320, duo=False) == 2 * 8 * 1000 * 128 * 2 * 2
+    assert bench.bytes_read(2, 1000, 4, 320, duo=True) == 2 * (4 * 1000 + 4 * 320) * 128 * 2 * 2
+    assert bench.main(["--contexts", "64"]) == 2 and "run it on a GPU" in capsys.readouterr().err
 
 
 def test_ratio():
