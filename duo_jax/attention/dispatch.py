@@ -438,22 +438,16 @@ def duo_decode(
 
 def _mosaic_gpu_decode(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_new, v_new, *, kv_order):
     """`duo_decode` without slots in the Pallas Mosaic GPU kernel (`pallas_kernels.mosaic_gpu`): the output [B, 1, H,
-    E], or None where it does not serve the step (not a GPU, one kind of head, quantized or paged caches, values
-    other than bf16 / fp16, a head dim other than 64 or 128, more than 64 query heads per KV head, a ring or a cache
-    not a multiple of 64 slots)."""
-    arrays = (k, v, ring_k, ring_v)
+    E], or None where it does not serve the step (not a GPU, one kind of head, quantized or paged caches, or what
+    the kernel's `unsupported` names: values other than bf16 / fp16, a head dim whose tiles do not fit shared memory
+    (above 128), more than 64 query heads per KV head, a ring or a cache not a multiple of 64 slots)."""
     if (
         not _backend.on_gpu()
         or q.shape[1] != 1
-        or any(isinstance(x, (QuantizedKV, PagedKV)) for x in arrays)
+        or any(isinstance(x, (QuantizedKV, PagedKV)) for x in (k, v, ring_k, ring_v))
         or not k.shape[2]
         or not ring_k.shape[2]
-        or any(x.dtype != q.dtype for x in arrays)
-        or q.dtype not in (jnp.bfloat16, jnp.float16)
-        or q.shape[-1] not in (64, 128)  # (wider heads: its 4 stages of key tiles would not fit shared memory)
-        or q.shape[2] // len(kv_order) > pallas_kernels.mosaic_gpu.ROWS
-        or ring_k.shape[1] % 64
-        or k.shape[1] % 64
+        or pallas_kernels.mosaic_gpu.unsupported(q, k, v, ring_k, ring_v, kv_order=kv_order) is not None
     ):
         return None
     out = pallas_kernels.mosaic_gpu.duo_decode_attention(

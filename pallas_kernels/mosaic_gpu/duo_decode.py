@@ -28,6 +28,7 @@ from pallas_kernels.duo_decode import WorkItems, _merge, check_arguments
 ROWS = 64  # wgmma's M: the item's G query rows, zero-padded
 LOG2E = math.log2(math.e)
 SMEM_BYTES = 227 * 1024  # shared memory a Hopper block can hold
+RING_BLOCK = 64  # a ring's key tile: P V's wgmma contracts over a multiple of 64 keys
 
 
 def _kernel(
@@ -71,11 +72,13 @@ def _kernel(
     row = functools.partial(lax.broadcast_in_dim, shape=(ROWS, q_smem.shape[1]), broadcast_dimensions=(1,))
     column = functools.partial(lax.broadcast_in_dim, broadcast_dimensions=(0,))
 
+    def per_row(value):  # [ROWS] in the layout of a row statistic (m, l)
+        return plgpu.layout_cast(jnp.full((ROWS,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
     def empty():
         """The carry (acc, m, l) before any key; m in base 2."""
         acc = plgpu.layout_cast(jnp.zeros((ROWS, q_smem.shape[1]), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(jnp.full((ROWS,), _common.MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        return acc, m, plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        return acc, per_row(_common.MASK_VALUE), per_row(0.0)
 
     def new_token():
         """The carry with the new token (k_new / v_new's row of this head) scored."""
@@ -85,8 +88,7 @@ def _kernel(
         q = plgpu.layout_cast(q_smem[...], plgpu.Layout.WGMMA).astype(jnp.float32)
         k_new, v_new = (plgpu.layout_cast(new_smem[i], plgpu.Layout.WGMMA.reduce(0)) for i in (0, 1))
         score = (q * row(k_new.astype(jnp.float32))).sum(axis=1)
-        _, _, l = empty()
-        return row(v_new.astype(jnp.float32)), score * (scale * LOG2E), l + 1.0
+        return row(v_new.astype(jnp.float32)), score * (scale * LOG2E), per_row(1.0)
 
     def attend(keys, values, head_of_cache, first_slot, num_blocks, size, length, carry):
         """The carry over key tiles [first_slot + i * size, ...) of `keys` / `values` (head `head_of_cache`), tiles
@@ -155,6 +157,28 @@ def _kernel(
         finish(carry)
 
 
+def unsupported(q, k, v, ring_k, ring_v, *, kv_order, block_k: int = 64, stages: int = 4) -> str | None:
+    """Why the kernel cannot take these arrays (q [..., Hq, D], the caches) and settings, or None: the one list of
+    its limits, which the kernel raises and the dispatch falls back on."""
+    head_dim, group = q.shape[-1], q.shape[-2] // len(kv_order)
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or any(x.dtype != q.dtype for x in (k, v, ring_k, ring_v)):
+        return f"q and the caches must be bf16 or fp16 alike, got {q.dtype}, {k.dtype}, {ring_k.dtype}"
+    if head_dim % 64 or group > ROWS:
+        return f"head dim {head_dim} is not a multiple of 64, or {group} > {ROWS} query heads per KV head"
+    if ring_k.shape[1] % RING_BLOCK:
+        return f"a ring of {ring_k.shape[1]} slots is not a multiple of {RING_BLOCK}"
+    if block_k not in (64, 128) or k.shape[1] % block_k:
+        return f"block_k={block_k} must be 64 or 128 and divide the cache's {k.shape[1]} slots"
+    tile = max(block_k, RING_BLOCK)
+    smem = 2 * stages * tile * head_dim * q.dtype.itemsize + ROWS * head_dim * (q.dtype.itemsize + 4)
+    if smem > SMEM_BYTES:
+        return (
+            f"{stages} stages of {tile}-key tiles at head dim {head_dim} need {smem // 1024} KiB of shared memory, "
+            f"over a Hopper block's {SMEM_BYTES // 1024}: use fewer stages or block_k=64"
+        )
+    return None
+
+
 def duo_decode_attention(
     q: jax.Array,
     k: jax.Array,
@@ -196,22 +220,10 @@ def duo_decode_attention(
     num_retrieval, size = k.shape[2], ring_k.shape[1]
     order = check_arguments(q, k, v, ring_k, ring_v, k_new, v_new, kv_order=kv_order, cache_slots=None)
     group = num_heads // len(order)
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or ring_k.dtype != q.dtype:
-        raise ValueError(f"q and the caches must be bf16 or fp16 alike, got {q.dtype}, {k.dtype}, {ring_k.dtype}")
-    if head_dim % 64 or group > ROWS:
-        raise ValueError(f"head dim {head_dim} is not a multiple of 64, or {group} > {ROWS} query heads per KV head")
-    ring_block = 64  # P V's wgmma contracts over a multiple of 64 keys
-    if size % ring_block:
-        raise ValueError(f"a ring of {size} slots is not a multiple of {ring_block}")
-    if block_k not in (64, 128) or k.shape[1] % block_k:
-        raise ValueError(f"block_k={block_k} must be 64 or 128 and divide the cache's {k.shape[1]} slots")
-    tile = max(block_k, ring_block)
-    smem = 2 * stages * tile * head_dim * q.dtype.itemsize + ROWS * head_dim * (q.dtype.itemsize + 4)
-    if smem > SMEM_BYTES:
-        raise ValueError(
-            f"{stages} stages of {tile}-key tiles at head dim {head_dim} need {smem // 1024} KiB of shared memory, "
-            f"over a Hopper block's {SMEM_BYTES // 1024}: use fewer stages or block_k=64"
-        )
+    reason = unsupported(q, k, v, ring_k, ring_v, kv_order=order, block_k=block_k, stages=stages)
+    if reason is not None:
+        raise ValueError(reason)
+    tile = max(block_k, RING_BLOCK)
     scale = _common.default_scale(head_dim, scale)
     capacity = k.shape[1]
     blocks_per_split, num_splits = _common.split_blocks(capacity // block_k, num_splits)
@@ -238,8 +250,8 @@ def duo_decode_attention(
         items=items,
         block_k=block_k,
         blocks_per_split=blocks_per_split,
-        ring_block=ring_block,
-        ring_blocks=size // ring_block,
+        ring_block=RING_BLOCK,
+        ring_blocks=size // RING_BLOCK,
         stages=stages,
         scale=scale,
     )
