@@ -4,7 +4,7 @@ with the model's chat template when it ships one (rendered by `duo_jax.chat`).""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from duo_jax.errors import LoadError
@@ -160,6 +160,53 @@ class Tokenizer:
             add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
             chat_template=fields.get("tokenizer.chat_template"),
         )
+
+
+class TextStream:
+    """The text of a growing list of token ids, equal at every step to `decode(ids)`, at a cost per added id
+    that does not grow with the ids before it (decoding them all every step makes a generation's text
+    quadratic in its length: the server's streams and stop strings).
+
+    Only the ids after the last settled point are decoded, with the settled ids since the point before it as
+    context: a decoder may change a sequence's first piece (SentencePiece's drops its leading space), so the new
+    text is the window's decode minus the context's. A point settles when the text up to it ends in a whole
+    character (a UTF-8 character split across ids decodes to U+FFFD until its last byte arrives). Why not
+    `tokenizers.decoders.DecodeStream`: it returns only settled text, while a stop string is matched against
+    the text as `decode` gives it, pending tail included; and any decoder whose window does not extend its
+    context's text gets the whole decode here instead (exact, at the quadratic cost)."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]):
+        self._decode = decode
+        self.ids: list[int] = []
+        self._settled = ""  # decode(ids[:_read])
+        self._tail = ""  # decode(ids)[len(_settled):], a split character's U+FFFD at its end
+        self._context, self._read = 0, 0  # ids[_context:_read]: the context decoded before the new ids
+        self._context_text = ""
+
+    @property
+    def text(self) -> str:
+        return self._settled + self._tail
+
+    @property
+    def settled(self) -> str:
+        """The text up to the last id after which it ended in a whole character (it never changes later)."""
+        return self._settled
+
+    def extend(self, ids: Sequence[int]) -> str:
+        """Add ids; the whole text so far."""
+        self.ids.extend(int(i) for i in ids)
+        window = self._decode(self.ids[self._context :])
+        if window.startswith(self._context_text):
+            self._tail = window[len(self._context_text) :]
+        else:  # the context's text changed with what follows it: decode everything
+            self._tail = self._decode(self.ids) if self._context else window
+            self._settled, self._context, self._read, self._context_text = "", 0, 0, ""
+        if self._tail and not self._tail.endswith("\ufffd"):
+            self._settled += self._tail
+            self._context, self._read = self._read, len(self.ids)
+            self._context_text = self._decode(self.ids[self._context : self._read])
+            self._tail = ""
+        return self.text
 
 
 def require(tokenizer: Tokenizer | None, what: str) -> Tokenizer:

@@ -32,6 +32,7 @@ SCRIPTS = (
     "cpu_attention",
     "eviction_prefill",
     "duo_decode",
+    "detokenize",
 )
 
 common = importlib.import_module("common")

@@ -104,6 +104,41 @@ def test_stops_and_per_request_sampling(setup):
     assert_no_page_leaked(s)
 
 
+@pytest.mark.slow
+def test_stop_strings_end_a_request_at_the_token_that_completes_them(setup):
+    """A stop string ends a request at the first token after which the detokenized text holds it, as decoding
+    all its tokens at every step would find it: stop strings spanning tokens, and characters split across
+    tokens (a piece of a character decodes to U+FFFD until its last byte comes), through a short pool that
+    preempts requests (their text goes on from the tokens they kept)."""
+    method, solo = setup
+    pieces = {i: [b"a", b"b", b"ab", b" ", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"xy"][i % 9] for i in range(128)}
+
+    def detokenize(ids):
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    def first_stop(tokens, stops):
+        return next((i for i in range(1, len(tokens) + 1) if any(x in detokenize(tokens[:i]) for x in stops)), None)
+
+    texts = [detokenize(t) for t in solo]
+    stops = [[t[len(t) // 2 : len(t) // 2 + 2] or "?"] for t in texts]  # from each solo text: all found
+    stops[1] = ["never", "\u20ac" if "\u20ac" in texts[1] else texts[1][-1:]]  # a character split across tokens
+    s = Scheduler(
+        Engine.of(MODEL),
+        paged(method, page_size=4, num_pages=10),
+        slots=3,
+        chunk=CHUNK,
+        impl="xla",
+        detokenize=detokenize,
+    )
+    requests = [s.submit(Request(p, max_tokens=NEW, stop=tuple(x), stop_at_eos=False)) for p, x in zip(PROMPTS, stops)]
+    s.run()
+    assert s.counters["preemptions"] > 0
+    for r, expected, x in zip(requests, solo, stops):
+        end = first_stop(expected, x)
+        assert r.tokens == expected[: end or NEW] and r.finish_reason == ("length" if end is None else "stop")
+    assert_no_page_leaked(s)
+
+
 def test_bad_requests_are_refused(setup):
     method, _ = setup
     s = scheduler(method, num_pages=4)

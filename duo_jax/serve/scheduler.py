@@ -29,6 +29,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.paged import PagedDuo
 from duo_jax.model import check_token_ids
 from duo_jax.sampling import Sampling, check_sampling, sample_rows
+from duo_jax.tokenizer import TextStream
 
 
 class SchedulerClosed(DuoJaxError):
@@ -166,6 +167,7 @@ class Request:
     error: str | None = None  # with finish_reason "error": what failed
     preemptions: int = 0
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+    _text: TextStream | None = dataclasses.field(default=None, init=False, repr=False)  # of `tokens`, for `stop`
 
     @property
     def sequence(self) -> list[int]:
@@ -267,6 +269,8 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the "
                 f"{limit} tokens a sequence can hold"
             )
+        if not all(isinstance(stop, str) and stop for stop in request.stop):
+            raise DuoJaxError(f"stop strings must be non-empty strings, got {request.stop!r}")
         if request.stop and self.detokenize is None:
             raise DuoJaxError("stop strings need a tokenizer: build the Scheduler with detokenize=")
         if self._pages(total - 1) > self.pool.num_pages:
@@ -563,7 +567,7 @@ class Scheduler:
                 and token in self.eos_ids
                 or token in request.stop_ids
                 or request.stop
-                and find_stop(self.detokenize(request.tokens), request.stop)[1]
+                and self._stop_string(request)
             ):
                 reason = "stop"
             elif len(request.tokens) >= request.max_tokens:
@@ -573,6 +577,17 @@ class Scheduler:
             if reason is not None:
                 self._release(b)
                 self._finish(request, reason)
+
+    def _stop_string(self, request: Request) -> bool:
+        """Whether the text of the request's tokens now holds one of its stop strings. The text grows by the
+        new token's (`TextStream`), and only where a stop string could have been completed is searched."""
+        if request._text is None:
+            request._text = TextStream(self.detokenize)
+        stream = request._text
+        settled = stream.settled  # the text searched already, but for a stop string's length of it
+        text = stream.extend(request.tokens[len(stream.ids) :])
+        start = max(len(settled) - max(map(len, request.stop)) + 1, 0) if text.startswith(settled) else 0
+        return any(text.find(stop, start) >= 0 for stop in request.stop)
 
     def run(self) -> None:
         """Step until every submitted request has finished."""

