@@ -15,6 +15,7 @@ from duo_jax.methods.duo import DuoAttention
 from duo_jax.methods.paged import paged
 from duo_jax.sampling import Sampling
 from duo_jax.serve import Request, Scheduler
+from duo_jax.serve.scheduler import SchedulerBusy
 from tests.conftest import tiny_config
 
 CONFIG = tiny_config()
@@ -137,6 +138,22 @@ def test_stop_strings_end_a_request_at_the_token_that_completes_them(setup):
         end = first_stop(expected, x)
         assert r.tokens == expected[: end or NEW] and r.finish_reason == ("length" if end is None else "stop")
     assert_no_page_leaked(s)
+
+
+def test_a_full_queue_refuses_until_it_drains(setup):
+    method, _ = setup
+    with pytest.raises(DuoJaxError, match="max_queued must be positive"):
+        Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=64), slots=3, max_queued=0)
+    s = Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=64), slots=3, chunk=CHUNK, max_queued=2)
+    waiting = [s.submit(Request(p, max_tokens=2, stop_at_eos=False)) for p in PROMPTS[:2]]
+    with pytest.raises(SchedulerBusy, match="2 requests are waiting"):
+        s.submit(Request(PROMPTS[2], max_tokens=2, stop_at_eos=False))
+    assert s.counters["busy"] == 1 and s.num_queued == 2
+    s.step()  # both take a slot
+    assert s.num_queued == 0
+    late = s.submit(Request(PROMPTS[2], max_tokens=2, stop_at_eos=False))
+    s.run()
+    assert all(r.finish_reason == "length" for r in [*waiting, late])
 
 
 def test_bad_requests_are_refused(setup):
@@ -282,3 +299,6 @@ def test_a_pool_memory_that_holds_no_page_is_refused(capsys):
     with pytest.raises(SystemExit):
         serve_main(["--port", "70000"])  # uvicorn started with it before
     assert "--port: must be a port number in [0, 65535], got 70000" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_main(["--max-queued", "0"])
+    assert "--max-queued: must be a positive integer, got 0" in capsys.readouterr().err

@@ -4,6 +4,7 @@ that cannot go on answers 503 at once and calls on_fatal; the security defaults 
 allow-list, body limit read no further than needed); OpenAI's content parts, /v1/models,
 max_completion_tokens and response_format; tokenization off the event loop; one compiled sampler."""
 
+import concurrent.futures
 import json
 import socket
 import threading
@@ -362,6 +363,35 @@ def test_a_scheduler_that_cannot_go_on_refuses_at_once_and_calls_on_fatal(monkey
         assert refused.status_code == 503 and time.monotonic() - start < 5
         assert httpx.get(f"{running.url}/health").status_code == 503
     finally:
+        running.stop()
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_serves_again_once_it_drains(monkeypatch):
+    """With `max_queued` requests waiting (here the scheduler's loop is held back), the next one is a 429 with
+    Retry-After that names the cause, counted in /metrics; the waiting one is served once the loop runs, and
+    so is the refused one sent again."""
+    server = build(warm_up=False)
+    scheduler, gate = server.scheduler, threading.Event()
+    scheduler.max_queued = 1
+    serve_forever = scheduler.serve_forever
+    monkeypatch.setattr(scheduler, "serve_forever", lambda stop, **kw: (gate.wait(), serve_forever(stop, **kw)))
+    running = Running(server.app)
+    body = {"prompt": "queued", "max_tokens": 2}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, f"{running.url}/v1/completions", json=body, timeout=60)
+            while scheduler.num_queued < 1:
+                time.sleep(0.01)
+            refused = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            error = refused.json()["error"]
+            assert error["code"] == "overloaded" and "1 requests are waiting" in error["message"]
+            assert "duo_jax_refused_busy_total 1" in httpx.get(f"{running.url}/metrics").text
+            gate.set()
+            assert first.result().status_code == 200
+        assert httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        gate.set()
         running.stop()
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from duo_jax.errors import integer_argument
 
 port = integer_argument("a port number in [0, 65535]", 0, 65535)
+positive = integer_argument("a positive integer", 1)
 
 
 def main(argv=None) -> int:
@@ -68,6 +69,12 @@ def main(argv=None) -> int:
         help="largest request body accepted (413 beyond, before reading it all)",
     )
     parser.add_argument(
+        "--max-queued",
+        type=positive,
+        default=256,
+        help="requests that may wait for a slot; beyond, a 429 with Retry-After",
+    )
+    parser.add_argument(
         "--no-warm-up", action="store_true", help="report ready at once instead of compiling the serving shapes first"
     )
     args = parser.parse_args(argv)
@@ -109,6 +116,7 @@ def main(argv=None) -> int:
             prefix_cache=not args.no_prefix_cache,
             prefix_snapshots=args.prefix_snapshots,
             detokenize=None if model.tokenizer is None else model.tokenizer.decode,
+            max_queued=args.max_queued,
         )
     except DuoJaxError as e:
         print(f"error: {e}", file=sys.stderr)

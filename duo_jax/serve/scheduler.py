@@ -36,6 +36,10 @@ class SchedulerClosed(DuoJaxError):
     """The scheduler no longer takes requests (shut down, or failed for good); the message says why."""
 
 
+class SchedulerBusy(DuoJaxError):
+    """The scheduler's queue is full (`max_queued` requests wait for a slot): try again later."""
+
+
 class PagePool:
     """The pages of a pool of `num_pages` (indices into every layer's pool): reference counts, the free pages,
     and the registry of full pages by the digest of the tokens up to their end (`page_digests`). A free
@@ -199,7 +203,8 @@ class Scheduler:
     """Continuous batching of `Request`s over `method`'s paged cache with `slots` sequences per step.
     `mixed`: how a step runs prefill beside decode, "split" or "padded" (docs/serving.md). `prefix_cache`: reuse
     shared prompt prefixes (docs/serving.md), keeping at most `prefix_snapshots` streaming-head states;
-    `detokenize(ids) -> str` serves requests' `stop` strings."""
+    `detokenize(ids) -> str` serves requests' `stop` strings. `max_queued`: how many requests may wait for a slot
+    (None: any number); `submit` refuses more with SchedulerBusy."""
 
     def __init__(
         self,
@@ -213,6 +218,7 @@ class Scheduler:
         prefix_cache: bool = True,
         prefix_snapshots: int = 32,
         detokenize: Callable | None = None,
+        max_queued: int | None = None,
     ):
         if not isinstance(method, PagedDuo) or method.num_pages is None:
             raise DuoJaxError(
@@ -223,6 +229,8 @@ class Scheduler:
             raise DuoJaxError(f"slots and chunk must be positive, got {slots}, {chunk}")
         if mixed not in MIXED:
             raise DuoJaxError(f"mixed must be one of {MIXED}, got {mixed!r}")
+        if max_queued is not None and max_queued < 1:
+            raise DuoJaxError(f"max_queued must be positive (or None: no limit), got {max_queued}")
         if prefix_snapshots < 0:
             raise DuoJaxError(f"prefix_snapshots must be >= 0, got {prefix_snapshots}")
         if engine.mesh is not None:
@@ -240,13 +248,14 @@ class Scheduler:
         self._admissions = itertools.count()
         self._tables_changed = True
         self.prefix_cache, self.prefix_snapshots, self.detokenize = prefix_cache, prefix_snapshots, detokenize
+        self.max_queued = max_queued
         self.reuse_unit = math.lcm(method.page_size, chunk)  # a prefix is reused up to a multiple of this
         layout = method.layout
         self._streaming = any(n < layout.num_kv_heads for n in layout.num_retrieval) and layout.streaming_slots > 0
         self.snapshots: collections.OrderedDict[bytes, object] = collections.OrderedDict()  # digest -> rows
         self.cancelled: queue.Queue[Request] = queue.Queue()
-        # requests, finished, cancelled, tokens, prompt_tokens, prefix_tokens, prefix_hits, steps, preemptions,
-        # calls (compiled calls), row_tokens (batch x T of every call)
+        # requests, finished, cancelled, busy (refused: the queue was full), tokens, prompt_tokens, prefix_tokens,
+        # prefix_hits, steps, preemptions, calls (compiled calls), row_tokens (batch x T of every call)
         self.counters = collections.Counter()
         self.closed: str | None = None  # why submit refuses (shut down, or failed for good); None while serving
         self._lock = threading.Lock()
@@ -278,13 +287,21 @@ class Scheduler:
 
     def submit(self, request: Request) -> Request:
         """Queue a request (thread-safe); it runs from the next step on. SchedulerClosed once the scheduler
-        has stopped serving (shut down, or failed for good)."""
+        has stopped serving (shut down, or failed for good); SchedulerBusy while `max_queued` requests wait."""
         self.check(request)
         with self._lock:
             if self.closed is not None:
                 raise SchedulerClosed(self.closed)
+            if self.max_queued is not None and self.num_queued >= self.max_queued:
+                self.counters["busy"] += 1
+                raise SchedulerBusy(f"{self.num_queued} requests are waiting for a slot (the limit); try again later")
             self.inbox.put(request)
         return request
+
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted that wait for a slot (preempted ones included)."""
+        return self.inbox.qsize() + len(self.queue)
 
     def cancel(self, request: Request) -> None:
         """End `request` (thread-safe) before its next step: its pages are freed, `finish_reason` becomes

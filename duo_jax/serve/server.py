@@ -32,7 +32,7 @@ from starlette.routing import Route
 from duo_jax.chat import chat_prompts
 from duo_jax.errors import DuoJaxError
 from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, BadRequest, Parsed, parse
-from duo_jax.serve.scheduler import Request, Scheduler, SchedulerClosed, find_stop
+from duo_jax.serve.scheduler import Request, Scheduler, SchedulerBusy, SchedulerClosed, find_stop
 from duo_jax.tokenizer import TextStream
 
 log = logging.getLogger("duo_jax.serve")
@@ -55,6 +55,7 @@ def _error(
 
 
 QUIET_S = 1.0  # seconds without a /v1 request in flight before freed memory is handed back
+RETRY_AFTER_S = 1  # a 429's Retry-After while the scheduler's queue is full
 
 
 def release_memory() -> None:
@@ -347,6 +348,7 @@ class Server:
             ),
             ("preemptions_total", "counter", "requests preempted for pages", c["preemptions"]),
             ("cancelled_total", "counter", "requests cancelled (client gone)", c["cancelled"]),
+            ("refused_busy_total", "counter", "requests refused with 429: the queue was full", c["busy"]),
             (
                 "prefix_reused_tokens_total",
                 "counter",
@@ -354,7 +356,7 @@ class Server:
                 c["prefix_tokens"],
             ),
             ("requests_running", "gauge", "requests in a slot", sum(1 for slot in s.running if slot)),
-            ("requests_queued", "gauge", "requests waiting for a slot or pages", len(s.queue) + s.inbox.qsize()),
+            ("requests_queued", "gauge", "requests waiting for a slot or pages", s.num_queued),
             ("pages_in_use", "gauge", "KV pages held by requests", s.pages_in_use()),
             ("pages_total", "gauge", "KV pages in the pool", s.pool.num_pages),
             ("slots", "gauge", "sequences per step", s.slots),
@@ -393,6 +395,10 @@ class Server:
             return _error(str(e), e.status, e.kind, e.param)
         except SchedulerClosed as e:
             return _error(f"the server is not taking requests: {e}", 503, "server_error")
+        except SchedulerBusy as e:
+            response = _error(f"the server is busy: {e}", 429, "server_error", code="overloaded")
+            response.headers["retry-after"] = str(RETRY_AFTER_S)
+            return response
         except DuoJaxError as e:
             return _error(str(e), param=getattr(e, "param", None))
         finally:
