@@ -32,8 +32,9 @@ LIMIT = 4096
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-def build(**options):
-    model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), ChatTokenizer(), "tiny")
+def build(tokenizer="chat", **options):
+    tokenizer = ChatTokenizer() if tokenizer == "chat" else tokenizer
+    model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
     method = DuoAttention(make_layout(CONFIG, np.array([[True, False], [False, True]]), sink=2, recent=5, context=64))
     scheduler = Scheduler(
         Engine.of(model),
@@ -41,7 +42,7 @@ def build(**options):
         slots=3,
         chunk=CHUNK,
         impl="xla",
-        detokenize=model.tokenizer.decode,
+        detokenize=None if tokenizer is None else tokenizer.decode,
     )
     return Server(scheduler, model, "tiny", **options)
 
@@ -392,6 +393,23 @@ def test_a_full_queue_answers_429_with_retry_after_and_serves_again_once_it_drai
         assert httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).status_code == 200
     finally:
         gate.set()
+        running.stop()
+
+
+def test_a_model_without_a_tokenizer_serves_token_ids_whole_or_streamed():
+    server = build(tokenizer=None, warm_up=False)
+    running = Running(server.app)
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    try:
+        whole = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
+        assert whole["choices"][0]["text"] == "" and whole["usage"]["completion_tokens"] == 4
+        events = httpx.post(f"{running.url}/v1/completions", json=dict(body, stream=True), timeout=60).text
+        chunks = [json.loads(e[6:]) for e in events.split("\n\n") if e.startswith("data: {")]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == ["length"]
+        assert chunks[-1]["usage"]["completion_tokens"] == 4 and events.rstrip().endswith("data: [DONE]")
+        text = httpx.post(f"{running.url}/v1/completions", json=dict(body, prompt="words"), timeout=60)
+        assert text.status_code == 400 and "no tokenizer" in text.json()["error"]["message"]
+    finally:
         running.stop()
 
 

@@ -492,6 +492,8 @@ class Server:
             if chat:
                 yield self._event(ident, chat, {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
             while (token := await tokens.get()) is not None:
+                if self.tokenizer is None:  # token ids in, no text out until the last chunk's (empty) text
+                    continue
                 text, stopped = find_stop(stream.extend([token]), job.stop)
                 if not stopped:
                     text = text[: len(text) - held_back(text, job.stop)]
