@@ -245,7 +245,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=CALIBRATION_HAYSTACK,
         help="text the needles hide in (default: the essays' calibration half, which evaluations do not use)",
     )
-    parser.add_argument("--min-accuracy", type=float, default=0.5)
+    parser.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=0.5,
+        help="a prompt counts when the model predicts at least this share of the answer's tokens (teacher-forced)",
+    )
     args = parser.parse_args(argv)
     try:
         model = load(args.model, layout="stacked")  # scanned: one compiled layer
