@@ -369,8 +369,8 @@ def test_a_scheduler_that_cannot_go_on_refuses_at_once_and_calls_on_fatal(monkey
 
 def test_a_full_queue_answers_429_with_retry_after_and_serves_again_once_it_drains(monkeypatch):
     """With `max_queued` requests waiting (here the scheduler's loop is held back), the next one is a 429 with
-    Retry-After that names the cause, counted in /metrics; the waiting one is served once the loop runs, and
-    so is the refused one sent again."""
+    Retry-After that names the cause, before its body is read, counted in /metrics; the waiting one is served
+    once the loop runs, and so is the refused one sent again."""
     server = build(warm_up=False)
     scheduler, gate = server.scheduler, threading.Event()
     scheduler.max_queued = 1
@@ -387,7 +387,11 @@ def test_a_full_queue_answers_429_with_retry_after_and_serves_again_once_it_drai
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             error = refused.json()["error"]
             assert error["code"] == "overloaded" and "1 requests are waiting" in error["message"]
-            assert "duo_jax_refused_busy_total 1" in httpx.get(f"{running.url}/metrics").text
+            unread = httpx.post(  # refused before its body is read, so not a 400
+                f"{running.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+            )
+            assert unread.status_code == 429
+            assert "duo_jax_refused_busy_total 2" in httpx.get(f"{running.url}/metrics").text
             gate.set()
             assert first.result().status_code == 200
         assert httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).status_code == 200

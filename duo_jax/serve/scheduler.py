@@ -292,11 +292,16 @@ class Scheduler:
         with self._lock:
             if self.closed is not None:
                 raise SchedulerClosed(self.closed)
-            if self.max_queued is not None and self.num_queued >= self.max_queued:
-                self.counters["busy"] += 1
-                raise SchedulerBusy(f"{self.num_queued} requests are waiting for a slot (the limit); try again later")
+            self.check_room()
             self.inbox.put(request)
         return request
+
+    def check_room(self) -> None:
+        """SchedulerBusy (counted) while `max_queued` requests wait for a slot, as `submit` would raise it: a
+        server calls it before reading a request's body too."""
+        if self.max_queued is not None and self.num_queued >= self.max_queued:
+            self.counters["busy"] += 1
+            raise SchedulerBusy(f"{self.num_queued} requests are waiting for a slot (the limit); try again later")
 
     @property
     def num_queued(self) -> int:

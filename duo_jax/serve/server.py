@@ -54,6 +54,13 @@ def _error(
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
+def _busy(e: Exception) -> JSONResponse:
+    """A 429 for a full queue, with the time after which to try again."""
+    response = _error(f"the server is busy: {e}", 429, "server_error", code="overloaded")
+    response.headers["retry-after"] = str(RETRY_AFTER_S)
+    return response
+
+
 QUIET_S = 1.0  # seconds without a /v1 request in flight before freed memory is handed back
 RETRY_AFTER_S = 1  # a 429's Retry-After while the scheduler's queue is full
 
@@ -376,6 +383,10 @@ class Server:
         ident = http.state.request_id
         if self.scheduler.closed is not None:
             return _error(f"the server is not taking requests: {self.scheduler.closed}", 503, "server_error")
+        try:
+            self.scheduler.check_room()  # a full queue refuses before the body is read; `submit` checks again
+        except SchedulerBusy as e:
+            return _busy(e)
         body = await http.body()
         try:
             # Parsing, tokenization and the chat template may take a while on a large body: off the event loop.
@@ -396,9 +407,7 @@ class Server:
         except SchedulerClosed as e:
             return _error(f"the server is not taking requests: {e}", 503, "server_error")
         except SchedulerBusy as e:
-            response = _error(f"the server is busy: {e}", 429, "server_error", code="overloaded")
-            response.headers["retry-after"] = str(RETRY_AFTER_S)
-            return response
+            return _busy(e)
         except DuoJaxError as e:
             return _error(str(e), param=getattr(e, "param", None))
         finally:
