@@ -189,7 +189,8 @@ class TextStream:
 
     @property
     def settled(self) -> str:
-        """The text up to the last id after which it ended in a whole character (it never changes later)."""
+        """The text up to the last id after which it ended in a whole character: later ids only extend it, unless
+        the decoder rewrites earlier text (then it starts again from the whole decode)."""
         return self._settled
 
     def extend(self, ids: Sequence[int]) -> str:
