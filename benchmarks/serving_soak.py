@@ -20,6 +20,10 @@ request accepted.
     pip install openai
     python benchmarks/serving_soak.py                              # 300 requests, 8 at a time, smollm2-135m
     python benchmarks/serving_soak.py --requests 60 --concurrency 4
+    python benchmarks/serving_soak.py --concurrency 48 --max-queued 8    # a burst past the queue limit: 429s
+
+With more clients than `--max-queued`, a request the full queue refuses (429) is an outcome of its own, and the
+JSON is serving_soak_<model>_burst.json.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ def start_server(args, port: int) -> subprocess.Popen:
         KEY,
         "--max-request-bytes",
         str(args.max_request_bytes),
+        "--max-queued",
+        str(args.max_queued),
     ]
     args.server_log = tempfile.NamedTemporaryFile("w", prefix="serving_soak_server_", suffix=".log", delete=False)
     log = args.server_log
@@ -122,7 +128,21 @@ RAW = ("temperature_nan", "lone_surrogate")
 
 
 def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float | None]:
-    """Run one request of `kind`; (outcome, TTFT seconds of a valid stream or None)."""
+    """Run one request of `kind`; (outcome, TTFT seconds of a valid stream or None). A 429 (the server's queue
+    full) is an outcome of its own where more clients than `--max-queued` can be waiting, else unexpected."""
+    import openai
+
+    try:
+        return _one(kind, rng, clients, args)
+    except openai.RateLimitError:
+        return _busy(args), None
+
+
+def _busy(args) -> str:
+    return "refused 429" if args.concurrency > args.max_queued else "UNEXPECTED 429"
+
+
+def _one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float | None]:
     import openai
 
     client = clients["ok"]
@@ -192,6 +212,8 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
             timeout=args.timeout,
             headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
         )
+        if response.status_code == 429:
+            return _busy(args), None
         return ("refused 400" if response.status_code == 400 else f"UNEXPECTED {response.status_code}"), None
     try:
         if endpoint == "chat":
@@ -215,6 +237,9 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument(
+        "--max-queued", type=int, default=256, help="the server's queue limit (below --concurrency: 429s expected)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600, help="seconds a request may take before it counts as hung")
     args = p.parse_args(argv)
@@ -336,7 +361,7 @@ def main(argv=None) -> int:
     ]
     common.write_result(
         args.out,
-        f"serving_soak_{args.model}",
+        f"serving_soak_{args.model}" + ("_burst" if args.concurrency > args.max_queued else ""),
         title="Serving soak (HTTP, openai client)",
         headers=headers,
         rows=rows,

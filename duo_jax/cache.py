@@ -48,6 +48,11 @@ class CacheLayout:
         return len(self.num_retrieval)
 
     @property
+    def every_head_retrieval(self) -> bool:
+        """Whether every layer keeps all its KV heads whole: full attention."""
+        return all(n == self.num_kv_heads for n in self.num_retrieval)
+
+    @property
     def streaming_slots(self) -> int:
         return self.sink + self.recent
 

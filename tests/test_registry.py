@@ -40,6 +40,19 @@ def test_every_method_is_registered_by_its_module():
         registry.register("no_context", summary="")(lambda config, size=4: None)
 
 
+def test_a_method_is_named_by_what_it_runs():
+    """Full attention is duo's code with every head a retrieval head: it reports "full" (stats, the server's
+    banner), whether built by name or as a pattern at sparsity 0; a paged cache keeps the name."""
+    from duo_jax.methods.paged import paged
+
+    pattern = duo_jax.Pattern(np.full((CONFIG.num_layers, CONFIG.num_kv_heads), 0.5), {})
+    full = make_method("full", CONFIG, context=32)
+    none_streaming = make_method("duo", CONFIG, context=32, pattern=pattern, sparsity=0.0)
+    duo = make_method("duo", CONFIG, context=32, pattern=pattern, sparsity=0.5)
+    assert (full.name, none_streaming.name, duo.name) == ("full", "full", "duo")
+    assert (paged(full).name, paged(duo).name) == ("full_paged", "duo_paged")
+
+
 @pytest.mark.parametrize(
     "name, options, message",
     [

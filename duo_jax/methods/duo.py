@@ -170,7 +170,11 @@ class DuoAttention(Method):
 
     layout: CacheLayout  # its kv_order says which heads are retrieval heads
 
-    name = "duo"
+    @property
+    def name(self) -> str:
+        """The method's name: full where every head is a retrieval head (`make_full`, or a pattern at sparsity 0),
+        else duo."""
+        return "full" if self.layout.every_head_retrieval else "duo"
 
     @property
     def max_tokens(self) -> int:

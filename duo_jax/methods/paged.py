@@ -84,7 +84,9 @@ class PagedDuo(Method):
     page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None
 
-    name = "duo_paged"
+    @property
+    def name(self) -> str:
+        return "full_paged" if self.layout.every_head_retrieval else "duo_paged"
 
     def __post_init__(self):
         if self.page_size < 1 or self.layout.capacity % self.page_size:
