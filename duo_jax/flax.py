@@ -89,9 +89,14 @@ def _initial_gates(config: ModelConfig, gates: Pattern | float | Any | None) -> 
     if isinstance(gates, Pattern):
         gates.validate(config)
         return jnp.asarray(gates.gates)
-    if np.ndim(gates) == 0:
-        gates = np.full((config.num_layers, config.num_kv_heads), gates)
-    values = np.asarray(gates, np.float32)
+    try:
+        values = np.asarray(gates, np.float32)
+    except (TypeError, ValueError):
+        raise DuoJaxError(
+            f"gates must be None, a number, a Pattern or an array [layers, kv_heads] of numbers, got {gates!r:.80}"
+        ) from None
+    if values.ndim == 0:
+        values = np.full((config.num_layers, config.num_kv_heads), values)
     if values.shape != (config.num_layers, config.num_kv_heads):
         raise PatternError(
             f"gates must have shape [layers, kv_heads] = {(config.num_layers, config.num_kv_heads)}"

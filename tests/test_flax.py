@@ -75,6 +75,10 @@ def test_gates_are_their_own_variable_type():
         CausalLM.from_model(model, gates=Pattern(np.ones((3, 2))))
     with pytest.raises(DuoJaxError, match=r"\[0, 1\]"):
         CausalLM.from_model(model, gates=1.5)
+    with pytest.raises(DuoJaxError, match=r"\[0, 1\]"):  # NaN is in no range
+        CausalLM.from_model(model, gates=float("nan"))
+    with pytest.raises(DuoJaxError, match="gates must be None, a number, a Pattern or an array"):
+        CausalLM.from_model(model, gates="0.5 everywhere")  # was numpy's ValueError
 
 
 @pytest.mark.slow
