@@ -258,7 +258,7 @@ class Scheduler:
         # prefix_hits, steps, preemptions, calls (compiled calls), row_tokens (batch x T of every call)
         self.counters = collections.Counter()
         self.closed: str | None = None  # why submit refuses (shut down, or failed for good); None while serving
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # submit holds it around check_room
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -299,8 +299,10 @@ class Scheduler:
     def check_room(self) -> None:
         """SchedulerBusy (counted) while `max_queued` requests wait for a slot, as `submit` would raise it: a
         server calls it before reading a request's body too."""
-        if self.max_queued is not None and self.num_queued >= self.max_queued:
-            self.counters["busy"] += 1
+        with self._lock:
+            full = self.max_queued is not None and self.num_queued >= self.max_queued
+            self.counters["busy"] += full
+        if full:
             raise SchedulerBusy(f"{self.num_queued} requests are waiting for a slot (the limit); try again later")
 
     @property
