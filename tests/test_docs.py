@@ -1,4 +1,5 @@
-"""The docs keep up with the command-line tools: every option of every command is named in docs/ or the README."""
+"""The docs keep up with the code: every option of every command is named in docs/ or the README, and the README's
+quickstart and the Python API page's first example run as written."""
 
 from __future__ import annotations
 
@@ -73,3 +74,22 @@ def test_the_check_catches_an_undocumented_option():
     tasks.add_argument("--depth")
     docs = "`--documented N` and `--new-name`; `--depths` is another option"
     assert undocumented(parser, docs) == ["task --depth"]
+
+
+def python_blocks(path: pathlib.Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.slow
+def test_the_readme_quickstart_and_the_first_api_example_run_as_written(capsys):
+    """On the embedded SmolLM2: the README's first Python block (generate with the shipped pattern, chat) and
+    docs/python-api.md's first (forward)."""
+    quickstart = python_blocks(REPO / "README.md")[0]
+    assert "duo_jax.generate(" in quickstart
+    exec(compile(quickstart, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].endswith("KV heads keep every token") and printed[-1].split()[0] != printed[-1].split()[2]
+    namespace = {}
+    exec(compile(python_blocks(REPO / "docs" / "python-api.md")[0], "python-api.md", "exec"), namespace)
+    tokens, logits = namespace["tokens"], namespace["logits"]
+    assert logits.shape == (*tokens.shape, namespace["model"].config.vocab_size)
