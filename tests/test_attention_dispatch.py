@@ -378,7 +378,7 @@ def test_xla_decode_on_a_gpu_scores_long_tiles(capacity, loops):
     XLA_GPU_DECODE_TILE slots it is one tile with no loop over tiles (no predicate read back per tile), past it a
     loop over tiles of that size; off a GPU the default 512-slot tiles. (One more loop in each: the query blocks'
     `lax.map`, of one block.) On a GPU no tile branches on whether it needs the mask, whose predicate XLA:GPU
-    would read back every trip; on a CPU they do."""
+    would read back every trip; on a CPU they do. On a GPU no matmul either: sums of products."""
     from jax import export
 
     from duo_jax.attention import dispatch
@@ -405,6 +405,8 @@ def test_xla_decode_on_a_gpu_scores_long_tiles(capacity, loops):
     default = lowered("cpu")
     assert "tensor<1x512x8x64xi8>" in default and default.count("stablehlo.while") == 2
     assert "stablehlo.case" not in module and "stablehlo.case" in default
+    # On a GPU the tiles are scored and weighed by multiply + reduce (no matmul to take a dequantized operand).
+    assert "stablehlo.dot_general" not in module and "stablehlo.dot_general" in default
 
 
 def test_xla_decode_on_a_gpu_matches_the_default_tiles(monkeypatch):
@@ -420,13 +422,15 @@ def test_xla_decode_on_a_gpu_matches_the_default_tiles(monkeypatch):
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
-    cache = [quantize_kv(jnp.asarray(rng.standard_normal((2, 64, 2, 16)), jnp.float32), "int8") for _ in range(2)]
     lengths = jnp.asarray([64, 23])
     spec = prefix_spec(2, 1, q_offset=lengths - 1, kv_len=lengths, num_keys=64)
-    want = xla.attention(q, *cache, spec, block_k=16)
-    monkeypatch.setattr(_backend, "backend", lambda: "gpu")  # the tiles, and tiles scored without their branch
-    monkeypatch.setattr(dispatch, "resolve_impl", lambda impl: "xla")
-    for tile in (64, 32):
-        monkeypatch.setattr(dispatch, "XLA_GPU_DECODE_TILE", tile)
-        assert dispatch._xla_tiles(q, cache[0], spec) == {"block_k": tile}
-        assert rel_err(dispatch.attend(q, *cache, spec), want) < 1e-5
+    for kind in ("int8", "int4"):
+        cache = [quantize_kv(jnp.asarray(rng.standard_normal((2, 64, 2, 16)), jnp.float32), kind) for _ in range(2)]
+        want = xla.attention(q, *cache, spec, block_k=16)  # matmuls over 16-slot tiles
+        with monkeypatch.context() as patch:  # the tiles; tiles scored by sums of products, without their branch
+            patch.setattr(_backend, "backend", lambda: "gpu")
+            patch.setattr(dispatch, "resolve_impl", lambda impl: "xla")
+            for tile in (64, 32):
+                patch.setattr(dispatch, "XLA_GPU_DECODE_TILE", tile)
+                assert dispatch._xla_tiles(q, cache[0], spec) == {"block_k": tile}
+                assert rel_err(dispatch.attend(q, *cache, spec), want) < 1e-5

@@ -130,6 +130,12 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
     if folded:
         rows = rows * jnp.float32(scale)
 
+    # A decode step on a GPU scores and weighs a tile by multiplying and summing instead of by matmuls: its G rows
+    # per KV head are too few for a matmul to pay, and a reduction takes in the elementwise ops before it, so a tile
+    # of codes can be dequantized inside the kernel that reads it rather than written out dequantized first as a
+    # matmul's operand (docs/attention.md, "Inside a tile"). Elsewhere matmuls.
+    by_reduction = T == 1 and on_gpu()
+
     def update(carry, s, v_tile, masked: bool):
         """The online softmax over one tile's scores s [B, K, G, T, bk]: masked ones are _MASKED."""
         m, l, acc = carry
@@ -140,16 +146,19 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
         p = jnp.exp(s - shift[..., None])
         correction = jnp.exp(m - m_new)
         l = l * correction + jnp.sum(p, axis=-1)
-        pv = jnp.einsum(
-            "bkxs,bske->bkxe",
-            p.reshape(B, K, G * T, -1).astype(v_tile.dtype),
-            v_tile,
-            preferred_element_type=jnp.float32,
-        )
+        p = p.reshape(B, K, G * T, -1)
+        if by_reduction:  # sum_s p[b, k, x, s] v[b, s, k, e]
+            pv = jnp.sum(p[..., None] * jnp.einsum("bske->bkse", v_tile)[:, :, None].astype(jnp.float32), axis=3)
+        else:
+            pv = jnp.einsum("bkxs,bske->bkxe", p.astype(v_tile.dtype), v_tile, preferred_element_type=jnp.float32)
         return m_new, l, acc * correction[..., None] + pv.reshape(B, K, G, T, E)
 
     def scores(k_tile):  # [B, K, G, T, bk], scaled
-        s = jnp.einsum("bkxe,bske->bkxs", rows, k_tile, preferred_element_type=jnp.float32)
+        if by_reduction:  # sum_e rows[b, k, x, e] k[b, s, k, e]
+            keys = jnp.einsum("bske->bkse", k_tile)[:, :, None].astype(jnp.float32)
+            s = jnp.sum(rows[:, :, :, None].astype(jnp.float32) * keys, axis=-1)
+        else:
+            s = jnp.einsum("bkxe,bske->bkxs", rows, k_tile, preferred_element_type=jnp.float32)
         return (s if folded else s * scale).reshape(B, K, G, T, -1)
 
     def body(i, carry):
