@@ -190,9 +190,13 @@ def einsum(subscripts: str, x: jax.Array, w, out_dtype=None) -> jax.Array:
     inputs, out = subscripts.split("->")
     w_letters = inputs.split(",")[1]
     y = jnp.einsum(subscripts, x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)
-    kept = "".join(c for c in w_letters if c in out)  # the output channels: the scale's non-unit axes
+    # The scale's non-unit axes are the weight's output channels: laid out as y's axes to broadcast, a multiply (an
+    # einsum with no contracted index would lower to a dot_general).
+    kept = [c for c in w_letters if c in out]  # in w's order
     scale = w.scale.reshape([n for c, n in zip(w_letters, w.scale.shape) if c in out])
-    return jnp.einsum(f"{out},{kept}->{out}", y, scale.astype(jnp.float32)).astype(out_dtype or x.dtype)
+    scale = jnp.transpose(scale, [kept.index(c) for c in out if c in kept])  # in y's order
+    scale = jnp.expand_dims(scale, [i for i, c in enumerate(out) if c not in kept])
+    return (y * scale.astype(jnp.float32)).astype(out_dtype or x.dtype)
 
 
 def take_rows(w, rows: jax.Array) -> jax.Array:

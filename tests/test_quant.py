@@ -1,5 +1,6 @@
 """Absmax quantization (`duo_jax.quant`) against float64 numpy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,6 +84,12 @@ def test_int8_weight_einsum_matches_float64_per_output_channel():
     )  # the same as the dequantized weight
     rows = jnp.asarray([[0, 5], [23, 5]])
     np.testing.assert_array_equal(quant.take_rows(q, rows), q.dequantize()[rows])
+    # Output axes in another order than the weight's, and the lowering: one matmul, the scale a multiply.
+    for subscripts in ("btd,dhe->bteh", "btd,dhe->ehbt"):
+        got = quant.einsum(subscripts, jnp.asarray(x, jnp.float32), q)
+        np.testing.assert_allclose(got, jnp.einsum(subscripts, x, q.dequantize()), rtol=1e-5, atol=1e-5)
+        lowered = jax.jit(lambda x: quant.einsum(subscripts, x, q)).lower(jnp.asarray(x, jnp.float32)).as_text()
+        assert lowered.count("stablehlo.dot_general") == 1
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
