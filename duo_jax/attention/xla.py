@@ -130,9 +130,9 @@ def _forward_block(spec, q, q_pos, k, v, scale, block_k):
     if folded:
         rows = rows * jnp.float32(scale)
 
-    # A decode step on a GPU scores and weighs a tile by multiplying and summing instead of by matmuls: its G rows
-    # per KV head are too few for a matmul to pay, and a reduction takes in the elementwise ops before it, so a tile
-    # of codes can be dequantized inside the kernel that reads it rather than written out dequantized first as a
+    # A decode step on a GPU scores and weighs a tile by multiplying and summing instead of by matmuls: with G rows
+    # per KV head its cost is reading the tile, and a reduction takes in the elementwise ops before it, so a tile of
+    # codes can be dequantized inside the kernel that reads it rather than written out dequantized first as a
     # matmul's operand (docs/attention.md, "Inside a tile"). Elsewhere matmuls.
     by_reduction = T == 1 and on_gpu()
 

@@ -86,6 +86,7 @@ class PagedDuo(Method):
 
     @property
     def name(self) -> str:
+        """As `DuoAttention.name`, paged."""
         return "full_paged" if self.layout.every_head_retrieval else "duo_paged"
 
     def __post_init__(self):
