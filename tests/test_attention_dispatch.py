@@ -434,3 +434,38 @@ def test_xla_decode_on_a_gpu_matches_the_default_tiles(monkeypatch):
                 patch.setattr(dispatch, "XLA_GPU_DECODE_TILE", tile)
                 assert dispatch._xla_tiles(q, cache[0], spec) == {"block_k": tile}
                 assert rel_err(dispatch.attend(q, *cache, spec), want) < 1e-5
+
+
+def test_duo_decode_without_slots_through_triton_attends_a_cache_already_written():
+    """`duo_decode` without slots on the Triton kernel (interpreted on CPU): the retrieval cache already holds the new
+    token (keys j < lengths), the ring gets it from k_new / v_new, nothing is written, and the output is [B, 1, H,
+    E] in the model's head order, against float64."""
+    import numpy as np
+
+    from duo_jax import attention
+    from tests.conftest import rel_err
+    from tests.test_duo_decode import _inputs, _reference
+
+    B, C, S, n, K_s, G, D = 2, 128, 64, 2, 3, 2, 32
+    order = (2, 0, 4, 1, 3)  # the model's KV heads in the caches' order
+    q, k, v, ring_k, ring_v, _, _ = _inputs(B, C, S, n, K_s, G, D, seed=3)
+    k_all, v_all = (jax.random.normal(jax.random.key(s), (B, n + K_s, D), jnp.float32) for s in (8, 9))
+    lengths, ring_lengths = jnp.asarray([77, 1], jnp.int32), jnp.asarray([64, 9], jnp.int32)
+    rows = (np.argsort(order)[:, None] * G + np.arange(G)).reshape(-1)  # each model head's caches'-order row
+    ring_heads = list(order[n:])
+    expected = _reference(q, k, v, lengths, ring_k, ring_v, ring_lengths, k_all[:, ring_heads], v_all[:, ring_heads])
+    out, *caches = attention.duo_decode(
+        q[:, rows][:, None],
+        k,
+        v,
+        lengths,
+        ring_k,
+        ring_v,
+        ring_lengths,
+        k_all[:, None],
+        v_all[:, None],
+        kv_order=order,
+        impl="pallas",
+    )
+    assert out.shape == (B, 1, (n + K_s) * G, D) and rel_err(out[:, 0], expected[:, rows]) <= 1e-5
+    assert all(new is old for new, old in zip(caches, (ring_k, ring_v, k, v)))
