@@ -138,8 +138,13 @@ def one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float 
         return _busy(args), None
 
 
+def _burst(args) -> bool:
+    """Whether more clients than `--max-queued` can wait, so that a full queue's 429 is expected."""
+    return args.concurrency > args.max_queued
+
+
 def _busy(args) -> str:
-    return "refused 429" if args.concurrency > args.max_queued else "UNEXPECTED 429"
+    return "refused 429" if _burst(args) else "UNEXPECTED 429"
 
 
 def _one(kind: str, rng: random.Random, clients: dict, args) -> tuple[str, float | None]:
@@ -361,7 +366,7 @@ def main(argv=None) -> int:
     ]
     common.write_result(
         args.out,
-        f"serving_soak_{args.model}" + ("_burst" if args.concurrency > args.max_queued else ""),
+        f"serving_soak_{args.model}" + ("_burst" if _burst(args) else ""),
         title="Serving soak (HTTP, openai client)",
         headers=headers,
         rows=rows,

@@ -37,9 +37,14 @@ def setup(request):
     return method, solo
 
 
-def scheduler(method, num_pages, slots=3):
+def scheduler(method, num_pages, slots=3, **options):
     return Scheduler(
-        Engine.of(MODEL), paged(method, page_size=4, num_pages=num_pages), slots=slots, chunk=CHUNK, impl="xla"
+        Engine.of(MODEL),
+        paged(method, page_size=4, num_pages=num_pages),
+        slots=slots,
+        chunk=CHUNK,
+        impl="xla",
+        **options,
     )
 
 
@@ -123,14 +128,7 @@ def test_stop_strings_end_a_request_at_the_token_that_completes_them(setup):
     texts = [detokenize(t) for t in solo]
     stops = [[t[len(t) // 2 : len(t) // 2 + 2] or "?"] for t in texts]  # from each solo text: all found
     stops[1] = ["never", "\u20ac" if "\u20ac" in texts[1] else texts[1][-1:]]  # a character split across tokens
-    s = Scheduler(
-        Engine.of(MODEL),
-        paged(method, page_size=4, num_pages=10),
-        slots=3,
-        chunk=CHUNK,
-        impl="xla",
-        detokenize=detokenize,
-    )
+    s = scheduler(method, num_pages=10, detokenize=detokenize)
     requests = [s.submit(Request(p, max_tokens=NEW, stop=tuple(x), stop_at_eos=False)) for p, x in zip(PROMPTS, stops)]
     s.run()
     assert s.counters["preemptions"] > 0
@@ -143,8 +141,8 @@ def test_stop_strings_end_a_request_at_the_token_that_completes_them(setup):
 def test_a_full_queue_refuses_until_it_drains(setup):
     method, _ = setup
     with pytest.raises(DuoJaxError, match="max_queued must be positive"):
-        Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=64), slots=3, max_queued=0)
-    s = Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=64), slots=3, chunk=CHUNK, max_queued=2)
+        scheduler(method, num_pages=64, max_queued=0)
+    s = scheduler(method, num_pages=64, max_queued=2)
     waiting = [s.submit(Request(p, max_tokens=2, stop_at_eos=False)) for p in PROMPTS[:2]]
     with pytest.raises(SchedulerBusy, match="2 requests are waiting"):
         s.submit(Request(PROMPTS[2], max_tokens=2, stop_at_eos=False))
