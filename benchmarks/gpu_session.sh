@@ -30,6 +30,8 @@
 #                                                # decode (Triton, cuDNN, XLA) at 16k tokens; 4-6 minutes
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes;
 #                                                # CHUNKS=8192 for one size)
+#   bash benchmarks/gpu_session.sh whole OUT     # issue 33's target 3: prefill at 32k and 128k with the prompt as one
+#                                                # chunk, and 128k in chunks of 2,048 beside it (about 6 minutes)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens, under
 #                                                # auto, pallas and as a GPU without Triton (DUO_JAX_DISABLE_TRITON)
@@ -41,7 +43,8 @@
 #                                                # decode through it without Triton, decode without Triton through
 #                                                # cuDNN at 8k / 32k with a per-op profile, decode and one int4 layer
 #                                                # with loops as CUDA graphs, the kernel sweep at 32k
-#   bash benchmarks/gpu_session.sh sweep OUT     # flash / Λ forward over tiles x warps x stages vs cuDNN, 8k and 32k
+#   bash benchmarks/gpu_session.sh sweep OUT     # Λ (tiles in runs / in one loop) and flash forward over tiles x warps
+#                                                # x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh layer_decode OUT  # one layer's decode attention: duo's Mosaic GPU (per tile /
 #                                                # stage setting) and Triton kernels vs full's cuDNN and Triton
 #                                                # decode, at 8k-128k and batch 8 x 32k (about 3 minutes)
@@ -58,8 +61,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -228,6 +231,20 @@ serving)
     part "${SERVING_S:-240}" $PY benchmarks/gpu_llama8b.py --fill-memory --contexts 32768 --decode-steps 16 \
         --out "$out" 2>&1 | tee "$out/gpu_llama8b_fill.log" || true
     ;;
+whole)
+    # Target 3 with the prompt as one chunk: full's attention is then cuDNN's causal self-attention, which ran at
+    # about 590 TFLOP/s in kernels.py at 32k against about 500 over 2,048-token chunks (the 128k targets need 525),
+    # and duo's retrieval heads likewise. 128k in chunks of 2,048 in the same call, side by side.
+    part "${WHOLE_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 --chunk-size 32768 \
+        --decode-steps 4 --prefill-repeats 2 --out "$out/whole32k" 2>&1 | tee "$out/whole32k.log" || true
+    part "${WHOLE_LONG_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        --chunk-size 131072 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
+        | tee "$out/whole128k.log" || true
+    part "${CHUNKED_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        --decode-steps 4 --prefill-repeats 1 --out "$out/chunked128k" 2>&1 | tee "$out/chunked128k.log" || true
+    archive=$(mktemp -d)/whole.tgz
+    tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
+    ;;
 chunks)
     # Prefill in chunks of 4k and 8k (the default chunk is 2k) at 32k and 128k, full vs duo: fewer passes over the
     # weights, and longer chunks for cuDNN, against the 128k targets
@@ -314,7 +331,7 @@ notriton)
           --decode-steps 16 --out "$out/mosaic" 2>&1 | tee "$out/gpu_llama8b_mosaic.log" ) || true
     ;;
 *)
-    echo "unknown stage $stage (check, next, decode, prefill, graphs, layer, layer_decode, chunks, serving, llama8b, quantized, gates, methods, train8b, notriton or sweep)" >&2
+    echo "unknown stage $stage (check, next, decode, prefill, graphs, layer, layer_decode, whole, chunks, serving, llama8b, quantized, gates, methods, train8b, notriton or sweep)" >&2
     exit 2
     ;;
 esac

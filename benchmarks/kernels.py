@@ -88,8 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="on GPU: forward times of flash and Λ over tiles x num_warps x num_stages at each T, "
-        "against cuDNN, instead of the table above",
+        help="on GPU: forward times of Λ (its tiles in runs and in one loop) and flash over tiles x num_warps x "
+        "num_stages at each T, against cuDNN, instead of the table above (--out written after each point)",
     )
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write results as JSON here")
     return parser.parse_args(argv)
@@ -294,12 +294,27 @@ SWEEP_TILES = ((128, 128), (128, 64), (64, 64), (64, 128))
 SWEEP_LAUNCHES = ((4, 2), (8, 2), (4, 3), (8, 3))  # (num_warps, num_stages)
 
 
-def sweep(args) -> list[dict]:
-    """Forward ms of flash and Λ for every tile shape and launch in SWEEP_*, with cuDNN's causal forward at
-    the same T as the yardstick; a configuration that fails to compile is recorded with its error."""
+def sweep_points() -> list[tuple[str, dict]]:
+    """(kernel, its keyword arguments) for every point of the sweep, Λ first (target 4 is Λ's; cuDNN serves the
+    dense chunks it is fast on), each tile shape and launch with its tiles in runs and in one loop (`one_loop`),
+    then flash with its runs."""
+    launches = [
+        dict(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
+        for bq, bk in SWEEP_TILES
+        for warps, stages in SWEEP_LAUNCHES
+    ]
+    return [("lambda", dict(launch, one_loop=one_loop)) for launch in launches for one_loop in (False, True)] + [
+        ("flash", launch) for launch in launches
+    ]
+
+
+def sweep(args, result: dict) -> None:
+    """Forward ms of Λ and flash at every `sweep_points()` point, with cuDNN's causal forward at the same T as the
+    yardstick; a point that fails to compile is recorded with its error. `result["sweep"]` grows a row per point
+    and is written to --out after each, so a run stopped by a time limit keeps what it measured."""
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(0), 3)
-    rows = []
+    rows = result.setdefault("sweep", [])
     for seq_len in args.seq_lens:
         q = jax.random.normal(keys[0], (args.batch, seq_len, args.num_heads, args.head_dim), dtype)
         k, v = (
@@ -312,26 +327,24 @@ def sweep(args) -> list[dict]:
             v,
             reps=args.reps,
         )
-        for (block_q, block_k), (warps, stages) in ((t, l) for t in SWEEP_TILES for l in SWEEP_LAUNCHES):
-            launch = dict(block_q=block_q, block_k=block_k, num_warps=warps, num_stages=stages)
-            row = {"seq_len": seq_len, **launch, "cudnn_ms": cudnn}
-            for name, attn in (
-                ("flash", pallas_kernels.flash_attention),
-                ("lambda", functools.partial(pallas_kernels.lambda_attention, sink=args.sink, recent=args.recent)),
-            ):
-                try:
-                    row[f"{name}_ms"] = median_ms(jax.jit(functools.partial(attn, **launch)), q, k, v, reps=args.reps)
-                except Exception as e:  # e.g. shared memory exceeded: record it, keep sweeping
-                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        for name, launch in sweep_points():
+            attn = {
+                "flash": pallas_kernels.flash_attention,
+                "lambda": functools.partial(pallas_kernels.lambda_attention, sink=args.sink, recent=args.recent),
+            }[name]
+            row = {"seq_len": seq_len, "kernel": name, **launch, "cudnn_ms": cudnn}
+            try:
+                row["ms"] = median_ms(jax.jit(functools.partial(attn, **launch)), q, k, v, reps=args.reps)
+                row["cudnn_over_this"] = cudnn / row["ms"]
+            except Exception as e:  # e.g. shared memory exceeded: record it, keep sweeping
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             rows.append(row)
-            flash, lam = row.get("flash_ms"), row.get("lambda_ms")
+            write(result, args.out, quiet=True)
             print(
-                f"T={seq_len} tiles {block_q}x{block_k} warps {warps} stages {stages}: flash "
-                f"{'-' if flash is None else f'{flash:.2f} ms ({cudnn / flash:.2f}x cuDNN)'}, Λ "
-                f"{'-' if lam is None else f'{lam:.2f} ms ({cudnn / lam:.1f}x faster than cuDNN)'}",
+                f"T={seq_len} {name} {launch}: "
+                + (f"{row['ms']:.2f} ms, cuDNN causal / this {row['cudnn_over_this']:.2f}x" if "ms" in row else "-"),
                 flush=True,
             )
-    return rows
 
 
 def main(argv=None) -> None:
@@ -348,7 +361,7 @@ def main(argv=None) -> None:
     if args.sweep:
         if backend != "gpu":
             raise SystemExit("--sweep times Triton launches against cuDNN: it needs a GPU")
-        result["sweep"] = sweep(args)
+        sweep(args, result)
         write(result, args.out)
         return
 
@@ -400,11 +413,12 @@ def main(argv=None) -> None:
     write(result, args.out)
 
 
-def write(result: dict, out: pathlib.Path | None) -> None:
+def write(result: dict, out: pathlib.Path | None, *, quiet: bool = False) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {out}")
+        if not quiet:
+            print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class Config:
     key_offset: int | None = None
     num_warps: int | None = None  # Triton launch: None = 4 for head_dim <= 64, else 8
     num_stages: int = 2
+    # The forward visits its tiles in one loop, masking each, instead of runs of masked and unmasked tiles: Λ's
+    # four tiles per query block are otherwise four loops of one trip, which Triton's pipeliner cannot overlap.
+    one_loop: bool = False
 
     @property
     def log2_scale(self) -> float:
@@ -198,6 +201,8 @@ def forward_program(
     # (last step, masked): Λ's whole sinks and masked band start, or a ring + chunk's masked ring
     runs = [(sink_whole, False), (band_step(lo), True)] if cfg.recent is not None or cfg.key_offset is not None else []
     runs += [(band_step(hi), False), (band_step(end), True)]
+    if cfg.one_loop:
+        runs = [(band_step(end), True)]
     carry, first = init, 0
     for last, masked in runs:
         carry = lax.fori_loop(first, last, functools.partial(body, masked=masked), carry)
@@ -494,6 +499,7 @@ def block_sparse_attention(
     key_offset: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    one_loop: bool = False,
 ):
     """Shared entry point of `flash_attention` and `lambda_attention`.
 
@@ -540,6 +546,7 @@ def block_sparse_attention(
         key_offset=key_offset,
         num_warps=num_warps,
         num_stages=num_stages,
+        one_loop=one_loop,
     )
     q_offset = _common.per_batch(q_offset, batch, 0)
     kv_len = jnp.minimum(_common.per_batch(kv_len, batch, seq_k), seq_k)
@@ -574,6 +581,7 @@ def flash_attention(
     key_offset: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    one_loop: bool = False,
 ) -> jax.Array:
     """Dense (causal) flash attention with Pallas forward and backward kernels.
 
@@ -604,6 +612,8 @@ def flash_attention(
         the chunk's blocks before the diagonal skip the mask.
       num_warps, num_stages: the Triton launch of every kernel (GPU only; num_warps None = 4 for head_dim
         <= 64, else 8), for tuning (`benchmarks/kernels.py --sweep`).
+      one_loop: the forward visits its key blocks in one loop, masking each, rather than the wholly visible ones
+        unmasked in loops of their own (same values; for tuning, `--sweep`).
 
     Returns:
       [B, T, Hq, D] like q. Queries that see no key get 0.
@@ -628,4 +638,5 @@ def flash_attention(
         key_offset=key_offset,
         num_warps=num_warps,
         num_stages=num_stages,
+        one_loop=one_loop,
     )

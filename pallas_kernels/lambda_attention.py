@@ -30,6 +30,7 @@ def lambda_attention(
     interpret: bool | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    one_loop: bool = False,
 ) -> jax.Array:
     """Streaming-head attention with the Λ mask, differentiable (custom VJP).
 
@@ -43,7 +44,7 @@ def lambda_attention(
       scale: softmax scale, default 1 / sqrt(D).
       block_q, block_k: tile sizes; T and S need not be multiples of them.
       interpret: None = interpret mode exactly when running on CPU.
-      num_warps, num_stages: the Triton launch (GPU only), as `flash_attention`'s.
+      num_warps, num_stages, one_loop: the Triton launch (GPU only) and the tile loop, as `flash_attention`'s.
 
     Returns:
       [B, T, Hq, D] like q.
@@ -63,6 +64,7 @@ def lambda_attention(
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,
+        one_loop=one_loop,
     )
 
 

@@ -398,3 +398,50 @@ def test_cpu_attention_runs_end_to_end(tmp_path):
     row = saved["table"]["rows"][0]
     assert row[:2] == [64, 32] and all(x > 0 for x in row[2:])
     assert row[7] == pytest.approx(row[4] / row[2]) and row[8] == pytest.approx(row[5] / row[2])
+
+
+def test_kernel_sweep_writes_every_point_as_it_goes(tmp_path, monkeypatch):
+    """`kernels.py --sweep` (GPU only) without a GPU: its timer replaced by one that traces each point's kernel on
+    tiny shapes (so every point's arguments are ones the kernels take) and fails one point. Λ's points, in runs and
+    in one loop, come before flash's; each point is in the JSON as soon as it is measured, a failure as an error."""
+    bench = importlib.import_module("kernels")
+    points = bench.sweep_points()
+    assert {p[0] for p in points[: len(points) // 3 * 2]} == {"lambda"}
+    assert {p[0] for p in points[len(points) // 3 * 2 :]} == {"flash"}
+    assert [p[1]["one_loop"] for p in points[:2]] == [False, True]
+    out = tmp_path / "sweep.json"
+    args = bench.parse_args(
+        [
+            "--sweep",
+            "--seq-lens",
+            "64",
+            "--num-heads",
+            "2",
+            "--num-kv-heads",
+            "1",
+            "--head-dim",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
+    seen = []
+
+    def timer(fn, *arrays, reps):
+        if seen:  # the kernels, traced; the first call is cuDNN's yardstick
+            jax.eval_shape(fn, *arrays)
+        seen.append(json.loads(out.read_text())["sweep"] if out.exists() else [])
+        if len(seen) == 3:
+            raise RuntimeError("out of shared memory\nmore detail")
+        return 2.0
+
+    monkeypatch.setattr(bench, "median_ms", timer)
+    result = {}
+    bench.sweep(args, result)
+    rows = json.loads(out.read_text())["sweep"]
+    assert rows == result["sweep"] and len(rows) == len(points)
+    assert [len(s) for s in seen[1:]] == list(range(len(points)))  # written before the next point is timed
+    assert rows[1] == dict(
+        seq_len=64, kernel="lambda", **points[1][1], cudnn_ms=2.0, error="RuntimeError: out of shared memory"
+    )
+    assert rows[0]["ms"] == 2.0 and rows[0]["cudnn_over_this"] == 1.0

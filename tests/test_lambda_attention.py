@@ -1,5 +1,7 @@
 """Λ attention kernel (interpret mode) against the dense masked reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,18 @@ def test_skipped_blocks_are_never_read():
     assert bool(jnp.isfinite(value))
     for g in grads:
         assert bool(jnp.all(jnp.isfinite(g)))
+
+
+@pytest.mark.parametrize("one_loop", [False, True], ids=["runs", "one_loop"])
+def test_one_loop_forward_matches_reference(one_loop):
+    """`one_loop` (a tuning knob: every tile masked in one loop) gives Λ's values, over whole sink and band
+    blocks and a padded query block; the forward is one while loop with it and four without (Λ's runs)."""
+    batch, seq_q, seq_k, hq, hkv, head_dim, sink, recent, q_offset, block_q, block_k = CASES["unmasked_tiles_chunk"]
+    q, k, v, _ = random_attention_inputs(batch, seq_q, seq_k, hq, hkv, head_dim)
+    kwargs = dict(sink=sink, recent=recent, q_offset=q_offset)
+    kernel = functools.partial(
+        lambda_attention, **kwargs, block_q=block_q, block_k=block_k, interpret=True, one_loop=one_loop
+    )
+    ref = reference.lambda_attention_reference(q, k, v, **kwargs)
+    assert rel_err(kernel(q, k, v), ref) <= 1e-5
+    assert str(jax.make_jaxpr(kernel)(q, k, v)).count("while[") == (1 if one_loop else 4)
