@@ -7,6 +7,7 @@ heads, each group in the model's order), `init_cache` builds
   streaming_k[l], streaming_v[l]: [B, sink + recent, K - n_l, E]
       slots [0, sink): the first `sink` tokens (attention sinks)
       slots [sink, sink + recent): a ring buffer, token at position p >= sink in slot sink + (p - sink) % recent
+      (sink + recent <= C: `make_layout` narrows a wider window, which would hold every token anyway)
 
 Keys are cached after RoPE at their absolute positions; C is a multiple of `CAPACITY_BLOCK`; how many tokens each
 sequence holds lives outside the cache, in `lengths` [B]. With `kv_dtype` "int8" / "int4" each array is a
@@ -79,9 +80,17 @@ def make_layout(
     context: int,
     kv_dtype: str | None = None,
 ) -> CacheLayout:
-    """Layout for a [layers, kv_heads] retrieval mask (None: every head is a retrieval head)."""
+    """Layout for a [layers, kv_heads] retrieval mask (None: every head is a retrieval head).
+
+    A window wider than the capacity (sink + recent > C) is narrowed to C slots: no position reaches sink + recent,
+    so a streaming head sees every earlier token under either window, and a ring of C slots holds them all in
+    position order. The streaming heads then never take more memory than the retrieval heads."""
     if sink < 0 or recent < 0:
         raise DuoJaxError(f"sink and recent must be >= 0, got sink={sink}, recent={recent}")
+    capacity = round_capacity(context)
+    if sink + recent > capacity:
+        sink = min(sink, capacity - 1)
+        recent = capacity - sink
     if retrieval_mask is None:
         num_retrieval, kv_order = (config.num_kv_heads,) * config.num_layers, None
     else:
@@ -95,7 +104,7 @@ def make_layout(
         config.head_dim,
         sink,
         recent,
-        round_capacity(context),
+        capacity,
         kv_order,
         check_kv_dtype(kv_dtype),
     )

@@ -77,6 +77,18 @@ def test_batch_of_different_lengths_equals_each_alone(model, prompts, pattern):
 
 
 @pytest.mark.slow
+def test_a_window_wider_than_the_capacity_is_full_attention_in_fulls_memory(model, prompts):
+    """sink + recent past the capacity (51 tokens: 128 slots): every head sees every earlier token, so streaming
+    heads decode as full attention does, and their ring takes the capacity's slots, not the window's 208."""
+    kwargs = dict(max_new_tokens=10, chunk_size=8, stop_at_eos=False, sink=8, recent=200)
+    full = generate(model, prompts[2], **kwargs)
+    for sparsity in (0.5, 1.0):
+        duo = generate(model, prompts[2], pattern=Pattern(GATES), sparsity=sparsity, **kwargs)
+        assert duo.tokens == full.tokens
+        assert duo.stats["cache_bytes"] == duo.stats["expected_cache_bytes"] == full.stats["cache_bytes"]
+
+
+@pytest.mark.slow
 def test_stops_at_eos(model, prompts):
     first = generate(model, prompts[1], max_new_tokens=6, stop_at_eos=False).tokens[0]
     eos_model = duo_jax.Model(
