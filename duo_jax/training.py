@@ -82,6 +82,12 @@ class TrainConfig:
                 f"the streaming window needs sink >= 0 and recent >= 1, got sink="
                 f"{self.objective.sink}, recent={self.objective.recent}"
             )
+        reg_weight = self.objective.reg_weight
+        if not (isinstance(reg_weight, (int, float)) and math.isfinite(reg_weight) and reg_weight >= 0):
+            raise TrainingError(
+                f"reg_weight (the L1 term's weight) must be a finite number >= 0, got {reg_weight!r}: a negative one "
+                "rewards large gates, so training would keep every head a retrieval head"
+            )
         if not (
             self.lr > 0
             and 0 < self.warmup_ratio <= 1

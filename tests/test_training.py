@@ -121,6 +121,14 @@ def test_make_batch_pads_to_the_seq_axis_and_never_supervises_padding(tmp_path):
         training.sample_stream(tokenizer, dataclasses.replace(cfg, min_len=10, max_len=20))
 
 
+@pytest.mark.parametrize("reg_weight", [-0.05, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_l1_weight_is_an_error(reg_weight):
+    """A negative weight rewards large gates (every head a retrieval head): train_gates ran with it before."""
+    with pytest.raises(training.TrainingError, match="reg_weight .* must be a finite number >= 0"):
+        training.TrainConfig(objective=gates.Objective(reg_weight=reg_weight))
+    training.TrainConfig(objective=gates.Objective(reg_weight=0))  # no L1 term: allowed
+
+
 def test_training_contexts_stay_within_the_models():
     config = tiny_config()  # a context of 512 tokens
     training.check_max_len(config, training.TrainConfig(max_len=512))
