@@ -40,9 +40,9 @@
 #                                                # --impl mosaic (about 9 minutes)
 #   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 9 minutes, most
 #                                                # informative first: the Mosaic GPU duo decode kernel's tests and
-#                                                # decode through it without Triton, decode without Triton through
-#                                                # cuDNN at 8k / 32k with a per-op profile, decode and one int4 layer
-#                                                # with loops as CUDA graphs, the kernel sweep at 32k
+#                                                # decode through it without Triton, 128k prefill as one chunk, the
+#                                                # kernel sweep at 32k, decode without Triton through cuDNN at 8k /
+#                                                # 32k with a per-op profile, one int4 layer's decode
 #   bash benchmarks/gpu_session.sh sweep OUT     # Λ (tiles in runs / in one loop) and flash forward over tiles x warps
 #                                                # x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh layer_decode OUT  # one layer's decode attention: duo's Mosaic GPU (per tile /
@@ -266,45 +266,37 @@ train8b)
           --out "$out" 2>&1 | tee "$out/train_step_notriton.log" ) || true
     ;;
 next)
-    # What the H200 run of 2026-11-28 left open (BENCHMARKS.md, "Issue 33 on one H200"), most informative first:
-    # duo's decode step in one Mosaic GPU launch (never run on a GPU: its tests, then decode at 8k and 32k through it
-    # without Triton, profiled); where duo's decode without Triton through cuDNN spends its extra 0.5-0.8 ms per
-    # step (a per-op profile whose per-launch quartiles split cuDNN's retrieval call from the ring's); decode with
-    # the loop as one CUDA graph (the host's share of a step, target 1's margins), and so one int4 layer's decode at
-    # 128k without Triton (the XLA path's tile loop); the Triton kernels' tiles x warps x stages at 32k against
-    # cuDNN (target 4). One JSON folder per part. (The gate-training step at Llama-3-8B shapes: the train8b stage.)
+    # What the H200 run of 2026-11-28 left open (BENCHMARKS.md, "Issue 33 on one H200"), most informative first
+    # (about 9 minutes; one JSON folder per part):
+    # - target 5: duo's decode step in one Mosaic GPU launch, never run on a GPU: its tests, then decode at 8k and
+    #   32k through it without Triton, profiled;
+    # - target 3: 128k prefill with the prompt as one chunk (cuDNN's causal self-attention, about 590 TFLOP/s in
+    #   kernels.py against about 500 over 2,048-token chunks; the `whole` stage puts chunks of 2,048 beside it);
+    # - target 4: Λ's tiles x warps x stages, in runs and in one loop, then flash's, at 32k against cuDNN;
+    # - target 5: where duo's decode without Triton through cuDNN spends its extra 0.5-0.8 ms per step (a per-op
+    #   profile whose per-launch quartiles split cuDNN's retrieval call from the ring's, and the loop's HLO);
+    # - one int4 layer's decode at 128k without Triton (the XLA path's tiles as sums of products), with its HLO.
+    # (Decode with the loop as one CUDA graph: the graphs stage; the gate-training step at Llama-3-8B: train8b.)
     part "${MOSAIC_TESTS_S:-75}" $PY -m pytest -m gpu -x -q tests/test_gpu.py -k mosaic 2>&1 \
         | tee "$out/gpu_tests_mosaic.log" || true
     ( export DUO_JAX_DISABLE_TRITON=1
       part "${MOSAIC_S:-80}" $PY benchmarks/gpu_llama8b.py --impl mosaic --contexts 8192 32768 --max-prefill 0 \
           --decode-steps 16 --profile --out "$out/profile_mosaic" 2>&1 | tee "$out/profile_mosaic.log" ) || true
-    # (with the decode loop's optimized HLO: which ops of a layer run as separate launches)
+    part "${WHOLE_LONG_S:-170}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        --chunk-size 131072 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
+        | tee "$out/whole128k.log" || true
+    part "${SWEEP_S:-90}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
+        --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
     ( export DUO_JAX_DISABLE_TRITON=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode"
-      part "${PROFILE_S:-90}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
+      part "${PROFILE_S:-70}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
           --profile --out "$out/profile_notriton" 2>&1 | tee "$out/profile_notriton.log" ) || true
     same_tokens "$out" profile_mosaic profile_notriton  # the Mosaic GPU kernel against the cuDNN path
     find "$out/hlo" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
-    for run in default while_graph; do
-        ( if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; fi
-          part "${GRAPH_S:-70}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 32 \
-              --out "$out/decode_$run" 2>&1 | tee "$out/decode_$run.log" ) || true
-    done
-    same_tokens "$out" decode_default decode_while_graph
-    # the XLA path's decode over int4 codes (no Triton) ran at 30% of its roofline at 128k, its 32k-slot tiles one
-    # loop trip each, each trip a predicate read back to the host: the same layer with loops as CUDA graphs
-    # (the default run dumps its decode loop's optimized HLO: whether a tile's dequantization fuses into its dots)
-    for run in default while_graph; do
-        ( export DUO_JAX_DISABLE_TRITON=1
-          if [ $run = while_graph ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-          else export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo_int4 --xla_dump_hlo_module_re=jit_decode"; fi
-          part "${QUANT_LAYER_S:-40}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
-              --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 \
-              --out "$out/int4_layer_notriton_$run" 2>&1 | tee "$out/int4_layer_notriton_$run.log" ) || true
-    done
+    ( export DUO_JAX_DISABLE_TRITON=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo_int4 --xla_dump_hlo_module_re=jit_decode"
+      part "${QUANT_LAYER_S:-40}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
+          --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 \
+          --out "$out/int4_layer_notriton" 2>&1 | tee "$out/int4_layer_notriton.log" ) || true
     find "$out/hlo_int4" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
-    same_tokens "$out" int4_layer_notriton_default int4_layer_notriton_while_graph
-    part "${SWEEP_S:-90}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
-        --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
     archive=$(mktemp -d)/next.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;

@@ -445,3 +445,69 @@ def test_kernel_sweep_writes_every_point_as_it_goes(tmp_path, monkeypatch):
         seq_len=64, kernel="lambda", **points[1][1], cudnn_ms=2.0, error="RuntimeError: out of shared memory"
     )
     assert rows[0]["ms"] == 2.0 and rows[0]["cudnn_over_this"] == 1.0
+
+
+def _session_commands() -> list[tuple[str, list[str]]]:
+    """(script, its arguments) of every Python command in benchmarks/gpu_session.sh, shell variables given
+    stand-in values (a loop's chunk size and steps a number, anything else a path)."""
+    import re
+    import shlex
+
+    text = (BENCHMARKS / "gpu_session.sh").read_text().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        for match in re.finditer(r"\$PY (\S+\.py|-m pytest)((?:\s+(?!2>&1|\||\)|;)\S+)*)", line):
+            args = re.sub(r"\$\{?(\w+)\}?", lambda m: {"chunk": "8192", "steps": "10"}.get(m[1], "OUT"), match[2])
+            helper = re.match(r"\s*(\w+)\(\)", line)  # a shell function's command: once per call, "$@" its arguments
+            calls = re.findall(rf"^\s+{helper[1]} \S+(.*)$", text, re.MULTILINE) if helper else [""]
+            commands += [(match[1], shlex.split(args.replace('"$@"', call))) for call in calls]
+    return commands
+
+
+def test_every_gpu_session_command_parses(monkeypatch):
+    """A GPU call lasts minutes and comes by chance: every command of gpu_session.sh must be one its script
+    accepts (an option renamed in a script, or a typo, would cost a part's whole turn), and every `pytest -k` must
+    select GPU tests."""
+    import argparse
+    import re
+
+    from _pytest.mark.expression import Expression
+
+    commands = _session_commands()
+    scripts = {script for script, _ in commands}
+    assert {"benchmarks/gpu_llama8b.py", "benchmarks/kernels.py", "train_gates.py", "-m pytest"} <= scripts
+
+    class Parsed(Exception):
+        pass
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise Parsed(parse(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    root = BENCHMARKS.parent
+    gpu_tests = re.findall(r"^def (test_\w+)", (root / "tests/test_gpu.py").read_text(), re.MULTILINE)
+    for script, args in commands:
+        if script == "-m pytest":
+            if "-k" in args:  # pytest's own -k matching: a name matches where it holds the word
+                k = Expression.compile(args[args.index("-k") + 1])
+                assert any(k.evaluate(lambda word, t=t: word.lower() in t.lower()) for t in gpu_tests), args
+            continue
+        path = root / script
+        spec = importlib.util.spec_from_file_location(f"session_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        with pytest.raises(Parsed):  # SystemExit (argparse's error) where the arguments are not the script's
+            (module.parse_args if hasattr(module, "parse_args") else module.main)(args)
+
+
+def test_the_next_gpu_stage_fits_one_device_call():
+    """`gpu_session.sh next` is the first call of a GPU session (at most 600 s a call): its parts' time limits
+    leave a minute for the machine's own start, the imports and the archive."""
+    import re
+
+    text = (BENCHMARKS / "gpu_session.sh").read_text()
+    stage = text[text.index("\nnext)\n") : text.index(";;", text.index("\nnext)\n"))]
+    limits = [int(n) for n in re.findall(r'part "\$\{\w+:-(\d+)\}"', stage)]
+    assert len(limits) >= 5 and sum(limits) <= 540, limits
