@@ -406,6 +406,14 @@ def main(argv: list[str] | None = None) -> int:
         default=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576],
         help="contexts (tokens)",
     )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["full", "duo"],
+        default=["full", "duo"],
+        help="the modes to run (full alone for a prompt in one chunk, where duo's streaming heads attend to the "
+        "whole chunk: DuoAttention's prefill is dense within a chunk); --dry-run plans both",
+    )
     p.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--recent", type=int, default=256)
@@ -489,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     window = args.sink + args.recent
     contexts = sorted(set(args.contexts))
 
-    def methods_at(context):
+    def methods_at(context, modes=tuple(args.modes)):
         return {
             m: mode_settings(
                 m,
@@ -501,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                 context=context,
                 kv_dtype=args.kv_dtype,
             ).build(config, context)
-            for m in ("full", "duo")
+            for m in modes
         }
 
     weight_bytes = tree_bytes(jax.eval_shape(lambda: model_params(config, args.weights)))
@@ -524,12 +532,12 @@ def main(argv: list[str] | None = None) -> int:
             f"dry run on {jax.default_backend()}: {MODEL} shape, {formats}, weights {weight_bytes / 2**30:.2f} "
             f"GiB, duo sparsity {args.sparsity} (r = {share:.3f}), chunk {args.chunk_size}"
         )
-        dry_run_checks(config, methods_at(contexts[0]), args.chunk_size, args.weights)
+        dry_run_checks(config, methods_at(contexts[0], ("full", "duo")), args.chunk_size, args.weights)
         rows, plan = [], {}
         for context in contexts:
             sizes = {
                 m: tree_bytes(jax.eval_shape(lambda m=method: m.init_cache(args.batch, jax.numpy.bfloat16)))
-                for m, method in methods_at(context).items()
+                for m, method in methods_at(context, ("full", "duo")).items()
             }
             roof = rooflines(context=context, bandwidth=bandwidth)
             fits = {m: weight_bytes + sizes[m] <= args.hbm_gib * 2**30 for m in sizes}

@@ -30,7 +30,7 @@
 #                                                # decode (Triton, cuDNN, XLA) at 16k tokens; 4-6 minutes
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes;
 #                                                # CHUNKS=8192 for one size)
-#   bash benchmarks/gpu_session.sh whole OUT     # issue 33's target 3: prefill at 32k and 128k with the prompt as one
+#   bash benchmarks/gpu_session.sh whole OUT     # issue 33's target 3: full's prefill at 32k and 128k with the prompt as one
 #                                                # chunk, and 128k in chunks of 2,048 beside it (about 6 minutes)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens, under
@@ -232,12 +232,13 @@ serving)
         --out "$out" 2>&1 | tee "$out/gpu_llama8b_fill.log" || true
     ;;
 whole)
-    # Target 3 with the prompt as one chunk: full's attention is then cuDNN's causal self-attention, which ran at
-    # about 590 TFLOP/s in kernels.py at 32k against about 500 over 2,048-token chunks (the 128k targets need 525),
-    # and duo's retrieval heads likewise. 128k in chunks of 2,048 in the same call, side by side.
-    part "${WHOLE_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 --chunk-size 32768 \
-        --decode-steps 4 --prefill-repeats 2 --out "$out/whole32k" 2>&1 | tee "$out/whole32k.log" || true
-    part "${WHOLE_LONG_S:-160}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+    # Target 3 for full with the prompt as one chunk: its attention is then cuDNN's causal self-attention, which ran
+    # at about 590 TFLOP/s in kernels.py at 32k against about 500 over 2,048-token chunks (full's 128k target needs
+    # 525). Full alone: duo's streaming heads see their whole chunk (DuoAttention's chunked prefill), so duo keeps
+    # its chunks. 128k in chunks of 2,048, both modes, in the same call, side by side.
+    part "${WHOLE_S:-80}" $PY benchmarks/gpu_llama8b.py --modes full --contexts 32768 --max-prefill 32768 \
+        --chunk-size 32768 --decode-steps 4 --prefill-repeats 2 --out "$out/whole32k" 2>&1 | tee "$out/whole32k.log" || true
+    part "${WHOLE_LONG_S:-120}" $PY benchmarks/gpu_llama8b.py --modes full --contexts 131072 --max-prefill 131072 \
         --chunk-size 131072 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
         | tee "$out/whole128k.log" || true
     part "${CHUNKED_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
@@ -270,8 +271,9 @@ next)
     # (about 9 minutes; one JSON folder per part):
     # - target 5: duo's decode step in one Mosaic GPU launch, never run on a GPU: its tests, then decode at 8k and
     #   32k through it without Triton, profiled;
-    # - target 3: 128k prefill with the prompt as one chunk (cuDNN's causal self-attention, about 590 TFLOP/s in
-    #   kernels.py against about 500 over 2,048-token chunks; the `whole` stage puts chunks of 2,048 beside it);
+    # - target 3: full's 128k prefill with the prompt as one chunk (cuDNN's causal self-attention, about 590 TFLOP/s
+    #   in kernels.py against about 500 over 2,048-token chunks; the `whole` stage puts chunks of 2,048 beside it).
+    #   Full alone: duo's streaming heads see their whole chunk, so duo in one chunk is dense (ALGORITHMS, docs);
     # - target 4: Λ's tiles x warps x stages, in runs and in one loop, then flash's, at 32k against cuDNN;
     # - target 5: where duo's decode without Triton through cuDNN spends its extra 0.5-0.8 ms per step (a per-op
     #   profile whose per-launch quartiles split cuDNN's retrieval call from the ring's, and the loop's HLO);
@@ -282,7 +284,7 @@ next)
     ( export DUO_JAX_DISABLE_TRITON=1
       part "${MOSAIC_S:-80}" $PY benchmarks/gpu_llama8b.py --impl mosaic --contexts 8192 32768 --max-prefill 0 \
           --decode-steps 16 --profile --out "$out/profile_mosaic" 2>&1 | tee "$out/profile_mosaic.log" ) || true
-    part "${WHOLE_LONG_S:-170}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+    part "${WHOLE_LONG_S:-120}" $PY benchmarks/gpu_llama8b.py --modes full --contexts 131072 --max-prefill 131072 \
         --chunk-size 131072 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
         | tee "$out/whole128k.log" || true
     part "${SWEEP_S:-90}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
