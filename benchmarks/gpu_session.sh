@@ -287,10 +287,13 @@ next)
     part "${WHOLE_LONG_S:-120}" $PY benchmarks/gpu_llama8b.py --modes full --contexts 131072 --max-prefill 131072 \
         --chunk-size 131072 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
         | tee "$out/whole128k.log" || true
-    part "${SWEEP_S:-90}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
+    # (and whether cuDNN's padding mask, which a chunk at a traced offset needs, is what holds chunks under it)
+    part "${CUDNN_MASKS_S:-40}" $PY benchmarks/kernels.py --cudnn-masks --chunk 2048 --seq-lens 32768 131072 --reps 5 \
+        --out "$out/cudnn_masks.json" 2>&1 | tee "$out/cudnn_masks.log" || true
+    part "${SWEEP_S:-80}" $PY benchmarks/kernels.py --sweep --seq-lens 32768 --reps 5 \
         --out "$out/kernels_sweep_32k.json" 2>&1 | tee "$out/kernels_sweep_32k.log" || true
     ( export DUO_JAX_DISABLE_TRITON=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo --xla_dump_hlo_module_re=jit_decode"
-      part "${PROFILE_S:-70}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
+      part "${PROFILE_S:-60}" $PY benchmarks/gpu_llama8b.py --contexts 8192 32768 --max-prefill 0 --decode-steps 16 \
           --profile --out "$out/profile_notriton" 2>&1 | tee "$out/profile_notriton.log" ) || true
     same_tokens "$out" profile_mosaic profile_notriton  # the Mosaic GPU kernel against the cuDNN path
     find "$out/hlo" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true

@@ -32,6 +32,7 @@ sink + recent cached tokens (keys at explicit positions, the own kernel).
 
   python benchmarks/kernels.py --out results/kernels.json
   python benchmarks/kernels.py --sweep --seq-lens 32768 --out results/kernels_sweep.json   # GPU: launch tuning
+  python benchmarks/kernels.py --cudnn-masks --chunk 2048 --seq-lens 32768 131072   # GPU: cuDNN's calls per mask
   python benchmarks/kernels.py --cpu-smoke
   python benchmarks/kernels.py --tpu-export --seq-lens 4096 16384 --out results/tpu_export.json
 """
@@ -42,6 +43,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import math
 import pathlib
 import platform
 import statistics
@@ -90,6 +92,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="on GPU: forward times of Λ (its tiles in runs and in one loop) and flash over tiles x num_warps x "
         "num_stages at each T, against cuDNN, instead of the table above (--out written after each point)",
+    )
+    parser.add_argument(
+        "--cudnn-masks",
+        action="store_true",
+        help="on GPU: cuDNN's forward at each T as the engine calls it, in TFLOP/s: causal self-attention (a prompt "
+        "in one chunk), the last --chunk queries over the keys before them with a padding mask over a T-slot cache "
+        "(a chunk at a traced offset) and over exactly those keys (no mask), and their own causal call",
     )
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write results as JSON here")
     return parser.parse_args(argv)
@@ -347,6 +356,39 @@ def sweep(args, result: dict) -> None:
             )
 
 
+def cudnn_mask_calls(args, seq_len: int, attend=None) -> dict:
+    """Forward ms and TFLOP/s of the cuDNN calls a prefill makes at context `seq_len` (`attend`: the engine's one
+    cuDNN call, `duo_jax.attention.cudnn._cudnn`, or a stand-in): the whole sequence causal, and for the last
+    `args.chunk` queries their prefix c = T - chunk through a padding mask over all T slots (what a chunk at a
+    traced offset runs), the same prefix sliced exactly (no mask) and the chunk's own keys causal. Attention FLOPs
+    are 4 x rows x keys x H x E, halved where causal."""
+    attend = attend or cudnn._cudnn
+    dtype = jnp.dtype(args.dtype)
+    B, H, K, E, C = args.batch, args.num_heads, args.num_kv_heads, args.head_dim, args.chunk
+    c = seq_len - C
+    if c <= 0:
+        raise SystemExit(f"--cudnn-masks needs --chunk < T, got chunk {C} at T = {seq_len}")
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (B, seq_len, H, E), dtype)
+    k, v = (jax.random.normal(key, (B, seq_len, K, E), dtype) for key in keys[1:])
+    chunk, prefix = q[:, c:], jnp.full((B,), c, jnp.int32)
+    calls = {  # name: (causal, key lengths, q, k, v, query-key pairs attended)
+        "causal_whole": (True, None, q, k, v, seq_len**2 / 2),
+        "prefix_padded": (False, prefix, chunk, k, v, C * c),
+        "prefix_exact": (False, None, chunk, k[:, :c], v[:, :c], C * c),
+        "own_causal": (True, None, chunk, k[:, c:], v[:, c:], C**2 / 2),
+    }
+    row = {}
+    for name, (causal, lengths, *operands, pairs) in calls.items():
+        call = functools.partial(attend, causal=causal, scale=1 / math.sqrt(E))
+        try:
+            ms = median_ms(jax.jit(lambda q, k, v, n, call=call: call(q, k, v, n)), *operands, lengths, reps=args.reps)
+            row[name] = {"ms": ms, "tflops": 4 * B * pairs * H * E / (ms * 1e-3) / 1e12}
+        except Exception as e:  # e.g. a length cuDNN refuses: record it, keep going
+            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return row
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     backend = jax.default_backend()
@@ -358,6 +400,19 @@ def main(argv=None) -> None:
         "python": platform.python_version(),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
+    if args.cudnn_masks:
+        if backend != "gpu":
+            raise SystemExit("--cudnn-masks times cuDNN's calls: it needs a GPU")
+        result["cudnn_masks"] = {}
+        for seq_len in args.seq_lens:
+            row = result["cudnn_masks"][seq_len] = cudnn_mask_calls(args, seq_len)
+            cells = [
+                f"{n} {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s" if "ms" in r else f"{n} -" for n, r in row.items()
+            ]
+            print(f"T={seq_len}, chunk {args.chunk}: " + "; ".join(cells), flush=True)
+            write(result, args.out, quiet=True)
+        write(result, args.out)
+        return
     if args.sweep:
         if backend != "gpu":
             raise SystemExit("--sweep times Triton launches against cuDNN: it needs a GPU")

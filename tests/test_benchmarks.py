@@ -511,3 +511,27 @@ def test_the_next_gpu_stage_fits_one_device_call():
     stage = text[text.index("\nnext)\n") : text.index(";;", text.index("\nnext)\n"))]
     limits = [int(n) for n in re.findall(r'part "\$\{\w+:-(\d+)\}"', stage)]
     assert len(limits) >= 5 and sum(limits) <= 540, limits
+
+
+def test_cudnn_mask_calls_time_each_call_the_engine_makes(monkeypatch):
+    """`kernels.py --cudnn-masks` without a GPU: the XLA stand-in for cuDNN's call (`cudnn.xla_part`, its contract)
+    runs each call, a timer of 1 ms gives each row's FLOP rate by hand, and a chunk as long as T is an error."""
+    from duo_jax.attention import cudnn
+
+    bench = importlib.import_module("kernels")
+    args = bench.parse_args(["--cudnn-masks", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16"])
+    args.chunk, args.dtype = 16, "float32"
+    ran = []
+
+    def timer(fn, *operands, reps):
+        out, lse = fn(*operands)
+        ran.append((out.shape, lse.shape))
+        return 1.0
+
+    monkeypatch.setattr(bench, "median_ms", timer)
+    row = bench.cudnn_mask_calls(args, 64, attend=cudnn.xla_part)
+    pairs = {"causal_whole": 64 * 64 / 2, "prefix_padded": 16 * 48, "prefix_exact": 16 * 48, "own_causal": 16 * 16 / 2}
+    assert {name: r["tflops"] for name, r in row.items()} == {n: 4 * p * 4 * 16 / 1e-3 / 1e12 for n, p in pairs.items()}
+    assert ran == [((1, 64, 4, 16), (1, 64, 4))] + [((1, 16, 4, 16), (1, 16, 4))] * 3
+    with pytest.raises(SystemExit, match="--chunk < T"):
+        bench.cudnn_mask_calls(args, 16, attend=cudnn.xla_part)
