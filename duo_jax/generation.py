@@ -195,6 +195,7 @@ def plan_generation(
     """`generate`'s options checked, its prompts tokenized and its method built: everything `run_generation`
     needs, with a clear error for anything that cannot run. Arguments as `generate`."""
     impl = _deprecated_impl(impl, method_options)
+    _check_method_options(method_options)
     mesh = None if mesh is None else sharding.auto_axes(mesh)
     checked = validate_options(
         sparsity=sparsity,
@@ -281,6 +282,19 @@ def plan_generation(
         impl=impl,
         mesh=mesh,
     )
+
+
+def _check_method_options(options: dict) -> None:
+    """Every keyword `generate` passes on to the method is some method's option: a name that is none (a typo, or an
+    option of another library's generate, such as `stop`) is an error naming it, not one about the method."""
+    known = set().union(*(methods.entry(name).options for name in methods.METHODS))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise DuoJaxError(
+            f"generate() takes no option {', '.join(map(repr, unknown))}: neither one of its own nor a method's "
+            "(duo_jax.methods.describe() lists those). It stops at the model's end-of-sequence tokens "
+            "(stop_at_eos); stop strings are the server's (docs/serving.md)."
+        )
 
 
 def _deprecated_impl(impl: str, options: dict) -> str:

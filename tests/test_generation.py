@@ -258,6 +258,9 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
         (dict(top_p=0.0), DuoJaxError, "top_p"),
         (dict(temperature=float("nan")), DuoJaxError, "temperature must be a finite number"),
         (dict(top_k=1.5), DuoJaxError, "top_k must be an integer"),
+        (dict(stop=["\n"]), DuoJaxError, r"generate\(\) takes no option 'stop'.*stop strings are the server's"),
+        (dict(kv_bugdet=64), DuoJaxError, r"takes no option 'kv_bugdet'"),
+        (dict(kv_budget=64), DuoJaxError, "method 'full' does not take kv_budget"),  # another method's option
     ],
 )
 def test_bad_arguments_are_clear_errors(model, prompts, kwargs, error, message):
