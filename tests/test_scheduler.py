@@ -300,3 +300,30 @@ def test_a_pool_memory_that_holds_no_page_is_refused(capsys):
     with pytest.raises(SystemExit):
         serve_main(["--max-queued", "0"])
     assert "--max-queued: must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_the_servers_context_stops_at_the_models_positions(monkeypatch, capsys):
+    """`--context` past the model's positions (no request may go there) sizes nothing past them, and says so; the
+    banner names the context. uvicorn is stubbed: the CLI builds everything, then returns."""
+    import uvicorn
+
+    from duo_jax.serve.__main__ import main as serve_main
+
+    config = tiny_config(max_position_embeddings=256)
+    model = duo_jax.Model(config, duo_jax.init_params(config, jax.random.key(0)), None, "random")
+    monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: model)
+    built = []
+
+    class Web:  # uvicorn.Server, run at once (its Config would point logging at pytest's captured stderr)
+        def __init__(self, cfg):
+            built.append(cfg)
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(uvicorn, "Server", Web)
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **kw: app)
+    assert serve_main(["--model", "tiny", "--context", "100000", "--page-size", "16", "--no-warm-up"]) == 0
+    err = capsys.readouterr().err
+    assert "--context 100000 is past tiny's 256 positions; sequences hold at most 256 tokens" in err
+    assert "context 256," in err and len(built) == 1

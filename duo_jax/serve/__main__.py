@@ -94,10 +94,17 @@ def main(argv=None) -> int:
 
     try:
         model = duo_jax.load(args.model, getattr(jnp, args.dtype))
+        context = min(args.context, model.config.max_position_embeddings)
+        if context < args.context:  # no request may pass the model's positions: no page table wider than that
+            print(
+                f"note: --context {args.context} is past {args.model}'s {context} positions; sequences hold at most "
+                f"{context} tokens",
+                file=sys.stderr,
+            )
         method = build_method(
             model.config,
             None,
-            context=args.context,
+            context=context,
             pattern=args.pattern,
             sparsity=args.sparsity,
             sink=args.sink,
@@ -122,7 +129,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"serving {args.model} ({method.name}, {pages} pages of {args.page_size} tokens, {args.slots} slots) "
+        f"serving {args.model} ({method.name}, context {context}, {pages} pages of {args.page_size} tokens, "
+        f"{args.slots} slots) "
         f"on http://{args.host}:{args.port}",
         file=sys.stderr,
     )
