@@ -411,8 +411,15 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=["full", "duo"],
         default=["full", "duo"],
-        help="the modes to run (full alone for a prompt in one chunk, where duo's streaming heads attend to the "
-        "whole chunk: DuoAttention's prefill is dense within a chunk); --dry-run plans both",
+        help="the modes to run (duo's streaming heads attend to their whole chunk: with a prompt in one chunk, duo's "
+        "prefill is dense unless --streaming-chunk is given); --dry-run plans both",
+    )
+    p.add_argument(
+        "--streaming-chunk",
+        type=int,
+        default=None,
+        help="duo: the streaming heads see a longer prefill chunk as chunks of this many tokens, the retrieval heads "
+        "see it whole (DuoAttention.streaming_chunk: the output of a prefill in such chunks); --chunk-size a multiple",
     )
     p.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
     p.add_argument("--sink", type=int, default=64)
@@ -498,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = sorted(set(args.contexts))
 
     def methods_at(context, modes=tuple(args.modes)):
-        return {
+        built = {
             m: mode_settings(
                 m,
                 config,
@@ -511,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
             ).build(config, context)
             for m in modes
         }
+        if "duo" in built and args.streaming_chunk is not None:
+            built["duo"] = dataclasses.replace(built["duo"], streaming_chunk=args.streaming_chunk)
+        return built
 
     weight_bytes = tree_bytes(jax.eval_shape(lambda: model_params(config, args.weights)))
     formats = f"weights {args.weights or 'bf16'}, KV {args.kv_dtype or 'bf16'}"

@@ -30,8 +30,9 @@
 #                                                # decode (Triton, cuDNN, XLA) at 16k tokens; 4-6 minutes
 #   bash benchmarks/gpu_session.sh chunks OUT    # prefill in chunks of 8k and 4k at 32k and 128k (about 7 minutes;
 #                                                # CHUNKS=8192 for one size)
-#   bash benchmarks/gpu_session.sh whole OUT     # issue 33's target 3: full's prefill at 32k and 128k with the prompt as one
-#                                                # chunk, and 128k in chunks of 2,048 beside it (about 6 minutes)
+#   bash benchmarks/gpu_session.sh whole OUT     # issue 33's target 3: prefill at 32k and 128k with the prompt as one
+#                                                # chunk (duo's streaming heads in chunks of 2,048), and 128k in
+#                                                # chunks of 2,048 beside it (about 7 minutes)
 #   bash benchmarks/gpu_session.sh serving OUT   # decode at 32k with each mode's largest batch: tokens/s (4 minutes)
 #   bash benchmarks/gpu_session.sh train8b OUT   # the gate-training step at Llama-3-8B shapes, 32k tokens, under
 #                                                # auto, pallas and as a GPU without Triton (DUO_JAX_DISABLE_TRITON)
@@ -41,8 +42,8 @@
 #   bash benchmarks/gpu_session.sh next OUT      # issue 33's open questions in one call of about 9 minutes, most
 #                                                # informative first: the Mosaic GPU duo decode kernel's tests and
 #                                                # decode through it without Triton, 128k prefill as one chunk, the
-#                                                # kernel sweep at 32k, decode without Triton through cuDNN at 8k /
-#                                                # 32k with a per-op profile, one int4 layer's decode
+#                                                # cuDNN calls per mask, the kernel sweep at 32k, decode without
+#                                                # Triton through cuDNN at 8k / 32k with a per-op profile
 #   bash benchmarks/gpu_session.sh sweep OUT     # Λ (tiles in runs / in one loop) and flash forward over tiles x warps
 #                                                # x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh layer_decode OUT  # one layer's decode attention: duo's Mosaic GPU (per tile /
@@ -232,16 +233,17 @@ serving)
         --out "$out" 2>&1 | tee "$out/gpu_llama8b_fill.log" || true
     ;;
 whole)
-    # Target 3 for full with the prompt as one chunk: its attention is then cuDNN's causal self-attention, which ran
-    # at about 590 TFLOP/s in kernels.py at 32k against about 500 over 2,048-token chunks (full's 128k target needs
-    # 525). Full alone: duo's streaming heads see their whole chunk (DuoAttention's chunked prefill), so duo keeps
-    # its chunks. 128k in chunks of 2,048, both modes, in the same call, side by side.
-    part "${WHOLE_S:-80}" $PY benchmarks/gpu_llama8b.py --modes full --contexts 32768 --max-prefill 32768 \
-        --chunk-size 32768 --decode-steps 4 --prefill-repeats 2 --out "$out/whole32k" 2>&1 | tee "$out/whole32k.log" || true
-    part "${WHOLE_LONG_S:-120}" $PY benchmarks/gpu_llama8b.py --modes full --contexts 131072 --max-prefill 131072 \
-        --chunk-size 131072 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
+    # Target 3 with the prompt as one chunk: full's attention is then cuDNN's causal self-attention, which ran at
+    # about 590 TFLOP/s in kernels.py at 32k against about 500 over 2,048-token chunks (full's 128k target needs
+    # 525), and so is duo's retrieval heads', its streaming heads seeing chunks of 2,048 (--streaming-chunk: the
+    # output of the 2,048-token prefill). 128k in chunks of 2,048 in the same call, side by side.
+    part "${WHOLE_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 32768 --max-prefill 32768 --chunk-size 32768 \
+        --streaming-chunk 2048 --decode-steps 4 --prefill-repeats 2 --out "$out/whole32k" 2>&1 \
+        | tee "$out/whole32k.log" || true
+    part "${WHOLE_LONG_S:-190}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        --chunk-size 131072 --streaming-chunk 2048 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
         | tee "$out/whole128k.log" || true
-    part "${CHUNKED_S:-100}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+    part "${CHUNKED_S:-110}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
         --decode-steps 4 --prefill-repeats 1 --out "$out/chunked128k" 2>&1 | tee "$out/chunked128k.log" || true
     archive=$(mktemp -d)/whole.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
@@ -271,21 +273,21 @@ next)
     # (about 9 minutes; one JSON folder per part):
     # - target 5: duo's decode step in one Mosaic GPU launch, never run on a GPU: its tests, then decode at 8k and
     #   32k through it without Triton, profiled;
-    # - target 3: full's 128k prefill with the prompt as one chunk (cuDNN's causal self-attention, about 590 TFLOP/s
-    #   in kernels.py against about 500 over 2,048-token chunks; the `whole` stage puts chunks of 2,048 beside it).
-    #   Full alone: duo's streaming heads see their whole chunk, so duo in one chunk is dense (ALGORITHMS, docs);
+    # - target 3: 128k prefill with the prompt as one chunk (cuDNN's causal self-attention, about 590 TFLOP/s in
+    #   kernels.py against about 500 over 2,048-token chunks), duo's streaming heads still in chunks of 2,048
+    #   (--streaming-chunk: the output of the 2,048-token prefill); the `whole` stage puts chunks of 2,048 beside it;
     # - target 4: Λ's tiles x warps x stages, in runs and in one loop, then flash's, at 32k against cuDNN;
     # - target 5: where duo's decode without Triton through cuDNN spends its extra 0.5-0.8 ms per step (a per-op
     #   profile whose per-launch quartiles split cuDNN's retrieval call from the ring's, and the loop's HLO);
-    # - one int4 layer's decode at 128k without Triton (the XLA path's tiles as sums of products), with its HLO.
-    # (Decode with the loop as one CUDA graph: the graphs stage; the gate-training step at Llama-3-8B: train8b.)
+    # (One int4 layer's decode without Triton, the XLA path's tiles as sums of products: the quantized stage; decode
+    # with the loop as one CUDA graph: graphs; the gate-training step at Llama-3-8B: train8b.)
     part "${MOSAIC_TESTS_S:-75}" $PY -m pytest -m gpu -x -q tests/test_gpu.py -k mosaic 2>&1 \
         | tee "$out/gpu_tests_mosaic.log" || true
     ( export DUO_JAX_DISABLE_TRITON=1
       part "${MOSAIC_S:-80}" $PY benchmarks/gpu_llama8b.py --impl mosaic --contexts 8192 32768 --max-prefill 0 \
           --decode-steps 16 --profile --out "$out/profile_mosaic" 2>&1 | tee "$out/profile_mosaic.log" ) || true
-    part "${WHOLE_LONG_S:-120}" $PY benchmarks/gpu_llama8b.py --modes full --contexts 131072 --max-prefill 131072 \
-        --chunk-size 131072 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
+    part "${WHOLE_LONG_S:-190}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
+        --chunk-size 131072 --streaming-chunk 2048 --decode-steps 4 --prefill-repeats 1 --out "$out/whole128k" 2>&1 \
         | tee "$out/whole128k.log" || true
     # (and whether cuDNN's padding mask, which a chunk at a traced offset needs, is what holds chunks under it)
     part "${CUDNN_MASKS_S:-40}" $PY benchmarks/kernels.py --cudnn-masks --chunk 2048 --seq-lens 32768 131072 --reps 5 \
@@ -297,11 +299,6 @@ next)
           --profile --out "$out/profile_notriton" 2>&1 | tee "$out/profile_notriton.log" ) || true
     same_tokens "$out" profile_mosaic profile_notriton  # the Mosaic GPU kernel against the cuDNN path
     find "$out/hlo" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
-    ( export DUO_JAX_DISABLE_TRITON=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/hlo_int4 --xla_dump_hlo_module_re=jit_decode"
-      part "${QUANT_LAYER_S:-40}" $PY benchmarks/gpu_llama8b.py --num-layers 1 --kv-dtype int4 --weights int8 \
-          --sparsity 0.75 --contexts 131072 --max-prefill 0 --decode-steps 8 \
-          --out "$out/int4_layer_notriton" 2>&1 | tee "$out/int4_layer_notriton.log" ) || true
-    find "$out/hlo_int4" -type f ! -name '*jit_decode*after_optimizations.txt' -delete 2>/dev/null || true
     archive=$(mktemp -d)/next.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;

@@ -87,6 +87,32 @@ def test_mixed_pattern_matches_reference(params, prompt, chunk):
     assert np.abs(full - ref).max() > 1e-2
 
 
+@pytest.mark.parametrize("impl, kv_dtype", [("auto", None), ("xla", None), ("pallas", None), ("xla", "int8")], ids=str)
+def test_a_streaming_chunk_makes_a_long_chunk_prefill_as_short_ones(params, prompt, impl, kv_dtype):
+    """`streaming_chunk=4` with chunks of 12 (the prompt's 23 tokens in two): the streaming heads see each chunk as
+    three of 4 (the ring's keys before each, sinks past the ring's and within the chunk, a padded tail) while the
+    retrieval heads see it whole; the float64 reference is DuoAttention prefilled in chunks of 4. On the CPU kernel
+    (auto), the XLA path, the Pallas kernels (interpreted), and over int8 codes."""
+    sink, recent, steps, size = 2, 5, 3, 4
+    layout = make_layout(CONFIG, MIXED, sink=sink, recent=recent, context=len(prompt) + steps, kv_dtype=kv_dtype)
+    sequence, logits, _, _ = run_method(
+        params, CONFIG, DuoAttention(layout, streaming_chunk=size), prompt, chunk=12, decode_steps=steps, impl=impl
+    )
+    starts = [(i // size) * size if i < len(prompt) else i for i in range(len(sequence))]
+    ref = reference_logits(params, CONFIG, sequence, MIXED, sink, recent, starts, kv_dtype=kv_dtype)
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4 if kv_dtype is None else 2e-3)
+    whole = reference_logits(
+        params, CONFIG, sequence, MIXED, sink, recent, [(i // 12) * 12 for i in range(len(sequence))]
+    )
+    assert np.abs(whole - ref).max() > 1e-2  # the chunks of 12 would give other logits
+
+
+def test_a_streaming_chunk_takes_chunks_of_its_multiples(params, prompt):
+    layout = make_layout(CONFIG, MIXED, sink=2, recent=5, context=32)
+    with pytest.raises(duo_jax.DuoJaxError, match="multiple of 4"):
+        run_method(params, CONFIG, DuoAttention(layout, streaming_chunk=4), prompt, chunk=6, decode_steps=0)
+
+
 @pytest.mark.slow
 def test_pallas_kernels_in_the_engine_match_the_reference(params, prompt):
     """Retrieval heads through the Pallas flash / split-K decode kernels, streaming heads through the flash

@@ -89,6 +89,19 @@ def test_a_window_wider_than_the_capacity_is_full_attention_in_fulls_memory(mode
 
 
 @pytest.mark.slow
+def test_a_streaming_chunk_keeps_a_ragged_batch_as_its_own_chunks_would(model, prompts):
+    """duo with streaming_chunk=8 prefills a batch of 30, 17 and 41 tokens in chunks of 16, 24 or 48 (sub-chunks
+    wholly past a short prompt among them) to the tokens of chunks of 8; without it, chunks of 24 decode others."""
+    kwargs = dict(pattern=Pattern(GATES), sparsity=0.5, sink=2, recent=5, max_new_tokens=6, stop_at_eos=False)
+    eights = generate(model, prompts, chunk_size=8, **kwargs).tokens
+    for chunk_size in (16, 24, 48):
+        assert generate(model, prompts, chunk_size=chunk_size, streaming_chunk=8, **kwargs).tokens == eights
+    assert generate(model, prompts, chunk_size=24, **kwargs).tokens != eights
+    with pytest.raises(DuoJaxError, match="streaming_chunk must be an integer >= 1"):
+        generate(model, prompts, streaming_chunk=0, **kwargs)
+
+
+@pytest.mark.slow
 def test_stops_at_eos(model, prompts):
     first = generate(model, prompts[1], max_new_tokens=6, stop_at_eos=False).tokens[0]
     eos_model = duo_jax.Model(

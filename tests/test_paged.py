@@ -1,6 +1,8 @@
 """The paged retrieval partition: pages written and read through random block tables give the contiguous
 cache's attention (float64 reference) and the contiguous DuoAttention cache's logits."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,6 +216,8 @@ def test_paged_refuses_what_it_cannot_hold():
         paged(duo, page_size=0)
     with pytest.raises(DuoJaxError, match="cannot give"):
         paged(duo, page_size=16, num_pages=5).init_cache(2, jnp.float32)
+    with pytest.raises(DuoJaxError, match="takes no streaming_chunk"):  # its chunks are the scheduler's
+        paged(dataclasses.replace(duo, streaming_chunk=64))
 
 
 def test_only_paged_methods_run_one_row_of_a_batch():

@@ -77,6 +77,15 @@ for method in ("full", "duo"):
     whole = {",".join(map(str, x.shape)) for x in jax.tree.leaves((engine.params, kv.cache_spec(4, "float32")))}
     runs["gathered"], runs["whole_gathered"] = sorted(gathered), sorted(gathered & whole)
 
+# duo's streaming heads in chunks of 8 within chunks of 16 on (data=2, model=2): the tokens of chunks of 8 on one device
+duo = dict(method="duo", pattern=pattern, sparsity=sparsity)
+mesh = sharding.make_generation_mesh(**meshes["data=2,model=2"], devices=jax.devices()[:4])
+result["streaming_chunk"] = dict(
+    eights=duo_jax.generate(model, prompts, **duo, **dict(options, chunk_size=8)).tokens,
+    sharded=duo_jax.generate(model, prompts, **duo, **options, mesh=mesh, streaming_chunk=8).tokens,
+    sixteens=result["duo"]["single"],
+)
+
 # Weight bytes on model=4, from the arrays' own shards.
 mesh = sharding.make_generation_mesh(data=2, model=4)
 params = Engine.of(model, mesh).params
@@ -141,6 +150,13 @@ def test_sharded_generate_gives_the_single_device_greedy_tokens(sharded, method)
     if method == "full":  # every head a retrieval head: the whole cache splits data x model ways
         assert runs["data=2,model=2"]["device_cache"] == runs["data=2,model=2"]["cache"] // 4
         assert runs["data=1,model=4"]["device_cache"] == runs["data=1,model=4"]["cache"] // 4
+
+
+@pytest.mark.slow
+def test_a_streaming_chunk_on_a_mesh_gives_its_chunks_tokens(sharded):
+    """duo with streaming_chunk=8 in chunks of 16 on (data=2, model=2): one device's tokens in chunks of 8."""
+    runs = sharded["streaming_chunk"]
+    assert runs["sharded"] == runs["eights"] != runs["sixteens"]
 
 
 @pytest.mark.slow

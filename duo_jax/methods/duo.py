@@ -41,6 +41,7 @@ from duo_jax.methods.registry import register
 from duo_jax.model import apply_rotary
 from duo_jax.pattern import Pattern
 from duo_jax.quant import as_stored
+from duo_jax.sampling import check_number
 
 
 def cache_order(layout: CacheLayout, layer: int, x: jax.Array) -> jax.Array:
@@ -123,24 +124,88 @@ def sharded_retrieval_attention(q, k, v, cache_k, cache_v, step: Step):
 
 
 @dataclasses.dataclass(frozen=True)
+class SubChunks:
+    """A chunk of T = S x K new tokens seen by the streaming heads as S chunks of K (`DuoAttention.streaming_chunk`):
+    for each, the keys it sees among the ring + chunk slots [B, R + T], the ones before it first (the sinks, then
+    the `recent` tokens before it: at most R), then its own K."""
+
+    slots: jax.Array  # int32 [B, S, R + K]: index of each key in the ring + chunk slots
+    positions: jax.Array  # int32 [B, S, R + K]: its position; -1: none (the sub-chunk's keys before it are fewer)
+    ring: int  # R: the slots before each sub-chunk's own keys
+
+    @classmethod
+    def build(cls, step: Step, sink: int, recent: int, size: int) -> SubChunks:
+        """Sub-chunk s starts at position a = lengths + s K; its query i sees j <= i with j < sink or j >= a - recent
+        (the rule of a chunk that starts at a): the sinks [0, min(sink, a)), then [max(a - recent, sink), a), from
+        the ring where before the chunk (lengths), else from the chunk, then the sub-chunk's own keys."""
+        B, T = step.positions.shape
+        S, R = T // size, sink + recent
+        start = step.lengths[:, None] + size * jnp.arange(S, dtype=jnp.int32)  # [B, S]
+        t = jnp.arange(R, dtype=jnp.int32)
+        sinks = jnp.minimum(sink, start)[..., None]
+        lo = jnp.maximum(start - recent, sink)[..., None]
+        before = jnp.where(t < sinks, t, jnp.where(t - sinks < start[..., None] - lo, lo + t - sinks, -1))
+        before = jnp.where(before < step.new_lengths[:, None, None], before, -1)  # past a short prompt: padding
+        first = step.lengths[:, None, None]  # the chunk's first position; the ring holds those before it
+        in_ring = jnp.where(before < sink, before, sink + (before - sink) % max(recent, 1))
+        before_slots = jnp.where(before >= first, R + before - first, in_ring)
+        own_slots = R + jnp.arange(T, dtype=jnp.int32).reshape(S, size)
+        own = jnp.where(step.valid, step.positions, -1).reshape(B, S, size)
+        slots = jnp.concatenate([jnp.maximum(before_slots, 0), jnp.broadcast_to(own_slots, (B, S, size))], axis=2)
+        return cls(slots, jnp.concatenate([before, own], axis=2), R)
+
+    def attend(self, q, keys, values, step: Step) -> jax.Array:
+        """q [B, T, H, E] over the ring + chunk keys / values [B, R + T, K, E] (or their codes), one sub-chunk per
+        row of a batch of B x S."""
+        B, T = q.shape[:2]
+        S, W = self.slots.shape[1:]
+        index = self.slots.reshape(B, S * W)[:, :, None, None]
+
+        def gather(x):  # [B, R + T, ...] -> [B S, W, ...]: values, or codes and scales alike
+            return jnp.take_along_axis(x, index, axis=1).reshape(B * S, W, *x.shape[2:])
+
+        spec = attention.MaskSpec(
+            step.positions.reshape(B * S, T // S),
+            jnp.full((B * S,), W, jnp.int32),
+            self.positions.reshape(B * S, W),
+            window=step.sliding_window,
+            own_keys_at=self.ring,
+        )
+        keys, values = jax.tree.map(gather, keys), jax.tree.map(gather, values)
+        out = attention.attend(q.reshape(B * S, T // S, *q.shape[2:]), keys, values, spec, impl=step.impl)
+        return out.reshape(q.shape)
+
+
+@dataclasses.dataclass(frozen=True)
 class StreamingWindow:
     """Per-step bookkeeping of a sink + ring-buffer cache, shared by every layer."""
 
     key_positions: jax.Array  # int32 [B, S + T]: absolute position of each cache slot, then each new token; -1: empty
     write_slots: jax.Array  # int32 [B, T]: ring slot of each new token (out of range: not kept)
+    sub_chunks: SubChunks | None = None  # a chunk longer than `DuoAttention.streaming_chunk`: its pieces
 
     @classmethod
-    def build(cls, step: Step, sink: int, recent: int) -> StreamingWindow:
+    def build(cls, step: Step, sink: int, recent: int, chunk: int | None = None) -> StreamingWindow:
         # Keys are [cache slots, chunk]. The cache holds only sinks and tokens within `recent` of the
         # chunk start, so "j <= i" over filled slots is exactly the Λ-with-chunk rule.
         key_positions = jnp.concatenate(
             [streaming_slot_positions(step.lengths, sink, recent), jnp.where(step.valid, step.positions, -1)], axis=1
         )
         write = streaming_write_slots(step.positions, step.valid, step.new_lengths, sink, recent)
-        return cls(key_positions, write)
+        T = step.positions.shape[1]
+        if chunk is None or T <= chunk:
+            return cls(key_positions, write)
+        if T % chunk:
+            raise DuoJaxError(
+                f"a prefill chunk of {T} tokens is longer than duo's streaming_chunk ({chunk}) but not a multiple of "
+                f"it: use a chunk_size that is a multiple of {chunk} (or at most {chunk})"
+            )
+        return cls(key_positions, write, SubChunks.build(step, sink, recent, chunk))
 
     def attend(self, q, keys, values, step: Step) -> jax.Array:
         """q [B, T, H, E] over the ring + chunk keys / values [B, S + T, K, E]."""
+        if self.sub_chunks is not None:
+            return self.sub_chunks.attend(q, keys, values, step)
         spec = step.positions_spec(self.key_positions, own_keys_at=self.key_positions.shape[1] - q.shape[1])
         return attention.attend(q, keys, values, spec, impl=step.impl)
 
@@ -169,6 +234,11 @@ class DuoAttention(Method):
     """DuoAttention with a fixed retrieval / streaming split (`layout.num_retrieval` heads per layer)."""
 
     layout: CacheLayout  # its kv_order says which heads are retrieval heads
+    # The most tokens a streaming head sees as one prefill chunk: a longer chunk (a multiple of it) is seen as
+    # chunks of this size while the retrieval heads see it whole, so the output is that of a prefill in chunks of
+    # this size. None: each chunk as it comes. A performance knob (a long chunk is one long attention call for the
+    # retrieval heads) that leaves the output alone.
+    streaming_chunk: int | None = None
 
     @property
     def name(self) -> str:
@@ -204,7 +274,7 @@ class DuoAttention(Method):
     def begin_step(self, step: Step) -> DuoShared:
         return DuoShared(
             jnp.where(step.valid, step.positions, self.layout.capacity),
-            StreamingWindow.build(step, self.layout.sink, self.layout.recent),
+            StreamingWindow.build(step, self.layout.sink, self.layout.recent, self.streaming_chunk),
         )
 
     def attend_partitions(self, layer, q, ks, vs, retrieval, streaming_k, streaming_v, step: Step, shared: DuoShared):
@@ -227,6 +297,8 @@ class DuoAttention(Method):
         the streaming heads (the caches' order), the ring as it was before the chunk. Returns the output in the
         model's head order, or None where the kernel does not serve the step."""
         if step.is_decode or step.mesh is not None or step.sliding_window is not None:
+            return None
+        if shared.window.sub_chunks is not None:  # the kernel sees the chunk whole on every head
             return None
         return attention.duo_prefill(
             q,
@@ -364,19 +436,23 @@ def make_duo(
     recent: int = 256,
     kv_budget: int | None = None,
     kv_dtype: str | None = None,
+    streaming_chunk: int | None = None,
 ) -> DuoAttention:
     """`pattern` (a `Pattern` validated against the model) binarised at `sparsity`; with `kv_budget` (average
     tokens per KV head at `context`), the sparsity whose mix r * C + (1 - r) * (sink + recent) meets it (C:
-    `context` rounded up to the capacity block) instead."""
+    `context` rounded up to the capacity block) instead. `streaming_chunk`: `DuoAttention.streaming_chunk`."""
     if pattern is None:
         raise DuoJaxError("method 'duo' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
+    if streaming_chunk is not None:
+        streaming_chunk = check_number(
+            "streaming_chunk", streaming_chunk, integer=True, minimum=1, hint=" (tokens a streaming head's chunk holds)"
+        )
     if kv_budget is not None:
         sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
-    return DuoAttention(
-        make_layout(
-            config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent, context=context, kv_dtype=kv_dtype
-        )
+    layout = make_layout(
+        config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent, context=context, kv_dtype=kv_dtype
     )
+    return DuoAttention(layout, streaming_chunk)
 
 
 def num_retrieval_heads(config: ModelConfig, sparsity: float) -> int:

@@ -242,6 +242,11 @@ def paged(method: Method, *, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int 
             f"a paged cache of {method.layout.kv_dtype} KV is not supported yet: build the method "
             "with kv_dtype=None to page it"
         )
+    if method.streaming_chunk is not None:
+        raise DuoJaxError(
+            "a paged cache takes no streaming_chunk: its prefill chunks are the scheduler's own; build the method "
+            "with streaming_chunk=None to page it"
+        )
     capacity = -(-method.layout.capacity // page_size) * page_size
     return PagedDuo(dataclasses.replace(method.layout, capacity=capacity), page_size, num_pages)
 
