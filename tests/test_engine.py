@@ -169,7 +169,14 @@ def test_one_kernel_decode_over_a_ragged_batch(params):
 
 
 def lowered_extend(
-    mask, num_tokens: int, impl: str = "pallas", dtype: str = "float32", config=CONFIG, sink: int = 4, recent: int = 12
+    mask,
+    num_tokens: int,
+    impl: str = "pallas",
+    dtype: str = "float32",
+    config=CONFIG,
+    sink: int = 4,
+    recent: int = 12,
+    streaming_chunk: int | None = None,
 ) -> str:
     """The engine's step for DuoAttention with retrieval `mask` (None: full) over `num_tokens` new tokens per
     sequence (1: decode; more: a prefill chunk), with the engine's weights on a GPU, exported for CUDA."""
@@ -178,7 +185,7 @@ def lowered_extend(
 
     params = _abstract_params(config, dtype, fused_qkv=True)
     ints, tokens = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, num_tokens), jnp.int32)
-    method = DuoAttention(make_layout(config, mask, sink=sink, recent=recent, context=256))
+    method = DuoAttention(make_layout(config, mask, sink=sink, recent=recent, context=256), streaming_chunk)
     cache = jax.eval_shape(lambda: method.init_cache(1, dtype))
     return cuda_module(
         lambda p, c, l, t, n: extend(p, c, l, t, n, config=config, method=method, impl=impl),
@@ -309,6 +316,19 @@ def test_prefill_chunk_lowered_for_cuda_has_one_kernel_per_layer():
     # no more gathers than full (before the one-launch kernel: 6 launches and 12 gathers against full's 4 and 10),
     # and no padded copy of a ring + chunk (16 + 64 slots, tiled by blocks of 16; before: 9 pads)
     assert counts["duo"][1] <= counts["full"][1] and counts["duo"][2] == counts["full"][2] == 0
+
+
+def test_a_chunk_in_streaming_chunks_lowered_for_cuda_runs_each_partition_in_one_kernel():
+    """A chunk of 64 with streaming_chunk=16, exported for CUDA: each mixed layer's retrieval heads in one flash
+    kernel over the chunk, its streaming heads in one over the four sub-chunks as a batch (no one-launch kernel,
+    which would see the chunk whole on every head); a layer of one kind in one kernel."""
+    from tests.test_backend import triton_kernels
+
+    launches = triton_kernels(lowered_extend(MIXED, 64, streaming_chunk=16))
+    assert [launch["name"] for launch in launches] == ["block_sparse_attention_fwd"] * 6  # 1 + 1 + 2 + 2
+    # grid (batch, heads, blocks): the retrieval heads' batch of 1 (layers 0, 2, 3), the streaming heads' batch of
+    # 4 sub-chunks (layers 1, 2, 3)
+    assert sorted(launch["grid"][0] for launch in launches) == [1] * 3 + [4] * 3
 
 
 @pytest.mark.slow
