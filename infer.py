@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill step")
+    parser.add_argument(
+        "--streaming-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="duo: the streaming heads see a prefill step longer than N (--chunk-size a multiple of N) as steps of "
+        "N, so the output is that of --chunk-size N (docs/methods.md)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -131,11 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         text = args.prompt if args.prompt is not None else read_user_text(args.prompt_file, hint=" (--prompt-file)")
         model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype), weights=args.weights)
         chat = is_chat_model(model) if args.chat is None else args.chat
-        options = {
-            k: v
-            for k, v in dict(kv_budget=args.kv_budget, scores=args.scores, kv_dtype=args.kv_dtype).items()
-            if v is not None
-        }
+        options = dict(
+            kv_budget=args.kv_budget, scores=args.scores, kv_dtype=args.kv_dtype, streaming_chunk=args.streaming_chunk
+        )
+        options = {k: v for k, v in options.items() if v is not None}
         out = generate(
             model,
             text,

@@ -104,6 +104,26 @@ def test_other_methods_from_the_command_line(capsys):
     assert out.startswith("The capital of France is") and "headkv |" in err
 
 
+@pytest.mark.slow
+def test_a_streaming_chunk_gives_the_output_of_its_chunk_size(capsys):
+    """duo with --streaming-chunk 16 at --chunk-size 48 prints what --chunk-size 16 prints (a prompt of 51 tokens:
+    its streaming heads' windows of 4 + 8 differ between chunks of 16 and 48), and 40 is not a multiple of 16."""
+    prompt = (
+        "The committee met on Tuesday to review the budget for the new library, the repairs to the bridge on Mill "
+        "Street, and a proposal from the school board to extend the bus routes. After two hours of debate, the "
+        "members agreed that the most urgent item was"
+    )
+    common = ("--prompt", prompt, "--no-chat", "--pattern", "default", "--sink", "4", "--recent", "8")
+    sixteens, streamed, whole = (
+        run_main(capsys, *common, "--max-new-tokens", "8", "--chunk-size", size, *extra)
+        for size, extra in (("16", ()), ("48", ("--streaming-chunk", "16")), ("48", ()))
+    )
+    assert sixteens[0] == streamed[0] == whole[0] == 0, (sixteens, streamed, whole)
+    assert streamed[1] == sixteens[1] != whole[1]
+    status, _, err = run_main(capsys, *common, "--max-new-tokens", "8", "--chunk-size", "40", "--streaming-chunk", "16")
+    assert status == 2 and "not a multiple of it" in err
+
+
 # Greedy replies of the embedded SmolLM2-135M-Instruct through its chat template, recorded (the first is also
 # what transformers generates greedily from the same GGUF and template). Without the template the first prompt
 # is continued as plain text.
@@ -144,6 +164,8 @@ def test_instruct_model_answers_through_its_chat_template(prompt, capsys):
         (["--prompt", "hi", "--mesh", "model=1", "--kv-dtype", "int4"], "quantized KV cache on a device mesh"),
         (["--prompt", "hi", "--method", "infinigen"], "needs a positive kv_budget"),
         (["--prompt", "hi", "--method", "headkv", "--kv-budget", "64", "--scores", "/nonexistent"], "nonexistent"),
+        (["--prompt", "hi", "--pattern", "default", "--streaming-chunk", "0"], "streaming_chunk must be an integer"),
+        (["--prompt", "hi", "--streaming-chunk", "16"], "method 'full' does not take streaming_chunk"),
     ],
 )
 def test_errors_are_one_line_with_status_2(args, message, capsys):
