@@ -324,6 +324,10 @@ def sweep(args, result: dict) -> None:
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(0), 3)
     rows = result.setdefault("sweep", [])
+    kernels = {
+        "flash": pallas_kernels.flash_attention,
+        "lambda": functools.partial(pallas_kernels.lambda_attention, sink=args.sink, recent=args.recent),
+    }
     for seq_len in args.seq_lens:
         q = jax.random.normal(keys[0], (args.batch, seq_len, args.num_heads, args.head_dim), dtype)
         k, v = (
@@ -337,10 +341,7 @@ def sweep(args, result: dict) -> None:
             reps=args.reps,
         )
         for name, launch in sweep_points():
-            attn = {
-                "flash": pallas_kernels.flash_attention,
-                "lambda": functools.partial(pallas_kernels.lambda_attention, sink=args.sink, recent=args.recent),
-            }[name]
+            attn = kernels[name]
             row = {"seq_len": seq_len, "kernel": name, **launch, "cudnn_ms": cudnn}
             try:
                 row["ms"] = median_ms(jax.jit(functools.partial(attn, **launch)), q, k, v, reps=args.reps)

@@ -130,8 +130,7 @@ def main(argv=None) -> int:
         return 2
     print(
         f"serving {args.model} ({method.name}, context {context}, {pages} pages of {args.page_size} tokens, "
-        f"{args.slots} slots) "
-        f"on http://{args.host}:{args.port}",
+        f"{args.slots} slots) on http://{args.host}:{args.port}",
         file=sys.stderr,
     )
     hosts = default_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts.split(",")
