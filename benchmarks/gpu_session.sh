@@ -245,6 +245,8 @@ whole)
         | tee "$out/whole128k.log" || true
     part "${CHUNKED_S:-110}" $PY benchmarks/gpu_llama8b.py --contexts 131072 --max-prefill 131072 \
         --decode-steps 4 --prefill-repeats 1 --out "$out/chunked128k" 2>&1 | tee "$out/chunked128k.log" || true
+    # the same attention either way (duo: its streaming chunks are the 2,048-token prefill's), up to bf16 rounding
+    same_tokens "$out" whole128k chunked128k
     archive=$(mktemp -d)/whole.tgz
     tar czf "$archive" -C "$out" . && rm -rf "${out:?}"/* && mv "$archive" "$out/"
     ;;
