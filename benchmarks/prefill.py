@@ -6,10 +6,16 @@ apart); the peer runs its whole prompt in one forward. Ratios are speed-ups (> 1
 
     python benchmarks/prefill.py                     # SmolLM2-135M, its shipped pattern, 1k / 2k / 4k
     python benchmarks/prefill.py --pattern PATH --lengths 512 1024 --out results/benchmarks/prefill
+    python benchmarks/prefill.py --one-chunk --no-peer   # beside each mode, its prompt in one chunk
+
+With --one-chunk each mode also prefills its prompt as one chunk: full exactly so, duo with `streaming_chunk` =
+--chunk-size, so that its streaming heads still see chunks of --chunk-size (the same output) while its retrieval
+heads see the prompt whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -34,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         "after a forward and slowed the run after the peer's (ours at 2k: 0.89x -> 0.99x the "
         "peer with 1 s)",
     )
+    p.add_argument(
+        "--one-chunk",
+        action="store_true",
+        help="also time each mode with the prompt as one chunk (duo: streaming_chunk = --chunk-size, the same output)",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -48,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model, pattern = common.load(args)
     peer = None if args.no_peer else common.Peer(model, args.dtype, single_thread=args.single_thread)
-    systems = ["full", "duo"] + ([common.PEER] if peer else [])
+    one_chunk = ["full, one chunk", "duo, one chunk"] if args.one_chunk else []
+    systems = ["full", "duo"] + one_chunk + ([common.PEER] if peer else [])
     runs = {n: {s: [] for s in systems} for n in args.lengths}
     with tqdm(total=len(args.lengths) * len(systems) * args.repeats, desc="prefill", unit="run") as bar:
         for length in args.lengths:
@@ -60,9 +72,16 @@ def main(argv: list[str] | None = None) -> int:
                     if system == common.PEER:
                         runs[length][system].append(peer.time(ids, new_tokens=1)["ttft_s"])
                     else:
-                        settings = common.mode(system, model, pattern, args, length + 1)
+                        name, whole = system.split(",")[0], system in one_chunk
+                        settings = common.mode(name, model, pattern, args, length + 1)
+                        chunk = args.chunk_size
+                        if whole:  # the prompt in one chunk, a multiple of --chunk-size
+                            chunk = -(-length // args.chunk_size) * args.chunk_size
+                            if name == "duo":
+                                options = settings.options + (("streaming_chunk", args.chunk_size),)
+                                settings = dataclasses.replace(settings, options=options)
                         runs[length][system].append(
-                            common.time_ours(model, ids, settings, new_tokens=1, chunk_size=args.chunk_size)["ttft_s"]
+                            common.time_ours(model, ids, settings, new_tokens=1, chunk_size=chunk)["ttft_s"]
                         )
                     bar.update()
 
@@ -75,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             common.ratio(ttft[n]["full"], ttft[n]["duo"]),
             common.ratio(ttft[n].get(common.PEER), ttft[n]["full"]),
             common.ratio(ttft[n].get(common.PEER), ttft[n]["duo"]),
+            *[common.ratio(ttft[n][m], ttft[n][f"{m}, one chunk"]) for m in ("full", "duo") if one_chunk],
         ]
         for n in args.lengths
     ]
@@ -85,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         "duo vs full",
         f"full vs {common.PEER}",
         f"duo vs {common.PEER}",
+        *[f"{m}: one chunk vs chunks" for m in ("full", "duo") if one_chunk],
     ]
 
     def plot(path):
