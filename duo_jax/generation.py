@@ -274,7 +274,7 @@ def plan_generation(
         ids=ids,
         method=kv_method,
         capacity=capacity,
-        chunk=min(chunk_size, bucket(longest)),
+        chunk=_prefill_chunk(kv_method, chunk_size, longest),
         tail_steps=tail,
         max_new_tokens=max_new_tokens,
         sampling=Sampling(float(temperature), float(top_p), int(top_k)),
@@ -282,6 +282,21 @@ def plan_generation(
         impl=impl,
         mesh=mesh,
     )
+
+
+def _prefill_chunk(method: Method, chunk_size: int, longest: int) -> int:
+    """The prefill's chunk: `chunk_size`, or the bucket of the longest prompt where that is shorter; for duo with a
+    `streaming_chunk` K that it exceeds, a multiple of K (its streaming heads see the chunk as chunks of K)."""
+    chunk = min(chunk_size, bucket(longest))
+    size = getattr(method, "streaming_chunk", None)
+    if size is None or chunk <= size:
+        return chunk
+    if chunk_size % size:
+        raise DuoJaxError(
+            f"chunk_size ({chunk_size}) must be a multiple of duo's streaming_chunk ({size}), or at most it: its "
+            f"streaming heads see each prefill chunk as chunks of {size}"
+        )
+    return -(-chunk // size) * size
 
 
 def _check_method_options(options: dict) -> None:

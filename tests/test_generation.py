@@ -97,6 +97,12 @@ def test_a_streaming_chunk_keeps_a_ragged_batch_as_its_own_chunks_would(model, p
     for chunk_size in (16, 24, 48):
         assert generate(model, prompts, chunk_size=chunk_size, streaming_chunk=8, **kwargs).tokens == eights
     assert generate(model, prompts, chunk_size=24, **kwargs).tokens != eights
+    # a prompt bucket that is no multiple of 12 (64 for 41 tokens) is rounded up to one, below chunk_size
+    assert generate(model, prompts, chunk_size=96, streaming_chunk=12, **kwargs).tokens == (
+        generate(model, prompts, chunk_size=12, **kwargs).tokens
+    )
+    with pytest.raises(DuoJaxError, match=r"chunk_size \(20\) must be a multiple of duo's streaming_chunk \(8\)"):
+        generate(model, prompts, chunk_size=20, streaming_chunk=8, **kwargs)
     with pytest.raises(DuoJaxError, match="streaming_chunk must be an integer >= 1"):
         generate(model, prompts, streaming_chunk=0, **kwargs)
 

@@ -121,7 +121,7 @@ def test_a_streaming_chunk_gives_the_output_of_its_chunk_size(capsys):
     assert sixteens[0] == streamed[0] == whole[0] == 0, (sixteens, streamed, whole)
     assert streamed[1] == sixteens[1] != whole[1]
     status, _, err = run_main(capsys, *common, "--max-new-tokens", "8", "--chunk-size", "40", "--streaming-chunk", "16")
-    assert status == 2 and "not a multiple of it" in err
+    assert status == 2 and "chunk_size (40) must be a multiple of duo's streaming_chunk (16)" in err
 
 
 # Greedy replies of the embedded SmolLM2-135M-Instruct through its chat template, recorded (the first is also
