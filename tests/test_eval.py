@@ -318,6 +318,22 @@ def test_perplexity_with_prefix_equals_full_when_the_budget_covers_all(model, mo
 
 
 @pytest.mark.slow
+def test_perplexity_with_a_streaming_chunk_scores_as_its_chunk_size(model, pattern):
+    """--streaming-chunk: duo and streaming at chunks of 48 with streaming_chunk=16 give the NLL of chunks of 16 (and
+    record it); without it, chunks of 48 give another."""
+    tokens = np.random.default_rng(6).integers(0, VOCAB, (1, 96)).astype(np.int32)
+    kwargs = dict(pattern=pattern, sparsity=0.5, sink=2, recent=6, edges=[0, 48, 96], progress=False)
+    modes = ["duo", "streaming"]
+    sixteens = evaluate_perplexity(model, tokens, modes, chunk_size=16, **kwargs)["modes"]
+    streamed = evaluate_perplexity(model, tokens, modes, chunk_size=48, streaming_chunk=16, **kwargs)
+    whole = evaluate_perplexity(model, tokens, modes, chunk_size=48, **kwargs)["modes"]
+    assert [streamed["modes"][m]["settings"]["streaming_chunk"] for m in modes] == [16, 16]
+    for mode in modes:
+        assert abs(streamed["modes"][mode]["nll"] - sixteens[mode]["nll"]) < 1e-5, mode
+        assert abs(whole[mode]["nll"] - sixteens[mode]["nll"]) > 1e-3, mode
+
+
+@pytest.mark.slow
 def test_passkey_end_to_end(model, tmp_path):
     """With an int8 KV cache (the grid loop NIAH shares; `test_niah_end_to_end` runs it unquantized)."""
     results = run_passkey(

@@ -91,6 +91,14 @@ def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -
         help="quantize every mode's KV cache (absmax per token and head, bf16 scales; "
         "duo_jax.quant; every mode has one) (default: --dtype)",
     )
+    parser.add_argument(
+        "--streaming-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="duo modes: the streaming heads see a prefill chunk longer than N (--chunk-size a multiple of N) as "
+        "chunks of N: the output of --chunk-size N at a longer one (docs/methods.md)",
+    )
     if budgets:
         parser.add_argument(
             "--decode-last",
@@ -297,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             scores=scores,
             kv_budget=args.kv_budget,
             kv_dtype=args.kv_dtype,
+            streaming_chunk=args.streaming_chunk,
             sparsity=args.sparsity,
             sink=args.sink,
             recent=args.recent,
@@ -311,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             recent=args.recent,
             chunk_size=args.chunk_size,
             kv_dtype=args.kv_dtype,
+            streaming_chunk=args.streaming_chunk,
         )
         chat = {"auto": None, "on": True, "off": False}[getattr(args, "chat", "auto")]
         if args.task == "longbench":

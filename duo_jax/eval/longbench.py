@@ -308,6 +308,7 @@ def run_longbench(
         recent=settings.recent,
         chunk_size=settings.chunk_size,
         kv_dtype=settings.kv_dtype,
+        streaming_chunk=settings.streaming_chunk,
         dtype=str(model.params.dtype),
         prompt_tokens={t: [len(p) for p in v] for t, v in prompts.items()},
         wall_s=time.perf_counter() - start,

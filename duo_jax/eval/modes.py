@@ -89,6 +89,7 @@ class ModeSettings:
             recent=self.recent,
             kv_budget=self.kv_budget,
             kv_dtype=self.option("kv_dtype"),
+            streaming_chunk=self.option("streaming_chunk"),
         )
 
 
@@ -137,6 +138,7 @@ def mode_settings(
     kv_budget: int | None = None,
     scores: Pattern | None = None,
     kv_dtype: str | None = None,
+    streaming_chunk: int | None = None,
 ) -> ModeSettings:
     """The settings of mode `name` for prompts whose prompt + generated tokens fit in `context`.
 
@@ -144,6 +146,7 @@ def mode_settings(
     own rule (`duo_jax.methods.registry`: `entry(name).budget`). `pattern` is needed by the methods built on
     one (duo, duo_headkv: a resolved `Pattern`), `scores` (HeadKV head scores) by headkv and duo_headkv.
     kv_dtype: "int8" / "int4" for a quantized cache (`check_kv_dtype_modes`), None for the model's dtype.
+    streaming_chunk: duo's (`DuoAttention.streaming_chunk`); the other modes have none.
     """
     quantized = () if check_kv_dtype_modes([name], kv_dtype) is None else (("kv_dtype", kv_dtype),)
     settings = _mode_settings(
@@ -157,7 +160,8 @@ def mode_settings(
         kv_budget=kv_budget,
         scores=scores,
     )
-    return dataclasses.replace(settings, options=settings.options + quantized)
+    chunked = () if streaming_chunk is None or settings.method != "duo" else (("streaming_chunk", streaming_chunk),)
+    return dataclasses.replace(settings, options=settings.options + quantized + chunked)
 
 
 def _mode_settings(

@@ -75,6 +75,7 @@ def evaluate_grid(
     kv_budget: float | None = None,
     scores: Pattern | None = None,
     kv_dtype: str | None = None,
+    streaming_chunk: int | None = None,
     progress: bool = True,
 ) -> dict:
     """Generate the answer of every prompt in every mode; returns {"modes": {mode: result}}.
@@ -117,6 +118,7 @@ def evaluate_grid(
                     kv_budget=budget_tokens(kv_budget, length),
                     scores=scores,
                     kv_dtype=kv_dtype,
+                    streaming_chunk=streaming_chunk,
                 )
                 result = results[mode]
                 result["settings"][length] = settings.describe()
@@ -218,12 +220,14 @@ def run_niah(
     kv_budget: float | None = None,
     scores: Pattern | None = None,
     kv_dtype: str | None = None,
+    streaming_chunk: int | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
 ) -> dict:
     """The NIAH grid in every mode; writes niah.json and the heat maps into `out_dir` when given.
     kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's);
-    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype)."""
+    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype); streaming_chunk: the duo
+    modes' (`duo_jax.eval.modes.mode_settings`)."""
     if model.tokenizer is None:
         raise DuoJaxError("NIAH needs the model's tokenizer (none was found with the weights)")
     lengths, depths = sorted(set(lengths)), sorted(set(float(d) for d in depths))
@@ -251,6 +255,7 @@ def run_niah(
         kv_budget=kv_budget,
         scores=scores,
         kv_dtype=kv_dtype,
+        streaming_chunk=streaming_chunk,
         progress=progress,
     )
     results = dict(
@@ -266,6 +271,7 @@ def run_niah(
         recent=recent,
         kv_budget=kv_budget,
         kv_dtype=kv_dtype,
+        streaming_chunk=streaming_chunk,
         max_new_tokens=max_new_tokens,
         chunk_size=chunk_size,
         dtype=str(model.params.dtype),

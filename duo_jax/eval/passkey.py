@@ -51,12 +51,14 @@ def run_passkey(
     kv_budget: float | None = None,
     scores: Pattern | None = None,
     kv_dtype: str | None = None,
+    streaming_chunk: int | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
 ) -> dict:
     """Passkey accuracy per length in every mode; writes passkey.json and the figures into `out_dir` when given.
     kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's);
-    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype)."""
+    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype); streaming_chunk: the duo
+    modes' (`duo_jax.eval.modes.mode_settings`)."""
     if model.tokenizer is None:
         raise DuoJaxError("passkey retrieval needs the model's tokenizer (none was found with the weights)")
     lengths, depths = sorted(set(lengths)), passkey_depths(depths_per_length)
@@ -83,6 +85,7 @@ def run_passkey(
         kv_budget=kv_budget,
         scores=scores,
         kv_dtype=kv_dtype,
+        streaming_chunk=streaming_chunk,
         progress=progress,
     )
     results = dict(
@@ -98,6 +101,7 @@ def run_passkey(
         recent=recent,
         kv_budget=kv_budget,
         kv_dtype=kv_dtype,
+        streaming_chunk=streaming_chunk,
         max_new_tokens=max_new_tokens,
         chunk_size=chunk_size,
         dtype=str(model.params.dtype),

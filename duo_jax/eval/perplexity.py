@@ -121,12 +121,14 @@ def evaluate_perplexity(
     kv_budget: float | None = None,
     scores: Pattern | None = None,
     kv_dtype: str | None = None,
+    streaming_chunk: int | None = None,
     progress: bool = True,
 ) -> dict:
     """Per-bucket NLL / perplexity of token windows [B, T] in every mode: {"modes": {mode: {...}}}.
     prefix: prompt tokens (the rest is decoded; None: all prompt); kv_budget: a fraction of T kept per KV
     head by every mode but full (None: duo's budget); `scores`: HeadKV scores for headkv / duo_headkv;
-    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype)."""
+    kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype); streaming_chunk: the duo
+    modes' (`duo_jax.eval.modes.mode_settings`)."""
     from tqdm.auto import tqdm
 
     modes = check_modes(modes)
@@ -151,6 +153,7 @@ def evaluate_perplexity(
             kv_budget=budget_tokens(kv_budget, T),
             scores=scores,
             kv_dtype=kv_dtype,
+            streaming_chunk=streaming_chunk,
         )
         start = time.perf_counter()
         nll = engine_nll(model, tokens, settings, chunk_size=chunk_size, prefix=prefix)
@@ -205,12 +208,13 @@ def run_perplexity(
     kv_budget: float | None = None,
     scores: Pattern | None = None,
     kv_dtype: str | None = None,
+    streaming_chunk: int | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
 ) -> dict:
     """Perplexity of `samples` windows of `length` tokens of `source`; writes perplexity.json and
     perplexity.png (perplexity per bucket, one line per mode) into `out_dir` when given. kv_dtype: "int8" /
-    "int4" quantizes every mode's KV cache (None: the model's dtype)."""
+    "int4" quantizes every mode's KV cache (None: the model's dtype); streaming_chunk: the duo modes'."""
     if length > model.config.max_position_embeddings:
         raise DuoJaxError(f"length {length} exceeds the model's context of {model.config.max_position_embeddings}")
     if samples < 1:
@@ -232,6 +236,7 @@ def run_perplexity(
         kv_budget=kv_budget,
         scores=scores,
         kv_dtype=kv_dtype,
+        streaming_chunk=streaming_chunk,
         progress=progress,
     )
     results = dict(
@@ -248,6 +253,7 @@ def run_perplexity(
         prefix=prefix,
         kv_budget=kv_budget,
         kv_dtype=kv_dtype,
+        streaming_chunk=streaming_chunk,
         dtype=str(model.params.dtype),
         wall_s=time.perf_counter() - start,
         machine=report.machine_info(),

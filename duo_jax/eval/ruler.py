@@ -163,6 +163,7 @@ def run_ruler(
         recent=settings.recent,
         chunk_size=settings.chunk_size,
         kv_dtype=settings.kv_dtype,
+        streaming_chunk=settings.streaming_chunk,
         dtype=str(model.params.dtype),
         prompts={
             f"{t}_{n}": [dict(length=s.length, outputs=s.outputs, haystack_size=s.meta["haystack_size"]) for s in v]
@@ -209,6 +210,7 @@ MERGE_KEYS = (
     "recent",
     "chunk_size",
     "kv_dtype",
+    "streaming_chunk",
 )
 
 
@@ -221,14 +223,14 @@ def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
     if not parts:
         raise DuoJaxError("nothing to merge: give at least one ruler.json")
     first_source, first = parts[0]
-    merged = {key: first[key] for key in MERGE_KEYS}
+    merged = {key: first.get(key) for key in MERGE_KEYS}  # (older results lack streaming_chunk: None)
     merged.update(task="ruler", notes=list(first["notes"]), runs={}, prompts={}, samples={}, sources=[])
     owners = {}  # (run, length) -> source
     for source, part in parts:
         for key in MERGE_KEYS:
-            if part[key] != merged[key]:
+            if part.get(key) != merged[key]:
                 raise DuoJaxError(
-                    f"{source} was run with {key}={part[key]!r}, {first_source} with {merged[key]!r}: "
+                    f"{source} was run with {key}={part.get(key)!r}, {first_source} with {merged[key]!r}: "
                     "only results of the same settings can share a table"
                 )
         lengths = [int(n) for n in part["lengths"]]

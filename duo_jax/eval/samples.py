@@ -80,6 +80,7 @@ class Settings:
     recent: int = 256
     chunk_size: int = 256
     kv_dtype: str | None = None
+    streaming_chunk: int | None = None  # duo's streaming heads see a longer chunk as chunks of this size
 
 
 def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Settings):
@@ -95,6 +96,7 @@ def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Se
         kv_budget=budget_tokens(run.kv_budget, length),
         scores=settings.scores,
         kv_dtype=settings.kv_dtype,
+        streaming_chunk=settings.streaming_chunk,
     )
 
 
