@@ -171,11 +171,15 @@ def streaming_slot_positions(lengths: jax.Array, sink: int, recent: int) -> jax.
     return jnp.concatenate([sink_pos, ring_pos], axis=1).astype(jnp.int32)
 
 
+def ring_slot(positions: jax.Array, sink: int, recent: int) -> jax.Array:
+    """The streaming slot of a token at each of `positions`: its own for a sink, else its place in the ring."""
+    return jnp.where(positions < sink, positions, sink + (positions - sink) % max(recent, 1))
+
+
 def streaming_write_slots(
     positions: jax.Array, valid: jax.Array, new_lengths: jax.Array, sink: int, recent: int
 ) -> jax.Array:
     """Slot for each new token at `positions` [B, T] in the streaming partition, or an out-of-range slot
     (dropped on write) for padding and for tokens already pushed out of the ring by later ones in the chunk."""
     keep = valid & ((positions < sink) | (positions >= new_lengths[:, None] - recent))
-    slot = jnp.where(positions < sink, positions, sink + (positions - sink) % max(recent, 1))
-    return jnp.where(keep, slot, sink + recent)
+    return jnp.where(keep, ring_slot(positions, sink, recent), sink + recent)

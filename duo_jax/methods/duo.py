@@ -30,6 +30,7 @@ from duo_jax.cache import (
     expected_cache_bytes,
     init_cache,
     make_layout,
+    ring_slot,
     round_capacity,
     streaming_slot_positions,
     streaming_write_slots,
@@ -147,8 +148,7 @@ class SubChunks:
         before = jnp.where(t < sinks, t, jnp.where(t - sinks < start[..., None] - lo, lo + t - sinks, -1))
         before = jnp.where(before < step.new_lengths[:, None, None], before, -1)  # past a short prompt: padding
         first = step.lengths[:, None, None]  # the chunk's first position; the ring holds those before it
-        in_ring = jnp.where(before < sink, before, sink + (before - sink) % max(recent, 1))
-        before_slots = jnp.where(before >= first, R + before - first, in_ring)
+        before_slots = jnp.where(before >= first, R + before - first, ring_slot(before, sink, recent))
         own_slots = R + jnp.arange(T, dtype=jnp.int32).reshape(S, size)
         own = jnp.where(step.valid, step.positions, -1).reshape(B, S, size)
         slots = jnp.concatenate([jnp.maximum(before_slots, 0), jnp.broadcast_to(own_slots, (B, S, size))], axis=2)
