@@ -26,7 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--model", required=True, help="config name (see configs/), Hugging Face directory or .gguf file")
     add("--out", help="run folder (default: runs/gates/<model name>)")
-    add("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the frozen weights (gates are fp32)")
+    add(
+        "--dtype",
+        type=lambda name: {"bfloat16": "bf16", "float32": "fp32"}.get(name, name),  # the other commands' spelling
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="dtype of the frozen weights, bf16 (bfloat16) or fp32 (float32); gates are fp32",
+    )
     add(
         "--resume",
         action="store_true",

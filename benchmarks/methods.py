@@ -24,31 +24,19 @@ import time
 
 import common
 
-ALL_MODES = [
-    "full",
-    "duo",
-    "streaming",
-    "streaming_llm",
-    "h2o",
-    "tova",
-    "snapkv",
-    "pyramidkv",
-    "headkv",
-    "duo_headkv",
-    "infinigen",
-]
-
 
 def main(argv: list[str] | None = None) -> int:
+    from duo_jax.eval.modes import MODES  # every registered method, plus duo's all-streaming mode
+
     p = common.parser(__doc__, "methods")
     common.add_model_args(p, peer=False)
     p.add_argument(
         "--modes",
         nargs="+",
-        default=ALL_MODES,
-        choices=ALL_MODES,
+        default=list(MODES),
+        choices=MODES,
         metavar="MODE",
-        help=f"modes, from: {', '.join(ALL_MODES)}",
+        help=f"modes, from: {', '.join(MODES)}",
     )
     p.add_argument(
         "--budgets",

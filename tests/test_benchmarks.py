@@ -15,25 +15,7 @@ import pallas_kernels.cpu
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-SCRIPTS = (
-    "decode",
-    "prefill",
-    "memory",
-    "gpu_llama8b",
-    "train_step",
-    "methods",
-    "infinigen_alpha",
-    "call_overhead",
-    "train_memory",
-    "generation_memory",
-    "serving",
-    "serving_soak",
-    "prefill_profile",
-    "cpu_attention",
-    "eviction_prefill",
-    "duo_decode",
-    "detokenize",
-)
+SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem != "common")  # every script, found
 
 common = importlib.import_module("common")
 

@@ -261,3 +261,23 @@ def test_forward_takes_lists_and_runs_under_a_callers_jit():
     np.testing.assert_array_equal(
         jax.jit(lambda p, x: duo_jax.forward(p, config, x))(params, jnp.asarray([[3, 1, 4]])), want
     )
+
+
+def test_every_layer_weight_has_its_place_in_the_tables_that_name_weights():
+    """Three tables treat `LayerParams` fields by name, and a weight missing from one fails silently: the Flax front
+    would drop it (None), int8 weights would leave it unquantized, a mesh would replicate it. A new field fails here,
+    naming the table (docs/adding-a-model.md, step 3)."""
+    import dataclasses
+
+    from duo_jax import flax as duo_flax
+    from duo_jax import sharding
+    from duo_jax.model import CONTRACTED_AXES, LayerParams
+
+    names = {field.name for field in dataclasses.fields(LayerParams)}
+    fused = {"wqkv"}  # the engine's copy of wq / wk / wv (`fuse_qkv`, one device only)
+    norms = {"attn_norm", "mlp_norm", "q_norm", "k_norm"}  # vectors over the hidden or head dim: replicated
+    biases = {"bq", "bk", "bv"}  # split by head with the projections; not matmuls, so never int8
+    flax_fields = {*duo_flax.ATTENTION_FIELDS, *duo_flax.MLP_FIELDS, *duo_flax.NORM_FIELDS}
+    assert flax_fields == names - fused, "duo_jax/flax.py: ATTENTION_FIELDS, MLP_FIELDS, NORM_FIELDS"
+    assert set(CONTRACTED_AXES) & names == names - norms - biases, "duo_jax/model.py: CONTRACTED_AXES"
+    assert set(sharding._TP_AXIS) == names - fused - norms, "duo_jax/sharding.py: _TP_AXIS"

@@ -32,6 +32,8 @@ def test_every_method_is_registered_by_its_module():
     # What a method takes is read from its builder's keyword-only parameters.
     assert entry("h2o").options == ("kv_budget", "recent") and entry("full").options == ()
     assert all(entry(name).quantized_kv for name in METHODS)
+    # The evaluations prefill the eviction methods' prompts in one chunk (their entry says so, not a list elsewhere).
+    assert [name for name in METHODS if entry(name).one_chunk_prefill] == ["h2o", "tova"]
     with pytest.raises(DuoJaxError, match="calibrates on the model"):
         make_method("infinigen", CONFIG, context=32, kv_budget=4)
     with pytest.raises(DuoJaxError, match="registered twice"):

@@ -58,6 +58,18 @@ def test_impl_offers_every_attention_implementation():
     assert tuple(impl.choices) == IMPLS
 
 
+def test_dtype_takes_the_other_commands_spelling_too():
+    """infer.py and the evaluations spell dtypes bfloat16 / float32: the same words name the same run here (the run's
+    metadata, which a resume compares, keeps one spelling)."""
+    import train_gates
+
+    parse = lambda *args: train_gates.build_parser().parse_args(["--model", "m", *args]).dtype  # noqa: E731
+    assert parse() == parse("--dtype", "bfloat16") == "bf16"
+    assert parse("--dtype", "float32") == parse("--dtype", "fp32") == "fp32"
+    with pytest.raises(SystemExit):
+        parse("--dtype", "float16")
+
+
 def test_missing_weights_exit_2_with_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DUO_JAX_MODELS", "HF_HUB_CACHE")}
     env["HF_HOME"] = str(tmp_path / "hf")

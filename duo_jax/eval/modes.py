@@ -29,7 +29,12 @@ from duo_jax.quant import check_kv_dtype
 
 # The registered methods, plus "streaming": duo with every head a streaming head (absolute positions).
 MODES = ("full", "duo", "streaming", *(m for m in methods.METHODS if m not in ("full", "duo")))
-ONE_CHUNK_PREFILL = ("h2o", "tova")  # exact prefill, evict once at its end (docs/evaluation.md)
+
+
+def one_chunk_prefill(mode: str) -> bool:
+    """Whether the evaluations prefill mode `mode`'s prompt in one chunk (the registry's `one_chunk_prefill`: exact
+    prefill, evicted once at its end; docs/evaluation.md). ``streaming`` runs duo, chunk by chunk."""
+    return mode != "streaming" and methods.entry(mode).one_chunk_prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +68,7 @@ class ModeSettings:
 
     @property
     def one_chunk_prefill(self) -> bool:
-        return self.method in ONE_CHUNK_PREFILL
+        return one_chunk_prefill(self.method)
 
     def retrieval_mask(self) -> np.ndarray | None:
         """bool [layers, kv_heads] (True: retrieval head), or None when the mode has no head pattern."""

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from duo_jax.errors import DuoJaxError
-from duo_jax.eval.modes import ONE_CHUNK_PREFILL, budget_tokens, check_kv_budget, check_modes, mode_settings
+from duo_jax.eval.modes import budget_tokens, check_kv_budget, check_modes, mode_settings, one_chunk_prefill
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -46,7 +46,7 @@ class Run:
     def protocol(self) -> str:
         if self.decode_last:
             return f"exact prefill, last {self.decode_last} prompt tokens decoded one at a time with eviction"
-        return "prefill" + (" in one chunk, compressed at its end" if self.mode in ONE_CHUNK_PREFILL else "")
+        return "prefill" + (" in one chunk, compressed at its end" if one_chunk_prefill(self.mode) else "")
 
 
 def check_decode_last(decode_last: int) -> None:
@@ -63,7 +63,7 @@ def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None, deco
         check_kv_budget(budget)
     check_decode_last(decode_last)
     return [
-        Run(m, b, decode_last if m in ONE_CHUNK_PREFILL else 0)
+        Run(m, b, decode_last if one_chunk_prefill(m) else 0)
         for m in check_modes(modes)
         for b in (budgets if m != "full" else [None])
     ]
@@ -207,7 +207,7 @@ def seconds_per_1k_tokens(records: Sequence[dict[str, Any]]) -> float:
 
 def protocol_legend(runs: dict[str, dict]) -> str:
     """Markdown lines naming the protocol of every h2o / tova run ("" when there is none)."""
-    lines = [f"- {name}: {r['protocol']}" for name, r in runs.items() if r["mode"] in ONE_CHUNK_PREFILL]
+    lines = [f"- {name}: {r['protocol']}" for name, r in runs.items() if one_chunk_prefill(r["mode"])]
     return "\n\nProtocols:\n" + "\n".join(lines) if lines else ""
 
 

@@ -212,6 +212,7 @@ class TOVA(_Eviction):
 @register(
     "h2o",
     budget=kv_budget_only,
+    one_chunk_prefill=True,
     summary="H2O: heavy hitters by accumulated attention + the recent newest tokens, kv_budget per head",
 )
 def make_h2o(
@@ -242,6 +243,7 @@ def make_h2o(
 @register(
     "tova",
     budget=kv_budget_only,
+    one_chunk_prefill=True,
     summary="TOVA: the tokens the newest query attends to most (layer-wide), kv_budget per head",
 )
 def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None, kv_dtype: str | None = None) -> TOVA:

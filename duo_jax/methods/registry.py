@@ -37,6 +37,9 @@ class MethodEntry:
     budget: Callable | None = None
     calibrated_on: str | None = None  # the text the method calibrates itself on when built (a haystack source)
     quantized_kv: bool = False  # build takes kv_dtype ("int8" / "int4": a quantized cache, `duo_jax.quant`)
+    # The evaluations prefill its prompt in one chunk: exact attention, compressed once at the prompt's end (the
+    # eviction methods' protocol, docs/evaluation.md, "Modes and budgets"), not chunk by chunk.
+    one_chunk_prefill: bool = False
 
 
 _ENTRIES: dict[str, MethodEntry] = {}
@@ -49,10 +52,11 @@ def register(
     windows: dict[str, str] | None = None,
     budget: Callable | None = None,
     calibrated_on: str | None = None,
+    one_chunk_prefill: bool = False,
 ) -> Callable:
     """Decorator: register `build(config, *, context, <options>)` as method `name`, described by `summary`.
     `windows` maps generate's "sink" / "recent" to the method's own option names (default: the options of those
-    names). `budget` and `calibrated_on`: see `MethodEntry`."""
+    names). `budget`, `calibrated_on` and `one_chunk_prefill`: see `MethodEntry`."""
 
     def decorate(build: Callable) -> Callable:
         if name in _ENTRIES:
@@ -77,6 +81,7 @@ def register(
             budget=budget,
             calibrated_on=calibrated_on,
             quantized_kv="kv_dtype" in keyword,
+            one_chunk_prefill=one_chunk_prefill,
         )
         return build
 
