@@ -51,7 +51,12 @@ def _parser() -> argparse.ArgumentParser:
         help="head pattern: a directory / full_attention_heads.tsv, or 'default' for the model's own; "
         "omitted: full attention",
     )
-    parser.add_argument("--sparsity", type=float, default=0.5, help="fraction of streaming heads (1.0: StreamingLLM)")
+    parser.add_argument(
+        "--sparsity",
+        type=float,
+        default=None,
+        help="fraction of streaming heads of the head pattern (default 0.5; 1.0: StreamingLLM); needs --pattern",
+    )
     parser.add_argument(
         "--sink",
         type=int,

@@ -24,7 +24,7 @@ from duo_jax.loading import Model
 from duo_jax.methods import Method, cache_nbytes
 from duo_jax.model import check_token_ids
 from duo_jax.pattern import Pattern, exact_sparsity
-from duo_jax.sampling import Sampling, check_number, check_sampling, sample
+from duo_jax.sampling import Sampling, check_number, check_sampling, check_seed, sample
 from duo_jax.tokenizer import require
 
 
@@ -91,7 +91,7 @@ def _token_ids(prompt) -> list[int]:
 
 def validate_options(
     *,
-    sparsity: float,
+    sparsity: float | None,
     sink: int | None,
     recent: int | None,
     max_new_tokens: int,
@@ -104,7 +104,8 @@ def validate_options(
     """Clear errors for bad generation options, before any model work (the CLIs call it before loading). Returns
     the integer options (sink, recent, max_new_tokens, chunk_size) as Python ints: numpy integers pass the checks
     but not every int method (`capacity_bucket`)."""
-    exact_sparsity(sparsity)
+    if sparsity is not None:
+        exact_sparsity(sparsity)
     checked = {}
     for name, value in (("sink", sink), ("recent", recent)):
         hint = " (None: the method's default)"
@@ -125,7 +126,7 @@ def build_method(
     *,
     context: int,
     pattern=None,
-    sparsity: float = 0.5,
+    sparsity: float | None = None,
     sink: int | None = None,
     recent: int | None = None,
     model=None,
@@ -139,11 +140,14 @@ def build_method(
         return method
     spec = methods.entry(method or ("full" if pattern is None else "duo"))
     if spec.takes_pattern:
-        options.update(
-            pattern=resolve_pattern(pattern if pattern is not None else "default", config), sparsity=sparsity
-        )
+        options.update(pattern=resolve_pattern(pattern if pattern is not None else "default", config))
+        if sparsity is not None:
+            options.update(sparsity=sparsity)
     elif pattern is not None:
         raise DuoJaxError(f"method {spec.name!r} takes no head pattern")
+    elif sparsity is not None:
+        hint = "" if method else "; pass a pattern for DuoAttention"
+        raise DuoJaxError(f"method {spec.name!r} has no head pattern, so no sparsity to set{hint}")
     for name, value in dict(sink=sink, recent=recent).items():
         if value is not None and spec.options:  # full attention has no windows: sink / recent do not apply
             options[spec.windows.get(name, name)] = value  # make_method rejects a window the method lacks
@@ -175,7 +179,7 @@ def plan_generation(
     *,
     method: str | Method | None = None,
     pattern: Pattern | str | None = None,
-    sparsity: float = 0.5,
+    sparsity: float | None = None,
     sink: int | None = None,
     recent: int | None = None,
     max_new_tokens: int = 128,
@@ -331,7 +335,7 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
     for b, p in enumerate(ids):
         padded[b, : len(p)] = p
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
-    key = jax.random.key(check_number("seed", seed, integer=True))
+    key = jax.random.key(check_seed(seed))
 
     start = time.perf_counter()
     compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, **engine.weight_layout)  # untimed
@@ -418,7 +422,7 @@ def generate(
     *,
     method: str | Method | None = None,
     pattern: Pattern | str | None = None,
-    sparsity: float = 0.5,
+    sparsity: float | None = None,
     sink: int | None = None,
     recent: int | None = None,
     max_new_tokens: int = 128,
@@ -450,7 +454,8 @@ def generate(
     None: "duo" when a pattern is given, else "full".
     method_options: that method's options (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
     pattern: a `Pattern`, a path to one, or "default" (the model's own); binarised at `sparsity` (the
-    fraction of streaming heads; 1 is StreamingLLM with absolute positions).
+    fraction of streaming heads; 1 is StreamingLLM with absolute positions; None: 0.5, or for duo with a
+    `kv_budget` the sparsity that meets it). A method without a head pattern refuses a sparsity.
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
     tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up

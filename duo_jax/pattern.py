@@ -24,6 +24,7 @@ from duo_jax.errors import DuoJaxError
 
 GATES_FILE = "full_attention_heads.tsv"
 META_FILE = "config.json"
+DEFAULT_SPARSITY = 0.5  # the share of streaming heads a head pattern is binarised at unless told otherwise
 
 
 class PatternError(DuoJaxError, ValueError):

@@ -40,16 +40,31 @@ def check_number(
     low = "" if minimum is None else f" {'>' if above else '>='} {minimum}"
     high = "" if maximum is None else f"{' and' if low else ''} <= {maximum}"
     need = f"{name} must be {'an integer' if integer else 'a finite number'}{low}{high}{hint}"
-    if isinstance(value, bool) or not isinstance(value, kinds) or not integer and not math.isfinite(value):
-        raise InvalidOption(f"{need}, got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not integer and not _finite(value):
+        raise InvalidOption(f"{need}, got {value!r:.60}", name)
     if (
         minimum is not None
         and (value <= minimum if above else value < minimum)
         or maximum is not None
         and value > maximum
     ):
-        raise InvalidOption(f"{need}, got {value!r}", name)
+        raise InvalidOption(f"{need}, got {value!r:.60}", name)
     return int(value) if integer else float(value)
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range (a JSON number of 400 digits)
+        return False
+
+
+SEED_MAX = 2**32 - 1  # JAX keeps a seed's low 32 bits without x64: 2**32 would be seed 0 again
+
+
+def check_seed(seed) -> int:
+    """A sampling seed: an integer in [0, 2**32), or InvalidOption (a larger one would alias a smaller one)."""
+    return check_number("seed", seed, integer=True, minimum=0, maximum=SEED_MAX)
 
 
 def check_sampling(temperature=0.0, top_p=1.0, top_k=0) -> Sampling:

@@ -280,6 +280,12 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
         (dict(stop=["\n"]), DuoJaxError, r"generate\(\) takes no option 'stop'.*stop strings are the server's"),
         (dict(kv_bugdet=64), DuoJaxError, r"takes no option 'kv_bugdet'"),
         (dict(kv_budget=64), DuoJaxError, "method 'full' does not take kv_budget"),  # another method's option
+        (dict(seed=2**32), DuoJaxError, "seed must be an integer >= 0 and <= 4294967295"),  # was seed 0 again
+        # a setting that would be ignored, or a budget that would be overshot, is refused:
+        (dict(sparsity=0.9), DuoJaxError, "method 'full' has no head pattern, so no sparsity to set; pass a pattern"),
+        (dict(method="h2o", kv_budget=8, sparsity=0.5), DuoJaxError, "method 'h2o' has no head pattern"),
+        (dict(pattern=Pattern(GATES), kv_budget=64, sparsity=0.2), DuoJaxError, "kv_budget or sparsity, not both"),
+        (dict(pattern=Pattern(GATES), kv_budget=8, sink=4, recent=12), DuoJaxError, "below duo's streaming window"),
     ],
 )
 def test_bad_arguments_are_clear_errors(model, prompts, kwargs, error, message):

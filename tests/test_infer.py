@@ -166,6 +166,8 @@ def test_instruct_model_answers_through_its_chat_template(prompt, capsys):
         (["--prompt", "hi", "--method", "headkv", "--kv-budget", "64", "--scores", "/nonexistent"], "nonexistent"),
         (["--prompt", "hi", "--pattern", "default", "--streaming-chunk", "0"], "streaming_chunk must be an integer"),
         (["--prompt", "hi", "--streaming-chunk", "16"], "method 'full' does not take streaming_chunk"),
+        (["--prompt", "hi", "--sparsity", "0.5"], "no head pattern, so no sparsity to set; pass a pattern"),
+        (["--prompt", "hi", "--pattern", "default", "--kv-budget", "100"], "kv_budget=100 is below duo's streaming"),
     ],
 )
 def test_errors_are_one_line_with_status_2(args, message, capsys):

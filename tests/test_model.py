@@ -132,16 +132,20 @@ def test_llama3_rope_frequencies_match_transformers():
     np.testing.assert_allclose(rope_inv_freq(config), expected.numpy(), rtol=1e-6)
 
 
-def test_attention_probs_matches_float64_numpy():
-    """The per-head masked softmax the scoring methods use (duo_jax.attention.probs)."""
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_attention_probs_matches_float64_numpy(dtype, atol):
+    """The per-head masked softmax the scoring methods use (duo_jax.attention.probs), jitted, in float32 and in
+    bfloat16 (where XLA:CPU once had no kernel for the weighted sum's dot at batch 2: H2O crashed on a batch)."""
     rng = np.random.default_rng(0)
-    B, T, S, H, K, E = 2, 5, 7, 6, 3, 8
+    B, T, S, H, K, E = 2, 5, 24, 6, 3, 8
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, H, E), (B, S, K, E), (B, S, K, E)))
     mask = rng.random((B, K, T, S)) < 0.6
     mask[0, 1, 2] = False  # a query that sees nothing returns zeros
     k, v = np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2)  # [B, K, S, E]
-    out = np.asarray(attention_probs(*map(jnp.asarray, (q, k, v, mask)))[0])
-    np.testing.assert_allclose(out, masked_attention64(q, k, v, mask)[0], atol=1e-5)
+    q, k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k, v))  # the values it sees
+    out = jax.jit(attention_probs)(*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(mask))[0]
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), masked_attention64(q, k, v, mask)[0], atol=atol)
 
 
 def masked_attention64(q, k, v, mask):

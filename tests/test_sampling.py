@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from duo_jax.errors import InvalidOption
-from duo_jax.sampling import Sampling, check_sampling, filtered_logits, sample, sample_rows
+from duo_jax.sampling import Sampling, check_sampling, check_seed, filtered_logits, sample, sample_rows
 
 V = 50
 LOGITS = jax.random.normal(jax.random.key(0), (6, V)) * 3
@@ -65,6 +65,7 @@ def test_the_filter_keeps_the_top_k_and_the_nucleus():
         (dict(top_p=float("inf")), "top_p"),
         (dict(top_k=-1), "top_k"),
         (dict(top_k=2.0), "top_k"),
+        (dict(temperature=10**400), "temperature"),  # an int past float's range (was an OverflowError)
     ],
 )
 def test_check_sampling_names_the_field(values, field):
@@ -72,3 +73,12 @@ def test_check_sampling_names_the_field(values, field):
         check_sampling(**values)
     assert e.value.param == field
     assert check_sampling(0.5, 0.9, 50_000) == Sampling(0.5, 0.9, 50_000)
+
+
+def test_a_seed_is_a_32_bit_integer():
+    """JAX keeps a seed's low 32 bits (without x64): 2**32 would silently be seed 0, -1 seed 2**32 - 1."""
+    assert jax.random.key_data(jax.random.key(2**32)).tolist() == jax.random.key_data(jax.random.key(0)).tolist()
+    assert check_seed(0) == 0 and check_seed(np.uint32(2**32 - 1)) == 2**32 - 1
+    for bad in (2**32, -1, 2**70, 1.0, "7"):
+        with pytest.raises(InvalidOption, match="^seed must be an integer >= 0 and <= 4294967295"):
+            check_seed(bad)

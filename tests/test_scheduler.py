@@ -327,3 +327,14 @@ def test_the_servers_context_stops_at_the_models_positions(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "--context 100000 is past tiny's 256 positions; sequences hold at most 256 tokens" in err
     assert "context 256," in err and len(built) == 1
+
+
+def test_the_server_refuses_a_sparsity_without_a_pattern(monkeypatch, capsys):
+    """`--sparsity` without `--pattern` served full attention and said nothing: now one error line, status 2."""
+    from duo_jax.serve.__main__ import main as serve_main
+
+    config = tiny_config(max_position_embeddings=256)
+    model = duo_jax.Model(config, duo_jax.init_params(config, jax.random.key(0)), None, "random")
+    monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: model)
+    assert serve_main(["--model", "tiny", "--sparsity", "0.9", "--no-warm-up"]) == 2
+    assert "error: method 'full' has no head pattern, so no sparsity to set" in capsys.readouterr().err

@@ -93,6 +93,9 @@ BAD = [
     ({"prompt": "hi", "top_k": 2.5}, "top_k", "integer"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"prompt": "hi", "seed": "x"}, "seed", "integer"),
+    ({"prompt": "hi", "seed": 2**32}, "seed", "<= 4294967295"),  # JAX's seeds are 32-bit: it would be seed 0
+    ({"prompt": "hi", "seed": -1}, "seed", ">= 0"),
+    ({"prompt": "hi", "temperature": 10**400}, "temperature", "finite"),  # past float's range: was a 500
     ({"prompt": "hi", "stream": "yes"}, "stream", "true or false"),
     ({"prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate", "unknown field"),
@@ -134,6 +137,52 @@ def test_json_nested_too_deeply_is_a_400(guarded):
     response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"]
     assert_serves(client)
+
+
+def test_an_integer_python_will_not_read_is_a_bad_request(guarded):
+    """A JSON integer of 5,000 digits passes Python's decoder's digit limit (4,300): a BadRequest (a 400), which
+    was a 500. (Read by the body's parser directly: the fixture's body limit is 4 KB.)"""
+    from duo_jax.serve.protocol import BadRequest
+
+    server, running, client = guarded
+    body = b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"
+    with pytest.raises(BadRequest, match="cannot be read"):
+        server._prepare(body, chat=False)
+
+
+def test_requests_without_a_seed_sample_differently_and_a_seed_repeats(guarded):
+    """OpenAI's semantics: a sampled request without a seed gets a fresh one (every such request once got seed 0's
+    text); the same seed gives the same text."""
+    server, running, client = guarded
+    rule = {"prompt": "sample", "max_tokens": 12, "temperature": 2.0}
+    unseeded = {post(client, rule).json()["choices"][0]["text"] for _ in range(4)}
+    assert len(unseeded) > 1
+    seeded = {post(client, dict(rule, seed=123)).json()["choices"][0]["text"] for _ in range(2)}
+    assert len(seeded) == 1
+
+
+def test_max_tokens_left_out_is_openais_default(guarded):
+    """A chat without max_tokens runs to the end of what its sequence holds (the method's positions, the model's
+    and the page pool's); a completion gets 16 tokens, or what is left; a prompt that fills the sequence is a 400
+    naming it."""
+    from duo_jax.serve.protocol import parse
+
+    server, running, client = guarded
+    method = server.scheduler.method
+    holds = min(method.max_tokens, CONFIG.max_position_embeddings, 40 * method.page_size + 1)
+    chat = parse({"messages": [{"role": "user", "content": "hi"}]}, chat=True, model="tiny")
+    completion = parse({"prompt": "hi"}, chat=False, model="tiny")
+    assert chat.max_tokens is None and completion.max_tokens is None
+    assert server.max_tokens(chat, 10, chat=True) == holds - 10 and server.max_tokens(completion, 10, chat=False) == 16
+    assert server.max_tokens(completion, holds - 4, chat=False) == 4
+    with pytest.raises(Exception, match="leaves no room"):
+        server.max_tokens(completion, holds, chat=False)
+    response = post(client, {"prompt": list(range(1, holds - 3)), "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 4
+    response = post(client, {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}, "/v1/chat/completions")
+    usage = response.json()["usage"]
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["finish_reason"] == "stop" or usage["total_tokens"] == holds
 
 
 @pytest.mark.parametrize("body, param, message", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])

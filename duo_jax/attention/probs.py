@@ -39,8 +39,10 @@ def attention_probs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
     q = q.reshape(B, T, K, H // K, E)
     scores = jnp.einsum("btkge,bkse->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(E)
     probs = masked_softmax(scores, mask[:, :, None])
-    out = jnp.einsum("bkgts,bkse->btkge", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H, E).astype(q.dtype), probs
+    # the dot's batch axes lead its output, then one transpose: XLA:CPU has no bf16 x bf16 -> f32 kernel for the dot
+    # that writes [B, T, K, G, E] directly at batch >= 2 (an H2O batch failed with "Unsupported element type")
+    out = jnp.einsum("bkgts,bkse->bkgte", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(q.dtype), probs
 
 
 def attention_received(

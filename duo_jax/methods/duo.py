@@ -40,7 +40,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, concat_slots, kv_rotation_for, write_run, write_slots
 from duo_jax.methods.registry import register
 from duo_jax.model import apply_rotary
-from duo_jax.pattern import Pattern
+from duo_jax.pattern import DEFAULT_SPARSITY, Pattern
 from duo_jax.quant import as_stored
 from duo_jax.sampling import check_number
 
@@ -431,24 +431,36 @@ def make_duo(
     *,
     context: int,
     pattern=None,
-    sparsity: float = 0.5,
+    sparsity: float | None = None,
     sink: int = 64,
     recent: int = 256,
     kv_budget: int | None = None,
     kv_dtype: str | None = None,
     streaming_chunk: int | None = None,
 ) -> DuoAttention:
-    """`pattern` (a `Pattern` validated against the model) binarised at `sparsity`; with `kv_budget` (average
-    tokens per KV head at `context`), the sparsity whose mix r * C + (1 - r) * (sink + recent) meets it (C:
-    `context` rounded up to the capacity block) instead. `streaming_chunk`: `DuoAttention.streaming_chunk`."""
+    """`pattern` (a `Pattern` validated against the model) binarised at `sparsity` (None: `DEFAULT_SPARSITY`); or,
+    with `kv_budget` (average tokens per KV head at `context`), at the sparsity whose mix r * C + (1 - r) * (sink +
+    recent) meets it (C: `context` rounded up to the capacity block). `streaming_chunk`:
+    `DuoAttention.streaming_chunk`."""
     if pattern is None:
         raise DuoJaxError("method 'duo' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
+    if kv_budget is not None and sparsity is not None:
+        raise DuoJaxError(
+            f"duo takes kv_budget or sparsity, not both: kv_budget={kv_budget} picks the sparsity that meets it"
+        )
     if streaming_chunk is not None:
         streaming_chunk = check_number(
             "streaming_chunk", streaming_chunk, integer=True, minimum=1, hint=" (tokens a streaming head's chunk holds)"
         )
     if kv_budget is not None:
-        sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
+        capacity = round_capacity(context)
+        if kv_budget < min(sink + recent, capacity):  # even all-streaming heads would keep more
+            raise DuoJaxError(
+                f"kv_budget={kv_budget} is below duo's streaming window, sink + recent = {sink} + {recent}: every "
+                f"head keeps at least that; pass a smaller sink / recent, or a kv_budget of at least {sink + recent}"
+            )
+        sparsity = duo_sparsity_for_budget(kv_budget, context=capacity, window=sink + recent)
+    sparsity = DEFAULT_SPARSITY if sparsity is None else sparsity
     layout = make_layout(
         config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent, context=context, kv_dtype=kv_dtype
     )

@@ -36,7 +36,7 @@ from duo_jax.methods.snapkv import (
     kv_array,
 )
 from duo_jax.model import apply_rotary
-from duo_jax.pattern import Pattern
+from duo_jax.pattern import DEFAULT_SPARSITY, Pattern
 from duo_jax.quant import kv_bytes_per_vector
 
 
@@ -309,7 +309,7 @@ def make_duo_headkv(
     *,
     context: int,
     pattern: Pattern | None = None,
-    sparsity: float = 0.5,
+    sparsity: float | None = None,
     scores=None,
     kv_budget: int | None = None,
     beta: float = 1.2,
@@ -328,7 +328,7 @@ def make_duo_headkv(
     if pattern is None:
         raise DuoJaxError("method 'duo_headkv' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
     grid = _score_grid(config, scores)
-    mask = pattern.retrieval_mask(sparsity)
+    mask = pattern.retrieval_mask(DEFAULT_SPARSITY if sparsity is None else sparsity)
     layout = make_layout(config, mask, sink=sink, recent=recent, context=context, kv_dtype=kv_dtype)
     base = base_budget(kv_budget, window)
     # grid[mask] lists the retrieval heads layer by layer in the model's order, as `split_heads` does.

@@ -23,11 +23,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--pattern", default=None, help="DuoAttention head pattern ('default': the model's); none: full attention"
     )
-    parser.add_argument("--sparsity", type=float, default=0.5)
-    parser.add_argument("--sink", type=int, default=64)
-    parser.add_argument("--recent", type=int, default=256)
+    parser.add_argument(
+        "--sparsity", type=float, default=None, help="fraction of streaming heads of --pattern's (default 0.5)"
+    )
+    parser.add_argument(
+        "--sink", type=int, default=64, help="attention-sink tokens of a streaming head (with --pattern)"
+    )
+    parser.add_argument("--recent", type=int, default=256, help="recent tokens of a streaming head (with --pattern)")
     parser.add_argument("--context", type=int, default=4096, help="tokens per sequence at most (prompt + new)")
-    parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=128, help="tokens per page of the retrieval page pool")
     parser.add_argument("--kv-memory-mb", type=float, default=512, help="memory of the retrieval page pool")
     parser.add_argument("--slots", type=int, default=8, help="sequences per step")
     parser.add_argument("--chunk", type=int, default=128, help="prefill tokens per sequence per step")
@@ -45,7 +49,9 @@ def main(argv=None) -> int:
         help="steps with prefill beside decode: split (a decode step, then one prompt chunk alone) "
         "or padded (one [slots, chunk] step)",
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the weights' and cache's dtype"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one)")
     parser.add_argument(

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import secrets
 
 from duo_jax.errors import InvalidOption
-from duo_jax.sampling import Sampling, check_number, check_sampling
+from duo_jax.sampling import Sampling, check_number, check_sampling, check_seed
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 1M-token prompt as text or token ids fits
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -79,7 +80,7 @@ class Parsed:
 
     prompt: str | list[int] | None
     messages: list[dict] | None
-    max_tokens: int
+    max_tokens: int | None  # None: not given (the server's default: `Server.max_tokens`)
     sampling: Sampling
     seed: int
     stop: tuple[str, ...]
@@ -150,7 +151,7 @@ def parse(body, *, chat: bool, model: str) -> Parsed:
             "response_format",
         )
     limits = [name for name in ("max_tokens", "max_completion_tokens") if body.get(name) is not None]
-    max_tokens = [_option(body, name, 16, integer=True, minimum=1) for name in limits] or [16]
+    max_tokens = [_option(body, name, None, integer=True, minimum=1) for name in limits] or [None]
     if len(set(max_tokens)) > 1:
         raise BadRequest("'max_tokens' and 'max_completion_tokens' differ: send one", "max_completion_tokens")
     try:
@@ -168,7 +169,10 @@ def parse(body, *, chat: bool, model: str) -> Parsed:
         raise BadRequest("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
     for i, s in enumerate(stop):
         text(s, f"stop[{i}]")
-    seed = _option(body, "seed", 0, integer=True) % (1 << 32)
+    try:  # without a seed, a fresh one: sampled requests differ, as OpenAI's do
+        seed = secrets.randbits(32) if body.get("seed") is None else check_seed(body["seed"])
+    except InvalidOption as e:
+        raise BadRequest(str(e), "seed") from None
     prompt = messages = None
     if chat:
         messages = _messages(body.get("messages"))

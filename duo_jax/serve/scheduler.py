@@ -285,6 +285,12 @@ class Scheduler:
         if self._pages(total - 1) > self.pool.num_pages:
             raise DuoJaxError(f"the request needs {self._pages(total - 1)} pages; the pool has {self.pool.num_pages}")
 
+    def max_new_tokens(self, prompt_tokens: int) -> int:
+        """The most new tokens a prompt of `prompt_tokens` can have here: a sequence's limit (the method's and the
+        model's positions) and the page pool's, less the prompt (< 1: none)."""
+        limit = min(self.method.max_tokens, self.engine.config.max_position_embeddings)
+        return min(limit, self.pool.num_pages * self.method.page_size + 1) - prompt_tokens
+
     def submit(self, request: Request) -> Request:
         """Queue a request (thread-safe); it runs from the next step on. SchedulerClosed once the scheduler
         has stopped serving (shut down, or failed for good); SchedulerBusy while `max_queued` requests wait."""

@@ -63,6 +63,7 @@ def _busy(e: Exception) -> JSONResponse:
 
 QUIET_S = 1.0  # seconds without a /v1 request in flight before freed memory is handed back
 RETRY_AFTER_S = 1  # a 429's Retry-After while the scheduler's queue is full
+DEFAULT_COMPLETION_TOKENS = 16  # a completion without max_tokens (OpenAI's default; a chat runs to the context's end)
 
 
 def release_memory() -> None:
@@ -395,7 +396,7 @@ class Server:
             loop = asyncio.get_running_loop()
             job = Request(
                 prompt,
-                max_tokens=parsed.max_tokens,
+                max_tokens=self.max_tokens(parsed, len(prompt), chat),
                 sampling=parsed.sampling,
                 seed=parsed.seed,
                 stop=parsed.stop,
@@ -429,12 +430,27 @@ class Server:
         )
         return JSONResponse(self._envelope(ident, chat, dict(choice, finish_reason=job.finish_reason), job))
 
+    def max_tokens(self, parsed: Parsed, prompt_tokens: int, chat: bool) -> int:
+        """The request's max_tokens, or when it sent none OpenAI's defaults: a chat runs to the end of what a sequence
+        can hold, a completion 16 tokens (fewer where the sequence cannot hold them)."""
+        if parsed.max_tokens is not None:
+            return parsed.max_tokens
+        room = self.scheduler.max_new_tokens(prompt_tokens)
+        if room < 1:
+            raise BadRequest(
+                f"the prompt ({prompt_tokens} tokens) leaves no room for a new token in the "
+                f"{prompt_tokens + room} a sequence can hold", "messages" if chat else "prompt"
+            )  # fmt: skip
+        return room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
+
     def _prepare(self, body: bytes, chat: bool) -> tuple[list[int], Parsed]:
         """(prompt token ids, the checked request) from a request body (in a worker thread)."""
         try:
             body = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BadRequest("the body is not JSON") from None
+        except ValueError as e:  # e.g. an integer of more digits than Python converts (4,300)
+            raise BadRequest(f"the body's JSON cannot be read: {e}") from None
         except RecursionError:  # Python's decoder recurses once per level
             raise BadRequest("the body's JSON is nested too deeply to read (a request nests a few levels)") from None
         parsed = parse(body, chat=chat, model=self.name)
