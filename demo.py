@@ -42,11 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import duo_jax
+    from duo_jax.errors import check_output_folder
     from duo_jax.eval import report
     from duo_jax.eval.niah import accuracy_table, run_niah
     from duo_jax.generation import resolve_pattern
+    from duo_jax.pattern import exact_sparsity
 
     try:
+        check_output_folder(args.out)
+        exact_sparsity(args.sparsity)  # before the full-attention runs, not after them
         model = duo_jax.load("smollm2-135m", dtype=jnp.float32)
         pattern = resolve_pattern(args.pattern, model.config)
         print(

@@ -1,4 +1,4 @@
-"""Train DuoAttention gates (one per layer and KV head) for a frozen model on synthetic passkey retrieval.
+r"""Train DuoAttention gates (one per layer and KV head) for a frozen model on synthetic passkey retrieval.
 
     python train_gates.py --model smollm2-135m --out runs/gates/smollm2-135m
     python train_gates.py --model llama3-8b --mesh seq=8             # 8 devices, sequence-parallel
@@ -119,11 +119,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import duo_jax
     from duo_jax import gates, sharding, training
+    from duo_jax.errors import check_output_folder
     from duo_jax.tokenizer import require
 
     try:
         # before anything touches the devices
         training.initialize_distributed(args.distributed, args.coordinator, args.num_processes, args.process_id)
+        name = Path(args.model).stem if Path(args.model).exists() else args.model
+        out = check_output_folder(args.out or f"runs/gates/{name}")  # before the weights load
         mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
         model = duo_jax.load(
             args.model,
@@ -132,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             layout="stacked",
         )  # the scanned layers' layout
         tokenizer = require(model.tokenizer, "training on text samples")
-        name = Path(args.model).stem if Path(args.model).exists() else args.model
         cfg = training.TrainConfig(
             objective=gates.Objective(sink=args.sink, recent=args.recent, reg_weight=args.reg_weight, impl=args.impl),
             steps=args.steps,
@@ -154,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             save_every=args.save_every,
         )
-        out = Path(args.out or f"runs/gates/{name}")
         log = lambda message: print(message, file=sys.stderr)
         training.check_mesh(mesh, cfg.batch_size)
         training.check_max_len(model.config, cfg)  # before the memory report compiles a step at max_len

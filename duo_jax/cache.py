@@ -98,6 +98,8 @@ def make_layout(
         num_retrieval = tuple(int(n) for n in mask.sum(axis=1))
         order = np.stack([np.concatenate([np.flatnonzero(m), np.flatnonzero(~m)]) for m in mask])
         kv_order = None if (order == np.arange(mask.shape[1])).all() else tuple(map(tuple, order.tolist()))
+        if recent < 1 and not mask.all():
+            raise DuoJaxError(f"streaming heads need recent >= 1 (a ring of the newest tokens), got recent={recent}")
     return CacheLayout(
         num_retrieval,
         config.num_kv_heads,

@@ -91,6 +91,11 @@ def _conversation(prompt) -> list[Message] | None:
         for message in prompt:
             if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
                 raise DuoJaxError(f"a chat message must be a dict with 'role' and 'content', got {message!r}")
+            if not isinstance(message["content"], str):
+                raise DuoJaxError(
+                    f"a chat message's content must be a string, got {type(message['content']).__name__} in "
+                    f"{message!r:.80}"
+                )
         return list(prompt)
     return None
 
@@ -100,6 +105,8 @@ def chat_prompts(model, prompts, chat: bool | None):
     the token ids of its rendered template; token-id prompts pass unchanged. chat=None: conversations get the
     template, texts are completion text (on a chat model, with a FutureWarning for one release: the template was
     the default); chat=False: texts pass unchanged and conversations are an error."""
+    if chat is not None and not isinstance(chat, bool):  # chat=0 would pass for False, "no" for True
+        raise DuoJaxError(f"chat must be None, True or False, got {chat!r}")
     # A batch is a list of texts, conversations or token-id lists; anything else is one prompt.
     is_batch = isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (str, list, tuple))
     batch = list(prompts) if is_batch else [prompts]

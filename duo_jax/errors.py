@@ -6,6 +6,7 @@ this class, print its message on one line and exit with status 2.
 """
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -60,3 +61,16 @@ def integer_argument(what: str, minimum: int, maximum: int | None = None):
         return value
 
     return parse
+
+
+def check_output_folder(path, option: str = "--out") -> Path:
+    """`path` as a folder a command can write its results into, checked before any work: it, or the nearest of
+    its parents that exists, must be a writable folder; else an error naming `option` (found after a long run,
+    the same problem costs the run)."""
+    path = Path(path)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise DuoJaxError(f"{option} {path}: {existing} is a file, not a folder; pass a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DuoJaxError(f"{option} {path}: {existing} is not writable; pass a folder you can write to")
+    return path

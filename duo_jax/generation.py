@@ -43,8 +43,13 @@ def resolve_pattern(pattern: Pattern | str | os.PathLike | None, config: ModelCo
         resolved = Pattern.for_model(config.name)
         if resolved is None:
             raise DuoJaxError(f"model {config.name!r} ships no default pattern; pass a pattern path")
-    else:
+    elif isinstance(pattern, (str, os.PathLike)):
         resolved = Pattern.load(pattern)
+    else:
+        raise DuoJaxError(
+            f"pattern must be a Pattern, a path to one, 'default' or None, got {type(pattern).__name__} (gates as an "
+            "array: duo_jax.Pattern(gates))"
+        )
     if resolved is not None:
         resolved.validate(config)
     return resolved
@@ -75,6 +80,11 @@ def _prompt_ids(model: Model, prompts) -> list[list[int]]:
 
 def _token_ids(prompt) -> list[int]:
     """A prompt of token ids (a sequence or 1-D array of integers) as a list; anything else raises."""
+    if isinstance(prompt, dict):
+        raise DuoJaxError(
+            "a chat message alone in a batch: a conversation is a list of messages, so a batch of them is "
+            "[[{'role': ..., 'content': ...}], ...]"
+        )
     try:
         array = np.asarray(prompt)
     except ValueError:  # ragged nesting
@@ -150,7 +160,10 @@ def build_method(
         raise DuoJaxError(f"method {spec.name!r} has no head pattern, so no sparsity to set{hint}")
     for name, value in dict(sink=sink, recent=recent).items():
         if value is not None and spec.options:  # full attention has no windows: sink / recent do not apply
-            options[spec.windows.get(name, name)] = value  # make_method rejects a window the method lacks
+            own = spec.windows.get(name, name)  # make_method rejects a window the method lacks
+            if own != name and options.get(own, value) != value:
+                raise DuoJaxError(f"{name}={value} and {own}={options[own]} name one option of {spec.name!r}: pass one")
+            options[own] = value
     return methods.make_method(spec.name, config, context=context, model=model, **options)
 
 
@@ -254,6 +267,12 @@ def plan_generation(
         model=model,
         **method_options,
     )
+    if context and kv_method.absolute_positions and context > config.max_position_embeddings:
+        raise DuoJaxError(
+            f"context={context} is past the model's {config.max_position_embeddings} positions, which no sequence "
+            f"can pass: its cache would be sized for tokens it never holds; pass context <= "
+            f"{config.max_position_embeddings}"
+        )
     if kv_method.max_tokens is not None and needed > kv_method.max_tokens:
         raise DuoJaxError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
@@ -266,14 +285,15 @@ def plan_generation(
             f"model's context of {config.max_position_embeddings} tokens; shorten the prompt, "
             "lower max_new_tokens, or use method='streaming_llm' (re-indexed positions)"
         )
-    tail = int(prompt_tail_steps)
+    tail = check_number("prompt_tail_steps", prompt_tail_steps, integer=True, minimum=0)
     shortest = min(len(p) for p in ids)
-    if tail < 0 or (tail and tail >= shortest):
+    if tail and tail >= shortest:
         raise DuoJaxError(f"prompt_tail_steps must lie in [0, shortest prompt = {shortest}), got {prompt_tail_steps}")
     if tail and mesh is not None:
         raise DuoJaxError("prompt_tail_steps is not supported on a device mesh; pass mesh=None")
     if mesh is not None:
         sharding.check_batch(mesh, len(ids))
+        sharding.check_runs_on_a_mesh(kv_method)
     return GenerationPlan(
         ids=ids,
         method=kv_method,

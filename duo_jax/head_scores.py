@@ -32,7 +32,7 @@ from duo_jax.attention import masked_softmax
 from duo_jax.config import ModelConfig
 from duo_jax.data import CALIBRATION_HAYSTACK, DataError, encode, haystack_tokens, make_needle_prompt
 from duo_jax.data.niah import NEEDLE, NEEDLE_TEMPLATE, QUESTION
-from duo_jax.errors import DuoJaxError
+from duo_jax.errors import DuoJaxError, check_output_folder
 from duo_jax.model import Params, apply_rotary, decoder_layer, embed, rope_inv_freq, rotary, scan_layers, unembed
 from duo_jax.pattern import Pattern
 
@@ -253,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
+        check_output_folder(args.out, "OUT")  # before the scoring, which writes only at its end
+        if args.depths < 1:
+            raise DuoJaxError(f"--depths is a number of needle depths >= 1, got {args.depths}")
         model = load(args.model, layout="stacked")  # scanned: one compiled layer
         tokenizer = model.tokenizer
         if tokenizer is None:

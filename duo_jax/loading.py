@@ -80,6 +80,8 @@ def load(
     to int8 per
     output channel after loading (scales in `dtype`, dequantized in the matmul: `duo_jax.model.quantize_weights`;
     not with `shardings`). `shardings` lays out stacked layers (training's FSDP): it needs layout="stacked"."""
+    if not str(name_or_path).strip():
+        raise LoadError("no model given (an empty name); pass a name in configs/, a Hugging Face folder or a .gguf")
     check_weight_format(weights)  # before reading gigabytes
     check_layout(layout)
     dtype = check_weight_dtype(dtype)

@@ -469,7 +469,11 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array
     (`LAYOUTS`): stacked layers compile one scanned layer, per-layer ones an unrolled loop (the same numbers;
     more compile time, no copy of the weights). Token ids outside the vocabulary raise where they can be read:
     given concrete (under a caller's jit they cannot, and the embedding gather would clamp them)."""
-    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)  # a nested list of ids too
+    if not isinstance(tokens, jax.Array):  # a nested list of ids too
+        try:
+            tokens = np.asarray(tokens)
+        except ValueError:  # rows of different lengths
+            raise DuoJaxError("tokens must be rows of one length (an array [batch, length]); pad them") from None
     check_tokens(tokens, config.vocab_size)
     return forward_jit(params, config, tokens)
 
@@ -488,6 +492,8 @@ def check_tokens(tokens: jax.Array | np.ndarray, vocab_size: int) -> None:
         )
     if tokens.shape[1] == 0:
         raise DuoJaxError("tokens hold no positions (shape [batch, 0]); pass at least one token per row")
+    if tokens.shape[0] == 0:
+        raise DuoJaxError("tokens hold no rows (shape [0, length]); pass at least one sequence")
     if not isinstance(tokens, jax.core.Tracer):
         check_token_ids(tokens, vocab_size)
 

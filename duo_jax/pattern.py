@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,15 @@ class Pattern:
             raise PatternError(
                 f"pattern path {path} does not exist; pass a folder holding {GATES_FILE} or the TSV file itself"
             )
-        return cls(_read_gates(tsv), _read_meta(tsv.parent / META_FILE))
+        meta = _read_meta(tsv.parent / META_FILE)
+        done, steps = (meta or {}).get("steps_done"), (meta or {}).get("num_steps")
+        if isinstance(done, int) and isinstance(steps, int) and done < steps:
+            warnings.warn(
+                f"{path} holds the gates of an unfinished training run (step {done} of {steps}); rerun its "
+                "train_gates.py command to finish it",
+                stacklevel=2,
+            )
+        return cls(_read_gates(tsv), meta)
 
     @classmethod
     def for_model(cls, name: str, key: str = "pattern") -> Pattern | None:

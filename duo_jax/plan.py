@@ -26,6 +26,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods import Method, make_method
 from duo_jax.model import param_shapes, quantize_weights
 from duo_jax.pattern import Pattern
+from duo_jax.sampling import check_number
 
 GIB = 2**30
 
@@ -172,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         config = get_config(args.model)
+        hbm_gib = check_number("--hbm-gib", args.hbm_gib, minimum=0, above=True, hint=" (the device's memory in GiB)")
         result = plan(
             config,
-            hbm_bytes=int(args.hbm_gib * GIB),
+            hbm_bytes=int(hbm_gib * GIB),
             sparsity=args.sparsity,
             kv_dtype=args.kv_dtype,
             weights=args.weights,

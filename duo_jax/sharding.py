@@ -238,15 +238,21 @@ def abstract(tree: Any, specs: Any, mesh: Mesh) -> Any:
     )
 
 
-def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
-    """The `PartitionSpec` of every array of `method`'s cache on a generation mesh (`method.cache_partition()`),
-    checked against the cache's shapes (arrays or `ShapeDtypeStruct`s); empty arrays (a layer without
-    retrieval or streaming heads) are replicated: there is nothing to split, and XLA returns them so."""
+def check_runs_on_a_mesh(method) -> Any:
+    """`method.cache_partition()`, or a MeshError for a method that has none (it does not run on a mesh)."""
     specs = method.cache_partition()
     if specs is None:
         raise MeshError(
             f"method {method.name!r} does not run on a device mesh yet; use 'full' or 'duo' (or generate without mesh=)"
         )
+    return specs
+
+
+def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
+    """The `PartitionSpec` of every array of `method`'s cache on a generation mesh (`method.cache_partition()`),
+    checked against the cache's shapes (arrays or `ShapeDtypeStruct`s); empty arrays (a layer without
+    retrieval or streaming heads) are replicated: there is nothing to split, and XLA returns them so."""
+    specs = check_runs_on_a_mesh(method)
 
     def check(x, spec: P) -> P:
         for dim, names in zip(x.shape, spec):

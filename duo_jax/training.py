@@ -514,13 +514,15 @@ class Checkpoints:
 
 
 def write_outputs(out: Path, gates: np.ndarray, meta: dict[str, Any], history: list[dict[str, Any]]) -> Pattern:
-    """The pattern (tsv + config.json), loss.json and gates.png in `out`; returns the pattern."""
-    pattern = Pattern(gates, meta)
+    """The pattern (tsv + config.json), loss.json and gates.png in `out`; returns the pattern. config.json records
+    the steps done (`steps_done`): a run stopped early leaves its last checkpoint's gates, which `Pattern.load`
+    then says are unfinished."""
+    step = history[-1]["step"] + 1 if history else 0
+    pattern = Pattern(gates, dict(meta, steps_done=step))
     pattern.save(out)
     tmp = out / (LOSS_FILE + ".tmp")
     tmp.write_text(json.dumps(history, indent=1) + "\n")
     os.replace(tmp, out / LOSS_FILE)  # atomic: a killed run never leaves half a loss.json
-    step = history[-1]["step"] + 1 if history else 0
     pattern.heatmap(out / HEATMAP_FILE, title=f"{meta['model_name']}: gates after {step} steps")
     return pattern
 

@@ -150,7 +150,7 @@ def test_calls_inside_one_bucket_compile_nothing(model):
         out = generate(model, prompt, max_new_tokens=int(rng.integers(17, 33)), chunk_size=256, stop_at_eos=False)
         assert out.stats["chunk_size"] == 64
     assert len(compiles) == before
-    generate(model, [1] * 40, max_new_tokens=4, stop_at_eos=False, context=300)
+    generate(model, [1] * 40, max_new_tokens=4, stop_at_eos=False, context=200)
     assert len(compiles) > before  # the counter works: a new capacity is a new executable
 
 
@@ -286,6 +286,14 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
         (dict(method="h2o", kv_budget=8, sparsity=0.5), DuoJaxError, "method 'h2o' has no head pattern"),
         (dict(pattern=Pattern(GATES), kv_budget=64, sparsity=0.2), DuoJaxError, "kv_budget or sparsity, not both"),
         (dict(pattern=Pattern(GATES), kv_budget=8, sink=4, recent=12), DuoJaxError, "below duo's streaming window"),
+        (dict(method="streaming_llm", sink=4, start=8), DuoJaxError, "sink=4 and start=8 name one option"),
+        (dict(pattern=Pattern(GATES), recent=0), DuoJaxError, "streaming heads need recent >= 1"),  # a ring of none
+        (dict(method="streaming_llm", recent=0), DuoJaxError, "recent >= 1"),
+        (dict(context=10**6), DuoJaxError, "context=1000000 is past the model's 256 positions"),  # a 10^6 cache
+        (dict(chat="yes"), DuoJaxError, "chat must be None, True or False, got 'yes'"),  # was taken as True
+        (dict(chat=0), DuoJaxError, "chat must be None, True or False, got 0"),
+        (dict(prompt_tail_steps=1.5), DuoJaxError, "prompt_tail_steps must be an integer >= 0, got 1.5"),  # was 1
+        (dict(pattern=GATES), DuoJaxError, r"pattern must be a Pattern.*duo_jax.Pattern\(gates\)"),
     ],
 )
 def test_bad_arguments_are_clear_errors(model, prompts, kwargs, error, message):
@@ -300,6 +308,16 @@ def test_a_top_k_at_or_above_the_vocabulary_is_no_limit(model, prompts):
     free = generate(model, prompts[0], **options).tokens
     assert generate(model, prompts[0], top_k=CONFIG.vocab_size, **options).tokens == free
     assert generate(model, prompts[0], top_k=50_000, **options).tokens == free
+
+
+def test_a_chat_message_of_no_text_and_a_method_off_the_mesh_are_refused_before_any_work(model, prompts):
+    with pytest.raises(DuoJaxError, match="a chat message's content must be a string, got NoneType"):
+        generate(model, [{"role": "user", "content": None}])  # the template's TypeError before
+    with pytest.raises(DuoJaxError, match="a chat message alone in a batch"):
+        generate(model, [[1, 2, 3], {"role": "user", "content": "there"}])  # "got dict of object with shape ()"
+    mesh = duo_jax.sharding.make_generation_mesh(data=1, model=1)
+    with pytest.raises(DuoJaxError, match="method 'h2o' does not run on a device mesh"):
+        plan_generation(model, prompts[0], method="h2o", kv_budget=8, mesh=mesh)  # refused by the run before
 
 
 def test_bad_prompts_are_clear_errors(model):

@@ -102,6 +102,8 @@ def test_missing_tensor_is_named(tmp_path, hf_dir):
 def test_unknown_name():
     with pytest.raises(ConfigError, match="unknown model name 'llama-9000'.*smollm2-135m"):
         duo_jax.load("llama-9000")
+    with pytest.raises(duo_jax.DuoJaxError, match="no model given"):  # was "`.` has no config.json"
+        duo_jax.load("")
 
 
 def test_named_model_without_weights_says_where_it_looked(tmp_path, monkeypatch):

@@ -247,6 +247,8 @@ def test_init_params_shapes_and_sliding_window():
         (np.asarray([[1.0, 2.0]]), "integer array .* float64 of shape"),
         (np.asarray([1, 2]), r"\[batch, length\]; got int64 of shape \(2,\)"),
         (np.zeros((2, 0), np.int32), "no positions"),
+        (np.zeros((0, 3), np.int32), "no rows"),  # numpy's "zero-size array to reduction" before
+        ([[1, 2], [3]], "rows of one length"),  # numpy's "inhomogeneous shape" before
     ],
 )
 def test_forward_refuses_tokens_it_cannot_embed(tokens, message):

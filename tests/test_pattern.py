@@ -146,6 +146,19 @@ def test_save_load_round_trip_is_bit_identical(tmp_path):
     assert Pattern.load(Pattern(gates).save(tmp_path / "bare")).meta is None
 
 
+def test_the_pattern_of_an_unfinished_training_run_says_so_when_loaded(tmp_path):
+    """train_gates writes the gates at every checkpoint; config.json's steps_done tells a stopped run's from a
+    finished one's, which loads silently."""
+    import warnings
+
+    gates = np.full((2, 2), 0.5)
+    with pytest.warns(UserWarning, match="unfinished training run .step 4 of 10"):
+        Pattern.load(Pattern(gates, {"num_steps": 10, "steps_done": 4}).save(tmp_path / "stopped"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Pattern.load(Pattern(gates, {"num_steps": 10, "steps_done": 10}).save(tmp_path / "done"))
+
+
 def test_save_matches_the_original_format(tmp_path):
     folder = published_dir("llama3.1-8b")  # its published gates are already in [0, 1]
     Pattern.load(folder).save(tmp_path)

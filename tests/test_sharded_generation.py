@@ -47,7 +47,8 @@ result = {"mask": pattern.retrieval_mask(sparsity).sum(axis=1).tolist()}
 
 
 def prefill_logits(method, mesh):
-    kv = build_method(config, method, context=128, pattern=pattern if method == "duo" else None, sparsity=sparsity,
+    duo = method == "duo"
+    kv = build_method(config, method, context=128, pattern=pattern if duo else None, sparsity=sparsity if duo else None,
                       sink=4, recent=8)
     logits, _, _ = Engine.of(model, mesh).prefill(kv, padded, np.asarray(lengths), chunk=16)
     return np.asarray(logits), kv

@@ -79,7 +79,9 @@ def test_reindexing_differs_from_absolute_positions_and_outlives_the_context(par
     [
         ("h3o", {}, "unknown method 'h3o'"),
         ("streaming_llm", {"sparsity": 0.5}, "does not take sparsity"),
-        ("streaming_llm", {"start": -1}, "start and recent must be >= 0"),
+        ("streaming_llm", {"start": -1}, "start must be >= 0 and recent >= 1"),
+        ("streaming_llm", {"recent": 0}, r"recent >= 1 \(a ring of the newest tokens\)"),
+        ("streaming_llm", {"start": 4, "kv_budget": 4}, "recent=0 from kv_budget=4"),
         ("duo", {}, "needs a head pattern"),
         ("full", {"recent": 3}, "does not take recent"),
     ],

@@ -358,6 +358,7 @@ def test_train_writes_the_run_folder_and_continues_it(tmp_path):
     np.testing.assert_array_equal(loaded.gates, pattern.gates)
     assert loaded.gates.shape == (config.num_layers, config.num_kv_heads) and loaded.gates.min() < 1
     assert loaded.meta["num_steps"] == 5 and loaded.meta["sink_size"] == 8 and loaded.meta["lr"] == 0.02
+    assert loaded.meta["steps_done"] == 5  # a finished run (a stopped one's pattern warns when loaded)
     history = json.loads((out / "loss.json").read_text())
     assert [h["step"] for h in history] == list(range(5))
     assert {"loss", "distill", "l1", "lr", "tokens_per_s"} <= set(history[0])

@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from duo_jax.errors import DuoJaxError, integer_argument
+from duo_jax.errors import DuoJaxError, check_output_folder, integer_argument
 from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, check_max_length
 from duo_jax.eval.longbench_metrics import FUZZY
 from duo_jax.eval.modes import MODES, check_kv_budget, check_kv_dtype_modes
@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     start = time.perf_counter()
     try:
+        check_output_folder(args.out)  # before the runs, which write there only at their end
         model = duo_jax.load(args.model, dtype=jnp.dtype(dtype))
         specs = [methods.entry(m) for m in args.modes if m in methods.METHODS]
         needs_pattern = any(spec.takes_pattern for spec in specs)

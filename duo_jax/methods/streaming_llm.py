@@ -120,6 +120,9 @@ def make_streaming_llm(
     """`start` attention sinks + `recent` tokens per head (recent = kv_budget - start when a budget is given)."""
     if kv_budget is not None:
         recent = kv_budget - start
-    if start < 0 or recent < 0:
-        raise DuoJaxError(f"start and recent must be >= 0, got start={start}, recent={recent}")
+    if start < 0 or recent < 1:
+        raise DuoJaxError(
+            f"start must be >= 0 and recent >= 1 (a ring of the newest tokens), got start={start}, recent={recent}"
+            + (f" from kv_budget={kv_budget}" if kv_budget is not None else "")
+        )
     return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent, kv_dtype)
