@@ -37,11 +37,22 @@ def parser(doc: str, name: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=_Formatter)
     p.add_argument(
         "--out",
-        type=pathlib.Path,
+        type=output_folder,
         default=REPO / "results" / "benchmarks" / name,
         help="folder for <name>.json and <name>.png",
     )
     return p
+
+
+def output_folder(text: str) -> pathlib.Path:
+    """--out, checked as the command line is parsed: a benchmark writes its results at its end, so a path it
+    cannot write would cost the run (`duo_jax.errors.check_output_folder`)."""
+    from duo_jax.errors import DuoJaxError, check_output_folder
+
+    try:
+        return check_output_folder(text)
+    except DuoJaxError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

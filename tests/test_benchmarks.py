@@ -129,6 +129,16 @@ def test_help(script, capsys):
     assert "--out" in text and module.__doc__.split("\n")[0][:40] in text
 
 
+def test_an_out_below_a_file_stops_a_benchmark_as_it_parses(tmp_path, capsys):
+    """A benchmark writes its JSON at its end: an --out it cannot write is argparse's error before the run."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module("decode").main(["--out", str(afile / "run")])
+    assert exit_info.value.code == 2 and f"{afile} is a file, not a folder" in capsys.readouterr().err
+    assert common.parser("doc", "x").parse_args(["--out", str(tmp_path / "new")]).out == tmp_path / "new"
+
+
 def test_memory_arithmetic():
     memory = importlib.import_module("memory")
     assert memory.theoretical_ratio(0.5, 320, 1024) == pytest.approx(0.5 + 0.5 * 320 / 1024)
