@@ -338,3 +338,16 @@ def test_the_server_refuses_a_sparsity_without_a_pattern(monkeypatch, capsys):
     monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: model)
     assert serve_main(["--model", "tiny", "--sparsity", "0.9", "--no-warm-up"]) == 2
     assert "error: method 'full' has no head pattern, so no sparsity to set" in capsys.readouterr().err
+
+
+def test_a_request_cancelled_before_the_scheduler_saw_it_is_cancelled():
+    """A client that disconnects between its submit and the step that reads the inbox: the step read the inbox,
+    then the request was submitted and cancelled. The cancel finds it (it ran to its end for no client before)."""
+    s = scheduler(DuoAttention(make_layout(CONFIG, None, sink=0, recent=0, context=64)), num_pages=16)
+    s._admit_inbox()  # the step has read the (empty) inbox ...
+    request = s.submit(Request(PROMPTS[0], max_tokens=NEW))  # ... then this arrives and its client leaves
+    s.cancel(request)
+    s._cancel_requested()
+    assert request.finish_reason == "cancelled" and s.counters["cancelled"] == 1 and not s.queue
+    s.run()
+    assert request.tokens == [] and s.idle

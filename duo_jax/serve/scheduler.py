@@ -355,6 +355,10 @@ class Scheduler:
             if request.done.is_set():
                 continue
             running = [b for b, s in enumerate(self.running) if s and s.request is request]
+            if not running and request not in self.queue:
+                # submitted after this step read the inbox, and cancelled since: its submit was queued before its
+                # cancel, so reading the inbox again finds it (else it would run to its end for no client)
+                self._admit_inbox()
             if running:
                 self._release(running[0])
             elif request in self.queue:
