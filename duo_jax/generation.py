@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 import warnings
 
@@ -23,7 +22,7 @@ from duo_jax.errors import DuoJaxError, InvalidOption
 from duo_jax.loading import Model
 from duo_jax.methods import Method, cache_nbytes
 from duo_jax.model import check_token_ids
-from duo_jax.pattern import Pattern, exact_sparsity
+from duo_jax.pattern import Pattern, exact_sparsity, resolve_pattern
 from duo_jax.sampling import Sampling, check_number, check_sampling, check_seed, sample
 from duo_jax.tokenizer import require
 
@@ -33,26 +32,6 @@ class Generation:
     tokens: list[list[int]]  # new token ids per prompt (up to and including EOS when it stopped there)
     text: list[str] | None  # decoded new text per prompt, when the model has a tokenizer
     stats: dict  # prefill_s, decode_s, decode_tokens_per_s, cache_bytes, full_cache_bytes, ...
-
-
-def resolve_pattern(pattern: Pattern | str | os.PathLike | None, config: ModelConfig) -> Pattern | None:
-    """A Pattern, a path to one, "default" (the model's shipped pattern) or None (full attention)."""
-    if pattern is None or isinstance(pattern, Pattern):
-        resolved = pattern
-    elif str(pattern) == "default":
-        resolved = Pattern.for_model(config.name)
-        if resolved is None:
-            raise DuoJaxError(f"model {config.name!r} ships no default pattern; pass a pattern path")
-    elif isinstance(pattern, (str, os.PathLike)):
-        resolved = Pattern.load(pattern)
-    else:
-        raise DuoJaxError(
-            f"pattern must be a Pattern, a path to one, 'default' or None, got {type(pattern).__name__} (gates as an "
-            "array: duo_jax.Pattern(gates))"
-        )
-    if resolved is not None:
-        resolved.validate(config)
-    return resolved
 
 
 def _prompt_ids(model: Model, prompts) -> list[list[int]]:

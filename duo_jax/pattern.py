@@ -11,8 +11,10 @@ depends only on the sparsity. Design: docs/training.md, "Patterns".
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import os
 import warnings
 from fractions import Fraction
 from pathlib import Path
@@ -141,6 +143,11 @@ class Pattern:
             (directory / META_FILE).write_text(json.dumps(self.meta, indent=2) + "\n")
         return directory
 
+    def digest(self) -> str:
+        """A short hash of the gates (their float32 bytes): which pattern a result was made with, recorded beside
+        it so that results of different patterns are not merged as one (`duo_jax.eval.ruler.merge_results`)."""
+        return hashlib.sha256(np.ascontiguousarray(self.gates, np.float32).tobytes()).hexdigest()[:16]
+
     def validate(self, config: config_lib.ModelConfig) -> None:
         """Raise PatternError unless the pattern has one gate per layer and KV head of `config`."""
         if self.gates.shape != (config.num_layers, config.num_kv_heads):
@@ -252,3 +259,24 @@ def exact_sparsity(sparsity: Any) -> Fraction:
     if not 0 <= exact <= 1:
         raise PatternError(f"{allowed}, got {sparsity!r}")
     return exact
+
+
+def resolve_pattern(pattern: Pattern | str | os.PathLike | None, config: config_lib.ModelConfig) -> Pattern | None:
+    """A Pattern, a path to one, "default" (the model's shipped pattern) or None (full attention), checked against
+    `config`: what every `pattern=` takes (`generate`, the methods' builders, the evaluations)."""
+    if pattern is None or isinstance(pattern, Pattern):
+        resolved = pattern
+    elif str(pattern) == "default":
+        resolved = Pattern.for_model(config.name)
+        if resolved is None:
+            raise PatternError(f"model {config.name!r} ships no default pattern; pass a pattern path")
+    elif isinstance(pattern, (str, os.PathLike)):
+        resolved = Pattern.load(pattern)
+    else:
+        raise PatternError(
+            f"pattern must be a Pattern, a path to one, 'default' or None, got {type(pattern).__name__} (gates as an "
+            "array: duo_jax.Pattern(gates))"
+        )
+    if resolved is not None:
+        resolved.validate(config)
+    return resolved

@@ -142,6 +142,13 @@ def test_kv_budget_fraction_and_duo_window():
             budget_tokens(bad, 1000)
     assert fit_window(1024, 64, 256) == (64, 256)  # fits in half the budget: unchanged
     assert fit_window(256, 64, 256) == (25, 102)  # scaled to half of 256
+    # A budget too small for any retrieval head at half of it (40 tokens of 4,096: 0.4 of SmolLM2's 90 heads):
+    # every head streams with the whole budget, where it kept half (duo's cache was half the others')
+    config = duo_jax.get_config("smollm2-135m")
+    duo = mode_settings(
+        "duo", config, Pattern.full(30, 3), sparsity=0.5, sink=64, recent=256, context=4128, kv_budget=40
+    )
+    assert (duo.sink, duo.recent, duo.sparsity) == (8, 32, 1.0)
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5])

@@ -1,9 +1,11 @@
 """LongBench (duo_jax.eval.longbench): the official metrics on hand-computed cases, LongBench's data format,
 prompt, truncation and chat rules, and a resumable end-to-end run on a tiny random model."""
 
+import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -264,6 +266,14 @@ def test_end_to_end_resumes(model, tmp_path, monkeypatch):
     longbench.run_longbench(model, ["full"], **dict(kwargs, max_length=64))
     longer = sum(n > 64 for v in results["prompt_tokens"].values() for n in v)  # the prompts 64 tokens change
     assert longer >= 2 and calls == ["full"] * longer
+
+
+def test_a_prediction_made_in_another_dtype_is_stale(model):
+    """`--dtype bfloat16` into a float32 run's folder reused its predictions, labelled bfloat16."""
+    bf16 = dataclasses.replace(model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params))
+    run, settings = samples.make_runs(["full"], None)[0], samples.Settings()
+    fingerprints = {samples.sample_fingerprint(m, run, [1, 2, 3], 8, settings) for m in (model, bf16)}
+    assert len(fingerprints) == 2
 
 
 def test_cli_longbench(tmp_path, capsys, monkeypatch):

@@ -109,3 +109,17 @@ def test_the_method_lists_come_from_the_registry():
     readme, methods_md = (root / "README.md").read_text(), (root / "docs" / "methods.md").read_text()
     for name in METHODS:
         assert f"| `{name}` |" in readme and f"\n## {name}\n" in methods_md, name
+
+
+def test_a_builder_takes_every_form_of_pattern_generate_takes():
+    """`make_method("duo", pattern="default" | a path)` was an AttributeError ('str' has no retrieval_mask): the
+    builders resolve a pattern as `generate` does."""
+    from duo_jax.config import CONFIGS_DIR, get_config
+
+    config = get_config("smollm2-135m")
+    by_name = make_method("duo", config, context=512, pattern="default")
+    by_path = make_method("duo", config, context=512, pattern=CONFIGS_DIR / "patterns" / "smollm2-135m")
+    built = make_method("duo", config, context=512, pattern=duo_jax.Pattern.for_model("smollm2-135m"))
+    assert by_name == by_path == built and by_name.stats()["retrieval_heads"] == 45
+    both = make_method("duo_headkv", config, context=512, pattern="default", scores="default", kv_budget=64)
+    assert both.name == "duo_headkv"

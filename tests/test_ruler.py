@@ -211,12 +211,12 @@ def test_end_to_end(tokenizer, tmp_path, monkeypatch):
 # --- merging runs -------------------------------------------------------------------------------------------
 
 
-def _part(lengths, runs, *, samples=2, sink=64):
+def _part(lengths, runs, *, samples=2, sink=64, pattern="a1b2"):
     """A ruler.json as `run_ruler` writes it (read back from JSON: per-length keys are strings), tasks a and b;
     runs {name: (mode, budget, {length: (score a, score b)})}; each prediction took 1 s for 500 prompt tokens."""
     part = dict(
         model="tiny", dtype="float32", tasks=["a", "b"], seed=42, chat=True, haystack="h", sparsity=0.5,
-        sink=sink, recent=256, chunk_size=256, kv_dtype=None, notes=[], lengths=lengths,
+        pattern=pattern, scores=None, sink=sink, recent=256, chunk_size=256, kv_dtype=None, notes=[], lengths=lengths,
         prompts={f"{t}_{n}": [dict(length=n, outputs=[str(i)]) for i in range(samples)] for t in "ab" for n in lengths},
         runs={},
     )  # fmt: skip
@@ -253,6 +253,8 @@ def test_merge_results_refuses_what_is_not_comparable():
     one_k = _part([1024], {"full": ("full", None, {1024: (100, 50)})})
     cases = [
         (_part([2048], {"x": ("duo", 0.5, {2048: (1, 2)})}, sink=4), "sink=4"),
+        (_part([2048], {"x": ("duo", 0.5, {2048: (1, 2)})}, pattern="ffff"), "pattern='ffff'"),  # merged before
+        ({k: v for k, v in _part([2048], {}).items() if k != "pattern"}, "pattern=.not recorded: a result from an"),
         (_part([1024], {"full": ("full", None, {1024: (100, 50)})}), "full at 1024 tokens is in both"),
         (_part([1024], {"x": ("duo", 0.5, {1024: (1, 2)})}, samples=3), "different prompts for a_1024"),
     ]
@@ -278,6 +280,14 @@ def test_ruler_merge_cli(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert eval_main(["ruler-merge", str(tmp_path / "bad.json")]) == 2
     assert "missing field" in capsys.readouterr().err
+    # the merged file has no predictions: writing it over a part would lose the part's (it was overwritten)
+    piece = tmp_path / "piece"
+    piece.mkdir()
+    (piece / "ruler.json").write_text(files[0].read_text())
+    assert eval_main(["ruler-merge", str(piece / "ruler.json"), str(files[1]), "--out", str(piece)]) == 2
+    assert "would write over" in capsys.readouterr().err and "predictions" in (piece / "ruler.json").read_text()
+    assert eval_main(["ruler-merge", *map(str, files), "--out", str(tmp_path / "bad.json")]) == 2  # a traceback
+    assert "is a file, not a folder" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_options(capsys):

@@ -15,6 +15,7 @@ import functools
 import json
 import sys
 import time
+from pathlib import Path
 
 from duo_jax.errors import DuoJaxError, check_output_folder, integer_argument
 from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, check_max_length
@@ -413,6 +414,10 @@ def merge_ruler(files: list[str], out_dir: str) -> int:
     from duo_jax.eval.ruler import merge_results, tables, write_outputs
 
     try:
+        out = check_output_folder(out_dir)
+        overwritten = [path for path in files if Path(path).resolve() == (out / "ruler.json").resolve()]
+        if overwritten:  # the merged file holds no predictions: the part would be lost
+            raise DuoJaxError(f"--out {out_dir} would write over {overwritten[0]}, a part: pass another folder")
         parts = []
         for path in files:
             with open(path, encoding="utf-8") as f:

@@ -159,6 +159,8 @@ def run_ruler(
         calibration_overlap=overlap,
         kv_budgets=list(kv_budgets or [None]),
         sparsity=settings.sparsity,
+        pattern=None if settings.pattern is None else settings.pattern.digest(),
+        scores=None if settings.scores is None else settings.scores.digest(),
         sink=settings.sink,
         recent=settings.recent,
         chunk_size=settings.chunk_size,
@@ -206,12 +208,18 @@ MERGE_KEYS = (
     "chat",
     "haystack",
     "sparsity",
+    "pattern",
+    "scores",
     "sink",
     "recent",
     "chunk_size",
     "kv_dtype",
     "streaming_chunk",
 )
+
+
+def _recorded(result: dict, key: str) -> str:
+    return repr(result[key]) if key in result else "(not recorded: a result from an older version)"
 
 
 def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
@@ -230,8 +238,8 @@ def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
         for key in MERGE_KEYS:
             if part.get(key) != merged[key]:
                 raise DuoJaxError(
-                    f"{source} was run with {key}={part.get(key)!r}, {first_source} with {merged[key]!r}: "
-                    "only results of the same settings can share a table"
+                    f"{source} was run with {key}={_recorded(part, key)}, {first_source} with "
+                    f"{_recorded(first, key)}: only results of the same settings can share a table"
                 )
         lengths = [int(n) for n in part["lengths"]]
         for name, prompts in part["prompts"].items():

@@ -101,9 +101,9 @@ def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Se
 
 
 def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> str:
-    """What a prediction is made from: the model, the prompt ids, the new tokens, the run's protocol and what
-    its mode was built with (its pattern / scores only where the mode uses them). A stored prediction with
-    another fingerprint is stale (an option or the data changed) and is generated again, never reused."""
+    """What a prediction is made from: the model and its dtype, the prompt ids, the new tokens, the run's protocol
+    and what its mode was built with (its pattern / scores only where the mode uses them). A stored prediction
+    with another fingerprint is stale (an option or the data changed) and is generated again, never reused."""
     mode = _mode(model, run, len(ids), max_new_tokens, settings)
     digest = hashlib.sha256()
     digest.update(
@@ -111,6 +111,7 @@ def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_token
             (
                 model.config.name,
                 model.source,
+                str(model.params.dtype),  # a bf16 run's predictions are not a float32 run's
                 max_new_tokens,
                 run.name,
                 len(ids) if mode.one_chunk_prefill else settings.chunk_size,

@@ -40,7 +40,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, concat_slots, kv_rotation_for, write_run, write_slots
 from duo_jax.methods.registry import register
 from duo_jax.model import apply_rotary
-from duo_jax.pattern import DEFAULT_SPARSITY, Pattern
+from duo_jax.pattern import DEFAULT_SPARSITY, Pattern, resolve_pattern
 from duo_jax.quant import as_stored
 from duo_jax.sampling import check_number
 
@@ -414,10 +414,16 @@ def duo_budget(
     **inputs,
 ) -> dict:
     """duo at a budget: its window fitted to the budget (`fit_window`) and the sparsity that meets it
-    (`duo_sparsity_for_budget`); unfitted (the budget is duo's own), the given sparsity and window."""
+    (`duo_sparsity_for_budget`); where that leaves no retrieval head, every head streaming with the whole budget as
+    its window (half of it would keep half the budget). Unfitted (the budget is duo's own), the given sparsity and
+    window."""
     if fitted:
-        sink, recent = fit_window(kv_budget, sink, recent)
+        window = sink, recent
+        sink, recent = fit_window(kv_budget, *window)
         sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
+        if num_retrieval_heads(config, sparsity) == 0:
+            sink, recent = fit_window(2 * kv_budget, *window)  # fills the budget, not half
+            sparsity = 1.0
     return dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent)
 
 
@@ -444,6 +450,7 @@ def make_duo(
     `DuoAttention.streaming_chunk`."""
     if pattern is None:
         raise DuoJaxError("method 'duo' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
+    pattern = resolve_pattern(pattern, config)
     if kv_budget is not None and sparsity is not None:
         raise DuoJaxError(
             f"duo takes kv_budget or sparsity, not both: kv_budget={kv_budget} picks the sparsity that meets it"

@@ -36,7 +36,7 @@ from duo_jax.methods.snapkv import (
     kv_array,
 )
 from duo_jax.model import apply_rotary
-from duo_jax.pattern import DEFAULT_SPARSITY, Pattern
+from duo_jax.pattern import DEFAULT_SPARSITY, Pattern, resolve_pattern
 from duo_jax.quant import kv_bytes_per_vector
 
 
@@ -327,6 +327,7 @@ def make_duo_headkv(
     scores = _required_scores(scores, config, "duo_headkv")
     if pattern is None:
         raise DuoJaxError("method 'duo_headkv' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
+    pattern = resolve_pattern(pattern, config)
     grid = _score_grid(config, scores)
     mask = pattern.retrieval_mask(DEFAULT_SPARSITY if sparsity is None else sparsity)
     layout = make_layout(config, mask, sink=sink, recent=recent, context=context, kv_dtype=kv_dtype)
