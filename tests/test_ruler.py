@@ -300,3 +300,21 @@ def test_cli_rejects_bad_options(capsys):
         with pytest.raises(SystemExit):
             eval_main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_a_task_that_cannot_fit_a_length_fails_before_any_generation(tokenizer, tmp_path, monkeypatch):
+    """It failed after the other tasks' samples were generated, without naming the task."""
+    model = Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
+    monkeypatch.setattr(ruler, "generate_sample", lambda *a: pytest.fail("generated before every prompt was made"))
+    with pytest.raises(DataError, match="cwe at 320 tokens: the prompt does not fit"):
+        ruler.run_ruler(
+            model,
+            ["full"],
+            lengths=[320],
+            samples=1,
+            kv_budgets=None,
+            settings=samples.Settings(),
+            tasks=["niah_single_1", "cwe"],
+            out_dir=tmp_path,
+            progress=False,
+        )

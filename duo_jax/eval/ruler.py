@@ -116,18 +116,22 @@ def run_ruler(
     out_dir = Path(out_dir)
     start = time.perf_counter()
     prompts = {}
-    with tqdm(
-        total=len(runs) * len(tasks) * len(lengths) * samples, desc="ruler", unit="sample", disable=not progress
-    ) as bar:
-        for length in lengths:
-            for task in tasks:
-                bar.set_postfix_str(f"preparing {task} @ {length}")
+    for length in lengths:  # every prompt first: a task that cannot fit a length fails before any generation
+        for task in tasks:
+            try:
                 prompts[task, length] = [
                     data.make_sample(
                         task, model.tokenizer, length, i, seed=seed, chat=chat, haystack=haystack, qa_data=qa_data
                     )
                     for i in range(samples)
                 ]
+            except DuoJaxError as e:
+                raise type(e)(f"{task} at {length} tokens: {e}") from None
+    with tqdm(
+        total=len(runs) * len(tasks) * len(lengths) * samples, desc="ruler", unit="sample", disable=not progress
+    ) as bar:
+        for length in lengths:
+            for task in tasks:
                 for run in runs:
                     store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
                     bar.set_postfix_str(f"{run.name} / {task} @ {length}")
