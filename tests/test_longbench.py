@@ -298,6 +298,8 @@ def test_decode_last_protocol(model, tmp_path):
     settings = samples.Settings(sink=4, recent=16, chunk_size=32)
     record = samples.generate_sample(model, runs[2], prompt, 4, settings)
     assert record["kv_budget_tokens"] == len(prompt) // 2 and isinstance(record["pred"], str)
+    with pytest.raises(duo_jax.DuoJaxError, match="--decode-last 8 is not shorter than a prompt of 8 tokens"):
+        samples.generate_sample(model, runs[2], prompt[:8], 4, settings)  # was named prompt_tail_steps
     legend = samples.protocol_legend({r.name: dict(mode=r.mode, protocol=r.protocol) for r in runs})
     assert "h2o@0.5+last8: exact prefill, last 8 prompt tokens decoded one at a time" in legend
     assert "duo" not in legend

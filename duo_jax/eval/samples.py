@@ -135,6 +135,11 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
     from duo_jax import generate
 
     length = len(ids)
+    if run.decode_last >= length:
+        raise DuoJaxError(
+            f"--decode-last {run.decode_last} is not shorter than a prompt of {length} tokens ({run.name}): pass fewer "
+            "prompt tokens to decode one at a time"
+        )
     mode = _mode(model, run, length, max_new_tokens, settings)
     # Full attention keeps every token whatever the capacity: generate's capacity buckets then let samples of
     # similar lengths share compiled steps. Every other mode gets the capacity its budget was fitted to.
