@@ -326,7 +326,7 @@ def test_longbench_e_scores_per_length_bucket(tmp_path):
     """score_runs / tables from stored predictions (no generation): LongBench-E's buckets of `length`."""
     data = {"hotpotqa": [_sample(0, "c", "q", ["Paris"], length=3000), _sample(1, "c", "q", ["Rome"], length=9000)]}
     run = samples.Run("full")
-    store = samples.PredictionStore(tmp_path / "predictions" / "full" / "hotpotqa.jsonl")
+    store = samples.PredictionStore(tmp_path / "predictions_e" / "full" / "hotpotqa.jsonl")  # LongBench's pred_e/
     for sample, pred in zip(data["hotpotqa"], ["Paris", "Milan"]):
         store.add(
             dict(

@@ -146,6 +146,12 @@ def task_file(data_dir: str | Path, task: str, longbench_e: bool = False) -> Pat
     return Path(data_dir) / f"{task}{'_e' if longbench_e else ''}.jsonl"
 
 
+def predictions_file(out_dir: str | Path, run: str, task: str, longbench_e: bool = False) -> Path:
+    """Where a run's predictions of a task are kept: LongBench-E's apart from LongBench's (LongBench's own `pred/`
+    and `pred_e/`), so that runs of both into one folder do not take turns overwriting each other's."""
+    return Path(out_dir) / f"predictions{'_e' if longbench_e else ''}" / run / f"{task}.jsonl"
+
+
 def load_task(data_dir: str | Path, task: str, *, longbench_e: bool = False, limit: int | None = None) -> list[dict]:
     """The samples of `task` from LongBench's file in `data_dir` (the first `limit` when given), checked."""
     data_dir = Path(data_dir)
@@ -271,7 +277,7 @@ def run_longbench(
                         f"exceed the model's context of {context}: lower --max-length"
                     )
             for run in runs:
-                store = PredictionStore(out_dir / "predictions" / run.name / f"{task}.jsonl")
+                store = PredictionStore(predictions_file(out_dir, run.name, task, longbench_e))
                 bar.set_postfix_str(f"{run.name} / {task}")
                 for sample, ids in zip(data[task], prompts[task]):
                     fingerprint = sample_fingerprint(model, run, ids, MAX_NEW_TOKENS[task], settings)
@@ -326,7 +332,7 @@ def score_runs(
     for run in runs:
         tasks, records = {}, {}
         for task, samples in data.items():
-            store = PredictionStore(Path(out_dir) / "predictions" / run.name / f"{task}.jsonl")
+            store = PredictionStore(predictions_file(out_dir, run.name, task, longbench_e))
             done = store.ordered(str(s["_id"]) for s in samples)
             # The tables rescore each prediction with the current metric code. A line's own "score" is what the
             # metric gave when it was generated, kept for reading the lines; nothing reads it back.
