@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from duo_jax.errors import check_output_folder
     from duo_jax.eval import report
     from duo_jax.eval.niah import accuracy_table, run_niah
-    from duo_jax.generation import resolve_pattern
-    from duo_jax.pattern import exact_sparsity
+    from duo_jax.pattern import exact_sparsity, resolve_pattern
 
     try:
         check_output_folder(args.out)

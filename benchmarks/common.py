@@ -103,7 +103,7 @@ def load(args: argparse.Namespace):
     import jax.numpy as jnp
 
     import duo_jax
-    from duo_jax.generation import resolve_pattern
+    from duo_jax.pattern import resolve_pattern
 
     model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype))
     pattern = resolve_pattern(args.pattern, model.config)

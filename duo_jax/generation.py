@@ -22,7 +22,7 @@ from duo_jax.errors import DuoJaxError, InvalidOption
 from duo_jax.loading import Model
 from duo_jax.methods import Method, cache_nbytes
 from duo_jax.model import check_token_ids
-from duo_jax.pattern import Pattern, exact_sparsity, resolve_pattern
+from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.sampling import Sampling, check_number, check_sampling, check_seed, sample
 from duo_jax.tokenizer import require
 
@@ -129,7 +129,7 @@ def build_method(
         return method
     spec = methods.entry(method or ("full" if pattern is None else "duo"))
     if spec.takes_pattern:
-        options.update(pattern=resolve_pattern(pattern if pattern is not None else "default", config))
+        options.update(pattern="default" if pattern is None else pattern)  # its builder resolves it
         if sparsity is not None:
             options.update(sparsity=sparsity)
     elif pattern is not None:

@@ -290,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     from duo_jax.eval.passkey import run_passkey
     from duo_jax.eval.perplexity import perplexity_table, run_perplexity
     from duo_jax.eval.samples import Settings
-    from duo_jax.generation import resolve_pattern
     from duo_jax.methods.headkv import resolve_scores
+    from duo_jax.pattern import resolve_pattern
 
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     start = time.perf_counter()

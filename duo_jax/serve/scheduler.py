@@ -272,7 +272,7 @@ class Scheduler:
             raise DuoJaxError(f"max_tokens must be positive, got {request.max_tokens}")
         check_sampling(request.sampling.temperature, request.sampling.top_p, request.sampling.top_k)
         total = n + request.max_tokens
-        limit = min(self.method.max_tokens, config.max_position_embeddings)
+        limit = self.sequence_limit
         if total > limit:
             raise DuoJaxError(
                 f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the "
@@ -285,11 +285,15 @@ class Scheduler:
         if self._pages(total - 1) > self.pool.num_pages:
             raise DuoJaxError(f"the request needs {self._pages(total - 1)} pages; the pool has {self.pool.num_pages}")
 
+    @property
+    def sequence_limit(self) -> int:
+        """Tokens one sequence can hold (prompt + new): the method's capacity and the model's positions."""
+        return min(self.method.max_tokens, self.engine.config.max_position_embeddings)
+
     def max_new_tokens(self, prompt_tokens: int) -> int:
         """The most new tokens a prompt of `prompt_tokens` can have here: a sequence's limit (the method's and the
         model's positions) and the page pool's, less the prompt (< 1: none)."""
-        limit = min(self.method.max_tokens, self.engine.config.max_position_embeddings)
-        return min(limit, self.pool.num_pages * self.method.page_size + 1) - prompt_tokens
+        return min(self.sequence_limit, self.pool.num_pages * self.method.page_size + 1) - prompt_tokens
 
     def submit(self, request: Request) -> Request:
         """Queue a request (thread-safe); it runs from the next step on. SchedulerClosed once the scheduler
@@ -679,7 +683,7 @@ class Scheduler:
         a chunk, a decode step, a chunk alone on one row (split), the sampler on both logits shapes and a prefix
         reuse, by serving a few throwaway requests (sampled, so that the sampler's filtering is compiled). The counters
         start again from zero."""
-        limit = min(self.method.max_tokens, self.engine.config.max_position_embeddings)
+        limit = self.sequence_limit
         n = min(self.chunk, limit - 2)
         vocab = self.engine.config.vocab_size
         requests = [

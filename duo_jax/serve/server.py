@@ -316,7 +316,7 @@ class Server:
             "object": "model",
             "created": int(self.started),
             "owned_by": "duo-jax",
-            "max_model_len": min(self.scheduler.method.max_tokens, self.model.config.max_position_embeddings),
+            "max_model_len": self.scheduler.sequence_limit,
         }
 
     async def models(self, request: HttpRequest):
