@@ -39,12 +39,18 @@ def is_chat_model(model) -> bool:
 def render(
     template: str, messages: Sequence[Message], *, add_generation_prompt: bool = True, **special_tokens: str
 ) -> str:
-    """The prompt text of conversation `messages` under chat `template`; special_tokens: bos_token, eos_token."""
+    """The prompt text of conversation `messages` under chat `template`; special_tokens: bos_token, eos_token.
+    `tools` and `documents` are None, as transformers' `apply_chat_template` passes them without tools: a template
+    that tests `tools is not none` renders as there."""
     import jinja2
 
     try:
         return _compile(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **special_tokens
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **special_tokens,
         )
     except jinja2.TemplateError as e:
         raise DuoJaxError(f"the model's chat template rejected the conversation: {e}") from None

@@ -24,7 +24,7 @@ from duo_jax.methods import Method, cache_nbytes
 from duo_jax.model import check_token_ids
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.sampling import Sampling, check_number, check_sampling, check_seed, sample
-from duo_jax.tokenizer import require
+from duo_jax.tokenizer import generated_text, require
 
 
 @dataclasses.dataclass
@@ -390,7 +390,7 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
         out.append(row[: hits[0] + 1] if hits else row)
     text = None
     if model.tokenizer is not None:
-        text = [model.tokenizer.decode(row) for row in out]
+        text = [generated_text(model.tokenizer.decode, prompt, row) for prompt, row in zip(ids, out)]
     bytes_per_elem = jnp.dtype(model.params.dtype).itemsize
     stats = dict(
         method=kv_method.name,

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from duo_jax.errors import LoadError
+from duo_jax.errors import DuoJaxError, LoadError
 
 # llama.cpp's pre-tokenizer names (GGUF `tokenizer.ggml.pre`) -> the split regex its vocabulary was
 # trained with, as the model's own tokenizer.json writes it. Qwen's differs from Llama 3's in one place:
@@ -22,6 +22,9 @@ _QWEN2_SPLIT = (
 )
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 _NFC = {"qwen2"}
+# llama.cpp's LLAMA3 pre-tokenizer type (llama-vocab.cpp): a word that is one vocabulary entry is that token, even
+# where the merges cannot build it (tokenizer.json's BPE `ignore_merges`), and BOS is added unless the GGUF says not.
+_LLAMA3_PRE = {"llama-bpe", "llama3", "llama-v3"}
 # Pre-tokenizers without a split regex of their own: GPT-2's byte-level regex, SmolLM's digit splitting.
 _OTHER_PRE = ("gpt-2", "smollm")
 
@@ -61,6 +64,13 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # the backend's error: "TextInputSequence must be str"
+            raise DuoJaxError(
+                f"the text is not valid Unicode: {e.reason} at character {e.start} ({text[e.start : e.end]!r}); a "
+                "lone surrogate comes from bytes that are not UTF-8 (e.g. a command-line argument in another encoding)"
+            ) from None
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
@@ -130,7 +140,9 @@ class Tokenizer:
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = Backend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        backend = Backend(
+            models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _LLAMA3_PRE)
+        )
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
         if pre in _SPLITS:
             backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -157,31 +169,44 @@ class Tokenizer:
             backend,
             bos_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_ids=() if eos is None else (eos,),
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
             chat_template=fields.get("tokenizer.chat_template"),
         )
 
 
+PROMPT_CONTEXT = 8  # prompt ids decoded before a generation's: its text is what they add to the prompt's text
+
+
 class TextStream:
-    """The text of a growing list of token ids, equal at every step to `decode(ids)`, at a cost per added id
-    that does not grow with the ids before it (decoding them all every step makes a generation's text
-    quadratic in its length: the server's streams and stop strings).
+    """The text a growing list of token ids adds after `after` (the prompt's ids; default none), equal at every
+    step to `decode(after + ids)` past `decode(after)`, at a cost per added id that does not grow with the ids
+    before it (decoding them all every step makes a generation's text quadratic in its length: the server's streams
+    and stop strings).
 
     Only the ids after the last settled point are decoded, with the settled ids since the point before it as
     context: a decoder may change a sequence's first piece (SentencePiece's drops its leading space), so the new
-    text is the window's decode minus the context's. A point settles when the text up to it ends in a whole
-    character (a UTF-8 character split across ids decodes to U+FFFD until its last byte arrives). Why not
-    `tokenizers.decoders.DecodeStream`: it returns only settled text, while a stop string is matched against
-    the text as `decode` gives it, pending tail included; and any decoder whose window does not extend its
-    context's text gets the whole decode here instead (exact, at the quadratic cost)."""
+    text is the window's decode minus the context's. The prompt's last `PROMPT_CONTEXT` ids are the first context,
+    so a generation's first word keeps the space that separates it from the prompt's last (" cold" after "a
+    bright", where decoding the new ids alone gives "cold"), as Hugging Face's pipelines, vLLM and OpenAI return it.
+    A point settles when the text up to it ends in a whole character (a UTF-8 character split across ids decodes to
+    U+FFFD until its last byte arrives). Why not `tokenizers.decoders.DecodeStream`: it returns only settled text,
+    while a stop string is matched against the text as `decode` gives it, pending tail included; and any decoder
+    whose window does not extend its context's text gets the whole decode of the new ids instead (exact, at the
+    quadratic cost)."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str]):
+    def __init__(self, decode: Callable[[Sequence[int]], str], after: Sequence[int] = ()):
         self._decode = decode
-        self.ids: list[int] = []
-        self._settled = ""  # decode(ids[:_read])
-        self._tail = ""  # decode(ids)[len(_settled):], a split character's U+FFFD at its end
-        self._context, self._read = 0, 0  # ids[_context:_read]: the context decoded before the new ids
-        self._context_text = ""
+        self._ids = [int(i) for i in list(after)[-PROMPT_CONTEXT:]]  # the prompt's tail, then the new ids
+        self._start = len(self._ids)
+        self._settled = ""  # the text of _ids[_start:_read]
+        self._tail = ""  # the rest, a split character's U+FFFD at its end
+        self._context, self._read = 0, self._start  # _ids[_context:_read]: the context decoded before the new ids
+        self._context_text = decode(self._ids) if self._ids else ""
+
+    @property
+    def ids(self) -> list[int]:
+        """The ids added so far."""
+        return self._ids[self._start :]
 
     @property
     def text(self) -> str:
@@ -193,21 +218,32 @@ class TextStream:
         the decoder rewrites earlier text (then it starts again from the whole decode)."""
         return self._settled
 
+    @property
+    def pending(self) -> bool:
+        """Whether the text ends inside a character (U+FFFD until its last byte arrives)."""
+        return bool(self._tail)
+
     def extend(self, ids: Sequence[int]) -> str:
         """Add ids; the whole text so far."""
-        self.ids.extend(int(i) for i in ids)
-        window = self._decode(self.ids[self._context :])
+        self._ids.extend(int(i) for i in ids)
+        window = self._decode(self._ids[self._context :])
         if window.startswith(self._context_text):
             self._tail = window[len(self._context_text) :]
-        else:  # the context's text changed with what follows it: decode everything
-            self._tail = self._decode(self.ids) if self._context else window
-            self._settled, self._context, self._read, self._context_text = "", 0, 0, ""
+        else:  # the context's text changed with what follows it: decode the new ids whole, without the prompt
+            self._tail = self._decode(self.ids)
+            self._settled, self._context, self._read, self._context_text = "", self._start, self._start, ""
         if self._tail and not self._tail.endswith("\ufffd"):
             self._settled += self._tail
-            self._context, self._read = self._read, len(self.ids)
-            self._context_text = self._decode(self.ids[self._context : self._read])
+            self._context, self._read = self._read, len(self._ids)
+            self._context_text = self._decode(self._ids[self._context : self._read])
             self._tail = ""
         return self.text
+
+
+def generated_text(decode: Callable[[Sequence[int]], str], prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """The text generated `ids` add after `prompt` (`TextStream`): decoded alone, a SentencePiece decoder drops the
+    first piece's leading space ("cold" for " cold")."""
+    return TextStream(decode, after=prompt).extend(ids)
 
 
 def require(tokenizer: Tokenizer | None, what: str) -> Tokenizer:

@@ -57,7 +57,8 @@ def test_embedded_gguf_template_matches_transformers(smollm2_tokenizers, convers
 
 
 # A template exercising what transformers' environment provides: bos/eos strings, raise_exception, loop
-# controls ({% continue %}), a tojson that keeps non-ASCII and HTML characters, trim_blocks / lstrip_blocks.
+# controls ({% continue %}), a tojson that keeps non-ASCII and HTML characters, trim_blocks / lstrip_blocks, and
+# `tools` / `documents`, which transformers passes as None (undefined here, the tools line rendered, or crashed).
 TEMPLATE = """{{ bos_token }}{% for message in messages %}
     {% if message['role'] == 'system' %}
 [sys] {{ message['content'] | trim }}
@@ -72,7 +73,9 @@ TEMPLATE = """{{ bos_token }}{% for message in messages %}
 {% if add_generation_prompt %}
 <|assistant|>
 {% endif %}
-meta {{ messages | length }} {{ {'last': messages[-1]['content']} | tojson }}"""
+meta {{ messages | length }} {{ {'last': messages[-1]['content']} | tojson }}
+{%- if tools is not none %} tools {{ tools | tojson }}{% endif %}
+{%- if documents is defined and documents is none %} (no documents){% endif %}"""
 
 
 def _write_tiny_tokenizer(directory, template_in_jinja_file: bool):
@@ -107,6 +110,7 @@ def test_hf_directory_template_matches_transformers(tmp_path, template_in_jinja_
     expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert render(ours.chat_template, messages, **ours.special_tokens) == expected
     assert expected.startswith("<s>") and f"meta {len(messages)} " in expected  # the template really ran
+    assert expected.endswith("(no documents)") and " tools " not in expected
 
 
 def test_template_errors_are_clear(tmp_path):

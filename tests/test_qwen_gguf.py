@@ -252,3 +252,24 @@ def test_unknown_pre_tokenizer_is_a_clear_error(tmp_path, bpe):
     write_gguf(path, hf_model, "qwen2", _tokenizer_fields(*bpe, pre="some-new-model"))
     with pytest.raises(LoadError, match=r"unknown-pre.gguf: .*pre-tokenizer .*'some-new-model'.* Hugging Face"):
         duo_jax.load(path)
+
+
+def test_llama3_gguf_takes_whole_vocabulary_words_and_adds_bos():
+    """llama.cpp's LLAMA3 pre-tokenizers (llama-bpe, llama3, llama-v3) match a word that is one vocabulary entry
+    before merging (Llama 3's tokenizer.json: BPE ignore_merges), and add BOS unless the GGUF says not: " Việt" is
+    one token of Llama 3 that its merges cannot build."""
+    tokens = ["<|begin_of_text|>", "a", "b", "c", "ab", "abc"]
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "llama-bpe",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 1, 1, 1, 1, 1],
+        "tokenizer.ggml.merges": ["a b"],  # no merge makes "abc"
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 0,
+    }
+    llama3 = Tokenizer.from_gguf_fields(fields)
+    assert llama3.encode("abc") == [0, 5] and llama3.encode("abcab", add_special_tokens=False) == [4, 3, 4]
+    gpt2 = Tokenizer.from_gguf_fields(dict(fields, **{"tokenizer.ggml.pre": "gpt-2"}))
+    assert gpt2.encode("abc") == [4, 3]  # merges only, and no BOS by default
+    assert Tokenizer.from_gguf_fields(dict(fields, **{"tokenizer.ggml.add_bos_token": False})).encode("abc") == [5]

@@ -122,8 +122,9 @@ def test_stop_strings_end_a_request_at_the_token_that_completes_them(setup):
     def detokenize(ids):
         return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
 
-    def first_stop(tokens, stops):
-        return next((i for i in range(1, len(tokens) + 1) if any(x in detokenize(tokens[:i]) for x in stops)), None)
+    def first_stop(tokens, stops):  # a text's trailing U+FFFD may be a character still arriving: not matched yet
+        texts = (detokenize(tokens[:i]).rstrip("\ufffd") for i in range(1, len(tokens) + 1))
+        return next((i + 1 for i, text in enumerate(texts) if any(x in text for x in stops)), None)
 
     texts = [detokenize(t) for t in solo]
     stops = [[t[len(t) // 2 : len(t) // 2 + 2] or "?"] for t in texts]  # from each solo text: all found
@@ -351,3 +352,27 @@ def test_a_request_cancelled_before_the_scheduler_saw_it_is_cancelled():
     assert request.finish_reason == "cancelled" and s.counters["cancelled"] == 1 and not s.queue
     s.run()
     assert request.tokens == [] and s.idle
+
+
+def test_a_character_still_arriving_is_no_stop_string():
+    """The text searched for stop strings ends inside a character while its bytes arrive (U+FFFD until the last
+    one): a stop string holding U+FFFD matched that placeholder and ended "Hi 🌟 there" at "Hi "."""
+    pieces = {1: b"Hi ", 2: b"\xf0\x9f", 3: b"\x8c\x9f", 4: b" there", 5: b"\xff"}
+
+    def detokenize(ids):
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    class Fake:  # what `_stop_string` reads of a scheduler
+        pass
+
+    fake = Fake()
+    fake.detokenize = detokenize
+    request = Request([1], stop=("\ufffd",))
+    found = []
+    for token in (2, 3, 4, 5, 4):
+        request.tokens.append(token)
+        found.append(Scheduler._stop_string(fake, request))
+    assert found == [False, False, False, False, True]  # the real U+FFFD of an invalid byte, once more text follows
+    request = Request([1], stop=("Hi",))  # the prompt's text is no part of the generation's
+    request.tokens.append(4)
+    assert not Scheduler._stop_string(fake, request)

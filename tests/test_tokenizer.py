@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers
 
 from duo_jax import data_wheels
-from duo_jax.tokenizer import TextStream, Tokenizer
+from duo_jax.tokenizer import TextStream, Tokenizer, generated_text
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (
@@ -104,3 +104,33 @@ def test_decodes_stay_short(smollm2):
         stream.extend([i])
     assert stream.text == smollm2.decode(ids)
     assert len(ids) > 150 and max(sizes) <= 8
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_a_generations_text_is_what_it_adds_to_the_prompts(smollm2, kind):
+    """`after=prompt`: the text equals decode(prompt + ids) past decode(prompt) at every step. Decoded alone, a
+    SentencePiece continuation lost its first space ("brightcold": Llama 2 / Mistral completions and streams)."""
+    tokenizer = smollm2 if kind == "byte-level" else sentencepiece_style()
+    ids = tokenizer.encode(TEXT)
+    for cut in (1, 5, 9, 30):
+        prompt, new = ids[:cut], ids[cut:]
+        stream = TextStream(tokenizer.decode, after=prompt)
+        for i in range(len(new)):
+            text = stream.extend(new[i : i + 1])
+            whole, head = tokenizer.decode(prompt + new[: i + 1]), tokenizer.decode(prompt)
+            assert whole.startswith(head) and text == whole[len(head) :], (cut, i)
+        assert stream.ids == new and generated_text(tokenizer.decode, prompt, new) == stream.text
+    assert TEXT.startswith("It was a bright cold")
+    first = generated_text(tokenizer.decode, tokenizer.encode("It was a bright"), tokenizer.encode("cold day")[1:])
+    assert first == " cold day" if kind == "sentencepiece" else first.endswith("day")
+    if kind == "sentencepiece":
+        assert tokenizer.decode(tokenizer.encode("cold day")[1:]) == "cold day"  # alone: the space is gone
+
+
+def test_text_that_is_not_unicode_is_a_clear_error(smollm2):
+    """A lone surrogate (Python's stand-in for a byte that is not UTF-8, e.g. `infer.py --prompt $'caf\\xe9'`)
+    reached the backend, whose error was "TextInputSequence must be str"."""
+    from duo_jax.errors import DuoJaxError
+
+    with pytest.raises(DuoJaxError, match=r"not valid Unicode: surrogates not allowed at character 3 \('\\udce9'\)"):
+        smollm2.encode("caf\udce9 au lait")

@@ -620,10 +620,12 @@ class Scheduler:
         """Whether the text of the request's tokens now holds one of its stop strings. The text grows by the
         new token's (`TextStream`), and only where a stop string could have been completed is searched."""
         if request._text is None:
-            request._text = TextStream(self.detokenize)
+            request._text = TextStream(self.detokenize, after=request.prompt)
         stream = request._text
         settled = stream.settled  # the text searched already, but for a stop string's length of it
         text = stream.extend(request.tokens[len(stream.ids) :])
+        if stream.pending:  # a character still arriving is no U+FFFD to match (a stop string may hold one)
+            text = text[: len(stream.settled) + len(text[len(stream.settled) :].rstrip("\ufffd"))]
         start = max(len(settled) - max(map(len, request.stop)) + 1, 0) if text.startswith(settled) else 0
         return any(text.find(stop, start) >= 0 for stop in request.stop)
 

@@ -33,7 +33,7 @@ from duo_jax.chat import chat_prompts
 from duo_jax.errors import DuoJaxError
 from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, BadRequest, Parsed, parse
 from duo_jax.serve.scheduler import Request, Scheduler, SchedulerBusy, SchedulerClosed, find_stop
-from duo_jax.tokenizer import TextStream
+from duo_jax.tokenizer import TextStream, generated_text
 
 log = logging.getLogger("duo_jax.serve")
 
@@ -486,10 +486,11 @@ class Server:
 
     def _text(self, job: Request) -> str:
         """The text of the job's tokens, ending before its first stop string."""
-        return find_stop(self._decode(job.tokens), job.stop)[0]
-
-    def _decode(self, ids) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+        return (
+            ""
+            if self.tokenizer is None
+            else find_stop(generated_text(self.tokenizer.decode, job.prompt, job.tokens), job.stop)[0]
+        )
 
     def _envelope(self, ident: str, chat: bool, choice: dict, job: Request | None = None, chunk: bool = False):
         out = {
@@ -512,7 +513,7 @@ class Server:
         multi-byte character or could begin a stop string), then a chunk with the finish reason, then [DONE].
         If the client goes away (the response task is cancelled, or the generator closed), the job is
         cancelled."""
-        sent, stream = "", TextStream(self._decode)
+        sent, stream = "", TextStream(self.tokenizer.decode, after=job.prompt) if self.tokenizer is not None else None
         try:
             if chat:
                 yield self._event(ident, chat, {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
