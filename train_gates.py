@@ -17,6 +17,7 @@ command continues from the last checkpoint. Before the first step it prints the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -128,14 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         name = Path(args.model).stem if Path(args.model).exists() else args.model
         out = check_output_folder(args.out or f"runs/gates/{name}")  # before the weights load
         mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
-        model = duo_jax.load(
-            args.model,
-            dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,
-            shardings=lambda shapes: sharding.weight_shardings(shapes, mesh),  # this host's slices
-            layout="stacked",
-        )  # the scanned layers' layout
-        tokenizer = require(model.tokenizer, "training on text samples")
-        cfg = training.TrainConfig(
+        cfg = training.TrainConfig(  # every option checked before the weights load
             objective=gates.Objective(sink=args.sink, recent=args.recent, reg_weight=args.reg_weight, impl=args.impl),
             steps=args.steps,
             batch_size=args.batch_size,
@@ -146,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             initial_value=args.initial_value,
             haystack=args.haystack,
             min_len=args.min_len,
-            max_len=args.max_len or model.config.max_position_embeddings,
+            # the model's context when not given: min_len stands in for it until the weights load
+            max_len=args.min_len if args.max_len is None else args.max_len,
             num_lengths=args.num_lengths,
             num_passkeys=args.num_passkeys,
             passkey_words=args.passkey_words,
@@ -156,8 +151,17 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             save_every=args.save_every,
         )
-        log = lambda message: print(message, file=sys.stderr)
         training.check_mesh(mesh, cfg.batch_size)
+        model = duo_jax.load(
+            args.model,
+            dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,
+            shardings=lambda shapes: sharding.weight_shardings(shapes, mesh),  # this host's slices
+            layout="stacked",
+        )  # the scanned layers' layout
+        tokenizer = require(model.tokenizer, "training on text samples")
+        if args.max_len is None:
+            cfg = dataclasses.replace(cfg, max_len=model.config.max_position_embeddings)
+        log = lambda message: print(message, file=sys.stderr)
         training.check_max_len(model.config, cfg)  # before the memory report compiles a step at max_len
         log(str(training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)))
         pattern = training.train(

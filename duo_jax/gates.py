@@ -187,8 +187,10 @@ def distill_terms(
 
 
 def l1_term(gates: jax.Array) -> jax.Array:
-    """mean |alpha| over every gate."""
-    return jnp.mean(jnp.abs(gates))
+    """mean |alpha| over every gate, with the original's gradient: PyTorch's `abs` has derivative 0 at 0, JAX's 1,
+    so a gate clamped to exactly 0 would keep the L1 push here and not there. sign(x) * x has sign(x) as its
+    derivative (sign's own is 0)."""
+    return jnp.mean(jnp.sign(gates) * gates)
 
 
 def loss(

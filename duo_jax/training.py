@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable
@@ -32,7 +33,14 @@ from jax.sharding import PartitionSpec as P
 from duo_jax import gates as gates_lib
 from duo_jax import sharding
 from duo_jax.config import ModelConfig
-from duo_jax.data import CALIBRATION_HAYSTACK, SampleStream, context_lengths, haystack_tokens, min_context_len
+from duo_jax.data import (
+    CALIBRATION_HAYSTACK,
+    SampleStream,
+    check_sample_options,
+    context_lengths,
+    haystack_tokens,
+    min_context_len,
+)
 from duo_jax.errors import DuoJaxError
 from duo_jax.model import Params, stack_layers
 from duo_jax.pattern import Pattern
@@ -74,9 +82,11 @@ class TrainConfig:
     save_every: int = 50
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "save_every", "num_lengths", "min_len", "max_len"):
-            if getattr(self, name) < 1:
-                raise TrainingError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("steps", "batch_size", "save_every", "num_lengths", "min_len", "max_len", "seed"):
+            value, least = getattr(self, name), 0 if name == "seed" else 1
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise TrainingError(f"{name} must be an integer >= {least}, got {value!r}")
+        check_sample_options(self.num_passkeys, self.passkey_words, self.min_depth, self.max_depth, self.supervise)
         if self.objective.sink < 0 or self.objective.recent < 1:
             raise TrainingError(
                 f"the streaming window needs sink >= 0 and recent >= 1, got sink="
@@ -89,14 +99,15 @@ class TrainConfig:
                 "rewards large gates, so training would keep every head a retrieval head"
             )
         if not (
-            self.lr > 0
+            math.isfinite(self.lr)
+            and self.lr > 0
             and 0 < self.warmup_ratio <= 1
             and 0 < self.decay_ratio <= 1
             and 0 <= self.min_lr_ratio <= 1
             and 0 <= self.initial_value <= 1
         ):
             raise TrainingError(
-                "need lr > 0, warmup and decay ratios in (0, 1], min_lr_ratio and initial_value "
+                "need a finite lr > 0, warmup and decay ratios in (0, 1], min_lr_ratio and initial_value "
                 f"in [0, 1]; got lr={self.lr}, warmup_ratio={self.warmup_ratio}, decay_ratio="
                 f"{self.decay_ratio}, min_lr_ratio={self.min_lr_ratio}, initial_value={self.initial_value}"
             )
@@ -500,24 +511,26 @@ class Checkpoints:
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress))
         )
 
-    def restore(self, step: int, like) -> tuple[Any, dict[str, Any]]:
-        """The arrays, restored with the shapes, dtypes and shardings of `like`, and the JSON item."""
+    def progress(self, step: int) -> dict[str, Any]:
+        """The JSON item of checkpoint `step` (step, next sample, the run's arguments), without its arrays."""
+        return self.manager.restore(step, args=ocp.args.Composite(progress=ocp.args.JsonRestore()))["progress"]
+
+    def restore(self, step: int, like) -> Any:
+        """The arrays of checkpoint `step`, restored with the shapes, dtypes and shardings of `like`."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), progress=ocp.args.JsonRestore())
-        )
-        return restored["state"], restored["progress"]
+        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
 
 
-def write_outputs(out: Path, gates: np.ndarray, meta: dict[str, Any], history: list[dict[str, Any]]) -> Pattern:
-    """The pattern (tsv + config.json), loss.json and gates.png in `out`; returns the pattern. config.json records
-    the steps done (`steps_done`): a run stopped early leaves its last checkpoint's gates, which `Pattern.load`
-    then says are unfinished."""
-    step = history[-1]["step"] + 1 if history else 0
+def write_outputs(
+    out: Path, gates: np.ndarray, meta: dict[str, Any], history: list[dict[str, Any]], step: int
+) -> Pattern:
+    """The pattern (tsv + config.json), loss.json and gates.png in `out` after `step` steps; returns the pattern.
+    config.json records the steps done (`steps_done`): a run stopped early leaves its last checkpoint's gates, which
+    `Pattern.load` then says are unfinished."""
     pattern = Pattern(gates, dict(meta, steps_done=step))
     pattern.save(out)
     tmp = out / (LOSS_FILE + ".tmp")
@@ -556,13 +569,26 @@ def resume_point(
         if required:
             raise TrainingError(f"nothing to resume: no checkpoint in {out / CHECKPOINT_DIR}")
         return state, 0, 0, []
-    state, progress = checkpoints.restore(latest, state)
+    progress = checkpoints.progress(latest)  # the arguments first: another model's arrays would not restore
     mismatches = _mismatches(progress["meta"], meta)
     if mismatches:
         raise TrainingError(
             f"{out} holds a run with other arguments ({'; '.join(mismatches)}); "
             "pass the same arguments to resume it, or use another --out"
         )
+    shape = list(state["gates"].shape)
+    if progress.get("gates_shape", shape) != shape:  # other weights under the same name: orbax would fail noisily
+        raise TrainingError(
+            f"the checkpoint in {out / CHECKPOINT_DIR} holds gates of shape {progress['gates_shape']} (layers x KV "
+            f"heads), this model has {shape}: it was trained on another model; use another --out"
+        )
+    try:
+        state = checkpoints.restore(latest, state)
+    except ValueError as e:  # orbax: a stored shape that is not this model's (other weights under the same name)
+        raise TrainingError(
+            f"the checkpoint in {out / CHECKPOINT_DIR} does not fit this model's gates ({e}); it was trained on "
+            "another model: use another --out"
+        ) from None
     start = progress["step"]
     history = []
     if (out / LOSS_FILE).is_file():
@@ -585,11 +611,19 @@ def run_step(
 
 def check_max_len(config: ModelConfig, cfg: TrainConfig) -> None:
     """The longest training context within the model's: past it the frozen model's positions were never trained,
-    so its attention is no target to distil (as `generate` refuses prompts past it)."""
+    so its attention is no target to distil (as `generate` refuses prompts past it). And longer than the streaming
+    window, which would otherwise see every token: then the distillation term is 0 and only L1 moves the gates."""
     if cfg.max_len > config.max_position_embeddings:
         raise TrainingError(
             f"max_len {cfg.max_len} exceeds the model's context of {config.max_position_embeddings} tokens; "
             "lower --max-len (default: the model's context)"
+        )
+    window = cfg.objective.sink + cfg.objective.recent
+    if window >= cfg.max_len:  # streaming attention is full attention at every length: nothing to distil
+        raise TrainingError(
+            f"the streaming window (sink {cfg.objective.sink} + recent {cfg.objective.recent}) covers every training "
+            f"context (max_len {cfg.max_len}): streaming heads would see every token, so the gates would only shrink "
+            "under the L1 term; lower --sink / --recent or raise --max-len"
         )
 
 
@@ -636,9 +670,10 @@ def train(
         log(f"resuming {out} at step {start} of {cfg.steps}")
 
     def save(step: int) -> None:
-        checkpoints.save(step, state, {"step": step, "next_sample": next_sample, "meta": meta})
+        progress = {"step": step, "next_sample": next_sample, "meta": meta, "gates_shape": list(state["gates"].shape)}
+        checkpoints.save(step, state, progress)
         if is_main:
-            write_outputs(out, fetch(state["gates"]), meta, history)
+            write_outputs(out, fetch(state["gates"]), meta, history, step)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress_bar and is_main), dynamic_ncols=True)
     for step in range(start, cfg.steps):
@@ -664,9 +699,9 @@ def train(
             save(step + 1)
     bar.close()
     if start == cfg.steps and is_main:  # nothing left to train: rewrite the outputs from the checkpoint
-        write_outputs(out, fetch(state["gates"]), meta, history)
+        write_outputs(out, fetch(state["gates"]), meta, history, start)
     checkpoints.close()
-    return Pattern(fetch(state["gates"]), meta)
+    return Pattern(fetch(state["gates"]), dict(meta, steps_done=cfg.steps))
 
 
 def initialize_distributed(

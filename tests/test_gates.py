@@ -180,3 +180,17 @@ def test_sliding_window_on_some_layers(setup):
     numeric = (value(alpha + step) - value(alpha - step)) / (2 * eps)
     assert abs(float(numeric)) > 1e-4
     np.testing.assert_allclose(grad[1, 0], numeric, rtol=2e-3, atol=1e-6)
+
+
+def test_l1_term_has_the_originals_gradient():
+    """The original's L1 (`duo_attn/loss.py`: x.abs().sum() / numel in PyTorch) has gradient 0 at a gate of exactly 0,
+    which clamping makes common; jnp.abs has gradient 1 there, so zero gates kept being pushed down."""
+    import torch
+
+    values = np.array([[0.0, 0.25, 1.0], [0.0, 0.5, 0.75]], np.float32)
+    x = torch.tensor(values, requires_grad=True)
+    (x.abs().sum() / x.numel()).backward()
+    value, grad = jax.value_and_grad(gates.l1_term)(jnp.asarray(values))
+    assert float(value) == pytest.approx(float(np.abs(values).mean()))
+    np.testing.assert_allclose(np.asarray(grad), x.grad.numpy(), rtol=0, atol=1e-7)
+    assert np.asarray(grad)[0, 0] == 0

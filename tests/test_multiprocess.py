@@ -80,7 +80,7 @@ tree = {"embed": model.params.embed, "wq": model.params.layers.wq, "w_down": mod
 checkpoints.save(0, tree, {"step": 0})
 checkpoints.close()
 checkpoints = training.Checkpoints(root / "weights")
-restored, _ = checkpoints.restore(0, tree)
+restored = checkpoints.restore(0, tree)
 checkpoints.close()
 restored_equal = all(y.sharding == x.sharding and all(np.array_equal(np.asarray(a.data), np.asarray(b.data))
                                                      for a, b in zip(x.addressable_shards, y.addressable_shards))

@@ -156,3 +156,21 @@ def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
     assert [drop_timing(h) for h in histories[0]] == [drop_timing(h) for h in histories[1]]
     assert len(histories[0]) == 30
     assert (straight / "gates.png").is_file() and Pattern.load(straight).meta["num_steps"] == 30
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-len", "0"], "max_len must be an integer >= 1"),  # was the model's context, silently
+        (["--num-passkeys", "0"], "num_passkeys must be between 1"),  # these were refused after the model loaded
+        (["--min-depth", "0.9", "--max-depth", "0.1"], "min_depth <= max_depth"),
+        (["--lr", "inf"], "finite lr"),
+        (["--seed", "-1"], "seed must be an integer >= 0"),
+    ],
+)
+def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, message):
+    import train_gates
+
+    assert train_gates.main(["--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "weights" not in err, err

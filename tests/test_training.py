@@ -134,6 +134,30 @@ def test_training_contexts_stay_within_the_models():
     training.check_max_len(config, training.TrainConfig(max_len=512))
     with pytest.raises(training.TrainingError, match="max_len 513 exceeds the model's context of 512 tokens"):
         training.check_max_len(config, training.TrainConfig(max_len=513))  # trained past its positions before
+    # A window that covers every context: distillation is 0, the gates only fell under L1 (exit 0 before).
+    covering = training.TrainConfig(objective=gates.Objective(sink=64, recent=448), min_len=100, max_len=512)
+    with pytest.raises(training.TrainingError, match="covers every training context"):
+        training.check_max_len(config, covering)
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (dict(lr=float("inf")), "finite lr"),  # trained to gates of exactly 0 or 1, exit 0
+        (dict(lr=float("nan")), "finite lr"),
+        (dict(seed=-1), "seed must be an integer >= 0"),  # numpy's traceback after the model loaded
+        (dict(steps=2.5), "steps must be an integer >= 1"),
+        (dict(max_len=0), "max_len must be an integer >= 1"),
+        (dict(batch_size=True), "batch_size must be an integer"),
+        (dict(num_passkeys=0), "num_passkeys must be between 1"),  # were checked only after the model loaded
+        (dict(passkey_words=0), "passkey_words must be >= 1"),
+        (dict(min_depth=0.9, max_depth=0.1), "min_depth <= max_depth"),
+        (dict(supervise="all"), "supervise must be one of"),
+    ],
+)
+def test_bad_training_options_are_refused_when_the_config_is_made(option, message):
+    with pytest.raises(duo_jax.DuoJaxError, match=message):
+        training.TrainConfig(**option)
 
 
 # --- sharded weights and sequences on 8 host CPU devices ----------------------------------------------
@@ -365,9 +389,21 @@ def test_train_writes_the_run_folder_and_continues_it(tmp_path):
     assert (out / "gates.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["4", "5"]
 
+    (out / "loss.json").unlink()
     again = run(cfg)  # finished: nothing to train, same outputs
     np.testing.assert_array_equal(again.gates, pattern.gates)
     assert messages[-1].startswith(f"resuming {out} at step 5")
+    assert Pattern.load(out).meta["steps_done"] == 5  # was 0 (from the loss history), and loading it warned
+    # A model of another shape: its name differs (refused before the arrays are read, which raised orbax's error),
+    # or the same name holds other weights.
+    bigger = tiny_config(vocab_size=VOCAB, num_layers=3)
+    other = duo_jax.init_params(bigger, jax.random.key(0), scale=0.1)
+    for name, match in (
+        ("tiny-3", "other arguments.*model_name: 'tiny' -> 'tiny-3'"),
+        ("tiny", r"gates of shape \[2, 2\].*this model has \[3, 2\]"),
+    ):
+        with pytest.raises(training.TrainingError, match=match):
+            training.train(other, bigger, tokenizer, cfg, out, mesh, model_name=name, dtype="fp32", progress_bar=False)
     with pytest.raises(training.TrainingError, match="other arguments.*num_steps: 5 -> 6"):
         run(dataclasses.replace(cfg, steps=6))
     with pytest.raises(training.TrainingError, match="nothing to resume"):

@@ -19,9 +19,17 @@ from duo_jax.data.niah import (
     score_needle,
     score_passkey,
 )
-from duo_jax.data.passkey import Sample, SampleStream, context_lengths, make_sample, min_context_len
+from duo_jax.data.passkey import (
+    Sample,
+    SampleStream,
+    check_sample_options,
+    context_lengths,
+    make_sample,
+    min_context_len,
+)
 
 __all__ = [
+    "check_sample_options",
     "CALIBRATION_HAYSTACK",
     "EVALUATION_HAYSTACK",
     "CalibrationOverlapWarning",

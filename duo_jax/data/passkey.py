@@ -113,7 +113,7 @@ def make_sample(
     Draws the passkeys, then the depths, from `rng`. Raises DataError when `context_len` cannot hold the
     passkeys and questions plus at least one haystack token, or when `haystack_ids` is too short.
     """
-    _check_options(num_passkeys, passkey_words, min_depth, max_depth, supervise)
+    check_sample_options(num_passkeys, passkey_words, min_depth, max_depth, supervise)
     passkeys = [
         " ".join(NATO_ALPHABET[i] for i in rng.integers(len(NATO_ALPHABET), size=passkey_words))
         for _ in range(num_passkeys)
@@ -152,7 +152,7 @@ def min_context_len(
 ) -> int:
     """A context_len that holds any sample: the worst-case passkeys (the NATO word with the most tokens,
     repeated) plus one haystack token. Exact when the tokenizer does not merge tokens across spaces."""
-    _check_options(num_passkeys, passkey_words, 0.0, 1.0, "answers")
+    check_sample_options(num_passkeys, passkey_words, 0.0, 1.0, "answers")
     longest = max(
         (" ".join([word] * passkey_words) for word in NATO_ALPHABET),
         key=lambda passkey: len(encode(tokenizer, passkey)),
@@ -196,7 +196,7 @@ class SampleStream:
         self.lengths = [int(n) for n in lengths]
         if not self.lengths:
             raise DataError("SampleStream needs at least one context length")
-        _check_options(num_passkeys, passkey_words, min_depth, max_depth, supervise)
+        check_sample_options(num_passkeys, passkey_words, min_depth, max_depth, supervise)
         shortest = min_context_len(tokenizer, num_passkeys=num_passkeys, passkey_words=passkey_words, bos_id=bos_id)
         if min(self.lengths) < shortest:
             raise DataError(
@@ -260,7 +260,10 @@ def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def _check_options(num_passkeys: int, passkey_words: int, min_depth: float, max_depth: float, supervise: str) -> None:
+def check_sample_options(
+    num_passkeys: int, passkey_words: int, min_depth: float, max_depth: float, supervise: str
+) -> None:
+    """DataError unless the sample options are valid (checked again wherever samples are made)."""
     if not 1 <= num_passkeys <= len(ORDINALS):
         raise DataError(f"num_passkeys must be between 1 and {len(ORDINALS)}, got {num_passkeys}")
     if passkey_words < 1:
