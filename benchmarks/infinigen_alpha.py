@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(args.budget * args.length)
 
     def decoded_ppl(settings) -> float:
-        nll = engine_nll(model, tokens, settings, chunk_size=256, prefix=args.prefix)
+        nll, _ = engine_nll(model, tokens, settings, chunk_size=256, prefix=args.prefix)
         return float(np.exp(nll[:, args.prefix - 1 :].mean()))
 
     full = decoded_ppl(

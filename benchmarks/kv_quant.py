@@ -23,25 +23,22 @@ MODES = ("full", "duo")
 
 
 def perplexity(model, pattern, args) -> tuple[list, list, dict]:
-    import jax.numpy as jnp
     import numpy as np
 
     from duo_jax.data.haystack import EVALUATION_HAYSTACK
     from duo_jax.eval.perplexity import engine_nll, text_windows
 
     tokens = text_windows(model, EVALUATION_HAYSTACK, args.length, args.samples)
-    itemsize = jnp.dtype(model.params.dtype).itemsize
     rows, results = [], {}
     for name in MODES:
         base = None
         for kv in KV_DTYPES:
             settings = common.mode(name, model, pattern, args, args.length, kv_dtype=kv)
-            nll = engine_nll(model, tokens, settings, chunk_size=args.chunk_size, prefix=args.prefix)
+            nll, cache = engine_nll(model, tokens, settings, chunk_size=args.chunk_size, prefix=args.prefix)
             prefill = float(np.exp(nll[:, : args.prefix - 1].mean()))
             decoded = float(np.exp(nll[:, args.prefix - 1 :].mean()))
             base = decoded if kv is None else base
             label = kv or args.dtype
-            cache = settings.build(model.config, args.length).expected_cache_bytes(args.samples, itemsize)
             results[f"{name}/{label}"] = dict(
                 mode=name, kv_dtype=label, cache_bytes=cache, prefill_ppl=prefill, decoded_ppl=decoded
             )

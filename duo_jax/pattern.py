@@ -3,9 +3,10 @@
 A gate near 1 marks a *retrieval head* (attends to every past token), a gate near 0 a *streaming head* (attention
 sinks plus a recent window). On disk a pattern is the original DuoAttention format: a folder with
 `full_attention_heads.tsv` (one row per layer, one tab-separated gate per KV head) and an optional `config.json`
-(the training arguments). `Pattern.retrieval_mask(sparsity)` keeps exactly `floor((1 - sparsity) * N + 1/2)` of
-the N heads, those with the largest gates, exact ties broken by the fixed order `tie_order`, so the cache size
-depends only on the sparsity. Design: docs/training.md, "Patterns".
+(the training arguments). `Pattern.retrieval_mask(sparsity)` keeps the heads whose gates reach the `sparsity`
+quantile of all gates, as the original does: `N - ceil(sparsity * (N - 1))` of the N heads (none at sparsity 1),
+those with the largest gates, exact ties broken by the fixed order `tie_order`, so the cache size depends only on
+the sparsity. Design: docs/training.md, "Patterns".
 """
 
 from __future__ import annotations
@@ -164,14 +165,17 @@ class Pattern:
     def retrieval_mask(self, sparsity: float) -> np.ndarray:
         """Binarise: bool `[num_layers, num_kv_heads]`, True for retrieval heads, False for streaming heads.
 
-        `sparsity` is the fraction of streaming heads, in [0, 1]. Exactly
-        `n = floor((1 - sparsity) * N + 1/2)` of the N heads are retrieval heads (halves round up). The count
-        is computed in exact rational arithmetic on the shortest decimal form of `sparsity` (0.55 is read as
-        11/20), so float error cannot flip it. The n heads with the largest gates are chosen; heads with
-        exactly equal gates are taken in `tie_order`.
+        `sparsity` is the fraction of streaming heads, in [0, 1]. The original keeps the heads with
+        `alpha >= np.quantile(alpha, sparsity)` (after 1e-6 of noise that makes the gates distinct); with N
+        distinct gates, numpy's quantile lies at sorted index `sparsity * (N - 1)`, so that keeps exactly
+        `n = N - ceil(sparsity * (N - 1))` heads, and none at sparsity 1 (its threshold there is 2). The count is
+        computed in exact rational arithmetic on the shortest decimal form of `sparsity` (0.3 is read as 3/10),
+        so float error cannot flip it. The n heads with the largest gates are chosen; heads with exactly equal
+        gates are taken in `tie_order`.
         """
         exact = exact_sparsity(sparsity)
-        n_retrieval = math.floor((1 - exact) * self.gates.size + Fraction(1, 2))
+        N = self.gates.size
+        n_retrieval = 0 if exact == 1 else N - math.ceil(exact * (N - 1))
         order = np.lexsort((self.tie_order(), -self.gates.ravel()))  # by gate, descending, then by tie rank
         mask = np.zeros(self.gates.size, dtype=bool)
         mask[order[:n_retrieval]] = True

@@ -298,6 +298,9 @@ def test_evaluations_with_a_quantized_kv_cache(model, pattern, monkeypatch):
     log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
     nll = -np.take_along_axis(log_probs, tokens[:, 1:, None].astype(int), axis=-1)[0, 63:, 0].mean()
     assert 1e-5 < abs(int8["decoded_nll"] - nll) < 0.01 * nll  # measured: 2e-3 of 9.14
+    # The cache it filled, measured: one sequence's int8 codes + scales at capacity 128, vs float32's.
+    assert int8["cache_bytes"] == 2 * CONFIG.num_layers * CONFIG.num_kv_heads * 128 * (E + 2)
+    assert int8["full_cache_bytes"] == 128 * CONFIG.kv_bytes_per_token(4)
     from duo_jax.methods import entry, registry
 
     monkeypatch.setitem(registry._ENTRIES, "infinigen", dataclasses.replace(entry("infinigen"), quantized_kv=False))

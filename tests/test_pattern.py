@@ -1,5 +1,6 @@
 """Tests of duo_jax.pattern: reading the published DuoAttention patterns, binarisation, save / load, errors."""
 
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -76,28 +77,32 @@ def test_llama3_half_sparsity_keeps_the_128_largest_gates():
     assert flat[mask.ravel()].min() >= flat[~mask.ravel()].max()
 
 
-@pytest.mark.parametrize("shape", [(32, 8), (32, 32), (30, 3), (1, 1), (7, 5), (3, 1)])
-@pytest.mark.parametrize("sparsity", [0, 0.0, 0.25, 0.5, 0.75, 1, 1.0])
-def test_retrieval_count(shape, sparsity):
-    gates = np.random.default_rng(0).uniform(size=shape)
-    mask = Pattern(gates).retrieval_mask(sparsity)
-    total = shape[0] * shape[1]
-    assert mask.sum() == int(np.floor((1 - sparsity) * total + 0.5))
-    if sparsity == 0:
-        assert mask.all()
-    if sparsity == 1:
-        assert not mask.any()
+@pytest.mark.parametrize("shape", [(32, 8), (32, 32), (30, 3), (1, 1), (7, 5), (3, 1), (28, 32)])
+def test_retrieval_heads_are_the_originals_quantile_rule(shape):
+    """The original DuoAttention binarisation: alpha >= np.quantile(alpha, sparsity), threshold 2 at sparsity 1
+    (distinct gates, where its 1e-6 of noise changes nothing). Where sparsity * (N - 1) is a whole number in exact
+    arithmetic, float rounding decides the original's count: those are test_retrieval_count_exact_arithmetic's."""
+    pattern = Pattern(np.random.default_rng(0).uniform(size=shape))
+    N = pattern.gates.size
+    for sparsity in (0, 0.0, 0.1, 0.25, 0.5, 0.6, 0.75, 0.8, 0.875, 0.9, 0.99, 1, 1.0):
+        index = Fraction(str(float(sparsity))) * (N - 1)
+        if index.denominator == 1 and 0 < index < N - 1:
+            continue
+        threshold = 2.0 if sparsity == 1 else np.quantile(pattern.gates.astype(np.float64), sparsity)
+        np.testing.assert_array_equal(pattern.retrieval_mask(sparsity), pattern.gates >= threshold, f"{sparsity}")
 
 
-def test_retrieval_count_rounding():
+def test_retrieval_count_exact_arithmetic():
     pattern = Pattern(np.random.default_rng(1).uniform(size=(30, 3)))
-    assert pattern.retrieval_mask(0.25).sum() == 68  # 67.5 rounds half up
-    assert pattern.retrieval_mask(0.75).sum() == 23  # 22.5 rounds half up
+    assert pattern.retrieval_mask(0.25).sum() == 67  # 90 - ceil(22.25)
+    assert pattern.retrieval_mask(0.75).sum() == 23  # 90 - ceil(66.75)
     assert pattern.retrieval_mask(0.5).sum() == 45
-    # (1 - 0.55) * 10 is 4.4999999999999996 in float64; the exact value 4.5 rounds up to 5.
-    assert Pattern(np.ones((2, 5))).retrieval_mask(0.55).sum() == 5
-    assert Pattern(np.ones((2, 5))).retrieval_mask(np.float32(0.55)).sum() == 5
+    # 0.3 * 10 is 3.0000000000000004 in float64; the exact 3 keeps 11 - 3 heads.
+    assert Pattern(np.ones((1, 11))).retrieval_mask(0.3).sum() == 8
+    assert Pattern(np.ones((1, 11))).retrieval_mask(np.float32(0.3)).sum() == 8
+    assert Pattern(np.ones((2, 5))).retrieval_mask(0.55).sum() == 5  # 10 - ceil(4.95)
     assert Pattern(np.ones((16, 16))).retrieval_mask(0.5).sum() == 128
+    assert Pattern(np.ones((32, 8))).retrieval_mask(0.6).sum() == 103  # Llama-3-8B: 256 - ceil(152.4)
 
 
 def test_ties_are_broken_by_gate_then_a_fixed_pseudo_random_order():
@@ -117,14 +122,14 @@ def test_ties_are_broken_by_gate_then_a_fixed_pseudo_random_order():
 
 
 def test_zero_gate_ties_are_not_given_to_the_first_layers():
-    """SmolLM2's shipped gates: 43 of 90 are exactly 0, so at sparsity 0.25 (68 retrieval heads) 21 zero-gate
+    """SmolLM2's shipped gates: 43 of 90 are exactly 0, so at sparsity 0.25 (67 retrieval heads) 20 zero-gate
     heads must be retrieval heads. They follow the tie order, not the layer order (which would give them the
     first layers)."""
     pattern = Pattern.for_model("smollm2-135m")
     gates, mask = pattern.gates.ravel(), pattern.retrieval_mask(0.25).ravel()
-    assert mask.sum() == 68 and (gates > 0).sum() == 47 and mask[gates > 0].all()
+    assert mask.sum() == 67 and (gates > 0).sum() == 47 and mask[gates > 0].all()
     tied = np.flatnonzero(gates == 0)
-    chosen = tied[np.argsort(pattern.tie_order()[tied])[:21]]
+    chosen = tied[np.argsort(pattern.tie_order()[tied])[:20]]
     np.testing.assert_array_equal(np.flatnonzero(mask & (gates == 0)), np.sort(chosen))
     assert max(chosen // 3) > 12  # in layer order they would all sit in layers 0-9
 

@@ -96,9 +96,17 @@ def test_kv_budget_sets_comparable_windows():
 
     streaming = make_method("streaming_llm", CONFIG, context=64, kv_budget=20)
     assert (streaming.start, streaming.recent) == (4, 16)
-    # duo at context 1000 with 64 + 256 windows: half the heads full gives (1000 + 320) / 2 = 660 per head.
-    assert duo_sparsity_for_budget(660, context=1000, window=320) == pytest.approx(0.5)
-    assert duo_sparsity_for_budget(100, context=1000, window=320) == 1.0
+    # duo at context 1000 with 64 + 256 windows: half the heads full gives (1000 + 320) / 2 = 660 per head; the
+    # sparsity returned lies halfway between those at which the binarisation keeps that many heads.
+    for heads in (4, 90, 256, 1024):
+        sparsity = duo_sparsity_for_budget(660, context=1000, window=320, heads=heads)
+        assert duo_jax.Pattern.full(1, heads).retrieval_mask(sparsity).sum() == heads // 2
+        for budget in np.linspace(320, 1000, 37):  # R = floor(r * N + 1/2) heads at every budget
+            sparsity = duo_sparsity_for_budget(budget, context=1000, window=320, heads=heads)
+            expected = np.floor((budget - 320) / 680 * heads + 0.5)
+            assert duo_jax.Pattern.full(1, heads).retrieval_mask(sparsity).sum() == expected
+    assert duo_sparsity_for_budget(100, context=1000, window=320, heads=90) == 1.0
+    assert duo_sparsity_for_budget(1000, context=1000, window=320, heads=90) == 0.0
     duo = make_method("duo", CONFIG, context=1000, pattern=duo_jax.Pattern(np.arange(4.0).reshape(2, 2)), kv_budget=660)
     assert sum(duo.layout.num_retrieval) == 2
     with pytest.raises(DuoJaxError, match="kv_budget"):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from duo_jax.cache import full_cache_bytes
 from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
 from duo_jax.engine import Engine
 from duo_jax.errors import DuoJaxError
@@ -32,6 +33,7 @@ from duo_jax.eval.modes import (
 )
 from duo_jax.eval.niah import bos_id
 from duo_jax.loading import Model
+from duo_jax.methods.base import cache_nbytes
 from duo_jax.pattern import Pattern
 
 
@@ -53,11 +55,11 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def engine_nll(
     model: Model, tokens: np.ndarray, settings: ModeSettings, *, chunk_size: int, prefix: int | None = None
-) -> np.ndarray:
+) -> tuple[np.ndarray, int]:
     """NLL of every token but the first: tokens int [B, T] -> float64 [B, T - 1] (entry t is token t + 1),
     teacher-forced through the engine with the KV-cache method of `settings`: the first `prefix` tokens
     (default: all) in prefill chunks (`Engine.prefill`, every chunk's logits), the rest one decode step per
-    token (docs/evaluation.md, "Perplexity")."""
+    token (docs/evaluation.md, "Perplexity"). Also returns the bytes of the cache it filled (all B sequences)."""
     B, T = tokens.shape
     P = T if prefix is None else prefix
     if not 1 <= P <= T:
@@ -79,7 +81,7 @@ def engine_nll(
         for position in range(P, T):
             logits, cache, lengths = engine.step(method, cache, lengths, jnp.asarray(tokens[:, position]))
             nll.append(np.asarray(token_nll(logits[:, None], jnp.asarray(targets[:, position : position + 1]))))
-    return np.concatenate(nll, axis=1)[:, : T - 1].astype(np.float64)
+    return np.concatenate(nll, axis=1)[:, : T - 1].astype(np.float64), cache_nbytes(cache)
 
 
 def bucket_stats(nll: np.ndarray, edges: Sequence[int]) -> list[dict]:
@@ -156,7 +158,7 @@ def evaluate_perplexity(
             streaming_chunk=streaming_chunk,
         )
         start = time.perf_counter()
-        nll = engine_nll(model, tokens, settings, chunk_size=chunk_size, prefix=prefix)
+        nll, cache_bytes = engine_nll(model, tokens, settings, chunk_size=chunk_size, prefix=prefix)
         if prefix is not None and prefix < T:
             decoded = float(nll[:, prefix - 1 :].mean())  # entry t is token t + 1: tokens prefix .. T - 1
             extra = dict(decoded_nll=decoded, decoded_ppl=float(np.exp(decoded)))
@@ -168,6 +170,8 @@ def evaluate_perplexity(
             nll=mean,
             ppl=float(np.exp(mean)),
             buckets=bucket_stats(nll, edges),
+            cache_bytes=cache_bytes // tokens.shape[0],  # per sequence
+            full_cache_bytes=full_cache_bytes(model.config, 1, T, model.params.dtype.itemsize),
             seconds=time.perf_counter() - start,
             **extra,
         )
@@ -175,13 +179,22 @@ def evaluate_perplexity(
 
 
 def perplexity_table(results: dict) -> str:
-    """Markdown: one row per mode, perplexity per bucket, overall, and over the decoded tokens (with a prefix)."""
+    """Markdown: one row per mode, perplexity per bucket, overall, over the decoded tokens (with a prefix), and
+    the KV cache per sequence."""
     edges = results["edges"]
     decoded = all("decoded_ppl" in r for r in results["modes"].values())
     headers = ["mode", *[f"[{_k(a)}, {_k(b)})" for a, b in zip(edges[:-1], edges[1:])], "all"]
     headers += ["decoded tokens"] if decoded else []
+    headers += ["KV cache", "of full"]
     rows = [
-        [mode, *[b["ppl"] for b in r["buckets"]], r["ppl"], *([r["decoded_ppl"]] if decoded else [])]
+        [
+            mode,
+            *[b["ppl"] for b in r["buckets"]],
+            r["ppl"],
+            *([r["decoded_ppl"]] if decoded else []),
+            report.human_bytes(r["cache_bytes"]),
+            f"{r['cache_bytes'] / r['full_cache_bytes']:.1%}",
+        ]
         for mode, r in results["modes"].items()
     ]
     return report.markdown_table(headers, rows)

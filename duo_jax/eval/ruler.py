@@ -76,6 +76,11 @@ def check_tasks(tasks: Sequence[str] | None, qa_data: str | Path | None) -> tupl
     return tasks, notes
 
 
+def predictions_file(out_dir: str | Path, run: str, task: str, length: int) -> Path:
+    """Where a run's predictions of a task at a length are kept (resumed from, and read back for the tables)."""
+    return Path(out_dir) / "predictions" / run / f"{task}_{length}.jsonl"
+
+
 def run_ruler(
     model: Model,
     modes: Sequence[str],
@@ -94,7 +99,7 @@ def run_ruler(
     progress: bool = True,
 ) -> dict:
     """Generate and score `samples` samples of every task at every length in every run, resuming from the
-    predictions already in `out_dir` (``predictions/<run>/<task>_<length>.jsonl``); the outputs: docs/ruler.md."""
+    predictions already in `out_dir` (`predictions_file`); the outputs: docs/ruler.md."""
     from tqdm.auto import tqdm
 
     if model.tokenizer is None:
@@ -133,7 +138,7 @@ def run_ruler(
         for length in lengths:
             for task in tasks:
                 for run in runs:
-                    store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
+                    store = PredictionStore(predictions_file(out_dir, run.name, task, length))
                     bar.set_postfix_str(f"{run.name} / {task} @ {length}")
                     for sample in prompts[task, length]:
                         fingerprint = sample_fingerprint(model, run, sample.ids, sample.tokens_to_generate, settings)
@@ -179,7 +184,7 @@ def run_ruler(
     for run in runs:
         scores, records = {}, {}
         for (task, length), group in prompts.items():
-            store = PredictionStore(out_dir / "predictions" / run.name / f"{task}_{length}.jsonl")
+            store = PredictionStore(predictions_file(out_dir, run.name, task, length))
             done = store.ordered(str(s.index) for s in group)
             # The tables rescore each prediction with the current metric code. A line's own "score" is what the
             # metric gave when it was generated, kept for reading the lines; nothing reads it back.

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from duo_jax.cache import full_cache_bytes
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval.modes import budget_tokens, check_kv_budget, check_modes, mode_settings, one_chunk_prefill
 from duo_jax.loading import Model
@@ -125,6 +126,9 @@ def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_token
             if isinstance(value, Pattern)
             else repr(value).encode()
         )
+    mask = mode.retrieval_mask()
+    if mask is not None:  # the heads the pattern gave, so that a change of the binarisation rule is seen too
+        digest.update(np.packbits(mask).tobytes())
     digest.update(np.asarray(ids, np.int64).tobytes())
     return digest.hexdigest()[:16]
 
@@ -164,7 +168,9 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
         decode_s=out.stats["decode_s"],
         compile_s=out.stats["compile_s"],
         cache_bytes=out.stats["cache_bytes"],
-        full_cache_bytes=out.stats["full_cache_bytes"],
+        # One reference for every mode: a full cache of this sample's own need. (Full attention's own cache_bytes is
+        # its capacity bucket's, so it can exceed this.)
+        full_cache_bytes=full_cache_bytes(model.config, 1, length + max_new_tokens, model.params.dtype.itemsize),
     )
 
 

@@ -17,6 +17,7 @@ never holds more than sink + recent tokens. Full attention is this method with e
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -420,7 +421,12 @@ def duo_budget(
     if fitted:
         window = sink, recent
         sink, recent = fit_window(kv_budget, *window)
-        sparsity = duo_sparsity_for_budget(kv_budget, context=round_capacity(context), window=sink + recent)
+        sparsity = duo_sparsity_for_budget(
+            kv_budget,
+            context=round_capacity(context),
+            window=sink + recent,
+            heads=config.num_layers * config.num_kv_heads,
+        )
         if num_retrieval_heads(config, sparsity) == 0:
             sink, recent = fit_window(2 * kv_budget, *window)  # fills the budget, not half
             sparsity = 1.0
@@ -466,7 +472,9 @@ def make_duo(
                 f"kv_budget={kv_budget} is below duo's streaming window, sink + recent = {sink} + {recent}: every "
                 f"head keeps at least that; pass a smaller sink / recent, or a kv_budget of at least {sink + recent}"
             )
-        sparsity = duo_sparsity_for_budget(kv_budget, context=capacity, window=sink + recent)
+        sparsity = duo_sparsity_for_budget(
+            kv_budget, context=capacity, window=sink + recent, heads=config.num_layers * config.num_kv_heads
+        )
     sparsity = DEFAULT_SPARSITY if sparsity is None else sparsity
     layout = make_layout(
         config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent, context=context, kv_dtype=kv_dtype
@@ -479,10 +487,15 @@ def num_retrieval_heads(config: ModelConfig, sparsity: float) -> int:
     return int(Pattern.full(config.num_layers, config.num_kv_heads).retrieval_mask(sparsity).sum())
 
 
-def duo_sparsity_for_budget(kv_budget: float, *, context: int, window: int) -> float:
+def duo_sparsity_for_budget(kv_budget: float, *, context: int, window: int, heads: int) -> float:
     """The sparsity at which DuoAttention keeps `kv_budget` tokens per KV head on average at `context` tokens:
-    retrieval fraction r with r * context + (1 - r) * window = kv_budget (clipped to [0, 1])."""
+    retrieval fraction r with r * context + (1 - r) * window = kv_budget (clipped to [0, 1]), rounded to whole
+    heads, R = floor(r * heads + 1/2) of the `heads`. Returned as the sparsity halfway between those at which
+    `Pattern.retrieval_mask` (N - ceil(s * (N - 1)) heads) keeps R, so no float rounding can make it keep R +- 1."""
     if context <= window:
         return 1.0  # streaming heads already hold the whole context
-    r = (kv_budget - window) / (context - window)
-    return float(1.0 - min(max(r, 0.0), 1.0))
+    r = min(max((kv_budget - window) / (context - window), 0.0), 1.0)
+    retrieval = math.floor(r * heads + 0.5)
+    if heads == 1:
+        return 0.0 if retrieval else 1.0
+    return min(max((heads - retrieval - 0.5) / (heads - 1), 0.0), 1.0)
