@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import duo_jax
     from duo_jax import gates, sharding, training
+    from duo_jax.data import load_haystack
     from duo_jax.errors import check_output_folder
     from duo_jax.tokenizer import require
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             save_every=args.save_every,
         )
         training.check_mesh(mesh, cfg.batch_size)
+        load_haystack(cfg.haystack, max_chars=1)  # the source exists (it is read whole once the tokenizer is here)
         model = duo_jax.load(
             args.model,
             dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,

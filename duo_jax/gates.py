@@ -34,6 +34,7 @@ from duo_jax.model import (
     LayerParams,
     Params,
     apply_rotary,
+    check_tokens,
     decoder_layer,
     embed,
     rms_norm,
@@ -204,8 +205,11 @@ def loss(
 ) -> tuple[jax.Array, LossTerms]:
     """The objective on one device: (loss, LossTerms); differentiate with respect to `gates` (argument 0).
 
-    Sequences with no supervised position contribute nothing (the count is floored at 1).
+    Sequences with no supervised position contribute nothing (the count is floored at 1). Concrete `tokens` are
+    checked as `forward` checks them (an id past the vocabulary was clamped: every token the same row, distillation
+    0, a loss that looked healthy).
     """
+    check_tokens(tokens, config.vocab_size)
     total, count = distill_terms(gates, params, config, tokens, positions, supervise, objective)
     distill = total / jnp.maximum(count, 1.0)
     l1 = l1_term(gates)

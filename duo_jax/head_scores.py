@@ -35,6 +35,7 @@ from duo_jax.data.niah import NEEDLE, NEEDLE_TEMPLATE, QUESTION
 from duo_jax.errors import DuoJaxError, check_output_folder
 from duo_jax.model import Params, apply_rotary, decoder_layer, embed, rope_inv_freq, rotary, scan_layers, unembed
 from duo_jax.pattern import Pattern
+from duo_jax.sampling import check_number
 
 SCORES_KIND = "headkv_head_scores"  # config.json "kind" of a saved score grid
 DEFAULT_DEPTHS = tuple(np.linspace(0.0, 1.0, 10).round(4).tolist())
@@ -136,6 +137,13 @@ def prompt_scores(params: Params, tokens: jax.Array, start, end, *, config: Mode
     return scores, jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
 
 
+def check_options(lengths: Sequence[int] | None, min_accuracy: float) -> None:
+    """The scoring's own options, before any model runs: lengths of at least one token, min_accuracy in [0, 1]."""
+    check_number("min_accuracy", min_accuracy, minimum=0, maximum=1, hint=" (a share of the answer's tokens)")
+    for length in lengths or ():
+        check_number("lengths", length, integer=True, minimum=1, hint=" (context lengths in tokens)")
+
+
 def default_lengths(config: ModelConfig, longest: int = 32000, count: int = 5) -> list[int]:
     """`count` context lengths evenly spaced from 1000 tokens (or less on a short model) to `longest`, capped
     so the prompt and a short answer fit the model's context."""
@@ -160,6 +168,7 @@ def score_heads(
     """Head scores [layers, kv_heads] averaged over the prompts of `lengths` x `depths` (see the module
     docstring), as a `Pattern` whose meta records the settings. Raises DataError when no prompt passes
     `min_accuracy`."""
+    check_options(lengths, min_accuracy)
     lengths = default_lengths(config) if lengths is None else [int(x) for x in lengths]
     start, end = answer_span(tokenizer, needle)
     needle_ids = encode(tokenizer, needle.needle)
@@ -256,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_output_folder(args.out, "OUT")  # before the scoring, which writes only at its end
         if args.depths < 1:
             raise DuoJaxError(f"--depths is a number of needle depths >= 1, got {args.depths}")
+        check_options(args.lengths, args.min_accuracy)  # before the model loads and every prompt is scored
         model = load(args.model, layout="stacked")  # scanned: one compiled layer
         tokenizer = model.tokenizer
         if tokenizer is None:

@@ -158,6 +158,18 @@ def test_rejects_gates_of_the_wrong_shape(setup):
         gates.gated_hidden_states(params, config, jnp.ones((3, 2)), tokens, positions, OBJECTIVE)
 
 
+def test_loss_checks_token_ids(setup):
+    """Ids past the vocabulary were clamped to its last row: every token the same, distillation exactly 0."""
+    config, params, tokens, positions = setup
+    supervise = jnp.ones(tokens.shape, bool)
+    alpha = jnp.full((config.num_layers, config.num_kv_heads), 0.5)
+    with pytest.raises(duo_jax.DuoJaxError, match=r"token ids must lie in \[0, "):
+        gates.loss(alpha, params, config, tokens + config.vocab_size, positions, supervise, OBJECTIVE)
+    jax.jit(gates.loss, static_argnames=("config", "objective"))(
+        alpha, params, config, tokens, positions, supervise, OBJECTIVE
+    )  # traced: not checked, and no error
+
+
 @pytest.mark.slow
 def test_sliding_window_on_some_layers(setup):
     """A window (shorter than the sequence, and than RECENT) on layer 1 only: the teacher is the model's own

@@ -134,3 +134,12 @@ def test_score_heads_errors(params, tokenizer, tmp_path):
 def test_command_line_reports_errors(capsys, tmp_path):
     assert main(["/nonexistent/model", str(tmp_path / "out")]) == 2
     assert "error:" in capsys.readouterr().err
+    # Refused before the model loads (min_accuracy 2 failed after every prompt was scored; lengths -1 was named
+    # n_tokens): the model here does not exist, so a later check would name it instead.
+    for args, message in (
+        (["--min-accuracy", "2"], "min_accuracy must be a finite number >= 0 and <= 1"),
+        (["--min-accuracy", "nan"], "min_accuracy must be a finite number"),
+        (["--lengths", "100", "-1"], "lengths must be an integer >= 1"),
+    ):
+        assert main(["/nonexistent/model", str(tmp_path / "out"), *args]) == 2
+        assert message in capsys.readouterr().err, args

@@ -166,6 +166,7 @@ def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
         (["--min-depth", "0.9", "--max-depth", "0.1"], "min_depth <= max_depth"),
         (["--lr", "inf"], "finite lr"),
         (["--seed", "-1"], "seed must be an integer >= 0"),
+        (["--haystack", "no-such-folder"], "unknown haystack source 'no-such-folder'"),
     ],
 )
 def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, message):
