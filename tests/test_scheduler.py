@@ -376,3 +376,13 @@ def test_a_character_still_arriving_is_no_stop_string():
     request = Request([1], stop=("Hi",))  # the prompt's text is no part of the generation's
     request.tokens.append(4)
     assert not Scheduler._stop_string(fake, request)
+
+
+def test_the_page_pool_bounds_a_sequence_in_one_place(setup):
+    """`check` and `max_new_tokens` read one bound: every page's tokens, plus the last token (never written)."""
+    method, _ = setup
+    s = scheduler(method, num_pages=5)  # 5 pages of 4 tokens: 21 tokens
+    assert s.pool_limit == 21 and s.max_new_tokens(15) == 6
+    s.check(Request(PROMPTS[0][:15], max_tokens=6))
+    with pytest.raises(DuoJaxError, match="the request needs 6 pages; the pool has 5"):
+        s.check(Request(PROMPTS[0][:15], max_tokens=7))

@@ -282,7 +282,7 @@ class Scheduler:
             raise DuoJaxError(f"stop strings must be non-empty strings, got {request.stop!r}")
         if request.stop and self.detokenize is None:
             raise DuoJaxError("stop strings need a tokenizer: build the Scheduler with detokenize=")
-        if self._pages(total - 1) > self.pool.num_pages:
+        if total > self.pool_limit:
             raise DuoJaxError(f"the request needs {self._pages(total - 1)} pages; the pool has {self.pool.num_pages}")
 
     @property
@@ -290,10 +290,15 @@ class Scheduler:
         """Tokens one sequence can hold (prompt + new): the method's capacity and the model's positions."""
         return min(self.method.max_tokens, self.engine.config.max_position_embeddings)
 
+    @property
+    def pool_limit(self) -> int:
+        """Tokens one sequence can hold with every page of the pool: the last token's K/V is never written."""
+        return self.pool.num_pages * self.method.page_size + 1
+
     def max_new_tokens(self, prompt_tokens: int) -> int:
         """The most new tokens a prompt of `prompt_tokens` can have here: a sequence's limit (the method's and the
         model's positions) and the page pool's, less the prompt (< 1: none)."""
-        return min(self.sequence_limit, self.pool.num_pages * self.method.page_size + 1) - prompt_tokens
+        return min(self.sequence_limit, self.pool_limit) - prompt_tokens
 
     def submit(self, request: Request) -> Request:
         """Queue a request (thread-safe); it runs from the next step on. SchedulerClosed once the scheduler
