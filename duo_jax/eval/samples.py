@@ -158,7 +158,10 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
         prompt_tail_steps=run.decode_last,
         **mode.generate_kwargs(),
     )
-    text = out.text[0] if out.text is not None else " ".join(map(str, out.tokens[0]))
+    # The new ids decoded alone, as LongBench's pred.py decodes them (`out.text` keeps the space a SentencePiece
+    # decoder drops from the first word, which code_sim_score would see; RULER strips its predictions either way).
+    tokenizer = model.tokenizer
+    text = " ".join(map(str, out.tokens[0])) if tokenizer is None else tokenizer.decode(out.tokens[0])
     return dict(
         pred=text,
         prompt_tokens=length,
