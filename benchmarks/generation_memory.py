@@ -33,7 +33,6 @@ def _worker(model: str, context: int, sparsity: float, meshes: list[str], compil
     from duo_jax.methods import make_method
     from duo_jax.model import unstack_layers
     from duo_jax.pattern import Pattern
-    from duo_jax.sampling import Sampling
 
     config = config_lib.get_config(model)
     stacked = jax.eval_shape(lambda: duo_jax.init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
@@ -66,9 +65,7 @@ def _worker(model: str, context: int, sparsity: float, meshes: list[str], compil
             placed = sharding.abstract(cache, sharding.cache_specs(method, cache, mesh), mesh)
             row[f"{name}_cache"], row[f"{name}_full_cache"] = sharding.device_bytes(placed), sharding.total_bytes(cache)
             if compile_step:
-                step = compiled_decode(
-                    config, method, sizes["data"], "bfloat16", "xla", Sampling(0.0, 1.0, 0), 16, (), mesh
-                )
+                step = compiled_decode(config, method, sizes["data"], "bfloat16", "xla", True, 16, (), mesh)
                 stats = step.memory_analysis()
                 row[f"{name}_step_arguments"], row[f"{name}_step_temp"] = (
                     stats.argument_size_in_bytes,

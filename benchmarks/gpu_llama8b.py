@@ -294,8 +294,6 @@ def run_mode(
     import jax.numpy as jnp
     import numpy as np
 
-    from duo_jax.sampling import Sampling
-
     rng = np.random.default_rng(context)
     warmup = 3
     # Room for the host steps and three device loops (compile, timed, profiled) of `steps` tokens each.
@@ -353,7 +351,7 @@ def run_mode(
     def device_loop():  # `steps` new tokens after `token`, in one executable
         nonlocal cache, lengths
         tokens, done, cache, lengths = engine.decode_loop(
-            method, cache, lengths, token, jax.random.key(0), max_new_tokens=steps + 1, sampling=Sampling(), impl=impl
+            method, cache, lengths, token, max_new_tokens=steps + 1, impl=impl
         )
         tokens.block_until_ready()
         return int(done), tokens

@@ -41,7 +41,7 @@ from duo_jax.model import (
     weight_format,
     weights_memo,
 )
-from duo_jax.sampling import Sampling, sample
+from duo_jax.sampling import Sampling, row_keys, row_seeds, sample_rows
 
 
 def bucket(n: int) -> int:
@@ -53,7 +53,7 @@ def bucket(n: int) -> int:
 def capacity_bucket(tokens: int, block: int = CAPACITY_BLOCK) -> int:
     """The default cache capacity for `tokens`: the smallest of block * {1, 2, 3, 4, 6, 8, 12, 16, 24, ...}
     (powers of two and 1.5x powers of two) that holds them, so varied requests share a few cache shapes while
-    reserving at most 50% more than they need (pass `context=` to reserve exactly what you ask for)."""
+    reserving at most 50% more than their need in blocks (pass `context=` to reserve exactly what you ask for)."""
     blocks = -(-max(tokens, 1) // block)
     power = 1 << (blocks - 1).bit_length()  # the next power of two >= blocks
     return (3 * power // 4 if power >= 4 and 3 * power // 4 >= blocks else power) * block
@@ -166,7 +166,7 @@ def extend_row(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "method", "sampling", "max_tokens", "eos_ids", "impl", "mesh"),
+    static_argnames=("config", "method", "greedy", "max_tokens", "eos_ids", "impl", "mesh"),
     donate_argnames=("cache",),
 )
 def decode(
@@ -174,13 +174,14 @@ def decode(
     cache,
     lengths: jax.Array,
     token: jax.Array,
-    key: jax.Array,
+    seeds: jax.Array,
     limit: jax.Array,
+    rule: Sampling,
     state=None,
     *,
     config: ModelConfig,
     method: Method,
-    sampling: Sampling,
+    greedy: bool,
     max_tokens: int,
     eos_ids: tuple[int, ...] = (),
     impl: str = "auto",
@@ -190,9 +191,11 @@ def decode(
 
     `token` int32 [B] is each sequence's first new token (sampled from the prefill's logits); the loop runs
     up to `limit` (int32 scalar, at most max_tokens - 1) more steps and stops early once every sequence has
-    produced one of `eos_ids` (() never stops early). The token of output column i >= 1 is sampled with
-    `fold_in(key, i)`; `generate` samples `token` (column 0) with `fold_in(key, 0)`. A pure function
-    of its arguments (`state`: the method's arrays, `method.state()`): put it under your own `jax.jit` as it is.
+    produced one of `eos_ids` (() never stops early). `greedy` (static): argmax; else row b's token of output
+    column i >= 1 is drawn by `rule` (a `Sampling` of arrays [B], runtime values) with `fold_in(key(seeds[b]), i)`
+    (`duo_jax.sampling.sample_seeded`; seeds uint32 [B]), as `generate` draws `token` (column 0) with position 0. A
+    pure function of its arguments (`state`: the method's arrays, `method.state()`): put it under your own
+    `jax.jit` as it is.
 
     Returns (tokens int32 [B, max_tokens]: column 0 is `token`, columns 1..steps the new ones, zeros after;
     steps int32 scalar; the cache; lengths).
@@ -210,7 +213,10 @@ def decode(
         logits, cache, lengths = extend(
             params, cache, lengths, token[:, None], ones, state, config=config, method=method, impl=impl, mesh=mesh
         )
-        token = sample(logits, jax.random.fold_in(key, step + 1), sampling)
+        if greedy:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            token = sample_rows(logits, row_keys(seeds, step + 1), rule)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step + 1, axis=1)
         return step + 1, cache, lengths, token, done | jnp.isin(token, eos), tokens
 
@@ -261,6 +267,12 @@ def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, 
         cache = sharding.abstract(cache, sharding.cache_specs(method, cache, mesh), mesh)
         ints = [sharding.abstract(x, P(sharding.DATA), mesh) for x in ints]
     return cache, *ints, _abstract(method.state())
+
+
+def _abstract_rows(batch: int, dtype, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
+    """A value per sequence [batch] of `dtype`, split over `data` on a mesh."""
+    x = jax.ShapeDtypeStruct((batch,), dtype)
+    return x if mesh is None else sharding.abstract(x, P(sharding.DATA), mesh)
 
 
 def _renamed_weights(weight_format: str | None, renamed: dict) -> str | None:
@@ -359,7 +371,7 @@ def compiled_decode(
     batch: int,
     dtype: str,
     impl: str,
-    sampling: Sampling,
+    greedy: bool,
     max_tokens: int,
     eos_ids: tuple[int, ...],
     mesh: Mesh | None = None,
@@ -367,31 +379,35 @@ def compiled_decode(
     fused_qkv: bool = False,
     **renamed,
 ):
-    """`decode` compiled once per (batch, token buffer size, sampling rule); the step limit is an argument."""
+    """`decode` compiled once per (batch, token buffer size, greedy or not); the step limit, the seeds and the
+    sampling values are arguments (a new temperature compiles nothing)."""
     weight_format = _renamed_weights(weight_format, renamed)
     return _compiled_decode(
-        config, method, batch, dtype, impl, sampling, max_tokens, tuple(eos_ids), mesh, weight_format, fused_qkv
+        config, method, batch, dtype, impl, bool(greedy), max_tokens, tuple(eos_ids), mesh, weight_format, fused_qkv
     )
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_decode(config, method, batch, dtype, impl, sampling, max_tokens, eos_ids, mesh, weight_format, fused_qkv):
+def _compiled_decode(config, method, batch, dtype, impl, greedy, max_tokens, eos_ids, mesh, weight_format, fused_qkv):
     _make_room_for_an_executable()
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
-    key, limit = jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)
+    rows = lambda dtype: _abstract_rows(batch, dtype, mesh)  # noqa: E731
+    seeds, rule = rows(jnp.uint32), Sampling(rows(jnp.float32), rows(jnp.float32), rows(jnp.int32))
+    limit = jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
-        key, limit = (sharding.abstract(x, P(), mesh) for x in (key, limit))
+        limit = sharding.abstract(limit, P(), mesh)
     return decode.lower(
         _abstract_params(config, dtype, mesh, weight_format, fused_qkv),
         cache,
         lengths,
         token,
-        key,
+        seeds,
         limit,
+        rule,
         state,
         config=config,
         method=method,
-        sampling=sampling,
+        greedy=greedy,
         max_tokens=max_tokens,
         eos_ids=eos_ids,
         impl=impl,
@@ -497,6 +513,7 @@ class Engine:
         if mesh is None:
             self.params = prepared(params, self.fused_qkv)
         else:
+            sharding.check_generation_weights(params)
             sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)
             specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack_layers, params), mesh)
             self.params = jax.jit(unstack_layers, out_shardings=sharding.named(specs, mesh))(params)
@@ -637,29 +654,34 @@ class Engine:
         cache,
         lengths,
         token: jax.Array,
-        key: jax.Array,
+        seed=0,
         *,
         max_new_tokens: int,
-        sampling: Sampling,
+        sampling: Sampling | None = None,
         eos_ids: tuple[int, ...] = (),
         impl: str = "auto",
     ):
-        """`decode` on this engine's weights, compiled per (batch, bucket(max_new_tokens), sampling, EOS ids):
-        (tokens int32 [B, bucket], steps, cache, lengths); `token` is each sequence's first new token."""
+        """`decode` on this engine's weights, compiled per (batch, bucket(max_new_tokens), greedy or not, EOS ids):
+        (tokens int32 [B, bucket], steps, cache, lengths); `token` is each sequence's first new token. `seed`: an
+        int (row b draws with seed + b) or one per row (`duo_jax.sampling.row_seeds`); `sampling`: one rule for
+        every row, its values runtime arguments (None: greedy)."""
+        B, sampling = token.shape[0], Sampling() if sampling is None else sampling
         run = compiled_decode(
             self.config,
             method,
-            token.shape[0],
+            B,
             self.dtype,
             impl,
-            sampling,
+            sampling.greedy,
             bucket(max_new_tokens),
             tuple(eos_ids),
             self.mesh,
             **self.weight_layout,
         )
         limit = jnp.asarray(max_new_tokens - 1, jnp.int32)
+        seeds, rule = row_seeds(seed, B), sampling.rows(B)
         if self.mesh is not None:
-            token = self.put_batch(token)
-            key, limit = jax.device_put((key, limit), NamedSharding(self.mesh, P()))
-        return run(self.params, cache, lengths, token, key, limit, method.state())
+            token, seeds = self.put_batch(token), self.put_batch(seeds)
+            rule = jax.tree.map(self.put_batch, rule)
+            limit = jax.device_put(limit, NamedSharding(self.mesh, P()))
+        return run(self.params, cache, lengths, token, seeds, limit, rule, method.state())

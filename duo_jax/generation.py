@@ -7,6 +7,7 @@ import dataclasses
 import math
 import time
 import warnings
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ from duo_jax.loading import Model
 from duo_jax.methods import Method, cache_nbytes
 from duo_jax.model import check_token_ids
 from duo_jax.pattern import Pattern, exact_sparsity
-from duo_jax.sampling import Sampling, check_number, check_sampling, check_seed, sample
+from duo_jax.quant import check_kv_dtype
+from duo_jax.sampling import Sampling, check_number, check_sampling, row_seeds, sample_seeded
 from duo_jax.tokenizer import generated_text, require
 
 
@@ -146,7 +148,7 @@ def build_method(
     return methods.make_method(spec.name, config, context=context, model=model, **options)
 
 
-_first_token = jax.jit(sample, static_argnums=2)  # from the prefill's logits; the rest are sampled on the device
+_argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))  # a greedy first token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +212,9 @@ def plan_generation(
     if context is not None:
         context = check_number("context", context, integer=True, minimum=1, hint=" (None: a bucket that fits)")
     config = model.config
+    if mesh is not None:  # before anything reads its axes
+        sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)
+        sharding.check_generation_weights(model.params)
     ids = _prompt_ids(model, chat_prompts(model, prompts, chat))
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
@@ -224,7 +229,7 @@ def plan_generation(
                 "kv_dtype is a method option: build the method with it (make_method(..., "
                 "kv_dtype=...)) rather than passing both"
             )
-        if mesh is not None:
+        if mesh is not None and check_kv_dtype(kv_dtype) is not None:  # an unknown name is named as such first
             raise DuoJaxError(
                 "a quantized KV cache on a device mesh is not supported yet: use kv_dtype=None with mesh=, or no mesh"
             )
@@ -324,7 +329,7 @@ def _deprecated_impl(impl: str, options: dict) -> str:
     return options.pop("attention_impl")
 
 
-def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: int = 0) -> Generation:
+def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed=0) -> Generation:
     """Run `plan` (from `plan_generation`) on `engine` (the engine of `model`'s weights, on the plan's mesh):
     compile the shapes it needs, prefill, then decode every new token in one device loop."""
     config, kv_method, impl, mesh = model.config, plan.method, plan.impl, plan.mesh
@@ -334,7 +339,7 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
     for b, p in enumerate(ids):
         padded[b, : len(p)] = p
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
-    key = jax.random.key(check_seed(seed))
+    seeds = row_seeds(seed, B)
 
     start = time.perf_counter()
     compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, **engine.weight_layout)  # untimed
@@ -349,7 +354,10 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
     for i in range(tail):  # the prompt's last tokens, one decode step each
         column = np.array([p[len(p) - tail + i] for p in ids], np.int32)
         last_logits, cache, lengths = engine.step(kv_method, cache, lengths, column, impl=impl)
-    token = _first_token(last_logits, jax.random.fold_in(key, 0), plan.sampling)
+    if plan.sampling.greedy:
+        token = _argmax(last_logits)
+    else:
+        token = sample_seeded(last_logits, *engine.put_batch((seeds, np.zeros(B, np.int32))), plan.sampling.rows(B))
     token.block_until_ready()
     prefill_s = time.perf_counter() - start
 
@@ -360,7 +368,7 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
         B,
         engine.dtype,
         impl,
-        plan.sampling,
+        plan.sampling.greedy,
         bucket(plan.max_new_tokens),
         plan.eos_ids,
         mesh,
@@ -374,7 +382,7 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed: 
         cache,
         lengths,
         token,
-        key,
+        seeds,
         max_new_tokens=plan.max_new_tokens,
         sampling=plan.sampling,
         eos_ids=plan.eos_ids,
@@ -429,7 +437,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     stop_at_eos: bool = True,
     context: int | None = None,
     impl: str = "auto",
@@ -472,6 +480,9 @@ def generate(
     prompt_tail_steps: the last N tokens of every prompt go through decode steps one at a time (the method
     compresses after the prefill of the rest and at every step, as while generating) instead of the prefill:
     DuoAttention's appendix protocol for H2O and TOVA (N = 50). Every prompt needs more than N tokens.
+    temperature / top_p / top_k: sampling (temperature 0: greedy); their values are runtime arguments of the compiled
+    loop (a new value compiles nothing). seed: an int (row b draws with seed + b mod 2**32, so each row's tokens are
+    those it gets alone with that seed, whatever else is in the batch) or one seed per prompt, each in [0, 2**32).
     engine: the `Engine` to run on, built and held by the caller (`Engine(model.params, model.config, mesh)`);
     None: `Engine.of(model, mesh)`, which keeps an engine holding a copy of the weights while they live.
 

@@ -539,7 +539,7 @@ def test_fused_qkv_gives_the_separate_weights_logits(params, weights):
         logits, cache, lengths = engine.prefill(method, tokens, np.asarray([9, 30]), chunk=16)
         step, cache, lengths = engine.step(method, cache, lengths, jnp.asarray(tokens[:, 0]))
         decoded, _, _, _ = engine.decode_loop(
-            method, cache, lengths, jnp.asarray(tokens[:, 1]), jax.random.key(0), max_new_tokens=5, sampling=Sampling()
+            method, cache, lengths, jnp.asarray(tokens[:, 1]), max_new_tokens=5, sampling=Sampling(0.8, 0.9, 5)
         )
         out[fused] = (np.asarray(logits), np.asarray(step), np.asarray(decoded))
     for separate, fused in zip(out[False], out[True]):

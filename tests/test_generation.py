@@ -134,6 +134,33 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(model, prompts):
     assert nucleus == greedy  # the smallest nucleus is the argmax token
 
 
+def test_a_rows_draw_is_its_own_whatever_the_batch(model, prompts):
+    """Row b draws with seed + b (or its own seed from a list): its tokens are those it gets alone with that seed
+    (with one key for the batch, a prompt's tokens depended on its row), and equal prompts draw differently."""
+    options = dict(max_new_tokens=6, temperature=1.5, top_k=40, stop_at_eos=False)
+    a, b = prompts[0], prompts[1]
+    alone = {seed: generate(model, a, seed=seed, **options).tokens[0] for seed in (5, 6)}
+    assert generate(model, [b, a], seed=[9, 5], **options).tokens[1] == alone[5]
+    assert generate(model, [b, a], seed=5, **options).tokens[1] == alone[6]
+    twice = generate(model, [a, a], seed=5, **options).tokens
+    assert twice == [alone[5], alone[6]] and alone[5] != alone[6]
+
+
+def test_new_sampling_values_compile_nothing(model, prompts):
+    """temperature / top_p / top_k are runtime values of the compiled loop: each new value compiled the decode loop
+    and the first-token sampler again (9-12 s a value on SmolLM2)."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
+    options = dict(max_new_tokens=5, stop_at_eos=False)
+    generate(model, prompts[0], temperature=0.7, **options)  # warm-up
+    before = len(compiles)
+    for rule in (dict(temperature=0.9), dict(temperature=1.3, top_p=0.8), dict(temperature=0.5, top_k=7)):
+        generate(model, prompts[0], seed=3, **rule, **options)
+    assert len(compiles) == before
+
+
 @pytest.mark.slow
 def test_calls_inside_one_bucket_compile_nothing(model):
     """Prompt lengths 33..64 (one prefill chunk bucket), max_new_tokens 17..32 (one token-buffer bucket), one
@@ -155,13 +182,14 @@ def test_calls_inside_one_bucket_compile_nothing(model):
 
 
 def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
-    """Reference decoding: one `extend` step and one `sample` per token, driven from Python."""
+    """Reference decoding: one `extend` step and one draw per token, driven from Python (row b's token n drawn with
+    fold_in(key(seed + b), n))."""
     import jax.numpy as jnp
 
     from duo_jax.engine import extend
     from duo_jax.methods import make_method
     from duo_jax.model import unstack_layers
-    from duo_jax.sampling import sample
+    from duo_jax.sampling import sample_seeded
 
     method = make_method("full", CONFIG, context=max(map(len, prompts)) + max_new_tokens)
     params = unstack_layers(model.params)
@@ -179,8 +207,14 @@ def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
         config=CONFIG,
         method=method,
     )
-    key = jax.random.key(seed)
-    rows = [np.asarray(sample(logits, jax.random.fold_in(key, 0), sampling))]
+    seeds, rule = np.arange(seed, seed + B, dtype=np.uint32), sampling.rows(B)
+
+    def draw(logits, n):
+        if sampling.greedy:
+            return np.asarray(jnp.argmax(logits, -1))
+        return np.asarray(sample_seeded(logits, seeds, np.full(B, n, np.int32), rule))
+
+    rows = [draw(logits, 0)]
     while len(rows) < max_new_tokens and not np.isin(np.stack(rows, 1), eos_ids).any(axis=1).all():
         logits, cache, lengths = extend(
             params,
@@ -191,7 +225,7 @@ def _python_loop(model, prompts, *, max_new_tokens, sampling, eos_ids, seed=0):
             config=CONFIG,
             method=method,
         )
-        rows.append(np.asarray(sample(logits, jax.random.fold_in(key, len(rows)), sampling)))
+        rows.append(draw(logits, len(rows)))
     out = []
     for row in np.stack(rows, 1).tolist():
         hits = [i for i, t in enumerate(row) if t in eos_ids]
@@ -243,11 +277,12 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
             cache,
             lengths,
             first,
-            jax.random.key(0),
+            jnp.zeros((1,), jnp.uint32),
             jnp.int32(9),
+            Sampling().rows(1),
             config=CONFIG,
             method=method,
-            sampling=Sampling(),
+            greedy=True,
             max_tokens=16,
         )
         return tokens[:, :10], steps

@@ -1,6 +1,7 @@
-"""The sampler: per-row runtime rules (`sample_rows`) agree with the static rule (`sample`), greedy rows and
-rows that keep one token are the argmax, a top_k at or above the vocabulary is no limit, and `check_sampling`
-names the bad field."""
+"""The sampler: per-row runtime rules (`sample_rows`) draw each row's distribution (float64 reference), greedy rows
+and rows that keep one token are the argmax (also for values that round to 0 in float32), a top_k at or above the
+vocabulary is no limit, seeds make a row's draw independent of the batch, and `check_sampling` names the bad
+field."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,15 @@ import numpy as np
 import pytest
 
 from duo_jax.errors import InvalidOption
-from duo_jax.sampling import Sampling, check_sampling, check_seed, filtered_logits, sample, sample_rows
+from duo_jax.sampling import (
+    Sampling,
+    check_sampling,
+    check_seed,
+    filtered_logits,
+    row_seeds,
+    sample_rows,
+    sample_seeded,
+)
 
 V = 50
 LOGITS = jax.random.normal(jax.random.key(0), (6, V)) * 3
@@ -19,9 +28,9 @@ def rows(temperature, top_p, top_k, keys):
         sample_rows(
             LOGITS,
             keys,
-            jnp.asarray(temperature, jnp.float32),
-            jnp.asarray(top_p, jnp.float32),
-            jnp.asarray(top_k, jnp.int32),
+            Sampling(
+                jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32), jnp.asarray(top_k, jnp.int32)
+            ),
         )
     )
 
@@ -41,7 +50,6 @@ def test_a_top_k_at_or_above_the_vocabulary_is_no_limit():
     free = rows([1.0] * 6, [1] * 6, [0] * 6, keys)
     assert (rows([1.0] * 6, [1] * 6, [V] * 6, keys) == free).all()
     assert (rows([1.0] * 6, [1] * 6, [50_000] * 6, keys) == free).all()
-    assert np.asarray(sample(LOGITS, jax.random.key(3), Sampling(1.0, 1.0, 50_000))).shape == (6,)
 
 
 def test_the_filter_keeps_the_top_k_and_the_nucleus():
@@ -82,3 +90,70 @@ def test_a_seed_is_a_32_bit_integer():
     for bad in (2**32, -1, 2**70, 1.0, "7"):
         with pytest.raises(InvalidOption, match="^seed must be an integer >= 0 and <= 4294967295"):
             check_seed(bad)
+
+
+def reference_probabilities(logits: np.ndarray, temperature: float, top_p: float, top_k: int) -> np.ndarray:
+    """Hugging Face's logits warpers in float64: temperature, then top-k (ties with the k-th kept), then top-p (the
+    smallest prefix, most probable first, whose mass reaches top_p; at least one token)."""
+    scaled = logits.astype(np.float64) / temperature
+    if 0 < top_k < len(scaled):
+        scaled = np.where(scaled < np.sort(scaled)[::-1][top_k - 1], -np.inf, scaled)
+    order = np.argsort(-scaled, kind="stable")
+    probs = np.exp(scaled[order] - scaled[order][0])
+    probs /= probs.sum()
+    keep = np.cumsum(probs) - probs < top_p
+    keep[0] = True
+    out = np.zeros(len(scaled))
+    out[order[keep]] = probs[keep] / probs[keep].sum()
+    return out
+
+
+@pytest.mark.parametrize("rule", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.5, 1.0, 6), (0.8, 0.6, 10)])
+def test_draws_follow_the_reference_distribution(rule):
+    """Many rows of one logits vector, each with its own seed: the frequencies match the float64 reference (a
+    chi-square test at p = 1e-4 over the tokens it keeps; none drawn outside them)."""
+    from scipy import stats
+
+    n = 20_000
+    logits = np.asarray(LOGITS[0])
+    expected = reference_probabilities(logits, *rule)
+    tokens = sample_seeded(
+        jnp.broadcast_to(LOGITS[0], (n, V)),
+        jnp.arange(n, dtype=jnp.uint32),
+        jnp.zeros(n, jnp.int32),
+        Sampling(*rule).rows(n),
+    )
+    counts = np.bincount(np.asarray(tokens), minlength=V)
+    assert counts[expected == 0].sum() == 0
+    support = expected > 0
+    assert stats.chisquare(counts[support], n * expected[support]).pvalue > 1e-4
+
+
+def test_values_that_round_to_zero_are_greedy_not_token_0():
+    """top_p = 1e-50 is accepted but 0 in float32: every token was dropped; temperature = 1e-40 made every logit
+    infinite; both drew token 0."""
+    argmax = np.asarray(jnp.argmax(LOGITS, -1))
+    assert (argmax != 0).all()
+    keys = jax.random.split(jax.random.key(4), 6)
+    assert (rows([1.0] * 6, [1e-50] * 6, [0] * 6, keys) == argmax).all()
+    assert (rows([1e-40] * 6, [1.0] * 6, [0] * 6, keys) == argmax).all()
+    assert (rows([1e-46] * 6, [1.0] * 6, [0] * 6, keys) == argmax).all()  # 0 in float32: a greedy row
+    assert Sampling(1e-46).greedy and not Sampling(1e-40).greedy
+
+
+def test_bf16_logits_draw_in_float32():
+    keys = jax.random.split(jax.random.key(5), 6)
+    rule = Sampling(*(jnp.full(6, v, dtype) for v, dtype in ((0.9, jnp.float32), (0.8, jnp.float32), (0, jnp.int32))))
+    bf16 = sample_rows(LOGITS.astype(jnp.bfloat16), keys, rule)
+    f32 = sample_rows(LOGITS.astype(jnp.bfloat16).astype(jnp.float32), keys, rule)
+    assert (np.asarray(bf16) == np.asarray(f32)).all()
+
+
+def test_row_seeds():
+    """An int seed gives row b seed + b (mod 2**32); a list gives each row its own; both checked."""
+    assert row_seeds(7, 3).tolist() == [7, 8, 9] and row_seeds(2**32 - 1, 2).tolist() == [2**32 - 1, 0]
+    assert row_seeds([5, 5, 9], 3).tolist() == [5, 5, 9]
+    bad_seeds = (([1, 2], "one integer per prompt"), ([1, -1, 2], "seed must be an integer >= 0"), (1.5, "integer"))
+    for bad, match in bad_seeds:
+        with pytest.raises(InvalidOption, match=match):
+            row_seeds(bad, 3)

@@ -18,12 +18,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 import duo_jax  # noqa: E402
+from duo_jax import sampling as sampling_module  # noqa: E402
 from duo_jax.cache import make_layout  # noqa: E402
 from duo_jax.engine import Engine  # noqa: E402
 from duo_jax.methods.duo import DuoAttention  # noqa: E402
 from duo_jax.methods.paged import paged  # noqa: E402
 from duo_jax.serve import Scheduler  # noqa: E402
-from duo_jax.serve import scheduler as scheduler_module  # noqa: E402
 from duo_jax.serve.server import Server  # noqa: E402
 from tests.test_serve import CHUNK, CONFIG, ChatTokenizer, Running  # noqa: E402
 
@@ -80,10 +80,10 @@ def test_top_k_above_the_vocabulary_then_a_normal_request(guarded):
 @pytest.mark.slow
 def test_sampling_values_share_one_compiled_sampler(guarded):
     server, running, client = guarded
-    before = scheduler_module._sample_rows._cache_size()
+    before = sampling_module.sample_seeded._cache_size()
     for rule in [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=5), dict(temperature=0.2, top_k=9)]:
         assert post(client, dict(rule, prompt="vary", max_tokens=2)).status_code == 200
-    assert scheduler_module._sample_rows._cache_size() == before
+    assert sampling_module.sample_seeded._cache_size() == before
 
 
 BAD = [

@@ -28,7 +28,7 @@ from duo_jax.engine import Engine, compiled_extend, compiled_extend_row
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.paged import PagedDuo
 from duo_jax.model import check_token_ids
-from duo_jax.sampling import Sampling, check_sampling, sample_rows
+from duo_jax.sampling import Sampling, check_sampling, sample_seeded
 from duo_jax.tokenizer import TextStream
 
 
@@ -189,14 +189,6 @@ class _Slot:
 
 
 MIXED = ("split", "padded")
-
-
-@jax.jit
-def _sample_rows(logits, seeds, counts, temperature, top_p, top_k):
-    """Row b's token by its own rule, sampled with key fold_in(key(seeds[b]), counts[b]): the same whatever
-    the batch. The rules are runtime values: one executable per logits shape."""
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, counts)
-    return sample_rows(logits, keys, temperature, top_p, top_k)
 
 
 class Scheduler:
@@ -599,7 +591,8 @@ class Scheduler:
                 request.sampling.top_p,
                 min(request.sampling.top_k, np.iinfo(np.int32).max),
             )
-        new = np.asarray(_sample_rows(logits, *jax.device_put((seeds, counts, temperature, top_p, top_k))))
+        rule = Sampling(temperature, top_p, top_k)
+        new = np.asarray(sample_seeded(logits, *jax.device_put((seeds, counts, rule))))
         for b, i in rows.items():
             request, token = self.running[b].request, int(new[i])
             request.tokens.append(token)
