@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from duo_jax.errors import DuoJaxError
-from duo_jax.model import LayerParams, Params
+from duo_jax.model import LayerParams, Params, weight_format
 
 MESH_AXES = ("data", "fsdp", "seq")
 GENERATION_AXES = DATA, MODEL = ("data", "model")
@@ -177,6 +177,15 @@ def check_generation_mesh(mesh: Mesh, num_heads: int, intermediate_size: int) ->
         raise MeshError(
             f"model={m} must divide the query heads ({num_heads}) and the MLP width "
             f"({intermediate_size}); choose a model axis that divides both"
+        )
+
+
+def check_generation_weights(params) -> None:
+    """Tensor parallelism splits plain weights: int8 weights (codes and per-channel scales) have no split yet."""
+    if weight_format(params) is not None:
+        raise MeshError(
+            "int8 weights on a generation mesh are not supported yet (their per-channel scales have no split): load "
+            "the weights unquantized (no --weights int8 / weight_format) with a mesh, or run int8 weights without one"
         )
 
 

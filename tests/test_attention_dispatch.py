@@ -57,6 +57,23 @@ def test_specs_without_a_kernel_fall_back_to_xla():
     )
 
 
+def test_lambda_over_a_partly_filled_cache_is_not_given_to_the_kernels(monkeypatch):
+    """The Λ kernels and cuDNN's Λ calls see every key slot: a Λ spec with kv_len below the slots (a cache) went to
+    them under "pallas" / "mosaic" and attended to the empty slots (errors of 2 against the reference)."""
+    from duo_jax.attention import cudnn, dispatch
+
+    q, k, v, _ = random_attention_inputs(1, 16, 32, 2, 1, 16)
+    partly = attention.prefix_spec(1, 16, q_offset=16, kv_len=20, num_keys=32, sink=2, recent=4)
+    whole = attention.prefix_spec(1, 16, q_offset=16, num_keys=32, sink=2, recent=4)
+    assert not partly.every_key and whole.every_key
+    for impl in ("pallas", "mosaic"):
+        want = attention.attend(q, k, v, partly, impl="reference")
+        assert rel_err(attention.attend(q, k, v, partly, impl=impl), want) <= 1e-5, impl
+    assert dispatch._kernels_serve(whole, k, v, "pallas") and not dispatch._kernels_serve(partly, k, v, "pallas")
+    monkeypatch.setattr(cudnn, "takes", lambda *a: True)  # what a GPU would say of these arrays
+    assert cudnn.serves(q, k, v, whole) and not cudnn.serves(q, k, v, partly)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bad_arguments_raise_value_error(impl):
     q, k, v, _ = random_attention_inputs(1, 16, 16, 4, 2, 64)

@@ -214,6 +214,9 @@ def test_paged_refuses_what_it_cannot_hold():
         paged(make_method("h2o", CONFIG, context=64, kv_budget=8))
     with pytest.raises(DuoJaxError, match="page_size"):
         paged(duo, page_size=0)
+    for bad in (dict(page_size=4.5), dict(page_size=True), dict(num_pages=2.5)):  # failed later, or were taken
+        with pytest.raises(DuoJaxError, match="must be an integer >= 1"):
+            paged(duo, **bad)
     with pytest.raises(DuoJaxError, match="cannot give"):
         paged(duo, page_size=16, num_pages=5).init_cache(2, jnp.float32)
     with pytest.raises(DuoJaxError, match="takes no streaming_chunk"):  # its chunks are the scheduler's

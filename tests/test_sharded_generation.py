@@ -17,15 +17,15 @@ from tests.conftest import xla_flags
 REPO = Path(__file__).resolve().parent.parent
 
 _SCRIPT = r"""
-import json, re
+import dataclasses, json, re
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import duo_jax
 from duo_jax import sharding
 from duo_jax.engine import Engine, compiled_decode, compiled_extend
 from duo_jax.generation import build_method
+from duo_jax.model import quantize_weights
 from duo_jax.pattern import Pattern
-from duo_jax.sampling import Sampling
 from tests.conftest import tiny_config
 
 assert jax.device_count() == 8
@@ -71,7 +71,7 @@ for method in ("full", "duo"):
     mesh = sharding.make_generation_mesh(**meshes["data=2,model=2"], devices=jax.devices()[:4])
     engine = Engine.of(model, mesh)
     steps = [compiled_extend(config, kv, 4, 16, "float32", "auto", False, mesh),
-             compiled_decode(config, kv, 4, "float32", "auto", Sampling(0.0, 1.0, 0), 16, (), mesh)]
+             compiled_decode(config, kv, 4, "float32", "auto", True, 16, (), mesh)]
     gathered = set()
     for step in steps:
         gathered |= set(re.findall(r"= [a-z0-9]+\[([0-9,]*)\]\S* all-gather(?:-start)?\(", step.as_text()))
@@ -110,6 +110,11 @@ def error(name, f):
 error("batch", lambda: duo_jax.generate(model, prompts[:3], mesh=mesh, **options))
 error("method", lambda: duo_jax.generate(model, prompts, method="h2o", kv_budget=32, mesh=mesh, chunk_size=16))
 error("heads", lambda: Engine(model.params, config, sharding.make_generation_mesh(model=3, devices=jax.devices()[:3])))
+int8 = dataclasses.replace(model, params=quantize_weights(model.params, "int8"))
+error("int8", lambda: duo_jax.generate(int8, prompts, mesh=mesh, **options))  # a bare AttributeError before
+train_mesh = sharding.make_mesh(data=2, fsdp=1, seq=2, devices=jax.devices()[:4])
+error("axes", lambda: duo_jax.generate(model, prompts, mesh=train_mesh, **options))  # a bare KeyError: 'model'
+error("kv_dtype", lambda: duo_jax.generate(model, prompts, mesh=mesh, kv_dtype="fp8", **options))
 result["errors"] = errors
 print(json.dumps(result))
 """
@@ -182,6 +187,9 @@ def test_mesh_errors_name_the_problem(sharded):
     assert "batch of 3 sequences does not split over data=2" in errors["batch"]
     assert "'h2o' does not run on a device mesh" in errors["method"]
     assert "model=3 must divide the query heads (8)" in errors["heads"]
+    assert "int8 weights on a generation mesh are not supported yet" in errors["int8"]
+    assert "generation needs a mesh with axes ('data', 'model')" in errors["axes"]
+    assert "kv_dtype must be None (the model's dtype), 'int8' or 'int4', got 'fp8'" in errors["kv_dtype"]
 
 
 def test_parse_generation_mesh():

@@ -126,7 +126,7 @@ def serves(q: jax.Array, k, v, spec: MaskSpec) -> bool:
     if not takes(q, k, v):
         return False
     if spec.is_lambda:
-        return spec.k_positions is None
+        return spec.k_positions is None and spec.every_key
     return spec.k_positions is None or spec.own_keys_at is not None
 
 

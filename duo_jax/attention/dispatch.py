@@ -535,8 +535,8 @@ def _kernels_serve(spec: MaskSpec, k, v, impl: str) -> bool:
     if spec.k_positions is not None:  # the flash kernels' k_positions operand (causal, no Λ)
         return spec.causal and not spec.is_lambda
     decode = spec.q_positions.shape[1] == 1 and k.shape[1] % DECODE_BLOCK == 0
-    if spec.is_lambda:  # (gate training: values, never a cache)
-        return spec.causal and not quantized
+    if spec.is_lambda:  # (gate training: values, never a cache) the Λ kernels see every key slot
+        return spec.causal and not quantized and spec.every_key
     return spec.causal and (spec.q_positions.shape[1] > 1 or decode)
 
 

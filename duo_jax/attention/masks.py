@@ -40,6 +40,9 @@ class MaskSpec:
     # a ring followed by the chunk. Query t then sees no slot past own_keys_at + t, so a kernel's schedule may stop
     # there, and cuDNN may attend to the ring's filled slots and the chunk in two calls.
     own_keys_at: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Every key slot filled (kv_len is the number of slots), known at trace time (`prefix_spec` without a kv_len, or
+    # with a Python int equal to it): Λ's kernels and cuDNN calls see every slot, so they serve only such a spec.
+    every_key: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def __post_init__(self):
         if (self.sink is None) != (self.recent is None):
@@ -96,12 +99,21 @@ def prefix_spec(
     static = None
     if _python_int(q_offset) and (kv_len is None or _python_int(kv_len)):
         static = (int(q_offset), num_keys if kv_len is None else int(kv_len))
+    every_key = kv_len is None or (_python_int(kv_len) and int(kv_len) == num_keys)
     offset = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (batch,))
     q_positions = offset[:, None] + jnp.arange(num_queries, dtype=jnp.int32)[None, :]
     kv_len = num_keys if kv_len is None else kv_len
     kv_len = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32).reshape(-1), (batch,))
     return MaskSpec(
-        q_positions, kv_len, None, causal=causal, window=window, sink=sink, recent=recent, static_prefix=static
+        q_positions,
+        kv_len,
+        None,
+        causal=causal,
+        window=window,
+        sink=sink,
+        recent=recent,
+        static_prefix=static,
+        every_key=every_key,
     )
 
 

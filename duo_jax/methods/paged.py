@@ -23,6 +23,7 @@ from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, write_slots
 from duo_jax.methods.duo import DuoAttention, DuoShared, retrieval_attention, split_heads
 from duo_jax.model import apply_rotary
+from duo_jax.sampling import check_number
 from pallas_kernels.paged_attention import pool_slots
 
 DEFAULT_PAGE_SIZE = 128
@@ -235,8 +236,9 @@ def paged(method: Method, *, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int 
     at most) is the method's, rounded up to whole pages."""
     if not isinstance(method, DuoAttention):
         raise DuoJaxError(f"only full attention and duo have a paged cache; {method.name!r} keeps its contiguous cache")
-    if page_size < 1:
-        raise DuoJaxError(f"page_size must be positive, got {page_size}")
+    page_size = check_number("page_size", page_size, integer=True, minimum=1, hint=" (tokens per page)")
+    if num_pages is not None:
+        num_pages = check_number("num_pages", num_pages, integer=True, minimum=1, hint=" (pages per layer pool)")
     if method.layout.kv_dtype is not None:
         raise DuoJaxError(
             f"a paged cache of {method.layout.kv_dtype} KV is not supported yet: build the method "
