@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             save_every=args.save_every,
         )
         training.check_mesh(mesh, cfg.batch_size)
+        if args.max_len is not None:  # else max_len is the model's context, known once it loads
+            training.check_window(cfg)
         load_haystack(cfg.haystack, max_chars=1)  # the source exists (it is read whole once the tokenizer is here)
         model = duo_jax.load(
             args.model,

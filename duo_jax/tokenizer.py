@@ -175,6 +175,7 @@ class Tokenizer:
 
 
 PROMPT_CONTEXT = 8  # prompt ids decoded before a generation's: its text is what they add to the prompt's text
+MAX_CONTEXT = 64  # ids a stream's context may widen to over text-less ids (a run of special tokens stays linear)
 
 
 class TextStream:
@@ -191,8 +192,8 @@ class TextStream:
     A point settles when the text up to it ends in a whole character (a UTF-8 character split across ids decodes to
     U+FFFD until its last byte arrives). Why not `tokenizers.decoders.DecodeStream`: it returns only settled text,
     while a stop string is matched against the text as `decode` gives it, pending tail included; and any decoder
-    whose window does not extend its context's text gets the whole decode of the new ids instead (exact, at the
-    quadratic cost)."""
+    whose window does not extend its context's text gets the whole decode after the prompt's tail instead (exact, at
+    the quadratic cost)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], after: Sequence[int] = ()):
         self._decode = decode
@@ -229,13 +230,22 @@ class TextStream:
         window = self._decode(self._ids[self._context :])
         if window.startswith(self._context_text):
             self._tail = window[len(self._context_text) :]
-        else:  # the context's text changed with what follows it: decode the new ids whole, without the prompt
-            self._tail = self._decode(self.ids)
-            self._settled, self._context, self._read, self._context_text = "", self._start, self._start, ""
+        else:  # the context's text changed with what follows it: decode again from the prompt's tail
+            head = self._decode(self._ids[: self._start]) if self._start else ""
+            whole = self._decode(self._ids)
+            if whole.startswith(head):
+                self._tail, self._context, self._context_text = whole[len(head) :], 0, head
+            else:  # the prompt's own text changed: the new ids' text alone
+                self._tail, self._context, self._context_text = self._decode(self.ids), self._start, ""
+            self._settled, self._read = "", self._start
         if self._tail and not self._tail.endswith("\ufffd"):
             self._settled += self._tail
-            self._context, self._read = self._read, len(self._ids)
-            self._context_text = self._decode(self._ids[self._context : self._read])
+            context, text = self._read, self._decode(self._ids[self._read :])
+            if not text and len(self._ids) - self._context <= MAX_CONTEXT:
+                # an empty context (a lone space SentencePiece strips, a skipped special token) is a prefix of any
+                # window, so a byte group that the next ids make invalid would go unseen: keep the context before it
+                context, text = self._context, self._decode(self._ids[self._context :])
+            self._context, self._read, self._context_text = context, len(self._ids), text
             self._tail = ""
         return self.text
 

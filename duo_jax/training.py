@@ -611,13 +611,18 @@ def run_step(
 
 def check_max_len(config: ModelConfig, cfg: TrainConfig) -> None:
     """The longest training context within the model's: past it the frozen model's positions were never trained,
-    so its attention is no target to distil (as `generate` refuses prompts past it). And longer than the streaming
-    window, which would otherwise see every token: then the distillation term is 0 and only L1 moves the gates."""
+    so its attention is no target to distil (as `generate` refuses prompts past it); and `check_window`."""
     if cfg.max_len > config.max_position_embeddings:
         raise TrainingError(
             f"max_len {cfg.max_len} exceeds the model's context of {config.max_position_embeddings} tokens; "
             "lower --max-len (default: the model's context)"
         )
+    check_window(cfg)
+
+
+def check_window(cfg: TrainConfig) -> None:
+    """A streaming window shorter than the longest training context: one that covers it sees every token, the
+    distillation term is 0 and only L1 moves the gates."""
     window = cfg.objective.sink + cfg.objective.recent
     if window >= cfg.max_len:  # streaming attention is full attention at every length: nothing to distil
         raise TrainingError(

@@ -386,3 +386,12 @@ def test_the_page_pool_bounds_a_sequence_in_one_place(setup):
     s.check(Request(PROMPTS[0][:15], max_tokens=6))
     with pytest.raises(DuoJaxError, match="the request needs 6 pages; the pool has 5"):
         s.check(Request(PROMPTS[0][:15], max_tokens=7))
+
+
+def test_a_bad_seed_is_refused_at_submit(setup):
+    """A seed outside [0, 2**32) from the Python API raised inside a step, failing every request running in it."""
+    method, _ = setup
+    s = scheduler(method, num_pages=5)
+    for seed in (-1, 2**32):
+        with pytest.raises(DuoJaxError, match="seed must be an integer"):
+            s.check(Request(PROMPTS[0][:8], max_tokens=2, seed=seed))

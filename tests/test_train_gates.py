@@ -167,6 +167,7 @@ def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
         (["--lr", "inf"], "finite lr"),
         (["--seed", "-1"], "seed must be an integer >= 0"),
         (["--haystack", "no-such-folder"], "unknown haystack source 'no-such-folder'"),
+        (["--max-len", "300", "--recent", "256"], "covers every training context (max_len 300)"),
     ],
 )
 def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, message):

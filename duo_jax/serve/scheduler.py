@@ -28,7 +28,7 @@ from duo_jax.engine import Engine, compiled_extend, compiled_extend_row
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.paged import PagedDuo
 from duo_jax.model import check_token_ids
-from duo_jax.sampling import Sampling, check_sampling, sample_seeded
+from duo_jax.sampling import Sampling, check_sampling, check_seed, sample_seeded
 from duo_jax.tokenizer import TextStream
 
 
@@ -263,6 +263,7 @@ class Scheduler:
         if request.max_tokens < 1:
             raise DuoJaxError(f"max_tokens must be positive, got {request.max_tokens}")
         check_sampling(request.sampling.temperature, request.sampling.top_p, request.sampling.top_k)
+        check_seed(request.seed)  # a bad one raised inside a step, failing every request running in it
         total = n + request.max_tokens
         limit = self.sequence_limit
         if total > limit:
