@@ -52,7 +52,7 @@ class ModelConfig:
     # use_sliding_window window only layers >= max_window_layers (or those `layer_types` marks). Read the
     # window of a layer with `layer_window`; `window_runs` groups consecutive layers that share one.
     window_layers: tuple[int, ...] | None = None
-    qkv_bias: bool = False  # biases on the q / k / v projections (Qwen2, Qwen2.5; Qwen3 with attention_bias)
+    qkv_bias: bool = False  # biases on the q / k / v projections (Qwen2, Qwen2.5)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -144,10 +144,10 @@ class ModelConfig:
             raise ConfigError(
                 f"model_type {model_type!r} is not supported; duo-jax runs {', '.join(_SUPPORTED_ARCHITECTURES)}"
             )
-        if hf.get("mlp_bias") or (hf.get("attention_bias") and model_type in ("llama", "mistral")):
+        if hf.get("mlp_bias") or (hf.get("attention_bias") and model_type != "qwen2"):
             raise ConfigError(
-                "mlp_bias and Llama's attention_bias (a bias on o_proj too) are not supported; "
-                "q/k/v biases are (Qwen2, Qwen3)"
+                "mlp_bias and attention_bias (Llama's, Mistral's and Qwen3's put a bias on o_proj too) are not "
+                "supported; Qwen2's q/k/v biases are"
             )
         window_layers = None
         if model_type in ("qwen2", "qwen3"):
@@ -180,12 +180,13 @@ class ModelConfig:
                 head_dim=hf.get("head_dim") or hidden // num_heads,
                 rope_theta=float(rope.get("rope_theta", 10000.0)),
                 rope_scaling=_read_rope_scaling(rope),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for these families
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                sliding_window=hf.get("sliding_window"),
+                # transformers' Llama ignores a config's sliding_window (Mistral, and Qwen by _qwen_windows, apply it)
+                sliding_window=None if model_type == "llama" else hf.get("sliding_window"),
                 window_layers=window_layers,
-                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
+                qkv_bias=model_type == "qwen2",
                 qk_norm=model_type == "qwen3",
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),

@@ -586,8 +586,10 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
             "not read; load the Hugging Face directory of the model instead"
         )
     hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
+    window = fields.get(f"{arch}.attention.sliding_window")
     hf = dict(
-        model_type=arch,
+        # Mistral v0.1 converted as llama carries its window (every layer); from_hf reads a window for mistral only
+        model_type="mistral" if arch == "llama" and window else arch,
         vocab_size=fields.get(f"{arch}.vocab_size", len(fields.get("tokenizer.ggml.tokens", []))),
         hidden_size=hidden,
         intermediate_size=fields[f"{arch}.feed_forward_length"],
@@ -599,15 +601,15 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
         rms_norm_eps=fields.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         max_position_embeddings=fields.get(f"{arch}.context_length", 4096),
         tie_word_embeddings="output.weight" not in tensor_names,
-        # Qwen3 with attention_bias; Qwen2 always has the biases (from_hf sets them by model_type)
+        # Qwen3 with attention_bias (refused by from_hf); Qwen2 always has the biases (from_hf sets them by model_type)
         attention_bias=arch == "qwen3" and "blk.0.attn_q.bias" in tensor_names,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
-        # Mistral v0.1 converted as llama: its window on every layer (from_hf reads llama's so). A qwen2 / qwen3
-        # GGUF cannot say which layers a window applies to (no use_sliding_window / max_window_layers keys) and
-        # llama.cpp runs those architectures without one, so from_hf leaves theirs off, as transformers does
-        # for a Qwen config without use_sliding_window.
-        sliding_window=fields.get(f"{arch}.attention.sliding_window"),
+        # Mistral v0.1 converted as llama: its window on every layer (model_type above). A qwen2 / qwen3 GGUF cannot
+        # say which layers a window applies to (no use_sliding_window / max_window_layers keys) and llama.cpp runs
+        # those architectures without one, so from_hf leaves theirs off, as transformers does for a Qwen config
+        # without use_sliding_window.
+        sliding_window=window,
     )
     scaling = fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):  # linear is read; any other kind is refused by from_hf

@@ -168,6 +168,17 @@ def test_unsupported_configs_raise_clear_errors(change, message):
         ModelConfig.from_hf({**LLAMA31, **change})
 
 
+def test_keys_read_as_transformers_reads_them():
+    """A Llama's sliding_window is not applied (transformers' Llama ignores it; Mistral applies it); a missing
+    rms_norm_eps is transformers' 1e-6 (it was 1e-5); Qwen3's attention_bias (o_proj too) is refused by name (its
+    o_proj bias failed as an unexpected tensor)."""
+    assert ModelConfig.from_hf({**LLAMA31, "sliding_window": 16}).sliding_window is None
+    assert ModelConfig.from_hf({**LLAMA31, "model_type": "mistral", "sliding_window": 16}).sliding_window == 16
+    assert ModelConfig.from_hf({k: v for k, v in LLAMA31.items() if k != "rms_norm_eps"}).rms_norm_eps == 1e-6
+    with pytest.raises(ConfigError, match="attention_bias"):
+        ModelConfig.from_hf({**LLAMA31, "model_type": "qwen3", "attention_bias": True})
+
+
 def test_missing_key_is_named():
     hf = dict(LLAMA31)
     del hf["hidden_size"]

@@ -68,6 +68,19 @@ def test_logits_match_transformers(family):
     np.testing.assert_array_less(np.abs(ours - ref).max(), 1e-4)
 
 
+def test_a_llama_configs_sliding_window_is_not_applied(tmp_path):
+    """transformers' Llama attention ignores a config's sliding_window (its forward attends to every earlier token);
+    duo-jax applied it, logits off from position 16 on. (Its own cached generate builds a sliding cache from the key:
+    transformers disagrees with itself there, so the logits are the reference.)"""
+    fields = dict(TINY, num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    hf_model = write_random_hf_model(tmp_path, transformers.LlamaConfig, fields)
+    model = duo_jax.load(tmp_path, dtype=jnp.float32)
+    assert model.config.sliding_window is None
+    tokens = np.random.default_rng(3).integers(0, TINY["vocab_size"], (1, 50)).astype(np.int32)
+    ours = np.asarray(duo_jax.forward(model.params, model.config, jnp.asarray(tokens)))
+    np.testing.assert_array_less(np.abs(ours - hf_logits(hf_model, tokens)).max(), 1e-4)
+
+
 @pytest.mark.slow
 def test_generate_matches_transformers_greedy(family):
     _, hf_model, model = family
