@@ -268,13 +268,35 @@ class _ParamsBuilder:
             if f in self.shapes
         }
         self.missing |= {n for n, f in _GLOBAL_NAMES.items() if f in self.shapes}
+        self.tied_head = None  # an lm_head.weight stored beside a tied embedding
+
+    def _check_tied_head(self, rows: int = 4096) -> None:
+        """A tied model's stored lm_head must be its embedding: one that differs contradicts tie_word_embeddings
+        (transformers then keeps the lm_head, untied, with a warning; using the embedding gave other logits)."""
+        head, embed = self.tied_head, self.tensors["embed"].get(None)
+        if head is None or embed is None:
+            return
+        same = tuple(head.shape) == tuple(embed.shape)
+        for start in range(0, embed.shape[0], rows) if same else ():
+            stop = min(start + rows, embed.shape[0])
+            a, b = (np.asarray(x[start:stop]).astype(self.dtype) for x in (head, embed))
+            same = np.array_equal(a, b)
+            if not same:
+                break
+        if not same:
+            raise LoadError(
+                f"{self.source}: config.json ties the output layer to the embedding (tie_word_embeddings: true), but "
+                "the weights hold an lm_head.weight that differs from it; set tie_word_embeddings to false in "
+                "config.json to use that lm_head (transformers loads it so, untied)"
+            )
 
     def put(self, name: str, w) -> None:
         """`w`: the tensor in the Hugging Face layout, a numpy array (converted to the target dtype now) or a
         `_SafetensorsTensor` (read in `finish`, only the blocks this process's devices hold)."""
         if name in _GLOBAL_NAMES:
             field, layer = _GLOBAL_NAMES[name], None
-            if field not in self.shapes:  # lm_head of a tied model: the embedding is used
+            if field not in self.shapes:  # lm_head of a tied model: the embedding is used (`_check_tied_head`)
+                self.tied_head = w
                 return
         else:
             m = _LAYER_RE.fullmatch(name)
@@ -320,6 +342,7 @@ class _ParamsBuilder:
         if self.missing:
             names = sorted(self.missing)
             raise LoadError(f"{self.source}: {len(names)} weight tensors missing, e.g. {', '.join(names[:3])}")
+        self._check_tied_head()
         layouts = {}
         if shardings is not None:
             placed = shardings(_params({k: jax.ShapeDtypeStruct(s, self.dtype) for k, s in self.shapes.items()}))

@@ -105,3 +105,21 @@ def test_generate_matches_transformers_greedy(family):
         stop_at_eos=False,
     )
     assert duo.tokens[0] == expected
+
+
+def test_a_tied_model_with_a_different_stored_lm_head_is_refused(tmp_path):
+    """tie_word_embeddings with an lm_head.weight in the file that is not the embedding contradicts itself:
+    transformers keeps that lm_head (untied, with a warning); duo-jax used the embedding, logits 1.3x off. Now an
+    error naming the fix; an lm_head equal to the embedding loads as before."""
+    from safetensors.numpy import load_file, save_file
+
+    fields = dict(TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    write_random_hf_model(tmp_path, transformers.LlamaConfig, fields)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    embed = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embed.copy()}, path, metadata={"format": "pt"})
+    assert duo_jax.load(tmp_path, dtype=jnp.float32).config.tie_word_embeddings
+    save_file({**tensors, "lm_head.weight": embed[::-1].copy()}, path, metadata={"format": "pt"})
+    with pytest.raises(duo_jax.DuoJaxError, match="lm_head.weight that differs from it; set tie_word_embeddings"):
+        duo_jax.load(tmp_path, dtype=jnp.float32)
