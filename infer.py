@@ -107,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="quantized KV cache (every method; not with --mesh); default: the model's dtype",
     )
-    parser.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (per output channel)")
+    parser.add_argument(
+        "--weights", choices=["int8"], default=None, help="int8 weights (per output channel; not with --mesh)"
+    )
     return parser
 
 

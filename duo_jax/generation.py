@@ -466,7 +466,8 @@ def generate(
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
     tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
-    to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need, shared by varied requests).
+    to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need rounded up to 128 tokens, shared
+    by varied requests).
     impl: the attention implementation, "auto" | "pallas" | "cudnn" | "mosaic" | "cpu" | "xla" | "reference"
     (`duo_jax.attention.IMPLS`, docs/attention.md); `attention_impl=` is its deprecated name.
     kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
