@@ -12,19 +12,21 @@ at C. Design: docs/quantization.md, "The memory planner".
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 
-from duo_jax.cache import CAPACITY_BLOCK
+from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig, get_config
-from duo_jax.engine import compiled_extend, fuses_qkv_by_default, prepared
+from duo_jax.engine import compiled_decode, compiled_extend, fuses_qkv_by_default, prepared
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods import Method, make_method
-from duo_jax.model import param_shapes, quantize_weights
+from duo_jax.model import check_weight_dtype, param_shapes, quantize_weights
 from duo_jax.pattern import Pattern
 from duo_jax.sampling import check_number
 
@@ -54,20 +56,37 @@ def _method(name: str, config: ModelConfig, capacity: int, options: dict) -> Met
 def _step_temp(
     config: ModelConfig, method: Method, dtype: str, weights: str | None, chunk: int, fused_qkv: bool
 ) -> int:
-    """Temp bytes of the larger of the compiled decode step and prefill chunk (XLA memory analysis)."""
-    return max(
-        compiled_extend(config, method, 1, t, dtype, weight_format=weights, fused_qkv=fused_qkv)
-        .memory_analysis()
-        .temp_size_in_bytes
-        for t in (1, chunk)
-    )
+    """Temp bytes of the largest of what `generate` compiles: the prefill chunk and the decode loop (greedy; its
+    token buffer's bucket is a few KiB) (XLA memory analysis)."""
+    layout = dict(weight_format=weights, fused_qkv=fused_qkv)
+    steps = [compiled_extend(config, method, 1, chunk, dtype, **layout)]
+    steps.append(compiled_decode(config, method, 1, dtype, "auto", True, 16, (), **layout))
+    return max(step.memory_analysis().temp_size_in_bytes for step in steps)
 
 
-def _largest(budget: int, fixed: int, per_token: float) -> int:
-    """The largest multiple of CAPACITY_BLOCK with fixed + per_token * C <= budget (0 if none)."""
+def _largest(budget: int, fixed: Fraction, per_token: Fraction) -> int | None:
+    """The largest multiple of CAPACITY_BLOCK with fixed + per_token * C <= budget (0 if none; None if any fits:
+    nothing grows with C, as a cache of streaming heads only)."""
     if budget < fixed + per_token * CAPACITY_BLOCK:
         return 0
-    return int((budget - fixed) // per_token) // CAPACITY_BLOCK * CAPACITY_BLOCK
+    if per_token <= 0:
+        return None
+    return math.floor((budget - fixed) / per_token) // CAPACITY_BLOCK * CAPACITY_BLOCK
+
+
+def _cache_at(name: str, config: ModelConfig, options: dict, dtype: str, capacity: int) -> int:
+    """Bytes of method `name`'s cache of one sequence at `capacity`, from its layout."""
+    return tree_bytes(_method(name, config, capacity, options).cache_spec(1, dtype))
+
+
+def _fitting(budget, fixed, per_token, low, cache_at, extra_fixed, extra_per_token) -> int | None:
+    """`_largest` of the cache's line (measured at capacities >= `low`) plus an extra line (temp); below `low`,
+    where a cache narrows its streaming window to the capacity, the exact layouts block by block."""
+    best = _largest(budget, fixed + extra_fixed, per_token + extra_per_token)
+    if best is not None and best < low:
+        blocks = range(CAPACITY_BLOCK, low + 1, CAPACITY_BLOCK)
+        best = max((c for c in blocks if cache_at(c) + extra_fixed + extra_per_token * c <= budget), default=0)
+    return best
 
 
 def plan(
@@ -87,18 +106,20 @@ def plan(
 ) -> dict:
     """Weights, cache per token, temp memory and the largest context for "full" and "duo" (batch 1).
 
-    pattern: duo's head pattern (default: the model's shipped one; only how many heads it makes retrieval
-    heads matters here). temp=False skips compiling (temp counted as 0). fused_qkv: whether the engine holds
-    q/k/v as one weight, a copy counted with the weights (None: the engine's default on this backend).
+    pattern: duo's head pattern (default: the model's shipped one, if any: else only full attention is planned; only
+    how many heads it makes retrieval heads matters here). temp=False skips compiling (temp counted as 0).
+    fused_qkv: whether the engine holds q/k/v as one weight, a copy counted with the weights (None: the engine's
+    default on this backend).
     Returns a dict with weight_bytes, and per method (prefix "full_" / "duo_"): cache_bytes_per_token,
     cache_fixed_bytes, temp_bytes, temp_bytes_per_token, max_context (weights + cache + temp <= HBM) and
-    max_context_no_temp; plus max_context_full and max_context_duo.
+    max_context_no_temp (None: any length fits, nothing grows with it); plus max_context_full and max_context_duo.
     """
+    check_number("chunk", chunk, integer=True, minimum=1, hint=" (prefill tokens per step)")
+    dtype = check_weight_dtype(dtype).name
     if pattern is None:
-        pattern = Pattern.for_model(config.name)
-        if pattern is None:
-            raise DuoJaxError(f"model {config.name!r} ships no head pattern; pass pattern= (a Pattern)")
-    pattern.validate(config)
+        pattern = Pattern.for_model(config.name)  # None: full attention only (no shipped pattern)
+    if pattern is not None:
+        pattern.validate(config)
     fused_qkv = fuses_qkv_by_default() if fused_qkv is None else fused_qkv
     w_bytes = weight_bytes(config, dtype, weights, fused_qkv)
     out = dict(
@@ -116,33 +137,36 @@ def plan(
         fused_qkv=fused_qkv,
         max_position_embeddings=config.max_position_embeddings,
     )
-    options = {
-        "full": dict(kv_dtype=kv_dtype),
-        "duo": dict(kv_dtype=kv_dtype, pattern=pattern, sparsity=sparsity, sink=sink, recent=recent),
-    }
-    low = max(2 * chunk, 1024)  # at least the XLA path's key tile (512), so only the context changes
+    options = {"full": dict(kv_dtype=kv_dtype)}
+    if pattern is not None:
+        options["duo"] = dict(kv_dtype=kv_dtype, pattern=pattern, sparsity=sparsity, sink=sink, recent=recent)
+    # Two capacities past the streaming window (below it a cache narrows the window to the capacity: not linear)
+    # and at least the XLA path's key tile (512), so only the context changes between them.
+    low = round_capacity(max(2 * chunk, 1024, 2 * (sink + recent)))
     high = 2 * low
     for name, opts in options.items():
         methods = [_method(name, config, c, opts) for c in (low, high)]
         cache = [tree_bytes(m.cache_spec(1, dtype)) for m in methods]
-        per_token = (cache[1] - cache[0]) / (high - low)
+        per_token = Fraction(cache[1] - cache[0], high - low)
         fixed = cache[0] - per_token * low
         temps = [_step_temp(config, m, dtype, weights, chunk, fused_qkv) for m in methods] if temp else [0, 0]
-        temp_per_token = max(temps[1] - temps[0], 0) / (high - low)
+        temp_per_token = Fraction(max(temps[1] - temps[0], 0), high - low)
         temp_fixed = temps[0] - temp_per_token * low
         budget = hbm_bytes - w_bytes
-        best = _largest(budget, fixed + temp_fixed, per_token + temp_per_token)
-        if best:  # the layout at the answer, measured, not extrapolated
-            at = tree_bytes(_method(name, config, best, opts).cache_spec(1, dtype))
-            assert at == round(fixed + per_token * best), (name, at, fixed + per_token * best)
+
+        cache_at = functools.partial(_cache_at, name, config, opts, dtype)
+        fit = functools.partial(_fitting, budget, fixed, per_token, low, cache_at)
+        best = fit(temp_fixed, temp_per_token)
+        if best and cache_at(best) + temp_fixed + temp_per_token * best > budget:  # the layout at the answer, built
+            raise DuoJaxError(f"internal: the {name} cache at {best} tokens does not fit the plan's budget")
         out.update(
             {
-                f"{name}_cache_bytes_per_token": per_token,
+                f"{name}_cache_bytes_per_token": float(per_token),
                 f"{name}_cache_fixed_bytes": int(fixed),
                 f"{name}_temp_bytes": int(temps[0]),
-                f"{name}_temp_bytes_per_token": temp_per_token,
+                f"{name}_temp_bytes_per_token": float(temp_per_token),
                 f"{name}_max_context": best,
-                f"{name}_max_context_no_temp": _largest(budget, fixed, per_token),
+                f"{name}_max_context_no_temp": fit(Fraction(0), Fraction(0)),
             }
         )
         out[f"max_context_{name}"] = best
@@ -202,14 +226,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     fused = " (with the engine's fused q/k/v copy)" if r["fused_qkv"] else ""
     print(f"  weights: {r['weight_bytes'] / GIB:.2f} GiB{fused}")
+    tokens = lambda n: "any length" if n is None else f"{n:,} tokens"  # noqa: E731
     for name in ("full", "duo"):
+        if f"{name}_max_context" not in r:
+            print(f"  {name:4s}: not planned ({r['model']} ships no head pattern: pass --pattern)")
+            continue
         print(
             f"  {name:4s}: cache {r[f'{name}_cache_bytes_per_token'] / 1024:.2f} KiB/token + "
             f"{r[f'{name}_cache_fixed_bytes'] / 2**20:.1f} MiB fixed; temp {r[f'{name}_temp_bytes'] / GIB:.2f} GiB "
-            f"(+{r[f'{name}_temp_bytes_per_token']:.0f} B/token); largest context {r[f'{name}_max_context']:,} "
-            f"tokens ({r[f'{name}_max_context_no_temp']:,} without temp)"
+            f"(+{r[f'{name}_temp_bytes_per_token']:.0f} B/token); largest context {tokens(r[f'{name}_max_context'])} "
+            f"({tokens(r[f'{name}_max_context_no_temp'])} without temp)"
         )
     print(f"  (the model was trained for {r['max_position_embeddings']:,} positions)")
+    print(
+        "  generate reserves exactly a planned context with context=N; without it, it rounds the capacity up to a "
+        "shared bucket (up to 1.5x)"
+    )
     return 0
 
 

@@ -129,3 +129,42 @@ def test_cli_json_llama3_8b_passes_4m_tokens_with_int4_kv_and_int8_weights(capsy
     assert r["duo_cache_bytes_per_token"] == 64 * 2 * 66  # 25% of the 256 KV heads keep every token
     assert r["max_context_duo"] >= 4_000_000 > r["max_context_full"]
     assert plan.main(argv[:-1]) == 0 and "largest context" in capsys.readouterr().out
+
+
+def test_edges_the_linear_fit_missed():
+    """A budget a little above the weights and a window wider than the sampled capacities asserted (the linear fit
+    extrapolated where a cache narrows its window); a sparsity of 1 divided by zero (nothing grows with the context:
+    any length fits); the answer is checked against the layouts themselves."""
+    options = dict(dtype="float32", pattern=PATTERN, chunk=16, temp=False)
+    weights = plan.plan(CONFIG, hbm_bytes=2**30, **options)["weight_bytes"]
+
+    def built(name, capacity, **opts):
+        return cache_nbytes(make_method(name, CONFIG, context=capacity, **opts).init_cache(1, jnp.float32))
+
+    for sink, recent in ((4, 12), (200, 2000)):
+        duo = dict(pattern=PATTERN, sparsity=0.5, sink=sink, recent=recent)
+        block = built("full", CAPACITY_BLOCK)  # a full cache of one block
+        for extra in (block + 1, 5 * block, 40 * block):
+            r = plan.plan(CONFIG, hbm_bytes=weights + extra, sink=sink, recent=recent, **options)
+            for name, opts in (("full", {}), ("duo", duo)):
+                best = r[f"max_context_{name}"]
+                assert best == 0 or built(name, best, **opts) <= extra, (name, sink, recent, extra)
+                assert built(name, best + CAPACITY_BLOCK, **opts) > extra, (name, sink, recent, extra)
+            assert r["max_context_duo"] >= r["max_context_full"] > 0
+    streaming = plan.plan(CONFIG, hbm_bytes=weights + 5 * block, sparsity=1.0, **options)
+    assert streaming["max_context_duo"] is None and streaming["max_context_full"] > 0
+
+
+def test_cli_errors_and_a_model_without_a_pattern(capsys):
+    for argv, message in (
+        (["--chunk", "0"], "chunk must be an integer >= 1"),
+        (["--dtype", "foo"], "dtype must be one of"),
+        (["--dtype", "int8"], "dtype must be one of"),
+    ):
+        assert plan.main(["--model", "smollm2-135m", "--no-temp", *argv]) == 2
+        assert message in capsys.readouterr().err, argv
+    assert plan.main(["--model", "qwen2.5-7b-instruct", "--no-temp", "--hbm-gib", "40"]) == 0  # no shipped pattern
+    out = capsys.readouterr().out
+    assert "full: cache" in out and "duo : not planned" in out and "pass --pattern" in out
+    assert plan.main(["--model", "smollm2-135m", "--no-temp", "--sparsity", "1"]) == 0
+    assert "largest context any length" in capsys.readouterr().out
