@@ -153,7 +153,8 @@ def expected_cache_bytes(layout: CacheLayout, batch: int, bytes_per_elem: int) -
 
 
 def full_cache_bytes(config: ModelConfig, batch: int, context: int, bytes_per_elem: int) -> int:
-    """What a full-attention cache of the same capacity would take."""
+    """What a full-attention cache of the same capacity would take in the model's dtype, unquantized: the reference
+    a (possibly quantized) cache's bytes are compared with, so a ratio counts the quantization too."""
     return batch * round_capacity(context) * config.kv_bytes_per_token(bytes_per_elem)
 
 
