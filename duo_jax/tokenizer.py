@@ -45,8 +45,10 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
+        clean_up_spaces: bool = False,
     ):
         self.backend = backend  # a `tokenizers.Tokenizer`
+        self.clean_up_spaces = clean_up_spaces  # transformers' clean_up_tokenization_spaces (`decode`)
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
         self.add_bos = add_bos
@@ -77,7 +79,8 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return clean_up_spaces(text) if self.clean_up_spaces else text
 
     @classmethod
     def from_file(cls, path: Path, *, bos_id: int | None, eos_ids: Sequence[int]) -> Tokenizer:
@@ -110,6 +113,8 @@ class Tokenizer:
             eos_ids=eos_ids,
             add_bos=add_bos,
             chat_template=template if isinstance(template, str) else None,
+            # what transformers' decode does when the config asks (Llama 3's does): " ." -> "." and the like
+            clean_up_spaces=tokenizer_config.get("clean_up_tokenization_spaces") is True,
         )
         for name in ("bos_token", "eos_token"):
             token = tokenizer_config.get(name)
@@ -172,6 +177,19 @@ class Tokenizer:
             add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
             chat_template=fields.get("tokenizer.chat_template"),
         )
+
+
+# transformers' `clean_up_tokenization` (PreTrainedTokenizerBase), in its order
+_CLEAN_UP = (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m")
+_CLEAN_UP += (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")
+
+
+def clean_up_spaces(text: str) -> str:
+    """The spaces before punctuation and English contractions removed, as transformers' decode does for a
+    tokenizer whose tokenizer_config.json sets `clean_up_tokenization_spaces` (Llama 3's)."""
+    for before, after in _CLEAN_UP:
+        text = text.replace(before, after)
+    return text
 
 
 PROMPT_CONTEXT = 8  # prompt ids decoded before a generation's: its text is what they add to the prompt's text

@@ -143,3 +143,32 @@ def test_text_that_is_not_unicode_is_a_clear_error(smollm2):
 
     with pytest.raises(DuoJaxError, match=r"not valid Unicode: surrogates not allowed at character 3 \('\\udce9'\)"):
         smollm2.encode("caf\udce9 au lait")
+
+
+@pytest.mark.parametrize("clean_up", [True, False])
+def test_decode_cleans_up_spaces_as_transformers_when_the_config_asks(tmp_path, clean_up):
+    """Llama 3's tokenizer_config.json sets clean_up_tokenization_spaces: transformers' decode then writes " ," as
+    "," (and " 's" as "'s", ...), which duo-jax did not: generated text, and LongBench's predictions, differed."""
+    import json
+
+    import transformers
+    from tokenizers import pre_tokenizers
+
+    words = ["<unk>", "Hello", "Ġ,", "Ġworld", "Ġ.", "Ġit", "Ġ's", "Ġdon", "Ġn't", "Ġ?", "Ġ'", "Ġok"]
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(config, clean_up_tokenization_spaces=clean_up)))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = Tokenizer.from_file(tmp_path / "tokenizer.json", bos_id=None, eos_ids=())
+    rng = random.Random(1)
+    sequences = [[1, 2, 3, 4], [1, 5, 6, 7, 8, 9], [1, 10, 11, 4]] + [
+        [rng.randrange(1, len(words)) for _ in range(12)] for _ in range(20)
+    ]
+    for ids in sequences:
+        assert ours.decode(ids) == reference.decode(ids), ids
+    assert (ours.decode([1, 2, 3, 4]) == "Hello, world.") is clean_up
+    for ids in sequences:  # a stream's text is still what the ids add to the prompt's, at every step
+        check_every_step(ours, ids[4:], after=ids[:4])
