@@ -41,7 +41,7 @@ from duo_jax.model import (
     weight_format,
     weights_memo,
 )
-from duo_jax.sampling import Sampling, row_keys, row_seeds, sample_rows
+from duo_jax.sampling import Sampling, argmax_tokens, row_keys, row_seeds, sample_rows
 
 
 def bucket(n: int) -> int:
@@ -53,7 +53,7 @@ def bucket(n: int) -> int:
 def capacity_bucket(tokens: int, block: int = CAPACITY_BLOCK) -> int:
     """The default cache capacity for `tokens`: the smallest of block * {1, 2, 3, 4, 6, 8, 12, 16, 24, ...}
     (powers of two and 1.5x powers of two) that holds them, so varied requests share a few cache shapes while
-    reserving at most 50% more than their need in blocks (pass `context=` to reserve exactly what you ask for)."""
+    reserving at most half again their need counted in blocks (pass `context=` to reserve exactly what you ask for)."""
     blocks = -(-max(tokens, 1) // block)
     power = 1 << (blocks - 1).bit_length()  # the next power of two >= blocks
     return (3 * power // 4 if power >= 4 and 3 * power // 4 >= blocks else power) * block
@@ -214,7 +214,7 @@ def decode(
             params, cache, lengths, token[:, None], ones, state, config=config, method=method, impl=impl, mesh=mesh
         )
         if greedy:
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            token = argmax_tokens(logits)
         else:
             token = sample_rows(logits, row_keys(seeds, step + 1), rule)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step + 1, axis=1)
@@ -262,16 +262,14 @@ def _abstract_inputs(method: Method, batch: int, dtype: str, mesh: Mesh | None, 
     """What a step is compiled for besides the weights: the cache, then an int32 array per shape in `shapes`
     (leading dimension: the batch, split over `data` on a mesh), then the method's state."""
     cache = method.cache_spec(batch, dtype)
-    ints = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes]
     if mesh is not None:
         cache = sharding.abstract(cache, sharding.cache_specs(method, cache, mesh), mesh)
-        ints = [sharding.abstract(x, P(sharding.DATA), mesh) for x in ints]
-    return cache, *ints, _abstract(method.state())
+    return cache, *(_abstract_batch(shape, jnp.int32, mesh) for shape in shapes), _abstract(method.state())
 
 
-def _abstract_rows(batch: int, dtype, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
-    """A value per sequence [batch] of `dtype`, split over `data` on a mesh."""
-    x = jax.ShapeDtypeStruct((batch,), dtype)
+def _abstract_batch(shape: tuple[int, ...], dtype, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
+    """Per-sequence values of `shape` (leading dimension: the batch) and `dtype`, split over `data` on a mesh."""
+    x = jax.ShapeDtypeStruct(shape, dtype)
     return x if mesh is None else sharding.abstract(x, P(sharding.DATA), mesh)
 
 
@@ -391,7 +389,7 @@ def compiled_decode(
 def _compiled_decode(config, method, batch, dtype, impl, greedy, max_tokens, eos_ids, mesh, weight_format, fused_qkv):
     _make_room_for_an_executable()
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
-    rows = lambda dtype: _abstract_rows(batch, dtype, mesh)  # noqa: E731
+    rows = lambda dtype: _abstract_batch((batch,), dtype, mesh)  # noqa: E731
     seeds, rule = rows(jnp.uint32), Sampling(rows(jnp.float32), rows(jnp.float32), rows(jnp.int32))
     limit = jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:

@@ -25,7 +25,7 @@ from duo_jax.methods import Method, cache_nbytes
 from duo_jax.model import check_token_ids
 from duo_jax.pattern import Pattern, exact_sparsity
 from duo_jax.quant import check_kv_dtype
-from duo_jax.sampling import Sampling, check_number, check_sampling, row_seeds, sample_seeded
+from duo_jax.sampling import Sampling, argmax_tokens, check_number, check_sampling, row_seeds, sample_seeded
 from duo_jax.tokenizer import generated_text, require
 
 
@@ -148,7 +148,7 @@ def build_method(
     return methods.make_method(spec.name, config, context=context, model=model, **options)
 
 
-_argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))  # a greedy first token
+_argmax = jax.jit(argmax_tokens)  # a greedy first token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,8 +466,7 @@ def generate(
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
     tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
-    to a capacity bucket, `duo_jax.engine.capacity_bucket`: at most 1.5x the need rounded up to 128 tokens, shared
-    by varied requests).
+    to a capacity bucket shared by varied requests, `duo_jax.engine.capacity_bucket`, which states its bound).
     impl: the attention implementation, "auto" | "pallas" | "cudnn" | "mosaic" | "cpu" | "xla" | "reference"
     (`duo_jax.attention.IMPLS`, docs/attention.md); `attention_impl=` is its deprecated name.
     kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per

@@ -276,13 +276,11 @@ class _ParamsBuilder:
         head, embed = self.tied_head, self.tensors["embed"].get(None)
         if head is None or embed is None:
             return
-        same = tuple(head.shape) == tuple(embed.shape)
-        for start in range(0, embed.shape[0], rows) if same else ():
-            stop = min(start + rows, embed.shape[0])
-            a, b = (np.asarray(x[start:stop]).astype(self.dtype) for x in (head, embed))
-            same = np.array_equal(a, b)
-            if not same:
-                break
+        n = embed.shape[0]
+        block = lambda x, start: np.asarray(x[start : min(start + rows, n)]).astype(self.dtype)  # noqa: E731
+        same = tuple(head.shape) == tuple(embed.shape) and all(
+            np.array_equal(block(head, start), block(embed, start)) for start in range(0, n, rows)
+        )
         if not same:
             raise LoadError(
                 f"{self.source}: config.json ties the output layer to the embedding (tie_word_embeddings: true), but "

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import numbers
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +40,17 @@ class Sampling:
         return float(np.float32(self.temperature)) == 0
 
     def rows(self, batch: int) -> Sampling:
-        """This rule for each of `batch` rows: float32 / int32 arrays [batch] (top_k capped to int32)."""
+        """This rule for each of `batch` rows (`stack`)."""
+        return Sampling.stack([self] * batch)
+
+    @staticmethod
+    def stack(rules: Sequence[Sampling]) -> Sampling:
+        """One rule per row as the compiled samplers take them: float32 / int32 arrays [len(rules)] (top_k capped
+        to int32)."""
         return Sampling(
-            np.full(batch, self.temperature, np.float32),
-            np.full(batch, self.top_p, np.float32),
-            np.full(batch, min(int(self.top_k), np.iinfo(np.int32).max), np.int32),
+            np.array([r.temperature for r in rules], np.float32),
+            np.array([r.top_p for r in rules], np.float32),
+            np.array([min(int(r.top_k), np.iinfo(np.int32).max) for r in rules], np.int32),
         )
 
 
@@ -114,13 +121,18 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
     return jnp.where(drop | (scaled < kth), -jnp.inf, scaled)
 
 
+def argmax_tokens(logits: jax.Array) -> jax.Array:
+    """The greedy token of each row: int32 [B]."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def sample_rows(logits: jax.Array, keys: jax.Array, rule: Sampling) -> jax.Array:
     """Next token int32 [B]: row b by its own rule (`rule`'s arrays [B]; temperature 0: greedy) with key keys[b].
     The values are runtime arrays (no compile per value); a batch of greedy rows skips the sort. In float32
     whatever the logits' dtype (bf16's rounding biases the draw)."""
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(rule.temperature, jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax_tokens(logits)
     hot = temperature > 0
 
     def drawn():

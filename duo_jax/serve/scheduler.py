@@ -582,18 +582,11 @@ class Scheduler:
         row, each by its request's rule (a fixed shape and runtime rules: no compile when the batch's make-up
         or the requests' options change; rows not in `rows` are ignored)."""
         n = logits.shape[0]
-        seeds, counts = np.zeros(n, np.uint32), np.zeros(n, np.int32)
-        temperature, top_p, top_k = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.int32)
+        seeds, counts, rules = np.zeros(n, np.uint32), np.zeros(n, np.int32), [Sampling()] * n
         for b, i in rows.items():
             request = self.running[b].request
-            seeds[i], counts[i] = request.seed, len(request.tokens)
-            temperature[i], top_p[i], top_k[i] = (
-                request.sampling.temperature,
-                request.sampling.top_p,
-                min(request.sampling.top_k, np.iinfo(np.int32).max),
-            )
-        rule = Sampling(temperature, top_p, top_k)
-        new = np.asarray(sample_seeded(logits, *jax.device_put((seeds, counts, rule))))
+            seeds[i], counts[i], rules[i] = request.seed, len(request.tokens), request.sampling
+        new = np.asarray(sample_seeded(logits, *jax.device_put((seeds, counts, Sampling.stack(rules)))))
         for b, i in rows.items():
             request, token = self.running[b].request, int(new[i])
             request.tokens.append(token)
@@ -624,7 +617,7 @@ class Scheduler:
         settled = stream.settled  # the text searched already, but for a stop string's length of it
         text = stream.extend(request.tokens[len(stream.ids) :])
         if stream.pending:  # a character still arriving is no U+FFFD to match (a stop string may hold one)
-            text = text[: len(stream.settled) + len(text[len(stream.settled) :].rstrip("\ufffd"))]
+            text = text.rstrip("\ufffd")  # the settled text never ends in one: only the pending tail's go
         start = max(len(settled) - max(map(len, request.stop)) + 1, 0) if text.startswith(settled) else 0
         return any(text.find(stop, start) >= 0 for stop in request.stop)
 
