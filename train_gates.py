@@ -21,6 +21,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
+# What shrinks a train step's memory, for `duo_jax.device_memory`'s errors.
+MEMORY_FIXES = (
+    "train on shorter samples (--max-len) or fewer per step (--batch-size), spread each sample over more devices "
+    "(--mesh seq=N, or fsdp=N for the weights), or keep the weights in bf16 (--dtype bf16)"
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import duo_jax
-    from duo_jax import gates, sharding, training
+    from duo_jax import device_memory, gates, sharding, training
     from duo_jax.data import load_haystack
     from duo_jax.errors import check_output_folder
     from duo_jax.tokenizer import require
@@ -167,19 +173,24 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, max_len=model.config.max_position_embeddings)
         log = lambda message: print(message, file=sys.stderr)
         training.check_max_len(model.config, cfg)  # before the memory report compiles a step at max_len
-        log(str(training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)))
-        pattern = training.train(
-            model.params,
-            model.config,
-            tokenizer,
-            cfg,
-            out,
-            mesh,
-            model_name=args.model,
-            dtype=args.dtype,
-            resume=args.resume,
-            log=log,
-        )
+        report = training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)
+        log(str(report))
+        step = f"a train step on {cfg.batch_size} x {cfg.max_len} tokens"
+        if report.total is not None:  # the weights are on the devices already
+            device_memory.check_fits(report.total - report.weights, mesh.devices.flat, step, MEMORY_FIXES)
+        with device_memory.explain_out_of_memory(f"running {step}", MEMORY_FIXES):
+            pattern = training.train(
+                model.params,
+                model.config,
+                tokenizer,
+                cfg,
+                out,
+                mesh,
+                model_name=args.model,
+                dtype=args.dtype,
+                resume=args.resume,
+                log=log,
+            )
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -425,6 +425,22 @@ def _empty_cache(method: Method, batch: int, dtype, mesh: Mesh | None):
     return jax.jit(lambda: method.init_cache(batch, dtype), out_shardings=sharding.named(specs, mesh))
 
 
+def devices_of(params: Params, mesh: Mesh | None) -> list:
+    """The devices a generation on `params` (over `mesh`) uses: the mesh's, or those holding the weights."""
+    if mesh is not None:
+        return list(mesh.devices.flat)
+    leaf = jax.tree.leaves(params)[0]
+    return list(leaf.devices()) if isinstance(leaf, jax.Array) else jax.devices()[:1]
+
+
+def cache_device_bytes(method: Method, batch: int, dtype, mesh: Mesh | None = None) -> int:
+    """Bytes of `method`'s empty cache of `batch` sequences that one device holds (its shard on `mesh`; arrays the
+    method keeps in host memory not counted), from shapes: nothing is allocated."""
+    abstract = jax.eval_shape(_empty_cache(method, batch, dtype, mesh))
+    in_host = lambda x: getattr(getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host", "unpinned_host")
+    return sharding.device_bytes([x for x in jax.tree.leaves(abstract) if not in_host(x)])
+
+
 @jax.jit
 def _keep_last(ends_here: jax.Array, logits: jax.Array, last: jax.Array | None) -> jax.Array:
     """The prefill's logits at each sequence's last prompt token: `logits` [B, V] where ends_here [B], else `last`

@@ -30,6 +30,11 @@ class BackendError(DuoJaxError):
     """An implementation asked for that this JAX or device cannot run."""
 
 
+class DeviceMemoryError(DuoJaxError, MemoryError):
+    """What a request, a server or a train step would hold does not fit the device's memory
+    (`duo_jax.device_memory`): the message names the sizes and the options that shrink them."""
+
+
 class InvalidOption(DuoJaxError, ValueError):
     """A bad value for a named option or request field (`param`: its name), e.g. a temperature of NaN."""
 

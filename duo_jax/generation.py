@@ -14,11 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from duo_jax import attention, methods, sharding
-from duo_jax.cache import CAPACITY_BLOCK, full_cache_bytes
+from duo_jax import attention, device_memory, methods, sharding
+from duo_jax.cache import CAPACITY_BLOCK, full_cache_bytes, round_capacity
 from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
-from duo_jax.engine import Engine, bucket, capacity_bucket, compiled_decode, compiled_extend
+from duo_jax.engine import (
+    Engine,
+    bucket,
+    cache_device_bytes,
+    capacity_bucket,
+    compiled_decode,
+    compiled_extend,
+    devices_of,
+)
 from duo_jax.errors import DuoJaxError, InvalidOption
 from duo_jax.loading import Model
 from duo_jax.methods import Method, cache_nbytes
@@ -165,6 +173,7 @@ class GenerationPlan:
     eos_ids: tuple[int, ...]  # stop tokens (empty: never stop early)
     impl: str  # the attention implementation (`duo_jax.attention.IMPLS`)
     mesh: Mesh | None
+    device_cache_bytes: int  # of the KV cache, on each device that holds part of it
 
 
 def plan_generation(
@@ -236,11 +245,8 @@ def plan_generation(
         method_options["kv_dtype"] = kv_dtype
     # Default capacity: a bucket (`capacity_bucket`) so that varied requests share compiled shapes; the bucket is
     # capped at the model's context, the capacity never below what the request needs.
-    capacity = context or max(needed, min(capacity_bucket(needed), config.max_position_embeddings))
-    if mesh is not None:  # every `model` device holds a whole number of the retrieval slots
-        multiple = math.lcm(CAPACITY_BLOCK, mesh.shape[sharding.MODEL])
-        capacity = -(-capacity // multiple) * multiple
-    kv_method = build_method(
+    capacity = _on_mesh(context or max(needed, min(capacity_bucket(needed), config.max_position_embeddings)), mesh)
+    build = lambda capacity: build_method(
         config,
         method,
         context=capacity,
@@ -251,6 +257,7 @@ def plan_generation(
         model=model,
         **method_options,
     )
+    kv_method = build(capacity)
     if context and kv_method.absolute_positions and context > config.max_position_embeddings:
         raise DuoJaxError(
             f"context={context} is past the model's {config.max_position_embeddings} positions, which no sequence "
@@ -278,6 +285,16 @@ def plan_generation(
     if mesh is not None:
         sharding.check_batch(mesh, len(ids))
         sharding.check_runs_on_a_mesh(kv_method)
+    devices, dtype = devices_of(model.params, mesh), jnp.dtype(model.params.dtype).name
+    need = cache_device_bytes(kv_method, len(ids), dtype, mesh)
+    exact = _on_mesh(round_capacity(needed), mesh)
+    if context is None and exact < capacity and not device_memory.fits(need, devices):
+        # the bucket's spare room does not fit the device: the request's own capacity may (one compile of its own)
+        capacity, kv_method = exact, build(exact)
+        need = cache_device_bytes(kv_method, len(ids), dtype, mesh)
+    device_memory.check_fits(
+        need, devices, f"the {kv_method.name} KV cache of {len(ids)} sequence(s) of {capacity} tokens", MEMORY_FIXES
+    )
     return GenerationPlan(
         ids=ids,
         method=kv_method,
@@ -289,7 +306,25 @@ def plan_generation(
         eos_ids=tuple(config.eos_token_ids) if stop_at_eos else (),
         impl=impl,
         mesh=mesh,
+        device_cache_bytes=need,
     )
+
+
+# What shrinks a generation's memory, for `duo_jax.device_memory`'s errors.
+MEMORY_FIXES = (
+    "generate fewer sequences at once, shorten the prompts or max_new_tokens (or pass a smaller context=), keep fewer "
+    "tokens per head (pattern= with a higher sparsity, or a method with a kv_budget), store them as "
+    "kv_dtype='int8' or 'int4', load the weights with weights='int8', or split the cache over devices (mesh=); "
+    "`python -m duo_jax.plan --model NAME --hbm-gib G` finds the longest context that fits"
+)
+
+
+def _on_mesh(capacity: int, mesh: Mesh | None) -> int:
+    """`capacity` rounded up so that every `model` device of `mesh` holds a whole number of retrieval slots."""
+    if mesh is None:
+        return capacity
+    multiple = math.lcm(CAPACITY_BLOCK, mesh.shape[sharding.MODEL])
+    return -(-capacity // multiple) * multiple
 
 
 def _prefill_chunk(method: Method, chunk_size: int, longest: int) -> int:
@@ -331,7 +366,21 @@ def _deprecated_impl(impl: str, options: dict) -> str:
 
 def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed=0) -> Generation:
     """Run `plan` (from `plan_generation`) on `engine` (the engine of `model`'s weights, on the plan's mesh):
-    compile the shapes it needs, prefill, then decode every new token in one device loop."""
+    compile the shapes it needs, prefill, then decode every new token in one device loop. Running out of device
+    memory raises `DeviceMemoryError` naming the plan's cache and what shrinks it."""
+    with _out_of_memory_explained(plan):
+        return _run(model, engine, plan, seed)
+
+
+def _out_of_memory_explained(plan: GenerationPlan):
+    what = (
+        f"generating {len(plan.ids)} sequence(s) with a {plan.method.name} KV cache of {plan.capacity} tokens "
+        f"({device_memory.gib(plan.device_cache_bytes)} per device)"
+    )
+    return device_memory.explain_out_of_memory(what, MEMORY_FIXES)
+
+
+def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation:
     config, kv_method, impl, mesh = model.config, plan.method, plan.impl, plan.mesh
     ids, chunk, tail = plan.ids, plan.chunk, plan.tail_steps
     B, longest = len(ids), max(len(p) for p in ids)
@@ -512,7 +561,8 @@ def generate(
     )
     start = time.perf_counter()
     if engine is None:
-        engine = Engine.of(model, plan.mesh)  # weights prepared (and placed on the mesh) on their first use only
+        with _out_of_memory_explained(plan):  # a copy of the weights, on a GPU or a mesh
+            engine = Engine.of(model, plan.mesh)  # weights prepared (and placed on the mesh) on their first use only
     elif not engine.serves(model.params, model.config, plan.mesh):
         raise DuoJaxError(
             "engine= was built from other weights, another config or another mesh than this call's; build it "

@@ -176,3 +176,21 @@ def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, mess
     assert train_gates.main(["--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "weights" not in err, err
+
+
+def test_a_step_larger_than_the_free_device_memory_exits_2_before_training(
+    tmp_path, tiny_checkpoint, capsys, monkeypatch
+):
+    import train_gates
+    from duo_jax import device_memory
+    from tests.test_device_memory import FakeDevice
+
+    model, haystack = tiny_checkpoint
+    args = ["--model", model, "--dtype", "fp32", "--steps", 2, "--sink", 8, "--recent", 16, "--min-len", 1]
+    args += ["--max-len", 256, "--num-lengths", 1, "--num-passkeys", 2, "--passkey-words", 4, "--haystack", haystack]
+    # a device with 1 KiB free: less than any train step needs
+    monkeypatch.setattr(device_memory, "free_bytes", lambda devices: (1024, FakeDevice(2**30), 2**30))
+    assert train_gates.main([*map(str, args), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "a train step on 1 x 256 tokens needs" in err and "--max-len" in err and "--mesh seq=N" in err, err
+    assert not (tmp_path / "out" / "checkpoints").exists()

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax.engine import Engine, compiled_extend, compiled_extend_row
+from duo_jax import device_memory, sharding
+from duo_jax.engine import Engine, compiled_extend, compiled_extend_row, devices_of
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.paged import PagedDuo
 from duo_jax.model import check_token_ids
@@ -151,6 +152,12 @@ def pages_for_memory(method: PagedDuo, memory_bytes: int, dtype) -> int:
 
 _ids = itertools.count()
 
+# What shrinks the server's memory, for `duo_jax.device_memory`'s errors (the options of `python -m duo_jax.serve`).
+MEMORY_FIXES = (
+    "give the page pool less memory (--kv-memory-mb), serve fewer --slots, keep fewer tokens per head (a higher "
+    "--sparsity of a --pattern), or load smaller weights (--dtype bfloat16)"
+)
+
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -230,7 +237,11 @@ class Scheduler:
         self.engine, self.method, self.slots, self.chunk, self.impl = engine, method, slots, chunk, impl
         self.mixed = mixed
         self.pool = PagePool(method.num_pages)
-        self.cache = method.empty_cache(slots, engine.dtype)
+        what = f"the server's KV cache ({method.num_pages} pages of {method.page_size} tokens, {slots} slots)"
+        need = sharding.device_bytes(method.cache_spec(slots, engine.dtype))
+        device_memory.check_fits(need, devices_of(engine.params, None), what, MEMORY_FIXES)
+        with device_memory.explain_out_of_memory(f"allocating {what}", MEMORY_FIXES):
+            self.cache = method.empty_cache(slots, engine.dtype)
         self.tables = np.full((slots, method.pages_per_sequence), method.num_pages, np.int32)
         self.lengths = np.zeros(slots, np.int32)
         self.running: list[_Slot | None] = [None] * slots
