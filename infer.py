@@ -37,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-budget",
         type=int,
         default=None,
-        help="tokens kept (infinigen: fetched) per KV head on average; required by h2o, tova, "
-        "snapkv, pyramidkv, headkv, duo_headkv, infinigen; duo picks its sparsity from it",
+        help="tokens kept (infinigen: fetched) per KV head on average; required by the methods below that evict "
+        "or select tokens; duo picks its sparsity from it",
     )
     parser.add_argument(
         "--scores",

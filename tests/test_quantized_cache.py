@@ -1,6 +1,5 @@
-"""Quantized KV caches (int8 / int4, `duo_jax.quant`) for full, duo, streaming_llm, h2o, tova, snapkv, duo_headkv
-and infinigen: exact bytes, attention that dequantizes tile by tile, and decoding close to the full-precision
-cache."""
+"""Quantized KV caches (int8 / int4, `duo_jax.quant`) for every registered method: exact bytes, attention that
+dequantizes tile by tile, and decoding close to the full-precision cache."""
 
 import dataclasses
 import functools
@@ -36,34 +35,35 @@ def infinigen_skew():
     return skew(params, CONFIG, np.random.default_rng(7).integers(0, CONFIG.vocab_size, 24), partial_ratio=0.25)
 
 
+# The options each registered method is built with here (`methods`); one not listed is built with a kv_budget of 16
+# when it takes one, else with none, so a new method needs a line only where it needs more.
+OPTIONS = {
+    "duo": dict(pattern=Pattern(GATES), sparsity=0.5, sink=3, recent=7),
+    "streaming_llm": dict(start=2, recent=9),
+    "h2o": dict(kv_budget=24),
+    "tova": dict(kv_budget=24),
+    "snapkv": dict(kv_budget=16, window=4),
+    "pyramidkv": dict(kv_budget=16, window=4),
+    "headkv": dict(kv_budget=16, window=4, scores=SCORES),
+    "duo_headkv": dict(
+        pattern=Pattern(GATES), sparsity=0.5, sink=3, recent=7, scores=SCORES, kv_budget=14, beta=2.0, window=4
+    ),
+}
+
+
 def methods(kv_dtype, context=200):
-    return {
-        "full": make_method("full", CONFIG, context=context, kv_dtype=kv_dtype),
-        "duo": make_method(
-            "duo", CONFIG, context=context, pattern=Pattern(GATES), sparsity=0.5, sink=3, recent=7, kv_dtype=kv_dtype
-        ),
-        "streaming_llm": make_method("streaming_llm", CONFIG, context=context, start=2, recent=9, kv_dtype=kv_dtype),
-        "h2o": make_method("h2o", CONFIG, context=context, kv_budget=24, kv_dtype=kv_dtype),
-        "tova": make_method("tova", CONFIG, context=context, kv_budget=24, kv_dtype=kv_dtype),
-        "snapkv": make_method("snapkv", CONFIG, context=context, kv_budget=16, window=4, kv_dtype=kv_dtype),
-        "duo_headkv": make_method(
-            "duo_headkv",
-            CONFIG,
-            context=context,
-            pattern=Pattern(GATES),
-            sparsity=0.5,
-            sink=3,
-            recent=7,
-            scores=SCORES,
-            kv_budget=14,
-            beta=2.0,
-            window=4,
-            kv_dtype=kv_dtype,
-        ),
-        "infinigen": InfiniGen.from_skew(
-            *infinigen_skew(), context=context, kv_budget=12, offload="device", kv_dtype=kv_dtype
-        ),
-    }
+    """Every registered method, with a quantized cache of `kv_dtype` (None: the model's dtype). InfiniGen is built
+    from a skew calibrated once (`infinigen_skew`) rather than on the model, as `make_method` would."""
+    built = {}
+    for name in registry.names():
+        if name == "infinigen":
+            built[name] = InfiniGen.from_skew(
+                *infinigen_skew(), context=context, kv_budget=12, offload="device", kv_dtype=kv_dtype
+            )
+            continue
+        options = OPTIONS.get(name, dict(kv_budget=16) if "kv_budget" in entry(name).options else {})
+        built[name] = make_method(name, CONFIG, context=context, kv_dtype=kv_dtype, **options)
+    return built
 
 
 @pytest.mark.slow
@@ -73,8 +73,10 @@ def test_cache_bytes_include_the_scales_exactly(kv_dtype):
     for name, method in methods(kv_dtype).items():
         cache = method.init_cache(2, jnp.bfloat16)
         leaves = jax.tree.leaves(cache)
-        positions = {jnp.dtype(jnp.int32), jnp.dtype(jnp.float32)} if name in ("h2o", "tova") else set()
-        assert {x.dtype for x in leaves} == {jnp.dtype(jnp.int8), jnp.dtype(jnp.bfloat16)} | positions
+        # codes and scales; besides, int32 positions and float32 scores (h2o, tova), nothing in another dtype
+        codes_and_scales = {jnp.dtype(jnp.int8), jnp.dtype(jnp.bfloat16)}
+        dtypes = {x.dtype for x in leaves}
+        assert codes_and_scales <= dtypes <= codes_and_scales | {jnp.dtype(jnp.int32), jnp.dtype(jnp.float32)}, name
         assert cache_nbytes(cache) == method.expected_cache_bytes(2, 2), name
         spec = method.cache_spec(2, jnp.bfloat16)  # abstract: what a step compiles for
         assert sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(spec)) == cache_nbytes(cache)
@@ -170,18 +172,20 @@ def model():
 BOUNDS = {"int8": 0.02, "int4": 0.3}
 
 
+# Methods whose quantized decode another case covers (the rest of the registry runs in int8, a new method with it).
+COVERED = {
+    "full": "duo's retrieval heads are its cache",
+    "tova": "h2o's cache and eviction",
+    "pyramidkv": "snapkv's cache, per-layer budgets",
+    "headkv": "snapkv's cache, per-head budgets (duo_headkv's retrieval heads)",
+    "infinigen": "test_quantized_infinigen_decodes_close_to_the_fp32_cache",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, kv_dtype",
-    [
-        ("duo", "int8"),
-        ("duo", "int4"),
-        ("streaming_llm", "int8"),
-        ("h2o", "int8"),
-        ("snapkv", "int8"),
-        ("duo_headkv", "int8"),
-        ("duo_headkv", "int4"),
-    ],
+    [(name, "int8") for name in registry.names() if name not in COVERED] + [("duo", "int4"), ("duo_headkv", "int4")],
 )
 def test_quantized_cache_decodes_close_to_the_fp32_cache(model, name, kv_dtype):
     prompt = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 37).tolist()
@@ -197,8 +201,9 @@ def test_quantized_cache_decodes_close_to_the_fp32_cache(model, name, kv_dtype):
         isinstance(x, QuantizedKV) or x.dtype == jnp.int32 or x.shape[-1] != CONFIG.head_dim  # scores,
         for x in leaves
     )  # infinigen's partial keys (W < E channels)
-    if name in ("snapkv", "duo_headkv"):  # the compressed decode cache (prefix 33 > 12 kept + a window of 4)
-        decode = methods(kv_dtype, 64)[name].decode_method(len(prompt))
+    method = methods(kv_dtype, 64)[name]
+    if method.decode_method(len(prompt)) != method:  # compressed after prefill (snapkv, duo_headkv): that cache
+        decode = method.decode_method(len(prompt))
         unquantized = methods(None, 64)[name].decode_method(len(prompt)).expected_cache_bytes(1, 4)
         assert cache_nbytes(cache) == decode.expected_cache_bytes(1, 4) < unquantized / (3 if kv_dtype == "int8" else 5)
     err = np.abs(q_logits - logits).max() / np.abs(logits).max()

@@ -1,12 +1,16 @@
 """The method registry: names resolve to each method's own builder; a new method is one registration."""
 
+import re
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 
 import duo_jax
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods import METHODS, entry, make_method, registry
+from duo_jax.methods import METHODS, Method, entry, make_method, registry
 from duo_jax.methods.streaming_llm import StreamingLLM
 from tests.conftest import tiny_config
 
@@ -14,24 +18,21 @@ CONFIG = tiny_config()
 
 
 def test_every_method_is_registered_by_its_module():
-    assert METHODS == (
-        "full",
-        "duo",
-        "streaming_llm",
-        "h2o",
-        "tova",
-        "snapkv",
-        "pyramidkv",
-        "headkv",
-        "duo_headkv",
-        "infinigen",
-    )
+    """A module of duo_jax/methods that registers a method is imported by the package (the registration runs on
+    import: a module left out registers nothing, silently); the methods shipped so far stay registered, first."""
+    folder = Path(duo_jax.methods.__file__).parent
+    registering = sorted(p.stem for p in folder.glob("*.py") if re.search(r"^@register\(", p.read_text(), re.M))
+    missing = [stem for stem in registering if f"duo_jax.methods.{stem}" not in sys.modules]
+    assert not missing, f"import {missing} in duo_jax/methods/__init__.py: their methods are not registered"
+    shipped = ("full", "duo", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "headkv", "duo_headkv")
+    assert METHODS[: len(shipped) + 1] == (*shipped, "infinigen")
     assert entry("duo").takes_pattern and entry("duo_headkv").takes_pattern and not entry("h2o").takes_pattern
     assert entry("streaming_llm").windows == {"sink": "start", "recent": "recent"}
     assert entry("infinigen").needs_model and not entry("snapkv").needs_model
     # What a method takes is read from its builder's keyword-only parameters.
     assert entry("h2o").options == ("kv_budget", "recent") and entry("full").options == ()
-    assert all(entry(name).quantized_kv for name in METHODS)
+    # Every method quantizes its cache (docs/adding-a-method.md: the builder takes kv_dtype).
+    assert [name for name in METHODS if not entry(name).quantized_kv] == []
     # The evaluations prefill the eviction methods' prompts in one chunk (their entry says so, not a list elsewhere).
     assert [name for name in METHODS if entry(name).one_chunk_prefill] == ["h2o", "tova"]
     with pytest.raises(DuoJaxError, match="calibrates on the model"):
@@ -91,6 +92,35 @@ def test_a_new_method_is_one_registration():
             duo_jax.generate(model, prompt, method="sinks_only", recent=3, max_new_tokens=4)
     finally:
         del registry._ENTRIES["sinks_only"]
+
+
+def test_a_builder_that_returns_no_usable_method_is_named(monkeypatch):
+    """What a newcomer's builder gets wrong is an error naming the fix at make_method, not a TypeError inside
+    jax.jit (an unhashable method) nor a method reported as "method" (no name)."""
+    import dataclasses
+
+    @dataclasses.dataclass  # not frozen
+    class Unfrozen(Method):
+        size: int = 1
+        name = "unfrozen"
+        init_cache = attend = expected_cache_bytes = lambda self, *args: None
+
+    @dataclasses.dataclass(frozen=True)
+    class Nameless(StreamingLLM):
+        name = "method"  # the base class's
+
+    for name, result, message in [
+        ("unfrozen", Unfrozen(), r"Unfrozen is not hashable: declare it @dataclasses.dataclass\(frozen=True\)"),
+        ("nameless", Nameless(2, 2, 16), r"Nameless sets no name: give the class one \(name = 'nameless'\)"),
+        ("not_a_method", object(), "the builder of method 'not_a_method' returned a object, not a Method"),
+    ]:
+        monkeypatch.setitem(
+            registry._ENTRIES,
+            name,
+            dataclasses.replace(entry("full"), name=name, build=lambda c, *, context, kv_dtype=None, r=result: r),
+        )
+        with pytest.raises(DuoJaxError, match=message):
+            make_method(name, CONFIG, context=32)
 
 
 def test_the_method_lists_come_from_the_registry():

@@ -17,7 +17,8 @@ import duo_jax
 from duo_jax.config import ModelConfig
 from duo_jax.errors import ConfigError, DuoJaxError
 from duo_jax.generation import generate
-from duo_jax.methods import make_method
+from duo_jax.methods import METHODS as METHOD_NAMES
+from duo_jax.methods import entry, make_method
 from duo_jax.methods.infinigen import InfiniGen
 from duo_jax.pattern import Pattern
 from tests.conftest import run_method
@@ -114,7 +115,11 @@ def test_generate_matches_transformers_greedy(models, prompt):
 
 # --- every method on a windowed model ---------------------------------------------------------------------
 
-METHODS = ("h2o", "tova", "snapkv", "pyramidkv", "headkv", "duo_headkv", "infinigen")
+# Every registered method that chooses which tokens to keep: each with a kv_budget but duo and streaming_llm, whose
+# windows are sinks + recent tokens (tested above). A new method joins these tests by registering.
+METHODS = tuple(n for n in METHOD_NAMES if "kv_budget" in entry(n).options and n not in ("duo", "streaming_llm"))
+# ... and those among them whose budget is every head's: not per layer (pyramidkv) or per head (headkv, duo_headkv)
+EVEN_BUDGETS = tuple(n for n in METHODS if n not in ("pyramidkv", "headkv", "duo_headkv"))
 
 
 def build(name, model, budget, *, window=4, alpha=1e9):
@@ -175,7 +180,7 @@ def test_budget_covering_the_sequence_is_full_attention(full_runs, family, name)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, budget",
-    [("h2o", WINDOW - 1), ("tova", WINDOW - 1), ("snapkv", WINDOW - 1), ("infinigen", WINDOW - 1), ("h2o", 3)],
+    [(name, WINDOW - 1) for name in EVEN_BUDGETS] + [("h2o", 3)],
 )
 def test_a_budget_of_the_window_is_exact(full_runs, name, budget):
     """On the model whose every layer is windowed, a query sees at most WINDOW - 1 earlier tokens, so a budget

@@ -4,9 +4,10 @@
 `make_method(name, config, context=..., **options)` builds one; `METHODS` lists the names, `describe()` each
 one's summary (what the CLIs' help prints); docs/methods.md says what each keeps, its options and its paper.
 
-Adding a method is one module: its spec (a frozen dataclass subclassing `Method`, whose docstring lists the
-hooks to write), its cache, and a builder decorated with `registry.register(name, summary=...)`,
-imported below (docs/adding-a-method.md).
+A method's code is one module: its spec (a frozen dataclass subclassing `Method`, whose docstring lists the
+hooks to write), its cache, and a builder decorated with `registry.register(name, summary=...)`, imported below;
+besides, it has its test file, a section in docs/methods.md and a row in the README's table (the checklist:
+docs/adding-a-method.md).
 """
 
 from __future__ import annotations

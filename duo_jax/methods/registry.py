@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
+from duo_jax.methods.base import Method
 from duo_jax.quant import check_kv_dtype
 from duo_jax.sampling import check_number
 
@@ -131,8 +132,27 @@ def make_method(name: str, config: ModelConfig, *, context: int, model=None, **o
     if e.needs_model:
         if model is None:
             raise DuoJaxError(f"method {name!r} calibrates on the model: pass model= (generate does)")
-        return e.build(config, context=context, model=model, **options)
-    return e.build(config, context=context, **options)
+        options["model"] = model
+    return _checked(name, e.build(config, context=context, **options))
+
+
+def _checked(name: str, method):
+    """What method `name`'s builder returned, if it is what the engine needs: a named, hashable `Method` (a
+    builder that is not says so to whoever writes it, not later as a bare TypeError inside jax.jit)."""
+    if not isinstance(method, Method):
+        raise DuoJaxError(f"the builder of method {name!r} returned a {type(method).__name__}, not a Method")
+    if method.name == Method.name:
+        raise DuoJaxError(
+            f"{type(method).__name__} sets no name: give the class one (name = {name!r}), which stats report"
+        )
+    try:
+        hash(method)
+    except TypeError:
+        raise DuoJaxError(
+            f"{type(method).__name__} is not hashable: declare it @dataclasses.dataclass(frozen=True) (a method is a "
+            "static argument of the compiled steps)"
+        ) from None
+    return method
 
 
 def kv_budget_only(config: ModelConfig, kv_budget: int, **inputs) -> dict:
