@@ -227,32 +227,6 @@ def line_plot(
     return _save(figure, path)
 
 
-def bar_plot(
-    path: str | os.PathLike,
-    groups: Sequence[str],
-    series: Mapping[str, Sequence[float]],
-    *,
-    ylabel: str,
-    title: str,
-    logy: bool = False,
-) -> Path:
-    """Grouped bars: one group per entry of `groups`, one bar per series in each."""
-    figure = _figure(max(6.4, 1.2 * len(groups) * max(1, len(series)) / 2), 4.0)
-    axes = figure.add_subplot()
-    width = 0.8 / max(1, len(series))
-    for i, (name, ys) in enumerate(series.items()):
-        positions = np.arange(len(groups)) + (i - (len(series) - 1) / 2) * width
-        axes.bar(positions, [np.nan if y is None else y for y in ys], width, label=name)
-    axes.set_xticks(range(len(groups)), list(groups))
-    if logy:
-        axes.set_yscale("log")
-    axes.set_ylabel(ylabel)
-    axes.set_title(title)
-    axes.grid(True, axis="y", alpha=0.3)
-    axes.legend()
-    return _save(figure, path)
-
-
 def budget_panels(
     path: str | os.PathLike,
     budgets: Sequence[float],

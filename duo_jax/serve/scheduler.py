@@ -59,10 +59,6 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free) + len(self._cached_free)
 
-    @property
-    def num_registered(self) -> int:
-        return len(self._by_digest)
-
     def take(self, n: int) -> list[int]:
         if n > self.num_free:
             raise DuoJaxError(f"asked for {n} pages, {self.num_free} free")

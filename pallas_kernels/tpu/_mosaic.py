@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
 
@@ -24,7 +23,6 @@ except ImportError:  # pragma: no cover - older JAX.
     _InterpretParams = None
 
 LANES = 128  # TPU vector lanes: the last dim of a block is a multiple of this or whole.
-SUBLANES = 8  # The second-to-last dim: a multiple of this or whole.
 
 
 def interpret_mode(interpret: Any) -> Any:
@@ -72,8 +70,3 @@ def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 def heads_major(x: jax.Array) -> jax.Array:
     """[B, L, H, D] -> [B, H, L, D] (a copy: docs/kernels.md)."""
     return jnp.swapaxes(x, 1, 2)
-
-
-def full_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
-    """The whole array as one block, whatever the grid."""
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
