@@ -149,9 +149,10 @@ class ModelConfig:
                 "mlp_bias and attention_bias (Llama's, Mistral's and Qwen3's put a bias on o_proj too) are not "
                 "supported; Qwen2's q/k/v biases are"
             )
-        window_layers = None
         if model_type in ("qwen2", "qwen3"):
-            hf, window_layers = _qwen_windows(hf)
+            sliding_window, window_layers = _qwen_windows(hf)
+        else:  # transformers' Llama ignores a config's sliding_window; Mistral applies it to every layer
+            sliding_window, window_layers = (None if model_type == "llama" else hf.get("sliding_window")), None
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU)")
         try:
@@ -183,8 +184,7 @@ class ModelConfig:
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for these families
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                # transformers' Llama ignores a config's sliding_window (Mistral, and Qwen by _qwen_windows, apply it)
-                sliding_window=None if model_type == "llama" else hf.get("sliding_window"),
+                sliding_window=sliding_window,
                 window_layers=window_layers,
                 qkv_bias=model_type == "qwen2",
                 qk_norm=model_type == "qwen3",
@@ -200,15 +200,16 @@ class ModelConfig:
             raise ConfigError(f"config.json has a value of the wrong type ({e})") from None
 
 
-def _qwen_windows(hf: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...] | None]:
+def _qwen_windows(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
     """Qwen2 / Qwen3's windows as transformers 5 reads them (`Qwen2Config.__post_init__`): the window is
     `sliding_window` when `use_sliding_window` (default false), else there is none; it applies to the layers
     `layer_types` marks "sliding_attention", or without `layer_types` (older configs) to the layers
-    >= `max_window_layers` (default 28). Returns (hf with the effective `sliding_window`, the windowed layers)."""
+    >= `max_window_layers` (default 28). Returns (the effective sliding window, the windowed layers)."""
     layers = hf.get("num_hidden_layers")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    window, used = hf.get("sliding_window"), hf.get("use_sliding_window", False)
+    window = window if used else None
     if not isinstance(layers, int):
-        return dict(hf, sliding_window=window), None  # from_hf reports the missing or mistyped layer count
+        return window, None  # from_hf reports the missing or mistyped layer count
     kinds = hf.get("layer_types")
     if kinds is None:
         first = hf.get("max_window_layers", 28)
@@ -231,7 +232,7 @@ def _qwen_windows(hf: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...] |
             "(use_sliding_window is false or sliding_window is null); transformers cannot run it "
             "either: set use_sliding_window and sliding_window, or mark every layer full_attention"
         )
-    return dict(hf, sliding_window=window if windowed else None), windowed or None
+    return (window if windowed else None), windowed or None
 
 
 def _read_rope(hf: dict[str, Any]) -> dict[str, Any]:

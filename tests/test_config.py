@@ -189,3 +189,65 @@ def test_missing_key_is_named():
 def test_unknown_name_lists_known_names():
     with pytest.raises(ConfigError, match="llama3-8b"):
         get_config("llama-9000")
+
+
+class _ReadsRecorded(dict):
+    """A config.json dict that records the keys read from it (`get`, `[]`, `in`)."""
+
+    def __init__(self, fields):
+        super().__init__(fields)
+        self.read = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+# Keys of a family's transformers config that do not change what the model computes at inference, so `from_hf`
+# need not read them: bookkeeping, the form of the outputs, training-only settings (dropout, initialisation),
+# the padding id, and pretraining_tp (transformers' sliced projections, the same sums).
+NOT_MATH = {
+    "_name_or_path",
+    "architectures",
+    "attention_dropout",
+    "chunk_size_feed_forward",
+    "dtype",
+    "id2label",
+    "initializer_range",
+    "is_encoder_decoder",
+    "label2id",
+    "output_attentions",
+    "output_hidden_states",
+    "pad_token_id",
+    "pretraining_tp",
+    "problem_type",
+    "return_dict",
+    "transformers_version",
+    "use_cache",
+}
+
+
+@pytest.mark.parametrize("model_type", duo_jax.config._SUPPORTED_ARCHITECTURES)
+def test_every_key_of_a_family_config_is_read_or_known_not_to_change_the_math(model_type):
+    """A key of the family's transformers config that `from_hf` neither reads nor lists in NOT_MATH could change the
+    logits without an error: a family added by its model_type alone (Granite, whose embedding, residual, attention
+    and logit multipliers went unread) loaded with logits 8x off. Each key is read (then used or refused) in one of
+    the forms transformers' configs come in (Qwen's layer_types, or max_window_layers without it)."""
+    fields = transformers.AutoConfig.for_model(model_type).to_dict()
+    read = set()
+    for form in (fields, {k: v for k, v in fields.items() if k != "layer_types"}):
+        recorded = _ReadsRecorded(form)
+        ModelConfig.from_hf(recorded)
+        read |= recorded.read
+    unread = sorted(set(fields) - read - NOT_MATH)
+    assert not unread, (
+        f"{model_type}: from_hf reads none of {unread}: read (and use or refuse) each, or list it in NOT_MATH"
+    )

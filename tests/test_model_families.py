@@ -1,6 +1,7 @@
 """Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Llama 3.2 (tied embeddings + llama3 RoPE) against
 Hugging Face transformers on random tiny checkpoints: logits through `forward` and greedy tokens through
-`generate` (chunked prefill + decode), full and DuoAttention."""
+`generate` (chunked prefill + decode), full and DuoAttention; DuoAttention with streaming heads against the float64
+reference decoder."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +106,24 @@ def test_generate_matches_transformers_greedy(family):
         stop_at_eos=False,
     )
     assert duo.tokens[0] == expected
+
+
+def test_duo_with_streaming_heads_matches_the_float64_reference(family):
+    """DuoAttention whose streaming heads do stream (a ring of 2 + 5 under a 29-token sequence), with each family's
+    switches (Qwen2's q/k/v biases, Qwen3's q/k norms, Llama 3.2's RoPE scaling and tied head), chunked prefill and
+    decode, against the float64 decoder under duo's masks (`tests.reference_decoder`, which shares no attention
+    code with the engine). Layer 0 keeps its second head, layer 1 its first: heads are reordered in one of them."""
+    from tests.test_engine import reference_logits, run_engine
+
+    _, _, model = family
+    mask = np.array([[False, True], [True, False]])
+    prompt = np.random.default_rng(4).integers(0, TINY["vocab_size"], 23).tolist()
+    sequence, logits = run_engine(model.params, model.config, prompt, mask, sink=2, recent=5, chunk=7, decode_steps=6)
+    starts = [(i // 7) * 7 if i < len(prompt) else i for i in range(len(sequence))]
+    ref = reference_logits(model.params, model.config, sequence, mask, 2, 5, starts)
+    np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4 * max(1.0, np.abs(ref).max()))
+    full = reference_logits(model.params, model.config, sequence, np.ones_like(mask), 2, 5, starts)
+    assert np.abs(full - ref).max() > 1e-2  # the streaming heads' masks matter
 
 
 def test_a_tied_model_with_a_different_stored_lm_head_is_refused(tmp_path):
