@@ -18,6 +18,7 @@ import math
 import os
 import re
 import struct
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -577,6 +578,30 @@ _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.
 # GGUF `general.architecture` values duo-jax reads; each names the prefix of its metadata keys and the
 # Hugging Face model_type it maps to.
 _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Metadata of an architecture (`<arch>.<key>`, llama.cpp's names) that `_gguf_config` reads or checks, or that leaves
+# the math unchanged. Any other key may change it (a logit or residual scale, a clamp, a new RoPE setting): such a
+# file loads with a warning naming the keys.
+_GGUF_KNOWN_KEYS = {
+    "vocab_size",
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "expert_count",
+    "expert_used_count",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "rope.dimension_count",
+    "rope.freq_base",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scaling.original_context_length",  # read by kinds of scaling from_hf refuses (yarn)
+    "rope.scaling.finetuned",
+}
 
 
 def _gguf_to_hf_name(name: str) -> str:
@@ -608,6 +633,7 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
         )
     hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
     window = fields.get(f"{arch}.attention.sliding_window")
+    _check_gguf_keys(fields, arch, fields.get(f"{arch}.attention.key_length", hidden // heads))
     hf = dict(
         # Mistral v0.1 converted as llama carries its window (every layer); from_hf reads a window for mistral only
         model_type="mistral" if arch == "llama" and window else arch,
@@ -636,6 +662,35 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
     if scaling not in (None, "none"):  # linear is read; any other kind is refused by from_hf
         hf["rope_scaling"] = {"type": scaling, "factor": fields.get(f"{arch}.rope.scaling.factor")}
     return ModelConfig.from_hf(hf, name=name)
+
+
+def _check_gguf_keys(fields: dict, arch: str, head_dim: int) -> None:
+    """ConfigError for llama.cpp metadata of a model duo-jax's decoder does not compute (experts, partial RoPE,
+    values of another size than keys); a warning naming any `<arch>.` key it does not know."""
+    meta = {key[len(arch) + 1 :]: value for key, value in fields.items() if key.startswith(f"{arch}.")}
+    hf_hint = "; load the model's Hugging Face folder if its architecture is supported"
+    if meta.get("expert_count", 0):
+        raise ConfigError(
+            f"this GGUF is a mixture of experts ({meta['expert_count']} experts), which duo-jax does not run"
+        )
+    if meta.get("rope.dimension_count", head_dim) != head_dim:
+        raise ConfigError(
+            f"this GGUF rotates {meta['rope.dimension_count']} of each head's {head_dim} channels (partial RoPE), "
+            f"which duo-jax does not run{hf_hint}"
+        )
+    if meta.get("attention.value_length", head_dim) != head_dim:
+        raise ConfigError(
+            f"this GGUF's values have {meta['attention.value_length']} channels and its keys {head_dim}; duo-jax "
+            f"runs heads of one size{hf_hint}"
+        )
+    unknown = sorted(set(meta) - _GGUF_KNOWN_KEYS)
+    if unknown:
+        warnings.warn(
+            f"this GGUF sets {', '.join(f'{arch}.{k}' for k in unknown)}, which duo-jax does not read: if they change "
+            f"the model's math, its logits differ from llama.cpp's{hf_hint}",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def load_gguf(

@@ -242,3 +242,46 @@ def test_layouts_hold_the_same_weights_and_compute_the_same(hf_dir):
         duo_jax.load(hf_dir, layout="scanned")
     with pytest.raises(LoadError, match="layout='stacked'"):
         duo_jax.load(hf_dir, shardings=lambda shapes: None)
+
+
+# A llama GGUF's architecture metadata (llama.cpp's keys), as the shipped SmolLM2 file has them, at a tiny shape.
+GGUF_FIELDS = {
+    "general.architecture": "llama",
+    "llama.vocab_size": 128,
+    "llama.context_length": 256,
+    "llama.embedding_length": 64,
+    "llama.block_count": 2,
+    "llama.feed_forward_length": 112,
+    "llama.attention.head_count": 4,
+    "llama.attention.head_count_kv": 2,
+    "llama.rope.freq_base": 10000.0,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "llama.rope.dimension_count": 16,
+}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"llama.expert_count": 8, "llama.expert_used_count": 2}, "mixture of experts"),  # Mixtral converts as llama
+        ({"llama.rope.dimension_count": 8}, "rotates 8 of each head's 16 channels"),
+        ({"llama.attention.value_length": 32}, "values have 32 channels and its keys 16"),
+    ],
+)
+def test_gguf_metadata_the_decoder_does_not_compute_is_refused(change, message):
+    """llama.cpp metadata that changes the math: a mixture of experts, partial RoPE, values wider than keys (before,
+    a missing tensor or a shape error at best, silently wrong logits at worst)."""
+    from duo_jax.loading import _gguf_config
+
+    with pytest.raises(ConfigError, match=message):
+        _gguf_config({**GGUF_FIELDS, **change}, set(), "x")
+
+
+def test_gguf_metadata_duo_jax_does_not_know_is_named_in_a_warning(recwarn):
+    from duo_jax.loading import _gguf_config
+
+    _gguf_config(GGUF_FIELDS, set(), "x")  # what the shipped file holds: no warning
+    assert not [w for w in recwarn if "GGUF" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"sets llama.attention.clamp_kqv, llama.logit_scale, which duo-jax does"):
+        config = _gguf_config({**GGUF_FIELDS, "llama.logit_scale": 0.5, "llama.attention.clamp_kqv": 8.0}, set(), "x")
+    assert config.head_dim == 16
