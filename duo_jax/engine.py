@@ -26,9 +26,11 @@ from duo_jax import sharding
 from duo_jax.cache import CAPACITY_BLOCK
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
+from duo_jax.locks import lru_cache_once
 from duo_jax.methods.base import Method, Step
 from duo_jax.model import (
     Params,
+    building,
     decoder_layer,
     embed,
     fuse_qkv,
@@ -39,7 +41,6 @@ from duo_jax.model import (
     unembed,
     unstack_layers,
     weight_format,
-    weights_memo,
 )
 from duo_jax.sampling import Sampling, argmax_tokens, row_keys, row_seeds, sample_rows
 
@@ -283,6 +284,15 @@ def _renamed_weights(weight_format: str | None, renamed: dict) -> str | None:
     return renamed["weights"]
 
 
+def _lowered_alone(jitted, args: tuple, **static):
+    """`jitted.lower(*args, **static)` through a function object of its own (the static arguments bound; the cache
+    donated, as `jitted` donates it). JAX's trace and lowering caches key weakly on the function, so they let go of
+    this executable once the engine's cache drops it; lowered through the module's `jitted`, which never dies,
+    they kept every executable the engine ever compiled."""
+    alone = jax.jit(functools.partial(jitted.__wrapped__, **static), donate_argnames=("cache",))
+    return alone.lower(*args)
+
+
 def compiled_extend(
     config: ModelConfig,
     method: Method,
@@ -303,19 +313,16 @@ def compiled_extend(
     return _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format, fused_qkv)
 
 
-@functools.lru_cache(maxsize=64)
+@lru_cache_once(64)
 def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh, weight_format, fused_qkv):
     _make_room_for_an_executable()
     cache, lengths, tokens, n_valid, state = _abstract_inputs(
         method, batch, dtype, mesh, (batch,), (batch, chunk), (batch,)
     )
-    return extend.lower(
-        _abstract_params(config, dtype, mesh, weight_format, fused_qkv),
-        cache,
-        lengths,
-        tokens,
-        n_valid,
-        state,
+    params = _abstract_params(config, dtype, mesh, weight_format, fused_qkv)
+    return _lowered_alone(
+        extend,
+        (params, cache, lengths, tokens, n_valid, state),
         config=config,
         method=method,
         all_logits=all_logits,
@@ -344,22 +351,14 @@ def compiled_extend_row(
     return _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format, fused_qkv)
 
 
-@functools.lru_cache(maxsize=16)
+@lru_cache_once(16)
 def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_format, fused_qkv):
     _make_room_for_an_executable()
     cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, None, (batch,), (1, chunk), (1,))
     row = jax.ShapeDtypeStruct((), jnp.int32)
-    return extend_row.lower(
-        _abstract_params(config, dtype, None, weight_format, fused_qkv),
-        cache,
-        row,
-        lengths,
-        tokens,
-        n_valid,
-        state,
-        config=config,
-        method=method,
-        impl=impl,
+    params = _abstract_params(config, dtype, None, weight_format, fused_qkv)
+    return _lowered_alone(
+        extend_row, (params, cache, row, lengths, tokens, n_valid, state), config=config, method=method, impl=impl
     ).compile()
 
 
@@ -385,7 +384,7 @@ def compiled_decode(
     )
 
 
-@functools.lru_cache(maxsize=32)
+@lru_cache_once(32)
 def _compiled_decode(config, method, batch, dtype, impl, greedy, max_tokens, eos_ids, mesh, weight_format, fused_qkv):
     _make_room_for_an_executable()
     cache, lengths, token, state = _abstract_inputs(method, batch, dtype, mesh, (batch,), (batch,))
@@ -394,15 +393,10 @@ def _compiled_decode(config, method, batch, dtype, impl, greedy, max_tokens, eos
     limit = jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
         limit = sharding.abstract(limit, P(), mesh)
-    return decode.lower(
-        _abstract_params(config, dtype, mesh, weight_format, fused_qkv),
-        cache,
-        lengths,
-        token,
-        seeds,
-        limit,
-        rule,
-        state,
+    params = _abstract_params(config, dtype, mesh, weight_format, fused_qkv)
+    return _lowered_alone(
+        decode,
+        (params, cache, lengths, token, seeds, limit, rule, state),
         config=config,
         method=method,
         greedy=greedy,
@@ -413,7 +407,7 @@ def _compiled_decode(config, method, batch, dtype, impl, greedy, max_tokens, eos
     ).compile()
 
 
-@functools.lru_cache(maxsize=64)
+@lru_cache_once(64)
 def _empty_cache(method: Method, batch: int, dtype, mesh: Mesh | None):
     """`method.init_cache` as one program, compiled once per (method, batch): the zeros are written on the device
     (one program, not an op per array, and no value transferred from the host), on a mesh in place."""
@@ -570,12 +564,12 @@ class Engine:
         fused q/k/v as on a GPU, or placed on a mesh) is built on the weights' first use, then kept while they live
         (`duo_jax.model.weights_memo`). A caller that wants to own the engine builds `Engine(model.params,
         model.config, mesh)` and passes it (`generate(engine=)`)."""
-        memo = weights_memo(model.params)
-        engine = memo.get(("engine", mesh))
-        if engine is None or not engine.prepared_from(model.params, model.config):
-            engine = cls(model.params, model.config, mesh)
-            if engine.copied:
-                memo[("engine", mesh)] = engine
+        with building(model.params, ("engine", mesh)) as memo:  # one copy, however many threads ask first
+            engine = memo.get(("engine", mesh))
+            if engine is None or not engine.prepared_from(model.params, model.config):
+                engine = cls(model.params, model.config, mesh)
+                if engine.copied:
+                    memo[("engine", mesh)] = engine
         return engine
 
     def put_batch(self, x) -> jax.Array:

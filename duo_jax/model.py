@@ -14,11 +14,13 @@ Dimension letters used in einsum strings and shape comments:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -28,6 +30,7 @@ import numpy as np
 from duo_jax import attention, quant
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
+from duo_jax.locks import KeyedLocks
 
 
 @jax.tree_util.register_dataclass
@@ -133,6 +136,8 @@ def scan_layers(make_body: Callable, carry, config: ModelConfig, layers: LayerPa
 # The one cache of what is derived from a set of weights: id of their first query weight -> a dict.
 # Bounded by what is alive: an entry lives exactly as long as those weights (a finaliser drops it).
 _MEMOS: dict[int, dict] = {}
+_MEMOS_LOCK = threading.Lock()
+_MEMO_BUILDS = KeyedLocks()
 
 
 def weights_memo(params: Params) -> dict:
@@ -143,11 +148,21 @@ def weights_memo(params: Params) -> dict:
     (`duo_jax.engine.Engine`) and passes it (`generate(engine=)`)."""
     layers = params.layers[0] if isinstance(params.layers, tuple) else params.layers
     anchor = jax.tree.leaves(layers.wq if layers.wqkv is None else layers.wqkv)[0]
-    memo = _MEMOS.get(id(anchor))
-    if memo is None:
-        memo = _MEMOS[id(anchor)] = {}
-        weakref.finalize(anchor, _MEMOS.pop, id(anchor), None)
+    with _MEMOS_LOCK:  # one dict per set of weights, however many threads ask first
+        memo = _MEMOS.get(id(anchor))
+        if memo is None:
+            memo = _MEMOS[id(anchor)] = {}
+            weakref.finalize(anchor, _MEMOS.pop, id(anchor), None)
     return memo
+
+
+@contextlib.contextmanager
+def building(params: Params, key) -> Iterator[dict]:
+    """`weights_memo(params)`, held for `key` while the caller looks its entry up and builds it on a miss: one
+    thread builds it, the others asking at the same time wait and find it; other keys go on."""
+    memo = weights_memo(params)
+    with _MEMO_BUILDS.held((id(memo), key)):
+        yield memo
 
 
 def param_shapes(config: ModelConfig) -> Params:

@@ -438,6 +438,80 @@ def test_one_shape_is_one_executable_however_it_is_asked_for():
     assert compiled_extend(CONFIG, method, 1, 8, "float32", weight_format=None, impl="auto") is first
 
 
+def test_an_executable_the_engine_drops_is_freed():
+    """The engine's caches bound what it keeps; JAX's own trace and lowering caches kept every executable lowered
+    through the module's jitted functions alive besides (a long run over varied shapes grew to the kernel's mapping
+    limit). Each is now lowered through a function of its own, which those caches let go with it."""
+    import gc
+
+    from duo_jax import engine
+    from duo_jax.methods import make_method
+
+    client = jax.devices()[0].client
+    live = lambda: (gc.collect(), len(client.live_executables()))[1]  # noqa: E731
+    method = make_method("full", CONFIG, context=48)  # a shape no other test compiles
+    step = engine.compiled_decode(CONFIG, method, 3, "float32", "xla", True, 16, ())
+    compiled = live()
+    engine._compiled_decode.cache_clear()
+    del step
+    assert live() < compiled
+
+
+def test_threads_asking_for_one_shape_at_once_compile_it_once(monkeypatch):
+    """Concurrent first calls (a web app's threads) each compiled the same executable; now one compiles and the
+    others wait for it."""
+    import threading
+
+    from duo_jax import engine
+    from duo_jax.methods import make_method
+
+    method = make_method("full", CONFIG, context=40)  # a shape no other test compiles
+    start, results = threading.Barrier(4), []
+    before = engine._compiled_extend.cache_info().misses
+
+    def ask():
+        start.wait()
+        results.append(engine.compiled_extend(CONFIG, method, 2, 8, "float32", "xla"))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert engine._compiled_extend.cache_info().misses - before == 1
+    assert all(r is results[0] for r in results)
+
+
+def test_threads_asking_for_a_models_engine_at_once_get_one_copy(monkeypatch):
+    """Concurrent first generate calls on a model whose engine holds a copy of its weights (stacked weights, or any
+    model on a GPU) made a copy each; now one builds it and the others get that one."""
+    import threading
+    import time
+
+    from duo_jax.engine import Engine
+
+    model = duo_jax.Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(8)), None, "random")  # stacked: copied
+    build = Engine.__init__
+
+    def slow_build(self, *args, **kwargs):  # a copy of real weights takes a while: widen the race's window
+        time.sleep(0.2)
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "__init__", slow_build)
+    start, engines = threading.Barrier(4), []
+
+    def ask():
+        start.wait()
+        engines.append(Engine.of(model))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(engines) == 4 and all(e is engines[0] for e in engines)
+
+
 def test_the_step_refuses_stacked_weights():
     """`extend` unrolls per-layer weights; stacked ones are a clear error naming the conversion, not a failure
     deep inside tracing."""

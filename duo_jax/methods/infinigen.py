@@ -31,13 +31,13 @@ from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import (
     Params,
     apply_rotary,
+    building,
     decoder_layer,
     embed,
     layer_at,
     project_qkv,
     rope_inv_freq,
     rotary,
-    weights_memo,
 )
 from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
 
@@ -450,10 +450,10 @@ def make_infinigen(
 
 def _skew_of(model, partial_ratio: float, channel_rule: str):
     """`skew_on_text` of `model`, once per set of weights and rules (`duo_jax.model.weights_memo`)."""
-    memo = weights_memo(model.params)
     key = ("infinigen skew", id(model.tokenizer), float(partial_ratio), channel_rule)
-    if key not in memo:
-        memo[key] = skew_on_text(
-            model.params, model.config, model.tokenizer, partial_ratio=partial_ratio, channel_rule=channel_rule
-        )
-    return memo[key]
+    with building(model.params, key) as memo:  # calibrated once, however many threads ask first
+        if key not in memo:
+            memo[key] = skew_on_text(
+                model.params, model.config, model.tokenizer, partial_ratio=partial_ratio, channel_rule=channel_rule
+            )
+        return memo[key]
