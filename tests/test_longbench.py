@@ -257,7 +257,7 @@ def test_end_to_end_resumes(model, tmp_path, monkeypatch):
     path.write_text(lines[0] + "\n" + lines[1][:20])
     calls = []
     real = samples.generate_sample
-    monkeypatch.setattr(longbench, "generate_sample", lambda *a: calls.append(a[1].name) or real(*a))
+    monkeypatch.setattr(samples, "generate_sample", lambda *a: calls.append(a[1].name) or real(*a))
     again = longbench.run_longbench(model, ["full", "duo"], **kwargs)
     assert calls == ["duo@0.5"]
     assert again["runs"]["duo@0.5"]["tasks"]["hotpotqa"]["samples"] == 2

@@ -203,7 +203,7 @@ def test_end_to_end(tokenizer, tmp_path, monkeypatch):
     assert (tmp_path / "ruler_budget.png").stat().st_size > 1000
     assert "Note: skipped" in (tmp_path / "ruler.md").read_text()
     calls = []
-    monkeypatch.setattr(ruler, "generate_sample", lambda *a: calls.append(a) or {})
+    monkeypatch.setattr(samples, "generate_sample", lambda *a: calls.append(a) or {})
     ruler.run_ruler(model, ["full", "duo"], **kwargs)  # everything is stored: nothing is generated again
     assert calls == []
 
@@ -305,7 +305,7 @@ def test_cli_rejects_bad_options(capsys):
 def test_a_task_that_cannot_fit_a_length_fails_before_any_generation(tokenizer, tmp_path, monkeypatch):
     """It failed after the other tasks' samples were generated, without naming the task."""
     model = Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
-    monkeypatch.setattr(ruler, "generate_sample", lambda *a: pytest.fail("generated before every prompt was made"))
+    monkeypatch.setattr(samples, "generate_sample", lambda *a: pytest.fail("generated before every prompt was made"))
     with pytest.raises(DataError, match="cwe at 320 tokens: the prompt does not fit"):
         ruler.run_ruler(
             model,

@@ -30,14 +30,16 @@ from duo_jax.eval.longbench_metrics import (
 from duo_jax.eval.samples import (
     PredictionStore,
     Run,
+    Sample,
     Settings,
     budget_panel,
-    generate_sample,
+    generate_missing,
     make_runs,
     mean_score,
     protocol_legend,
-    sample_fingerprint,
     seconds_per_1k_tokens,
+    settings_record,
+    write_results,
 )
 from duo_jax.loading import Model
 
@@ -264,58 +266,51 @@ def run_longbench(
     out_dir = Path(out_dir)
     start = time.perf_counter()
     prompts: dict[str, list[list[int]]] = {}
-    total = len(runs) * sum(len(v) for v in data.values())
-    with tqdm(total=total, desc="longbench", unit="sample", disable=not progress) as bar:
-        for task in tasks:
-            prompts[task] = [build_prompt(model, task, s, max_length, chat=chat) for s in data[task]]
-            context = model.config.max_position_embeddings
-            for sample, ids in zip(data[task], prompts[task]):
-                if len(ids) + MAX_NEW_TOKENS[task] > context:
-                    raise DuoJaxError(
-                        f"{task} sample {sample['_id']}: its prompt ({len(ids)} tokens after "
-                        f"truncation to --max-length {max_length}) + {MAX_NEW_TOKENS[task]} new tokens "
-                        f"exceed the model's context of {context}: lower --max-length"
-                    )
-            for run in runs:
-                store = PredictionStore(predictions_file(out_dir, run.name, task, longbench_e))
-                bar.set_postfix_str(f"{run.name} / {task}")
-                for sample, ids in zip(data[task], prompts[task]):
-                    fingerprint = sample_fingerprint(model, run, ids, MAX_NEW_TOKENS[task], settings)
-                    if not store.has(str(sample["_id"]), fingerprint):
-                        record = generate_sample(model, run, ids, MAX_NEW_TOKENS[task], settings)
-                        record.update(
-                            id=str(sample["_id"]),
-                            answers=sample["answers"],
-                            all_classes=sample["all_classes"],
-                            length=sample["length"],
-                            fingerprint=fingerprint,
-                        )
-                        record["score"] = sample_score(
-                            task, record["pred"], sample["answers"], sample["all_classes"], fuzzy
-                        )
-                        store.add(record)
-                    bar.update(1)
+    context = model.config.max_position_embeddings
+    # every prompt first (tokenized and cut to max_length): one that cannot fit fails before any generation
+    for task in tqdm(tasks, desc="longbench prompts", unit="task", disable=not progress):
+        prompts[task] = [build_prompt(model, task, s, max_length, chat=chat) for s in data[task]]
+        for sample, ids in zip(data[task], prompts[task]):
+            if len(ids) + MAX_NEW_TOKENS[task] > context:
+                raise DuoJaxError(
+                    f"{task} sample {sample['_id']}: its prompt ({len(ids)} tokens after "
+                    f"truncation to --max-length {max_length}) + {MAX_NEW_TOKENS[task]} new tokens "
+                    f"exceed the model's context of {context}: lower --max-length"
+                )
+    groups = {
+        task: [
+            Sample(
+                str(sample["_id"]),
+                ids,
+                MAX_NEW_TOKENS[task],
+                dict(answers=sample["answers"], all_classes=sample["all_classes"], length=sample["length"]),
+            )
+            for sample, ids in zip(data[task], prompts[task])
+        ]
+        for task in tasks
+    }
+    generate_missing(
+        model,
+        runs,
+        groups,
+        settings,
+        file=lambda run, task: predictions_file(out_dir, run.name, task, longbench_e),
+        score=lambda task, r: sample_score(task, r["pred"], r["answers"], r["all_classes"], fuzzy),
+        desc="longbench",
+        progress=progress,
+    )
     results = score_runs(out_dir, runs, data, longbench_e, fuzzy)
     results.update(
         task="longbench",
         longbench_e=longbench_e,
         fuzzy=fuzzy,
-        model=model.config.name,
-        source=model.source,
         data_dir=str(data_dir),
         tasks=tasks,
         max_length=max_length,
         chat=chat,
         limit=limit,
         chat_tasks=[t for t in tasks if uses_chat(t, chat)],
-        kv_budgets=list(kv_budgets or [None]),
-        sparsity=settings.sparsity,
-        sink=settings.sink,
-        recent=settings.recent,
-        chunk_size=settings.chunk_size,
-        kv_dtype=settings.kv_dtype,
-        streaming_chunk=settings.streaming_chunk,
-        dtype=str(model.params.dtype),
+        **settings_record(model, settings, kv_budgets),
         prompt_tokens={t: [len(p) for p in v] for t, v in prompts.items()},
         wall_s=time.perf_counter() - start,
         machine=report.machine_info(),
@@ -396,13 +391,5 @@ def budget_figure(results: dict, path: str | Path) -> Path:
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> list[Path]:
-    out_dir = Path(out_dir)
-    paths = [
-        budget_figure(results, out_dir / "longbench_budget.png"),
-        out_dir / "longbench.md",
-        out_dir / "longbench.json",
-    ]
-    results["files"] = [str(p) for p in paths]
-    paths[1].write_text(tables(results) + "\n", encoding="utf-8")
-    report.write_json(paths[2], results)
-    return paths
+    """longbench_budget.png, longbench.md and longbench.json into `out_dir`."""
+    return write_results(results, out_dir, "longbench", tables, budget_figure)

@@ -22,14 +22,16 @@ from duo_jax.eval import report
 from duo_jax.eval.modes import warn_if_calibrated_on
 from duo_jax.eval.samples import (
     PredictionStore,
+    Sample,
     Settings,
     budget_panel,
-    generate_sample,
+    generate_missing,
     make_runs,
     mean_score,
     protocol_legend,
-    sample_fingerprint,
     seconds_per_1k_tokens,
+    settings_record,
+    write_results,
 )
 from duo_jax.loading import Model
 
@@ -100,7 +102,6 @@ def run_ruler(
 ) -> dict:
     """Generate and score `samples` samples of every task at every length in every run, resuming from the
     predictions already in `out_dir` (`predictions_file`); the outputs: docs/ruler.md."""
-    from tqdm.auto import tqdm
 
     if model.tokenizer is None:
         raise DuoJaxError("RULER needs the model's tokenizer (none was found with the weights)")
@@ -132,32 +133,25 @@ def run_ruler(
                 ]
             except DuoJaxError as e:
                 raise type(e)(f"{task} at {length} tokens: {e}") from None
-    with tqdm(
-        total=len(runs) * len(tasks) * len(lengths) * samples, desc="ruler", unit="sample", disable=not progress
-    ) as bar:
-        for length in lengths:
-            for task in tasks:
-                for run in runs:
-                    store = PredictionStore(predictions_file(out_dir, run.name, task, length))
-                    bar.set_postfix_str(f"{run.name} / {task} @ {length}")
-                    for sample in prompts[task, length]:
-                        fingerprint = sample_fingerprint(model, run, sample.ids, sample.tokens_to_generate, settings)
-                        if not store.has(str(sample.index), fingerprint):
-                            record = generate_sample(model, run, sample.ids, sample.tokens_to_generate, settings)
-                            record.update(
-                                id=str(sample.index),
-                                outputs=sample.outputs,
-                                length=sample.length,
-                                fingerprint=fingerprint,
-                            )
-                            record["score"] = metric(task)(postprocess(record["pred"]), sample.outputs)
-                            store.add(record)
-                        bar.update(1)
+    groups = {
+        (task, length): [
+            Sample(str(s.index), s.ids, s.tokens_to_generate, dict(outputs=s.outputs, length=s.length)) for s in group
+        ]
+        for (task, length), group in prompts.items()
+    }
+    generate_missing(
+        model,
+        runs,
+        groups,
+        settings,
+        file=lambda run, key: predictions_file(out_dir, run.name, *key),
+        score=lambda key, record: metric(key[0])(postprocess(record["pred"]), record["outputs"]),
+        desc="ruler",
+        progress=progress,
+    )
     results = dict(
         runs={},
         task="ruler",
-        model=model.config.name,
-        source=model.source,
         tasks=tasks,
         notes=notes,
         lengths=lengths,
@@ -166,16 +160,7 @@ def run_ruler(
         chat=chat,
         haystack=haystack,
         calibration_overlap=overlap,
-        kv_budgets=list(kv_budgets or [None]),
-        sparsity=settings.sparsity,
-        pattern=None if settings.pattern is None else settings.pattern.digest(),
-        scores=None if settings.scores is None else settings.scores.digest(),
-        sink=settings.sink,
-        recent=settings.recent,
-        chunk_size=settings.chunk_size,
-        kv_dtype=settings.kv_dtype,
-        streaming_chunk=settings.streaming_chunk,
-        dtype=str(model.params.dtype),
+        **settings_record(model, settings, kv_budgets),
         prompts={
             f"{t}_{n}": [dict(length=s.length, outputs=s.outputs, haystack_size=s.meta["haystack_size"]) for s in v]
             for (t, n), v in prompts.items()
@@ -339,9 +324,5 @@ def budget_figure(results: dict, path: str | Path) -> Path:
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> list[Path]:
-    out_dir = Path(out_dir)
-    paths = [budget_figure(results, out_dir / "ruler_budget.png"), out_dir / "ruler.md", out_dir / "ruler.json"]
-    results["files"] = [str(p) for p in paths]
-    paths[1].write_text(tables(results) + "\n", encoding="utf-8")
-    report.write_json(paths[2], results)
-    return paths
+    """ruler_budget.png, ruler.md and ruler.json into `out_dir`."""
+    return write_results(results, out_dir, "ruler", tables, budget_figure)

@@ -4,8 +4,9 @@ A `Run` is one mode at one KV budget (``full``, or e.g. ``duo@0.25``; `make_runs
 budgets asked for). `generate_sample` generates one sample alone (batch 1, greedy), the run's mode built for that
 prompt's own length; `PredictionStore` records one JSON line per finished sample under
 ``<out>/predictions/<run>/`` and tells which samples a restarted evaluation still has to generate
-(`sample_fingerprint`: a line made from another prompt or other settings does not count). Design:
-docs/evaluation.md, "Runs and resuming".
+(`sample_fingerprint`: a line made from another prompt or other settings does not count). `generate_missing` is the
+loop over samples and runs an evaluation calls, `settings_record` and `write_results` what its results share.
+Design: docs/evaluation.md, "Runs and resuming"; a new evaluation: docs/adding-an-evaluation.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from duo_jax.cache import full_cache_bytes
 from duo_jax.errors import DuoJaxError
+from duo_jax.eval import report
 from duo_jax.eval.modes import budget_tokens, check_kv_budget, check_modes, mode_settings, one_chunk_prefill
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
@@ -175,6 +177,87 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
         # its capacity bucket's, so it can exceed this.)
         full_cache_bytes=full_cache_bytes(model.config, 1, length + max_new_tokens, model.params.dtype.itemsize),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One prompt of a per-sample evaluation: its id in the predictions file, its token ids, how many tokens to
+    generate, and what its record keeps beside the prediction (the answers, the length...)."""
+
+    id: str
+    ids: Sequence[int]
+    max_new_tokens: int
+    fields: dict = dataclasses.field(default_factory=dict)
+
+
+def generate_missing(
+    model: Model,
+    runs: Sequence[Run],
+    groups: dict[Any, Sequence[Sample]],
+    settings: Settings,
+    *,
+    file: Callable[[Run, Any], Path],
+    score: Callable[[Any, dict], float],
+    desc: str,
+    progress: bool = True,
+) -> None:
+    """The one per-sample loop of the evaluations: every sample of every group (a task, or a task at a length) in
+    every run, the run's predictions of a group in `file(run, key)`. A sample stored there with its fingerprint
+    (`sample_fingerprint`) is skipped; any other is generated (`generate_sample`), its record given the sample's id,
+    fields, fingerprint and `score(key, record)`, and written at once (`PredictionStore.add`), so that a killed
+    evaluation resumes where it stopped."""
+    from tqdm.auto import tqdm
+
+    total = len(runs) * sum(len(group) for group in groups.values())
+    with tqdm(total=total, desc=desc, unit="sample", disable=not progress) as bar:
+        for key, group in groups.items():
+            for run in runs:
+                store = PredictionStore(file(run, key))
+                bar.set_postfix_str(f"{run.name} / {key if isinstance(key, str) else ' @ '.join(map(str, key))}")
+                for sample in group:
+                    fingerprint = sample_fingerprint(model, run, sample.ids, sample.max_new_tokens, settings)
+                    if not store.has(sample.id, fingerprint):
+                        record = generate_sample(model, run, sample.ids, sample.max_new_tokens, settings)
+                        record.update(id=sample.id, **sample.fields, fingerprint=fingerprint)
+                        record["score"] = score(key, record)
+                        store.add(record)
+                    bar.update(1)
+
+
+def settings_record(model: Model, settings: Settings, kv_budgets: Sequence[float] | None) -> dict:
+    """What every run of an evaluation shared, for its results: the model and its dtype, the budgets, the windows,
+    and the head pattern and scores by digest."""
+    return dict(
+        model=model.config.name,
+        source=model.source,
+        dtype=str(model.params.dtype),
+        kv_budgets=list(kv_budgets or [None]),
+        sparsity=settings.sparsity,
+        pattern=None if settings.pattern is None else settings.pattern.digest(),
+        scores=None if settings.scores is None else settings.scores.digest(),
+        sink=settings.sink,
+        recent=settings.recent,
+        chunk_size=settings.chunk_size,
+        kv_dtype=settings.kv_dtype,
+        streaming_chunk=settings.streaming_chunk,
+    )
+
+
+def write_results(
+    results: dict,
+    out_dir: str | Path,
+    name: str,
+    tables: Callable[[dict], str],
+    budget_figure: Callable[[dict, Path], Path],
+) -> list[Path]:
+    """`<name>_budget.png` (`budget_figure`), `<name>.md` (`tables`) and `<name>.json` (the results, which list
+    the three files) into `out_dir`."""
+    out_dir = Path(out_dir)
+    paths = [budget_figure(results, out_dir / f"{name}_budget.png"), out_dir / f"{name}.md", out_dir / f"{name}.json"]
+    results["files"] = [str(p) for p in paths]
+    paths[1].write_text(tables(results) + "\n", encoding="utf-8")
+    report.write_json(paths[2], results)
+    return paths
 
 
 class PredictionStore:
