@@ -337,13 +337,13 @@ class InfiniGen(Method):
         index, weight = partial_channels(step.state.channel_mask[layer], self.widths[layer])  # [K, W]
         q = apply_rotary(q, step.rope)
         k = apply_rotary(k, step.rope)
-        skew_q = lambda x: jnp.einsum(
-            "btkge,kef->btkgf",
-            x.reshape(B, -1, K, G, E),  # noqa: E731
-            A.astype(x.dtype),
+        # A stays in float32 and the products accumulate there, each rounded once to the model's dtype (A rounded to
+        # bf16 first put a second rounding into every attention score)
+        skew_q = lambda x: jnp.einsum(  # noqa: E731
+            "btkge,kef->btkgf", x.reshape(B, -1, K, G, E), A, preferred_element_type=jnp.float32
         ).reshape(B, -1, H, E)
-        qs = skew_q(q)
-        ks = jnp.einsum("btke,kef->btkf", k, A.astype(k.dtype))
+        qs = skew_q(q).astype(q.dtype)
+        ks = jnp.einsum("btke,kef->btkf", k, A, preferred_element_type=jnp.float32).astype(k.dtype)
         kp = jnp.take_along_axis(ks, index[None, None], axis=-1)  # [B, T, K, W]: the speculation's, unquantized
         rotation = kv_rotation_for(self.kv_dtype, E)
         # The quantized full cache holds k A R and v R; exact attention reads q A R.
@@ -367,7 +367,7 @@ class InfiniGen(Method):
         # Decode: speculate with the partial query against the partial keys of the cached tokens. The query is
         # this layer's projection of the previous layer's attention input (`prepare`'s lookahead_q), so the
         # selection, and the fetch of its rows, depend only on what the previous layer had.
-        spec = qs if lookahead_q is None else skew_q(apply_rotary(lookahead_q, step.rope))
+        spec = qs if lookahead_q is None else skew_q(apply_rotary(lookahead_q, step.rope)).astype(qs.dtype)
         qp = jnp.take_along_axis(spec[:, 0].reshape(B, K, G, E), index[None, :, None], axis=-1)
         qp = qp * weight.astype(qp.dtype)[None, :, None]  # [B, K, G, W], padding channels zeroed
         approx = jnp.einsum(

@@ -224,11 +224,12 @@ def compressed_attention(
         ),
     )
     prompt_probs, new_probs = probs[..., :n_prompt].astype(values.dtype), probs[..., n_prompt:].astype(values.dtype)
+    f32 = dict(preferred_element_type=jnp.float32)  # the two parts summed in float32, rounded once
     if uniform:
-        out = jnp.einsum("bkgtn,bkne->btkge", prompt_probs, kept_v.reshape(B, K, head_slots[0], E))
+        out = jnp.einsum("bkgtn,bkne->btkge", prompt_probs, kept_v.reshape(B, K, head_slots[0], E), **f32)
     else:
-        out = jnp.einsum("bkgtn,bne->btkge", prompt_probs, kept_v)
-    out = out + jnp.einsum("bkgts,bske->btkge", new_probs, values)
+        out = jnp.einsum("bkgtn,bne->btkge", prompt_probs, kept_v, **f32)
+    out = (out + jnp.einsum("bkgts,bske->btkge", new_probs, values, **f32)).astype(values.dtype)
 
     batch = jnp.arange(B)[:, None]
     new_positions = cache.new_positions.at[batch, shared.write_slots].set(shared.new_key_positions, mode="drop")
