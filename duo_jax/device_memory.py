@@ -17,13 +17,18 @@ import re
 from collections.abc import Iterable, Iterator
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from duo_jax.errors import DeviceMemoryError
 
 # XLA's out-of-memory messages: "Out of memory while trying to allocate ..." (GPU's BFC allocator), "Out of memory
-# allocating ..." (CPU), "Ran out of memory in memory space hbm" (TPU). RESOURCE_EXHAUSTED alone is not enough:
-# XLA:GPU's autotuner also reports "Failed to get configs" under it.
-_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED.*\b(out of memory|ran out of memory)", re.IGNORECASE | re.DOTALL)
+# allocating ..." (CPU), "Ran out of memory in memory space hbm" (TPU's compiler), "Error allocating device buffer:
+# Attempting to allocate 4.39G. That was not possible." (TPU's runtime; "reserve" too). RESOURCE_EXHAUSTED alone is
+# not enough: XLA:GPU's autotuner also reports "Failed to get configs" under it.
+_OUT_OF_MEMORY = re.compile(
+    r"RESOURCE_EXHAUSTED.*(\bout of memory|attempting to (allocate|reserve) .* not possible)", re.IGNORECASE | re.DOTALL
+)
 
 
 def gib(n: int) -> str:
@@ -55,9 +60,16 @@ def fits(need: int, devices: Iterable[jax.Device]) -> bool:
 
 def check_fits(need: int, devices: Iterable[jax.Device], what: str, fixes: str) -> None:
     """DeviceMemoryError when `need` bytes per device (for `what`) exceed the free memory of one of `devices`; no
-    check where the backend reports no memory. `fixes`: the options that shrink the need, for the message."""
+    check where the backend reports no memory. `fixes`: the options that shrink the need, for the message. With
+    several processes every one must call it: they decide together (one refusing alone would leave the others
+    waiting for it in their first collective)."""
     free = free_bytes(devices)
-    if free is not None and need > free[0]:
+    short = free is not None and need > free[0]
+    if jax.process_count() > 1 and bool(multihost_utils.process_allgather(np.int32(short)).any()) and not short:
+        raise DeviceMemoryError(
+            f"{what} needs {gib(need)} per device, more than another process's devices have free: {fixes}"
+        )
+    if short:
         available, device, limit = free
         raise DeviceMemoryError(
             f"{what} needs {gib(need)} per device, and {device} has {gib(available)} free of {gib(limit)} (the "

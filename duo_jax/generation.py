@@ -288,10 +288,14 @@ def plan_generation(
     devices, dtype = devices_of(model.params, mesh), jnp.dtype(model.params.dtype).name
     need = cache_device_bytes(kv_method, len(ids), dtype, mesh)
     exact = _on_mesh(round_capacity(needed), mesh)
-    if context is None and exact < capacity and not device_memory.fits(need, devices):
-        # the bucket's spare room does not fit the device: the request's own capacity may (one compile of its own)
-        capacity, kv_method = exact, build(exact)
-        need = cache_device_bytes(kv_method, len(ids), dtype, mesh)
+    # The bucket's spare room does not fit the device: the request's own capacity may (one compile of its own). Not
+    # with a kv_budget, which a method may fit to the capacity (duo's sparsity): the tokens would depend on the
+    # memory free.
+    if context is None and exact < capacity and "kv_budget" not in method_options and not isinstance(method, Method):
+        if not device_memory.fits(need, devices):
+            smaller = build(exact)
+            if (smaller_need := cache_device_bytes(smaller, len(ids), dtype, mesh)) < need:
+                capacity, kv_method, need = exact, smaller, smaller_need
     device_memory.check_fits(
         need, devices, f"the {kv_method.name} KV cache of {len(ids)} sequence(s) of {capacity} tokens", MEMORY_FIXES
     )
@@ -561,8 +565,9 @@ def generate(
     )
     start = time.perf_counter()
     if engine is None:
-        with _out_of_memory_explained(plan):  # a copy of the weights, on a GPU or a mesh
-            engine = Engine.of(model, plan.mesh)  # weights prepared (and placed on the mesh) on their first use only
+        # the engine's copy of the weights (fused q/k/v on a GPU, stacked weights, a mesh), made on their first use
+        with device_memory.explain_out_of_memory("copying the weights for the engine", MEMORY_FIXES):
+            engine = Engine.of(model, plan.mesh)
     elif not engine.serves(model.params, model.config, plan.mesh):
         raise DuoJaxError(
             "engine= was built from other weights, another config or another mesh than this call's; build it "

@@ -1,5 +1,6 @@
 """Shared test helpers: tiny model configs and random Hugging Face checkpoints written to disk."""
 
+import dataclasses
 import gc
 import os
 
@@ -147,3 +148,16 @@ class BPETokenizer:
 def tokenizer():
     """Token lengths like a real model's, without loading one."""
     return BPETokenizer()
+
+
+@dataclasses.dataclass
+class FakeDevice:
+    """A device whose allocator reports `limit` bytes, `in_use` of them taken (as a GPU's or TPU's does): what
+    `duo_jax.device_memory` reads, on a CPU that reports none."""
+
+    limit: int
+    in_use: int = 0
+    process_index: int = 0
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit, "bytes_in_use": self.in_use}

@@ -239,7 +239,7 @@ NOT_MATH = {
 def test_every_key_of_a_family_config_is_read_or_known_not_to_change_the_math(model_type):
     """A key of the family's transformers config that `from_hf` neither reads nor lists in NOT_MATH could change the
     logits without an error: a family added by its model_type alone (Granite, whose embedding, residual, attention
-    and logit multipliers went unread) loaded with logits 8x off. Each key is read (then used or refused) in one of
+    and logit multipliers went unread) loaded with wrong logits. Each key is read (then used or refused) in one of
     the forms transformers' configs come in (Qwen's layer_types, or max_window_layers without it)."""
     fields = transformers.AutoConfig.for_model(model_type).to_dict()
     read = set()

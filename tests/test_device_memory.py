@@ -2,7 +2,6 @@
 server's scheduler (gate training's: tests/test_train_gates.py). The CPU reports no memory limit, so the checks run
 here against devices that report one (`FakeDevice`); the out-of-memory error is XLA:CPU's own."""
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -15,21 +14,9 @@ from duo_jax.engine import Engine, cache_device_bytes
 from duo_jax.errors import DeviceMemoryError, DuoJaxError
 from duo_jax.methods.paged import paged
 from duo_jax.serve import scheduler
-from tests.conftest import tiny_config
+from tests.conftest import FakeDevice, tiny_config
 
 CONFIG = tiny_config(max_position_embeddings=2048)
-
-
-@dataclasses.dataclass
-class FakeDevice:
-    """A device whose allocator reports `limit` bytes, `in_use` of them taken (as a GPU's or TPU's does)."""
-
-    limit: int
-    in_use: int = 0
-    process_index: int = 0
-
-    def memory_stats(self):
-        return {"bytes_limit": self.limit, "bytes_in_use": self.in_use}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +35,9 @@ def test_out_of_memory_is_told_from_other_exhausted_resources():
     assert device_memory.is_out_of_memory(oom("RESOURCE_EXHAUSTED: Out of memory allocating 68719476736 bytes."))
     assert device_memory.is_out_of_memory(
         oom("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm.")
+    )
+    assert device_memory.is_out_of_memory(  # TPU's runtime
+        oom("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 4.39G. That was not possible.")
     )
     # XLA:GPU's autotuner reports under the same status; it is not the device's memory
     assert not device_memory.is_out_of_memory(oom("RESOURCE_EXHAUSTED: Failed to get configs for: 5 out of 9"))
@@ -89,7 +79,9 @@ def _lower_limits() -> bool:
     return mode in (0, 2) and total_kib * 1024 < 32 * 2**30
 
 
-@pytest.mark.skipif(not _lower_limits(), reason="this host's kernel may grant a 64 GiB allocation")
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not _lower_limits(), reason="XLA:CPU's allocation, which this kernel may grant"
+)
 def test_generate_past_the_device_memory_says_what_and_how_to_shrink_it():
     config = tiny_config(max_position_embeddings=2**29)
     big = duo_jax.Model(config, duo_jax.init_params(config, jax.random.key(1), scale=0.2), None, "random")
@@ -127,6 +119,15 @@ def test_generate_falls_back_from_the_capacity_bucket_to_the_request_when_only_t
     assert (plan.capacity, plan.device_cache_bytes) == (640, at(640))
     out = duo_jax.generate(model, [prompt], max_new_tokens=8, stop_at_eos=False)
     assert out.tokens == duo_jax.generate(model, [prompt], max_new_tokens=8, stop_at_eos=False, context=640).tokens
+    # with a kv_budget, duo fits its sparsity to the capacity: no fallback (the tokens would depend on free memory)
+    budget = dict(pattern=duo_jax.Pattern(np.linspace(0.1, 0.9, 4).reshape(2, 2)), kv_budget=300, sink=4, recent=60)
+    full_need = cache_device_bytes(
+        generation.plan_generation(model, [prompt], max_new_tokens=8, **budget).method, 1, "float32"
+    )
+    monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(full_need - 1)])
+    with pytest.raises(DeviceMemoryError, match="of 768 tokens needs"):
+        generation.plan_generation(model, [prompt], max_new_tokens=8, **budget)
+    monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(at(640))])
     # an explicit context is what the user asked for: never shrunk, refused
     with pytest.raises(DeviceMemoryError, match="of 768 tokens needs"):
         generation.plan_generation(model, [prompt], max_new_tokens=8, context=768)
@@ -143,3 +144,18 @@ def test_the_scheduler_refuses_a_page_pool_larger_than_the_free_memory(model, mo
         scheduler.Scheduler(Engine.of(model), method, slots=2, chunk=16, impl="xla")
     monkeypatch.setattr(scheduler, "devices_of", lambda params, mesh: [FakeDevice(need)])
     assert scheduler.Scheduler(Engine.of(model), method, slots=2, chunk=16, impl="xla").cache is not None
+
+
+def test_processes_refuse_together(monkeypatch):
+    """With several processes (gate training on a pod), one whose devices lack the memory must not refuse alone:
+    the others would wait for it in their first collective. Each refuses when any process is short."""
+    from jax.experimental import multihost_utils
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array([x, 1]))  # the other one is short
+    with pytest.raises(DeviceMemoryError, match="more than another process's devices have free"):
+        device_memory.check_fits(10, [FakeDevice(100)], "a step", "shrink it")
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array([x, 0]))
+    device_memory.check_fits(10, [FakeDevice(100)], "a step", "shrink it")  # no one is short
+    with pytest.raises(DeviceMemoryError, match="has 0.00 GiB free"):
+        device_memory.check_fits(1000, [FakeDevice(100)], "a step", "shrink it")  # this one is

@@ -183,7 +183,7 @@ def test_a_step_larger_than_the_free_device_memory_exits_2_before_training(
 ):
     import train_gates
     from duo_jax import device_memory
-    from tests.test_device_memory import FakeDevice
+    from tests.conftest import FakeDevice
 
     model, haystack = tiny_checkpoint
     args = ["--model", model, "--dtype", "fp32", "--steps", 2, "--sink", 8, "--recent", 16, "--min-len", 1]

@@ -181,11 +181,11 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    """One prompt of a per-sample evaluation: its id in the predictions file, its token ids, how many tokens to
-    generate, and what its record keeps beside the prediction (the answers, the length...)."""
+    """One prompt of a per-sample evaluation: its id in the predictions file (`sample_id`), its token ids, how many
+    tokens to generate, and what its record keeps beside the prediction (the answers, the length...)."""
 
-    id: str
-    ids: Sequence[int]
+    sample_id: str
+    prompt_ids: Sequence[int]
     max_new_tokens: int
     fields: dict = dataclasses.field(default_factory=dict)
 
@@ -215,10 +215,10 @@ def generate_missing(
                 store = PredictionStore(file(run, key))
                 bar.set_postfix_str(f"{run.name} / {key if isinstance(key, str) else ' @ '.join(map(str, key))}")
                 for sample in group:
-                    fingerprint = sample_fingerprint(model, run, sample.ids, sample.max_new_tokens, settings)
-                    if not store.has(sample.id, fingerprint):
-                        record = generate_sample(model, run, sample.ids, sample.max_new_tokens, settings)
-                        record.update(id=sample.id, **sample.fields, fingerprint=fingerprint)
+                    fingerprint = sample_fingerprint(model, run, sample.prompt_ids, sample.max_new_tokens, settings)
+                    if not store.has(sample.sample_id, fingerprint):
+                        record = generate_sample(model, run, sample.prompt_ids, sample.max_new_tokens, settings)
+                        record.update(id=sample.sample_id, **sample.fields, fingerprint=fingerprint)
                         record["score"] = score(key, record)
                         store.add(record)
                     bar.update(1)

@@ -150,8 +150,8 @@ _ids = itertools.count()
 
 # What shrinks the server's memory, for `duo_jax.device_memory`'s errors (the options of `python -m duo_jax.serve`).
 MEMORY_FIXES = (
-    "give the page pool less memory (--kv-memory-mb), serve fewer --slots, keep fewer tokens per head (a higher "
-    "--sparsity of a --pattern), or load smaller weights (--dtype bfloat16)"
+    "give the page pool less memory (--kv-memory-mb), serve fewer --slots (each keeps its streaming heads' sink and "
+    "ring), or load smaller weights and cache (--dtype bfloat16)"
 )
 
 
@@ -234,7 +234,7 @@ class Scheduler:
         self.mixed = mixed
         self.pool = PagePool(method.num_pages)
         what = f"the server's KV cache ({method.num_pages} pages of {method.page_size} tokens, {slots} slots)"
-        need = sharding.device_bytes(method.cache_spec(slots, engine.dtype))
+        need = sharding.device_bytes(method.cache_spec(slots, engine.dtype))  # a pool: no init_cache, no host arrays
         device_memory.check_fits(need, devices_of(engine.params, None), what, MEMORY_FIXES)
         with device_memory.explain_out_of_memory(f"allocating {what}", MEMORY_FIXES):
             self.cache = method.empty_cache(slots, engine.dtype)
