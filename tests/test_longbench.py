@@ -318,15 +318,20 @@ def test_decode_last_protocol(model, tmp_path):
     assert "duo" not in legend
 
 
-def test_prompt_beyond_the_context_is_refused(model, tmp_path):
-    long = _sample(0, "Paul Graham writes about startups. " * 400, "Who writes?", ["Paul Graham"])
-    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(long) + "\n")
-    with pytest.raises(duo_jax.DuoJaxError, match="lower --max-length"):
+def test_prompt_beyond_the_context_is_refused_before_any_generation(model, tmp_path, monkeypatch):
+    """A later task's prompt that cannot fit failed after the earlier tasks were generated; now every prompt is
+    built and checked first."""
+    short = _sample(0, "Paul Graham writes about startups.", "Who writes?", ["Paul Graham"])
+    long = _sample(1, "Paul Graham writes about startups. " * 400, "Who writes?", ["Paul Graham"])
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(short) + "\n")
+    (tmp_path / "2wikimqa.jsonl").write_text(json.dumps(long) + "\n")
+    monkeypatch.setattr(samples, "generate_sample", lambda *a: pytest.fail("generated before every prompt was made"))
+    with pytest.raises(duo_jax.DuoJaxError, match="2wikimqa sample id1: .* lower --max-length"):
         longbench.run_longbench(
             model,
             ["full"],
             data_dir=tmp_path,
-            tasks=["hotpotqa"],
+            tasks=["hotpotqa", "2wikimqa"],
             kv_budgets=None,
             settings=samples.Settings(),
             max_length=1000,
