@@ -24,7 +24,7 @@ from duo_jax.errors import DeviceMemoryError
 
 # XLA's out-of-memory messages: "Out of memory while trying to allocate ..." (GPU's BFC allocator), "Out of memory
 # allocating ..." (CPU), "Ran out of memory in memory space hbm" (TPU's compiler), "Error allocating device buffer:
-# Attempting to allocate 4.39G. That was not possible." (TPU's runtime; "reserve" too). RESOURCE_EXHAUSTED alone is
+# Attempting to allocate <size>. That was not possible." (TPU's runtime; "reserve" too). RESOURCE_EXHAUSTED alone is
 # not enough: XLA:GPU's autotuner also reports "Failed to get configs" under it.
 _OUT_OF_MEMORY = re.compile(
     r"RESOURCE_EXHAUSTED.*(\bout of memory|attempting to (allocate|reserve) .* not possible)", re.IGNORECASE | re.DOTALL

@@ -430,7 +430,9 @@ def devices_of(params: Params, mesh: Mesh | None) -> list:
 def cache_device_bytes(method: Method, batch: int, dtype, mesh: Mesh | None = None) -> int:
     """Bytes of `method`'s empty cache of `batch` sequences that one device holds (its shard on `mesh`; arrays the
     method keeps in host memory not counted), from shapes: nothing is allocated."""
-    abstract = jax.eval_shape(_empty_cache(method, batch, dtype, mesh))
+    abstract = (
+        method.cache_spec(batch, dtype) if mesh is None else jax.eval_shape(_empty_cache(method, batch, dtype, mesh))
+    )
     in_host = lambda x: getattr(getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host", "unpinned_host")
     return sharding.device_bytes([x for x in jax.tree.leaves(abstract) if not in_host(x)])
 

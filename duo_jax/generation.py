@@ -291,7 +291,7 @@ def plan_generation(
     # The bucket's spare room does not fit the device: the request's own capacity may (one compile of its own). Not
     # with a kv_budget, which a method may fit to the capacity (duo's sparsity): the tokens would depend on the
     # memory free.
-    if context is None and exact < capacity and "kv_budget" not in method_options and not isinstance(method, Method):
+    if context is None and exact < capacity and "kv_budget" not in method_options:
         if not device_memory.fits(need, devices):
             smaller = build(exact)
             if (smaller_need := cache_device_bytes(smaller, len(ids), dtype, mesh)) < need:
@@ -372,16 +372,12 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed=0
     """Run `plan` (from `plan_generation`) on `engine` (the engine of `model`'s weights, on the plan's mesh):
     compile the shapes it needs, prefill, then decode every new token in one device loop. Running out of device
     memory raises `DeviceMemoryError` naming the plan's cache and what shrinks it."""
-    with _out_of_memory_explained(plan):
-        return _run(model, engine, plan, seed)
-
-
-def _out_of_memory_explained(plan: GenerationPlan):
     what = (
         f"generating {len(plan.ids)} sequence(s) with a {plan.method.name} KV cache of {plan.capacity} tokens "
         f"({device_memory.gib(plan.device_cache_bytes)} per device)"
     )
-    return device_memory.explain_out_of_memory(what, MEMORY_FIXES)
+    with device_memory.explain_out_of_memory(what, MEMORY_FIXES):
+        return _run(model, engine, plan, seed)
 
 
 def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation:

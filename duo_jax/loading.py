@@ -633,7 +633,8 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
         )
     hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
     window = fields.get(f"{arch}.attention.sliding_window")
-    _check_gguf_keys(fields, arch, fields.get(f"{arch}.attention.key_length", hidden // heads))
+    head_dim = fields.get(f"{arch}.attention.key_length", hidden // heads)
+    _check_gguf_keys(fields, arch, head_dim)
     hf = dict(
         # Mistral v0.1 converted as llama carries its window (every layer); from_hf reads a window for mistral only
         model_type="mistral" if arch == "llama" and window else arch,
@@ -643,7 +644,7 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
         num_hidden_layers=fields[f"{arch}.block_count"],
         num_attention_heads=heads,
         num_key_value_heads=fields.get(f"{arch}.attention.head_count_kv", heads),
-        head_dim=fields.get(f"{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rope_theta=fields.get(f"{arch}.rope.freq_base", 10000.0),
         rms_norm_eps=fields.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         max_position_embeddings=fields.get(f"{arch}.context_length", 4096),

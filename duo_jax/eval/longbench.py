@@ -295,7 +295,7 @@ def run_longbench(
         groups,
         settings,
         file=lambda run, task: predictions_file(out_dir, run.name, task, longbench_e),
-        score=lambda task, r: sample_score(task, r["pred"], r["answers"], r["all_classes"], fuzzy),
+        score=lambda task, record: record_score(task, record, fuzzy),
         desc="longbench",
         progress=progress,
     )
@@ -331,7 +331,7 @@ def score_runs(
             done = store.ordered(str(s["_id"]) for s in samples)
             # The tables rescore each prediction with the current metric code. A line's own "score" is what the
             # metric gave when it was generated, kept for reading the lines; nothing reads it back.
-            scores = [sample_score(task, r["pred"], r["answers"], r["all_classes"], fuzzy) for r in done]
+            scores = [record_score(task, r, fuzzy) for r in done]
             tasks[task] = dict(score=task_score(scores), samples=len(done), s_per_1k_tokens=seconds_per_1k_tokens(done))
             if longbench_e:
                 tasks[task]["by_length"] = length_bucket_scores(scores, [r["length"] for r in done])
@@ -347,6 +347,12 @@ def score_runs(
             predictions=records,
         )
     return dict(runs=results)
+
+
+def record_score(task: str, record: dict, fuzzy: str = "difflib") -> float:
+    """A stored prediction's score (`sample_score` of its "pred", "answers", "all_classes"): when it is made, and
+    when the tables rescore it."""
+    return sample_score(task, record["pred"], record["answers"], record["all_classes"], fuzzy)
 
 
 def category_scores(task_scores: dict[str, float]) -> dict[str, float]:

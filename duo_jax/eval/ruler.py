@@ -60,6 +60,12 @@ def metric(task: str):
     return string_match_part if data.check_task(task)[0] == "qa" else string_match_all
 
 
+def record_score(task: str, record: dict) -> float:
+    """A stored prediction's score (its "pred" against its "outputs"): when it is made, and when the tables
+    rescore it."""
+    return metric(task)(postprocess(record["pred"]), record["outputs"])
+
+
 def check_tasks(tasks: Sequence[str] | None, qa_data: str | Path | None) -> tuple[list[str], list[str]]:
     """(tasks to run, notes): the synthetic tasks by default, plus QA when `qa_data` is given; a QA task
     asked for without data is skipped with a note."""
@@ -145,7 +151,7 @@ def run_ruler(
         groups,
         settings,
         file=lambda run, key: predictions_file(out_dir, run.name, *key),
-        score=lambda key, record: metric(key[0])(postprocess(record["pred"]), record["outputs"]),
+        score=lambda key, record: record_score(key[0], record),
         desc="ruler",
         progress=progress,
     )
@@ -173,7 +179,7 @@ def run_ruler(
             done = store.ordered(str(s.index) for s in group)
             # The tables rescore each prediction with the current metric code. A line's own "score" is what the
             # metric gave when it was generated, kept for reading the lines; nothing reads it back.
-            values = [metric(task)(postprocess(r["pred"]), r["outputs"]) for r in done]
+            values = [record_score(task, r) for r in done]
             scores.setdefault(task, {})[length] = mean_score([100 * v for v in values])
             records[f"{task}_{length}"] = done
         average = {n: mean_score([scores[t][n] for t in tasks]) for n in lengths}

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from duo_jax import device_memory, sharding
-from duo_jax.engine import Engine, compiled_extend, compiled_extend_row, devices_of
+from duo_jax import device_memory
+from duo_jax.engine import Engine, cache_device_bytes, compiled_extend, compiled_extend_row, devices_of
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.paged import PagedDuo
 from duo_jax.model import check_token_ids
@@ -234,7 +234,7 @@ class Scheduler:
         self.mixed = mixed
         self.pool = PagePool(method.num_pages)
         what = f"the server's KV cache ({method.num_pages} pages of {method.page_size} tokens, {slots} slots)"
-        need = sharding.device_bytes(method.cache_spec(slots, engine.dtype))  # a pool: no init_cache, no host arrays
+        need = cache_device_bytes(method, slots, engine.dtype)
         device_memory.check_fits(need, devices_of(engine.params, None), what, MEMORY_FIXES)
         with device_memory.explain_out_of_memory(f"allocating {what}", MEMORY_FIXES):
             self.cache = method.empty_cache(slots, engine.dtype)
