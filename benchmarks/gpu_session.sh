@@ -44,6 +44,8 @@
 #                                                # decode through it without Triton, 128k prefill as one chunk, the
 #                                                # cuDNN calls per mask, the kernel sweep at 32k, decode without
 #                                                # Triton through cuDNN at 8k / 32k with a per-op profile
+#   bash benchmarks/gpu_session.sh evals OUT     # LongBench / RULER's per-sample loop on SmolLM2: compilation, and
+#                                                # the wall time compiling the next samples ahead in 0, 1, 4 threads
 #   bash benchmarks/gpu_session.sh sweep OUT     # Λ (tiles in runs / in one loop) and flash forward over tiles x warps
 #                                                # x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh layer_decode OUT  # one layer's decode attention: duo's Mosaic GPU (per tile /
@@ -62,8 +64,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|train8b|notriton|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|evals|train8b|notriton|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|evals|train8b|notriton|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -153,6 +155,12 @@ methods)
         --depths 0.05 0.15 0.25 0.35 0.45 0.55 0.65 0.75 0.85 0.95 --out "$runs/methods" 2>&1 \
         | tee -a "$out/methods.log" || true
     tar czf "$out/methods.tgz" -C "$runs" methods
+    ;;
+evals)
+    # the per-sample evaluations' compilation on a GPU host (SmolLM2 bf16, LongBench-like prompt lengths): samples
+    # that compile, and the wall time without compiling ahead and with 1 and 4 threads compiling the next samples
+    part "${EVALS_S:-540}" $PY benchmarks/eval_compiles.py --dtype bfloat16 --samples 12 --lengths 1000 7000 \
+        --compile-ahead 0 1 4 --out "$out/eval_compiles" 2>&1 | tee "$out/eval_compiles.log" || true
     ;;
 sweep)
     part "${SWEEP_S:-540}" $PY benchmarks/kernels.py --sweep --seq-lens 8192 32768 --reps 5 \

@@ -4,10 +4,11 @@ Per layer l with n_l retrieval heads out of K (`CacheLayout.kv_order[l]` lists t
 heads, each group in the model's order), `init_cache` builds
 
   retrieval_k[l], retrieval_v[l]: [B, C, n_l, E]            token at position p in slot p (C = capacity)
-  streaming_k[l], streaming_v[l]: [B, sink + recent, K - n_l, E]
+  streaming_k[l], streaming_v[l]: [B, S, K - n_l, E]                     S = sink + recent, or `ring_slots`
       slots [0, sink): the first `sink` tokens (attention sinks)
       slots [sink, sink + recent): a ring buffer, token at position p >= sink in slot sink + (p - sink) % recent
       (sink + recent <= C: `make_layout` narrows a wider window, which would hold every token anyway)
+      slots [sink + recent, S): never written (a ring of `ring_slots`, the window then runtime data)
 
 Keys are cached after RoPE at their absolute positions; C is a multiple of `CAPACITY_BLOCK`; how many tokens each
 sequence holds lives outside the cache, in `lengths` [B]. With `kv_dtype` "int8" / "int4" each array is a
@@ -29,9 +30,13 @@ from duo_jax.quant import check_kv_dtype, kv_bytes_per_vector, kv_zeros
 CAPACITY_BLOCK = 128
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class CacheLayout:
-    """The static shape of a split cache (hashable: a jit static argument)."""
+    """The static shape of a split cache (hashable: a jit static argument).
+
+    With `ring_slots` set, the streaming ring has that many slots and the window (sink, recent) is runtime data: the
+    method's state (`window_state`), read in the step (`window_of`), so layouts that differ only in their windows are
+    equal and share compiled steps. Without it the ring holds sink + recent slots and the window is compiled in."""
 
     num_retrieval: tuple[int, ...]  # retrieval KV heads per layer (first in `kv_order`)
     num_kv_heads: int
@@ -43,6 +48,18 @@ class CacheLayout:
     # model's order). None: the model's order (every head retrieval, or a pattern that needs no reordering).
     kv_order: tuple[tuple[int, ...], ...] | None = None
     kv_dtype: str | None = None  # None: the model's dtype; "int8" / "int4": quantized (`duo_jax.quant`)
+    ring_slots: int | None = None  # the streaming ring's slots when the window is data (>= sink + recent)
+
+    def _key(self) -> tuple:
+        window = (self.sink, self.recent) if self.ring_slots is None else None  # data: not part of the shape
+        fields = (self.num_retrieval, self.num_kv_heads, self.head_dim, self.capacity, self.kv_order, self.kv_dtype)
+        return (*fields, window, self.ring_slots)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is CacheLayout and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @property
     def num_layers(self) -> int:
@@ -55,7 +72,24 @@ class CacheLayout:
 
     @property
     def streaming_slots(self) -> int:
-        return self.sink + self.recent
+        """The ring's slots per streaming head (S)."""
+        return self.sink + self.recent if self.ring_slots is None else self.ring_slots
+
+    def window_state(self) -> Window | None:
+        """The window as the method's state (`Method.state`) where it is data (`ring_slots`), else None."""
+        return None if self.ring_slots is None else Window(np.int32(self.sink), np.int32(self.recent))
+
+    def window_of(self, state) -> tuple:
+        """(sink, recent) inside a step: the layout's own, compiled in, or with `ring_slots` the step's state (traced
+        scalars; `state` is `Step.state`, which the engine fills with `Method.state()`)."""
+        if self.ring_slots is None:
+            return self.sink, self.recent
+        if not isinstance(state, Window):
+            raise DuoJaxError(
+                "this DuoAttention cache has ring_slots: its window is runtime data, passed as the method's state; "
+                "call extend / decode with state=method.state() (the engine and generate do)"
+            )
+        return state.sink, state.recent
 
     @property
     def retrieval_mask(self) -> np.ndarray:
@@ -64,6 +98,15 @@ class CacheLayout:
         for l, n in enumerate(self.num_retrieval):
             mask[l, list(self.kv_order[l][:n]) if self.kv_order is not None else slice(0, n)] = True
         return mask
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Window:
+    """A streaming head's window as data (`CacheLayout.ring_slots`): int32 scalars."""
+
+    sink: jax.Array
+    recent: jax.Array
 
 
 def round_capacity(tokens: int) -> int:
@@ -79,8 +122,10 @@ def make_layout(
     recent: int,
     context: int,
     kv_dtype: str | None = None,
+    ring_slots: int | None = None,
 ) -> CacheLayout:
-    """Layout for a [layers, kv_heads] retrieval mask (None: every head is a retrieval head).
+    """Layout for a [layers, kv_heads] retrieval mask (None: every head is a retrieval head). `ring_slots`: the
+    streaming ring's slots, at least sink + recent, the window then runtime data (`CacheLayout`); None: sink + recent.
 
     A window wider than the capacity (sink + recent > C) is narrowed to C slots: no position reaches sink + recent,
     so a streaming head sees every earlier token under either window, and a ring of C slots holds them all in
@@ -100,6 +145,11 @@ def make_layout(
         kv_order = None if (order == np.arange(mask.shape[1])).all() else tuple(map(tuple, order.tolist()))
         if recent < 1 and not mask.all():
             raise DuoJaxError(f"streaming heads need recent >= 1 (a ring of the newest tokens), got recent={recent}")
+    if ring_slots is not None and not (isinstance(ring_slots, (int, np.integer)) and ring_slots >= sink + recent):
+        raise DuoJaxError(
+            f"ring_slots must be an integer >= sink + recent = {sink + recent} (the window it holds), "
+            f"got {ring_slots!r}"
+        )
     return CacheLayout(
         num_retrieval,
         config.num_kv_heads,
@@ -109,6 +159,7 @@ def make_layout(
         capacity,
         kv_order,
         check_kv_dtype(kv_dtype),
+        None if ring_slots is None else int(ring_slots),
     )
 
 
@@ -161,28 +212,29 @@ def full_cache_bytes(config: ModelConfig, batch: int, context: int, bytes_per_el
 # --- streaming slots ---------------------------------------------------------------------------------
 
 
-def streaming_slot_positions(lengths: jax.Array, sink: int, recent: int) -> jax.Array:
-    """Absolute position held by each streaming slot after `lengths` [B] tokens; -1 where empty. -> [B, sink+recent]."""
+def streaming_slot_positions(lengths: jax.Array, sink, recent, slots: int | None = None) -> jax.Array:
+    """Absolute position held by each streaming slot after `lengths` [B] tokens; -1 where empty. -> [B, S]:
+    S = `slots` (static; default sink + recent, which are then ints), sink and recent ints or traced scalars."""
+    slots = sink + recent if slots is None else slots
     n = lengths[:, None]
-    sink_pos = jnp.broadcast_to(jnp.arange(sink), (lengths.shape[0], sink))
-    sink_pos = jnp.where(sink_pos < n, sink_pos, -1)
-    j = jnp.arange(recent)
-    # Ring slot j holds the newest position p < n with p >= sink and (p - sink) % recent == j.
-    newest = n - 1 - sink - j  # >= 0 iff slot j has been written
-    ring_pos = sink + j + recent * jnp.floor_divide(jnp.maximum(newest, 0), max(recent, 1))
-    ring_pos = jnp.where(newest >= 0, ring_pos, -1)
-    return jnp.concatenate([sink_pos, ring_pos], axis=1).astype(jnp.int32)
+    s = jnp.arange(slots)[None, :]
+    j = s - sink  # the ring's slot j holds the newest position p < n with p >= sink and (p - sink) % recent == j
+    newest = n - 1 - sink - j  # >= 0 iff ring slot j has been written
+    ring_pos = sink + j + recent * jnp.floor_divide(jnp.maximum(newest, 0), jnp.maximum(recent, 1))
+    ring_pos = jnp.where((newest >= 0) & (j < recent), ring_pos, -1)
+    return jnp.where(s < sink, jnp.where(s < n, s, -1), ring_pos).astype(jnp.int32)
 
 
-def ring_slot(positions: jax.Array, sink: int, recent: int) -> jax.Array:
+def ring_slot(positions: jax.Array, sink, recent) -> jax.Array:
     """The streaming slot of a token at each of `positions`: its own for a sink, else its place in the ring."""
-    return jnp.where(positions < sink, positions, sink + (positions - sink) % max(recent, 1))
+    return jnp.where(positions < sink, positions, sink + (positions - sink) % jnp.maximum(recent, 1))
 
 
 def streaming_write_slots(
-    positions: jax.Array, valid: jax.Array, new_lengths: jax.Array, sink: int, recent: int
+    positions: jax.Array, valid: jax.Array, new_lengths: jax.Array, sink, recent, slots: int | None = None
 ) -> jax.Array:
-    """Slot for each new token at `positions` [B, T] in the streaming partition, or an out-of-range slot
-    (dropped on write) for padding and for tokens already pushed out of the ring by later ones in the chunk."""
+    """Slot for each new token at `positions` [B, T] in the streaming partition of `slots` slots (default sink +
+    recent), or `slots` (out of range: dropped on write) for padding and for tokens already pushed out of the ring
+    by later ones in the chunk."""
     keep = valid & ((positions < sink) | (positions >= new_lengths[:, None] - recent))
-    return jnp.where(keep, ring_slot(positions, sink, recent), sink + recent)
+    return jnp.where(keep, ring_slot(positions, sink, recent), sink + recent if slots is None else slots)

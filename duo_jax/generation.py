@@ -380,6 +380,21 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed=0
         return _run(model, engine, plan, seed)
 
 
+def compile_steps(engine: Engine, plan: GenerationPlan) -> None:
+    """Compile what `run_generation` runs for `plan` on `engine`: the prefill chunk's step, the prompt tail's and
+    the decode loop, with the method decoding continues with (`Method.decode_method`, known before the prefill).
+    Each shape compiles once per process, whichever thread asks first (the engine's caches); so a caller that
+    knows its next requests can compile them in a background thread while the device runs the current one."""
+    kv_method, B, mesh = plan.method, len(plan.ids), plan.mesh
+    config, dtype, layout = engine.config, engine.dtype, engine.weight_layout
+    compiled_extend(config, kv_method, B, plan.chunk, dtype, plan.impl, False, mesh, **layout)
+    decoding = kv_method.decode_method(max(len(p) for p in plan.ids) - plan.tail_steps)
+    if plan.tail_steps:  # the prompt's last tokens step the method decoding continues with
+        compiled_extend(config, decoding, B, 1, dtype, plan.impl, False, mesh, **layout)
+    greedy, buffer = plan.sampling.greedy, bucket(plan.max_new_tokens)
+    compiled_decode(config, decoding, B, dtype, plan.impl, greedy, buffer, plan.eos_ids, mesh, **layout)
+
+
 def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation:
     config, kv_method, impl, mesh = model.config, plan.method, plan.impl, plan.mesh
     ids, chunk, tail = plan.ids, plan.chunk, plan.tail_steps
@@ -391,10 +406,7 @@ def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation
     seeds = row_seeds(seed, B)
 
     start = time.perf_counter()
-    compiled_extend(config, kv_method, B, chunk, engine.dtype, impl, False, mesh, **engine.weight_layout)  # untimed
-    if tail:  # the prompt's last tokens step the method decoding continues with
-        tail_method = kv_method.decode_method(int(prompt_lengths.max()) - tail)
-        compiled_extend(config, tail_method, B, 1, engine.dtype, impl, False, mesh, **engine.weight_layout)
+    compile_steps(engine, plan)
     compile_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -409,21 +421,6 @@ def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation
         token = sample_seeded(last_logits, *engine.put_batch((seeds, np.zeros(B, np.int32))), plan.sampling.rows(B))
     token.block_until_ready()
     prefill_s = time.perf_counter() - start
-
-    start = time.perf_counter()
-    compiled_decode(
-        config,
-        kv_method,
-        B,
-        engine.dtype,
-        impl,
-        plan.sampling.greedy,
-        bucket(plan.max_new_tokens),
-        plan.eos_ids,
-        mesh,
-        **engine.weight_layout,
-    )
-    compile_s += time.perf_counter() - start
 
     start = time.perf_counter()
     tokens, steps, cache, lengths = engine.decode_loop(

@@ -30,25 +30,44 @@ def simulate_ring(length, sink, recent):
     return slots
 
 
+# A ring of `slots` slots (None: sink + recent, the window compiled in; else a wider ring with the window traced).
+RINGS = [None, 16]
+
+
+def _traced(function, slots):
+    """`function(..., sink, recent)` as compiled: the window constants, or with a ring of `slots` traced values."""
+    if slots is None:
+        return function
+    return lambda *args: jax.jit(lambda *a: function(*a[:-2], a[-2], a[-1], slots))(*args)
+
+
+@pytest.mark.parametrize("slots", RINGS)
 @pytest.mark.parametrize("sink, recent", [(0, 3), (2, 5), (4, 1), (3, 8)])
-def test_slot_positions_match_a_simulated_ring(sink, recent):
+def test_slot_positions_match_a_simulated_ring(sink, recent, slots):
     lengths = np.arange(0, 25)
-    got = np.asarray(streaming_slot_positions(jnp.asarray(lengths), sink, recent))
-    np.testing.assert_array_equal(got, [simulate_ring(n, sink, recent) for n in lengths])
+    got = np.asarray(_traced(streaming_slot_positions, slots)(jnp.asarray(lengths), sink, recent))
+    wide = (slots or sink + recent) - sink - recent  # slots past the window: never written
+    np.testing.assert_array_equal(got, [simulate_ring(n, sink, recent) + [-1] * wide for n in lengths])
 
 
+@pytest.mark.parametrize("slots", RINGS)
 @pytest.mark.parametrize("start, chunk", [(0, 9), (5, 4), (7, 20), (30, 1)])
-def test_chunk_writes_match_one_at_a_time(start, chunk):
+def test_chunk_writes_match_one_at_a_time(start, chunk, slots):
     sink, recent, n_valid = 2, 5, chunk - 1  # the last token of the chunk is padding
     positions = jnp.asarray(start + np.arange(chunk))[None]
     valid = jnp.asarray(np.arange(chunk) < n_valid)[None]
-    slots = np.asarray(streaming_write_slots(positions, valid, jnp.asarray([start + n_valid]), sink, recent))[0]
+    ring = slots or sink + recent
+    written = np.asarray(
+        _traced(streaming_write_slots, slots)(positions, valid, jnp.asarray([start + n_valid]), sink, recent)
+    )[0]
     state = simulate_ring(start, sink, recent)
-    for p, slot in zip(range(start, start + chunk), slots):
+    for p, slot in zip(range(start, start + chunk), written):
         if slot < sink + recent:
             state[slot] = p
+        else:  # dropped: out of the ring's range, whatever its size
+            assert slot >= ring
     assert state == simulate_ring(start + n_valid, sink, recent)
-    kept = slots[slots < sink + recent]
+    kept = written[written < sink + recent]
     assert len(set(kept.tolist())) == len(kept)  # no two tokens race for one slot
 
 

@@ -87,6 +87,40 @@ def test_mixed_pattern_matches_reference(params, prompt, chunk):
     assert np.abs(full - ref).max() > 1e-2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, streaming_chunk", [("xla", None), ("pallas", None), ("xla", 4)], ids=str)
+def test_windows_in_one_ring_share_steps_and_each_matches_the_reference(params, prompt, impl, streaming_chunk):
+    """A ring of 24 slots (`ring_slots`) holds the window as data: windows (2, 5), (4, 12) and (0, 24) compile one
+    prefill step and one decode step between them, and each gives the float64 reference's logits for its own window
+    (prefill in chunks of 8, the ring wrapping, decode steps through the one-launch kernels under "pallas", the
+    streaming heads' sub-chunks with `streaming_chunk`). Without the window as data it would be compiled in."""
+    from duo_jax import engine as engine_lib
+
+    def compiles():
+        return engine_lib._compiled_extend.cache_info().misses
+
+    steps, chunk, seen = 8, 8, []
+    for sink, recent in [(2, 5), (4, 12), (0, 24)]:
+        layout = make_layout(CONFIG, MIXED, sink=sink, recent=recent, context=len(prompt) + steps, ring_slots=24)
+        method = DuoAttention(layout, streaming_chunk)
+        before = compiles()
+        sequence, logits, _, _ = run_method(params, CONFIG, method, prompt, chunk=chunk, decode_steps=steps, impl=impl)
+        seen.append(compiles() - before)
+        step_starts = [(i // chunk) * chunk if i < len(prompt) else i for i in range(len(sequence))]
+        if streaming_chunk:  # the streaming heads see each chunk as chunks of 4; the retrieval heads are causal anyway
+            step_starts = [
+                (i // streaming_chunk) * streaming_chunk if i < len(prompt) else i for i in range(len(sequence))
+            ]
+        ref = reference_logits(params, CONFIG, sequence, MIXED, sink, recent, step_starts)
+        np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
+    assert seen[1:] == [0, 0], seen  # the later windows ran the first one's executables
+    assert DuoAttention(make_layout(CONFIG, MIXED, sink=2, recent=5, context=64)) != DuoAttention(
+        make_layout(CONFIG, MIXED, sink=4, recent=3, context=64)
+    )  # compiled in, two windows are two methods
+    with pytest.raises(duo_jax.DuoJaxError, match="ring_slots must be an integer >= sink \\+ recent = 11"):
+        make_layout(CONFIG, MIXED, sink=3, recent=8, context=64, ring_slots=10)
+
+
 @pytest.mark.parametrize("impl, kv_dtype", [("auto", None), ("xla", None), ("pallas", None), ("xla", "int8")], ids=str)
 def test_a_streaming_chunk_makes_a_long_chunk_prefill_as_short_ones(params, prompt, impl, kv_dtype):
     """`streaming_chunk=4` with chunks of 12 (the prompt's 23 tokens in two): the streaming heads see each chunk as

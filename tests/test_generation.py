@@ -430,28 +430,27 @@ def test_the_old_name_of_impl_still_works_with_a_warning(model, prompts):
         generate(model, prompts[0], impl="cuda", **kwargs)
 
 
-def test_a_prompt_tails_steps_are_compiled_before_the_timed_prefill(model, prompts, monkeypatch):
-    """SnapKV decodes with another method than it prefills with (`decode_method`): with `prompt_tail_steps`, the
-    one-token step of that method is compiled before the prefill is timed, so `prefill_s` holds no compile of it."""
-    import duo_jax.engine
-    import duo_jax.generation
+@pytest.mark.parametrize(
+    "method, options",
+    [("snapkv", dict(kv_budget=32, prompt_tail_steps=3)), ("h2o", dict(kv_budget=24)), ("duo", dict(pattern=GATES))],
+)
+def test_compile_steps_compiles_everything_a_generation_runs(model, prompts, method, options):
+    """After `compile_steps(engine, plan)` (what a caller runs ahead, in another thread), running the plan compiles
+    no step: SnapKV decodes (and steps the prompt's tail) with another method than it prefills with
+    (`decode_method`), known before the prefill. So `prefill_s` and `decode_s` hold no compile either."""
+    from duo_jax import engine as engine_lib
+    from duo_jax.generation import compile_steps, run_generation
 
-    extend, timed, compiled_while_timed = duo_jax.engine._compiled_extend, [False], []
+    def compiles():
+        return engine_lib._compiled_extend.cache_info().misses + engine_lib._compiled_decode.cache_info().misses
 
-    def counted(*args):
-        misses = extend.cache_info().misses
-        out = extend(*args)
-        if timed[0] and extend.cache_info().misses > misses:
-            compiled_while_timed.append((args[1].name, args[3]))
-        return out
-
-    prefill, decode = Engine.prefill, duo_jax.generation.compiled_decode
-    monkeypatch.setattr(duo_jax.engine, "_compiled_extend", counted)
-    monkeypatch.setattr(Engine, "prefill", lambda *a, **kw: timed.__setitem__(0, True) or prefill(*a, **kw))
-    monkeypatch.setattr(
-        duo_jax.generation, "compiled_decode", lambda *a, **kw: timed.__setitem__(0, False) or decode(*a, **kw)
-    )
-    options = dict(max_new_tokens=3, chunk_size=8, prompt_tail_steps=3, stop_at_eos=False)
-    out = generate(model, [prompts[0], prompts[2]], method="snapkv", kv_budget=32, **options)
-    assert out.stats["method"] == "snapkv" and len(out.tokens[0]) == 3
-    assert compiled_while_timed == []
+    if "pattern" in options:
+        options = dict(options, pattern=Pattern(options["pattern"]))
+    plan = plan_generation(model, [prompts[0], prompts[2]], method=method, max_new_tokens=5, chunk_size=24, **options)
+    engine = Engine.of(model)
+    before = compiles()
+    compile_steps(engine, plan)
+    assert compiles() > before  # this test's shapes are its own: the counter sees them
+    before = compiles()
+    out = run_generation(model, engine, plan)
+    assert compiles() == before and out.stats["method"] == method and len(out.tokens[0]) == 5

@@ -284,16 +284,17 @@ def test_cli_longbench(tmp_path, capsys, monkeypatch):
 
 
 def test_every_mode_reports_one_full_cache_reference(model):
-    """A record's full_cache_bytes is a full cache of its own prompt + answer, whichever mode: full attention's
-    capacity bucket (768 for 520 + 4 tokens) gave its records a larger reference than the compressed modes' (640)."""
+    """A record's full_cache_bytes is a full cache of its own prompt + answer, whichever mode, and its cache_bytes
+    what the mode keeps for it: full attention reserves its capacity bucket (768 for 520 + 4 tokens), which only
+    reserved_cache_bytes shows."""
     prompt = np.random.default_rng(0).integers(3, CONFIG.vocab_size, 520).tolist()
     settings = samples.Settings(pattern=Pattern(np.ones((CONFIG.num_layers, CONFIG.num_kv_heads))), sink=4, recent=16)
     full, duo = (
         samples.generate_sample(model, run, prompt, 4, settings) for run in samples.make_runs(["full", "duo"], [0.5])
     )
     reference = 640 * CONFIG.kv_bytes_per_token(4)  # 524 tokens, rounded up to the cache's block of 128
-    assert full["full_cache_bytes"] == duo["full_cache_bytes"] == reference
-    assert full["cache_bytes"] == 768 * CONFIG.kv_bytes_per_token(4) and duo["cache_bytes"] < reference
+    assert full["full_cache_bytes"] == duo["full_cache_bytes"] == full["cache_bytes"] == reference
+    assert full["reserved_cache_bytes"] == 768 * CONFIG.kv_bytes_per_token(4) and duo["cache_bytes"] < reference
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 A `Run` is one mode at one KV budget (``full``, or e.g. ``duo@0.25``; `make_runs` builds them from the modes and
 budgets asked for). `generate_sample` generates one sample alone (batch 1, greedy), the run's mode built for that
-prompt's own length; `PredictionStore` records one JSON line per finished sample under
+prompt's own length (full and duo at a capacity bucket that samples of similar lengths share,
+`shares_capacity_buckets`); `PredictionStore` records one JSON line per finished sample under
 ``<out>/predictions/<run>/`` and tells which samples a restarted evaluation still has to generate
 (`sample_fingerprint`: a line made from another prompt or other settings does not count). `generate_missing` is the
 loop over samples and runs an evaluation calls, `settings_record` and `write_results` what its results share.
@@ -16,15 +17,25 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from duo_jax.cache import full_cache_bytes
+from duo_jax.engine import capacity_bucket
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import budget_tokens, check_kv_budget, check_modes, mode_settings, one_chunk_prefill
+from duo_jax.eval.modes import (
+    ModeSettings,
+    budget_tokens,
+    check_kv_budget,
+    check_modes,
+    mode_settings,
+    one_chunk_prefill,
+)
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -84,6 +95,9 @@ class Settings:
     chunk_size: int = 256
     kv_dtype: str | None = None
     streaming_chunk: int | None = None  # duo's streaming heads see a longer chunk as chunks of this size
+    # Later samples whose steps threads compile while one generates (`generate_missing`); 0: none. It changes when
+    # compilation happens, never an output.
+    compile_ahead: int = 1
 
 
 def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Settings):
@@ -135,11 +149,8 @@ def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_token
     return digest.hexdigest()[:16]
 
 
-def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> dict:
-    """Generate greedily from one token-id prompt in `run`; returns the text and what it cost. The mode's
-    budget is the run's fraction of the whole prompt, whichever protocol."""
-    from duo_jax import generate
-
+def _request(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings):
+    """(the run's mode for this prompt, `duo_jax.generate`'s keyword arguments for it)."""
     length = len(ids)
     if run.decode_last >= length:
         raise DuoJaxError(
@@ -147,19 +158,28 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
             "prompt tokens to decode one at a time"
         )
     mode = _mode(model, run, length, max_new_tokens, settings)
-    # Full attention keeps every token whatever the capacity: generate's capacity buckets then let samples of
-    # similar lengths share compiled steps. Every other mode gets the capacity its budget was fitted to.
-    context = None if run.mode == "full" else length + max_new_tokens
-    out = generate(
-        model,
-        [list(ids)],
+    kwargs = dict(
         max_new_tokens=max_new_tokens,
-        context=context,
+        context=None if shares_capacity_buckets(mode) else length + max_new_tokens,
         chat=False,
         chunk_size=length if mode.one_chunk_prefill else settings.chunk_size,
         prompt_tail_steps=run.decode_last,
         **mode.generate_kwargs(),
     )
+    ring = ring_bucket(mode, settings)
+    if ring is not None:
+        kwargs["ring_slots"] = ring
+    return mode, kwargs
+
+
+def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> dict:
+    """Generate greedily from one token-id prompt in `run`; returns the text and what it cost. The mode's
+    budget is the run's fraction of the whole prompt, whichever protocol."""
+    from duo_jax import generate
+
+    mode, kwargs = _request(model, run, ids, max_new_tokens, settings)
+    length, need = len(ids), len(ids) + max_new_tokens
+    out = generate(model, [list(ids)], **kwargs)
     # The new ids decoded alone, as LongBench's pred.py decodes them (`out.text` keeps the space a SentencePiece
     # decoder drops from the first word, which code_sim_score would see; RULER strips its predictions either way).
     tokenizer = model.tokenizer
@@ -172,11 +192,48 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
         prefill_s=out.stats["prefill_s"],
         decode_s=out.stats["decode_s"],
         compile_s=out.stats["compile_s"],
-        cache_bytes=out.stats["cache_bytes"],
-        # One reference for every mode: a full cache of this sample's own need. (Full attention's own cache_bytes is
-        # its capacity bucket's, so it can exceed this.)
-        full_cache_bytes=full_cache_bytes(model.config, 1, length + max_new_tokens, model.params.dtype.itemsize),
+        cache_bytes=own_cache_bytes(model, mode, need) if shares_capacity_buckets(mode) else out.stats["cache_bytes"],
+        reserved_cache_bytes=out.stats["cache_bytes"],
+        # One reference for every mode: a full cache of this sample's own need.
+        full_cache_bytes=full_cache_bytes(model.config, 1, need, model.params.dtype.itemsize),
     )
+
+
+def shares_capacity_buckets(mode: ModeSettings) -> bool:
+    """Whether `mode` runs at generate's capacity bucket rather than at the sample's own capacity: full attention
+    and duo (``streaming`` too) keep the same tokens at any capacity that holds the sample, since duo's budget rule
+    fits its sparsity and window to the sample's length, not to the capacity. So samples of similar lengths share
+    compiled steps (a window fitted to the sample is runtime data in a ring bucket, `ring_bucket`). Every other
+    method's cache is shaped by its budget, so a bucket would only reserve memory."""
+    return mode.method in ("full", "duo")
+
+
+def compile_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> None:
+    """Compile the steps `generate_sample` runs for this sample (`duo_jax.generation.compile_steps`), so that a
+    thread can prepare the next samples while the device generates this one."""
+    from duo_jax.engine import Engine
+    from duo_jax.generation import compile_steps, plan_generation
+
+    plan = plan_generation(model, [list(ids)], **_request(model, run, ids, max_new_tokens, settings)[1])
+    compile_steps(Engine.of(model, plan.mesh), plan)
+
+
+def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
+    """The streaming ring a duo mode runs with where its window was fitted to the sample (``streaming``'s is the
+    budget, duo's shrinks under a small one): `duo_jax.engine.capacity_bucket` of it, the window runtime data
+    (`make_duo`'s ring_slots), so that samples with windows in one bucket share compiled steps. None: the mode keeps
+    the evaluation's window (--sink / --recent) on every sample, compiled in, or is no duo mode."""
+    if mode.method != "duo" or (mode.sink, mode.recent) == (settings.sink, settings.recent):
+        return None
+    return capacity_bucket(mode.sink + mode.recent)
+
+
+def own_cache_bytes(model: Model, mode: ModeSettings, capacity: int) -> int:
+    """Bytes of `mode`'s cache of one sequence at `capacity` tokens: what it keeps for a sample of that need,
+    read from the shapes of the cache it builds (nothing is allocated)."""
+    method = mode.build(model.config, capacity, model=model)
+    shapes = jax.eval_shape(lambda: method.init_cache(1, model.params.dtype))
+    return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,23 +262,46 @@ def generate_missing(
     every run, the run's predictions of a group in `file(run, key)`. A sample stored there with its fingerprint
     (`sample_fingerprint`) is skipped; any other is generated (`generate_sample`), its record given the sample's id,
     fields, fingerprint and `score(key, record)`, and written at once (`PredictionStore.add`), so that a killed
-    evaluation resumes where it stopped."""
+    evaluation resumes where it stopped. While a sample generates, `settings.compile_ahead` threads compile the
+    steps of the next samples (`compile_sample`; a shape already compiled costs nothing), so that compilation
+    overlaps the device's work."""
     from tqdm.auto import tqdm
 
-    total = len(runs) * sum(len(group) for group in groups.values())
-    with tqdm(total=total, desc=desc, unit="sample", disable=not progress) as bar:
-        for key, group in groups.items():
-            for run in runs:
-                store = PredictionStore(file(run, key))
+    compile_ahead = settings.compile_ahead
+    if compile_ahead < 0:
+        raise DuoJaxError(f"compile_ahead is a number of samples >= 0, got {compile_ahead}")
+    todo, total = [], len(runs) * sum(len(group) for group in groups.values())
+    for key, group in groups.items():
+        for run in runs:
+            store = PredictionStore(file(run, key))
+            for sample in group:
+                fingerprint = sample_fingerprint(model, run, sample.prompt_ids, sample.max_new_tokens, settings)
+                if not store.has(sample.sample_id, fingerprint):
+                    todo.append((key, run, store, sample, fingerprint))
+    pool = ThreadPoolExecutor(max(compile_ahead, 1), thread_name_prefix="compile-ahead")
+    try:
+        with tqdm(total=total, initial=total - len(todo), desc=desc, unit="sample", disable=not progress) as bar:
+            sent = 0  # the last sample handed to the compile threads (0: none; the first is generated at once)
+            for i, (key, run, store, sample, fingerprint) in enumerate(todo):
+                while sent < min(i + compile_ahead, len(todo) - 1):
+                    sent += 1
+                    pool.submit(_compile_quietly, model, todo[sent][1], todo[sent][3], settings)
                 bar.set_postfix_str(f"{run.name} / {key if isinstance(key, str) else ' @ '.join(map(str, key))}")
-                for sample in group:
-                    fingerprint = sample_fingerprint(model, run, sample.prompt_ids, sample.max_new_tokens, settings)
-                    if not store.has(sample.sample_id, fingerprint):
-                        record = generate_sample(model, run, sample.prompt_ids, sample.max_new_tokens, settings)
-                        record.update(id=sample.sample_id, **sample.fields, fingerprint=fingerprint)
-                        record["score"] = score(key, record)
-                        store.add(record)
-                    bar.update(1)
+                record = generate_sample(model, run, sample.prompt_ids, sample.max_new_tokens, settings)
+                record.update(id=sample.sample_id, **sample.fields, fingerprint=fingerprint)
+                record["score"] = score(key, record)
+                store.add(record)
+                bar.update(1)
+    finally:  # a failed or interrupted loop waits for the compiles under way, not for those queued
+        pool.shutdown(cancel_futures=True)
+
+
+def _compile_quietly(model: Model, run: Run, sample: Sample, settings: Settings) -> None:
+    """`compile_sample`, its errors left to the sample's own generation, which raises them where they belong."""
+    try:
+        compile_sample(model, run, sample.prompt_ids, sample.max_new_tokens, settings)
+    except Exception:  # noqa: BLE001  (generate_sample raises it again, in the loop)
+        pass
 
 
 def settings_record(model: Model, settings: Settings, kv_budgets: Sequence[float] | None) -> dict:

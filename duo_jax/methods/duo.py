@@ -136,12 +136,13 @@ class SubChunks:
     ring: int  # R: the slots before each sub-chunk's own keys
 
     @classmethod
-    def build(cls, step: Step, sink: int, recent: int, size: int) -> SubChunks:
+    def build(cls, step: Step, sink, recent, size: int, slots: int) -> SubChunks:
         """Sub-chunk s starts at position a = lengths + s K; its query i sees j <= i with j < sink or j >= a - recent
         (the rule of a chunk that starts at a): the sinks [0, min(sink, a)), then [max(a - recent, sink), a), from
-        the ring where before the chunk (lengths), else from the chunk, then the sub-chunk's own keys."""
+        the ring (of `slots` slots) where before the chunk (lengths), else from the chunk, then the sub-chunk's own
+        keys. Of the R = `slots` keys before each sub-chunk, those past sink + recent are none (-1)."""
         B, T = step.positions.shape
-        S, R = T // size, sink + recent
+        S, R = T // size, slots
         start = step.lengths[:, None] + size * jnp.arange(S, dtype=jnp.int32)  # [B, S]
         t = jnp.arange(R, dtype=jnp.int32)
         sinks = jnp.minimum(sink, start)[..., None]
@@ -183,25 +184,31 @@ class StreamingWindow:
 
     key_positions: jax.Array  # int32 [B, S + T]: absolute position of each cache slot, then each new token; -1: empty
     write_slots: jax.Array  # int32 [B, T]: ring slot of each new token (out of range: not kept)
+    ring_lengths: jax.Array  # int32 [B]: the slots filled before the step (the ring fills its slots in order)
     sub_chunks: SubChunks | None = None  # a chunk longer than `DuoAttention.streaming_chunk`: its pieces
 
     @classmethod
-    def build(cls, step: Step, sink: int, recent: int, chunk: int | None = None) -> StreamingWindow:
+    def build(cls, step: Step, sink, recent, chunk: int | None = None, slots: int | None = None) -> StreamingWindow:
+        """The window of `sink` + `recent` tokens (ints, or traced scalars with the ring's `slots` given) over a ring
+        of `slots` slots (default sink + recent)."""
         # Keys are [cache slots, chunk]. The cache holds only sinks and tokens within `recent` of the
         # chunk start, so "j <= i" over filled slots is exactly the Λ-with-chunk rule.
+        slots = sink + recent if slots is None else slots
         key_positions = jnp.concatenate(
-            [streaming_slot_positions(step.lengths, sink, recent), jnp.where(step.valid, step.positions, -1)], axis=1
+            [streaming_slot_positions(step.lengths, sink, recent, slots), jnp.where(step.valid, step.positions, -1)],
+            axis=1,
         )
-        write = streaming_write_slots(step.positions, step.valid, step.new_lengths, sink, recent)
+        write = streaming_write_slots(step.positions, step.valid, step.new_lengths, sink, recent, slots)
+        filled = jnp.minimum(step.lengths, sink + recent)
         T = step.positions.shape[1]
         if chunk is None or T <= chunk:
-            return cls(key_positions, write)
+            return cls(key_positions, write, filled)
         if T % chunk:
             raise DuoJaxError(
                 f"a prefill chunk of {T} tokens is longer than duo's streaming_chunk ({chunk}) but not a multiple of "
                 f"it: use a chunk_size that is a multiple of {chunk} (or at most {chunk})"
             )
-        return cls(key_positions, write, SubChunks.build(step, sink, recent, chunk))
+        return cls(key_positions, write, filled, SubChunks.build(step, sink, recent, chunk, slots))
 
     def attend(self, q, keys, values, step: Step) -> jax.Array:
         """q [B, T, H, E] over the ring + chunk keys / values [B, S + T, K, E]."""
@@ -272,10 +279,15 @@ class DuoAttention(Method):
         retrieval, streaming = P(sharding.DATA, sharding.MODEL), P(sharding.DATA)
         return tuple(DuoLayerCache(retrieval, retrieval, streaming, streaming) for _ in self.layout.num_retrieval)
 
+    def state(self):
+        """The streaming window where it is runtime data (`CacheLayout.ring_slots`), else None."""
+        return self.layout.window_state()
+
     def begin_step(self, step: Step) -> DuoShared:
+        sink, recent = self.layout.window_of(step.state)
         return DuoShared(
             jnp.where(step.valid, step.positions, self.layout.capacity),
-            StreamingWindow.build(step, self.layout.sink, self.layout.recent, self.streaming_chunk),
+            StreamingWindow.build(step, sink, recent, self.streaming_chunk, self.layout.streaming_slots),
         )
 
     def attend_partitions(self, layer, q, ks, vs, retrieval, streaming_k, streaming_v, step: Step, shared: DuoShared):
@@ -335,7 +347,7 @@ class DuoAttention(Method):
             step.new_lengths if written else step.lengths,
             streaming_k,
             streaming_v,
-            jnp.minimum(step.lengths, self.layout.sink + self.layout.recent),
+            shared.window.ring_lengths,
             k,
             v,
             kv_order=self.kv_order(layer),
@@ -449,11 +461,14 @@ def make_duo(
     kv_budget: int | None = None,
     kv_dtype: str | None = None,
     streaming_chunk: int | None = None,
+    ring_slots: int | None = None,
 ) -> DuoAttention:
     """`pattern` (a `Pattern` validated against the model) binarised at `sparsity` (None: `DEFAULT_SPARSITY`); or,
     with `kv_budget` (average tokens per KV head at `context`), at the sparsity whose mix r * C + (1 - r) * (sink +
     recent) meets it (C: `context` rounded up to the capacity block). `streaming_chunk`:
-    `DuoAttention.streaming_chunk`."""
+    `DuoAttention.streaming_chunk`. `ring_slots`: the streaming heads' ring holds that many slots (>= sink + recent)
+    and their window is runtime data, so duo methods that differ only in sink and recent share compiled steps
+    (`CacheLayout`); None: a ring of sink + recent, the window compiled in."""
     if pattern is None:
         raise DuoJaxError("method 'duo' needs a head pattern (pattern=PATH, a Pattern, or 'default')")
     pattern = resolve_pattern(pattern, config)
@@ -477,7 +492,13 @@ def make_duo(
         )
     sparsity = DEFAULT_SPARSITY if sparsity is None else sparsity
     layout = make_layout(
-        config, pattern.retrieval_mask(sparsity), sink=sink, recent=recent, context=context, kv_dtype=kv_dtype
+        config,
+        pattern.retrieval_mask(sparsity),
+        sink=sink,
+        recent=recent,
+        context=context,
+        kv_dtype=kv_dtype,
+        ring_slots=ring_slots,
     )
     return DuoAttention(layout, streaming_chunk)
 

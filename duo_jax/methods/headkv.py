@@ -181,10 +181,13 @@ class DuoCompressedKV(Method):
             for slots, n in zip(self.head_slots, self.layout.num_retrieval)
         )
 
+    def state(self):
+        return self.layout.window_state()  # the streaming window, where it is data (`CacheLayout.ring_slots`)
+
     def begin_step(self, step: Step):
-        return CompressedShared.build(step, self.room), StreamingWindow.build(
-            step, self.layout.sink, self.layout.recent
-        )
+        sink, recent = self.layout.window_of(step.state)
+        window = StreamingWindow.build(step, sink, recent, slots=self.layout.streaming_slots)
+        return CompressedShared.build(step, self.room), window
 
     def attend(self, layer, q, k, v, cache: DuoCompressedLayerCache, step: Step, shared):
         retrieval_shared, window = shared
@@ -248,6 +251,9 @@ class DuoHeadKV(Method):
         G = self.num_heads // self.layout.num_kv_heads
         rings = batch * self.window * G * sum(self.layout.num_retrieval) * self.layout.head_dim * bytes_per_elem
         return self.duo.expected_cache_bytes(batch, bytes_per_elem) + rings
+
+    def state(self):
+        return self.layout.window_state()  # the streaming window, where it is data (`CacheLayout.ring_slots`)
 
     def begin_step(self, step: Step):
         in_window = step.valid & (step.positions >= step.new_lengths[:, None] - self.window)

@@ -187,6 +187,9 @@ class PagedDuo(Method):
     def stats(self) -> dict:
         return dict(DuoAttention(self.layout).stats(), page_size=self.page_size, num_pages=self.num_pages)
 
+    def state(self):
+        return self.layout.window_state()  # the streaming window, where it is data (`CacheLayout.ring_slots`)
+
     def begin_step(self, step: Step) -> DuoShared:
         return DuoAttention(self.layout).begin_step(step)
 

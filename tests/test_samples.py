@@ -1,0 +1,106 @@
+"""The per-sample evaluations' loop (duo_jax.eval.samples): which runs share compiled steps across prompt lengths,
+what a record reports of the cache, and the steps compiled ahead in threads, on a tiny random model."""
+
+import jax
+import numpy as np
+import pytest
+
+import duo_jax
+from duo_jax import engine
+from duo_jax.eval import samples
+from duo_jax.loading import Model
+from duo_jax.pattern import Pattern
+from tests.conftest import tiny_config
+
+CONFIG = tiny_config(vocab_size=2000, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return Model(CONFIG, duo_jax.init_params(CONFIG, jax.random.key(0), scale=0.2), tokenizer, "tiny")
+
+
+def compiled() -> int:
+    return engine._compiled_extend.cache_info().misses + engine._compiled_decode.cache_info().misses
+
+
+@pytest.mark.slow
+def test_full_and_duo_share_compiled_steps_across_lengths(model):
+    """Samples of 520 and 660 prompt tokens (own capacities 640 and 768, one capacity bucket, 768) compile once under
+    full attention, duo at a budget (its sparsity fitted to each sample, the capacity only holding it) and streaming
+    at a budget (its window, 260 and 330 tokens, runtime data in one ring of 384 slots). Each record gives the tokens
+    and the cache bytes of a run at the sample's own capacity and window."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 660)]
+    pattern = Pattern(rng.random((CONFIG.num_layers, CONFIG.num_kv_heads)))
+    settings = samples.Settings(pattern=pattern, sink=4, recent=16, chunk_size=128)
+    for run in samples.make_runs(["full", "duo", "streaming"], [0.5]):
+        records, compiles = [], []
+        for prompt in prompts:
+            before = compiled()
+            records.append(samples.generate_sample(model, run, prompt, 4, settings))
+            compiles.append(compiled() - before)
+        assert compiles[1] == 0, (run.name, compiles)
+        for prompt, record in zip(prompts, records):
+            mode = samples._mode(model, run, len(prompt), 4, settings)
+            if run.mode == "streaming":
+                assert samples.ring_bucket(mode, settings) == 384 and mode.sink + mode.recent == len(prompt) // 2
+            own = duo_jax.generate(
+                model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=128,
+                **mode.generate_kwargs(),
+            )  # fmt: skip
+            assert record["pred"] == model.tokenizer.decode(own.tokens[0]), run.name
+            assert record["cache_bytes"] == own.stats["cache_bytes"] <= record["reserved_cache_bytes"], run.name
+    assert records[0]["reserved_cache_bytes"] == records[1]["reserved_cache_bytes"] > records[0]["cache_bytes"]
+
+
+def _loop(model, tmp_path, settings, group):
+    runs = samples.make_runs(["duo", "streaming"], [0.5])
+    samples.generate_missing(
+        model,
+        runs,
+        {"task": group},
+        settings,
+        file=lambda run, key: tmp_path / run.name / f"{key}.jsonl",
+        score=lambda key, record: 0.0,
+        desc="test",
+        progress=False,
+    )
+    return {run.name: samples.PredictionStore(tmp_path / run.name / "task.jsonl").records for run in runs}
+
+
+def test_steps_compiled_ahead_change_no_output(model, tmp_path, monkeypatch):
+    """With compile_ahead 2, the threads compile every sample after the first, once each, in order across runs, and
+    the predictions are those of a loop that compiles nothing ahead. A sample whose compile fails ahead (here: all of
+    them) is generated all the same."""
+    rng = np.random.default_rng(2)
+    group = [
+        samples.Sample(str(i), rng.integers(3, CONFIG.vocab_size, n).tolist(), 3) for i, n in enumerate((90, 200, 330))
+    ]
+    pattern = Pattern(rng.random((CONFIG.num_layers, CONFIG.num_kv_heads)))
+    plain = _loop(
+        model, tmp_path / "plain", samples.Settings(pattern=pattern, sink=4, recent=16, compile_ahead=0), group
+    )
+
+    sent, compile_sample = [], samples.compile_sample
+    monkeypatch.setattr(
+        samples,
+        "compile_sample",
+        lambda m, run, ids, *a: sent.append((run.name, len(ids))) or compile_sample(m, run, ids, *a),
+    )
+    settings = samples.Settings(pattern=pattern, sink=4, recent=16, compile_ahead=2)
+    ahead = _loop(model, tmp_path / "ahead", settings, group)
+    order = [(run, len(s.prompt_ids)) for run in ("duo@0.5", "streaming@0.5") for s in group]
+    assert sorted(sent) == sorted(order[1:])  # the threads may finish in any order
+    assert {k: {i: r["pred"] for i, r in v.items()} for k, v in ahead.items()} == {
+        k: {i: r["pred"] for i, r in v.items()} for k, v in plain.items()
+    }
+
+    def broken(*args):
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(samples, "compile_sample", broken)
+    again = _loop(model, tmp_path / "broken", settings, group)
+    assert {k: len(v) for k, v in again.items()} == {"duo@0.5": 3, "streaming@0.5": 3}
+    with pytest.raises(duo_jax.DuoJaxError, match="compile_ahead is a number of samples >= 0"):
+        _loop(model, tmp_path / "bad", samples.Settings(pattern=pattern, compile_ahead=-1), group)
