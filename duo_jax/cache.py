@@ -30,13 +30,73 @@ from duo_jax.quant import check_kv_dtype, kv_bytes_per_vector, kv_zeros
 CAPACITY_BLOCK = 128
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class CacheLayout:
-    """The static shape of a split cache (hashable: a jit static argument).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Window:
+    """A streaming window as data (`WindowAsData`): its sinks and recent tokens, int32 scalars."""
 
-    With `ring_slots` set, the streaming ring has that many slots and the window (sink, recent) is runtime data: the
-    method's state (`window_state`), read in the step (`window_of`), so layouts that differ only in their windows are
-    equal and share compiled steps. Without it the ring holds sink + recent slots and the window is compiled in."""
+    sink: jax.Array
+    recent: jax.Array
+
+
+class WindowAsData:
+    """Mixin of a frozen dataclass (eq=False) that holds a streaming window, sinks + a ring of recent tokens, in the
+    two fields `_window_fields` names, and `ring_slots`. Without `ring_slots` the window is compiled into the steps
+    and the ring holds sink + recent slots. With it the ring holds that many slots (>= sink + recent) and the window
+    is runtime data: the method's state (`window_state`, passed as `Method.state`), read inside a step by
+    `window_of`; equality and hash then ignore the window, so objects that differ only in their windows share
+    compiled steps."""
+
+    _window_fields: tuple[str, str] = ("sink", "recent")
+
+    def _key(self) -> tuple:
+        skip = self._window_fields if self.ring_slots is not None else ()
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._key()))
+
+    @property
+    def window_slots(self) -> int:
+        """The ring's slots: sink + recent, or `ring_slots`."""
+        sink, recent = (getattr(self, name) for name in self._window_fields)
+        return sink + recent if self.ring_slots is None else self.ring_slots
+
+    def window_state(self) -> Window | None:
+        """The window as the method's state where it is data (`ring_slots`), else None."""
+        if self.ring_slots is None:
+            return None
+        return Window(*(np.int32(getattr(self, name)) for name in self._window_fields))
+
+    def window_of(self, state) -> tuple:
+        """(sink, recent) inside a step: the object's own, compiled in, or with `ring_slots` the step's state (traced
+        scalars; `state` is `Step.state`, which the engine fills with `Method.state()`)."""
+        if self.ring_slots is None:
+            return tuple(getattr(self, name) for name in self._window_fields)
+        if not isinstance(state, Window):
+            raise DuoJaxError(
+                f"this {type(self).__name__} has ring_slots: its window is runtime data, passed as the method's "
+                "state; call extend / decode with state=method.state() (the engine and generate do)"
+            )
+        return state.sink, state.recent
+
+
+def check_ring_slots(ring_slots, window: int, named: str = "sink + recent") -> int | None:
+    """`ring_slots` checked against the window it must hold (`named`, of `window` tokens): None, or an int >= it."""
+    if ring_slots is not None and not (isinstance(ring_slots, (int, np.integer)) and ring_slots >= window):
+        raise DuoJaxError(
+            f"ring_slots must be an integer >= {named} = {window} (the window it holds), got {ring_slots!r}"
+        )
+    return None if ring_slots is None else int(ring_slots)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CacheLayout(WindowAsData):
+    """The static shape of a split cache (hashable: a jit static argument); its streaming window compiled in, or
+    with `ring_slots` runtime data (`WindowAsData`)."""
 
     num_retrieval: tuple[int, ...]  # retrieval KV heads per layer (first in `kv_order`)
     num_kv_heads: int
@@ -50,17 +110,6 @@ class CacheLayout:
     kv_dtype: str | None = None  # None: the model's dtype; "int8" / "int4": quantized (`duo_jax.quant`)
     ring_slots: int | None = None  # the streaming ring's slots when the window is data (>= sink + recent)
 
-    def _key(self) -> tuple:
-        window = (self.sink, self.recent) if self.ring_slots is None else None  # data: not part of the shape
-        fields = (self.num_retrieval, self.num_kv_heads, self.head_dim, self.capacity, self.kv_order, self.kv_dtype)
-        return (*fields, window, self.ring_slots)
-
-    def __eq__(self, other) -> bool:
-        return type(other) is CacheLayout and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
     @property
     def num_layers(self) -> int:
         return len(self.num_retrieval)
@@ -73,23 +122,7 @@ class CacheLayout:
     @property
     def streaming_slots(self) -> int:
         """The ring's slots per streaming head (S)."""
-        return self.sink + self.recent if self.ring_slots is None else self.ring_slots
-
-    def window_state(self) -> Window | None:
-        """The window as the method's state (`Method.state`) where it is data (`ring_slots`), else None."""
-        return None if self.ring_slots is None else Window(np.int32(self.sink), np.int32(self.recent))
-
-    def window_of(self, state) -> tuple:
-        """(sink, recent) inside a step: the layout's own, compiled in, or with `ring_slots` the step's state (traced
-        scalars; `state` is `Step.state`, which the engine fills with `Method.state()`)."""
-        if self.ring_slots is None:
-            return self.sink, self.recent
-        if not isinstance(state, Window):
-            raise DuoJaxError(
-                "this DuoAttention cache has ring_slots: its window is runtime data, passed as the method's state; "
-                "call extend / decode with state=method.state() (the engine and generate do)"
-            )
-        return state.sink, state.recent
+        return self.window_slots
 
     @property
     def retrieval_mask(self) -> np.ndarray:
@@ -98,15 +131,6 @@ class CacheLayout:
         for l, n in enumerate(self.num_retrieval):
             mask[l, list(self.kv_order[l][:n]) if self.kv_order is not None else slice(0, n)] = True
         return mask
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Window:
-    """A streaming head's window as data (`CacheLayout.ring_slots`): int32 scalars."""
-
-    sink: jax.Array
-    recent: jax.Array
 
 
 def round_capacity(tokens: int) -> int:
@@ -145,11 +169,7 @@ def make_layout(
         kv_order = None if (order == np.arange(mask.shape[1])).all() else tuple(map(tuple, order.tolist()))
         if recent < 1 and not mask.all():
             raise DuoJaxError(f"streaming heads need recent >= 1 (a ring of the newest tokens), got recent={recent}")
-    if ring_slots is not None and not (isinstance(ring_slots, (int, np.integer)) and ring_slots >= sink + recent):
-        raise DuoJaxError(
-            f"ring_slots must be an integer >= sink + recent = {sink + recent} (the window it holds), "
-            f"got {ring_slots!r}"
-        )
+    ring_slots = check_ring_slots(ring_slots, sink + recent)
     return CacheLayout(
         num_retrieval,
         config.num_kv_heads,
@@ -159,7 +179,7 @@ def make_layout(
         capacity,
         kv_order,
         check_kv_dtype(kv_dtype),
-        None if ring_slots is None else int(ring_slots),
+        ring_slots,
     )
 
 

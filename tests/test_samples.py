@@ -27,14 +27,14 @@ def compiled() -> int:
 @pytest.mark.slow
 def test_full_and_duo_share_compiled_steps_across_lengths(model):
     """Samples of 520 and 660 prompt tokens (own capacities 640 and 768, one capacity bucket, 768) compile once under
-    full attention, duo at a budget (its sparsity fitted to each sample, the capacity only holding it) and streaming
-    at a budget (its window, 260 and 330 tokens, runtime data in one ring of 384 slots). Each record gives the tokens
-    and the cache bytes of a run at the sample's own capacity and window."""
+    full attention, duo at a budget (its sparsity fitted to each sample, the capacity only holding it), and streaming
+    and streaming_llm at a budget (their windows, 260 and 330 tokens, runtime data in one ring of 384 slots). Each
+    record gives the tokens and the cache bytes of a run at the sample's own capacity and window."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 660)]
     pattern = Pattern(rng.random((CONFIG.num_layers, CONFIG.num_kv_heads)))
     settings = samples.Settings(pattern=pattern, sink=4, recent=16, chunk_size=128)
-    for run in samples.make_runs(["full", "duo", "streaming"], [0.5]):
+    for run in samples.make_runs(["full", "duo", "streaming", "streaming_llm"], [0.5]):
         records, compiles = [], []
         for prompt in prompts:
             before = compiled()
@@ -43,7 +43,7 @@ def test_full_and_duo_share_compiled_steps_across_lengths(model):
         assert compiles[1] == 0, (run.name, compiles)
         for prompt, record in zip(prompts, records):
             mode = samples._mode(model, run, len(prompt), 4, settings)
-            if run.mode == "streaming":
+            if run.mode in ("streaming", "streaming_llm"):
                 assert samples.ring_bucket(mode, settings) == 384 and mode.sink + mode.recent == len(prompt) // 2
             own = duo_jax.generate(
                 model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=128,

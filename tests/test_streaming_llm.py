@@ -15,15 +15,15 @@ CONFIG = tiny_config(max_position_embeddings=64)
 START, RECENT = 2, 4
 
 
-def reference_logits(params, tokens, chunk_starts):
-    """Query i in a chunk starting at c sees keys j <= i with j < START or j >= c - RECENT. Positions are
+def reference_logits(params, tokens, chunk_starts, start=START, recent=RECENT):
+    """Query i in a chunk starting at c sees keys j <= i with j < start or j >= c - recent. Positions are
     re-indexed: the visible keys before the chunk are numbered 0, 1, ... in order, the chunk continues."""
     T = len(tokens)
     seen = np.zeros((T, T), bool)
     q_positions, k_positions = np.zeros(T, int), np.zeros((T, T), int)
     for i in range(T):
         c = chunk_starts[i]
-        before = [j for j in range(c) if j < START or j >= c - RECENT]
+        before = [j for j in range(c) if j < start or j >= c - recent]
         seen[i, before + list(range(c, i + 1))] = True
         q_positions[i] = len(before) + i - c
         k_positions[i, before] = np.arange(len(before))
@@ -46,6 +46,29 @@ def test_matches_the_reindexed_reference(params):
     ref = reference_logits(params, sequence, starts)
     np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4) == 2 * 2 * 2 * 6 * 16 * 4
+
+
+@pytest.mark.slow
+def test_windows_in_one_ring_share_steps_and_each_matches_the_reference(params):
+    """A ring of 12 slots (`ring_slots`) holds the window as data: windows (2, 4), (1, 7) and (0, 12) compile one
+    prefill step and one decode step between them, and each gives the re-indexed reference's logits."""
+    from duo_jax import engine
+
+    prompt = np.random.default_rng(2).integers(0, CONFIG.vocab_size, 19).tolist()
+    chunk, steps, compiled = 5, 8, []
+    for start, recent in [(2, 4), (1, 7), (0, 12)]:
+        method = make_method("streaming_llm", CONFIG, context=64, start=start, recent=recent, ring_slots=12)
+        before = engine._compiled_extend.cache_info().misses
+        sequence, logits, _, cache = run_method(params, CONFIG, method, prompt, chunk=chunk, decode_steps=steps)
+        compiled.append(engine._compiled_extend.cache_info().misses - before)
+        starts = [(i // chunk) * chunk if i < len(prompt) else i for i in range(len(sequence))]
+        np.testing.assert_array_less(
+            np.abs(logits - reference_logits(params, sequence, starts, start, recent)).max(), 1e-4
+        )
+        assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4) == 2 * 2 * 2 * 12 * 16 * 4
+    assert compiled[1:] == [0, 0], compiled
+    with pytest.raises(DuoJaxError, match="ring_slots must be an integer >= start \\+ recent = 9"):
+        make_method("streaming_llm", CONFIG, context=64, start=2, recent=7, ring_slots=8)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from duo_jax import methods
 from duo_jax.cache import full_cache_bytes
 from duo_jax.engine import capacity_bucket
 from duo_jax.errors import DuoJaxError
@@ -179,6 +180,7 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
 
     mode, kwargs = _request(model, run, ids, max_new_tokens, settings)
     length, need = len(ids), len(ids) + max_new_tokens
+    bucketed = kwargs["context"] is None or "ring_slots" in kwargs  # it reserves more than the sample keeps
     out = generate(model, [list(ids)], **kwargs)
     # The new ids decoded alone, as LongBench's pred.py decodes them (`out.text` keeps the space a SentencePiece
     # decoder drops from the first word, which code_sim_score would see; RULER strips its predictions either way).
@@ -192,7 +194,7 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
         prefill_s=out.stats["prefill_s"],
         decode_s=out.stats["decode_s"],
         compile_s=out.stats["compile_s"],
-        cache_bytes=own_cache_bytes(model, mode, need) if shares_capacity_buckets(mode) else out.stats["cache_bytes"],
+        cache_bytes=own_cache_bytes(model, mode, need) if bucketed else out.stats["cache_bytes"],
         reserved_cache_bytes=out.stats["cache_bytes"],
         # One reference for every mode: a full cache of this sample's own need.
         full_cache_bytes=full_cache_bytes(model.config, 1, need, model.params.dtype.itemsize),
@@ -219,11 +221,13 @@ def compile_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: i
 
 
 def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
-    """The streaming ring a duo mode runs with where its window was fitted to the sample (``streaming``'s is the
-    budget, duo's shrinks under a small one): `duo_jax.engine.capacity_bucket` of it, the window runtime data
-    (`make_duo`'s ring_slots), so that samples with windows in one bucket share compiled steps. None: the mode keeps
-    the evaluation's window (--sink / --recent) on every sample, compiled in, or is no duo mode."""
-    if mode.method != "duo" or (mode.sink, mode.recent) == (settings.sink, settings.recent):
+    """The ring a mode runs with where its window was fitted to the sample (``streaming``'s and streaming_llm's are
+    the budget, duo's shrinks under a small one): `duo_jax.engine.capacity_bucket` of it, the window runtime data
+    (the method's `ring_slots` option: `duo_jax.cache.WindowAsData`), so that samples with windows in one bucket
+    share compiled steps. None: the mode keeps the evaluation's window (--sink / --recent) on every sample, compiled
+    in, or its method has no such ring."""
+    takes_ring = "ring_slots" in methods.entry(mode.method).options
+    if not takes_ring or (mode.sink, mode.recent) == (settings.sink, settings.recent):
         return None
     return capacity_bucket(mode.sink + mode.recent)
 

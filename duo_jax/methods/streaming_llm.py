@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from duo_jax.cache import WindowAsData, check_ring_slots
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, concat_slots, kv_rotation_for, write_slots
@@ -39,21 +40,29 @@ class StreamingShared:
     query_rope: Rotary  # [B, T, E/2]
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamingLLM(Method):
+@dataclasses.dataclass(frozen=True, eq=False)
+class StreamingLLM(WindowAsData, Method):
+    """`start` sinks + `recent` tokens per head; with `ring_slots`, a ring of that many slots whose window is runtime
+    data (`duo_jax.cache.WindowAsData`: methods differing only in start and recent share compiled steps)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     start: int = 4
     recent: int = 256
     kv_dtype: str | None = None  # "int8" / "int4": quantized (`duo_jax.quant`)
+    ring_slots: int | None = None  # the ring's slots when the window is data (>= start + recent)
 
     name = "streaming_llm"
+    _window_fields = ("start", "recent")
     # A model's sliding window applies to absolute positions, as the model was trained (`Step.positions_spec`).
     absolute_positions = False  # re-indexed: generation may run past the trained context
 
+    def state(self):
+        return self.window_state()
+
     def init_cache(self, batch: int, dtype) -> tuple[StreamingLayerCache, ...]:
-        shape = (batch, self.start + self.recent, self.num_kv_heads, self.head_dim)
+        shape = (batch, self.window_slots, self.num_kv_heads, self.head_dim)
 
         def zeros():
             return jnp.zeros(shape, dtype) if self.kv_dtype is None else kv_zeros(shape, self.kv_dtype, dtype)
@@ -62,17 +71,18 @@ class StreamingLLM(Method):
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
         vector = kv_bytes_per_vector(self.head_dim, check_kv_dtype(self.kv_dtype), bytes_per_elem)
-        return batch * 2 * self.num_layers * self.num_kv_heads * (self.start + self.recent) * vector
+        return batch * 2 * self.num_layers * self.num_kv_heads * self.window_slots * vector
 
     def begin_step(self, step: Step) -> StreamingShared:
-        window = StreamingWindow.build(step, self.start, self.recent)
-        slots = self.start + self.recent
+        start, recent = self.window_of(step.state)
+        slots = self.window_slots
+        window = StreamingWindow.build(step, start, recent, slots=slots)
         slot_pos = window.key_positions[:, :slots]  # absolute positions, -1 where empty
         # Chronological rank of each cached token: sinks keep their index; the ring's tokens are the
         # consecutive positions [oldest, lengths), numbered after the sinks.
-        num_sinks = jnp.minimum(step.lengths, self.start)[:, None]
-        oldest = jnp.maximum(self.start, step.lengths - self.recent)[:, None]
-        slot_rank = jnp.where(slot_pos < self.start, slot_pos, num_sinks + slot_pos - oldest)
+        num_sinks = jnp.minimum(step.lengths, start)[:, None]
+        oldest = jnp.maximum(start, step.lengths - recent)[:, None]
+        slot_rank = jnp.where(slot_pos < start, slot_pos, num_sinks + slot_pos - oldest)
         num_cached = jnp.sum(slot_pos >= 0, axis=1, keepdims=True)
         new_rank = num_cached + jnp.arange(step.positions.shape[1])[None, :]  # [B, T]
         key_positions = jnp.concatenate([jnp.maximum(slot_rank, 0), new_rank], axis=1)
@@ -116,8 +126,11 @@ def make_streaming_llm(
     recent: int = 256,
     kv_budget: int | None = None,
     kv_dtype: str | None = None,
+    ring_slots: int | None = None,
 ) -> StreamingLLM:
-    """`start` attention sinks + `recent` tokens per head (recent = kv_budget - start when a budget is given)."""
+    """`start` attention sinks + `recent` tokens per head (recent = kv_budget - start when a budget is given).
+    `ring_slots`: a ring of that many slots (>= start + recent) whose window is runtime data, so that methods that
+    differ only in start and recent share compiled steps; None: start + recent slots, the window compiled in."""
     if kv_budget is not None:
         recent = kv_budget - start
     if start < 0 or recent < 1:
@@ -125,4 +138,5 @@ def make_streaming_llm(
             f"start must be >= 0 and recent >= 1 (a ring of the newest tokens), got start={start}, recent={recent}"
             + (f" from kv_budget={kv_budget}" if kv_budget is not None else "")
         )
-    return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent, kv_dtype)
+    ring_slots = check_ring_slots(ring_slots, start + recent, "start + recent")
+    return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent, kv_dtype, ring_slots)
