@@ -49,12 +49,19 @@ class WindowAsData:
 
     _window_fields: tuple[str, str] = ("sink", "recent")
 
+    def __post_init__(self):
+        if self.ring_slots is not None:  # however it was built (a constructor, dataclasses.replace)
+            sink, recent = (getattr(self, name) for name in self._window_fields)
+            check_ring_slots(self.ring_slots, sink + recent, " + ".join(self._window_fields))
+
     def _key(self) -> tuple:
         skip = self._window_fields if self.ring_slots is not None else ()
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip)
 
     def __eq__(self, other) -> bool:
-        return type(other) is type(self) and self._key() == other._key()
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._key()))
@@ -86,7 +93,8 @@ class WindowAsData:
 
 def check_ring_slots(ring_slots, window: int, named: str = "sink + recent") -> int | None:
     """`ring_slots` checked against the window it must hold (`named`, of `window` tokens): None, or an int >= it."""
-    if ring_slots is not None and not (isinstance(ring_slots, (int, np.integer)) and ring_slots >= window):
+    integer = isinstance(ring_slots, (int, np.integer)) and not isinstance(ring_slots, (bool, np.bool_))
+    if ring_slots is not None and not (integer and ring_slots >= window):
         raise DuoJaxError(
             f"ring_slots must be an integer >= {named} = {window} (the window it holds), got {ring_slots!r}"
         )
@@ -190,7 +198,7 @@ class DuoLayerCache:
 
     retrieval_k: jax.Array  # [B, C, n_l, E] (or a QuantizedKV of that shape)
     retrieval_v: jax.Array
-    streaming_k: jax.Array  # [B, sink + recent, K - n_l, E]
+    streaming_k: jax.Array  # [B, S, K - n_l, E]: S = sink + recent, or the layout's ring_slots
     streaming_v: jax.Array
 
 

@@ -381,10 +381,12 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed=0
 
 
 def compile_steps(engine: Engine, plan: GenerationPlan) -> None:
-    """Compile what `run_generation` runs for `plan` on `engine`: the prefill chunk's step, the prompt tail's and
-    the decode loop, with the method decoding continues with (`Method.decode_method`, known before the prefill).
-    Each shape compiles once per process, whichever thread asks first (the engine's caches); so a caller that
-    knows its next requests can compile them in a background thread while the device runs the current one."""
+    """Compile the engine's steps `run_generation` runs for `plan` on `engine`: the prefill chunk's, the prompt
+    tail's and the decode loop, with the method decoding continues with (`Method.decode_method`, known before the
+    prefill). Each shape compiles once per process, whichever thread asks first (the engine's caches); so a caller
+    that knows its next requests can compile them in a background thread while the device runs the current one.
+    The small programs around them (an empty cache, SnapKV's compression after the prefill, the first token's
+    argmax) still compile on their first use."""
     kv_method, B, mesh = plan.method, len(plan.ids), plan.mesh
     config, dtype, layout = engine.config, engine.dtype, engine.weight_layout
     compiled_extend(config, kv_method, B, plan.chunk, dtype, plan.impl, False, mesh, **layout)

@@ -94,6 +94,8 @@ def test_windows_in_one_ring_share_steps_and_each_matches_the_reference(params, 
     prefill step and one decode step between them, and each gives the float64 reference's logits for its own window
     (prefill in chunks of 8, the ring wrapping, decode steps through the one-launch kernels under "pallas", the
     streaming heads' sub-chunks with `streaming_chunk`). Without the window as data it would be compiled in."""
+    from dataclasses import replace
+
     from duo_jax import engine as engine_lib
 
     def compiles():
@@ -119,6 +121,9 @@ def test_windows_in_one_ring_share_steps_and_each_matches_the_reference(params, 
     )  # compiled in, two windows are two methods
     with pytest.raises(duo_jax.DuoJaxError, match="ring_slots must be an integer >= sink \\+ recent = 11"):
         make_layout(CONFIG, MIXED, sink=3, recent=8, context=64, ring_slots=10)
+    layout = make_layout(CONFIG, MIXED, sink=3, recent=8, context=64, ring_slots=12)
+    with pytest.raises(duo_jax.DuoJaxError, match="ring_slots must be an integer >= sink \\+ recent = 14"):
+        replace(layout, recent=11)  # a replaced window is checked too
 
 
 @pytest.mark.parametrize("impl, kv_dtype", [("auto", None), ("xla", None), ("pallas", None), ("xla", "int8")], ids=str)

@@ -70,24 +70,25 @@ def _loop(model, tmp_path, settings, group):
 
 
 def test_steps_compiled_ahead_change_no_output(model, tmp_path, monkeypatch):
-    """With compile_ahead 2, the threads compile every sample after the first, once each, in order across runs, and
-    the predictions are those of a loop that compiles nothing ahead. A sample whose compile fails ahead (here: all of
-    them) is generated all the same."""
+    """With compile_ahead 2, the threads compile every sample after the first, once each, across runs, and the
+    predictions are those of a loop that compiles nothing ahead (compile_ahead 0). A sample whose compile fails
+    ahead (here: all of them) is generated all the same."""
     rng = np.random.default_rng(2)
     group = [
         samples.Sample(str(i), rng.integers(3, CONFIG.vocab_size, n).tolist(), 3) for i, n in enumerate((90, 200, 330))
     ]
     pattern = Pattern(rng.random((CONFIG.num_layers, CONFIG.num_kv_heads)))
-    plain = _loop(
-        model, tmp_path / "plain", samples.Settings(pattern=pattern, sink=4, recent=16, compile_ahead=0), group
-    )
-
     sent, compile_sample = [], samples.compile_sample
     monkeypatch.setattr(
         samples,
         "compile_sample",
         lambda m, run, ids, *a: sent.append((run.name, len(ids))) or compile_sample(m, run, ids, *a),
     )
+    plain = _loop(
+        model, tmp_path / "plain", samples.Settings(pattern=pattern, sink=4, recent=16, compile_ahead=0), group
+    )
+    assert sent == []  # 0: nothing compiled ahead
+
     settings = samples.Settings(pattern=pattern, sink=4, recent=16, compile_ahead=2)
     ahead = _loop(model, tmp_path / "ahead", settings, group)
     order = [(run, len(s.prompt_ids)) for run in ("duo@0.5", "streaming@0.5") for s in group]

@@ -69,6 +69,10 @@ def test_windows_in_one_ring_share_steps_and_each_matches_the_reference(params):
     assert compiled[1:] == [0, 0], compiled
     with pytest.raises(DuoJaxError, match="ring_slots must be an integer >= start \\+ recent = 9"):
         make_method("streaming_llm", CONFIG, context=64, start=2, recent=7, ring_slots=8)
+    with pytest.raises(DuoJaxError, match="ring_slots must be an integer >= start \\+ recent = 22"):
+        StreamingLLM(2, 2, 16, 2, 20, None, 8)  # built directly: a ring too small would drop tokens silently
+    with pytest.raises(DuoJaxError, match="ring_slots must be an integer"):
+        make_method("streaming_llm", CONFIG, context=64, start=0, recent=1, ring_slots=True)
 
 
 @pytest.mark.slow

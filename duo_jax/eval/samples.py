@@ -285,8 +285,9 @@ def generate_missing(
     pool = ThreadPoolExecutor(max(compile_ahead, 1), thread_name_prefix="compile-ahead")
     try:
         with tqdm(total=total, initial=total - len(todo), desc=desc, unit="sample", disable=not progress) as bar:
-            sent = 0  # the last sample handed to the compile threads (0: none; the first is generated at once)
+            sent = 0  # the last sample handed to the compile threads (the first is generated at once)
             for i, (key, run, store, sample, fingerprint) in enumerate(todo):
+                sent = max(sent, i)  # only later samples: this one compiles in its own generation
                 while sent < min(i + compile_ahead, len(todo) - 1):
                     sent += 1
                     pool.submit(_compile_quietly, model, todo[sent][1], todo[sent][3], settings)

@@ -218,7 +218,7 @@ class StreamingWindow:
         return attention.attend(q, keys, values, spec, impl=step.impl)
 
     def attend_and_write(self, q, k, v, cache_k, cache_v, step: Step):
-        """Streaming heads: q [B, T, H_s, E] over their ring cache_k / cache_v [B, sink + recent, K_s, E] and
+        """Streaming heads: q [B, T, H_s, E] over their ring cache_k / cache_v [B, S, K_s, E] and
         the chunk's k / v [B, T, K_s, E]; returns (output, the ring with the chunk folded in)."""
         out = q
         k, v = as_stored(k, cache_k), as_stored(v, cache_v)  # quantized once, when the cache is

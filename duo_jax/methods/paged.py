@@ -1,12 +1,12 @@
 """DuoAttention (and full attention) with a paged retrieval partition; the streaming heads keep their sink + ring.
 
 Per layer l with n_l retrieval heads: pages_k[l], pages_v[l] [n_l, N, P, E] (a pool of N pages of P tokens per
-head, shared by every sequence) and streaming_k[l], streaming_v[l] [B, sink + recent, K - n_l, E]; shared by all
-layers, block_tables int32 [B, M]: position p of sequence b lives in page block_tables[b, p // P], row p % P, of
-every layer's pool (N: no page; writes through it are dropped). `paged(method, page_size=, num_pages=)` turns a
-`DuoAttention` ("duo" or "full") into its paged form: `init_cache` gives each sequence its own M pages in order,
-`empty_cache` a pool with no page handed out, for a scheduler that owns the tables. Design: docs/serving.md,
-"The paged cache"; how the pages are read: docs/attention.md, "Paged caches".
+head, shared by every sequence) and streaming_k[l], streaming_v[l] [B, S, K - n_l, E] (S: sink + recent, or the
+layout's ring_slots); shared by all layers, block_tables int32 [B, M]: position p of sequence b lives in page
+block_tables[b, p // P], row p % P, of every layer's pool (N: no page; writes through it are dropped).
+`paged(method, page_size=, num_pages=)` turns a `DuoAttention` ("duo" or "full") into its paged form: `init_cache`
+gives each sequence its own M pages in order, `empty_cache` a pool with no page handed out, for a scheduler that
+owns the tables. Design: docs/serving.md, "The paged cache"; how the pages are read: docs/attention.md, "Paged caches".
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class PagedLayerCache:
 
     pages_k: jax.Array  # [n_l, N, P, E]
     pages_v: jax.Array
-    streaming_k: jax.Array  # [B, sink + recent, K - n_l, E]
+    streaming_k: jax.Array  # [B, S, K - n_l, E]: S = sink + recent, or the layout's ring_slots
     streaming_v: jax.Array
 
 
@@ -176,7 +176,7 @@ class PagedDuo(Method):
         )
 
     def expected_cache_bytes(self, batch: int, bytes_per_elem: int) -> int:
-        """2 * E * bytes * sum_l(n_l * N * P + batch * (K - n_l) * (sink + recent)) + the block tables."""
+        """2 * E * bytes * sum_l(n_l * N * P + batch * (K - n_l) * S) + the block tables."""
         layout, N = self.layout, self.pool_pages(batch)
         per_layer = sum(
             n * N * self.page_size + batch * (layout.num_kv_heads - n) * layout.streaming_slots
