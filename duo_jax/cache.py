@@ -50,9 +50,22 @@ class WindowAsData:
     _window_fields: tuple[str, str] = ("sink", "recent")
 
     def __post_init__(self):
-        if self.ring_slots is not None:  # however it was built (a constructor, dataclasses.replace)
-            sink, recent = (getattr(self, name) for name in self._window_fields)
-            check_ring_slots(self.ring_slots, sink + recent, " + ".join(self._window_fields))
+        """`ring_slots` checked however the object was built (a builder, a constructor, `dataclasses.replace`): an
+        integer >= sink + recent, or None. A smaller ring would drop tokens silently."""
+        if self.ring_slots is None:
+            return
+        ring, window = self.ring_slots, sum(self._window)
+        if isinstance(ring, (bool, np.bool_)) or not isinstance(ring, (int, np.integer)) or ring < window:
+            named = " + ".join(self._window_fields)
+            raise DuoJaxError(
+                f"ring_slots must be an integer >= {named} = {window} (the window it holds), got {ring!r}"
+            )
+        object.__setattr__(self, "ring_slots", int(ring))
+
+    @property
+    def _window(self) -> tuple:
+        """(sink, recent) as the object holds them."""
+        return tuple(getattr(self, name) for name in self._window_fields)
 
     def _key(self) -> tuple:
         skip = self._window_fields if self.ring_slots is not None else ()
@@ -69,36 +82,25 @@ class WindowAsData:
     @property
     def window_slots(self) -> int:
         """The ring's slots: sink + recent, or `ring_slots`."""
-        sink, recent = (getattr(self, name) for name in self._window_fields)
-        return sink + recent if self.ring_slots is None else self.ring_slots
+        return sum(self._window) if self.ring_slots is None else self.ring_slots
 
     def window_state(self) -> Window | None:
         """The window as the method's state where it is data (`ring_slots`), else None."""
         if self.ring_slots is None:
             return None
-        return Window(*(np.int32(getattr(self, name)) for name in self._window_fields))
+        return Window(*map(np.int32, self._window))
 
     def window_of(self, state) -> tuple:
         """(sink, recent) inside a step: the object's own, compiled in, or with `ring_slots` the step's state (traced
         scalars; `state` is `Step.state`, which the engine fills with `Method.state()`)."""
         if self.ring_slots is None:
-            return tuple(getattr(self, name) for name in self._window_fields)
+            return self._window
         if not isinstance(state, Window):
             raise DuoJaxError(
                 f"this {type(self).__name__} has ring_slots: its window is runtime data, passed as the method's "
                 "state; call extend / decode with state=method.state() (the engine and generate do)"
             )
         return state.sink, state.recent
-
-
-def check_ring_slots(ring_slots, window: int, named: str = "sink + recent") -> int | None:
-    """`ring_slots` checked against the window it must hold (`named`, of `window` tokens): None, or an int >= it."""
-    integer = isinstance(ring_slots, (int, np.integer)) and not isinstance(ring_slots, (bool, np.bool_))
-    if ring_slots is not None and not (integer and ring_slots >= window):
-        raise DuoJaxError(
-            f"ring_slots must be an integer >= {named} = {window} (the window it holds), got {ring_slots!r}"
-        )
-    return None if ring_slots is None else int(ring_slots)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -177,7 +179,6 @@ def make_layout(
         kv_order = None if (order == np.arange(mask.shape[1])).all() else tuple(map(tuple, order.tolist()))
         if recent < 1 and not mask.all():
             raise DuoJaxError(f"streaming heads need recent >= 1 (a ring of the newest tokens), got recent={recent}")
-    ring_slots = check_ring_slots(ring_slots, sink + recent)
     return CacheLayout(
         num_retrieval,
         config.num_kv_heads,

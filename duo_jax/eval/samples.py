@@ -21,10 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-from duo_jax import methods
+from duo_jax import methods, sharding
 from duo_jax.cache import full_cache_bytes
 from duo_jax.engine import capacity_bucket
 from duo_jax.errors import DuoJaxError
@@ -235,9 +234,7 @@ def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
 def own_cache_bytes(model: Model, mode: ModeSettings, capacity: int) -> int:
     """Bytes of `mode`'s cache of one sequence at `capacity` tokens: what it keeps for a sample of that need,
     read from the shapes of the cache it builds (nothing is allocated)."""
-    method = mode.build(model.config, capacity, model=model)
-    shapes = jax.eval_shape(lambda: method.init_cache(1, model.params.dtype))
-    return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
+    return sharding.total_bytes(mode.build(model.config, capacity, model=model).cache_spec(1, model.params.dtype))
 
 
 @dataclasses.dataclass(frozen=True)

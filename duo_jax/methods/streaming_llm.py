@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from duo_jax.cache import WindowAsData, check_ring_slots
+from duo_jax.cache import WindowAsData
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, concat_slots, kv_rotation_for, write_slots
@@ -138,5 +138,4 @@ def make_streaming_llm(
             f"start must be >= 0 and recent >= 1 (a ring of the newest tokens), got start={start}, recent={recent}"
             + (f" from kv_budget={kv_budget}" if kv_budget is not None else "")
         )
-    ring_slots = check_ring_slots(ring_slots, start + recent, "start + recent")
     return StreamingLLM(config.num_layers, config.num_kv_heads, config.head_dim, start, recent, kv_dtype, ring_slots)
