@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda text: None if text == "default" else float(text),
         nargs="+",
         default=[None, 0.5],
-        help="fractions of each prompt (as the evaluations'), or 'default': duo's own budget",
+        help="fractions of each prompt or token counts (as the evaluations'), or 'default': duo's own budget",
     )
     p.add_argument("--samples", type=int, default=8, help="prompts, their lengths spread evenly over --lengths")
     p.add_argument("--lengths", type=int, nargs=2, default=[600, 2400], help="shortest and longest prompt tokens")

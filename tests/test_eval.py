@@ -18,8 +18,10 @@ from duo_jax.eval.__main__ import main as eval_main
 from duo_jax.eval.modes import (
     MODES,
     budget_tokens,
+    check_kv_budgets,
     check_modes,
     fit_window,
+    is_token_budget,
     mode_settings,
     num_retrieval_heads,
     streaming_budget,
@@ -149,6 +151,31 @@ def test_kv_budget_fraction_and_duo_window():
         "duo", config, Pattern.full(30, 3), sparsity=0.5, sink=64, recent=256, context=4128, kv_budget=40
     )
     assert (duo.sink, duo.recent, duo.sparsity) == (8, 32, 1.0)
+
+
+def test_kv_budget_in_tokens(monkeypatch):
+    """A budget above 1 is a number of tokens per KV head, the same for every prompt (the KV size of the SnapKV /
+    PyramidKV / HeadKV papers): whole numbers >= 2 only, never mixed with fractions in one evaluation, drawn on a
+    token axis."""
+    from duo_jax.eval import samples
+
+    assert budget_tokens(128, 1000) == budget_tokens(128.0, 50) == 128 and budget_tokens(2, 10) == 2
+    assert is_token_budget(128.0) and not is_token_budget(1.0) and not is_token_budget(None)
+    for bad in (1.5, 2.5, -3, 0):
+        with pytest.raises(duo_jax.DuoJaxError, match="fraction in \\(0, 1\\] of the evaluated tokens or a whole"):
+            budget_tokens(bad, 1000)
+    check_kv_budgets([None, 64, 128.0])
+    with pytest.raises(duo_jax.DuoJaxError, match="0.25, 128 mix fractions of the prompt with token counts"):
+        check_kv_budgets([0.25, 128])
+    assert [r.name for r in samples.make_runs(["full", "snapkv"], [64.0, 1024])] == ["full", "snapkv@64", "snapkv@1024"]
+    drawn = []
+    monkeypatch.setattr(report, "_save", lambda figure, path: drawn.append(figure))
+    cases = (([64, 256], "KV budget (tokens per KV head)", "log"), ([0.25], "KV budget (%)", "linear"))
+    for budgets, label, scale in cases:
+        report.budget_panels("unused.png", budgets, {"task": ({"snapkv": [1.0] * len(budgets)}, {})}, title="t")
+        axes = drawn[-1].axes[0]
+        assert axes.get_xlabel() == label and axes.get_xscale() == scale
+        assert list(axes.lines[0].get_xdata()) == (budgets if scale == "log" else [25.0])
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
@@ -447,6 +474,7 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     "argv, message",
     [
         (["niah", "--kv-budget", "1.5"], "--kv-budget: a KV budget is a fraction"),
+        (["ruler", "--kv-budget", "0.5", "128"], "--kv-budget: KV budgets 0.5, 128 mix fractions"),
         (["niah", "--modes", "full", "h2o2"], "invalid choice"),
         (["perplexity", "--length", "512", "--prefix", "512"], "--prefix must lie"),
         (["niah", "--kv-dtype", "int2"], "invalid choice"),

@@ -250,13 +250,14 @@ def test_merge_results_reads_a_grid_run_in_pieces():
 
 
 def test_merge_results_refuses_what_is_not_comparable():
-    one_k = _part([1024], {"full": ("full", None, {1024: (100, 50)})})
+    one_k = _part([1024], {"full": ("full", None, {1024: (100, 50)}), "duo@0.5": ("duo", 0.5, {1024: (1, 1)})})
     cases = [
         (_part([2048], {"x": ("duo", 0.5, {2048: (1, 2)})}, sink=4), "sink=4"),
         (_part([2048], {"x": ("duo", 0.5, {2048: (1, 2)})}, pattern="ffff"), "pattern='ffff'"),  # merged before
         ({k: v for k, v in _part([2048], {}).items() if k != "pattern"}, "pattern=.not recorded: a result from an"),
         (_part([1024], {"full": ("full", None, {1024: (100, 50)})}), "full at 1024 tokens is in both"),
         (_part([1024], {"x": ("duo", 0.5, {1024: (1, 2)})}, samples=3), "different prompts for a_1024"),
+        (_part([2048], {"snapkv@128": ("snapkv", 128, {2048: (1, 2)})}), "other.json: KV budgets 0.5, 128 mix"),
     ]
     for other, message in cases:
         with pytest.raises(DuoJaxError, match=message):

@@ -54,6 +54,29 @@ def test_full_and_duo_share_compiled_steps_across_lengths(model):
     assert records[0]["reserved_cache_bytes"] == records[1]["reserved_cache_bytes"] > records[0]["cache_bytes"]
 
 
+@pytest.mark.slow
+def test_a_budget_in_tokens_gives_every_prompt_the_same_shapes(model):
+    """Under a budget of 64 tokens for every prompt (the KV size of the SnapKV / HeadKV papers), SnapKV, PyramidKV,
+    HeadKV and duo_headkv compress prompts of 520 and 600 tokens (one own capacity, 640) to the same shapes: the
+    second sample compiles nothing. Under a quarter of each prompt (budgets of 130 and 150 tokens) each sample
+    compiles its own steps."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 600)]
+    grid = (CONFIG.num_layers, CONFIG.num_kv_heads)
+    settings = samples.Settings(
+        pattern=Pattern(rng.random(grid)), scores=Pattern(rng.random(grid)), sink=4, recent=16, chunk_size=128
+    )
+    for mode in ("snapkv", "pyramidkv", "headkv", "duo_headkv"):
+        for budget, tokens in ((64, (64, 64)), (0.25, (130, 150))):
+            run, compiles = samples.make_runs([mode], [budget])[0], []
+            for prompt, expected in zip(prompts, tokens):
+                before = compiled()
+                record = samples.generate_sample(model, run, prompt, 4, settings)
+                compiles.append(compiled() - before)
+                assert record["kv_budget_tokens"] == expected, run.name
+            assert compiles[0] > 0 and (compiles[1] == 0) == (budget == 64), (run.name, compiles)
+
+
 def _loop(model, tmp_path, settings, group):
     runs = samples.make_runs(["duo", "streaming"], [0.5])
     samples.generate_missing(

@@ -20,7 +20,7 @@ from pathlib import Path
 from duo_jax.errors import DuoJaxError, check_output_folder, integer_argument
 from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, check_max_length
 from duo_jax.eval.longbench_metrics import FUZZY
-from duo_jax.eval.modes import MODES, check_kv_budget, check_kv_dtype_modes
+from duo_jax.eval.modes import MODES, check_kv_budgets, check_kv_dtype_modes
 from duo_jax.eval.niah import DEFAULT_LENGTHS as NIAH_LENGTHS
 from duo_jax.eval.passkey import DEFAULT_LENGTHS as PASSKEY_LENGTHS
 from duo_jax.eval.ruler import DEFAULT_LENGTHS as RULER_LENGTHS
@@ -32,7 +32,7 @@ count = integer_argument("an integer >= 1", 1)
 
 
 def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -> None:
-    """The options every evaluation takes; budgets: --kv-budget takes several fractions (one run per budget)."""
+    """The options every evaluation takes; budgets: --kv-budget takes several (one run per budget)."""
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
     parser.add_argument(
         "--pattern",
@@ -54,10 +54,12 @@ def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -
         "--kv-budget",
         type=float,
         default=None,
-        metavar="F",
+        metavar="B",
         nargs="+" if budgets else None,
-        help="tokens kept per KV head as a fraction F in (0, 1] of the evaluated length, for every "
-        "mode but full (default: duo's budget at --sparsity)" + ("; several: every mode at each" if budgets else ""),
+        help="tokens kept per KV head by every mode but full: a fraction B in (0, 1] of the evaluated length, or "
+        "B >= 2 tokens for every prompt (the KV size of the SnapKV / PyramidKV / HeadKV papers) (default: duo's "
+        "budget at --sparsity)"
+        + ("; several, all fractions or all token counts: every mode at each" if budgets else ""),
     )
     parser.add_argument(
         "--scores",
@@ -268,7 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--limit must be at least 1, got {args.limit}")
     # the library's own checks, before the model loads
     budgets = args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]
-    checks = [("--kv-budget", functools.partial(check_kv_budget, b)) for b in budgets]
+    checks = [("--kv-budget", functools.partial(check_kv_budgets, budgets))]
     checks.append(("--decode-last", functools.partial(check_decode_last, getattr(args, "decode_last", 0))))
     if getattr(args, "max_length", None) is not None:
         checks.append(("--max-length", functools.partial(check_max_length, args.max_length)))

@@ -2,9 +2,9 @@
 
 The modes are ``full`` (the reference), ``duo``, ``streaming`` (every head a streaming head) and every other method
 of the registry. `mode_settings` builds a mode for a context and a budget: duo's by default (`streaming_budget`),
-or a fraction of the evaluated length (`budget_tokens`). `check_modes` and `check_kv_dtype_modes` validate the
-requested modes; `warn_if_calibrated_on` warns when a mode's calibration shares text with what is evaluated. How
-each mode meets the budget, exactly: docs/evaluation.md, "Modes and budgets".
+a fraction of the evaluated length or a number of tokens (`budget_tokens`). `check_modes` and `check_kv_dtype_modes`
+validate the requested modes; `warn_if_calibrated_on` warns when a mode's calibration shares text with what is
+evaluated. How each mode meets the budget, exactly: docs/evaluation.md, "Modes and budgets".
 """
 
 from __future__ import annotations
@@ -258,12 +258,39 @@ def warn_if_calibrated_on(
 
 
 def check_kv_budget(kv_budget: float | None) -> None:
-    """A KV budget is a fraction in (0, 1] of the evaluated tokens, or None (duo's own budget)."""
-    if kv_budget is not None and not 0 < kv_budget <= 1:
-        raise DuoJaxError(f"a KV budget is a fraction in (0, 1] of the evaluated tokens, got {kv_budget}")
+    """A KV budget is a fraction in (0, 1] of the evaluated tokens, a whole number of tokens per KV head >= 2 (the
+    "KV size" of the SnapKV, PyramidKV and HeadKV papers, the same for every prompt), or None (duo's own budget)."""
+    if kv_budget is None or 0 < kv_budget <= 1:
+        return
+    if not (kv_budget >= 2 and float(kv_budget).is_integer()):
+        raise DuoJaxError(
+            f"a KV budget is a fraction in (0, 1] of the evaluated tokens or a whole number of tokens per KV head "
+            f">= 2, got {kv_budget}"
+        )
+
+
+def is_token_budget(kv_budget: float | None) -> bool:
+    """Whether `kv_budget` (checked by `check_kv_budget`) is a number of tokens rather than a fraction."""
+    return kv_budget is not None and kv_budget > 1
+
+
+def check_kv_budgets(kv_budgets: Sequence[float | None]) -> None:
+    """Each budget checked (`check_kv_budget`), and all fractions or all token counts: an evaluation's figure
+    draws them on one axis."""
+    for budget in kv_budgets:
+        check_kv_budget(budget)
+    kinds = {is_token_budget(b) for b in kv_budgets if b is not None}
+    if len(kinds) > 1:
+        raise DuoJaxError(
+            f"KV budgets {', '.join(f'{b:g}' for b in kv_budgets if b is not None)} mix fractions of the prompt with "
+            "token counts: evaluate each kind in a run of its own"
+        )
 
 
 def budget_tokens(kv_budget: float | None, length: int) -> int | None:
-    """The budget in tokens per KV head for a fraction `kv_budget` of `length` evaluated tokens (None: None)."""
+    """The budget in tokens per KV head for `length` evaluated tokens: a fraction `kv_budget` of them (at least 2),
+    or `kv_budget` itself where it is a token count (None: None)."""
     check_kv_budget(kv_budget)
-    return None if kv_budget is None else max(2, int(kv_budget * length))
+    if kv_budget is None:
+        return None
+    return int(kv_budget) if is_token_budget(kv_budget) else max(2, int(kv_budget * length))

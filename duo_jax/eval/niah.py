@@ -82,7 +82,8 @@ def evaluate_grid(
 
     prompts_for(length) gives the prompts of one context length (all exactly `length` tokens); they are
     generated in batches of `batch_size` (default: all at once). Every mode but full keeps `kv_budget` x
-    `length` tokens per KV head (None: duo's budget; see `duo_jax.eval.modes`); `scores` are the HeadKV
+    `length` tokens per KV head, or `kv_budget` tokens where it is a count (None: duo's budget; see
+    `duo_jax.eval.modes`); `scores` are the HeadKV
     head scores for headkv / duo_headkv; `kv_dtype` ("int8" / "int4") quantizes every mode's cache
     (`duo_jax.eval.modes.check_kv_dtype_modes`). `score(generated, prompt)` gives a cell's
     score in [0, 1]; a cell is correct when `score_contains` says so. Each mode's result holds its settings
@@ -225,7 +226,8 @@ def run_niah(
     progress: bool = True,
 ) -> dict:
     """The NIAH grid in every mode; writes niah.json and the heat maps into `out_dir` when given.
-    kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's);
+    kv_budget: tokens kept per KV head by every mode but full, a fraction of each prompt's length or a
+    number of tokens (`duo_jax.eval.modes.budget_tokens`; None: duo's);
     kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype); streaming_chunk: the duo
     modes' (`duo_jax.eval.modes.mode_settings`)."""
     if model.tokenizer is None:

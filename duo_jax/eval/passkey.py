@@ -56,7 +56,8 @@ def run_passkey(
     progress: bool = True,
 ) -> dict:
     """Passkey accuracy per length in every mode; writes passkey.json and the figures into `out_dir` when given.
-    kv_budget: a fraction of each prompt's length kept per KV head by every mode but full (None: duo's);
+    kv_budget: tokens kept per KV head by every mode but full, a fraction of each prompt's length or a
+    number of tokens (`duo_jax.eval.modes.budget_tokens`; None: duo's);
     kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype); streaming_chunk: the duo
     modes' (`duo_jax.eval.modes.mode_settings`)."""
     if model.tokenizer is None:

@@ -127,8 +127,9 @@ def evaluate_perplexity(
     progress: bool = True,
 ) -> dict:
     """Per-bucket NLL / perplexity of token windows [B, T] in every mode: {"modes": {mode: {...}}}.
-    prefix: prompt tokens (the rest is decoded; None: all prompt); kv_budget: a fraction of T kept per KV
-    head by every mode but full (None: duo's budget); `scores`: HeadKV scores for headkv / duo_headkv;
+    prefix: prompt tokens (the rest is decoded; None: all prompt); kv_budget: a fraction of T or a number of
+    tokens kept per KV head by every mode but full (`duo_jax.eval.modes.budget_tokens`; None: duo's budget);
+    `scores`: HeadKV scores for headkv / duo_headkv;
     kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype); streaming_chunk: the duo
     modes' (`duo_jax.eval.modes.mode_settings`)."""
     from tqdm.auto import tqdm

@@ -236,13 +236,14 @@ def budget_panels(
     columns: int = 4,
 ) -> Path:
     """Score against KV budget, one panel per entry of `panels` ({panel: (series, levels)}): each series a line
-    over `budgets` (fractions, drawn as percents), each level (a mode without a budget, e.g. full attention)
-    a dashed horizontal line."""
+    over `budgets` (fractions, drawn as percents; or token counts, all > 1, drawn on a log axis), each level (a
+    mode without a budget, e.g. full attention) a dashed horizontal line."""
     columns = max(1, min(columns, len(panels)))
     rows = -(-len(panels) // columns)
     figure = _figure(max(4.8, 3.2 * columns), 2.8 * rows + 0.4)
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
-    x = [100 * b for b in budgets]
+    tokens = bool(budgets) and min(budgets) > 1
+    x = list(budgets) if tokens else [100 * b for b in budgets]
     for ax, (name, (series, levels)) in zip(axes, panels.items()):
         for label, value in levels.items():
             if value is not None and np.isfinite(value):
@@ -250,7 +251,9 @@ def budget_panels(
         for label, ys in series.items():
             ax.plot(x, [np.nan if y is None else y for y in ys], marker="o", label=label)
         ax.set_title(name, fontsize=9)
-        ax.set_xlabel("KV budget (%)", fontsize=8)
+        ax.set_xlabel("KV budget (tokens per KV head)" if tokens else "KV budget (%)", fontsize=8)
+        if tokens and len(x) > 1:
+            ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
     for ax in axes[len(panels) :]:
         ax.set_axis_off()

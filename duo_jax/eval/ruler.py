@@ -19,7 +19,7 @@ from duo_jax.data import ruler as data
 from duo_jax.data.haystack import EVALUATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
-from duo_jax.eval.modes import warn_if_calibrated_on
+from duo_jax.eval.modes import check_kv_budgets, warn_if_calibrated_on
 from duo_jax.eval.samples import (
     PredictionStore,
     Sample,
@@ -269,6 +269,10 @@ def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
                     into["scores"][t][n] = run["scores"][t][_key(run["scores"][t], n)]
                     into["predictions"][f"{t}_{n}"] = run["predictions"][f"{t}_{n}"]
         merged["sources"].append(source)
+    try:  # one figure draws every budget on one axis
+        check_kv_budgets([run["kv_budget"] for run in merged["runs"].values()])
+    except DuoJaxError as e:
+        raise DuoJaxError(f"{', '.join(merged['sources'])}: {e}") from None
     merged["lengths"] = sorted(merged["samples"])
     merged["samples"] = {n: merged["samples"][n] for n in merged["lengths"]}
     # full first, then each budget's runs, duo first among them

@@ -31,7 +31,7 @@ from duo_jax.eval import report
 from duo_jax.eval.modes import (
     ModeSettings,
     budget_tokens,
-    check_kv_budget,
+    check_kv_budgets,
     check_modes,
     mode_settings,
     one_chunk_prefill,
@@ -42,7 +42,8 @@ from duo_jax.pattern import Pattern
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One mode at one KV budget (a fraction of each prompt's tokens; None: full, or duo's default budget).
+    """One mode at one KV budget: a fraction of each prompt's tokens, or a number of tokens per KV head for every
+    prompt (`duo_jax.eval.modes.check_kv_budget`); None: full, or duo's default budget.
     decode_last > 0: the prompt's last `decode_last` tokens are decoded one at a time with eviction
     (`duo_jax.generate`'s prompt_tail_steps; DuoAttention's appendix protocol for H2O / TOVA); its name then
     ends in "+last<N>"."""
@@ -73,8 +74,7 @@ def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None, deco
     """Every mode at every budget; full once (it keeps every token at any budget). decode_last applies to the
     modes evaluated with one-chunk prefill (h2o, tova)."""
     budgets = list(dict.fromkeys(budgets or [None]))
-    for budget in budgets:
-        check_kv_budget(budget)
+    check_kv_budgets(budgets)
     check_decode_last(decode_last)
     return [
         Run(m, b, decode_last if one_chunk_prefill(m) else 0)
@@ -101,7 +101,7 @@ class Settings:
 
 
 def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Settings):
-    """The run's mode built for a prompt of `length` tokens: budget = the run's fraction of the prompt."""
+    """The run's mode built for a prompt of `length` tokens: budget = the run's fraction of it, or its tokens."""
     return mode_settings(
         run.mode,
         model.config,
@@ -174,7 +174,7 @@ def _request(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, se
 
 def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> dict:
     """Generate greedily from one token-id prompt in `run`; returns the text and what it cost. The mode's
-    budget is the run's fraction of the whole prompt, whichever protocol."""
+    budget is the run's fraction of the whole prompt (whichever protocol), or its number of tokens."""
     from duo_jax import generate
 
     mode, kwargs = _request(model, run, ids, max_new_tokens, settings)
@@ -205,7 +205,9 @@ def shares_capacity_buckets(mode: ModeSettings) -> bool:
     and duo (``streaming`` too) keep the same tokens at any capacity that holds the sample, since duo's budget rule
     fits its sparsity and window to the sample's length, not to the capacity. So samples of similar lengths share
     compiled steps (a window fitted to the sample is runtime data in a ring bucket, `ring_bucket`). Every other
-    method's cache is shaped by its budget, so a bucket would only reserve memory."""
+    method's cache is shaped by its budget or by the prompt's length, so a bucket would only reserve memory (SnapKV's
+    family under a budget in tokens: the same shapes for every sample of one own capacity; in a bucket its decode
+    ring, the capacity less the prompt's whole blocks, would take a size per prompt length)."""
     return mode.method in ("full", "duo")
 
 
