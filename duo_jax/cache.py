@@ -39,36 +39,17 @@ class Window:
     recent: jax.Array
 
 
-class WindowAsData:
-    """Mixin of a frozen dataclass (eq=False) that holds a streaming window, sinks + a ring of recent tokens, in the
-    two fields `_window_fields` names, and `ring_slots`. Without `ring_slots` the window is compiled into the steps
-    and the ring holds sink + recent slots. With it the ring holds that many slots (>= sink + recent) and the window
-    is runtime data: the method's state (`window_state`, passed as `Method.state`), read inside a step by
-    `window_of`; equality and hash then ignore the window, so objects that differ only in their windows share
-    compiled steps."""
+class StaticSpec:
+    """Mixin of a frozen dataclass (eq=False) that is a static argument of compiled steps while some of its fields
+    may be runtime data, passed as the method's state (`Method.state`): equality and hash ignore the fields
+    `_data_fields` names, so objects that differ only in them share compiled steps."""
 
-    _window_fields: tuple[str, str] = ("sink", "recent")
-
-    def __post_init__(self):
-        """`ring_slots` checked however the object was built (a builder, a constructor, `dataclasses.replace`): an
-        integer >= sink + recent, or None. A smaller ring would drop tokens silently."""
-        if self.ring_slots is None:
-            return
-        ring, window = self.ring_slots, sum(self._window)
-        if isinstance(ring, (bool, np.bool_)) or not isinstance(ring, (int, np.integer)) or ring < window:
-            named = " + ".join(self._window_fields)
-            raise DuoJaxError(
-                f"ring_slots must be an integer >= {named} = {window} (the window it holds), got {ring!r}"
-            )
-        object.__setattr__(self, "ring_slots", int(ring))
-
-    @property
-    def _window(self) -> tuple:
-        """(sink, recent) as the object holds them."""
-        return tuple(getattr(self, name) for name in self._window_fields)
+    def _data_fields(self) -> tuple[str, ...]:
+        """The fields that are runtime data (none by default)."""
+        return ()
 
     def _key(self) -> tuple:
-        skip = self._window_fields if self.ring_slots is not None else ()
+        skip = self._data_fields()
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip)
 
     def __eq__(self, other) -> bool:
@@ -78,6 +59,40 @@ class WindowAsData:
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._key()))
+
+
+def check_slots(name: str, slots, least: int, holds: str) -> int:
+    """`slots` (a field sized past runtime data) as an int >= `least`, else a DuoJaxError naming what it holds:
+    fewer slots would drop tokens silently."""
+    if isinstance(slots, (bool, np.bool_)) or not isinstance(slots, (int, np.integer)) or slots < least:
+        raise DuoJaxError(f"{name} must be an integer >= {holds} = {least} (what it holds), got {slots!r}")
+    return int(slots)
+
+
+class WindowAsData(StaticSpec):
+    """Mixin of a frozen dataclass (eq=False) that holds a streaming window, sinks + a ring of recent tokens, in the
+    two fields `_window_fields` names, and `ring_slots`. Without `ring_slots` the window is compiled into the steps
+    and the ring holds sink + recent slots. With it the ring holds that many slots (>= sink + recent) and the window
+    is runtime data: the method's state (`window_state`, passed as `Method.state`), read inside a step by
+    `window_of`; equality and hash then ignore the window (`StaticSpec`), so objects that differ only in their
+    windows share compiled steps."""
+
+    _window_fields: tuple[str, str] = ("sink", "recent")
+
+    def __post_init__(self):
+        """`ring_slots` checked however the object was built (a builder, a constructor, `dataclasses.replace`): an
+        integer >= sink + recent, or None. A smaller ring would drop tokens silently."""
+        if self.ring_slots is not None:
+            holds = " + ".join(self._window_fields)
+            object.__setattr__(self, "ring_slots", check_slots("ring_slots", self.ring_slots, sum(self._window), holds))
+
+    @property
+    def _window(self) -> tuple:
+        """(sink, recent) as the object holds them."""
+        return tuple(getattr(self, name) for name in self._window_fields)
+
+    def _data_fields(self) -> tuple[str, ...]:
+        return self._window_fields if self.ring_slots is not None else ()
 
     @property
     def window_slots(self) -> int:

@@ -167,6 +167,45 @@ def test_windowed_layer_matches_the_eviction_reference(params, prompt, rule, chu
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "rule, config, impl", [("h2o", CONFIG, "xla"), ("tova", CONFIG, "auto"), ("h2o", WINDOWED, "auto")]
+)
+def test_budgets_in_one_bucket_share_steps_and_each_matches_the_reference(params, prompt, rule, config, impl):
+    """With `budget_slots` 9 the cache holds 9 slots per KV head and the budget (and H2O's recent) is runtime data:
+    budgets 6 (recent 3), 4 (recent 1) and 9 (recent 5) compile one prefill step and one decode step between them,
+    and each keeps the tokens and gives the logits of the float64 reference at its own budget (prefill in chunks of
+    4, then decode steps; on the windowed layer, at most the window's 4 tokens). Equal budget_slots make equal
+    methods whatever the budget; without them two budgets are two methods."""
+    from duo_jax import engine as engine_lib
+
+    def compiles():
+        return engine_lib._compiled_extend.cache_info().misses
+
+    seen = []
+    for budget, recent in [(6, 3), (4, 1), (9, 5)]:
+        options = dict(kv_budget=budget, budget_slots=9) | (dict(recent=recent) if rule == "h2o" else {})
+        method = make_method(rule, config, context=64, **options)
+        before = compiles()
+        sequence, logits, chunks, cache = run_method(params, config, method, prompt, chunk=4, decode_steps=6, impl=impl)
+        seen.append(compiles() - before)
+        kept = []
+        ref = reference_logits(params, sequence, chunks, rule, budget, recent if rule == "h2o" else 0, config, kept)
+        np.testing.assert_array_less(np.abs(logits - ref).max(), 1e-4)
+        for layer, expected in zip(cache, kept):
+            positions = np.asarray(layer.positions[0])
+            assert [set(row[row >= 0].tolist()) for row in positions] == expected
+        assert cache[0].k.shape[2] == 9 and cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
+    assert seen[0] > 0 and seen[1:] == [0, 0], seen
+    six, four = (make_method(rule, config, context=64, kv_budget=b, budget_slots=9) for b in (6, 4))
+    assert six == four and hash(six) == hash(four)
+    assert make_method(rule, config, context=64, kv_budget=6) != make_method(rule, config, context=64, kv_budget=4)
+    with pytest.raises(DuoJaxError, match="budget_slots must be an integer >= the budget = 6"):
+        make_method(rule, config, context=64, kv_budget=6, budget_slots=5)
+    with pytest.raises(DuoJaxError, match="budget_slots must be an integer"):
+        dataclasses.replace(six, budget_slots=True)
+
+
+@pytest.mark.slow
 def test_generate_with_eviction_methods(params, prompt):
     model = duo_jax.Model(CONFIG, params, None, "random")
     for rule in ("h2o", "tova"):

@@ -77,6 +77,34 @@ def test_a_budget_in_tokens_gives_every_prompt_the_same_shapes(model):
             assert compiles[0] > 0 and (compiles[1] == 0) == (budget == 64), (run.name, compiles)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, decode_last", [("h2o", 0), ("tova", 0), ("h2o", 50)])
+def test_eviction_budgets_in_one_bucket_share_compiled_steps(model, mode, decode_last):
+    """H2O and TOVA at a quarter of prompts of 520 and 600 tokens (budgets 130 and 150: runtime data in 256 slots,
+    `budget_slots`; the prompt in one chunk padded to 768) compile once between them, with the prompt's last 50
+    tokens decoded one at a time too. Each record gives the tokens and the cache bytes of a generation with the
+    budget compiled in and a chunk of the prompt's own length."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 600)]
+    settings = samples.Settings(chunk_size=128)
+    run = samples.make_runs([mode], [0.25], decode_last)[0]
+    records, compiles = [], []
+    for prompt in prompts:
+        before = compiled()
+        records.append(samples.generate_sample(model, run, prompt, 4, settings))
+        compiles.append(compiled() - before)
+    assert compiles[0] > 0 and compiles[1] == 0, compiles
+    for prompt, record in zip(prompts, records):
+        m = samples._mode(model, run, len(prompt), 4, settings)
+        assert samples.budget_bucket(m) == 256 and m.kv_budget == len(prompt) // 4
+        own = duo_jax.generate(
+            model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=len(prompt),
+            prompt_tail_steps=decode_last, **m.generate_kwargs(),
+        )  # fmt: skip
+        assert record["pred"] == model.tokenizer.decode(own.tokens[0])
+        assert record["cache_bytes"] == own.stats["cache_bytes"] < record["reserved_cache_bytes"]
+
+
 def _loop(model, tmp_path, settings, group):
     runs = samples.make_runs(["duo", "streaming"], [0.5])
     samples.generate_missing(

@@ -162,13 +162,14 @@ def _request(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, se
         max_new_tokens=max_new_tokens,
         context=None if shares_capacity_buckets(mode) else length + max_new_tokens,
         chat=False,
-        chunk_size=length if mode.one_chunk_prefill else settings.chunk_size,
+        # One chunk for the whole prompt, padded to a capacity bucket so that prompts of similar lengths share it
+        chunk_size=capacity_bucket(length) if mode.one_chunk_prefill else settings.chunk_size,
         prompt_tail_steps=run.decode_last,
         **mode.generate_kwargs(),
     )
-    ring = ring_bucket(mode, settings)
-    if ring is not None:
-        kwargs["ring_slots"] = ring
+    for option, slots in (("ring_slots", ring_bucket(mode, settings)), ("budget_slots", budget_bucket(mode))):
+        if slots is not None:
+            kwargs[option] = slots
     return mode, kwargs
 
 
@@ -179,7 +180,8 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
 
     mode, kwargs = _request(model, run, ids, max_new_tokens, settings)
     length, need = len(ids), len(ids) + max_new_tokens
-    bucketed = kwargs["context"] is None or "ring_slots" in kwargs  # it reserves more than the sample keeps
+    # it reserves more than the sample keeps
+    bucketed = kwargs["context"] is None or "ring_slots" in kwargs or "budget_slots" in kwargs
     out = generate(model, [list(ids)], **kwargs)
     # The new ids decoded alone, as LongBench's pred.py decodes them (`out.text` keeps the space a SentencePiece
     # decoder drops from the first word, which code_sim_score would see; RULER strips its predictions either way).
@@ -231,6 +233,15 @@ def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
     if not takes_ring or (mode.sink, mode.recent) == (settings.sink, settings.recent):
         return None
     return capacity_bucket(mode.sink + mode.recent)
+
+
+def budget_bucket(mode: ModeSettings) -> int | None:
+    """The slots of a mode whose cache is shaped by its budget, a fraction of the sample (h2o, tova: the method's
+    `budget_slots` option): `duo_jax.engine.capacity_bucket` of the budget, the budget runtime data, so that samples
+    whose budgets fall in one bucket share compiled steps. None: the method has no such option, or no budget."""
+    if mode.kv_budget is None or "budget_slots" not in methods.entry(mode.method).options:
+        return None
+    return capacity_bucket(mode.kv_budget)
 
 
 def own_cache_bytes(model: Model, mode: ModeSettings, capacity: int) -> int:

@@ -4,7 +4,9 @@ Each KV head keeps `budget` tokens. A step's new tokens attend exactly to the ke
 (causal, within the layer's sliding window); then the cache keeps the `budget` candidates of highest `priority`
 (H2O: attention received so far, plus the `recent` newest; TOVA: the newest query's attention, layer-wide) and
 evicts the rest, once per chunk. Keys are cached after RoPE at absolute positions, beside each slot's position
-and score. The rules, sliding windows and quantized caches: docs/methods.md, "Eviction: H2O and TOVA".
+and score. With `budget_slots` the cache holds that many slots and the budget (and H2O's `recent`) is runtime data,
+so that budgets in one bucket share compiled steps. The rules, sliding windows and quantized caches: docs/methods.md,
+"Eviction: H2O and TOVA".
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from duo_jax import attention
 from duo_jax.attention import MaskSpec, attention_probs, attention_received
+from duo_jax.cache import StaticSpec, check_slots
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, check_windows, kv_rotation_for
@@ -36,8 +40,18 @@ class EvictionLayerCache:
     scores: jax.Array  # float32 [B, K, N]: H2O's accumulated attention (unused by TOVA)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Eviction(Method):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Budget:
+    """An eviction budget as runtime data (`_Eviction.budget_slots`): tokens kept per KV head and H2O's recent
+    tokens among them, int32 scalars."""
+
+    tokens: jax.Array
+    recent: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Eviction(StaticSpec, Method):
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -45,6 +59,9 @@ class _Eviction(Method):
     kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`)
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
     query_rows: int = 1024  # query rows (over the batch) whose probabilities are held at once (`attention_received`)
+    # Slots per KV head (>= budget) with the budget as runtime data (`Budget`, the method's state; equality and hash
+    # ignore it); None: `budget` slots, the budget compiled in.
+    budget_slots: int | None = None
     # Whether `priority` reads the attention each token received (H2O's `scores`); TOVA reads only the newest
     # query's, so its chunks skip summing the probabilities and run through the attention kernels.
     ranks_by_received_attention: ClassVar[bool] = True
@@ -52,12 +69,43 @@ class _Eviction(Method):
     def __post_init__(self):
         if self.windows is not None and len(self.windows) != self.num_layers:
             raise DuoJaxError(f"windows must give each of the {self.num_layers} layers its sliding window")
+        if self.budget_slots is not None:
+            object.__setattr__(
+                self, "budget_slots", check_slots("budget_slots", self.budget_slots, self.budget, "the budget")
+            )
 
-    def slots(self, layer: int) -> int:
-        """Tokens layer `layer` keeps per KV head: the budget, or on a layer with window W at most the W - 1
-        tokens a later query can still see (at least one slot)."""
+    @property
+    def recent_tokens(self) -> int:
+        """The newest tokens always kept (H2O's `recent`; none for TOVA)."""
+        return 0
+
+    def _data_fields(self) -> tuple[str, ...]:
+        return ("budget", "recent") if self.budget_slots is not None else ()
+
+    def state(self) -> Budget | None:
+        if self.budget_slots is None:
+            return None
+        return Budget(np.int32(self.budget), np.int32(self.recent_tokens))
+
+    def budget_of(self, state) -> tuple:
+        """(budget, recent) inside a step: compiled in, or with `budget_slots` the step's state (traced scalars)."""
+        if self.budget_slots is None:
+            return self.budget, self.recent_tokens
+        if not isinstance(state, Budget):
+            raise DuoJaxError(
+                f"this {self.name} method has budget_slots: its budget is runtime data, passed as the method's state; "
+                "call extend / decode with state=method.state() (the engine and generate do)"
+            )
+        return state.tokens, state.recent
+
+    def slots(self, layer: int, budget=None):
+        """Tokens layer `layer` keeps per KV head: `budget` (default: its slots, `budget_slots` or the budget), or on
+        a layer with window W at most the W - 1 tokens a later query can still see (at least one slot)."""
+        budget = (self.budget if self.budget_slots is None else self.budget_slots) if budget is None else budget
         window = None if self.windows is None else self.windows[layer]
-        return self.budget if window is None else max(1, min(self.budget, window - 1))
+        if window is None:
+            return budget
+        return jnp.clip(budget, 1, window - 1) if isinstance(budget, jax.Array) else max(1, min(budget, window - 1))
 
     def init_cache(self, batch: int, dtype) -> tuple[EvictionLayerCache, ...]:
         def layer(n):
@@ -131,6 +179,9 @@ class _Eviction(Method):
             step.still_visible(positions), self.priority(positions, scores, newest_probs, step), -jnp.inf
         )
         kept_priority, kept = jax.lax.top_k(priority, self.slots(layer))  # [B, K, N]
+        if self.budget_slots is not None:  # the ranks past the runtime budget stay empty
+            within = jnp.arange(kept.shape[-1]) < self.slots(layer, self.budget_of(step.state)[0])
+            kept_priority = jnp.where(within, kept_priority, -jnp.inf)
 
         def take(x):  # codes and scales alike for a quantized cache
             return jax.tree.map(
@@ -185,7 +236,7 @@ def _heads_back(out: jax.Array, shape) -> jax.Array:
     return out.reshape(B, K, T, H // K, E).swapaxes(1, 2).reshape(B, T, H, E)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class H2O(_Eviction):
     """Heavy hitters (highest accumulated attention) + the `recent` newest tokens, per KV head."""
 
@@ -193,12 +244,16 @@ class H2O(_Eviction):
 
     name = "h2o"
 
+    @property
+    def recent_tokens(self) -> int:
+        return self.recent
+
     def priority(self, positions, scores, newest_probs, step):
-        is_recent = positions >= step.new_lengths[:, None, None] - self.recent
+        is_recent = positions >= step.new_lengths[:, None, None] - self.budget_of(step.state)[1]
         return jnp.where(is_recent, jnp.inf, scores)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TOVA(_Eviction):
     """The tokens the newest query attends to most, averaged over the layer's heads (same for every head)."""
 
@@ -222,22 +277,15 @@ def make_h2o(
     kv_budget: int | None = None,
     recent: int | None = None,
     kv_dtype: str | None = None,
+    budget_slots: int | None = None,
 ) -> H2O:
-    """`recent` defaults to kv_budget // 2 (the paper's equal split)."""
-    if kv_budget is None:
-        raise DuoJaxError("method 'h2o' needs kv_budget (tokens kept per KV head)")
-    recent = int(kv_budget) // 2 if recent is None else recent
+    """`recent` defaults to kv_budget // 2 (the paper's equal split). `budget_slots`: slots per KV head (>= kv_budget)
+    with the budget and `recent` runtime data, so that H2O at other budgets up to it shares compiled steps."""
+    fields = _fields("h2o", config, kv_budget, kv_dtype, budget_slots)
+    recent = fields["budget"] // 2 if recent is None else recent
     if not 0 <= recent <= kv_budget:
         raise DuoJaxError(f"h2o's recent window must lie in [0, kv_budget={kv_budget}], got {recent}")
-    return H2O(
-        config.num_layers,
-        config.num_kv_heads,
-        config.head_dim,
-        int(kv_budget),
-        kv_dtype,
-        config.layer_windows(),
-        recent=recent,
-    )
+    return H2O(**fields, recent=recent)
 
 
 @register(
@@ -246,9 +294,29 @@ def make_h2o(
     one_chunk_prefill=True,
     summary="TOVA: the tokens the newest query attends to most (layer-wide), kv_budget per head",
 )
-def make_tova(config: ModelConfig, *, context: int, kv_budget: int | None = None, kv_dtype: str | None = None) -> TOVA:
+def make_tova(
+    config: ModelConfig,
+    *,
+    context: int,
+    kv_budget: int | None = None,
+    kv_dtype: str | None = None,
+    budget_slots: int | None = None,
+) -> TOVA:
+    """`budget_slots`: slots per KV head (>= kv_budget) with the budget runtime data, so that TOVA at other budgets
+    up to it shares compiled steps."""
+    return TOVA(**_fields("tova", config, kv_budget, kv_dtype, budget_slots))
+
+
+def _fields(name: str, config: ModelConfig, kv_budget, kv_dtype, budget_slots) -> dict:
+    """What H2O and TOVA are built from, the budget required."""
     if kv_budget is None:
-        raise DuoJaxError("method 'tova' needs kv_budget (tokens kept per KV head)")
-    return TOVA(
-        config.num_layers, config.num_kv_heads, config.head_dim, int(kv_budget), kv_dtype, config.layer_windows()
+        raise DuoJaxError(f"method {name!r} needs kv_budget (tokens kept per KV head)")
+    return dict(
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        budget=int(kv_budget),
+        kv_dtype=kv_dtype,
+        windows=config.layer_windows(),
+        budget_slots=budget_slots,
     )
