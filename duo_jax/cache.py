@@ -62,10 +62,13 @@ class StaticSpec:
 
 
 def check_slots(name: str, slots, least: int, holds: str) -> int:
-    """`slots` (a field sized past runtime data) as an int >= `least`, else a DuoJaxError naming what it holds:
-    fewer slots would drop tokens silently."""
+    """`slots` (the field sizing what runtime data fills) as an int >= `least`, the value of the fields `holds`
+    names, else a DuoJaxError naming both: fewer slots would drop tokens silently."""
     if isinstance(slots, (bool, np.bool_)) or not isinstance(slots, (int, np.integer)) or slots < least:
-        raise DuoJaxError(f"{name} must be an integer >= {holds} = {least} (what it holds), got {slots!r}")
+        raise DuoJaxError(
+            f"{name} must be an integer >= {holds} = {least} (the tokens it holds), got {slots!r}: raise {name} or "
+            f"lower {holds}"
+        )
     return int(slots)
 
 

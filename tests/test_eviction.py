@@ -199,7 +199,10 @@ def test_budgets_in_one_bucket_share_steps_and_each_matches_the_reference(params
     six, four = (make_method(rule, config, context=64, kv_budget=b, budget_slots=9) for b in (6, 4))
     assert six == four and hash(six) == hash(four)
     assert make_method(rule, config, context=64, kv_budget=6) != make_method(rule, config, context=64, kv_budget=4)
-    with pytest.raises(DuoJaxError, match="budget_slots must be an integer >= the budget = 6"):
+    with pytest.raises(
+        DuoJaxError,
+        match="budget_slots must be an integer >= budget = 6 .the tokens it holds., got 5: raise budget_slots or lower",
+    ):
         make_method(rule, config, context=64, kv_budget=6, budget_slots=5)
     with pytest.raises(DuoJaxError, match="budget_slots must be an integer"):
         dataclasses.replace(six, budget_slots=True)

@@ -105,6 +105,22 @@ def test_eviction_budgets_in_one_bucket_share_compiled_steps(model, mode, decode
         assert record["cache_bytes"] == own.stats["cache_bytes"] < record["reserved_cache_bytes"]
 
 
+def test_only_budgets_fitted_to_the_sample_take_buckets(model):
+    """A quarter of the prompt (a budget fitted to the sample) runs h2o / tova in a budget bucket and ``streaming``
+    in a ring bucket; a budget in tokens, the same for every sample, takes neither (it would only reserve memory)."""
+    prompt = list(range(3, 603))
+    settings = samples.Settings(pattern=Pattern(np.ones((CONFIG.num_layers, CONFIG.num_kv_heads))), sink=4, recent=16)
+    for mode, option, fitted in [
+        ("h2o", "budget_slots", 256),
+        ("tova", "budget_slots", 256),
+        ("streaming", "ring_slots", 256),
+    ]:
+        for budget, slots in ((0.25, fitted), (64, None)):
+            kwargs = samples._request(model, samples.make_runs([mode], [budget])[0], prompt, 4, settings)[1]
+            assert kwargs.get(option) == slots, (mode, budget)
+            assert "ring_slots" not in kwargs or "budget_slots" not in kwargs
+
+
 def _loop(model, tmp_path, settings, group):
     runs = samples.make_runs(["duo", "streaming"], [0.5])
     samples.generate_missing(

@@ -33,6 +33,7 @@ from duo_jax.eval.modes import (
     budget_tokens,
     check_kv_budgets,
     check_modes,
+    is_token_budget,
     mode_settings,
     one_chunk_prefill,
 )
@@ -167,9 +168,10 @@ def _request(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, se
         prompt_tail_steps=run.decode_last,
         **mode.generate_kwargs(),
     )
-    for option, slots in (("ring_slots", ring_bucket(mode, settings)), ("budget_slots", budget_bucket(mode))):
-        if slots is not None:
-            kwargs[option] = slots
+    if not is_token_budget(run.kv_budget):  # a budget in tokens shapes every sample alike: nothing to bucket
+        for option, slots in (("ring_slots", ring_bucket(mode, settings)), ("budget_slots", budget_bucket(mode))):
+            if slots is not None:
+                kwargs[option] = slots
     return mode, kwargs
 
 
@@ -228,7 +230,7 @@ def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
     the budget, duo's shrinks under a small one): `duo_jax.engine.capacity_bucket` of it, the window runtime data
     (the method's `ring_slots` option: `duo_jax.cache.WindowAsData`), so that samples with windows in one bucket
     share compiled steps. None: the mode keeps the evaluation's window (--sink / --recent) on every sample, compiled
-    in, or its method has no such ring."""
+    in, or its method has no such ring. (A budget in tokens, the same for every sample, takes none: `_request`.)"""
     takes_ring = "ring_slots" in methods.entry(mode.method).options
     if not takes_ring or (mode.sink, mode.recent) == (settings.sink, settings.recent):
         return None
@@ -236,9 +238,10 @@ def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
 
 
 def budget_bucket(mode: ModeSettings) -> int | None:
-    """The slots of a mode whose cache is shaped by its budget, a fraction of the sample (h2o, tova: the method's
+    """The slots of a mode whose cache is shaped by a budget fitted to the sample (h2o, tova: the method's
     `budget_slots` option): `duo_jax.engine.capacity_bucket` of the budget, the budget runtime data, so that samples
-    whose budgets fall in one bucket share compiled steps. None: the method has no such option, or no budget."""
+    whose budgets fall in one bucket share compiled steps. None: the method has no such option, or no budget. (A
+    budget in tokens, the same for every sample, takes none: `_request`.)"""
     if mode.kv_budget is None or "budget_slots" not in methods.entry(mode.method).options:
         return None
     return capacity_bucket(mode.kv_budget)

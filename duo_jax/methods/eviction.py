@@ -71,7 +71,7 @@ class _Eviction(StaticSpec, Method):
             raise DuoJaxError(f"windows must give each of the {self.num_layers} layers its sliding window")
         if self.budget_slots is not None:
             object.__setattr__(
-                self, "budget_slots", check_slots("budget_slots", self.budget_slots, self.budget, "the budget")
+                self, "budget_slots", check_slots("budget_slots", self.budget_slots, self.budget, "budget")
             )
 
     @property
