@@ -6,6 +6,7 @@ spent compiling and generating, and the run's wall time under each setting side 
 
     python benchmarks/eval_compiles.py                       # SmolLM2-135M fp32, 8 prompts of 600-2400 tokens
     python benchmarks/eval_compiles.py --modes full duo streaming snapkv --kv-budget default 0.25 0.5
+    python benchmarks/eval_compiles.py --modes h2o tova snapkv pyramidkv headkv --kv-budget 0.5
 
 The script reads only the loop's records and the engine's compile caches, so it also runs on older checkouts
 that have those (the before / after comparison in BENCHMARKS.md; there `--compile-ahead 0` alone).
@@ -112,10 +113,13 @@ def measure(args, ahead: int) -> dict:
 
     from duo_jax import engine
     from duo_jax.eval import samples
+    from duo_jax.methods.headkv import resolve_scores
 
     model, pattern = common.load(args)
+    headkv = any(m in ("headkv", "duo_headkv") for m in args.modes)  # the model's shipped HeadKV scores
     settings = samples.Settings(
         pattern=pattern,
+        scores=resolve_scores("default", model.config) if headkv else None,
         sparsity=args.sparsity,
         sink=args.sink,
         recent=args.recent,

@@ -282,6 +282,13 @@ def plan_generation(
         raise DuoJaxError(f"prompt_tail_steps must lie in [0, shortest prompt = {shortest}), got {prompt_tail_steps}")
     if tail and mesh is not None:
         raise DuoJaxError("prompt_tail_steps is not supported on a device mesh; pass mesh=None")
+    room = kv_method.room_after_prompt
+    if room is not None and max_new_tokens + tail > room:
+        raise DuoJaxError(
+            f"max_new_tokens ({max_new_tokens}) + prompt_tail_steps ({tail}) exceeds the {kv_method.name} cache's room "
+            f"of {room} tokens after the prompt; build the method with room >= {max_new_tokens + tail} (or None: what "
+            "the capacity leaves), or generate fewer tokens"
+        )
     if mesh is not None:
         sharding.check_batch(mesh, len(ids))
         sharding.check_runs_on_a_mesh(kv_method)

@@ -55,26 +55,37 @@ def test_full_and_duo_share_compiled_steps_across_lengths(model):
 
 
 @pytest.mark.slow
-def test_a_budget_in_tokens_gives_every_prompt_the_same_shapes(model):
-    """Under a budget of 64 tokens for every prompt (the KV size of the SnapKV / HeadKV papers), SnapKV, PyramidKV,
-    HeadKV and duo_headkv compress prompts of 520 and 600 tokens (one own capacity, 640) to the same shapes: the
-    second sample compiles nothing. Under a quarter of each prompt (budgets of 130 and 150 tokens) each sample
-    compiles its own steps."""
+@pytest.mark.parametrize("budget", [0.25, 64])
+def test_snapkv_family_shares_compiled_steps_across_lengths(model, budget):
+    """SnapKV, PyramidKV and HeadKV over prompts of 520 and 637 tokens (own capacities 640 and 768) run at the
+    capacity bucket (768) with a room of 128 for the 4 new tokens, and at a quarter of each prompt (budgets 130 and
+    159) their budgets are runtime data in the slots of a kv_budget of 256 (`budget_slots`): the second sample
+    compiles nothing, under a fraction as under a budget in tokens. Each record gives the tokens of a generation
+    with the budgets compiled in at the sample's own capacity, and the cache bytes of that compressed cache with the
+    same room (the slots of the budget bucket reserve more; a budget in tokens keeps what it reserves)."""
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 600)]
+    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 637)]
     grid = (CONFIG.num_layers, CONFIG.num_kv_heads)
-    settings = samples.Settings(
-        pattern=Pattern(rng.random(grid)), scores=Pattern(rng.random(grid)), sink=4, recent=16, chunk_size=128
-    )
-    for mode in ("snapkv", "pyramidkv", "headkv", "duo_headkv"):
-        for budget, tokens in ((64, (64, 64)), (0.25, (130, 150))):
-            run, compiles = samples.make_runs([mode], [budget])[0], []
-            for prompt, expected in zip(prompts, tokens):
-                before = compiled()
-                record = samples.generate_sample(model, run, prompt, 4, settings)
-                compiles.append(compiled() - before)
-                assert record["kv_budget_tokens"] == expected, run.name
-            assert compiles[0] > 0 and (compiles[1] == 0) == (budget == 64), (run.name, compiles)
+    settings = samples.Settings(scores=Pattern(rng.random(grid)), chunk_size=128)
+    for run in samples.make_runs(["snapkv", "pyramidkv", "headkv"], [budget]):
+        records, compiles = [], []
+        for prompt in prompts:
+            before = compiled()
+            records.append(samples.generate_sample(model, run, prompt, 4, settings))
+            compiles.append(compiled() - before)
+        assert compiles[0] > 0 and compiles[1] == 0, (run.name, compiles)
+        for prompt, record in zip(prompts, records):
+            mode = samples._mode(model, run, len(prompt), 4, settings)
+            kwargs = samples._request(model, run, prompt, 4, settings)[1]
+            assert kwargs["room"] == 128 and kwargs["context"] is None
+            assert kwargs.get("budget_slots") == (256 if budget < 1 else None)
+            own = duo_jax.generate(
+                model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=128, room=128,
+                **mode.generate_kwargs(),
+            )  # fmt: skip
+            assert record["pred"] == model.tokenizer.decode(own.tokens[0]), run.name
+            assert record["cache_bytes"] == own.stats["cache_bytes"], run.name
+            assert (record["cache_bytes"] < record["reserved_cache_bytes"]) == (budget < 1), run.name
 
 
 @pytest.mark.slow

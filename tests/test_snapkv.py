@@ -246,6 +246,49 @@ def test_windowed_layer_matches_the_float64_reference(params, sequences, make, o
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "make, options",
+    [
+        (make_snapkv, dict(kernel=5, pooling="avg")),
+        (make_pyramidkv, dict(kernel=7, pooling="max", beta=4.0)),
+        (make_headkv, dict(kernel=7, pooling="max", scores=np.array([[0.9, 0.1], [0.3, 0.7]]), beta=1.25)),
+    ],
+)
+def test_budgets_as_data_share_steps_and_each_matches_the_reference(params, sequences, make, options):
+    """With budget_slots 24 the decode cache is shaped for a kv_budget of 24 and the budgets are runtime data, the
+    room for new tokens 16 whatever the capacity: kv_budgets 16, 10 and 24 (window 6) run one set of compiled steps
+    (prefill chunks, the compression, decode), and each keeps the tokens and gives the logits of the float64
+    reference at its own budgets (the ranks past a head's budget left empty)."""
+    from duo_jax.methods import snapkv
+
+    prompts, continuations = sequences
+    compiled = []
+    for kv_budget in (16, 10, 24):
+        method = make(CONFIG, context=64, kv_budget=kv_budget, window=WINDOW, budget_slots=24, room=16, **options)
+        before = extend._cache_size() + snapkv._compress._cache_size()
+        _, _, decode = check_against_reference(
+            params, method, prompts, continuations, options["kernel"], options["pooling"]
+        )
+        compiled.append(extend._cache_size() + snapkv._compress._cache_size() - before)
+        assert decode.room == 16 and decode == method.decode_method(45)
+    assert compiled[0] > 0 and compiled[1:] == [0, 0], compiled
+    with pytest.raises(DuoJaxError, match="budget_slots \\(12\\) must be at least kv_budget \\(16\\)"):
+        make(CONFIG, context=64, kv_budget=16, window=WINDOW, budget_slots=12, **options)
+
+
+def test_room_bounds_the_tokens_generated(params):
+    """A room for new tokens smaller than what generate would write is refused before anything runs (the ring would
+    otherwise overwrite the oldest generated tokens)."""
+    model = duo_jax.Model(CONFIG, params, None, "random")
+    method = make_snapkv(CONFIG, context=100, kv_budget=12, window=4, room=8)
+    generate(model, [5, 6, 7, 8, 9, 10], method=method, max_new_tokens=8, context=100)
+    with pytest.raises(
+        DuoJaxError, match="max_new_tokens \\(9\\) \\+ prompt_tail_steps \\(0\\) exceeds the snapkv cache's room of 8"
+    ):
+        generate(model, [5, 6, 7, 8, 9, 10], method=method, max_new_tokens=9, context=100)
+
+
+@pytest.mark.slow
 def test_budget_covering_the_prompt_is_full_attention(params, sequences):
     prompts, continuations = sequences
     method = make_snapkv(CONFIG, context=64, kv_budget=45, window=WINDOW)

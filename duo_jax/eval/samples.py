@@ -172,6 +172,8 @@ def _request(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, se
         for option, slots in (("ring_slots", ring_bucket(mode, settings)), ("budget_slots", budget_bucket(mode))):
             if slots is not None:
                 kwargs[option] = slots
+    if takes_room(mode):
+        kwargs["room"] = capacity_bucket(max_new_tokens + run.decode_last)
     return mode, kwargs
 
 
@@ -184,6 +186,7 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
     length, need = len(ids), len(ids) + max_new_tokens
     # it reserves more than the sample keeps
     bucketed = kwargs["context"] is None or "ring_slots" in kwargs or "budget_slots" in kwargs
+    room = {"room": kwargs["room"]} if "room" in kwargs else {}
     out = generate(model, [list(ids)], **kwargs)
     # The new ids decoded alone, as LongBench's pred.py decodes them (`out.text` keeps the space a SentencePiece
     # decoder drops from the first word, which code_sim_score would see; RULER strips its predictions either way).
@@ -197,7 +200,7 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
         prefill_s=out.stats["prefill_s"],
         decode_s=out.stats["decode_s"],
         compile_s=out.stats["compile_s"],
-        cache_bytes=own_cache_bytes(model, mode, need) if bucketed else out.stats["cache_bytes"],
+        cache_bytes=own_cache_bytes(model, mode, need, length, **room) if bucketed else out.stats["cache_bytes"],
         reserved_cache_bytes=out.stats["cache_bytes"],
         # One reference for every mode: a full cache of this sample's own need.
         full_cache_bytes=full_cache_bytes(model.config, 1, need, model.params.dtype.itemsize),
@@ -208,11 +211,17 @@ def shares_capacity_buckets(mode: ModeSettings) -> bool:
     """Whether `mode` runs at generate's capacity bucket rather than at the sample's own capacity: full attention
     and duo (``streaming`` too) keep the same tokens at any capacity that holds the sample, since duo's budget rule
     fits its sparsity and window to the sample's length, not to the capacity. So samples of similar lengths share
-    compiled steps (a window fitted to the sample is runtime data in a ring bucket, `ring_bucket`). Every other
-    method's cache is shaped by its budget or by the prompt's length, so a bucket would only reserve memory (SnapKV's
-    family under a budget in tokens: the same shapes for every sample of one own capacity; in a bucket its decode
-    ring, the capacity less the prompt's whole blocks, would take a size per prompt length)."""
-    return mode.method in ("full", "duo")
+    compiled steps (a window fitted to the sample is runtime data in a ring bucket, `ring_bucket`). So does SnapKV's
+    family, whose decode cache is sized by its budgets and its `room` for the answer, not by the capacity
+    (`takes_room`). Every other method's cache is shaped by its budget, so a bucket would only reserve memory."""
+    return mode.method in ("full", "duo") or takes_room(mode)
+
+
+def takes_room(mode: ModeSettings) -> bool:
+    """Whether the mode's decode cache takes a `room` for the tokens after the prompt (SnapKV's family): the
+    evaluations give it the capacity bucket of the tokens generated, so that prompts of any length share its decode
+    steps (otherwise the capacity less the prompt's whole blocks)."""
+    return "room" in methods.entry(mode.method).options
 
 
 def compile_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> None:
@@ -247,10 +256,14 @@ def budget_bucket(mode: ModeSettings) -> int | None:
     return capacity_bucket(mode.kv_budget)
 
 
-def own_cache_bytes(model: Model, mode: ModeSettings, capacity: int) -> int:
-    """Bytes of `mode`'s cache of one sequence at `capacity` tokens: what it keeps for a sample of that need,
-    read from the shapes of the cache it builds (nothing is allocated)."""
-    return sharding.total_bytes(mode.build(model.config, capacity, model=model).cache_spec(1, model.params.dtype))
+def own_cache_bytes(model: Model, mode: ModeSettings, capacity: int, length: int, **options) -> int:
+    """Bytes of `mode`'s cache of one sequence at `capacity` tokens after a prompt of `length` tokens (`options`:
+    the method's own beside the mode's, e.g. SnapKV's `room`): what it keeps for a sample of that need (SnapKV's
+    family: the compressed cache it decodes with), read from the shapes of the cache it builds (nothing is
+    allocated)."""
+    mode = dataclasses.replace(mode, options=mode.options + tuple(options.items()))
+    method = mode.build(model.config, capacity, model=model).decode_method(length)
+    return sharding.total_bytes(method.cache_spec(1, model.params.dtype))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,6 +120,7 @@ class Method(abc.ABC):
       begin_step            values all layers of a step share (None)
       prepare               extra keyword arguments for one layer's `attend` ({})
       max_tokens            tokens per sequence the cache holds (the `capacity` field, else None: unbounded)
+      room_after_prompt     tokens per sequence it holds after the prompt, where bounded apart (None)
       decode_method         the method decoding continues with, from the longest prefill (itself)
       after_prefill         that method and the cache it decodes over (unchanged)
       stats                 what `generate` reports of the method ({})
@@ -195,6 +196,12 @@ class Method(abc.ABC):
     def max_tokens(self) -> int | None:
         """Tokens per sequence the cache can hold (prompt + generated); None when unbounded (a ring)."""
         return getattr(self, "capacity", None)
+
+    @property
+    def room_after_prompt(self) -> int | None:
+        """Tokens per sequence the cache holds after the prompt where that is bounded apart from `max_tokens` (SnapKV's
+        `room`: its compressed cache's slots for the new tokens); None: no such bound."""
+        return None
 
     def decode_method(self, longest: int) -> Method:
         """The method decoding continues with after a prefill whose longest sequence holds `longest` tokens (a

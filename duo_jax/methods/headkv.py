@@ -34,6 +34,7 @@ from duo_jax.methods.snapkv import (
     decode_shape,
     empty_compressed,
     kv_array,
+    slot_budgets,
 )
 from duo_jax.model import apply_rotary
 from duo_jax.pattern import DEFAULT_SPARSITY, Pattern, resolve_pattern
@@ -110,23 +111,31 @@ def make_headkv(
     kernel: int = 7,
     pooling: str = "max",
     kv_dtype: str | None = None,
+    budget_slots: int | None = None,
+    room: int | None = None,
 ) -> SnapKV:
     """HeadKV with `kv_budget` tokens per KV head on average (window included) shared out by `scores`
-    ([layers, kv_heads]: a `Pattern` from `duo_jax.head_scores.score_heads`, a path to one, or 'default')."""
-    scores = _required_scores(scores, config, "headkv")
-    budgets = headkv_budgets(_score_grid(config, scores), base_budget(kv_budget, window), beta)
+    ([layers, kv_heads]: a `Pattern` from `duo_jax.head_scores.score_heads`, a path to one, or 'default').
+    `budget_slots`, `room`: as SnapKV's (each head's slots are its budget at budget_slots)."""
+    grid = _score_grid(config, _required_scores(scores, config, "headkv"))
+
+    def per_head(b):
+        return tuple(map(tuple, headkv_budgets(grid, b, beta).tolist()))
+
     return SnapKV(
         config.num_heads,
         config.num_kv_heads,
         config.head_dim,
         round_capacity(context),
-        tuple(map(tuple, budgets.tolist())),
+        per_head(base_budget(kv_budget, window)),
         window,
         kernel,
         pooling,
         name="headkv",
         kv_dtype=kv_dtype,
         windows=config.layer_windows(),
+        slot_budgets=slot_budgets(kv_budget, budget_slots, window, per_head),
+        room=room,
     )
 
 

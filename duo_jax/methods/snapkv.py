@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax.attention import MaskSpec, masked_softmax
-from duo_jax.cache import CAPACITY_BLOCK, round_capacity
+from duo_jax.cache import CAPACITY_BLOCK, StaticSpec, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import (
@@ -36,6 +36,7 @@ from duo_jax.methods.duo import retrieval_attention
 from duo_jax.methods.registry import kv_budget_only, register
 from duo_jax.model import apply_rotary
 from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
+from duo_jax.sampling import check_number
 
 POOLINGS = ("max", "avg")
 
@@ -90,12 +91,15 @@ def kept_positions(
     kernel: int,
     pooling: str,
     sliding_window: int | None = None,
+    counts: jax.Array | None = None,
 ) -> jax.Array:
     """The positions one layer keeps: for each KV head h, its `selected[h]` best-voted prefix tokens, then the
     last `window_slots` prompt tokens (the observation window, or fewer slots when every prompt is shorter).
     queries [B, window, H, E] (the ring), keys [B, C, K, E], lengths [B]
     -> int32 [B, sum_h (selected[h] + window_slots)], heads one after another, -1 where empty. With the
-    layer's `sliding_window`, tokens out of every later query's window are neither selected nor kept (-1)."""
+    layer's `sliding_window`, tokens out of every later query's window are neither selected nor kept (-1).
+    `counts` int32 [K] (runtime data, each <= selected[h]): head h keeps only its `counts[h]` best, the rest of
+    its `selected[h]` slots empty."""
     last = lengths[:, None] - window_slots + jnp.arange(window_slots)[None, :]
     last = jnp.where(within_future_window(last, lengths, sliding_window), last, -1)  # [B, window_slots]
     top = max(selected)
@@ -104,6 +108,8 @@ def kept_positions(
         slots = jnp.broadcast_to(jnp.arange(keys.shape[1])[None, :], (lengths.shape[0], keys.shape[1]))
         prefix = (slots < (lengths - window)[:, None]) & within_future_window(slots, lengths, sliding_window)
         best, order = jax.lax.top_k(jnp.where(prefix[:, None, :], pooled, -jnp.inf), top)  # [B, K, top]
+        if counts is not None:  # the ranks past each head's runtime budget stay empty
+            best = jnp.where(jnp.arange(top)[None, None, :] < counts[None, :, None], best, -jnp.inf)
         chosen = jnp.where(best > -jnp.inf, order, -1).astype(jnp.int32)
     parts = []
     for h, n in enumerate(selected):
@@ -253,10 +259,11 @@ def compress_layer(
     kernel: int,
     pooling: str,
     sliding_window: int | None = None,
+    counts: jax.Array | None = None,
 ) -> CompressedLayerCache:
     """One layer's prefill cache (queries [B, window, H, E], keys / values [B, C, K, E]) -> its decode cache:
     the kept tokens gathered into `empty` (from `empty_compressed`), the ring left empty. `sliding_window`:
-    the layer's (`kept_positions`)."""
+    the layer's; `counts`: the prefix tokens each head keeps where that is runtime data (`kept_positions`)."""
     # Every head ends with the same window slots: the whole window, or all of its slots when the prompts are
     # shorter than the window (then no head selects anything; see `SnapKV.decode_method`).
     window_slots = min(window, head_slots[0])
@@ -270,6 +277,7 @@ def compress_layer(
         kernel=kernel,
         pooling=pooling,
         sliding_window=sliding_window,
+        counts=counts,
     )
     owner = jnp.asarray(np.repeat(np.arange(len(head_slots)), head_slots))[None, :]  # [1, N]
     batch = jnp.arange(lengths.shape[0])[:, None]
@@ -284,14 +292,14 @@ def compress_layer(
 
 
 def decode_shape(
-    budgets: tuple[tuple[int, ...], ...], window: int, capacity: int, longest: int
+    budgets: tuple[tuple[int, ...], ...], window: int, capacity: int, longest: int, room: int | None = None
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """(head_slots [L][heads], room) of the decode cache after prompts of at most `longest` tokens: each head's
     budget + window, capped by the prompts' length rounded up to `CAPACITY_BLOCK`; room for the tokens after
-    the prompts: the capacity minus the longest prompt rounded down to `CAPACITY_BLOCK`."""
+    the prompts: `room`, or the capacity minus the longest prompt rounded down to `CAPACITY_BLOCK`."""
     held = min(round_capacity(max(longest, 1)), capacity)  # every prompt has at most `held` tokens
     slots = tuple(tuple(min(b, max(held - window, 0)) + min(window, held) for b in row) for row in budgets)
-    return slots, capacity - longest // CAPACITY_BLOCK * CAPACITY_BLOCK
+    return slots, capacity - longest // CAPACITY_BLOCK * CAPACITY_BLOCK if room is None else room
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,12 +353,14 @@ class PrefillShared:
     query_slots: jax.Array  # int32 [B, T]: ring slot, out of range unless among the last `window` tokens
 
 
-@dataclasses.dataclass(frozen=True)
-class SnapKV(Method):
+@dataclasses.dataclass(frozen=True, eq=False)
+class SnapKV(StaticSpec, Method):
     """Exact prefill, then SnapKV selection with per-(layer, KV head) budgets (docs/methods.md, "SnapKV and PyramidKV").
 
     `budgets[l][h]`: prefix tokens KV head h of layer l keeps besides the window (uniform: SnapKV; per layer:
-    PyramidKV; per head: HeadKV). Build one with `make_snapkv`, `make_pyramidkv` or `make_headkv`.
+    PyramidKV; per head: HeadKV). Build one with `make_snapkv`, `make_pyramidkv` or `make_headkv`. With
+    `slot_budgets` the decode cache is shaped for those budgets and `budgets` is runtime data (equality and hash
+    ignore it), so that methods differing only in their budgets share compiled steps.
     """
 
     num_heads: int
@@ -365,6 +375,10 @@ class SnapKV(Method):
     pyramid_beta: float | None = None  # PyramidKV: re-spread the budgets over the layers for short prompts
     kv_dtype: str | None = None  # "int8" / "int4": quantized K and V (`duo_jax.quant`; the query ring is not)
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
+    # [L][K] budgets the decode cache is shaped for, each >= the budget it holds (`budgets` then runtime data);
+    # None: `budgets`.
+    slot_budgets: tuple[tuple[int, ...], ...] | None = None
+    room: int | None = None  # decode slots for the tokens after the prompt; None: what the capacity leaves
 
     def __post_init__(self):
         check_selection(self.window, self.kernel, self.pooling)
@@ -372,6 +386,23 @@ class SnapKV(Method):
             raise DuoJaxError(f"budgets must be [layers][{self.num_kv_heads}] non-negative token counts")
         if self.windows is not None and len(self.windows) != len(self.budgets):
             raise DuoJaxError(f"windows must give each of the {len(self.budgets)} layers its sliding window")
+        if self.slot_budgets is not None and (
+            np.shape(self.slot_budgets) != np.shape(self.budgets)
+            or (np.asarray(self.slot_budgets) < np.asarray(self.budgets)).any()
+        ):
+            raise DuoJaxError(
+                "slot_budgets must give every head of every layer at least its budget (the tokens its slots hold): "
+                "raise budget_slots or lower kv_budget"
+            )
+        if self.room is not None:
+            object.__setattr__(self, "room", check_number("room", self.room, integer=True, minimum=1))
+
+    def _data_fields(self) -> tuple[str, ...]:
+        return ("budgets",) if self.slot_budgets is not None else ()
+
+    @property
+    def room_after_prompt(self) -> int | None:
+        return self.room
 
     @property
     def num_layers(self) -> int:
@@ -421,19 +452,41 @@ class SnapKV(Method):
         spread = pyramid_budgets(self.num_layers, average, self.pyramid_beta, prefix=max(longest - self.window, 0))
         return tuple((b,) * self.num_kv_heads for b in spread)
 
+    def shape_budgets(self, longest: int) -> tuple[tuple[int, ...], ...]:
+        """The budgets [L][K] the decode cache is shaped for after prompts of at most `longest` tokens:
+        `prompt_budgets`, or with `slot_budgets` those, raised where PyramidKV's re-spread for a short prompt gives
+        a layer more."""
+        budgets = self.prompt_budgets(longest)
+        if self.slot_budgets is None:
+            return budgets
+        return tuple(tuple(map(max, slots, row)) for slots, row in zip(self.slot_budgets, budgets))
+
     def decode_method(self, longest: int) -> CompressedKV:
         """The decode method after a prefill whose longest prompt has `longest` tokens."""
-        slots, room = decode_shape(self.prompt_budgets(longest), self.window, self.capacity, longest)
+        slots, room = decode_shape(self.shape_budgets(longest), self.window, self.capacity, longest, self.room)
         return CompressedKV(self.num_kv_heads, self.head_dim, slots, room, self.name, self.kv_dtype)
 
     def after_prefill(self, cache, lengths):
-        decode = self.decode_method(int(jnp.max(lengths)))
-        return decode, _compress(self, decode, cache, lengths)
+        longest = int(jnp.max(lengths))
+        decode = self.decode_method(longest)
+        counts = None
+        if self.slot_budgets is not None:  # each head's prefix tokens, runtime data in the slots shaped above
+            held, _ = decode_shape(self.prompt_budgets(longest), self.window, self.capacity, longest)
+            window_slots = min(self.window, decode.head_slots[0][0])  # as `compress_layer`'s
+            counts = jnp.asarray(held, jnp.int32) - window_slots
+        return decode, _compress(self, decode, cache, lengths, counts)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _compress(method: SnapKV, decode: CompressedKV, cache: tuple[PrefillLayerCache, ...], lengths: jax.Array):
-    """The prefill cache -> the decode cache, layer by layer."""
+def _compress(
+    method: SnapKV,
+    decode: CompressedKV,
+    cache: tuple[PrefillLayerCache, ...],
+    lengths: jax.Array,
+    counts: jax.Array | None = None,
+):
+    """The prefill cache -> the decode cache, layer by layer; `counts` int32 [L, K]: the prefix tokens each head
+    keeps where the budgets are runtime data (`SnapKV.slot_budgets`)."""
     empty = decode.init_cache(lengths.shape[0], cache[0].queries.dtype)  # the model's dtype
     windows = method.windows or (None,) * method.num_layers
     return tuple(
@@ -448,8 +501,9 @@ def _compress(method: SnapKV, decode: CompressedKV, cache: tuple[PrefillLayerCac
             kernel=method.kernel,
             pooling=method.pooling,
             sliding_window=sliding_window,
+            counts=None if counts is None else counts[l],
         )
-        for layer, new, slots, sliding_window in zip(cache, empty, decode.head_slots, windows)
+        for l, (layer, new, slots, sliding_window) in enumerate(zip(cache, empty, decode.head_slots, windows))
     )
 
 
@@ -463,6 +517,21 @@ def base_budget(kv_budget, window: int) -> int:
     if not window <= kv_budget:
         raise DuoJaxError(f"kv_budget ({kv_budget}) must be at least the observation window ({window} tokens)")
     return int(kv_budget) - window
+
+
+def slot_budgets(kv_budget: int, budget_slots, window: int, rule) -> tuple[tuple[int, ...], ...] | None:
+    """The [L][K] budgets a decode cache is shaped for under `budget_slots` (a kv_budget >= `kv_budget`, window
+    included): `rule(base budget)` at it, or None without `budget_slots`. `rule` must not decrease as its budget
+    grows, so that every budget up to `budget_slots` fits the slots."""
+    if budget_slots is None:
+        return None
+    budget_slots = check_number("budget_slots", budget_slots, integer=True, minimum=1)
+    if budget_slots < kv_budget:
+        raise DuoJaxError(
+            f"budget_slots ({budget_slots}) must be at least kv_budget ({kv_budget}): it is the kv_budget the cache is "
+            "shaped for"
+        )
+    return rule(base_budget(budget_slots, window))
 
 
 @register(
@@ -479,22 +548,32 @@ def make_snapkv(
     kernel: int = 5,
     pooling: str = "avg",
     kv_dtype: str | None = None,
+    budget_slots: int | None = None,
+    room: int | None = None,
 ) -> SnapKV:
     """SnapKV: every KV head keeps `kv_budget` prompt tokens, the last `window` included (the original's
-    max_capacity_prompt). Defaults are the SnapKV release's: window 32, average pooling over 5 tokens."""
+    max_capacity_prompt). Defaults are the SnapKV release's: window 32, average pooling over 5 tokens.
+    `budget_slots`: the kv_budget (>= kv_budget) the decode cache is shaped for, the budget runtime data, so that
+    SnapKV at budgets up to it shares compiled steps; `room`: decode slots for the tokens after the prompt (None:
+    what the capacity leaves), so that prompts of any length share them."""
     budget = base_budget(kv_budget, window)
-    budgets = ((budget,) * config.num_kv_heads,) * config.num_layers
+
+    def uniform(b):
+        return ((b,) * config.num_kv_heads,) * config.num_layers
+
     return SnapKV(
         config.num_heads,
         config.num_kv_heads,
         config.head_dim,
         round_capacity(context),
-        budgets,
+        uniform(budget),
         window,
         kernel,
         pooling,
         kv_dtype=kv_dtype,
         windows=config.layer_windows(),
+        slot_budgets=slot_budgets(kv_budget, budget_slots, window, uniform),
+        room=room,
     )
 
 
@@ -536,19 +615,24 @@ def make_pyramidkv(
     kernel: int = 5,
     pooling: str = "avg",
     kv_dtype: str | None = None,
+    budget_slots: int | None = None,
+    room: int | None = None,
 ) -> SnapKV:
     """PyramidKV: SnapKV selection, `kv_budget` tokens per KV head on average (window included), spread over
     the layers by `pyramid_budgets` (beta 20 as the paper); after a prompt whose prefix is shorter than the
     bottom layer's budget, the surplus moves to the upper layers (`SnapKV.prompt_budgets`; with a batch of
-    prompts, the longest one's prefix)."""
-    budget = base_budget(kv_budget, window)
-    budgets = tuple((b,) * config.num_kv_heads for b in pyramid_budgets(config.num_layers, budget, beta))
+    prompts, the longest one's prefix). `budget_slots`, `room`: as SnapKV's (the slots of each layer are the
+    pyramid's at budget_slots plus one, which bounds its rounding)."""
+
+    def pyramid(b, extra=0):
+        return tuple((n + extra,) * config.num_kv_heads for n in pyramid_budgets(config.num_layers, b, beta))
+
     return SnapKV(
         config.num_heads,
         config.num_kv_heads,
         config.head_dim,
         round_capacity(context),
-        budgets,
+        pyramid(base_budget(kv_budget, window)),
         window,
         kernel,
         pooling,
@@ -556,4 +640,6 @@ def make_pyramidkv(
         pyramid_beta=float(beta),
         kv_dtype=kv_dtype,
         windows=config.layer_windows(),
+        slot_budgets=slot_budgets(kv_budget, budget_slots, window, lambda b: pyramid(b, extra=1)),
+        room=room,
     )
