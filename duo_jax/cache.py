@@ -41,8 +41,9 @@ class Window:
 
 class StaticSpec:
     """Mixin of a frozen dataclass (eq=False) that is a static argument of compiled steps while some of its fields
-    may be runtime data, passed as the method's state (`Method.state`): equality and hash ignore the fields
-    `_data_fields` names, so objects that differ only in them share compiled steps."""
+    may be runtime data, passed into the steps as arrays (the method's state, `Method.state`, or SnapKV's
+    compression counts): equality and hash ignore the fields `_data_fields` names, so objects that differ only in
+    them share compiled steps."""
 
     def _data_fields(self) -> tuple[str, ...]:
         """The fields that are runtime data (none by default)."""

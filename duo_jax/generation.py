@@ -137,7 +137,7 @@ def build_method(
     ignores them, another rejects the one it lacks. `model`: for methods that calibrate on it (InfiniGen)."""
     if isinstance(method, Method):
         return method
-    spec = methods.entry(method or ("full" if pattern is None else "duo"))
+    spec = methods.entry(_method_name(method, pattern))
     if spec.takes_pattern:
         options.update(pattern="default" if pattern is None else pattern)  # its builder resolves it
         if sparsity is not None:
@@ -154,6 +154,11 @@ def build_method(
                 raise DuoJaxError(f"{name}={value} and {own}={options[own]} name one option of {spec.name!r}: pass one")
             options[own] = value
     return methods.make_method(spec.name, config, context=context, model=model, **options)
+
+
+def _method_name(method: str | None, pattern) -> str:
+    """The registered method generate runs for a name or None: "duo" with a pattern, else "full"."""
+    return method or ("full" if pattern is None else "duo")
 
 
 _argmax = jax.jit(argmax_tokens)  # a greedy first token
@@ -296,9 +301,13 @@ def plan_generation(
     need = cache_device_bytes(kv_method, len(ids), dtype, mesh)
     exact = _on_mesh(round_capacity(needed), mesh)
     # The bucket's spare room does not fit the device: the request's own capacity may (one compile of its own). Not
-    # with a kv_budget, which a method may fit to the capacity (duo's sparsity): the tokens would depend on the
-    # memory free.
-    if context is None and exact < capacity and "kv_budget" not in method_options:
+    # where a kv_budget is fitted to the capacity (duo's sparsity): the tokens would depend on the memory free.
+    fitted = (
+        "kv_budget" in method_options
+        and not isinstance(method, Method)
+        and methods.entry(_method_name(method, pattern)).budget_fits_capacity
+    )
+    if context is None and exact < capacity and not fitted:
         if not device_memory.fits(need, devices):
             smaller = build(exact)
             if (smaller_need := cache_device_bytes(smaller, len(ids), dtype, mesh)) < need:

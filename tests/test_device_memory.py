@@ -127,6 +127,12 @@ def test_generate_falls_back_from_the_capacity_bucket_to_the_request_when_only_t
     monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(full_need - 1)])
     with pytest.raises(DeviceMemoryError, match="of 768 tokens needs"):
         generation.plan_generation(model, [prompt], max_new_tokens=8, **budget)
+    # SnapKV keeps its budget at any capacity: it falls back as full attention does
+    snap = lambda capacity: methods.make_method("snapkv", CONFIG, context=capacity, kv_budget=100)  # noqa: E731
+    monkeypatch.setattr(
+        generation, "devices_of", lambda params, mesh: [FakeDevice(cache_device_bytes(snap(640), 1, "float32"))]
+    )
+    assert generation.plan_generation(model, [prompt], max_new_tokens=8, method="snapkv", kv_budget=100).capacity == 640
     monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(at(640))])
     # an explicit context is what the user asked for: never shrunk, refused
     with pytest.raises(DeviceMemoryError, match="of 768 tokens needs"):

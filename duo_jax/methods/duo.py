@@ -448,6 +448,7 @@ def duo_budget(
 @register(
     "duo",
     budget=duo_budget,
+    budget_fits_capacity=True,
     summary="DuoAttention: retrieval heads keep every token, streaming heads sink + recent",
 )
 def make_duo(

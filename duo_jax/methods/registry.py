@@ -41,6 +41,9 @@ class MethodEntry:
     # The evaluations prefill its prompt in one chunk: exact attention, compressed once at the prompt's end (the
     # eviction methods' protocol, docs/evaluation.md, "Modes and budgets"), not chunk by chunk.
     one_chunk_prefill: bool = False
+    # Its builder meets a kv_budget at the capacity it is built for (duo's sparsity), so `generate` keeps that capacity
+    # rather than fall back to a smaller one that fits memory (the tokens would depend on the memory free).
+    budget_fits_capacity: bool = False
 
 
 _ENTRIES: dict[str, MethodEntry] = {}
@@ -54,10 +57,11 @@ def register(
     budget: Callable | None = None,
     calibrated_on: str | None = None,
     one_chunk_prefill: bool = False,
+    budget_fits_capacity: bool = False,
 ) -> Callable:
     """Decorator: register `build(config, *, context, <options>)` as method `name`, described by `summary`.
     `windows` maps generate's "sink" / "recent" to the method's own option names (default: the options of those
-    names). `budget`, `calibrated_on` and `one_chunk_prefill`: see `MethodEntry`."""
+    names). `budget`, `calibrated_on`, `one_chunk_prefill` and `budget_fits_capacity`: see `MethodEntry`."""
 
     def decorate(build: Callable) -> Callable:
         if name in _ENTRIES:
@@ -83,6 +87,7 @@ def register(
             calibrated_on=calibrated_on,
             quantized_kv="kv_dtype" in keyword,
             one_chunk_prefill=one_chunk_prefill,
+            budget_fits_capacity=budget_fits_capacity,
         )
         return build
 
