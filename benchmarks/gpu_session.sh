@@ -46,6 +46,8 @@
 #                                                # Triton through cuDNN at 8k / 32k with a per-op profile
 #   bash benchmarks/gpu_session.sh evals OUT     # LongBench / RULER's per-sample loop on SmolLM2: compilation, and
 #                                                # the wall time compiling the next samples ahead in 0, 1, 4 threads
+#   bash benchmarks/gpu_session.sh evals_budgets OUT  # the same for the budget-shaped modes (h2o, tova, snapkv,
+#                                                # headkv at a quarter of each prompt: budgets as runtime data)
 #   bash benchmarks/gpu_session.sh sweep OUT     # Λ (tiles in runs / in one loop) and flash forward over tiles x warps
 #                                                # x stages vs cuDNN, 8k and 32k
 #   bash benchmarks/gpu_session.sh layer_decode OUT  # one layer's decode attention: duo's Mosaic GPU (per tile /
@@ -64,8 +66,8 @@
 # (and, for the kernels' tokamax column: tokamax qwix einshape typeguard==2.13.3 tensorboardx pydantic pydantic-core
 # annotated-types typing-inspection immutabledict, pydantic-core with --platform manylinux2014_x86_64)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|evals|train8b|notriton|sweep OUT [STEPS]}
-out=${2:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|evals|train8b|notriton|sweep OUT [STEPS]}
+stage=${1:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|evals|evals_budgets|train8b|notriton|sweep OUT [STEPS]}
+out=${2:?usage: gpu_session.sh check|next|decode|prefill|graphs|layer|layer_decode|whole|chunks|serving|llama8b|quantized|gates|methods|evals|evals_budgets|train8b|notriton|sweep OUT [STEPS]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -161,6 +163,13 @@ evals)
     # that compile, and the wall time without compiling ahead and with 1 and 4 threads compiling the next samples
     part "${EVALS_S:-540}" $PY benchmarks/eval_compiles.py --dtype bfloat16 --samples 12 --lengths 1000 7000 \
         --compile-ahead 0 1 4 --out "$out/eval_compiles" 2>&1 | tee "$out/eval_compiles.log" || true
+    ;;
+evals_budgets)
+    # the budget-shaped modes' compilation on a GPU host: a budget fitted to each prompt held as runtime data
+    # (h2o / tova budget_slots, snapkv / headkv budget_slots and room), one-chunk prefills padded to a bucket
+    part "${EVALS_BUDGETS_S:-540}" $PY benchmarks/eval_compiles.py --dtype bfloat16 --samples 12 --lengths 1000 7000 \
+        --modes h2o tova snapkv headkv --kv-budget 0.25 --compile-ahead 0 1 --out "$out/eval_compiles_budgets" 2>&1 \
+        | tee "$out/eval_compiles_budgets.log" || true
     ;;
 sweep)
     part "${SWEEP_S:-540}" $PY benchmarks/kernels.py --sweep --seq-lens 8192 32768 --reps 5 \
