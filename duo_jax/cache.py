@@ -62,6 +62,17 @@ class StaticSpec:
         return hash((type(self).__name__, self._key()))
 
 
+def runtime_state(state, kind: type, owner: str, option: str, what: str):
+    """`state` (a step's `Step.state`) where it is the `kind` of runtime data a method built with `option` reads,
+    else a DuoJaxError saying how to pass it: the method's `what` is runtime data, not compiled in."""
+    if not isinstance(state, kind):
+        raise DuoJaxError(
+            f"this {owner} has {option}: its {what} is runtime data, passed as the method's state; call extend / "
+            "decode with state=method.state() (the engine and generate do)"
+        )
+    return state
+
+
 def check_slots(name: str, slots, least: int, holds: str) -> int:
     """`slots` (the field sizing what runtime data fills) as an int >= `least`, the value of the fields `holds`
     names, else a DuoJaxError naming both: fewer slots would drop tokens silently."""
@@ -114,12 +125,8 @@ class WindowAsData(StaticSpec):
         scalars; `state` is `Step.state`, which the engine fills with `Method.state()`)."""
         if self.ring_slots is None:
             return self._window
-        if not isinstance(state, Window):
-            raise DuoJaxError(
-                f"this {type(self).__name__} has ring_slots: its window is runtime data, passed as the method's "
-                "state; call extend / decode with state=method.state() (the engine and generate do)"
-            )
-        return state.sink, state.recent
+        window = runtime_state(state, Window, type(self).__name__, "ring_slots", "window")
+        return window.sink, window.recent
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

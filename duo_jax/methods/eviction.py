@@ -22,7 +22,7 @@ import numpy as np
 
 from duo_jax import attention
 from duo_jax.attention import MaskSpec, attention_probs, attention_received
-from duo_jax.cache import StaticSpec, check_slots
+from duo_jax.cache import StaticSpec, check_slots, runtime_state
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import Method, Step, check_windows, kv_rotation_for
@@ -91,12 +91,8 @@ class _Eviction(StaticSpec, Method):
         """(budget, recent) inside a step: compiled in, or with `budget_slots` the step's state (traced scalars)."""
         if self.budget_slots is None:
             return self.budget, self.recent_tokens
-        if not isinstance(state, Budget):
-            raise DuoJaxError(
-                f"this {self.name} method has budget_slots: its budget is runtime data, passed as the method's state; "
-                "call extend / decode with state=method.state() (the engine and generate do)"
-            )
-        return state.tokens, state.recent
+        budget = runtime_state(state, Budget, f"{self.name} method", "budget_slots", "budget")
+        return budget.tokens, budget.recent
 
     def slots(self, layer: int, budget=None):
         """Tokens layer `layer` keeps per KV head: `budget` (default: its slots, `budget_slots` or the budget), or on
