@@ -3,6 +3,7 @@ with the model's chat template when it ships one (rendered by `duo_jax.chat`).""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,10 +46,13 @@ class Tokenizer:
         add_bos: bool,
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
-        clean_up_spaces: bool = False,
+        clean_up_spaces: bool | None = False,
     ):
         self.backend = backend  # a `tokenizers.Tokenizer`
-        self.clean_up_spaces = clean_up_spaces  # transformers' clean_up_tokenization_spaces (`decode`)
+        # transformers' clean_up_tokenization_spaces (`decode`); None: the tokenizer's config does not say, and
+        # decode does not clean up, as transformers has not since 4.45 (`cleaning_up_unless_set`: as before)
+        self.clean_up_spaces = clean_up_spaces
+        self.clean_up_assumed = False
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
         self.add_bos = add_bos
@@ -77,6 +81,16 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def cleaning_up_unless_set(self) -> Tokenizer:
+        """This tokenizer, decoding with the spaces cleaned up where its config does not say (None): what
+        transformers did before 4.45, e.g. the 4.31 that LongBench's requirements pin."""
+        if self.clean_up_spaces is not None:
+            return self
+        tokenizer = copy.copy(self)
+        tokenizer.clean_up_spaces = True
+        tokenizer.clean_up_assumed = True  # its text differs from this one's (`samples.sample_fingerprint`)
+        return tokenizer
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -107,6 +121,7 @@ class Tokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if (path.parent / "chat_template.jinja").is_file():
             template = (path.parent / "chat_template.jinja").read_text()
+        clean_up = tokenizer_config.get("clean_up_tokenization_spaces")
         tokenizer = cls(
             backend,
             bos_id=bos_id,
@@ -114,7 +129,7 @@ class Tokenizer:
             add_bos=add_bos,
             chat_template=template if isinstance(template, str) else None,
             # what transformers' decode does when the config asks (Llama 3's does): " ." -> "." and the like
-            clean_up_spaces=tokenizer_config.get("clean_up_tokenization_spaces") is True,
+            clean_up_spaces=clean_up if isinstance(clean_up, bool) else None,
         )
         for name in ("bos_token", "eos_token"):
             token = tokenizer_config.get(name)

@@ -33,6 +33,10 @@ def test_string_match_metrics():
     assert ruler.string_match_part("Paris or London", ["Rome", "london"]) == 1.0
     assert ruler.string_match_part("Berlin", ["Rome", "London"]) == 0.0
     assert ruler.postprocess("  12\x0034\t56 \n") == "12\n34\n56"
+    # RULER's score of a task: summed, / n, x 100, rounded, in that order; x 100 first rounds this tie up (14.38)
+    values = [0.25] * 23 + [0.0] * 17
+    assert ruler.task_score(values) == round(sum(values) / len(values) * 100, 2) == 14.37
+    assert round(sum(100 * v for v in values) / len(values), 2) == 14.38
     assert ruler.metric("qa_1") is ruler.string_match_part and ruler.metric("vt") is ruler.string_match_all
     with pytest.raises(DataError, match="unknown RULER task"):
         ruler.metric("niah_single_9")

@@ -145,10 +145,12 @@ def test_text_that_is_not_unicode_is_a_clear_error(smollm2):
         smollm2.encode("caf\udce9 au lait")
 
 
-@pytest.mark.parametrize("clean_up", [True, False])
+@pytest.mark.parametrize("clean_up", [True, False, None])
 def test_decode_cleans_up_spaces_as_transformers_when_the_config_asks(tmp_path, clean_up):
     """Llama 3's tokenizer_config.json sets clean_up_tokenization_spaces: transformers' decode then writes " ," as
-    "," (and " 's" as "'s", ...), which duo-jax did not: generated text, and LongBench's predictions, differed."""
+    "," (and " 's" as "'s", ...), which duo-jax did not: generated text, and LongBench's predictions, differed.
+    None: the config does not say; transformers (5.x here) does not clean up, and `cleaning_up_unless_set` does as
+    transformers before 4.45 did (LongBench's 4.31), which the config set to True shows."""
     import json
 
     import transformers
@@ -160,7 +162,9 @@ def test_decode_cleans_up_spaces_as_transformers_when_the_config_asks(tmp_path, 
     backend.decoder = decoders.ByteLevel()
     backend.save(str(tmp_path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(config, clean_up_tokenization_spaces=clean_up)))
+    if clean_up is not None:
+        config["clean_up_tokenization_spaces"] = clean_up
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     ours = Tokenizer.from_file(tmp_path / "tokenizer.json", bos_id=None, eos_ids=())
     rng = random.Random(1)
@@ -169,6 +173,14 @@ def test_decode_cleans_up_spaces_as_transformers_when_the_config_asks(tmp_path, 
     ]
     for ids in sequences:
         assert ours.decode(ids) == reference.decode(ids), ids
-    assert (ours.decode([1, 2, 3, 4]) == "Hello, world.") is clean_up
+    assert (ours.decode([1, 2, 3, 4]) == "Hello, world.") is bool(clean_up)
+    if clean_up is None:  # LongBench's decode: as a config set to True
+        cleaned = ours.cleaning_up_unless_set()
+        assert cleaned.decode([1, 2, 3, 4]) == "Hello, world." and ours.decode([1, 2, 3, 4]) == "Hello , world ."
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(config, clean_up_tokenization_spaces=True)))
+        reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+        assert all(cleaned.decode(ids) == reference.decode(ids) for ids in sequences)
+    else:
+        assert ours.cleaning_up_unless_set() is ours  # the config's word stands
     for ids in sequences:  # a stream's text is still what the ids add to the prompt's, at every step
         check_every_step(ours, ids[4:], after=ids[:4])

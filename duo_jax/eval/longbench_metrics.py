@@ -131,11 +131,14 @@ FUZZY = ("difflib", "rapidfuzz")
 
 
 def fuzz_ratio(a: str, b: str, fuzzy: str = "difflib") -> int:
-    """fuzzywuzzy's fuzz.ratio: the similarity of `a` and `b` in whole percent, 0 when either is empty;
-    fuzzy="difflib": SequenceMatcher's ratio (fuzzywuzzy without python-Levenshtein, as LongBench installs
-    it), "rapidfuzz": the Indel ratio (fuzzywuzzy with python-Levenshtein)."""
+    """fuzzywuzzy's fuzz.ratio: the similarity of `a` and `b` in whole percent; as its checks run, 100 for equal
+    strings (two empty ones too), then 0 when either is empty; fuzzy="difflib": SequenceMatcher's ratio
+    (fuzzywuzzy without python-Levenshtein, as LongBench installs it), "rapidfuzz": the Indel ratio (fuzzywuzzy
+    with python-Levenshtein)."""
     if fuzzy not in FUZZY:
         raise DuoJaxError(f"unknown fuzzy matcher {fuzzy!r}: choose from {', '.join(FUZZY)}")
+    if a == b:
+        return 100
     if not a or not b:
         return 0
     if fuzzy == "difflib":
@@ -196,8 +199,15 @@ def sample_score(task: str, prediction: str, answers: Sequence[str], all_classes
 
 
 def task_score(scores: Sequence[float]) -> float:
-    """LongBench's task score: 100 x the mean sample score, rounded to 2 decimals (NaN for no samples)."""
-    return round(100 * float(np.mean(scores)), 2) if len(scores) else float("nan")
+    """LongBench's task score (`eval.py`'s `scorer`): the sample scores summed in order, x 100 / their number,
+    rounded to 2 decimals, in that order of operations, since another order rounds a tie the other way
+    (NaN for no samples)."""
+    if not len(scores):
+        return float("nan")
+    total = 0.0
+    for score in scores:
+        total += score
+    return round(100 * total / len(scores), 2)
 
 
 LENGTH_BUCKETS = ("0-4k", "4-8k", "8k+")
@@ -213,4 +223,5 @@ def length_bucket_scores(scores: Sequence[float], lengths: Sequence[int]) -> dic
     groups: dict[str, list[float]] = {b: [] for b in LENGTH_BUCKETS}
     for score, length in zip(scores, lengths):
         groups[length_bucket(length)].append(score)
-    return {b: task_score(v) for b, v in groups.items()}
+    # LongBench-E's `scorer_e` takes numpy's mean, not `scorer`'s sum
+    return {b: round(100 * float(np.mean(v)), 2) if v else float("nan") for b, v in groups.items()}

@@ -56,6 +56,19 @@ def string_match_part(prediction: str, references: Sequence[str]) -> float:
     return max((1.0 if r.lower() in prediction.lower() else 0.0) for r in references) if references else 0.0
 
 
+def task_score(values: Sequence[float]) -> float:
+    """A task's score at one length from its samples' values in [0, 1], as RULER's `string_match_all` / `_part`
+    compute it: summed one by one in order (the `sum` of Python before 3.12, which now compensates), / their
+    number, x 100, rounded to 2 decimals; another order of these operations rounds a tie the other way. NaN for
+    no samples."""
+    if not len(values):
+        return float("nan")
+    total = 0.0
+    for value in values:
+        total += value
+    return round(total / len(values) * 100, 2)
+
+
 def metric(task: str):
     return string_match_part if data.check_task(task)[0] == "qa" else string_match_all
 
@@ -180,7 +193,7 @@ def run_ruler(
             # The tables rescore each prediction with the current metric code. A line's own "score" is what the
             # metric gave when it was generated, kept for reading the lines; nothing reads it back.
             values = [record_score(task, r) for r in done]
-            scores.setdefault(task, {})[length] = mean_score([100 * v for v in values])
+            scores.setdefault(task, {})[length] = task_score(values)
             records[f"{task}_{length}"] = done
         average = {n: mean_score([scores[t][n] for t in tasks]) for n in lengths}
         results["runs"][run.name] = dict(

@@ -146,6 +146,8 @@ def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_token
     mask = mode.retrieval_mask()
     if mask is not None:  # the heads the pattern gave, so that a change of the binarisation rule is seen too
         digest.update(np.packbits(mask).tobytes())
+    if getattr(model.tokenizer, "clean_up_assumed", False):  # its predictions' text is decoded otherwise
+        digest.update(b"clean_up_tokenization_spaces assumed")
     digest.update(np.asarray(ids, np.int64).tobytes())
     return digest.hexdigest()[:16]
 
