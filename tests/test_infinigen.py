@@ -116,6 +116,37 @@ def test_recalibration_of_the_same_shape_compiles_nothing(params, prompt, skewed
 
 
 @pytest.mark.slow
+def test_budget_as_runtime_data(params, prompt, skewed):
+    """With budget_slots 8 a decode step fetches 8 rows per KV head and the budget is runtime data: budgets 3, 5 and
+    8 run one set of executables, and each gives the float64 reference's logits at its own budget (the ranks past
+    the budget fetched but masked). budget_slots below kv_budget is an error naming both."""
+    from duo_jax.engine import compiled_extend
+
+    A, mask = skewed
+    compiled_extend.cache_clear()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
+    counts, logits = [], {}
+    for budget in (3, 5, 8):
+        method = InfiniGen.from_skew(A, mask, context=64, kv_budget=budget, budget_slots=8, offload="device")
+        before = len(compiles)
+        sequence, logits[budget], _, _ = run_method(params, CONFIG, method, prompt, chunk=8, decode_steps=6)
+        counts.append(len(compiles) - before)
+        ref, _ = reference_logits(params, sequence, PROMPT_LEN, A, mask, budget, 5.0, 2)
+        np.testing.assert_array_less(np.abs(logits[budget] - ref).max(), 1e-4)
+    assert counts[0] > 0 and counts[1:] == [0, 0]
+    assert np.abs(logits[3] - logits[8])[PROMPT_LEN:].max() > 1e-3  # the budgets really select differently
+    three, eight = (InfiniGen.from_skew(A, mask, context=64, kv_budget=b, budget_slots=8) for b in (3, 8))
+    assert three == eight and hash(three) == hash(eight) and three != dataclasses.replace(three, budget_slots=None)
+    with pytest.raises(duo_jax.DuoJaxError, match="budget_slots must be an integer >= kv_budget = 6"):
+        InfiniGen.from_skew(A, mask, context=64, kv_budget=6, budget_slots=5)
+    with pytest.raises(duo_jax.DuoJaxError, match="kv_budget is runtime data"):
+        three.budget_of(three.calibration)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["device", "host"])
 def test_budget_covering_the_sequence_is_full_attention(params, prompt, skewed, offload):
     if offload == "host" and not host_offload_supported():

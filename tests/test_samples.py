@@ -116,6 +116,33 @@ def test_eviction_budgets_in_one_bucket_share_compiled_steps(model, mode, decode
         assert record["cache_bytes"] == own.stats["cache_bytes"] < record["reserved_cache_bytes"]
 
 
+@pytest.mark.slow
+def test_infinigen_budgets_in_one_bucket_share_compiled_steps(model):
+    """InfiniGen at a quarter of prompts of 520 and 600 tokens (budgets 130 and 150: runtime data fetching 256 rows,
+    `budget_slots`) runs at the capacity bucket (768) and compiles once between them. Each record gives the tokens
+    and the cache bytes of a generation with the budget compiled in at the sample's own capacity."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 600)]
+    settings = samples.Settings(chunk_size=128)
+    run = samples.make_runs(["infinigen"], [0.25])[0]
+    records, compiles = [], []
+    for prompt in prompts:
+        before = compiled()
+        records.append(samples.generate_sample(model, run, prompt, 4, settings))
+        compiles.append(compiled() - before)
+    assert compiles[0] > 0 and compiles[1] == 0, compiles
+    for prompt, record in zip(prompts, records):
+        m = samples._mode(model, run, len(prompt), 4, settings)
+        kwargs = samples._request(model, run, prompt, 4, settings)[1]
+        assert kwargs["budget_slots"] == 256 and kwargs["context"] is None and m.kv_budget == len(prompt) // 4
+        own = duo_jax.generate(
+            model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=128,
+            **m.generate_kwargs(),
+        )  # fmt: skip
+        assert record["pred"] == model.tokenizer.decode(own.tokens[0])
+        assert record["cache_bytes"] == own.stats["cache_bytes"] < record["reserved_cache_bytes"]
+
+
 def test_only_budgets_fitted_to_the_sample_take_buckets(model):
     """A quarter of the prompt (a budget fitted to the sample) runs h2o / tova in a budget bucket and ``streaming``
     in a ring bucket; a budget in tokens, the same for every sample, takes neither (it would only reserve memory)."""
@@ -124,6 +151,7 @@ def test_only_budgets_fitted_to_the_sample_take_buckets(model):
     for mode, option, fitted in [
         ("h2o", "budget_slots", 256),
         ("tova", "budget_slots", 256),
+        ("infinigen", "budget_slots", 256),
         ("streaming", "ring_slots", 256),
     ]:
         for budget, slots in ((0.25, fitted), (64, None)):

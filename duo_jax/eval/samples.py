@@ -215,8 +215,9 @@ def shares_capacity_buckets(mode: ModeSettings) -> bool:
     fits its sparsity and window to the sample's length, not to the capacity. So samples of similar lengths share
     compiled steps (a window fitted to the sample is runtime data in a ring bucket, `ring_bucket`). So does SnapKV's
     family, whose decode cache is sized by its budgets and its `room` for the answer, not by the capacity
-    (`takes_room`). Every other method's cache is shaped by its budget, so a bucket would only reserve memory."""
-    return mode.method in ("full", "duo") or takes_room(mode)
+    (`takes_room`), and InfiniGen, which holds every token and fetches its budget's (runtime data in a budget bucket,
+    `budget_bucket`). Every other method's cache is shaped by its budget, so a bucket would only reserve memory."""
+    return mode.method in ("full", "duo", "infinigen") or takes_room(mode)
 
 
 def takes_room(mode: ModeSettings) -> bool:
@@ -249,10 +250,10 @@ def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
 
 
 def budget_bucket(mode: ModeSettings) -> int | None:
-    """The slots of a mode whose cache is shaped by a budget fitted to the sample (h2o, tova: the method's
-    `budget_slots` option): `duo_jax.engine.capacity_bucket` of the budget, the budget runtime data, so that samples
-    whose budgets fall in one bucket share compiled steps. None: the method has no such option, or no budget. (A
-    budget in tokens, the same for every sample, takes none: `_request`.)"""
+    """The slots of a mode whose cache (h2o, tova) or fetch (infinigen) is shaped by a budget fitted to the sample
+    (the method's `budget_slots` option): `duo_jax.engine.capacity_bucket` of the budget, the budget runtime data, so
+    that samples whose budgets fall in one bucket share compiled steps. None: the method has no such option, or no
+    budget. (A budget in tokens, the same for every sample, takes none: `_request`.)"""
     if mode.kv_budget is None or "budget_slots" not in methods.entry(mode.method).options:
         return None
     return capacity_bucket(mode.kv_budget)

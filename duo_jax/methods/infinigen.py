@@ -6,8 +6,10 @@ the partial channels to speculate on; `InfiniGen` caches every token's skewed ke
 where the backend has it) and, on a speculating layer, the partial keys on the device. Prefill and the dense
 layers attend exactly to every token; a speculating layer's decode step scores the cached tokens with the
 partial query (from the previous layer's input, `prepare`), fetches each KV head's top tokens (alpha rule,
-capped by `kv_budget`) and attends to them exactly. Defaults are the authors' Llama rules. Their sources, the
-deviations, sliding windows, memory placement and quantized caches: docs/methods.md, "InfiniGen".
+capped by `kv_budget`) and attends to them exactly. With `budget_slots` a step fetches that many rows and the
+budget is runtime data (the method's state), so that InfiniGen at other budgets runs the same executables. Defaults
+are the authors' Llama rules. Their sources, the deviations, sliding windows, memory placement and quantized
+caches: docs/methods.md, "InfiniGen".
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from duo_jax import attention
 from duo_jax.attention import attention_probs
-from duo_jax.cache import round_capacity
+from duo_jax.cache import StaticSpec, check_slots, round_capacity, runtime_state
 from duo_jax.config import ModelConfig
 from duo_jax.data.haystack import CALIBRATION_HAYSTACK
 from duo_jax.errors import DuoJaxError
@@ -159,24 +161,29 @@ class InfiniGenState:
 
     skew: jax.Array  # float32 [L, K, E, E]: A per layer and KV head
     channel_mask: jax.Array  # bool [L, K, E]: each head's partial channels (columns of A-space)
+    budget: jax.Array | None = None  # int32 []: kv_budget where it is runtime data (`InfiniGen.budget_slots`)
 
 
-@dataclasses.dataclass(frozen=True)
-class InfiniGen(Method):
+@dataclasses.dataclass(frozen=True, eq=False)
+class InfiniGen(StaticSpec, Method):
     """The spec (shapes and rules: hashable, static) plus its calibration (`state()`, excluded from equality and
-    hashing), so a recalibrated InfiniGen of the same shapes runs the same executables."""
+    hashing), so a recalibrated InfiniGen of the same shapes runs the same executables; with `budget_slots` the
+    budget too."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     capacity: int  # C: slots per head (context rounded up)
     kv_budget: int  # the most tokens a decode step fetches per KV head
-    calibration: InfiniGenState = dataclasses.field(compare=False, repr=False)
+    calibration: InfiniGenState = dataclasses.field(repr=False)  # runtime data (`_data_fields`)
     alpha: float = LLAMA_ALPHA
     offload: str = "auto"  # "auto" | "host" | "device"
     lookahead: bool = True  # decode steps speculate from the previous layer's attention input (False: own layer)
     dense_layers: int = DENSE_LAYERS  # layers 0 .. dense_layers-1 attend densely and never speculate
     kv_dtype: str | None = None  # "int8" / "int4": the full K and V quantized (`duo_jax.quant`; not the partial keys)
+    # Rows a decode step fetches per KV head (>= kv_budget), the budget runtime data (the state's `budget`); None:
+    # kv_budget rows, the budget compiled in.
+    budget_slots: int | None = None
     # W_l: partial channels of layer l's widest head (0: a dense layer), from the calibration: part of the spec
     # (the partial cache's shapes), so a recalibration that changes them compiles anew.
     widths: tuple[int, ...] = dataclasses.field(init=False)
@@ -198,7 +205,14 @@ class InfiniGen(Method):
             raise DuoJaxError("this backend has no pinned_host memory: use offload='device' or 'auto'")
         if self.kv_budget <= 0:
             raise DuoJaxError(f"kv_budget (tokens kept per KV head) must be positive, got {self.kv_budget}")
+        if self.budget_slots is not None:
+            object.__setattr__(
+                self, "budget_slots", check_slots("budget_slots", self.budget_slots, self.kv_budget, "kv_budget")
+            )
         check_kv_dtype(self.kv_dtype)
+
+    def _data_fields(self) -> tuple[str, ...]:
+        return ("calibration", "kv_budget") if self.budget_slots is not None else ("calibration",)
 
     # --- construction -------------------------------------------------------------------------------
 
@@ -206,7 +220,7 @@ class InfiniGen(Method):
     def from_skew(
         cls, A: np.ndarray, channel_mask: np.ndarray, *, context: int, kv_budget: int, **options
     ) -> InfiniGen:
-        """From `skew`'s output; `options`: alpha, offload, lookahead, dense_layers, kv_dtype."""
+        """From `skew`'s output; `options`: alpha, offload, lookahead, dense_layers, kv_dtype, budget_slots."""
         A, channel_mask = np.asarray(A, np.float32), np.asarray(channel_mask, bool)
         if channel_mask.shape != A.shape[:-1]:
             raise DuoJaxError(f"channel mask {channel_mask.shape} does not match skew matrices {A.shape}")
@@ -239,7 +253,20 @@ class InfiniGen(Method):
         return cls.from_skew(A, mask, context=context, kv_budget=kv_budget, **options)
 
     def state(self) -> InfiniGenState:
-        return self.calibration
+        """The calibration, and with `budget_slots` the budget."""
+        if self.budget_slots is None:
+            return self.calibration
+        return dataclasses.replace(self.calibration, budget=np.int32(self.kv_budget))
+
+    def budget_of(self, state) -> tuple:
+        """(the most rows a decode step fetches per KV head: static, the most tokens it attends to per KV head: the
+        budget compiled in, or with `budget_slots` the state's, traced)."""
+        if self.budget_slots is None:
+            return min(self.kv_budget, self.capacity), self.kv_budget
+        if getattr(state, "budget", None) is None:  # no state, or the calibration alone (`self.calibration`)
+            state = None
+        state = runtime_state(state, InfiniGenState, "InfiniGen", "budget_slots", "kv_budget")
+        return min(self.budget_slots, self.capacity), state.budget
 
     @property
     def skew_matrices(self) -> np.ndarray:
@@ -380,8 +407,8 @@ class InfiniGen(Method):
         head_score = jnp.where(cached[:, None], jnp.max(approx, axis=2), -jnp.inf)  # [B, K, C]
         top = jnp.max(head_score, axis=-1, keepdims=True)
         per_head = jnp.sum(cached[:, None] & (head_score >= top - self.alpha), axis=-1)  # [B, K]
-        count = jnp.minimum(jnp.floor(jnp.mean(per_head.astype(jnp.float32), axis=1)), self.kv_budget)  # [B]
-        budget = min(self.kv_budget, C)
+        budget, kv_budget = self.budget_of(step.state)  # rows fetched (static), tokens attended to at most
+        count = jnp.minimum(jnp.floor(jnp.mean(per_head.astype(jnp.float32), axis=1)), kv_budget)  # [B]
         ranked, chosen = jax.lax.top_k(head_score, budget)  # [B, K, N]
         keep = (jnp.arange(budget)[None, None] < count[:, None, None]) & (ranked > -jnp.inf)
 
@@ -428,10 +455,13 @@ def make_infinigen(
     offload: str = "auto",
     lookahead: bool = True,
     kv_dtype: str | None = None,
+    budget_slots: int | None = None,
 ) -> InfiniGen:
     """InfiniGen for `model` with the authors' Llama rules by default, skewed on a sample of the calibration
     essays (`skew_on_text`, once per set of weights and rules: later builds reuse it); `kv_budget`: tokens
-    fetched per KV head and step; `kv_dtype` "int8" / "int4" quantizes the full K / V (not the partial keys)."""
+    fetched per KV head and step; `kv_dtype` "int8" / "int4" quantizes the full K / V (not the partial keys);
+    `budget_slots`: rows fetched per KV head and step (>= kv_budget), the budget runtime data, so that InfiniGen at
+    other budgets up to it runs the same executables."""
     if kv_budget is None:
         raise DuoJaxError("method 'infinigen' needs a positive kv_budget (tokens fetched per KV head)")
     A, mask = _skew_of(model, partial_ratio, channel_rule)
@@ -445,6 +475,7 @@ def make_infinigen(
         offload=offload,
         lookahead=lookahead,
         kv_dtype=kv_dtype,
+        budget_slots=budget_slots,
     )
 
 
