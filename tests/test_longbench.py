@@ -362,6 +362,12 @@ def test_cli_longbench(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         eval_main(["longbench", "--data", str(tmp_path), "--kv-budget", "0.5", "1.5"])
     assert "--kv-budget: a KV budget is a fraction" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a share of the heads is a fraction
+        eval_main(["longbench", "--data", str(tmp_path), "--kv-budget", "64", "--duo-budget", "heads"])
+    assert "--duo-budget: duo's budget as a share of retrieval heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_main(["longbench", "--data", str(tmp_path), "--protocol", "thudm"])
+    assert "invalid choice: 'thudm'" in capsys.readouterr().err
 
 
 def test_every_mode_reports_one_full_cache_reference(model):
@@ -396,8 +402,114 @@ def test_decode_last_protocol(model, tmp_path):
     with pytest.raises(duo_jax.DuoJaxError, match="--decode-last 8 is not shorter than a prompt of 8 tokens"):
         samples.generate_sample(model, runs[2], prompt[:8], 4, settings)  # was named prompt_tail_steps
     legend = samples.protocol_legend({r.name: dict(mode=r.mode, protocol=r.protocol) for r in runs})
-    assert "h2o@0.5+last8: exact prefill, last 8 prompt tokens decoded one at a time" in legend
+    assert "h2o@0.5+last8: prefill in one chunk, last 8 prompt tokens decoded one at a time" in legend
     assert "duo" not in legend
+
+
+def _fork_scorer_prediction(dataset, prediction):
+    """mit-han-lab/duo-attention, eval/LongBench/eval.py `scorer`: the prediction as it reaches the metric."""
+    prediction = (
+        prediction.split(".assistant")[0]
+        .split("\n\nQuestion")[0]
+        .split("</s>")[0]
+        .split("(Document")[0]
+        .split("\n\nQuestion")[0]
+        .split("\n\nAnswer")[0]
+        .split("(Passage")[0]
+        .strip()
+    )
+    if dataset in ["trec", "triviaqa", "samsum", "lsht"]:
+        prediction = prediction.lstrip("\n").split("\n")[0]
+    if dataset in ["multifieldqa_zh", "dureader"]:
+        prediction = prediction.split("问题：")[0].strip()
+    if dataset in ["lsht"]:
+        prediction = prediction.split("新闻内容：")[0].strip()
+    if dataset in ["passage_retrieval_zh"]:
+        prediction = prediction.split("请问")[0].split("提示")[0].strip()
+    return prediction
+
+
+def test_duoattention_fork_cuts_predictions_as_its_eval_py(monkeypatch):
+    """Under DuoAttention's fork the metric sees the prediction its eval.py `scorer` makes (reference above, on
+    predictions built from its marks at random); THUDM's LongBench scores the uncut text lower."""
+    seen = []
+    monkeypatch.setitem(
+        lm.METRICS, "probe", lambda prediction, answer, all_classes=None: seen.append(prediction) or 0.0
+    )
+    marks = [".assistant", "\n\nQuestion", "</s>", "(Document", "\n\nAnswer", "(Passage", "\n", " ", "\n\n", "x"]
+    marks += ["问题：", "新闻内容：", "请问", "提示", "Paris"]
+    rng = np.random.default_rng(0)
+    for task in ("hotpotqa", "trec", "lsht", "multifieldqa_zh", "dureader", "passage_retrieval_zh", "lcc"):
+        for _ in range(300):
+            prediction = "".join(rng.choice(marks, rng.integers(0, 9)))
+            monkeypatch.setitem(lm.METRICS, task, lm.METRICS["probe"])
+            seen.clear()
+            lm.sample_score(task, prediction, ["a"], cuts=True)
+            assert seen == [_fork_scorer_prediction(task, prediction)], (task, prediction)
+    monkeypatch.undo()
+    answer = "Paris\n\nQuestion: What is the capital of France?\nAnswer: Paris"
+    assert lm.sample_score("hotpotqa", answer, ["Paris"], cuts=True) == 1.0
+    assert lm.sample_score("hotpotqa", answer, ["Paris"]) < 0.5
+
+
+def test_duoattention_fork_names_and_post_processing():
+    """pred.py's post_process by the fork's model name, and the names of model2maxlen.json matched from a model's
+    Hugging Face names; a model the fork does not list needs --max-length."""
+    assert (
+        longbench.duoattention_post_process(" Paris.assistant\n\nQuestion", "Llama-3-8B-Instruct-Gradient-1048k")
+        == "Paris"
+    )
+    assert longbench.duoattention_post_process(" a (Passage 1) b ", "Llama-2-7B-32K-Instruct") == "a"
+    assert longbench.duoattention_post_process(" a\n\nAnswer ", "Mistral-7B-Instruct-v0.2") == " a\n\nAnswer "
+    named = lambda *names: Model(CONFIG, None, None, "x", names)  # noqa: E731
+    assert longbench.model_name(named("togethercomputer/Llama-2-7B-32K-Instruct")) == "Llama-2-7B-32K-Instruct"
+    assert longbench.model_name(named("meta-llama/Llama-3.1-8B-Instruct")) == "Meta-Llama-3.1-8B-Instruct"
+    assert (
+        longbench.default_max_length(named("gradientai/Llama-3-8B-Instruct-Gradient-1048k"), "duoattention") == 1047500
+    )
+    assert longbench.model_name(named("HuggingFaceTB/SmolLM2-135M-Instruct")) == "SmolLM2-135M-Instruct"
+    with pytest.raises(
+        duo_jax.DuoJaxError, match="max length only for .* not 'SmolLM2-135M-Instruct': pass --max-length"
+    ):
+        longbench.default_max_length(named("HuggingFaceTB/SmolLM2-135M-Instruct"), "duoattention")
+    with pytest.raises(duo_jax.DuoJaxError, match="unknown LongBench protocol"):
+        longbench.default_max_length(named(), "duo")
+
+
+@pytest.mark.slow
+def test_duoattention_protocol_end_to_end(model, tmp_path):
+    """DuoAttention's LongBench: every mode prefills the prompt less its last 50 tokens in one chunk and decodes
+    those one at a time, no chat template, duo@0.5 is duo at sparsity 0.5 with the evaluation's window (not fitted
+    to the prompt). Each record is that generation's; full attention's equals the plain prefill's."""
+    data = tmp_path / "data"
+    write_fixtures(data)
+    pattern = Pattern(np.random.default_rng(0).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
+    settings = samples.Settings(pattern=pattern, sink=4, recent=16, chunk_size=32)
+    results = longbench.run_longbench(
+        model, ["full", "duo"], data_dir=data, tasks=["hotpotqa"], kv_budgets=[0.5], settings=settings,
+        max_length=96, out_dir=tmp_path / "out", progress=False, protocol="duoattention",
+    )  # fmt: skip
+    assert list(results["runs"]) == ["full+last50", "duo@0.5+last50"]
+    assert results["protocol"] == "duoattention" and results["chat"] is False and results["duo_budget"] == "heads"
+    for sample, full, duo in zip(
+        longbench.load_task(data, "hotpotqa"),
+        results["runs"]["full+last50"]["predictions"]["hotpotqa"],
+        results["runs"]["duo@0.5+last50"]["predictions"]["hotpotqa"],
+    ):
+        ids = longbench.build_prompt(model, "hotpotqa", sample, 96, chat=False)
+        common = dict(max_new_tokens=32, chat=False, context=len(ids) + 32, chunk_size=len(ids))
+        plain = duo_jax.generate(model, [ids], **common)
+        assert full["pred"] == model.tokenizer.decode(plain.tokens[0])
+        own = duo_jax.generate(
+            model, [ids], method="duo", pattern=pattern, sparsity=0.5, sink=4, recent=16, prompt_tail_steps=50,
+            **common,
+        )  # fmt: skip
+        assert duo["pred"] == model.tokenizer.decode(own.tokens[0])
+        assert duo["kv_budget_tokens"] is None or duo["kv_budget_tokens"] > 0
+    assert (
+        "prefill in one chunk, last 50 prompt tokens decoded one at a time"
+        in (tmp_path / "out" / "longbench.md").read_text()
+    )
 
 
 def test_prompt_beyond_the_context_is_refused_before_any_generation(model, tmp_path, monkeypatch):

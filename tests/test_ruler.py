@@ -238,6 +238,7 @@ def _part(lengths, runs, *, samples=2, sink=64, pattern="a1b2"):
 def test_merge_results_reads_a_grid_run_in_pieces():
     one_k = _part([1024], {"full": ("full", None, {1024: (100, 50)}), "duo@0.5": ("duo", 0.5, {1024: (80, 40)})})
     two_k = _part([2048], {"duo@0.5": ("duo", 0.5, {2048: (60, 20)})}, samples=3)
+    two_k["duo_budget"] = "fitted"  # recorded since; a piece from before ran the same rule
     snap = _part([1024], {"snapkv@0.25": ("snapkv", 0.25, {1024: (10, 0)})})
     merged = ruler.merge_results([("1k.json", one_k), ("2k.json", two_k), ("snap.json", snap)])
     assert merged["lengths"] == [1024, 2048] and merged["samples"] == {1024: 2, 2048: 3}
@@ -262,6 +263,7 @@ def test_merge_results_refuses_what_is_not_comparable():
         (_part([1024], {"full": ("full", None, {1024: (100, 50)})}), "full at 1024 tokens is in both"),
         (_part([1024], {"x": ("duo", 0.5, {1024: (1, 2)})}, samples=3), "different prompts for a_1024"),
         (_part([2048], {"snapkv@128": ("snapkv", 128, {2048: (1, 2)})}), "other.json: KV budgets 0.5, 128 mix"),
+        (dict(_part([2048], {}), duo_budget="heads"), "duo_budget='heads', 1k.json with 'fitted'"),
     ]
     for other, message in cases:
         with pytest.raises(DuoJaxError, match=message):

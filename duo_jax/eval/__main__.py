@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 from duo_jax.errors import DuoJaxError, check_output_folder, integer_argument
-from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, check_max_length
+from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, PROTOCOLS, check_max_length
 from duo_jax.eval.longbench_metrics import FUZZY
 from duo_jax.eval.modes import MODES, check_kv_budgets, check_kv_dtype_modes
 from duo_jax.eval.niah import DEFAULT_LENGTHS as NIAH_LENGTHS
 from duo_jax.eval.passkey import DEFAULT_LENGTHS as PASSKEY_LENGTHS
 from duo_jax.eval.ruler import DEFAULT_LENGTHS as RULER_LENGTHS
-from duo_jax.eval.samples import check_decode_last
+from duo_jax.eval.samples import DUO_BUDGETS, check_decode_last, check_duo_budget
 from duo_jax.quant import KV_DTYPES
 
 # lengths, samples, batch sizes, digits, limits, tokens to generate
@@ -106,11 +106,19 @@ def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -
         parser.add_argument(
             "--decode-last",
             type=int,
-            default=0,
+            default=None,
             metavar="N",
-            help="h2o / tova: prefill all but the prompt's last N tokens exactly, then decode those "
-            "one at a time with eviction (DuoAttention's appendix protocol: 50); 0: compress "
-            "once after the whole prompt",
+            help="h2o / tova (LongBench's duoattention protocol: every mode): prefill all but the prompt's last N "
+            "tokens in one chunk, then decode those one at a time (DuoAttention's protocol: 50); 0: none "
+            "(default: 0; the duoattention protocol: 50)",
+        )
+        parser.add_argument(
+            "--duo-budget",
+            choices=DUO_BUDGETS,
+            default=None,
+            help="how duo meets a fractional --kv-budget F: fitted, its heads and window fitted so that it keeps F of "
+            "each prompt; heads, F of its heads retrieval heads (sparsity 1 - F), as DuoAttention's own evaluations "
+            "give its budgets (default: fitted; LongBench's duoattention protocol: heads)",
         )
         parser.add_argument(
             "--compile-ahead",
@@ -204,7 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-length",
         type=int,
         default=None,
-        help=f"prompt tokens kept (middle truncation); default: the model's context - {DEFAULT_MARGIN}",
+        help=f"prompt tokens kept (middle truncation); default: the model's context - {DEFAULT_MARGIN} (the "
+        "duoattention protocol: its model2maxlen.json)",
     )
     longbench.add_argument("--limit", type=count, default=None, help="first N samples of each task")
     longbench.add_argument(
@@ -218,7 +227,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--chat",
         choices=["auto", "on", "off"],
         default="auto",
-        help=f"chat template (never for {', '.join(NO_CHAT_TASKS)}); auto: for instruct / chat models",
+        help=f"chat template (never for {', '.join(NO_CHAT_TASKS)}); auto: for instruct / chat models "
+        "(the duoattention protocol: off)",
+    )
+    longbench.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="longbench",
+        help="longbench: THUDM's LongBench; duoattention: DuoAttention's fork of it, as its paper ran it (no chat "
+        "template, its max lengths, the last 50 prompt tokens decoded in every mode, duo's budget as its share of "
+        "retrieval heads, its cuts of the predictions; docs/longbench.md)",
     )
 
     ruler = tasks.add_parser(
@@ -271,7 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the library's own checks, before the model loads
     budgets = args.kv_budget if isinstance(args.kv_budget, list) else [args.kv_budget]
     checks = [("--kv-budget", functools.partial(check_kv_budgets, budgets))]
-    checks.append(("--decode-last", functools.partial(check_decode_last, getattr(args, "decode_last", 0))))
+    checks.append(("--decode-last", functools.partial(check_decode_last, getattr(args, "decode_last", None) or 0)))
+    if getattr(args, "duo_budget", None) is not None:
+        checks.append(("--duo-budget", functools.partial(check_duo_budget, args.duo_budget, budgets)))
     if getattr(args, "max_length", None) is not None:
         checks.append(("--max-length", functools.partial(check_max_length, args.max_length)))
     checks.append(("--kv-dtype", functools.partial(check_kv_dtype_modes, args.modes, args.kv_dtype)))
@@ -334,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_dtype=args.kv_dtype,
             streaming_chunk=args.streaming_chunk,
             compile_ahead=getattr(args, "compile_ahead", 1),
+            duo_budget=getattr(args, "duo_budget", None),
         )
         chat = {"auto": None, "on": True, "off": False}[getattr(args, "chat", "auto")]
         if args.task == "longbench":
@@ -353,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 out_dir=args.out,
                 decode_last=args.decode_last,
                 fuzzy=args.fuzzy,
+                protocol=args.protocol,
             )
             table = tables(results)
         elif args.task == "ruler":
@@ -371,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 chat=chat,
                 haystack=args.haystack,
                 out_dir=args.out,
-                decode_last=args.decode_last,
+                decode_last=args.decode_last or 0,
             )
             table = tables(results)
         elif args.task == "niah":

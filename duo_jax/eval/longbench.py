@@ -34,6 +34,7 @@ from duo_jax.eval.samples import (
     Sample,
     Settings,
     budget_panel,
+    check_duo_budget,
     generate_missing,
     make_runs,
     mean_score,
@@ -242,7 +243,62 @@ def build_prompt(model: Model, task: str, sample: dict, max_length: int, *, chat
     return list(model.tokenizer.encode(text))
 
 
-def default_max_length(model: Model) -> int:
+PROTOCOLS = ("longbench", "duoattention")
+# DuoAttention's fork of LongBench (mit-han-lab/duo-attention, eval/LongBench): its config/model2maxlen.json, and
+# pred.py's --decoding_simulation_length (the prompt's last tokens decoded one at a time, every method)
+DUOATTENTION_MAX_LENGTH = {
+    "Mistral-7B-Instruct-v0.2": 31500,
+    "Mistral-7B-Instruct-v0.3": 31500,
+    "Llama-3-8B-Instruct-Gradient-1048k": 1047500,
+    "Llama-2-7B-32K-Instruct": 31500,
+    "Meta-Llama-3.1-8B-Instruct": 127500,
+}
+DUOATTENTION_DECODE_LAST = 50
+
+
+def check_protocol(protocol: str) -> str:
+    if protocol not in PROTOCOLS:
+        raise DuoJaxError(f"unknown LongBench protocol {protocol!r}: choose from {', '.join(PROTOCOLS)}")
+    return protocol
+
+
+def model_name(model: Model) -> str:
+    """The name DuoAttention's fork knows `model` by (a key of DUOATTENTION_MAX_LENGTH, matched by the last part of
+    any of the model's names, "Meta-" optional), else the last part of its first name, else its config's name."""
+    names = [n.rstrip("/").split("/")[-1] for n in model.names if n]
+    for name in names:
+        for key in DUOATTENTION_MAX_LENGTH:
+            if name.lower() in (key.lower(), key.lower().removeprefix("meta-")):
+                return key
+    return names[0] if names else model.config.name
+
+
+def duoattention_post_process(prediction: str, name: str) -> str:
+    """pred.py's `post_process` in DuoAttention's fork: what it stores of a prediction, by the model's name."""
+    if "xgen" in name:
+        return prediction.strip().replace("Assistant:", "")
+    if "internlm" in name:
+        return prediction.split("<eoa>")[0]
+    if "llama-3" in name.lower():
+        return prediction.split(".assistant")[0].split("\n\nQuestion")[0].split("</s>")[0].strip()
+    if "Llama-2-7B-32K-Instruct" in name:
+        for mark in ("(Document", "\n\nQuestion", "\n\nAnswer", "(Passage"):
+            prediction = prediction.split(mark)[0]
+        return prediction.strip()
+    return prediction
+
+
+def default_max_length(model: Model, protocol: str = "longbench") -> int:
+    """The prompt tokens kept: the model's context less DEFAULT_MARGIN; under DuoAttention's fork, its
+    model2maxlen.json (a model it does not list needs an explicit max_length)."""
+    if check_protocol(protocol) == "duoattention":
+        name = model_name(model)
+        if name not in DUOATTENTION_MAX_LENGTH:
+            raise DuoJaxError(
+                f"DuoAttention's LongBench gives a max length only for {', '.join(DUOATTENTION_MAX_LENGTH)}, not "
+                f"{name!r}: pass --max-length N"
+            )
+        return DUOATTENTION_MAX_LENGTH[name]
     return max(2, model.config.max_position_embeddings - DEFAULT_MARGIN)
 
 
@@ -267,23 +323,40 @@ def run_longbench(
     limit: int | None = None,
     chat: bool | None = None,
     out_dir: str | Path,
-    decode_last: int = 0,
+    decode_last: int | None = None,
     fuzzy: str = "difflib",
+    protocol: str = "longbench",
     progress: bool = True,
 ) -> dict:
     """Generate and score every sample of `tasks` in every run (`duo_jax.eval.samples.make_runs`), resuming
-    from the predictions already in `out_dir`; the outputs: docs/longbench.md, "What the numbers mean"."""
+    from the predictions already in `out_dir`; the outputs: docs/longbench.md, "What the numbers mean".
+
+    protocol: "longbench", THUDM's LongBench; "duoattention", DuoAttention's fork of it, whose defaults differ (no
+    chat template, its max lengths, the last 50 prompt tokens decoded one at a time in every mode after a
+    one-chunk prefill, duo's budget as its share of retrieval heads) and whose scoring cuts the predictions
+    (docs/longbench.md, "DuoAttention's LongBench"). decode_last None: the protocol's (0, or 50)."""
     from tqdm.auto import tqdm
 
     if model.tokenizer is None:
         raise DuoJaxError("LongBench needs the model's tokenizer (none was found with the weights)")
-    model = longbench_model(model)
+    fork = check_protocol(protocol) == "duoattention"
+    if not fork:
+        model = longbench_model(model)
     tasks = check_tasks(tasks, longbench_e)
     if fuzzy not in FUZZY:
         raise DuoJaxError(f"unknown fuzzy matcher {fuzzy!r}: choose from {', '.join(FUZZY)}")
-    runs = make_runs(modes, kv_budgets, decode_last)
-    max_length = default_max_length(model) if max_length is None else int(max_length)
-    chat = is_chat_model(model) if chat is None else chat
+    if decode_last is None:
+        decode_last = DUOATTENTION_DECODE_LAST if fork else 0
+    settings = dataclasses.replace(settings, duo_budget=settings.duo_budget or ("heads" if fork else "fitted"))
+    check_duo_budget(settings.duo_budget, kv_budgets)
+    runs = make_runs(modes, kv_budgets, decode_last, every_mode=fork)
+    max_length = default_max_length(model, protocol) if max_length is None else int(max_length)
+    chat = (False if fork else is_chat_model(model)) if chat is None else chat
+    name = model_name(model)
+
+    def score(task: str, record: dict) -> float:
+        return record_score(task, record, fuzzy, protocol, name)
+
     data = {t: load_task(data_dir, t, longbench_e=longbench_e, limit=limit) for t in tasks}  # all checked first
     out_dir = Path(out_dir)
     start = time.perf_counter()
@@ -317,13 +390,15 @@ def run_longbench(
         groups,
         settings,
         file=lambda run, task: predictions_file(out_dir, run.name, task, longbench_e),
-        score=lambda task, record: record_score(task, record, fuzzy),
+        score=score,
         desc="longbench",
         progress=progress,
     )
-    results = score_runs(out_dir, runs, data, longbench_e, fuzzy)
+    results = score_runs(out_dir, runs, data, longbench_e, score)
     results.update(
         task="longbench",
+        protocol=protocol,
+        model_name=name,
         longbench_e=longbench_e,
         fuzzy=fuzzy,
         data_dir=str(data_dir),
@@ -342,9 +417,11 @@ def run_longbench(
 
 
 def score_runs(
-    out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[dict]], longbench_e: bool, fuzzy: str = "difflib"
+    out_dir: str | Path, runs: Sequence[Run], data: dict[str, list[dict]], longbench_e: bool, score=None
 ) -> dict:
-    """The scores of every run from its stored predictions: {"runs": {name: {...}}}."""
+    """The scores of every run from its stored predictions (`score(task, record)`: `record_score` under the
+    evaluation's protocol; None, THUDM's): {"runs": {name: {...}}}."""
+    score = record_score if score is None else score
     results = {}
     for run in runs:
         tasks, records = {}, {}
@@ -353,7 +430,7 @@ def score_runs(
             done = store.ordered(str(s["_id"]) for s in samples)
             # The tables rescore each prediction with the current metric code. A line's own "score" is what the
             # metric gave when it was generated, kept for reading the lines; nothing reads it back.
-            scores = [record_score(task, r, fuzzy) for r in done]
+            scores = [score(task, r) for r in done]
             tasks[task] = dict(score=task_score(scores), samples=len(done), s_per_1k_tokens=seconds_per_1k_tokens(done))
             if longbench_e:
                 tasks[task]["by_length"] = length_bucket_scores(scores, [r["length"] for r in done])
@@ -371,10 +448,15 @@ def score_runs(
     return dict(runs=results)
 
 
-def record_score(task: str, record: dict, fuzzy: str = "difflib") -> float:
+def record_score(task: str, record: dict, fuzzy: str = "difflib", protocol: str = "longbench", name: str = "") -> float:
     """A stored prediction's score (`sample_score` of its "pred", "answers", "all_classes"): when it is made, and
-    when the tables rescore it."""
-    return sample_score(task, record["pred"], record["answers"], record["all_classes"], fuzzy)
+    when the tables rescore it. Under DuoAttention's fork (`protocol` "duoattention") its pred.py post-processes the
+    prediction by the model's `name` first and its eval.py cuts it (`sample_score`'s `cuts`); the stored "pred" is
+    the generation's text either way."""
+    pred, fork = record["pred"], check_protocol(protocol) == "duoattention"
+    if fork:
+        pred = duoattention_post_process(pred, name)
+    return sample_score(task, pred, record["answers"], record["all_classes"], fuzzy, cuts=fork)
 
 
 def category_scores(task_scores: dict[str, float]) -> dict[str, dict]:
@@ -423,7 +505,7 @@ def tables(results: dict) -> str:
             for t in tasks
         ]
         text += "\n\n" + report.markdown_table(["run", "task", *LENGTH_BUCKETS], rows)
-    return text + protocol_legend(runs)
+    return text + protocol_legend(runs, results.get("duo_budget"))
 
 
 def budget_figure(results: dict, path: str | Path) -> Path:

@@ -2,9 +2,10 @@
 
 Every metric takes ``(prediction, ground_truth, all_classes)`` and returns a float in [0, 1]: `qa_f1`,
 `qa_f1_zh`, `rouge_l`, `rouge_zh`, `classification`, `retrieval`, `retrieval_zh`, `count` and `code_sim`
-(``fuzzy="difflib"``, the default, or ``"rapidfuzz"``). `sample_score` applies eval.py's first-line rule and takes
-the best score over the answers; `task_score` is LongBench's 100 x mean rounded to 2 decimals and
-`length_bucket_scores` LongBench-E's split by length. Each metric's rule and the libraries: docs/longbench.md.
+(``fuzzy="difflib"``, the default, or ``"rapidfuzz"``). `sample_score` applies eval.py's first-line rule (and under
+DuoAttention's fork of LongBench its cuts, `duoattention_cuts`) and takes the best score over the answers;
+`task_score` is LongBench's 100 x mean rounded to 2 decimals and `length_bucket_scores` LongBench-E's split by
+length. Each metric's rule and the libraries: docs/longbench.md.
 """
 
 from __future__ import annotations
@@ -184,13 +185,37 @@ METRICS: dict[str, Callable[..., float]] = {
 }
 
 
-def sample_score(task: str, prediction: str, answers: Sequence[str], all_classes=None, fuzzy: str = "difflib") -> float:
+# DuoAttention's fork of LongBench (mit-han-lab/duo-attention, eval/LongBench/eval.py `scorer`) cuts every prediction
+# at these strings, in this order, and strips it, before the first-line rule; then the Chinese tasks' own cuts.
+DUOATTENTION_CUTS = (".assistant", "\n\nQuestion", "</s>", "(Document", "\n\nQuestion", "\n\nAnswer", "(Passage")
+DUOATTENTION_ZH_CUTS = {
+    "multifieldqa_zh": ("问题：",),
+    "dureader": ("问题：",),
+    "lsht": ("新闻内容：",),
+    "passage_retrieval_zh": ("请问", "提示"),
+}
+
+
+def _cut(text: str, at: Sequence[str]) -> str:
+    for mark in at:
+        text = text.split(mark)[0]
+    return text.strip()
+
+
+def sample_score(
+    task: str, prediction: str, answers: Sequence[str], all_classes=None, fuzzy: str = "difflib", *, cuts: bool = False
+) -> float:
     """A sample's score in [0, 1]: the first-line rule of FIRST_LINE_TASKS, then the best over `answers`;
-    `fuzzy`: code_sim's matcher (`fuzz_ratio`)."""
+    `fuzzy`: code_sim's matcher (`fuzz_ratio`); `cuts`: DuoAttention's fork, the prediction cut at
+    DUOATTENTION_CUTS first and at the Chinese tasks' marks after the first-line rule, in its order."""
     if task not in METRICS:
         raise DuoJaxError(f"unknown LongBench task {task!r}: choose from {', '.join(METRICS)}")
+    if cuts:
+        prediction = _cut(prediction, DUOATTENTION_CUTS)
     if task in FIRST_LINE_TASKS:
         prediction = prediction.lstrip("\n").split("\n")[0]
+    if cuts and task in DUOATTENTION_ZH_CUTS:
+        prediction = _cut(prediction, DUOATTENTION_ZH_CUTS[task])
     best = 0.0
     for answer in answers:
         options = dict(fuzzy=fuzzy) if METRICS[task] is code_sim else {}

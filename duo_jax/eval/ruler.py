@@ -25,6 +25,7 @@ from duo_jax.eval.samples import (
     Sample,
     Settings,
     budget_panel,
+    check_duo_budget,
     generate_missing,
     make_runs,
     mean_score,
@@ -135,6 +136,7 @@ def run_ruler(
             f"{model.config.max_position_embeddings} tokens: choose shorter --lengths"
         )
     tasks, notes = check_tasks(tasks, qa_data)
+    check_duo_budget(settings.duo_budget or "fitted", kv_budgets)
     runs = make_runs(modes, kv_budgets, decode_last)
     overlap = warn_if_calibrated_on(haystack, [r.mode for r in runs], settings.pattern, settings.scores)
     chat = is_chat_model(model) if chat is None else chat
@@ -228,11 +230,22 @@ MERGE_KEYS = (
     "chunk_size",
     "kv_dtype",
     "streaming_chunk",
+    "duo_budget",
 )
 
 
+# What a result from an older version, which did not record a setting, was run with
+MERGE_DEFAULTS = {"duo_budget": "fitted"}
+
+
+def _setting(result: dict, key: str):
+    return result.get(key, MERGE_DEFAULTS.get(key))
+
+
 def _recorded(result: dict, key: str) -> str:
-    return repr(result[key]) if key in result else "(not recorded: a result from an older version)"
+    if key in result or key in MERGE_DEFAULTS:
+        return repr(_setting(result, key))
+    return "(not recorded: a result from an older version)"
 
 
 def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
@@ -244,12 +257,12 @@ def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
     if not parts:
         raise DuoJaxError("nothing to merge: give at least one ruler.json")
     first_source, first = parts[0]
-    merged = {key: first.get(key) for key in MERGE_KEYS}  # (older results lack streaming_chunk: None)
+    merged = {key: _setting(first, key) for key in MERGE_KEYS}  # (older results lack streaming_chunk: None)
     merged.update(task="ruler", notes=list(first["notes"]), runs={}, prompts={}, samples={}, sources=[])
     owners = {}  # (run, length) -> source
     for source, part in parts:
         for key in MERGE_KEYS:
-            if part.get(key) != merged[key]:
+            if _setting(part, key) != merged[key]:
                 raise DuoJaxError(
                     f"{source} was run with {key}={_recorded(part, key)}, {first_source} with "
                     f"{_recorded(first, key)}: only results of the same settings can share a table"
@@ -329,7 +342,7 @@ def tables(results: dict) -> str:
         if r["average"][n] is not None  # a merged run may lack a length
     ]
     text += "\n\n" + report.markdown_table(["run", "length", *tasks], rows)
-    text += protocol_legend(runs)
+    text += protocol_legend(runs, results.get("duo_budget"))
     if "sources" in results:
         per_length = ", ".join(f"{n}: {k}" for n, k in results["samples"].items())
         text += f"\n\nSamples per task at each length: {per_length}. Merged from {', '.join(results['sources'])}."

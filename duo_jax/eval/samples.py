@@ -45,9 +45,9 @@ from duo_jax.pattern import Pattern
 class Run:
     """One mode at one KV budget: a fraction of each prompt's tokens, or a number of tokens per KV head for every
     prompt (`duo_jax.eval.modes.check_kv_budget`); None: full, or duo's default budget.
-    decode_last > 0: the prompt's last `decode_last` tokens are decoded one at a time with eviction
-    (`duo_jax.generate`'s prompt_tail_steps; DuoAttention's appendix protocol for H2O / TOVA); its name then
-    ends in "+last<N>"."""
+    decode_last > 0: the rest of the prompt is prefilled in one chunk and its last `decode_last` tokens are decoded one
+    at a time (`duo_jax.generate`'s prompt_tail_steps; DuoAttention's evaluations: its appendix protocol for H2O /
+    TOVA, and its LongBench for every method); its name then ends in "+last<N>"."""
 
     mode: str
     kv_budget: float | None = None
@@ -61,24 +61,32 @@ class Run:
     @property
     def protocol(self) -> str:
         if self.decode_last:
-            return f"exact prefill, last {self.decode_last} prompt tokens decoded one at a time with eviction"
+            return f"prefill in one chunk, last {self.decode_last} prompt tokens decoded one at a time"
         return "prefill" + (" in one chunk, compressed at its end" if one_chunk_prefill(self.mode) else "")
+
+    def one_chunk(self, mode: ModeSettings) -> bool:
+        """Whether the prompt (less its last `decode_last` tokens) is prefilled in one chunk: the mode's own rule
+        (h2o, tova), or any mode whose prompt ends in decode steps (the first forward pass of DuoAttention's
+        evaluations is the whole prompt: dense, on a streaming head too, before its cache is cut to the window)."""
+        return mode.one_chunk_prefill or self.decode_last > 0
 
 
 def check_decode_last(decode_last: int) -> None:
-    """The prompt's last tokens decoded one at a time (h2o, tova): a count >= 0."""
+    """The prompt's last tokens decoded one at a time: a count >= 0."""
     if decode_last < 0:
         raise DuoJaxError(f"decode_last is a number of prompt tokens >= 0, got {decode_last}")
 
 
-def make_runs(modes: Sequence[str], budgets: Sequence[float | None] | None, decode_last: int = 0) -> list[Run]:
+def make_runs(
+    modes: Sequence[str], budgets: Sequence[float | None] | None, decode_last: int = 0, *, every_mode: bool = False
+) -> list[Run]:
     """Every mode at every budget; full once (it keeps every token at any budget). decode_last applies to the
-    modes evaluated with one-chunk prefill (h2o, tova)."""
+    modes evaluated with one-chunk prefill (h2o, tova), or with `every_mode` to all (DuoAttention's LongBench)."""
     budgets = list(dict.fromkeys(budgets or [None]))
     check_kv_budgets(budgets)
     check_decode_last(decode_last)
     return [
-        Run(m, b, decode_last if one_chunk_prefill(m) else 0)
+        Run(m, b, decode_last if every_mode or one_chunk_prefill(m) else 0)
         for m in check_modes(modes)
         for b in (budgets if m != "full" else [None])
     ]
@@ -96,22 +104,47 @@ class Settings:
     chunk_size: int = 256
     kv_dtype: str | None = None
     streaming_chunk: int | None = None  # duo's streaming heads see a longer chunk as chunks of this size
+    # How duo meets a fractional budget F: "fitted", its retrieval heads and window fitted so that its cache holds F
+    # of each prompt (`duo_jax.methods.duo.duo_budget`); "heads", F of its heads retrieval heads (sparsity 1 - F)
+    # with the evaluation's window, as DuoAttention's own evaluations give its budgets. None: the evaluation's
+    # default ("fitted"; LongBench's "duoattention" protocol: "heads").
+    duo_budget: str | None = None
     # Later samples whose steps threads compile while one generates (`generate_missing`); 0: none. It changes when
     # compilation happens, never an output.
     compile_ahead: int = 1
 
 
+DUO_BUDGETS = ("fitted", "heads")
+
+
+def check_duo_budget(rule: str, budgets: Sequence[float | None] | None = None) -> str:
+    """`Settings.duo_budget`, checked: one of DUO_BUDGETS; "heads" takes fractions only (a share of the heads)."""
+    if rule not in DUO_BUDGETS:
+        raise DuoJaxError(f"unknown duo budget rule {rule!r}: choose from {', '.join(DUO_BUDGETS)}")
+    if rule == "heads" and any(b is not None and is_token_budget(b) for b in budgets or ()):
+        raise DuoJaxError(
+            "duo's budget as a share of retrieval heads (--duo-budget heads) takes fractions in (0, 1], not tokens: "
+            "pass --kv-budget 0.25 0.5, or --duo-budget fitted"
+        )
+    return rule
+
+
 def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Settings):
-    """The run's mode built for a prompt of `length` tokens: budget = the run's fraction of it, or its tokens."""
+    """The run's mode built for a prompt of `length` tokens: budget = the run's fraction of it, or its tokens;
+    duo's under `Settings.duo_budget` "heads" the share of its heads that are retrieval heads."""
+    sparsity, kv_budget = settings.sparsity, budget_tokens(run.kv_budget, length)
+    rule = check_duo_budget(settings.duo_budget or "fitted", [run.kv_budget])
+    if rule == "heads" and run.mode == "duo" and run.kv_budget:
+        sparsity, kv_budget = 1 - run.kv_budget, None
     return mode_settings(
         run.mode,
         model.config,
         settings.pattern,
-        sparsity=settings.sparsity,
+        sparsity=sparsity,
         sink=settings.sink,
         recent=settings.recent,
         context=length + max_new_tokens,
-        kv_budget=budget_tokens(run.kv_budget, length),
+        kv_budget=kv_budget,
         scores=settings.scores,
         kv_dtype=settings.kv_dtype,
         streaming_chunk=settings.streaming_chunk,
@@ -132,7 +165,7 @@ def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_token
                 str(model.params.dtype),  # a bf16 run's predictions are not a float32 run's
                 max_new_tokens,
                 run.name,
-                len(ids) if mode.one_chunk_prefill else settings.chunk_size,
+                len(ids) if run.one_chunk(mode) else settings.chunk_size,
             )
         ).encode()
     )
@@ -166,7 +199,7 @@ def _request(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, se
         context=None if shares_capacity_buckets(mode) else length + max_new_tokens,
         chat=False,
         # One chunk for the whole prompt, padded to a capacity bucket so that prompts of similar lengths share it
-        chunk_size=capacity_bucket(length) if mode.one_chunk_prefill else settings.chunk_size,
+        chunk_size=capacity_bucket(length) if run.one_chunk(mode) else settings.chunk_size,
         prompt_tail_steps=run.decode_last,
         **mode.generate_kwargs(),
     )
@@ -354,6 +387,7 @@ def settings_record(model: Model, settings: Settings, kv_budgets: Sequence[float
         chunk_size=settings.chunk_size,
         kv_dtype=settings.kv_dtype,
         streaming_chunk=settings.streaming_chunk,
+        duo_budget=settings.duo_budget or "fitted",
     )
 
 
@@ -417,9 +451,14 @@ def seconds_per_1k_tokens(records: Sequence[dict[str, Any]]) -> float:
     return 1000 * sum(r["prefill_s"] + r["decode_s"] for r in records) / tokens if tokens else float("nan")
 
 
-def protocol_legend(runs: dict[str, dict]) -> str:
-    """Markdown lines naming the protocol of every h2o / tova run ("" when there is none)."""
-    lines = [f"- {name}: {r['protocol']}" for name, r in runs.items() if one_chunk_prefill(r["mode"])]
+def protocol_legend(runs: dict[str, dict], duo_budget: str | None = None) -> str:
+    """Markdown lines naming the protocol of every run prefilled in one chunk (h2o, tova, any run with decode_last),
+    and under `duo_budget` "heads" what duo's budgets mean ("" when there is nothing to say)."""
+    lines = [
+        f"- {name}: {r['protocol']}" for name, r in runs.items() if one_chunk_prefill(r["mode"]) or r.get("decode_last")
+    ]
+    if duo_budget == "heads" and any(r["mode"] == "duo" and r.get("kv_budget") for r in runs.values()):
+        lines.append("- duo@F: F of its heads are retrieval heads (sparsity 1 - F), as DuoAttention gives its budgets")
     return "\n\nProtocols:\n" + "\n".join(lines) if lines else ""
 
 
