@@ -277,6 +277,27 @@ def test_niah_end_to_end(model, pattern, tmp_path):
 
 
 @pytest.mark.slow
+def test_niah_duoattention_protocol(model, pattern, tmp_path):
+    """DuoAttention's NIAH: every essay, whole, as the haystack, its prompts (at most the length), 51 new tokens,
+    visualize.py's score per cell, a cell correct at half of it or more, the heat maps of the score."""
+    from duo_jax.data import niah_duoattention
+
+    results = run_niah(
+        model, ["full", "duo"], pattern=pattern, lengths=[320], depths=[0.0, 0.5, 1.0], sink=4, recent=16,
+        chunk_size=64, protocol="duoattention", out_dir=tmp_path, progress=False,
+    )  # fmt: skip
+    assert results["protocol"] == "duoattention" and results["haystack"] == "paul_graham"
+    assert results["max_new_tokens"] == niah_duoattention.MAX_NEW_TOKENS == 51
+    for r in results["modes"].values():
+        for cell in r["cells"]:
+            assert cell["score"] == niah_duoattention.score(cell["generated"])
+            assert cell["correct"] == (cell["score"] >= 0.5) and cell["answer"] == niah_duoattention.ANSWER
+    assert (tmp_path / "niah_duo.png").stat().st_size > 1000
+    with pytest.raises(duo_jax.DuoJaxError, match="unknown NIAH protocol"):
+        run_niah(model, ["full"], pattern=pattern, lengths=[320], protocol="gkamradt")
+
+
+@pytest.mark.slow
 def test_niah_every_mode_at_a_budget(model, pattern, tmp_path):
     scores = Pattern(np.random.default_rng(3).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
     results = run_niah(

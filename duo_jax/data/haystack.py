@@ -52,13 +52,14 @@ def overlaps(source: str, other: str) -> bool:
     return bool(_text_parts(source) & _text_parts(other))
 
 
-def encode(tokenizer: Any, text: str) -> np.ndarray:
-    """`text` as an int32 array of token ids, without special tokens (no BOS)."""
+def encode(tokenizer: Any, text: str, *, special: bool = False) -> np.ndarray:
+    """`text` as an int32 array of token ids, without special tokens (no BOS), or with them (`special`: as
+    transformers' `encode` adds them) where the tokenizer's `encode` takes `add_special_tokens`."""
     try:
         takes_flag = "add_special_tokens" in inspect.signature(tokenizer.encode).parameters
     except (TypeError, ValueError):  # a builtin without an introspectable signature
         takes_flag = False
-    ids = tokenizer.encode(text, add_special_tokens=False) if takes_flag else tokenizer.encode(text)
+    ids = tokenizer.encode(text, add_special_tokens=special) if takes_flag else tokenizer.encode(text)
     return np.asarray(ids, dtype=np.int32)
 
 
@@ -127,11 +128,30 @@ def _paul_graham_dir() -> Path:
     return package / "PaulGrahamEssays"
 
 
-def _read_txt_files(directory: Path) -> list[str]:
+def concatenated_files(source: str) -> str:
+    """The ``*.txt`` files of `source` ("paul_graham", its halves, or a folder) as they are, one after the other
+    with nothing between them, in file-name order: the haystack gkamradt's NIAH script and DuoAttention's read
+    (`glob` order there, which the file system decides)."""
+    if source == "paul_graham" or source.startswith("paul_graham:"):
+        texts = _read_txt_files(_paul_graham_dir(), strip=False)
+        if source != "paul_graham":
+            load_haystack(source, max_chars=1)  # the part's name, checked
+            texts = texts[PAUL_GRAHAM_SPLITS.index(source.removeprefix("paul_graham:")) :: 2]
+    elif Path(source).is_dir():
+        texts = _read_txt_files(Path(source), strip=False)
+    else:
+        raise DataError(
+            f"a haystack of whole files is 'paul_graham' (or one of its halves) or a folder, not {source!r}"
+        )
+    return "".join(texts)
+
+
+def _read_txt_files(directory: Path, *, strip: bool = True) -> list[str]:
     files = sorted(directory.glob("*.txt"))
     if not files:
         raise DataError(f"no .txt files in {directory}")
-    return [read_user_text(f, DataError, "; a haystack folder holds .txt files").strip() for f in files]
+    texts = [read_user_text(f, DataError, "; a haystack folder holds .txt files") for f in files]
+    return [t.strip() for t in texts] if strip else texts
 
 
 def _read_austen() -> list[str]:

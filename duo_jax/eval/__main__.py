@@ -22,6 +22,7 @@ from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, PROTOCOLS, che
 from duo_jax.eval.longbench_metrics import FUZZY
 from duo_jax.eval.modes import MODES, check_kv_budgets, check_kv_dtype_modes
 from duo_jax.eval.niah import DEFAULT_LENGTHS as NIAH_LENGTHS
+from duo_jax.eval.niah import PROTOCOLS as NIAH_PROTOCOLS
 from duo_jax.eval.passkey import DEFAULT_LENGTHS as PASSKEY_LENGTHS
 from duo_jax.eval.ruler import DEFAULT_LENGTHS as RULER_LENGTHS
 from duo_jax.eval.samples import DUO_BUDGETS, check_decode_last, check_duo_budget
@@ -146,10 +147,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     niah.add_argument(
         "--haystack",
-        default="paul_graham:evaluation",
-        help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a folder of .txt files",
+        default=None,
+        help="'paul_graham:evaluation' (the essays' held-out half), 'paul_graham', 'austen' or a folder of .txt files "
+        "(default: paul_graham:evaluation; the duoattention protocol: paul_graham, its files whole)",
     )
-    niah.add_argument("--max-new-tokens", type=count, default=32)
+    niah.add_argument("--max-new-tokens", type=count, default=None, help="default: 32 (the duoattention protocol: 51)")
+    niah.add_argument(
+        "--protocol",
+        choices=NIAH_PROTOCOLS,
+        default="niah",
+        help="niah: this repository's prompts and key-word score; duoattention: DuoAttention's NIAH script (its "
+        "needle, prompt, insertion and word-overlap score; docs/evaluation.md)",
+    )
     niah.add_argument("--batch-size", type=count, default=None, help="prompts per generate call (default: all depths)")
 
     passkey = tasks.add_parser(
@@ -405,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 haystack=args.haystack,
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
+                protocol=args.protocol,
                 **common,
             )
             table = accuracy_table(results, results["lengths"])
@@ -418,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
+                protocol=args.protocol,
                 **common,
             )
             table = accuracy_table(results, results["lengths"])

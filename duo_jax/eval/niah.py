@@ -15,8 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
-from duo_jax.data.niah import NeedlePrompt, make_needle_prompt, score_contains, score_needle
+from duo_jax.data import niah_duoattention
+from duo_jax.data.haystack import EVALUATION_HAYSTACK, concatenated_files, haystack_tokens
+from duo_jax.data.niah import (
+    NEEDLE_PASS_FRACTION,
+    NeedlePrompt,
+    make_needle_prompt,
+    score_contains,
+    score_needle,
+)
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.modes import budget_tokens, check_kv_dtype_modes, check_modes, mode_settings, warn_if_calibrated_on
@@ -71,6 +78,7 @@ def evaluate_grid(
     max_new_tokens: int,
     chunk_size: int,
     score: Callable[[str, NeedlePrompt], float],
+    correct: Callable[[str, NeedlePrompt], bool] | None = None,
     batch_size: int | None = None,
     kv_budget: float | None = None,
     scores: Pattern | None = None,
@@ -80,15 +88,14 @@ def evaluate_grid(
 ) -> dict:
     """Generate the answer of every prompt in every mode; returns {"modes": {mode: result}}.
 
-    prompts_for(length) gives the prompts of one context length (all exactly `length` tokens); they are
+    prompts_for(length) gives the prompts of one context length (at most `length` tokens); they are
     generated in batches of `batch_size` (default: all at once). Every mode but full keeps `kv_budget` x
     `length` tokens per KV head, or `kv_budget` tokens where it is a count (None: duo's budget; see
-    `duo_jax.eval.modes`); `scores` are the HeadKV
-    head scores for headkv / duo_headkv; `kv_dtype` ("int8" / "int4") quantizes every mode's cache
-    (`duo_jax.eval.modes.check_kv_dtype_modes`). `score(generated, prompt)` gives a cell's
-    score in [0, 1]; a cell is correct when `score_contains` says so. Each mode's result holds its settings
-    and cache bytes per length, prefill / decode seconds, the cells, and accuracy overall, per length and
-    per depth.
+    `duo_jax.eval.modes`); `scores` are the HeadKV head scores for headkv / duo_headkv; `kv_dtype` ("int8" /
+    "int4") quantizes every mode's cache (`duo_jax.eval.modes.check_kv_dtype_modes`). `score(generated, prompt)`
+    gives a cell's score in [0, 1]; a cell is correct when `correct(generated, prompt)` says so (default:
+    `score_contains`). Each mode's result holds its settings and cache bytes per length, prefill / decode seconds,
+    the cells, and accuracy overall, per length and per depth.
     """
     from tqdm.auto import tqdm
 
@@ -147,7 +154,11 @@ def evaluate_grid(
                                 answer=prompt.answer,
                                 generated=text,
                                 score=float(score(text, prompt)),
-                                correct=bool(score_contains(text, prompt.answer, question=prompt.question)),
+                                correct=bool(
+                                    score_contains(text, prompt.answer, question=prompt.question)
+                                    if correct is None
+                                    else correct(text, prompt)
+                                ),
                             )
                         )
                     bar.update(len(group))
@@ -204,6 +215,9 @@ def write_outputs(
     return paths
 
 
+PROTOCOLS = ("niah", "duoattention")
+
+
 def run_niah(
     model: Model,
     modes: Sequence[str],
@@ -214,14 +228,15 @@ def run_niah(
     sparsity: float = 0.5,
     sink: int = 64,
     recent: int = 256,
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     chunk_size: int = 512,
-    haystack: str = EVALUATION_HAYSTACK,
+    haystack: str | None = None,
     batch_size: int | None = None,
     kv_budget: float | None = None,
     scores: Pattern | None = None,
     kv_dtype: str | None = None,
     streaming_chunk: int | None = None,
+    protocol: str = "niah",
     out_dir: str | Path | None = None,
     progress: bool = True,
 ) -> dict:
@@ -229,16 +244,44 @@ def run_niah(
     kv_budget: tokens kept per KV head by every mode but full, a fraction of each prompt's length or a
     number of tokens (`duo_jax.eval.modes.budget_tokens`; None: duo's);
     kv_dtype: "int8" / "int4" quantizes every mode's KV cache (None: the model's dtype); streaming_chunk: the duo
-    modes' (`duo_jax.eval.modes.mode_settings`)."""
+    modes' (`duo_jax.eval.modes.mode_settings`).
+    protocol: "niah", this repository's prompts (`duo_jax.data.niah`: exactly `length` tokens, the needle at a
+    sentence end; haystack default the essays' held-out half, 32 new tokens); "duoattention", DuoAttention's script
+    (`duo_jax.data.niah_duoattention`: its needle, prompt and scoring; haystack default every essay, whole files,
+    51 new tokens)."""
     if model.tokenizer is None:
         raise DuoJaxError("NIAH needs the model's tokenizer (none was found with the weights)")
+    if protocol not in PROTOCOLS:
+        raise DuoJaxError(f"unknown NIAH protocol {protocol!r}: choose from {', '.join(PROTOCOLS)}")
+    fork = protocol == "duoattention"
+    haystack = haystack or ("paul_graham" if fork else EVALUATION_HAYSTACK)
+    max_new_tokens = max_new_tokens or (niah_duoattention.MAX_NEW_TOKENS if fork else 32)
     lengths, depths = sorted(set(lengths)), sorted(set(float(d) for d in depths))
     overlap = warn_if_calibrated_on(haystack, check_modes(modes), pattern, scores)
-    hay = haystack_tokens(model.tokenizer, haystack, max(lengths))
-    bos = bos_id(model.tokenizer)
+    if fork:
+        text = niah_duoattention.repeated(model.tokenizer, concatenated_files(haystack), max(lengths))
 
-    def prompts_for(length):
-        return [make_needle_prompt(model.tokenizer, hay, length, depth, bos_id=bos) for depth in depths]
+        def prompts_for(length):
+            context = niah_duoattention.context_ids(model.tokenizer, text, length)
+            return [niah_duoattention.make_prompt(model.tokenizer, context, length, depth) for depth in depths]
+
+        def score(text, prompt):
+            return niah_duoattention.score(text)
+
+        def correct(text, prompt):
+            return niah_duoattention.score(text) >= NEEDLE_PASS_FRACTION
+
+    else:
+        hay = haystack_tokens(model.tokenizer, haystack, max(lengths))
+        bos = bos_id(model.tokenizer)
+
+        def prompts_for(length):
+            return [make_needle_prompt(model.tokenizer, hay, length, depth, bos_id=bos) for depth in depths]
+
+        def score(text, prompt):
+            return score_needle(text, prompt.answer, question=prompt.question)
+
+        correct = None
 
     start = time.perf_counter()
     results = evaluate_grid(
@@ -252,7 +295,8 @@ def run_niah(
         recent=recent,
         max_new_tokens=max_new_tokens,
         chunk_size=chunk_size,
-        score=lambda text, p: score_needle(text, p.answer, question=p.question),
+        score=score,
+        correct=correct,
         batch_size=batch_size,
         kv_budget=kv_budget,
         scores=scores,
@@ -262,6 +306,7 @@ def run_niah(
     )
     results = dict(
         task="niah",
+        protocol=protocol,
         model=model.config.name,
         source=model.source,
         haystack=haystack,
