@@ -20,12 +20,14 @@ CONFIG = tiny_config()
 WINDOWED = tiny_config(sliding_window=5, window_layers=(1,))
 
 
-def reference_logits(params, tokens, chunks, rule, budget, recent=0, config=CONFIG, kept_out=None):
+def reference_logits(params, tokens, chunks, rule, budget, recent=0, config=CONFIG, kept_out=None, exact_first=False):
     """Per layer: for each chunk [s, e), every query sees the kept tokens plus the chunk causally (within
     the layer's window W: i - j < W); then the tokens no later query can see (j <= e - W) are dropped, and of
     the others H2O keeps (per KV head) the `recent` newest + the highest accumulated attention, TOVA (per
     layer) the tokens the chunk's last query attends to most, averaged over all heads. `kept_out`: a list
-    that receives each layer's final kept positions per KV head (sets)."""
+    that receives each layer's final kept positions per KV head (sets). `exact_first`: the first chunk keeps
+    every token and adds nothing to the scores (DuoAttention's appendix: an exact prefill, the eviction and its
+    scores starting with the next query)."""
     T, G, K = len(tokens), config.group_size, config.num_kv_heads
 
     def mask(layer):
@@ -33,11 +35,14 @@ def reference_logits(params, tokens, chunks, rule, budget, recent=0, config=CONF
         seen = np.zeros((K, T, T), bool)
         kept = [[] for _ in range(K)]
         score = np.zeros((K, T))  # attention each token received, summed over queries and the group's heads
-        for s, e in chunks:
+        for c, (s, e) in enumerate(chunks):
             candidates = [kept[h] + list(range(s, e)) for h in range(K)]
             for h, i in np.ndindex(K, e - s):
                 seen[h, s + i, [j for j in candidates[h] if j <= s + i and s + i - j < window]] = True
             _, probs = attention(layer.q[s:e], layer.k, layer.v, seen[:, s:e])  # [H, e - s, T]
+            if exact_first and c == 0:
+                kept = candidates
+                continue
             score += probs.reshape(K, G, e - s, T).sum(axis=(1, 2))
             for h in range(K):
                 candidates[h] = [j for j in candidates[h] if j > e - window]  # out of every later window: dropped
@@ -81,6 +86,36 @@ def test_matches_the_eviction_reference(params, prompt, rule, chunk, budget, rec
     full = reference_logits(params, sequence, chunks, rule, budget=10_000)
     assert np.abs(full - ref).max() > 1e-2  # eviction really changed the result
     assert cache_nbytes(cache) == method.expected_cache_bytes(1, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "rule, budget, recent, impl", [("h2o", 6, 2, "auto"), ("h2o", 6, 2, "xla"), ("tova", 5, 0, "auto")]
+)
+def test_the_papers_protocol_is_one_chunk_then_decode_steps(params, prompt, rule, budget, recent, impl):
+    """DuoAttention's appendix runs H2O and TOVA with an exact prefill of all but the prompt's last N tokens, then
+    those N one at a time, the first attending to the whole prefix: their eviction, and H2O's scores, start there.
+    That is one chunk of all but the last N - 1 tokens, compressed at its end by its newest query's attention
+    (h2o's scores_from="newest"), then N - 1 decode steps: against the float64 reference of the paper's rule; H2O's
+    own rule (every prompt query scores) gives other logits."""
+    N = 5
+    head = len(prompt) - N + 1  # the chunk: the exact prefix and the first of the last N tokens
+    options = dict(kv_budget=budget) | (dict(recent=recent, scores_from="newest") if rule == "h2o" else {})
+    method = make_method(rule, CONFIG, context=64, **options)
+    force = prompt[head:] + [3, 5, 7]
+    sequence, logits, _, _ = run_method(
+        params, CONFIG, method, prompt[:head], chunk=head, decode_steps=len(force), force=force, impl=impl
+    )
+    assert sequence == prompt + [3, 5, 7]
+    chunks = [(0, len(prompt) - N)] + [(i, i + 1) for i in range(len(prompt) - N, len(sequence))]
+    ref = reference_logits(params, sequence, chunks, rule, budget, recent, exact_first=True)
+    np.testing.assert_array_less(np.abs(logits - ref[: len(logits)]).max(), 1e-4)
+    if rule == "h2o":
+        every = make_method(rule, CONFIG, context=64, kv_budget=budget, recent=recent)
+        _, own, _, _ = run_method(
+            params, CONFIG, every, prompt[:head], chunk=head, decode_steps=len(force), force=force
+        )
+        assert np.abs(own - logits).max() > 1e-3  # the prompt's scores really change the eviction
 
 
 @pytest.mark.slow

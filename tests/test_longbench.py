@@ -402,7 +402,7 @@ def test_decode_last_protocol(model, tmp_path):
     with pytest.raises(duo_jax.DuoJaxError, match="--decode-last 8 is not shorter than a prompt of 8 tokens"):
         samples.generate_sample(model, runs[2], prompt[:8], 4, settings)  # was named prompt_tail_steps
     legend = samples.protocol_legend({r.name: dict(mode=r.mode, protocol=r.protocol) for r in runs})
-    assert "h2o@0.5+last8: prefill in one chunk, last 8 prompt tokens decoded one at a time" in legend
+    assert "h2o@0.5+last8: exact prefill of all but the last 8 prompt tokens, then those decoded" in legend
     assert "duo" not in legend
 
 

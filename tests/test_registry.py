@@ -34,7 +34,9 @@ def test_every_method_is_registered_by_its_module():
     assert entry("streaming_llm").windows == {"sink": "start", "recent": "recent"}
     assert entry("infinigen").needs_model and not entry("snapkv").needs_model
     # What a method takes is read from its builder's keyword-only parameters.
-    assert entry("h2o").options == ("kv_budget", "recent", "budget_slots") and entry("full").options == ()
+    assert (
+        entry("h2o").options == ("kv_budget", "recent", "budget_slots", "scores_from") and entry("full").options == ()
+    )
     # Every method quantizes its cache (docs/adding-a-method.md: the builder takes kv_dtype).
     assert [name for name in METHODS if not entry(name).quantized_kv] == []
     # The evaluations prefill the eviction methods' prompts in one chunk (their entry says so, not a list elsewhere).

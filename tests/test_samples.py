@@ -108,9 +108,11 @@ def test_eviction_budgets_in_one_bucket_share_compiled_steps(model, mode, decode
     for prompt, record in zip(prompts, records):
         m = samples._mode(model, run, len(prompt), 4, settings)
         assert samples.budget_bucket(m) == 256 and m.kv_budget == len(prompt) // 4
+        # the paper's last 50: a chunk ending with the first of them (H2O scored from it on), then 49 steps
+        assert dict(m.options).get("scores_from") == ("newest" if decode_last and mode == "h2o" else None)
         own = duo_jax.generate(
             model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=len(prompt),
-            prompt_tail_steps=decode_last, **m.generate_kwargs(),
+            prompt_tail_steps=max(decode_last - 1, 0), **m.generate_kwargs(),
         )  # fmt: skip
         assert record["pred"] == model.tokenizer.decode(own.tokens[0])
         assert record["cache_bytes"] == own.stats["cache_bytes"] < record["reserved_cache_bytes"]

@@ -60,9 +60,21 @@ class Run:
 
     @property
     def protocol(self) -> str:
+        if self.decode_last and one_chunk_prefill(self.mode):
+            return (
+                f"exact prefill of all but the last {self.decode_last} prompt tokens, then those decoded one at a time "
+                "with eviction from the first on"
+            )
         if self.decode_last:
             return f"prefill in one chunk, last {self.decode_last} prompt tokens decoded one at a time"
         return "prefill" + (" in one chunk, compressed at its end" if one_chunk_prefill(self.mode) else "")
+
+    def tail_steps(self, mode: ModeSettings) -> int:
+        """The prompt tokens decoded one at a time (`generate`'s prompt_tail_steps): `decode_last`, less one for a
+        mode that compresses at the end of its one chunk (h2o, tova). DuoAttention's appendix prefills all but the
+        last N tokens exactly and evicts from the first of them on, whose query sees the whole prefix: that query
+        ends the chunk, and the chunk's compression is its eviction (H2O's scores from it alone: `_mode`)."""
+        return self.decode_last - 1 if self.decode_last and mode.one_chunk_prefill else self.decode_last
 
     def one_chunk(self, mode: ModeSettings) -> bool:
         """Whether the prompt (less its last `decode_last` tokens) is prefilled in one chunk: the mode's own rule
@@ -136,7 +148,7 @@ def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Se
     rule = check_duo_budget(settings.duo_budget or "fitted", [run.kv_budget])
     if rule == "heads" and run.mode == "duo" and run.kv_budget:
         sparsity, kv_budget = 1 - run.kv_budget, None
-    return mode_settings(
+    mode = mode_settings(
         run.mode,
         model.config,
         settings.pattern,
@@ -149,6 +161,9 @@ def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Se
         kv_dtype=settings.kv_dtype,
         streaming_chunk=settings.streaming_chunk,
     )
+    if run.decode_last and "scores_from" in methods.entry(mode.method).options:  # H2O: scored from the tail on
+        mode = dataclasses.replace(mode, options=mode.options + (("scores_from", "newest"),))
+    return mode
 
 
 def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> str:
@@ -179,6 +194,8 @@ def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_token
     mask = mode.retrieval_mask()
     if mask is not None:  # the heads the pattern gave, so that a change of the binarisation rule is seen too
         digest.update(np.packbits(mask).tobytes())
+    if run.decode_last:  # how the prompt's last tokens ran (an earlier version decoded all of them for h2o / tova)
+        digest.update(f"tail steps {run.tail_steps(mode)}".encode())
     if getattr(model.tokenizer, "clean_up_assumed", False):  # its predictions' text is decoded otherwise
         digest.update(b"clean_up_tokenization_spaces assumed")
     digest.update(np.asarray(ids, np.int64).tobytes())
@@ -200,7 +217,7 @@ def _request(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, se
         chat=False,
         # One chunk for the whole prompt, padded to a capacity bucket so that prompts of similar lengths share it
         chunk_size=capacity_bucket(length) if run.one_chunk(mode) else settings.chunk_size,
-        prompt_tail_steps=run.decode_last,
+        prompt_tail_steps=run.tail_steps(mode),
         **mode.generate_kwargs(),
     )
     if not is_token_budget(run.kv_budget):  # a budget in tokens shapes every sample alike: nothing to bucket

@@ -40,6 +40,9 @@ class EvictionLayerCache:
     scores: jax.Array  # float32 [B, K, N]: H2O's accumulated attention (unused by TOVA)
 
 
+SCORES_FROM = ("all", "newest")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Budget:
@@ -120,6 +123,11 @@ class _Eviction(StaticSpec, Method):
         per_slot = 2 * vector + 4 + 4  # K, V, position, score
         return batch * self.num_kv_heads * sum(map(self.slots, range(self.num_layers))) * per_slot
 
+    def query_weights(self, step: Step) -> jax.Array:
+        """float32 [B, T]: how much each of the step's queries adds to the attention a token received (1 for every
+        real query, 0 for padding)."""
+        return step.valid.astype(jnp.float32)
+
     @abc.abstractmethod
     def priority(
         self, positions: jax.Array, scores: jax.Array, newest_probs: Callable[[], jax.Array], step: Step
@@ -149,7 +157,8 @@ class _Eviction(StaticSpec, Method):
         if not self.ranks_by_received_attention:  # no probabilities summed: the chunk goes through the kernels
             out, received = attend_per_kv_head(q, dense_keys, dense_values, positions, step, own_keys_at), 0.0
         else:  # a kernel that sums them where one serves (the C++ CPU kernel), else the probabilities
-            served = received_per_kv_head(q, dense_keys, dense_values, positions, step, own_keys_at)
+            weights = self.query_weights(step)
+            served = received_per_kv_head(q, dense_keys, dense_values, positions, step, own_keys_at, weights)
             # Causal, within the layer's window; over query blocks, so a whole-prompt chunk never holds [T, N + T].
             out, received = served or attention_received(
                 q,
@@ -157,7 +166,7 @@ class _Eviction(StaticSpec, Method):
                 dense_values,
                 step.positions,
                 lambda queries: step.sees(positions, queries),
-                step.valid.astype(jnp.float32),
+                weights,
                 block=max(1, self.query_rows // B),
                 own_keys_at=own_keys_at,
             )
@@ -197,12 +206,12 @@ def attend_per_kv_head(q, keys, values, positions, step: Step, own_keys_at: int)
     return _heads_back(attention.attend(rows, *by_head, spec, impl=step.impl), q.shape)
 
 
-def received_per_kv_head(q, keys, values, positions, step: Step, own_keys_at: int):
-    """`attend_per_kv_head` and the attention each key received from the step's real queries, float32 [B, K, S]
-    (`duo_jax.attention.attend_received`), or None where no kernel computes it."""
+def received_per_kv_head(q, keys, values, positions, step: Step, own_keys_at: int, weights: jax.Array):
+    """`attend_per_kv_head` and the attention each key received from the step's queries, each weighted by `weights`
+    [B, T], float32 [B, K, S] (`duo_jax.attention.attend_received`), or None where no kernel computes it."""
     B, K, S = positions.shape
     rows, by_head, spec = _kv_heads_as_rows(q, keys, values, positions, step, own_keys_at)
-    weights = jnp.repeat(step.valid.astype(jnp.float32), K, axis=0)
+    weights = jnp.repeat(weights, K, axis=0)
     served = attention.attend_received(rows, *by_head, spec, weights, impl=step.impl)
     if served is None:
         return None
@@ -234,15 +243,31 @@ def _heads_back(out: jax.Array, shape) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class H2O(_Eviction):
-    """Heavy hitters (highest accumulated attention) + the `recent` newest tokens, per KV head."""
+    """Heavy hitters (highest accumulated attention) + the `recent` newest tokens, per KV head. `scores_from`: "all",
+    every query of a chunk adds the attention it gives (H2O's rule); "newest", only its newest real query: with the
+    prompt in one chunk, DuoAttention's appendix protocol, whose scores start with the first query after an exact
+    prefill (docs/methods.md)."""
 
     recent: int = 0
+    scores_from: str = "all"
 
     name = "h2o"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.scores_from not in SCORES_FROM:
+            raise DuoJaxError(f"h2o's scores_from must be one of {', '.join(SCORES_FROM)}, got {self.scores_from!r}")
 
     @property
     def recent_tokens(self) -> int:
         return self.recent
+
+    def query_weights(self, step: Step) -> jax.Array:
+        weights = super().query_weights(step)
+        if self.scores_from == "all":
+            return weights
+        newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)  # [B]: the last real query
+        return weights * (jnp.arange(weights.shape[1])[None] == newest[:, None])
 
     def priority(self, positions, scores, newest_probs, step):
         is_recent = positions >= step.new_lengths[:, None, None] - self.budget_of(step.state)[1]
@@ -274,14 +299,16 @@ def make_h2o(
     recent: int | None = None,
     kv_dtype: str | None = None,
     budget_slots: int | None = None,
+    scores_from: str = "all",
 ) -> H2O:
     """`recent` defaults to kv_budget // 2 (the paper's equal split). `budget_slots`: slots per KV head (>= kv_budget)
-    with the budget and `recent` runtime data, so that H2O at other budgets up to it shares compiled steps."""
+    with the budget and `recent` runtime data, so that H2O at other budgets up to it shares compiled steps.
+    `scores_from`: "all" (every query of a chunk adds its attention) or "newest" (a chunk's newest query only)."""
     fields = _fields("h2o", config, kv_budget, kv_dtype, budget_slots)
     recent = fields["budget"] // 2 if recent is None else recent
     if not 0 <= recent <= kv_budget:
         raise DuoJaxError(f"h2o's recent window must lie in [0, kv_budget={kv_budget}], got {recent}")
-    return H2O(**fields, recent=recent)
+    return H2O(**fields, recent=recent, scores_from=scores_from)
 
 
 @register(
