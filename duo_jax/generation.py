@@ -47,6 +47,17 @@ class Generation:
 def _prompt_ids(model: Model, prompts) -> list[list[int]]:
     """A text, a list of token ids, or a batch of either (a list, or a 2-D integer array) -> each prompt's token
     ids; anything else (None, floats, nested deeper) raises naming what was given."""
+    try:
+        return _host_prompt_ids(model, prompts)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError) as e:
+        raise DuoJaxError(  # inside the caller's jax.jit / vmap: the prompts are tracers
+            "generate runs on the host (its prompts are Python values, its loop plans and compiles its own steps) and "
+            "cannot be traced inside jax.jit: call it outside, or from jitted code use duo_jax.engine's extend / "
+            "decode steps, which take and return the cache (docs/engine.md)"
+        ) from e
+
+
+def _host_prompt_ids(model: Model, prompts) -> list[list[int]]:
     array = isinstance(prompts, (np.ndarray, jax.Array))
     if isinstance(prompts, str) or (array and prompts.ndim == 1):
         prompts = [prompts]
@@ -136,6 +147,16 @@ def build_method(
     to the method's own window options (StreamingLLM's `start` is `sink`); a method without windows (full)
     ignores them, another rejects the one it lacks. `model`: for methods that calibrate on it (InfiniGen)."""
     if isinstance(method, Method):
+        given = [
+            n for n, v in dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent).items() if v is not None
+        ]
+        given += sorted(options)
+        if given:  # they would be ignored: the method's own settings stand
+            raise DuoJaxError(
+                f"{', '.join(given)} configure the method generate builds, but method= is already built "
+                f"({method.name}): build it with them (duo_jax.methods.make_method({method.name!r}, ..., "
+                f"{given[0]}=...)), or pass its name, method={method.name!r}"
+            )
         return method
     spec = methods.entry(_method_name(method, pattern))
     if spec.takes_pattern:
@@ -232,6 +253,11 @@ def plan_generation(
     ids = _prompt_ids(model, chat_prompts(model, prompts, chat))
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
+    if context is not None and isinstance(method, Method) and (method.max_tokens or context) < context:
+        raise DuoJaxError(
+            f"context={context} asks for more than the built method's capacity of {method.max_tokens} tokens "
+            f"(method= is already built, {method.name}): build it with context={context}, or leave context=None"
+        )
     if context is not None and needed > context:
         raise DuoJaxError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
@@ -388,6 +414,11 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed=0
     """Run `plan` (from `plan_generation`) on `engine` (the engine of `model`'s weights, on the plan's mesh):
     compile the shapes it needs, prefill, then decode every new token in one device loop. Running out of device
     memory raises `DeviceMemoryError` naming the plan's cache and what shrinks it."""
+    if not engine.serves(model.params, model.config, plan.mesh):
+        raise DuoJaxError(
+            "engine= was built from other weights, another config or another mesh than this call's; build it "
+            "with Engine(model.params, model.config, mesh) (Engine.of(model, mesh)) or leave engine=None"
+        )
     what = (
         f"generating {len(plan.ids)} sequence(s) with a {plan.method.name} KV cache of {plan.capacity} tokens "
         f"({device_memory.gib(plan.device_cache_bytes)} per device)"
@@ -406,7 +437,8 @@ def compile_steps(engine: Engine, plan: GenerationPlan) -> None:
     kv_method, B, mesh = plan.method, len(plan.ids), plan.mesh
     config, dtype, layout = engine.config, engine.dtype, engine.weight_layout
     compiled_extend(config, kv_method, B, plan.chunk, dtype, plan.impl, False, mesh, **layout)
-    decoding = kv_method.decode_method(max(len(p) for p in plan.ids) - plan.tail_steps)
+    rows = [len(p) - plan.tail_steps for p in plan.ids]
+    decoding = kv_method.decode_method(max(rows), rows)
     if plan.tail_steps:  # the prompt's last tokens step the method decoding continues with
         compiled_extend(config, decoding, B, 1, dtype, plan.impl, False, mesh, **layout)
     greedy, buffer = plan.sampling.greedy, bucket(plan.max_new_tokens)
@@ -520,7 +552,8 @@ def generate(
     chat: None (default): conversations get the model's chat template (`duo_jax.chat`), a plain string is
     completion text, as in Hugging Face's text-generation pipeline and vLLM; True: plain strings are wrapped
     too (each one user message); False: no template (conversations are then an error). Token ids are never
-    wrapped.
+    wrapped (in a batch with texts they pass as they are; chat=True with token ids alone, nothing to wrap, is an
+    error).
     method: a name of `duo_jax.methods.METHODS` (`duo_jax.methods.describe()` lists them), or a built `Method`;
     None: "duo" when a pattern is given, else "full".
     method_options: that method's options (kv_budget, scores, window, ...; see `duo_jax.methods.make_method`).
@@ -579,11 +612,6 @@ def generate(
         # the engine's copy of the weights (fused q/k/v on a GPU, stacked weights, a mesh), made on their first use
         with device_memory.explain_out_of_memory("copying the weights for the engine", MEMORY_FIXES):
             engine = Engine.of(model, plan.mesh)
-    elif not engine.serves(model.params, model.config, plan.mesh):
-        raise DuoJaxError(
-            "engine= was built from other weights, another config or another mesh than this call's; build it "
-            "with Engine(model.params, model.config, mesh) or leave engine=None"
-        )
     prepare_s = time.perf_counter() - start
     out = run_generation(model, engine, plan, seed=seed)
     out.stats = dict(prepare_s=prepare_s, **out.stats)

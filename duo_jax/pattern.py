@@ -119,11 +119,14 @@ class Pattern:
 
     @classmethod
     def for_model(cls, name: str, key: str = "pattern") -> Pattern | None:
-        """The default pattern of a named model, checked against its config; None when it names none.
+        """The default pattern of a named model, checked against its config; None when it names none, or when
+        `name` is not a named config (a model loaded from a path: its config takes the folder's or file's name).
 
         `configs/<name>.json` names its pattern with `"pattern": "patterns/<name>"`, relative to the configs folder
         (key="scores": its HeadKV head scores, `"scores": "scores/<name>"`, saved in the same format).
         """
+        if name not in config_lib.named_configs():
+            return None
         relative = config_lib.read_named(name).get(key)
         if relative is None:
             return None
@@ -273,7 +276,10 @@ def resolve_pattern(pattern: Pattern | str | os.PathLike | None, config: config_
     elif str(pattern) == "default":
         resolved = Pattern.for_model(config.name)
         if resolved is None:
-            raise PatternError(f"model {config.name!r} ships no default pattern; pass a pattern path")
+            raise PatternError(
+                f"model {config.name!r} ships no default pattern (a named config may; a model loaded from a path has "
+                "none): pass pattern=PATH, a folder with full_attention_heads.tsv (python train_gates.py writes one)"
+            )
     elif isinstance(pattern, (str, os.PathLike)):
         resolved = Pattern.load(pattern)
     else:

@@ -10,7 +10,7 @@ import pytest
 import duo_jax
 from duo_jax.engine import Engine
 from duo_jax.errors import DuoJaxError, LoadError
-from duo_jax.generation import generate, plan_generation
+from duo_jax.generation import generate, plan_generation, run_generation
 from duo_jax.model import greedy_reference
 from duo_jax.pattern import Pattern, PatternError
 from tests.conftest import tiny_config
@@ -410,6 +410,35 @@ def test_a_caller_owned_engine_runs_the_same_generation(model, prompts):
     other = Engine(duo_jax.init_params(CONFIG, jax.random.key(7), scale=0.2), CONFIG)
     with pytest.raises(DuoJaxError, match="engine= was built from other weights"):
         generate(model, prompts[1], engine=other, **kwargs)
+    plan = plan_generation(model, [prompts[1]], **kwargs)  # the plan / run path too: it ran the other weights
+    with pytest.raises(DuoJaxError, match="engine= was built from other weights"):
+        run_generation(model, other, plan)
+
+
+def test_generate_inside_jit_says_what_to_use(model, prompts):
+    """generate is a host loop: traced inside the caller's jax.jit it failed with JAX's tracer conversion error."""
+    with pytest.raises(DuoJaxError, match="cannot be traced inside jax.jit: .* extend / decode"):
+        jax.jit(lambda ids: generate(model, ids, max_new_tokens=2).tokens)(jnp.asarray([prompts[0]]))
+
+
+def test_a_built_method_refuses_the_options_it_would_ignore(model, prompts):
+    """A built Method carries its settings: generate's method options and context beside it were ignored (the
+    tokens were the built method's), as kv_dtype already was not."""
+    from duo_jax.methods import make_method
+
+    built = make_method("duo", CONFIG, context=256, pattern=Pattern(GATES), sparsity=0.5, sink=2, recent=6)
+    for options, named in [
+        (dict(sparsity=1.0), "sparsity"),
+        (dict(sink=1, recent=1), "sink, recent"),
+        (dict(kv_budget=3), "kv_budget"),
+        (dict(pattern=Pattern(GATES)), "pattern"),
+    ]:
+        with pytest.raises(DuoJaxError, match=f"{named} configure the method generate builds, but method= is"):
+            plan_generation(model, prompts, method=built, max_new_tokens=4, **options)
+    with pytest.raises(DuoJaxError, match="context=400 asks for more than the built method's capacity of 256"):
+        plan_generation(model, prompts, method=built, max_new_tokens=4, context=400)
+    assert plan_generation(model, prompts, method=built, max_new_tokens=4, context=200).method is built  # a check
+    assert plan_generation(model, prompts, method=built, max_new_tokens=4).method is built
 
 
 def test_plan_checks_and_plans_before_any_device_work(model, prompts):

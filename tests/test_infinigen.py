@@ -80,6 +80,11 @@ def test_defaults_are_the_authors_llama_rules(params, sample):
         skew(params, CONFIG, sample, channel_rule="k")
     with pytest.raises(duo_jax.DuoJaxError, match="dense_layers"):
         dataclasses.replace(method, dense_layers=5)
+    for alpha in (float("nan"), -1.0, float("inf")):  # NaN and negative alphas fetched nothing, silently
+        with pytest.raises(duo_jax.DuoJaxError, match="alpha must be a finite number >= 0"):
+            dataclasses.replace(method, alpha=alpha)
+    with pytest.raises(duo_jax.DuoJaxError, match="lookahead must be True or False"):
+        dataclasses.replace(method, lookahead="no")
 
 
 def test_method_is_hashable_and_round_trips_its_skew(skewed):

@@ -1,5 +1,6 @@
 """Tests of duo_jax.pattern: reading the published DuoAttention patterns, binarisation, save / load, errors."""
 
+import dataclasses
 from fractions import Fraction
 from pathlib import Path
 
@@ -232,6 +233,17 @@ def test_for_model_without_a_pattern(tmp_path, monkeypatch):
     (tmp_path / "nopattern.json").write_text(json.dumps(entry))
     monkeypatch.setattr(config_lib, "CONFIGS_DIR", tmp_path)
     assert Pattern.for_model("nopattern") is None
+
+
+def test_a_model_loaded_from_a_path_has_no_default_pattern():
+    """Its config takes the folder's name, which is no named config: "default" said "unknown model name ... (or
+    pass a path to a Hugging Face directory ...)" to a user who had passed one."""
+    from duo_jax.pattern import resolve_pattern
+
+    config = dataclasses.replace(get_config("smollm2-135m"), name="my-llama")
+    assert Pattern.for_model("my-llama") is None
+    with pytest.raises(PatternError, match="'my-llama' ships no default pattern .* pass pattern=PATH, a folder"):
+        resolve_pattern("default", config)
 
 
 @pytest.mark.parametrize("name", SHIPPED)

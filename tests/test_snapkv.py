@@ -330,6 +330,29 @@ def test_pyramid_moves_the_bottom_surplus_up_for_a_short_prompt(params, sequence
     np.testing.assert_array_less(np.abs(logits[0] - ref).max(), 1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [make_pyramidkv, make_snapkv, make_headkv])
+@pytest.mark.parametrize("budget_slots", [None, 64])
+def test_a_row_keeps_what_it_keeps_alone(params, make, budget_slots):
+    """Prompts of 40 and 100 tokens in one batch: each row gives its tokens alone (greedy, float32). PyramidKV
+    re-spreads its pyramid by each row's own prefix (it took the longest's for every row, so the short one kept
+    fewer tokens than its budget, and others), the decode cache shaped for the most any row's gives a layer."""
+    model = duo_jax.Model(CONFIG, params, None, "random")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (40, 100)]
+    options = dict(kv_budget=40, window=WINDOW, budget_slots=budget_slots)
+    if make is make_headkv:
+        options["scores"] = rng.random((CONFIG.num_layers, CONFIG.num_kv_heads))
+    method = make(CONFIG, context=112, **options)
+    kwargs = dict(method=method, max_new_tokens=8, chunk_size=32, stop_at_eos=False)
+    batch = generate(model, prompts, **kwargs).tokens
+    assert batch == [generate(model, [p], **kwargs).tokens[0] for p in prompts]
+    if make is make_pyramidkv and budget_slots is None:
+        assert method.prompt_budgets(40) != method.prompt_budgets(100)  # the short row's pyramid is its own
+        shaped = method.decode_method(100, [40, 100]).head_slots
+        assert all(a >= b for both in zip(shaped, method.decode_method(40).head_slots) for a, b in zip(*both))
+
+
 def test_pyramid_budgets():
     assert pyramid_budgets(1, 100) == [100]
     budgets = pyramid_budgets(32, 100)  # top 100 / 20 = 5, bottom 195

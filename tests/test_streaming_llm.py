@@ -73,6 +73,11 @@ def test_windows_in_one_ring_share_steps_and_each_matches_the_reference(params):
         StreamingLLM(2, 2, 16, 2, 20, None, 8)  # built directly: a ring too small would drop tokens silently
     with pytest.raises(DuoJaxError, match="ring_slots must be an integer"):
         make_method("streaming_llm", CONFIG, context=64, start=0, recent=1, ring_slots=True)
+    # a budget sets recent: the two together were the budget's, recent silently overwritten
+    with pytest.raises(DuoJaxError, match="streaming_llm takes kv_budget or recent, not both .kv_budget=20 keeps"):
+        make_method("streaming_llm", CONFIG, context=64, kv_budget=20, recent=5)
+    assert make_method("streaming_llm", CONFIG, context=64, kv_budget=20).recent == 16
+    assert make_method("streaming_llm", CONFIG, context=64).recent == 256
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -203,10 +204,11 @@ class Method(abc.ABC):
         `room`: its compressed cache's slots for the new tokens); None: no such bound."""
         return None
 
-    def decode_method(self, longest: int) -> Method:
-        """The method decoding continues with after a prefill whose longest sequence holds `longest` tokens (a
-        method that compresses its cache after prefill, like SnapKV, returns its smaller form), known before the
-        prefill runs, so that its steps can be compiled first. Default: this method."""
+    def decode_method(self, longest: int, lengths: Sequence[int] = ()) -> Method:
+        """The method decoding continues with after a prefill whose longest sequence holds `longest` tokens, and
+        whose rows hold `lengths` (where a method's shape follows each row's: PyramidKV), (a method that compresses
+        its cache after prefill, like SnapKV, returns its smaller form), known before the prefill runs, so that
+        its steps can be compiled first. Default: this method."""
         return self
 
     def after_prefill(self, cache: tuple[LayerCache, ...], lengths: jax.Array) -> tuple[Method, tuple]:

@@ -277,7 +277,7 @@ class DuoHeadKV(Method):
         retrieval_q = split_heads(self.layout, layer, q)[0]
         return out, DuoPrefillLayerCache(duo_cache, write_slots(cache.queries, query_slots, retrieval_q))
 
-    def decode_method(self, longest: int) -> DuoCompressedKV:
+    def decode_method(self, longest: int, lengths=()) -> DuoCompressedKV:
         """The decode method after a prefill whose longest prompt has `longest` tokens."""
         slots, room = decode_shape(self.budgets, self.window, self.layout.capacity, longest)
         return DuoCompressedKV(self.layout, slots, room)
@@ -361,8 +361,8 @@ def resolve_scores(scores, config: ModelConfig) -> Pattern | None:
         resolved = Pattern.for_model(config.name, key="scores")
         if resolved is None:
             raise DuoJaxError(
-                f"model {config.name!r} ships no HeadKV head scores; write them with "
-                "python -m duo_jax.head_scores and pass --scores PATH"
+                f"model {config.name!r} ships no HeadKV head scores (a named config may; a model loaded from a path "
+                "has none): write them with python -m duo_jax.head_scores and pass scores=PATH (--scores PATH)"
             )
     else:
         resolved = Pattern.load(scores)

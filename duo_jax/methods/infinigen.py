@@ -42,6 +42,7 @@ from duo_jax.model import (
     rotary,
 )
 from duo_jax.quant import as_stored, check_kv_dtype, dequantize, kv_bytes_per_vector, kv_zeros
+from duo_jax.sampling import check_number
 
 
 @functools.cache
@@ -199,6 +200,10 @@ class InfiniGen(StaticSpec, Method):
         if not self.channel_mask[self.dense_layers :].any(axis=-1).all():
             raise DuoJaxError("every head of a speculating layer needs at least one partial channel")
         object.__setattr__(self, "widths", _widths(self.channel_mask, self.dense_layers))
+        hint = " (a token counts when its speculated score is within alpha of its head's top one)"
+        object.__setattr__(self, "alpha", check_number("alpha", self.alpha, minimum=0, hint=hint))
+        if not isinstance(self.lookahead, (bool, np.bool_)):
+            raise DuoJaxError(f"lookahead must be True or False, got {self.lookahead!r}")
         if self.offload not in ("auto", "host", "device"):
             raise DuoJaxError(f"offload must be 'auto', 'host' or 'device', got {self.offload!r}")
         if self.offload == "host" and not host_offload_supported():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,8 +99,8 @@ def kept_positions(
     queries [B, window, H, E] (the ring), keys [B, C, K, E], lengths [B]
     -> int32 [B, sum_h (selected[h] + window_slots)], heads one after another, -1 where empty. With the
     layer's `sliding_window`, tokens out of every later query's window are neither selected nor kept (-1).
-    `counts` int32 [K] (runtime data, each <= selected[h]): head h keeps only its `counts[h]` best, the rest of
-    its `selected[h]` slots empty."""
+    `counts` int32 [B, K] (runtime data, each <= selected[h]): row b's head h keeps only its `counts[b, h]` best,
+    the rest of its `selected[h]` slots empty."""
     last = lengths[:, None] - window_slots + jnp.arange(window_slots)[None, :]
     last = jnp.where(within_future_window(last, lengths, sliding_window), last, -1)  # [B, window_slots]
     top = max(selected)
@@ -109,7 +110,7 @@ def kept_positions(
         prefix = (slots < (lengths - window)[:, None]) & within_future_window(slots, lengths, sliding_window)
         best, order = jax.lax.top_k(jnp.where(prefix[:, None, :], pooled, -jnp.inf), top)  # [B, K, top]
         if counts is not None:  # the ranks past each head's runtime budget stay empty
-            best = jnp.where(jnp.arange(top)[None, None, :] < counts[None, :, None], best, -jnp.inf)
+            best = jnp.where(jnp.arange(top)[None, None, :] < counts[:, :, None], best, -jnp.inf)
         chosen = jnp.where(best > -jnp.inf, order, -1).astype(jnp.int32)
     parts = []
     for h, n in enumerate(selected):
@@ -452,28 +453,35 @@ class SnapKV(StaticSpec, Method):
         spread = pyramid_budgets(self.num_layers, average, self.pyramid_beta, prefix=max(longest - self.window, 0))
         return tuple((b,) * self.num_kv_heads for b in spread)
 
-    def shape_budgets(self, longest: int) -> tuple[tuple[int, ...], ...]:
-        """The budgets [L][K] the decode cache is shaped for after prompts of at most `longest` tokens:
-        `prompt_budgets`, or with `slot_budgets` those, raised where PyramidKV's re-spread for a short prompt gives
-        a layer more."""
+    def shape_budgets(self, longest: int, lengths: Sequence[int] = ()) -> tuple[tuple[int, ...], ...]:
+        """The budgets [L][K] the decode cache is shaped for after prompts of at most `longest` tokens, of `lengths`
+        each: `prompt_budgets`, for PyramidKV the most any row's own pyramid gives a layer (a shorter prompt
+        re-spreads more to the upper layers), and with `slot_budgets` those, raised where a short prompt's
+        re-spread gives a layer more."""
         budgets = self.prompt_budgets(longest)
+        if self.pyramid_beta is not None:
+            for n in set(lengths) - {longest}:
+                budgets = tuple(tuple(map(max, a, b)) for a, b in zip(budgets, self.prompt_budgets(n)))
         if self.slot_budgets is None:
             return budgets
         return tuple(tuple(map(max, slots, row)) for slots, row in zip(self.slot_budgets, budgets))
 
-    def decode_method(self, longest: int) -> CompressedKV:
-        """The decode method after a prefill whose longest prompt has `longest` tokens."""
-        slots, room = decode_shape(self.shape_budgets(longest), self.window, self.capacity, longest, self.room)
+    def decode_method(self, longest: int, lengths: Sequence[int] = ()) -> CompressedKV:
+        """The decode method after a prefill whose longest prompt has `longest` tokens (its rows `lengths`)."""
+        slots, room = decode_shape(self.shape_budgets(longest, lengths), self.window, self.capacity, longest, self.room)
         return CompressedKV(self.num_kv_heads, self.head_dim, slots, room, self.name, self.kv_dtype)
 
     def after_prefill(self, cache, lengths):
-        longest = int(jnp.max(lengths))
-        decode = self.decode_method(longest)
+        rows = [int(n) for n in np.asarray(lengths)]
+        longest = max(rows)
+        decode = self.decode_method(longest, rows)
         counts = None
-        if self.slot_budgets is not None:  # each head's prefix tokens, runtime data in the slots shaped above
-            held, _ = decode_shape(self.prompt_budgets(longest), self.window, self.capacity, longest)
+        # Each head's prefix tokens as runtime data in the slots shaped above: under `slot_budgets`, and for
+        # PyramidKV's rows of other lengths, each of which keeps its own pyramid (what it keeps alone).
+        if self.slot_budgets is not None or (self.pyramid_beta is not None and len(set(rows)) > 1):
             window_slots = min(self.window, decode.head_slots[0][0])  # as `compress_layer`'s
-            counts = jnp.asarray(held, jnp.int32) - window_slots
+            held = [decode_shape(self.prompt_budgets(n), self.window, self.capacity, longest)[0] for n in rows]
+            counts = jnp.asarray(held, jnp.int32) - window_slots  # [B, L, K]
         return decode, _compress(self, decode, cache, lengths, counts)
 
 
@@ -485,8 +493,8 @@ def _compress(
     lengths: jax.Array,
     counts: jax.Array | None = None,
 ):
-    """The prefill cache -> the decode cache, layer by layer; `counts` int32 [L, K]: the prefix tokens each head
-    keeps where the budgets are runtime data (`SnapKV.slot_budgets`)."""
+    """The prefill cache -> the decode cache, layer by layer; `counts` int32 [B, L, K]: the prefix tokens each
+    row's head keeps where the budgets are runtime data (`SnapKV.slot_budgets`, PyramidKV's rows)."""
     empty = decode.init_cache(lengths.shape[0], cache[0].queries.dtype)  # the model's dtype
     windows = method.windows or (None,) * method.num_layers
     return tuple(
@@ -501,7 +509,7 @@ def _compress(
             kernel=method.kernel,
             pooling=method.pooling,
             sliding_window=sliding_window,
-            counts=None if counts is None else counts[l],
+            counts=None if counts is None else counts[:, l],
         )
         for l, (layer, new, slots, sliding_window) in enumerate(zip(cache, empty, decode.head_slots, windows))
     )
@@ -620,8 +628,8 @@ def make_pyramidkv(
 ) -> SnapKV:
     """PyramidKV: SnapKV selection, `kv_budget` tokens per KV head on average (window included), spread over
     the layers by `pyramid_budgets` (beta 20 as the paper); after a prompt whose prefix is shorter than the
-    bottom layer's budget, the surplus moves to the upper layers (`SnapKV.prompt_budgets`; with a batch of
-    prompts, the longest one's prefix). `budget_slots`, `room`: as SnapKV's (the slots of each layer are the
+    bottom layer's budget, the surplus moves to the upper layers (`SnapKV.prompt_budgets`; in a batch, each row's
+    own prefix). `budget_slots`, `room`: as SnapKV's (the slots of each layer are the
     pyramid's at budget_slots plus one, which bounds its rounding)."""
 
     def pyramid(b, extra=0):

@@ -123,16 +123,24 @@ def make_streaming_llm(
     *,
     context: int,
     start: int = 4,
-    recent: int = 256,
+    recent: int | None = None,
     kv_budget: int | None = None,
     kv_dtype: str | None = None,
     ring_slots: int | None = None,
 ) -> StreamingLLM:
-    """`start` attention sinks + `recent` tokens per head (recent = kv_budget - start when a budget is given).
-    `ring_slots`: a ring of that many slots (>= start + recent) whose window is runtime data, so that methods that
-    differ only in start and recent share compiled steps; None: start + recent slots, the window compiled in."""
+    """`start` attention sinks + `recent` tokens per head (default 256; kv_budget - start when a budget is given,
+    which then takes no `recent`). `ring_slots`: a ring of that many slots (>= start + recent) whose window is runtime
+    data, so that methods that differ only in start and recent share compiled steps; None: start + recent slots, the
+    window compiled in."""
+    if kv_budget is not None and recent is not None:
+        raise DuoJaxError(
+            f"streaming_llm takes kv_budget or recent, not both (kv_budget={kv_budget} keeps start={start} sinks and "
+            f"{kv_budget - start} recent tokens): pass one"
+        )
     if kv_budget is not None:
         recent = kv_budget - start
+    elif recent is None:
+        recent = 256
     if start < 0 or recent < 1:
         raise DuoJaxError(
             f"start must be >= 0 and recent >= 1 (a ring of the newest tokens), got start={start}, recent={recent}"
