@@ -503,6 +503,13 @@ def test_cli_errors_exit_2(tmp_path, capsys):
         (["niah", "--batch-size", "0"], "--batch-size: must be an integer >= 1, got 0"),  # ran as "all" before
         (["ruler", "--lengths", "512", "-5"], "--lengths: must be an integer >= 1, got -5"),
         (["passkey", "--digits", "x"], "--digits: must be an integer >= 1, got 'x'"),
+        # checked before any mode runs, whichever modes use them (they failed after a mode ran, or were ignored)
+        (["passkey", "--seed", "-1"], "--seed / --digits: seed must be an integer >= 0, got -1"),
+        (["passkey", "--digits", "19"], "--seed / --digits: digits must be an integer >= 1 and <= 18, got 19"),
+        (["niah", "--modes", "full", "duo", "--sparsity", "7"], "--sparsity: sparsity must be a finite number >= 0"),
+        (["niah", "--modes", "full", "--streaming-chunk", "-2"], "--streaming-chunk: streaming_chunk must be"),
+        (["perplexity", "--recent", "0"], "--recent: recent must be an integer >= 1, got 0"),
+        (["niah", "--modes", "full", "--pattern", "/nonexistent"], "--pattern: /nonexistent does not exist"),
     ],
 )
 def test_cli_rejects_bad_options(argv, message, capsys):

@@ -203,6 +203,13 @@ def test_load_task_errors(tmp_path):
     (tmp_path / "musique.jsonl").write_bytes(b'{"input": "caf\xe9"}\n')  # a UnicodeDecodeError traceback before
     with pytest.raises(longbench.LongBenchDataError, match="musique.jsonl is not UTF-8 text .*THUDM/LongBench"):
         longbench.load_task(tmp_path, "musique")
+    (tmp_path / "musique.jsonl").write_text("5\n")  # JSON, not an object: a TypeError before
+    with pytest.raises(longbench.LongBenchDataError, match="musique.jsonl:1 holds a JSON int, not an object"):
+        longbench.load_task(tmp_path, "musique")
+    fields = dict(input="q", context="c", answers=["a"], length="long", all_classes=None, language="en", _id="x")
+    (tmp_path / "musique.jsonl").write_text(json.dumps(fields) + "\n")  # failed after generating, in the buckets
+    with pytest.raises(longbench.LongBenchDataError, match="'length' must be a whole number of words, got 'long'"):
+        longbench.load_task(tmp_path, "musique")
     with pytest.raises(duo_jax.DuoJaxError, match="unknown LongBench task.*nq"):
         longbench.check_tasks(["hotpotqa", "nq"])
     with pytest.raises(duo_jax.DuoJaxError, match="LongBench-E task.*musique"):

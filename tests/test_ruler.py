@@ -270,6 +270,16 @@ def test_merge_results_refuses_what_is_not_comparable():
             ruler.merge_results([("1k.json", one_k), ("other.json", other)])
     with pytest.raises(DuoJaxError, match="nothing to merge"):
         ruler.merge_results([])
+    # files of another form: AttributeError / TypeError tracebacks before
+    for other, message in [
+        ([1, 2], "holds a list, not an object"),
+        (dict(one_k, runs="x"), "its 'runs' is str, not an object"),
+        (dict(one_k, lengths=None), "its 'lengths' is NoneType, not list"),
+        (dict(one_k, lengths=["long"]), "its 'lengths' are not token counts"),
+        (dict(one_k, runs={"full": {"scores": {}}}), "its run 'full' lacks the 'scores' and 'average'"),
+    ]:
+        with pytest.raises(DuoJaxError, match=f"other.json is not a ruler.json .*{message}"):
+            ruler.merge_results([("1k.json", one_k), ("other.json", other)])
 
 
 def test_ruler_merge_cli(tmp_path, capsys):
@@ -286,7 +296,7 @@ def test_ruler_merge_cli(tmp_path, capsys):
     assert "| duo@0.5" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
     assert eval_main(["ruler-merge", str(tmp_path / "bad.json")]) == 2
-    assert "missing field" in capsys.readouterr().err
+    assert "bad.json is not a ruler.json of " in capsys.readouterr().err  # its 'runs' is missing
     # the merged file has no predictions: writing it over a part would lose the part's (it was overwritten)
     piece = tmp_path / "piece"
     piece.mkdir()

@@ -40,6 +40,7 @@ PASSKEY_TEMPLATE = (
 )
 PASSKEY_SEPARATOR = "\n"
 
+MAX_PASSKEY_DIGITS = 18  # 10**18 - 1 is the largest such number below int64's bound
 SENTENCE_SNAP = 16  # how many tokens the needle may move to sit at a sentence end
 NEEDLE_PASS_FRACTION = 0.5  # score_contains: share of the needle's key words a correct answer has
 
@@ -110,8 +111,8 @@ def make_passkey_prompt(
 ) -> NeedlePrompt:
     """A passkey-retrieval prompt of exactly `context_len` tokens; the passkey is a random `digits`-digit
     number drawn from `rng` and is the prompt's `answer`."""
-    if digits < 1:
-        raise DataError(f"digits must be >= 1, got {digits}")
+    if not 1 <= digits <= MAX_PASSKEY_DIGITS:
+        raise DataError(f"digits must lie in [1, {MAX_PASSKEY_DIGITS}] (a passkey is one int64 draw), got {digits}")
     passkey = str(rng.integers(10 ** (digits - 1), 10**digits))
     return _build_prompt(
         tokenizer,

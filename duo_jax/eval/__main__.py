@@ -17,16 +17,18 @@ import sys
 import time
 from pathlib import Path
 
-from duo_jax.errors import DuoJaxError, check_output_folder, integer_argument
+from duo_jax.errors import DuoJaxError, check_output_folder, integer_argument, read_user_text
 from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, PROTOCOLS, check_max_length
 from duo_jax.eval.longbench_metrics import FUZZY
 from duo_jax.eval.modes import MODES, check_kv_budgets, check_kv_dtype_modes
 from duo_jax.eval.niah import DEFAULT_LENGTHS as NIAH_LENGTHS
 from duo_jax.eval.niah import PROTOCOLS as NIAH_PROTOCOLS
 from duo_jax.eval.passkey import DEFAULT_LENGTHS as PASSKEY_LENGTHS
+from duo_jax.eval.passkey import check_passkey_options
 from duo_jax.eval.ruler import DEFAULT_LENGTHS as RULER_LENGTHS
 from duo_jax.eval.samples import DUO_BUDGETS, check_decode_last, check_duo_budget
 from duo_jax.quant import KV_DTYPES
+from duo_jax.sampling import check_number
 
 # lengths, samples, batch sizes, digits, limits, tokens to generate
 count = integer_argument("an integer >= 1", 1)
@@ -132,12 +134,21 @@ def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -
     parser.add_argument("--out", default=f"results/{task}", help="folder for the JSON and PNG results")
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: ...)" after each option's help, unless the help already says its default (it printed
+    both, "(default: X) (default: None)")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "default" in text or action.required else super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m duo_jax.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     tasks = parser.add_subparsers(dest="task", required=True)
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = _DefaultsHelpFormatter
 
     niah = tasks.add_parser("niah", help="needle in a haystack: depth x length heat maps", formatter_class=defaults)
     _common(niah, "niah")
@@ -304,11 +315,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if getattr(args, "max_length", None) is not None:
         checks.append(("--max-length", functools.partial(check_max_length, args.max_length)))
     checks.append(("--kv-dtype", functools.partial(check_kv_dtype_modes, args.modes, args.kv_dtype)))
+    # Every value checked here, whichever modes use it: a bad one failed after a whole mode ran, or was ignored
+    checks.append(("--sparsity", functools.partial(check_number, "sparsity", args.sparsity, minimum=0, maximum=1)))
+    checks.append(("--sink", functools.partial(check_number, "sink", args.sink, integer=True, minimum=0)))
+    checks.append(("--recent", functools.partial(check_number, "recent", args.recent, integer=True, minimum=1)))
+    if args.streaming_chunk is not None:
+        checks.append(
+            ("--streaming-chunk", functools.partial(check_number, "streaming_chunk", args.streaming_chunk, minimum=1))
+        )
+    if args.task == "passkey":
+        checks.append(("--seed / --digits", functools.partial(check_passkey_options, args.seed, args.digits)))
     for flag, check in checks:
         try:
             check()
         except DuoJaxError as e:
             parser.error(f"{flag}: {e}")
+    if args.pattern != "default" and not Path(args.pattern).exists():
+        parser.error(
+            f"--pattern: {args.pattern} does not exist (a folder with full_attention_heads.tsv, the file, or 'default')"
+        )
     if args.task == "perplexity" and args.prefix is not None and not 1 <= args.prefix < args.length:
         parser.error(f"--prefix must lie in [1, --length) = [1, {args.length}), got {args.prefix}")
     return args
@@ -464,8 +489,7 @@ def merge_ruler(files: list[str], out_dir: str) -> int:
             raise DuoJaxError(f"--out {out_dir} would write over {overwritten[0]}, a part: pass another folder")
         parts = []
         for path in files:
-            with open(path, encoding="utf-8") as f:
-                parts.append((path, json.load(f)))
+            parts.append((path, json.loads(read_user_text(path, DuoJaxError, "; ruler-merge reads ruler.json files"))))
         results = merge_results(parts)
     except (DuoJaxError, OSError, json.JSONDecodeError, KeyError) as e:
         what = f"missing field {e}" if isinstance(e, KeyError) else str(e)

@@ -186,6 +186,11 @@ def load_task(data_dir: str | Path, task: str, *, longbench_e: bool = False, lim
             raise LongBenchDataError(
                 f"{path}:{number} is not JSON ({e}): LongBench files hold one JSON object per line; {GET_DATA}"
             ) from None
+        if not isinstance(sample, dict):
+            raise LongBenchDataError(
+                f"{path}:{number} holds a JSON {type(sample).__name__}, not an object: LongBench files hold one "
+                f"JSON object per line; {GET_DATA}"
+            )
         missing = [f for f in FIELDS if f not in sample]
         if missing:
             raise LongBenchDataError(
@@ -194,6 +199,10 @@ def load_task(data_dir: str | Path, task: str, *, longbench_e: bool = False, lim
             )
         if not isinstance(sample["answers"], list) or not all(isinstance(a, str) for a in sample["answers"]):
             raise LongBenchDataError(f"{path}:{number}: 'answers' must be a list of strings")
+        if isinstance(sample["length"], bool) or not isinstance(sample["length"], int):  # LongBench-E's buckets
+            raise LongBenchDataError(
+                f"{path}:{number}: 'length' must be a whole number of words, got {sample['length']!r}"
+            )
         samples.append(sample)
         if limit is not None and len(samples) >= limit:
             break

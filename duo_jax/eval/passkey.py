@@ -16,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from duo_jax.data.niah import make_passkey_prompt, score_passkey
+from duo_jax.data.niah import MAX_PASSKEY_DIGITS, make_passkey_prompt, score_passkey
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.niah import bos_id, evaluate_grid, write_outputs
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
+from duo_jax.sampling import check_number
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 
@@ -31,6 +32,13 @@ def passkey_depths(n: int) -> list[float]:
     if n < 1:
         raise DuoJaxError(f"need at least one depth per length, got {n}")
     return [0.5] if n == 1 else [float(d) for d in np.linspace(0.0, 1.0, n)]
+
+
+def check_passkey_options(seed: int, digits: int) -> None:
+    """The passkeys' seed (an integer >= 0: numpy's generator takes no negative seed) and digits (1 to
+    `MAX_PASSKEY_DIGITS`, one int64 draw)."""
+    check_number("seed", seed, integer=True, minimum=0)
+    check_number("digits", digits, integer=True, minimum=1, maximum=MAX_PASSKEY_DIGITS)
 
 
 def run_passkey(
@@ -62,6 +70,7 @@ def run_passkey(
     modes' (`duo_jax.eval.modes.mode_settings`)."""
     if model.tokenizer is None:
         raise DuoJaxError("passkey retrieval needs the model's tokenizer (none was found with the weights)")
+    check_passkey_options(seed, digits)
     lengths, depths = sorted(set(lengths)), passkey_depths(depths_per_length)
     bos = bos_id(model.tokenizer)
 

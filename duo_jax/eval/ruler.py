@@ -248,6 +248,27 @@ def _recorded(result: dict, key: str) -> str:
     return "(not recorded: a result from an older version)"
 
 
+def check_result(source: str, result) -> None:
+    """A DuoJaxError naming `source` unless `result` has the form of a ruler.json: an object whose "runs" and
+    "prompts" are objects, "lengths" a list of integers and "notes" a list, each run an object of objects."""
+
+    def bad(what: str):
+        return DuoJaxError(f"{source} is not a ruler.json of `python -m duo_jax.eval ruler`: {what}")
+
+    if not isinstance(result, dict):
+        raise bad(f"it holds a {type(result).__name__}, not an object")
+    for key, kind in (("runs", dict), ("prompts", dict), ("lengths", list), ("notes", list)):
+        if not isinstance(result.get(key), kind):
+            raise bad(
+                f"its {key!r} is {type(result.get(key)).__name__}, not {kind.__name__.replace('dict', 'an object')}"
+            )
+    if not all(isinstance(n, int) or (isinstance(n, str) and n.isdigit()) for n in result["lengths"]):
+        raise bad(f"its 'lengths' are not token counts: {result['lengths']!r:.80}")
+    for name, run in result["runs"].items():
+        if not (isinstance(run, dict) and all(isinstance(run.get(k), dict) for k in ("scores", "average"))):
+            raise bad(f"its run {name!r} lacks the 'scores' and 'average' of each length")
+
+
 def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
     """One result from several `run_ruler` results (named (source, result) pairs, as ``ruler.json`` holds them):
     a grid run in pieces (a length, a method or a budget at a time) read as one table. The parts must share the
@@ -256,6 +277,8 @@ def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
     every length. The predictions stay in the parts (`sources`); `samples` is per length."""
     if not parts:
         raise DuoJaxError("nothing to merge: give at least one ruler.json")
+    for source, part in parts:
+        check_result(source, part)
     first_source, first = parts[0]
     merged = {key: _setting(first, key) for key in MERGE_KEYS}  # (older results lack streaming_chunk: None)
     merged.update(task="ruler", notes=list(first["notes"]), runs={}, prompts={}, samples={}, sources=[])
