@@ -9,7 +9,7 @@ format ("... Answer: The best thing to do in San Francisco is"), so the model's 
 (generate wraps only text prompts and conversations). Prints the accuracy table and the KV cache per mode, and
 writes the heat maps (depth x length, green found / red missed) and niah.json to --out.
 
-    python demo.py                       # the default grid: about 8 minutes on 2 CPU cores
+    python demo.py                       # the default grid: a few minutes on 2 CPU cores (README.md)
     python demo.py --pattern PATH        # another head pattern (a folder or full_attention_heads.tsv)
 """
 

@@ -378,13 +378,13 @@ def _prefill_chunk(method: Method, chunk_size: int, longest: int) -> int:
     `streaming_chunk` K that it exceeds, a multiple of K (its streaming heads see the chunk as chunks of K)."""
     chunk = min(chunk_size, bucket(longest))
     size = getattr(method, "streaming_chunk", None)
-    if size is None or chunk <= size:
-        return chunk
-    if chunk_size % size:
+    if size is not None and chunk_size > size and chunk_size % size:  # whatever the prompts: a short one passed
         raise DuoJaxError(
             f"chunk_size ({chunk_size}) must be a multiple of duo's streaming_chunk ({size}), or at most it: its "
             f"streaming heads see each prefill chunk as chunks of {size}"
         )
+    if size is None or chunk <= size:
+        return chunk
     return -(-chunk // size) * size
 
 

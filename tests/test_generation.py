@@ -103,6 +103,8 @@ def test_a_streaming_chunk_keeps_a_ragged_batch_as_its_own_chunks_would(model, p
     )
     with pytest.raises(DuoJaxError, match=r"chunk_size \(20\) must be a multiple of duo's streaming_chunk \(8\)"):
         generate(model, prompts, chunk_size=20, streaming_chunk=8, **kwargs)
+    with pytest.raises(DuoJaxError, match=r"chunk_size \(128\) must be a multiple of duo's streaming_chunk \(48\)"):
+        generate(model, [prompts[0][:5]], chunk_size=128, streaming_chunk=48, **kwargs)  # a short prompt passed
     with pytest.raises(DuoJaxError, match="streaming_chunk must be an integer >= 1"):
         generate(model, prompts, streaming_chunk=0, **kwargs)
 
