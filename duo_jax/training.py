@@ -17,6 +17,7 @@ import json
 import math
 import numbers
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -500,11 +501,38 @@ class Checkpoints:
     {"step", "next_sample", "meta"}. The last `keep` are kept; saves are asynchronous."""
 
     def __init__(self, directory: Path, keep: int = 2):
+        self.directory = directory.absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
-        self.manager = ocp.CheckpointManager(directory.absolute(), options=options)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def steps(self) -> list[int]:
+        """The steps of the checkpoints, newest first."""
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def step_folder(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def stored_shapes(self, step: int) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """The shape of each array of checkpoint `step` by its path in the state, read from the checkpoint's
+        metadata without reading an array."""
+        metadata = ocp.StandardCheckpointHandler().metadata(self.step_folder(step) / "state")
+        return _shapes(getattr(metadata, "tree", metadata))
+
+    def set_aside(self, step: int, destination: Path) -> Path:
+        """Move checkpoint `step` out of the manager's folder to `destination` (or `destination`-2, -3, ...
+        when taken); returns where it went. A damaged step left in place would stay the latest and block a
+        new save of the same step."""
+        target, n = destination, 1
+        while target.exists():
+            n += 1
+            target = destination.with_name(f"{destination.name}-{n}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(self.step_folder(step), target)
+        self.manager.reload()
+        return target
 
     def save(self, step: int, state, progress: dict[str, Any]) -> None:
         self.manager.save(
@@ -558,42 +586,115 @@ def prepare(params: Params, config: ModelConfig, cfg: TrainConfig, mesh: Mesh):
     return params, state, run_train_step(config, cfg, mesh, specs), schedule
 
 
+def _shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path: shape} of a state tree's arrays, with paths spelled alike for live arrays (namedtuple fields) and
+    orbax's metadata (dict keys)."""
+    name = lambda key: str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {tuple(map(name, path)): tuple(leaf.shape) for path, leaf in flat}
+
+
+# What reading a damaged checkpoint raises: JSON and tensorstore errors (ValueError), missing files (OSError),
+# JSON of another form (KeyError, TypeError). TrainingError is raised outside the guarded reads.
+_UNREADABLE = (ValueError, OSError, KeyError, TypeError)
+
+
+def _reason(error: Exception) -> str:
+    first_line = (str(error).strip().splitlines() or [""])[0]  # tensorstore's errors go on with a whole spec
+    return f"{type(error).__name__}: {first_line[:200]}"
+
+
 def resume_point(
-    checkpoints: Checkpoints, out: Path, state: dict, meta: dict, *, required: bool
+    checkpoints: Checkpoints,
+    out: Path,
+    state: dict,
+    meta: dict,
+    *,
+    required: bool,
+    log: Callable[[str], None] = print,
 ) -> tuple[dict, int, int, list[dict[str, Any]]]:
-    """Where a run in `out` starts: (state, first step, next sample, loss history). From the latest checkpoint
-    when there is one (TrainingError when it was written with other arguments than `meta`), else from `state`
-    at step 0 (TrainingError when `required`: --resume with nothing to resume)."""
-    latest = checkpoints.latest_step()
-    if latest is None:
+    """Where a run in `out` starts: (state, first step, next sample, loss history). From the newest checkpoint
+    that reads when there is one (TrainingError when it was written with other arguments than `meta`, or holds
+    arrays of other shapes than `state`), else from `state` at step 0 (TrainingError when `required`: --resume
+    with nothing to resume).
+
+    A checkpoint that cannot be read (damaged: truncated or missing files) is skipped for the one before it and
+    moved to `out`/checkpoints-damaged/, with a note; TrainingError when none reads (nothing is moved then), or,
+    with several processes, at the first damaged one (the user deletes its folder)."""
+    folder = out / CHECKPOINT_DIR
+    steps = checkpoints.steps()
+    if not steps:
         if required:
-            raise TrainingError(f"nothing to resume: no checkpoint in {out / CHECKPOINT_DIR}")
+            raise TrainingError(f"nothing to resume: no checkpoint in {folder}")
         return state, 0, 0, []
-    progress = checkpoints.progress(latest)  # the arguments first: another model's arrays would not restore
-    mismatches = _mismatches(progress["meta"], meta)
-    if mismatches:
+    damaged: list[tuple[int, str]] = []  # newer than the one used
+
+    def skip(step: int, error: Exception) -> None:
+        if jax.process_count() > 1:  # each process would have to move it, and agree on doing so
+            raise TrainingError(
+                f"checkpoint {step} in {checkpoints.step_folder(step)} cannot be read ({_reason(error)}): it is "
+                f"damaged (truncated or missing files); delete that folder to resume from the checkpoint before it"
+            )
+        damaged.append((step, _reason(error)))
+
+    for step in steps:
+        try:
+            progress = checkpoints.progress(step)  # the arguments first: another model's arrays would not restore
+            saved, start, next_sample = progress["meta"], progress["step"], progress["next_sample"]
+            mismatches = _mismatches(saved, meta)
+        except _UNREADABLE as e:
+            skip(step, e)
+            continue
+        if mismatches:
+            raise TrainingError(
+                f"{out} holds a run with other arguments ({'; '.join(mismatches)}); "
+                "pass the same arguments to resume it, or use another --out"
+            )
+        shape = list(state["gates"].shape)
+        if progress.get("gates_shape", shape) != shape:  # other weights under the same name
+            raise TrainingError(
+                f"the checkpoint in {folder} holds gates of shape {progress['gates_shape']} (layers x KV "
+                f"heads), this model has {shape}: it was trained on another model; use another --out"
+            )
+        try:
+            stored = checkpoints.stored_shapes(step)
+        except _UNREADABLE as e:
+            skip(step, e)
+            continue
+        # Compared before the restore, so that a restore that fails is a damaged checkpoint, not another model's.
+        wanted = _shapes(state)
+        if stored != wanted:
+            differences = [
+                f"{'.'.join(path)}: {stored.get(path)} -> {wanted.get(path)}"
+                for path in sorted(set(stored) | set(wanted))
+                if stored.get(path) != wanted.get(path)
+            ]
+            raise TrainingError(
+                f"checkpoint {step} in {folder} does not fit this model's gates and optimiser state (stored -> this "
+                f"model: {'; '.join(differences[:4])}); it was trained on another model: use another --out"
+            )
+        try:
+            restored = checkpoints.restore(step, state)
+        except _UNREADABLE as e:
+            skip(step, e)
+            continue
+        break
+    else:
+        listed = "; ".join(f"checkpoint {s} ({why})" for s, why in damaged)
         raise TrainingError(
-            f"{out} holds a run with other arguments ({'; '.join(mismatches)}); "
-            "pass the same arguments to resume it, or use another --out"
+            f"no checkpoint in {folder} can be read: {listed}. They are damaged (truncated or missing files): "
+            f"delete {folder} to start the run over, or use another --out"
         )
-    shape = list(state["gates"].shape)
-    if progress.get("gates_shape", shape) != shape:  # other weights under the same name: orbax would fail noisily
-        raise TrainingError(
-            f"the checkpoint in {out / CHECKPOINT_DIR} holds gates of shape {progress['gates_shape']} (layers x KV "
-            f"heads), this model has {shape}: it was trained on another model; use another --out"
+    for s, why in damaged:
+        moved = checkpoints.set_aside(s, out / f"{CHECKPOINT_DIR}-damaged" / str(s))
+        log(
+            f"note: checkpoint {s} in {checkpoints.step_folder(s)} cannot be read ({why}): it is damaged "
+            f"(truncated or missing files); moved it to {moved} and resuming from checkpoint {step}"
         )
-    try:
-        state = checkpoints.restore(latest, state)
-    except ValueError as e:  # orbax: a stored shape that is not this model's (other weights under the same name)
-        raise TrainingError(
-            f"the checkpoint in {out / CHECKPOINT_DIR} does not fit this model's gates ({e}); it was trained on "
-            "another model: use another --out"
-        ) from None
-    start = progress["step"]
     history = []
     if (out / LOSS_FILE).is_file():
         history = [h for h in json.loads((out / LOSS_FILE).read_text()) if h["step"] < start]
-    return state, start, progress["next_sample"], history
+    return restored, start, next_sample, history
 
 
 def run_step(
@@ -670,7 +771,7 @@ def train(
     )
 
     checkpoints = Checkpoints(out / CHECKPOINT_DIR)
-    state, start, next_sample, history = resume_point(checkpoints, out, state, meta, required=resume)
+    state, start, next_sample, history = resume_point(checkpoints, out, state, meta, required=resume, log=log)
     if start:
         log(f"resuming {out} at step {start} of {cfg.steps}")
 
@@ -709,6 +810,17 @@ def train(
     return Pattern(fetch(state["gates"]), dict(meta, steps_done=cfg.steps))
 
 
+def check_coordinator(address: str) -> None:
+    """TrainingError unless `address` is HOST:PORT with a port in 1-65535 (JAX fails on others with an
+    IndexError, or only once it tries to connect)."""
+    host, colon, port = address.rpartition(":")  # rpartition: an IPv6 host "[::1]" holds colons itself
+    if not (colon and host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise TrainingError(
+            f"--coordinator {address!r} is not HOST:PORT: give process 0's host name or address and a free port "
+            "number from 1 to 65535, e.g. --coordinator host0:1234"
+        )
+
+
 def initialize_distributed(
     requested: bool, coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
 ) -> None:
@@ -727,6 +839,10 @@ def initialize_distributed(
             "--num-processes N and --process-id I (or none of them, to let JAX detect the "
             "cluster: Cloud TPU, SLURM, Open MPI, Kubernetes)"
         )
+    if coordinator is not None:
+        check_coordinator(coordinator)
+    if num_processes is not None and num_processes < 1:
+        raise TrainingError(f"--num-processes must be at least 1, got {num_processes}")
     if process_id is not None and not 0 <= process_id < num_processes:
         raise TrainingError(
             f"--process-id {process_id} is not in [0, {num_processes}) (--num-processes "

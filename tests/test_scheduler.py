@@ -292,9 +292,9 @@ def test_a_pool_memory_that_holds_no_page_is_refused(capsys):
 
     method = paged(DuoAttention(make_layout(CONFIG, None, sink=2, recent=5, context=64)), page_size=4)
     per_page = 2 * 4 * CONFIG.head_dim * 4 * CONFIG.num_layers * CONFIG.num_kv_heads  # float32 K and V, every layer
-    assert pages_for_memory(method, 3 * per_page + 1, np.float32) == 3
+    assert pages_for_memory(method, 3 * per_page + 1, np.float32, slots=2) == 3
     with pytest.raises(DuoJaxError, match="holds no page: one page of 4 tokens takes"):
-        pages_for_memory(method, per_page - 1, np.float32)
+        pages_for_memory(method, per_page - 1, np.float32, slots=2)
     with pytest.raises(SystemExit):
         serve_main(["--port", "70000"])  # uvicorn started with it before
     assert "--port: must be a port number in [0, 65535], got 70000" in capsys.readouterr().err
@@ -384,8 +384,9 @@ def test_the_page_pool_bounds_a_sequence_in_one_place(setup):
     s = scheduler(method, num_pages=5)  # 5 pages of 4 tokens: 21 tokens
     assert s.pool_limit == 21 and s.max_new_tokens(15) == 6
     s.check(Request(PROMPTS[0][:15], max_tokens=6))
-    with pytest.raises(DuoJaxError, match="the request needs 6 pages; the pool has 5"):
+    with pytest.raises(DuoJaxError, match="the request needs 6 pages; the pool has 5") as error:
         s.check(Request(PROMPTS[0][:15], max_tokens=7))
+    assert "--kv-memory-mb" in str(error.value) and error.value.param == "max_tokens"
 
 
 def test_a_bad_seed_is_refused_at_submit(setup):
@@ -395,3 +396,112 @@ def test_a_bad_seed_is_refused_at_submit(setup):
     for seed in (-1, 2**32):
         with pytest.raises(DuoJaxError, match="seed must be an integer"):
             s.check(Request(PROMPTS[0][:8], max_tokens=2, seed=seed))
+
+
+def stub_uvicorn(monkeypatch, model):
+    """`duo_jax.load` gives `model`; uvicorn runs nothing: the CLI builds everything and returns. The apps built."""
+    import uvicorn
+
+    built = []
+
+    class Web:  # uvicorn.Server, run at once (its Config would point logging at pytest's captured stderr)
+        def __init__(self, app):
+            built.append(app)
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: model)
+    monkeypatch.setattr(uvicorn, "Server", Web)
+    monkeypatch.setattr(uvicorn, "Config", lambda app, **kw: app)
+    return built
+
+
+def test_a_pool_whose_pages_hold_no_bytes_gets_the_pages_its_slots_use(monkeypatch, capsys, tmp_path):
+    """Every head streaming (sparsity 1): pages hold no K / V, so the memory's bytes // 0-byte pages made a pool
+    of as many pages as bytes (a MemoryError building its free list). It gets the pages its slots can fill, and
+    serves each request the tokens it gets alone."""
+    from duo_jax import Pattern
+    from duo_jax.serve.__main__ import main as serve_main
+    from duo_jax.serve.scheduler import pages_for_memory
+
+    method = DuoAttention(make_layout(CONFIG, np.zeros((2, 2), bool), sink=2, recent=5, context=64))
+    # a capacity of 128 tokens (the context rounded up to 128): 32 pages of 4 a sequence
+    assert pages_for_memory(paged(method, page_size=4), 512 << 20, np.float32, slots=3) == 3 * 32
+    s = scheduler(method, num_pages=3 * 32)
+    requests = [s.submit(Request(p, max_tokens=NEW, stop_at_eos=False)) for p in PROMPTS[:3]]
+    s.run()
+    for request in requests:
+        solo = duo_jax.generate(
+            MODEL, request.prompt, method=method, max_new_tokens=NEW, chunk_size=CHUNK, stop_at_eos=False
+        )
+        assert request.tokens == list(solo.tokens[0])
+    assert s.counters["preemptions"] == 0
+
+    stub_uvicorn(monkeypatch, MODEL)
+    folder = Pattern(np.full((2, 2), 0.5)).save(tmp_path)
+    argv = ["--model", "tiny", "--pattern", str(folder), "--sparsity", "1", "--context", "256", "--no-warm-up"]
+    assert serve_main(argv + ["--page-size", "16", "--slots", "2"]) == 0
+    assert "32 pages of 16 tokens, 2 slots" in capsys.readouterr().err  # 2 slots x 256 / 16 pages
+
+
+def test_a_chunk_longer_than_a_sequence_is_refused():
+    """Every prompt step runs at T = chunk: a chunk past what a sequence holds only padded every prompt (a
+    5-token request compiled and ran a step of 100,000 positions). The longest useful chunk is accepted."""
+    method = DuoAttention(make_layout(CONFIG, None, sink=0, recent=0, context=64))  # a sequence holds 128
+    with pytest.raises(DuoJaxError, match=r"chunk \(--chunk\) 129 is larger than the 128 tokens a sequence"):
+        Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=8), slots=1, chunk=129, impl="xla")
+    assert Scheduler(Engine.of(MODEL), paged(method, page_size=4, num_pages=8), slots=1, chunk=128).chunk == 128
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv-memory-mb", "nan"], "--kv-memory-mb: must be a positive, finite number of MiB, got 'nan'"),
+        (["--kv-memory-mb", "inf"], "--kv-memory-mb: must be a positive, finite number of MiB, got 'inf'"),
+        (["--kv-memory-mb", "-1"], "--kv-memory-mb: must be a positive, finite number of MiB, got '-1'"),
+        (["--kv-memory-mb", "0"], "--kv-memory-mb: must be a positive, finite number of MiB, got '0'"),
+        (["--kv-memory-mb", "1e308"], "--kv-memory-mb: must be a number of MiB whose bytes a float holds"),
+        (["--max-request-bytes", "-1"], "--max-request-bytes: must be a positive integer, got -1"),
+        (["--max-request-bytes", "0"], "--max-request-bytes: must be a positive integer, got 0"),
+        (["--allowed-hosts", ""], "--allowed-hosts: must name at least one Host ('*': any), got ''"),
+        (["--allowed-hosts", " , "], "--allowed-hosts: must name at least one Host ('*': any), got ' , '"),
+        (["--sink", "-1"], "--sink: must be an integer >= 0, got -1"),
+        (["--recent", "0"], "--recent: must be a positive integer, got 0"),
+        (["--chunk", "0"], "--chunk: must be a positive integer, got 0"),
+        (["--slots", "0"], "--slots: must be a positive integer, got 0"),
+    ],
+)
+def test_the_server_refuses_bad_settings_before_loading(monkeypatch, capsys, argv, message):
+    """Each was a traceback (--kv-memory-mb nan / inf), a server refusing every request (--max-request-bytes 0:
+    413; --allowed-hosts '': 421, /health included), or ignored without --pattern (--sink, --recent)."""
+    from duo_jax.serve.__main__ import main as serve_main
+
+    monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit) as exit_:
+        serve_main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_pool_short_of_the_context_says_so_and_models_reports_what_it_holds(monkeypatch, capsys):
+    """A pool of fewer pages than one sequence of the context fills started silently, /v1/models promising the
+    context; a request past the pool then got an error naming no option. Now a note names --kv-memory-mb and the
+    memory a full sequence needs, and max_model_len is what the pool holds."""
+    from starlette.testclient import TestClient
+
+    from duo_jax.serve.__main__ import main as serve_main
+
+    built = stub_uvicorn(monkeypatch, MODEL)
+    per_page = 2 * 128 * CONFIG.head_dim * 4 * CONFIG.num_layers * CONFIG.num_kv_heads  # float32 K and V
+    mib = 1.5 * per_page / 2**20  # one page of 128 tokens
+    argv = ["--model", "tiny", "--context", "512", "--kv-memory-mb", str(mib), "--allowed-hosts", "testserver"]
+    assert serve_main(argv + ["--no-warm-up"]) == 0
+    err = capsys.readouterr().err
+    full = -(-4 * per_page // 2**20)  # 511 tokens written: 4 pages, in whole MiB
+    assert "holds 1 page of 128 tokens: a request holds at most 129 tokens (prompt + new), not the context's 512" in err
+    assert f"--kv-memory-mb {full} holds one of the full context" in err
+    card = TestClient(built[0]).get("/v1/models").json()["data"][0]  # no lifespan: the scheduler does not start
+    assert card["max_model_len"] == 129
+    capsys.readouterr()
+    assert serve_main(["--model", "tiny", "--context", "512", "--no-warm-up"]) == 0  # the default pool holds it
+    assert "note: --kv-memory-mb" not in capsys.readouterr().err

@@ -6,6 +6,7 @@ max_completion_tokens and response_format; tokenization off the event loop; one 
 
 import concurrent.futures
 import json
+import logging
 import socket
 import threading
 import time
@@ -195,6 +196,87 @@ def test_a_bad_field_is_a_400_naming_it(guarded, body, param, message):
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"] and param.split("[")[0] in error["message"]
     assert_serves(client)
+
+
+SCHEDULER_REFUSES = [
+    ("/v1/completions", {"prompt": ""}, "prompt", "the prompt is empty"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "prompt", "token ids must lie in [0, 2000)"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 500}, "max_tokens", "exceeds the 128 tokens"),
+    ("/v1/completions", {"prompt": list(range(1, 200)), "max_tokens": 1}, "prompt", "exceeds the 128 tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500},
+        "max_tokens",
+        "exceeds",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi " * 60}], "max_tokens": 1},
+        "messages",
+        "exceeds",
+    ),
+]
+
+
+@pytest.mark.parametrize("path, body, param, message", SCHEDULER_REFUSES)
+def test_a_request_the_scheduler_refuses_names_the_field(guarded, path, body, param, message):
+    """The scheduler's own checks (an empty prompt, token ids past the vocabulary, a sequence past the context) were
+    400s with param null; a chat's prompt is its messages."""
+    server, running, client = guarded
+    response = post(client, body, path)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
+@pytest.mark.parametrize(
+    "options, usage", [(None, True), ({}, True), ({"include_usage": True}, True), ({"include_usage": False}, False)]
+)
+def test_stream_options_include_usage_false_sends_no_usage(guarded, options, usage):
+    """Usage comes in the last chunk unless stream_options says include_usage: false (OpenAI sends none then; it was
+    sent regardless)."""
+    server, running, client = guarded
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, **({} if options is None else {"stream_options": options})}
+    events = post(client, body).text
+    chunks = [json.loads(e[6:]) for e in events.split("\n\n") if e.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert [("usage" in c) for c in chunks] == [False] * (len(chunks) - 1) + [usage]
+    if usage:
+        assert chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_a_client_gone_while_its_body_is_read_is_one_log_line(guarded, caplog):
+    """A client that disconnects before sending its whole body was logged as a failed request with a traceback."""
+    server, running, client = guarded
+    caplog.set_level(logging.INFO, logger="duo_jax.serve")
+    host, port = running.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '.encode()
+        )
+        time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while not any("disconnected" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    records = [r for r in caplog.records if r.name == "duo_jax.serve"]
+    assert [r.getMessage().split(": ", 1)[1] for r in records] == ["the client disconnected before its body was read"]
+    assert records[0].levelno == logging.INFO and records[0].exc_info is None
+    assert_serves(client)
+
+
+def test_settings_that_refuse_every_request_are_refused():
+    """max_request_bytes 0 (every POST a 413) and an allowed_hosts naming no host (every request a 421, /health
+    included) served nothing; an empty name among others would admit a request without a Host."""
+    from duo_jax.errors import DuoJaxError
+    from duo_jax.serve.server import Guard
+
+    with pytest.raises(DuoJaxError, match=r"max_request_bytes \(--max-request-bytes\) must be a positive integer"):
+        build(max_request_bytes=0)
+    for hosts in ([], [""], [" ", ""]):
+        with pytest.raises(DuoJaxError, match=r"allowed_hosts \(--allowed-hosts\) names no host"):
+            build(allowed_hosts=hosts)
+    assert Guard(None, allowed_hosts=["localhost:8000", ""]).allowed_hosts == {"localhost"}
 
 
 def test_content_parts_are_the_text_they_hold(guarded):

@@ -50,6 +50,38 @@ def test_help_lists_the_flags():
         assert flag in result.stdout
 
 
+def test_help_gives_each_default_once():
+    """--help showed no defaults (docs/cli.md says it lists them); options without one, or whose help already
+    gives it, get no "(default: None)" or a second one."""
+    import train_gates
+
+    text = " ".join(train_gates.build_parser().format_help().split())  # unwrapped
+    for shown in ("--steps STEPS optimiser steps (default: 2000)", "(default: 0.02)", "(default: bf16)"):
+        assert shown in text
+    assert "paul_graham:calibration)" in text and "(default: qa)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert text.count("default: runs/gates/<model name>") == 1 and text.count("seq=all devices") == 1
+    # the docstring's examples keep their lines
+    assert "\n    python train_gates.py --model smollm2-135m --out runs/gates/smollm2-135m\n" in (
+        train_gates.build_parser().format_help()
+    )
+
+
+def test_a_coordinator_that_is_not_host_port_exits_2(tmp_path, capsys, monkeypatch):
+    """It was JAX's IndexError: list index out of range."""
+    import jax
+
+    import train_gates
+
+    called = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: called.append(args))
+    args = ["--model", str(tmp_path / "m"), "--coordinator", "nonsense", "--num-processes", "1", "--process-id", "0"]
+    assert train_gates.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --coordinator 'nonsense' is not HOST:PORT") and "host0:1234" in err, err
+    assert not called
+
+
 def test_impl_offers_every_attention_implementation():
     import train_gates
     from duo_jax.attention import IMPLS

@@ -421,6 +421,150 @@ def test_train_writes_the_run_folder_and_continues_it(tmp_path):
         )
 
 
+def _checkpoints(out, shape=(2, 2), steps=(2, 3), gates_shape=True):
+    """A run folder `out` with checkpoints of a gate state of `shape` at `steps` (no model: the arrays are
+    small); returns (Checkpoints, state, meta)."""
+    import optax
+
+    mesh = sharding.make_mesh()
+    gates_ = training.replicate(np.ones(shape, np.float32), mesh)
+    state = {"gates": gates_, "opt_state": training.replicate(optax.adamw(0.1).init(gates_), mesh)}
+    meta = {"model_name": "tiny"}
+    checkpoints = training.Checkpoints(out / "checkpoints")
+    for step in steps:
+        progress = {"step": step, "next_sample": 10 * step, "meta": meta}
+        if gates_shape:
+            progress["gates_shape"] = list(shape)
+        checkpoints.save(step, jax.tree.map(lambda x: x + step, state), progress)
+    checkpoints.close()
+    return training.Checkpoints(out / "checkpoints"), state, meta
+
+
+def _truncate(folder, name="*"):
+    for path in folder.rglob(name):
+        if path.is_file():
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damaged", ["*", "_METADATA", "manifest.ocdbt", "metadata"])
+def test_a_damaged_checkpoint_is_set_aside_for_the_one_before_it(tmp_path, damaged):
+    """Truncated files in checkpoint 3 (its arrays' or its progress item's) were reported as another model's
+    checkpoint ("does not fit this model's gates"), with checkpoint 2 intact."""
+    out = tmp_path / "run"
+    _checkpoints(out)
+    _truncate(out / "checkpoints" / "3", damaged)
+    checkpoints, state, meta = _checkpoints(out, steps=())
+    messages = []
+    restored, start, next_sample, _ = training.resume_point(
+        checkpoints, out, state, meta, required=True, log=messages.append
+    )
+    assert (start, next_sample) == (2, 20)
+    np.testing.assert_array_equal(np.asarray(restored["gates"]), np.full((2, 2), 3.0))  # checkpoint 2's: 1 + 2
+    (message,) = messages
+    assert f"checkpoint 3 in {out / 'checkpoints' / '3'} cannot be read" in message
+    assert "damaged" in message and "resuming from checkpoint 2" in message
+    assert checkpoints.steps() == [2] and (out / "checkpoints-damaged" / "3").is_dir()
+
+
+def test_no_readable_checkpoint_is_an_error_that_moves_nothing(tmp_path):
+    out = tmp_path / "run"
+    _checkpoints(out)
+    for step in ("2", "3"):
+        _truncate(out / "checkpoints" / step)
+    checkpoints, state, meta = _checkpoints(out, steps=())
+    with pytest.raises(training.TrainingError, match=r"no checkpoint in .* can be read: checkpoint 3 .*checkpoint 2"):
+        training.resume_point(checkpoints, out, state, meta, required=False)
+    assert checkpoints.steps() == [3, 2] and not (out / "checkpoints-damaged").exists()
+
+
+def test_with_several_processes_a_damaged_checkpoint_is_left_to_the_user(tmp_path, monkeypatch):
+    """Moving it aside would need every process to agree: the error names the folder to delete."""
+    out = tmp_path / "run"
+    _checkpoints(out)
+    _truncate(out / "checkpoints" / "3")
+    checkpoints, state, meta = _checkpoints(out, steps=())
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(
+        training.TrainingError, match=r"checkpoint 3 in .*checkpoints/3 cannot be read.*delete that folder"
+    ):
+        training.resume_point(checkpoints, out, state, meta, required=False)
+    assert checkpoints.steps() == [3, 2]
+
+
+def test_a_run_whose_last_checkpoint_is_truncated_resumes_from_the_one_before(tmp_path):
+    """The same run again after checkpoint 3's array files were truncated: it said the checkpoint was another
+    model's; it trains step 2 again from checkpoint 2 and ends with the gates it had."""
+    config = tiny_config(vocab_size=VOCAB)
+    params = duo_jax.init_params(config, jax.random.key(0), scale=0.1)
+    tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=(), add_bos=False)
+    cfg = training.TrainConfig(
+        objective=gates.Objective(sink=8, recent=16),
+        steps=3,
+        save_every=1,
+        haystack=str(write_haystack(tmp_path / "hay")),
+        min_len=1,
+        max_len=300,
+        num_lengths=1,
+        num_passkeys=2,
+        passkey_words=4,
+    )
+    out, messages = tmp_path / "run", []
+    run = lambda: training.train(  # noqa: E731
+        params,
+        config,
+        tokenizer,
+        cfg,
+        out,
+        sharding.make_mesh(),
+        model_name="tiny",
+        dtype="fp32",
+        log=messages.append,
+        progress_bar=False,
+    )
+    finished = run()
+    _truncate(out / "checkpoints" / "3" / "state")
+    again = run()
+    assert any("checkpoint 3" in m and "cannot be read" in m and "from checkpoint 2" in m for m in messages)
+    assert any(m.startswith(f"resuming {out} at step 2") for m in messages)
+    np.testing.assert_array_equal(again.gates, finished.gates)
+    assert [h["step"] for h in json.loads((out / "loss.json").read_text())] == [0, 1, 2]
+
+
+def test_a_checkpoint_of_other_shapes_still_does_not_fit(tmp_path):
+    """Without the recorded gate shape, the stored arrays' shapes (read from orbax's metadata) tell another
+    model's checkpoint from a damaged one."""
+    out = tmp_path / "run"
+    _checkpoints(out, shape=(2, 2), gates_shape=False)
+    checkpoints, state, meta = _checkpoints(out, shape=(3, 2), steps=())
+    with pytest.raises(training.TrainingError, match=r"checkpoint 3 .*does not fit.*gates: \(2, 2\) -> \(3, 2\)"):
+        training.resume_point(checkpoints, out, state, meta, required=False)
+    assert checkpoints.steps() == [3, 2]
+
+
+@pytest.mark.parametrize("address", ["nonsense", "host0:", ":1234", "host0:0", "host0:65536", "host0:http", "h:²"])
+def test_a_coordinator_that_is_not_host_port_is_refused_before_jax_is_called(monkeypatch, address):
+    """JAX answered "nonsense" with IndexError: list index out of range."""
+    called = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: called.append(args))
+    with pytest.raises(training.TrainingError, match=r"--coordinator .* is not HOST:PORT.*1 to 65535"):
+        training.initialize_distributed(False, address, 1, 0)
+    assert not called
+
+
+@pytest.mark.parametrize("address", ["host0:1234", "10.0.0.1:80", "[::1]:65535"])
+def test_a_host_port_coordinator_reaches_jax(monkeypatch, address):
+    called = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: called.append(args))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    training.initialize_distributed(False, address, 2, 1)
+    assert called == [(address, 2, 1)]
+
+
+def test_zero_processes_is_refused():
+    with pytest.raises(training.TrainingError, match="--num-processes must be at least 1, got 0"):
+        training.initialize_distributed(False, "host0:1234", 0, 0)
+
+
 _RESUME_SCRIPT = r"""
 import json, os, signal, sys, time
 from pathlib import Path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -12,6 +13,30 @@ from duo_jax.errors import integer_argument
 
 port = integer_argument("a port number in [0, 65535]", 0, 65535)
 positive = integer_argument("a positive integer", 1)
+non_negative = integer_argument("an integer >= 0", 0)
+
+
+def mebibytes(text: str) -> float:
+    """An argparse type: a positive, finite number of MiB (whose bytes are a finite number too)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of MiB, got {text!r}")
+    if not math.isfinite(value * 2**20):
+        raise argparse.ArgumentTypeError(f"must be a number of MiB whose bytes a float holds, got {text!r}")
+    return value
+
+
+def host_names(text: str) -> list[str]:
+    """An argparse type: comma-separated Host names, at least one (none would refuse every request)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"must name at least one Host ('*': any), got {text!r}: every request, /health included, would get 421"
+        )
+    return names
 
 
 def main(argv=None) -> int:
@@ -27,14 +52,18 @@ def main(argv=None) -> int:
         "--sparsity", type=float, default=None, help="fraction of streaming heads of --pattern's (default 0.5)"
     )
     parser.add_argument(
-        "--sink", type=int, default=64, help="attention-sink tokens of a streaming head (with --pattern)"
+        "--sink", type=non_negative, default=64, help="attention-sink tokens of a streaming head (with --pattern)"
     )
-    parser.add_argument("--recent", type=int, default=256, help="recent tokens of a streaming head (with --pattern)")
+    parser.add_argument(
+        "--recent", type=positive, default=256, help="recent tokens of a streaming head (with --pattern)"
+    )
     parser.add_argument("--context", type=int, default=4096, help="tokens per sequence at most (prompt + new)")
     parser.add_argument("--page-size", type=int, default=128, help="tokens per page of the retrieval page pool")
-    parser.add_argument("--kv-memory-mb", type=float, default=512, help="memory of the retrieval page pool")
-    parser.add_argument("--slots", type=int, default=8, help="sequences per step")
-    parser.add_argument("--chunk", type=int, default=128, help="prefill tokens per sequence per step")
+    parser.add_argument("--kv-memory-mb", type=mebibytes, default=512, help="memory of the retrieval page pool")
+    parser.add_argument("--slots", type=positive, default=8, help="sequences per step")
+    parser.add_argument(
+        "--chunk", type=positive, default=128, help="prefill tokens per sequence per step (at most the context)"
+    )
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no shared pages)")
     parser.add_argument(
         "--prefix-snapshots",
@@ -61,6 +90,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--allowed-hosts",
+        type=host_names,
         default=None,
         help="comma-separated Host names accepted ('*': any); default: the local names "
         f"({', '.join(LOCAL_HOSTS)}) when --host is a loopback address, else any",
@@ -70,7 +100,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=positive,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body accepted (413 beyond, before reading it all)",
     )
@@ -95,7 +125,7 @@ def main(argv=None) -> int:
     from duo_jax.errors import DuoJaxError
     from duo_jax.generation import build_method
     from duo_jax.methods.paged import paged
-    from duo_jax.serve.scheduler import Scheduler, pages_for_memory
+    from duo_jax.serve.scheduler import Scheduler, page_bytes, pages_for_memory
     from duo_jax.serve.server import Server
 
     try:
@@ -117,7 +147,10 @@ def main(argv=None) -> int:
             recent=args.recent,
         )
         pages = pages_for_memory(
-            paged(method, page_size=args.page_size), int(args.kv_memory_mb * 2**20), model.params.dtype
+            paged(method, page_size=args.page_size),
+            int(args.kv_memory_mb * 2**20),
+            model.params.dtype,
+            slots=args.slots,
         )
         method = paged(method, page_size=args.page_size, num_pages=pages)
         scheduler = Scheduler(
@@ -131,24 +164,32 @@ def main(argv=None) -> int:
             detokenize=None if model.tokenizer is None else model.tokenizer.decode,
             max_queued=args.max_queued,
         )
+        hosts = default_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts
+        server = Server(
+            scheduler,
+            model,
+            args.model,
+            warm_up=not args.no_warm_up,
+            api_key=args.api_key or None,
+            allowed_hosts=hosts,
+            max_request_bytes=args.max_request_bytes,
+            allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
+        )
     except DuoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if scheduler.pool_limit < scheduler.sequence_limit:  # /v1/models then reports the pool's limit
+        full = -(-(scheduler.sequence_limit - 1) // args.page_size) * page_bytes(method, model.params.dtype)
+        print(
+            f"note: --kv-memory-mb {args.kv_memory_mb:g} holds {pages} page{'s' * (pages > 1)} of {args.page_size} "
+            f"tokens: a request holds at most {scheduler.pool_limit} tokens (prompt + new), not the context's "
+            f"{scheduler.sequence_limit}; --kv-memory-mb {math.ceil(full / 2**20)} holds one of the full context",
+            file=sys.stderr,
+        )
     print(
         f"serving {args.model} ({method.name}, context {context}, {pages} pages of {args.page_size} tokens, "
         f"{args.slots} slots) on http://{args.host}:{args.port}",
         file=sys.stderr,
-    )
-    hosts = default_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts.split(",")
-    server = Server(
-        scheduler,
-        model,
-        args.model,
-        warm_up=not args.no_warm_up,
-        api_key=args.api_key or None,
-        allowed_hosts=hosts,
-        max_request_bytes=args.max_request_bytes,
-        allowed_origins=args.allowed_origins.split(",") if args.allowed_origins else None,
     )
     web = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level="info"))
     server.on_fatal = lambda: setattr(web, "should_exit", True)  # a supervisor restarts a process that exits

@@ -85,6 +85,7 @@ class Parsed:
     seed: int
     stop: tuple[str, ...]
     stream: bool
+    include_usage: bool = True  # streamed: usage in the last chunk (stream_options may turn it off)
 
 
 def text(value, name: str) -> str:
@@ -139,8 +140,10 @@ def parse(body, *, chat: bool, model: str) -> Parsed:
         or not isinstance(options.get("include_usage", False), bool)
     ):
         raise BadRequest(
-            "'stream_options' takes only {\"include_usage\": bool} (usage comes in the last chunk)", "stream_options"
+            "'stream_options' takes only {\"include_usage\": bool} (usage comes in the last chunk unless false)",
+            "stream_options",
         )
+    include_usage = True if options is None else options.get("include_usage", True)
     for name, kind, what in (("user", str, "a string"), ("metadata", dict, "an object"), ("store", bool, "a bool")):
         if body.get(name) is not None and not isinstance(body[name], kind):
             raise BadRequest(f"{name!r} must be {what}, got {body[name]!r:.40}", name)
@@ -178,7 +181,7 @@ def parse(body, *, chat: bool, model: str) -> Parsed:
         messages = _messages(body.get("messages"))
     else:
         prompt = _prompt(body.get("prompt"))
-    return Parsed(prompt, messages, max_tokens[0], sampling, seed, tuple(stop), stream)
+    return Parsed(prompt, messages, max_tokens[0], sampling, seed, tuple(stop), stream, include_usage)
 
 
 def _prompt(prompt) -> str | list[int]:

@@ -26,7 +26,7 @@ import numpy as np
 
 from duo_jax import device_memory
 from duo_jax.engine import Engine, cache_device_bytes, compiled_extend, compiled_extend_row, devices_of
-from duo_jax.errors import DuoJaxError
+from duo_jax.errors import DuoJaxError, InvalidOption
 from duo_jax.methods.paged import PagedDuo
 from duo_jax.model import check_token_ids
 from duo_jax.sampling import Sampling, check_sampling, check_seed, sample_seeded
@@ -133,17 +133,24 @@ def find_stop(text: str, stops) -> tuple[str, bool]:
     return (text, False) if cut < 0 else (text[:cut], True)
 
 
-def pages_for_memory(method: PagedDuo, memory_bytes: int, dtype) -> int:
-    """How many pages fit `memory_bytes` of retrieval K/V (every layer's pool together); fewer than one raises."""
-    per_page = (
-        2 * method.page_size * method.layout.head_dim * jnp.dtype(dtype).itemsize * sum(method.layout.num_retrieval)
-    )
-    if per_page and memory_bytes < per_page:
+def page_bytes(method: PagedDuo, dtype) -> int:
+    """Bytes of one page over every layer's pool (the retrieval heads' K and V); 0 when no head is a retrieval head."""
+    return 2 * method.page_size * method.layout.head_dim * jnp.dtype(dtype).itemsize * sum(method.layout.num_retrieval)
+
+
+def pages_for_memory(method: PagedDuo, memory_bytes: int, dtype, *, slots: int) -> int:
+    """How many pages fit `memory_bytes` of retrieval K/V (every layer's pool together); fewer than one raises.
+    Pages that hold no bytes (every head streaming) only count tokens in the block tables: then as many as `slots`
+    sequences of the full capacity use, so that none is ever preempted."""
+    per_page = page_bytes(method, dtype)
+    if not per_page:
+        return slots * method.pages_per_sequence
+    if memory_bytes < per_page:
         raise DuoJaxError(
             f"the page pool's memory ({memory_bytes / 2**20:g} MiB) holds no page: one page of "
             f"{method.page_size} tokens takes {per_page / 2**20:g} MiB over every layer's retrieval heads"
         )
-    return max(1, memory_bytes // max(per_page, 1))
+    return memory_bytes // per_page
 
 
 _ids = itertools.count()
@@ -195,11 +202,12 @@ MIXED = ("split", "padded")
 
 
 class Scheduler:
-    """Continuous batching of `Request`s over `method`'s paged cache with `slots` sequences per step.
-    `mixed`: how a step runs prefill beside decode, "split" or "padded" (docs/serving.md). `prefix_cache`: reuse
-    shared prompt prefixes (docs/serving.md), keeping at most `prefix_snapshots` streaming-head states;
-    `detokenize(ids) -> str` serves requests' `stop` strings. `max_queued`: how many requests may wait for a slot
-    (None: any number); `submit` refuses more with SchedulerBusy."""
+    """Continuous batching of `Request`s over `method`'s paged cache with `slots` sequences per step, feeding
+    prompts `chunk` tokens per step (at most what a sequence holds: more would only be padding). `mixed`: how a
+    step runs prefill beside decode, "split" or "padded" (docs/serving.md). `prefix_cache`: reuse shared prompt
+    prefixes (docs/serving.md), keeping at most `prefix_snapshots` streaming-head states; `detokenize(ids) -> str`
+    serves requests' `stop` strings. `max_queued`: how many requests may wait for a slot (None: any number);
+    `submit` refuses more with SchedulerBusy."""
 
     def __init__(
         self,
@@ -232,12 +240,17 @@ class Scheduler:
             raise DuoJaxError("the scheduler runs on one device; serve with an engine built without a mesh")
         self.engine, self.method, self.slots, self.chunk, self.impl = engine, method, slots, chunk, impl
         self.mixed = mixed
-        self.pool = PagePool(method.num_pages)
+        if chunk > self.sequence_limit:  # no prompt fills it: every prefill step would compute padding
+            raise DuoJaxError(
+                f"chunk (--chunk) {chunk} is larger than the {self.sequence_limit} tokens a sequence can hold: every "
+                f"prompt would be padded to {chunk} positions per step; pass a chunk of at most {self.sequence_limit}"
+            )
         what = f"the server's KV cache ({method.num_pages} pages of {method.page_size} tokens, {slots} slots)"
         need = cache_device_bytes(method, slots, engine.dtype)
         device_memory.check_fits(need, devices_of(engine.params, None), what, MEMORY_FIXES)
         with device_memory.explain_out_of_memory(f"allocating {what}", MEMORY_FIXES):
             self.cache = method.empty_cache(slots, engine.dtype)
+        self.pool = PagePool(method.num_pages)  # after the memory check: its host lists grow with the pages
         self.tables = np.full((slots, method.pages_per_sequence), method.num_pages, np.int32)
         self.lengths = np.zeros(slots, np.int32)
         self.running: list[_Slot | None] = [None] * slots
@@ -262,28 +275,38 @@ class Scheduler:
     # --- requests -------------------------------------------------------------------------------------
 
     def check(self, request: Request) -> None:
-        """A clear error for a request this scheduler can never serve."""
+        """A clear error for a request this scheduler can never serve: InvalidOption whose `param` names the
+        `Request` field at fault (prompt, max_tokens, the sampling's, seed or stop)."""
         config, n = self.engine.config, len(request.prompt)
         if n == 0:
-            raise DuoJaxError("the prompt is empty; it needs at least one token")
-        check_token_ids(request.prompt, config.vocab_size, "prompt token ids")
+            raise InvalidOption("the prompt is empty; it needs at least one token", "prompt")
+        try:
+            check_token_ids(request.prompt, config.vocab_size, "prompt token ids")
+        except DuoJaxError as e:
+            raise InvalidOption(str(e), "prompt") from None
         if request.max_tokens < 1:
-            raise DuoJaxError(f"max_tokens must be positive, got {request.max_tokens}")
+            raise InvalidOption(f"max_tokens must be positive, got {request.max_tokens}", "max_tokens")
         check_sampling(request.sampling.temperature, request.sampling.top_p, request.sampling.top_k)
         check_seed(request.seed)  # a bad one raised inside a step, failing every request running in it
         total = n + request.max_tokens
         limit = self.sequence_limit
+        at_fault = "prompt" if n >= limit else "max_tokens"  # a prompt that leaves no room is at fault itself
         if total > limit:
-            raise DuoJaxError(
+            raise InvalidOption(
                 f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds the "
-                f"{limit} tokens a sequence can hold"
+                f"{limit} tokens a sequence can hold",
+                at_fault,
             )
         if not all(isinstance(stop, str) and stop for stop in request.stop):
-            raise DuoJaxError(f"stop strings must be non-empty strings, got {request.stop!r}")
+            raise InvalidOption(f"stop strings must be non-empty strings, got {request.stop!r}", "stop")
         if request.stop and self.detokenize is None:
-            raise DuoJaxError("stop strings need a tokenizer: build the Scheduler with detokenize=")
+            raise InvalidOption("stop strings need a tokenizer: build the Scheduler with detokenize=", "stop")
         if total > self.pool_limit:
-            raise DuoJaxError(f"the request needs {self._pages(total - 1)} pages; the pool has {self.pool.num_pages}")
+            raise InvalidOption(
+                f"the request needs {self._pages(total - 1)} pages; the pool has {self.pool.num_pages}, so a sequence "
+                f"holds at most {self.pool_limit} tokens: give the pool more pages (the server's --kv-memory-mb)",
+                "prompt" if n >= self.pool_limit else "max_tokens",
+            )
 
     @property
     def sequence_limit(self) -> int:
@@ -295,10 +318,16 @@ class Scheduler:
         """Tokens one sequence can hold with every page of the pool: the last token's K/V is never written."""
         return self.pool.num_pages * self.method.page_size + 1
 
+    @property
+    def longest_sequence(self) -> int:
+        """Tokens the longest request served here can hold (prompt + new): the sequence's limit (the method's and
+        the model's positions) or, when smaller, the page pool's."""
+        return min(self.sequence_limit, self.pool_limit)
+
     def max_new_tokens(self, prompt_tokens: int) -> int:
-        """The most new tokens a prompt of `prompt_tokens` can have here: a sequence's limit (the method's and the
-        model's positions) and the page pool's, less the prompt (< 1: none)."""
-        return min(self.sequence_limit, self.pool_limit) - prompt_tokens
+        """The most new tokens a prompt of `prompt_tokens` can have here: `longest_sequence` less the prompt
+        (< 1: none)."""
+        return self.longest_sequence - prompt_tokens
 
     def submit(self, request: Request) -> Request:
         """Queue a request (thread-safe); it runs from the next step on. SchedulerClosed once the scheduler

@@ -25,6 +25,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
@@ -110,7 +111,9 @@ class Guard:
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
         self.on_quiet, self.inflight, self._quiet, self._last = on_quiet, 0, None, 0.0  # /v1 requests in flight
         self.allowed_hosts = (
-            None if allowed_hosts is None or "*" in allowed_hosts else {_host_name(h) for h in allowed_hosts}
+            None
+            if allowed_hosts is None or "*" in allowed_hosts
+            else {_host_name(h) for h in allowed_hosts if h.strip()}  # an empty name would admit a missing Host
         )
 
     async def __call__(self, scope, receive, send):
@@ -148,6 +151,8 @@ class Guard:
         self.inflight += api
         try:
             await self.app(scope, counted, send_with_id)
+        except ClientDisconnect:  # gone while its body was read: nobody to answer, nothing failed here
+            log.info("request %s: the client disconnected before its body was read", ident)
         except _TooLarge:
             if not started:
                 await respond(
@@ -239,6 +244,16 @@ class Server:
         allowed_origins=None,
         on_quiet=release_memory,
     ):
+        if max_request_bytes < 1:
+            raise DuoJaxError(
+                f"max_request_bytes (--max-request-bytes) must be a positive integer, got {max_request_bytes!r}: "
+                "every POST would be refused with 413"
+            )
+        if allowed_hosts is not None and not any(host.strip() for host in allowed_hosts):
+            raise DuoJaxError(
+                f"allowed_hosts (--allowed-hosts) names no host, got {list(allowed_hosts)!r}: every request, /health "
+                "included, would be refused with 421; name the Host names clients use, or '*' for any"
+            )
         self.scheduler, self.model, self.name = scheduler, model, name
         self.tokenizer = model.tokenizer
         self.started = time.time()
@@ -316,7 +331,7 @@ class Server:
             "object": "model",
             "created": int(self.started),
             "owned_by": "duo-jax",
-            "max_model_len": self.scheduler.sequence_limit,
+            "max_model_len": self.scheduler.longest_sequence,
         }
 
     async def models(self, request: HttpRequest):
@@ -409,13 +424,16 @@ class Server:
             return _error(f"the server is not taking requests: {e}", 503, "server_error")
         except SchedulerBusy as e:
             return _busy(e)
-        except DuoJaxError as e:
-            return _error(str(e), param=getattr(e, "param", None))
+        except DuoJaxError as e:  # the scheduler's check: its `param` names a Request field
+            param = getattr(e, "param", None)
+            return _error(str(e), param="messages" if chat and param == "prompt" else param)
         finally:
             del body
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{ident}"
         if parsed.stream:
-            return StreamingResponse(self._events(job, tokens, ident, chat), media_type="text/event-stream")
+            return StreamingResponse(
+                self._events(job, tokens, ident, chat, parsed.include_usage), media_type="text/event-stream"
+            )
         if not await self._collect(http, job, tokens):
             return _error("the client disconnected", 499, "cancelled")
         if job.finish_reason == "error":
@@ -508,9 +526,10 @@ class Server:
             }
         return out
 
-    async def _events(self, job: Request, tokens: asyncio.Queue, ident: str, chat: bool):
+    async def _events(self, job: Request, tokens: asyncio.Queue, ident: str, chat: bool, usage: bool = True):
         """Server-sent events: each chunk the text the new tokens add (held back while it ends inside a
-        multi-byte character or could begin a stop string), then a chunk with the finish reason, then [DONE].
+        multi-byte character or could begin a stop string), then a chunk with the finish reason (and, with
+        `usage`, the token counts), then [DONE].
         If the client goes away (the response task is cancelled, or the generator closed), the job is
         cancelled."""
         sent, stream = "", TextStream(self.tokenizer.decode, after=job.prompt) if self.tokenizer is not None else None
@@ -547,7 +566,7 @@ class Server:
             if chat
             else {"index": 0, "text": rest, "logprobs": None, "finish_reason": job.finish_reason}
         )
-        yield self._event(ident, chat, last, job)
+        yield self._event(ident, chat, last, job if usage else None)
         yield "data: [DONE]\n\n"
 
     def _event(self, ident: str, chat: bool, choice: dict, job: Request | None = None) -> str:
