@@ -298,6 +298,28 @@ def test_niah_duoattention_protocol(model, pattern, tmp_path):
 
 
 @pytest.mark.slow
+def test_niah_decode_last_runs_the_papers_baselines(model, pattern):
+    """--decode-last 5: h2o's cell is the generation of an exact prefill of all but the last 5 tokens whose first
+    query starts the eviction and H2O's scores (one chunk ending with it, then 4 steps); full attention unchanged."""
+    from duo_jax.data.haystack import EVALUATION_HAYSTACK, haystack_tokens
+    from duo_jax.data.niah import make_needle_prompt
+
+    kwargs = dict(pattern=pattern, lengths=[128], depths=[0.5], sink=4, recent=16, max_new_tokens=3, progress=False)
+    results = run_niah(model, ["full", "h2o"], kv_budget=0.25, decode_last=5, **kwargs)
+    assert results["decode_last"] == 5
+    hay = haystack_tokens(model.tokenizer, EVALUATION_HAYSTACK, 128)
+    ids = make_needle_prompt(model.tokenizer, hay, 128, 0.5).tokens.tolist()
+    common = dict(max_new_tokens=3, context=131, chat=False)
+    own = duo_jax.generate(
+        model, [ids], method="h2o", kv_budget=32, scores_from="newest", chunk_size=128, prompt_tail_steps=4, **common
+    )
+    assert results["modes"]["h2o"]["cells"][0]["generated"] == own.text[0]
+    assert results["modes"]["full"]["cells"][0]["generated"] == duo_jax.generate(model, [ids], **common).text[0]
+    with pytest.raises(duo_jax.DuoJaxError, match="decode_last is a number of prompt tokens >= 0"):
+        run_niah(model, ["h2o"], kv_budget=0.25, decode_last=-1, **kwargs)
+
+
+@pytest.mark.slow
 def test_niah_every_mode_at_a_budget(model, pattern, tmp_path):
     scores = Pattern(np.random.default_rng(3).random((CONFIG.num_layers, CONFIG.num_kv_heads)))
     results = run_niah(

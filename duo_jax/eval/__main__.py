@@ -164,6 +164,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     niah.add_argument("--max-new-tokens", type=count, default=None, help="default: 32 (the duoattention protocol: 51)")
     niah.add_argument(
+        "--decode-last",
+        type=int,
+        default=0,
+        metavar="N",
+        help="h2o / tova: prefill all but the prompt's last N tokens, then decode those one at a time with eviction "
+        "(DuoAttention's appendix runs its NIAH baselines with 50)",
+    )
+    niah.add_argument(
         "--protocol",
         choices=NIAH_PROTOCOLS,
         default="niah",
@@ -440,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
                 protocol=args.protocol,
+                decode_last=args.decode_last,
                 **common,
             )
             table = accuracy_table(results, results["lengths"])
@@ -454,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
                 protocol=args.protocol,
+                decode_last=args.decode_last,
                 **common,
             )
             table = accuracy_table(results, results["lengths"])

@@ -27,6 +27,7 @@ from duo_jax.data.niah import (
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.modes import budget_tokens, check_kv_dtype_modes, check_modes, mode_settings, warn_if_calibrated_on
+from duo_jax.eval.samples import check_decode_last, decode_last_protocol
 from duo_jax.loading import Model
 from duo_jax.pattern import Pattern
 
@@ -84,6 +85,7 @@ def evaluate_grid(
     scores: Pattern | None = None,
     kv_dtype: str | None = None,
     streaming_chunk: int | None = None,
+    decode_last: int = 0,
     progress: bool = True,
 ) -> dict:
     """Generate the answer of every prompt in every mode; returns {"modes": {mode: result}}.
@@ -94,8 +96,10 @@ def evaluate_grid(
     `duo_jax.eval.modes`); `scores` are the HeadKV head scores for headkv / duo_headkv; `kv_dtype` ("int8" /
     "int4") quantizes every mode's cache (`duo_jax.eval.modes.check_kv_dtype_modes`). `score(generated, prompt)`
     gives a cell's score in [0, 1]; a cell is correct when `correct(generated, prompt)` says so (default:
-    `score_contains`). Each mode's result holds its settings and cache bytes per length, prefill / decode seconds,
-    the cells, and accuracy overall, per length and per depth.
+    `score_contains`). `decode_last`: the modes prefilled in one chunk (h2o, tova) run DuoAttention's appendix
+    protocol for the prompts' last tokens (`duo_jax.eval.samples.decode_last_protocol`). Each mode's result holds
+    its settings and cache bytes per length, prefill / decode seconds, the cells, and accuracy overall, per length
+    and per depth.
     """
     from tqdm.auto import tqdm
 
@@ -128,6 +132,9 @@ def evaluate_grid(
                     kv_dtype=kv_dtype,
                     streaming_chunk=streaming_chunk,
                 )
+                tail = 0
+                if settings.one_chunk_prefill:  # the paper's appendix runs its NIAH baselines so
+                    settings, tail = decode_last_protocol(settings, decode_last)
                 result = results[mode]
                 result["settings"][length] = settings.describe()
                 bar.set_postfix_str(f"{mode} @ {length}")
@@ -139,6 +146,7 @@ def evaluate_grid(
                         max_new_tokens=max_new_tokens,
                         chunk_size=length if settings.one_chunk_prefill else chunk_size,
                         context=context,
+                        prompt_tail_steps=tail,
                         **settings.generate_kwargs(),
                     )
                     result["cache_bytes"][length] = out.stats["cache_bytes"] // len(group)  # per sequence
@@ -237,6 +245,7 @@ def run_niah(
     kv_dtype: str | None = None,
     streaming_chunk: int | None = None,
     protocol: str = "niah",
+    decode_last: int = 0,
     out_dir: str | Path | None = None,
     progress: bool = True,
 ) -> dict:
@@ -248,11 +257,13 @@ def run_niah(
     protocol: "niah", this repository's prompts (`duo_jax.data.niah`: exactly `length` tokens, the needle at a
     sentence end; haystack default the essays' held-out half, 32 new tokens); "duoattention", DuoAttention's script
     (`duo_jax.data.niah_duoattention`: its needle, prompt and scoring; haystack default every essay, whole files,
-    51 new tokens)."""
+    51 new tokens). decode_last: h2o and tova decode the prompts' last tokens one at a time, DuoAttention's
+    appendix protocol for its NIAH baselines (50; `evaluate_grid`)."""
     if model.tokenizer is None:
         raise DuoJaxError("NIAH needs the model's tokenizer (none was found with the weights)")
     if protocol not in PROTOCOLS:
         raise DuoJaxError(f"unknown NIAH protocol {protocol!r}: choose from {', '.join(PROTOCOLS)}")
+    check_decode_last(decode_last)
     fork = protocol == "duoattention"
     haystack = haystack or ("paul_graham" if fork else EVALUATION_HAYSTACK)
     max_new_tokens = max_new_tokens or (niah_duoattention.MAX_NEW_TOKENS if fork else 32)
@@ -302,10 +313,12 @@ def run_niah(
         scores=scores,
         kv_dtype=kv_dtype,
         streaming_chunk=streaming_chunk,
+        decode_last=decode_last,
         progress=progress,
     )
     results = dict(
         task="niah",
+        decode_last=decode_last,
         protocol=protocol,
         model=model.config.name,
         source=model.source,

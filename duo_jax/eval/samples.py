@@ -70,11 +70,8 @@ class Run:
         return "prefill" + (" in one chunk, compressed at its end" if one_chunk_prefill(self.mode) else "")
 
     def tail_steps(self, mode: ModeSettings) -> int:
-        """The prompt tokens decoded one at a time (`generate`'s prompt_tail_steps): `decode_last`, less one for a
-        mode that compresses at the end of its one chunk (h2o, tova). DuoAttention's appendix prefills all but the
-        last N tokens exactly and evicts from the first of them on, whose query sees the whole prefix: that query
-        ends the chunk, and the chunk's compression is its eviction (H2O's scores from it alone: `_mode`)."""
-        return self.decode_last - 1 if self.decode_last and mode.one_chunk_prefill else self.decode_last
+        """The prompt tokens decoded one at a time (`generate`'s prompt_tail_steps; `decode_last_protocol`)."""
+        return decode_last_protocol(mode, self.decode_last)[1]
 
     def one_chunk(self, mode: ModeSettings) -> bool:
         """Whether the prompt (less its last `decode_last` tokens) is prefilled in one chunk: the mode's own rule
@@ -161,9 +158,20 @@ def _mode(model: Model, run: Run, length: int, max_new_tokens: int, settings: Se
         kv_dtype=settings.kv_dtype,
         streaming_chunk=settings.streaming_chunk,
     )
-    if run.decode_last and "scores_from" in methods.entry(mode.method).options:  # H2O: scored from the tail on
+    return decode_last_protocol(mode, run.decode_last)[0]
+
+
+def decode_last_protocol(mode: ModeSettings, decode_last: int) -> tuple[ModeSettings, int]:
+    """DuoAttention's appendix protocol for a prompt's last `decode_last` tokens: an exact prefill of the rest, then
+    those decoded one at a time, the eviction (and H2O's scores) starting with the first of them, whose query sees
+    the whole prefix. For a mode that compresses at the end of its one chunk (h2o, tova) that query ends the chunk
+    and the chunk's compression is its eviction, so one token fewer is decoded, and H2O scores from a chunk's newest
+    query alone. Returns (the mode, the prompt tokens decoded one at a time: `generate`'s prompt_tail_steps)."""
+    if not decode_last:
+        return mode, 0
+    if "scores_from" in methods.entry(mode.method).options:
         mode = dataclasses.replace(mode, options=mode.options + (("scores_from", "newest"),))
-    return mode
+    return mode, decode_last - 1 if mode.one_chunk_prefill else decode_last
 
 
 def sample_fingerprint(model: Model, run: Run, ids: Sequence[int], max_new_tokens: int, settings: Settings) -> str:
