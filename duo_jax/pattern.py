@@ -90,8 +90,9 @@ class Pattern:
         return cls(np.ones((num_layers, num_kv_heads), dtype=np.float32))
 
     @classmethod
-    def load(cls, path: str | Path) -> Pattern:
-        """Read a pattern folder (`full_attention_heads.tsv` plus optional `config.json`) or the TSV file itself.
+    def load(cls, path: str | Path, what: str = "pattern") -> Pattern:
+        """Read a pattern folder (`full_attention_heads.tsv` plus optional `config.json`) or the TSV file itself;
+        `what` it holds names it in the errors ("HeadKV scores" are saved in the same format).
 
         Given the TSV file, a `config.json` beside it is read as `meta`. Gates are clipped to [0, 1]: the
         published files hold values such as -2e-4.
@@ -100,12 +101,12 @@ class Pattern:
         if path.is_dir():
             tsv = path / GATES_FILE
             if not tsv.is_file():
-                raise PatternError(f"pattern folder {path} holds no {GATES_FILE}")
+                raise PatternError(f"{what} folder {path} holds no {GATES_FILE}")
         elif path.is_file():
             tsv = path
         else:
             raise PatternError(
-                f"pattern path {path} does not exist; pass a folder holding {GATES_FILE} or the TSV file itself"
+                f"{what} path {path} does not exist; pass a folder holding {GATES_FILE} or the TSV file itself"
             )
         meta = _read_meta(tsv.parent / META_FILE)
         done, steps = (meta or {}).get("steps_done"), (meta or {}).get("num_steps")
@@ -115,7 +116,7 @@ class Pattern:
                 "train_gates.py command to finish it",
                 stacklevel=2,
             )
-        return cls(_read_gates(tsv), meta)
+        return cls(_read_gates(tsv, what), meta)
 
     @classmethod
     def for_model(cls, name: str, key: str = "pattern") -> Pattern | None:
@@ -203,35 +204,36 @@ class Pattern:
         return path
 
 
-def _read_gates(tsv: Path) -> np.ndarray:
-    """Parse a `full_attention_heads.tsv`: one row per layer, one float per KV head, every row the same length."""
+def _read_gates(tsv: Path, what: str = "pattern") -> np.ndarray:
+    """Parse a `full_attention_heads.tsv`: one row per layer, one float per KV head, every row the same length
+    (`what` the file holds, for the errors: a "pattern", or "HeadKV scores" in the same format)."""
     try:
         lines = tsv.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise PatternError(f"cannot read pattern file {tsv}: {e}") from None
+        raise PatternError(f"cannot read {what} file {tsv}: {e}") from None
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
-        raise PatternError(f"pattern file {tsv} is empty; expected one row of tab-separated gates per layer")
+        raise PatternError(f"{what} file {tsv} is empty; expected one row of tab-separated gates per layer")
     rows: list[list[float]] = []
     for line_no, line in enumerate(lines, start=1):
         fields = line.split()
         if not fields:
-            raise PatternError(f"pattern file {tsv}, line {line_no}: empty line; expected one row per layer")
+            raise PatternError(f"{what} file {tsv}, line {line_no}: empty line; expected one row per layer")
         row = []
         for column, field in enumerate(fields, start=1):
             try:
                 value = float(field)
             except ValueError:
                 raise PatternError(
-                    f"pattern file {tsv}, line {line_no}, column {column}: {field!r} is not a number"
+                    f"{what} file {tsv}, line {line_no}, column {column}: {field!r} is not a number"
                 ) from None
             if not math.isfinite(value):
-                raise PatternError(f"pattern file {tsv}, line {line_no}, column {column}: gate {field} is not finite")
+                raise PatternError(f"{what} file {tsv}, line {line_no}, column {column}: gate {field} is not finite")
             row.append(value)
         if rows and len(row) != len(rows[0]):
             raise PatternError(
-                f"pattern file {tsv}, line {line_no}: ragged rows, {len(row)} gates but line 1 has {len(rows[0])}; "
+                f"{what} file {tsv}, line {line_no}: ragged rows, {len(row)} gates but line 1 has {len(rows[0])}; "
                 "every layer needs one gate per KV head"
             )
         rows.append(row)

@@ -268,3 +268,15 @@ def test_heatmap(tmp_path):
     path = Pattern.load(published_dir("llama2-7b-32k")).heatmap(tmp_path / "plots" / "map.png", title="x")
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_headkv_scores_files_are_named_so_in_errors(tmp_path):
+    """HeadKV scores are saved in the pattern format; a bad scores file was reported as a "pattern file"."""
+    from duo_jax.config import get_config as config_of
+    from duo_jax.methods.headkv import resolve_scores
+
+    (tmp_path / "scores.tsv").write_text("x\ty\n")
+    with pytest.raises(DuoJaxError, match="HeadKV scores file .*scores.tsv, line 1, column 1: 'x' is not a number"):
+        resolve_scores(tmp_path / "scores.tsv", config_of("smollm2-135m"))
+    with pytest.raises(PatternError, match="pattern file .*scores.tsv, line 1"):
+        Pattern.load(tmp_path / "scores.tsv")

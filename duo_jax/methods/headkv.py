@@ -365,7 +365,7 @@ def resolve_scores(scores, config: ModelConfig) -> Pattern | None:
                 "has none): write them with python -m duo_jax.head_scores and pass scores=PATH (--scores PATH)"
             )
     else:
-        resolved = Pattern.load(scores)
+        resolved = Pattern.load(scores, what="HeadKV scores")
     if resolved is not None:
         resolved.validate(config)
     return resolved
