@@ -28,17 +28,9 @@ MEMORY_FIXES = (
 )
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring's examples as written, and each option's default (as `python -m duo_jax.eval TASK --help`),
-    except where there is none to show (None, an off switch) or the help gives it already."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from duo_jax.errors import HelpFormatter
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add = parser.add_argument
     add("--model", required=True, help="config name (see configs/), Hugging Face directory or .gguf file")

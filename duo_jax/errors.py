@@ -52,6 +52,20 @@ def read_user_text(path, error: type[DuoJaxError] = DuoJaxError, hint: str = "")
         raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}){hint}") from None
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The command lines' help: descriptions as written, and each option's default after its help, except where
+    there is none to show (None, an off switch, a required option) or the help already says it ("(default" or
+    "default:"; a help that only mentions the value 'default' still gets it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or action.required:
+            return text
+        if "(default" in text or "default:" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def integer_argument(what: str, minimum: int, maximum: int | None = None):
     """An argparse type: an integer in [minimum, maximum] (no maximum: at least `minimum`), checked as the command
     line is parsed (before any model loads); anything else is argparse's error: must be `what`, got the text."""

@@ -53,6 +53,7 @@ class Tokenizer:
         # decode does not clean up, as transformers has not since 4.45 (`cleaning_up_unless_set`: as before)
         self.clean_up_spaces = clean_up_spaces
         self.clean_up_assumed = False
+        self.tokenizer_class: str | None = None  # tokenizer_config.json's, where there is one
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
         self.add_bos = add_bos
@@ -83,9 +84,10 @@ class Tokenizer:
         return ids
 
     def cleaning_up_unless_set(self) -> Tokenizer:
-        """This tokenizer, decoding with the spaces cleaned up where its config does not say (None): what
-        transformers did before 4.45, e.g. the 4.31 that LongBench's requirements pin."""
-        if self.clean_up_spaces is not None:
+        """This tokenizer, decoding with the spaces cleaned up where its config does not say (None) and its
+        `tokenizer_class` has no default of its own: what transformers did before 4.45, e.g. the 4.31 that
+        LongBench's requirements pin (whose Llama and Code Llama tokenizers default to no clean-up)."""
+        if self.clean_up_spaces is not None or self.tokenizer_class in NO_CLEAN_UP_CLASSES:
             return self
         tokenizer = copy.copy(self)
         tokenizer.clean_up_spaces = True
@@ -131,6 +133,8 @@ class Tokenizer:
             # what transformers' decode does when the config asks (Llama 3's does): " ." -> "." and the like
             clean_up_spaces=clean_up if isinstance(clean_up, bool) else None,
         )
+        if isinstance(tokenizer_config.get("tokenizer_class"), str):
+            tokenizer.tokenizer_class = tokenizer_config["tokenizer_class"]
         for name in ("bos_token", "eos_token"):
             token = tokenizer_config.get(name)
             token = token.get("content") if isinstance(token, dict) else token
@@ -193,6 +197,11 @@ class Tokenizer:
             chat_template=fields.get("tokenizer.chat_template"),
         )
 
+
+# Tokenizer classes whose constructors default clean_up_tokenization_spaces to False (Llama 2's, Mistral's)
+NO_CLEAN_UP_CLASSES = frozenset(
+    {"LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast"}
+)
 
 # transformers' `clean_up_tokenization` (PreTrainedTokenizerBase), in its order
 _CLEAN_UP = (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m")

@@ -594,9 +594,11 @@ def _shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
     return {tuple(map(name, path)): tuple(leaf.shape) for path, leaf in flat}
 
 
-# What reading a damaged checkpoint raises: JSON and tensorstore errors (ValueError), missing files (OSError),
-# JSON of another form (KeyError, TypeError). TrainingError is raised outside the guarded reads.
-_UNREADABLE = (ValueError, OSError, KeyError, TypeError)
+# What reading a damaged checkpoint raises: JSON and tensorstore errors (ValueError), missing files
+# (FileNotFoundError), JSON of another form (KeyError, TypeError). Other OS errors (permissions, a stale network
+# handle) may pass: they stop the run rather than set a healthy checkpoint aside. TrainingError is raised outside
+# the guarded reads.
+_UNREADABLE = (ValueError, FileNotFoundError, KeyError, TypeError)
 
 
 def _reason(error: Exception) -> str:

@@ -507,6 +507,26 @@ def test_markdown_table_and_json(tmp_path):
     assert report.human_bytes(1536) == "1.5 KiB" and report.human_bytes(10) == "10 B"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["niah", "--lengths", "160", "--depths", "0.5", "--max-new-tokens", "2", "--decode-last", "4"],
+        ["niah", "--lengths", "400", "--depths", "0.5", "--max-new-tokens", "2", "--protocol", "duoattention"],
+        ["passkey", "--lengths", "160", "--depths-per-length", "1", "--max-new-tokens", "2"],
+        ["perplexity", "--length", "96", "--samples", "1"],
+    ],
+)
+def test_every_task_runs_through_main(model, pattern, tmp_path, monkeypatch, capsys, argv):
+    """Each task's whole command line, on the tiny model: passkey's once crashed on an option only niah has."""
+    monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: model)
+    monkeypatch.setattr("duo_jax.pattern.resolve_pattern", lambda *a, **kw: pattern)
+    out = tmp_path / argv[0]
+    modes = ["--modes", "full", "h2o", "--kv-budget", "0.5"] if argv[0] == "niah" else ["--modes", "full"]
+    assert eval_main([*argv, *modes, "--chunk-size", "32", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert (out / f"{argv[0]}.json").is_file()
+
+
 def test_cli_errors_exit_2(tmp_path, capsys):
     assert eval_main(["niah", "--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

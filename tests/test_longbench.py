@@ -512,7 +512,6 @@ def test_duoattention_protocol_end_to_end(model, tmp_path):
             **common,
         )  # fmt: skip
         assert duo["pred"] == model.tokenizer.decode(own.tokens[0])
-        assert duo["kv_budget_tokens"] is None or duo["kv_budget_tokens"] > 0
     assert (
         "prefill in one chunk, last 50 prompt tokens decoded one at a time"
         in (tmp_path / "out" / "longbench.md").read_text()
@@ -567,3 +566,38 @@ def test_longbench_e_scores_per_length_bucket(tmp_path):
     results.update(tasks=["hotpotqa"], longbench_e=True)
     table = longbench.tables(results)
     assert "| 0-4k" in table and "Multi-Doc QA" in table
+
+
+def test_duoattention_longbench_e_buckets_are_not_cut(tmp_path):
+    """DuoAttention's eval.py cuts predictions in `scorer` but not in `scorer_e`: its LongBench-E buckets score the
+    stored text, while the task score is cut."""
+    data = {"hotpotqa": [_sample(0, "c", "q", ["Paris"], length=3000)]}
+    store = samples.PredictionStore(tmp_path / "predictions_e" / "full" / "hotpotqa.jsonl")
+    fields = dict(all_classes=None, length=3000, prompt_tokens=100, prefill_s=0.1, decode_s=0.1)
+    store.add(dict(id="id0", pred="Paris\n\nQuestion: x", answers=["Paris"], **fields))
+
+    def score(task, record, cuts=None):
+        return longbench.record_score(task, record, protocol="duoattention", name="SmolLM2", cuts=cuts)
+
+    task = longbench.score_runs(tmp_path, [samples.Run("full")], data, True, score)["runs"]["full"]["tasks"]["hotpotqa"]
+    assert task["score"] == 100.0 and task["by_length"]["0-4k"] == round(
+        100 * lm.qa_f1("Paris\n\nQuestion: x", "Paris"), 2
+    )
+
+
+def test_duoattention_protocol_prefills_in_one_pass_without_a_tail(model, tmp_path):
+    """--protocol duoattention --decode-last 0: every run still prefills in one pass (the fork's first forward pass is
+    the whole prompt); --streaming-chunk, which would cut what streaming heads see, is refused."""
+    run = samples.make_runs(["duo"], [0.5], 0, every_mode=True)[0]
+    assert run.name == "duo@0.5" and run.one_pass and run.protocol == "prefill in one chunk"
+    settings = samples.Settings(pattern=Pattern(np.ones((CONFIG.num_layers, CONFIG.num_kv_heads))), sink=4, recent=16)
+    mode = samples._mode(model, run, 300, 4, settings)
+    assert run.one_chunk(mode) and not samples.make_runs(["duo"], [0.5])[0].one_chunk(mode)
+    data = tmp_path / "data"
+    write_fixtures(data)
+    settings.streaming_chunk = 8
+    with pytest.raises(duo_jax.DuoJaxError, match="--streaming-chunk would cut what the streaming heads see"):
+        longbench.run_longbench(
+            model, ["duo"], data_dir=data, tasks=["hotpotqa"], kv_budgets=[0.5], settings=settings, max_length=96,
+            out_dir=tmp_path / "out", progress=False, protocol="duoattention",
+        )  # fmt: skip

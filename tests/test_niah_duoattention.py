@@ -60,9 +60,15 @@ def script_prompt(tokenizer, files, lengths, length, depth_percent):
     return enc(prompt)
 
 
-def test_prompts_are_the_scripts(smollm2, folder):
+@pytest.mark.parametrize("bos", [False, True])
+def test_prompts_are_the_scripts(smollm2, folder, bos):
     """Every length and depth of a grid (the script's percents: np.round(np.linspace(0, 100, 10))), from whole files
-    joined as read, gives the script's ids; the needle's text sits at its depth."""
+    joined as read, gives the script's ids; the needle's text sits at its depth. With a tokenizer that adds BOS
+    (Llama's) the script counts it where it encodes with special tokens: repeating and cutting the haystack, and the
+    prompt."""
+    if bos:  # SmolLM2's vocabulary, adding token 1 in front as Llama's tokenizers add <s>
+        smollm2 = Tokenizer(smollm2.backend, bos_id=1, eos_ids=(), add_bos=True)
+        assert smollm2.encode("a")[0] == 1 and smollm2.encode("a", add_special_tokens=False)[0] != 1
     lengths = [300, 420, 555]
     text = fork.repeated(smollm2, concatenated_files(str(folder)), max(lengths))
     assert text.startswith("".join(FILES.values()) * 2)  # repeated whole, nothing between the files

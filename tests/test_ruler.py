@@ -265,6 +265,9 @@ def test_merge_results_refuses_what_is_not_comparable():
         (_part([2048], {"snapkv@128": ("snapkv", 128, {2048: (1, 2)})}), "other.json: KV budgets 0.5, 128 mix"),
         (dict(_part([2048], {}), duo_budget="heads"), "duo_budget='heads', 1k.json with 'fitted'"),
     ]
+    changed = _part([2048], {"duo@0.5": ("duo", 0.5, {2048: (1, 2)})})
+    changed["runs"]["duo@0.5"]["protocol"] = "prefill in one chunk"  # a run of the same name, run otherwise
+    cases.append((changed, "other.json ran duo@0.5 as 'prefill in one chunk', an earlier file as 'prefill'"))
     for other, message in cases:
         with pytest.raises(DuoJaxError, match=message):
             ruler.merge_results([("1k.json", one_k), ("other.json", other)])

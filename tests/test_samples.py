@@ -89,6 +89,23 @@ def test_snapkv_family_shares_compiled_steps_across_lengths(model, budget):
 
 
 @pytest.mark.slow
+def test_a_snapkv_record_under_decode_last_counts_the_cache_it_decodes_with(model):
+    """DuoAttention's LongBench runs every mode with the prompt's last tokens decoded one at a time: SnapKV compresses
+    after the prefill of the rest, and its record's cache_bytes is that cache's (it was sized for the whole prompt,
+    more than the run reserved)."""
+    prompt = np.random.default_rng(6).integers(3, CONFIG.vocab_size, 140).tolist()  # 90 prefilled: 128 slots
+    run = samples.make_runs(["snapkv"], [1.0], decode_last=50, every_mode=True)[0]
+    record = samples.generate_sample(model, run, prompt, 4, samples.Settings(chunk_size=128))
+    mode = samples._mode(model, run, len(prompt), 4, samples.Settings(chunk_size=128))
+    own = duo_jax.generate(
+        model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=len(prompt), room=128,
+        prompt_tail_steps=50, **mode.generate_kwargs(),
+    )  # fmt: skip
+    assert record["pred"] == model.tokenizer.decode(own.tokens[0])
+    assert record["cache_bytes"] == own.stats["cache_bytes"] <= record["reserved_cache_bytes"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, decode_last", [("h2o", 0), ("tova", 0), ("h2o", 50)])
 def test_eviction_budgets_in_one_bucket_share_compiled_steps(model, mode, decode_last):
     """H2O and TOVA at a quarter of prompts of 520 and 600 tokens (budgets 130 and 150: runtime data in 256 slots,
@@ -112,7 +129,7 @@ def test_eviction_budgets_in_one_bucket_share_compiled_steps(model, mode, decode
         assert dict(m.options).get("scores_from") == ("newest" if decode_last and mode == "h2o" else None)
         own = duo_jax.generate(
             model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=len(prompt),
-            prompt_tail_steps=max(decode_last - 1, 0), **m.generate_kwargs(),
+            prompt_tail_steps=49 if decode_last == 50 else 0, **m.generate_kwargs(),
         )  # fmt: skip
         assert record["pred"] == model.tokenizer.decode(own.tokens[0])
         assert record["cache_bytes"] == own.stats["cache_bytes"] < record["reserved_cache_bytes"]

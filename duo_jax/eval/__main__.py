@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from duo_jax.errors import DuoJaxError, check_output_folder, integer_argument, read_user_text
+from duo_jax.errors import DuoJaxError, HelpFormatter, check_output_folder, integer_argument, read_user_text
 from duo_jax.eval.longbench import DEFAULT_MARGIN, NO_CHAT_TASKS, PROTOCOLS, check_max_length
 from duo_jax.eval.longbench_metrics import FUZZY
 from duo_jax.eval.modes import MODES, check_kv_budgets, check_kv_dtype_modes
@@ -134,21 +134,12 @@ def _common(parser: argparse.ArgumentParser, task: str, budgets: bool = False) -
     parser.add_argument("--out", default=f"results/{task}", help="folder for the JSON and PNG results")
 
 
-class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's "(default: ...)" after each option's help, unless the help already says its default (it printed
-    both, "(default: X) (default: None)")."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        return text if "default" in text or action.required else super()._get_help_string(action)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m duo_jax.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     tasks = parser.add_subparsers(dest="task", required=True)
-    defaults = _DefaultsHelpFormatter
+    defaults = HelpFormatter
 
     niah = tasks.add_parser("niah", help="needle in a haystack: depth x length heat maps", formatter_class=defaults)
     _common(niah, "niah")
@@ -462,8 +453,6 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
-                protocol=args.protocol,
-                decode_last=args.decode_last,
                 **common,
             )
             table = accuracy_table(results, results["lengths"])

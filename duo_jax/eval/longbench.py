@@ -349,6 +349,11 @@ def run_longbench(
     if model.tokenizer is None:
         raise DuoJaxError("LongBench needs the model's tokenizer (none was found with the weights)")
     fork = check_protocol(protocol) == "duoattention"
+    if fork and settings.streaming_chunk is not None:
+        raise DuoJaxError(
+            "the duoattention protocol prefills each prompt in one pass, every head seeing all of it, as DuoAttention's "
+            "LongBench does; --streaming-chunk would cut what the streaming heads see: leave it out"
+        )
     if not fork:
         model = longbench_model(model)
     tasks = check_tasks(tasks, longbench_e)
@@ -363,8 +368,8 @@ def run_longbench(
     chat = (False if fork else is_chat_model(model)) if chat is None else chat
     name = model_name(model)
 
-    def score(task: str, record: dict) -> float:
-        return record_score(task, record, fuzzy, protocol, name)
+    def score(task: str, record: dict, cuts: bool | None = None) -> float:
+        return record_score(task, record, fuzzy, protocol, name, cuts=cuts)
 
     data = {t: load_task(data_dir, t, longbench_e=longbench_e, limit=limit) for t in tasks}  # all checked first
     out_dir = Path(out_dir)
@@ -441,8 +446,9 @@ def score_runs(
             # metric gave when it was generated, kept for reading the lines; nothing reads it back.
             scores = [score(task, r) for r in done]
             tasks[task] = dict(score=task_score(scores), samples=len(done), s_per_1k_tokens=seconds_per_1k_tokens(done))
-            if longbench_e:
-                tasks[task]["by_length"] = length_bucket_scores(scores, [r["length"] for r in done])
+            if longbench_e:  # DuoAttention's scorer_e cuts nothing: its buckets score the stored prediction
+                by_length = scores if score is record_score else [score(task, r, cuts=False) for r in done]
+                tasks[task]["by_length"] = length_bucket_scores(by_length, [r["length"] for r in done])
             records[task] = done
         results[run.name] = dict(
             mode=run.mode,
@@ -457,15 +463,18 @@ def score_runs(
     return dict(runs=results)
 
 
-def record_score(task: str, record: dict, fuzzy: str = "difflib", protocol: str = "longbench", name: str = "") -> float:
+def record_score(
+    task: str, record: dict, fuzzy: str = "difflib", protocol: str = "longbench", name: str = "", cuts=None
+) -> float:
     """A stored prediction's score (`sample_score` of its "pred", "answers", "all_classes"): when it is made, and
     when the tables rescore it. Under DuoAttention's fork (`protocol` "duoattention") its pred.py post-processes the
-    prediction by the model's `name` first and its eval.py cuts it (`sample_score`'s `cuts`); the stored "pred" is
-    the generation's text either way."""
+    prediction by the model's `name` first and its eval.py cuts it (`sample_score`'s `cuts`; False: not, as its
+    LongBench-E `scorer_e`); the stored "pred" is the generation's text either way."""
     pred, fork = record["pred"], check_protocol(protocol) == "duoattention"
     if fork:
         pred = duoattention_post_process(pred, name)
-    return sample_score(task, pred, record["answers"], record["all_classes"], fuzzy, cuts=fork)
+    cuts = fork if cuts is None else cuts
+    return sample_score(task, pred, record["answers"], record["all_classes"], fuzzy, cuts=cuts)
 
 
 def category_scores(task_scores: dict[str, float]) -> dict[str, dict]:

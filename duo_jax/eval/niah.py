@@ -264,12 +264,12 @@ def run_niah(
     if protocol not in PROTOCOLS:
         raise DuoJaxError(f"unknown NIAH protocol {protocol!r}: choose from {', '.join(PROTOCOLS)}")
     check_decode_last(decode_last)
-    fork = protocol == "duoattention"
-    haystack = haystack or ("paul_graham" if fork else EVALUATION_HAYSTACK)
-    max_new_tokens = max_new_tokens or (niah_duoattention.MAX_NEW_TOKENS if fork else 32)
+    duoattention = protocol == "duoattention"
+    haystack = haystack or ("paul_graham" if duoattention else EVALUATION_HAYSTACK)
+    max_new_tokens = max_new_tokens or (niah_duoattention.MAX_NEW_TOKENS if duoattention else 32)
     lengths, depths = sorted(set(lengths)), sorted(set(float(d) for d in depths))
     overlap = warn_if_calibrated_on(haystack, check_modes(modes), pattern, scores)
-    if fork:
+    if duoattention:
         text = niah_duoattention.repeated(model.tokenizer, concatenated_files(haystack), max(lengths))
 
         def prompts_for(length):

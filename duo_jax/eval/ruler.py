@@ -309,6 +309,11 @@ def merge_results(parts: Sequence[tuple[str, dict]]) -> dict:
                     predictions={},
                 ),
             )
+            if run.get("protocol") != into["protocol"]:  # e.g. +last50 before and after its protocol changed
+                raise DuoJaxError(
+                    f"{source} ran {name} as {run.get('protocol')!r}, an earlier file as {into['protocol']!r}: only "
+                    "runs of one protocol can share a row; run the older piece again"
+                )
             for n in lengths:
                 if (name, n) in owners:
                     raise DuoJaxError(f"{name} at {n} tokens is in both {owners[name, n]} and {source}: pass one")

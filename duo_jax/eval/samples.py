@@ -45,13 +45,16 @@ from duo_jax.pattern import Pattern
 class Run:
     """One mode at one KV budget: a fraction of each prompt's tokens, or a number of tokens per KV head for every
     prompt (`duo_jax.eval.modes.check_kv_budget`); None: full, or duo's default budget.
-    decode_last > 0: the rest of the prompt is prefilled in one chunk and its last `decode_last` tokens are decoded one
-    at a time (`duo_jax.generate`'s prompt_tail_steps; DuoAttention's evaluations: its appendix protocol for H2O /
-    TOVA, and its LongBench for every method); its name then ends in "+last<N>"."""
+    decode_last > 0: the prompt's last `decode_last` tokens are decoded one at a time after the prefill of the rest
+    (`duo_jax.generate`'s prompt_tail_steps; DuoAttention's evaluations: its appendix protocol for H2O / TOVA, and
+    its LongBench for every method); its name then ends in "+last<N>". one_pass: the prompt (less those tokens) is
+    prefilled in one chunk whatever the mode (DuoAttention's LongBench: its first forward pass is the whole prompt,
+    dense on a streaming head too, before the cache is cut to the window)."""
 
     mode: str
     kv_budget: float | None = None
     decode_last: int = 0
+    one_pass: bool = False
 
     @property
     def name(self) -> str:
@@ -67,7 +70,9 @@ class Run:
             )
         if self.decode_last:
             return f"prefill in one chunk, last {self.decode_last} prompt tokens decoded one at a time"
-        return "prefill" + (" in one chunk, compressed at its end" if one_chunk_prefill(self.mode) else "")
+        if one_chunk_prefill(self.mode):
+            return "prefill in one chunk, compressed at its end"
+        return "prefill in one chunk" if self.one_pass else "prefill"
 
     def tail_steps(self, mode: ModeSettings) -> int:
         """The prompt tokens decoded one at a time (`generate`'s prompt_tail_steps; `decode_last_protocol`)."""
@@ -75,9 +80,8 @@ class Run:
 
     def one_chunk(self, mode: ModeSettings) -> bool:
         """Whether the prompt (less its last `decode_last` tokens) is prefilled in one chunk: the mode's own rule
-        (h2o, tova), or any mode whose prompt ends in decode steps (the first forward pass of DuoAttention's
-        evaluations is the whole prompt: dense, on a streaming head too, before its cache is cut to the window)."""
-        return mode.one_chunk_prefill or self.decode_last > 0
+        (h2o, tova), or `one_pass`."""
+        return mode.one_chunk_prefill or self.one_pass
 
 
 def check_decode_last(decode_last: int) -> None:
@@ -90,12 +94,13 @@ def make_runs(
     modes: Sequence[str], budgets: Sequence[float | None] | None, decode_last: int = 0, *, every_mode: bool = False
 ) -> list[Run]:
     """Every mode at every budget; full once (it keeps every token at any budget). decode_last applies to the
-    modes evaluated with one-chunk prefill (h2o, tova), or with `every_mode` to all (DuoAttention's LongBench)."""
+    modes evaluated with one-chunk prefill (h2o, tova), or with `every_mode` to all, each prefilled in one pass
+    (DuoAttention's LongBench)."""
     budgets = list(dict.fromkeys(budgets or [None]))
     check_kv_budgets(budgets)
     check_decode_last(decode_last)
     return [
-        Run(m, b, decode_last if every_mode or one_chunk_prefill(m) else 0)
+        Run(m, b, decode_last if every_mode or one_chunk_prefill(m) else 0, one_pass=every_mode)
         for m in check_modes(modes)
         for b in (budgets if m != "full" else [None])
     ]
@@ -260,7 +265,9 @@ def generate_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: 
         prefill_s=out.stats["prefill_s"],
         decode_s=out.stats["decode_s"],
         compile_s=out.stats["compile_s"],
-        cache_bytes=own_cache_bytes(model, mode, need, length, **room) if bucketed else out.stats["cache_bytes"],
+        cache_bytes=own_cache_bytes(model, mode, need, length - run.tail_steps(mode), **room)
+        if bucketed
+        else out.stats["cache_bytes"],
         reserved_cache_bytes=out.stats["cache_bytes"],
         # One reference for every mode: a full cache of this sample's own need.
         full_cache_bytes=full_cache_bytes(model.config, 1, need, model.params.dtype.itemsize),
@@ -318,7 +325,7 @@ def budget_bucket(mode: ModeSettings) -> int | None:
 
 
 def own_cache_bytes(model: Model, mode: ModeSettings, capacity: int, length: int, **options) -> int:
-    """Bytes of `mode`'s cache of one sequence at `capacity` tokens after a prompt of `length` tokens (`options`:
+    """Bytes of `mode`'s cache of one sequence at `capacity` tokens after a prefill of `length` tokens (`options`:
     the method's own beside the mode's, e.g. SnapKV's `room`): what it keeps for a sample of that need (SnapKV's
     family: the compressed cache it decodes with), read from the shapes of the cache it builds (nothing is
     allocated)."""
@@ -477,11 +484,9 @@ def seconds_per_1k_tokens(records: Sequence[dict[str, Any]]) -> float:
 
 
 def protocol_legend(runs: dict[str, dict], duo_budget: str | None = None) -> str:
-    """Markdown lines naming the protocol of every run prefilled in one chunk (h2o, tova, any run with decode_last),
+    """Markdown lines naming the protocol of every run prefilled otherwise than in the evaluation's chunks,
     and under `duo_budget` "heads" what duo's budgets mean ("" when there is nothing to say)."""
-    lines = [
-        f"- {name}: {r['protocol']}" for name, r in runs.items() if one_chunk_prefill(r["mode"]) or r.get("decode_last")
-    ]
+    lines = [f"- {name}: {r['protocol']}" for name, r in runs.items() if r.get("protocol", "prefill") != "prefill"]
     if duo_budget == "heads" and any(r["mode"] == "duo" and r.get("kv_budget") for r in runs.values()):
         lines.append("- duo@F: F of its heads are retrieval heads (sparsity 1 - F), as DuoAttention gives its budgets")
     return "\n\nProtocols:\n" + "\n".join(lines) if lines else ""
