@@ -180,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparsity", type=float, default=0.5, help="duo's share of streaming heads (default 0.5)")
     p.add_argument("--kv-dtype", choices=["int8", "int4"], default=None, help="quantized KV cache")
     p.add_argument("--weights", choices=["int8"], default=None, help="int8 weights")
-    p.add_argument("--dtype", default="bfloat16", help="the model's dtype (default bfloat16)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="the model's dtype (default bfloat16; int8 weights: --weights int8)",
+    )
     p.add_argument("--pattern", default=None, help="duo head pattern directory (default: the model's own)")
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--recent", type=int, default=256)
