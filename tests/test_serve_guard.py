@@ -88,6 +88,7 @@ def test_sampling_values_share_one_compiled_sampler(guarded):
 
 
 BAD = [
+    ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "banana"}, "parallel_tool_calls", "bool"),
     ({"prompt": "hi", "temperature": float("nan")}, "temperature", "finite"),
     ({"prompt": "hi", "temperature": float("inf")}, "temperature", "finite"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "> 0"),

@@ -144,7 +144,9 @@ def parse(body, *, chat: bool, model: str) -> Parsed:
             "stream_options",
         )
     include_usage = True if options is None else options.get("include_usage", True)
-    for name, kind, what in (("user", str, "a string"), ("metadata", dict, "an object"), ("store", bool, "a bool")):
+    checked = (("user", str, "a string"), ("metadata", dict, "an object"), ("store", bool, "a bool"))
+    checked += (("parallel_tool_calls", bool, "a bool"),)  # no tools run here, but a wrong type is a client's bug
+    for name, kind, what in checked:
         if body.get(name) is not None and not isinstance(body[name], kind):
             raise BadRequest(f"{name!r} must be {what}, got {body[name]!r:.40}", name)
     fmt = body.get("response_format")
