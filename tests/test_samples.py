@@ -24,6 +24,16 @@ def compiled() -> int:
     return engine._compiled_extend.cache_info().misses + engine._compiled_decode.cache_info().misses
 
 
+def generate_counting_compiles(model, run, prompts, settings):
+    """(each prompt's record from `generate_sample` with 4 new tokens, the steps each compiled), in order."""
+    records, compiles = [], []
+    for prompt in prompts:
+        before = compiled()
+        records.append(samples.generate_sample(model, run, prompt, 4, settings))
+        compiles.append(compiled() - before)
+    return records, compiles
+
+
 @pytest.mark.slow
 def test_full_and_duo_share_compiled_steps_across_lengths(model):
     """Samples of 520 and 660 prompt tokens (own capacities 640 and 768, one capacity bucket, 768) compile once under
@@ -35,11 +45,7 @@ def test_full_and_duo_share_compiled_steps_across_lengths(model):
     pattern = Pattern(rng.random((CONFIG.num_layers, CONFIG.num_kv_heads)))
     settings = samples.Settings(pattern=pattern, sink=4, recent=16, chunk_size=128)
     for run in samples.make_runs(["full", "duo", "streaming", "streaming_llm"], [0.5]):
-        records, compiles = [], []
-        for prompt in prompts:
-            before = compiled()
-            records.append(samples.generate_sample(model, run, prompt, 4, settings))
-            compiles.append(compiled() - before)
+        records, compiles = generate_counting_compiles(model, run, prompts, settings)
         assert compiles[1] == 0, (run.name, compiles)
         for prompt, record in zip(prompts, records):
             mode = samples._mode(model, run, len(prompt), 4, settings)
@@ -68,11 +74,7 @@ def test_snapkv_family_shares_compiled_steps_across_lengths(model, budget):
     grid = (CONFIG.num_layers, CONFIG.num_kv_heads)
     settings = samples.Settings(scores=Pattern(rng.random(grid)), chunk_size=128)
     for run in samples.make_runs(["snapkv", "pyramidkv", "headkv"], [budget]):
-        records, compiles = [], []
-        for prompt in prompts:
-            before = compiled()
-            records.append(samples.generate_sample(model, run, prompt, 4, settings))
-            compiles.append(compiled() - before)
+        records, compiles = generate_counting_compiles(model, run, prompts, settings)
         assert compiles[0] > 0 and compiles[1] == 0, (run.name, compiles)
         for prompt, record in zip(prompts, records):
             mode = samples._mode(model, run, len(prompt), 4, settings)
@@ -116,11 +118,7 @@ def test_eviction_budgets_in_one_bucket_share_compiled_steps(model, mode, decode
     prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 600)]
     settings = samples.Settings(chunk_size=128)
     run = samples.make_runs([mode], [0.25], decode_last)[0]
-    records, compiles = [], []
-    for prompt in prompts:
-        before = compiled()
-        records.append(samples.generate_sample(model, run, prompt, 4, settings))
-        compiles.append(compiled() - before)
+    records, compiles = generate_counting_compiles(model, run, prompts, settings)
     assert compiles[0] > 0 and compiles[1] == 0, compiles
     for prompt, record in zip(prompts, records):
         m = samples._mode(model, run, len(prompt), 4, settings)
@@ -144,11 +142,7 @@ def test_infinigen_budgets_in_one_bucket_share_compiled_steps(model):
     prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 600)]
     settings = samples.Settings(chunk_size=128)
     run = samples.make_runs(["infinigen"], [0.25])[0]
-    records, compiles = [], []
-    for prompt in prompts:
-        before = compiled()
-        records.append(samples.generate_sample(model, run, prompt, 4, settings))
-        compiles.append(compiled() - before)
+    records, compiles = generate_counting_compiles(model, run, prompts, settings)
     assert compiles[0] > 0 and compiles[1] == 0, compiles
     for prompt, record in zip(prompts, records):
         m = samples._mode(model, run, len(prompt), 4, settings)

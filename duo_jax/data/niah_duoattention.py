@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from duo_jax.data.haystack import DataError, encode
+from duo_jax.data.haystack import DataError, decode, encode
 from duo_jax.data.niah import NeedlePrompt
 
 NEEDLE = (
@@ -34,13 +34,6 @@ def _encode(tokenizer: Any, text: str, special: bool) -> list[int]:
     return encode(tokenizer, text, special=special).tolist()
 
 
-def _decode(tokenizer: Any, ids) -> str:
-    try:
-        return tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
-    except TypeError:  # a tokenizer without the flag
-        return tokenizer.decode([int(i) for i in ids])
-
-
 def repeated(tokenizer: Any, haystack: str, longest: int) -> str:
     """`read_context_files`: the haystack text repeated until it has `longest` tokens (the grid's longest length)."""
     if not haystack:
@@ -57,7 +50,7 @@ def context_ids(tokenizer: Any, text: str, length: int) -> list[int]:
     again and keeps `length` - BUFFER - the needle's tokens of it."""
     tokens = _encode(tokenizer, text, True)
     if len(tokens) > length:
-        text = _decode(tokenizer, tokens[:length])
+        text = decode(tokenizer, tokens[:length])
     ids = _encode(tokenizer, text, False)
     room = length - BUFFER - len(_encode(tokenizer, NEEDLE, False))
     if room < 1:
@@ -73,8 +66,8 @@ def make_prompt(tokenizer: Any, context: list[int], length: int, depth: float) -
         raise DataError(f"depth must lie in [0, 1], got {depth}")
     needle = _encode(tokenizer, NEEDLE, False)
     point = len(context) if depth == 1 else int(len(context) * depth)
-    text = _decode(tokenizer, context[:point] + needle + context[point:])
-    prefix = _encode(tokenizer, PROMPT.split("{context}")[0] + _decode(tokenizer, context[:point]), True)
+    text = decode(tokenizer, context[:point] + needle + context[point:])
+    prefix = _encode(tokenizer, PROMPT.split("{context}")[0] + decode(tokenizer, context[:point]), True)
     tokens = np.asarray(_encode(tokenizer, PROMPT.format(context=text, question=QUESTION), True), np.int32)
     if len(tokens) > length:
         raise DataError(f"the prompt has {len(tokens)} tokens, more than the length {length}: a longer length")

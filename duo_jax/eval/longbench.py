@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from duo_jax.chat import chat_prompts, is_chat_model
-from duo_jax.data.haystack import DataError
+from duo_jax.data.haystack import DataError, decode
 from duo_jax.errors import DuoJaxError, read_user_text
 from duo_jax.eval import report
 from duo_jax.eval.longbench_metrics import (
@@ -221,14 +221,7 @@ def truncate_middle(tokenizer: Any, text: str, max_length: int) -> str:
     if len(ids) <= max_length:
         return text
     half = int(max_length / 2)
-    return _decode(tokenizer, ids[:half]) + _decode(tokenizer, ids[-half:])
-
-
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    try:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    except TypeError:  # a duck-typed tokenizer without the flag
-        return tokenizer.decode(ids)
+    return decode(tokenizer, ids[:half]) + decode(tokenizer, ids[-half:])
 
 
 def uses_chat(task: str, chat: bool) -> bool:

@@ -173,7 +173,7 @@ class _Eviction(StaticSpec, Method):
         out = rotation.back(out)
 
         def newest_probs():  # [B, K, G, N + T]
-            newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)[:, None]  # [B, 1]: the last real query
+            newest = newest_query(step)[:, None]  # [B, 1]
             query = jnp.take_along_axis(q, newest[:, :, None, None], axis=1)
             at = jnp.take_along_axis(step.positions, newest, axis=1)
             return attention_probs(query, dense_keys, dense_values, step.sees(positions, at))[1][:, :, :, 0]
@@ -196,6 +196,11 @@ class _Eviction(StaticSpec, Method):
         return out, EvictionLayerCache(
             take(keys), take(values), jnp.where(kept_priority > -jnp.inf, take(positions), -1), take(scores)
         )
+
+
+def newest_query(step: Step) -> jax.Array:
+    """int32 [B]: each row's last real query in the step (its queries are real first, padding after)."""
+    return jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)
 
 
 def attend_per_kv_head(q, keys, values, positions, step: Step, own_keys_at: int) -> jax.Array:
@@ -266,8 +271,7 @@ class H2O(_Eviction):
         weights = super().query_weights(step)
         if self.scores_from == "all":
             return weights
-        newest = jnp.maximum(jnp.sum(step.valid, axis=1) - 1, 0)  # [B]: the last real query
-        return weights * (jnp.arange(weights.shape[1])[None] == newest[:, None])
+        return weights * (jnp.arange(weights.shape[1])[None] == newest_query(step)[:, None])
 
     def priority(self, positions, scores, newest_probs, step):
         is_recent = positions >= step.new_lengths[:, None, None] - self.budget_of(step.state)[1]
