@@ -53,9 +53,14 @@ def free_bytes(devices: Iterable[jax.Device]) -> tuple[int, jax.Device, int] | N
 
 
 def fits(need: int, devices: Iterable[jax.Device]) -> bool:
-    """Whether `need` bytes per device fit each of `devices`' free memory (True where the backend reports none)."""
+    """Whether `need` bytes per device fit each of `devices`' free memory (True where the backend reports none).
+    With several processes every one must call it, and the answer is theirs together: a plan that falls back to a
+    smaller shape where it does not fit must fall back on every process, or their collectives would not match."""
     free = free_bytes(devices)
-    return free is None or need <= free[0]
+    fit = free is None or need <= free[0]
+    if jax.process_count() > 1:
+        return bool(multihost_utils.process_allgather(np.int32(fit)).all())
+    return fit
 
 
 def check_fits(need: int, devices: Iterable[jax.Device], what: str, fixes: str) -> None:

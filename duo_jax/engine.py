@@ -51,6 +51,14 @@ def bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
+def batch_bucket(rows: int) -> int:
+    """The compiled batch for `rows` sequences: 1, 2, 4, 8, then multiples of 8 (as vLLM's CUDA graphs), so varied
+    batch sizes reuse executables while padding at most 7 rows past 8 (`duo_jax.generation` pads with copies of its
+    shortest prompt)."""
+    rows = max(rows, 1)
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
+
+
 def capacity_bucket(tokens: int, block: int = CAPACITY_BLOCK) -> int:
     """The default cache capacity for `tokens`: the smallest of block * {1, 2, 3, 4, 6, 8, 12, 16, 24, ...}
     (powers of two and 1.5x powers of two) that holds them, so varied requests share a few cache shapes while

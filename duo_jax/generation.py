@@ -20,6 +20,7 @@ from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
 from duo_jax.engine import (
     Engine,
+    batch_bucket,
     bucket,
     cache_device_bytes,
     capacity_bucket,
@@ -190,6 +191,7 @@ class GenerationPlan:
     """What one `generate` call runs, decided and checked before any device work (`plan_generation`)."""
 
     ids: list[list[int]]  # the prompts' token ids (chat template applied)
+    batch: int  # rows compiled and run: len(ids) up to a batch bucket (`_batch_rows`), the rest copies of a prompt
     method: Method  # the KV-cache method, built for `capacity`
     capacity: int  # the context the method is built for (its caches round it up to CAPACITY_BLOCK)
     chunk: int  # prompt tokens per prefill step
@@ -321,10 +323,10 @@ def plan_generation(
             "the capacity leaves), or generate fewer tokens"
         )
     if mesh is not None:
-        sharding.check_batch(mesh, len(ids))
         sharding.check_runs_on_a_mesh(kv_method)
     devices, dtype = devices_of(model.params, mesh), jnp.dtype(model.params.dtype).name
-    need = cache_device_bytes(kv_method, len(ids), dtype, mesh)
+    rows = _batch_rows(len(ids), mesh, bucketed=True)
+    need = cache_device_bytes(kv_method, rows, dtype, mesh)
     exact = _on_mesh(round_capacity(needed), mesh)
     # The bucket's spare room does not fit the device: the request's own capacity may (one compile of its own). Not
     # where a kv_budget is fitted to the capacity (duo's sparsity): the tokens would depend on the memory free.
@@ -336,13 +338,19 @@ def plan_generation(
     if context is None and exact < capacity and not fitted:
         if not device_memory.fits(need, devices):
             smaller = build(exact)
-            if (smaller_need := cache_device_bytes(smaller, len(ids), dtype, mesh)) < need:
+            if (smaller_need := cache_device_bytes(smaller, rows, dtype, mesh)) < need:
                 capacity, kv_method, need = exact, smaller, smaller_need
+    if rows > (least := _batch_rows(len(ids), mesh, bucketed=False)) and not device_memory.fits(need, devices):
+        rows, need = least, cache_device_bytes(kv_method, least, dtype, mesh)  # the padding rows do not fit: none
     device_memory.check_fits(
-        need, devices, f"the {kv_method.name} KV cache of {len(ids)} sequence(s) of {capacity} tokens", MEMORY_FIXES
+        need,
+        devices,
+        f"the {kv_method.name} KV cache of {_sequences(len(ids), rows)} of {capacity} tokens",
+        MEMORY_FIXES,
     )
     return GenerationPlan(
         ids=ids,
+        batch=rows,
         method=kv_method,
         capacity=capacity,
         chunk=_prefill_chunk(kv_method, chunk_size, longest),
@@ -363,6 +371,19 @@ MEMORY_FIXES = (
     "kv_dtype='int8' or 'int4', load the weights with weights='int8', or split the cache over devices (mesh=); "
     "`python -m duo_jax.plan --model NAME --hbm-gib G` finds the longest context that fits"
 )
+
+
+def _sequences(prompts: int, rows: int) -> str:
+    """`prompts` sequences, and the rows they run as where padding adds some, for messages."""
+    return f"{prompts} sequence(s)" + (f" (run as {rows} rows, a batch bucket)" if rows > prompts else "")
+
+
+def _batch_rows(prompts: int, mesh: Mesh | None, *, bucketed: bool) -> int:
+    """The rows a generation of `prompts` compiles: their batch bucket (`batch_bucket`) or, where that does not fit
+    the device, their number; on a mesh either rounded up to a multiple of its `data` axis, which splits them."""
+    rows = batch_bucket(prompts) if bucketed else prompts
+    split = 1 if mesh is None else mesh.shape[sharding.DATA]
+    return -(-rows // split) * split
 
 
 def _on_mesh(capacity: int, mesh: Mesh | None) -> int:
@@ -420,8 +441,8 @@ def run_generation(model: Model, engine: Engine, plan: GenerationPlan, *, seed=0
             "with Engine(model.params, model.config, mesh) (Engine.of(model, mesh)) or leave engine=None"
         )
     what = (
-        f"generating {len(plan.ids)} sequence(s) with a {plan.method.name} KV cache of {plan.capacity} tokens "
-        f"({device_memory.gib(plan.device_cache_bytes)} per device)"
+        f"generating {_sequences(len(plan.ids), plan.batch)} with a {plan.method.name} KV cache of "
+        f"{plan.capacity} tokens ({device_memory.gib(plan.device_cache_bytes)} per device)"
     )
     with device_memory.explain_out_of_memory(what, MEMORY_FIXES):
         return _run(model, engine, plan, seed)
@@ -434,10 +455,10 @@ def compile_steps(engine: Engine, plan: GenerationPlan) -> None:
     that knows its next requests can compile them in a background thread while the device runs the current one.
     The small programs around them (an empty cache, SnapKV's compression after the prefill, the first token's
     argmax) still compile on their first use."""
-    kv_method, B, mesh = plan.method, len(plan.ids), plan.mesh
+    kv_method, B, mesh = plan.method, plan.batch, plan.mesh
     config, dtype, layout = engine.config, engine.dtype, engine.weight_layout
     compiled_extend(config, kv_method, B, plan.chunk, dtype, plan.impl, False, mesh, **layout)
-    rows = [len(p) - plan.tail_steps for p in plan.ids]
+    rows = [len(p) - plan.tail_steps for p in _batch_ids(plan)]
     decoding = kv_method.decode_method(max(rows), rows)
     if plan.tail_steps:  # the prompt's last tokens step the method decoding continues with
         compiled_extend(config, decoding, B, 1, dtype, plan.impl, False, mesh, **layout)
@@ -445,15 +466,29 @@ def compile_steps(engine: Engine, plan: GenerationPlan) -> None:
     compiled_decode(config, decoding, B, dtype, plan.impl, greedy, buffer, plan.eos_ids, mesh, **layout)
 
 
+def _batch_ids(plan: GenerationPlan) -> list[list[int]]:
+    """The prompts of each row the plan runs: its prompts, then copies of the shortest up to `plan.batch` (a
+    padding row costs a prefill of the shortest prompt and starts its decode finished, `_finished`)."""
+    shortest = min(plan.ids, key=len)
+    return plan.ids + [shortest] * (plan.batch - len(plan.ids))
+
+
+@jax.jit
+def _finished(token: jax.Array, prompts: jax.Array, eos: jax.Array) -> jax.Array:
+    """`token` with the padding rows' (those from `prompts` on) set to `eos`, so the decode loop counts them done."""
+    return jnp.where(jnp.arange(token.shape[0]) < prompts, token, eos)
+
+
 def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation:
     config, kv_method, impl, mesh = model.config, plan.method, plan.impl, plan.mesh
-    ids, chunk, tail = plan.ids, plan.chunk, plan.tail_steps
-    B, longest = len(ids), max(len(p) for p in ids)
+    ids, chunk, tail = _batch_ids(plan), plan.chunk, plan.tail_steps
+    B, prompts, longest = plan.batch, len(plan.ids), max(len(p) for p in ids)
     padded = np.zeros((B, longest), np.int32)
     for b, p in enumerate(ids):
         padded[b, : len(p)] = p
     prompt_lengths = np.array([len(p) for p in ids], np.int32)
-    seeds = row_seeds(seed, B)
+    seeds = row_seeds(seed, prompts)
+    seeds = np.concatenate([seeds, np.repeat(seeds[:1], B - prompts)])
 
     start = time.perf_counter()
     compile_steps(engine, plan)
@@ -469,6 +504,8 @@ def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation
         token = _argmax(last_logits)
     else:
         token = sample_seeded(last_logits, *engine.put_batch((seeds, np.zeros(B, np.int32))), plan.sampling.rows(B))
+    if B > prompts and plan.eos_ids:
+        token = _finished(token, np.int32(prompts), np.int32(plan.eos_ids[0]))
     token.block_until_ready()
     prefill_s = time.perf_counter() - start
 
@@ -485,7 +522,7 @@ def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation
         impl=impl,
     )
     steps = int(steps)  # the one host sync of the decode
-    generated = np.asarray(tokens)[:, : steps + 1]  # [B, N]
+    generated = np.asarray(tokens)[:prompts, : steps + 1]  # [prompts, N]: the padding rows dropped
     decode_s = time.perf_counter() - start
 
     out = []
@@ -494,16 +531,17 @@ def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation
         out.append(row[: hits[0] + 1] if hits else row)
     text = None
     if model.tokenizer is not None:
-        text = [generated_text(model.tokenizer.decode, prompt, row) for prompt, row in zip(ids, out)]
+        text = [generated_text(model.tokenizer.decode, prompt, row) for prompt, row in zip(plan.ids, out)]
     bytes_per_elem = jnp.dtype(model.params.dtype).itemsize
     stats = dict(
         method=kv_method.name,
-        prompt_tokens=[len(p) for p in ids],
+        prompt_tokens=[len(p) for p in plan.ids],
+        batch_rows=B,
         compile_s=compile_s,
         prefill_s=prefill_s,
         decode_s=decode_s,
         decode_steps=steps,
-        decode_tokens_per_s=B * steps / decode_s if steps else float("nan"),
+        decode_tokens_per_s=prompts * steps / decode_s if steps else float("nan"),
         cache_bytes=cache_nbytes(cache),
         expected_cache_bytes=kv_method.expected_cache_bytes(B, bytes_per_elem),
         full_cache_bytes=full_cache_bytes(config, B, plan.capacity, bytes_per_elem),
@@ -548,7 +586,10 @@ def generate(
 
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
     an integer array (1-D: one prompt, 2-D: a batch); or a conversation (a list of {"role", "content"}
-    messages), or a list of conversations. Anything else (None, float ids) is an error.
+    messages), or a list of conversations. Anything else (None, float ids) is an error. A batch runs as a batch
+    bucket (`duo_jax.engine.batch_bucket`: 1, 2, 4, 8, then multiples of 8), so varied batch sizes share executables;
+    the rows past the prompts repeat the shortest prompt and decode nothing (stats["batch_rows"]; the bucket's cache
+    is reserved for them, or none are added where it would not fit the device).
     chat: None (default): conversations get the model's chat template (`duo_jax.chat`), a plain string is
     completion text, as in Hugging Face's text-generation pipeline and vLLM; True: plain strings are wrapped
     too (each one user message); False: no template (conversations are then an error). Token ids are never
@@ -568,8 +609,8 @@ def generate(
     (`duo_jax.attention.IMPLS`, docs/attention.md); `attention_impl=` is its deprecated name.
     kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per
     token and head, `duo_jax.quant`; the methods of `duo_jax.methods.QUANTIZED_KV_METHODS`).
-    mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (their
-    number must be a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
+    mesh: a ("data", "model") mesh (`duo_jax.sharding.make_generation_mesh`): prompts split over `data` (padded
+    to a multiple of it), weights tensor-parallel over `model`, the retrieval cache's capacity
     split over `model` (docs/training.md, "The generation mesh"); methods "full" and "duo" only. Each device's
     retrieval attention returns its log-sum-exp for the merge across devices: decode steps on a GPU run the Pallas
     split-K kernel, prefill chunks and every step on a TPU the blocked XLA path. A mesh from

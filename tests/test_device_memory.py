@@ -109,6 +109,19 @@ def test_generate_refuses_a_cache_larger_than_the_free_memory_before_compiling(m
     assert generation.plan_generation(model, [prompt], max_new_tokens=8).device_cache_bytes == need // 2
 
 
+def test_generate_pads_no_rows_where_the_batch_buckets_cache_would_not_fit(model, monkeypatch):
+    """Three prompts run as 4 rows; where 4 rows' cache does not fit and 3 rows' does, they run as 3."""
+    prompt = list(range(1, 101))
+    rows = lambda n: cache_device_bytes(methods.make_method("full", CONFIG, context=128), n, "float32")  # noqa: E731
+    assert generation.plan_generation(model, [prompt] * 3, max_new_tokens=8).batch == 4
+    monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(rows(3))])
+    plan = generation.plan_generation(model, [prompt] * 3, max_new_tokens=8)
+    assert (plan.batch, plan.device_cache_bytes) == (3, rows(3))
+    monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(rows(3) - 1)])
+    with pytest.raises(DeviceMemoryError, match="the full KV cache of 3 sequence\\(s\\) of 128 tokens needs"):
+        generation.plan_generation(model, [prompt] * 3, max_new_tokens=8)
+
+
 def test_generate_falls_back_from_the_capacity_bucket_to_the_request_when_only_that_fits(model, monkeypatch):
     prompt = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 600).tolist()  # + 8 new: 5 blocks, bucket 6
     at = lambda capacity: cache_device_bytes(methods.make_method("full", CONFIG, context=capacity), 1, "float32")
@@ -165,3 +178,8 @@ def test_processes_refuse_together(monkeypatch):
     device_memory.check_fits(10, [FakeDevice(100)], "a step", "shrink it")  # no one is short
     with pytest.raises(DeviceMemoryError, match="has 0.00 GiB free"):
         device_memory.check_fits(1000, [FakeDevice(100)], "a step", "shrink it")  # this one is
+    # a fallback decided on `fits` (a generation's capacity or batch bucket) is decided by all of them
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array([x, 0]))  # the other's do not fit
+    assert device_memory.fits(10, [FakeDevice(100)]) is False
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array([x, 1]))
+    assert device_memory.fits(10, [FakeDevice(100)]) is True and device_memory.fits(1000, [FakeDevice(100)]) is False

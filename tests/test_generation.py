@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import duo_jax
-from duo_jax.engine import Engine
+from duo_jax.engine import Engine, batch_bucket
 from duo_jax.errors import DuoJaxError, LoadError
 from duo_jax.generation import generate, plan_generation, run_generation
 from duo_jax.model import greedy_reference
@@ -146,6 +146,32 @@ def test_a_rows_draw_is_its_own_whatever_the_batch(model, prompts):
     assert generate(model, [b, a], seed=5, **options).tokens[1] == alone[6]
     twice = generate(model, [a, a], seed=5, **options).tokens
     assert twice == [alone[5], alone[6]] and alone[5] != alone[6]
+
+
+def test_batch_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 25, 100)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 32, 104]
+
+
+def test_a_batch_runs_as_its_bucket_and_its_padding_rows_decode_nothing(model, prompts):
+    """Three prompts run as 4 rows (`batch_bucket`) and compile nothing that four prompts of the same lengths did
+    not; each prompt's tokens are its own. The padding row (a copy of the shortest prompt, drawing with another
+    seed) starts finished: a batch whose prompts stop at EOS stops there, not at max_new_tokens."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
+    options = dict(max_new_tokens=16, temperature=1.0, seed=11, chunk_size=16)
+    free = generate(model, prompts, stop_at_eos=False, **options)
+    assert free.stats["batch_rows"] == 4 and free.stats["decode_steps"] == 15
+    eos = tuple(sorted({row[3] for row in free.tokens}))  # each prompt stops by its fourth token
+    eos_model = duo_jax.Model(dataclasses.replace(CONFIG, eos_token_ids=eos), model.params, None, "random")
+    stopped = generate(eos_model, prompts, **options)
+    alone = [generate(eos_model, p, **dict(options, seed=11 + b)).tokens[0] for b, p in enumerate(prompts)]
+    assert stopped.tokens == alone and all(len(t) <= 4 for t in alone)
+    assert stopped.stats["decode_steps"] == max(len(t) for t in alone) - 1
+    before = len(compiles)
+    four = generate(model, [*prompts, prompts[1][:5]], stop_at_eos=False, **options)
+    assert len(compiles) == before and four.tokens[:3] == free.tokens and four.stats["batch_rows"] == 4
 
 
 def test_new_sampling_values_compile_nothing(model, prompts):
