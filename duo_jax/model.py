@@ -390,9 +390,10 @@ def fuse_qkv(layer: LayerParams) -> LayerParams:
     return dataclasses.replace(layer, wq=None, wk=None, wv=None, wqkv=wqkv)
 
 
-def project_qkv(x: jax.Array, layer: LayerParams, eps: float):
+def project_qkv(x: jax.Array, layer: LayerParams, config: ModelConfig):
     """Query [B, T, H, E], key and value [B, T, K, E] heads of one layer's normed input x [B, T, D], before RoPE
-    (with the layer's q/k/v biases and per-head q/k RMSNorm, eps `eps`, where the model has them)."""
+    (with the layer's q/k/v biases and per-head q/k RMSNorm where the model has them). Every path's q, k and v come
+    from here (the layer, InfiniGen's lookahead): a family's switch on them reads `config` here."""
     if layer.wqkv is None:
         q = quant.einsum("btd,dhe->bthe", x, layer.wq)
         k = quant.einsum("btd,dke->btke", x, layer.wk)
@@ -404,7 +405,7 @@ def project_qkv(x: jax.Array, layer: LayerParams, eps: float):
     if layer.bq is not None:
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
     if layer.q_norm is not None:
-        q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+        q, k = rms_norm(q, layer.q_norm, config.rms_norm_eps), rms_norm(k, layer.k_norm, config.rms_norm_eps)
     return q, k, v
 
 
@@ -443,7 +444,7 @@ def decoder_layer(x: jax.Array, layer: LayerParams, config: ModelConfig, attend:
     cache, a teacher's attention output). Every path of duo-jax runs its layers through this function.
     """
     h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
-    q, k, v = project_qkv(h, layer, config.rms_norm_eps)
+    q, k, v = project_qkv(h, layer, config)
     out, aux = attend(q, k, v, h)
     x = x + output_projection(out, layer)
     x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)

@@ -76,6 +76,21 @@ def test_the_check_catches_an_undocumented_option():
     assert undocumented(parser, docs) == ["task --depth"]
 
 
+def test_every_evaluation_is_listed(monkeypatch):
+    """Each task of `python -m duo_jax.eval` has its row in the README's table of commands and its name in the
+    lists of docs/cli.md and docs/evaluation.md (docs/adding-an-evaluation.md's checklist)."""
+    parser = command_parser(COMMANDS["python -m duo_jax.eval"], monkeypatch)
+    (tasks,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    readme = (REPO / "README.md").read_text()
+    cli = (REPO / "docs" / "cli.md").read_text().split("## python -m duo_jax.eval", 1)[1].split("\n## ", 1)[0]
+    evaluation = (REPO / "docs" / "evaluation.md").read_text().split("\n\n", 1)[1].split("\n\n", 1)[0]
+    for task in tasks.choices:
+        assert re.search(rf"^\| `python -m duo_jax\.eval {task}[ `]", readme, re.M), f"README's table lacks {task}"
+        if task != "ruler-merge":  # a tool over ruler's results, not an evaluation
+            assert f"`{task}`" in cli, f"docs/cli.md's python -m duo_jax.eval lacks {task}"
+            assert f"`{task}`" in evaluation, f"docs/evaluation.md's first paragraph lacks {task}"
+
+
 def python_blocks(path: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 

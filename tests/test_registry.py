@@ -79,8 +79,10 @@ def test_budgets_and_capacities_are_whole_tokens(name, options, message):
 
 
 @pytest.mark.slow
-def test_a_new_method_is_one_registration():
-    """A method registered from outside the package runs through generate by name, windows mapped by its entry."""
+def test_a_new_method_is_one_registration(monkeypatch):
+    """A method registered from outside the package runs through generate by name, windows mapped by its entry;
+    the evaluations name its missing budget rule (a bare "'NoneType' object is not callable" before)."""
+    from duo_jax.eval import modes
 
     @registry.register("sinks_only", windows={"sink": "sinks"}, summary="only the sinks")
     def build(config, *, context, sinks=4):
@@ -96,6 +98,9 @@ def test_a_new_method_is_one_registration():
         assert out.tokens == same.tokens and out.stats["method"] == "streaming_llm"
         with pytest.raises(DuoJaxError, match="does not take recent"):
             duo_jax.generate(model, prompt, method="sinks_only", recent=3, max_new_tokens=4)
+        monkeypatch.setattr(modes, "MODES", (*modes.MODES, "sinks_only"))  # as a module of the package would be
+        with pytest.raises(DuoJaxError, match="'sinks_only' has no KV-budget rule.*budget="):
+            modes.mode_settings("sinks_only", CONFIG, None, sparsity=0.5, sink=4, recent=8, context=64, kv_budget=8)
     finally:
         del registry._ENTRIES["sinks_only"]
 

@@ -173,6 +173,16 @@ def test_only_budgets_fitted_to_the_sample_take_buckets(model):
             assert "ring_slots" not in kwargs or "budget_slots" not in kwargs
 
 
+def test_a_group_key_of_any_kind_and_a_missing_decode_last_are_handled():
+    """The progress label took a key that is neither a task name nor a tuple as a tuple (an int key crashed the loop
+    with progress off); make_runs compared decode_last=None, an unset CLI option, with 0 (a bare TypeError)."""
+    assert [samples._group_label(k) for k in ("qa", ("qa", 4096), 7)] == ["qa", "qa @ 4096", "7"]
+    for bad in (None, -1, 1.5, True):
+        with pytest.raises(duo_jax.DuoJaxError, match="decode_last is a number of prompt tokens >= 0"):
+            samples.make_runs(["full"], None, bad)
+    assert type(samples.make_runs(["h2o"], [0.5], np.int64(3))[0].decode_last) is int  # a JSON number
+
+
 def _loop(model, tmp_path, settings, group):
     runs = samples.make_runs(["duo", "streaming"], [0.5])
     samples.generate_missing(

@@ -206,6 +206,12 @@ def _mode_settings(
             recent=budget - streaming_sink,
         )
         return ModeSettings("streaming", "duo", tuple(options.items()), budget)
+    if spec.budget is None:
+        raise DuoJaxError(
+            f"mode {name!r} has no KV-budget rule, and the evaluations run every mode at a budget: register its method "
+            "with budget= (duo_jax.methods.registry.register; registry.kv_budget_only where its kv_budget option is "
+            "the budget itself; docs/adding-a-method.md, section 6)"
+        )
     if "scores" in spec.options and scores is None:
         raise DuoJaxError(
             f"mode {name!r} needs HeadKV head scores: pass --scores PATH (written by "

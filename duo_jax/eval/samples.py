@@ -86,8 +86,8 @@ class Run:
 
 def check_decode_last(decode_last: int) -> None:
     """The prompt's last tokens decoded one at a time: a count >= 0."""
-    if decode_last < 0:
-        raise DuoJaxError(f"decode_last is a number of prompt tokens >= 0, got {decode_last}")
+    if not isinstance(decode_last, (int, np.integer)) or isinstance(decode_last, bool) or decode_last < 0:
+        raise DuoJaxError(f"decode_last is a number of prompt tokens >= 0 (0: none), got {decode_last!r}")
 
 
 def make_runs(
@@ -99,6 +99,7 @@ def make_runs(
     budgets = list(dict.fromkeys(budgets or [None]))
     check_kv_budgets(budgets)
     check_decode_last(decode_last)
+    decode_last = int(decode_last)
     return [
         Run(m, b, decode_last if every_mode or one_chunk_prefill(m) else 0, one_pass=every_mode)
         for m in check_modes(modes)
@@ -385,7 +386,7 @@ def generate_missing(
                 while sent < min(i + compile_ahead, len(todo) - 1):
                     sent += 1
                     pool.submit(_compile_quietly, model, todo[sent][1], todo[sent][3], settings)
-                bar.set_postfix_str(f"{run.name} / {key if isinstance(key, str) else ' @ '.join(map(str, key))}")
+                bar.set_postfix_str(f"{run.name} / {_group_label(key)}")
                 record = generate_sample(model, run, sample.prompt_ids, sample.max_new_tokens, settings)
                 record.update(id=sample.sample_id, **sample.fields, fingerprint=fingerprint)
                 record["score"] = score(key, record)
@@ -393,6 +394,11 @@ def generate_missing(
                 bar.update(1)
     finally:  # a failed or interrupted loop waits for the compiles under way, not for those queued
         pool.shutdown(cancel_futures=True)
+
+
+def _group_label(key) -> str:
+    """A group's key for the progress bar: a task's name, or a tuple (a task at a length) joined with " @ "."""
+    return " @ ".join(map(str, key)) if isinstance(key, tuple) else str(key)
 
 
 def _compile_quietly(model: Model, run: Run, sample: Sample, settings: Settings) -> None:

@@ -357,9 +357,7 @@ class InfiniGen(StaticSpec, Method):
         layer l-1's attention input (layer 0: its own query)."""
         if not (self.lookahead and step.is_decode):
             return {}
-        return {
-            "lookahead_q": q if previous_input is None else project_qkv(previous_input, weights, config.rms_norm_eps)[0]
-        }
+        return {"lookahead_q": q if previous_input is None else project_qkv(previous_input, weights, config)[0]}
 
     def attend(self, layer, q, k, v, cache: InfiniGenLayerCache, step: Step, shared, lookahead_q=None):
         B, T, H, E = q.shape
