@@ -52,6 +52,8 @@ LOSS_FILE = "loss.json"
 HEATMAP_FILE = "gates.png"
 # Arguments that may differ between a run and its resumption: they change where or how fast, not what.
 _RESUMABLE_CHANGES = ("output_dir", "save_steps", "mesh", "streaming_attn_implementation")
+# The largest finite float32: the schedule, the loss and the gates compute in float32, where past it is inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class TrainingError(DuoJaxError, ValueError):
@@ -112,6 +114,8 @@ class TrainConfig:
                 f"in [0, 1]; got lr={self.lr}, warmup_ratio={self.warmup_ratio}, decay_ratio="
                 f"{self.decay_ratio}, min_lr_ratio={self.min_lr_ratio}, initial_value={self.initial_value}"
             )
+        check_float32("lr", self.lr)  # the other float options lie within [0, 1]
+        check_float32("reg_weight", reg_weight)
 
     def meta(self, model_name: str, output_dir: str, mesh: Mesh, dtype: str) -> dict[str, Any]:
         """The run's arguments under the original's `config.json` key names (plus duo-jax's own)."""
@@ -146,6 +150,16 @@ class TrainConfig:
             "dtype": dtype,
             "mesh": format_mesh(mesh),
         }
+
+
+def check_float32(name: str, value) -> None:
+    """TrainingError unless `value` is a number that float32, which training computes in, holds finite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not abs(value) <= FLOAT32_MAX:
+        flag = "--" + name.replace("_", "-")
+        raise TrainingError(
+            f"{name} ({flag}) must be a finite number of size at most {FLOAT32_MAX:.4g} (float32's largest: training "
+            f"computes in float32, where a larger one is inf), got {value!r}"
+        )
 
 
 # --- optimiser --------------------------------------------------------------------------------------

@@ -197,6 +197,9 @@ def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
         (["--num-passkeys", "0"], "num_passkeys must be between 1"),  # these were refused after the model loaded
         (["--min-depth", "0.9", "--max-depth", "0.1"], "min_depth <= max_depth"),
         (["--lr", "inf"], "finite lr"),
+        # finite in float64 but inf in float32: the run trained with an inf lr, wrote a meaningless pattern, exit 0
+        (["--lr", "1e39"], "lr (--lr) must be a finite number of size at most 3.403e+38 (float32's largest"),
+        (["--reg-weight", "1e300"], "reg_weight (--reg-weight) must be a finite"),  # was 'the loss is not finite'
         (["--seed", "-1"], "seed must be an integer >= 0"),
         (["--haystack", "no-such-folder"], "unknown haystack source 'no-such-folder'"),
         (["--max-len", "300", "--recent", "256"], "covers every training context (max_len 300)"),
