@@ -213,6 +213,19 @@ def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, mess
     assert message in err and "weights" not in err, err
 
 
+def test_a_haystack_of_empty_files_exits_2_before_the_weights_load(tmp_path, capsys):
+    """It trained on blank lines, exit 0."""
+    import train_gates
+
+    (tmp_path / "hay").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "hay" / name).write_text(" \n")
+    args = ["--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out"), "--haystack", tmp_path / "hay"]
+    assert train_gates.main(list(map(str, args))) == 2
+    err = capsys.readouterr().err
+    assert f"the .txt files in {tmp_path / 'hay'} hold no text" in err and "weights" not in err, err
+
+
 def test_a_step_larger_than_the_free_device_memory_exits_2_before_training(
     tmp_path, tiny_checkpoint, capsys, monkeypatch
 ):

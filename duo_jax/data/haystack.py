@@ -161,6 +161,10 @@ def _read_txt_files(directory: Path, *, strip: bool = True) -> list[str]:
     if not files:
         raise DataError(f"no .txt files in {directory}")
     texts = [read_user_text(f, DataError, "; a haystack folder holds .txt files") for f in files]
+    if not any(t.strip() for t in texts):  # joined, they would be blank lines to hide needles in
+        raise DataError(
+            f"the .txt files in {directory} hold no text (only blank space): a haystack is prose to hide needles in"
+        )
     return [t.strip() for t in texts] if strip else texts
 
 
