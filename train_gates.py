@@ -120,6 +120,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def model_config(model: str):
+    """The model's config where reading it loads no weights (a name in configs/, a Hugging Face folder), else None:
+    a .gguf's is read as it loads, as is a config.json that loading then reports unreadable."""
+    import json
+
+    from duo_jax.config import ModelConfig, get_config, named_configs
+
+    path = Path(model)
+    if not path.exists():
+        return get_config(model) if model in named_configs() else None
+    try:
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+    except (OSError, ValueError, AttributeError):  # no folder, or no readable config.json in it: loading says why
+        return None
+
+
+def with_max_len(cfg, max_len: int | None, config):
+    """`cfg` with its max_len: --max-len, else the model's context (`config`'s; None: not read yet, cfg as it is).
+    TrainingError when --min-len exceeds it."""
+    from duo_jax.training import TrainConfig, TrainingError
+
+    if max_len is not None:
+        limit, fix = f"--max-len {max_len}", "lower --min-len or raise --max-len"
+    elif config is None:
+        return cfg
+    else:
+        max_len = config.max_position_embeddings
+        limit = f"--max-len, which defaults to the model's context of {max_len} tokens"
+        fix = f"lower --min-len to at most {max_len}"
+    if cfg.min_len > max_len:
+        raise TrainingError(
+            f"--min-len {cfg.min_len}{' (its default)' if cfg.min_len == TrainConfig.min_len else ''} exceeds {limit}: "
+            f"the training contexts run from the one to the other; {fix}"
+        )
+    return dataclasses.replace(cfg, max_len=max_len)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -149,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             initial_value=args.initial_value,
             haystack=args.haystack,
             min_len=args.min_len,
-            # the model's context when not given: min_len stands in for it until the weights load
+            # the model's context when not given: min_len stands in for it until the config is read
             max_len=args.min_len if args.max_len is None else args.max_len,
             num_lengths=args.num_lengths,
             num_passkeys=args.num_passkeys,
@@ -161,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             save_every=args.save_every,
         )
         training.check_mesh(mesh, cfg.batch_size)
-        if args.max_len is not None:  # else max_len is the model's context, known once it loads
+        config = model_config(args.model)  # the model's context, where it is known before the weights
+        cfg = with_max_len(cfg, args.max_len, config)
+        if config is not None:
+            training.check_max_len(config, cfg)
+        elif args.max_len is not None:  # else max_len is the model's context, known once it loads
             training.check_window(cfg)
         load_haystack(cfg.haystack, max_chars=1)  # the source exists (it is read whole once the tokenizer is here)
         model = duo_jax.load(
@@ -171,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             layout="stacked",
         )  # the scanned layers' layout
         tokenizer = require(model.tokenizer, "training on text samples")
-        if args.max_len is None:
-            cfg = dataclasses.replace(cfg, max_len=model.config.max_position_embeddings)
+        cfg = with_max_len(cfg, args.max_len, model.config)
         log = lambda message: print(message, file=sys.stderr)
         training.check_max_len(model.config, cfg)  # before the memory report compiles a step at max_len
         report = training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)

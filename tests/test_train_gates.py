@@ -201,8 +201,11 @@ def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
         (["--lr", "1e39"], "lr (--lr) must be a finite number of size at most 3.403e+38 (float32's largest"),
         (["--reg-weight", "1e300"], "reg_weight (--reg-weight) must be a finite"),  # was 'the loss is not finite'
         (["--seed", "-1"], "seed must be an integer >= 0"),
+        # after the weights and the memory report, as 'need 1 <= min_len <= max_len'
+        (["--min-len", "600", "--max-len", "256"], "--min-len 600 exceeds --max-len 256"),
         (["--haystack", "no-such-folder"], "unknown haystack source 'no-such-folder'"),
-        (["--max-len", "300", "--recent", "256"], "covers every training context (max_len 300)"),
+        (["--min-len", "1", "--max-len", "300", "--recent", "256"], "covers every training context (max_len 300)"),
+        (["--max-len", "300"], "--min-len 1000 (its default) exceeds --max-len 300"),
     ],
 )
 def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, message):
@@ -211,6 +214,31 @@ def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, mess
     assert train_gates.main(["--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "weights" not in err, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # was 'need 1 <= min_len <= max_len ... max_len=512' after the weights loaded, a number never typed
+        (["--min-len", "2000"], "--min-len 2000 exceeds --max-len, which defaults to the model's context of 512"),
+        (["--min-len", "1", "--max-len", "600"], "max_len 600 exceeds the model's context of 512 tokens"),
+    ],
+)
+def test_lengths_past_the_models_context_exit_2_before_the_weights_load(
+    tmp_path, tiny_checkpoint, capsys, monkeypatch, args, message
+):
+    import duo_jax
+    import train_gates
+
+    def load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(duo_jax, "load", load)
+    model, haystack = tiny_checkpoint
+    argv = ["--model", model, "--out", tmp_path / "out", "--haystack", haystack, *args]
+    assert train_gates.main(list(map(str, argv))) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
 
 
 def test_a_haystack_of_empty_files_exits_2_before_the_weights_load(tmp_path, capsys):
