@@ -34,10 +34,9 @@ from duo_jax.data import CALIBRATION_HAYSTACK, DataError, encode, haystack_token
 from duo_jax.data.niah import NEEDLE, NEEDLE_TEMPLATE, QUESTION
 from duo_jax.errors import DuoJaxError, check_output_folder
 from duo_jax.model import Params, apply_rotary, decoder_layer, embed, rope_inv_freq, rotary, scan_layers, unembed
-from duo_jax.pattern import Pattern
+from duo_jax.pattern import SCORES_KIND, Pattern
 from duo_jax.sampling import check_number
 
-SCORES_KIND = "headkv_head_scores"  # config.json "kind" of a saved score grid
 DEFAULT_DEPTHS = tuple(np.linspace(0.0, 1.0, 10).round(4).tolist())
 
 
@@ -227,9 +226,7 @@ def score_heads(
 
 def load_scores(path: str | Path, config: ModelConfig | None = None) -> Pattern:
     """A saved score grid (a folder written by `Pattern.save`, or its TSV file), checked against `config`."""
-    scores = Pattern.load(path)
-    if scores.meta is not None and scores.meta.get("kind", SCORES_KIND) != SCORES_KIND:
-        raise DuoJaxError(f"{path} holds {scores.meta['kind']!r}, not head scores")
+    scores = Pattern.load(path, "HeadKV scores", SCORES_KIND)
     if config is not None:
         scores.validate(config)
     return scores

@@ -29,6 +29,10 @@ from duo_jax.errors import DuoJaxError
 GATES_FILE = "full_attention_heads.tsv"
 META_FILE = "config.json"
 DEFAULT_SPARSITY = 0.5  # the share of streaming heads a head pattern is binarised at unless told otherwise
+# config.json "kind" of HeadKV head scores, saved in a pattern's format; a gate pattern's config.json (train_gates' or
+# DuoAttention's training arguments) names no kind.
+SCORES_KIND = "headkv_head_scores"
+_WRITTEN_BY = {None: "train_gates.py", SCORES_KIND: "python -m duo_jax.head_scores"}
 
 
 class PatternError(DuoJaxError, ValueError):
@@ -90,9 +94,11 @@ class Pattern:
         return cls(np.ones((num_layers, num_kv_heads), dtype=np.float32))
 
     @classmethod
-    def load(cls, path: str | Path, what: str = "pattern") -> Pattern:
+    def load(cls, path: str | Path, what: str = "pattern", kind: str | None = None) -> Pattern:
         """Read a pattern folder (`full_attention_heads.tsv` plus optional `config.json`) or the TSV file itself;
-        `what` it holds names it in the errors ("HeadKV scores" are saved in the same format).
+        `what` it holds names it in the errors ("HeadKV scores" are saved in the same format). `kind`: the config.json
+        "kind" it must hold (None: a gate pattern's, none; `SCORES_KIND`: HeadKV scores), so that scores are not
+        read as gates nor gates as scores. A TSV without a config.json is taken for what it is asked to be.
 
         Given the TSV file, a `config.json` beside it is read as `meta`. Gates are clipped to [0, 1]: the
         published files hold values such as -2e-4.
@@ -109,6 +115,13 @@ class Pattern:
                 f"{what} path {path} does not exist; pass a folder holding {GATES_FILE} or the TSV file itself"
             )
         meta = _read_meta(tsv.parent / META_FILE)
+        found = (meta or {}).get("kind")
+        if meta is not None and found != kind:
+            holds = "a gate pattern" if found is None else "HeadKV head scores" if found == SCORES_KIND else repr(found)
+            raise PatternError(
+                f"{path} holds {holds} (its {META_FILE}), not {what}: pass a folder written by "
+                f"{_WRITTEN_BY.get(kind, kind)}, or 'default' for the model's own"
+            )
         done, steps = (meta or {}).get("steps_done"), (meta or {}).get("num_steps")
         if isinstance(done, int) and isinstance(steps, int) and done < steps:
             warnings.warn(
@@ -131,7 +144,8 @@ class Pattern:
         relative = config_lib.read_named(name).get(key)
         if relative is None:
             return None
-        pattern = cls.load(config_lib.CONFIGS_DIR / relative)
+        scores = key == "scores"
+        pattern = cls.load(config_lib.CONFIGS_DIR / relative, *(("HeadKV scores", SCORES_KIND) if scores else ()))
         pattern.validate(config_lib.get_config(name))
         return pattern
 

@@ -81,11 +81,20 @@ def _cache_at(name: str, config: ModelConfig, options: dict, dtype: str, capacit
 
 def _fitting(budget, fixed, per_token, low, cache_at, extra_fixed, extra_per_token) -> int | None:
     """`_largest` of the cache's line (measured at capacities >= `low`) plus an extra line (temp); below `low`,
-    where a cache narrows its streaming window to the capacity, the exact layouts block by block."""
+    where a cache narrows its streaming window to the capacity, the exact layouts, bisected over blocks (a cache
+    never shrinks as its capacity grows; a wide window made a scan block by block take one build per block)."""
+
+    def fits(blocks: int) -> bool:
+        capacity = blocks * CAPACITY_BLOCK
+        return cache_at(capacity) + extra_fixed + extra_per_token * capacity <= budget
+
     best = _largest(budget, fixed + extra_fixed, per_token + extra_per_token)
     if best is not None and best < low:
-        blocks = range(CAPACITY_BLOCK, low + 1, CAPACITY_BLOCK)
-        best = max((c for c in blocks if cache_at(c) + extra_fixed + extra_per_token * c <= budget), default=0)
+        lo, hi = 0, low // CAPACITY_BLOCK  # lo blocks fit (or lo is 0), more than hi do not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        best = lo * CAPACITY_BLOCK
     return best
 
 

@@ -154,6 +154,12 @@ def auto_axes(mesh: Mesh) -> Mesh:
     collectives; generation places its arrays with `NamedSharding`s and sharding constraints and lets GSPMD
     partition the rest (docs/training.md), which is what Auto axes mean. Manual axes (inside shard_map) are
     refused."""
+    if not isinstance(mesh, Mesh):  # e.g. the CLIs' spelling "data=2,model=4"
+        raise MeshError(
+            f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} {mesh!r:.60}: build one with "
+            "duo_jax.sharding.make_generation_mesh(data=2, model=4), or from a --mesh string with "
+            "make_generation_mesh(**sharding.parse_mesh(text, sharding.GENERATION_AXES))"
+        )
     types = tuple(getattr(mesh, "axis_types", None) or ())
     if all(t == AxisType.Auto for t in types):
         return mesh

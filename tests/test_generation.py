@@ -378,6 +378,8 @@ def test_a_chat_message_of_no_text_and_a_method_off_the_mesh_are_refused_before_
         generate(model, [{"role": "user", "content": None}])  # the template's TypeError before
     with pytest.raises(DuoJaxError, match="a chat message alone in a batch"):
         generate(model, [[1, 2, 3], {"role": "user", "content": "there"}])  # "got dict of object with shape ()"
+    with pytest.raises(DuoJaxError, match="mesh must be a jax.sharding.Mesh, got str 'data=1,model=1'"):
+        plan_generation(model, prompts[0], mesh="data=1,model=1")  # an AttributeError before
     mesh = duo_jax.sharding.make_generation_mesh(data=1, model=1)
     with pytest.raises(DuoJaxError, match="method 'h2o' does not run on a device mesh"):
         plan_generation(model, prompts[0], method="h2o", kv_budget=8, mesh=mesh)  # refused by the run before

@@ -127,7 +127,7 @@ def test_score_heads_errors(params, tokenizer, tmp_path):
     with pytest.raises(DataError, match="exceed the model's context"):
         score_heads(params, CONFIG, tokenizer, lengths=[250], depths=[0.5])
     duo_jax.Pattern(np.ones((2, 2)), dict(kind="something else")).save(tmp_path / "other")
-    with pytest.raises(DuoJaxError, match="not head scores"):
+    with pytest.raises(DuoJaxError, match="holds .something else. .*not HeadKV scores"):
         load_scores(tmp_path / "other")
 
 

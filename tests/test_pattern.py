@@ -280,3 +280,24 @@ def test_headkv_scores_files_are_named_so_in_errors(tmp_path):
         resolve_scores(tmp_path / "scores.tsv", config_of("smollm2-135m"))
     with pytest.raises(PatternError, match="pattern file .*scores.tsv, line 1"):
         Pattern.load(tmp_path / "scores.tsv")
+
+
+def test_head_scores_and_gate_patterns_are_not_taken_for_each_other(tmp_path):
+    """The two share a format: HeadKV scores given as a pattern were binarised as gates (31% of SmolLM2's heads
+    chose differently at sparsity 0.5), and a gate pattern passed as scores (its config.json names no kind)."""
+    from duo_jax.head_scores import load_scores
+    from duo_jax.methods.headkv import resolve_scores
+    from duo_jax.pattern import resolve_pattern
+
+    config = get_config("smollm2-135m")
+    scores, gates = CONFIGS_DIR / "scores" / "smollm2-135m", CONFIGS_DIR / "patterns" / "smollm2-135m"
+    with pytest.raises(PatternError, match="holds HeadKV head scores .*not pattern: pass a folder written by train_g"):
+        resolve_pattern(scores, config)
+    for load in (lambda p: resolve_scores(p, config), load_scores):
+        with pytest.raises(PatternError, match="holds a gate pattern .*not HeadKV scores: .*duo_jax.head_scores"):
+            load(gates)
+    assert resolve_scores(scores, config).meta["kind"] == "headkv_head_scores"
+    assert resolve_pattern(gates, config) is not None
+    bare = np.loadtxt(scores / "full_attention_heads.tsv", ndmin=2)
+    Pattern(bare).save(tmp_path / "bare")  # no config.json: taken for what it is asked to be
+    assert resolve_pattern(tmp_path / "bare", config) is not None and resolve_scores(tmp_path / "bare", config)

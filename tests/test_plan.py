@@ -1,6 +1,7 @@
 """The memory planner (`duo_jax.plan`): its figures against arrays actually built, and its CLI."""
 
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,12 @@ def test_edges_the_linear_fit_missed():
             assert r["max_context_duo"] >= r["max_context_full"] > 0
     streaming = plan.plan(CONFIG, hbm_bytes=weights + 5 * block, sparsity=1.0, **options)
     assert streaming["max_context_duo"] is None and streaming["max_context_full"] > 0
+    # a window of 10^8 tokens: the layouts below it are bisected, not built block by block (minutes before)
+    start = time.perf_counter()
+    wide = plan.plan(CONFIG, hbm_bytes=weights + 40 * block, sink=10**8, recent=256, **options)["max_context_duo"]
+    assert time.perf_counter() - start < 20
+    duo = dict(pattern=PATTERN, sparsity=0.5, sink=10**8, recent=256)
+    assert 0 < wide and built("duo", wide, **duo) <= 40 * block < built("duo", wide + CAPACITY_BLOCK, **duo)
 
 
 def test_cli_errors_and_a_model_without_a_pattern(capsys):

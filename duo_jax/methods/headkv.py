@@ -37,7 +37,7 @@ from duo_jax.methods.snapkv import (
     slot_budgets,
 )
 from duo_jax.model import apply_rotary
-from duo_jax.pattern import DEFAULT_SPARSITY, Pattern, resolve_pattern
+from duo_jax.pattern import DEFAULT_SPARSITY, SCORES_KIND, Pattern, resolve_pattern
 from duo_jax.quant import kv_bytes_per_vector
 
 
@@ -365,7 +365,7 @@ def resolve_scores(scores, config: ModelConfig) -> Pattern | None:
                 "has none): write them with python -m duo_jax.head_scores and pass scores=PATH (--scores PATH)"
             )
     else:
-        resolved = Pattern.load(scores, what="HeadKV scores")
+        resolved = Pattern.load(scores, "HeadKV scores", SCORES_KIND)
     if resolved is not None:
         resolved.validate(config)
     return resolved
