@@ -26,7 +26,7 @@ from duo_jax import generation, methods
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model, load
-from duo_jax.model import LayerParams, Params, forward, stack_layers
+from duo_jax.model import LayerParams, Params, forward, stack_layers, weight_format
 from duo_jax.pattern import Pattern, PatternError
 
 ATTENTION_FIELDS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
@@ -109,6 +109,16 @@ def _initial_gates(config: ModelConfig, gates: Pattern | float | Any | None) -> 
     return jnp.asarray(values)
 
 
+def _check_float_weights(params: Params) -> None:
+    """The module's weights are `nnx.Param` arrays it indexes and trains around: int8 weights (`duo_jax.load(...,
+    weights="int8")`) are refused here, not at the first call."""
+    if weight_format(params) is not None:
+        raise DuoJaxError(
+            "CausalLM does not take int8 weights (loaded with weights='int8'); load the model without weights= "
+            "for the Flax module, or run the int8 model with duo_jax.generate"
+        )
+
+
 class CausalLM(nnx.Module):
     """A Llama / Mistral / Qwen causal LM as an NNX module over the arrays of a `Params`, with gates.
 
@@ -127,6 +137,7 @@ class CausalLM(nnx.Module):
         names: tuple[str, ...] = (),
     ):
         """`params` with stacked layers (`duo_jax.model.stack_layers`)."""
+        _check_float_weights(params)
         if isinstance(params.layers, tuple):
             raise DuoJaxError(
                 "CausalLM holds its layers stacked: pass duo_jax.model.stack_layers(params), or use "
@@ -144,6 +155,7 @@ class CausalLM(nnx.Module):
         """Wrap a loaded `Model`: its arrays, not copies, when its layers are stacked (`duo_jax.load(...,
         layout="stacked")`); weights loaded per layer (the default) are stacked, a copy of the layers' weights.
         gates: None (all 1), a number, a Pattern, [L, K]."""
+        _check_float_weights(model.params)  # before stacking copies the layers
         return cls(
             model.config,
             stack_layers(model.params),

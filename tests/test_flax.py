@@ -57,6 +57,20 @@ def test_logits_equal_forward_on_the_same_arrays(overrides):
     np.testing.assert_array_equal(merged.gates, np.ones((2, 2), np.float32))
 
 
+def test_int8_weights_are_refused_up_front():
+    """A module built over them failed at its first call, `'QuantizedWeight' object is not subscriptable`."""
+    import dataclasses
+
+    from duo_jax.model import quantize_weights, stack_layers
+
+    model = tiny_model()
+    int8 = dataclasses.replace(model, params=quantize_weights(model.params))
+    with pytest.raises(DuoJaxError, match="CausalLM does not take int8 weights .* load the model without weights="):
+        CausalLM.from_model(int8)
+    with pytest.raises(DuoJaxError, match="int8"):
+        CausalLM(int8.config, stack_layers(int8.params))
+
+
 def test_gates_are_their_own_variable_type():
     model = tiny_model()
     gates = random_gates(model.config, 0)
