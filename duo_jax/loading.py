@@ -337,10 +337,22 @@ class _ParamsBuilder:
             out[i] = _read_block(field, self.tensors[field][layer], index[1:], shape[1:])
         return out
 
+    def _tie_hint(self) -> str:
+        """Why lm_head.weight alone can be missing: a checkpoint that ties it to the embedding, under a config
+        that says it does not."""
+        if self.missing != {"lm_head.weight"}:
+            return ""
+        return (
+            "; the checkpoint may tie its output layer to the embedding: if so, set tie_word_embeddings to true "
+            "in config.json"
+        )
+
     def finish(self, shardings: Shardings | None = None, layout: str = "stacked") -> Params:
         if self.missing:
             names = sorted(self.missing)
-            raise LoadError(f"{self.source}: {len(names)} weight tensors missing, e.g. {', '.join(names[:3])}")
+            raise LoadError(
+                f"{self.source}: {len(names)} weight tensors missing, e.g. {', '.join(names[:3])}{self._tie_hint()}"
+            )
         self._check_tied_head()
         layouts = {}
         if shardings is not None:
@@ -497,7 +509,7 @@ def _safetensors_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int
 def _safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(_index_weight_map(index).values()))
         for file in files:
             if not (directory / file).is_file():
                 raise LoadError(f"shard {file} listed in {index} is missing; re-download the model")
@@ -508,6 +520,19 @@ def _safetensors_files(directory: Path) -> list[Path]:
         f"{directory} has neither model.safetensors nor model.safetensors.index.json "
         "(only safetensors weights are supported; convert .bin files with transformers)"
     )
+
+
+def _index_weight_map(index: Path) -> dict[str, str]:
+    """The {tensor name: shard file} map of a sharded checkpoint's index, or a LoadError naming the index."""
+    redownload = "re-download it with the model (a partial download or a damaged copy)"
+    try:
+        entry = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{index} is not valid JSON ({e}); {redownload}") from None
+    weight_map = entry.get("weight_map") if isinstance(entry, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise LoadError(f"{index} lacks a weight_map object of tensor names to shard files; {redownload}")
+    return weight_map
 
 
 def load_hf_dir(
@@ -632,6 +657,9 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
             "not read; load the Hugging Face directory of the model instead"
         )
     hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
+    for key, value in (("embedding_length", hidden), ("attention.head_count", heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"the GGUF's {arch}.{key} must be a positive integer, got {value!r}; convert it again")
     window = fields.get(f"{arch}.attention.sliding_window")
     head_dim = fields.get(f"{arch}.attention.key_length", hidden // heads)
     _check_gguf_keys(fields, arch, head_dim)
@@ -661,7 +689,13 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
     )
     scaling = fields.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):  # linear is read; any other kind is refused by from_hf
-        hf["rope_scaling"] = {"type": scaling, "factor": fields.get(f"{arch}.rope.scaling.factor")}
+        factor = fields.get(f"{arch}.rope.scaling.factor")
+        if scaling == "linear" and factor is None:
+            raise ConfigError(
+                f"the GGUF sets {arch}.rope.scaling.type linear but no {arch}.rope.scaling.factor; the file is "
+                "incomplete: convert it again, or load the model's Hugging Face folder"
+            )
+        hf["rope_scaling"] = {"type": scaling, "factor": factor}
     return ModelConfig.from_hf(hf, name=name)
 
 
@@ -727,10 +761,13 @@ def load_gguf(
         raise LoadError(f"{path}: {e}") from None
     if tokenizer is not None:
         _check_vocab(tokenizer, config, path)
+    for tensor in reader.tensors:  # integer tensors hold no weights: refused before any tensor is read
+        if tensor.tensor_type.name in _GGUF_INTEGER_TYPES:
+            raise _gguf_type_error(path, tensor)
     builder = _ParamsBuilder(config, dtype, str(path))
     interleaved = fields["general.architecture"] == "llama"
     for tensor in reader.tensors:
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        w = _gguf_dequantize(path, tensor)
         w = w.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # GGUF lists dims innermost first
         if interleaved and ".attn_q." in tensor.name:
             w = _unpermute_rows(w, config.num_heads)
@@ -741,3 +778,36 @@ def load_gguf(
         n for n in (fields.get("general.name"), fields.get("general.finetune"), path.stem) if isinstance(n, str) and n
     )
     return Model(config, builder.finish(shardings, layout), tokenizer, str(path), names)
+
+
+def _gguf_float_types() -> list[str]:
+    """Names of the GGUF tensor types duo-jax reads: F32, F16, F64 and the quantized types the installed `gguf`
+    package dequantizes (not its integer types, which hold no weights)."""
+    from gguf import GGMLQuantizationType, quants
+
+    dequantized = getattr(quants, "_type_traits", {})  # gguf's registry of dequantizers
+    return ["F32", "F16", "F64", *(t.name for t in dequantized if t != GGMLQuantizationType.F64)]
+
+
+def _gguf_type_error(path: Path, tensor) -> LoadError:
+    """The error for a tensor whose type duo-jax cannot dequantize, naming the tensor, its type and the types read."""
+    return LoadError(
+        f"{path}: tensor {tensor.name!r} has GGUF type {tensor.tensor_type.name}, which duo-jax does not load; it "
+        f"loads {', '.join(_gguf_float_types())}: convert the model again to one of those"
+    )
+
+
+def _gguf_dequantize(path: Path, tensor) -> np.ndarray:
+    """A GGUF tensor's values as floats (F64 as they are: the `gguf` package has no dequantizer for it)."""
+    import gguf
+
+    kind = tensor.tensor_type
+    if kind == gguf.GGMLQuantizationType.F64:
+        return np.asarray(tensor.data).view(np.float64)
+    try:
+        return gguf.quants.dequantize(tensor.data, kind)
+    except NotImplementedError:
+        raise _gguf_type_error(path, tensor) from None
+
+
+_GGUF_INTEGER_TYPES = ("I8", "I16", "I32", "I64")

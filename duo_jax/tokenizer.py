@@ -108,7 +108,13 @@ class Tokenizer:
         """
         from tokenizers import Tokenizer as Backend
 
-        backend = Backend.from_file(str(path))
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise LoadError(
+                f"{path} is not a tokenizer.json that Hugging Face tokenizers can read ({e}); re-download it "
+                "with the model, or remove it to load the model without a tokenizer"
+            ) from None
         probe = backend.encode("a", add_special_tokens=True).ids
         add_bos = bos_id is not None and len(probe) > 0 and probe[0] == bos_id
         config_path = path.parent / "tokenizer_config.json"
@@ -118,9 +124,9 @@ class Tokenizer:
                 tokenizer_config = json.loads(config_path.read_text())
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise LoadError(f"{config_path} is not valid JSON ({e})") from None
-        template = tokenizer_config.get("chat_template")
-        if isinstance(template, list):  # named templates (e.g. "default", "tool_use")
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+            if not isinstance(tokenizer_config, dict):
+                raise LoadError(f"{config_path} is not a JSON object")
+        template = _config_template(tokenizer_config.get("chat_template"), config_path)
         if (path.parent / "chat_template.jinja").is_file():
             template = (path.parent / "chat_template.jinja").read_text()
         clean_up = tokenizer_config.get("clean_up_tokenization_spaces")
@@ -129,7 +135,7 @@ class Tokenizer:
             bos_id=bos_id,
             eos_ids=eos_ids,
             add_bos=add_bos,
-            chat_template=template if isinstance(template, str) else None,
+            chat_template=template,
             # what transformers' decode does when the config asks (Llama 3's does): " ." -> "." and the like
             clean_up_spaces=clean_up if isinstance(clean_up, bool) else None,
         )
@@ -161,6 +167,12 @@ class Tokenizer:
                 f"not know (it knows {', '.join([*_SPLITS, *_OTHER_PRE])}); load the model's Hugging "
                 "Face directory, whose tokenizer.json states its pre-tokenizer, instead"
             )
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if not isinstance(fields.get(key), list):
+                raise LoadError(
+                    f"the GGUF's BPE tokenizer (tokenizer.ggml.model gpt2) lacks {key}; the file is incomplete: "
+                    "convert it again, or load the model's Hugging Face directory"
+                )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
         vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -196,6 +208,21 @@ class Tokenizer:
             add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
             chat_template=fields.get("tokenizer.chat_template"),
         )
+
+
+def _config_template(template, config_path: Path) -> str | None:
+    """tokenizer_config.json's chat template: a string, or from a list of {name, template} the one named
+    "default" (None without one); any other value is a LoadError, not a model without a template."""
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template
+    ):  # named templates (e.g. "default", "tool_use")
+        return next((t["template"] for t in template if t["name"] == "default"), None)
+    raise LoadError(
+        f"{config_path}: its chat_template is malformed (a {type(template).__name__}; expected a string, or a list of "
+        '{"name", "template"} strings); re-download it, or remove the chat_template field'
+    )
 
 
 # Tokenizer classes whose constructors default clean_up_tokenization_spaces to False (Llama 2's, Mistral's)

@@ -168,6 +168,83 @@ def test_unsupported_configs_raise_clear_errors(change, message):
         ModelConfig.from_hf({**LLAMA31, **change})
 
 
+LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING}}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING, "factor": 0}}, "rope_scaling factor .* got 0"),
+        ({"rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING, "factor": -8.0}}, "factor .* got -8.0"),
+        ({"rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING, "factor": "8"}}, "not a string\\), got '8'"),
+        (
+            {"rope_scaling": {**LLAMA3_ROPE["rope_scaling"], "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+            r"low_freq_factor \(4.0\) must be below high_freq_factor \(1.0\)",
+        ),
+        ({"rope_scaling": {"type": "linear", "factor": 0}}, "rope_scaling factor must be a positive finite"),
+        ({"rope_theta": 0}, "rope_theta must be a positive finite number .* got 0"),
+        ({"rope_theta": -5e5}, "rope_theta .* got -500000.0"),
+        ({"rope_theta": float("nan")}, "rope_theta .* got nan"),
+        ({"rope_theta": "nan"}, "rope_theta .* got 'nan'"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "5e5"}}, "rope_theta .* got '5e5'"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps must be a positive finite number .* got 0"),
+        ({"rms_norm_eps": -1e-5}, "rms_norm_eps .* got -1e-05"),
+        ({"rms_norm_eps": "1e-5"}, "rms_norm_eps .* got '1e-5'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 .* not supported"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25}}, "partial_rotary_factor 0.25"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false .* got 'false'"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),  # ZeroDivisionError
+    ],
+)
+def test_values_that_would_give_wrong_logits_are_refused(change, message):
+    """Each loaded before, to other logits than transformers' (a rope factor of 0, a NaN theta, a string "false"
+    read as True, partial RoPE applied to every channel) or to a bare traceback (no heads)."""
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**LLAMA31, **change})
+
+
+def test_settings_at_their_limits_still_load():
+    config = ModelConfig.from_hf({**LLAMA31, "partial_rotary_factor": 1.0, "tie_word_embeddings": True})
+    assert config.tie_word_embeddings
+    assert ModelConfig.from_hf({**LLAMA31, **LLAMA3_ROPE, "rope_theta": 500000}).rope_theta == 500000.0
+
+
+def _named(monkeypatch, tmp_path, text: str) -> str:
+    """A user's named config `mine` holding `text`, in a $DUO_JAX_CONFIGS folder."""
+    monkeypatch.setattr(duo_jax.config, "CONFIGS_DIR", tmp_path)
+    (tmp_path / "mine.json").write_text(text)
+    return str(tmp_path / "mine.json")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"hf_repo": "me/mine", "config": {', "is not valid JSON"),
+        ("[1, 2]", "is not a JSON object"),
+        ('{"config": {}}', "lacks the required field 'hf_repo'"),
+        ('{"hf_repo": "me/mine"}', "lacks the required field 'config'"),
+        ('{"hf_repo": "me/mine", "config": [1]}', "has a list for the required field 'config'"),
+        ('{"hf_repo": "me/mine", "config": {}, "gguf": {"pip": "x"}}', "gguf field must be an object of strings"),
+    ],
+)
+def test_a_malformed_named_config_names_the_file_and_the_field(monkeypatch, tmp_path, text, message):
+    """A JSONDecodeError or KeyError 'hf_repo' before."""
+    path = _named(monkeypatch, tmp_path, text)
+    for read in (get_config, read_named, duo_jax.load):
+        with pytest.raises(ConfigError, match=message) as err:
+            read("mine")
+        assert str(err.value).startswith(path)
+
+
+def test_a_named_configs_bad_value_names_the_file(monkeypatch, tmp_path):
+    import json
+
+    path = _named(monkeypatch, tmp_path, json.dumps({"hf_repo": "me/mine", "config": {**LLAMA31, "rope_theta": 0}}))
+    with pytest.raises(ConfigError, match="rope_theta must be a positive") as err:
+        get_config("mine")
+    assert str(err.value).startswith(path)
+
+
 def test_keys_read_as_transformers_reads_them():
     """A Llama's sliding_window is not applied (transformers' Llama ignores it; Mistral applies it); a missing
     rms_norm_eps is transformers' 1e-6 (it was 1e-5); Qwen3's attention_bias (o_proj too) is refused by name (its

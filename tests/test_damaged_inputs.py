@@ -138,6 +138,13 @@ def _edit_config(**changes):
     return damage
 
 
+def _edit_rope(**changes):
+    def damage(config: dict):
+        config["rope_parameters"].update(changes)
+
+    return damage
+
+
 CONFIG_DAMAGE = {
     "missing key": (_edit_config(num_hidden_layers=None), r"lacks the required key 'num_hidden_layers'"),
     "hidden size not divisible by heads": (
@@ -157,6 +164,18 @@ CONFIG_DAMAGE = {
         r"the 128-token vocabulary",
     ),
     "negative layer count": (_edit_config(num_hidden_layers=-2), r"num_layers must be a positive integer"),
+    "rope theta written as a string": (_edit_rope(rope_theta="nan"), r"rope_theta must be a positive .* got 'nan'"),
+    "zero rope factor": (_edit_rope(factor=0), r"rope_scaling factor must be a positive finite number .* got 0"),
+    "llama3 bands reversed": (
+        _edit_rope(low_freq_factor=4.0, high_freq_factor=1.0),
+        r"low_freq_factor \(4\.0\) must be below high_freq_factor \(1\.0\)",
+    ),
+    "zero rms_norm_eps": (_edit_config(rms_norm_eps=0), r"rms_norm_eps must be a positive finite number"),
+    "tie_word_embeddings as a string": (
+        _edit_config(tie_word_embeddings="false"),
+        r"tie_word_embeddings must be true or false \(a JSON boolean\), got 'false'",
+    ),
+    "partial RoPE": (_edit_config(partial_rotary_factor=0.5), r"partial_rotary_factor 0\.5 .* is not supported"),
 }
 
 
@@ -192,6 +211,56 @@ def test_tokenizer_of_another_model(tmp_path, hf_dir):
         rf"weights' vocabulary \(vocab_size\) has {vocab_size}",
     ):
         duo_jax.load(directory)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"metadata": {}, "weight_map": {"lm_head.weight": "model-00001', "is not valid JSON"),
+        ('{"metadata": {}}', "lacks a weight_map object"),
+        ('["model-00001-of-00002.safetensors"]', "lacks a weight_map object"),
+    ],
+)
+def test_damaged_shard_index_is_a_clear_error(tmp_path, hf_dir, text, message):
+    """A JSONDecodeError, KeyError 'weight_map' or TypeError before."""
+    directory = _copy(hf_dir, tmp_path)
+    (directory / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(LoadError, match=rf"model\.safetensors\.index\.json {message}.*re-download") as err:
+        duo_jax.load(directory)
+    assert str(err.value).startswith(str(directory / "model.safetensors.index.json"))
+
+
+def _word_level_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(CASE[1]["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path))
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"version": "1.0", "model": 5}', '{"a": 1}'])
+def test_corrupt_tokenizer_json_names_the_file(tmp_path, hf_dir, text):
+    """tokenizers' bare `Exception: key must be a string at line 1 column 2` before, naming no file."""
+    directory = _copy(hf_dir, tmp_path)
+    (directory / "tokenizer.json").write_text(text)
+    with pytest.raises(LoadError, match=r"tokenizer\.json is not a tokenizer\.json .*re-download it") as err:
+        duo_jax.load(directory)
+    assert str(err.value).startswith(str(directory / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("template", [5, {"default": "x"}, [{"name": "default"}], ["{{ messages }}"]])
+def test_malformed_chat_template_is_named_not_taken_for_none(tmp_path, hf_dir, template):
+    """A chat_template that is not a string (nor a list of named ones) read as "this model ships no chat
+    template" before."""
+    directory = _copy(hf_dir, tmp_path)
+    _word_level_tokenizer(directory / "tokenizer.json")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(LoadError, match=r"tokenizer_config\.json: its chat_template is malformed") as err:
+        duo_jax.load(directory)
+    assert str(err.value).startswith(str(directory / "tokenizer_config.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]})
+    )
+    assert duo_jax.load(directory).tokenizer.chat_template == "d"
 
 
 @pytest.mark.slow

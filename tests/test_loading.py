@@ -99,6 +99,17 @@ def test_missing_tensor_is_named(tmp_path, hf_dir):
         duo_jax.load(tmp_path)
 
 
+def test_missing_lm_head_of_an_untied_config_hints_at_tying(tmp_path, hf_dir):
+    """A checkpoint that ties its embeddings under a config that says it does not: the error names the fix."""
+    from safetensors.numpy import save_file
+
+    shutil.copy(hf_dir / "config.json", tmp_path)
+    tensors = {n: np.array(w) for n, w in safetensors_tensors(hf_dir / "model.safetensors") if n != "lm_head.weight"}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(LoadError, match=r"e\.g\. lm_head\.weight; .*set tie_word_embeddings to true in config\.json"):
+        duo_jax.load(tmp_path)
+
+
 def test_unknown_name():
     with pytest.raises(ConfigError, match="unknown model name 'llama-9000'.*smollm2-135m"):
         duo_jax.load("llama-9000")
@@ -285,3 +296,23 @@ def test_gguf_metadata_duo_jax_does_not_know_is_named_in_a_warning(recwarn):
     with pytest.warns(UserWarning, match=r"sets llama.attention.clamp_kqv, llama.logit_scale, which duo-jax does"):
         config = _gguf_config({**GGUF_FIELDS, "llama.logit_scale": 0.5, "llama.attention.clamp_kqv": 8.0}, set(), "x")
     assert config.head_dim == 16
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"llama.attention.head_count": 0}, r"llama\.attention\.head_count must be a positive integer, got 0"),
+        (
+            {"llama.rope.scaling.type": "linear"},
+            r"sets llama\.rope\.scaling\.type linear but no llama\.rope\.scaling\.factor",
+        ),
+        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, "rope_scaling factor must be"),
+    ],
+)
+def test_broken_gguf_metadata_names_the_gguf_key(change, message):
+    """A ZeroDivisionError, and an error blaming config.json, before."""
+    from duo_jax.loading import _gguf_config
+
+    with pytest.raises(ConfigError, match=message) as err:
+        _gguf_config({**GGUF_FIELDS, **change}, set(), "x")
+    assert "config.json" not in str(err.value)

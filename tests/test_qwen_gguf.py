@@ -88,9 +88,10 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, hf_model, arch: str, tokenizer_fields: dict) -> None:
-    """The torch model's weights (fp32) and config as a GGUF of architecture `arch` (qwen2 / qwen3, or llama:
-    a Mistral's Q / K rows permuted and its sliding window written, as llama.cpp's converter does)."""
+def write_gguf(path, hf_model, arch: str, tokenizer_fields: dict, dtype=np.float32) -> None:
+    """The torch model's weights (as `dtype`: fp32 by default) and config as a GGUF of architecture `arch` (qwen2 /
+    qwen3, or llama: a Mistral's Q / K rows permuted and its sliding window written, as llama.cpp's converter
+    does)."""
     c = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-qwen")
@@ -138,7 +139,7 @@ def write_gguf(path, hf_model, arch: str, tokenizer_fields: dict) -> None:
             target = f"blk.{i}.{layer[rest]}.{suffix}"
         else:
             target = f"{names[stem]}.{suffix}"
-        w = w.numpy().astype(np.float32)
+        w = w.numpy().astype(dtype)
         if arch == "llama" and target.endswith((".attn_q.weight", ".attn_k.weight")):
             w = llama_cpp_permute(w, c.num_attention_heads if ".attn_q." in target else c.num_key_value_heads)
         writer.add_tensor(target, w)
@@ -252,6 +253,28 @@ def test_unknown_pre_tokenizer_is_a_clear_error(tmp_path, bpe):
     write_gguf(path, hf_model, "qwen2", _tokenizer_fields(*bpe, pre="some-new-model"))
     with pytest.raises(LoadError, match=r"unknown-pre.gguf: .*pre-tokenizer .*'some-new-model'.* Hugging Face"):
         duo_jax.load(path)
+
+
+def test_f64_tensors_load_and_integer_ones_are_named(tmp_path, bpe):
+    """The gguf package dequantizes neither: a bare NotImplementedError before, for F64 weights too."""
+    hf_model = write_random_hf_model(tmp_path, *FAMILIES["qwen2"])
+    write_gguf(tmp_path / "f32.gguf", hf_model, "qwen2", _tokenizer_fields(*bpe))
+    write_gguf(tmp_path / "f64.gguf", hf_model, "qwen2", _tokenizer_fields(*bpe), dtype=np.float64)
+    f32, f64 = duo_jax.load(tmp_path / "f32.gguf", jnp.float32), duo_jax.load(tmp_path / "f64.gguf", jnp.float32)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(f32.params), jax.tree.leaves(f64.params)))
+    write_gguf(tmp_path / "i32.gguf", hf_model, "qwen2", _tokenizer_fields(*bpe), dtype=np.int32)
+    message = r"i32\.gguf: tensor '[\w.]+' has GGUF type I32, which duo-jax does not load; it loads F32, F16, F64, BF16"
+    with pytest.raises(LoadError, match=message):
+        duo_jax.load(tmp_path / "i32.gguf")
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.merges", "tokenizer.ggml.tokens"])
+def test_bpe_tokenizer_without_its_merges_is_a_clear_error(bpe, key):
+    """A KeyError before."""
+    fields = _tokenizer_fields(*bpe)
+    del fields[key]
+    with pytest.raises(LoadError, match=rf"BPE tokenizer .* lacks {key}; the file is incomplete"):
+        Tokenizer.from_gguf_fields(fields)
 
 
 def test_llama3_gguf_takes_whole_vocabulary_words_and_adds_bos():
