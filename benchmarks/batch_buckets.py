@@ -1,6 +1,6 @@
 """Varied batch sizes through `duo_jax.generate`: the executables compiled and the seconds spent over one sequence of
-calls, full attention and DuoAttention. With batch buckets (1, 2, 4, 8, then multiples of 8) a batch of 3 runs the
-executables of 4; without them every new batch size compiles its prefill and decode steps. The padding rows cost
+calls, full attention and DuoAttention. With batch buckets (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) a batch of 5 runs the
+executables of 6; without them every new batch size compiles its prefill and decode steps. The padding rows cost
 a prefill of the shortest prompt each, which the steady-state column shows (the last pass over the sizes, every
 executable already compiled).
 

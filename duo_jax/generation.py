@@ -587,7 +587,8 @@ def generate(
     prompts: a string, a list of strings, a list of token ids, or a list of such lists (lengths may differ);
     an integer array (1-D: one prompt, 2-D: a batch); or a conversation (a list of {"role", "content"}
     messages), or a list of conversations. Anything else (None, float ids) is an error. A batch runs as a batch
-    bucket (`duo_jax.engine.batch_bucket`: 1, 2, 4, 8, then multiples of 8), so varied batch sizes share executables;
+    bucket (`duo_jax.engine.batch_bucket`: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, ...), so varied batch sizes share
+    executables;
     the rows past the prompts repeat the shortest prompt and decode nothing (stats["batch_rows"]; the bucket's cache
     is reserved for them, or none are added where it would not fit the device).
     chat: None (default): conversations get the model's chat template (`duo_jax.chat`), a plain string is

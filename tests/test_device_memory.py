@@ -110,16 +110,16 @@ def test_generate_refuses_a_cache_larger_than_the_free_memory_before_compiling(m
 
 
 def test_generate_pads_no_rows_where_the_batch_buckets_cache_would_not_fit(model, monkeypatch):
-    """Three prompts run as 4 rows; where 4 rows' cache does not fit and 3 rows' does, they run as 3."""
+    """Five prompts run as 6 rows; where 6 rows' cache does not fit and 5 rows' does, they run as 5."""
     prompt = list(range(1, 101))
     rows = lambda n: cache_device_bytes(methods.make_method("full", CONFIG, context=128), n, "float32")  # noqa: E731
-    assert generation.plan_generation(model, [prompt] * 3, max_new_tokens=8).batch == 4
-    monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(rows(3))])
-    plan = generation.plan_generation(model, [prompt] * 3, max_new_tokens=8)
-    assert (plan.batch, plan.device_cache_bytes) == (3, rows(3))
-    monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(rows(3) - 1)])
-    with pytest.raises(DeviceMemoryError, match="the full KV cache of 3 sequence\\(s\\) of 128 tokens needs"):
-        generation.plan_generation(model, [prompt] * 3, max_new_tokens=8)
+    assert generation.plan_generation(model, [prompt] * 5, max_new_tokens=8).batch == 6
+    monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(rows(5))])
+    plan = generation.plan_generation(model, [prompt] * 5, max_new_tokens=8)
+    assert (plan.batch, plan.device_cache_bytes) == (5, rows(5))
+    monkeypatch.setattr(generation, "devices_of", lambda params, mesh: [FakeDevice(rows(5) - 1)])
+    with pytest.raises(DeviceMemoryError, match="the full KV cache of 5 sequence\\(s\\) of 128 tokens needs"):
+        generation.plan_generation(model, [prompt] * 5, max_new_tokens=8)
 
 
 def test_generate_falls_back_from_the_capacity_bucket_to_the_request_when_only_that_fits(model, monkeypatch):

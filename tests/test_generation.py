@@ -149,20 +149,23 @@ def test_a_rows_draw_is_its_own_whatever_the_batch(model, prompts):
 
 
 def test_batch_buckets():
-    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 25, 100)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 32, 104]
+    sizes = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 25, 33, 100)
+    assert [batch_bucket(n) for n in sizes] == [1, 2, 3, 4, 6, 8, 8, 12, 16, 16, 24, 32, 40, 104]
 
 
 def test_a_batch_runs_as_its_bucket_and_its_padding_rows_decode_nothing(model, prompts):
-    """Three prompts run as 4 rows (`batch_bucket`) and compile nothing that four prompts of the same lengths did
+    """Five prompts run as 6 rows (`batch_bucket`) and compile nothing that six prompts of the same lengths did
     not; each prompt's tokens are its own. The padding row (a copy of the shortest prompt, drawing with another
     seed) starts finished: a batch whose prompts stop at EOS stops there, not at max_new_tokens."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
     )
+    rng = np.random.default_rng(4)
+    prompts = [*prompts, *(rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (23, 35))]
     options = dict(max_new_tokens=16, temperature=1.0, seed=11, chunk_size=16)
     free = generate(model, prompts, stop_at_eos=False, **options)
-    assert free.stats["batch_rows"] == 4 and free.stats["decode_steps"] == 15
+    assert free.stats["batch_rows"] == 6 and free.stats["decode_steps"] == 15
     eos = tuple(sorted({row[3] for row in free.tokens}))  # each prompt stops by its fourth token
     eos_model = duo_jax.Model(dataclasses.replace(CONFIG, eos_token_ids=eos), model.params, None, "random")
     stopped = generate(eos_model, prompts, **options)
@@ -170,8 +173,8 @@ def test_a_batch_runs_as_its_bucket_and_its_padding_rows_decode_nothing(model, p
     assert stopped.tokens == alone and all(len(t) <= 4 for t in alone)
     assert stopped.stats["decode_steps"] == max(len(t) for t in alone) - 1
     before = len(compiles)
-    four = generate(model, [*prompts, prompts[1][:5]], stop_at_eos=False, **options)
-    assert len(compiles) == before and four.tokens[:3] == free.tokens and four.stats["batch_rows"] == 4
+    six = generate(model, [*prompts, prompts[1][:5]], stop_at_eos=False, **options)
+    assert len(compiles) == before and six.tokens[:5] == free.tokens and six.stats["batch_rows"] == 6
 
 
 def test_new_sampling_values_compile_nothing(model, prompts):

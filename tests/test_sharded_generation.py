@@ -87,7 +87,7 @@ result["streaming_chunk"] = dict(
     sixteens=result["duo"]["single"],
 )
 
-# Three prompts on data=2: padded to a batch of 4 (a bucket and a multiple of data), the tokens of the first three.
+# Three prompts on data=2: padded to 4 rows (their bucket, 3, rounded up to a multiple of data), their own tokens.
 three = duo_jax.generate(model, prompts[:3], mesh=mesh, **options)
 result["three"] = dict(tokens=three.tokens, rows=three.stats["batch_rows"], single=result["full"]["single"][:3])
 
