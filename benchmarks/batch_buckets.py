@@ -1,10 +1,11 @@
 """Varied batch sizes through `duo_jax.generate`: the executables compiled and the seconds spent over one sequence of
 calls, full attention and DuoAttention. With batch buckets (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) a batch of 5 runs the
 executables of 6; without them every new batch size compiles its prefill and decode steps. The padding rows cost
-a prefill of the shortest prompt each, which the steady-state column shows (the last pass over the sizes, every
-executable already compiled).
+a prefill of the shortest prompt each and, without stop tokens (as here), their decode steps: the last pass over
+the sizes, every executable already compiled, shows what they cost.
 
-Prompts are real prose of 200-250 tokens (one prefill chunk and one capacity bucket), 8 new tokens, greedy. The
+Prompts are real prose of 150-240 tokens (one prefill chunk and one capacity bucket: a longer one would move the
+capacity to its next bucket and compile for that), 8 new tokens, greedy. The
 script uses only `generate` and its stats, so it also runs on a checkout from before the buckets (copy it there).
 
     python benchmarks/batch_buckets.py                     # SmolLM2-135M fp32, sizes 3 5 2 7 6 1 8 4, twice
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     model, pattern = common.load(args)
     rng = np.random.default_rng(0)
-    prose = common.text_prompt(model, 250 * max(args.sizes))
+    prose = common.text_prompt(model, 240 * max(args.sizes))
     rows, data = [], {}
     for mode in ("full", "duo"):
         kwargs = dict(
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = []
         for pass_ in range(args.passes):
             for size in args.sizes:
-                lengths = rng.integers(200, 251, size)
+                lengths = rng.integers(150, 241, size)
                 starts = np.cumsum([0, *lengths[:-1]])
                 prompts = [prose[s : s + n] for s, n in zip(starts, lengths)]
                 before, start = len(compiles), time.perf_counter()
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         rows=rows,
         data=dict(args={k: str(v) for k, v in vars(args).items()}, calls=data),
         notes=[
-            f"model {model.config.name} ({args.dtype}), prompts 200-250 tokens, {args.new_tokens} new tokens, chunk "
+            f"model {model.config.name} ({args.dtype}), prompts 150-240 tokens, {args.new_tokens} new tokens, chunk "
             f"{args.chunk_size}, duo sparsity {args.sparsity}"
         ],
     )

@@ -295,7 +295,7 @@ def _read_rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
     if kind == "linear":
         return RopeScaling("linear", positive_number(rope.get("factor"), "rope_scaling factor"))
     if kind == "llama3":
-        number = lambda key: positive_number(rope.get(key), f"rope_scaling {key}")  # noqa: E731
+        number = lambda key: positive_number(rope[key], f"rope_scaling {key}")  # noqa: E731  (a KeyError names it)
         return RopeScaling(
             "llama3",
             number("factor"),

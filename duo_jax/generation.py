@@ -4,6 +4,7 @@ prefill, then one compiled device loop decodes every new token."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -325,7 +326,10 @@ def plan_generation(
     if mesh is not None:
         sharding.check_runs_on_a_mesh(kv_method)
     devices, dtype = devices_of(model.params, mesh), jnp.dtype(model.params.dtype).name
-    rows = _batch_rows(len(ids), mesh, bucketed=True)
+    apart = _rows_apart(kv_method, dtype)
+    if mesh is not None and not apart:  # a shared page pool: no rows added, not even to split over data
+        sharding.check_batch(mesh, len(ids))
+    rows = _batch_rows(len(ids), mesh, bucketed=apart)
     need = cache_device_bytes(kv_method, rows, dtype, mesh)
     exact = _on_mesh(round_capacity(needed), mesh)
     # The bucket's spare room does not fit the device: the request's own capacity may (one compile of its own). Not
@@ -375,7 +379,16 @@ MEMORY_FIXES = (
 
 def _sequences(prompts: int, rows: int) -> str:
     """`prompts` sequences, and the rows they run as where padding adds some, for messages."""
-    return f"{prompts} sequence(s)" + (f" (run as {rows} rows, a batch bucket)" if rows > prompts else "")
+    return f"{prompts} sequence(s)" + (f" (padded to {rows} rows)" if rows > prompts else "")
+
+
+@functools.lru_cache(maxsize=256)  # per method spec: two cache_specs cost a warm call tens of ms
+def _rows_apart(method: Method, dtype: str) -> bool:
+    """Whether every array of `method`'s cache holds one row per sequence (batch first), so that padding rows can be
+    added and their bytes told apart; a page pool shared by the sequences (`duo_jax.methods.paged`) cannot."""
+    return all(
+        all(leaf.shape[:1] == (batch,) for leaf in jax.tree.leaves(method.cache_spec(batch, dtype))) for batch in (2, 3)
+    )
 
 
 def _batch_rows(prompts: int, mesh: Mesh | None, *, bucketed: bool) -> int:
@@ -533,6 +546,7 @@ def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation
     if model.tokenizer is not None:
         text = [generated_text(model.tokenizer.decode, prompt, row) for prompt, row in zip(plan.ids, out)]
     bytes_per_elem = jnp.dtype(model.params.dtype).itemsize
+    # the prompts' own: every cache array holds one row per sequence where padding rows were added (`_rows_apart`)
     stats = dict(
         method=kv_method.name,
         prompt_tokens=[len(p) for p in plan.ids],
@@ -542,9 +556,9 @@ def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation
         decode_s=decode_s,
         decode_steps=steps,
         decode_tokens_per_s=prompts * steps / decode_s if steps else float("nan"),
-        cache_bytes=cache_nbytes(cache),
-        expected_cache_bytes=kv_method.expected_cache_bytes(B, bytes_per_elem),
-        full_cache_bytes=full_cache_bytes(config, B, plan.capacity, bytes_per_elem),
+        cache_bytes=cache_nbytes(cache) * prompts // B,
+        expected_cache_bytes=kv_method.expected_cache_bytes(prompts, bytes_per_elem),
+        full_cache_bytes=full_cache_bytes(config, prompts, plan.capacity, bytes_per_elem),
         chunk_size=chunk,
     )
     if mesh is not None:  # what one device holds, from the arrays' shardings
@@ -588,9 +602,10 @@ def generate(
     an integer array (1-D: one prompt, 2-D: a batch); or a conversation (a list of {"role", "content"}
     messages), or a list of conversations. Anything else (None, float ids) is an error. A batch runs as a batch
     bucket (`duo_jax.engine.batch_bucket`: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, ...), so varied batch sizes share
-    executables;
-    the rows past the prompts repeat the shortest prompt and decode nothing (stats["batch_rows"]; the bucket's cache
-    is reserved for them, or none are added where it would not fit the device).
+    executables: the rows past the prompts repeat the shortest prompt, start their decode finished (with
+    stop_at_eos=False every row runs to max_new_tokens) and are dropped. stats["batch_rows"] counts the rows run;
+    the other statistics are the prompts' (the padding's cache is reserved as well, or no row is added where it
+    would not fit the device; a shared page pool is never padded).
     chat: None (default): conversations get the model's chat template (`duo_jax.chat`), a plain string is
     completion text, as in Hugging Face's text-generation pipeline and vLLM; True: plain strings are wrapped
     too (each one user message); False: no template (conversations are then an error). Token ids are never

@@ -28,7 +28,7 @@ import ml_dtypes  # noqa: F401  (numpy's bfloat16, also for safetensors' reads)
 import numpy as np
 
 from duo_jax import data_wheels
-from duo_jax.config import ModelConfig, named_configs, read_named
+from duo_jax.config import ModelConfig, get_config, named_configs, read_named
 from duo_jax.errors import ConfigError, LoadError, WeightsNotFoundError
 from duo_jax.model import (
     LayerParams,
@@ -95,6 +95,38 @@ def load(
         )
     model = _load(name_or_path, dtype, path, shardings, layout)
     return dataclasses.replace(model, params=quantize_weights(model.params, weights))
+
+
+# Fields a fine-tune of a named model may change without being another model: its special tokens.
+_TOKEN_FIELDS = ("name", "bos_token_id", "eos_token_ids")
+
+
+def _check_is_named(config: ModelConfig, name: str, path: Path) -> None:
+    """Weights loaded under a model's name (`path=`, $DUO_JAX_MODELS/<name>, the Hub cache) are that model's: their
+    config equals the named one but for special tokens and float32 rounding (a .gguf's), or a model of other shapes,
+    context or RoPE would run under the name, with its shipped pattern and scores. No check for other names."""
+    if name not in named_configs():
+        return
+    named = get_config(name)
+    differ = [
+        f"{f.name} {getattr(config, f.name)!r} (the named config's: {getattr(named, f.name)!r})"
+        for f in dataclasses.fields(named)
+        if f.name not in _TOKEN_FIELDS and not _same(getattr(config, f.name), getattr(named, f.name))
+    ]
+    if differ:
+        raise LoadError(
+            f"{path} is loaded as {name!r} but holds another model: {'; '.join(differ[:4])}. Load it by its path "
+            f"(duo_jax.load({str(path)!r}); no shipped pattern then: pass pattern=PATH), or under its own model's name"
+        )
+
+
+def _same(a, b) -> bool:
+    """Equal, floats to float32 rounding (a .gguf stores them in float32), dataclasses field by field."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return a == b
 
 
 def _load(name_or_path, dtype, path, shardings, layout) -> Model:
@@ -557,6 +589,7 @@ def load_hf_dir(
         config = ModelConfig.from_hf(hf_config, name=name or directory.name)
     except ConfigError as e:
         raise ConfigError(f"{config_path}: {e}") from None
+    _check_is_named(config, name, directory)  # before any weight is read
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(
@@ -751,6 +784,7 @@ def load_gguf(
     fields = {k: f.contents() for k, f in reader.fields.items()}
     try:
         config = _gguf_config(fields, {t.name for t in reader.tensors}, name or path.stem)
+        _check_is_named(config, name, path)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except KeyError as e:

@@ -126,9 +126,12 @@ class Tokenizer:
                 raise LoadError(f"{config_path} is not valid JSON ({e})") from None
             if not isinstance(tokenizer_config, dict):
                 raise LoadError(f"{config_path} is not a JSON object")
-        template = _config_template(tokenizer_config.get("chat_template"), config_path)
-        if (path.parent / "chat_template.jinja").is_file():
-            template = (path.parent / "chat_template.jinja").read_text()
+        jinja = path.parent / "chat_template.jinja"  # transformers' newer form, read before the config's field
+        template = (
+            jinja.read_text()
+            if jinja.is_file()
+            else _config_template(tokenizer_config.get("chat_template"), config_path)
+        )
         clean_up = tokenizer_config.get("clean_up_tokenization_spaces")
         tokenizer = cls(
             backend,

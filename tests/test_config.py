@@ -182,6 +182,7 @@ LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING}}
             r"low_freq_factor \(4.0\) must be below high_freq_factor \(1.0\)",
         ),
         ({"rope_scaling": {"type": "linear", "factor": 0}}, "rope_scaling factor must be a positive finite"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks the required key 'low_freq_factor'"),
         ({"rope_theta": 0}, "rope_theta must be a positive finite number .* got 0"),
         ({"rope_theta": -5e5}, "rope_theta .* got -500000.0"),
         ({"rope_theta": float("nan")}, "rope_theta .* got nan"),

@@ -257,6 +257,9 @@ def test_malformed_chat_template_is_named_not_taken_for_none(tmp_path, hf_dir, t
     with pytest.raises(LoadError, match=r"tokenizer_config\.json: its chat_template is malformed") as err:
         duo_jax.load(directory)
     assert str(err.value).startswith(str(directory / "tokenizer_config.json"))
+    (directory / "chat_template.jinja").write_text("j")  # read instead of the field, which is then not read at all
+    assert duo_jax.load(directory).tokenizer.chat_template == "j"
+    (directory / "chat_template.jinja").unlink()
     (directory / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]})
     )

@@ -153,10 +153,11 @@ def test_batch_buckets():
     assert [batch_bucket(n) for n in sizes] == [1, 2, 3, 4, 6, 8, 8, 12, 16, 16, 24, 32, 40, 104]
 
 
-def test_a_batch_runs_as_its_bucket_and_its_padding_rows_decode_nothing(model, prompts):
+def test_a_batch_runs_as_its_bucket_and_its_padding_rows_start_finished(model, prompts):
     """Five prompts run as 6 rows (`batch_bucket`) and compile nothing that six prompts of the same lengths did
-    not; each prompt's tokens are its own. The padding row (a copy of the shortest prompt, drawing with another
-    seed) starts finished: a batch whose prompts stop at EOS stops there, not at max_new_tokens."""
+    not; each prompt's tokens are its own, and the statistics are theirs. The padding row (a copy of the shortest
+    prompt, drawing with the first row's seed) starts finished: a batch whose prompts stop at EOS stops there, not
+    at max_new_tokens."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _secs, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
@@ -166,6 +167,9 @@ def test_a_batch_runs_as_its_bucket_and_its_padding_rows_decode_nothing(model, p
     options = dict(max_new_tokens=16, temperature=1.0, seed=11, chunk_size=16)
     free = generate(model, prompts, stop_at_eos=False, **options)
     assert free.stats["batch_rows"] == 6 and free.stats["decode_steps"] == 15
+    one = generate(model, prompts[0], stop_at_eos=False, **options).stats  # the same capacity: the statistics are
+    for key in ("cache_bytes", "expected_cache_bytes", "full_cache_bytes"):  # the prompts', not the padding's
+        assert free.stats[key] == 5 * one[key], key
     eos = tuple(sorted({row[3] for row in free.tokens}))  # each prompt stops by its fourth token
     eos_model = duo_jax.Model(dataclasses.replace(CONFIG, eos_token_ids=eos), model.params, None, "random")
     stopped = generate(eos_model, prompts, **options)

@@ -135,7 +135,19 @@ def test_named_model_from_env_dir(tmp_path, monkeypatch, hf_dir):
     assert find_weights("llama3-8b") == tmp_path / "models" / "llama3-8b"
 
 
+def _tiny_named(monkeypatch, tmp_path, hf_dir, name: str, repo: str) -> None:
+    """A named config `name` of the tiny model `hf_dir` (its config.json), from the Hub repo `repo`."""
+    import duo_jax.config
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    entry = dict(hf_repo=repo, config=json.loads((hf_dir / "config.json").read_text()))
+    (folder / f"{name}.json").write_text(json.dumps(entry))
+    monkeypatch.setattr(duo_jax.config, "CONFIGS_DIR", folder)
+
+
 def test_named_model_from_hf_cache(tmp_path, monkeypatch, hf_dir):
+    _tiny_named(monkeypatch, tmp_path, hf_dir, "tiny-llama", "meta-llama/Meta-Llama-3-8B-Instruct")
     repo = tmp_path / "hub" / "models--meta-llama--Meta-Llama-3-8B-Instruct"
     shutil.copytree(hf_dir, repo / "snapshots" / "abc123")
     (repo / "snapshots" / "old000").mkdir()
@@ -143,14 +155,28 @@ def test_named_model_from_hf_cache(tmp_path, monkeypatch, hf_dir):
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.delenv("DUO_JAX_MODELS", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    model = duo_jax.load("llama3-8b", dtype=jnp.float32)
+    model = duo_jax.load("tiny-llama", dtype=jnp.float32)
     assert model.source == str(repo / "snapshots" / "abc123")
-    assert model.config.name == "llama3-8b" and model.config.num_layers == 2
+    assert model.config.name == "tiny-llama" and model.config.num_layers == 2
 
 
-def test_explicit_path_for_a_named_model(hf_dir):
-    model = duo_jax.load("llama3.1-8b", dtype=jnp.float32, path=hf_dir)
-    assert model.config.name == "llama3.1-8b" and model.config.hidden_size == 64
+def test_explicit_path_for_a_named_model(tmp_path, monkeypatch, hf_dir):
+    _tiny_named(monkeypatch, tmp_path, hf_dir, "tiny-llama", "me/tiny")
+    model = duo_jax.load("tiny-llama", dtype=jnp.float32, path=hf_dir)
+    assert model.config.name == "tiny-llama" and model.config.hidden_size == 64
+
+
+def test_weights_of_another_model_under_a_name_are_refused(tmp_path, hf_dir):
+    """Loaded as "llama3.1-8b", the tiny model ran under that name, with its shipped pattern where the shapes fit
+    (Llama 3.1 weights under "llama3-8b" would have: same shapes, other context and RoPE)."""
+    with pytest.raises(LoadError, match="as 'llama3.1-8b' but holds another model: vocab_size 128 .*hidden_size 64"):
+        duo_jax.load("llama3.1-8b", dtype=jnp.float32, path=hf_dir)
+    folder = tmp_path / "llama3-8b"
+    shutil.copytree(hf_dir, folder)
+    real = json.loads((duo_jax.config.CONFIGS_DIR / "llama3.1-8b.json").read_text())["config"]
+    (folder / "config.json").write_text(json.dumps(real))  # Llama 3.1's config (its weights not read: refused first)
+    with pytest.raises(LoadError, match="as 'llama3-8b' but holds another model: rope_scaling .*max_position_emb"):
+        duo_jax.load("llama3-8b", path=folder)
 
 
 def test_tokenizer_json_is_loaded_and_missing_tokenizer_is_none(tmp_path, hf_dir):

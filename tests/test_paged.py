@@ -206,6 +206,15 @@ def test_generate_runs_a_paged_method():
     out = duo_jax.generate(model, prompts, method=method, max_new_tokens=3, chunk_size=8, stop_at_eos=False)
     assert out.tokens == ref.tokens
     assert out.stats["cache_bytes"] == method.expected_cache_bytes(2, 4) == out.stats["expected_cache_bytes"]
+    # a pool of pages for five prompts: not padded to a batch bucket of 6 (whose pages it would lack)
+    five = [list(range(1 + i, 9 + 2 * i)) for i in range(5)]
+    pool = paged(duo, page_size=16, num_pages=5 * method.pages_per_sequence)
+    out = duo_jax.generate(model, five, method=pool, max_new_tokens=3, chunk_size=8, stop_at_eos=False)
+    assert out.stats["batch_rows"] == 5
+    assert (
+        out.tokens
+        == duo_jax.generate(model, five, method=duo, max_new_tokens=3, chunk_size=8, stop_at_eos=False).tokens
+    )
 
 
 def test_paged_refuses_what_it_cannot_hold():
