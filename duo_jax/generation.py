@@ -226,6 +226,7 @@ def plan_generation(
     kv_dtype: str | None = None,
     mesh: Mesh | None = None,
     prompt_tail_steps: int = 0,
+    pad_batch: bool = True,
     **method_options,
 ) -> GenerationPlan:
     """`generate`'s options checked, its prompts tokenized and its method built: everything `run_generation`
@@ -244,8 +245,9 @@ def plan_generation(
         top_k=top_k,
         impl=impl,
     )
-    if not isinstance(stop_at_eos, (bool, np.bool_)):
-        raise InvalidOption(f"stop_at_eos must be True or False, got {stop_at_eos!r}", "stop_at_eos")
+    for name, flag in (("stop_at_eos", stop_at_eos), ("pad_batch", pad_batch)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise InvalidOption(f"{name} must be True or False, got {flag!r}", name)
     sink, recent, max_new_tokens, chunk_size = (checked[n] for n in ("sink", "recent", "max_new_tokens", "chunk_size"))
     if context is not None:
         context = check_number("context", context, integer=True, minimum=1, hint=" (None: a bucket that fits)")
@@ -329,7 +331,7 @@ def plan_generation(
     apart = _rows_apart(kv_method, dtype)
     if mesh is not None and not apart:  # a shared page pool: no rows added, not even to split over data
         sharding.check_batch(mesh, len(ids))
-    rows = _batch_rows(len(ids), mesh, bucketed=apart)
+    rows = _batch_rows(len(ids), mesh, bucketed=apart and bool(pad_batch))
     need = cache_device_bytes(kv_method, rows, dtype, mesh)
     exact = _on_mesh(round_capacity(needed), mesh)
     # The bucket's spare room does not fit the device: the request's own capacity may (one compile of its own). Not
@@ -593,6 +595,7 @@ def generate(
     kv_dtype: str | None = None,
     mesh: Mesh | None = None,
     prompt_tail_steps: int = 0,
+    pad_batch: bool = True,
     engine: Engine | None = None,
     **method_options,
 ) -> Generation:
@@ -605,7 +608,9 @@ def generate(
     executables: the rows past the prompts repeat the shortest prompt, start their decode finished (with
     stop_at_eos=False every row runs to max_new_tokens) and are dropped. stats["batch_rows"] counts the rows run;
     the other statistics are the prompts' (the padding's cache is reserved as well, or no row is added where it
-    would not fit the device; a shared page pool is never padded).
+    would not fit the device; a shared page pool is never padded). pad_batch=False: exactly the prompts' rows (on a
+    mesh, up to a multiple of `data`), for a caller whose batch size never varies, to whom padding is work without
+    reuse.
     chat: None (default): conversations get the model's chat template (`duo_jax.chat`), a plain string is
     completion text, as in Hugging Face's text-generation pipeline and vLLM; True: plain strings are wrapped
     too (each one user message); False: no template (conversations are then an error). Token ids are never
@@ -662,6 +667,7 @@ def generate(
         kv_dtype=kv_dtype,
         mesh=mesh,
         prompt_tail_steps=prompt_tail_steps,
+        pad_batch=pad_batch,
         **method_options,
     )
     start = time.perf_counter()

@@ -179,6 +179,7 @@ def test_a_batch_runs_as_its_bucket_and_its_padding_rows_start_finished(model, p
     before = len(compiles)
     six = generate(model, [*prompts, prompts[1][:5]], stop_at_eos=False, **options)
     assert len(compiles) == before and six.tokens[:5] == free.tokens and six.stats["batch_rows"] == 6
+    assert plan_generation(model, prompts, pad_batch=False, max_new_tokens=16).batch == 5  # exactly the prompts
 
 
 def test_new_sampling_values_compile_nothing(model, prompts):
@@ -336,6 +337,7 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
         (dict(chunk_size=0), DuoJaxError, "chunk_size must be an integer >= 1"),
         (dict(chunk_size=8.5), DuoJaxError, "chunk_size must be an integer >= 1, got 8.5"),
         (dict(stop_at_eos="no"), DuoJaxError, "stop_at_eos must be True or False"),
+        (dict(pad_batch=None), DuoJaxError, "pad_batch must be True or False"),
         (dict(seed="a"), DuoJaxError, "seed must be an integer"),
         (dict(sink=-1), DuoJaxError, "sink must be an integer >= 0"),
         (dict(sink=2.5), DuoJaxError, "sink must be an integer >= 0"),

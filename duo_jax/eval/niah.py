@@ -147,6 +147,7 @@ def evaluate_grid(
                         chunk_size=length if settings.one_chunk_prefill else chunk_size,
                         context=context,
                         prompt_tail_steps=tail,
+                        pad_batch=False,  # each length compiles its own shapes: padded rows would reuse nothing
                         **settings.generate_kwargs(),
                     )
                     result["cache_bytes"][length] = out.stats["cache_bytes"] // len(group)  # per sequence
