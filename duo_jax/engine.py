@@ -96,7 +96,10 @@ def extend(
     `method.init_cache`; `state` is the method's arrays (`method.state()`, e.g. InfiniGen's skew matrices;
     None for most methods).
     Returns (logits, cache, lengths): logits float32 [B, V] at each sequence's last real token ([B, T, V] for
-    every token when all_logits), the updated cache, and lengths + n_valid. `impl`: one of
+    every token when all_logits), the updated cache, and lengths + n_valid. Traced values are the caller's to
+    keep in range (nothing inside a jit can raise on them): 0 <= n_valid <= T, lengths + n_valid within the
+    method's capacity (past it, writes clamp onto the last slots, as JAX indexing does), token ids below the
+    vocabulary; `generate` and `Engine`'s host calls plan within them. `impl`: one of
     `duo_jax.attention.IMPLS`, "auto" resolved per backend (`resolve_impl`; docs/attention.md). `mesh`: a
     generation mesh (`duo_jax.sharding`) that params and cache are laid out on (`Engine` places them), or None.
     """
@@ -204,7 +207,7 @@ def decode(
     """Decode on the device: one `lax.while_loop` of `extend` steps with sampling inside, no host round trip.
 
     `token` int32 [B] is each sequence's first new token (sampled from the prefill's logits); the loop runs
-    up to `limit` (int32 scalar, at most max_tokens - 1) more steps and stops early once every sequence has
+    up to `limit` (int32 scalar, capped at max_tokens - 1) more steps and stops early once every sequence has
     produced one of `eos_ids` (() never stops early). `greedy` (static): argmax; else row b's token of output
     column i >= 1 is drawn by `rule` (a `Sampling` of arrays [B], runtime values) with `fold_in(key(seeds[b]), i)`
     (`duo_jax.sampling.sample_seeded`; seeds uint32 [B]), as `generate` draws `token` (column 0) with position 0. A
@@ -217,6 +220,7 @@ def decode(
     B = token.shape[0]
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     ones = jnp.ones((B,), jnp.int32)
+    limit = jnp.minimum(limit, max_tokens - 1)  # a larger one overwrote the buffer's last column each extra step
 
     def running(carry):
         step, _, _, _, done, _ = carry
@@ -466,7 +470,8 @@ def _make_room_for_an_executable() -> None:
     past the limit aborts it ("LLVM ERROR: Unable to allocate section memory"), as a long RULER run over six
     method x budget runs did."""
     try:
-        limit = int(open("/proc/sys/vm/max_map_count").read())
+        with open("/proc/sys/vm/max_map_count") as limits:  # closed: an open handle warned on every compile
+            limit = int(limits.read())
         with open("/proc/self/maps", "rb") as maps:
             in_use = sum(1 for _ in maps)
     except (OSError, ValueError):  # not Linux: no such limit to watch

@@ -86,7 +86,13 @@ class QuantizedKV:
 
 def quantize_kv(x: jax.Array, kind: str, dtype=None) -> QuantizedKV:
     """x [..., E] -> absmax codes along E, one scale per [...] (dequantizing to `dtype`, default x's)."""
-    qmax = QMAX[check_kv_dtype(kind)]
+    if check_kv_dtype(kind) is None:
+        raise DuoJaxError(f"quantize_kv quantizes to 'int8' or 'int4', got kind={kind!r}")
+    qmax = QMAX[kind]
+    x = jnp.asarray(x)
+    for what, kind_of in (("x", x.dtype), ("dtype", jnp.dtype(dtype or x.dtype))):
+        if not jnp.issubdtype(kind_of, jnp.floating):  # integers were truncated to codes of their own values
+            raise DuoJaxError(f"quantize_kv takes floating keys / values and dtype; {what} is {kind_of}")
     if kind == "int4" and x.shape[-1] % 2:
         raise DuoJaxError(
             f"int4 packs two codes per byte along the head dimension, which must be even; got {x.shape[-1]}"
@@ -187,6 +193,10 @@ def einsum(subscripts: str, x: jax.Array, w, out_dtype=None) -> jax.Array:
     x's; a float32 out_dtype accumulates in float32)."""
     if not isinstance(w, QuantizedWeight):
         return jnp.einsum(subscripts, x, w, preferred_element_type=out_dtype)
+    if "->" not in subscripts or "..." in subscripts:  # the scale's axes are placed by letter
+        raise DuoJaxError(
+            f"quant.einsum over a QuantizedWeight takes explicit subscripts with '->' and no '...', got {subscripts!r}"
+        )
     inputs, out = subscripts.split("->")
     w_letters = inputs.split(",")[1]
     y = jnp.einsum(subscripts, x, w.codes.astype(x.dtype), preferred_element_type=jnp.float32)

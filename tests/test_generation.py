@@ -297,7 +297,7 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
     params = unstack_layers(model.params)
 
     @jax.jit
-    def my_generate(params, prompt):
+    def my_generate(params, prompt, limit):
         logits, cache, lengths = extend(
             params,
             method.init_cache(1, jnp.float32),
@@ -314,18 +314,22 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
             lengths,
             first,
             jnp.zeros((1,), jnp.uint32),
-            jnp.int32(9),
+            limit,
             Sampling().rows(1),
             config=CONFIG,
             method=method,
             greedy=True,
             max_tokens=16,
         )
-        return tokens[:, :10], steps
+        return tokens, steps
 
-    tokens, steps = my_generate(params, jnp.asarray([prompts[0]]))
+    tokens, steps = my_generate(params, jnp.asarray([prompts[0]]), jnp.int32(9))
     assert int(steps) == 9
-    assert np.asarray(tokens)[0].tolist() == generate(model, prompts[0], max_new_tokens=10, stop_at_eos=False).tokens[0]
+    want = generate(model, prompts[0], max_new_tokens=16, stop_at_eos=False).tokens[0]
+    assert np.asarray(tokens)[0, :10].tolist() == want[:10]
+    # a limit past the buffer stops at its end (it ran on, writing each extra token over the last column)
+    tokens, steps = my_generate(params, jnp.asarray([prompts[0]]), jnp.int32(30))
+    assert int(steps) == 15 and np.asarray(tokens)[0].tolist() == want
 
 
 @pytest.mark.parametrize(

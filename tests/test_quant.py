@@ -54,6 +54,17 @@ def test_bad_kv_dtype_and_odd_int4_head_dim_raise():
         quant.check_kv_dtype("fp8")
     with pytest.raises(DuoJaxError, match="even"):
         quant.quantize_kv(jnp.ones((2, 3)), "int4")
+    # integers were truncated to codes of their own values ([100, -3, 7, 1] came back [100, -3, 7, 0]); kind None
+    # was a KeyError; an ellipsis in quant.einsum placed the scale on the wrong axes (shape [1, 2, 3, 4])
+    with pytest.raises(DuoJaxError, match="floating keys / values and dtype; x is int32"):
+        quant.quantize_kv(jnp.array([[100, -3, 7, 1]], jnp.int32), "int8")
+    with pytest.raises(DuoJaxError, match="dtype is int8"):
+        quant.quantize_kv(jnp.ones((2, 4)), "int8", dtype=jnp.int8)
+    with pytest.raises(DuoJaxError, match="quantizes to 'int8' or 'int4', got kind=None"):
+        quant.quantize_kv(jnp.ones((2, 4)), None)
+    w = quant.quantize_weight(jnp.ones((8, 4)), (0,))
+    with pytest.raises(DuoJaxError, match="explicit subscripts with '->' and no '...'"):
+        quant.einsum("...d,dh->...h", jnp.ones((2, 3, 8)), w)
 
 
 def test_bytes_per_vector_include_the_scale():
