@@ -153,13 +153,17 @@ class Pattern:
         """Write the original format into `directory` (created if needed) and return it.
 
         Writes `full_attention_heads.tsv` (`%.18e`, tab-separated; float32 gates load back bit-identical) and,
-        when `meta` is set, `config.json`.
+        when `meta` is set, `config.json`; without meta, a `config.json` left there by an earlier save is removed,
+        so that `load` does not return its stale meta. The meta is serialised before anything is written.
         """
+        meta_text = None if self.meta is None else _meta_json(self.meta)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         np.savetxt(directory / GATES_FILE, self.gates, fmt="%.18e", delimiter="\t")
-        if self.meta is not None:
-            (directory / META_FILE).write_text(json.dumps(self.meta, indent=2) + "\n")
+        if meta_text is None:
+            (directory / META_FILE).unlink(missing_ok=True)
+        else:
+            (directory / META_FILE).write_text(meta_text)
         return directory
 
     def digest(self) -> str:
@@ -252,6 +256,28 @@ def _read_gates(tsv: Path, what: str = "pattern") -> np.ndarray:
             )
         rows.append(row)
     return np.array(rows, dtype=np.float32)
+
+
+def _numpy_scalar(value: Any) -> Any:
+    """numpy scalars (np.int64, np.float32, np.bool_) as the Python numbers JSON holds; anything else refused."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _meta_json(meta: dict[str, Any]) -> str:
+    """`meta` as `config.json` text; PatternError naming the key whose value JSON cannot hold."""
+    for key, value in meta.items():
+        if not isinstance(key, str):
+            raise PatternError(f"pattern meta keys must be strings (config.json's keys), got {key!r}")
+        try:
+            json.dumps(value, default=_numpy_scalar)
+        except (TypeError, ValueError) as e:
+            raise PatternError(
+                f"pattern meta {key!r} cannot be written to {META_FILE}: {e}; pass JSON values (numbers, strings, "
+                "lists, dicts) or drop the key"
+            ) from None
+    return json.dumps(meta, indent=2, default=_numpy_scalar) + "\n"
 
 
 def _read_meta(path: Path) -> dict[str, Any] | None:

@@ -165,6 +165,33 @@ def test_the_pattern_of_an_unfinished_training_run_says_so_when_loaded(tmp_path)
         Pattern.load(Pattern(gates, {"num_steps": 10, "steps_done": 10}).save(tmp_path / "done"))
 
 
+def test_saving_without_meta_removes_a_stale_config_json(tmp_path):
+    """Saving gates without meta over an earlier save left its config.json, so load returned the old meta."""
+    import warnings
+
+    folder = Pattern(np.full((2, 2), 0.5), {"num_steps": 10, "steps_done": 4}).save(tmp_path)
+    Pattern(np.full((2, 2), 0.25)).save(folder)
+    assert not (folder / "config.json").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the old meta warned of an unfinished run
+        loaded = Pattern.load(folder)
+    assert loaded.meta is None and (loaded.gates == 0.25).all()
+
+
+def test_meta_is_serialised_before_anything_is_written(tmp_path):
+    """numpy scalars are written as Python numbers; a value JSON cannot hold is refused naming its key, with
+    nothing written (it was a bare TypeError after the TSV)."""
+    meta = {"num_steps": np.int64(10), "lr": np.float32(0.5), "resume": np.bool_(False)}
+    loaded = Pattern.load(Pattern(np.full((2, 2), 0.5), meta).save(tmp_path / "numpy"))
+    assert loaded.meta == {"num_steps": 10, "lr": 0.5, "resume": False}
+    assert type(loaded.meta["num_steps"]) is int
+    with pytest.raises(PatternError, match="pattern meta 'dataset' cannot be written to config.json.*drop the key"):
+        Pattern(np.full((2, 2), 0.5), {"lr": 0.1, "dataset": object()}).save(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(PatternError, match="meta keys must be strings"):
+        Pattern(np.full((2, 2), 0.5), {3: "x"}).save(tmp_path / "bad")
+
+
 def test_save_matches_the_original_format(tmp_path):
     folder = published_dir("llama3.1-8b")  # its published gates are already in [0, 1]
     Pattern.load(folder).save(tmp_path)
