@@ -26,12 +26,13 @@ from duo_jax import generation, methods
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.loading import Model, load
-from duo_jax.model import LayerParams, Params, forward, stack_layers, weight_format
-from duo_jax.pattern import Pattern, PatternError
+from duo_jax.model import LayerParams, Params, check_tokens, forward_jit, stack_layers, weight_format
+from duo_jax.pattern import Pattern, PatternError, exact_sparsity
 
 ATTENTION_FIELDS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "q_norm", "k_norm")
 MLP_FIELDS = ("w_gate", "w_up", "w_down")
 NORM_FIELDS = ("attn_norm", "mlp_norm")
+BATCH_NAMES = ("tokens", "positions", "supervise")
 
 
 class Gate(nnx.Param):
@@ -90,11 +91,16 @@ def _initial_gates(config: ModelConfig, gates: Pattern | float | Any | None) -> 
         gates.validate(config)
         return jnp.asarray(gates.gates)
     try:
-        values = np.asarray(gates, np.float32)
+        values = np.asarray(gates)
     except (TypeError, ValueError):
+        values = None
+    numeric = values is not None and any(jnp.issubdtype(values.dtype, kind) for kind in (jnp.integer, jnp.floating))
+    if not numeric:  # a string or a bool would otherwise convert ("0.5" to 0.5, True to 1)
         raise DuoJaxError(
-            f"gates must be None, a number, a Pattern or an array [layers, kv_heads] of numbers, got {gates!r:.80}"
-        ) from None
+            f"gates must be None, a number, a Pattern or an array [layers, kv_heads] of numbers (not strings or "
+            f"bools), got {gates!r:.80}"
+        )
+    values = values.astype(np.float32)
     if values.ndim == 0:
         values = np.full((config.num_layers, config.num_kv_heads), values)
     if values.shape != (config.num_layers, config.num_kv_heads):
@@ -107,6 +113,39 @@ def _initial_gates(config: ModelConfig, gates: Pattern | float | Any | None) -> 
             f"gates must lie in [0, 1] (training clamps them there), got values in [{values.min()}, {values.max()}]"
         )
     return jnp.asarray(values)
+
+
+def _as_array(x: Any, what: str) -> jax.Array | np.ndarray:
+    """A JAX array as it is; anything else (a nested list too) as a numpy array, as `duo_jax.forward` takes tokens."""
+    if isinstance(x, jax.Array):
+        return x
+    try:
+        return np.asarray(x)
+    except ValueError:  # rows of different lengths
+        raise DuoJaxError(f"{what} must be rows of one length (an array [batch, length]); pad them") from None
+
+
+def _check_batch(config: ModelConfig, tokens: Any, positions: Any, supervise: Any) -> tuple[Any, Any, Any]:
+    """A gate-training batch as arrays, checked: tokens as `__call__` checks them, positions and supervise of the
+    tokens' shape, and (where concrete) some position supervised, else only the L1 term would move the gates."""
+    tokens, positions, supervise = (_as_array(x, n) for x, n in zip((tokens, positions, supervise), BATCH_NAMES))
+    check_tokens(tokens, config.vocab_size)
+    if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise DuoJaxError(
+            f"positions must be an integer array shaped like tokens, [batch, length] = {tuple(tokens.shape)}; "
+            f"got {positions.dtype} of shape {tuple(positions.shape)}"
+        )
+    if supervise.shape != tokens.shape:
+        raise DuoJaxError(
+            f"supervise must be a bool array shaped like tokens, [batch, length] = {tuple(tokens.shape)}; "
+            f"got shape {tuple(supervise.shape)}"
+        )
+    if not isinstance(supervise, jax.core.Tracer) and not np.asarray(supervise).any():
+        raise DuoJaxError(
+            "supervise selects no position (all False), so the distillation term is 0 and only the L1 term would "
+            "move the gates; mark the positions the loss compares (True where a token is not padding)"
+        )
+    return tokens, positions, supervise
 
 
 def _check_float_weights(params: Params) -> None:
@@ -191,8 +230,17 @@ class CausalLM(nnx.Module):
         return self.layers.attention.gate[...]
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Dense causal forward pass: tokens int32 [B, T] -> logits float32 [B, T, V] (`duo_jax.forward`)."""
-        return forward(self.to_params(), self.config, tokens)
+        """Dense causal forward pass: tokens int32 [B, T] -> logits float32 [B, T, V] (`duo_jax.forward`), T at
+        most the model's context (`generate` refuses prompts past it too)."""
+        tokens = _as_array(tokens, "tokens")
+        check_tokens(tokens, self.config.vocab_size)
+        length, context = tokens.shape[1], self.config.max_position_embeddings
+        if length > context:
+            raise DuoJaxError(
+                f"tokens ({length} positions) exceed the model's context of {context} tokens; shorten or split "
+                "the sequences"
+            )
+        return forward_jit(self.to_params(), self.config, tokens)
 
     def gate_loss(
         self,
@@ -202,6 +250,7 @@ class CausalLM(nnx.Module):
         objective: gates_lib.Objective = gates_lib.Objective(),
     ) -> tuple[jax.Array, gates_lib.LossTerms]:
         """`duo_jax.gates.loss` of this module's gates and weights: (loss, LossTerms)."""
+        tokens, positions, supervise = _check_batch(self.config, tokens, positions, supervise)
         return gates_lib.loss(self.gates, self.to_params(), self.config, tokens, positions, supervise, objective)
 
     def clamp_gates(self) -> None:
@@ -212,16 +261,33 @@ class CausalLM(nnx.Module):
         """The gates as a `Pattern` (`.save(folder)` writes the original DuoAttention format)."""
         return Pattern(np.asarray(self.gates), meta)
 
+    def _check_gates_split(self, sparsity) -> None:
+        """Refuse gates that are all equal (fresh ones are all 1): no head split can be read from them, and the
+        tie-break order alone would choose the streaming heads. Sparsity 0 or 1 needs no split."""
+        gates = np.asarray(self.gates)
+        if gates.min() != gates.max() or (sparsity is not None and exact_sparsity(sparsity) in (0, 1)):
+            return
+        raise DuoJaxError(
+            f"the module's gates are untrained or all equal (every gate {gates.flat[0]:g}), so no split into "
+            "retrieval and streaming heads can be read from them: train them (train_step) or restore trained ones "
+            "(restore_gates), or pass pattern='default' (the model's shipped pattern), a Pattern or a path, or "
+            "pattern=None for full attention"
+        )
+
     def generate(self, prompts, *, pattern: Pattern | str | None = "gates", method=None, **options):
         """`duo_jax.generate` on this module's weights; returns a `duo_jax.Generation`.
 
         pattern: "gates" (the default) is `self.pattern()` for the methods that take a pattern (`duo`,
         `duo_headkv`, and method=None, which then means `duo`) and nothing for the others; anything else
         is passed on ("default": the model's shipped pattern, None: full attention, a Pattern or a path).
+        Gates that are all equal (untrained: all 1) are refused for "gates" unless sparsity is 0 or 1: they
+        hold no split of the heads.
         The other options are `duo_jax.generate`'s (sparsity, sink, recent, max_new_tokens, ...).
         """
         if isinstance(pattern, str) and pattern == "gates":
             takes_pattern = method is None or (isinstance(method, str) and methods.entry(method).takes_pattern)
+            if takes_pattern:
+                self._check_gates_split(options.get("sparsity"))
             pattern = self.pattern() if takes_pattern else None
         return generation.generate(self.to_model(), prompts, pattern=pattern, method=method, **options)
 
@@ -237,7 +303,9 @@ def train_step(
     """One gate-training step in place: the gradient of `CausalLM.gate_loss` with respect to the gates,
     `optimizer.update` (an `nnx.Optimizer(model, tx, wrt=Gate)`), then the gates clamped to [0, 1].
 
-    tokens / positions int32 [B, T], supervise bool [B, T] (as `duo_jax.training.Batch`). Returns LossTerms.
+    tokens / positions int32 [B, T], supervise bool [B, T] (as `duo_jax.training.Batch`; nested lists too, as
+    `CausalLM.__call__` takes tokens). Returns LossTerms. Token ids past the vocabulary, shapes that differ and a
+    `supervise` that selects no position are refused before the compiled step (inside it they cannot be read).
     The weights enter the compiled step as inputs only, so the module keeps its arrays (`nnx.jit` would
     hand back a copy of every weight each step).
     """
@@ -246,6 +314,7 @@ def train_step(
             f"train_step trains the gates only; build the optimizer with nnx.Optimizer(model, tx, "
             f"wrt=Gate), not wrt={optimizer.wrt!r}"
         )
+    tokens, positions, supervise = _check_batch(model.config, tokens, positions, supervise)
     graphdef, weights, trained = nnx.split((model, optimizer), WEIGHTS, ...)
     trained, terms = _gate_step(graphdef, weights, trained, tokens, positions, supervise, objective)
     nnx.update((model, optimizer), trained)

@@ -175,3 +175,80 @@ def test_generate_runs_the_engine_with_the_modules_gates():
     assert out.tokens == expected.tokens and len(out.tokens[0]) == 4
     full = lm.generate([prompt], method="full", max_new_tokens=4)  # takes no pattern: the gates are not passed
     assert full.stats["retrieval_heads"] == full.stats["kv_heads"] == 4
+
+
+def test_generate_refuses_gates_that_hold_no_head_split():
+    """Fresh gates (all 1) ran DuoAttention with the streaming heads chosen by the tie-break order alone."""
+    model = tiny_model(max_position_embeddings=64)
+    fresh = CausalLM.from_model(model)
+    for options in ({}, dict(sparsity=0.5), dict(method="duo")):
+        with pytest.raises(DuoJaxError, match=r"untrained or all equal \(every gate 1\).*train_step.*pattern=None"):
+            fresh.generate([[1, 2, 3]], max_new_tokens=2, **options)
+    with pytest.raises(DuoJaxError, match="every gate 0.25"):
+        CausalLM.from_model(model, gates=0.25).generate([[1, 2, 3]], sparsity=0.5)
+
+
+@pytest.mark.slow
+def test_gates_that_hold_no_split_generate_where_no_split_is_needed():
+    """Sparsity 0 keeps every head, whatever the gates; methods without a pattern and pattern=None ignore them."""
+    fresh = CausalLM.from_model(tiny_model(max_position_embeddings=64))
+    options = dict(max_new_tokens=2, sink=1, recent=2)
+    assert fresh.generate([[1, 2, 3]], sparsity=0, **options).stats["retrieval_heads"] == 4
+    assert fresh.generate([[1, 2, 3]], pattern=None, **options).stats["retrieval_heads"] == 4
+
+
+def test_train_step_refuses_a_batch_it_would_train_on_wrongly():
+    """Ids past the vocabulary were clamped and trained on; a supervise mask selecting nothing left only the L1
+    term; shapes that differ failed inside the compiled step with broadcasting errors."""
+    model = tiny_model()
+    lm = CausalLM.from_model(model, gates=random_gates(model.config, 7))
+    optimizer = nnx.Optimizer(lm, training.make_optimizer(training.TrainConfig(objective=OBJECTIVE))[0], wrt=Gate)
+    tokens = np.ones((2, 8), np.int32)
+    positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
+    supervise = np.ones((2, 8), bool)
+    before = np.asarray(lm.gates)
+    with pytest.raises(DuoJaxError, match=r"token ids must lie in \[0, 128\), got 1..500"):
+        train_step(lm, optimizer, np.where(np.eye(2, 8, dtype=bool), 500, 1), positions, supervise, OBJECTIVE)
+    with pytest.raises(DuoJaxError, match="supervise selects no position"):
+        train_step(lm, optimizer, tokens, positions, np.zeros((2, 8), bool), OBJECTIVE)
+    with pytest.raises(DuoJaxError, match=r"positions must be an integer array shaped like tokens, .* = \(2, 8\)"):
+        train_step(lm, optimizer, tokens, positions[:, :4], supervise, OBJECTIVE)
+    with pytest.raises(DuoJaxError, match=r"positions .* got float32 of shape \(2, 8\)"):
+        lm.gate_loss(tokens, positions.astype(np.float32), supervise, OBJECTIVE)
+    with pytest.raises(DuoJaxError, match=r"supervise must be a bool array shaped like tokens"):
+        train_step(lm, optimizer, tokens, positions, supervise[0], OBJECTIVE)
+    with pytest.raises(DuoJaxError, match="rows of one length"):
+        train_step(lm, optimizer, [[1, 2], [3]], positions, supervise, OBJECTIVE)
+    np.testing.assert_array_equal(lm.gates, before)  # no step was taken
+
+
+@pytest.mark.slow
+def test_train_step_takes_lists_as_call_does():
+    """A nested list of tokens failed with AttributeError ('list' has no 'ndim'); `lm(...)` takes one."""
+    model = tiny_model()
+    gates = random_gates(model.config, 8)
+    tokens = np.asarray(jax.random.randint(jax.random.key(9), (2, 8), 0, model.config.vocab_size), np.int32)
+    positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
+    supervise = np.ones((2, 8), bool)
+    tx = training.make_optimizer(training.TrainConfig(objective=OBJECTIVE))[0]
+    terms = []
+    for batch in ((tokens, positions, supervise), (tokens.tolist(), positions.tolist(), supervise.tolist())):
+        lm = CausalLM.from_model(model, gates=gates)
+        terms.append(train_step(lm, nnx.Optimizer(lm, tx, wrt=Gate), *batch, OBJECTIVE))
+    np.testing.assert_allclose(terms[1].loss, terms[0].loss, rtol=1e-6)
+
+
+def test_call_refuses_tokens_past_the_models_context():
+    """`lm(tokens)` ran past max_position_embeddings silently, while generate refuses such prompts."""
+    lm = CausalLM.from_model(tiny_model(max_position_embeddings=16))
+    with pytest.raises(DuoJaxError, match="tokens .17 positions. exceed the model's context of 16 tokens"):
+        lm(np.zeros((1, 17), np.int32))
+    with pytest.raises(DuoJaxError, match="rows of one length"):
+        lm([[1, 2], [3]])
+
+
+@pytest.mark.parametrize("gates", ["0.5", True, np.ones((2, 2), bool), [["1", "0"], ["0", "1"]]])
+def test_gates_that_are_not_numbers_are_refused(gates):
+    """A string or a bool converted to a number ("0.5" to 0.5, True to 1) and was taken as gates."""
+    with pytest.raises(DuoJaxError, match=r"array \[layers, kv_heads\] of numbers \(not strings or bools\)"):
+        CausalLM.from_model(tiny_model(), gates=gates)
