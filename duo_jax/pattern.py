@@ -153,16 +153,20 @@ class Pattern:
         """Write the original format into `directory` (created if needed) and return it.
 
         Writes `full_attention_heads.tsv` (`%.18e`, tab-separated; float32 gates load back bit-identical) and,
-        when `meta` is set, `config.json`; without meta, a `config.json` left there by an earlier save is removed,
-        so that `load` does not return its stale meta. The meta is serialised before anything is written.
+        when `meta` is set, `config.json`. Without meta, a folder that already holds a `config.json` (an earlier
+        save's, or any other file's: it is not removed) is refused, since `load` would return it as this pattern's
+        meta. The meta is serialised before anything is written.
         """
         meta_text = None if self.meta is None else _meta_json(self.meta)
         directory = Path(directory)
+        if meta_text is None and (directory / META_FILE).exists():
+            raise PatternError(
+                f"{directory / META_FILE} exists, and a pattern saved there without meta would be read back with it "
+                "as its meta: save into another folder, delete that file, or give the pattern its meta"
+            )
         directory.mkdir(parents=True, exist_ok=True)
         np.savetxt(directory / GATES_FILE, self.gates, fmt="%.18e", delimiter="\t")
-        if meta_text is None:
-            (directory / META_FILE).unlink(missing_ok=True)
-        else:
+        if meta_text is not None:
             (directory / META_FILE).write_text(meta_text)
         return directory
 

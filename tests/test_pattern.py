@@ -165,17 +165,14 @@ def test_the_pattern_of_an_unfinished_training_run_says_so_when_loaded(tmp_path)
         Pattern.load(Pattern(gates, {"num_steps": 10, "steps_done": 10}).save(tmp_path / "done"))
 
 
-def test_saving_without_meta_removes_a_stale_config_json(tmp_path):
-    """Saving gates without meta over an earlier save left its config.json, so load returned the old meta."""
-    import warnings
-
+def test_saving_without_meta_over_a_config_json_is_refused(tmp_path):
+    """Saving gates without meta over an earlier save left its config.json, so load returned the old meta (and
+    warned of an unfinished run); removing it could delete a model's own config.json: refused, nothing written."""
     folder = Pattern(np.full((2, 2), 0.5), {"num_steps": 10, "steps_done": 4}).save(tmp_path)
-    Pattern(np.full((2, 2), 0.25)).save(folder)
-    assert not (folder / "config.json").exists()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the old meta warned of an unfinished run
-        loaded = Pattern.load(folder)
-    assert loaded.meta is None and (loaded.gates == 0.25).all()
+    with pytest.raises(PatternError, match="config.json exists, and a pattern saved there without meta"):
+        Pattern(np.full((2, 2), 0.25)).save(folder)
+    assert (np.loadtxt(folder / "full_attention_heads.tsv") == 0.5).all()
+    assert Pattern(np.full((2, 2), 0.25), {"note": "new"}).save(folder) == folder  # with meta: replaced
 
 
 def test_meta_is_serialised_before_anything_is_written(tmp_path):
