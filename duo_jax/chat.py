@@ -21,7 +21,12 @@ from typing import Any
 from duo_jax.errors import DuoJaxError
 from duo_jax.tokenizer import require
 
-Message = dict[str, Any]  # {"role": "system" | "user" | "assistant", "content": str}
+Message = dict[str, Any]  # {"role": "system" | "developer" | "user" | "assistant", "content": str}
+
+# The roles a conversation may use, each to the role the template renders (OpenAI's developer is the system
+# message of the templates here); the server checks requests against the same table.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "function_call")
 
 _CHAT_NAME = re.compile(r"instruct|chat", re.IGNORECASE)
 
@@ -39,14 +44,17 @@ def is_chat_model(model) -> bool:
 def render(
     template: str, messages: Sequence[Message], *, add_generation_prompt: bool = True, **special_tokens: str
 ) -> str:
-    """The prompt text of conversation `messages` under chat `template`; special_tokens: bos_token, eos_token.
-    `tools` and `documents` are None, as transformers' `apply_chat_template` passes them without tools: a template
-    that tests `tools is not none` renders as there."""
+    """The prompt text of conversation `messages` (checked by `check_messages`: developer renders as system) under
+    chat `template`; special_tokens: bos_token, eos_token. `tools` and `documents` are None, as transformers'
+    `apply_chat_template` passes them without tools: a template that tests `tools is not none` renders as there.
+    Any error the template raises is a DuoJaxError naming it (the template is code shipped with the model)."""
     import jinja2
 
+    messages = check_messages(messages)
+    compiled = _compile(template)
     try:
-        return _compile(template).render(
-            messages=list(messages),
+        return compiled.render(
+            messages=messages,
             add_generation_prompt=add_generation_prompt,
             tools=None,
             documents=None,
@@ -54,6 +62,11 @@ def render(
         )
     except jinja2.TemplateError as e:
         raise DuoJaxError(f"the model's chat template rejected the conversation: {e}") from None
+    except Exception as e:  # a template bug (e.g. a TypeError from a filter): not a traceback into Jinja
+        raise DuoJaxError(
+            f"the model's chat template failed on the conversation ({type(e).__name__}: {e}); the template does "
+            "not handle it: fix the template, or send the text without it (chat=False, --no-chat, /v1/completions)"
+        ) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,20 +102,41 @@ def _compile(template: str):
         raise DuoJaxError(f"the model's chat template is not valid Jinja: {e}") from None
 
 
+def check_messages(messages: Sequence[Message]) -> list[Message]:
+    """`messages` checked and with their roles as rendered (`ROLES`: developer becomes system). Refused, rather than
+    rendered literally or dropped by a template: an unknown role, and any key but role and content (tool calls)."""
+    out = []
+    for message in messages:
+        if isinstance(message, dict) and (message.get("role") == "tool" or any(k in message for k in _TOOL_KEYS)):
+            raise DuoJaxError(
+                f"tool calls are not supported (no tools run here), got {message!r:.80}; send the conversation as "
+                "system, user and assistant messages of text"
+            )
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
+            raise DuoJaxError(f"a chat message must be a dict with 'role' and 'content', got {message!r:.80}")
+        role = message["role"]
+        if role not in ROLES:
+            raise DuoJaxError(f"a chat message's role must be one of {', '.join(ROLES)}, got {role!r}")
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:
+            raise DuoJaxError(
+                f"a chat message takes 'role' and 'content' only, got {extra[0]!r} in {message!r:.80}; remove it"
+            )
+        if not isinstance(message["content"], str):
+            raise DuoJaxError(
+                f"a chat message's content must be a string, got {type(message['content']).__name__} in {message!r:.80}"
+            )
+        out.append({"role": ROLES[role], "content": message["content"]})
+    return out
+
+
 def _conversation(prompt) -> list[Message] | None:
-    """`prompt` as a conversation: a string is one user message; a list of messages is itself; else None."""
+    """`prompt` as a conversation: a string is one user message; a list of messages is itself (checked); else
+    None."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        for message in prompt:
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
-                raise DuoJaxError(f"a chat message must be a dict with 'role' and 'content', got {message!r}")
-            if not isinstance(message["content"], str):
-                raise DuoJaxError(
-                    f"a chat message's content must be a string, got {type(message['content']).__name__} in "
-                    f"{message!r:.80}"
-                )
-        return list(prompt)
+        return check_messages(prompt)
     return None
 
 

@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 import duo_jax
-from duo_jax import data_wheels
+from duo_jax import chat, data_wheels
 from duo_jax.chat import chat_prompts, is_chat_model, render
 from duo_jax.errors import DuoJaxError
 from duo_jax.generation import generate
@@ -116,10 +116,51 @@ def test_hf_directory_template_matches_transformers(tmp_path, template_in_jinja_
 def test_template_errors_are_clear(tmp_path):
     _write_tiny_tokenizer(tmp_path, template_in_jinja_file=True)
     ours = Tokenizer.from_file(tmp_path / "tokenizer.json", bos_id=1, eos_ids=(2,))
-    with pytest.raises(DuoJaxError, match="chat template rejected the conversation: unknown role tool"):
-        render(ours.chat_template, [{"role": "tool", "content": "x"}], **ours.special_tokens)
+    strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role here') }}{% endif %}"
+    with pytest.raises(DuoJaxError, match="chat template rejected the conversation: no system role here"):
+        render(strict, [{"role": "system", "content": "x"}], **ours.special_tokens)
     with pytest.raises(DuoJaxError, match="not valid Jinja"):
         render("{% for m in messages %}", [{"role": "user", "content": "x"}])
+
+
+def test_a_template_bug_is_a_clear_error_not_a_traceback():
+    """An error other than Jinja's own (here a TypeError from `str + int`) names the template, not Jinja's frames."""
+    with pytest.raises(DuoJaxError, match=r"chat template failed on the conversation \(TypeError: .*--no-chat"):
+        render("{{ messages[0]['content'] + 1 }}", [{"role": "user", "content": "x"}])
+
+
+UNSUPPORTED = {
+    "unknown role": ({"role": "banana", "content": "x"}, "role must be one of system, developer, user, assistant"),
+    "upper-case role": ({"role": "USER", "content": "x"}, "role must be one of .* got 'USER'"),
+    "tool role": ({"role": "tool", "content": "42"}, "tool calls are not supported"),
+    "tool calls": (
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function"}]},
+        "tool calls are not supported",
+    ),
+    "other key": ({"role": "user", "content": "x", "name": "bob"}, "'role' and 'content' only, got 'name'"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSUPPORTED))
+def test_unsupported_roles_and_keys_are_refused_not_rendered(tmp_path, case):
+    """A role the server refuses is refused here too (SmolLM2's template wrote any role as `<|im_start|>role`),
+    and tool calls are refused rather than dropped by the template."""
+    message, error = UNSUPPORTED[case]
+    conversation = [{"role": "user", "content": "hi"}, message]
+    with pytest.raises(DuoJaxError, match=error):
+        render(TEMPLATE, conversation)
+    with pytest.raises(DuoJaxError, match=error):
+        chat_prompts(_tiny_chat_model(tmp_path), conversation, None)
+
+
+def test_developer_renders_as_system_as_the_server_renders_it():
+    from duo_jax.serve import protocol
+
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert render(TEMPLATE, developer) == render(TEMPLATE, system)
+    assert "[sys] Be brief." in render(TEMPLATE, developer)
+    assert protocol.ROLES is chat.ROLES  # one table for both
 
 
 def _tiny_chat_model(tmp_path, names=("tiny-instruct",), template=True):

@@ -15,6 +15,7 @@ import dataclasses
 import ipaddress
 import secrets
 
+from duo_jax.chat import ROLES
 from duo_jax.errors import InvalidOption
 from duo_jax.sampling import Sampling, check_number, check_sampling, check_seed
 
@@ -40,7 +41,6 @@ class BadRequest(InvalidOption):
         self.status, self.kind = status, kind
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Options this server does not implement, with the values that ask for nothing (accepted).
 INERT = {
     "logprobs": (None, False, 0),
