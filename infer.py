@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from duo_jax.errors import read_user_text
+from duo_jax.errors import DuoJaxError, read_user_text
 from duo_jax.generation import generate, validate_options
-from duo_jax.methods import METHODS, describe
+from duo_jax.methods import METHODS, describe, entry
 
 __all__ = ["generate", "main"]
 
@@ -113,6 +113,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_windows(method: str | None, pattern: str | None, sink: int | None, recent: int | None) -> None:
+    """Refuse --sink / --recent for full attention (no --pattern, no --method), which has no streaming heads:
+    generate would run without them."""
+    name = method or ("full" if pattern is None else "duo")
+    given = [option for option, value in (("--sink", sink), ("--recent", recent)) if value is not None]
+    if given and not entry(name).options:
+        windowed = "|".join(m for m in METHODS if all(option[2:] in entry(m).windows for option in given))
+        raise DuoJaxError(
+            f"{'/'.join(given)} {'apply' if len(given) > 1 else 'applies'} to streaming heads, and method {name} "
+            f"(full attention) has none: pass --pattern, or --method {windowed}"
+        )
+
+
+def _prompt_text(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt from --prompt or --prompt-file, refused when empty (with the chat template, an empty prompt
+    would be an empty user message the model replies to)."""
+    if prompt is not None:
+        if not prompt:
+            raise DuoJaxError("--prompt is empty: pass the prompt text")
+        return prompt
+    text = read_user_text(prompt_file, hint=" (--prompt-file)")
+    if not text:
+        raise DuoJaxError(f"--prompt-file {prompt_file} is empty: pass a file holding the prompt text")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
@@ -138,12 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             top_k=args.top_k,
             impl="auto",
         )
+        _check_windows(args.method, args.pattern, args.sink, args.recent)
         mesh = (
             None
             if args.mesh is None
             else sharding.make_generation_mesh(**sharding.parse_mesh(args.mesh, sharding.GENERATION_AXES))
         )
-        text = args.prompt if args.prompt is not None else read_user_text(args.prompt_file, hint=" (--prompt-file)")
+        text = _prompt_text(args.prompt, args.prompt_file)
         model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype), weights=args.weights)
         chat = is_chat_model(model) if args.chat is None else args.chat
         options = dict(

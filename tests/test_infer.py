@@ -179,6 +179,34 @@ def test_errors_are_one_line_with_status_2(args, message, capsys):
     assert re.search(message, lines[0]), lines[0]
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sink", "4", "--recent", "16"], r"--sink/--recent apply to streaming heads.*--pattern, or --method duo\|"),
+        (["--method", "full", "--recent", "16"], "--recent applies to streaming heads.*method full"),
+        (["--sink", "0"], "--sink applies to streaming heads"),  # 0 is given too, not the default
+    ],
+)
+def test_windows_without_streaming_heads_are_refused_before_loading(args, message, monkeypatch, capsys):
+    """Full attention has no streaming heads: --sink / --recent were ignored there (exit 0), as --kv-budget is not."""
+    monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: pytest.fail("loaded"))
+    status, _, err = run_main(capsys, "--prompt", "hi", *args)
+    assert status == 2 and re.search(message, err), err
+
+
+@pytest.mark.parametrize("chat", ["--chat", "--no-chat", None])
+def test_an_empty_prompt_is_refused_in_every_mode(chat, tmp_path, monkeypatch, capsys):
+    """With the chat template an empty file was an empty user message the model replied to (exit 0)."""
+    monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: pytest.fail("loaded"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    mode = [chat] if chat else []
+    status, _, err = run_main(capsys, "--prompt-file", str(empty), *mode)
+    assert status == 2 and f"--prompt-file {empty} is empty" in err, err
+    status, _, err = run_main(capsys, "--prompt", "", *mode)
+    assert status == 2 and "--prompt is empty" in err, err
+
+
 @pytest.mark.slow
 def test_the_script_exits_with_status_2_and_one_line():
     result = run_cli("--prompt", "hi", "--sparsity", "1.5")
