@@ -23,6 +23,26 @@ import time
 LENGTHS = [1024, 2048, 4096]
 DEPTHS = [0.1, 0.5, 0.9]
 CHUNK_SIZE = 256  # prefill chunk: the fastest on CPU (docs/evaluation.md)
+MAX_NEW_TOKENS = 16  # generated after each prompt: the answer's few words
+MODEL = "smollm2-135m"
+
+
+def check_grid(lengths: list[int], depths: list[float], context: int) -> None:
+    """Refuse a grid the run would change or fail on after loading: a length below 1 or past the model's
+    `context` (less the tokens generated), and a repeated length or depth (the grid runs each once)."""
+    from duo_jax.errors import DuoJaxError
+
+    most = context - MAX_NEW_TOKENS
+    for n in lengths:
+        if not 1 <= n <= most:
+            raise DuoJaxError(
+                f"--lengths: each must be at least 1 and at most {most}, the model's context ({context} tokens) "
+                f"less the {MAX_NEW_TOKENS} generated; got {n}"
+            )
+    for option, values in (("--lengths", lengths), ("--depths", depths)):
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise DuoJaxError(f"{option}: {repeated[0]} is given more than once; pass each value once")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import duo_jax
+    from duo_jax.config import get_config
     from duo_jax.errors import check_output_folder
     from duo_jax.eval import report
     from duo_jax.eval.niah import accuracy_table, run_niah
@@ -50,11 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output_folder(args.out)
         exact_sparsity(args.sparsity)  # before the full-attention runs, not after them
-        model = duo_jax.load("smollm2-135m", dtype=jnp.float32)
+        check_grid(args.lengths, args.depths, get_config(MODEL).max_position_embeddings)  # before loading
+        model = duo_jax.load(MODEL, dtype=jnp.float32)
         pattern = resolve_pattern(args.pattern, model.config)
         print(
             f"SmolLM2-135M-Instruct, {model.config.num_layers} layers x {model.config.num_kv_heads} KV heads; "
-            f"pattern {args.pattern}: {pattern}\nNIAH: lengths {args.lengths}, depths {args.depths}, "
+            f"pattern {args.pattern}: {pattern}\nNIAH: lengths {sorted(args.lengths)}, depths {sorted(args.depths)}, "
             f"modes full / duo (sparsity {args.sparsity}, sink 64, recent 256) / streaming (same KV bytes as duo)"
         )
         results = run_niah(
@@ -64,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths=args.lengths,
             depths=args.depths,
             sparsity=args.sparsity,
-            max_new_tokens=16,
+            max_new_tokens=MAX_NEW_TOKENS,
             chunk_size=CHUNK_SIZE,
             out_dir=args.out,
         )

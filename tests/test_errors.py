@@ -3,6 +3,7 @@ refused by every command that writes results before it loads a model (found at t
 
 import importlib
 import os
+import re
 
 import pytest
 
@@ -55,6 +56,27 @@ def test_demo_checks_its_sparsity_before_running(monkeypatch, capsys):
     monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: pytest.fail("the model loaded before the sparsity check"))
     assert demo.main(["--sparsity", "-1", "--out", "results/unused"]) == 2
     assert "sparsity" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lengths", "-5"], "--lengths: each must be at least 1 and at most 8176, the model's context .* got -5"),
+        (["--lengths", "100000"], "--lengths: .* at most 8176, the model's context \\(8192 tokens\\) .* got 100000"),
+        (["--lengths", "1024", "8177"], "at most 8176.* got 8177"),
+        (["--lengths", "300", "300"], "--lengths: 300 is given more than once"),
+        (["--depths", "0.5", "0.1", "0.5"], "--depths: 0.5 is given more than once"),
+    ],
+)
+def test_demo_checks_its_grid_before_loading(args, message, monkeypatch, capsys):
+    """A length past the context failed after the load naming an option demo.py lacks (context); -5 was
+    "n_tokens must be >= 0"; a repeated length was printed twice and run once."""
+    import demo
+
+    monkeypatch.setattr(duo_jax, "load", lambda *a, **kw: pytest.fail("the model loaded before the grid check"))
+    assert demo.main([*args, "--out", "results/unused"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and re.search(message, err), err
 
 
 @pytest.mark.parametrize("value", ["nan", "0", "-1"])
