@@ -301,6 +301,9 @@ def test_a_pool_memory_that_holds_no_page_is_refused(capsys):
     with pytest.raises(SystemExit):
         serve_main(["--max-queued", "0"])
     assert "--max-queued: must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # full attention: the window was ignored
+        serve_main(["--sink", "4", "--recent", "16"])
+    assert "--sink and --recent set the streaming heads' window: pass --pattern" in capsys.readouterr().err
 
 
 def test_the_servers_context_stops_at_the_models_positions(monkeypatch, capsys):

@@ -52,10 +52,10 @@ def main(argv=None) -> int:
         "--sparsity", type=float, default=None, help="fraction of streaming heads of --pattern's (default 0.5)"
     )
     parser.add_argument(
-        "--sink", type=non_negative, default=64, help="attention-sink tokens of a streaming head (with --pattern)"
+        "--sink", type=non_negative, default=None, help="attention-sink tokens of a streaming head (with --pattern; 64)"
     )
     parser.add_argument(
-        "--recent", type=positive, default=256, help="recent tokens of a streaming head (with --pattern)"
+        "--recent", type=positive, default=None, help="recent tokens of a streaming head (with --pattern; 256)"
     )
     parser.add_argument("--context", type=int, default=4096, help="tokens per sequence at most (prompt + new)")
     parser.add_argument("--page-size", type=int, default=128, help="tokens per page of the retrieval page pool")
@@ -114,6 +114,9 @@ def main(argv=None) -> int:
         "--no-warm-up", action="store_true", help="report ready at once instead of compiling the serving shapes first"
     )
     args = parser.parse_args(argv)
+    windows = [flag for flag, value in (("--sink", args.sink), ("--recent", args.recent)) if value is not None]
+    if windows and args.pattern is None:  # full attention has no streaming heads: they would be ignored
+        parser.error(f"{' and '.join(windows)} set the streaming heads' window: pass --pattern (e.g. default) with it")
 
     try:
         import uvicorn
