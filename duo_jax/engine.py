@@ -109,6 +109,11 @@ def extend(
             "the engine's steps take per-layer weights: pass an Engine's .params, or "
             "duo_jax.model.unstack_layers(params), or load with layout='per_layer' (the default)"
         )
+    if not isinstance(method, Method):  # a name reached begin_step as an AttributeError
+        raise DuoJaxError(
+            f"method must be a built Method, got {type(method).__name__} {method!r:.40}: build it with "
+            "duo_jax.methods.make_method(name, config, context=...)"
+        )
     positions, inv_freq = lengths[:, None] + jnp.arange(T, dtype=jnp.int32), rope_inv_freq(config)
     step = Step(
         positions=positions,

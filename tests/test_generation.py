@@ -330,6 +330,9 @@ def test_decode_is_a_pure_function_under_a_users_jit(model, prompts):
     # a limit past the buffer stops at its end (it ran on, writing each extra token over the last column)
     tokens, steps = my_generate(params, jnp.asarray([prompts[0]]), jnp.int32(30))
     assert int(steps) == 15 and np.asarray(tokens)[0].tolist() == want
+    cache, one = method.init_cache(1, jnp.float32), jnp.ones((1,), jnp.int32)
+    with pytest.raises(DuoJaxError, match="method must be a built Method, got str 'full'"):  # an AttributeError
+        extend(params, cache, one - 1, one[:, None], one, config=CONFIG, method="full")
 
 
 @pytest.mark.parametrize(
