@@ -123,16 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
 def model_config(model: str):
     """The model's config where reading it loads no weights (a name in configs/, a Hugging Face folder), else None:
     a .gguf's is read as it loads, as is a config.json that loading then reports unreadable."""
-    import json
-
-    from duo_jax.config import ModelConfig, get_config, named_configs
+    from duo_jax.config import get_config, named_configs
+    from duo_jax.errors import DuoJaxError
+    from duo_jax.loading import read_hf_config
 
     path = Path(model)
     if not path.exists():
         return get_config(model) if model in named_configs() else None
     try:
-        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
-    except (OSError, ValueError, AttributeError):  # no folder, or no readable config.json in it: loading says why
+        return read_hf_config(path)[1]
+    except (OSError, DuoJaxError):  # a file, or no readable config.json in the folder: loading says why
         return None
 
 

@@ -21,6 +21,7 @@ import struct
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -567,15 +568,9 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def load_hf_dir(
-    directory: Path,
-    dtype=jnp.bfloat16,
-    *,
-    name: str = "",
-    shardings: Shardings | None = None,
-    layout: str = "per_layer",
-) -> Model:
-    """A Hugging Face model directory (config.json + safetensors weights, tokenizer.json optional)."""
+def read_hf_config(directory: Path, name: str = "") -> tuple[dict[str, Any], ModelConfig]:
+    """A Hugging Face model directory's config.json, as read and as a `ModelConfig` (named `name` or the folder's
+    name), without a weight; WeightsNotFoundError without one, ConfigError naming the file when it is bad."""
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise WeightsNotFoundError(f"{directory} has no config.json; is it a Hugging Face model directory?")
@@ -586,9 +581,21 @@ def load_hf_dir(
     if not isinstance(hf_config, dict):
         raise ConfigError(f"{config_path} is not a JSON object")
     try:
-        config = ModelConfig.from_hf(hf_config, name=name or directory.name)
+        return hf_config, ModelConfig.from_hf(hf_config, name=name or directory.name)
     except ConfigError as e:
         raise ConfigError(f"{config_path}: {e}") from None
+
+
+def load_hf_dir(
+    directory: Path,
+    dtype=jnp.bfloat16,
+    *,
+    name: str = "",
+    shardings: Shardings | None = None,
+    layout: str = "per_layer",
+) -> Model:
+    """A Hugging Face model directory (config.json + safetensors weights, tokenizer.json optional)."""
+    hf_config, config = read_hf_config(directory, name)
     _check_is_named(config, name, directory)  # before any weight is read
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
