@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "austen, a directory of .txt files, or tfds:<name>",
     )
     group.add_argument(
-        "--min-len", type=int, default=1000, help="shortest context (raised, with a note, to what the passkeys need)"
+        "--min-len", type=int, help="shortest context (default 1000; raised, with a note, to what the passkeys need)"
     )
     group.add_argument("--max-len", type=int, help="longest context (default and limit: the model's context length)")
     group.add_argument("--num-lengths", type=int, default=50, help="evenly spaced context lengths")
@@ -136,10 +136,10 @@ def model_config(model: str):
         return None
 
 
-def with_max_len(cfg, max_len: int | None, config):
+def with_max_len(cfg, max_len: int | None, config, min_len_given: bool = True):
     """`cfg` with its max_len: --max-len, else the model's context (`config`'s; None: not read yet, cfg as it is).
-    TrainingError when --min-len exceeds it."""
-    from duo_jax.training import TrainConfig, TrainingError
+    TrainingError when --min-len (`min_len_given`: typed, else its default) exceeds it."""
+    from duo_jax.training import TrainingError
 
     if max_len is not None:
         limit, fix = f"--max-len {max_len}", "lower --min-len or raise --max-len"
@@ -151,7 +151,7 @@ def with_max_len(cfg, max_len: int | None, config):
         fix = f"lower --min-len to at most {max_len}"
     if cfg.min_len > max_len:
         raise TrainingError(
-            f"--min-len {cfg.min_len}{' (its default)' if cfg.min_len == TrainConfig.min_len else ''} exceeds {limit}: "
+            f"--min-len {cfg.min_len}{'' if min_len_given else ' (its default)'} exceeds {limit}: "
             f"the training contexts run from the one to the other; {fix}"
         )
     return dataclasses.replace(cfg, max_len=max_len)
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         name = Path(args.model).stem if Path(args.model).exists() else args.model
         out = check_output_folder(args.out or f"runs/gates/{name}")  # before the weights load
         mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))
+        min_len = training.TrainConfig.min_len if args.min_len is None else args.min_len
         cfg = training.TrainConfig(  # every option checked before the weights load
             objective=gates.Objective(sink=args.sink, recent=args.recent, reg_weight=args.reg_weight, impl=args.impl),
             steps=args.steps,
@@ -185,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             min_lr_ratio=args.min_lr_ratio,
             initial_value=args.initial_value,
             haystack=args.haystack,
-            min_len=args.min_len,
+            min_len=min_len,
             # the model's context when not given: min_len stands in for it until the config is read
-            max_len=args.min_len if args.max_len is None else args.max_len,
+            max_len=min_len if args.max_len is None else args.max_len,
             num_lengths=args.num_lengths,
             num_passkeys=args.num_passkeys,
             passkey_words=args.passkey_words,
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         training.check_mesh(mesh, cfg.batch_size)
         config = model_config(args.model)  # the model's context, where it is known before the weights
-        cfg = with_max_len(cfg, args.max_len, config)
+        cfg = with_max_len(cfg, args.max_len, config, args.min_len is not None)
         if config is not None:
             training.check_max_len(config, cfg)
         elif args.max_len is not None:  # else max_len is the model's context, known once it loads
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             layout="stacked",
         )  # the scanned layers' layout
         tokenizer = require(model.tokenizer, "training on text samples")
-        cfg = with_max_len(cfg, args.max_len, model.config)
+        cfg = with_max_len(cfg, args.max_len, model.config, args.min_len is not None)
         log = lambda message: print(message, file=sys.stderr)
         training.check_max_len(model.config, cfg)  # before the memory report compiles a step at max_len
         report = training.memory_report(model.config, cfg, mesh, model.params, cfg.max_len)

@@ -685,6 +685,27 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# The GGUF key (after `<arch>.`) each field of a Hugging Face config or of ModelConfig is read from, to name it in
+# from_hf's errors.
+_GGUF_KEY_OF_FIELD = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rope_theta": "rope.freq_base",
+    "rope_scaling": "rope.scaling.type / rope.scaling.factor",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "context_length",
+    "sliding_window": "attention.sliding_window",
+}
+
+
 def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
@@ -697,11 +718,12 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
             "not read; load the Hugging Face directory of the model instead"
         )
     hidden, heads = fields[f"{arch}.embedding_length"], fields[f"{arch}.attention.head_count"]
-    for key, value in (("embedding_length", hidden), ("attention.head_count", heads)):
+    head_dim = fields.get(f"{arch}.attention.key_length", hidden // heads if isinstance(heads, int) and heads else 0)
+    checked = (("embedding_length", hidden), ("attention.head_count", heads), ("attention.key_length", head_dim))
+    for key, value in checked:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"the GGUF's {arch}.{key} must be a positive integer, got {value!r}; convert it again")
     window = fields.get(f"{arch}.attention.sliding_window")
-    head_dim = fields.get(f"{arch}.attention.key_length", hidden // heads)
     _check_gguf_keys(fields, arch, head_dim)
     hf = dict(
         # Mistral v0.1 converted as llama carries its window (every layer); from_hf reads a window for mistral only
@@ -736,7 +758,15 @@ def _gguf_config(fields: dict, tensor_names: set[str], name: str) -> ModelConfig
                 "incomplete: convert it again, or load the model's Hugging Face folder"
             )
         hf["rope_scaling"] = {"type": scaling, "factor": factor}
-    return ModelConfig.from_hf(hf, name=name)
+    try:
+        return ModelConfig.from_hf(hf, name=name)
+    except ConfigError as e:  # its message names the config's fields: add the GGUF keys they were read from
+        read = [
+            f"{field} is the GGUF's {arch}.{key}"
+            for field, key in _GGUF_KEY_OF_FIELD.items()
+            if re.search(rf"\b{field}\b", str(e))
+        ]
+        raise ConfigError(f"{e} ({'; '.join(read)})" if read else str(e)) from None
 
 
 def _check_gguf_keys(fields: dict, arch: str, head_dim: int) -> None:

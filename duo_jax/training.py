@@ -115,6 +115,11 @@ class TrainConfig:
                 f"{self.decay_ratio}, min_lr_ratio={self.min_lr_ratio}, initial_value={self.initial_value}"
             )
         check_float32("lr", self.lr)  # the other float options lie within [0, 1]
+        if np.float32(self.lr) == 0:
+            raise TrainingError(
+                f"lr (--lr) {self.lr!r} is 0 in float32, which training computes in (its smallest positive number is "
+                f"{float(np.finfo(np.float32).smallest_subnormal):.4g}): no step would move the gates; raise --lr"
+            )
         check_float32("reg_weight", reg_weight)
 
     def meta(self, model_name: str, output_dir: str, mesh: Mesh, dtype: str) -> dict[str, Any]:

@@ -333,6 +333,12 @@ def test_gguf_metadata_duo_jax_does_not_know_is_named_in_a_warning(recwarn):
             r"sets llama\.rope\.scaling\.type linear but no llama\.rope\.scaling\.factor",
         ),
         ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, "rope_scaling factor must be"),
+        # checked in from_hf, which named the Hugging Face field alone
+        ({"llama.attention.layer_norm_rms_epsilon": 0.0}, "rms_norm_eps is the GGUF's llama.attention.layer_norm_rms_"),
+        ({"llama.attention.head_count_kv": 3}, r"num_kv_heads is the GGUF's llama\.attention\.head_count_kv"),
+        ({"llama.block_count": -1}, r"num_layers must be a positive integer, got -1 \(num_layers is the GGUF's llama"),
+        # was 'rotates 16 of each head's 0 channels (partial RoPE)'
+        ({"llama.attention.key_length": 0}, r"llama\.attention\.key_length must be a positive integer, got 0"),
     ],
 )
 def test_broken_gguf_metadata_names_the_gguf_key(change, message):

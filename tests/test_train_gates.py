@@ -206,6 +206,8 @@ def test_killed_run_resumes_to_bit_identical_gates(tmp_path, tiny_checkpoint):
         (["--haystack", "no-such-folder"], "unknown haystack source 'no-such-folder'"),
         (["--min-len", "1", "--max-len", "300", "--recent", "256"], "covers every training context (max_len 300)"),
         (["--max-len", "300"], "--min-len 1000 (its default) exceeds --max-len 300"),
+        (["--min-len", "1000", "--max-len", "300"], "--min-len 1000 exceeds --max-len 300"),  # typed: not 'its default'
+        (["--lr", "1e-50"], "lr (--lr) 1e-50 is 0 in float32"),  # positive in float64: trained nothing, exit 0
     ],
 )
 def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, message):
@@ -214,6 +216,7 @@ def test_bad_options_exit_2_before_the_weights_load(tmp_path, capsys, args, mess
     assert train_gates.main(["--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "weights" not in err, err
+    assert "(its default)" not in err or "--min-len" not in args, err
 
 
 @pytest.mark.parametrize(
