@@ -15,6 +15,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,109 @@ def capacity_bucket(tokens: int, block: int = CAPACITY_BLOCK) -> int:
     return _half_octave_bucket(-(-max(tokens, 1) // block)) * block
 
 
+class _CacheLayout(NamedTuple):
+    """`method.cache_spec(batch, dtype)` flattened, for `_check_cache`."""
+
+    treedef: Any
+    leaves: tuple  # (shape, dtype) per leaf
+    paths: tuple[str, ...]  # each leaf's path, as cache[0].retrieval_k
+    free: tuple  # per leaf, the axes a row view (`Method.take_row`) sizes by the whole batch, not by its one row
+    summary: str  # what the cache holds, for messages
+    first_float: int | None  # a leaf in the dtype the cache is built in (built in float32: a float32 leaf)
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_layout(method: Method, batch: int, dtype: str) -> _CacheLayout:
+    spec = method.cache_spec(batch, dtype)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(spec)
+    leaves = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for _, x in flat)
+    free = ((),) * len(leaves)
+    if batch == 1 and type(method).take_row is not Method.take_row:
+        # A row of a batched cache keeps whole what all rows share (a paged cache's pools, sized by the batch).
+        view = jax.tree.leaves(jax.eval_shape(lambda c: method.take_row(c, 0), method.cache_spec(2, dtype)))
+        if len(view) == len(leaves):
+            free = tuple(
+                tuple(i for i, (a, b) in enumerate(zip(shape, v.shape)) if a != b)
+                for (shape, _), v in zip(leaves, view)
+            )
+    paths = tuple("cache" + jax.tree_util.keystr(path) for path, _ in flat)
+    first_float = next((i for i, (_, d) in enumerate(leaves) if d == jnp.float32), None)
+    return _CacheLayout(treedef, leaves, paths, free, _cache_summary(spec), first_float)
+
+
+def _cache_summary(cache) -> str:
+    """What a cache holds, in a few words: "a PagedCache", "a tuple of 2 DuoLayerCache"."""
+    if isinstance(cache, (tuple, list)):
+        kinds = sorted({type(layer).__name__ for layer in cache})
+        return f"a {type(cache).__name__} of {len(cache)} {' / '.join(kinds) or 'entries'}"
+    return f"a {type(cache).__name__}"
+
+
+def _check_cache(method: Method, cache, batch: int) -> None:
+    """Refuse a cache that is not `method`'s for `batch` sequences (another method's, capacity, window or batch
+    size), naming what differs. From the pytree's structure, shapes and dtypes only: runs at trace time inside a
+    jit, costs a flatten and a comparison eagerly (the expected layouts are cached). The cache's own float dtype is
+    the one it was built in; a batch-1 row view of a paged cache (`extend_row`) passes."""
+    leaves, treedef = jax.tree.flatten(cache)
+    want = _cache_layout(method, batch, "float32")
+    fix = (
+        f"; it was built for another method, capacity, window or batch size: build it with "
+        f"engine.init_cache(method, {batch}) (or method.init_cache({batch}, dtype)) for the method and batch you "
+        "step"
+    )
+    if treedef != want.treedef:
+        held = _cache_summary(cache)
+        if held == want.summary:
+            held += " of other fields (e.g. quantized where the method's is not, or the reverse)"
+        raise DuoJaxError(
+            f"the cache does not fit method {method.name!r}: it holds {held}, the method's {want.summary}{fix}"
+        )
+    got = tuple((tuple(getattr(x, "shape", ())), jnp.dtype(getattr(x, "dtype", type(x)))) for x in leaves)
+    if want.first_float is not None:  # the usual case, cheaply: the cache built in its first float leaf's dtype
+        if got == _cache_layout(method, batch, got[want.first_float][1].name).leaves:
+            return
+    floats = [d for _, d in got if jnp.issubdtype(d, jnp.floating)]
+    problem = None
+    for dtype in sorted(set(floats), key=floats.count, reverse=True) or [jnp.dtype(jnp.float32)]:
+        want = _cache_layout(method, batch, dtype.name)  # the cache built in that dtype
+        if got == want.leaves:
+            return
+        for (shape, kind), (expected, expected_kind), path, free in zip(got, want.leaves, want.paths, want.free):
+            if kind != expected_kind or not (
+                len(shape) == len(expected)
+                and all(a == b or i in free for i, (a, b) in enumerate(zip(shape, expected)))
+            ):
+                problem = (
+                    problem
+                    or f"{path} is {kind.name}{list(shape)}, the method's is {expected_kind.name}{list(expected)}"
+                )
+                break
+        else:
+            return  # a row view
+    raise DuoJaxError(f"the cache does not fit method {method.name!r} at batch {batch}: {problem}{fix}")
+
+
+def _check_token_ids(tokens, name: str, ndim: int) -> None:
+    """Refuse token ids that are not an integer array of `ndim` dimensions (a float array would be truncated onto
+    other tokens, a bool one read as ids 0 and 1). Static: dtype and shape only."""
+    if hasattr(tokens, "dtype") and jnp.issubdtype(tokens.dtype, jnp.integer) and jnp.ndim(tokens) == ndim:
+        return
+    got = f"{jnp.dtype(tokens.dtype).name}{list(tokens.shape)}" if hasattr(tokens, "dtype") else type(tokens).__name__
+    raise DuoJaxError(
+        f"{name} must be an integer array of token ids {'[B]' if ndim == 1 else '[B, T]'}, got {got}: pass the ids "
+        "as one (e.g. jnp.asarray(ids, jnp.int32)); a float or bool array is not cast"
+    )
+
+
+def _check_max_tokens(max_tokens, name: str) -> None:
+    """Refuse a token buffer of no column: column 0 holds the first token, so at least 1."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+        raise DuoJaxError(
+            f"{name} must be an integer >= 1 (the first new token counts), got {max_tokens!r:.40}: to generate "
+            "nothing, skip the decode"
+        )
+
+
 @functools.partial(
     jax.jit, static_argnames=("config", "method", "all_logits", "impl", "mesh"), donate_argnames=("cache",)
 )
@@ -102,8 +206,9 @@ def extend(
     vocabulary; `generate` and `Engine`'s host calls plan within them. `impl`: one of
     `duo_jax.attention.IMPLS`, "auto" resolved per backend (`resolve_impl`; docs/attention.md). `mesh`: a
     generation mesh (`duo_jax.sharding`) that params and cache are laid out on (`Engine` places them), or None.
+    What can be checked from shapes is, at trace time: integer tokens, lengths and n_valid [B], and a cache that is
+    `method`'s for B sequences (DuoJaxError naming what differs).
     """
-    B, T = tokens.shape
     if not isinstance(params.layers, tuple):
         raise DuoJaxError(
             "the engine's steps take per-layer weights: pass an Engine's .params, or "
@@ -114,6 +219,15 @@ def extend(
             f"method must be a built Method, got {type(method).__name__} {method!r:.40}: build it with "
             "duo_jax.methods.make_method(name, config, context=...)"
         )
+    _check_token_ids(tokens, "tokens", 2)
+    B, T = tokens.shape
+    for name, x in (("lengths", lengths), ("n_valid", n_valid)):
+        if list(jnp.shape(x)) != [B] or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise DuoJaxError(
+                f"{name} must be integers [B] = [{B}] (one per row of tokens), got "
+                f"{jnp.result_type(x).name}{list(jnp.shape(x))}"
+            )
+    _check_cache(method, cache, B)
     positions, inv_freq = lengths[:, None] + jnp.arange(T, dtype=jnp.int32), rope_inv_freq(config)
     step = Step(
         positions=positions,
@@ -180,6 +294,7 @@ def extend_row(
     This is how a scheduler prefills one sequence while the batch's other rows wait (`duo_jax.serve`).
     Returns (logits float32 [1, V], the cache, lengths with lengths[row] + n_valid[0]); other rows unchanged.
     """
+    _check_cache(method, cache, lengths.shape[0])  # the batched cache; `extend` checks the row it is given
     part = method.take_row(cache, row)
     length = jax.lax.dynamic_slice_in_dim(lengths, row, 1)
     logits, part, length = extend(params, part, length, tokens, n_valid, state, config=config, method=method, impl=impl)
@@ -220,9 +335,13 @@ def decode(
     `jax.jit` as it is.
 
     Returns (tokens int32 [B, max_tokens]: column 0 is `token`, columns 1..steps the new ones, zeros after;
-    steps int32 scalar; the cache; lengths).
+    steps int32 scalar; the cache; lengths). Checked at trace time: an integer `token` [B], max_tokens >= 1, a cache
+    that is `method`'s for B sequences and (sampling) a rule of arrays [B] (DuoJaxError naming what differs).
     """
+    _check_token_ids(token, "token", 1)
+    _check_max_tokens(max_tokens, "max_tokens")
     B = token.shape[0]
+    _check_cache(method, cache, B)
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     ones = jnp.ones((B,), jnp.int32)
     limit = jnp.minimum(limit, max_tokens - 1)  # a larger one overwrote the buffer's last column each extra step
@@ -497,7 +616,7 @@ def clear_compiled() -> None:
     `_empty_cache`'s programs that build empty caches) and
     JAX's trace caches, so the next call traces and compiles afresh (after patching a function the steps call)
     and the executables' memory is released (each XLA:CPU executable maps its code into the process)."""
-    for compiled in (_compiled_extend, _compiled_extend_row, _compiled_decode, _empty_cache):
+    for compiled in (_compiled_extend, _compiled_extend_row, _compiled_decode, _empty_cache, _cache_layout):
         compiled.cache_clear()
     jax.clear_caches()
 
@@ -627,7 +746,10 @@ class Engine:
         per sequence); otherwise only the last token's. Returns (logits float32 [B, V] at each sequence's last
         prompt token, the cache, lengths); the method's `after_prefill` is not applied.
         """
+        _check_token_ids(tokens, "tokens", 2)
         B = tokens.shape[0]
+        if cache is not None:
+            _check_cache(method, cache, B)
         prompt_lengths = np.asarray(prompt_lengths, np.int32)
         longest = int(prompt_lengths.max())
         padded = np.zeros((B, -(-longest // chunk) * chunk), np.int32)
@@ -669,17 +791,22 @@ class Engine:
         (logits float32 [B, V], cache, lengths). For callers that need every step on the host (teacher forcing,
         per-step timing); generation decodes on the device (`decode_loop`).
         Tokens already on the device (e.g. the argmax of the last logits) stay there: no host round trip."""
+        _check_token_ids(tokens, "tokens", 1)
         B = tokens.shape[0]
         run = compiled_extend(self.config, method, B, 1, self.dtype, impl, False, self.mesh, **self.weight_layout)
         tokens = tokens.astype(jnp.int32) if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
-        return run(
-            self.params,
-            cache,
-            lengths,
-            self.put_batch(tokens[:, None]),
-            self.put_batch(np.ones((B,), np.int32)),
-            method.state(),
-        )
+        try:
+            return run(
+                self.params,
+                cache,
+                lengths,
+                self.put_batch(tokens[:, None]),
+                self.put_batch(np.ones((B,), np.int32)),
+                method.state(),
+            )
+        except TypeError:  # an argument the executable was not compiled for: a cache not the method's, named
+            _check_cache(method, cache, B)  # here, not before every step (per-step callers time the steps)
+            raise
 
     def decode_loop(
         self,
@@ -698,7 +825,14 @@ class Engine:
         (tokens int32 [B, bucket], steps, cache, lengths); `token` is each sequence's first new token. `seed`: an
         int (row b draws with seed + b) or one per row (`duo_jax.sampling.row_seeds`); `sampling`: one rule for
         every row, its values runtime arguments (None: greedy)."""
+        _check_token_ids(token, "token", 1)
+        _check_max_tokens(max_new_tokens, "max_new_tokens")
         B, sampling = token.shape[0], Sampling() if sampling is None else sampling
+        if any(np.ndim(value) for value in (sampling.temperature, sampling.top_p, sampling.top_k)):
+            raise DuoJaxError(
+                "decode_loop's sampling is one rule for every row (Python numbers, e.g. Sampling(0.8, 0.9, 40)); "
+                "for a rule per row, call decode with the rule's arrays [B] (Sampling.stack)"
+            )
         run = compiled_decode(
             self.config,
             method,
@@ -717,4 +851,8 @@ class Engine:
             token, seeds = self.put_batch(token), self.put_batch(seeds)
             rule = jax.tree.map(self.put_batch, rule)
             limit = jax.device_put(limit, NamedSharding(self.mesh, P()))
-        return run(self.params, cache, lengths, token, seeds, limit, rule, method.state())
+        try:
+            return run(self.params, cache, lengths, token, seeds, limit, rule, method.state())
+        except TypeError:  # an argument the executable was not compiled for: a cache not the method's, named
+            _check_cache(method, cache, B)
+            raise

@@ -126,10 +126,35 @@ def argmax_tokens(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def check_rows(batch: int, rule: Sampling, **per_row) -> None:
+    """Refuse a per-row rule that is not arrays [batch], or `per_row` arrays (keys, seeds) whose leading dimension
+    is not `batch`: a rule for another batch failed to broadcast, or (one row) silently ruled every row. Static:
+    shapes only, so it runs at trace time under a jit."""
+    if not isinstance(rule, Sampling):
+        raise InvalidOption(f"the sampling rule must be a Sampling, got {type(rule).__name__}", "sampling")
+    for name in ("temperature", "top_p", "top_k"):
+        shape = list(jnp.shape(getattr(rule, name)))
+        if shape != [batch]:
+            raise InvalidOption(
+                f"the sampling rule's {name} has shape {shape}, not one value per row of the batch ({batch}): "
+                f"build the rule for this batch (rule.rows({batch}), or Sampling.stack of one rule per row)",
+                name,
+            )
+    for name, x in per_row.items():
+        shape = list(jnp.shape(x))
+        if shape[:1] != [batch]:
+            raise InvalidOption(
+                f"{name} have shape {shape}, not one per row of the batch ({batch}): pass one per row "
+                f"(seeds: row_seeds(seed, {batch}))",
+                name,
+            )
+
+
 def sample_rows(logits: jax.Array, keys: jax.Array, rule: Sampling) -> jax.Array:
     """Next token int32 [B]: row b by its own rule (`rule`'s arrays [B]; temperature 0: greedy) with key keys[b].
     The values are runtime arrays (no compile per value); a batch of greedy rows skips the sort. In float32
-    whatever the logits' dtype (bf16's rounding biases the draw)."""
+    whatever the logits' dtype (bf16's rounding biases the draw). A rule or keys for another batch: InvalidOption."""
+    check_rows(logits.shape[0], rule, keys=keys)
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(rule.temperature, jnp.float32)
     greedy = argmax_tokens(logits)
@@ -153,6 +178,7 @@ def row_keys(seeds: jax.Array, position) -> jax.Array:
 def sample_seeded(logits: jax.Array, seeds: jax.Array, positions: jax.Array, rule: Sampling) -> jax.Array:
     """Row b's token by its rule, drawn with `row_keys(seeds, positions)[b]` (seeds uint32 [B], positions int32
     [B]): the same whatever the batch. One executable per logits shape."""
+    check_rows(logits.shape[0], rule, seeds=seeds)
     return sample_rows(logits, row_keys(seeds, positions), rule)
 
 

@@ -688,3 +688,119 @@ def test_fused_qkv_is_one_projection_in_the_lowered_step():
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     with pytest.raises(duo_jax.DuoJaxError, match="fuse_qkv=True is for one device"):
         Engine(duo_jax.init_params(CONFIG, jax.random.key(1)), CONFIG, mesh, fuse_qkv=True)
+
+
+def test_a_cache_not_the_methods_is_refused_naming_what_differs(params):
+    """A cache built for another method, capacity or batch size than the step's: it failed deep in attention (a
+    concatenate or vmap error), ran on silently (another capacity), or was the compiled executable's TypeError.
+    Each step names the first array that differs and the fix, from shapes only (under a user's jit too); a batch-1
+    row of a batched paged cache, as `extend_row` cuts it, still steps."""
+    from duo_jax.engine import Engine, decode, extend_row
+    from duo_jax.methods import make_method
+    from duo_jax.methods.paged import paged
+    from duo_jax.sampling import Sampling
+
+    engine = Engine(params, CONFIG)
+    duo = DuoAttention(make_layout(CONFIG, MIXED, sink=2, recent=4, context=64))
+    full, longer = make_method("full", CONFIG, context=64), make_method("full", CONFIG, context=300)
+
+    def step(method, cache, rows=1):
+        zeros, ones = jnp.zeros(rows, jnp.int32), jnp.ones(rows, jnp.int32)
+        return jax.jit(lambda c: extend(engine.params, c, zeros, ones[:, None], ones, config=CONFIG, method=method))(
+            cache
+        )
+
+    fix = r"; it was built for another method, capacity, window or batch size: build it with engine.init_cache\("
+    with pytest.raises(duo_jax.DuoJaxError, match=r"does not fit method 'duo' at batch 1: cache\[0\]\.stream.*" + fix):
+        step(duo, engine.init_cache(full, 1))
+    capacity = r"cache\[0\]\.retrieval_k is float32\[1, 384, 2, 16\], the method's is float32\[1, 128, 2, 16\]"
+    with pytest.raises(duo_jax.DuoJaxError, match=capacity):  # it ran, on the other capacity
+        step(full, engine.init_cache(longer, 1))
+    with pytest.raises(duo_jax.DuoJaxError, match=r"at batch 2: cache\[0\]\.retrieval_k is float32\[1, "):
+        step(full, engine.init_cache(full, 1), rows=2)
+    pages = paged(full, page_size=16)
+    with pytest.raises(duo_jax.DuoJaxError, match="it holds a tuple of 4 DuoLayerCache, the method's a PagedCache"):
+        step(pages, engine.init_cache(full, 1))
+    one, token = jnp.zeros(1, jnp.int32), jnp.asarray([3], jnp.int32)
+    with pytest.raises(duo_jax.DuoJaxError, match=capacity):
+        engine.step(full, engine.init_cache(longer, 1), one, token)
+    with pytest.raises(duo_jax.DuoJaxError, match="at batch 1: cache.*engine.init_cache\\(method, 1\\)"):
+        engine.prefill(full, np.ones((1, 8), np.int32), np.asarray([8]), chunk=8, cache=engine.init_cache(full, 2))
+    with pytest.raises(duo_jax.DuoJaxError, match=capacity):
+        engine.decode_loop(full, engine.init_cache(longer, 1), one, token, max_new_tokens=4)
+    with pytest.raises(duo_jax.DuoJaxError, match=capacity):
+        seeds, rule = jnp.zeros(1, jnp.uint32), Sampling().rows(1)
+        decode(engine.params, engine.init_cache(longer, 1), one, token, seeds, one, rule, config=CONFIG, method=full,
+               greedy=True, max_tokens=4)  # fmt: skip
+    batched, two = engine.init_cache(pages, 2), jnp.zeros(2, jnp.int32)
+    with pytest.raises(duo_jax.DuoJaxError, match=r"'full_paged' at batch 2: cache\.block_tables is int32\[2, 24\]"):
+        other = engine.init_cache(paged(longer, page_size=16), 2)
+        extend_row(engine.params, other, one[0], two, token[:, None], token, config=CONFIG, method=pages)
+    # a row view keeps the pools of the whole batch (twice a batch-1 cache's pages): accepted
+    _, _, lengths = step(pages, pages.take_row(batched, 1))
+    assert lengths.tolist() == [1]
+
+
+def test_token_ids_must_be_integers(params):
+    """Float or bool token ids: extend and decode failed on JAX's indexing (bool: a NonConcreteBooleanIndexError),
+    while Engine.step and prefill cast them to int32 silently (3.7 ran as token 3). Each refuses them by name."""
+    from duo_jax.engine import Engine, decode
+    from duo_jax.methods import make_method
+    from duo_jax.sampling import Sampling
+
+    engine, full = Engine(params, CONFIG), make_method("full", CONFIG, context=32)
+    one, seeds = jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.uint32)
+    for tokens, got in ((jnp.asarray([[3.7]]), r"float32\[1, 1\]"), (jnp.asarray([[True]]), r"bool\[1, 1\]")):
+        with pytest.raises(
+            duo_jax.DuoJaxError, match=r"tokens must be an integer array of token ids \[B, T\], got " + got
+        ):
+            extend(engine.params, full.init_cache(1, "float32"), one, tokens, one + 1, config=CONFIG, method=full)
+    with pytest.raises(
+        duo_jax.DuoJaxError, match=r"tokens must be an integer array of token ids \[B\], got float64\[1\]"
+    ):
+        engine.step(full, full.init_cache(1, "float32"), one, np.asarray([3.7]))
+    with pytest.raises(duo_jax.DuoJaxError, match=r"tokens must be .* \[B, T\], got float64\[1, 2\]"):
+        engine.prefill(full, np.asarray([[3.7, 4.2]]), np.asarray([2]), chunk=8)
+    with pytest.raises(duo_jax.DuoJaxError, match=r"token must be an integer array of token ids \[B\], got float32"):
+        engine.decode_loop(full, full.init_cache(1, "float32"), one, jnp.asarray([3.7]), max_new_tokens=4)
+    with pytest.raises(duo_jax.DuoJaxError, match=r"token must be an integer array of token ids \[B\], got bool"):
+        decode(engine.params, full.init_cache(1, "float32"), one, jnp.asarray([True]), seeds, one, Sampling().rows(1),
+               config=CONFIG, method=full, greedy=True, max_tokens=4)  # fmt: skip
+
+
+def test_a_decode_of_no_token_is_refused(params):
+    """max_new_tokens (decode_loop) or max_tokens (decode, compiled_decode) below 1: decode_loop returned the first
+    token anyway, decode failed on JAX's indexing or broadcasting. Now a DuoJaxError naming the value."""
+    from duo_jax.engine import Engine, compiled_decode, decode
+    from duo_jax.methods import make_method
+    from duo_jax.sampling import Sampling
+
+    engine, full = Engine(params, CONFIG), make_method("full", CONFIG, context=32)
+    one, token, seeds = jnp.zeros(1, jnp.int32), jnp.asarray([3], jnp.int32), jnp.zeros(1, jnp.uint32)
+    for n in (0, -2):
+        with pytest.raises(duo_jax.DuoJaxError, match=f"max_new_tokens must be an integer >= 1 .*got {n}"):
+            engine.decode_loop(full, full.init_cache(1, "float32"), one, token, max_new_tokens=n)
+        with pytest.raises(duo_jax.DuoJaxError, match=f"max_tokens must be an integer >= 1 .*got {n}"):
+            decode(engine.params, full.init_cache(1, "float32"), one, token, seeds, one, Sampling().rows(1),
+                   config=CONFIG, method=full, greedy=True, max_tokens=n)  # fmt: skip
+    with pytest.raises(duo_jax.DuoJaxError, match="max_tokens must be an integer >= 1 .*got 0"):
+        compiled_decode(CONFIG, full, 1, "float32", "xla", True, 0, ())
+
+
+def test_a_sampling_rule_for_another_batch_is_refused(params):
+    """decode's rule of arrays for another batch than the tokens: one of 3 rows for 2 failed to broadcast, one of 1
+    row silently ruled both rows. decode_loop given a rule per row failed converting it to a number. Both are named."""
+    from duo_jax.engine import Engine, decode
+    from duo_jax.errors import InvalidOption
+    from duo_jax.methods import make_method
+    from duo_jax.sampling import Sampling
+
+    engine, full = Engine(params, CONFIG), make_method("full", CONFIG, context=32)
+    two, tokens, seeds = jnp.zeros(2, jnp.int32), jnp.asarray([3, 4], jnp.int32), jnp.zeros(2, jnp.uint32)
+    rule = Sampling(0.8, 0.9, 5)
+    for rows in (3, 1):
+        with pytest.raises(InvalidOption, match=rf"temperature has shape \[{rows}\], not one value per row .*\(2\)"):
+            decode(engine.params, full.init_cache(2, "float32"), two, tokens, seeds, two[0] + 3, rule.rows(rows),
+                   config=CONFIG, method=full, greedy=False, max_tokens=4)  # fmt: skip
+    with pytest.raises(duo_jax.DuoJaxError, match="decode_loop's sampling is one rule for every row"):
+        engine.decode_loop(full, full.init_cache(2, "float32"), two, tokens, max_new_tokens=4, sampling=rule.rows(2))

@@ -157,3 +157,20 @@ def test_row_seeds():
     for bad, match in bad_seeds:
         with pytest.raises(InvalidOption, match=match):
             row_seeds(bad, 3)
+
+
+def test_a_rule_or_seeds_for_another_batch_is_refused():
+    """A per-row rule or seeds of another batch than the logits' rows: a rule of 3 rows for 2 failed to broadcast
+    (a bare TypeError), a rule of 1 row silently ruled every row, a Python-number rule was an IndexError, seeds of 3
+    a vmap error. Each is an InvalidOption naming the field and the fix, under a jit too (shapes only)."""
+    logits, seeds, positions = LOGITS[:2], jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32)
+    rule = Sampling(0.8, 0.9, 5)
+    for bad, shape in ((rule.rows(3), "[3]"), (rule.rows(1), "[1]"), (rule, "[]")):
+        with pytest.raises(InvalidOption, match=rf"temperature has shape \{shape}, not one value per row .*rows\(2\)"):
+            sample_seeded(logits, seeds, positions, bad)
+    with pytest.raises(InvalidOption, match=r"seeds have shape \[3\], not one per row of the batch \(2\)"):
+        sample_seeded(logits, jnp.zeros(3, jnp.uint32), positions, rule.rows(2))
+    keys = jax.random.split(jax.random.key(0), 3)
+    with pytest.raises(InvalidOption, match=r"keys have shape \[3\]"):
+        jax.jit(sample_rows)(logits, keys, rule.rows(2))
+    assert sample_seeded(logits, seeds, positions, rule.rows(2)).shape == (2,)
