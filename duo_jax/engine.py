@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -115,30 +116,23 @@ def _cache_summary(cache) -> str:
 def _check_cache(method: Method, cache, batch: int) -> None:
     """Refuse a cache that is not `method`'s for `batch` sequences (another method's, capacity, window or batch
     size), naming what differs. From the pytree's structure, shapes and dtypes only: runs at trace time inside a
-    jit, costs a flatten and a comparison eagerly (the expected layouts are cached). The cache's own float dtype is
-    the one it was built in; a batch-1 row view of a paged cache (`extend_row`) passes."""
+    jit, costs a flatten and a comparison eagerly (the expected layouts are cached). Passes a cache built in any
+    float dtype, and a batch-1 row view of a paged cache (`extend_row`)."""
     leaves, treedef = jax.tree.flatten(cache)
-    want = _cache_layout(method, batch, "float32")
-    fix = (
-        f"; it was built for another method, capacity, window or batch size: build it with "
-        f"engine.init_cache(method, {batch}) (or method.init_cache({batch}, dtype)) for the method and batch you "
-        "step"
-    )
-    if treedef != want.treedef:
-        held = _cache_summary(cache)
-        if held == want.summary:
-            held += " of other fields (e.g. quantized where the method's is not, or the reverse)"
-        raise DuoJaxError(
-            f"the cache does not fit method {method.name!r}: it holds {held}, the method's {want.summary}{fix}"
-        )
     got = tuple((tuple(getattr(x, "shape", ())), jnp.dtype(getattr(x, "dtype", type(x)))) for x in leaves)
-    if want.first_float is not None:  # the usual case, cheaply: the cache built in its first float leaf's dtype
-        if got == _cache_layout(method, batch, got[want.first_float][1].name).leaves:
-            return
-    floats = [d for _, d in got if jnp.issubdtype(d, jnp.floating)]
-    problem = None
-    for dtype in sorted(set(floats), key=floats.count, reverse=True) or [jnp.dtype(jnp.float32)]:
-        want = _cache_layout(method, batch, dtype.name)  # the cache built in that dtype
+    first = _cache_layout(method, batch, "float32").first_float
+    guess = got[first][1].name if first is not None and first < len(got) else "float32"
+    # The dtype it was built in: its first float leaf's, else a usual one (a quantized cache's shows only in its
+    # pytree's metadata), else any float among its leaves.
+    others = (d.name for _, d in got if jnp.issubdtype(d, jnp.floating))
+    problem, tried = None, set()
+    for dtype in itertools.chain((guess, "float32", "bfloat16", "float16"), others):
+        if dtype in tried:
+            continue
+        tried.add(dtype)
+        want = _cache_layout(method, batch, dtype)
+        if treedef != want.treedef:
+            continue
         if got == want.leaves:
             return
         for (shape, kind), (expected, expected_kind), path, free in zip(got, want.leaves, want.paths, want.free):
@@ -153,7 +147,17 @@ def _check_cache(method: Method, cache, batch: int) -> None:
                 break
         else:
             return  # a row view
-    raise DuoJaxError(f"the cache does not fit method {method.name!r} at batch {batch}: {problem}{fix}")
+    fix = (
+        f"; it was built for another method, capacity, window or batch size: build it with "
+        f"engine.init_cache(method, {batch}) (or method.init_cache({batch}, dtype)) for the method and batch you "
+        "step"
+    )
+    if problem is not None:
+        raise DuoJaxError(f"the cache does not fit method {method.name!r} at batch {batch}: {problem}{fix}")
+    held, summary = _cache_summary(cache), _cache_layout(method, batch, "float32").summary
+    if held == summary:
+        held += " of other fields (e.g. quantized where the method's is not, or the reverse)"
+    raise DuoJaxError(f"the cache does not fit method {method.name!r}: it holds {held}, the method's {summary}{fix}")
 
 
 def _check_token_ids(tokens, name: str, ndim: int) -> None:
