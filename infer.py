@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from duo_jax.errors import DuoJaxError, read_user_text
+from duo_jax.errors import DuoJaxError, HelpFormatter, read_user_text
 from duo_jax.generation import generate, validate_options
 from duo_jax.methods import METHODS, describe, entry
 
@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__,
         epilog=f"KV-cache methods (--method):\n{describe()}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
     parser.add_argument(

@@ -181,7 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     passkey.add_argument("--depths-per-length", type=count, default=5, help="passkey depths, evenly spaced in [0, 1]")
     passkey.add_argument("--digits", type=count, default=5, help="digits of each passkey")
     passkey.add_argument("--seed", type=int, default=0, help="seed of the passkeys")
-    passkey.add_argument("--max-new-tokens", type=count, default=12)
+    passkey.add_argument("--max-new-tokens", type=count, default=12, help="tokens generated per prompt")
     passkey.add_argument(
         "--batch-size", type=count, default=None, help="prompts per generate call (default: all depths)"
     )

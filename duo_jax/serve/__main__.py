@@ -9,7 +9,7 @@ import sys
 
 import jax.numpy as jnp
 
-from duo_jax.errors import integer_argument
+from duo_jax.errors import HelpFormatter, integer_argument
 
 port = integer_argument("a port number in [0, 65535]", 0, 65535)
 positive = integer_argument("a positive integer", 1)
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from duo_jax.serve.protocol import DEFAULT_MAX_REQUEST_BYTES, LOCAL_HOSTS, default_hosts
     from duo_jax.serve.scheduler import MIXED
 
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m duo_jax.serve", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
     parser.add_argument(
         "--pattern", default=None, help="DuoAttention head pattern ('default': the model's); none: full attention"
