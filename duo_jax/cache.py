@@ -174,6 +174,30 @@ def round_capacity(tokens: int) -> int:
     return -(-tokens // CAPACITY_BLOCK) * CAPACITY_BLOCK
 
 
+def half_octave_bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x powers of two) >= n: a few sizes
+    per octave, none more than half again n."""
+    n = max(n, 1)
+    power = 1 << (n - 1).bit_length()  # the next power of two >= n
+    return 3 * power // 4 if power >= 4 and 3 * power // 4 >= n else power
+
+
+def capacity_bucket(tokens: int, block: int = CAPACITY_BLOCK) -> int:
+    """The default cache capacity for `tokens`: the smallest of block * {1, 2, 3, 4, 6, 8, 12, 16, 24, ...}
+    (`half_octave_bucket`) that holds them, so varied requests share a few cache shapes while reserving at most
+    half again their need counted in blocks (pass `context=` to reserve exactly what you ask for)."""
+    return half_octave_bucket(-(-max(tokens, 1) // block)) * block
+
+
+def capacity_bucket_range(tokens: int, block: int = CAPACITY_BLOCK) -> tuple[int, int]:
+    """(lo, hi): the fewest and the most tokens whose `capacity_bucket` is that of `tokens` (hi is the bucket)."""
+    hi = capacity_bucket(tokens, block)
+    below = 0  # the bucket under hi, in blocks
+    while half_octave_bucket(below + 1) * block < hi:
+        below = half_octave_bucket(below + 1)
+    return below * block + 1, hi
+
+
 def make_layout(
     config: ModelConfig,
     retrieval_mask: np.ndarray | None,

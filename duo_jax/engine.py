@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from duo_jax import sharding
-from duo_jax.cache import CAPACITY_BLOCK
+from duo_jax.cache import half_octave_bucket
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.locks import lru_cache_once
@@ -53,26 +53,11 @@ def bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _half_octave_bucket(n: int) -> int:
-    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x powers of two) >= n: a few sizes
-    per octave, none more than half again n."""
-    n = max(n, 1)
-    power = 1 << (n - 1).bit_length()  # the next power of two >= n
-    return 3 * power // 4 if power >= 4 and 3 * power // 4 >= n else power
-
-
 def batch_bucket(rows: int) -> int:
-    """The compiled batch for `rows` sequences: the smaller of `_half_octave_bucket(rows)` and the next multiple
+    """The compiled batch for `rows` sequences: the smaller of `half_octave_bucket(rows)` and the next multiple
     of 8 (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, ...), so that varied batch sizes reuse executables; `generate` pads
     with copies of its shortest prompt, at most a third more rows up to 16 and at most 7 past it."""
-    return min(_half_octave_bucket(rows), -(-max(rows, 1) // 8) * 8)
-
-
-def capacity_bucket(tokens: int, block: int = CAPACITY_BLOCK) -> int:
-    """The default cache capacity for `tokens`: the smallest of block * {1, 2, 3, 4, 6, 8, 12, 16, 24, ...}
-    (`_half_octave_bucket`) that holds them, so varied requests share a few cache shapes while reserving at most
-    half again their need counted in blocks (pass `context=` to reserve exactly what you ask for)."""
-    return _half_octave_bucket(-(-max(tokens, 1) // block)) * block
+    return min(half_octave_bucket(rows), -(-max(rows, 1) // 8) * 8)
 
 
 class _CacheLayout(NamedTuple):

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from duo_jax import attention, device_memory, methods, sharding
-from duo_jax.cache import CAPACITY_BLOCK, full_cache_bytes, round_capacity
+from duo_jax.cache import CAPACITY_BLOCK, capacity_bucket, full_cache_bytes, round_capacity
 from duo_jax.chat import chat_prompts
 from duo_jax.config import ModelConfig
 from duo_jax.engine import (
@@ -24,7 +24,6 @@ from duo_jax.engine import (
     batch_bucket,
     bucket,
     cache_device_bytes,
-    capacity_bucket,
     compiled_decode,
     compiled_extend,
     devices_of,
@@ -625,7 +624,7 @@ def generate(
     sink / recent: streaming heads keep the first `sink` and the last `recent` tokens (duo: 64 / 256;
     streaming_llm: 4 / 256). chunk_size: prompt tokens per prefill step. context: retrieval capacity in
     tokens, rounded up to duo_jax.cache.CAPACITY_BLOCK (default: longest prompt + max_new_tokens rounded up
-    to a capacity bucket shared by varied requests, `duo_jax.engine.capacity_bucket`, which states its bound).
+    to a capacity bucket shared by varied requests, `duo_jax.cache.capacity_bucket`, which states its bound).
     impl: the attention implementation, "auto" | "pallas" | "cudnn" | "mosaic" | "cpu" | "xla" | "reference"
     (`duo_jax.attention.IMPLS`, docs/attention.md); `attention_impl=` is its deprecated name.
     kv_dtype: None or the model's dtype name (the cache in the model's dtype), "int8" or "int4" (quantized per

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  (the model was trained for {r['max_position_embeddings']:,} positions)")
     print(
         "  generate reserves exactly a planned context with context=N; without it, it rounds the capacity up to a "
-        "shared bucket (duo_jax.engine.capacity_bucket), which may not fit"
+        "shared bucket (duo_jax.cache.capacity_bucket), which may not fit"
     )
     return 0
 

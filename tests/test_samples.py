@@ -61,16 +61,19 @@ def test_full_and_duo_share_compiled_steps_across_lengths(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [0.25, 64])
+@pytest.mark.parametrize("budget", [0.25, 0.5, 64])
 def test_snapkv_family_shares_compiled_steps_across_lengths(model, budget):
-    """SnapKV, PyramidKV and HeadKV over prompts of 520 and 637 tokens (own capacities 640 and 768) run at the
+    """SnapKV, PyramidKV and HeadKV over prompts of 520 and 700 tokens (own capacities 640 and 768) run at the
     capacity bucket (768) with a room of 128 for the 4 new tokens, and at a quarter of each prompt (budgets 130 and
-    159) their budgets are runtime data in the slots of a kv_budget of 256 (`budget_slots`): the second sample
-    compiles nothing, under a fraction as under a budget in tokens. Each record gives the tokens of a generation
-    with the budgets compiled in at the sample's own capacity, and the cache bytes of that compressed cache with the
-    same room (the slots of the budget bucket reserve more; a budget in tokens keeps what it reserves)."""
+    175) their budgets are runtime data in the slots of a kv_budget of 256 (`budget_slots`): the second sample
+    compiles nothing, under a fraction as under a budget in tokens. At half of each prompt (slots of 384) PyramidKV
+    caps its bottom layer and HeadKV its strongest heads at the prompt, each at its own length (640 and 768 tokens
+    held, rounded): the decode shapes follow the prompts' length bucket (both 768), and the second compiles nothing
+    either (it compiled its own before). Each record gives the tokens of a generation with the budgets compiled in
+    at the sample's own capacity, and the cache bytes of that compressed cache with the same room (the slots of the
+    budget bucket reserve more; a budget in tokens keeps what it reserves)."""
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 637)]
+    prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (520, 700)]
     grid = (CONFIG.num_layers, CONFIG.num_kv_heads)
     settings = samples.Settings(scores=Pattern(rng.random(grid)), chunk_size=128)
     for run in samples.make_runs(["snapkv", "pyramidkv", "headkv"], [budget]):
@@ -80,7 +83,7 @@ def test_snapkv_family_shares_compiled_steps_across_lengths(model, budget):
             mode = samples._mode(model, run, len(prompt), 4, settings)
             kwargs = samples._request(model, run, prompt, 4, settings)[1]
             assert kwargs["room"] == 128 and kwargs["context"] is None
-            assert kwargs.get("budget_slots") == (256 if budget < 1 else None)
+            assert kwargs.get("budget_slots") == {0.25: 256, 0.5: 384}.get(budget)
             own = duo_jax.generate(
                 model, [prompt], max_new_tokens=4, context=len(prompt) + 4, chat=False, chunk_size=128, room=128,
                 **mode.generate_kwargs(),

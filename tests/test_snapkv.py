@@ -353,6 +353,31 @@ def test_a_row_keeps_what_it_keeps_alone(params, make, budget_slots):
         assert all(a >= b for both in zip(shaped, method.decode_method(40).head_slots) for a, b in zip(*both))
 
 
+@pytest.mark.parametrize("make", [make_pyramidkv, make_headkv])
+def test_budgets_as_data_shape_the_decode_cache_by_length_buckets(make):
+    """Under `budget_slots`, at half of each prompt of 300 to 3,000 tokens (PyramidKV re-spreads its pyramid by the
+    prompt's own prefix, HeadKV's strongest heads are capped by the prompt), the decode cache's shape follows the
+    buckets of the prompt's length and of its budget, not the length: before, it moved with every 128 tokens of the
+    prompt, one compile each. Every head's slots still hold what the prompt keeps (its budget, capped by the
+    prompt)."""
+    from duo_jax.cache import capacity_bucket
+    from duo_jax.methods.snapkv import held_tokens
+
+    config = tiny_config(num_layers=12, max_position_embeddings=4096)
+    scores = np.random.default_rng(0).random((config.num_layers, config.num_kv_heads))
+    options = dict(scores=scores) if make is make_headkv else {}
+    shapes = {}
+    for n in range(300, 3000, 11):
+        budget, capacity = n // 2, capacity_bucket(n + 4)
+        method = make(config, context=capacity, kv_budget=budget, budget_slots=capacity_bucket(budget), **options)
+        decode = method.decode_method(n, [n])
+        shapes.setdefault((capacity_bucket(n), capacity, capacity_bucket(budget)), set()).add(decode.head_slots)
+        held = held_tokens(method.capacity, n) - method.window
+        for row, slots in zip(method.prompt_budgets(n), decode.head_slots):
+            assert all(min(b, held) <= s - method.window for b, s in zip(row, slots))
+    assert all(len(shaped) == 1 for shaped in shapes.values()), {k: len(v) for k, v in shapes.items()}
+
+
 def test_pyramid_budgets():
     assert pyramid_budgets(1, 100) == [100]
     budgets = pyramid_budgets(32, 100)  # top 100 / 20 = 5, bottom 195

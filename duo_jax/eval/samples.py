@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 
 from duo_jax import methods, sharding
-from duo_jax.cache import full_cache_bytes
-from duo_jax.engine import capacity_bucket
+from duo_jax.cache import capacity_bucket, full_cache_bytes
 from duo_jax.errors import DuoJaxError
 from duo_jax.eval import report
 from duo_jax.eval.modes import (
@@ -305,7 +304,7 @@ def compile_sample(model: Model, run: Run, ids: Sequence[int], max_new_tokens: i
 
 def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
     """The ring a mode runs with where its window was fitted to the sample (``streaming``'s and streaming_llm's are
-    the budget, duo's shrinks under a small one): `duo_jax.engine.capacity_bucket` of it, the window runtime data
+    the budget, duo's shrinks under a small one): `duo_jax.cache.capacity_bucket` of it, the window runtime data
     (the method's `ring_slots` option: `duo_jax.cache.WindowAsData`), so that samples with windows in one bucket
     share compiled steps. None: the mode keeps the evaluation's window (--sink / --recent) on every sample, compiled
     in, or its method has no such ring. (A budget in tokens, the same for every sample, takes none: `_request`.)"""
@@ -317,7 +316,7 @@ def ring_bucket(mode: ModeSettings, settings: Settings) -> int | None:
 
 def budget_bucket(mode: ModeSettings) -> int | None:
     """The slots of a mode whose cache (h2o, tova) or fetch (infinigen) is shaped by a budget fitted to the sample
-    (the method's `budget_slots` option): `duo_jax.engine.capacity_bucket` of the budget, the budget runtime data, so
+    (the method's `budget_slots` option): `duo_jax.cache.capacity_bucket` of the budget, the budget runtime data, so
     that samples whose budgets fall in one bucket share compiled steps. None: the method has no such option, or no
     budget. (A budget in tokens, the same for every sample, takes none: `_request`.)"""
     if mode.kv_budget is None or "budget_slots" not in methods.entry(mode.method).options:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from duo_jax.attention import MaskSpec, masked_softmax
-from duo_jax.cache import CAPACITY_BLOCK, StaticSpec, round_capacity
+from duo_jax.cache import CAPACITY_BLOCK, StaticSpec, capacity_bucket, capacity_bucket_range, round_capacity
 from duo_jax.config import ModelConfig
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods.base import (
@@ -292,13 +292,24 @@ def compress_layer(
     return dataclasses.replace(empty, k=take(keys), v=take(values), positions=positions)
 
 
+def held_tokens(capacity: int, longest: int) -> int:
+    """The prompt tokens a head can keep after prompts of at most `longest` tokens: their length rounded up to
+    `CAPACITY_BLOCK`, at most the capacity."""
+    return min(round_capacity(max(longest, 1)), capacity)
+
+
 def decode_shape(
-    budgets: tuple[tuple[int, ...], ...], window: int, capacity: int, longest: int, room: int | None = None
+    budgets: tuple[tuple[int, ...], ...],
+    window: int,
+    capacity: int,
+    longest: int,
+    room: int | None = None,
+    held: int | None = None,
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """(head_slots [L][heads], room) of the decode cache after prompts of at most `longest` tokens: each head's
-    budget + window, capped by the prompts' length rounded up to `CAPACITY_BLOCK`; room for the tokens after
-    the prompts: `room`, or the capacity minus the longest prompt rounded down to `CAPACITY_BLOCK`."""
-    held = min(round_capacity(max(longest, 1)), capacity)  # every prompt has at most `held` tokens
+    budget + window, capped by `held` prompt tokens (default `held_tokens`); room for the tokens after the
+    prompts: `room`, or the capacity minus the longest prompt rounded down to `CAPACITY_BLOCK`."""
+    held = held_tokens(capacity, longest) if held is None else held
     slots = tuple(tuple(min(b, max(held - window, 0)) + min(window, held) for b in row) for row in budgets)
     return slots, capacity - longest // CAPACITY_BLOCK * CAPACITY_BLOCK if room is None else room
 
@@ -449,8 +460,12 @@ class SnapKV(StaticSpec, Method):
         pyramid re-spread so that no layer's budget exceeds the longest prompt's prefix (`pyramid_budgets`)."""
         if self.pyramid_beta is None:
             return self.budgets
-        average = sum(row[0] for row in self.budgets) // self.num_layers
-        spread = pyramid_budgets(self.num_layers, average, self.pyramid_beta, prefix=max(longest - self.window, 0))
+        return self._pyramid(_average(self.budgets), longest)
+
+    def _pyramid(self, average: int, longest: int | None) -> tuple[tuple[int, ...], ...]:
+        """PyramidKV's budgets at `average` after a prompt of `longest` tokens (None: long enough for any)."""
+        prefix = None if longest is None else max(longest - self.window, 0)
+        spread = pyramid_budgets(self.num_layers, average, self.pyramid_beta, prefix=prefix)
         return tuple((b,) * self.num_kv_heads for b in spread)
 
     def shape_budgets(self, longest: int, lengths: Sequence[int] = ()) -> tuple[tuple[int, ...], ...]:
@@ -467,8 +482,28 @@ class SnapKV(StaticSpec, Method):
         return tuple(tuple(map(max, slots, row)) for slots, row in zip(self.slot_budgets, budgets))
 
     def decode_method(self, longest: int, lengths: Sequence[int] = ()) -> CompressedKV:
-        """The decode method after a prefill whose longest prompt has `longest` tokens (its rows `lengths`)."""
-        slots, room = decode_shape(self.shape_budgets(longest, lengths), self.window, self.capacity, longest, self.room)
+        """The decode method after a prefill whose longest prompt has `longest` tokens (its rows `lengths`). With
+        `slot_budgets` its shape follows the buckets of the prompts' lengths (`capacity_bucket`), not the lengths,
+        so that prompts in the same buckets share executables: each head capped by the longest prompt's bucket,
+        and PyramidKV's layers given what a prompt anywhere in each row's bucket could re-spread to them."""
+        budgets, held = self.shape_budgets(longest, lengths), None
+        if self.slot_budgets is not None:
+            held = min(capacity_bucket(longest), self.capacity)
+            if self.pyramid_beta is not None:
+                # A layer's re-spread budget is linear in the prefix below the bottom layer's budget and constant
+                # above, and grows with the average, so the ends of each bucket at the slots' average bound it (one
+                # more for the integer rounding). The rows' own budgets stay in (shape_budgets): a bound that fell
+                # short would cost a compile, not a token.
+                average = _average(self.slot_budgets)
+                unspread = self._pyramid(average, None)
+                for n in sorted(set(lengths) | {longest}):
+                    for end in capacity_bucket_range(n):
+                        spread = self._pyramid(average, end)
+                        if spread != unspread:
+                            budgets = tuple(
+                                tuple(max(a, b + 1) for a, b in zip(row, ends)) for row, ends in zip(budgets, spread)
+                            )
+        slots, room = decode_shape(budgets, self.window, self.capacity, longest, self.room, held)
         return CompressedKV(self.num_kv_heads, self.head_dim, slots, room, self.name, self.kv_dtype)
 
     def after_prefill(self, cache, lengths):
@@ -479,9 +514,9 @@ class SnapKV(StaticSpec, Method):
         # Each head's prefix tokens as runtime data in the slots shaped above: under `slot_budgets`, and for
         # PyramidKV's rows of other lengths, each of which keeps its own pyramid (what it keeps alone).
         if self.slot_budgets is not None or (self.pyramid_beta is not None and len(set(rows)) > 1):
-            window_slots = min(self.window, decode.head_slots[0][0])  # as `compress_layer`'s
-            held = [decode_shape(self.prompt_budgets(n), self.window, self.capacity, longest)[0] for n in rows]
-            counts = jnp.asarray(held, jnp.int32) - window_slots  # [B, L, K]
+            prefix = max(held_tokens(self.capacity, longest) - self.window, 0)  # as decode_shape's cap
+            kept = [[[min(b, prefix) for b in row] for row in self.prompt_budgets(n)] for n in rows]
+            counts = jnp.asarray(kept, jnp.int32)  # [B, L, K]
         return decode, _compress(self, decode, cache, lengths, counts)
 
 
@@ -516,6 +551,11 @@ def _compress(
 
 
 # --- budgets ------------------------------------------------------------------------------------------
+
+
+def _average(budgets: tuple[tuple[int, ...], ...]) -> int:
+    """The average of per-layer budgets (a pyramid's, equal over a layer's heads)."""
+    return sum(row[0] for row in budgets) // len(budgets)
 
 
 def base_budget(kv_budget, window: int) -> int:
