@@ -20,6 +20,7 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+from tqdm.auto import tqdm
 
 from duo_jax.cache import CAPACITY_BLOCK, round_capacity
 from duo_jax.config import ModelConfig, get_config
@@ -112,13 +113,14 @@ def plan(
     chunk: int = 512,
     temp: bool = True,
     fused_qkv: bool | None = None,
+    progress: bool = False,
 ) -> dict:
     """Weights, cache per token, temp memory and the largest context for "full" and "duo" (batch 1).
 
     pattern: duo's head pattern (default: the model's shipped one, if any: else only full attention is planned; only
     how many heads it makes retrieval heads matters here). temp=False skips compiling (temp counted as 0).
     fused_qkv: whether the engine holds q/k/v as one weight, a copy counted with the weights (None: the engine's
-    default on this backend).
+    default on this backend). progress: a progress bar over the compiles (minutes at an 8B model's shapes on a CPU).
     Returns a dict with weight_bytes, and per method (prefix "full_" / "duo_"): cache_bytes_per_token,
     cache_fixed_bytes, temp_bytes, temp_bytes_per_token, max_context (weights + cache + temp <= HBM) and
     max_context_no_temp (None: any length fits, nothing grows with it); plus max_context_full and max_context_duo.
@@ -153,12 +155,17 @@ def plan(
     # and at least the XLA path's key tile (512), so only the context changes between them.
     low = round_capacity(max(2 * chunk, 1024, 2 * (sink + recent)))
     high = 2 * low
+    compiles = tqdm(total=2 * len(options), desc="compiling the steps (temp memory)", disable=not (temp and progress))
     for name, opts in options.items():
         methods = [_method(name, config, c, opts) for c in (low, high)]
         cache = [tree_bytes(m.cache_spec(1, dtype)) for m in methods]
         per_token = Fraction(cache[1] - cache[0], high - low)
         fixed = cache[0] - per_token * low
-        temps = [_step_temp(config, m, dtype, weights, chunk, fused_qkv) for m in methods] if temp else [0, 0]
+        temps = [0, 0]
+        for i, (capacity, m) in enumerate(zip((low, high), methods) if temp else ()):
+            compiles.set_postfix_str(f"{name}, {capacity} tokens")
+            temps[i] = _step_temp(config, m, dtype, weights, chunk, fused_qkv)
+            compiles.update()
         temp_per_token = Fraction(max(temps[1] - temps[0], 0), high - low)
         temp_fixed = temps[0] - temp_per_token * low
         budget = hbm_bytes - w_bytes
@@ -179,6 +186,7 @@ def plan(
             }
         )
         out[f"max_context_{name}"] = best
+    compiles.close()
     return out
 
 
@@ -225,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk=args.chunk,
             temp=not args.no_temp,
             fused_qkv=args.fuse_qkv,
+            progress=True,
         )
     except DuoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
