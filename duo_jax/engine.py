@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from duo_jax.model import (
     unstack_layers,
     weight_format,
 )
-from duo_jax.sampling import Sampling, argmax_tokens, row_keys, row_seeds, sample_rows
+from duo_jax.sampling import Sampling, argmax_tokens, check_number, row_keys, row_seeds, sample_rows
 
 
 def bucket(n: int) -> int:
@@ -68,7 +67,6 @@ class _CacheLayout(NamedTuple):
     paths: tuple[str, ...]  # each leaf's path, as cache[0].retrieval_k
     free: tuple  # per leaf, the axes a row view (`Method.take_row`) sizes by the whole batch, not by its one row
     summary: str  # what the cache holds, for messages
-    first_float: int | None  # a leaf in the dtype the cache is built in (built in float32: a float32 leaf)
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,8 +84,7 @@ def _cache_layout(method: Method, batch: int, dtype: str) -> _CacheLayout:
                 for (shape, _), v in zip(leaves, view)
             )
     paths = tuple("cache" + jax.tree_util.keystr(path) for path, _ in flat)
-    first_float = next((i for i, (_, d) in enumerate(leaves) if d == jnp.float32), None)
-    return _CacheLayout(treedef, leaves, paths, free, _cache_summary(spec), first_float)
+    return _CacheLayout(treedef, leaves, paths, free, _cache_summary(spec))
 
 
 def _cache_summary(cache) -> str:
@@ -105,16 +102,11 @@ def _check_cache(method: Method, cache, batch: int) -> None:
     float dtype, and a batch-1 row view of a paged cache (`extend_row`)."""
     leaves, treedef = jax.tree.flatten(cache)
     got = tuple((tuple(getattr(x, "shape", ())), jnp.dtype(getattr(x, "dtype", type(x)))) for x in leaves)
-    first = _cache_layout(method, batch, "float32").first_float
-    guess = got[first][1].name if first is not None and first < len(got) else "float32"
-    # The dtype it was built in: its first float leaf's, else a usual one (a quantized cache's shows only in its
-    # pytree's metadata), else any float among its leaves.
-    others = (d.name for _, d in got if jnp.issubdtype(d, jnp.floating))
-    problem, tried = None, set()
-    for dtype in itertools.chain((guess, "float32", "bfloat16", "float16"), others):
-        if dtype in tried:
-            continue
-        tried.add(dtype)
+    # The dtype it was built in: one of its float leaves', else a usual one (a quantized cache's shows only in its
+    # pytree's metadata).
+    floats = [d.name for _, d in got if jnp.issubdtype(d, jnp.floating)]
+    problem = None
+    for dtype in dict.fromkeys([*floats, "float32", "bfloat16", "float16"]):
         want = _cache_layout(method, batch, dtype)
         if treedef != want.treedef:
             continue
@@ -159,11 +151,13 @@ def _check_token_ids(tokens, name: str, ndim: int) -> None:
 
 def _check_max_tokens(max_tokens, name: str) -> None:
     """Refuse a token buffer of no column: column 0 holds the first token, so at least 1."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-        raise DuoJaxError(
-            f"{name} must be an integer >= 1 (the first new token counts), got {max_tokens!r:.40}: to generate "
-            "nothing, skip the decode"
-        )
+    check_number(
+        name,
+        max_tokens,
+        integer=True,
+        minimum=1,
+        hint=" (the first new token counts; to generate nothing, skip the decode)",
+    )
 
 
 @functools.partial(
