@@ -105,11 +105,9 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-dtype",
         choices=["int8", "int4"],
         default=None,
-        help="quantized KV cache (every method; not with --mesh); default: the model's dtype",
+        help="quantized KV cache (every method; on --mesh: full and duo); default: the model's dtype",
     )
-    parser.add_argument(
-        "--weights", choices=["int8"], default=None, help="int8 weights (per output channel; not with --mesh)"
-    )
+    parser.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (per output channel)")
     return parser
 
 

@@ -648,7 +648,6 @@ class Engine:
         if mesh is None:
             self.params = prepared(params, self.fused_qkv)
         else:
-            sharding.check_generation_weights(params)
             sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)
             specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack_layers, params), mesh)
             self.params = jax.jit(unstack_layers, out_shardings=sharding.named(specs, mesh))(params)

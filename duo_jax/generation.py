@@ -33,7 +33,6 @@ from duo_jax.loading import Model
 from duo_jax.methods import Method, cache_nbytes
 from duo_jax.model import check_token_ids
 from duo_jax.pattern import Pattern, exact_sparsity
-from duo_jax.quant import check_kv_dtype
 from duo_jax.sampling import Sampling, argmax_tokens, check_number, check_sampling, row_seeds, sample_seeded
 from duo_jax.tokenizer import generated_text, require
 
@@ -253,7 +252,6 @@ def plan_generation(
     config = model.config
     if mesh is not None:  # before anything reads its axes
         sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)
-        sharding.check_generation_weights(model.params)
     ids = _prompt_ids(model, chat_prompts(model, prompts, chat))
     longest = max(len(p) for p in ids)
     needed = longest + max_new_tokens
@@ -272,10 +270,6 @@ def plan_generation(
             raise DuoJaxError(
                 "kv_dtype is a method option: build the method with it (make_method(..., "
                 "kv_dtype=...)) rather than passing both"
-            )
-        if mesh is not None and check_kv_dtype(kv_dtype) is not None:  # an unknown name is named as such first
-            raise DuoJaxError(
-                "a quantized KV cache on a device mesh is not supported yet: use kv_dtype=None with mesh=, or no mesh"
             )
         method_options["kv_dtype"] = kv_dtype
     # Default capacity: a bucket (`capacity_bucket`) so that varied requests share compiled shapes; the bucket is

@@ -21,7 +21,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from duo_jax.errors import DuoJaxError
-from duo_jax.model import LayerParams, Params, weight_format
+from duo_jax.model import LayerParams, Params
+from duo_jax.quant import QuantizedWeight
 
 MESH_AXES = ("data", "fsdp", "seq")
 GENERATION_AXES = DATA, MODEL = ("data", "model")
@@ -186,15 +187,6 @@ def check_generation_mesh(mesh: Mesh, num_heads: int, intermediate_size: int) ->
         )
 
 
-def check_generation_weights(params) -> None:
-    """Tensor parallelism splits plain weights: int8 weights (codes and per-channel scales) have no split yet."""
-    if weight_format(params) is not None:
-        raise MeshError(
-            "int8 weights on a generation mesh are not supported yet (their per-channel scales have no split): load "
-            "the weights unquantized (no --weights int8 / weight_format) with a mesh, or run int8 weights without one"
-        )
-
-
 def check_batch(mesh: Mesh, batch: int) -> None:
     """The batch is split over `data`: it must be a multiple of it."""
     if batch % mesh.shape[DATA]:
@@ -208,7 +200,12 @@ def check_batch(mesh: Mesh, batch: int) -> None:
 _TP_AXIS = dict(wq=1, wk=1, wv=1, wo=0, w_gate=1, w_up=1, w_down=0, bq=0, bk=0, bv=0)
 
 
-def _tp_spec(x, axis: int | None, m: int) -> P:
+def _tp_spec(x, axis: int | None, m: int) -> P | QuantizedWeight:
+    """x's spec split along `axis` over `model` (size m), replicated where m does not divide it. An int8 weight's
+    codes split so, and its per-output-channel scales with them: along an output axis they split alike, along the
+    contracted axis (size 1 there: one scale serves every slice of the sum) they stay whole."""
+    if isinstance(x, QuantizedWeight):
+        return QuantizedWeight(_tp_spec(x.codes, axis, m), _tp_spec(x.scale, axis, m))
     if axis is None or x.shape[axis] % m or m == 1:
         return P()
     return P(*(MODEL if a == axis else None for a in range(x.ndim)))
@@ -264,9 +261,10 @@ def check_runs_on_a_mesh(method) -> Any:
 
 
 def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
-    """The `PartitionSpec` of every array of `method`'s cache on a generation mesh (`method.cache_partition()`),
-    checked against the cache's shapes (arrays or `ShapeDtypeStruct`s); empty arrays (a layer without
-    retrieval or streaming heads) are replicated: there is nothing to split, and XLA returns them so."""
+    """The `PartitionSpec` of every array of `method`'s cache on a generation mesh (`method.cache_partition()`,
+    one spec per cache array or per quantized array's codes and scales alike), checked against the cache's shapes
+    (arrays or `ShapeDtypeStruct`s); empty arrays (a layer without retrieval or streaming heads) are replicated:
+    there is nothing to split, and XLA returns them so."""
     specs = check_runs_on_a_mesh(method)
 
     def check(x, spec: P) -> P:
@@ -280,7 +278,8 @@ def cache_specs(method, cache: Any, mesh: Mesh) -> Any:
                 )
         return spec if math.prod(x.shape) else P()
 
-    return jax.tree.map(check, cache, specs)
+    each = lambda spec, arrays: jax.tree.map(lambda x: check(x, spec), arrays)
+    return jax.tree.map(each, specs, cache, is_leaf=lambda x: isinstance(x, P))
 
 
 def split_heads_over_model(x: jax.Array, mesh: Mesh) -> jax.Array:

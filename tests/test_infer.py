@@ -161,7 +161,6 @@ def test_instruct_model_answers_through_its_chat_template(prompt, capsys):
         (["--prompt-file", "/nonexistent.txt"], "No such file"),
         (["--prompt-file", str(ROOT / "benchmarks" / "smollm2_gates.png")], "is not UTF-8 text"),  # a traceback before
         (["--prompt", "hi", "--method", "h2o"], "needs kv_budget"),
-        (["--prompt", "hi", "--mesh", "model=1", "--kv-dtype", "int4"], "quantized KV cache on a device mesh"),
         (["--prompt", "hi", "--method", "infinigen"], "needs a positive kv_budget"),
         (["--prompt", "hi", "--method", "headkv", "--kv-budget", "64", "--scores", "/nonexistent"], "nonexistent"),
         (["--prompt", "hi", "--pattern", "default", "--streaming-chunk", "0"], "streaming_chunk must be an integer"),

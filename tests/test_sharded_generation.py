@@ -24,7 +24,7 @@ import duo_jax
 from duo_jax import sharding
 from duo_jax.engine import Engine, compiled_decode, compiled_extend
 from duo_jax.generation import build_method
-from duo_jax.model import quantize_weights
+from duo_jax.model import quantize_weights, weight_format
 from duo_jax.pattern import Pattern
 from tests.conftest import tiny_config
 
@@ -44,6 +44,18 @@ for b, p in enumerate(prompts):
 options = dict(max_new_tokens=12, chunk_size=16, sink=4, recent=8, stop_at_eos=False)
 meshes = {"data=2,model=2": dict(data=2, model=2), "data=1,model=4": dict(data=1, model=4)}
 result = {"mask": pattern.retrieval_mask(sparsity).sum(axis=1).tolist()}
+
+
+def all_gathers(model, kv, mesh):  # what the compiled steps all-gather; none may make a whole weight or cache array
+    weights = weight_format(model.params)
+    steps = [compiled_extend(config, kv, 4, 16, "float32", "auto", False, mesh, weight_format=weights),
+             compiled_decode(config, kv, 4, "float32", "auto", True, 16, (), mesh, weight_format=weights)]
+    gathered = set()
+    for step in steps:
+        gathered |= set(re.findall(r"= [a-z0-9]+\[([0-9,]*)\]\S* all-gather(?:-start)?\(", step.as_text()))
+    arrays = (Engine.of(model, mesh).params, kv.cache_spec(4, "float32"))
+    whole = {",".join(map(str, x.shape)) for x in jax.tree.leaves(arrays)}
+    return dict(gathered=sorted(gathered), whole_gathered=sorted(gathered & whole))
 
 
 def prefill_logits(method, mesh):
@@ -67,16 +79,26 @@ for method in ("full", "duo"):
         runs[name] = dict(tokens=out.tokens, logits_err=err,
                           device_cache=out.stats["device_cache_bytes"], cache=out.stats["cache_bytes"])
 
-    # Collectives of the compiled steps (data=2, model=2): no all-gather may produce a whole weight or cache array.
     mesh = sharding.make_generation_mesh(**meshes["data=2,model=2"], devices=jax.devices()[:4])
-    engine = Engine.of(model, mesh)
-    steps = [compiled_extend(config, kv, 4, 16, "float32", "auto", False, mesh),
-             compiled_decode(config, kv, 4, "float32", "auto", True, 16, (), mesh)]
-    gathered = set()
-    for step in steps:
-        gathered |= set(re.findall(r"= [a-z0-9]+\[([0-9,]*)\]\S* all-gather(?:-start)?\(", step.as_text()))
-    whole = {",".join(map(str, x.shape)) for x in jax.tree.leaves((engine.params, kv.cache_spec(4, "float32")))}
-    runs["gathered"], runs["whole_gathered"] = sorted(gathered), sorted(gathered & whole)
+    runs.update(all_gathers(model, kv, mesh))
+
+# int8 weights with a quantized KV cache: each mesh's tokens and prefill logits against one device's, and no
+# compiled step gathering whole weight codes or a whole cache array.
+int8 = dataclasses.replace(model, params=quantize_weights(model.params, "int8"))
+for method, kv_dtype, sizes in (("full", "int8", meshes["data=2,model=2"]), ("duo", "int4", meshes["data=1,model=4"])):
+    extra = dict(pattern=pattern, sparsity=sparsity) if method == "duo" else {}
+    kv = build_method(config, method, context=128, sink=4, recent=8, kv_dtype=kv_dtype, **extra)
+    single = duo_jax.generate(int8, prompts, method=method, kv_dtype=kv_dtype, **options, **extra)
+    mesh = sharding.make_generation_mesh(**sizes, devices=jax.devices()[:4])
+    out = duo_jax.generate(int8, prompts, method=method, kv_dtype=kv_dtype, mesh=mesh, **options, **extra)
+    one, sharded = (np.asarray(Engine.of(int8, m).prefill(kv, padded, np.asarray(lengths), chunk=16)[0])
+                    for m in (None, mesh))
+    params = Engine.of(int8, mesh).params
+    result[f"int8 weights, {kv_dtype} {method}"] = dict(
+        single=single.tokens, tokens=out.tokens, unquantized=result[method]["single"],
+        logits_err=float(np.abs(sharded - one).max() / np.abs(one).max()), **all_gathers(int8, kv, mesh),
+        device_cache=out.stats["device_cache_bytes"], cache=out.stats["cache_bytes"],
+        device_weights=sharding.device_bytes(params), weights=sharding.total_bytes(params))
 
 # duo's streaming heads in chunks of 8 within chunks of 16 on (data=2, model=2): the tokens of chunks of 8 on one device
 duo = dict(method="duo", pattern=pattern, sparsity=sparsity)
@@ -113,8 +135,6 @@ def error(name, f):
         errors[name] = str(e)
 error("method", lambda: duo_jax.generate(model, prompts, method="h2o", kv_budget=32, mesh=mesh, chunk_size=16))
 error("heads", lambda: Engine(model.params, config, sharding.make_generation_mesh(model=3, devices=jax.devices()[:3])))
-int8 = dataclasses.replace(model, params=quantize_weights(model.params, "int8"))
-error("int8", lambda: duo_jax.generate(int8, prompts, mesh=mesh, **options))  # a bare AttributeError before
 train_mesh = sharding.make_mesh(data=2, fsdp=1, seq=2, devices=jax.devices()[:4])
 error("axes", lambda: duo_jax.generate(model, prompts, mesh=train_mesh, **options))  # a bare KeyError: 'model'
 error("kv_dtype", lambda: duo_jax.generate(model, prompts, mesh=mesh, kv_dtype="fp8", **options))
@@ -162,6 +182,20 @@ def test_sharded_generate_gives_the_single_device_greedy_tokens(sharded, method)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", ["int8 weights, int8 full", "int8 weights, int4 duo"])
+def test_int8_weights_and_a_quantized_cache_on_a_mesh_give_the_single_device_tokens(sharded, run):
+    """int8 weights (codes split with their weights, per-channel scales along the output axes) and an int8 / int4
+    KV cache (codes and scales split as the cache is) on (data=2, model=2) and (model=4): one device's tokens of
+    the same quantized model, its prefill logits to the rounding of a code, and no step gathering a whole array."""
+    r = sharded[run]
+    assert r["tokens"] == r["single"] != r["unquantized"]  # quantization changed the tokens; the mesh did not
+    assert r["logits_err"] < 2e-3, r["logits_err"]  # a code rounded the other way; a wrong scale would be O(1)
+    assert r["gathered"] and not r["whole_gathered"], r["whole_gathered"]
+    assert r["device_weights"] < 0.6 * r["weights"]  # the codes and the output scales split over model
+    assert r["device_cache"] <= r["cache"] // 2
+
+
+@pytest.mark.slow
 def test_a_streaming_chunk_on_a_mesh_gives_its_chunks_tokens(sharded):
     """duo with streaming_chunk=8 in chunks of 16 on (data=2, model=2): one device's tokens in chunks of 8."""
     runs = sharded["streaming_chunk"]
@@ -196,7 +230,6 @@ def test_mesh_errors_name_the_problem(sharded):
     errors = sharded["errors"]
     assert "'h2o' does not run on a device mesh" in errors["method"]
     assert "model=3 must divide the query heads (8)" in errors["heads"]
-    assert "int8 weights on a generation mesh are not supported yet" in errors["int8"]
     assert "generation needs a mesh with axes ('data', 'model')" in errors["axes"]
     assert "kv_dtype must be None (the model's dtype), 'int8' or 'int4', got 'fp8'" in errors["kv_dtype"]
 

@@ -143,3 +143,10 @@ def test_kv_budget_sets_comparable_windows():
     assert sum(duo.layout.num_retrieval) == 2
     with pytest.raises(DuoJaxError, match="kv_budget"):
         make_method("streaming_llm", CONFIG, context=64, kv_budget=0)
+    # A capacity below the window: the least budget is the capacity, and the refusal says so (it said sink + recent).
+    gates = duo_jax.Pattern(np.arange(4.0).reshape(2, 2))
+    with pytest.raises(
+        DuoJaxError, match=r"capacity, 128\); pass a smaller sink / recent, or a kv_budget of at least 128"
+    ):
+        make_method("duo", CONFIG, context=100, pattern=gates, kv_budget=127)
+    assert sum(make_method("duo", CONFIG, context=100, pattern=gates, kv_budget=128).layout.num_retrieval) == 0

@@ -222,6 +222,8 @@ class StreamingWindow:
         the chunk's k / v [B, T, K_s, E]; returns (output, the ring with the chunk folded in)."""
         out = q
         k, v = as_stored(k, cache_k), as_stored(v, cache_v)  # quantized once, when the cache is
+        if step.mesh is not None:  # the ring whole on every `model` device (GSPMD had split a quantized write by heads)
+            k, v, cache_k, cache_v = (sharding.whole_over_model(x, step.mesh) for x in (k, v, cache_k, cache_v))
         if q.shape[2]:
             out = self.attend(q, concat_slots(cache_k, k), concat_slots(cache_v, v), step)
         return (out, *self.write(k, v, cache_k, cache_v))
@@ -483,10 +485,12 @@ def make_duo(
         )
     if kv_budget is not None:
         capacity = round_capacity(context)
-        if kv_budget < min(sink + recent, capacity):  # even all-streaming heads would keep more
+        least = min(sink + recent, capacity)
+        if kv_budget < least:  # even all-streaming heads would keep more
             raise DuoJaxError(
                 f"kv_budget={kv_budget} is below duo's streaming window, sink + recent = {sink} + {recent}: every "
-                f"head keeps at least that; pass a smaller sink / recent, or a kv_budget of at least {sink + recent}"
+                f"head keeps at least that (or the capacity, {capacity}); pass a smaller sink / recent, or a "
+                f"kv_budget of at least {least}"
             )
         sparsity = duo_sparsity_for_budget(
             kv_budget, context=capacity, window=sink + recent, heads=config.num_layers * config.num_kv_heads
