@@ -6,7 +6,7 @@ import pytest
 
 import duo_jax
 from duo_jax.errors import DuoJaxError
-from duo_jax.methods.headkv import headkv_budgets, make_duo_headkv, make_headkv, resolve_scores
+from duo_jax.methods.headkv import duo_headkv_budget, headkv_budgets, make_duo_headkv, make_headkv, resolve_scores
 from tests.conftest import tiny_config
 from tests.test_snapkv import CONFIG, WINDOW, check_against_reference, reference_logits, run_engine
 
@@ -117,6 +117,27 @@ def test_duo_with_headkv_retrieval_heads_matches_the_float64_reference(window_la
                 if window_layers is not None and l != 1:
                     assert len(kept[l][head]) == min(budgets[l, head], 9) + WINDOW
         np.testing.assert_array_less(np.abs(logits[b] - ref).max(), 1e-4)
+
+
+def test_duo_headkv_budget_refuses_a_share_below_the_observation_window():
+    """The evaluations' rule gives duo_headkv's retrieval heads what the streaming heads leave of the budget; a share
+    below the window each keeps whole is refused there, naming the budget and the way out, not later by the builder
+    as a kv_budget the caller never passed. One token more of budget builds."""
+    config = tiny_config(num_layers=3)
+    rule = dict(
+        sink=64,
+        recent=256,
+        sparsity=0.5,  # 3 of 6 retrieval heads; the window fitted to 0 + 1
+        pattern=duo_jax.Pattern([[0.9, 0.8], [0.1, 0.2], [0.3, 0.7]]),
+        scores=np.array([[0.5, 0.1], [0.9, 0.9], [0.2, 0.3]]),
+    )
+    with pytest.raises(DuoJaxError, match="budget of 4 tokens per head.*keep 7 tokens each.*raise the sparsity"):
+        duo_headkv_budget(config, 4, **rule)  # (6 * 4 - 3 * 1) / 3 = 7 < 8
+    options = duo_headkv_budget(config, 5, **rule)
+    assert (options["sink"], options["recent"], options["kv_budget"]) == (0, 1, 9)
+    assert sum(map(len, make_duo_headkv(config, context=64, **options).budgets)) == 3
+    with pytest.raises(DuoJaxError, match="no retrieval head.*lower the sparsity"):
+        duo_headkv_budget(config, 64, **dict(rule, sparsity=1.0))
 
 
 def test_head_scores_resolution():

@@ -40,6 +40,8 @@ from duo_jax.model import apply_rotary
 from duo_jax.pattern import DEFAULT_SPARSITY, SCORES_KIND, Pattern, resolve_pattern
 from duo_jax.quant import kv_bytes_per_vector
 
+WINDOW = 8  # the observation window (the paper's alpha): the default of both builders and of duo_headkv's budget rule
+
 
 def headkv_budgets(scores, base: int, beta: float) -> np.ndarray:
     """Tokens each head keeps besides the window, int, the shape of `scores` ([L, K] or any set of heads):
@@ -81,16 +83,24 @@ def duo_headkv_budget(
     **inputs,
 ) -> dict:
     """The pattern at `sparsity`, duo's window on the streaming heads (fitted to the budget as duo's), and the
-    rest of N * budget shared by the R retrieval heads: (N * budget - (N - R) * window) / R tokens each."""
+    rest of N * budget shared by the R retrieval heads: (N * budget - (N - R) * window) / R tokens each, which
+    must hold the observation window (`WINDOW`, the builder's default) that each retrieval head keeps whole."""
     if fitted:
         sink, recent = fit_window(kv_budget, sink, recent)
     heads = config.num_layers * config.num_kv_heads
     retrieval = num_retrieval_heads(config, sparsity)
-    per_retrieval = (heads * kv_budget - (heads - retrieval) * (sink + recent)) // max(retrieval, 1)
-    if retrieval == 0 or per_retrieval < 1:
+    if retrieval == 0:
         raise DuoJaxError(
-            f"duo_headkv at sparsity {sparsity} with a window of {sink + recent} cannot meet a "
-            f"budget of {kv_budget} tokens per head: lower the sparsity or the window"
+            f"duo_headkv at sparsity {sparsity} cannot meet a budget of {kv_budget} tokens per head: it has no "
+            "retrieval head to hold what the streaming heads leave; lower the sparsity"
+        )
+    per_retrieval = (heads * kv_budget - (heads - retrieval) * (sink + recent)) // retrieval
+    if per_retrieval < WINDOW:
+        raise DuoJaxError(
+            f"duo_headkv at sparsity {sparsity} cannot meet a budget of {kv_budget} tokens per head: with the "
+            f"streaming heads' window of {sink + recent}, its {retrieval} retrieval heads would keep {per_retrieval} "
+            f"tokens each, fewer than their observation window of {WINDOW}: raise the sparsity (fewer retrieval heads, "
+            "each keeping more) or the budget"
         )
     return dict(pattern=pattern, sparsity=sparsity, sink=sink, recent=recent, scores=scores, kv_budget=per_retrieval)
 
@@ -107,7 +117,7 @@ def make_headkv(
     scores=None,
     kv_budget: int | None = None,
     beta: float = 1.2,
-    window: int = 8,
+    window: int = WINDOW,
     kernel: int = 7,
     pooling: str = "max",
     kv_dtype: str | None = None,
@@ -227,7 +237,7 @@ class DuoHeadKV(Method):
     layout: CacheLayout
     num_heads: int
     budgets: tuple[tuple[int, ...], ...]  # [L][n_l]: prompt tokens per retrieval head besides the window
-    window: int = 8
+    window: int = WINDOW
     kernel: int = 7
     pooling: str = "max"
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window (`ModelConfig.layer_windows`)
@@ -330,7 +340,7 @@ def make_duo_headkv(
     beta: float = 1.2,
     sink: int = 64,
     recent: int = 256,
-    window: int = 8,
+    window: int = WINDOW,
     kernel: int = 7,
     pooling: str = "max",
     kv_dtype: str | None = None,
