@@ -59,17 +59,21 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
-def add_model_args(p: argparse.ArgumentParser, *, peer: bool = True) -> None:
-    """--model / --pattern / --sparsity / --sink / --recent / --chunk-size / --dtype (and --no-peer)."""
+def add_model_args(
+    p: argparse.ArgumentParser, *, peer: bool = True, duo: bool = True, single_thread: bool = True
+) -> None:
+    """--model / --chunk-size / --dtype, with duo's --pattern / --sparsity / --sink / --recent (for a benchmark
+    that runs duo), --no-peer (one whose peer is optional) and --single-thread (one not always on one thread)."""
     p.add_argument("--model", default="smollm2-135m", help="config name (see configs/), HF directory or .gguf")
-    p.add_argument(
-        "--pattern",
-        default="default",
-        help="head pattern of duo: a folder / full_attention_heads.tsv, or 'default' (the model's own)",
-    )
-    p.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
-    p.add_argument("--sink", type=int, default=64, help="duo: attention-sink tokens of a streaming head")
-    p.add_argument("--recent", type=int, default=256, help="duo: recent tokens of a streaming head")
+    if duo:
+        p.add_argument(
+            "--pattern",
+            default="default",
+            help="head pattern of duo: a folder / full_attention_heads.tsv, or 'default' (the model's own)",
+        )
+        p.add_argument("--sparsity", type=float, default=0.5, help="duo: fraction of streaming heads")
+        p.add_argument("--sink", type=int, default=64, help="duo: attention-sink tokens of a streaming head")
+        p.add_argument("--recent", type=int, default=256, help="duo: recent tokens of a streaming head")
     p.add_argument(
         "--chunk-size",
         type=int,
@@ -84,12 +88,13 @@ def add_model_args(p: argparse.ArgumentParser, *, peer: bool = True) -> None:
     )
     if peer:
         p.add_argument("--no-peer", action="store_true", help="skip the Hugging Face transformers peer")
-    p.add_argument(
-        "--single-thread",
-        action="store_true",
-        help="one CPU thread on both sides (XLA without its Eigen thread pool, torch.set_num_threads(1)): "
-        "steadier numbers on a machine shared with other jobs; default: each library's own",
-    )
+    if single_thread:
+        p.add_argument(
+            "--single-thread",
+            action="store_true",
+            help="one CPU thread on both sides (XLA without its Eigen thread pool, torch.set_num_threads(1)): "
+            "steadier numbers on a machine shared with other jobs; default: each library's own",
+        )
 
 
 def setup_threads(args: argparse.Namespace) -> None:

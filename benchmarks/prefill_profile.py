@@ -40,7 +40,7 @@ def cpu_seconds(fn, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__, "prefill_profile")
-    common.add_model_args(p, peer=False)
+    common.add_model_args(p, peer=False, single_thread=False)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="prompt lengths (tokens)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement (the minimum is kept)")
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ import common
 
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__, "weights_memory")
-    common.add_model_args(p, peer=False)
+    common.add_model_args(p, peer=False, duo=False)
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per call")
     args = p.parse_args(argv)
