@@ -344,7 +344,7 @@ notriton)
           --decode-steps 16 --out "$out/mosaic" 2>&1 | tee "$out/gpu_llama8b_mosaic.log" ) || true
     ;;
 *)
-    echo "unknown stage $stage (check, next, decode, prefill, graphs, layer, layer_decode, whole, chunks, serving, llama8b, quantized, gates, methods, train8b, notriton or sweep)" >&2
+    echo "unknown stage $stage (check, next, decode, prefill, graphs, layer, layer_decode, whole, chunks, serving, llama8b, quantized, gates, methods, evals, evals_budgets, train8b, notriton or sweep)" >&2
     exit 2
     ;;
 esac
