@@ -194,7 +194,7 @@ def _fwd_kernel(
         lse_ref[...] = jnp.where(empty, jnp.inf, m_scr[...] + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _specs(cfg: _Config, head_dim: int, num_q_blocks: int, num_kv_blocks: int):
+def _specs(cfg: _Config, head_dim: int, num_kv_blocks: int):
     """BlockSpecs for grid (b, h, i, t): query tiles at block i, KV tiles at the visited block, and
     with cfg.positions the query positions' [bq, 1] column of block i and the key positions' [1, bk]
     row of the visited block ([B, T, 1] and [B, 1, S] operands; `positions`: [] or both)."""
@@ -237,7 +237,7 @@ def _forward(q, k, v, q_offset, kv_len, pos, cfg: _Config, scales=()):
     their (k, v) scales [B, Hkv, S, 1]."""
     batch, num_heads, seq_q_padded, head_dim = q.shape
     num_q_blocks, num_kv_blocks = seq_q_padded // cfg.block_q, k.shape[2] // cfg.block_k
-    q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
+    q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_kv_blocks)
     parts, acc = _common.kv_parts(cfg.kv_quant), (cfg.block_q, head_dim)
     if cfg.kv_quant is not None:  # codes' and scales' tiles at the same blocks as K / V's; q, o, acc in parts
         code_tile, scale_tile = (
@@ -365,7 +365,7 @@ def _backward(cfg: _Config, residuals, do):
     scratch = lambda length: pltpu.VMEM((length, head_dim), jnp.float32)  # noqa: E731
     rows = lambda x: x.reshape(batch, num_heads, 1, seq_q_padded)  # noqa: E731  [B, H, T, 1] -> rows
 
-    q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_q_blocks, num_kv_blocks)
+    q_tile, stats, kv_tile, positions = _specs(cfg, head_dim, num_kv_blocks)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, num_kv_blocks=num_kv_blocks),
         grid_spec=pltpu.PrefetchScalarGridSpec(
