@@ -293,9 +293,7 @@ def test_budget_covering_the_prompt_is_full_attention(params, sequences):
     prompts, continuations = sequences
     method = make_snapkv(CONFIG, context=64, kv_budget=45, window=WINDOW)
     logits, cache, decode, prefill_bytes = run_engine(params, CONFIG, method, prompts, continuations)
-    full, _, full_method, _ = run_engine(
-        params, CONFIG, make_method("full", CONFIG, context=64), prompts, continuations
-    )
+    full, _, _, _ = run_engine(params, CONFIG, make_method("full", CONFIG, context=64), prompts, continuations)
     for ours, theirs in zip(logits, full):
         np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4)
     assert kept_sets(cache, decode, 1) == [[set(range(38))] * 2] * 2
