@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from duo_jax.errors import DuoJaxError, HelpFormatter, read_user_text
@@ -169,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             else sharding.make_generation_mesh(**sharding.parse_mesh(args.mesh, sharding.GENERATION_AXES))
         )
         text = _prompt_text(args.prompt, args.prompt_file)
-        model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype), weights=args.weights)
+        # On a mesh, each device reads its own slices of the weights: one copy of them, already where the steps run.
+        shardings = None if mesh is None else functools.partial(sharding.tensor_parallel_shardings, mesh=mesh)
+        model = duo_jax.load(args.model, dtype=jnp.dtype(args.dtype), weights=args.weights, shardings=shardings)
         chat = is_chat_model(model) if args.chat is None else args.chat
         options = dict(
             kv_budget=args.kv_budget, scores=args.scores, kv_dtype=args.kv_dtype, streaming_chunk=args.streaming_chunk

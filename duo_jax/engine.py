@@ -625,7 +625,8 @@ class Engine:
     every call and method; `copied` says so): a model used both for scanned work and for generation holds
     its weights twice. On a generation `mesh` (`duo_jax.sharding`: batch over `data`, tensor parallelism over
     `model`) the weights are placed sharded, each device receiving only its slices (a copy beside the model's
-    unsharded arrays), and every step runs on the mesh; only methods with a `cache_partition` (full, duo) run
+    unsharded arrays; none where they were loaded so, `duo_jax.sharding.tensor_parallel_shardings`), and every
+    step runs on the mesh; only methods with a `cache_partition` (full, duo) run
     there. With `fuse_qkv` (the default on a GPU, off a mesh) each layer's query, key and value weights are held
     as one (`duo_jax.model.fuse_qkv`, a copy of them): XLA:GPU runs a one-token projection through a weight of
     fewer than 10M elements as a product and column sums instead of a matrix-vector product, which Llama-3-8B's
@@ -650,7 +651,10 @@ class Engine:
         else:
             sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)
             specs = sharding.tensor_parallel_specs(jax.eval_shape(unstack_layers, params), mesh)
-            self.params = jax.jit(unstack_layers, out_shardings=sharding.named(specs, mesh))(params)
+            if isinstance(params.layers, tuple):  # per layer: arrays already placed so are kept, not copied
+                self.params = jax.device_put(params, sharding.named(specs, mesh))
+            else:
+                self.params = jax.jit(unstack_layers, out_shardings=sharding.named(specs, mesh))(params)
         self.dtype = jnp.dtype(params.dtype).name
         self.weight_format = weight_format(params)  # None, or "int8" (`duo_jax.load(..., weights="int8")`)
         # Whether `params` is a copy of the weights (rather than the very arrays it was built from).

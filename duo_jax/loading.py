@@ -75,25 +75,19 @@ def load(
     scoring and the Flax front scan over); `forward` takes either. Giving a path the other layout costs a copy
     of the layers' weights (`duo_jax.model.stack_layers` / `unstack_layers`).
 
-    `shardings(shapes)`, given the weights as a `Params` of `jax.ShapeDtypeStruct`s, returns a `Params` of
-    `jax.sharding.Sharding`s (e.g. `duo_jax.sharding.weight_shardings` for a mesh): each leaf is then put
-    straight into its sharded layout, this process reading (safetensors) and sending only the slices its own
-    devices hold (the default puts every weight on the default device). weights="int8" quantizes every matmul weight
-    to int8 per
-    output channel after loading (scales in `dtype`, dequantized in the matmul: `duo_jax.model.quantize_weights`;
-    not with `shardings`). `shardings` lays out stacked layers (training's FSDP): it needs layout="stacked"."""
+    `shardings(shapes)`, given the weights as a `Params` of `jax.ShapeDtypeStruct`s in `layout`, returns a
+    `Params` of `jax.sharding.Sharding`s: each leaf is then put straight into its sharded layout, this process
+    reading (safetensors) and sending only the slices its own devices hold (the default puts every weight on the
+    default device). For gate training's FSDP, `duo_jax.sharding.weight_shardings` with layout="stacked"; for
+    generation on a mesh, `duo_jax.sharding.tensor_parallel_shardings` (per layer), whose arrays an `Engine` on that
+    mesh then runs as they are, without a copy. weights="int8" quantizes every matmul weight to int8 per output
+    channel after loading (scales in `dtype`, dequantized in the matmul: `duo_jax.model.quantize_weights`), sharded
+    weights where they lie."""
     if not str(name_or_path).strip():
         raise LoadError("no model given (an empty name); pass a name in configs/, a Hugging Face folder or a .gguf")
     check_weight_format(weights)  # before reading gigabytes
     check_layout(layout)
     dtype = check_weight_dtype(dtype)
-    if weights is not None and shardings is not None:
-        raise LoadError("int8 weights are not supported with sharded loading yet: pass weights=None or no shardings")
-    if shardings is not None and layout != "stacked":
-        raise LoadError(
-            "sharded loading (shardings=) lays out stacked layers, as gate training takes them: pass "
-            "layout='stacked' with it"
-        )
     model = _load(name_or_path, dtype, path, shardings, layout)
     return dataclasses.replace(model, params=quantize_weights(model.params, weights))
 
@@ -388,29 +382,60 @@ class _ParamsBuilder:
             )
         self._check_tied_head()
         layouts = {}
-        if shardings is not None:
-            placed = shardings(_params({k: jax.ShapeDtypeStruct(s, self.dtype) for k, s in self.shapes.items()}))
-            layouts = {k: getattr(placed if k in _GLOBAL_NAMES.values() else placed.layers, k) for k in self.shapes}
-        leaves = {}
         per_layer = layout == "per_layer"
+        if shardings is not None:
+            shapes = {k: jax.ShapeDtypeStruct(s, self.dtype) for k, s in self.shapes.items()}
+            if per_layer:  # each layer's shapes, without the leading layer axis
+                shapes = {k: s if k in _GLOBAL_NAMES.values() else self._per_layer(s) for k, s in shapes.items()}
+            placed = shardings(_params(shapes, per_layer))
+            if not isinstance(placed, Params) or isinstance(placed.layers, tuple) != per_layer:
+                raise LoadError(
+                    f"shardings(shapes) must return a Params of shardings laid out as the shapes it is given "
+                    f"(layout={layout!r}), got {type(placed).__name__}: e.g. "
+                    "duo_jax.sharding.tensor_parallel_shardings per layer, weight_shardings for layout='stacked'"
+                )
+            for k in self.shapes:
+                if k in _GLOBAL_NAMES.values():
+                    layouts[k] = getattr(placed, k)
+                elif per_layer:
+                    layouts[k] = [getattr(layer, k) for layer in placed.layers]
+                else:
+                    layouts[k] = getattr(placed.layers, k)
+        leaves = {}
         for field, shape in self.shapes.items():  # leaf by leaf: one field in host memory at a time
             placed = layouts.get(field)
             if per_layer and field not in _GLOBAL_NAMES.values():  # one device array per layer
-                leaves[field] = [jnp.asarray(self._block(field, (slice(l, l + 1),))[0]) for l in range(shape[0])]
-            elif placed is None:
-                leaves[field] = jnp.asarray(self._block(field, ()))
+                leaves[field] = [
+                    self._array(field, shape[1:], None if placed is None else placed[l], layer=l)
+                    for l in range(shape[0])
+                ]
             else:
-                blocks = {}  # devices holding the same block (replicas) share one read
-
-                def block(index, field=field, blocks=blocks):
-                    key = tuple(i.indices(d) for i, d in zip(index, self.shapes[field]))
-                    if key not in blocks:
-                        blocks[key] = self._block(field, index)
-                    return blocks[key]
-
-                leaves[field] = jax.make_array_from_callback(shape, placed, block)
+                leaves[field] = self._array(field, shape, placed)
             del self.tensors[field]
         return _params(leaves, per_layer)
+
+    @staticmethod
+    def _per_layer(stacked: jax.ShapeDtypeStruct) -> list[jax.ShapeDtypeStruct]:
+        return [jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)] * stacked.shape[0]
+
+    def _array(self, field: str, shape: tuple[int, ...], placed, layer: int | None = None) -> jax.Array:
+        """`field` (one `layer` of it, or all: stacked) as a device array: on the default device, or laid out as
+        `placed` says, reading only the blocks this process's devices hold."""
+        if layer is not None:  # the layer's block of the stacked field
+            read = lambda index: self._block(field, (slice(layer, layer + 1), *index))[0]  # noqa: E731
+        else:
+            read = lambda index: self._block(field, tuple(index))  # noqa: E731
+        if placed is None:
+            return jnp.asarray(read(()))
+        blocks = {}  # devices holding the same block (replicas) share one read
+
+        def block(index):
+            key = tuple(i.indices(d) for i, d in zip(index, shape))
+            if key not in blocks:
+                blocks[key] = read(index)
+            return blocks[key]
+
+        return jax.make_array_from_callback(shape, placed, block)
 
 
 def _params(leaves: dict, per_layer: bool = False) -> Params:

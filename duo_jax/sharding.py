@@ -234,6 +234,13 @@ def tensor_parallel_specs(params: Params, mesh: Mesh) -> Params:
     )
 
 
+def tensor_parallel_shardings(params: Params, mesh: Mesh) -> Params:
+    """`tensor_parallel_specs` as shardings: `duo_jax.load(..., shardings=partial(tensor_parallel_shardings,
+    mesh=mesh))` loads each device's slices straight into them, and an `Engine` on `mesh` runs those arrays as
+    they are (one copy of the weights)."""
+    return named(tensor_parallel_specs(params, mesh), auto_axes(mesh))
+
+
 def named(specs: Any, mesh: Mesh) -> Any:
     """`PartitionSpec`s -> `NamedSharding`s on `mesh` (same tree)."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))

@@ -56,8 +56,8 @@ _LOAD = duo_jax.load
 
 
 @functools.cache
-def _load_once(name, dtype=None, weights=None):
-    return _LOAD(name, dtype=dtype, weights=weights)
+def _load_once(name, dtype=None, weights=None, shardings=None):
+    return _LOAD(name, dtype=dtype, weights=weights, shardings=shardings)
 
 
 @pytest.fixture(autouse=True)

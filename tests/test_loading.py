@@ -277,8 +277,12 @@ def test_layouts_hold_the_same_weights_and_compute_the_same(hf_dir):
     )
     with pytest.raises(duo_jax.DuoJaxError, match="layout must be one of"):
         duo_jax.load(hf_dir, layout="scanned")
-    with pytest.raises(LoadError, match="layout='stacked'"):
-        duo_jax.load(hf_dir, shardings=lambda shapes: None)
+    with pytest.raises(LoadError, match=r"must return a Params of shardings .*\(layout='per_layer'\), got NoneType"):
+        duo_jax.load(hf_dir, shardings=lambda shapes: None)  # an AttributeError
+    with pytest.raises(LoadError, match=r"laid out as the shapes it is given \(layout='per_layer'\), got Params"):
+        duo_jax.load(
+            hf_dir, shardings=lambda shapes: jax.eval_shape(stack_layers, shapes)
+        )  # stacked shardings for per-layer shapes
 
 
 # A llama GGUF's architecture metadata (llama.cpp's keys), as the shipped SmolLM2 file has them, at a tiny shape.

@@ -17,7 +17,7 @@ from tests.conftest import xla_flags
 REPO = Path(__file__).resolve().parent.parent
 
 _SCRIPT = r"""
-import dataclasses, json, re
+import dataclasses, functools, json, re, sys
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import duo_jax
@@ -100,6 +100,22 @@ for method, kv_dtype, sizes in (("full", "int8", meshes["data=2,model=2"]), ("du
         device_cache=out.stats["device_cache_bytes"], cache=out.stats["cache_bytes"],
         device_weights=sharding.device_bytes(params), weights=sharding.total_bytes(params))
 
+# Weights loaded straight into the tensor-parallel layout (a transformers checkpoint, plain and int8): the engine on
+# that mesh runs the loaded arrays themselves, and the tokens are one device's of the same weights.
+mesh = sharding.make_generation_mesh(**meshes["data=2,model=2"], devices=jax.devices()[:4])
+for weights in (None, "int8"):
+    one = duo_jax.load(sys.argv[1], np.float32, weights=weights)
+    loaded = duo_jax.load(sys.argv[1], np.float32, weights=weights,
+                          shardings=functools.partial(sharding.tensor_parallel_shardings, mesh=mesh))
+    engine = Engine.of(loaded, mesh)
+    result[f"loaded {weights}"] = dict(
+        copied=engine.copied,
+        kept=[a is b for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(loaded.params))],
+        split=sum("model" in str(x.sharding.spec) for x in jax.tree.leaves(loaded.params)),
+        equal=all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(one.params))),
+        tokens=duo_jax.generate(loaded, prompts, mesh=mesh, **options).tokens,
+        single=duo_jax.generate(one, prompts, **options).tokens)
+
 # duo's streaming heads in chunks of 8 within chunks of 16 on (data=2, model=2): the tokens of chunks of 8 on one device
 duo = dict(method="duo", pattern=pattern, sparsity=sparsity)
 mesh = sharding.make_generation_mesh(**meshes["data=2,model=2"], devices=jax.devices()[:4])
@@ -143,22 +159,31 @@ print(json.dumps(result))
 """
 
 
-def on_8_devices(script: str) -> dict:
-    """The JSON that `script` prints last, run in a process with 8 host CPU devices."""
+def on_8_devices(script: str, *args: str) -> dict:
+    """The JSON that `script` prints last, run with `args` in a process with 8 host CPU devices."""
     env = dict(
         os.environ,
         XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO),
     )
-    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def sharded():
-    return on_8_devices(_SCRIPT)
+def sharded(tmp_path_factory):
+    import transformers
+
+    from tests.test_model import write_random_hf_model
+
+    checkpoint = tmp_path_factory.mktemp("checkpoint")
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8)
+    write_random_hf_model(checkpoint, transformers.LlamaConfig, dict(fields, num_key_value_heads=4))
+    return on_8_devices(_SCRIPT, str(checkpoint))
 
 
 @pytest.mark.slow
@@ -193,6 +218,18 @@ def test_int8_weights_and_a_quantized_cache_on_a_mesh_give_the_single_device_tok
     assert r["gathered"] and not r["whole_gathered"], r["whole_gathered"]
     assert r["device_weights"] < 0.6 * r["weights"]  # the codes and the output scales split over model
     assert r["device_cache"] <= r["cache"] // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_weights_loaded_into_the_mesh_layout_are_run_without_a_copy(sharded, weights):
+    """`load(shardings=tensor_parallel_shardings)`: each device's slices read straight into place; the engine on
+    that mesh holds the loaded arrays themselves (one copy of the weights), and generates one device's tokens."""
+    r = sharded[f"loaded {weights}"]
+    assert not r["copied"] and all(r["kept"]) and len(r["kept"]) == (21 if weights is None else 37)
+    assert r["split"] >= 2 * 7  # every matmul weight of both layers (int8: codes, and the output scales)
+    assert r["equal"]  # the values of a load onto one device
+    assert r["tokens"] == r["single"]
 
 
 @pytest.mark.slow
