@@ -4,6 +4,7 @@
     python infer.py --model smollm2-135m --no-chat --prompt "The capital of France is"   # raw continuation
     python infer.py --model llama3-8b --pattern default --sparsity 0.5 --prompt-file book.txt
     python infer.py --model llama3-8b --pattern default --mesh model=8 --prompt-file book.txt   # 8 devices
+    python infer.py --model llama3-8b --mesh data=2,model=8 --distributed --prompt-file book.txt  # on each of 2 hosts
 
 `generate` here is `duo_jax.generate`: `infer.generate(model, prompts, ...)` from your own code.
 """
@@ -14,6 +15,7 @@ import argparse
 import functools
 import sys
 
+from duo_jax.distributed import add_launch_options, initialize_from_args
 from duo_jax.errors import DuoJaxError, HelpFormatter, read_user_text
 from duo_jax.generation import generate, validate_options
 from duo_jax.methods import METHODS, describe, entry
@@ -109,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         help="quantized KV cache (every method; on --mesh: full and duo); default: the model's dtype",
     )
     parser.add_argument("--weights", choices=["int8"], default=None, help="int8 weights (per output channel)")
+    add_launch_options(parser)  # a --mesh over the devices of several hosts
     return parser
 
 
@@ -148,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     from duo_jax import sharding
     from duo_jax.chat import is_chat_model
 
+    try:
+        initialize_from_args(args)  # before anything touches the devices
+    except DuoJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.dtype == "auto":
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
@@ -199,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     except (duo_jax.DuoJaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if jax.process_index() != 0:  # several processes: each ran the same generation, the first prints it
+        return 0
     print(out.text[0] if chat else text + out.text[0])  # chat: the reply; raw: the prompt and its continuation
     s = out.stats
     heads = f"retrieval heads {s['retrieval_heads']}/{s['kv_heads']} | " if "retrieval_heads" in s else ""

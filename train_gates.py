@@ -29,6 +29,7 @@ MEMORY_FIXES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from duo_jax.distributed import add_launch_options
     from duo_jax.errors import HelpFormatter
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
@@ -103,20 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "seq, the frozen weights over fsdp x seq; attention over seq uses Ulysses "
         "when seq divides the KV heads, else an all-gather of K/V",
     )
-    group.add_argument(
-        "--distributed",
-        action="store_true",
-        help="run as one of several processes: jax.distributed.initialize() finds the others on "
-        "Cloud TPU, SLURM, Open MPI and Kubernetes (automatic under SLURM / Open MPI with "
-        "several tasks); elsewhere also pass the three options below to every process",
-    )
-    group.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help="address of process 0's coordinator, for a launch JAX cannot detect (implies --distributed)",
-    )
-    group.add_argument("--num-processes", type=int, help="number of processes of an explicit launch")
-    group.add_argument("--process-id", type=int, help="this process's index (0 to --num-processes - 1)")
+    add_launch_options(parser)
     return parser
 
 
@@ -164,14 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import duo_jax
-    from duo_jax import device_memory, gates, sharding, training
+    from duo_jax import device_memory, distributed, gates, sharding, training
     from duo_jax.data import load_haystack
     from duo_jax.errors import check_output_folder
     from duo_jax.tokenizer import require
 
     try:
         # before anything touches the devices
-        training.initialize_distributed(args.distributed, args.coordinator, args.num_processes, args.process_id)
+        distributed.initialize_from_args(args)
         name = Path(args.model).stem if Path(args.model).exists() else args.model
         out = check_output_folder(args.out or f"runs/gates/{name}")  # before the weights load
         mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh or f"seq={jax.device_count()}"))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from duo_jax import attention, device_memory, methods, sharding
@@ -487,6 +488,14 @@ def _finished(token: jax.Array, prompts: jax.Array, eos: jax.Array) -> jax.Array
     return jnp.where(jnp.arange(token.shape[0]) < prompts, token, eos)
 
 
+def host_array(x: jax.Array) -> np.ndarray:
+    """x whole on this host; on a mesh spanning processes (whose `data` axis may split the batch between hosts)
+    through an all-gather, which every process runs in the same order, as it runs the whole of `generate`."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation:
     config, kv_method, impl, mesh = model.config, plan.method, plan.impl, plan.mesh
     ids, chunk, tail = _batch_ids(plan), plan.chunk, plan.tail_steps
@@ -530,7 +539,7 @@ def _run(model: Model, engine: Engine, plan: GenerationPlan, seed) -> Generation
         impl=impl,
     )
     steps = int(steps)  # the one host sync of the decode
-    generated = np.asarray(tokens)[:prompts, : steps + 1]  # [prompts, N]: the padding rows dropped
+    generated = host_array(tokens)[:prompts, : steps + 1]  # [prompts, N]: the padding rows dropped
     decode_s = time.perf_counter() - start
 
     out = []

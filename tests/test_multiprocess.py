@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+import duo_jax
 from duo_jax.pattern import Pattern
 from tests import test_train_gates
 from tests.conftest import xla_flags
@@ -98,6 +99,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_processes(script: str, *args: str) -> list[subprocess.Popen]:
+    """`script` started as processes 0 and 1 of 2 host CPU devices each, with argv (process id, a free
+    coordinator port, *args)."""
+    port = str(_free_port())
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
+        XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
+    )
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(i), port, *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
 @pytest.mark.slow
 def test_two_processes_train_like_one_device(tmp_path, tiny_checkpoint):
     model, haystack = tiny_checkpoint
@@ -134,19 +158,8 @@ def test_two_processes_train_like_one_device(tmp_path, tiny_checkpoint):
     root.mkdir()
     (root / "model").symlink_to(model)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    port = str(_free_port())
     multi = args + ["--mesh", "fsdp=2,seq=2", "--out", str(root / "run")]
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PROCESS, str(i), port, str(root), json.dumps(multi)],
-            cwd=REPO,
-            env=dict(env, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2")),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    processes = _two_processes(_PROCESS, str(root), json.dumps(multi))
     single = subprocess.run(
         [sys.executable, str(REPO / "train_gates.py"), *args, "--mesh", "seq=1", "--out", str(tmp_path / "single")],
         cwd=REPO,
@@ -175,6 +188,63 @@ def test_two_processes_train_like_one_device(tmp_path, tiny_checkpoint):
         assert r["equal"] and r["restored_equal"]  # loaded values, and orbax's round trip
         assert r["read"] == r["held"] < 0.6 * r["total"]  # its half of the sharded weights, plus the norms
         assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(r["files"])  # each process wrote its shards
+
+
+_GENERATE = r"""
+import contextlib, functools, io, json, sys
+import numpy as np
+from duo_jax import distributed
+process_id, port, model, prompts = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+distributed.initialize_distributed(True, f"localhost:{port}", 2, process_id)
+import jax
+import duo_jax, infer
+from duo_jax import sharding
+from duo_jax.pattern import Pattern
+
+mesh = sharding.make_generation_mesh(data=2, model=2)  # each process: one data slot, both model devices
+loaded = duo_jax.load(model, np.float32, shardings=functools.partial(sharding.tensor_parallel_shardings, mesh=mesh))
+options = dict(max_new_tokens=6, chunk_size=16, stop_at_eos=False)
+gates = np.array([[0.9, 0.1], [0.1, 0.1]])  # layer retrieval counts 1, 0
+tokens = dict(
+    full=duo_jax.generate(loaded, prompts, mesh=mesh, **options).tokens,
+    duo=duo_jax.generate(loaded, prompts, mesh=mesh, pattern=Pattern(gates), sparsity=0.75, sink=2, recent=4,
+                         kv_dtype="int4", **options).tokens,
+)
+out = io.StringIO()
+launch = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(process_id)]
+with contextlib.redirect_stdout(out):
+    status = infer.main(["--model", model, "--mesh", "data=2,model=2", "--no-chat", "--prompt", "one two three",
+                         "--max-new-tokens", "4", "--dtype", "float32", *launch])
+print(json.dumps(dict(tokens=tokens, devices=jax.device_count(), status=status, printed=out.getvalue())))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_generate_like_one_device(tiny_checkpoint):
+    """A (data=2, model=2) mesh over two processes of 2 host devices each (each process one batch slot): the
+    weights loaded straight into their slices, full attention and duo over an int4 cache give one device's greedy
+    tokens (the batch gathered back on every process), and `infer.py --mesh` launched as two processes prints the
+    continuation once."""
+    model, _ = tiny_checkpoint
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 10, 11], [5, 6], [7, 8, 9, 10]]
+    processes = _two_processes(_GENERATE, str(model), json.dumps(prompts))
+    one = duo_jax.load(model, np.float32)
+    options = dict(max_new_tokens=6, chunk_size=16, stop_at_eos=False)
+    gates = np.array([[0.9, 0.1], [0.1, 0.1]])
+    single = dict(
+        full=duo_jax.generate(one, prompts, **options).tokens,
+        duo=duo_jax.generate(
+            one, prompts, pattern=Pattern(gates), sparsity=0.75, sink=2, recent=4, kv_dtype="int4", **options
+        ).tokens,
+    )
+    outputs = [p.communicate(timeout=300) for p in processes]
+    for p, (_, err) in zip(processes, outputs):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert single["full"] != single["duo"]
+    for r in results:
+        assert r["devices"] == 4 and r["tokens"] == single and r["status"] == 0
+    assert results[0]["printed"].startswith("one two three") and results[1]["printed"] == ""
 
 
 def test_an_incomplete_explicit_launch_is_refused(capsys):

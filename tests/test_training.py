@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import duo_jax
-from duo_jax import gates, sharding, training
+from duo_jax import distributed, gates, sharding, training
 from duo_jax.data.passkey import NATO_ALPHABET
 from duo_jax.pattern import Pattern
 from duo_jax.tokenizer import Tokenizer
@@ -546,8 +546,8 @@ def test_a_coordinator_that_is_not_host_port_is_refused_before_jax_is_called(mon
     """JAX answered "nonsense" with IndexError: list index out of range."""
     called = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *args: called.append(args))
-    with pytest.raises(training.TrainingError, match=r"--coordinator .* is not HOST:PORT.*1 to 65535"):
-        training.initialize_distributed(False, address, 1, 0)
+    with pytest.raises(distributed.LaunchError, match=r"--coordinator .* is not HOST:PORT.*1 to 65535"):
+        distributed.initialize_distributed(False, address, 1, 0)
     assert not called
 
 
@@ -556,13 +556,13 @@ def test_a_host_port_coordinator_reaches_jax(monkeypatch, address):
     called = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *args: called.append(args))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
-    training.initialize_distributed(False, address, 2, 1)
+    distributed.initialize_distributed(False, address, 2, 1)
     assert called == [(address, 2, 1)]
 
 
 def test_zero_processes_is_refused():
-    with pytest.raises(training.TrainingError, match="--num-processes must be at least 1, got 0"):
-        training.initialize_distributed(False, "host0:1234", 0, 0)
+    with pytest.raises(distributed.LaunchError, match="--num-processes must be at least 1, got 0"):
+        distributed.initialize_distributed(False, "host0:1234", 0, 0)
 
 
 _RESUME_SCRIPT = r"""
