@@ -611,6 +611,17 @@ def _abstract(tree):
 ChunkCallback = Callable[[jax.Array, int, np.ndarray], None]
 
 
+def _check_on_one_device(params: Params) -> None:
+    """Weights spread over several devices (loaded with `shardings=` for a mesh) run on that mesh only: the steps
+    without a mesh are compiled for one device."""
+    devices = [len(x.sharding.device_set) for x in jax.tree.leaves(params) if getattr(x, "sharding", None)]
+    if max(devices, default=1) > 1:
+        raise DuoJaxError(
+            f"the weights are laid out over {max(devices)} devices, as loaded for a mesh: generate on that mesh "
+            "(mesh=, infer.py --mesh), or load them without shardings="
+        )
+
+
 class Engine:
     """One model ready to run every KV-cache method: its weights in the layout the steps take, the one prefill
     driver, and the device decode loop. `Engine.of(model)` is the engine of the model's weights, which is what
@@ -647,6 +658,7 @@ class Engine:
             )
         self.fused_qkv = bool(fuse_qkv)
         if mesh is None:
+            _check_on_one_device(params)
             self.params = prepared(params, self.fused_qkv)
         else:
             sharding.check_generation_mesh(mesh, config.num_heads, config.intermediate_size)

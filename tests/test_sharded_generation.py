@@ -154,6 +154,7 @@ error("heads", lambda: Engine(model.params, config, sharding.make_generation_mes
 train_mesh = sharding.make_mesh(data=2, fsdp=1, seq=2, devices=jax.devices()[:4])
 error("axes", lambda: duo_jax.generate(model, prompts, mesh=train_mesh, **options))  # a bare KeyError: 'model'
 error("kv_dtype", lambda: duo_jax.generate(model, prompts, mesh=mesh, kv_dtype="fp8", **options))
+error("spread", lambda: duo_jax.generate(loaded, prompts, **options))  # loaded for a mesh: a list of JAX mismatches
 result["errors"] = errors
 print(json.dumps(result))
 """
@@ -269,6 +270,7 @@ def test_mesh_errors_name_the_problem(sharded):
     assert "model=3 must divide the query heads (8)" in errors["heads"]
     assert "generation needs a mesh with axes ('data', 'model')" in errors["axes"]
     assert "kv_dtype must be None (the model's dtype), 'int8' or 'int4', got 'fp8'" in errors["kv_dtype"]
+    assert "the weights are laid out over 4 devices, as loaded for a mesh: generate on that mesh" in errors["spread"]
 
 
 def test_parse_generation_mesh():
