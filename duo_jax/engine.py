@@ -351,7 +351,7 @@ def decode(
     return tokens, steps, cache, lengths
 
 
-def _abstract_params(
+def abstract_params(
     config: ModelConfig,
     dtype: str,
     mesh: Mesh | None = None,
@@ -443,7 +443,7 @@ def _compiled_extend(config, method, batch, chunk, dtype, impl, all_logits, mesh
     cache, lengths, tokens, n_valid, state = _abstract_inputs(
         method, batch, dtype, mesh, (batch,), (batch, chunk), (batch,)
     )
-    params = _abstract_params(config, dtype, mesh, weight_format, fused_qkv)
+    params = abstract_params(config, dtype, mesh, weight_format, fused_qkv)
     return _lowered_alone(
         extend,
         (params, cache, lengths, tokens, n_valid, state),
@@ -480,7 +480,7 @@ def _compiled_extend_row(config, method, batch, chunk, dtype, impl, weight_forma
     _make_room_for_an_executable()
     cache, lengths, tokens, n_valid, state = _abstract_inputs(method, batch, dtype, None, (batch,), (1, chunk), (1,))
     row = jax.ShapeDtypeStruct((), jnp.int32)
-    params = _abstract_params(config, dtype, None, weight_format, fused_qkv)
+    params = abstract_params(config, dtype, None, weight_format, fused_qkv)
     return _lowered_alone(
         extend_row, (params, cache, row, lengths, tokens, n_valid, state), config=config, method=method, impl=impl
     ).compile()
@@ -517,7 +517,7 @@ def _compiled_decode(config, method, batch, dtype, impl, greedy, max_tokens, eos
     limit = jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is not None:
         limit = sharding.abstract(limit, P(), mesh)
-    params = _abstract_params(config, dtype, mesh, weight_format, fused_qkv)
+    params = abstract_params(config, dtype, mesh, weight_format, fused_qkv)
     return _lowered_alone(
         decode,
         (params, cache, lengths, token, seeds, limit, rule, state),

@@ -1,6 +1,12 @@
 """Memory planner: the largest context of one sequence that fits in a device's memory, full attention vs duo.
 
     python -m duo_jax.plan --model llama3-8b --hbm-gib 80 --sparsity 0.75 --kv-dtype int4 --weights int8 [--json]
+    python -m duo_jax.plan --model llama3-8b --hbm-gib 16 --mesh model=8 --kv-dtype int4 --no-temp   # 8 chips
+
+On a generation mesh (`--mesh data=A,model=B`) every figure is one device's: the engine's tensor-parallel weights,
+its slice of the cache (one sequence per `data` slot), and the compiled steps' temp memory per device (compiling
+needs the mesh's devices here: `--no-temp` plans for any mesh shape, or on a CPU host
+XLA_FLAGS=--xla_force_host_platform_device_count=N gives XLA:CPU's figures).
 
 Every figure comes from the real layouts, nothing is allocated: weights are `jax.eval_shape` of the loaded
 `Params`, the cache is the method's own `cache_spec`, temp memory is XLA's memory analysis of the compiled steps
@@ -20,11 +26,13 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
 from tqdm.auto import tqdm
 
-from duo_jax.cache import CAPACITY_BLOCK, round_capacity
+from duo_jax import sharding
+from duo_jax.cache import CAPACITY_BLOCK
 from duo_jax.config import ModelConfig, get_config
-from duo_jax.engine import compiled_decode, compiled_extend, fuses_qkv_by_default, prepared
+from duo_jax.engine import abstract_params, compiled_decode, compiled_extend, fuses_qkv_by_default, prepared
 from duo_jax.errors import DuoJaxError
 from duo_jax.methods import Method, make_method
 from duo_jax.model import check_weight_dtype, param_shapes, quantize_weights
@@ -55,47 +63,50 @@ def _method(name: str, config: ModelConfig, capacity: int, options: dict) -> Met
 
 
 def _step_temp(
-    config: ModelConfig, method: Method, dtype: str, weights: str | None, chunk: int, fused_qkv: bool
+    config: ModelConfig,
+    method: Method,
+    dtype: str,
+    weights: str | None,
+    chunk: int,
+    fused_qkv: bool,
+    mesh: Mesh | None = None,
 ) -> int:
-    """Temp bytes of the largest of what `generate` compiles: the prefill chunk and the decode loop (greedy; its
-    token buffer's bucket is a few KiB) (XLA memory analysis)."""
+    """Temp bytes (per device, on `mesh`) of the largest of what `generate` compiles: the prefill chunk and the
+    decode loop (greedy; its token buffer's bucket is a few KiB) (XLA memory analysis), one sequence per `data`
+    slot."""
     layout = dict(weight_format=weights, fused_qkv=fused_qkv)
-    steps = [compiled_extend(config, method, 1, chunk, dtype, **layout)]
-    steps.append(compiled_decode(config, method, 1, dtype, "auto", True, 16, (), **layout))
+    batch = 1 if mesh is None else mesh.shape[sharding.DATA]
+    steps = [compiled_extend(config, method, batch, chunk, dtype, "auto", False, mesh, **layout)]
+    steps.append(compiled_decode(config, method, batch, dtype, "auto", True, 16, (), mesh, **layout))
     return max(step.memory_analysis().temp_size_in_bytes for step in steps)
 
 
-def _largest(budget: int, fixed: Fraction, per_token: Fraction) -> int | None:
-    """The largest multiple of CAPACITY_BLOCK with fixed + per_token * C <= budget (0 if none; None if any fits:
-    nothing grows with C, as a cache of streaming heads only)."""
-    if budget < fixed + per_token * CAPACITY_BLOCK:
+def _largest(budget: int, fixed: Fraction, per_token: Fraction, block: int) -> int | None:
+    """The largest multiple of `block` with fixed + per_token * C <= budget (0 if none; None if any fits: nothing
+    grows with C, as a cache of streaming heads only)."""
+    if budget < fixed + per_token * block:
         return 0
     if per_token <= 0:
         return None
-    return math.floor((budget - fixed) / per_token) // CAPACITY_BLOCK * CAPACITY_BLOCK
+    return math.floor((budget - fixed) / per_token) // block * block
 
 
-def _cache_at(name: str, config: ModelConfig, options: dict, dtype: str, capacity: int) -> int:
-    """Bytes of method `name`'s cache of one sequence at `capacity`, from its layout."""
-    return tree_bytes(_method(name, config, capacity, options).cache_spec(1, dtype))
-
-
-def _fitting(budget, fixed, per_token, low, cache_at, extra_fixed, extra_per_token) -> int | None:
+def _fitting(budget, fixed, per_token, low, block, cache_at, extra_fixed, extra_per_token) -> int | None:
     """`_largest` of the cache's line (measured at capacities >= `low`) plus an extra line (temp); below `low`,
     where a cache narrows its streaming window to the capacity, the exact layouts, bisected over blocks (a cache
     never shrinks as its capacity grows; a wide window made a scan block by block take one build per block)."""
 
     def fits(blocks: int) -> bool:
-        capacity = blocks * CAPACITY_BLOCK
+        capacity = blocks * block
         return cache_at(capacity) + extra_fixed + extra_per_token * capacity <= budget
 
-    best = _largest(budget, fixed + extra_fixed, per_token + extra_per_token)
+    best = _largest(budget, fixed + extra_fixed, per_token + extra_per_token, block)
     if best is not None and best < low:
-        lo, hi = 0, low // CAPACITY_BLOCK  # lo blocks fit (or lo is 0), more than hi do not
+        lo, hi = 0, low // block  # lo blocks fit (or lo is 0), more than hi do not
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        best = lo * CAPACITY_BLOCK
+        best = lo * block
     return best
 
 
@@ -113,6 +124,7 @@ def plan(
     chunk: int = 512,
     temp: bool = True,
     fused_qkv: bool | None = None,
+    mesh: str | None = None,
     progress: bool = False,
 ) -> dict:
     """Weights, cache per token, temp memory and the largest context for "full" and "duo" (batch 1).
@@ -120,7 +132,9 @@ def plan(
     pattern: duo's head pattern (default: the model's shipped one, if any: else only full attention is planned; only
     how many heads it makes retrieval heads matters here). temp=False skips compiling (temp counted as 0).
     fused_qkv: whether the engine holds q/k/v as one weight, a copy counted with the weights (None: the engine's
-    default on this backend). progress: a progress bar over the compiles (minutes at an 8B model's shapes on a CPU).
+    default on this backend). mesh: a generation mesh "data=A,model=B": every figure per device (one sequence per
+    `data` slot), the capacity a multiple of lcm(128, B); compiling needs A x B devices here (temp=False does
+    not). progress: a progress bar over the compiles (minutes at an 8B model's shapes on a CPU).
     Returns a dict with weight_bytes, and per method (prefix "full_" / "duo_"): cache_bytes_per_token,
     cache_fixed_bytes, temp_bytes, temp_bytes_per_token, max_context (weights + cache + temp <= HBM) and
     max_context_no_temp (None: any length fits, nothing grows with it); plus max_context_full and max_context_duo.
@@ -131,8 +145,27 @@ def plan(
         pattern = Pattern.for_model(config.name)  # None: full attention only (no shipped pattern)
     if pattern is not None:
         pattern.validate(config)
-    fused_qkv = fuses_qkv_by_default() if fused_qkv is None else fused_qkv
-    w_bytes = weight_bytes(config, dtype, weights, fused_qkv)
+    sizes = None if mesh is None else sharding.parse_mesh(mesh, sharding.GENERATION_AXES)
+    if sizes is None:
+        fused_qkv = fuses_qkv_by_default() if fused_qkv is None else fused_qkv
+        w_bytes, block, batch = weight_bytes(config, dtype, weights, fused_qkv), CAPACITY_BLOCK, 1
+        shapes = None  # bytes of whole arrays
+    else:
+        if fused_qkv:
+            raise DuoJaxError("fused_qkv is for one device: a tensor-parallel mesh splits q, k and v by head")
+        fused_qkv, shapes = False, AbstractMesh(tuple(sizes.values()), sharding.GENERATION_AXES)
+        sharding.check_generation_mesh(shapes, config.num_heads, config.intermediate_size)
+        w_bytes = sharding.device_bytes(abstract_params(config, dtype, shapes, weights))
+        block, batch = math.lcm(CAPACITY_BLOCK, sizes[sharding.MODEL]), sizes[sharding.DATA]
+    compile_mesh = None if sizes is None or not temp else _devices_for(sizes)
+
+    def cache_bytes(method: Method) -> int:
+        """One device's bytes of `method`'s cache (of one sequence per `data` slot)."""
+        cache = method.cache_spec(batch, dtype)
+        if shapes is None:
+            return tree_bytes(cache)
+        return sharding.device_bytes(sharding.abstract(cache, sharding.cache_specs(method, cache, shapes), shapes))
+
     out = dict(
         model=config.name,
         hbm_bytes=int(hbm_bytes),
@@ -146,6 +179,7 @@ def plan(
         backend=jax.default_backend(),
         weight_bytes=w_bytes,
         fused_qkv=fused_qkv,
+        mesh=mesh and ",".join(f"{k}={v}" for k, v in sizes.items()),
         max_position_embeddings=config.max_position_embeddings,
     )
     options = {"full": dict(kv_dtype=kv_dtype)}
@@ -153,25 +187,25 @@ def plan(
         options["duo"] = dict(kv_dtype=kv_dtype, pattern=pattern, sparsity=sparsity, sink=sink, recent=recent)
     # Two capacities past the streaming window (below it a cache narrows the window to the capacity: not linear)
     # and at least the XLA path's key tile (512), so only the context changes between them.
-    low = round_capacity(max(2 * chunk, 1024, 2 * (sink + recent)))
+    low = -(-max(2 * chunk, 1024, 2 * (sink + recent)) // block) * block
     high = 2 * low
     compiles = tqdm(total=2 * len(options), desc="compiling the steps (temp memory)", disable=not (temp and progress))
     for name, opts in options.items():
         methods = [_method(name, config, c, opts) for c in (low, high)]
-        cache = [tree_bytes(m.cache_spec(1, dtype)) for m in methods]
+        cache = [cache_bytes(m) for m in methods]
         per_token = Fraction(cache[1] - cache[0], high - low)
         fixed = cache[0] - per_token * low
         temps = [0, 0]
         for i, (capacity, m) in enumerate(zip((low, high), methods) if temp else ()):
             compiles.set_postfix_str(f"{name}, {capacity} tokens")
-            temps[i] = _step_temp(config, m, dtype, weights, chunk, fused_qkv)
+            temps[i] = _step_temp(config, m, dtype, weights, chunk, fused_qkv, compile_mesh)
             compiles.update()
         temp_per_token = Fraction(max(temps[1] - temps[0], 0), high - low)
         temp_fixed = temps[0] - temp_per_token * low
         budget = hbm_bytes - w_bytes
 
-        cache_at = functools.partial(_cache_at, name, config, opts, dtype)
-        fit = functools.partial(_fitting, budget, fixed, per_token, low, cache_at)
+        cache_at = lambda capacity, name=name, opts=opts: cache_bytes(_method(name, config, capacity, opts))  # noqa: E731
+        fit = functools.partial(_fitting, budget, fixed, per_token, low, block, cache_at)
         best = fit(temp_fixed, temp_per_token)
         if best and cache_at(best) + temp_fixed + temp_per_token * best > budget:  # the layout at the answer, built
             raise DuoJaxError(f"internal: the {name} cache at {best} tokens does not fit the plan's budget")
@@ -188,6 +222,19 @@ def plan(
         out[f"max_context_{name}"] = best
     compiles.close()
     return out
+
+
+def _devices_for(sizes: dict[str, int]) -> Mesh:
+    """A generation mesh of `sizes` over this machine's devices, to compile for; an error saying how to plan
+    without them where there are too few."""
+    n = math.prod(sizes.values())
+    if jax.device_count() < n:
+        raise DuoJaxError(
+            f"compiling for mesh {','.join(f'{k}={v}' for k, v in sizes.items())} needs {n} devices, this machine has "
+            f"{jax.device_count()}: pass --no-temp (temp=False) to plan the weights and cache alone, or on a CPU host "
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} (XLA:CPU's temp memory)"
+        )
+    return sharding.make_generation_mesh(**sizes, devices=jax.devices()[:n])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         help="count the engine's fused q/k/v copy with the weights (default: where the engine makes it, on a GPU; "
         "pass it when planning for a GPU on another machine)",
     )
+    p.add_argument(
+        "--mesh", default=None, help="a generation mesh 'data=A,model=B': per-device figures (default: one device)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     try:
@@ -233,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk=args.chunk,
             temp=not args.no_temp,
             fused_qkv=args.fuse_qkv,
+            mesh=args.mesh,
             progress=True,
         )
     except DuoJaxError as e:
@@ -242,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     r = result
+    where = f" per device of mesh {r['mesh']} (one sequence per data slot)" if r["mesh"] else ""
     print(
-        f"{r['model']} on {args.hbm_gib:g} GiB: weights {r['weights']}, KV {r['kv_dtype']}, duo sparsity "
+        f"{r['model']} on {args.hbm_gib:g} GiB{where}: weights {r['weights']}, KV {r['kv_dtype']}, duo sparsity "
         f"{r['sparsity']} (sink {r['sink']}, recent {r['recent']}); "
         + ("temp not measured (--no-temp)" if args.no_temp else f"temp compiled for {r['backend']}")
     )

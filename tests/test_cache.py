@@ -171,7 +171,7 @@ def test_bf16_chunk_temp_memory_does_not_grow_per_layer():
     the growth is at most one layer's K + V (XLA:CPU computes the bf16 cache write in f32, so a layer's new
     cache is written out of place, then copied in; the old uint16 scatter kept several layers' copies alive:
     1.4x one layer's with 2 layers, 3.4x with 4)."""
-    from duo_jax.engine import _abstract_params, extend
+    from duo_jax.engine import abstract_params, extend
     from duo_jax.methods import make_method
 
     config = tiny_config()
@@ -180,7 +180,7 @@ def test_bf16_chunk_temp_memory_does_not_grow_per_layer():
         method = make_method("full", config, context=capacity)
         i32 = jax.ShapeDtypeStruct((1,), jnp.int32)
         lowered = extend.lower(
-            _abstract_params(config, "bfloat16"),
+            abstract_params(config, "bfloat16"),
             method.cache_spec(1, jnp.bfloat16),
             i32,
             jax.ShapeDtypeStruct((1, 64), jnp.int32),

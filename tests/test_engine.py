@@ -219,10 +219,10 @@ def lowered_extend(
 ) -> str:
     """The engine's step for DuoAttention with retrieval `mask` (None: full) over `num_tokens` new tokens per
     sequence (1: decode; more: a prefill chunk), with the engine's weights on a GPU, exported for CUDA."""
-    from duo_jax.engine import _abstract_params
+    from duo_jax.engine import abstract_params
     from tests.test_backend import cuda_module
 
-    params = _abstract_params(config, dtype, fused_qkv=True)
+    params = abstract_params(config, dtype, fused_qkv=True)
     ints, tokens = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, num_tokens), jnp.int32)
     method = DuoAttention(make_layout(config, mask, sink=sink, recent=recent, context=256), streaming_chunk)
     cache = jax.eval_shape(lambda: method.init_cache(1, dtype))
@@ -666,7 +666,7 @@ def test_fused_qkv_gives_the_separate_weights_logits(params, weights):
 def test_fused_qkv_is_one_projection_in_the_lowered_step():
     """Exported for CUDA, the decode step over fused weights has two dots fewer per layer (q, k and v in one),
     and the engine fuses by default on a GPU only (a mesh refuses an explicit fuse_qkv=True)."""
-    from duo_jax.engine import Engine, _abstract_params
+    from duo_jax.engine import Engine, abstract_params
     from tests.test_backend import cuda_module
 
     method = DuoAttention(make_layout(CONFIG, MIXED, sink=4, recent=12, context=256))
@@ -676,7 +676,7 @@ def test_fused_qkv_is_one_projection_in_the_lowered_step():
     for fused in (False, True):
         module = cuda_module(
             lambda p, c, l, t, n: extend(p, c, l, t, n, config=CONFIG, method=method, impl="pallas"),
-            _abstract_params(CONFIG, "float32", fused_qkv=fused),
+            abstract_params(CONFIG, "float32", fused_qkv=fused),
             cache,
             ints,
             token,

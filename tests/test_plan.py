@@ -132,6 +132,29 @@ def test_cli_json_llama3_8b_passes_4m_tokens_with_int4_kv_and_int8_weights(capsy
     assert plan.main(argv[:-1]) == 0 and "largest context" in capsys.readouterr().out
 
 
+def test_a_mesh_plans_one_devices_share_of_llama3_8b(capsys):
+    """--mesh model=8: by hand, each device holds 1/8 of the cache (the retrieval slots split over model) and of
+    every matmul weight; the capacity is a multiple of lcm(128, model)."""
+    argv = ["--model", "llama3-8b", "--hbm-gib", "16", "--kv-dtype", "int4", "--weights", "int8", "--no-temp"]
+    assert plan.main([*argv, "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert plan.main([*argv, "--mesh", "model=8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["mesh"] == "data=1,model=8"
+    assert r["full_cache_bytes_per_token"] == 32 * 8 * 2 * 66 / 8 == one["full_cache_bytes_per_token"] / 8
+    # Whole on every device: the norms (2 per layer and the final one) and the scales of wo and w_down (bf16, one
+    # per output channel: the contracted axis is the split one).
+    whole = (2 * 32 + 1) * 4096 * 2 + 32 * 2 * 4096 * 2
+    assert r["weight_bytes"] == (one["weight_bytes"] - whole) // 8 + whole
+    assert r["max_context_full"] > 6 * one["max_context_full"]
+    assert plan.main(["--model", "smollm2-135m", "--hbm-gib", "1", "--no-temp", "--mesh", "model=3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_context_full"] % 384 == 0  # lcm(128, 3): whole slots per device
+    assert plan.main([*argv, "--mesh", "model=3"]) == 2  # 32 heads: a clear error
+    assert "model=3 must divide the query heads (32)" in capsys.readouterr().err
+    assert plan.main([*argv[:-1], "--mesh", "data=2,model=8"]) == 2  # compiling for 16 devices on this host
+    assert "needs 16 devices, this machine has" in capsys.readouterr().err
+
+
 def test_edges_the_linear_fit_missed():
     """A budget a little above the weights and a window wider than the sampled capacities asserted (the linear fit
     extrapolated where a cache narrows its window); a sparsity of 1 divided by zero (nothing grows with the context:

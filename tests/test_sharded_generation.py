@@ -21,7 +21,7 @@ import dataclasses, functools, json, re, sys
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import duo_jax
-from duo_jax import sharding
+from duo_jax import plan, sharding
 from duo_jax.engine import Engine, compiled_decode, compiled_extend
 from duo_jax.generation import build_method
 from duo_jax.model import quantize_weights, weight_format
@@ -115,6 +115,16 @@ for weights in (None, "int8"):
         equal=all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(one.params))),
         tokens=duo_jax.generate(loaded, prompts, mesh=mesh, **options).tokens,
         single=duo_jax.generate(one, prompts, **options).tokens)
+
+# The memory planner on (data=2, model=2): its per-device weights and cache against the arrays built on that mesh.
+mesh = sharding.make_generation_mesh(**meshes["data=2,model=2"], devices=jax.devices()[:4])
+planned = plan.plan(config, hbm_bytes=2**21, mesh="data=2,model=2", pattern=pattern, sparsity=sparsity, sink=4,
+                    recent=8, chunk=16, dtype="float32")
+engine = Engine.of(model, mesh)
+context = planned["duo_max_context"]
+duo_at = build_method(config, "duo", context=context, pattern=pattern, sparsity=sparsity, sink=4, recent=8)
+result["plan"] = dict(planned, built_weights=sharding.device_bytes(engine.params),
+                      built_cache=sharding.device_bytes(engine.init_cache(duo_at, 2)))
 
 # duo's streaming heads in chunks of 8 within chunks of 16 on (data=2, model=2): the tokens of chunks of 8 on one device
 duo = dict(method="duo", pattern=pattern, sparsity=sparsity)
@@ -231,6 +241,20 @@ def test_weights_loaded_into_the_mesh_layout_are_run_without_a_copy(sharded, wei
     assert r["split"] >= 2 * 7  # every matmul weight of both layers (int8: codes, and the output scales)
     assert r["equal"]  # the values of a load onto one device
     assert r["tokens"] == r["single"]
+
+
+@pytest.mark.slow
+def test_the_planner_on_a_mesh_counts_one_devices_arrays(sharded):
+    """`plan(mesh="data=2,model=2")`: the weights and the duo cache (one sequence per data slot) at its largest
+    context are the bytes one device holds of the arrays built on that mesh, and with the temp memory of the steps
+    compiled there they fit its budget."""
+    r = sharded["plan"]
+    context = r["duo_max_context"]
+    assert context and context % 128 == 0 and r["duo_temp_bytes"] > 0
+    assert r["weight_bytes"] == r["built_weights"]
+    assert r["duo_cache_fixed_bytes"] + r["duo_cache_bytes_per_token"] * context == r["built_cache"]
+    temp = r["duo_temp_bytes"] + r["duo_temp_bytes_per_token"] * (context - 1024)  # measured from 1024 tokens up
+    assert r["weight_bytes"] + r["built_cache"] + temp <= r["hbm_bytes"]
 
 
 @pytest.mark.slow
