@@ -388,10 +388,18 @@ class _ParamsBuilder:
             if per_layer:  # each layer's shapes, without the leading layer axis
                 shapes = {k: s if k in _GLOBAL_NAMES.values() else self._per_layer(s) for k, s in shapes.items()}
             placed = shardings(_params(shapes, per_layer))
-            if not isinstance(placed, Params) or isinstance(placed.layers, tuple) != per_layer:
+            layers = self.config.num_layers
+            if (
+                not isinstance(placed, Params)
+                or isinstance(placed.layers, tuple) != per_layer
+                or (per_layer and len(placed.layers) != layers)
+            ):
+                got = type(placed).__name__
+                if isinstance(placed, Params) and isinstance(placed.layers, tuple):
+                    got += f" of {len(placed.layers)} layers (the model has {layers})"
                 raise LoadError(
                     f"shardings(shapes) must return a Params of shardings laid out as the shapes it is given "
-                    f"(layout={layout!r}), got {type(placed).__name__}: e.g. "
+                    f"(layout={layout!r}), got {got}: e.g. "
                     "duo_jax.sharding.tensor_parallel_shardings per layer, weight_shardings for layout='stacked'"
                 )
             for k in self.shapes:
@@ -401,6 +409,13 @@ class _ParamsBuilder:
                     layouts[k] = [getattr(layer, k) for layer in placed.layers]
                 else:
                     layouts[k] = getattr(placed.layers, k)
+                for x in layouts[k] if isinstance(layouts[k], list) else [layouts[k]]:
+                    if x is not None and not isinstance(x, jax.sharding.Sharding):  # e.g. a PartitionSpec
+                        raise LoadError(
+                            f"shardings(shapes) must return a Params of jax.sharding.Sharding (or None: the default "
+                            f"device), got a {type(x).__name__} for {k}: e.g. NamedSharding(mesh, spec), as "
+                            "duo_jax.sharding.tensor_parallel_shardings returns"
+                        )
         leaves = {}
         for field, shape in self.shapes.items():  # leaf by leaf: one field in host memory at a time
             placed = layouts.get(field)

@@ -214,6 +214,11 @@ def _tp_spec(x, axis: int | None, m: int) -> P | QuantizedWeight:
 def tensor_parallel_specs(params: Params, mesh: Mesh) -> Params:
     """The `PartitionSpec` of every weight of `params` (layers unstacked: a tuple of `LayerParams`, arrays or
     `ShapeDtypeStruct`s) on a generation mesh (docs/training.md)."""
+    if not isinstance(params.layers, tuple):
+        raise MeshError(
+            "tensor_parallel_specs lays out per-layer weights (generation's engine holds them so): pass "
+            "duo_jax.model.unstack_layers(params), or load with layout='per_layer' (the default)"
+        )
     m = mesh.shape[MODEL]
     layers = tuple(
         LayerParams(

@@ -1,5 +1,6 @@
 """Loader paths and loader errors: every failure names the problem and the fix."""
 
+import dataclasses
 import json
 import shutil
 
@@ -283,6 +284,22 @@ def test_layouts_hold_the_same_weights_and_compute_the_same(hf_dir):
         duo_jax.load(
             hf_dir, shardings=lambda shapes: jax.eval_shape(stack_layers, shapes)
         )  # stacked shardings for per-layer shapes
+    from functools import partial
+
+    from duo_jax import sharding
+
+    mesh = sharding.make_generation_mesh(devices=jax.devices()[:1])
+    tensor_parallel = partial(sharding.tensor_parallel_shardings, mesh=mesh)
+    with pytest.raises(LoadError, match=r"got Params of 1 layers \(the model has 2\)"):  # an IndexError
+        duo_jax.load(
+            hf_dir, shardings=lambda shapes: dataclasses.replace(p := tensor_parallel(shapes), layers=p.layers[:1])
+        )
+    with pytest.raises(LoadError, match="Params of jax.sharding.Sharding .*got a (P|PartitionSpec) for"):  # a TypeError
+        duo_jax.load(hf_dir, shardings=partial(sharding.tensor_parallel_specs, mesh=mesh))
+    with pytest.raises(LoadError, match="got a ShapeDtypeStruct for"):  # the shapes themselves: a TypeError
+        duo_jax.load(hf_dir, shardings=lambda shapes: shapes)
+    with pytest.raises(sharding.MeshError, match="lays out per-layer weights"):  # 'LayerParams' is not iterable
+        duo_jax.load(hf_dir, shardings=tensor_parallel, layout="stacked")
 
 
 # A llama GGUF's architecture metadata (llama.cpp's keys), as the shipped SmolLM2 file has them, at a tiny shape.
