@@ -153,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         initialize_from_args(args)  # before anything touches the devices
+        if jax.process_count() > 1 and args.mesh is None:
+            raise DuoJaxError(
+                f"this is one of {jax.process_count()} processes but no --mesh spans them: each would generate alone "
+                f"on its own devices; pass --mesh data=A,model=B over all {jax.device_count()} devices"
+            )
     except DuoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 import duo_jax
@@ -176,6 +177,13 @@ def test_errors_are_one_line_with_status_2(args, message, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert re.search(message, lines[0]), lines[0]
+
+
+def test_several_processes_without_a_mesh_are_refused(capsys, monkeypatch):
+    """Launched as one of several processes (SLURM, a pod slice) with no --mesh, each process generated alone."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    status, _, err = run_main(capsys, "--prompt", "hi")
+    assert status == 2 and err.startswith("error: this is one of 2 processes but no --mesh spans them"), err
 
 
 @pytest.mark.parametrize(
