@@ -614,10 +614,10 @@ ChunkCallback = Callable[[jax.Array, int, np.ndarray], None]
 def _check_on_one_device(params: Params) -> None:
     """Weights spread over several devices (loaded with `shardings=` for a mesh) run on that mesh only: the steps
     without a mesh are compiled for one device."""
-    devices = [len(x.sharding.device_set) for x in jax.tree.leaves(params) if getattr(x, "sharding", None)]
-    if max(devices, default=1) > 1:
+    devices = devices_of(params, None)
+    if len(devices) > 1:
         raise DuoJaxError(
-            f"the weights are laid out over {max(devices)} devices, as loaded for a mesh: generate on that mesh "
+            f"the weights are laid out over {len(devices)} devices, as loaded for a mesh: generate on that mesh "
             "(mesh=, infer.py --mesh), or load them without shardings="
         )
 

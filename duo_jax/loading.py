@@ -402,6 +402,14 @@ class _ParamsBuilder:
                     f"(layout={layout!r}), got {got}: e.g. "
                     "duo_jax.sharding.tensor_parallel_shardings per layer, weight_shardings for layout='stacked'"
                 )
+            spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731 (a tuple: a leaf here)
+            for path, x in jax.tree_util.tree_leaves_with_path(placed, is_leaf=spec):  # None leaves: default device
+                if not isinstance(x, jax.sharding.Sharding):
+                    raise LoadError(
+                        f"shardings(shapes) must return a Params of jax.sharding.Sharding (or None: the default "
+                        f"device), got a {type(x).__name__} for {jax.tree_util.keystr(path)}: e.g. "
+                        "NamedSharding(mesh, spec), as duo_jax.sharding.tensor_parallel_shardings returns"
+                    )
             for k in self.shapes:
                 if k in _GLOBAL_NAMES.values():
                     layouts[k] = getattr(placed, k)
@@ -409,13 +417,6 @@ class _ParamsBuilder:
                     layouts[k] = [getattr(layer, k) for layer in placed.layers]
                 else:
                     layouts[k] = getattr(placed.layers, k)
-                for x in layouts[k] if isinstance(layouts[k], list) else [layouts[k]]:
-                    if x is not None and not isinstance(x, jax.sharding.Sharding):  # e.g. a PartitionSpec
-                        raise LoadError(
-                            f"shardings(shapes) must return a Params of jax.sharding.Sharding (or None: the default "
-                            f"device), got a {type(x).__name__} for {k}: e.g. NamedSharding(mesh, spec), as "
-                            "duo_jax.sharding.tensor_parallel_shardings returns"
-                        )
         leaves = {}
         for field, shape in self.shapes.items():  # leaf by leaf: one field in host memory at a time
             placed = layouts.get(field)
